@@ -1,0 +1,17 @@
+"""KOSMOS: self-scheduling persistent kernels that fuse the collectives of tensor/sequence parallelism with
+their GEMMs (NVIDIA Hopper, Triton).
+
+    a_full, c = kosmos.all_gather_matmul(a_shard, b)      # column-parallel (QKV, FC1) with SP
+    c_shard   = kosmos.matmul_reduce_scatter(a, b)        # row-parallel (attn-out, FC2) with SP
+
+Importing needs no GPU; the ops need CUDA tensors and (for W > 1) an initialised NCCL process group.
+"""
+__version__ = "0.1.0"
+
+from .kernels.all_gather_matmul import all_gather_matmul
+from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
+from .runtime import (KosmosError, KosmosTimeoutError, check_errors, reset_workspaces, set_timeout,
+                      workspace_bytes)
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "KosmosError", "KosmosTimeoutError", "check_errors",
+           "reset_workspaces", "set_timeout", "workspace_bytes", "__version__"]

@@ -1,0 +1,175 @@
+"""Device-side primitives shared by every KOSMOS kernel.
+
+Everything a kernel needs to talk to other ranks lives here, and nowhere else:
+
+* ``peer_ptr``   -- translate a rank index into that rank's symmetric-buffer base (pointer table lookup).
+* ``notify``     -- publish a flag value to a (possibly remote) signal slot: ``atomic_xchg`` with
+                    ``sem="release", scope="sys"``. Every store the *whole program* made before the call is
+                    visible to whoever acquires the flag (a CTA barrier precedes the release, so the
+                    other threads' stores are ordered too). CUDA-graph safe: the value is the call epoch,
+                    passed as an argument.
+* ``wait_geq``   -- bounded spin until a local signal slot holds a value >= target. Polls with volatile loads
+                    (measured 5.5 us round trip vs 36 us for atomic polling on 2x H200), then issues one
+                    acquire fence (``fence.acq_rel.sys``) and a generic->async proxy fence, because the data
+                    it guards is read next by TMA. On timeout it records (op, rank, task, counter, expected,
+                    observed, elapsed) in the error buffer, raises the abort flag and returns; it never hangs.
+* ``claim``      -- take the next index of a queue: ``atomic_add(head, 1)``.
+* ``try_claim``  -- take exactly index ``expected`` of a queue (``atomic_cas``), used to claim a task only
+                    after having checked that its inputs are ready.
+* ``aborted``    -- whether some program of this launch has timed out (every loop checks it and drains).
+* ``trace``      -- record one (kind, task, t_start, t_end) event for the timeline; compiled out when off.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) inline PTX cannot run: the timer becomes a spin counter (1 spin
+counts as 1 us) and the fences become a relaxed no-op / an acquire atomic. Ordering does not matter there
+because the interpreter runs programs one after another.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+# Layout of the error buffer (int64[8]); the host decodes it in runtime.py.
+ERR_FLAG: tl.constexpr = tl.constexpr(0)
+ERR_OP: tl.constexpr = tl.constexpr(1)
+ERR_RANK: tl.constexpr = tl.constexpr(2)
+ERR_TASK: tl.constexpr = tl.constexpr(3)
+ERR_COUNTER: tl.constexpr = tl.constexpr(4)
+ERR_EXPECTED: tl.constexpr = tl.constexpr(5)
+ERR_OBSERVED: tl.constexpr = tl.constexpr(6)
+ERR_ELAPSED: tl.constexpr = tl.constexpr(7)
+
+# Trace event kinds (kept in sync with runtime.TRACE_KINDS).
+EV_COMM: tl.constexpr = tl.constexpr(1)
+EV_COMPUTE: tl.constexpr = tl.constexpr(2)
+EV_WAIT: tl.constexpr = tl.constexpr(3)
+
+
+@triton.jit
+def now_ns():
+    """GPU global timer in ns (0 under the interpreter)."""
+    if INTERPRET:
+        return tl.full([], 0, tl.int64)
+    else:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+
+@triton.jit
+def _acquire_fence(flag_ptr):
+    if INTERPRET:
+        tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    else:
+        # acquire for the generic proxy, then make the acquired data visible to TMA (async proxy) loads.
+        tl.inline_asm_elementwise("fence.acq_rel.sys; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def peer_ptr(table_ptr, rank, DTYPE: tl.constexpr):
+    """Base pointer of ``rank``'s symmetric buffer, typed as DTYPE (table holds int64 addresses)."""
+    addr = tl.load(table_ptr + rank)
+    return addr.to(tl.pointer_type(DTYPE), bitcast=True)
+
+
+@triton.jit
+def notify(flag_ptr, value):
+    """Release-publish ``value`` at ``flag_ptr`` (local or peer memory) after all prior stores of the program."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def aborted(err_ptr):
+    return tl.load(err_ptr + ERR_FLAG, volatile=True) != 0
+
+
+@triton.jit
+def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, rank, task, counter):
+    """Spin until ``*flag_ptr >= target`` (bounded). Returns 1 if satisfied, 0 on timeout/abort."""
+    v = tl.load(flag_ptr, volatile=True)
+    ok = 1
+    if v < target:
+        t0 = now_ns()
+        spins = 0
+        while v < target:
+            v = tl.load(flag_ptr, volatile=True)
+            spins += 1
+            if INTERPRET:
+                elapsed = tl.cast(spins, tl.int64) * 1000
+            else:
+                elapsed = now_ns() - t0
+            if v < target:
+                if elapsed > timeout_ns:
+                    # first program to time out records the details; everyone else just drains.
+                    if tl.atomic_cas(err_ptr + ERR_FLAG, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
+                                    scope="gpu") == 0:
+                        tl.store(err_ptr + ERR_OP, OP)
+                        tl.store(err_ptr + ERR_RANK, tl.cast(rank, tl.int64))
+                        tl.store(err_ptr + ERR_TASK, tl.cast(task, tl.int64))
+                        tl.store(err_ptr + ERR_COUNTER, tl.cast(counter, tl.int64))
+                        tl.store(err_ptr + ERR_EXPECTED, tl.cast(target, tl.int64))
+                        tl.store(err_ptr + ERR_OBSERVED, tl.cast(v, tl.int64))
+                        tl.store(err_ptr + ERR_ELAPSED, elapsed)
+                    ok = 0
+                    v = target
+                elif tl.load(err_ptr + ERR_FLAG, volatile=True) != 0:
+                    ok = 0
+                    v = target
+    _acquire_fence(flag_ptr)
+    return ok
+
+
+@triton.jit
+def claim(head_ptr):
+    return tl.atomic_add(head_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def try_claim(head_ptr, expected):
+    """Claim index ``expected`` only if nobody took it first; returns True on success."""
+    return tl.atomic_cas(head_ptr, expected, expected + 1, sem="relaxed", scope="gpu") == expected
+
+
+@triton.jit
+def peek(head_ptr):
+    return tl.load(head_ptr, volatile=True)
+
+
+@triton.jit
+def exit_program(heads_ptr, EXIT_SLOT: tl.constexpr, NUM_HEADS: tl.constexpr, GRID: tl.constexpr,
+                 peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch):
+    """Last program out resets the queue heads (so the next launch starts at 0 without a reset kernel) and
+    tells every peer that this rank is done with the call's buffers (flag DONE_BASE + rank = epoch)."""
+    n_out = tl.atomic_add(heads_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
+    if n_out == GRID - 1:
+        for h in tl.static_range(NUM_HEADS):
+            tl.store(heads_ptr + h, 0)
+        for p in tl.static_range(WORLD):
+            sig = peer_ptr(peer_sig_table, p, tl.int32)
+            tl.atomic_xchg(sig + DONE_BASE + rank, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_peers_done(sig_ptr, DONE_BASE: tl.constexpr, WORLD: tl.constexpr, epoch, timeout_ns, err_ptr,
+                    OP: tl.constexpr, rank):
+    """Wait until every peer finished the previous call (its reads of / writes into our shared buffers)."""
+    ok = 1
+    for p in tl.static_range(WORLD):
+        ok = ok & wait_geq(sig_ptr + DONE_BASE + p, epoch - 1, timeout_ns, err_ptr, OP, rank, -1, DONE_BASE + p)
+    return ok
+
+
+@triton.jit
+def trace(trace_ptr, pid, n_events, MAX_EVENTS: tl.constexpr, kind, task, t0, t1, TRACE: tl.constexpr):
+    """Append one event to this program's trace row; returns the new event count."""
+    if TRACE:
+        if n_events < MAX_EVENTS:
+            base = trace_ptr + (pid * MAX_EVENTS + n_events) * 4
+            tl.store(base + 0, tl.cast(kind, tl.int64))
+            tl.store(base + 1, tl.cast(task, tl.int64))
+            tl.store(base + 2, t0)
+            tl.store(base + 3, t1)
+        n_events += 1
+    return n_events

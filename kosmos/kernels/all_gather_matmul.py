@@ -1,0 +1,189 @@
+"""AllGather+GEMM in one self-scheduling persistent launch.
+
+Math (rank r of W, shard rows Ms = M/W):
+    a_full = allgather(a_shard)          a_shard [Ms, K] bf16, a_full [M, K] bf16 (slot s = rank s's rows)
+    c      = a_full @ b                  b [K, N] bf16 (this rank's column shard of the weight), c [M, N] bf16
+fp32 accumulation; each output element is one dot product over K, so the result does not depend on the
+schedule (bitwise deterministic).
+
+Tasks (planning.plan_all_gather_matmul):
+  PUSH(peer, chunk)  copy rows [chunk*BM, +BM) of a_shard into the peer's gathered buffer, slot r, with
+                     pointer stores over NVLink, then notify(peer flag[r, chunk] = epoch).
+  COPY(r, chunk)     same rows into this rank's own slot (only so that ``a_full`` is complete).
+  TILE(slot, m, n)   C tile of gathered rows slot*Ms + m*BM; for slot != r it first waits flag[slot, m] >= epoch.
+                     Own-slot tiles read a_shard directly and never wait.
+
+Synchronisation contract (signals of rank q; see runtime.py):
+  FLAG_BASE + s*chunks + j   written by rank s (release, sys) after pushing chunk j to q; waited by q's tiles.
+  DONE_BASE + p              written by rank p's last program when p's launch ends; a rank's first push of a
+                             call waits for done[p] >= epoch-1 so it never overwrites rows p is still reading.
+
+Policy (one loop, two queues; POLICY constexpr):
+  self   -- every program takes a comm task while any is unclaimed (they are always ready, and the peer
+            consumes them first), otherwise the next compute tile. How many programs communicate at a given
+            moment follows from how many comm tasks are left: no split parameter.
+  fixed  -- programs pid < S only communicate (then exit), the others only compute: the fixed-role baseline.
+
+Deadlock-freedom: a tile waits only on a push of a peer; pushes are claimed before any compute by every
+program (self) or by dedicated programs (fixed) and wait only on the previous call's completion. The grid is
+at most the SM count with one program per SM. Every wait is bounded (device.wait_geq).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import device as dev
+from .. import planning, runtime
+from .common import (TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, copy_rows, policy_args,
+                     store_tile, tile_matmul)
+
+OP_CODE = 1
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout_ns", "n_comm", "n_comp", "fixed_comm"])
+def _all_gather_matmul_kernel(
+        a_ptr, b_ptr, c_ptr, gather_ptr,
+        peer_data, peer_sig, sig_ptr,
+        comm_table, n_comm, comp_table, n_comp,
+        heads_ptr, err_ptr, trace_ptr,
+        Ms, N, K, rank, epoch, timeout_ns, fixed_comm,
+        WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
+        POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
+        FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
+    pid = tl.program_id(0)
+    M = Ms * WORLD
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN // 2])
+    n_chunks = tl.cdiv(Ms, BM)
+    COPY_COLS: tl.constexpr = 8192 // BM
+
+    if POLICY == 0:
+        comm_done = (n_comm == 0).to(tl.int32)
+        comp_done = 0
+    else:
+        comm_done = ((n_comm == 0) | (pid >= fixed_comm)).to(tl.int32)
+        comp_done = (pid < fixed_comm).to(tl.int32)
+    handshake = 0
+    n_ev = 0
+    while (comm_done == 0) | (comp_done == 0):
+        if dev.aborted(err_ptr):
+            comm_done = 1
+            comp_done = 1
+        elif comm_done == 0:
+            t = dev.claim(heads_ptr + 0)
+            if t < n_comm:
+                t0 = dev.now_ns()
+                if handshake == 0:  # nobody may still be reading what we are about to overwrite
+                    dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 1, rank)
+                    handshake = 1
+                kind = tl.load(comm_table + t * 4)
+                peer = tl.load(comm_table + t * 4 + 1)
+                chunk = tl.load(comm_table + t * 4 + 2)
+                rows = tl.minimum(Ms - chunk * BM, BM)
+                src = a_ptr + chunk.to(tl.int64) * BM * K
+                dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
+                if kind == 0:
+                    dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
+                    copy_rows(src, dst, rows, K, BM, COPY_COLS)
+                    sig = dev.peer_ptr(peer_sig, peer, tl.int32)
+                    dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
+                else:
+                    copy_rows(src, gather_ptr + dst_row, rows, K, BM, COPY_COLS)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t, t0, dev.now_ns(), TRACE)
+            else:
+                comm_done = 1
+        else:
+            t = dev.claim(heads_ptr + 1)
+            if t < n_comp:
+                slot = tl.load(comp_table + t * 4)
+                mt = tl.load(comp_table + t * 4 + 1)
+                nt = tl.load(comp_table + t * 4 + 2)
+                t0 = dev.now_ns()
+                if slot == rank:
+                    a_base = a_ptr
+                else:
+                    dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + mt, epoch, timeout_ns, err_ptr, 1,
+                                 rank, t, FLAG_BASE + slot * n_chunks + mt)
+                    t1 = dev.now_ns()
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
+                    t0 = t1
+                    a_base = gather_ptr + (slot * Ms).to(tl.int64) * K
+                # one descriptor per tile over the slot's rows: a single GEMM loop for both sources (two
+                # loops would each reserve their own pipeline buffers), and rows past the slot read as 0.
+                a_desc = tl.make_tensor_descriptor(a_base, shape=[Ms, K], strides=[K, 1], block_shape=[BM, BK])
+                acc = tile_matmul(a_desc, b_desc, mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+                store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
+            else:
+                comp_done = 1
+    dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
+
+
+def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, heads, errors, *, rank, world,
+           epoch, timeout_ns, grid, cfg, policy="self", comm_programs=None, trace=None):
+    """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
+    Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases."""
+    ms, k = a_shard.shape
+    n = c.shape[1]
+    pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
+    key = ("ag", rank, world, ms, n, cfg, str(a_shard.device))
+    comm_t, comp_t, _ = planning.cached_tables(
+        key, lambda: planning.plan_all_gather_matmul(rank, world, ms, n, cfg, a_shard.device))
+    trace_buf = trace if trace is not None else heads
+    _all_gather_matmul_kernel[(grid,)](
+        a_shard, b_store, c, gather, peer_data, peer_sig, signals,
+        comm_t, comm_t.shape[0], comp_t, comp_t.shape[0], heads, errors, trace_buf,
+        ms, n, k, rank, epoch, timeout_ns, fixed,
+        WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(),
+        FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
+        EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *, policy: str = "self",
+                      comm_programs: int | None = None, trace: torch.Tensor | None = None):
+    """``(a_full, c)`` with ``a_full = allgather(a_shard)`` over ``group`` and ``c = a_full @ b``.
+
+    a_shard [M/W, K] bf16 CUDA; b [K, N] bf16 CUDA (row-major, or the ``.t()`` of a row-major [N, K] weight).
+    K and N must be multiples of 8. Returns ``a_full`` [M, K] -- a view of the symmetric workspace, valid
+    until the next KOSMOS call on this group (``.clone()`` it to keep it) -- and a new ``c`` [M, N] bf16.
+    ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``trace`` (int64
+    [grid, 1024, 4]) records per-program task events.
+    """
+    check_matrix("a_shard", a_shard)
+    check_matrix("b", b)
+    if a_shard.device.type != "cuda":
+        raise ValueError(f"a_shard must be a CUDA tensor, got {a_shard.device}")
+    if b.device != a_shard.device:
+        raise ValueError(f"b is on {b.device} but a_shard is on {a_shard.device}")
+    if not a_shard.is_contiguous():
+        raise ValueError("a_shard must be contiguous")
+    ms, k = a_shard.shape
+    if b.shape[0] != k:
+        raise ValueError(f"a_shard is [{ms}, {k}] but b is {list(b.shape)}: b must have K={k} rows")
+    n = b.shape[1]
+    check_tma_dims(K=k, N=n)
+    b_store, b_kmajor = b_layout(b)
+    ws = runtime.get_workspace(group, a_shard.device)
+    w, r = ws.world.size, ws.world.rank
+    m = ms * w
+    cfg = planning.tile_config(ms, n, k)
+    grid = runtime.num_sms(a_shard.device)
+    policy_args(policy, comm_programs, grid)
+    if trace is not None and tuple(trace.shape) != (grid, TRACE_EVENTS, 4):
+        raise ValueError(f"trace buffer must be int64 [{grid}, {TRACE_EVENTS}, 4]")
+    ws.ensure(m * k * 2, w * triton.cdiv(ms, cfg.BM))
+    runtime.ensure_triton_allocator()
+    epoch = ws.next_epoch()
+    gather = ws.data[: m * k * 2].view(torch.bfloat16).view(m, k)
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=a_shard.device)
+    launch(a_shard, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
+           ws.errors, rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg,
+           policy=policy, comm_programs=comm_programs, trace=trace)
+    ws.after_launch()
+    return (a_shard if w == 1 else gather), c

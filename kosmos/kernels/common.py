@@ -1,0 +1,105 @@
+"""Tile-level building blocks shared by the fused-op kernels (GEMM mainloop, output stores, row copies),
+plus the host-side input checks every op runs before it launches."""
+import torch
+import triton
+import triton.language as tl
+
+SELF_SCHEDULING, FIXED_ROLE = 0, 1
+POLICIES = {"self": SELF_SCHEDULING, "fixed": FIXED_ROLE}
+TRACE_EVENTS = 1024  # per program
+
+
+@triton.jit
+def tile_matmul(a_desc, b_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc[BM, BN] = A[row:row+BM, :K] @ B[:K, col:col+BN] in fp32 (TMA loads; OOB rows/cols read as 0).
+    B_KMAJOR: B is stored [N, K] (a transposed weight view) instead of [K, N]."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BK)):
+        a = a_desc.load([row, kk * BK])
+        if B_KMAJOR:
+            b = b_desc.load([col, kk * BK]).T
+        else:
+            b = b_desc.load([kk * BK, col])
+        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def store_tile(c_desc, c_ptr, acc, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Store acc (fp32) as bf16 at C[row:row+rows_valid, col:col+BN]: TMA (two half-width stores) for a full
+    tile, masked pointer stores when the tile ends inside the rows (a shard boundary)."""
+    if rows_valid >= BM:
+        acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+        lo, hi = tl.split(acc3)
+        c_desc.store([row, col], lo.to(tl.bfloat16))
+        c_desc.store([row, col + BN // 2], hi.to(tl.bfloat16))
+    else:
+        store_rows(c_ptr, acc.to(tl.bfloat16), row, col, rows_valid, N, BM, BN)
+
+
+@triton.jit
+def store_rows(ptr, val, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Masked pointer store of val[BM, BN] at ptr[row + i, col + j] for i < rows_valid, col + j < N."""
+    offs_m = tl.arange(0, BM)
+    offs_n = col + tl.arange(0, BN)
+    idx = (row + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
+    mask = (offs_m[:, None] < rows_valid) & (offs_n[None, :] < N)
+    tl.store(ptr + idx, val, mask=mask)
+
+
+@triton.jit
+def copy_rows(src_ptr, dst_ptr, n_rows, K, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """dst[i, :K] = src[i, :K] for i < n_rows (row stride K), moved COLS columns at a time."""
+    offs_r = tl.arange(0, ROWS)
+    rmask = offs_r < n_rows
+    row_off = offs_r.to(tl.int64)[:, None] * K
+    for c0 in range(0, K, COLS):
+        offs_c = c0 + tl.arange(0, COLS)
+        mask = rmask[:, None] & (offs_c[None, :] < K)
+        x = tl.load(src_ptr + row_off + offs_c[None, :], mask=mask)
+        tl.store(dst_ptr + row_off + offs_c[None, :], x, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+def check_matrix(name: str, t, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{name} must be torch.bfloat16, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+
+
+def b_layout(b: torch.Tensor):
+    """Return (b_storage, kmajor): a row-major [K, N] b, or a transposed view of a row-major [N, K] weight."""
+    if b.is_contiguous():
+        return b, False
+    if b.t().is_contiguous():
+        return b.t(), True
+    raise ValueError(f"b must be row-major [K, N] or the transpose of a row-major [N, K] tensor; got strides "
+                     f"{b.stride()} for shape {tuple(b.shape)}")
+
+
+def check_tma_dims(**dims) -> None:
+    for name, v in dims.items():
+        if v % 8:
+            raise ValueError(f"{name}={v} must be a multiple of 8 (rows of 16 bytes are needed by TMA)")
+
+
+def policy_args(policy: str, comm_programs, grid: int, lo: int = 1):
+    """(POLICY constexpr, S). Public ops need 1 <= S < grid; CPU tests use S = 0 / grid (one role only)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+    if policy == "fixed":
+        if comm_programs is None or not lo <= comm_programs <= grid - lo:
+            raise ValueError(f"fixed-role policy needs {lo} <= comm_programs <= {grid - lo}, got {comm_programs}")
+        return POLICIES[policy], int(comm_programs)
+    return POLICIES[policy], 0

@@ -1,0 +1,226 @@
+"""GEMM+ReduceScatter in one self-scheduling persistent launch.
+
+Math (rank r of W, M rows, Ms = M/W rows per owner):
+    P_r     = a_r @ b_r                           a [M, K/W] bf16, b [K/W, N] bf16 (this rank's row shard)
+    c_shard = sum_{s=0..W-1} P_s[r*Ms:(r+1)*Ms]   [Ms, N] bf16
+Each partial tile is rounded to bf16 once (as NCCL's bf16 reduce-scatter does) and the W partials are summed
+in fp32 in rank order 0..W-1, so two runs give bitwise-identical results and no float atomics are used.
+
+Tasks (planning.plan_matmul_reduce_scatter):
+  TILE(owner, m, n)  partial tile of the owner's rows, stored (bf16, pointer stores, local HBM) into this
+                     rank's staging buffer (the symmetric workspace viewed as [M, N]) and published with
+                     notify(owner flag[r, tile] = epoch) -- a single remote atomic, no bulk remote stores.
+  REDUCE(m, n)       one of this rank's own tiles: wait flag[s, tile] >= epoch for every s, then read the W
+                     partials straight from the ranks' staging buffers over NVLink (pull), sum in rank order,
+                     store c_shard. Owners are staggered (rank r makes tile i for r+1, r+2, ..., r), so the W
+                     partials of a tile appear at about the same time on every rank.
+
+Synchronisation contract (signals of rank q):
+  FLAG_BASE + s*T + t   written by rank s when its partial of q's tile t is in s's staging; waited by q.
+  DONE_BASE + p         rank p's launch has ended; the first staging write of a call waits for every
+                        done[p] >= epoch-1, because p may still be pulling last call's partials.
+
+Policy (POLICY constexpr, one place):
+  self   -- before each compute tile a program peeks at the reduce queue head; if that reduce task's inputs
+            are all ready it claims exactly that task (atomic CAS) and runs it, else it computes. When the
+            compute queue is empty it takes the remaining reduce tasks and waits for them. Communication
+            (the pulls) therefore runs as soon as, and only when, its data exists -- no split parameter.
+  fixed  -- programs pid < S only reduce (in queue order, waiting), the others only compute.
+
+Deadlock-freedom: compute tiles never wait (except on the previous call's completion); a reduce task is
+claimed early only when its inputs are already there, so every waiting program waits on compute tiles that
+running programs (or peers) have claimed or will claim.
+
+W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import device as dev
+from .. import planning, runtime
+from .common import (TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, policy_args, store_rows,
+                     store_tile, tile_matmul)
+
+OP_CODE = 2
+
+
+@triton.jit
+def _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD: tl.constexpr,
+                  FLAG_BASE: tl.constexpr):
+    mt = tl.load(red_table + h * 4)
+    nt = tl.load(red_table + h * 4 + 1)
+    ready = 1
+    for s in tl.static_range(WORLD):
+        v = tl.load(sig_ptr + FLAG_BASE + s * tiles_per_owner + mt * n_tn + nt, volatile=True)
+        ready = ready & (v >= epoch).to(tl.int32)
+    return ready
+
+
+@triton.jit
+def _reduce_tile(t, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch, timeout_ns,
+                 tiles_per_owner, n_tn, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 RED_ROWS: tl.constexpr, FLAG_BASE: tl.constexpr):
+    mt = tl.load(red_table + t * 4)
+    nt = tl.load(red_table + t * 4 + 1)
+    tile = mt * n_tn + nt
+    for s in tl.static_range(WORLD):
+        slot = FLAG_BASE + s * tiles_per_owner + tile
+        dev.wait_geq(sig_ptr + slot, epoch, timeout_ns, err_ptr, 2, rank, t, slot)
+    rows_valid = Ms - mt * BM
+    offs_n = nt * BN + tl.arange(0, BN)
+    for r0 in range(0, BM, RED_ROWS):
+        offs_r = r0 + tl.arange(0, RED_ROWS)
+        mask = (offs_r[:, None] < rows_valid) & (offs_n[None, :] < N)
+        src = (rank * Ms + mt * BM + offs_r).to(tl.int64)[:, None] * N + offs_n[None, :]
+        acc = tl.zeros((RED_ROWS, BN), dtype=tl.float32)
+        for s in tl.static_range(WORLD):  # fixed rank order: deterministic
+            part = dev.peer_ptr(peer_data, s, tl.bfloat16)
+            acc += tl.load(part + src, mask=mask, other=0.0).to(tl.float32)
+        store_rows(c_ptr, acc.to(tl.bfloat16), mt * BM + r0, nt * BN, rows_valid - r0, N, RED_ROWS, BN)
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout_ns", "n_comp", "n_red", "fixed_comm"])
+def _matmul_reduce_scatter_kernel(
+        a_ptr, b_ptr, c_ptr, stage_ptr,
+        peer_data, peer_sig, sig_ptr,
+        comp_table, n_comp, red_table, n_red,
+        heads_ptr, err_ptr, trace_ptr,
+        Ms, N, K, rank, epoch, timeout_ns, fixed_comm,
+        WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
+        POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
+        RED_ROWS: tl.constexpr,
+        FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
+    pid = tl.program_id(0)
+    M = Ms * WORLD
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[Ms, N], strides=[N, 1], block_shape=[BM, BN // 2])
+    n_tn = tl.cdiv(N, BN)
+    tiles_per_owner = tl.cdiv(Ms, BM) * n_tn
+
+    if POLICY == 0:
+        red_done = (n_red == 0).to(tl.int32)
+        comp_done = 0
+    else:
+        red_done = ((n_red == 0) | (pid >= fixed_comm)).to(tl.int32)
+        comp_done = (pid < fixed_comm).to(tl.int32)
+    handshake = 0
+    n_ev = 0
+    while (red_done == 0) | (comp_done == 0):
+        if dev.aborted(err_ptr):
+            red_done = 1
+            comp_done = 1
+        else:
+            t_red = -1
+            if red_done == 0:
+                h = dev.peek(heads_ptr + 0)
+                if h >= n_red:
+                    red_done = 1
+                elif comp_done == 1:  # nothing else to do: take the next reduce task and wait for it
+                    t_red = dev.claim(heads_ptr + 0)
+                    if t_red >= n_red:
+                        red_done = 1
+                        t_red = -1
+                elif _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD, FLAG_BASE):
+                    if dev.try_claim(heads_ptr + 0, h):
+                        t_red = h
+            if t_red >= 0:
+                t0 = dev.now_ns()
+                _reduce_tile(t_red, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch,
+                             timeout_ns, tiles_per_owner, n_tn, WORLD, BM, BN, RED_ROWS, FLAG_BASE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t_red, t0, dev.now_ns(), TRACE)
+            elif comp_done == 0:
+                t = dev.claim(heads_ptr + 1)
+                if t < n_comp:
+                    owner = tl.load(comp_table + t * 4)
+                    mt = tl.load(comp_table + t * 4 + 1)
+                    nt = tl.load(comp_table + t * 4 + 2)
+                    t0 = dev.now_ns()
+                    acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
+                                      DOT_FP32)
+                    if WORLD == 1:
+                        store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
+                    else:
+                        if handshake == 0:  # peers may still be pulling last call's partials from staging
+                            dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 2, rank)
+                            handshake = 1
+                        store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
+                                   Ms - mt * BM, N, BM, BN)
+                        sig = dev.peer_ptr(peer_sig, owner, tl.int32)
+                        dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
+                else:
+                    comp_done = 1
+    dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
+
+
+def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch,
+           timeout_ns, grid, cfg, policy="self", comm_programs=None, trace=None):
+    """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
+    Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases."""
+    m, k = a.shape
+    ms, n = c.shape
+    pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
+    key = ("rs", rank, world, ms, n, cfg, str(a.device))
+    comp_t, red_t, _ = planning.cached_tables(
+        key, lambda: planning.plan_matmul_reduce_scatter(rank, world, ms, n, cfg, a.device))
+    trace_buf = trace if trace is not None else heads
+    _matmul_reduce_scatter_kernel[(grid,)](
+        a, b_store, c, stage, peer_data, peer_sig, signals,
+        comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
+        ms, n, k, rank, epoch, timeout_ns, fixed,
+        WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=max(1, min(cfg.BM, 8192 // cfg.BN)),
+        FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
+        EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, policy: str = "self",
+                          comm_programs: int | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
+    """``c_shard`` = this rank's M/W rows of ``sum_r a_r @ b_r`` over ``group`` (fixed rank order).
+
+    a [M, K/W] bf16 CUDA with M divisible by W; b [K/W, N] bf16 CUDA (row-major, or the ``.t()`` of a
+    row-major [N, K/W] weight). K/W and N must be multiples of 8. Returns a new [M/W, N] bf16 tensor.
+    ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation; ``trace`` as in
+    ``all_gather_matmul``.
+    """
+    check_matrix("a", a)
+    check_matrix("b", b)
+    if a.device.type != "cuda":
+        raise ValueError(f"a must be a CUDA tensor, got {a.device}")
+    if b.device != a.device:
+        raise ValueError(f"b is on {b.device} but a is on {a.device}")
+    if not a.is_contiguous():
+        raise ValueError("a must be contiguous")
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: b must have K={k} rows")
+    n = b.shape[1]
+    check_tma_dims(K=k, N=n)
+    b_store, b_kmajor = b_layout(b)
+    ws = runtime.get_workspace(group, a.device)
+    w, r = ws.world.size, ws.world.rank
+    if m % w:
+        raise ValueError(f"M={m} rows of a must divide by the world size {w}")
+    ms = m // w
+    cfg = planning.tile_config(ms, n, k)
+    grid = runtime.num_sms(a.device)
+    policy_args(policy, comm_programs, grid)
+    if trace is not None and tuple(trace.shape) != (grid, TRACE_EVENTS, 4):
+        raise ValueError(f"trace buffer must be int64 [{grid}, {TRACE_EVENTS}, 4]")
+    ws.ensure(m * n * 2, w * triton.cdiv(ms, cfg.BM) * triton.cdiv(n, cfg.BN))
+    runtime.ensure_triton_allocator()
+    epoch = ws.next_epoch()
+    stage = ws.data[: m * n * 2].view(torch.bfloat16).view(m, n)
+    c = torch.empty((ms, n), dtype=torch.bfloat16, device=a.device)
+    launch(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
+           rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, policy=policy,
+           comm_programs=comm_programs, trace=trace)
+    ws.after_launch()
+    return c

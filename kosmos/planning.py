@@ -1,0 +1,121 @@
+"""Host-side planners: tile shapes and the demand-ordered task tables of each fused op.
+
+A task table is an int32 ``[n, 4]`` tensor; a launch claims its rows in order with one atomic head. The
+order is the whole scheduling policy's input: the kernel never reorders, it only decides *which queue* to
+take from next.
+
+AllGather+GEMM (rank r, world W, shard rows Ms = M/W, chunks of BM rows):
+  comm table     rows (PUSH, peer, chunk, 0) for peers r+1, r+2, ... (staggered, so no two ranks push to the
+                 same peer at once), chunks ascending -- the order in which that peer consumes them; then
+                 (COPY, r, chunk, 0): this rank's own rows into its slot of the gathered buffer (only needed
+                 for the returned ``a_full``, so last).
+  compute table  rows (slot, m_tile, n_tile, 0): own slot first (ready at once), then slots r-1, r-2, ...
+                 in the order their pushes arrive; inside a slot, GROUP_M m-tiles share each n-tile (L2).
+
+GEMM+ReduceScatter (rank r): the output rows of owner p are rows [p*Ms, (p+1)*Ms) of A @ B.
+  compute table  rows (owner, m_tile, n_tile, 0): tile i of every owner before tile i+1, owners staggered
+                 r+1, r+2, ..., r, so each owner receives tile i from all ranks at about the same time.
+  reduce table   rows (m_tile, n_tile, 0, 0) of this rank's own tiles, in the same tile order: reduce tile i
+                 becomes ready once every rank has produced its partial of tile i.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+PUSH, COPY = 0, 1
+GROUP_M = 8
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2_at_least(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, 1 << max(0, math.ceil(math.log2(max(1, x))))))
+
+
+def tile_config(rows: int, n: int, k: int) -> TileConfig:
+    """The one tile rule (no autotuning): 128x256x64, 3 stages, 8 warps -- measured at 86-102% of cuBLAS on
+    H200 with TMA -- shrunk for small problems. Tiny tiles under the CPU interpreter."""
+    if interpreting():
+        return TileConfig(16, _pow2_at_least(n, 16, 32), 16, 4, 1)
+    bm = 128 if rows > 64 else 64
+    bn = _pow2_at_least(n, 64, 256)
+    return TileConfig(bm, bn, 64, 8, 3)
+
+
+def _grouped(m_tiles: int, n_tiles: int):
+    """(m, n) pairs of a grid in GROUP_M-grouped order."""
+    order = []
+    for m0 in range(0, m_tiles, GROUP_M):
+        group = range(m0, min(m0 + GROUP_M, m_tiles))
+        for n in range(n_tiles):
+            for m in group:
+                order.append((m, n))
+    return order
+
+
+def _table(rows, device) -> torch.Tensor:
+    t = torch.tensor(rows if rows else [[0, 0, 0, 0]], dtype=torch.int32)
+    if not rows:
+        t = t[:0]
+    return t.to(device)
+
+
+@lru_cache(maxsize=256)
+def _ag_rows(rank: int, world: int, ms: int, n: int, bm: int, bn: int):
+    chunks = math.ceil(ms / bm)
+    comm = [(PUSH, (rank + d) % world, c, 0) for d in range(1, world) for c in range(chunks)]
+    if world > 1:
+        comm += [(COPY, rank, c, 0) for c in range(chunks)]
+    tiles = _grouped(chunks, math.ceil(n / bn))
+    compute = [((rank - d) % world, m, nt, 0) for d in range(world) for (m, nt) in tiles]
+    return tuple(comm), tuple(compute)
+
+
+def plan_all_gather_matmul(rank: int, world: int, ms: int, n: int, cfg: TileConfig, device):
+    """Returns (comm_table, compute_table, flag_slots) for one rank; flags are (src, chunk)."""
+    comm, compute = _ag_rows(rank, world, ms, n, cfg.BM, cfg.BN)
+    flag_slots = world * math.ceil(ms / cfg.BM)
+    return _table(list(comm), device), _table(list(compute), device), flag_slots
+
+
+@lru_cache(maxsize=256)
+def _rs_rows(rank: int, world: int, ms: int, n: int, bm: int, bn: int):
+    tiles = _grouped(math.ceil(ms / bm), math.ceil(n / bn))
+    compute = [((rank + d) % world, m, nt, 0) for (m, nt) in tiles for d in range(1, world + 1)]
+    reduce_ = [(m, nt, 0, 0) for (m, nt) in tiles] if world > 1 else []
+    return tuple(compute), tuple(reduce_)
+
+
+def plan_matmul_reduce_scatter(rank: int, world: int, ms: int, n: int, cfg: TileConfig, device):
+    """Returns (compute_table, reduce_table, flag_slots) for one rank; flags are (src, tile-of-owner)."""
+    compute, reduce_ = _rs_rows(rank, world, ms, n, cfg.BM, cfg.BN)
+    tiles_per_owner = math.ceil(ms / cfg.BM) * math.ceil(n / cfg.BN)
+    return _table(list(compute), device), _table(list(reduce_), device), world * tiles_per_owner
+
+
+_DEVICE_TABLES: dict = {}
+
+
+def cached_tables(key, build):
+    """Keep device copies of task tables so that steady-state calls allocate and copy nothing."""
+    t = _DEVICE_TABLES.get(key)
+    if t is None:
+        t = build()
+        _DEVICE_TABLES[key] = t
+    return t

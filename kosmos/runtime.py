@@ -1,0 +1,238 @@
+"""Runtime: the world a kernel runs in, and the symmetric workspace it communicates through.
+
+One ``Workspace`` per process group, created on first use and reused by every call:
+
+* ``data``   -- a symmetric byte buffer (torch symmetric memory), the same size on every rank, grown when a
+                larger shape arrives. AllGather+GEMM uses it as the gathered input ``[W * M/W, K]``;
+                GEMM+ReduceScatter as the staging of this rank's partial products ``[M, N]``. Peers read or
+                write it through ``peer_data`` (int64 device tensor of every rank's base address).
+* ``signals``-- a symmetric int32 buffer of flags, reached through ``peer_signals``. Slots
+                ``[DONE_BASE, DONE_BASE + 64)`` hold "rank p finished call e" (written by p); the slots from
+                ``FLAG_BASE`` hold per-chunk / per-tile readiness flags of the current op.
+* ``heads``  -- local int32 queue heads (+ an exit counter); the last program of a launch zeroes them.
+* ``errors`` -- local int64[8] error record written by a timed-out wait (see device.py).
+
+Epochs: every call gets the next value of a per-workspace counter; flags are written with it and waited on
+with ``>= epoch``, so back-to-back calls need no reset kernel and no host synchronisation. A call's first
+write into shared buffers waits until every peer has published ``done >= epoch - 1``.
+
+Errors are checked without stalling the stream: after each launch the error record is copied to pinned host
+memory behind an event; the next call (or ``check_errors()``) reads it once the event has completed and raises
+``KosmosTimeoutError`` naming op, rank, task and counter. After a timeout the workspace is poisoned (peers may
+still write into it) and every further call raises until ``reset_workspaces()``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DONE_BASE = 0
+FLAG_BASE = 64
+PINGPONG_SLOT = 32  # between the done flags and the op flags; used only by the signal microbenchmark
+MAX_WORLD = 8
+NUM_HEADS = 4  # [0] comm/reduce head, [1] compute head, [2] exit counter, [3] spare
+EXIT_SLOT = 2
+DEFAULT_TIMEOUT_S = float(os.environ.get("KOSMOS_TIMEOUT_S", "5.0"))
+TRACE_KINDS = {0: "idle", 1: "comm", 2: "compute", 3: "wait"}
+OP_CODES = {1: "all_gather_matmul", 2: "matmul_reduce_scatter", 3: "signal_pingpong"}
+
+
+class KosmosError(RuntimeError):
+    """Base class of runtime errors raised by KOSMOS."""
+
+
+class KosmosTimeoutError(KosmosError):
+    """A bounded wait inside a kernel expired (a peer stalled, crashed, or never launched)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The process group a fused op runs over."""
+    group: object
+    rank: int
+    size: int
+    device: torch.device
+
+    @staticmethod
+    def of(group=None, device=None) -> "World":
+        if dist.is_available() and dist.is_initialized():
+            g = group if group is not None else dist.group.WORLD
+            rank, size = dist.get_rank(g), dist.get_world_size(g)
+        else:
+            if group is not None:
+                raise ValueError("a process group was given but torch.distributed is not initialised")
+            g, rank, size = None, 0, 1
+        if size > MAX_WORLD:
+            raise ValueError(f"world size {size} > {MAX_WORLD}: KOSMOS targets one NVLink node")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return World(g, rank, size, device)
+
+
+def num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_error(err) -> str:
+    op = OP_CODES.get(int(err[1]), f"op{int(err[1])}")
+    task = int(err[3])
+    what = "the previous call's completion by peers" if task < 0 else f"task {task}"
+    return (f"{op}: rank {int(err[2])} timed out after {int(err[7]) / 1e6:.1f} ms waiting for {what}: "
+            f"signal counter {int(err[4])} expected >= {int(err[5])}, observed {int(err[6])}. "
+            "A peer stalled, crashed, or did not make the same call.")
+
+
+@dataclass
+class Workspace:
+    world: World
+    data: torch.Tensor | None = None          # local view of the symmetric data buffer (uint8)
+    signals: torch.Tensor | None = None       # int32
+    peer_data: torch.Tensor | None = None     # int64 [W]
+    peer_signals: torch.Tensor | None = None  # int64 [W]
+    heads: torch.Tensor | None = None
+    errors: torch.Tensor | None = None
+    epoch: int = 0
+    pingpong_count: int = 0
+    poisoned: str | None = None
+    _handles: list = field(default_factory=list)
+    _err_host: torch.Tensor | None = None
+    _err_event: object = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def data_bytes(self) -> int:
+        return 0 if self.data is None else self.data.numel()
+
+    @property
+    def signal_slots(self) -> int:
+        return 0 if self.signals is None else self.signals.numel()
+
+    def ensure(self, data_bytes: int, flag_slots: int) -> None:
+        """Make sure the buffers hold ``data_bytes`` and ``FLAG_BASE + flag_slots`` flags (collective when it
+        grows: every rank makes the same call with the same shapes)."""
+        if self.poisoned:
+            raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        need_sig = FLAG_BASE + flag_slots
+        if self.data is not None and self.data_bytes >= data_bytes and self.signal_slots >= need_sig:
+            return
+        dev = self.world.device
+        if self.data is not None:  # growing: let every peer finish with the old buffers first
+            torch.cuda.synchronize(dev)
+            if self.world.size > 1:
+                dist.barrier(group=self.world.group)
+        data_bytes = max(data_bytes, self.data_bytes, 1 << 20)
+        data_bytes = (data_bytes + (1 << 20) - 1) // (1 << 20) << 20
+        need_sig = max(need_sig, self.signal_slots, 4096)
+        try:
+            self.data, data_ptrs = self._symmetric(data_bytes, torch.uint8)
+            self.signals, sig_ptrs = self._symmetric(need_sig, torch.int32)
+        except torch.OutOfMemoryError as e:
+            raise KosmosError(f"cannot allocate a {data_bytes / 2**20:.0f} MiB symmetric workspace on "
+                              f"{dev}: {e}") from e
+        self.signals.zero_()
+        self.peer_data = torch.tensor(data_ptrs, dtype=torch.int64, device=dev)
+        self.peer_signals = torch.tensor(sig_ptrs, dtype=torch.int64, device=dev)
+        if self.heads is None:
+            self.heads = torch.zeros(NUM_HEADS, dtype=torch.int32, device=dev)
+            self.errors = torch.zeros(8, dtype=torch.int64, device=dev)
+            self._err_host = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+        self.epoch = 0  # fresh zeroed signals: epochs restart
+        self.pingpong_count = 0
+        torch.cuda.synchronize(dev)
+        if self.world.size > 1:
+            dist.barrier(group=self.world.group)
+
+    def _symmetric(self, numel: int, dtype):
+        if self.world.size == 1:
+            t = torch.empty(numel, dtype=dtype, device=self.world.device)
+            return t, [t.data_ptr()]
+        import torch.distributed._symmetric_memory as symm_mem
+        t = symm_mem.empty(numel, dtype=dtype, device=self.world.device)
+        handle = symm_mem.rendezvous(t, group=self.world.group)
+        self._handles.append(handle)
+        return t, list(handle.buffer_ptrs)
+
+    def next_epoch(self) -> int:
+        self.check_errors(block=False)
+        self.epoch += 1
+        return self.epoch
+
+    def after_launch(self) -> None:
+        """Queue a non-blocking copy of the error record; it is read by the next call or check_errors()."""
+        self._err_host.copy_(self.errors, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._err_event = ev
+
+    def check_errors(self, block: bool = True) -> None:
+        if self.poisoned:
+            raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        if self._err_event is None:
+            return
+        if block:
+            self._err_event.synchronize()
+        elif not self._err_event.query():
+            return
+        if int(self._err_host[0]) != 0:
+            self.poisoned = decode_error(self._err_host.tolist())
+            raise KosmosTimeoutError(self.poisoned)
+
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+
+_WORKSPACES: dict = {}
+
+
+def get_workspace(group=None, device=None) -> Workspace:
+    world = World.of(group, device)
+    key = (id(world.group), world.device.index)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = Workspace(world)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def check_errors(group=None) -> None:
+    """Wait for the last KOSMOS launch on ``group`` and raise if any bounded wait timed out."""
+    for ws in list(_WORKSPACES.values()):
+        if group is None or ws.world.group is group:
+            ws.check_errors(block=True)
+
+
+def set_timeout(seconds: float, group=None) -> None:
+    """Bound every in-kernel wait of ``group``'s workspace to ``seconds`` (default KOSMOS_TIMEOUT_S or 5 s)."""
+    if seconds <= 0:
+        raise ValueError("timeout must be positive")
+    get_workspace(group).timeout_s = float(seconds)
+
+
+def reset_workspaces() -> None:
+    """Drop every workspace (after a timeout). Collective: all ranks must call it."""
+    _WORKSPACES.clear()
+
+
+def workspace_bytes(group=None) -> int:
+    ws = get_workspace(group)
+    return ws.data_bytes + 4 * ws.signal_slots
+
+
+_ALLOCATOR_SET = False
+
+
+def ensure_triton_allocator() -> None:
+    """Device-side tensor descriptors need scratch memory; give Triton a torch-backed allocator once."""
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+    import triton
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.int8)
+
+    triton.set_allocator(alloc)
+    _ALLOCATOR_SET = True

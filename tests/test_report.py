@@ -1,0 +1,288 @@
+"""Tests of kosmos_bench.report on the synthetic fixtures in tests/fixtures."""
+
+import csv
+import io
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kosmos_bench.report import (
+    ReportError,
+    build_table,
+    geomean_table,
+    load_results,
+    print_terminal,
+    render,
+    report_main,
+    speedup_chart,
+    timeline_chart,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TP_SAMPLE = FIXTURES / "tp-sample.jsonl"
+TRACE_SAMPLE = FIXTURES / "trace-sample.json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def table():
+    _, results = load_results([TP_SAMPLE])
+    return build_table(results)
+
+
+def row_of(df, op, seq, impl, source="tp-sample"):
+    rows = df[(df.op == op) & (df.seq == seq) & (df.impl == impl) & (df.source == source)]
+    assert len(rows) == 1
+    return rows.iloc[0]
+
+
+def result_line(**overrides):
+    line = {
+        "type": "result", "run_id": "r1", "bench": "tp", "op": "ag_gemm", "layer": "qkv",
+        "model": "toy", "seq": 1024, "m": 1024, "n": 512, "k": 256, "world": 2, "dtype": "bf16",
+        "impl": "kosmos", "status": "ok", "reason": None, "time_ms": 1.0, "t_gemm_ms": None, "t_comm_ms": None,
+    }
+    return {**line, **overrides}
+
+
+def write_lines(path, lines):
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_load_merges_env_and_source():
+    envs, results = load_results([TP_SAMPLE])
+    assert len(envs) == 1 and envs[0]["note"].startswith("synthetic fixture")
+    assert len(results) == 20
+    assert {r["source"] for r in results} == {"tp-sample"}
+    assert {(r["gpu"], r["gpu_count"]) for r in results} == {("NVIDIA H200", 2)}
+
+
+def test_table_columns_and_rows(table):
+    expected_prefix = [
+        "source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "world", "dtype", "impl",
+        "time_ms", "tflops", "speedup", "overlap_efficiency", "rel_err", "workspace_bytes", "status", "reason",
+    ]
+    assert list(table.columns[: len(expected_prefix)]) == expected_prefix
+    assert "routing" not in table  # no MoE rows in the fixture
+    assert len(table) == 20
+    assert set(table.layer) == {"qkv", "attn_out"}
+
+
+def test_speedup_and_overlap_by_hand(table):
+    kosmos = row_of(table, "ag_gemm", 8192, "kosmos")
+    # fixture: nccl+cublas 1.210 ms, kosmos 1.052 ms; t_gemm 0.985 ms, t_comm 0.192 ms
+    assert kosmos.speedup == pytest.approx(1.210 / 1.052)
+    assert kosmos.overlap_efficiency == pytest.approx(0.985 / 1.052)
+    assert row_of(table, "gemm_rs", 8192, "nccl+cublas").speedup == pytest.approx(1.0)
+
+
+def test_failed_and_unavailable_rows(table):
+    failed = row_of(table, "gemm_rs", 4096, "fixed-role")
+    assert failed.status == "failed"
+    assert failed.reason == "rel_err 3.1e-01 > 1e-02"
+    assert math.isnan(failed.speedup) and math.isnan(failed.overlap_efficiency)
+    unavailable = row_of(table, "gemm_rs", 4096, "torch-async-tp")
+    assert unavailable.status == "unavailable" and math.isnan(unavailable.speedup)
+
+
+def test_speedup_nan_when_baseline_not_ok(tmp_path):
+    path = write_lines(tmp_path / "r.jsonl", [
+        result_line(impl="nccl+cublas", status="failed", reason="boom", time_ms=None),
+        result_line(impl="kosmos", time_ms=0.5),
+    ])
+    df = build_table(load_results([path])[1])
+    assert df.speedup.isna().all()
+
+
+def test_csv_one_row_per_shape_and_impl(table):
+    text = render(table, "csv")
+    reader = csv.DictReader(io.StringIO(text))
+    required = "op,model,m,n,k,world,dtype,impl,time_ms,tflops,speedup,overlap_efficiency,status".split(",")
+    assert set(required) <= set(reader.fieldnames)
+    rows = list(reader)
+    keys = [(r["op"], r["model"], r["m"], r["n"], r["k"], r["world"], r["dtype"], r["impl"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 20
+    kosmos = next(r for r in rows if r["op"] == "ag_gemm" and r["m"] == "8192" and r["impl"] == "kosmos")
+    assert kosmos["time_ms"] == "1.0520" and kosmos["speedup"] == "1.150"
+    failed = next(r for r in rows if r["status"] == "failed")
+    assert failed["speedup"] == "" and failed["reason"] == "rel_err 3.1e-01 > 1e-02"
+
+
+def test_duplicate_rows_keep_last(tmp_path):
+    path = write_lines(tmp_path / "r.jsonl", [result_line(time_ms=2.0), result_line(time_ms=1.5)])
+    df = build_table(load_results([path])[1])
+    assert list(df.time_ms) == [1.5]
+
+
+def test_geomean_hand_checked(tmp_path):
+    lines = []
+    for m, baseline_ms, kosmos_ms in ((1024, 2.0, 1.0), (2048, 1.0, 2.0), (4096, 3.0, 1.0)):
+        lines += [result_line(m=m, impl="nccl+cublas", time_ms=baseline_ms), result_line(m=m, time_ms=kosmos_ms)]
+    lines.append(result_line(m=8192, status="failed", reason="rel_err", time_ms=None))
+    lines.append(result_line(m=8192, impl="fixed-role", status="unavailable", reason="n/a", time_ms=None))
+    df = build_table(load_results([write_lines(tmp_path / "g.jsonl", lines)])[1])
+    geomeans = geomean_table(df).set_index("impl")
+    # kosmos speedups 2, 0.5, 3 -> geomean 3 ** (1/3)
+    assert geomeans.loc["kosmos", "geomean_speedup"] == pytest.approx(3 ** (1 / 3))
+    assert (geomeans.loc["kosmos", "ok"], geomeans.loc["kosmos", "failed"]) == (3, 1)
+    assert geomeans.loc["nccl+cublas", "geomean_speedup"] == pytest.approx(1.0)
+    assert geomeans.loc["fixed-role", "unavailable"] == 1
+    assert math.isnan(geomeans.loc["fixed-role", "geomean_speedup"])
+
+
+def test_geomean_overlap_efficiency(tmp_path):
+    lines = [
+        result_line(m=1024, time_ms=1.0, t_gemm_ms=0.5, t_comm_ms=0.2),
+        result_line(m=2048, time_ms=1.0, t_gemm_ms=0.1, t_comm_ms=0.8),
+    ]
+    df = build_table(load_results([write_lines(tmp_path / "o.jsonl", lines)])[1])
+    assert geomean_table(df).geomean_overlap_efficiency.iloc[0] == pytest.approx(math.sqrt(0.5 * 0.8))
+
+
+def test_markdown_has_environment_and_geomean(table):
+    text = render(table, "md")
+    assert "NVIDIA H200" in text and "0123abc" in text and "2025-01-01T12:00:00Z" in text
+    assert "## Geomean" in text
+    assert "Workspace memory" in text and "128.0 MiB" in text
+    assert "rel_err 3.1e-01 > 1e-02" in text
+
+
+def test_html_is_self_contained(table):
+    text = render(table, "html")
+    assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
+    assert "Geomean" in text and "<style>" in text and "NVIDIA H200" in text
+    assert "<script" not in text and "http" not in text
+
+
+def test_unknown_format(table):
+    with pytest.raises(ReportError, match="unknown format"):
+        render(table, "xlsx")
+
+
+def test_terminal_shows_reason(table):
+    console = Console(file=io.StringIO(), width=300, color_system=None)
+    print_terminal(table, console)
+    text = console.file.getvalue()
+    assert "failed: rel_err 3.1e-01 > 1e-02" in text
+    assert "Geomean" in text
+
+
+def test_two_sources_side_by_side(tmp_path, table):
+    other = tmp_path / "tp-other.jsonl"
+    shutil.copy(TP_SAMPLE, other)
+    _, results = load_results([TP_SAMPLE, other])
+    df = build_table(results)
+    assert set(df.source) == {"tp-sample", "tp-other"}
+    assert len(df) == 2 * len(table)
+    assert row_of(df, "ag_gemm", 8192, "kosmos", source="tp-other").speedup == pytest.approx(1.210 / 1.052)
+    assert len(geomean_table(df)) == 10
+    assert "tp-other" in render(df, "md")
+
+
+def test_malformed_json_names_the_line(tmp_path):
+    lines = TP_SAMPLE.read_text().splitlines()
+    lines[3] = lines[3][:-5]
+    path = tmp_path / "broken.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReportError, match=r"broken\.jsonl:4: invalid JSON"):
+        load_results([path])
+
+
+def test_missing_file():
+    with pytest.raises(ReportError, match="no such result file"):
+        load_results([FIXTURES / "does-not-exist.jsonl"])
+
+
+def test_no_result_lines(tmp_path):
+    env_line = TP_SAMPLE.read_text().splitlines()[0]
+    path = tmp_path / "env-only.jsonl"
+    path.write_text(env_line + "\n")
+    with pytest.raises(ReportError, match="no result lines"):
+        load_results([path])
+
+
+def test_result_missing_required_key(tmp_path):
+    line = result_line()
+    del line["dtype"]
+    with pytest.raises(ReportError, match=r"m\.jsonl:1: .*dtype"):
+        load_results([write_lines(tmp_path / "m.jsonl", [line])])
+
+
+def test_moe_rows_get_extra_columns_and_nccl_a2a_baseline(tmp_path):
+    def moe(impl, time_ms, routing):
+        extra = {"tokens": 4096, "experts": 8, "top_k": 2, "routing": routing}
+        return result_line(bench="moe", op="moe_fwd", layer="custom", impl=impl, time_ms=time_ms, extra=extra)
+
+    lines = [moe("nccl-a2a", 2.0, "uniform"), moe("kosmos", 1.0, "uniform"),
+             moe("nccl-a2a", 3.0, "skewed"), moe("kosmos", 2.0, "skewed")]
+    df = build_table(load_results([write_lines(tmp_path / "moe.jsonl", lines)])[1])
+    assert list(df.columns[20:24]) == ["tokens", "experts", "top_k", "routing"]
+    kosmos = df[df.impl == "kosmos"].set_index("routing")
+    assert kosmos.loc["uniform", "speedup"] == pytest.approx(2.0)
+    assert kosmos.loc["skewed", "speedup"] == pytest.approx(1.5)
+
+
+def test_speedup_chart_writes_png(tmp_path, table):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "speedup.png"
+    assert speedup_chart(table, path) is True
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_timeline_chart_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.png"
+    timeline_chart(TRACE_SAMPLE, path)
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_timeline_chart_copes_with_many_events(tmp_path):
+    pytest.importorskip("matplotlib")
+    events = [[i % 132, i % 3, i, 1000 * i, 1000 * i + 800] for i in range(50_000)]
+    trace = {"type": "trace", "kinds": {"0": "idle/wait", "1": "comm", "2": "compute"},
+             "ranks": [{"rank": 0, "events": events}, {"rank": 1, "events": events}]}
+    trace_path = tmp_path / "big.json"
+    trace_path.write_text(json.dumps(trace))
+    timeline_chart(trace_path, tmp_path / "big.png")
+    assert (tmp_path / "big.png").read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.parametrize("trace", [
+    {"type": "trace"},
+    {"type": "trace", "ranks": [{"rank": 0, "events": [[0, 1, 0, 10]]}]},
+    {"type": "trace", "ranks": [{"rank": 0, "events": [[0, 1, 0, 10, 5]]}]},
+    {"type": "trace", "kinds": {"comm": 1}, "ranks": [{"rank": 0, "events": []}]},
+])
+def test_timeline_rejects_malformed_trace(tmp_path, trace):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(trace))
+    with pytest.raises(ReportError):
+        timeline_chart(path, tmp_path / "bad.png")
+
+
+def test_report_main_writes_outputs(tmp_path):
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    md_path, chart_path = tmp_path / "report.md", tmp_path / "chart.png"
+    assert report_main([TP_SAMPLE], fmt="md", out=md_path, chart=chart_path, console=console) == 0
+    assert "## Geomean" in md_path.read_text()
+    assert chart_path.exists() or "matplotlib missing" in console.file.getvalue()
+
+
+def test_report_main_prints_csv_unwrapped(tmp_path):
+    console = Console(file=io.StringIO(), width=40, color_system=None)
+    assert report_main([TP_SAMPLE], fmt="csv", console=console) == 0
+    assert len(console.file.getvalue().splitlines()) == 21
+
+
+def test_report_main_timeline_default_output(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace_path = tmp_path / "trace.json"
+    shutil.copy(TRACE_SAMPLE, trace_path)
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    assert report_main([], timeline=trace_path, console=console) == 0
+    assert (tmp_path / "trace.png").read_bytes().startswith(PNG_MAGIC)
