@@ -8,8 +8,11 @@ Everything a kernel needs to talk to other ranks lives here, and nowhere else:
                     visible to whoever acquires the flag (a CTA barrier precedes the release, so the
                     other threads' stores are ordered too). CUDA-graph safe: the value is the call epoch,
                     passed as an argument.
+* ``load_uniform`` -- read shared state so that all threads of a program agree (one broadcast atomic);
+                    every branch on a flag or queue head uses it.
 * ``wait_geq``   -- bounded spin until a local signal slot holds a value >= target. Polls with volatile loads
-                    (measured 5.5 us round trip vs 36 us for atomic polling on 2x H200), then issues one
+                    (measured 5.5 us round trip vs 36 us for acquire-atomic polling on 2x H200), decides with
+                    one uniform read, then issues one
                     acquire fence (``fence.acq_rel.sys``) and a generic->async proxy fence, because the data
                     it guards is read next by TMA. On timeout it records (op, rank, task, counter, expected,
                     observed, elapsed) in the error buffer, raises the abort flag and returns; it never hangs.
@@ -81,42 +84,54 @@ def notify(flag_ptr, value):
 
 
 @triton.jit
+def load_uniform(ptr):
+    """Read a flag/counter so that every thread of the program gets the same value (one atomic, whose
+    result Triton broadcasts). Every *decision* taken on shared state must use this: a plain volatile load
+    is executed by each thread separately, threads may see different values, branch apart, and then meet
+    different barriers -- a hang, seen on H200 in the first version of the reduce-scatter policy."""
+    return tl.atomic_add(ptr, tl.zeros([], ptr.dtype.element_ty), sem="relaxed", scope="sys")
+
+
+@triton.jit
 def aborted(err_ptr):
-    return tl.load(err_ptr + ERR_FLAG, volatile=True) != 0
+    return load_uniform(err_ptr + ERR_FLAG) != 0
 
 
 @triton.jit
 def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, rank, task, counter):
-    """Spin until ``*flag_ptr >= target`` (bounded). Returns 1 if satisfied, 0 on timeout/abort."""
-    v = tl.load(flag_ptr, volatile=True)
+    """Spin until ``*flag_ptr >= target`` (bounded). Returns 1 if satisfied, 0 on timeout/abort.
+
+    Each thread polls with volatile loads (cheap; no barrier inside the loop, so threads may leave it at
+    different times), then one uniform read decides for the whole program."""
+    v = load_uniform(flag_ptr)
     ok = 1
     if v < target:
         t0 = now_ns()
         spins = 0
-        while v < target:
-            v = tl.load(flag_ptr, volatile=True)
+        seen = tl.load(flag_ptr, volatile=True)
+        elapsed = tl.zeros([], tl.int64)
+        while (seen < target) & (elapsed <= timeout_ns):
+            seen = tl.load(flag_ptr, volatile=True)
             spins += 1
             if INTERPRET:
                 elapsed = tl.cast(spins, tl.int64) * 1000
             else:
                 elapsed = now_ns() - t0
-            if v < target:
-                if elapsed > timeout_ns:
-                    # first program to time out records the details; everyone else just drains.
-                    if tl.atomic_cas(err_ptr + ERR_FLAG, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
-                                    scope="gpu") == 0:
-                        tl.store(err_ptr + ERR_OP, OP)
-                        tl.store(err_ptr + ERR_RANK, tl.cast(rank, tl.int64))
-                        tl.store(err_ptr + ERR_TASK, tl.cast(task, tl.int64))
-                        tl.store(err_ptr + ERR_COUNTER, tl.cast(counter, tl.int64))
-                        tl.store(err_ptr + ERR_EXPECTED, tl.cast(target, tl.int64))
-                        tl.store(err_ptr + ERR_OBSERVED, tl.cast(v, tl.int64))
-                        tl.store(err_ptr + ERR_ELAPSED, elapsed)
-                    ok = 0
-                    v = target
-                elif tl.load(err_ptr + ERR_FLAG, volatile=True) != 0:
-                    ok = 0
-                    v = target
+            if tl.load(err_ptr + ERR_FLAG, volatile=True) != 0:  # someone else timed out: drain
+                elapsed = timeout_ns + 1
+        v = load_uniform(flag_ptr)
+        if v < target:
+            ok = 0
+            # first program to time out records the details; the others just drain.
+            if tl.atomic_cas(err_ptr + ERR_FLAG, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
+                             scope="gpu") == 0:
+                tl.store(err_ptr + ERR_OP, OP)
+                tl.store(err_ptr + ERR_RANK, tl.cast(rank, tl.int64))
+                tl.store(err_ptr + ERR_TASK, tl.cast(task, tl.int64))
+                tl.store(err_ptr + ERR_COUNTER, tl.cast(counter, tl.int64))
+                tl.store(err_ptr + ERR_EXPECTED, tl.cast(target, tl.int64))
+                tl.store(err_ptr + ERR_OBSERVED, tl.cast(v, tl.int64))
+                tl.store(err_ptr + ERR_ELAPSED, now_ns() - t0)
     _acquire_fence(flag_ptr)
     return ok
 
@@ -134,7 +149,7 @@ def try_claim(head_ptr, expected):
 
 @triton.jit
 def peek(head_ptr):
-    return tl.load(head_ptr, volatile=True)
+    return load_uniform(head_ptr)
 
 
 @triton.jit

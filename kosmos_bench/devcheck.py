@@ -130,10 +130,17 @@ def _rank_main(rank, world, args):
     # timings on model shapes
     st = tp.TPSettings(impls=tuple(args.impls.split(",")), iters=args.iters, warmup=3,
                        fixed_sweep=tuple(int(x) for x in args.sweep.split(",")), trace_dir=args.out)
+    if rank == 0:
+        with open(os.path.join(args.out, "tp-rows.jsonl"), "a") as f:
+            env = tp.environment(argv=["python", "-m", "kosmos_bench.devcheck"] + list(args.argv), bench="tp",
+                                 suite={"models": args.models.split(","), "seq": args.seq, "impls": args.impls,
+                                        "iters": args.iters, "fixed_sweep": args.sweep})
+            f.write(json.dumps(env) + "\n")
     for model in args.models.split(","):
         for seq in [int(s) for s in args.seq.split(",")]:
             for g in tp_gemms(model, seq, world):
-                rows = tp.run_case(g, st)
+                for r_ in (rows := tp.run_case(g, st)):
+                    r_["run_id"] = env["run_id"] if rank == 0 else None
                 if rank == 0:
                     with open(os.path.join(args.out, "tp-rows.jsonl"), "a") as f:
                         for r in rows:
@@ -197,6 +204,8 @@ def main():
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--hang-dump-s", type=float, default=300.0)
     args = p.parse_args()
+    import sys
+    args.argv = sys.argv[1:]
     from .launcher import check_world, spawn
     world = check_world(args.world)
     os.makedirs(args.out, exist_ok=True)

@@ -54,7 +54,7 @@ def _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD: tl
     nt = tl.load(red_table + h * 4 + 1)
     ready = 1
     for s in tl.static_range(WORLD):
-        v = tl.load(sig_ptr + FLAG_BASE + s * tiles_per_owner + mt * n_tn + nt, volatile=True)
+        v = dev.load_uniform(sig_ptr + FLAG_BASE + s * tiles_per_owner + mt * n_tn + nt)
         ready = ready & (v >= epoch).to(tl.int32)
     return ready
 
