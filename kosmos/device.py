@@ -118,7 +118,7 @@ def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, rank, task
             else:
                 elapsed = now_ns() - t0
             if tl.load(err_ptr + ERR_FLAG, volatile=True) != 0:  # someone else timed out: drain
-                elapsed = timeout_ns + 1
+                elapsed = tl.cast(timeout_ns, tl.int64) + 1
         v = load_uniform(flag_ptr)
         if v < target:
             ok = 0
