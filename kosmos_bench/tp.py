@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -283,11 +284,15 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
     import triton
 
     def git_commit():
-        try:
-            return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                  cwd=__file__.rsplit("/", 2)[0]).stdout.strip() or None
-        except Exception:
-            return None
+        """The source tree's commit (KOSMOS_GIT_COMMIT wins: a copied tree may have no .git)."""
+        sha = os.environ.get("KOSMOS_GIT_COMMIT")
+        if not sha:
+            try:
+                sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()
+            except Exception:
+                sha = None
+        return sha if sha and len(sha) == 40 and all(c in "0123456789abcdef" for c in sha) else None
 
     driver = None
     try:

@@ -1,0 +1,206 @@
+"""The ``kosmos`` command line: ``kosmos bench tp``, ``kosmos bench moe``, ``kosmos report``."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=(
+    "KOSMOS: self-scheduling fused communication+GEMM kernels for tensor/sequence and expert parallelism, "
+    "and the benchmark that compares them with what you run today.\n\n"
+    "  kosmos bench tp                      # default TP suite on all visible GPUs\n\n"
+    "  kosmos bench tp --model llama3-70b --seq 4096,8192 --tp 2\n\n"
+    "  kosmos report results/h200x2/tp-bf16.jsonl --format md"))
+bench_app = typer.Typer(no_args_is_help=True, help="Check and time fused ops against baselines on this node's GPUs.")
+app.add_typer(bench_app, name="bench")
+console = Console(stderr=True)
+
+
+def _split(values: Optional[List[str]], cast=str):
+    if not values:
+        return None
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            part = part.strip()
+            if part:
+                try:
+                    out.append(cast(part))
+                except ValueError:
+                    raise typer.BadParameter(f"{part!r} is not a valid {cast.__name__}") from None
+    return tuple(out)
+
+
+def _fail(msg: str, code: int = 2):
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+@bench_app.command("tp")
+def bench_tp(
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="Model(s), comma-separated or repeated: "
+                                              "llama3-8b, llama3-70b, llama3-405b, gpt3-175b."),
+    seq: Optional[List[str]] = typer.Option(None, "--seq", "-s", help="Token counts per layer (M), e.g. 4096,8192."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (default: all visible GPUs)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 (mxfp8 is planned)."),
+    op: Optional[List[str]] = typer.Option(None, "--op", help="ag_gemm, gemm_rs, or layer names qkv,fc1,attn_out,fc2."),
+    impl: Optional[List[str]] = typer.Option(None, "--impl", help="kosmos, nccl+cublas, torch-async-tp, fixed-role, "
+                                             "fixed-role-best (comma-separated)."),
+    suite: Optional[Path] = typer.Option(None, "--suite", help="YAML suite file (default: suites/tp-default.yaml)."),
+    iters: Optional[int] = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Untimed warm-up iterations."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSONL file to append to (default: "
+                                       "results/tp-<dtype>-<timestamp>.jsonl)."),
+    trace: bool = typer.Option(False, "--trace", help="Record a per-program task timeline of each kosmos run "
+                               "(JSON next to --out; draw with `kosmos report --timeline FILE`)."),
+):
+    """Check every implementation against the fp32 reference, then time them side by side.
+
+    Each (model, layer, seq) shape runs every implementation on the same random inputs; a failing one is
+    recorded as failed with its reason and the sweep goes on. Rows are appended to --out as they finish.
+    """
+    from kosmos.models import TP_LAYERS
+
+    from . import launcher
+    from .suites import SUPPORTED_DTYPES, SuiteError, TPSuite, default_suite, load_suite
+
+    try:
+        base = load_suite(suite) if suite else default_suite()
+        layers = None
+        if op:
+            names = _split(op)
+            by_op = {"ag_gemm": ("qkv", "fc1"), "gemm_rs": ("attn_out", "fc2")}
+            layers = tuple(dict.fromkeys(l for n in names for l in by_op.get(n, (n,))))
+            bad = [l for l in layers if l not in TP_LAYERS]
+            if bad:
+                raise SuiteError(f"unknown --op {bad}; use ag_gemm, gemm_rs or {', '.join(TP_LAYERS)}")
+        cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int), dtype=dtype, layers=layers,
+                                     impls=_split(impl), iters=iters, warmup=warmup, tp=tp)
+    except (SuiteError, ValueError) as e:
+        _fail(str(e))
+    if cfg.dtype not in SUPPORTED_DTYPES:
+        _fail(f"--dtype {cfg.dtype} is not implemented yet (MXFP8 kernels are planned); use --dtype bf16")
+    try:
+        world = launcher.check_world(cfg.tp)
+    except launcher.LaunchError as e:
+        _fail(str(e))
+    from kosmos.models import tp_gemms
+    try:
+        cases = [g for m in cfg.models for s in cfg.seq for g in tp_gemms(m, s, world, cfg.layers)]
+    except ValueError as e:
+        _fail(str(e))
+    out = out or Path("results") / f"tp-{cfg.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
+    console.print(f"[bold]kosmos bench tp[/]: {len(cases)} shapes x {len(cfg.impls)} implementations on "
+                  f"{world} GPU(s) -> {out}")
+    try:
+        launcher.spawn(_bench_tp_rank, world, cfg.to_dict(), [vars(c) for c in cases], str(out), trace_dir,
+                       sys.argv)
+    except launcher.LaunchError as e:
+        _fail(f"{e}\npartial results (if any) are in {out}", code=1)
+    from .report import build_table, load_results, print_terminal
+    print_terminal(build_table(load_results([out])[1]), console=Console())
+    console.print(f"results: {out}  (render again with `kosmos report {out}`)")
+
+
+def _bench_tp_rank(rank, world, suite: dict, cases: list, out: str, trace_dir, argv):
+    """Runs on every rank; rank 0 writes the env line and every row as soon as it is ready."""
+    import torch
+
+    from kosmos.models import TPGemm
+
+    from . import tp
+    st = tp.TPSettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
+                       fixed_sweep=tuple(suite["fixed_sweep"]), dtype=suite["dtype"], trace_dir=trace_dir)
+    env = tp.environment(argv=argv, suite=suite, bench="tp")
+    f = open(out, "a") if rank == 0 else None
+    if f:
+        f.write(json.dumps(env) + "\n")
+        f.flush()
+
+    def write(row):
+        if f:
+            row["run_id"] = env["run_id"]
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=Console(stderr=True), disable=rank != 0)
+    with progress:
+        task = progress.add_task("starting", total=len(cases))
+        for c in cases:
+            g = TPGemm(**c)
+            progress.update(task, description=f"{g.model} {g.layer} seq={g.seq} [{g.m}x{g.n}x{g.k}]")
+            try:
+                tp.run_case(g, st, on_row=write)
+                ok, why = True, None
+            except Exception as e:  # a whole shape failed (e.g. out of memory): record it, go on
+                ok, why = False, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            ok, why = tp.agree(ok, why)
+            if not ok:
+                tp._recover()
+                for name in st.impls:
+                    write({"type": "result", "bench": "tp", "op": g.op, "layer": g.layer, "model": g.model,
+                           "seq": g.seq, "m": g.m, "n": g.n, "k": g.k, "world": world, "dtype": st.dtype,
+                           "impl": name, "status": "failed", "reason": why, "time_ms": None, "tflops": None})
+            torch.cuda.empty_cache()
+            progress.advance(task)
+    if f:
+        f.close()
+
+
+@bench_app.command("moe")
+def bench_moe(model: str = typer.Option("deepseek-v3", "--model", "-m", help="MoE model proxy.")):
+    """MoE layer benchmark (router, dispatch, expert GEMMs, combine, fold in one launch): not built yet."""
+    _fail("`kosmos bench moe` is not implemented yet: the one-launch MoE layer is the next milestone. "
+          "Use `kosmos bench tp` for the TP+SP kernels.")
+
+
+@app.command("report")
+def report(
+    files: List[Path] = typer.Argument(..., help="Result JSONL file(s); several are shown side by side. With "
+                                       "--timeline: one trace JSON file."),
+    format: str = typer.Option("text", "--format", "-f", help="text (terminal tables), md, csv or html."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to this file instead of the terminal."),
+    chart: Optional[Path] = typer.Option(None, "--chart", help="Also draw a speedup bar chart (PNG; needs "
+                                         "matplotlib)."),
+    timeline: bool = typer.Option(False, "--timeline", help="FILES is a trace from `bench --trace`: draw the "
+                                  "per-program roles over time as a PNG Gantt chart (to --out)."),
+):
+    """Render benchmark results anywhere, GPU or not.
+
+    Per shape: time, TFLOP/s (per GPU), speedup vs nccl+cublas, overlap efficiency
+    (max(t_gemm, t_comm) / t), relative error and status; then the geometric mean per implementation
+    and the workspace memory.
+    """
+    from .report import RENDER_FORMATS, ReportError, report_main
+    if format not in RENDER_FORMATS:
+        _fail(f"unknown --format {format!r}; choose from {', '.join(RENDER_FORMATS)}")
+    try:
+        if timeline:
+            if len(files) != 1:
+                _fail("--timeline takes exactly one trace file")
+            code = report_main([str(files[0])], fmt=format, out=str(out) if out else None,
+                               timeline=str(files[0]))
+        else:
+            code = report_main([str(f) for f in files], fmt=format, out=str(out) if out else None,
+                               chart=str(chart) if chart else None)
+    except ReportError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
+def main():  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Host-side planners (kosmos.planning): tile shapes and the task tables of both fused ops."""
+import math
+
+import pytest
+import torch
+
+from kosmos import planning
+from kosmos.planning import COPY, GROUP_M, PUSH, TileConfig
+
+# Small tiles (as under the interpreter) and the GPU rule's big tiles, plus one with many m-tiles per slot so
+# that GROUP_M grouping (more than one group) is exercised.
+CFGS = [TileConfig(16, 32, 16, 4, 1), TileConfig(128, 256, 64, 8, 3), TileConfig(4, 16, 16, 4, 1)]
+SHAPES = [(1, 8), (5, 24), (16, 32), (37, 48), (37, 1000), (300, 256), (129, 520)]  # (ms, n), ragged included
+
+
+def _cases():
+    out = []
+    for world in range(1, 9):
+        ranks = sorted({0, world // 2, world - 1})
+        for rank in ranks:
+            for i, (ms, n) in enumerate(SHAPES):
+                cfg = CFGS[(world + rank + i) % len(CFGS)]
+                out.append((rank, world, ms, n, cfg))
+    return out
+
+
+CASES = _cases()
+IDS = [f"r{r}w{w}-ms{ms}-n{n}-bm{c.BM}bn{c.BN}" for r, w, ms, n, c in CASES]
+
+
+def _rows(t):
+    assert t.dtype == torch.int32
+    assert t.dim() == 2 and t.shape[1] == 4
+    return [tuple(int(v) for v in row) for row in t.tolist()]
+
+
+def _grouped_ref(m_tiles, n_tiles):
+    """Independent statement of the grouped order: groups of GROUP_M m-tiles; inside a group, n-tiles
+    ascending and for each n-tile the group's m-tiles ascending."""
+    order = []
+    for g in range(math.ceil(m_tiles / GROUP_M)):
+        ms_ = [m for m in range(m_tiles) if m // GROUP_M == g]
+        for n in range(n_tiles):
+            order += [(m, n) for m in ms_]
+    return order
+
+
+# ------------------------------------------------------------------------------------------- AllGather+GEMM
+@pytest.mark.parametrize("rank,world,ms,n,cfg", CASES, ids=IDS)
+def test_ag_compute_table(rank, world, ms, n, cfg):
+    comm, comp, flag_slots = planning.plan_all_gather_matmul(rank, world, ms, n, cfg, "cpu")
+    rows = _rows(comp)
+    mt, nt = math.ceil(ms / cfg.BM), math.ceil(n / cfg.BN)
+    # every (slot, m, n) of the grid exactly once
+    assert len(rows) == world * mt * nt
+    assert len(set(rows)) == len(rows)
+    assert {r[:3] for r in rows} == {(s, m, j) for s in range(world) for m in range(mt) for j in range(nt)}
+    assert all(r[3] == 0 for r in rows)
+    # own slot first, then rank-1, rank-2, ... (slots in contiguous blocks)
+    per_slot = mt * nt
+    for d in range(world):
+        block = rows[d * per_slot:(d + 1) * per_slot]
+        assert {r[0] for r in block} == {(rank - d) % world}
+        # inside a slot: GROUP_M-grouped order
+        assert [(r[1], r[2]) for r in block] == _grouped_ref(mt, nt)
+    assert rows[0][0] == rank
+    assert flag_slots == world * mt
+
+
+@pytest.mark.parametrize("rank,world,ms,n,cfg", CASES, ids=IDS)
+def test_ag_comm_table(rank, world, ms, n, cfg):
+    comm, _, _ = planning.plan_all_gather_matmul(rank, world, ms, n, cfg, "cpu")
+    rows = _rows(comm)
+    chunks = math.ceil(ms / cfg.BM)
+    if world == 1:
+        assert rows == []
+        return
+    pushes = [r for r in rows if r[0] == PUSH]
+    copies = [r for r in rows if r[0] == COPY]
+    assert len(pushes) + len(copies) == len(rows)
+    assert all(r[3] == 0 for r in rows)
+    # each peer (never self) gets each chunk exactly once
+    assert len(pushes) == (world - 1) * chunks
+    assert sorted((p, c) for _, p, c, _ in pushes) == sorted(
+        (p, c) for p in range(world) if p != rank for c in range(chunks))
+    # staggered: peers rank+1, rank+2, ... in blocks, chunks ascending inside a block (the peer's order)
+    assert [(p, c) for _, p, c, _ in pushes] == [((rank + d) % world, c) for d in range(1, world)
+                                                 for c in range(chunks)]
+    assert pushes[0][1] == (rank + 1) % world
+    # COPY of own rows into own slot, after every push
+    assert copies == [(COPY, rank, c, 0) for c in range(chunks)]
+    assert rows[-len(copies):] == copies
+    assert rows[:len(pushes)] == pushes
+
+
+def test_ag_stagger_no_two_ranks_push_same_peer():
+    """At every step of the comm queues, the W ranks target W distinct peers."""
+    cfg = CFGS[0]
+    for world in range(2, 9):
+        tables = [_rows(planning.plan_all_gather_matmul(r, world, 37, 48, cfg, "cpu")[0]) for r in range(world)]
+        n_push = (world - 1) * math.ceil(37 / cfg.BM)
+        for i in range(n_push):
+            targets = [tables[r][i][1] for r in range(world)]
+            assert sorted(targets) == list(range(world))
+
+
+# --------------------------------------------------------------------------------------- GEMM+ReduceScatter
+@pytest.mark.parametrize("rank,world,ms,n,cfg", CASES, ids=IDS)
+def test_rs_tables(rank, world, ms, n, cfg):
+    comp, red, flag_slots = planning.plan_matmul_reduce_scatter(rank, world, ms, n, cfg, "cpu")
+    rows = _rows(comp)
+    mt, nt = math.ceil(ms / cfg.BM), math.ceil(n / cfg.BN)
+    tiles = mt * nt
+    # every (owner, m, n) exactly once
+    assert len(rows) == world * tiles
+    assert len(set(rows)) == len(rows)
+    assert {r[:3] for r in rows} == {(o, m, j) for o in range(world) for m in range(mt) for j in range(nt)}
+    assert all(r[3] == 0 for r in rows)
+    # tile i for every owner before tile i+1; owners staggered rank+1, ..., rank (own last)
+    tile_order = _grouped_ref(mt, nt)
+    for i, (m, j) in enumerate(tile_order):
+        block = rows[i * world:(i + 1) * world]
+        assert [(r[1], r[2]) for r in block] == [(m, j)] * world
+        assert [r[0] for r in block] == [(rank + d) % world for d in range(1, world + 1)]
+        assert block[-1][0] == rank
+    # reduce table: own tiles exactly once, same tile order as compute; empty at W=1
+    red_rows = _rows(red)
+    if world == 1:
+        assert red_rows == []
+    else:
+        assert red_rows == [(m, j, 0, 0) for (m, j) in tile_order]
+        own_in_compute = [(r[1], r[2], 0, 0) for r in rows if r[0] == rank]
+        assert red_rows == own_in_compute
+    assert flag_slots == world * tiles
+
+
+def test_rs_stagger_owners_distinct_per_step():
+    cfg = CFGS[0]
+    for world in range(1, 9):
+        tables = [_rows(planning.plan_matmul_reduce_scatter(r, world, 37, 48, cfg, "cpu")[0])
+                  for r in range(world)]
+        for i in range(len(tables[0])):
+            owners = [tables[r][i][0] for r in range(world)]
+            assert sorted(owners) == list(range(world))
+
+
+# ----------------------------------------------------------------------------------- flag slots, shapes
+@pytest.mark.parametrize("world,ms,n,bm,bn,ag_slots,rs_slots", [
+    (1, 16, 32, 16, 32, 1, 1),
+    (2, 21, 48, 16, 32, 4, 8),
+    (3, 5, 24, 16, 32, 3, 3),
+    (8, 300, 1000, 128, 256, 24, 8 * 3 * 4),
+    (4, 128, 256, 128, 256, 4, 4),
+])
+def test_flag_slots(world, ms, n, bm, bn, ag_slots, rs_slots):
+    cfg = TileConfig(bm, bn, 16, 4, 1)
+    assert planning.plan_all_gather_matmul(0, world, ms, n, cfg, "cpu")[2] == ag_slots
+    assert planning.plan_matmul_reduce_scatter(world - 1, world, ms, n, cfg, "cpu")[2] == rs_slots
+
+
+def test_empty_tables_keep_shape():
+    comm, _, _ = planning.plan_all_gather_matmul(0, 1, 37, 48, CFGS[0], "cpu")
+    _, red, _ = planning.plan_matmul_reduce_scatter(0, 1, 37, 48, CFGS[0], "cpu")
+    for t in (comm, red):
+        assert tuple(t.shape) == (0, 4) and t.dtype == torch.int32
+
+
+# -------------------------------------------------------------------------------------------- tile_config
+def test_tile_config_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert planning.interpreting()
+    for rows, n, k in [(1, 8, 8), (21, 48, 40), (5, 24, 16), (4096, 8192, 8192)]:
+        cfg = planning.tile_config(rows, n, k)
+        assert cfg.BM == 16 and cfg.BK == 16
+        assert cfg.BN in (16, 32)
+        assert cfg.BN == (16 if n <= 16 else 32)
+        assert (cfg.num_warps, cfg.num_stages) == (4, 1)
+
+
+@pytest.mark.parametrize("env", ["0", None])
+def test_tile_config_gpu(monkeypatch, env):
+    if env is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", env)
+    assert not planning.interpreting()
+    for rows, n, bn in [(4096, 8192, 256), (65, 256, 256), (300, 200, 256), (129, 128, 128), (1000, 72, 128),
+                        (1000, 64, 64), (1000, 8, 64), (1000, 40, 64)]:
+        cfg = planning.tile_config(rows, n, 8192)
+        assert (cfg.BM, cfg.BN, cfg.BK) == (128, bn, 64), (rows, n)
+        assert (cfg.num_warps, cfg.num_stages) == (8, 3)
+        assert cfg.BN & (cfg.BN - 1) == 0 and 64 <= cfg.BN <= 256
+    # small row counts take 64-row tiles
+    for rows in (1, 37, 64):
+        cfg = planning.tile_config(rows, 4096, 4096)
+        assert (cfg.BM, cfg.BN, cfg.BK) == (64, 256, 64)
+
+
+def test_cached_tables_builds_once():
+    calls = []
+
+    def build():
+        calls.append(1)
+        return planning.plan_all_gather_matmul(0, 2, 21, 48, CFGS[0], "cpu")
+
+    key = ("test_planning", object())
+    first = planning.cached_tables(key, build)
+    second = planning.cached_tables(key, build)
+    assert first is second and len(calls) == 1
+    planning._DEVICE_TABLES.pop(key, None)
