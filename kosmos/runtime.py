@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -72,8 +73,15 @@ class World:
         return World(g, rank, size, device)
 
 
+@lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """SM count of ``device`` (read from the device, cached): the persistent grid size."""
+    return _num_sms(torch.device(device).index if torch.device(device).index is not None
+                    else torch.cuda.current_device())
 
 
 def decode_error(err) -> str:
@@ -163,9 +171,9 @@ class Workspace:
     def after_launch(self) -> None:
         """Queue a non-blocking copy of the error record; it is read by the next call or check_errors()."""
         self._err_host.copy_(self.errors, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._err_event = ev
+        if self._err_event is None:
+            self._err_event = torch.cuda.Event()
+        self._err_event.record()
 
     def check_errors(self, block: bool = True) -> None:
         if self.poisoned:

@@ -201,7 +201,7 @@ def run_case(g: TPGemm, st: TPSettings, on_row=None) -> list[dict]:
             "reason": reason, "time_ms": tm, "p20_ms": t["p20_ms"] if t else None,
             "p80_ms": t["p80_ms"] if t else None,
             "tflops": (2.0 * g.m * g.n * g.k / (tm * 1e-3) / 1e12) if tm else None,
-            "rel_err": err, "t_gemm_ms": t_gemm, "t_comm_ms": t_comm,
+            "rel_err": err, "t_gemm_ms": t_gemm, "t_comm_ms": t_comm, "host_ms": t["host_ms"] if t else None,
             "workspace_bytes": kosmos.workspace_bytes() if name in ("kosmos", "fixed-role", "fixed-role-best")
             and status == "ok" else (0 if name == "nccl+cublas" else None),
             "peak_mem_bytes": torch.cuda.max_memory_allocated(), "params": params, "extra": dict(st.extra),

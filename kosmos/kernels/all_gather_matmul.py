@@ -7,8 +7,8 @@ fp32 accumulation; each output element is one dot product over K, so the result 
 schedule (bitwise deterministic).
 
 Tasks (planning.plan_all_gather_matmul):
-  PUSH(peer, chunk)  copy rows [chunk*BM, +BM) of a_shard into the peer's gathered buffer, slot r, with
-                     pointer stores over NVLink, then notify(peer flag[r, chunk] = epoch).
+  PUSH(peer, chunk)  copy rows [chunk*BM, +BM) of a_shard (one contiguous run) into the peer's gathered
+                     buffer, slot r, with pointer stores over NVLink, then notify(peer flag[r, chunk] = epoch).
   COPY(r, chunk)     same rows into this rank's own slot (only so that ``a_full`` is complete).
   TILE(slot, m, n)   C tile of gathered rows slot*Ms + m*BM; for slot != r it first waits flag[slot, m] >= epoch.
                      Own-slot tiles read a_shard directly and never wait.
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import (TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, copy_rows, policy_args,
+from .common import (TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, copy_flat, policy_args,
                      store_tile, tile_matmul)
 
 OP_CODE = 1
@@ -60,7 +60,6 @@ def _all_gather_matmul_kernel(
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN // 2])
     n_chunks = tl.cdiv(Ms, BM)
-    COPY_COLS: tl.constexpr = 8192 // BM
 
     if POLICY == 0:
         comm_done = (n_comm == 0).to(tl.int32)
@@ -89,11 +88,11 @@ def _all_gather_matmul_kernel(
                 dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
                 if kind == 0:
                     dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
-                    copy_rows(src, dst, rows, K, BM, COPY_COLS)
+                    copy_flat(src, dst, rows * K, 4096)
                     sig = dev.peer_ptr(peer_sig, peer, tl.int32)
                     dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
                 else:
-                    copy_rows(src, gather_ptr + dst_row, rows, K, BM, COPY_COLS)
+                    copy_flat(src, gather_ptr + dst_row, rows * K, 4096)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t, t0, dev.now_ns(), TRACE)
             else:
                 comm_done = 1
