@@ -54,10 +54,10 @@ def matmul_reduce_scatter_ref_local(a_list, b_list):
 
 
 def rel_err(out, ref) -> float:
-    """Relative Frobenius error; NaN/inf anywhere in out gives inf (never passes)."""
+    """Relative Frobenius error; NaN/inf anywhere in out or ref gives inf (never passes)."""
     out = out.float()
     ref = ref.float()
-    if not torch.isfinite(out).all():
+    if not torch.isfinite(out).all() or not torch.isfinite(ref).all():
         return float("inf")
     denom = ref.norm().item()
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)

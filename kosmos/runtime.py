@@ -212,11 +212,12 @@ def check_errors(group=None) -> None:
             ws.check_errors(block=True)
 
 
-def set_timeout(seconds: float, group=None) -> None:
-    """Bound every in-kernel wait of ``group``'s workspace to ``seconds`` (default KOSMOS_TIMEOUT_S or 5 s)."""
+def set_timeout(seconds: float, group=None, device=None) -> None:
+    """Bound every in-kernel wait of ``group``'s workspace on ``device`` (default: the current CUDA device)
+    to ``seconds`` (default KOSMOS_TIMEOUT_S or 5 s)."""
     if seconds <= 0:
         raise ValueError("timeout must be positive")
-    get_workspace(group).timeout_s = float(seconds)
+    get_workspace(group, torch.device(device) if device is not None else None).timeout_s = float(seconds)
 
 
 def reset_workspaces() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -82,25 +83,31 @@ def spawn(fn, world: int, *args, timeout_s: float = 3600.0) -> None:
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errq)) for r in range(world)]
     for p in procs:
         p.start()
-    import time
     deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.terminate()
-        for p in alive:
-            p.join(10)
     errors = []
+    # Poll: stop as soon as every rank is done, or a rank reported a failure (its peers are then usually
+    # stuck in a collective: give them a few seconds to report their own error, then stop them).
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        while not errq.empty():
+            errors.append(errq.get())
+        if errors:
+            grace = time.monotonic() + 5.0
+            while any(p.is_alive() for p in procs) and time.monotonic() < grace:
+                time.sleep(0.1)
+            break
+        time.sleep(0.05)
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in alive:
+        procs[r].terminate()
+    for r in alive:
+        procs[r].join(10)
     while not errq.empty():
         errors.append(errq.get())
-    if alive:
-        raise LaunchError(f"{len(alive)} rank(s) still running after {timeout_s:.0f} s; terminated")
     if errors:
         rank, tb = sorted(errors)[0]
         raise LaunchError(f"rank {rank} failed:\n{tb}")
+    if alive and time.monotonic() >= deadline:
+        raise LaunchError(f"rank(s) {alive} still running after {timeout_s:.0f} s; terminated")
     bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise LaunchError(f"rank(s) exited abnormally: {bad}")

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import (TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, copy_flat, policy_args,
+from .common import (POLICIES, TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, copy_flat, policy_args,
                      store_tile, tile_matmul)
 
 OP_CODE = 1
@@ -68,6 +68,7 @@ def _all_gather_matmul_kernel(
         comm_done = ((n_comm == 0) | (pid >= fixed_comm)).to(tl.int32)
         comp_done = (pid < fixed_comm).to(tl.int32)
     handshake = 0
+    peers_ok = 1
     n_ev = 0
     while (comm_done == 0) | (comp_done == 0):
         if dev.aborted(err_ptr):
@@ -78,7 +79,7 @@ def _all_gather_matmul_kernel(
             if t < n_comm:
                 t0 = dev.now_ns()
                 if handshake == 0:  # nobody may still be reading what we are about to overwrite
-                    dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 1, rank)
+                    peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 1, rank)
                     handshake = 1
                 kind = tl.load(comm_table + t * 4)
                 peer = tl.load(comm_table + t * 4 + 1)
@@ -86,7 +87,9 @@ def _all_gather_matmul_kernel(
                 rows = tl.minimum(Ms - chunk * BM, BM)
                 src = a_ptr + chunk.to(tl.int64) * BM * K
                 dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
-                if kind == 0:
+                if peers_ok == 0:  # a peer never finished the last call: write nothing (the loop drains)
+                    pass
+                elif kind == 0:
                     dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
                     copy_flat(src, dst, rows * K, 4096)
                     sig = dev.peer_ptr(peer_sig, peer, tl.int32)
@@ -167,6 +170,8 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *, pol
         raise ValueError(f"a_shard is [{ms}, {k}] but b is {list(b.shape)}: b must have K={k} rows")
     n = b.shape[1]
     check_tma_dims(K=k, N=n)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
     b_store, b_kmajor = b_layout(b)
     ws = runtime.get_workspace(group, a_shard.device)
     w, r = ws.world.size, ws.world.rank

@@ -75,6 +75,9 @@ def check_matrix(name: str, t, device=None) -> None:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     if t.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (TMA); got a view at storage offset "
+                         f"{t.storage_offset()} -- .clone() it")
 
 
 def b_layout(b: torch.Tensor):

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import (TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, policy_args, store_rows,
+from .common import (POLICIES, TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, policy_args, store_rows,
                      store_tile, tile_matmul)
 
 OP_CODE = 2
@@ -111,6 +111,7 @@ def _matmul_reduce_scatter_kernel(
         red_done = ((n_red == 0) | (pid >= fixed_comm)).to(tl.int32)
         comp_done = (pid < fixed_comm).to(tl.int32)
     handshake = 0
+    peers_ok = 1
     n_ev = 0
     while (red_done == 0) | (comp_done == 0):
         if dev.aborted(err_ptr):
@@ -148,12 +149,14 @@ def _matmul_reduce_scatter_kernel(
                         store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                     else:
                         if handshake == 0:  # peers may still be pulling last call's partials from staging
-                            dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 2, rank)
+                            peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
+                                                           2, rank)
                             handshake = 1
-                        store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
-                                   Ms - mt * BM, N, BM, BN)
-                        sig = dev.peer_ptr(peer_sig, owner, tl.int32)
-                        dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
+                        if peers_ok != 0:  # else a peer never finished the last call: write nothing, drain
+                            store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
+                                       Ms - mt * BM, N, BM, BN)
+                            sig = dev.peer_ptr(peer_sig, owner, tl.int32)
+                            dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
                     n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
                 else:
                     comp_done = 1
@@ -203,6 +206,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, polic
         raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: b must have K={k} rows")
     n = b.shape[1]
     check_tma_dims(K=k, N=n)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
     b_store, b_kmajor = b_layout(b)
     ws = runtime.get_workspace(group, a.device)
     w, r = ws.world.size, ws.world.rank
