@@ -215,8 +215,8 @@ def check_errors(group=None) -> None:
 def set_timeout(seconds: float, group=None, device=None) -> None:
     """Bound every in-kernel wait of ``group``'s workspace on ``device`` (default: the current CUDA device)
     to ``seconds`` (default KOSMOS_TIMEOUT_S or 5 s)."""
-    if seconds <= 0:
-        raise ValueError("timeout must be positive")
+    if not 0 < seconds <= 2000:
+        raise ValueError(f"timeout must be positive and at most 2000 s, got {seconds}")
     get_workspace(group, torch.device(device) if device is not None else None).timeout_s = float(seconds)
 
 

@@ -42,17 +42,20 @@ from .common import (POLICIES, TRACE_EVENTS, b_layout, check_matrix, check_tma_d
 OP_CODE = 1
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_ns", "n_comm", "n_comp", "fixed_comm"])
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_comp", "fixed_comm"])
 def _all_gather_matmul_kernel(
         a_ptr, b_ptr, c_ptr, gather_ptr,
         peer_data, peer_sig, sig_ptr,
         comm_table, n_comm, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
-        Ms, N, K, rank, epoch, timeout_ns, fixed_comm,
+        Ms, N, K, rank, epoch, timeout_us, fixed_comm,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
     pid = tl.program_id(0)
+    # the timeout travels in microseconds: always an i32 argument, so one compiled variant serves every
+    # value (a value-dependent i32/i64 argument type once left a stale variant with a garbage timeout)
+    timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     M = Ms * WORLD
     if B_KMAJOR:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
@@ -140,7 +143,7 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
     _all_gather_matmul_kernel[(grid,)](
         a_shard, b_store, c, gather, peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], comp_t, comp_t.shape[0], heads, errors, trace_buf,
-        ms, n, k, rank, epoch, timeout_ns, fixed,
+        ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(),
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,

@@ -82,18 +82,21 @@ def _reduce_tile(t, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, 
         store_rows(c_ptr, acc.to(tl.bfloat16), mt * BM + r0, nt * BN, rows_valid - r0, N, RED_ROWS, BN)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_ns", "n_comp", "n_red", "fixed_comm"])
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comp", "n_red", "fixed_comm"])
 def _matmul_reduce_scatter_kernel(
         a_ptr, b_ptr, c_ptr, stage_ptr,
         peer_data, peer_sig, sig_ptr,
         comp_table, n_comp, red_table, n_red,
         heads_ptr, err_ptr, trace_ptr,
-        Ms, N, K, rank, epoch, timeout_ns, fixed_comm,
+        Ms, N, K, rank, epoch, timeout_us, fixed_comm,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         RED_ROWS: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
     pid = tl.program_id(0)
+    # the timeout travels in microseconds: always an i32 argument, so one compiled variant serves every
+    # value (a value-dependent i32/i64 argument type once left a stale variant with a garbage timeout)
+    timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     M = Ms * WORLD
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     if B_KMAJOR:
@@ -177,7 +180,7 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
     _matmul_reduce_scatter_kernel[(grid,)](
         a, b_store, c, stage, peer_data, peer_sig, signals,
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
-        ms, n, k, rank, epoch, timeout_ns, fixed,
+        ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=max(1, min(cfg.BM, 8192 // cfg.BN)),
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,

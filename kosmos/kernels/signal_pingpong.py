@@ -13,8 +13,9 @@ from .. import device as dev
 from .. import runtime
 
 
-@triton.jit(do_not_specialize=["rank", "base", "timeout_ns"])
-def _pingpong_kernel(peer_sig, sig_ptr, err_ptr, rank, base, iters, timeout_ns, SLOT: tl.constexpr):
+@triton.jit(do_not_specialize=["rank", "base", "timeout_us"])
+def _pingpong_kernel(peer_sig, sig_ptr, err_ptr, rank, base, iters, timeout_us, SLOT: tl.constexpr):
+    timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     peer = 1 - rank
     remote = dev.peer_ptr(peer_sig, peer, tl.int32) + SLOT
     for i in range(1, iters + 1):
@@ -40,7 +41,7 @@ def signal_round_trip_us(iters: int = 2000, group=None) -> float:
         return float("nan")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    _pingpong_kernel[(1,)](ws.peer_signals, ws.signals, ws.errors, r, base, iters, ws.timeout_ns(), SLOT=slot,
+    _pingpong_kernel[(1,)](ws.peer_signals, ws.signals, ws.errors, r, base, iters, max(1, ws.timeout_ns() // 1000), SLOT=slot,
                            num_warps=1)
     end.record()
     ws.after_launch()
