@@ -36,8 +36,7 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import (POLICIES, TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, copy_flat, policy_args,
-                     store_tile, tile_matmul)
+from .common import check_launch, check_operands, copy_flat, policy_args, store_tile, tile_matmul
 
 OP_CODE = 1
 
@@ -160,30 +159,13 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *, pol
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``trace`` (int64
     [grid, 1024, 4]) records per-program task events.
     """
-    check_matrix("a_shard", a_shard)
-    check_matrix("b", b)
-    if a_shard.device.type != "cuda":
-        raise ValueError(f"a_shard must be a CUDA tensor, got {a_shard.device}")
-    if b.device != a_shard.device:
-        raise ValueError(f"b is on {b.device} but a_shard is on {a_shard.device}")
-    if not a_shard.is_contiguous():
-        raise ValueError("a_shard must be contiguous")
-    ms, k = a_shard.shape
-    if b.shape[0] != k:
-        raise ValueError(f"a_shard is [{ms}, {k}] but b is {list(b.shape)}: b must have K={k} rows")
-    n = b.shape[1]
-    check_tma_dims(K=k, N=n)
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
-    b_store, b_kmajor = b_layout(b)
+    ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)
     ws = runtime.get_workspace(group, a_shard.device)
     w, r = ws.world.size, ws.world.rank
     m = ms * w
     cfg = planning.tile_config(ms, n, k)
     grid = runtime.num_sms(a_shard.device)
-    policy_args(policy, comm_programs, grid)
-    if trace is not None and tuple(trace.shape) != (grid, TRACE_EVENTS, 4):
-        raise ValueError(f"trace buffer must be int64 [{grid}, {TRACE_EVENTS}, 4]")
+    check_launch(policy, comm_programs, trace, grid)
     ws.ensure(m * k * 2, w * triton.cdiv(ms, cfg.BM))
     runtime.ensure_triton_allocator()
     epoch = ws.next_epoch()

@@ -90,6 +90,33 @@ def b_layout(b: torch.Tensor):
                      f"{b.stride()} for shape {tuple(b.shape)}")
 
 
+def check_operands(a_name: str, a, b, policy: str):
+    """Every check that needs no process group, in one place: returns (rows, K, N, b_store, b_kmajor)."""
+    check_matrix(a_name, a)
+    check_matrix("b", b)
+    if a.device.type != "cuda":
+        raise ValueError(f"{a_name} must be a CUDA tensor, got {a.device}")
+    if b.device != a.device:
+        raise ValueError(f"b is on {b.device} but {a_name} is on {a.device}")
+    if not a.is_contiguous():
+        raise ValueError(f"{a_name} must be contiguous")
+    rows, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"{a_name} is [{rows}, {k}] but b is {list(b.shape)}: b must have K={k} rows")
+    n = b.shape[1]
+    check_tma_dims(K=k, N=n)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+    return (rows, k, n) + b_layout(b)
+
+
+def check_launch(policy: str, comm_programs, trace, grid: int) -> None:
+    """Checks that depend on the grid (the device's SM count)."""
+    policy_args(policy, comm_programs, grid)
+    if trace is not None and tuple(trace.shape) != (grid, TRACE_EVENTS, 4):
+        raise ValueError(f"trace buffer must be int64 [{grid}, {TRACE_EVENTS}, 4]")
+
+
 def check_tma_dims(**dims) -> None:
     for name, v in dims.items():
         if v % 8:

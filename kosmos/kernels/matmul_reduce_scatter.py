@@ -41,8 +41,7 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import (POLICIES, TRACE_EVENTS, b_layout, check_matrix, check_tma_dims, policy_args, store_rows,
-                     store_tile, tile_matmul)
+from .common import check_launch, check_operands, policy_args, store_rows, store_tile, tile_matmul
 
 OP_CODE = 2
 
@@ -196,22 +195,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, polic
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation; ``trace`` as in
     ``all_gather_matmul``.
     """
-    check_matrix("a", a)
-    check_matrix("b", b)
-    if a.device.type != "cuda":
-        raise ValueError(f"a must be a CUDA tensor, got {a.device}")
-    if b.device != a.device:
-        raise ValueError(f"b is on {b.device} but a is on {a.device}")
-    if not a.is_contiguous():
-        raise ValueError("a must be contiguous")
-    m, k = a.shape
-    if b.shape[0] != k:
-        raise ValueError(f"a is [{m}, {k}] but b is {list(b.shape)}: b must have K={k} rows")
-    n = b.shape[1]
-    check_tma_dims(K=k, N=n)
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
-    b_store, b_kmajor = b_layout(b)
+    m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)
     ws = runtime.get_workspace(group, a.device)
     w, r = ws.world.size, ws.world.rank
     if m % w:
@@ -219,9 +203,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, polic
     ms = m // w
     cfg = planning.tile_config(ms, n, k)
     grid = runtime.num_sms(a.device)
-    policy_args(policy, comm_programs, grid)
-    if trace is not None and tuple(trace.shape) != (grid, TRACE_EVENTS, 4):
-        raise ValueError(f"trace buffer must be int64 [{grid}, {TRACE_EVENTS}, 4]")
+    check_launch(policy, comm_programs, trace, grid)
     ws.ensure(m * n * 2, w * triton.cdiv(ms, cfg.BM) * triton.cdiv(n, cfg.BN))
     runtime.ensure_triton_allocator()
     epoch = ws.next_epoch()
