@@ -119,45 +119,36 @@ class AG:
                 assert got == [0 if s == q else epoch] * chunks, (q, s, got)
 
 
+def run_schedule(t, schedule, flags=True):
+    """Run every epoch of EPOCHS with ``schedule`` = [(rank, policy kwargs), ...] in order, then check that
+    every launch left its queue heads at zero, the done flags, the data flags and the outputs."""
+    for epoch in EPOCHS:
+        t.new_epoch_inputs()
+        for r, pol in schedule:
+            t.launch(r, epoch, **pol)
+            t.rk.check_clean(r)
+        t.rk.check_done(epoch)
+        if flags:
+            t.check_flags(epoch)
+        t.check_outputs()
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("ms,k,n", SHAPES)
 def test_all_gather_matmul_epochs(world, ms, k, n):
     t = AG(world, ms, k, n, seed=world * 100 + ms)
-    for epoch in EPOCHS:
-        t.new_epoch_inputs()
-        for phase in (COMM_ONLY, COMPUTE_ONLY):
-            for r in range(world):
-                t.launch(r, epoch, **phase)
-                t.rk.check_clean(r)
-        t.rk.check_done(epoch)
-        t.check_flags(epoch)
-        t.check_outputs()
+    run_schedule(t, [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(world)])
 
 
 @pytest.mark.parametrize("ms,k,n", SHAPES)
 def test_all_gather_matmul_self_policy_world1(ms, k, n):
-    t = AG(1, ms, k, n, seed=7)
-    for epoch in EPOCHS:
-        t.new_epoch_inputs()
-        t.launch(0, epoch, **SELF)
-        t.rk.check_clean(0)
-        t.rk.check_done(epoch)
-        t.check_outputs()
+    run_schedule(AG(1, ms, k, n, seed=7), [(0, SELF)], flags=False)
 
 
 def test_all_gather_matmul_self_policy_world2():
     """Rank 1 pushes first (comm only); rank 0 then runs the whole call self-scheduled (its pushes, its own
     slot, rank 1's slot); rank 1 computes last."""
-    t = AG(2, 21, 40, 48, seed=11)
-    for epoch in EPOCHS:
-        t.new_epoch_inputs()
-        t.launch(1, epoch, **COMM_ONLY)
-        t.launch(0, epoch, **SELF)
-        t.launch(1, epoch, **COMPUTE_ONLY)
-        for r in range(2):
-            t.rk.check_clean(r)
-        t.rk.check_done(epoch)
-        t.check_outputs()
+    run_schedule(AG(2, 21, 40, 48, seed=11), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
 
 
 def test_all_gather_matmul_b_kmajor():
@@ -221,41 +212,18 @@ class RS:
 @pytest.mark.parametrize("ms,k,n", SHAPES)
 def test_matmul_reduce_scatter_epochs(world, ms, k, n):
     t = RS(world, ms, k, n, seed=world * 100 + ms + 1)
-    for epoch in EPOCHS:
-        t.new_epoch_inputs()
-        for phase in (COMPUTE_ONLY, COMM_ONLY):
-            for r in range(world):
-                t.launch(r, epoch, **phase)
-                t.rk.check_clean(r)
-        t.rk.check_done(epoch)
-        t.check_flags(epoch)
-        t.check_outputs()
+    run_schedule(t, [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(world)])
 
 
 @pytest.mark.parametrize("ms,k,n", SHAPES)
 def test_matmul_reduce_scatter_self_policy_world1(ms, k, n):
-    t = RS(1, ms, k, n, seed=17)
-    for epoch in EPOCHS:
-        t.new_epoch_inputs()
-        t.launch(0, epoch, **SELF)
-        t.rk.check_clean(0)
-        t.rk.check_done(epoch)
-        t.check_outputs()
+    run_schedule(RS(1, ms, k, n, seed=17), [(0, SELF)], flags=False)
 
 
 def test_matmul_reduce_scatter_self_policy_world2():
     """Rank 1 computes first; rank 0 runs self-scheduled (its reduce tasks become ready while it computes,
     and are claimed early); rank 1 reduces last."""
-    t = RS(2, 21, 40, 48, seed=19)
-    for epoch in EPOCHS:
-        t.new_epoch_inputs()
-        t.launch(1, epoch, **COMPUTE_ONLY)
-        t.launch(0, epoch, **SELF)
-        t.launch(1, epoch, **COMM_ONLY)
-        for r in range(2):
-            t.rk.check_clean(r)
-        t.rk.check_done(epoch)
-        t.check_outputs()
+    run_schedule(RS(2, 21, 40, 48, seed=19), [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)])
 
 
 def test_matmul_reduce_scatter_b_kmajor():
