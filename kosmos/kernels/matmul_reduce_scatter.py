@@ -93,8 +93,8 @@ def _matmul_reduce_scatter_kernel(
         RED_ROWS: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
     pid = tl.program_id(0)
-    # the timeout travels in microseconds: always an i32 argument, so one compiled variant serves every
-    # value (a value-dependent i32/i64 argument type once left a stale variant with a garbage timeout)
+    # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
+    # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     M = Ms * WORLD
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
