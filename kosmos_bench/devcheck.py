@@ -127,6 +127,32 @@ def _rank_main(rank, world, args):
         if not ok:
             tp._recover()
 
+    if args.host_profile and rank == 0:
+        # where a call's host (enqueue) time goes: cProfile over 50 back-to-back calls of each op
+        import cProfile
+        import io
+        import pstats
+        for op in ("ag_gemm", "gemm_rs"):
+            g = TPGemm("custom", "custom", op, 8192, 8192, 5120 if op == "ag_gemm" else 8192,
+                       8192 if op == "ag_gemm" else 4096)
+            a, b = tp.make_inputs(g, world, rank, 7)
+            f = (lambda: kosmos.all_gather_matmul(a, b)) if op == "ag_gemm" else (
+                lambda: kosmos.matmul_reduce_scatter(a, b))
+            if world == 1:
+                f()
+                torch.cuda.synchronize()
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(50):
+                    f()
+                prof.disable()
+                torch.cuda.synchronize()
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+                with open(os.path.join(args.out, f"host-profile-{op}.txt"), "w") as fh:
+                    fh.write(out.getvalue())
+                print(out.getvalue()[:3000], flush=True)
+
     # timings on model shapes
     st = tp.TPSettings(impls=tuple(args.impls.split(",")), iters=args.iters, warmup=3,
                        fixed_sweep=tuple(int(x) for x in args.sweep.split(",")), trace_dir=args.out)
@@ -203,6 +229,7 @@ def main():
     p.add_argument("--skip-correct", action="store_true")
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--hang-dump-s", type=float, default=300.0)
+    p.add_argument("--host-profile", action="store_true", help="cProfile the host side of 50 calls (world 1)")
     args = p.parse_args()
     import sys
     args.argv = sys.argv[1:]
