@@ -22,7 +22,8 @@ Synchronisation contract (signals of rank q):
 
 Policy (POLICY constexpr, one place):
   self   -- before each compute tile a program peeks at the reduce queue head; if that reduce task's inputs
-            are all ready it claims exactly that task (atomic CAS) and runs it, else it computes. When the
+            are all ready it claims exactly that task (atomic CAS; on a lost race it retries on the new
+            head while that one is ready) and runs it, else it computes. When the
             compute queue is empty it takes the remaining reduce tasks and waits for them. Communication
             (the pulls) therefore runs as soon as, and only when, its data exists -- no split parameter.
   fixed  -- programs pid < S only reduce (in queue order, waiting), the others only compute.
@@ -56,6 +57,29 @@ def _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD: tl
         v = dev.load_uniform(sig_ptr + FLAG_BASE + s * tiles_per_owner + mt * n_tn + nt)
         ready = ready & (v >= epoch).to(tl.int32)
     return ready
+
+
+@triton.jit
+def _claim_ready_reduce(heads_ptr, h, n_red, red_table, sig_ptr, tiles_per_owner, n_tn, epoch,
+                        WORLD: tl.constexpr, FLAG_BASE: tl.constexpr):
+    """Claim the reduce task at the head of the queue if its inputs are all there; if another program takes
+    it first, look again at the new head and keep trying while the head is ready. Returns the claimed index
+    or -1. (v0.2 gave up after one lost race and went back to compute for a whole tile: with many programs
+    deciding at once, only ~10 kept reducing, and ~500 of 1024 reduce tasks piled up at the end.)
+    Terminates: each lost race means the head advanced."""
+    t_red = -1
+    ready = _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD, FLAG_BASE)
+    while ready != 0:
+        if dev.try_claim(heads_ptr + 0, h):
+            t_red = h
+            ready = 0
+        else:
+            h = dev.peek(heads_ptr + 0)
+            if h >= n_red:
+                ready = 0
+            else:
+                ready = _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD, FLAG_BASE)
+    return t_red
 
 
 @triton.jit
@@ -130,9 +154,9 @@ def _matmul_reduce_scatter_kernel(
                     if t_red >= n_red:
                         red_done = 1
                         t_red = -1
-                elif _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD, FLAG_BASE):
-                    if dev.try_claim(heads_ptr + 0, h):
-                        t_red = h
+                else:
+                    t_red = _claim_ready_reduce(heads_ptr, h, n_red, red_table, sig_ptr, tiles_per_owner, n_tn,
+                                                epoch, WORLD, FLAG_BASE)
             if t_red >= 0:
                 t0 = dev.now_ns()
                 _reduce_tile(t_red, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch,
