@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -104,6 +105,8 @@ def bench_tp(
                        sys.argv)
     except launcher.LaunchError as e:
         _fail(f"{e}\npartial results (if any) are in {out}", code=1)
+    if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
+        return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
     from .report import build_table, load_results, print_terminal
     print_terminal(build_table(load_results([out])[1]), console=Console())
     console.print(f"results: {out}  (render again with `kosmos report {out}`)")
