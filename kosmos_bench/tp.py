@@ -264,7 +264,6 @@ def _write_trace(g: TPGemm, st: TPSettings):
     else:
         gathered = [events]
     if rank == 0:
-        import os
         os.makedirs(st.trace_dir, exist_ok=True)
         doc = {"type": "trace", "op": g.op, "model": g.model, "layer": g.layer, "seq": g.seq, "m": g.m, "n": g.n,
                "k": g.k, "world": world, "impl": "kosmos",

@@ -152,14 +152,8 @@ def test_all_gather_matmul_self_policy_world2():
 
 
 def test_all_gather_matmul_b_kmajor():
-    t = AG(2, 21, 40, 48, seed=13, b_kmajor=True)
-    for epoch in (1, 2):
-        t.new_epoch_inputs()
-        for phase in (COMM_ONLY, COMPUTE_ONLY):
-            for r in range(2):
-                t.launch(r, epoch, **phase)
-                t.rk.check_clean(r)
-        t.check_outputs()
+    run_schedule(AG(2, 21, 40, 48, seed=13, b_kmajor=True),
+                 [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(2)])
 
 
 # --------------------------------------------------------------------------------------- GEMM+ReduceScatter
@@ -227,14 +221,8 @@ def test_matmul_reduce_scatter_self_policy_world2():
 
 
 def test_matmul_reduce_scatter_b_kmajor():
-    t = RS(2, 21, 40, 48, seed=23, b_kmajor=True)
-    for epoch in (1, 2):
-        t.new_epoch_inputs()
-        for phase in (COMPUTE_ONLY, COMM_ONLY):
-            for r in range(2):
-                t.launch(r, epoch, **phase)
-                t.rk.check_clean(r)
-        t.check_outputs()
+    run_schedule(RS(2, 21, 40, 48, seed=23, b_kmajor=True),
+                 [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(2)])
 
 
 # ------------------------------------------------------------------------------------------------ timeouts
