@@ -21,15 +21,18 @@ Synchronisation contract (signals of rank q):
                         done[p] >= epoch-1, because p may still be pulling last call's partials.
 
 Policy (POLICY constexpr, one place):
-  self   -- before each compute tile a program peeks at the reduce queue head; if that reduce task's inputs
-            are all ready it claims exactly that task (atomic CAS; on a lost race it retries on the new
-            head while that one is ready) and runs it, else it computes. When the
-            compute queue is empty it takes the remaining reduce tasks and waits for them. Communication
-            (the pulls) therefore runs as soon as, and only when, its data exists -- no split parameter.
+  self   -- reduce task t belongs to program t % GRID (no shared reduce head, no CAS). Before each compute
+            tile a program looks at its own next reduce task; if that task's inputs are all ready it runs
+            it, else it computes (compute tiles come from the shared fetch-add queue, so programs that
+            reduce more compute less). When the compute queue is empty it runs its remaining reduce tasks,
+            waiting for each. Communication (the pulls) therefore runs as soon as its data exists and the
+            program owning it reaches a tile boundary -- no split parameter. (v0.2 claimed the shared head
+            with one CAS and fell behind; v0.3 retried the CAS while the head was ready: ~130 programs
+            spun on one word after every compute wave and compute ran at half rate -- NOTES.md.)
   fixed  -- programs pid < S only reduce (in queue order, waiting), the others only compute.
 
 Deadlock-freedom: compute tiles never wait (except on the previous call's completion); a reduce task is
-claimed early only when its inputs are already there, so every waiting program waits on compute tiles that
+run early only when its inputs are already there, so every waiting program waits on compute tiles that
 running programs (or peers) have claimed or will claim.
 
 W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
@@ -57,29 +60,6 @@ def _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD: tl
         v = dev.load_uniform(sig_ptr + FLAG_BASE + s * tiles_per_owner + mt * n_tn + nt)
         ready = ready & (v >= epoch).to(tl.int32)
     return ready
-
-
-@triton.jit
-def _claim_ready_reduce(heads_ptr, h, n_red, red_table, sig_ptr, tiles_per_owner, n_tn, epoch,
-                        WORLD: tl.constexpr, FLAG_BASE: tl.constexpr):
-    """Claim the reduce task at the head of the queue if its inputs are all there; if another program takes
-    it first, look again at the new head and keep trying while the head is ready. Returns the claimed index
-    or -1. (v0.2 gave up after one lost race and went back to compute for a whole tile: with many programs
-    deciding at once, only ~10 kept reducing, and ~500 of 1024 reduce tasks piled up at the end.)
-    Terminates: each lost race means the head advanced."""
-    t_red = -1
-    ready = _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD, FLAG_BASE)
-    while ready != 0:
-        if dev.try_claim(heads_ptr + 0, h):
-            t_red = h
-            ready = 0
-        else:
-            h = dev.peek(heads_ptr + 0)
-            if h >= n_red:
-                ready = 0
-            else:
-                ready = _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD, FLAG_BASE)
-    return t_red
 
 
 @triton.jit
@@ -130,8 +110,9 @@ def _matmul_reduce_scatter_kernel(
     n_tn = tl.cdiv(N, BN)
     tiles_per_owner = tl.cdiv(Ms, BM) * n_tn
 
+    my_red = pid  # POLICY 0: this program's next reduce task (its tasks are pid, pid + GRID, ...)
     if POLICY == 0:
-        red_done = (n_red == 0).to(tl.int32)
+        red_done = (my_red >= n_red).to(tl.int32)
         comp_done = 0
     else:
         red_done = ((n_red == 0) | (pid >= fixed_comm)).to(tl.int32)
@@ -146,17 +127,20 @@ def _matmul_reduce_scatter_kernel(
         else:
             t_red = -1
             if red_done == 0:
-                h = dev.peek(heads_ptr + 0)
-                if h >= n_red:
-                    red_done = 1
-                elif comp_done == 1:  # nothing else to do: take the next reduce task and wait for it
+                if POLICY == 0:  # own tasks only: nothing to claim, nothing contended
+                    if comp_done == 1:  # nothing else to do: take the next own task and wait for it
+                        t_red = my_red
+                    elif _reduce_ready(red_table, my_red, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD,
+                                       FLAG_BASE) != 0:
+                        t_red = my_red
+                    if t_red >= 0:
+                        my_red += GRID
+                        red_done = (my_red >= n_red).to(tl.int32)
+                else:  # fixed: the reducer programs share the reduce queue in order, waiting
                     t_red = dev.claim(heads_ptr + 0)
                     if t_red >= n_red:
                         red_done = 1
                         t_red = -1
-                else:
-                    t_red = _claim_ready_reduce(heads_ptr, h, n_red, red_table, sig_ptr, tiles_per_owner, n_tn,
-                                                epoch, WORLD, FLAG_BASE)
             if t_red >= 0:
                 t0 = dev.now_ns()
                 _reduce_tile(t_red, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch,
