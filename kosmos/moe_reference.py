@@ -82,12 +82,15 @@ def moe_forward_ref_local(xs, router_weight, w13s, w2s, *, top_k: int, routing: 
 
 
 def _experts_forward(x_sorted, counts, w13, w2, fp32: bool):
-    """Run local expert i on the next counts[i] rows of x_sorted (grouped GEMMs on CUDA in bf16)."""
+    """Run local expert i on the next counts[i] rows of x_sorted [R, H]; counts [E_local] (any int dtype, on
+    x_sorted's device). fp32=False on CUDA: two ``torch._grouped_mm`` (bf16 in, fp32 accumulate, bf16 out) with
+    the SwiGLU between them -- no host sync, no fp32 copies. Otherwise one expert at a time (fp32=True: upcast
+    to fp32, the reference)."""
     if not fp32 and x_sorted.is_cuda and hasattr(torch, "_grouped_mm") and x_sorted.shape[0] > 0:
-        offs = torch.cumsum(counts.to(x_sorted.device), 0).to(torch.int32)
+        offs = torch.cumsum(counts.to(device=x_sorted.device), 0, dtype=torch.int32)
         h = torch._grouped_mm(x_sorted, w13, offs=offs)
         f = w2.shape[1]
-        return torch._grouped_mm((F.silu(h[:, :f]) * h[:, f:]).contiguous(), w2, offs=offs)
+        return torch._grouped_mm(F.silu(h[:, :f]) * h[:, f:], w2, offs=offs)
     out = torch.empty((x_sorted.shape[0], w2.shape[2]), dtype=torch.float32 if fp32 else x_sorted.dtype,
                       device=x_sorted.device)
     start = 0
@@ -103,49 +106,70 @@ def _experts_forward(x_sorted, counts, w13, w2, fp32: bool):
 def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "softmax", group=None,
                     fp32: bool = True, **route_kw):
     """The MoE layer over ``group`` with NCCL/gloo all-to-all (Megatron's all-to-all dispatcher):
-    route, permute (token, expert) pairs by expert, exchange counts (read on the host), all_to_all_single the
-    rows, group them by local expert, SwiGLU experts, all_to_all_single back, unpermute, fold in slot order.
-    x [T, H] this rank's tokens; w13 [E/W, H, 2F], w2 [E/W, F, H] this rank's experts. Returns y [T, H]
-    (fp32 if ``fp32`` else x.dtype)."""
+    route, permute (token, expert) pairs by expert, exchange counts (read on the host: NCCL needs the split
+    sizes there), all_to_all_single the rows, group them by local expert, SwiGLU experts, all_to_all_single
+    back, unpermute, fold. x [T, H] this rank's tokens; w13 [E/W, H, 2F], w2 [E/W, F, H] this rank's experts.
+    Returns y [T, H].
+
+    ``fp32=True`` (the reference): rows upcast to fp32, experts one by one in fp32, the fold in fp32 in slot
+    order; returns fp32. ``fp32=False`` (the ``nccl-a2a`` baseline): bf16 rows on the wire, grouped GEMMs, and
+    the fold as one batched GEMM ``y[t] = w[t, :] @ pair_out[t, :, :]`` (weights cast to x.dtype, fp32
+    accumulation inside the GEMM); returns x.dtype. One host sync per call (the split sizes)."""
     import torch.distributed as dist
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     local = w13.shape[0]
-    n_tokens, top = x.shape[0], top_k
+    n_tokens, hidden = x.shape
     weights, experts = route(x, router_weight, top_k, routing, **route_kw)
     flat_expert = experts.reshape(-1)                       # pair p = token p // k, slot p % k
     order = torch.argsort(flat_expert, stable=True)         # pairs grouped by expert, hence by rank
-    rows = x[order // top].float() if fp32 else x[order // top]
+    rows = x.index_select(0, order // top_k)
+    if fp32:
+        rows = rows.float()
     per_expert = torch.bincount(flat_expert, minlength=local * world)
     send = per_expert.view(world, local)                    # [dest rank, local expert]
-    recv = torch.empty_like(send)
+    recv = torch.empty_like(send)                           # [source rank, local expert]
     if world > 1:
         dist.all_to_all_single(recv, send, group=group)
     else:
         recv.copy_(send)
-    send_splits = send.sum(1).tolist()
-    recv_splits = recv.sum(1).tolist()
-    got = rows.new_empty((sum(recv_splits), x.shape[1]))
+    send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
+    got = rows.new_empty((sum(recv_splits), hidden))
     if world > 1:
         dist.all_to_all_single(got, rows, recv_splits, send_splits, group=group)
     else:
         got.copy_(rows)
-    # got holds, per source rank, rows sorted by local expert: regroup by local expert
-    src_expert = torch.cat([torch.arange(local, device=x.device).repeat_interleave(recv[s].to(x.device))
-                            for s in range(world)]) if got.shape[0] else torch.empty(0, dtype=torch.long,
-                                                                                    device=x.device)
+    # got holds, per source rank, rows sorted by local expert: regroup by local expert (stable, so within an
+    # expert the rows stay in source-rank order)
+    chunk_expert = torch.arange(local, device=x.device).repeat(world)  # chunk (source s, expert i) -> i
+    src_expert = torch.repeat_interleave(chunk_expert, recv.reshape(-1).to(x.device), output_size=got.shape[0])
     by_expert = torch.argsort(src_expert, stable=True)
-    out_sorted = _experts_forward(got[by_expert], recv.sum(0), w13, w2, fp32)
+    out_sorted = _experts_forward(got.index_select(0, by_expert), recv.sum(0), w13, w2, fp32)
     out = torch.empty_like(out_sorted)
-    out[by_expert] = out_sorted
-    back = out.new_empty((sum(send_splits), x.shape[1]))
+    out.index_copy_(0, by_expert, out_sorted)
+    back = out.new_empty((sum(send_splits), hidden))
     if world > 1:
         dist.all_to_all_single(back, out, send_splits, recv_splits, group=group)
     else:
         back.copy_(out)
     pair_out = torch.empty_like(back)
-    pair_out[order] = back                                  # pair order again: token-major, slot-minor
-    pair_out = pair_out.view(n_tokens, top, -1).float()
-    y = torch.zeros((n_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
-    for j in range(top):                                    # fold in fixed slot order
+    pair_out.index_copy_(0, order, back)                    # pair order again: token-major, slot-minor
+    pair_out = pair_out.view(n_tokens, top_k, hidden)
+    if not fp32:
+        return torch.bmm(weights.to(x.dtype).unsqueeze(1), pair_out).squeeze(1)
+    y = torch.zeros((n_tokens, hidden), dtype=torch.float32, device=x.device)
+    for j in range(top_k):                                  # fold in fixed slot order
         y += weights[:, j, None] * pair_out[:, j]
-    return y if fp32 else y.to(x.dtype)
+    return y
+
+
+def apply_routing_ref(x, weights, experts, w13_all, w2_all):
+    """fp32 y [T, H] for tokens x [T, H] given a routing (weights [T, k], global experts [T, k]) and ALL experts'
+    weights (w13_all [E, H, 2F], w2_all [E, F, H]); fold in slot order. Lets a test check the expert math of an
+    implementation against its own routing decisions, separately from the router."""
+    xf = x.float()
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(experts.shape[1]):
+        for e in experts[:, j].unique().tolist():
+            rows = (experts[:, j] == e).nonzero(as_tuple=True)[0]
+            y[rows] += weights[rows, j, None].float() * expert_ffn(xf[rows], w13_all[e].float(), w2_all[e].float())
+    return y

@@ -16,6 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=(
     "and the benchmark that compares them with what you run today.\n\n"
     "  kosmos bench tp                      # default TP suite on all visible GPUs\n\n"
     "  kosmos bench tp --model llama3-70b --seq 4096,8192 --tp 2\n\n"
+    "  kosmos bench moe --model deepseek-v3 --tokens 4096 --routing uniform,zipf:1.2\n\n"
     "  kosmos report results/h200x2/tp-bf16.jsonl --format md"))
 bench_app = typer.Typer(no_args_is_help=True, help="Check and time fused ops against baselines on this node's GPUs.")
 app.add_typer(bench_app, name="bench")
@@ -159,11 +160,80 @@ def _bench_tp_rank(rank, world, suite: dict, cases: list, out: str, trace_dir, a
         f.close()
 
 
-@bench_app.command("moe")
-def bench_moe(model: str = typer.Option("deepseek-v3", "--model", "-m", help="MoE model proxy.")):
-    """MoE layer benchmark (router, dispatch, expert GEMMs, combine, fold in one launch): not built yet."""
-    _fail("`kosmos bench moe` is not implemented yet: the one-launch MoE layer is the next milestone. "
-          "Use `kosmos bench tp` for the TP+SP kernels.")
+MOE_HELP = "\n\n".join([
+    "Check every MoE implementation against the fp32 reference, then time them side by side.",
+    "A proxy of one model's MoE layer (its hidden size, expert FFN size, experts, top-k and router; experts split "
+    "evenly over the EP ranks) runs with each implementation on the same inputs: kosmos (the one-launch fused "
+    "layer), nccl-a2a (Megatron-style all-to-all + torch._grouped_mm, the speedup baseline), deepep (DeepEP "
+    "dispatch/combine around the same GEMMs, when deep_ep is installed), fixed-role (16 programs dedicated to "
+    "communication) and fixed-role-best (best split of a sweep). Each point also times the expert GEMMs alone: "
+    "kosmos-expert-gemms vs grouped-mm (torch._grouped_mm) on the row counts each rank receives.",
+    "Routing: uniform (random inputs and router) or zipf:S (expert popularity ~ rank^-S, S > 0, made through the "
+    "router itself; which experts are popular is a seeded shuffle). A failing implementation is recorded as "
+    "failed with its reason and the sweep goes on; rows are appended to --out as they are measured.",
+    "Examples:",
+    "  kosmos bench moe                # suites/moe-default.yaml on all visible GPUs",
+    "  kosmos bench moe --model qwen3-235b --tokens 4096,8192 --routing uniform,zipf:1.2 --ep 2",
+    "  kosmos bench moe --model deepseek-v3 --impl kosmos,nccl-a2a --iters 50 --out results/moe.jsonl",
+    "  kosmos report results/moe.jsonl --format md",
+])
+
+
+@bench_app.command("moe", help=MOE_HELP)
+def bench_moe(
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="MoE model(s), comma-separated or "
+                                              "repeated: deepseek-v3, qwen3-235b, mixtral-8x7b, qwen2-57b."),
+    tokens: Optional[List[str]] = typer.Option(None, "--tokens", "-t", help="Tokens per rank, e.g. 4096,8192."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size (default: all visible GPUs)."),
+    routing: Optional[List[str]] = typer.Option(None, "--routing", "-r", help="uniform and/or zipf:S (S > 0), "
+                                                "e.g. uniform,zipf:1.2."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 (mxfp8 is planned)."),
+    impl: Optional[List[str]] = typer.Option(None, "--impl", help="kosmos, nccl-a2a, deepep, fixed-role, "
+                                             "fixed-role-best (comma-separated)."),
+    suite: Optional[Path] = typer.Option(None, "--suite", help="YAML suite file (default: suites/moe-default.yaml)."),
+    iters: Optional[int] = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Untimed warm-up iterations."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSONL file to append to (default: "
+                                       "results/moe-<dtype>-<timestamp>.jsonl)."),
+    expert_gemms: Optional[bool] = typer.Option(None, "--expert-gemms/--no-expert-gemms", help="Also time the "
+                                                "expert GEMMs alone (kosmos-expert-gemms vs grouped-mm); default on."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the inputs, weights and popularity shuffle."),
+):
+    from . import launcher
+    from .moe import moe_cases
+    from .suites import SUPPORTED_DTYPES, MoESuite, SuiteError, default_moe_suite, load_suite
+
+    try:
+        base = load_suite(suite, bench="moe") if suite else default_moe_suite()
+        cfg: MoESuite = base.override(models=_split(model), tokens=_split(tokens, int), routing=_split(routing),
+                                      dtype=dtype, impls=_split(impl), iters=iters, warmup=warmup, ep=ep,
+                                      expert_gemms=expert_gemms, seed=seed)
+    except (SuiteError, ValueError) as e:
+        _fail(str(e))
+    if cfg.dtype not in SUPPORTED_DTYPES:
+        _fail(f"--dtype {cfg.dtype} is not implemented yet (MXFP8 kernels are planned); use --dtype bf16")
+    try:
+        world = launcher.check_world(cfg.ep)
+    except launcher.LaunchError as e:
+        _fail(str(e))
+    try:
+        cases = moe_cases(cfg.models, cfg.tokens, cfg.routing, world)
+    except ValueError as e:
+        _fail(str(e))
+    out = out or Path("results") / f"moe-{cfg.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]kosmos bench moe[/]: {len(cases)} points x {len(cfg.impls)} implementations on "
+                  f"{world} GPU(s) (EP={world}) -> {out}")
+    from .moe import bench_rank
+    try:
+        launcher.spawn(bench_rank, world, cfg.to_dict(), [vars(c) for c in cases], str(out), sys.argv)
+    except launcher.LaunchError as e:
+        _fail(f"{e}\npartial results (if any) are in {out}", code=1)
+    if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
+        return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
+    from .report import build_table, load_results, print_terminal
+    print_terminal(build_table(load_results([out])[1]), console=Console())
+    console.print(f"results: {out}  (render again with `kosmos report {out}`)")
 
 
 @app.command("report")

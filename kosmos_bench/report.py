@@ -9,14 +9,21 @@ Derived metrics (computed here, never stored by the benches):
 
 * ``speedup`` -- time_ms of the baseline implementation of the same comparison group
   divided by this row's time_ms; > 1 means faster than the baseline. The baseline is
-  "nccl+cublas" for bench "tp" and "nccl-a2a" for bench "moe". The comparison group
-  is (source, bench, op, model, m, n, k, world, dtype), for MoE also extra.routing
-  and extra.tokens. NaN unless both rows are "ok" with a positive time.
+  "nccl+cublas" for bench "tp" and "nccl-a2a" for bench "moe" -- except the MoE
+  expert-GEMMs-alone rows (op "moe_experts"), whose baseline is "grouped-mm"
+  (torch._grouped_mm on the same rows; same FLOPs, so speedup = TFLOP/s ratio). The
+  comparison group is (source, bench, op, model, m, n, k, world, dtype), for MoE also
+  routing and tokens. NaN unless both rows are "ok" with a positive time.
 * ``overlap_efficiency`` -- max(t_gemm_ms, t_comm_ms) / time_ms, i.e. the time of
   perfect overlap (the slower of the GEMM alone and the collective alone) relative
   to the measured time. 1.0 is perfect overlap; lower values mean exposed
   communication or overlap overhead. NaN unless the row is "ok" and both t_gemm_ms
-  and t_comm_ms are present.
+  and t_comm_ms are present. MoE rows: t_gemm_ms is the grouped-mm time of the same
+  point and t_comm_ms nccl-a2a's all-to-alls alone; a MoE row without t_comm_ms gets
+  t_gemm_ms / time_ms (the grouped-GEMM-only time over the layer's time).
+
+MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
+``extra`` (older files).
 * ``geomean_speedup`` / ``geomean_overlap_efficiency`` -- geometric means over the
   "ok" rows of one (source, bench, impl) that have the metric.
 """
@@ -38,6 +45,9 @@ from rich.table import Table
 from rich.text import Text
 
 BASELINE_IMPL = {"tp": "nccl+cublas", "moe": "nccl-a2a"}
+BASELINE_IMPL_BY_OP = {"moe_experts": "grouped-mm"}
+BASELINE_IMPLS = (*BASELINE_IMPL.values(), *BASELINE_IMPL_BY_OP.values())
+EXPERT_GEMM_BAR = ("moe_experts", "kosmos-expert-gemms", 0.8)  # op, impl, speedup vs grouped-mm to reach
 REQUIRED_RESULT_KEYS = ("op", "impl", "status", "m", "n", "k", "world", "dtype")
 ENV_FIELDS = ("gpu", "gpu_count", "torch", "triton", "git_commit", "timestamp")
 RENDER_FORMATS = ("md", "csv", "html", "text")
@@ -48,6 +58,7 @@ TABLE_COLUMNS = [
     "status", "reason",
 ]
 MOE_COLUMNS = ["tokens", "experts", "top_k", "routing"]
+MOE_DETAIL_COLUMNS = ["peak_mem_delta_bytes"]
 DETAIL_COLUMNS = ["p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "peak_mem_bytes", "params"]
 ENV_COLUMNS = ["run_id", *ENV_FIELDS]
 GEOMEAN_COLUMNS = [
@@ -62,7 +73,7 @@ MOE_COMPARISON_GROUP = ("routing", "tokens")
 
 INTEGER_COLUMNS = (
     "seq", "m", "n", "k", "world", "workspace_bytes", "peak_mem_bytes",
-    "tokens", "experts", "top_k", "gpu_count",
+    "tokens", "experts", "top_k", "gpu_count", "peak_mem_delta_bytes",
 )
 FLOAT_COLUMNS = (
     "time_ms", "tflops", "speedup", "overlap_efficiency", "rel_err",
@@ -164,7 +175,8 @@ def build_table(results: list[dict]) -> pd.DataFrame:
     for row in rows:
         row["overlap_efficiency"] = _overlap_efficiency(row)
     has_moe = any(row["bench"] == "moe" for row in rows)
-    columns = TABLE_COLUMNS + (MOE_COLUMNS if has_moe else []) + DETAIL_COLUMNS + ENV_COLUMNS
+    columns = TABLE_COLUMNS + (MOE_COLUMNS if has_moe else []) + DETAIL_COLUMNS + \
+        (MOE_DETAIL_COLUMNS if has_moe else []) + ENV_COLUMNS
     return _with_dtypes(pd.DataFrame(rows, columns=columns))
 
 
@@ -173,7 +185,7 @@ def _flatten(record: dict) -> dict:
     extra = record.get("extra") or {}
     is_moe = record.get("bench") == "moe"
     for column in MOE_COLUMNS:
-        row[column] = extra.get(column) if is_moe else None
+        row[column] = (record[column] if record.get(column) is not None else extra.get(column)) if is_moe else None
     params = record.get("params")
     row["params"] = json.dumps(params, sort_keys=True, separators=(",", ":")) if params else None
     return row
@@ -203,11 +215,15 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _baseline_impl(row: dict) -> str | None:
+    return BASELINE_IMPL_BY_OP.get(row.get("op")) or BASELINE_IMPL.get(row["bench"])
+
+
 def _add_speedup(rows: list[dict]) -> None:
     baseline_ms = {
         _comparison_group(row): row["time_ms"]
         for row in rows
-        if row["impl"] == BASELINE_IMPL.get(row["bench"]) and _has_time(row)
+        if row["impl"] == _baseline_impl(row) and _has_time(row)
     }
     for row in rows:
         baseline = baseline_ms.get(_comparison_group(row))
@@ -216,6 +232,8 @@ def _add_speedup(rows: list[dict]) -> None:
 
 def _overlap_efficiency(row: dict) -> float:
     t_gemm, t_comm = row.get("t_gemm_ms"), row.get("t_comm_ms")
+    if row["bench"] == "moe" and _is_number(t_gemm) and not _is_number(t_comm):
+        t_comm = 0.0  # MoE: the grouped-GEMM-only time over the layer's time
     if not (_has_time(row) and _is_number(t_gemm) and _is_number(t_comm)):
         return math.nan
     return max(t_gemm, t_comm) / row["time_ms"]
@@ -307,6 +325,27 @@ def _workspace_line(df: pd.DataFrame) -> str:
     return "Workspace memory (max symmetric workspace per rank): " + ", ".join(parts) + "."
 
 
+def _expert_gemm_line(df: pd.DataFrame) -> str | None:
+    """The issue's bar for the MoE expert GEMMs, per source: kosmos-expert-gemms TFLOP/s as a share of
+    grouped-mm's (geomean of the speedup over the points where both ran); None without such rows."""
+    op, impl, bar = EXPERT_GEMM_BAR
+    rows = df[(df["op"] == op) & (df["impl"] == impl)]
+    if rows.empty:
+        return None
+    parts = []
+    for source, group in rows.groupby("source", sort=False):
+        ok = group["speedup"].dropna()
+        share = _geomean(ok)
+        label = f"{source}: " if df["source"].nunique() > 1 else ""
+        if math.isnan(share):
+            parts.append(f"{label}no point where both ran ({len(group)} rows)")
+        else:
+            verdict = "meets" if share >= bar else "misses"
+            parts.append(f"{label}{share:.0%} of its TFLOP/s (geomean over {len(ok)} points, min {ok.min():.0%}): "
+                         f"{verdict} the >= {bar:.0%} bar")
+    return f"MoE expert GEMMs alone, {impl} vs grouped-mm (torch._grouped_mm): " + "; ".join(parts) + "."
+
+
 def _speedup_style(value) -> str | None:
     if value is None or pd.isna(value) or value == 1:
         return None
@@ -354,6 +393,8 @@ def _render_markdown(df: pd.DataFrame) -> str:
         _markdown_table(_formatted(geomeans, GEOMEAN_COLUMNS)),
         _workspace_line(df),
     ]
+    if _expert_gemm_line(df):
+        sections.append(_expert_gemm_line(df))
     return "\n\n".join(sections) + "\n"
 
 
@@ -406,6 +447,7 @@ def _render_html(df: pd.DataFrame) -> str:
         "<h2>Geomean over ok rows</h2>",
         _html_table(geomeans, GEOMEAN_COLUMNS),
         f"<p>{html.escape(_workspace_line(df))}</p>",
+        *([f"<p>{html.escape(_expert_gemm_line(df))}</p>"] if _expert_gemm_line(df) else []),
         "</body></html>",
         "",
     ])
@@ -428,6 +470,8 @@ def print_terminal(df: pd.DataFrame, console: Console | None = None) -> None:
     console.print(_results_rich_table(df))
     console.print(_geomean_rich_table(geomean_table(df)))
     console.print(Text(_workspace_line(df)))
+    if _expert_gemm_line(df):
+        console.print(Text(_expert_gemm_line(df)))
 
 
 def _environment_lines(df: pd.DataFrame) -> list[str]:
@@ -507,7 +551,7 @@ def speedup_chart(df: pd.DataFrame, path: str | Path) -> bool:
     if not _has_matplotlib():
         return False
     with_source = df["source"].nunique() > 1
-    bars = df[(df["status"] == "ok") & df["speedup"].notna() & ~df["impl"].isin(BASELINE_IMPL.values())]
+    bars = df[(df["status"] == "ok") & df["speedup"].notna() & ~df["impl"].isin(BASELINE_IMPLS)]
     labels = list(dict.fromkeys(_shape_label(row, with_source) for row in bars.to_dict("records")))
     impls = list(dict.fromkeys(bars["impl"]))
 

@@ -1,5 +1,6 @@
-"""Benchmark suites: YAML files under suites/ naming models, sequence lengths, layers, precisions and
-implementations. ``load_suite`` validates everything up front and names the offending key on error."""
+"""Benchmark suites: YAML files under suites/ naming models, sequence lengths (TP) or tokens and routings (MoE),
+precisions and implementations. ``load_suite`` validates everything up front and names the offending key on
+error; the file's ``bench`` key (default "tp") picks TPSuite or MoESuite."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -7,13 +8,15 @@ from pathlib import Path
 
 import yaml
 
-from kosmos.models import DENSE_MODELS, TP_LAYERS
+from kosmos.models import DENSE_MODELS, MOE_MODELS, TP_LAYERS
 
+from .moe import MOE_IMPLS, parse_routing
 from .tp import FIXED_SWEEP, TP_IMPLS
 
 DTYPES = ("bf16", "mxfp8")
 SUPPORTED_DTYPES = ("bf16",)
 DEFAULT_SUITE = Path(__file__).resolve().parent.parent / "suites" / "tp-default.yaml"
+DEFAULT_MOE_SUITE = Path(__file__).resolve().parent.parent / "suites" / "moe-default.yaml"
 
 
 class SuiteError(ValueError):
@@ -84,7 +87,76 @@ def _as_tuple(key, v):
     raise SuiteError(f"'{key}' must be a list, got {type(v).__name__}")
 
 
-def load_suite(path) -> TPSuite:
+@dataclass(frozen=True)
+class MoESuite:
+    """A ``kosmos bench moe`` sweep: every (model, tokens per rank, routing) point runs every impl."""
+    name: str = "moe-default"
+    bench: str = "moe"
+    models: tuple = ("deepseek-v3", "qwen3-235b")
+    tokens: tuple = (4096, 8192, 16384)
+    routing: tuple = ("uniform", "zipf:1.2")
+    dtype: str = "bf16"
+    impls: tuple = MOE_IMPLS
+    iters: int = 20
+    warmup: int = 5
+    fixed_sweep: tuple = FIXED_SWEEP
+    ep: int | None = None
+    expert_gemms: bool = True
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        _check_moe(self)
+        # canonical routing strings ("ZIPF:1.20" -> "zipf:1.2"), so rows of one point always match
+        object.__setattr__(self, "routing", tuple(str(parse_routing(r)) for r in self.routing))
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+    def override(self, **kw) -> "MoESuite":
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+def _check_moe(s: MoESuite) -> None:
+    if s.bench != "moe":
+        raise SuiteError(f"'bench' must be 'moe' for a MoE suite, got {s.bench!r}")
+    _subset("models", s.models, list(MOE_MODELS))
+    _subset("impls", s.impls, list(MOE_IMPLS))
+    _positive_ints("tokens", s.tokens)
+    _positive_ints("fixed_sweep", s.fixed_sweep)
+    if not s.routing:
+        raise SuiteError("'routing' must not be empty")
+    for r in s.routing:
+        try:
+            parse_routing(r)
+        except ValueError as e:
+            raise SuiteError(f"'routing': {e}") from None
+    if s.dtype not in DTYPES:
+        raise SuiteError(f"unknown dtype {s.dtype!r}; choose from {', '.join(DTYPES)}")
+    for key in ("iters", "warmup", "seed"):
+        v = getattr(s, key)
+        low = 1 if key == "iters" else 0
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise SuiteError(f"'{key}' must be an integer >= {low}, got {v!r}")
+    if s.ep is not None and (not isinstance(s.ep, int) or isinstance(s.ep, bool) or s.ep < 1):
+        raise SuiteError(f"'ep' must be a positive integer, got {s.ep!r}")
+    if not isinstance(s.expert_gemms, bool):
+        raise SuiteError(f"'expert_gemms' must be true or false, got {s.expert_gemms!r}")
+    if s.ep is not None:
+        for name in s.models:
+            if MOE_MODELS[name].experts % s.ep:
+                raise SuiteError(f"{name} has {MOE_MODELS[name].experts} experts: they do not split evenly over "
+                                 f"ep={s.ep}")
+
+
+SUITE_TYPES = {"tp": TPSuite, "moe": MoESuite}
+LIST_KEYS = {"tp": ("models", "seq", "layers", "impls", "fixed_sweep"),
+             "moe": ("models", "tokens", "routing", "impls", "fixed_sweep")}
+
+
+def load_suite(path, bench: str | None = "tp"):
+    """The suite in YAML file ``path``: a TPSuite or a MoESuite, by the file's ``bench`` key (default "tp").
+    A suite of another bench than ``bench`` is an error; ``bench=None`` accepts either."""
     path = Path(path)
     if not path.is_file():
         raise SuiteError(f"suite file {path} does not exist")
@@ -94,19 +166,31 @@ def load_suite(path) -> TPSuite:
         raise SuiteError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(doc, dict):
         raise SuiteError(f"{path}: a suite must be a YAML mapping of keys (name, models, seq, ...)")
-    known = set(TPSuite.__dataclass_fields__)
+    kind = doc.get("bench", "tp")
+    if kind not in SUITE_TYPES:
+        raise SuiteError(f"{path}: unknown bench {kind!r}; a suite's 'bench' is 'tp' or 'moe'")
+    if bench is not None and kind != bench:
+        raise SuiteError(f"{path} is a '{kind}' suite; run it with `kosmos bench {kind}`")
+    cls = SUITE_TYPES[kind]
+    known = set(cls.__dataclass_fields__)
     unknown = sorted(set(doc) - known)
     if unknown:
         raise SuiteError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     kw = dict(doc)
-    for key in ("models", "seq", "layers", "impls", "fixed_sweep"):
-        if key in kw:
-            kw[key] = _as_tuple(key, kw[key])
     try:
-        return TPSuite(**kw)
+        for key in LIST_KEYS[kind]:
+            if key in kw:
+                kw[key] = _as_tuple(key, kw[key])
+        return cls(**kw)
     except SuiteError as e:
+        raise SuiteError(f"{path}: {e}") from None
+    except TypeError as e:  # e.g. a key given twice under different spellings
         raise SuiteError(f"{path}: {e}") from None
 
 
 def default_suite() -> TPSuite:
     return load_suite(DEFAULT_SUITE) if DEFAULT_SUITE.is_file() else TPSuite()
+
+
+def default_moe_suite() -> MoESuite:
+    return load_suite(DEFAULT_MOE_SUITE, bench="moe") if DEFAULT_MOE_SUITE.is_file() else MoESuite()

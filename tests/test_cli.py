@@ -45,9 +45,82 @@ def test_bench_without_gpu_says_so(monkeypatch):
     assert r.exit_code == 2 and "no CUDA GPU" in r.output
 
 
-def test_bench_moe_not_yet():
-    r = runner.invoke(app, ["bench", "moe"])
-    assert r.exit_code == 2 and "not implemented yet" in r.output
+MOE_FIXTURE = Path(__file__).parent / "fixtures" / "moe-sample.jsonl"
+SUITES = Path(__file__).parent.parent / "suites"
+
+
+def test_bench_moe_help_teaches():
+    r = runner.invoke(app, ["bench", "moe", "--help"])
+    assert r.exit_code == 0
+    for opt in ("--model", "--tokens", "--ep", "--routing", "--dtype", "--impl", "--suite", "--iters", "--warmup",
+                "--out", "--expert-gemms"):
+        assert opt in r.output
+    text = " ".join(r.output.split())  # rich wraps at the terminal width
+    for part in ("zipf:S", "nccl-a2a", "deepep", "fixed-role-best", "kosmos-expert-gemms", "Examples:",
+                 "kosmos bench moe --model qwen3-235b --tokens 4096,8192 --routing uniform,zipf:1.2 --ep 2"):
+        assert part in text
+    r = runner.invoke(app, ["--help"])
+    assert "kosmos bench moe" in r.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "grok-9"], "unknown models ['grok-9']; choose from deepseek-v3, qwen3-235b, mixtral-8x7b, qwen2-57b"),
+    (["--routing", "zipf"], "zipf needs an exponent"),
+    (["--routing", "uniform,zipf:-2"], "must be a finite number > 0"),
+    (["--routing", "hot"], "unknown routing 'hot'"),
+    (["--impl", "megablocks"], "unknown impls ['megablocks']"),
+    (["--tokens", "0"], "positive integers"),
+    (["--model", "mixtral-8x7b", "--ep", "3"], "mixtral-8x7b has 8 experts: they do not split evenly over ep=3"),
+    (["--dtype", "mxfp8"], "--dtype mxfp8 is not implemented yet"),
+    (["--suite", str(SUITES / "tp-default.yaml")], "is a 'tp' suite; run it with `kosmos bench tp`"),
+])
+def test_bench_moe_input_errors(args, needle):
+    r = runner.invoke(app, ["bench", "moe", *args])
+    assert r.exit_code == 2 and needle in " ".join(r.output.split()), r.output
+
+
+def test_bench_moe_tokens_not_a_number():
+    r = runner.invoke(app, ["bench", "moe", "--tokens", "4k"])
+    assert r.exit_code != 0
+
+
+def test_bench_moe_without_gpu_says_so():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    r = runner.invoke(app, ["bench", "moe", "--model", "qwen3-235b", "--tokens", "4096"])
+    assert r.exit_code == 2 and "no CUDA GPU" in r.output
+
+
+def test_bench_moe_more_ranks_than_gpus(monkeypatch):
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
+    r = runner.invoke(app, ["bench", "moe", "--ep", "2"])
+    assert r.exit_code == 2 and "asked for 2 GPUs but only 1 are visible" in " ".join(r.output.split())
+
+
+def test_bench_moe_default_ep_must_split_experts(monkeypatch):
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 3)  # default EP = every visible GPU
+    monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("must not launch"))
+    r = runner.invoke(app, ["bench", "moe", "--model", "qwen3-235b"])
+    assert r.exit_code == 2 and "128 experts: they do not split evenly over --ep 3" in " ".join(r.output.split())
+
+
+def test_bench_tp_refuses_a_moe_suite():
+    r = runner.invoke(app, ["bench", "tp", "--suite", str(SUITES / "moe-default.yaml")])
+    assert r.exit_code == 2 and "is a 'moe' suite; run it with `kosmos bench moe`" in " ".join(r.output.split())
+
+
+def test_report_moe_csv_contract():
+    r = runner.invoke(app, ["report", str(MOE_FIXTURE), "--format", "csv"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    header = lines[0].split(",")
+    for col in ("op,model,m,n,k,world,dtype,impl,time_ms,tflops,speedup,overlap_efficiency,status,"
+                "tokens,experts,top_k,routing").split(","):
+        assert col in header
+    assert len(lines) == 1 + sum('"type": "result"' in x for x in MOE_FIXTURE.read_text().splitlines())
 
 
 def test_report_csv_contract():

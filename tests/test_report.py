@@ -24,6 +24,7 @@ from kosmos_bench.report import (
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TP_SAMPLE = FIXTURES / "tp-sample.jsonl"
+MOE_SAMPLE = FIXTURES / "moe-sample.jsonl"
 TRACE_SAMPLE = FIXTURES / "trace-sample.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -286,3 +287,109 @@ def test_report_main_timeline_default_output(tmp_path):
     console = Console(file=io.StringIO(), width=200, color_system=None)
     assert report_main([], timeline=trace_path, console=console) == 0
     assert (tmp_path / "trace.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# --------------------------------------------------------------------------- MoE rows (moe-sample.jsonl)
+
+
+@pytest.fixture
+def moe_table():
+    _, results = load_results([MOE_SAMPLE])
+    return build_table(results)
+
+
+def moe_row(df, routing, impl):
+    rows = df[(df.routing == routing) & (df.impl == impl)]
+    assert len(rows) == 1
+    return rows.iloc[0]
+
+
+def test_moe_fixture_loads_with_moe_columns(moe_table):
+    assert len(moe_table) == 14 and set(moe_table.bench) == {"moe"}
+    assert list(moe_table.columns[20:24]) == ["tokens", "experts", "top_k", "routing"]
+    row = moe_row(moe_table, "uniform", "kosmos")
+    assert (row.tokens, row.experts, row.top_k, row.m, row.n, row.k, row.world) == (4096, 256, 8, 4096, 7168, 2048, 2)
+    assert row.peak_mem_delta_bytes == 3 << 30
+
+
+def test_moe_speedup_and_overlap_by_hand(moe_table):
+    # fixture: nccl-a2a 14.0 ms (uniform) / 15.5 ms (zipf:1.2); kosmos 9.0 / 10.0; grouped-mm 4.9 / 6.2,
+    # t_comm 3.1 / 3.3; kosmos-expert-gemms 5.4 / 6.9
+    kosmos = moe_row(moe_table, "uniform", "kosmos")
+    assert kosmos.speedup == pytest.approx(14.0 / 9.0)
+    assert kosmos.overlap_efficiency == pytest.approx(4.9 / 9.0)
+    assert moe_row(moe_table, "zipf:1.2", "kosmos").speedup == pytest.approx(15.5 / 10.0)
+    assert moe_row(moe_table, "zipf:1.2", "nccl-a2a").speedup == pytest.approx(1.0)
+    # expert GEMMs alone: compared with grouped-mm, not with the layer
+    gemms = moe_row(moe_table, "uniform", "kosmos-expert-gemms")
+    assert gemms.speedup == pytest.approx(4.9 / 5.4)
+    assert gemms.speedup == pytest.approx(gemms.tflops / moe_row(moe_table, "uniform", "grouped-mm").tflops, rel=1e-3)
+    assert math.isnan(gemms.overlap_efficiency)
+    assert moe_row(moe_table, "zipf:1.2", "fixed-role").status == "failed"
+    assert math.isnan(moe_row(moe_table, "zipf:1.2", "fixed-role").speedup)
+    assert moe_row(moe_table, "uniform", "deepep").status == "unavailable"
+
+
+def test_moe_geomean_per_impl(moe_table):
+    g = geomean_table(moe_table).set_index("impl")
+    assert g.loc["kosmos", "geomean_speedup"] == pytest.approx(math.sqrt(14.0 / 9.0 * 15.5 / 10.0))
+    assert g.loc["kosmos-expert-gemms", "geomean_speedup"] == pytest.approx(math.sqrt(4.9 / 5.4 * 6.2 / 6.9))
+    assert (g.loc["fixed-role", "ok"], g.loc["fixed-role", "failed"]) == (1, 1)
+    assert g.loc["deepep", "unavailable"] == 2
+
+
+def test_moe_csv_one_row_per_point_and_impl(moe_table):
+    reader = csv.DictReader(io.StringIO(render(moe_table, "csv")))
+    rows = list(reader)
+    keys = [(r["op"], r["model"], r["m"], r["n"], r["k"], r["world"], r["dtype"], r["routing"], r["impl"])
+            for r in rows]
+    assert len(keys) == len(set(keys)) == 14
+    kosmos = next(r for r in rows if r["routing"] == "uniform" and r["impl"] == "kosmos")
+    assert (kosmos["op"], kosmos["m"], kosmos["n"], kosmos["k"]) == ("moe_fwd", "4096", "7168", "2048")
+    assert kosmos["speedup"] == "1.556" and kosmos["overlap_efficiency"] == "0.544"
+    gemms = next(r for r in rows if r["routing"] == "uniform" and r["impl"] == "kosmos-expert-gemms")
+    assert gemms["op"] == "moe_experts" and gemms["overlap_efficiency"] == ""
+
+
+def test_moe_expert_gemm_bar_line(moe_table):
+    md = render(moe_table, "md")
+    assert "MoE expert GEMMs alone, kosmos-expert-gemms vs grouped-mm" in md
+    assert "90% of its TFLOP/s (geomean over 2 points, min 90%): meets the >= 80% bar" in md
+    assert "meets the &gt;= 80% bar" in render(moe_table, "html") and "meets the >= 80% bar" in render(moe_table, "text")
+    assert "| routing |" in md and "zipf:1.2" in md
+    assert "MoE expert GEMMs" not in render(build_table(load_results([TP_SAMPLE])[1]), "md")
+
+
+def test_moe_expert_gemm_bar_can_be_missed(tmp_path):
+    lines = [json.loads(x) for x in MOE_SAMPLE.read_text().splitlines()]
+    for line in lines:
+        if line.get("impl") == "kosmos-expert-gemms":
+            line["time_ms"] *= 2
+    df = build_table(load_results([write_lines(tmp_path / "slow.jsonl", lines)])[1])
+    assert "misses the >= 80% bar" in render(df, "md")
+
+
+def test_moe_fields_read_from_extra_too(tmp_path):
+    """Older rows keep tokens/experts/top_k/routing only in extra; newer ones at the top level."""
+    top = result_line(bench="moe", op="moe_fwd", impl="nccl-a2a", tokens=8, experts=4, top_k=2, routing="zipf:2",
+                      extra={})
+    df = build_table(load_results([write_lines(tmp_path / "t.jsonl", [top])])[1])
+    assert (df.tokens[0], df.routing[0]) == (8, "zipf:2")
+
+
+def test_moe_and_tp_side_by_side(table):
+    _, results = load_results([TP_SAMPLE, MOE_SAMPLE])
+    df = build_table(results)
+    assert len(df) == len(table) + 14
+    assert row_of(df, "ag_gemm", 8192, "kosmos").speedup == pytest.approx(1.210 / 1.052)
+    assert moe_row(df, "uniform", "kosmos").speedup == pytest.approx(14.0 / 9.0)
+    assert df[df.bench == "tp"].routing.isna().all()
+    text = render(df, "md")
+    assert "| bench |" in text and "| routing |" in text
+
+
+def test_moe_speedup_chart(tmp_path, moe_table):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "moe.png"
+    assert speedup_chart(moe_table, path) is True
+    assert path.read_bytes().startswith(PNG_MAGIC)

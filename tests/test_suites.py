@@ -1,7 +1,8 @@
 """Suite loading: the default suite, overrides, and clear errors for malformed files."""
 import pytest
 
-from kosmos_bench.suites import DEFAULT_SUITE, SuiteError, TPSuite, default_suite, load_suite
+from kosmos_bench.suites import (DEFAULT_MOE_SUITE, DEFAULT_SUITE, MoESuite, SuiteError, TPSuite, default_moe_suite,
+                                 default_suite, load_suite)
 
 
 def test_default_suite_file_loads():
@@ -38,3 +39,58 @@ def test_malformed_suite_gives_clear_error(tmp_path, text, needle):
 def test_missing_suite_file(tmp_path):
     with pytest.raises(SuiteError, match="does not exist"):
         load_suite(tmp_path / "nope.yaml")
+
+
+def test_default_moe_suite_file_loads():
+    s = load_suite(DEFAULT_MOE_SUITE, bench="moe")
+    assert isinstance(s, MoESuite) and s.models == ("deepseek-v3", "qwen3-235b")
+    assert s.tokens == (4096, 8192, 16384) and s.routing == ("uniform", "zipf:1.2")
+    assert s.impls == ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best")
+    assert s.expert_gemms is True and default_moe_suite() == s
+    assert load_suite(DEFAULT_MOE_SUITE, bench=None) == s
+
+
+def test_moe_override_and_canonical_routing():
+    s = MoESuite().override(models=("mixtral-8x7b",), routing=("ZIPF:1.50", "uniform"), ep=None, iters=3)
+    assert s.models == ("mixtral-8x7b",) and s.routing == ("zipf:1.5", "uniform") and s.iters == 3
+    assert s.tokens == MoESuite().tokens
+    assert s.to_dict()["routing"] == ["zipf:1.5", "uniform"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("models: [grok-9]\n", "unknown models"),
+    ("tokens: [4096, 0]\n", "positive integers"),
+    ("tokens: 4096.5\n", "must be a list"),
+    ("routing: [uniform, zipf]\n", "zipf needs an exponent"),
+    ("routing: [zipf:abc]\n", "not a number"),
+    ("routing: ['zipf:0']\n", "> 0"),
+    ("routing: [uniform, zipf: 1.2]\n", "must be a string"),
+    ("routing: []\n", "must not be empty"),
+    ("routing: [skewed]\n", "unknown routing"),
+    ("impls: [kosmos, megablocks]\n", "unknown impls"),
+    ("ep: 3\n", "do not split evenly over ep=3"),
+    ("ep: 0\n", "'ep' must be a positive integer"),
+    ("expert_gemms: maybe\n", "expert_gemms"),
+    ("seq: [4096]\n", "unknown key"),
+    ("dtype: fp4\n", "unknown dtype"),
+    ("iters: 0\n", "iters"),
+    ("seed: -1\n", "seed"),
+    ("models: [deepseek-v3\n", "not valid YAML"),
+])
+def test_malformed_moe_suite_gives_clear_error(tmp_path, text, needle):
+    p = tmp_path / "bad-moe.yaml"
+    p.write_text("bench: moe\n" + text)
+    with pytest.raises(SuiteError, match=needle) as e:
+        load_suite(p, bench="moe")
+    assert str(p) in str(e.value)
+
+
+def test_suite_of_the_wrong_bench(tmp_path):
+    with pytest.raises(SuiteError, match="is a 'tp' suite"):
+        load_suite(DEFAULT_SUITE, bench="moe")
+    with pytest.raises(SuiteError, match="is a 'moe' suite"):
+        load_suite(DEFAULT_MOE_SUITE)  # the default is a TP suite (as `kosmos bench tp` loads it)
+    p = tmp_path / "other.yaml"
+    p.write_text("bench: pp\n")
+    with pytest.raises(SuiteError, match="unknown bench 'pp'"):
+        load_suite(p, bench=None)

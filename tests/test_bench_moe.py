@@ -1,0 +1,446 @@
+"""`kosmos bench moe` on the CPU: routing specs, the input generator (Zipf skew, well-separated routing,
+determinism), the nccl-a2a baseline's bf16 path vs the local reference (world 1, and world 2 over gloo), the
+DeepEP expert side, and a whole benchmark point run end to end with stand-ins for the GPU-only pieces (the
+timer, the KOSMOS kernels) -- including kernels that are missing, wrong or NaN, which must be recorded as
+failed."""
+import math
+import os
+import socket
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
+from kosmos.moe_reference import _experts_forward, moe_forward_a2a, moe_forward_ref_local, route
+from kosmos_bench import moe, timing
+
+TINY = {
+    "tiny-softmax": MoEModel("tiny-softmax", hidden=64, expert_ffn=32, experts=8, top_k=2, routing="softmax"),
+    "tiny-grouped": MoEModel("tiny-grouped", hidden=64, expert_ffn=32, experts=16, top_k=4,
+                             routing="sigmoid-grouped", n_group=4, topk_group=2, routed_scaling=2.5),
+}
+
+
+@pytest.fixture
+def tiny_models(monkeypatch):
+    for name, m in TINY.items():
+        monkeypatch.setitem(MOE_MODELS, name, m)
+
+
+# --------------------------------------------------------------------------- routing specs, models, cases
+
+
+@pytest.mark.parametrize("text, kind, s", [
+    ("uniform", "uniform", None), ("zipf:1.2", "zipf", 1.2), (" ZIPF:2 ", "zipf", 2.0), ("zipf:0.5", "zipf", 0.5),
+])
+def test_parse_routing(text, kind, s):
+    spec = moe.parse_routing(text)
+    assert (spec.kind, spec.s) == (kind, s)
+    assert moe.parse_routing(str(spec)) == spec
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("zipf", "needs an exponent"), ("zipf:", "needs an exponent"), ("zipf:abc", "not a number"),
+    ("zipf:0", "> 0"), ("zipf:-1.5", "> 0"), ("zipf:nan", "> 0"), ("zipf:inf", "> 0"),
+    ("skewed", "unknown routing"), ("", "unknown routing"), (1.2, "must be a string"),
+])
+def test_bad_routing_is_a_clear_error(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        moe.parse_routing(text)
+
+
+def test_unknown_model_lists_known_ones():
+    with pytest.raises(UnknownModelError, match="deepseek-v3, qwen3-235b, mixtral-8x7b, qwen2-57b"):
+        moe.moe_model("grok-9")
+
+
+def test_cases_and_even_expert_split():
+    cases = moe.moe_cases(["qwen3-235b", "mixtral-8x7b"], [4096, 8192], ["uniform", "ZIPF:1.20"], 2)
+    assert len(cases) == 8 and {c.routing for c in cases} == {"uniform", "zipf:1.2"}
+    with pytest.raises(ValueError, match="mixtral-8x7b has 8 experts.*--ep 3"):
+        moe.moe_cases(["mixtral-8x7b"], [4096], ["uniform"], 3)
+    with pytest.raises(ValueError, match="unknown routing"):
+        moe.moe_cases(["qwen3-235b"], [4096], ["random"], 2)
+
+
+# --------------------------------------------------------------------------- input generator
+
+
+def _share_of_top_expert(m, routing, tokens=1024, seed=0):
+    x, wr, bias, _ = moe.make_router_inputs(m, tokens, routing, 0, seed)
+    _, experts = route(x, wr, m.top_k, **moe.route_kwargs(m, bias))
+    load = moe.expert_load(experts, m.experts)
+    return load.max().item() / experts.numel(), load
+
+
+@pytest.mark.parametrize("name", ["qwen3-235b", "deepseek-v3"])
+def test_zipf_skew_is_present(name):
+    m = MOE_MODELS[name]
+    uniform, load_u = _share_of_top_expert(m, "uniform")
+    skewed, load_z = _share_of_top_expert(m, "zipf:1.2")
+    assert uniform < 3 / m.experts        # near 1/E: no expert stands out without skew
+    assert skewed > 8 * uniform           # a popular expert takes a large share (cap: 1/top_k per token)
+    # the skew is spread: the 8 most popular experts take far more than 8/E of the pairs
+    top8 = load_z.topk(8).values.sum().item() / load_z.sum().item()
+    assert top8 > 0.3 and top8 > 10 * 8 / m.experts
+    assert (load_u > 0).sum() == m.experts  # every expert is used under uniform routing
+
+
+def test_zipf_popularity_follows_the_seeded_ranks():
+    m = MOE_MODELS["qwen3-235b"]
+    gen = torch.Generator().manual_seed(1_000_003 * 0 + 17)
+    torch.randn(m.experts, m.hidden, generator=gen)  # the generator draws the router weight first
+    offsets = moe.zipf_offsets(m.experts, 1.2, gen)
+    _, load = _share_of_top_expert(m, "zipf:1.2")
+    assert sorted(offsets.tolist(), reverse=True)[:3] == pytest.approx([0.0, -1.2 * math.log(2), -1.2 * math.log(3)])
+    most_popular = load.argmax().item()
+    assert offsets[most_popular] == 0.0
+    # popularity decreases with rank: correlation of log-load with the offsets is strongly positive
+    ll = torch.log(load.double() + 1)
+    c = torch.corrcoef(torch.stack([ll, offsets.double()]))[0, 1].item()
+    assert c > 0.8
+
+
+def test_zipf_feature_and_router_column():
+    m = MOE_MODELS["qwen3-235b"]
+    x, wr, _, _ = moe.make_router_inputs(m, 64, "zipf:1.2", 0, 0)
+    assert torch.all(x[:, 0] == moe.ZIPF_FEATURE)
+    assert wr[:, 0].max().item() == 0.0 and wr[:, 0].min().item() == pytest.approx(-1.2 * math.log(m.experts),
+                                                                                     rel=1e-2)
+    xu, wru, _, _ = moe.make_router_inputs(m, 64, "uniform", 0, 0)
+    assert xu[:, 0].std() > 0.5 and (wru[:, 0] > 0).any()
+
+
+def test_generator_is_deterministic_per_seed_and_rank():
+    m = TINY["tiny-grouped"]
+    a = moe.make_router_inputs(m, 128, "zipf:1.2", 0, 5)
+    b = moe.make_router_inputs(m, 128, "zipf:1.2", 0, 5)
+    for u, v in zip(a[:3], b[:3]):
+        assert torch.equal(u, v)
+    other_rank = moe.make_router_inputs(m, 128, "zipf:1.2", 1, 5)
+    assert torch.equal(other_rank[1], a[1]) and torch.equal(other_rank[2], a[2])  # router and bias replicated
+    assert not torch.equal(other_rank[0], a[0])                                   # tokens differ per rank
+    other_seed = moe.make_router_inputs(m, 128, "zipf:1.2", 0, 6)
+    assert not torch.equal(other_seed[0], a[0]) and not torch.equal(other_seed[1], a[1])
+    w = moe.make_expert_weights(m, 2, 0, 5)
+    assert torch.equal(w[0], moe.make_expert_weights(m, 2, 0, 5)[0])
+    assert not torch.equal(w[0], moe.make_expert_weights(m, 2, 1, 5)[0])
+    assert w[0].shape == (8, 64, 64) and w[1].shape == (8, 32, 64) and w[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["tiny-softmax", "tiny-grouped", "qwen2-57b"])
+@pytest.mark.parametrize("routing", ["uniform", "zipf:1.2"])
+def test_generated_routing_is_well_separated(name, routing):
+    m = TINY.get(name) or MOE_MODELS[name]
+    x, wr, bias, redrawn = moe.make_router_inputs(m, 512, routing, 0, 0)
+    assert moe.routing_margin(x, wr, m, bias).min().item() >= moe.ROUTING_MARGIN
+    assert redrawn < 0.1 * 512 + 20  # a few fragile tokens, not a different distribution
+
+
+def test_routing_margin_by_hand_and_on_ties():
+    m = TINY["tiny-softmax"]  # top-2 of 8
+    x = torch.eye(8)[:2] * 1.0
+    wr = torch.diag(torch.tensor([5.0, 4.0, 3.5, 1.0, 0.0, 0.0, 0.0, 0.0]))
+    # token 0: logits (5, 0, ...): k-th (2nd) = 0, next = 0 -> tie, margin 0; token 1: (0, 4, 0...) -> 0 again
+    assert moe.routing_margin(x, wr, m).tolist() == [0.0, 0.0]
+    x = torch.ones(1, 8)
+    assert moe.routing_margin(x, wr, m).tolist() == [pytest.approx(0.5)]  # 2nd = 4.0, 3rd = 3.5
+    g = TINY["tiny-grouped"]
+    x = torch.zeros(1, 64)
+    wr = torch.zeros(16, 64)
+    assert moe.routing_margin(x, wr, g).item() == 0.0  # all scores equal: the choice is a pure tie
+
+
+def test_underflowing_softmax_is_fragile():
+    m = TINY["tiny-softmax"]  # top-2: the 2nd choice 90 below the 1st has fp32 probability 0, like the 3rd
+    x = torch.ones(1, 8)
+    wr = torch.diag(torch.tensor([0.0, -90.0, -95.0, -99.0, -99.0, -99.0, -99.0, -99.0]))
+    assert moe.routing_margin(x, wr, m).item() == 0.0
+    wr = torch.diag(torch.tensor([0.0, -50.0, -95.0, -99.0, -99.0, -99.0, -99.0, -99.0]))
+    assert moe.routing_margin(x, wr, m).item() == 45.0
+
+
+def test_saturated_router_is_refused_not_hung():
+    # zipf:400 pushes every unpopular expert's fp32 softmax probability to 0: no token's top-2 is decidable
+    with pytest.raises(ValueError, match="smaller S"):
+        moe.make_router_inputs(TINY["tiny-softmax"], 64, "zipf:400", 0, 0)
+    # the grouped router stays decidable there: its bias separates the saturated scores
+    x, wr, bias, _ = moe.make_router_inputs(TINY["tiny-grouped"], 64, "zipf:400", 0, 0)
+    assert moe.routing_margin(x, wr, TINY["tiny-grouped"], bias).min() >= moe.ROUTING_MARGIN
+
+
+# --------------------------------------------------------------------------- nccl-a2a baseline (CPU)
+
+
+def _bf16_layer(m, world, tokens, seed=0, routing="zipf:1.2"):
+    xs, wr, bias = [], None, None
+    for r in range(world):
+        x, wr, bias, _ = moe.make_router_inputs(m, tokens, routing, r, seed)
+        xs.append(x)
+    ws = [moe.make_expert_weights(m, world, r, seed) for r in range(world)]
+    return xs, wr, bias, [w[0] for w in ws], [w[1] for w in ws]
+
+
+@pytest.mark.parametrize("name", ["tiny-softmax", "tiny-grouped"])
+def test_a2a_bf16_world1_matches_local_reference(name):
+    m = TINY[name]
+    xs, wr, bias, w13, w2 = _bf16_layer(m, 1, 97)
+    kw = moe.route_kwargs(m, bias)
+    y = moe_forward_a2a(xs[0], wr, w13[0], w2[0], top_k=m.top_k, fp32=False, **kw)
+    assert y.dtype == torch.bfloat16 and y.shape == xs[0].shape
+    ref = moe_forward_ref_local(xs, wr, w13, w2, top_k=m.top_k, **kw)[0]
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert 0 < err < 1e-2  # bf16 rounding, not exact
+    y32 = moe_forward_a2a(xs[0], wr, w13[0], w2[0], top_k=m.top_k, fp32=True, **kw)
+    torch.testing.assert_close(y32, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_forward_bf16_matches_fp32():
+    m = TINY["tiny-softmax"]
+    w13, w2 = moe.make_expert_weights(m, 1, 0, 0)
+    counts = torch.tensor([5, 0, 17, 1, 0, 0, 9, 3], dtype=torch.int32)
+    x = torch.randn(int(counts.sum()), m.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ref = _experts_forward(x, counts, w13, w2, fp32=True)
+    out = _experts_forward(x, counts, w13, w2, fp32=False)
+    assert out.dtype == torch.bfloat16 and ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(target, world, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, q, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return dict(q.get() for _ in range(world))
+
+
+def _a2a_bf16_rank(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        MOE_MODELS.update(TINY)
+        res = {}
+        for name, m in TINY.items():
+            xs, wr, bias, w13, w2 = _bf16_layer(m, world, 53)
+            kw = moe.route_kwargs(m, bias)
+            y = moe_forward_a2a(xs[rank], wr, w13[rank], w2[rank], top_k=m.top_k, fp32=False, **kw)
+            ref = moe_forward_ref_local(xs, wr, w13, w2, top_k=m.top_k, **kw)[rank]
+            res[name] = (str(y.dtype), float((y.float() - ref).norm() / ref.norm()))
+        q.put((rank, res))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a2a_bf16_world2_over_gloo_matches_local_reference():
+    got = _spawn(_a2a_bf16_rank, 2)
+    for res in got.values():
+        assert set(res) == set(TINY)
+        for dtype, err in res.values():
+            assert dtype == "torch.bfloat16" and 0 < err < 1e-2, got
+
+
+# --------------------------------------------------------------------------- DeepEP expert side (CPU)
+
+
+def test_deepep_expert_side_matches_reference():
+    """Emulate DeepEP's dispatch/combine by hand (each token once per rank that holds any of its experts,
+    top-k indices local to that rank or -1) around ``deepep_expert_side``; the sum over ranks must be the
+    layer."""
+    m, world = TINY["tiny-grouped"], 2
+    local = m.experts // world
+    xs, wr, bias, w13, w2 = _bf16_layer(m, world, 40)
+    kw = moe.route_kwargs(m, bias)
+    for src in range(world):
+        weights, experts = route(xs[src], wr, m.top_k, **kw)
+        y = torch.zeros(xs[src].shape)
+        for dst in range(world):
+            on_dst = (experts // local) == dst
+            sent = on_dst.any(1).nonzero(as_tuple=True)[0]
+            recv_idx = torch.where(on_dst[sent], experts[sent] % local, -1)
+            recv_w = weights[sent].clone()
+            recv_w[recv_idx < 0] = float("nan")  # garbage in unused slots must not leak into the result
+            counts = [(recv_idx == i).sum().item() for i in range(local)]
+            part = moe.deepep_expert_side(xs[src][sent], recv_idx, recv_w, counts, w13[dst], w2[dst], local)
+            y[sent] += part.float()
+        ref = moe_forward_ref_local(xs, wr, w13, w2, top_k=m.top_k, **kw)[src]
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_deepep_unavailable_without_the_package(monkeypatch, tiny_models):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # import deep_ep -> ImportError
+    with pytest.raises(moe.Unavailable, match="deep_ep is not importable"):
+        moe.deepep_callable(None)
+
+
+# --------------------------------------------------------------------------- a whole point, end to end
+
+
+def _cpu_time_op(fn, *, iters=20, warmup=5, **kw):
+    """Stand-in for the CUDA-event timer: one call, wall time (CPU tests check the flow, not the numbers)."""
+    t0 = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - t0) * 1e3
+    return {"time_ms": ms, "p20_ms": ms, "p80_ms": ms, "samples": 1, "host_ms": ms}
+
+
+def _fake_moe_forward(mode):
+    """A stand-in for kosmos.moe_forward with its signature: the nccl-a2a math (correct), or wrong / NaN."""
+    def fn(x, router_weight, w13, w2, *, top_k, routing, renormalize, bias, n_group, topk_group, routed_scaling,
+           group, policy, comm_programs):
+        assert group is None and policy in ("self", "fixed") and (comm_programs is None) == (policy == "self")
+        y = moe_forward_a2a(x, router_weight, w13, w2, top_k=top_k, fp32=False, routing=routing,
+                            renormalize=renormalize, bias=bias, n_group=n_group, topk_group=topk_group,
+                            routed_scaling=routed_scaling)
+        if mode == "wrong":
+            y = y * 1.05
+        if mode == "nan":
+            y[3, 5] = float("nan")
+        return y
+    return fn
+
+
+def _fake_expert_gemms(x_sorted, counts, w13, w2):
+    assert counts.dtype == torch.int32 and counts.shape == (w13.shape[0],)
+    return _experts_forward(x_sorted, counts, w13, w2, fp32=False)
+
+
+def _no_kernel_module(monkeypatch):
+    import kosmos
+    monkeypatch.setitem(sys.modules, "kosmos.kernels.moe_forward", None)
+    monkeypatch.delattr(kosmos, "moe_forward", raising=False)
+
+
+def _rows_by_impl(rows):
+    return {(r["op"], r["impl"]): r for r in rows}
+
+
+@pytest.mark.parametrize("name", ["tiny-softmax", "tiny-grouped"])
+def test_point_end_to_end_world1(monkeypatch, tiny_models, name):
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    monkeypatch.setattr(moe, "kosmos_moe_forward", lambda: _fake_moe_forward("ok"))
+    monkeypatch.setattr(moe, "kosmos_expert_gemms", lambda: _fake_expert_gemms)
+    seen = []
+    case = moe.MoECase(name, 96, "zipf:1.2")
+    rows = moe.run_case(case, moe.MoESettings(), on_row=seen.append, device="cpu")
+    assert rows == seen
+    by = _rows_by_impl(rows)
+    assert list(by) == [("moe_experts", "grouped-mm"), ("moe_experts", "kosmos-expert-gemms"),
+                        *[("moe_fwd", n) for n in moe.MOE_IMPLS]]
+    m = TINY[name]
+    for r in rows:
+        assert r["type"] == "result" and r["bench"] == "moe"
+        assert (r["tokens"], r["experts"], r["top_k"], r["routing"], r["hidden"], r["expert_ffn"], r["ep"]) == \
+            (96, m.experts, m.top_k, "zipf:1.2", m.hidden, m.expert_ffn, 1)
+        assert (r["m"], r["n"], r["k"], r["world"]) == (96, m.hidden, m.expert_ffn, 1)
+    for key in [("moe_experts", "grouped-mm"), ("moe_experts", "kosmos-expert-gemms"), ("moe_fwd", "kosmos"),
+                ("moe_fwd", "nccl-a2a")]:
+        r = by[key]
+        assert r["status"] == "ok" and 0 < r["rel_err"] < 1e-2, r
+    fwd = by[("moe_fwd", "nccl-a2a")]
+    assert fwd["tflops"] == pytest.approx(6 * 96 * m.top_k * m.hidden * m.expert_ffn / (fwd["time_ms"] * 1e-3) / 1e12)
+    assert fwd["t_gemm_ms"] == by[("moe_experts", "grouped-mm")]["time_ms"] and fwd["t_comm_ms"] == 0.0
+    rows_recv = fwd["extra"]["rows_per_rank"]
+    assert rows_recv == [96 * m.top_k]
+    ex = by[("moe_experts", "kosmos-expert-gemms")]
+    assert ex["tflops"] == pytest.approx(6 * rows_recv[0] * m.hidden * m.expert_ffn / (ex["time_ms"] * 1e-3) / 1e12)
+    assert by[("moe_fwd", "deepep")]["status"] == "unavailable"
+    assert by[("moe_fwd", "fixed-role")]["status"] == "unavailable"
+    assert by[("moe_fwd", "fixed-role-best")]["reason"] == "no communication at world size 1"
+    assert fwd["extra"]["top_expert_share"] > 1.5 / m.experts  # zipf skew visible in the row
+
+
+@pytest.mark.parametrize("mode, needle", [("wrong", "rel_err"), ("nan", "rel_err inf")])
+def test_wrong_or_nan_kernel_is_recorded_failed(monkeypatch, tiny_models, mode, needle):
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    monkeypatch.setattr(moe, "kosmos_moe_forward", lambda: _fake_moe_forward(mode))
+    st = moe.MoESettings(impls=("kosmos", "nccl-a2a"), expert_gemms=False)
+    by = _rows_by_impl(moe.run_case(moe.MoECase("tiny-grouped", 64, "uniform"), st, device="cpu"))
+    assert set(by) == {("moe_fwd", "kosmos"), ("moe_fwd", "nccl-a2a")}
+    assert by[("moe_fwd", "kosmos")]["status"] == "failed" and needle in by[("moe_fwd", "kosmos")]["reason"]
+    assert by[("moe_fwd", "kosmos")]["time_ms"] is None
+    assert by[("moe_fwd", "nccl-a2a")]["status"] == "ok"  # the sweep went on
+
+
+def test_missing_kernel_is_recorded_failed_with_reason(monkeypatch, tiny_models):
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    _no_kernel_module(monkeypatch)
+    st = moe.MoESettings(impls=("kosmos", "nccl-a2a"))
+    by = _rows_by_impl(moe.run_case(moe.MoECase("tiny-softmax", 32, "uniform"), st, device="cpu"))
+    for key, what in ((("moe_fwd", "kosmos"), "kosmos.moe_forward not available"),
+                      (("moe_experts", "kosmos-expert-gemms"), "expert_gemms not available")):
+        assert by[key]["status"] == "failed" and what in by[key]["reason"], by[key]
+    assert by[("moe_fwd", "nccl-a2a")]["status"] == "ok" and by[("moe_experts", "grouped-mm")]["status"] == "ok"
+
+
+def test_failed_rows_cover_every_impl():
+    st = moe.MoESettings()
+    rows = moe.failed_rows(moe.MoECase("qwen3-235b", 4096, "uniform"), 2, st, "OutOfMemoryError: boom")
+    assert [(r["op"], r["impl"]) for r in rows] == [("moe_experts", n) for n in moe.EXPERT_IMPLS] + \
+        [("moe_fwd", n) for n in moe.MOE_IMPLS]
+    assert all(r["status"] == "failed" and r["reason"] == "OutOfMemoryError: boom" and r["experts"] == 128
+               for r in rows)
+
+
+def _point_rank(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        MOE_MODELS.update(TINY)
+        timing.time_op = _cpu_time_op
+        ok, wrong = _fake_moe_forward("ok"), _fake_moe_forward("wrong")
+        # the fixed policy is wrong at S = 8 only: fixed-role-best must pick another split
+        moe.kosmos_moe_forward = lambda: (lambda *a, **kw: (wrong if kw["comm_programs"] == 8 else ok)(*a, **kw))
+        moe.kosmos_expert_gemms = lambda: _fake_expert_gemms
+        st = moe.MoESettings(impls=("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best"),
+                             fixed_sweep=(8, 16, 24))
+        rows = moe.run_case(moe.MoECase("tiny-grouped", 48, "zipf:1.2"), st, device="cpu")
+        out = [(r["op"], r["impl"], r["status"], r["rel_err"], r["reason"], r["t_comm_ms"] is not None,
+                r["extra"]["rows_per_rank"], r["params"]) for r in rows]
+        calls = []
+
+        def missing():
+            calls.append(1)
+            raise moe.KernelMissing("kosmos.moe_forward not available: ModuleNotFoundError: nope")
+        moe.kosmos_moe_forward = missing
+        st = moe.MoESettings(impls=("fixed-role-best",), expert_gemms=False, fixed_sweep=(8, 16, 24))
+        rows = moe.run_case(moe.MoECase("tiny-softmax", 16, "uniform"), st, device="cpu")
+        q.put((rank, (out, [(r["status"], r["reason"]) for r in rows], len(calls))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_point_end_to_end_world2_over_gloo():
+    got = _spawn(_point_rank, 2)
+    assert got[0] == got[1]  # every rank agrees on every row
+    rows, missing_rows, missing_calls = got[0]
+    by = {(op, impl): rest for op, impl, *rest in rows}
+    for key in [("moe_experts", "grouped-mm"), ("moe_experts", "kosmos-expert-gemms"), ("moe_fwd", "kosmos"),
+                ("moe_fwd", "nccl-a2a"), ("moe_fwd", "fixed-role"), ("moe_fwd", "fixed-role-best")]:
+        status, err, reason, has_comm, _, _ = by[key]
+        assert status == "ok" and 0 < err < 1e-2, (key, by[key])
+    assert by[("moe_fwd", "nccl-a2a")][3]  # t_comm measured at world 2
+    assert by[("moe_fwd", "deepep")][0] == "unavailable"
+    assert by[("moe_fwd", "fixed-role-best")][5]["comm_programs"] in (16, 24)
+    assert by[("moe_fwd", "fixed-role-best")][5]["sweep"] == [8, 16, 24]
+    rows_per_rank = by[("moe_fwd", "nccl-a2a")][4]
+    assert len(rows_per_rank) == 2 and sum(rows_per_rank) == 2 * 48 * TINY["tiny-grouped"].top_k
+    # no split passes when the kernel is missing: the row says why, and the sweep stops at the first split
+    assert missing_rows[0][0] == "failed" and missing_rows[0][1].startswith("no fixed split passed (S=8: ")
+    assert "kosmos.moe_forward not available" in missing_rows[0][1] and missing_calls == 1
