@@ -2,7 +2,8 @@
 
 Everything a kernel needs to talk to other ranks lives here, and nowhere else:
 
-* ``peer_ptr``   -- translate a rank index into that rank's symmetric-buffer base (pointer table lookup).
+* ``peer_ptr``   -- translate a rank index into that rank's symmetric-buffer base (pointer table lookup);
+                    ``peer_region`` adds a byte offset (one region of a buffer carved into several).
 * ``notify``     -- publish a flag value to a (possibly remote) signal slot: ``atomic_xchg`` with
                     ``sem="release", scope="sys"``. Every store the *whole program* made before the call is
                     visible to whoever acquires the flag (a CTA barrier precedes the release, so the
@@ -73,6 +74,14 @@ def _acquire_fence(flag_ptr):
 def peer_ptr(table_ptr, rank, DTYPE: tl.constexpr):
     """Base pointer of ``rank``'s symmetric buffer, typed as DTYPE (table holds int64 addresses)."""
     addr = tl.load(table_ptr + rank)
+    return addr.to(tl.pointer_type(DTYPE), bitcast=True)
+
+
+@triton.jit
+def peer_region(table_ptr, rank, byte_offset, DTYPE: tl.constexpr):
+    """Pointer to ``byte_offset`` inside ``rank``'s symmetric buffer, typed as DTYPE. ``rank`` may be a tensor
+    (one peer per row, e.g. the combine epilogue scattering rows back to their tokens' ranks)."""
+    addr = tl.load(table_ptr + rank) + byte_offset
     return addr.to(tl.pointer_type(DTYPE), bitcast=True)
 
 
@@ -153,6 +162,13 @@ def peek(head_ptr):
 
 
 @triton.jit
+def _signal_done(peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch):
+    for p in tl.static_range(WORLD):
+        sig = peer_ptr(peer_sig_table, p, tl.int32)
+        tl.atomic_xchg(sig + DONE_BASE + rank, epoch, sem="release", scope="sys")
+
+
+@triton.jit
 def exit_program(heads_ptr, EXIT_SLOT: tl.constexpr, NUM_HEADS: tl.constexpr, GRID: tl.constexpr,
                  peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch):
     """Last program out resets the queue heads (so the next launch starts at 0 without a reset kernel) and
@@ -161,9 +177,21 @@ def exit_program(heads_ptr, EXIT_SLOT: tl.constexpr, NUM_HEADS: tl.constexpr, GR
     if n_out == GRID - 1:
         for h in tl.static_range(NUM_HEADS):
             tl.store(heads_ptr + h, 0)
-        for p in tl.static_range(WORLD):
-            sig = peer_ptr(peer_sig_table, p, tl.int32)
-            tl.atomic_xchg(sig + DONE_BASE + rank, epoch, sem="release", scope="sys")
+        _signal_done(peer_sig_table, DONE_BASE, rank, WORLD, epoch)
+
+
+@triton.jit
+def exit_program_zeroing(scratch_ptr, n_zero, EXIT_SLOT: tl.constexpr, GRID: tl.constexpr, peer_sig_table,
+                         DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, BLOCK: tl.constexpr):
+    """``exit_program`` for kernels whose local scratch (heads, exit counter, readiness counters) is one int32
+    array: the last program out zeroes its first ``n_zero`` entries, then signals done to every peer."""
+    n_out = tl.atomic_add(scratch_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
+    if n_out == GRID - 1:
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, n_zero, BLOCK):
+            tl.store(scratch_ptr + start + offs, tl.zeros([BLOCK], tl.int32), mask=start + offs < n_zero)
+        tl.debug_barrier()
+        _signal_done(peer_sig_table, DONE_BASE, rank, WORLD, epoch)
 
 
 @triton.jit

@@ -119,3 +119,29 @@ def cached_tables(key, build):
         t = build()
         _DEVICE_TABLES[key] = t
     return t
+
+
+# ------------------------------------------------------------------------------------------------------ MoE
+@dataclass(frozen=True)
+class MoEConfig:
+    """Block sizes of the one-launch MoE layer (kernels/moe_forward.py). Its task lists are built on the
+    device (the per-expert row counts exist only there), so this is the whole host-side plan."""
+    RB: int    # tokens per router/dispatch task
+    PB: int    # received rows per permute task
+    FB: int    # tokens per fold task
+    BH: int    # columns per copy step (dispatch, permute, fold)
+    BM: int    # expert GEMM tile rows
+    BK: int
+    BNH: int   # GEMM1 tile: BNH gate columns + the matching BNH up columns
+    BN: int    # GEMM2 tile columns
+    num_warps: int
+    num_stages: int
+
+
+def moe_config() -> MoEConfig:
+    """The one rule: GEMM tiles as the TP kernels (128 rows, 64-deep K steps, 3 stages, 8 warps; GEMM1 computes
+    128 gate + 128 up columns so that SwiGLU fuses into its epilogue); 32-token blocks for the data movers so
+    that a 4k-token batch makes ~one task per SM. Tiny blocks under the CPU interpreter."""
+    if interpreting():
+        return MoEConfig(RB=16, PB=16, FB=16, BH=32, BM=16, BK=16, BNH=16, BN=32, num_warps=4, num_stages=1)
+    return MoEConfig(RB=32, PB=32, FB=32, BH=128, BM=128, BK=64, BNH=128, BN=256, num_warps=8, num_stages=3)

@@ -9,7 +9,12 @@ One ``Workspace`` per process group, created on first use and reused by every ca
 * ``signals``-- a symmetric int32 buffer of flags, reached through ``peer_signals``. Slots
                 ``[DONE_BASE, DONE_BASE + 64)`` hold "rank p finished call e" (written by p); the slots from
                 ``FLAG_BASE`` hold per-chunk / per-tile readiness flags of the current op.
+* ``counters``-- a symmetric int32 buffer of *counters* (peers add to them; the consumer resets each one to 0
+                after reading it), reached through ``peer_counters``. Kept apart from ``signals`` because
+                epoch-valued flags of other ops must never land in a counter.
 * ``heads``  -- local int32 queue heads (+ an exit counter); the last program of a launch zeroes them.
+* ``local(name, numel, dtype)`` -- plain (non-symmetric) device buffers an op keeps between calls (grown on
+                demand; created zeroed).
 * ``errors`` -- local int64[8] error record written by a timed-out wait (see device.py).
 
 Epochs: every call gets the next value of a per-workspace counter; flags are written with it and waited on
@@ -38,7 +43,7 @@ NUM_HEADS = 4  # [0] comm/reduce head, [1] compute head, [2] exit counter, [3] s
 EXIT_SLOT = 2
 DEFAULT_TIMEOUT_S = float(os.environ.get("KOSMOS_TIMEOUT_S", "5.0"))
 TRACE_KINDS = {0: "idle", 1: "comm", 2: "compute", 3: "wait"}
-OP_CODES = {1: "all_gather_matmul", 2: "matmul_reduce_scatter", 3: "signal_pingpong"}
+OP_CODES = {1: "all_gather_matmul", 2: "matmul_reduce_scatter", 3: "signal_pingpong", 4: "moe_forward"}
 
 
 class KosmosError(RuntimeError):
@@ -100,12 +105,15 @@ class Workspace:
     signals: torch.Tensor | None = None       # int32
     peer_data: torch.Tensor | None = None     # int64 [W]
     peer_signals: torch.Tensor | None = None  # int64 [W]
+    counters: torch.Tensor | None = None      # int32, symmetric, always left at zero between calls
+    peer_counters: torch.Tensor | None = None  # int64 [W]
     heads: torch.Tensor | None = None
     errors: torch.Tensor | None = None
     epoch: int = 0
     pingpong_count: int = 0
     poisoned: str | None = None
     _handles: list = field(default_factory=list)
+    _local: dict = field(default_factory=dict)
     _err_host: torch.Tensor | None = None
     _err_event: object = None
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -152,6 +160,38 @@ class Workspace:
         torch.cuda.synchronize(dev)
         if self.world.size > 1:
             dist.barrier(group=self.world.group)
+
+    def ensure_counters(self, slots: int) -> None:
+        """Make sure the symmetric counter buffer holds ``slots`` int32 (collective when it grows)."""
+        if self.poisoned:
+            raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        have = 0 if self.counters is None else self.counters.numel()
+        if have >= slots:
+            return
+        dev = self.world.device
+        if self.counters is not None:
+            torch.cuda.synchronize(dev)
+            if self.world.size > 1:
+                dist.barrier(group=self.world.group)
+        slots = max(slots, 2 * have, 4096)
+        self.counters, ptrs = self._symmetric(slots, torch.int32)
+        self.counters.zero_()
+        self.peer_counters = torch.tensor(ptrs, dtype=torch.int64, device=dev)
+        torch.cuda.synchronize(dev)
+        if self.world.size > 1:
+            dist.barrier(group=self.world.group)
+
+    def local(self, name: str, numel: int, dtype) -> torch.Tensor:
+        """A local device buffer of at least ``numel`` elements kept for later calls (zeroed when created).
+        Growing one is safe without a barrier: only this rank's kernels touch it, in stream order."""
+        t = self._local.get(name)
+        if t is None or t.numel() < numel or t.dtype != dtype:
+            t = torch.zeros(max(numel, 1), dtype=dtype, device=self.world.device)
+            self._local[name] = t
+        return t
+
+    def local_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._local.values())
 
     def _symmetric(self, numel: int, dtype):
         if self.world.size == 1:
@@ -226,8 +266,11 @@ def reset_workspaces() -> None:
 
 
 def workspace_bytes(group=None) -> int:
+    """Bytes of this rank's symmetric workspace (data + signals + counters); the ops' local buffers, which the
+    caching allocator counts, are ``get_workspace(group).local_bytes()``."""
     ws = get_workspace(group)
-    return ws.data_bytes + 4 * ws.signal_slots
+    ctr = 0 if ws.counters is None else 4 * ws.counters.numel()
+    return ws.data_bytes + 4 * ws.signal_slots + ctr
 
 
 _ALLOCATOR_SET = False

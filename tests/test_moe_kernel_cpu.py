@@ -1,0 +1,195 @@
+"""The one-launch MoE layer under the Triton CPU interpreter, for W simulated ranks in one process.
+
+Each rank's buffers are CPU tensors and the peer tables hold their addresses. The interpreter runs programs
+one after another, so at W > 1 a rank's call is split into three launches by stage mask -- ROUTE on every
+rank, then PERMUTE+GEMM1+GEMM2 on every rank, then FOLD -- so that no program waits on a rank that has not
+run yet (a mistake fails fast on a bounded wait instead of hanging). At W = 1 the whole call is one launch.
+
+Checks: the kernel's routing equals the reference router; y equals the fp32 reference given that routing;
+every expert row and output is written (buffers poisoned with NaN); bitwise determinism; back-to-back
+epochs with fresh inputs; scratch, counters and errors left clean; done flags published.
+"""
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CPU interpreter tests: need TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)",
+                allow_module_level=True)
+
+from kosmos import moe_reference, planning, runtime  # noqa: E402
+from kosmos.kernels import moe_forward as mf  # noqa: E402
+
+GRID = 3
+TIMEOUT_NS = 5_000_000
+# The interpreter casts fp32 -> bf16 by truncation, not round-to-nearest (measured with Triton 3.9, also with
+# fp_downcast_rounding="rtne"); h, o and y are each truncated once, ~1% in all at these tiny sizes. A row
+# routed to the wrong expert or slot gives errors of order 1; the GPU tests hold 1e-2.
+TOL = 2e-2
+ROUTE_ONLY = 1 << mf.ROUTE
+MIDDLE = (1 << mf.PERMUTE) | (1 << mf.GEMM1) | (1 << mf.GEMM2)
+FOLD_ONLY = 1 << mf.FOLD
+
+
+def _rand(*shape, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+
+class MoERanks:
+    def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, route_kw=None, skew=False):
+        self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
+        self.el = experts // world
+        self.route_kw = dict(route_kw or {})
+        self.cfg = planning.moe_config()
+        self.lay = mf.Layout(world, tokens, hidden, ffn, top_k, self.el, self.cfg)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.skew = skew
+        self.router = _rand(experts, hidden, gen=self.gen, scale=0.5)
+        if skew:  # feature 0 of every token is 1: experts 0..k-1 win every token
+            self.router[:, 0] = -8.0
+            for j in range(top_k):
+                self.router[j, 0] = 8.0 - j
+        self.w13 = [_rand(self.el, hidden, 2 * ffn, gen=self.gen, scale=hidden ** -0.5) for _ in range(world)]
+        self.w2 = [_rand(self.el, ffn, hidden, gen=self.gen, scale=ffn ** -0.5) for _ in range(world)]
+        bias = self.route_kw.get("bias")
+        self.bias32 = bias.float().contiguous() if bias is not None else None
+        self.data = [torch.empty(self.lay.data_bytes, dtype=torch.uint8) for _ in range(world)]
+        self.sig = [torch.zeros(4096, dtype=torch.int32) for _ in range(world)]
+        self.ctr = [torch.zeros(max(64, self.lay.fold_blocks), dtype=torch.int32) for _ in range(world)]
+        tbl = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+        self.peer_data, self.peer_sig, self.peer_ctr = tbl(self.data), tbl(self.sig), tbl(self.ctr)
+        self.local = [dict(
+            topk_w=torch.zeros(tokens * top_k, dtype=torch.float32),
+            topk_e=torch.zeros(tokens * top_k, dtype=torch.int32),
+            xe=torch.empty(self.lay.max_rows * hidden, dtype=torch.bfloat16),
+            xe_meta=torch.zeros(self.lay.max_rows * 3, dtype=torch.int32),
+            hb=torch.empty(self.lay.max_rows * ffn, dtype=torch.bfloat16),
+            plan=torch.zeros(self.lay.plan_n, dtype=torch.int32),
+            scratch=torch.zeros(self.lay.scratch_n, dtype=torch.int32),
+            errors=torch.zeros(8, dtype=torch.int64)) for _ in range(world)]
+        self.xs = [None] * world
+        self.ys = [torch.empty(tokens, hidden, dtype=torch.bfloat16) for _ in range(world)]
+
+    def new_inputs(self):
+        for r in range(self.world):
+            x = _rand(self.t, self.h, gen=self.gen)
+            if self.skew:
+                x[:, 0] = 1.0
+            self.xs[r] = x
+            self.ys[r].fill_(float("nan"))
+            self.data[r].fill_(0xFF)  # bf16 NaN / int32 -1 everywhere
+            self.local[r]["xe"].fill_(float("nan"))
+            self.local[r]["hb"].fill_(float("nan"))
+
+    def bufs(self, r):
+        b = dict(self.local[r])
+        b.update(data=self.data[r], sig=self.sig[r], ctr=self.ctr[r], peer_data=self.peer_data,
+                 peer_sig=self.peer_sig, peer_ctr=self.peer_ctr, layout=self.lay)
+        return b
+
+    def launch(self, r, epoch, stages=mf.ALL_STAGES, **pol):
+        kw = {k: v for k, v in self.route_kw.items() if k != "bias"}
+        mf.launch(self.xs[r], self.router, self.bias32, self.w13[r], self.w2[r], self.ys[r], self.bufs(r), rank=r,
+                  world=self.world, epoch=epoch, timeout_ns=TIMEOUT_NS, grid=GRID, cfg=self.cfg, top_k=self.k,
+                  stages=stages, **kw, **pol)
+
+    def call(self, epoch, **pol):
+        if self.world == 1:
+            self.launch(0, epoch, **pol)
+            return
+        for stages in (ROUTE_ONLY, MIDDLE, FOLD_ONLY):
+            for r in range(self.world):
+                self.launch(r, epoch, stages, **pol)
+
+    def routing(self, r):
+        w = self.local[r]["topk_w"].view(self.t, self.k)
+        e = self.local[r]["topk_e"].view(self.t, self.k).long()
+        return w, e
+
+    def check(self, epoch):
+        w13 = torch.cat([w.float() for w in self.w13])
+        w2 = torch.cat([w.float() for w in self.w2])
+        for r in range(self.world):
+            errs = self.local[r]["errors"].tolist()
+            assert errs == [0] * 8, f"rank {r}: {runtime.decode_error(errs)}"
+            w_k, e_k = self.routing(r)
+            w_ref, e_ref = moe_reference.route(self.xs[r], self.router, self.k, **self.route_kw)
+            assert torch.equal(e_k, e_ref), f"rank {r}: experts differ from the reference router"
+            assert torch.allclose(w_k, w_ref, rtol=1e-4, atol=1e-6), f"rank {r}: weights differ"
+            y_ref = moe_reference.apply_routing_ref(self.xs[r], w_k, e_k, w13, w2)
+            assert not torch.isnan(self.ys[r]).any(), f"rank {r}: output rows left unwritten"
+            err = ((self.ys[r].float() - y_ref).norm() / y_ref.norm()).item()
+            assert err < TOL, f"rank {r}: rel err {err}"
+            assert self.local[r]["scratch"].abs().sum().item() == 0, f"rank {r}: scratch not reset"
+            assert self.ctr[r].abs().sum().item() == 0, f"rank {r}: fold counters not reset"
+            done = self.sig[r][runtime.DONE_BASE:runtime.DONE_BASE + self.world].tolist()
+            assert done == [epoch] * self.world, f"rank {r}: done flags {done}"
+
+
+SOFTMAX = dict(routing="softmax", renormalize=True)
+
+
+def _grouped(experts, n_group, topk_group, seed=7):
+    bias = torch.randn(experts, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return dict(routing="sigmoid-grouped", renormalize=True, n_group=n_group, topk_group=topk_group,
+                routed_scaling=2.5, bias=bias)
+
+
+CASES = [
+    pytest.param(1, 37, 48, 40, 8, 2, SOFTMAX, id="w1-softmax"),
+    pytest.param(1, 20, 32, 24, 16, 3, _grouped(16, 4, 2), id="w1-grouped"),
+    pytest.param(2, 21, 40, 32, 8, 2, dict(routing="softmax", renormalize=False), id="w2-softmax-norenorm"),
+    pytest.param(2, 17, 32, 16, 16, 4, _grouped(16, 4, 2), id="w2-grouped"),
+    pytest.param(3, 9, 24, 16, 6, 2, SOFTMAX, id="w3-softmax"),
+]
+
+
+@pytest.mark.parametrize("world,tokens,hidden,ffn,experts,top_k,route_kw", CASES)
+def test_moe_forward_vs_reference(world, tokens, hidden, ffn, experts, top_k, route_kw):
+    m = MoERanks(world, tokens, hidden, ffn, experts, top_k, seed=world * 100 + tokens, route_kw=route_kw)
+    for epoch in (1, 2):  # back to back, fresh inputs: epochs, counters and scratch must carry over cleanly
+        m.new_inputs()
+        m.call(epoch)
+        m.check(epoch)
+
+
+def test_moe_all_tokens_to_few_experts_and_empty_experts():
+    """Every token of both ranks picks experts 0 and 1 (rank 0): rank 1's experts get no rows at all."""
+    m = MoERanks(2, 19, 32, 24, 8, 2, seed=5, route_kw=SOFTMAX, skew=True)
+    m.new_inputs()
+    m.call(1)
+    for r in range(2):
+        assert set(m.routing(r)[1].unique().tolist()) == {0, 1}
+    m.check(1)
+
+
+def test_moe_fixed_role_policy_and_determinism():
+    m = MoERanks(2, 21, 32, 24, 8, 2, seed=11, route_kw=SOFTMAX)
+    m.new_inputs()
+    m.call(1, policy="fixed", comm_programs=1)
+    m.check(1)
+    first = [y.clone() for y in m.ys]
+    for r in range(2):
+        m.ys[r].fill_(float("nan"))
+    m.call(2)  # self-scheduling, same inputs: bitwise the same output
+    m.check(2)
+    for r in range(2):
+        assert torch.equal(first[r], m.ys[r]), f"rank {r}: fixed-role and self-scheduling outputs differ"
+
+
+def test_expert_gemms_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    el, h, f = 4, 40, 24
+    counts = torch.tensor([5, 0, 19, 2], dtype=torch.int32)
+    x = _rand(int(counts.sum()), h, gen=gen)
+    w13 = _rand(el, h, 2 * f, gen=gen, scale=h ** -0.5)
+    w2 = _rand(el, f, h, gen=gen, scale=f ** -0.5)
+    y = mf.expert_gemms(x, counts, w13, w2)
+    start, ref = 0, []
+    for i, n in enumerate(counts.tolist()):
+        ref.append(moe_reference.expert_ffn(x[start:start + n].float(), w13[i].float(), w2[i].float()))
+        start += n
+    ref = torch.cat(ref)
+    err = ((y.float() - ref).norm() / ref.norm()).item()
+    assert err < TOL, err
