@@ -144,4 +144,6 @@ def moe_config() -> MoEConfig:
     that a 4k-token batch makes ~one task per SM. Tiny blocks under the CPU interpreter."""
     if interpreting():
         return MoEConfig(RB=16, PB=16, FB=16, BH=32, BM=16, BK=16, BNH=16, BN=32, num_warps=4, num_stages=1)
-    return MoEConfig(RB=32, PB=32, FB=32, BH=128, BM=128, BK=64, BNH=128, BN=256, num_warps=8, num_stages=3)
+    # KOSMOS_MOE_BH: developer knob for the data movers' column block (measured in NOTES.md)
+    bh = int(os.environ.get("KOSMOS_MOE_BH", "256"))
+    return MoEConfig(RB=32, PB=32, FB=32, BH=bh, BM=128, BK=64, BNH=128, BN=256, num_warps=8, num_stages=3)

@@ -42,7 +42,8 @@ MAX_WORLD = 8
 NUM_HEADS = 4  # [0] comm/reduce head, [1] compute head, [2] exit counter, [3] spare
 EXIT_SLOT = 2
 DEFAULT_TIMEOUT_S = float(os.environ.get("KOSMOS_TIMEOUT_S", "5.0"))
-TRACE_KINDS = {0: "idle", 1: "comm", 2: "compute", 3: "wait"}
+TRACE_KINDS = {0: "idle", 1: "comm", 2: "compute", 3: "wait", 4: "route", 5: "permute", 6: "gemm1", 7: "gemm2",
+               8: "fold"}  # 4..8: the MoE layer's task kinds
 OP_CODES = {1: "all_gather_matmul", 2: "matmul_reduce_scatter", 3: "signal_pingpong", 4: "moe_forward"}
 
 

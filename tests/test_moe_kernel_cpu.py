@@ -193,3 +193,22 @@ def test_expert_gemms_matches_reference():
     ref = torch.cat(ref)
     err = ((y.float() - ref).norm() / ref.norm()).item()
     assert err < TOL, err
+
+
+def test_trace_records_every_task():
+    m = MoERanks(1, 37, 32, 24, 8, 2, seed=13, route_kw=SOFTMAX)
+    m.new_inputs()
+    trace = torch.zeros((GRID, 1024, 4), dtype=torch.int64)
+    kw = {k: v for k, v in m.route_kw.items() if k != "bias"}
+    mf.launch(m.xs[0], m.router, None, m.w13[0], m.w2[0], m.ys[0], m.bufs(0), rank=0, world=1, epoch=1,
+              timeout_ns=TIMEOUT_NS, grid=GRID, cfg=m.cfg, top_k=2, trace=trace, **kw)
+    m.check(1)
+    ev = trace.view(-1, 4)
+    cfg = m.cfg
+    plan = m.local[0]["plan"]
+    mtiles = int(plan[2 * m.el])
+    expect = {4: -(-37 // cfg.RB), 5: -(-37 // cfg.PB), 6: mtiles * -(-24 // cfg.BNH), 7: mtiles * -(-32 // cfg.BN),
+              8: -(-37 // cfg.FB)}
+    for kind, n in expect.items():
+        ids = sorted(ev[ev[:, 0] == kind][:, 1].tolist())
+        assert ids == list(range(n)), (kind, ids)

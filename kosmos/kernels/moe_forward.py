@@ -69,7 +69,7 @@ import triton.language as tl
 from .. import device as dev
 from .. import planning, runtime
 from ..moe_reference import ROUTINGS
-from .common import POLICIES, policy_args, store_rows
+from .common import POLICIES, check_launch, policy_args, store_rows
 
 OP_CODE = 4
 ROUTE, PERMUTE, GEMM1, GEMM2, FOLD = 0, 1, 2, 3, 4
@@ -168,8 +168,8 @@ def _route_block(b, x_desc, wr_desc, bias_ptr, topk_w_ptr, topk_e_ptr, T, H, E, 
 
 @triton.jit
 def _dispatch_block(b, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta, T, H, El, rank,
-                    WORLD: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr, RB: tl.constexpr,
-                    BH: tl.constexpr):
+                    WORLD: tl.constexpr, WP2: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
+                    RB: tl.constexpr, BH: tl.constexpr):
     """Push tokens [b*RB, +RB) once to each destination rank holding one of their experts (+ metadata)."""
     MW: tl.constexpr = 1 + 2 * TOPK
     rows = b * RB + tl.arange(0, RB)
@@ -180,6 +180,10 @@ def _dispatch_block(b, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta
     local_e = sel_e - dest * El
     # index of each (token, expert) pair among this rank's pairs of that expert
     idx = tl.atomic_add(scratch_ptr + SC_CNT + sel_e, 1, mask=pair, sem="relaxed", scope="gpu")
+    dcols = tl.arange(0, WP2)[None, :]
+    slots = tl.full((RB, WP2), -1, dtype=tl.int64)
+    # per destination: which rows go there, their slots, and their metadata
+    src = x_ptr + rows.to(tl.int64) * H
     for d in tl.static_range(WORLD):
         has = tl.max(tl.where(pair & (dest == d), 1, 0), 1) > 0
         slot = tl.atomic_add(scratch_ptr + SC_SEND + d + 0 * rows, 1, mask=has, sem="relaxed", scope="gpu")
@@ -190,13 +194,18 @@ def _dispatch_block(b, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta
         on_d = pair & (dest == d)
         tl.store(meta[:, None] + 1 + 2 * kcols, tl.where(on_d, local_e, -1), mask=has[:, None] & (kcols < TOPK))
         tl.store(meta[:, None] + 2 + 2 * kcols, idx, mask=has[:, None] & (kcols < TOPK))
-        dst = dev.peer_region(peer_data, d, off_recv, tl.bfloat16) + at * H
-        src = x_ptr + rows.to(tl.int64) * H
-        for c0 in range(0, H, BH):
-            c = c0 + tl.arange(0, BH)
-            cm = (c < H)[None, :]
-            v = tl.load(src[:, None] + c[None, :], mask=tmask[:, None] & cm)
-            tl.store(dst[:, None] + c[None, :], v, mask=has[:, None] & cm)
+        # destination row index (or -1) of each token, kept in one [RB, WP2] tensor
+        slots = tl.where((dcols == d) & has[:, None], at[:, None], slots)
+    # the rows: each column block is loaded once and stored to every destination (a dynamic loop over
+    # destinations, so that only one block of pointers is live)
+    for c0 in range(0, H, BH):
+        c = c0 + tl.arange(0, BH)
+        cm = (c < H)[None, :]
+        v = tl.load(src[:, None] + c[None, :], mask=tmask[:, None] & cm)
+        for dd in range(WORLD):
+            at_d = tl.sum(tl.where(dcols == dd, slots, 0), 1)
+            dst = dev.peer_region(peer_data, dd, off_recv, tl.bfloat16) + at_d * H
+            tl.store(dst[:, None] + c[None, :], v, mask=(at_d >= 0)[:, None] & cm)
 
 
 @triton.jit
@@ -413,14 +422,14 @@ def _moe_forward_kernel(
         recv_ptr, rmeta_ptr, cnt_ptr, comb_ptr,
         peer_data, peer_sig, peer_ctr, sig_ptr, ctr_ptr,
         off_recv, off_rmeta, off_cnt, off_comb,
-        topk_w_ptr, topk_e_ptr, xe_ptr, xe_meta_ptr, hb_ptr, plan_ptr, scratch_ptr, scratch_n, err_ptr,
+        topk_w_ptr, topk_e_ptr, xe_ptr, xe_meta_ptr, hb_ptr, plan_ptr, scratch_ptr, scratch_n, err_ptr, trace_ptr,
         T, H, F, E, El, rank, epoch, timeout_us, fixed_comm, routed_scaling, stages,
         WORLD: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr, EP2: tl.constexpr, ELP2: tl.constexpr,
         WP2: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, N_GROUP: tl.constexpr,
         TOPK_GROUP: tl.constexpr, NGP2: tl.constexpr,
         RB: tl.constexpr, PB: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr, BNH: tl.constexpr, BN: tl.constexpr, GRID: tl.constexpr, POLICY: tl.constexpr,
-        GEMMS_ONLY: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr,
+        GEMMS_ONLY: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr):
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
@@ -445,6 +454,7 @@ def _moe_forward_kernel(
     handshake = 0
     peers_ok = 1
     plan_ok = 0
+    n_ev = 0
     while cur < 5:
         if dev.aborted(err_ptr):
             cur = 5
@@ -452,8 +462,10 @@ def _moe_forward_kernel(
             cur += 1
         else:
             if (cur >= 1) & (cur <= 3) & (plan_ok == 0):
+                t_w = dev.now_ns()
                 plan_ok = _ensure_plan(sig_ptr, cnt_ptr, plan_ptr, scratch_ptr, El, rank, epoch, timeout_ns,
                                        err_ptr, WORLD, WP2, ELP2, BM, FLAG_BASE, GEMMS_ONLY)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, -1, t_w, dev.now_ns(), TRACE)
             if (cur >= 1) & (cur <= 3) & (plan_ok == 0):
                 cur = 5  # timed out waiting for a peer: drain
             else:
@@ -467,6 +479,7 @@ def _moe_forward_kernel(
                 elif cur == 4:
                     n_tasks = n_fold
                 t = dev.claim(scratch_ptr + cur)
+                t0 = dev.now_ns()
                 if t >= n_tasks:
                     cur += 1
                 elif cur == 0:
@@ -479,7 +492,7 @@ def _moe_forward_kernel(
                         handshake = 1
                     if peers_ok != 0:
                         _dispatch_block(t, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta, T, H, El,
-                                        rank, WORLD, TOPK, KP2, RB, BH)
+                                        rank, WORLD, WP2, TOPK, KP2, RB, BH)
                         tl.debug_barrier()
                         n_done = tl.atomic_add(scratch_ptr + SC_ROUTED, 1, sem="acq_rel", scope="sys")
                         if n_done == n_route - 1:
@@ -493,13 +506,20 @@ def _moe_forward_kernel(
                     ok = 1
                     if not GEMMS_ONLY:
                         ok = dev.wait_geq(perm_ctr + le, rows, timeout_ns, err_ptr, 4, rank, t, -1000 - le)
+                        t1 = dev.now_ns()
+                        n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
+                        t0 = t1
                     if ok != 0:
                         _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM, BK, BNH, DOT_FP32)
                         tl.debug_barrier()
                         tl.atomic_add(g1_ctr + gm, 1, sem="release", scope="gpu")
                 elif cur == 3:
                     le, first, rows, gm, m, n = _gemm_task(t, plan_ptr, El, n2, ELP2, BM)
-                    if dev.wait_geq(g1_ctr + gm, n1, timeout_ns, err_ptr, 4, rank, t, -100000 - gm) != 0:
+                    ok = dev.wait_geq(g1_ctr + gm, n1, timeout_ns, err_ptr, 4, rank, t, -100000 - gm)
+                    t1 = dev.now_ns()
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
+                    t0 = t1
+                    if ok != 0:
                         acc = _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, BM, BK, BN, DOT_FP32)
                         if GEMMS_ONLY:
                             store_rows(y_ptr, acc.to(tl.bfloat16), first + m * BM, n * BN, rows - m * BM, H, BM, BN)
@@ -509,6 +529,8 @@ def _moe_forward_kernel(
                 else:
                     _fold_block(t, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n2, rank, epoch, timeout_ns,
                                 err_ptr, TOPK, KP2, FB, BH)
+                if t < n_tasks:  # kinds 4..8: route, permute, gemm1, gemm2, fold (runtime.TRACE_KINDS)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 4 + cur, t, t0, dev.now_ns(), TRACE)
     if FINAL:
         dev.exit_program_zeroing(scratch_ptr, scratch_n, SC_EXIT, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch,
                                  1024)
@@ -602,7 +624,8 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
 
 def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch, timeout_ns, grid,
            cfg: planning.MoEConfig, top_k, routing="softmax", renormalize=True, n_group=1, topk_group=1,
-           routed_scaling=1.0, policy="self", comm_programs=None, stages=ALL_STAGES, gemms_only=False):
+           routed_scaling=1.0, policy="self", comm_programs=None, stages=ALL_STAGES, gemms_only=False,
+           trace=None):
     """Launch on explicit buffers (``moe_forward`` builds them from the workspace; CPU tests build their own).
 
     ``bufs``: data (this rank's symmetric bytes), sig, ctr (its signals / counters), peer_data, peer_sig,
@@ -627,14 +650,14 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
         bufs["peer_data"], bufs["peer_sig"], bufs["peer_ctr"], bufs["sig"], bufs["ctr"],
         lay.off_recv, lay.off_rmeta, lay.off_cnt, lay.off_comb,
         bufs["topk_w"], bufs["topk_e"], bufs["xe"], bufs["xe_meta"], bufs["hb"], bufs["plan"], bufs["scratch"],
-        lay.scratch_n, bufs["errors"],
+        lay.scratch_n, bufs["errors"], trace if trace is not None else bufs["errors"],
         t_, h, f, e, el, rank, epoch, max(1, timeout_ns // 1000), fixed, float(routed_scaling), stages,
         WORLD=world, TOPK=top_k, KP2=_p2(top_k), EP2=_p2(e, 16), ELP2=_p2(el), WP2=_p2(world),
         ROUTING=ROUTINGS.index(routing), RENORM=bool(renormalize), N_GROUP=n_group_c,
         TOPK_GROUP=topk_group if routing == "sigmoid-grouped" else 1, NGP2=_p2(n_group_c),
         RB=cfg.RB, PB=cfg.PB, FB=cfg.FB, BH=cfg.BH, BM=cfg.BM, BK=cfg.BK, BNH=cfg.BNH, BN=cfg.BN, GRID=grid,
         POLICY=pol, GEMMS_ONLY=gemms_only, FINAL=gemms_only or bool(stages & (1 << FOLD)),
-        DOT_FP32=planning.interpreting(), FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE,
+        DOT_FP32=planning.interpreting(), TRACE=trace is not None, FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -658,7 +681,8 @@ def _local_buffers(ws, lay: Layout, tokens, hidden, ffn, top_k):
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, top_k: int,
                 routing: str = "softmax", renormalize: bool = True, bias: torch.Tensor | None = None,
                 n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0, group=None,
-                policy: str = "self", comm_programs: int | None = None, return_routing: bool = False):
+                policy: str = "self", comm_programs: int | None = None, return_routing: bool = False,
+                trace: torch.Tensor | None = None):
     """The MoE expert layer over the expert-parallel ``group``, in one launch: ``y`` [T, H] bf16.
 
     x [T, H] bf16 CUDA: this rank's tokens (T must be the same on every rank); router_weight [E, H] bf16
@@ -667,7 +691,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     ``sigmoid-grouped`` (DeepSeek-V3: ``bias`` [E] for the choice, ``n_group``/``topk_group``,
     ``routed_scaling``). E <= 256, top_k <= 16, H and F multiples of 8. Shared experts are not part of the op.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``return_routing=True`` also
-    returns (weights [T, k] fp32, experts [T, k] int64) as the kernel's router chose them.
+    returns (weights [T, k] fp32, experts [T, k] int64) as the kernel's router chose them. ``trace`` (int64
+    [grid, 1024, 4]) records each program's tasks (kinds in ``runtime.TRACE_KINDS``) for the timeline.
     """
     import torch.distributed as dist
     w = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -677,7 +702,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     ws = runtime.get_workspace(group, x.device)
     r = ws.world.rank
     grid = runtime.num_sms(x.device)
-    policy_args(policy, comm_programs, grid)
+    check_launch(policy, comm_programs, trace, grid)
     cfg = planning.moe_config()
     lay = Layout(w, t_, h, f, top_k, el, cfg)
     ws.ensure(lay.data_bytes, w)
@@ -691,7 +716,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     y = torch.empty((t_, h), dtype=torch.bfloat16, device=x.device)
     launch(x, router_weight, bias32, w13, w2, y, bufs, rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(),
            grid=grid, cfg=cfg, top_k=top_k, routing=routing, renormalize=renormalize, n_group=n_group,
-           topk_group=topk_group, routed_scaling=routed_scaling, policy=policy, comm_programs=comm_programs)
+           topk_group=topk_group, routed_scaling=routed_scaling, policy=policy, comm_programs=comm_programs,
+           trace=trace)
     ws.after_launch()
     if return_routing:
         return (y, bufs["topk_w"][:t_ * top_k].view(t_, top_k).clone(),

@@ -1,0 +1,98 @@
+"""Where the time of one fused MoE call goes (a developer's device script, one call per session):
+
+    python -m kosmos_bench.moe_probe --out DIR [--model deepseek-v3] [--tokens 4096] [--routing uniform]
+
+Per rank: build the bench's inputs, warm up, time the call (median of --iters), then trace one call and print,
+per task kind (route, permute, gemm1, gemm2, fold, wait), how many tasks ran, when the first started and the
+last ended (us from the first event on any rank) and the busy time summed over programs (us per program).
+Writes DIR/trace-moe-<model>-<tokens>-<routing>-w<W>.json (render: ``kosmos report --timeline FILE``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def _rank_main(rank, world, args):
+    import kosmos
+    from kosmos import runtime
+    from kosmos.kernels.common import TRACE_EVENTS
+
+    from . import moe as bm
+    from . import timing
+    m = bm.moe_model(args.model)
+    dev = torch.device("cuda", rank)
+    x, wr, bias, _ = bm.make_router_inputs(m, args.tokens, args.routing, rank, 0, device=dev)
+    w13, w2 = bm.make_expert_weights(m, world, rank, 0, device=dev)
+    kw = bm.route_kwargs(m, bias)
+    policy = dict(policy="fixed", comm_programs=args.fixed) if args.fixed else {}
+
+    def call(**extra):
+        return kosmos.moe_forward(x, wr, w13, w2, top_k=m.top_k, **kw, **policy, **extra)
+    for _ in range(3):
+        call()
+    runtime.check_errors()
+    times = []
+    for _ in range(args.iters):
+        timing.barrier()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        s.record()
+        call()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    grid = runtime.num_sms(dev)
+    buf = torch.zeros((grid, TRACE_EVENTS, 4), dtype=torch.int64, device=dev)
+    timing.barrier()
+    call(trace=buf)
+    runtime.check_errors()
+    host = buf.cpu()
+    events = [[p, int(e[0]), int(e[1]), int(e[2]), int(e[3])] for p in range(grid) for e in host[p] if int(e[3]) > 0]
+    gathered = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, (events, sorted(times)[len(times) // 2]))
+    else:
+        gathered = [(events, sorted(times)[len(times) // 2])]
+    if rank != 0:
+        return
+    t_min = min(ev[3] for evs, _ in gathered for ev in evs)
+    print(f"{args.model} tokens={args.tokens} routing={args.routing} W={world} policy={policy or 'self'}: "
+          f"median call {max(t for _, t in gathered):.3f} ms (max over ranks)")
+    print(f"{'rank':>4} {'kind':>8} {'tasks':>6} {'first_us':>9} {'last_us':>9} {'busy_us/prog':>13}")
+    for r, (evs, _) in enumerate(gathered):
+        for kind in sorted({ev[1] for ev in evs}):
+            sel = [ev for ev in evs if ev[1] == kind]
+            busy = sum(ev[4] - ev[3] for ev in sel) / 1e3 / grid
+            print(f"{r:>4} {runtime.TRACE_KINDS.get(kind, kind):>8} {len(sel):>6} "
+                  f"{(min(ev[3] for ev in sel) - t_min) / 1e3:>9.1f} {(max(ev[4] for ev in sel) - t_min) / 1e3:>9.1f} "
+                  f"{busy:>13.1f}")
+    os.makedirs(args.out, exist_ok=True)
+    doc = {"type": "trace", "op": "moe", "model": args.model, "tokens": args.tokens, "routing": args.routing,
+           "world": world, "impl": "kosmos", "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
+           "ranks": [{"rank": r, "events": evs} for r, (evs, _) in enumerate(gathered)]}
+    name = f"trace-moe-{args.model}-{args.tokens}-{args.routing.replace(':', '')}-w{world}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(doc, f)
+
+
+def main(argv=None):
+    from .launcher import check_world, spawn
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="deepseek-v3")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--routing", default="uniform")
+    p.add_argument("--world", type=int, default=None)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--fixed", type=int, default=0, help="fixed-role policy with this many data-moving programs")
+    args = p.parse_args(argv)
+    spawn(_rank_main, check_world(args.world), args, timeout_s=600)
+
+
+if __name__ == "__main__":
+    main()
