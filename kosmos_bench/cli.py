@@ -38,6 +38,18 @@ def _split(values: Optional[List[str]], cast=str):
     return tuple(out)
 
 
+def _dtype_and_world(dtype: str, asked):
+    """Exit with a clear message for a dtype not implemented yet or a world the machine cannot give."""
+    from . import launcher
+    from .suites import SUPPORTED_DTYPES
+    if dtype not in SUPPORTED_DTYPES:
+        _fail(f"--dtype {dtype} is not implemented yet (MXFP8 kernels are planned); use --dtype bf16")
+    try:
+        return launcher.check_world(asked)
+    except launcher.LaunchError as e:
+        _fail(str(e))
+
+
 def _fail(msg: str, code: int = 2):
     console.print(f"[bold red]error:[/] {msg}")
     raise typer.Exit(code)
@@ -69,7 +81,7 @@ def bench_tp(
     from kosmos.models import TP_LAYERS
 
     from . import launcher
-    from .suites import SUPPORTED_DTYPES, SuiteError, TPSuite, default_suite, load_suite
+    from .suites import SuiteError, TPSuite, default_suite, load_suite
 
     try:
         base = load_suite(suite) if suite else default_suite()
@@ -85,12 +97,7 @@ def bench_tp(
                                      impls=_split(impl), iters=iters, warmup=warmup, tp=tp)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
-    if cfg.dtype not in SUPPORTED_DTYPES:
-        _fail(f"--dtype {cfg.dtype} is not implemented yet (MXFP8 kernels are planned); use --dtype bf16")
-    try:
-        world = launcher.check_world(cfg.tp)
-    except launcher.LaunchError as e:
-        _fail(str(e))
+    world = _dtype_and_world(cfg.dtype, cfg.tp)
     from kosmos.models import tp_gemms
     try:
         cases = [g for m in cfg.models for s in cfg.seq for g in tp_gemms(m, s, world, cfg.layers)]
@@ -201,7 +208,7 @@ def bench_moe(
 ):
     from . import launcher
     from .moe import moe_cases
-    from .suites import SUPPORTED_DTYPES, MoESuite, SuiteError, default_moe_suite, load_suite
+    from .suites import MoESuite, SuiteError, default_moe_suite, load_suite
 
     try:
         base = load_suite(suite, bench="moe") if suite else default_moe_suite()
@@ -210,12 +217,7 @@ def bench_moe(
                                       expert_gemms=expert_gemms, seed=seed)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
-    if cfg.dtype not in SUPPORTED_DTYPES:
-        _fail(f"--dtype {cfg.dtype} is not implemented yet (MXFP8 kernels are planned); use --dtype bf16")
-    try:
-        world = launcher.check_world(cfg.ep)
-    except launcher.LaunchError as e:
-        _fail(str(e))
+    world = _dtype_and_world(cfg.dtype, cfg.ep)
     try:
         cases = moe_cases(cfg.models, cfg.tokens, cfg.routing, world)
     except ValueError as e:

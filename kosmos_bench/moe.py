@@ -539,6 +539,12 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
             torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda":
+        # every point starts without KOSMOS buffers sized by an earlier (larger) point, so that the peak memory
+        # recorded here is this point's own (measured otherwise: qwen3-235b 4096 right after deepseek-v3 16384
+        # carried 2.3 GiB of symmetric workspace and deepseek-sized local buffers). Collective: every rank runs
+        # the same points.
+        kosmos.reset_workspaces()
+        torch.cuda.empty_cache()
         torch.backends.cuda.matmul.allow_tf32 = False
         # allocate time_op's L2-flush buffer now (keyed like time_op keys it), so no impl's peak includes it
         timing.flush_l2(torch.cuda.current_device())
