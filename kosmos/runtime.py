@@ -115,6 +115,7 @@ class Workspace:
     poisoned: str | None = None
     _handles: list = field(default_factory=list)
     _local: dict = field(default_factory=dict)
+    agreed_shapes: set = field(default_factory=set)  # call signatures every rank was checked to share
     _err_host: torch.Tensor | None = None
     _err_event: object = None
     timeout_s: float = DEFAULT_TIMEOUT_S

@@ -393,7 +393,8 @@ def _combine_rows(acc, first, rows, m, n, xe_meta_ptr, peer_data, peer_ctr, off_
 
 @triton.jit
 def _fold_block(b, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n_tiles2, rank, epoch, timeout_ns, err_ptr,
-                TOPK: tl.constexpr, KP2: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr):
+                TOPK: tl.constexpr, KP2: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr,
+                FOLD_UNROLL: tl.constexpr):
     t0 = b * FB
     n_tok = tl.minimum(T - t0, FB)
     ok = dev.wait_geq(ctr_ptr + b, n_tok * TOPK * n_tiles2, timeout_ns, err_ptr, 4, rank, b, -(b + 1))
@@ -402,15 +403,31 @@ def _fold_block(b, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n_tiles2, rank, e
         rmask = rows < T
         kcols = tl.arange(0, KP2)[None, :]
         w = tl.load(topk_w_ptr + rows[:, None] * TOPK + kcols, mask=rmask[:, None] & (kcols < TOPK), other=0.0)
-        for c0 in range(0, H, BH):
-            c = c0 + tl.arange(0, BH)
-            m2 = rmask[:, None] & (c < H)[None, :]
-            acc = tl.zeros((FB, BH), dtype=tl.float32)
-            for j in range(TOPK):  # fixed slot order: deterministic (dynamic loop: unrolled, it spills)
-                wj = tl.sum(tl.where(kcols == j, w, 0.0), 1)
-                v = tl.load(comb_ptr + (rows * TOPK + j).to(tl.int64)[:, None] * H + c[None, :], mask=m2, other=0.0)
-                acc += wj[:, None] * v.to(tl.float32)
-            tl.store(y_ptr + rows.to(tl.int64)[:, None] * H + c[None, :], acc.to(tl.bfloat16), mask=m2)
+        if FOLD_UNROLL:
+            # the k loads of a column block are independent: unrolled, they are all in flight at once (the
+            # dynamic loop waits for each in turn: k * H / BH load latencies per task). Narrow blocks keep
+            # the k loaded blocks in registers. The adds stay in slot order.
+            for c0 in range(0, H, BH // 4):
+                c = c0 + tl.arange(0, BH // 4)
+                m2 = rmask[:, None] & (c < H)[None, :]
+                acc = tl.zeros((FB, BH // 4), dtype=tl.float32)
+                for j in tl.static_range(TOPK):
+                    wj = tl.sum(tl.where(kcols == j, w, 0.0), 1)
+                    v = tl.load(comb_ptr + (rows * TOPK + j).to(tl.int64)[:, None] * H + c[None, :], mask=m2,
+                                other=0.0)
+                    acc += wj[:, None] * v.to(tl.float32)
+                tl.store(y_ptr + rows.to(tl.int64)[:, None] * H + c[None, :], acc.to(tl.bfloat16), mask=m2)
+        else:
+            for c0 in range(0, H, BH):
+                c = c0 + tl.arange(0, BH)
+                m2 = rmask[:, None] & (c < H)[None, :]
+                acc = tl.zeros((FB, BH), dtype=tl.float32)
+                for j in range(TOPK):  # fixed slot order: deterministic (dynamic loop: unrolled, it spills)
+                    wj = tl.sum(tl.where(kcols == j, w, 0.0), 1)
+                    v = tl.load(comb_ptr + (rows * TOPK + j).to(tl.int64)[:, None] * H + c[None, :], mask=m2,
+                                other=0.0)
+                    acc += wj[:, None] * v.to(tl.float32)
+                tl.store(y_ptr + rows.to(tl.int64)[:, None] * H + c[None, :], acc.to(tl.bfloat16), mask=m2)
         tl.debug_barrier()
         tl.store(ctr_ptr + b, 0)  # consumer reset: peers add again only after this rank's next dispatch
 
@@ -430,6 +447,7 @@ def _moe_forward_kernel(
         RB: tl.constexpr, PB: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr, BNH: tl.constexpr, BN: tl.constexpr, GRID: tl.constexpr, POLICY: tl.constexpr,
         GEMMS_ONLY: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
+        FOLD_UNROLL: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr):
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
@@ -528,7 +546,7 @@ def _moe_forward_kernel(
                                           TOPK, BM, BN, FB)
                 else:
                     _fold_block(t, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n2, rank, epoch, timeout_ns,
-                                err_ptr, TOPK, KP2, FB, BH)
+                                err_ptr, TOPK, KP2, FB, BH, FOLD_UNROLL)
                 if t < n_tasks:  # kinds 4..8: route, permute, gemm1, gemm2, fold (runtime.TRACE_KINDS)
                     n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 4 + cur, t, t0, dev.now_ns(), TRACE)
     if FINAL:
@@ -657,7 +675,8 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
         TOPK_GROUP=topk_group if routing == "sigmoid-grouped" else 1, NGP2=_p2(n_group_c),
         RB=cfg.RB, PB=cfg.PB, FB=cfg.FB, BH=cfg.BH, BM=cfg.BM, BK=cfg.BK, BNH=cfg.BNH, BN=cfg.BN, GRID=grid,
         POLICY=pol, GEMMS_ONLY=gemms_only, FINAL=gemms_only or bool(stages & (1 << FOLD)),
-        DOT_FP32=planning.interpreting(), TRACE=trace is not None, FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE,
+        DOT_FP32=planning.interpreting(), TRACE=trace is not None, FOLD_UNROLL=cfg.fold_unroll,
+        FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -685,7 +704,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
                 trace: torch.Tensor | None = None):
     """The MoE expert layer over the expert-parallel ``group``, in one launch: ``y`` [T, H] bf16.
 
-    x [T, H] bf16 CUDA: this rank's tokens (T must be the same on every rank); router_weight [E, H] bf16
+    x [T, H] bf16 CUDA: this rank's tokens (T, H, F, E, top_k and routing must be the same on every rank:
+    checked with one small all-gather the first time a shape is seen, a ValueError on every rank if they
+    differ); router_weight [E, H] bf16
     (replicated); w13 [E/W, H, 2F] (gate | up) and w2 [E/W, F, H] bf16: this rank's experts, global expert g
     on rank g // (E/W). routing: ``softmax`` (``renormalize`` the top-k weights or not) or
     ``sigmoid-grouped`` (DeepSeek-V3: ``bias`` [E] for the choice, ``n_group``/``topk_group``,
@@ -705,6 +726,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     check_launch(policy, comm_programs, trace, grid)
     cfg = planning.moe_config()
     lay = Layout(w, t_, h, f, top_k, el, cfg)
+    _check_same_shape_on_every_rank(ws, (t_, h, f, e, top_k, ROUTINGS.index(routing)))
     ws.ensure(lay.data_bytes, w)
     ws.ensure_counters(lay.fold_blocks)
     runtime.ensure_triton_allocator()
@@ -723,6 +745,27 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
         return (y, bufs["topk_w"][:t_ * top_k].view(t_, top_k).clone(),
                 bufs["topk_e"][:t_ * top_k].view(t_, top_k).long())
     return y
+
+
+def _check_same_shape_on_every_rank(ws, key: tuple) -> None:
+    """The kernel lays out every rank's buffers from T, H, F, E and k: a rank calling with other values would
+    write outside them. Checked once per new key with one small all-gather (like a workspace growth, never in
+    the steady state)."""
+    key = ("moe",) + key
+    seen = ws.agreed_shapes
+    if key in seen or ws.world.size == 1:
+        return
+    import torch.distributed as dist
+    mine = torch.tensor(key[1:], dtype=torch.int64, device=ws.world.device)
+    got = [torch.empty_like(mine) for _ in range(ws.world.size)]
+    dist.all_gather(got, mine, group=ws.world.group)
+    names = ("T (tokens per rank)", "H", "F", "E", "top_k", "routing")
+    for r, g in enumerate(got):
+        diff = [f"{n}={int(a)} on rank {r} vs {int(b)} here" for n, a, b in zip(names, g.tolist(), key[1:])
+                if a != b]
+        if diff:
+            raise ValueError("moe_forward: every rank must call with the same shapes and routing: " + "; ".join(diff))
+    seen.add(key)
 
 
 def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
