@@ -3,8 +3,11 @@
     python -m kosmos_bench.moe_probe --out DIR [--model deepseek-v3] [--tokens 4096] [--routing uniform]
 
 Per rank: build the bench's inputs, warm up, time the call (median of --iters), then trace one call and print,
-per task kind (route, permute, gemm1, gemm2, fold, wait), how many tasks ran, when the first started and the
-last ended (us from the first event on any rank) and the busy time summed over programs (us per program).
+per task kind (route = router math, comm = the route task's row pushes and count publish, permute, gemm1,
+gemm2, fold, wait), how many tasks ran, when the first started and the last ended (us from the rank's first
+event; GPU clocks of two ranks are not aligned) and the busy time summed over programs (us per program).
+The traced call is the first with tracing on, so it compiles a kernel variant: a rank may wait for a peer
+that is still compiling (seen: ~0.4 s); read the rank without that wait.
 Writes DIR/trace-moe-<model>-<tokens>-<routing>-w<W>.json (render: ``kosmos report --timeline FILE``).
 """
 from __future__ import annotations
@@ -60,11 +63,12 @@ def _rank_main(rank, world, args):
         gathered = [(events, sorted(times)[len(times) // 2])]
     if rank != 0:
         return
-    t_min = min(ev[3] for evs, _ in gathered for ev in evs)
     print(f"{args.model} tokens={args.tokens} routing={args.routing} W={world} policy={policy or 'self'}: "
           f"median call {max(t for _, t in gathered):.3f} ms (max over ranks)")
     print(f"{'rank':>4} {'kind':>8} {'tasks':>6} {'first_us':>9} {'last_us':>9} {'busy_us/prog':>13}")
     for r, (evs, _) in enumerate(gathered):
+        t_min = min(ev[3] for ev in evs)
+        print(f"{r:>4} {'span':>8} {'':>6} {0.0:>9.1f} {(max(ev[4] for ev in evs) - t_min) / 1e3:>9.1f}")
         for kind in sorted({ev[1] for ev in evs}):
             sel = [ev for ev in evs if ev[1] == kind]
             busy = sum(ev[4] - ev[3] for ev in sel) / 1e3 / grid

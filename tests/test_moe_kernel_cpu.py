@@ -207,7 +207,8 @@ def test_trace_records_every_task():
     cfg = m.cfg
     plan = m.local[0]["plan"]
     mtiles = int(plan[2 * m.el])
-    expect = {4: -(-37 // cfg.RB), 5: -(-37 // cfg.PB), 6: mtiles * -(-24 // cfg.BNH), 7: mtiles * -(-32 // cfg.BN),
+    route = -(-37 // cfg.RB)
+    expect = {1: route, 4: route, 5: -(-37 // cfg.PB), 6: mtiles * -(-24 // cfg.BNH), 7: mtiles * -(-32 // cfg.BN),
               8: -(-37 // cfg.FB)}
     for kind, n in expect.items():
         ids = sorted(ev[ev[:, 0] == kind][:, 1].tolist())

@@ -504,6 +504,11 @@ def _moe_forward_kernel(
                     sel_w, sel_e = _route_block(t, x_desc, wr_desc, bias_ptr, topk_w_ptr, topk_e_ptr, T, H, E,
                                                 routed_scaling, TOPK, KP2, EP2, ROUTING, RENORM, N_GROUP,
                                                 TOPK_GROUP, NGP2, RB, BK, DOT_FP32)
+                    # the task's two halves apart on the timeline: routing (kind route), then the row
+                    # pushes with the publish (kind comm)
+                    t1 = dev.now_ns()
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 4, t, t0, t1, TRACE)
+                    t0 = t1
                     if handshake == 0:  # a peer may still be reading last call's rows from its buffers
                         peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 4,
                                                        rank)
@@ -547,8 +552,9 @@ def _moe_forward_kernel(
                 else:
                     _fold_block(t, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n2, rank, epoch, timeout_ns,
                                 err_ptr, TOPK, KP2, FB, BH, FOLD_UNROLL)
-                if t < n_tasks:  # kinds 4..8: route, permute, gemm1, gemm2, fold (runtime.TRACE_KINDS)
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 4 + cur, t, t0, dev.now_ns(), TRACE)
+                if t < n_tasks:  # kinds 1 (dispatch), 5..8: permute, gemm1, gemm2, fold (runtime.TRACE_KINDS)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, tl.where(cur == 0, 1, 4 + cur), t, t0, dev.now_ns(),
+                                     TRACE)
     if FINAL:
         dev.exit_program_zeroing(scratch_ptr, scratch_n, SC_EXIT, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch,
                                  1024)
