@@ -293,10 +293,16 @@ def test_deepep_unavailable_without_the_package(monkeypatch, tiny_models):
 
 
 def _cpu_time_op(fn, *, iters=20, warmup=5, **kw):
-    """Stand-in for the CUDA-event timer: one call, wall time (CPU tests check the flow, not the numbers)."""
+    """Stand-in for the CUDA-event timer: one call, wall time (CPU tests check the flow, not the numbers),
+    max over ranks like the real timer -- otherwise two ranks may pick different fixed-role-best splits
+    (seen once in CI on a loaded 2-core machine)."""
     t0 = time.perf_counter()
     fn()
     ms = (time.perf_counter() - t0) * 1e3
+    if dist.is_initialized():
+        t = torch.tensor([ms], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ms = t.item()
     return {"time_ms": ms, "p20_ms": ms, "p80_ms": ms, "samples": 1, "host_ms": ms}
 
 
