@@ -1,4 +1,18 @@
-"""Drop-in modules over the fused ops.
+"""Drop-in modules and autograd functions over the fused ops.
+
+Tensor + sequence parallelism (Megatron's layout: activations sharded along the sequence, dim 0, between the
+parallel regions; weights in ``nn.Linear``'s [out, in] layout):
+
+``ColumnParallelLinear``  y [s, ..., out/W] = allgather_s(x [s/W, ..., in]) @ W_local^T   (QKV, FC1)
+    forward  all_gather_matmul(x_shard, W_local^T)
+    backward dx_shard = reduce_scatter(dy @ W_local)       -> matmul_reduce_scatter(dy, W_local)
+             dW_local = dy^T @ allgather(x_shard)           (x re-gathered with NCCL, not kept: activation memory)
+``RowParallelLinear``     y [s/W, ..., out] = reduce_scatter_s(x [s, ..., in/W] @ W_local^T)  (attn-out, FC2)
+    forward  matmul_reduce_scatter(x, W_local^T)
+    backward dx = allgather(dy_shard) @ W_local            -> all_gather_matmul(dy_shard, W_local)
+             dW_local = allgather(dy_shard)^T @ x           (the gathered dy comes out of the same launch)
+so every collective of the layer, forward and backward, runs fused with a GEMM. BF16; no bias (add it
+outside: with sequence parallelism a bias belongs after the reduce-scatter, on the sharded output).
 
 ``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``), forward only for now
 (the backward launch is future work: calling it on tensors that require grad raises instead of silently
@@ -9,9 +23,114 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
+from .kernels.all_gather_matmul import all_gather_matmul
+from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
 from .kernels.moe_forward import moe_forward
 from .moe_reference import ROUTINGS
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_gather_rows(x_shard: torch.Tensor, group) -> torch.Tensor:
+    w = _world(group)
+    if w == 1:
+        return x_shard
+    out = x_shard.new_empty((x_shard.shape[0] * w,) + tuple(x_shard.shape[1:]))
+    dist.all_gather_into_tensor(out, x_shard.contiguous(), group=group)
+    return out
+
+
+class AllGatherMatmulFn(torch.autograd.Function):
+    """c = allgather(a_shard) @ b with the backward also fused (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, a_shard, b, group=None):
+        _, c = all_gather_matmul(a_shard, b, group)
+        ctx.save_for_backward(a_shard, b)
+        ctx.group = group
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        a_shard, b = ctx.saved_tensors
+        dc = dc.contiguous()
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = matmul_reduce_scatter(dc, b.t(), ctx.group)
+        if ctx.needs_input_grad[1]:
+            db = _all_gather_rows(a_shard, ctx.group).t() @ dc
+        return da, db, None
+
+
+class MatmulReduceScatterFn(torch.autograd.Function):
+    """c_shard = reduce_scatter(a @ b) with the backward also fused (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, a, b, group=None):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        return matmul_reduce_scatter(a, b, group)
+
+    @staticmethod
+    def backward(ctx, dc_shard):
+        a, b = ctx.saved_tensors
+        dc_full, da = all_gather_matmul(dc_shard.contiguous(), b.t(), ctx.group)
+        db = a.t() @ dc_full if ctx.needs_input_grad[1] else None  # dc_full: valid until the next KOSMOS call
+        return (da if ctx.needs_input_grad[0] else None), db, None
+
+
+class _ParallelLinear(torch.nn.Module):
+    def __init__(self, in_features: int, out_features: int, *, shard_out: bool, group=None, device=None,
+                 dtype=torch.bfloat16):
+        super().__init__()
+        w = _world(group)
+        sharded = out_features if shard_out else in_features
+        if sharded % w:
+            raise ValueError(f"{'out' if shard_out else 'in'}_features={sharded} does not divide by the "
+                             f"tensor-parallel size {w}")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        shape = (out_features // w, in_features) if shard_out else (out_features, in_features // w)
+        self.weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        with torch.no_grad():
+            self.weight.normal_(0.0, 1.0 / math.sqrt(in_features))
+
+    def _flat(self, x: torch.Tensor, features: int) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[-1] != features:
+            raise ValueError(f"expected input [..., {features}], got {tuple(x.shape)}")
+        return x.reshape(-1, features)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Column-parallel linear with sequence parallelism: x [s/W, ..., in] (this rank's sequence chunk) ->
+    y [s, ..., out/W]; weight [out/W, in]. AllGather+GEMM forward, GEMM+ReduceScatter backward."""
+
+    def __init__(self, in_features: int, out_features: int, group=None, device=None, dtype=torch.bfloat16):
+        super().__init__(in_features, out_features, shard_out=True, group=group, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _world(self.group)
+        y = AllGatherMatmulFn.apply(self._flat(x, self.in_features), self.weight.t(), self.group)
+        return y.view((x.shape[0] * w,) + tuple(x.shape[1:-1]) + (self.weight.shape[0],))
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Row-parallel linear with sequence parallelism: x [s, ..., in/W] -> y [s/W, ..., out] (this rank's
+    sequence chunk, summed over ranks in rank order); weight [out, in/W]. GEMM+ReduceScatter forward,
+    AllGather+GEMM backward."""
+
+    def __init__(self, in_features: int, out_features: int, group=None, device=None, dtype=torch.bfloat16):
+        super().__init__(in_features, out_features, shard_out=False, group=group, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = _world(self.group)
+        if x.shape[0] % w:
+            raise ValueError(f"the sequence dimension {x.shape[0]} does not divide by the tensor-parallel size {w}")
+        y = MatmulReduceScatterFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(), self.group)
+        return y.view((x.shape[0] // w,) + tuple(x.shape[1:-1]) + (self.out_features,))
 
 
 class MoE(torch.nn.Module):
