@@ -39,6 +39,8 @@ W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -173,6 +175,17 @@ def _matmul_reduce_scatter_kernel(
     dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
 
 
+def _red_rows(cfg) -> int:
+    """Rows per step of a reduce task: 8192 // BN elements (32 rows at BN 256: 200 registers, no spills).
+    A reduce task is a chain of BM / RED_ROWS dependent remote loads (13-15 us measured for 4 steps), so
+    fewer, larger steps may pay for a few spilled registers: KOSMOS_RS_RED_ROWS (a power of two <= BM) is
+    the developer knob to measure that (NOTES.md)."""
+    rows = int(os.environ.get("KOSMOS_RS_RED_ROWS", "0")) or 8192 // cfg.BN
+    if rows & (rows - 1):
+        raise ValueError(f"KOSMOS_RS_RED_ROWS={rows} must be a power of two")
+    return max(1, min(cfg.BM, rows))
+
+
 def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch,
            timeout_ns, grid, cfg, policy="self", comm_programs=None, trace=None):
     """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
@@ -189,7 +202,7 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
-        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=max(1, min(cfg.BM, 8192 // cfg.BN)),
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg),
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
