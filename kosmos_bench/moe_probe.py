@@ -6,8 +6,8 @@ Per rank: build the bench's inputs, warm up, time the call (median of --iters), 
 per task kind (route = router math, comm = the route task's row pushes and count publish, permute, gemm1,
 gemm2, fold, wait), how many tasks ran, when the first started and the last ended (us from the rank's first
 event; GPU clocks of two ranks are not aligned) and the busy time summed over programs (us per program).
-The traced call is the first with tracing on, so it compiles a kernel variant: a rank may wait for a peer
-that is still compiling (seen: ~0.4 s); read the rank without that wait.
+A traced call is made (and compiled) before the timed calls, so the trace has no compile skew.
+``--variant K=V,...`` (repeatable) runs the whole probe once per set of developer knobs, in one call.
 Writes DIR/trace-moe-<model>-<tokens>-<routing>-w<W>.json (render: ``kosmos report --timeline FILE``).
 """
 from __future__ import annotations
@@ -21,6 +21,21 @@ import torch.distributed as dist
 
 
 def _rank_main(rank, world, args):
+    for i, variant in enumerate(args.variants or [""]):
+        env = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the kernel's developer knobs are read at each call (planning.moe_config)
+        try:
+            _probe(rank, world, args, variant, i)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _probe(rank, world, args, variant: str, index: int):
     import kosmos
     from kosmos import runtime
     from kosmos.kernels.common import TRACE_EVENTS
@@ -33,11 +48,14 @@ def _rank_main(rank, world, args):
     w13, w2 = bm.make_expert_weights(m, world, rank, 0, device=dev)
     kw = bm.route_kwargs(m, bias)
     policy = dict(policy="fixed", comm_programs=args.fixed) if args.fixed else {}
+    grid = runtime.num_sms(dev)
+    buf = torch.zeros((grid, TRACE_EVENTS, 4), dtype=torch.int64, device=dev)
 
     def call(**extra):
         return kosmos.moe_forward(x, wr, w13, w2, top_k=m.top_k, **kw, **policy, **extra)
     for _ in range(3):
         call()
+    call(trace=buf)  # compiles the traced variant now, so that the traced call below has no compile skew
     runtime.check_errors()
     times = []
     for _ in range(args.iters):
@@ -49,8 +67,7 @@ def _rank_main(rank, world, args):
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
-    grid = runtime.num_sms(dev)
-    buf = torch.zeros((grid, TRACE_EVENTS, 4), dtype=torch.int64, device=dev)
+    buf.zero_()
     timing.barrier()
     call(trace=buf)
     runtime.check_errors()
@@ -63,8 +80,8 @@ def _rank_main(rank, world, args):
         gathered = [(events, sorted(times)[len(times) // 2])]
     if rank != 0:
         return
-    print(f"{args.model} tokens={args.tokens} routing={args.routing} W={world} policy={policy or 'self'}: "
-          f"median call {max(t for _, t in gathered):.3f} ms (max over ranks)")
+    print(f"{args.model} tokens={args.tokens} routing={args.routing} W={world} policy={policy or 'self'} "
+          f"variant=[{variant or 'defaults'}]: median call {max(t for _, t in gathered):.3f} ms (max over ranks)")
     print(f"{'rank':>4} {'kind':>8} {'tasks':>6} {'first_us':>9} {'last_us':>9} {'busy_us/prog':>13}")
     for r, (evs, _) in enumerate(gathered):
         t_min = min(ev[3] for ev in evs)
@@ -77,9 +94,11 @@ def _rank_main(rank, world, args):
                   f"{busy:>13.1f}")
     os.makedirs(args.out, exist_ok=True)
     doc = {"type": "trace", "op": "moe", "model": args.model, "tokens": args.tokens, "routing": args.routing,
-           "world": world, "impl": "kosmos", "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
+           "world": world, "impl": "kosmos", "variant": variant,
+           "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
            "ranks": [{"rank": r, "events": evs} for r, (evs, _) in enumerate(gathered)]}
-    name = f"trace-moe-{args.model}-{args.tokens}-{args.routing.replace(':', '')}-w{world}.json"
+    suffix = f"-v{index}" if args.variants else ""
+    name = f"trace-moe-{args.model}-{args.tokens}-{args.routing.replace(':', '')}-w{world}{suffix}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(doc, f)
 
@@ -94,6 +113,9 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=None)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--fixed", type=int, default=0, help="fixed-role policy with this many data-moving programs")
+    p.add_argument("--variant", dest="variants", action="append", default=None,
+                   help="developer knobs for one run, e.g. KOSMOS_MOE_FOLD_UNROLL=1,KOSMOS_MOE_BH=128; repeat to "
+                        "compare several in one call (each compiles its own kernel variant)")
     args = p.parse_args(argv)
     spawn(_rank_main, check_world(args.world), args, timeout_s=600)
 
