@@ -1,7 +1,6 @@
 """The ``kosmos`` command line: ``kosmos bench tp``, ``kosmos bench moe``, ``kosmos report``."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -122,49 +121,23 @@ def bench_tp(
 
 def _bench_tp_rank(rank, world, suite: dict, cases: list, out: str, trace_dir, argv):
     """Runs on every rank; rank 0 writes the env line and every row as soon as it is ready."""
-    import torch
-
     from kosmos.models import TPGemm
 
     from . import tp
+    from .sweep import run_sweep
     st = tp.TPSettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
                        fixed_sweep=tuple(suite["fixed_sweep"]), dtype=suite["dtype"], trace_dir=trace_dir)
     env = tp.environment(argv=argv, suite=suite, bench="tp")
-    f = open(out, "a") if rank == 0 else None
-    if f:
-        f.write(json.dumps(env) + "\n")
-        f.flush()
 
-    def write(row):
-        if f:
-            row["run_id"] = env["run_id"]
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+    def failed(g, why):
+        return [{"type": "result", "bench": "tp", "op": g.op, "layer": g.layer, "model": g.model, "seq": g.seq,
+                 "m": g.m, "n": g.n, "k": g.k, "world": world, "dtype": st.dtype, "impl": name,
+                 "status": "failed", "reason": why, "time_ms": None, "tflops": None} for name in st.impls]
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), disable=rank != 0)
-    with progress:
-        task = progress.add_task("starting", total=len(cases))
-        for c in cases:
-            g = TPGemm(**c)
-            progress.update(task, description=f"{g.model} {g.layer} seq={g.seq} [{g.m}x{g.n}x{g.k}]")
-            try:
-                tp.run_case(g, st, on_row=write)
-                ok, why = True, None
-            except Exception as e:  # a whole shape failed (e.g. out of memory): record it, go on
-                ok, why = False, f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            ok, why = tp.agree(ok, why)
-            if not ok:
-                tp._recover()
-                for name in st.impls:
-                    write({"type": "result", "bench": "tp", "op": g.op, "layer": g.layer, "model": g.model,
-                           "seq": g.seq, "m": g.m, "n": g.n, "k": g.k, "world": world, "dtype": st.dtype,
-                           "impl": name, "status": "failed", "reason": why, "time_ms": None, "tflops": None})
-            torch.cuda.empty_cache()
-            progress.advance(task)
-    if f:
-        f.close()
+    run_sweep(out, env, rank, [TPGemm(**c) for c in cases],
+              describe=lambda g: f"{g.model} {g.layer} seq={g.seq} [{g.m}x{g.n}x{g.k}]",
+              run_one=lambda g, write: tp.run_case(g, st, on_row=write), failed_rows=failed, recover=tp._recover,
+              key=lambda r: (r["model"], r["layer"], r["seq"], r["op"], r["impl"]))
 
 
 MOE_HELP = "\n\n".join([

@@ -46,7 +46,6 @@ any rank received (the time is the slowest rank's, normally the busiest).
 """
 from __future__ import annotations
 
-import json
 import math
 import traceback
 from dataclasses import dataclass, field
@@ -418,7 +417,8 @@ def _recover(device):
 
 
 def _error_reason(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    from .sweep import error_reason
+    return error_reason(e)
 
 
 def _rel_err(out, ref) -> float:
@@ -667,48 +667,15 @@ def _bind_expert_gemms(fn, x_sorted, counts, w13, w2):
 
 def bench_rank(rank, world, suite: dict, cases: list, out: str, argv):
     """Runs on every rank (launcher.spawn); rank 0 writes the env line and every row as soon as it is ready."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from .sweep import run_sweep
 
     st = MoESettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
                      fixed_sweep=tuple(suite["fixed_sweep"]), dtype=suite["dtype"], seed=suite["seed"],
                      expert_gemms=suite["expert_gemms"])
     env = environment(argv=argv, suite=suite, bench="moe")
-    f = open(out, "a") if rank == 0 else None
-    if f:
-        f.write(json.dumps(env) + "\n")
-        f.flush()
-
-    written = set()
-
-    def write(row):
-        written.add((row["model"], row["tokens"], row["routing"], row["op"], row["impl"]))
-        if f:
-            row["run_id"] = env["run_id"]
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-
     device = torch.device("cuda", torch.cuda.current_device())
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), disable=rank != 0)
-    with progress:
-        task = progress.add_task("starting", total=len(cases))
-        for c in cases:
-            case = MoECase(**c)
-            progress.update(task, description=f"{case.model} tokens={case.tokens} {case.routing} EP={world}")
-            try:
-                run_case(case, st, on_row=write, device=device)
-                ok, why = True, None
-            except Exception as e:  # a whole point failed (e.g. out of memory): record it, go on
-                ok, why = False, _error_reason(e)
-                traceback.print_exc()
-            ok, why = agree(ok, why)
-            if not ok:
-                _recover(device)
-                for row in failed_rows(case, world, st, why):
-                    if (row["model"], row["tokens"], row["routing"], row["op"], row["impl"]) not in written:
-                        write(row)  # rows already measured for this point stay as they are
-            torch.cuda.empty_cache()
-            progress.advance(task)
-    if f:
-        f.close()
+    run_sweep(out, env, rank, [MoECase(**c) for c in cases],
+              describe=lambda case: f"{case.model} tokens={case.tokens} {case.routing} EP={world}",
+              run_one=lambda case, write: run_case(case, st, on_row=write, device=device),
+              failed_rows=lambda case, why: failed_rows(case, world, st, why), recover=lambda: _recover(device),
+              key=lambda r: (r["model"], r["tokens"], r["routing"], r["op"], r["impl"]))

@@ -1,0 +1,36 @@
+"""The shared bench loop (kosmos_bench.sweep.run_sweep): env line first, rows appended as measured, a case that
+raises recorded as failed for its rows not yet written, the sweep going on."""
+import json
+
+from kosmos_bench.sweep import run_sweep
+
+
+def test_failed_case_keeps_measured_rows_and_goes_on(tmp_path):
+    out = tmp_path / "r.jsonl"
+    recovered = []
+
+    def run_one(case, write):
+        write({"case": case, "impl": "a", "status": "ok"})
+        if case == 2:
+            raise RuntimeError("out of memory\nsecond line")
+        write({"case": case, "impl": "b", "status": "ok"})
+
+    def failed_rows(case, why):
+        return [{"case": case, "impl": i, "status": "failed", "reason": why} for i in ("a", "b")]
+
+    run_sweep(str(out), {"type": "env", "run_id": "x"}, 0, [1, 2, 3], describe=str, run_one=run_one,
+              failed_rows=failed_rows, recover=lambda: recovered.append(1), key=lambda r: (r["case"], r["impl"]))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["type"] == "env"
+    got = [(r["case"], r["impl"], r["status"]) for r in rows[1:]]
+    assert got == [(1, "a", "ok"), (1, "b", "ok"), (2, "a", "ok"), (2, "b", "failed"), (3, "a", "ok"), (3, "b", "ok")]
+    assert rows[4]["reason"] == "RuntimeError: out of memory" and all(r["run_id"] == "x" for r in rows[1:])
+    assert recovered == [1]
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    out = tmp_path / "r.jsonl"
+    run_sweep(str(out), {"type": "env", "run_id": "x"}, 1, [1], describe=str,
+              run_one=lambda c, write: write({"case": c}), failed_rows=lambda c, w: [], recover=lambda: None,
+              key=lambda r: r["case"])
+    assert not out.exists()
