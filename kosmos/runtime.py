@@ -183,12 +183,15 @@ class Workspace:
         if self.world.size > 1:
             dist.barrier(group=self.world.group)
 
-    def local(self, name: str, numel: int, dtype) -> torch.Tensor:
-        """A local device buffer of at least ``numel`` elements kept for later calls (zeroed when created).
-        Growing one is safe without a barrier: only this rank's kernels touch it, in stream order."""
+    def local(self, name: str, numel: int, dtype, init=None) -> torch.Tensor:
+        """A local device buffer of at least ``numel`` elements kept for later calls (zeroed when created, then
+        ``init(t)`` if given). Growing one is safe without a barrier: only this rank's kernels touch it, in
+        stream order."""
         t = self._local.get(name)
         if t is None or t.numel() < numel or t.dtype != dtype:
             t = torch.zeros(max(numel, 1), dtype=dtype, device=self.world.device)
+            if init is not None:
+                init(t)
             self._local[name] = t
         return t
 

@@ -796,14 +796,15 @@ def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
     lay.scratch_n = int(SC_PERM.value) + el + lay.max_mtiles
     runtime.ensure_triton_allocator()
     grid = runtime.num_sms(x_sorted.device) if x_sorted.is_cuda else 3  # 3 programs under the CPU interpreter
+    # everything but x, the weights and the output is made once and kept: no allocation or extra kernel per call
     own_sig = ws.local("moe.gemms_sig", 64, torch.int32)
-    cnt = ws.local("moe.gemms_counts", el + 1, torch.int32)
-    cnt[:el].copy_(counts)
+    own_tbl = ws.local("moe.gemms_sig_tbl", 1, torch.int64, init=lambda t: t.fill_(own_sig.data_ptr()))
+    # the counts serve as source 0's row of the count table (the GEMM-only plan reads counts[:E/W] only)
+    cnt = counts if counts.dtype == torch.int32 and counts.is_contiguous() else counts.to(torch.int32).contiguous()
     bufs = dict(
         data=ws.local("moe.gemms_data", 256, torch.uint8), sig=own_sig, ctr=own_sig,
-        peer_data=ws.local("moe.gemms_tbl", 1, torch.int64), peer_sig=_self_table(ws, own_sig),
-        peer_ctr=_self_table(ws, own_sig), counts=cnt, layout=lay,
-        topk_w=own_sig, topk_e=own_sig, xe=x_sorted, xe_meta=own_sig,
+        peer_data=ws.local("moe.gemms_tbl", 1, torch.int64), peer_sig=own_tbl, peer_ctr=own_tbl, counts=cnt,
+        layout=lay, topk_w=own_sig, topk_e=own_sig, xe=x_sorted, xe_meta=own_sig,
         hb=ws.local("moe.gemms_hb", max(1, r_) * f, torch.bfloat16),
         plan=ws.local("moe.gemms_plan", lay.plan_n, torch.int32),
         scratch=ws.local("moe.gemms_scratch", lay.scratch_n, torch.int32),
@@ -811,14 +812,7 @@ def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
     y = torch.empty((r_, h), dtype=torch.bfloat16, device=x_sorted.device)
     if r_ == 0:
         return y
-    dummy_x = x_sorted[:1]
-    router = torch.empty((el, h), dtype=torch.bfloat16, device=x_sorted.device)
-    launch(dummy_x, router, None, w13, w2, y, bufs, rank=0, world=1, epoch=1, timeout_ns=ws.timeout_ns(), grid=grid,
-           cfg=cfg, top_k=1, stages=(1 << GEMM1) | (1 << GEMM2), gemms_only=True)
+    router = ws.local("moe.gemms_router", el * h, torch.bfloat16)[:el * h].view(el, h)  # unused by the GEMMs
+    launch(x_sorted[:1], router, None, w13, w2, y, bufs, rank=0, world=1, epoch=1, timeout_ns=ws.timeout_ns(),
+           grid=grid, cfg=cfg, top_k=1, stages=(1 << GEMM1) | (1 << GEMM2), gemms_only=True)
     return y
-
-
-def _self_table(ws, t: torch.Tensor) -> torch.Tensor:
-    tbl = ws.local("moe.gemms_sig_tbl", 1, torch.int64)
-    tbl.fill_(t.data_ptr())
-    return tbl
