@@ -5,14 +5,14 @@ timer, the KOSMOS kernels) -- including kernels that are missing, wrong or NaN, 
 failed."""
 import math
 import os
-import socket
 import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from multiproc import spawn_gloo
 
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_forward_a2a, moe_forward_ref_local, route
@@ -209,26 +209,8 @@ def test_experts_forward_bf16_matches_fp32():
     assert out.dtype == torch.bfloat16 and ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(target, world, *args):
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, q, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return dict(q.get() for _ in range(world))
+    return spawn_gloo(target, world, *args)
 
 
 def _a2a_bf16_rank(rank, world, port, q):

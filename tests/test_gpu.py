@@ -7,10 +7,11 @@ going, so that both ranks make the same sequence of collective calls, then write
 References run in fp32 with TF32 off.
 """
 import os
-from pathlib import Path
 
 import pytest
 import torch
+
+from multiproc import Checks, spawn_gpu
 
 HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -123,22 +124,6 @@ def test_w1_trace_records_every_compute_task(op):
 
 
 # ------------------------------------------------------------------------------------ multi-GPU rank bodies
-class _Checks:
-    def __init__(self, rank):
-        self.rank = rank
-        self.failures = []
-
-    def __call__(self, ok, what):
-        if not ok:
-            self.failures.append(str(what))
-
-    def finish(self, out_dir):
-        Path(out_dir, f"rank{self.rank}.txt").write_text("\n".join(self.failures))
-        if self.failures:
-            raise AssertionError(f"rank {self.rank}: {len(self.failures)} failed check(s):\n"
-                                 + "\n".join(self.failures[:20]))
-
-
 def _rank_inputs(seed, world, shape_a, shape_b, device, kmajor=False):
     """Every rank's inputs, made identically on every rank (one CPU generator), so that each rank can
     compute the reference of the whole group locally."""
@@ -158,7 +143,7 @@ def _w2_correctness(rank, world, out_dir):
     from kosmos import reference
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda", rank)
-    check = _Checks(rank)
+    check = Checks(rank)
     shapes = list(W2_SHAPES)
     gen = torch.Generator().manual_seed(99)  # random ragged shapes, the same on every rank
     for _ in range(3):
@@ -196,7 +181,7 @@ def _w2_determinism_back_to_back(rank, world, out_dir):
     from kosmos import reference
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda", rank)
-    check = _Checks(rank)
+    check = Checks(rank)
     ms, k, n = 300, 1024, 1536
     shards, bs = _rank_inputs(1, world, (ms, k), (k, n), dev)
     a_list, b_list = _rank_inputs(2, world, (world * ms, k), (k, n), dev)
@@ -258,7 +243,7 @@ def _w2_stalled_peer(rank, world, out_dir):
     from kosmos import reference
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda", rank)
-    check = _Checks(rank)
+    check = Checks(rank)
     shards, bs = _rank_inputs(3, world, (256, 512), (512, 768), dev)
     # warm-up: compile, build the workspace
     kosmos.all_gather_matmul(shards[rank], bs[rank])
@@ -301,12 +286,7 @@ def _w2_stalled_peer(rank, world, out_dir):
 
 
 def _spawn(fn, tmp_path):
-    from kosmos_bench.launcher import spawn
-    spawn(fn, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT_S)
-    for r in range(2):
-        f = tmp_path / f"rank{r}.txt"
-        assert f.exists(), f"rank {r} did not finish"
-        assert f.read_text() == "", f.read_text()
+    spawn_gpu(fn, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @requires_2gpus

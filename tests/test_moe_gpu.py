@@ -6,10 +6,11 @@ every token whose k-th and (k+1)-th reference scores are apart by more than 1e-3
 reference's experts, in order.
 """
 import os
-from pathlib import Path
 
 import pytest
 import torch
+
+from multiproc import Checks, spawn_gpu
 
 HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -67,22 +68,6 @@ def check_rank(check, r, x, router, w13_all, w2_all, top_k, route_kw, y, w_k, e_
     check(err < TOL, f"rank {r}: rel err {err:.3e}")
 
 
-class _Checks:
-    def __init__(self, rank=0):
-        self.rank, self.failures = rank, []
-
-    def __call__(self, ok, what):
-        if not ok:
-            self.failures.append(str(what))
-
-    def finish(self, out_dir=None):
-        if out_dir:
-            Path(out_dir, f"rank{self.rank}.txt").write_text("\n".join(self.failures))
-        if self.failures:
-            raise AssertionError(f"rank {self.rank}: {len(self.failures)} failed check(s):\n"
-                                 + "\n".join(self.failures[:20]))
-
-
 def _run_case(rank, world, case, route_kw, check, dev, policy="self", comm_programs=None):
     import kosmos
     seed, tokens, hidden, ffn, experts, top_k, skew = case
@@ -115,7 +100,7 @@ def test_w1_moe_forward(case, route):
     kw = dict(routing="softmax") if route == "softmax" else _grouped_kw(experts, 4, 2)
     if route == "grouped" and case[5] > 2 * experts // 4:
         pytest.skip("top_k exceeds the kept groups")
-    check = _Checks()
+    check = Checks()
     _run_case(0, 1, case, kw, check, torch.device("cuda", 0))
     check.finish()
 
@@ -152,7 +137,7 @@ def test_w1_expert_gemms_vs_grouped_mm():
 # ---------------------------------------------------------------------------------------------------- W=2
 def _w2_correctness(rank, world, out_dir):
     dev = torch.device("cuda", rank)
-    check = _Checks(rank)
+    check = Checks(rank)
     # every kernel variant (E, k, routing) costs a compile: a few cases cover one token, ragged H/F, empty
     # experts, everything to one rank, both routings and both policies
     for case in (CASES[0], CASES[1], CASES[3]):
@@ -165,7 +150,7 @@ def _w2_correctness(rank, world, out_dir):
 def _w2_determinism_back_to_back(rank, world, out_dir):
     import kosmos
     dev = torch.device("cuda", rank)
-    check = _Checks(rank)
+    check = Checks(rank)
     xs, router, w13, w2 = make_case(21, world, 700, 512, 256, 32, 8)
     args = [t.to(dev) for t in (xs[rank], router, w13[rank], w2[rank])]
     first = kosmos.moe_forward(*args, top_k=8)
@@ -183,7 +168,7 @@ def _w2_stalled_peer(rank, world, out_dir):
 
     import kosmos
     dev = torch.device("cuda", rank)
-    check = _Checks(rank)
+    check = Checks(rank)
     xs, router, w13, w2 = make_case(31, world, 256, 256, 128, 8, 2)
     args = [t.to(dev) for t in (xs[rank], router, w13[rank], w2[rank])]
     kosmos.moe_forward(*args, top_k=2)  # compile and build the workspace
@@ -212,8 +197,7 @@ def _w2_stalled_peer(rank, world, out_dir):
 
 
 def _spawn(fn, tmp_path):
-    from kosmos_bench.launcher import spawn
-    spawn(fn, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT_S)
+    spawn_gpu(fn, tmp_path, timeout_s=SPAWN_TIMEOUT_S)
 
 
 @requires_2gpus

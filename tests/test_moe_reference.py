@@ -2,12 +2,12 @@
 reference, at world 1 and (over gloo, on the CPU) world 2, including empty experts and all tokens to one
 expert."""
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from multiproc import spawn_gloo
 
 from kosmos.models import MOE_MODELS
 from kosmos.moe_reference import expert_ffn, moe_forward_a2a, moe_forward_ref_local, route
@@ -107,13 +107,7 @@ def test_a2a_world1_matches_local_reference_with_skew():
     torch.testing.assert_close(y, moe_forward_ref_local(xs, wr, w13, w2, top_k=2)[0], rtol=1e-5, atol=1e-5)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_rank(rank, world, port, case, q):
+def _gloo_rank(rank, world, port, q, case):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -136,14 +130,5 @@ def _gloo_rank(rank, world, port, case, q):
 
 @pytest.mark.parametrize("case", ["uniform", "all-to-one", "grouped"])
 def test_a2a_world2_over_gloo_matches_local_reference(case):
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, 2, port, case, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    errs = dict(q.get() for _ in range(2))
+    errs = spawn_gloo(_gloo_rank, 2, case)
     assert max(errs.values()) < 1e-5, errs

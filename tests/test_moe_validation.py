@@ -3,6 +3,8 @@ the checks run before any device work; CPU tensors themselves are the last error
 import pytest
 import torch
 
+from multiproc import spawn_gloo
+
 from kosmos.kernels import moe_forward as mf
 
 
@@ -80,7 +82,7 @@ def test_nn_module_refuses_autograd():
         m(torch.zeros(4, 64, dtype=torch.bfloat16))
 
 
-def _shape_rank(rank, world, port, tokens, q):
+def _shape_rank(rank, world, port, q, tokens):
     import os
     from types import SimpleNamespace
 
@@ -93,9 +95,9 @@ def _shape_rank(rank, world, port, tokens, q):
         ws = SimpleNamespace(world=World(dist.group.WORLD, rank, world, torch.device("cpu")), agreed_shapes=set())
         try:
             mf._check_same_shape_on_every_rank(ws, (tokens[rank], 64, 32, 8, 2, 0))
-            q.put((rank, "ok", len(ws.agreed_shapes)))
+            q.put((rank, ("ok", len(ws.agreed_shapes))))
         except ValueError as e:
-            q.put((rank, str(e), len(ws.agreed_shapes)))
+            q.put((rank, (str(e), len(ws.agreed_shapes))))
     finally:
         dist.destroy_process_group()
 
@@ -104,21 +106,7 @@ def _shape_rank(rank, world, port, tokens, q):
 def test_ranks_must_agree_on_shapes(tokens):
     """Every rank gets the same verdict (no rank left waiting): agreed shapes are remembered, a different T on
     a peer is a clear error naming it."""
-    import socket
-
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_shape_rank, args=(r, 2, port, tokens, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    got = dict((r, (msg, n)) for r, msg, n in (q.get() for _ in range(2)))
+    got = spawn_gloo(_shape_rank, 2, tokens)
     if tokens[0] == tokens[1]:
         assert got == {0: ("ok", 1), 1: ("ok", 1)}
     else:

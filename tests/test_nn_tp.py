@@ -6,12 +6,12 @@ and the sequence-parallel sharding of activations and weights. At world 1 in-pro
 against a single-process fp32 computation of the whole layer. The GPU tests run the real kernels.
 """
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from multiproc import spawn_gloo
 
 import kosmos.nn as knn
 from kosmos import reference
@@ -111,17 +111,7 @@ def _gloo_rank(rank, world, port, q):
 
 
 def test_world2_over_gloo():
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    got = dict(q.get() for _ in range(2))
+    got = spawn_gloo(_gloo_rank, 2)
     assert got == {0: "ok", 1: "ok"}, got
 
 

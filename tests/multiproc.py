@@ -1,0 +1,58 @@
+"""Helpers for tests that run one process per rank (imported by the test modules; not a test module).
+
+``spawn_gloo`` -- CPU ranks over gloo: ``target(rank, world, port, q, *args)`` puts (rank, result) on ``q``;
+returns {rank: result}. ``Checks`` + ``spawn_gpu`` -- GPU ranks (kosmos_bench.launcher.spawn, NCCL): a rank
+records failed checks and keeps going, so that all ranks make the same collective calls, then writes them to
+``<tmp>/rank<r>.txt`` and raises (spawn turns that into a LaunchError carrying the rank's traceback).
+"""
+import socket
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_gloo(target, world, *args, timeout_s=180):
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, q, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return dict(q.get() for _ in range(world))
+
+
+class Checks:
+    def __init__(self, rank=0):
+        self.rank, self.failures = rank, []
+
+    def __call__(self, ok, what):
+        if not ok:
+            self.failures.append(str(what))
+
+    def finish(self, out_dir=None):
+        if out_dir:
+            Path(out_dir, f"rank{self.rank}.txt").write_text("\n".join(self.failures))
+        if self.failures:
+            raise AssertionError(f"rank {self.rank}: {len(self.failures)} failed check(s):\n"
+                                 + "\n".join(self.failures[:20]))
+
+
+def spawn_gpu(fn, tmp_path, world=2, timeout_s=300.0):
+    from kosmos_bench.launcher import spawn
+    spawn(fn, world, str(tmp_path), timeout_s=timeout_s)
+    for r in range(world):
+        f = Path(tmp_path) / f"rank{r}.txt"
+        assert f.exists(), f"rank {r} did not finish"
+        assert f.read_text() == "", f.read_text()
