@@ -29,14 +29,11 @@ from .kernels.all_gather_matmul import all_gather_matmul
 from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
 from .kernels.moe_forward import moe_forward
 from .moe_reference import ROUTINGS
-
-
-def _world(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+from .runtime import world_size
 
 
 def _all_gather_rows(x_shard: torch.Tensor, group) -> torch.Tensor:
-    w = _world(group)
+    w = world_size(group)
     if w == 1:
         return x_shard
     out = x_shard.new_empty((x_shard.shape[0] * w,) + tuple(x_shard.shape[1:]))
@@ -87,7 +84,7 @@ class _ParallelLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, *, shard_out: bool, group=None, device=None,
                  dtype=torch.bfloat16):
         super().__init__()
-        w = _world(group)
+        w = world_size(group)
         sharded = out_features if shard_out else in_features
         if sharded % w:
             raise ValueError(f"{'out' if shard_out else 'in'}_features={sharded} does not divide by the "
@@ -112,7 +109,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, shard_out=True, group=group, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = _world(self.group)
+        w = world_size(self.group)
         y = AllGatherMatmulFn.apply(self._flat(x, self.in_features), self.weight.t(), self.group)
         return y.view((x.shape[0] * w,) + tuple(x.shape[1:-1]) + (self.weight.shape[0],))
 
@@ -126,7 +123,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, shard_out=False, group=group, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = _world(self.group)
+        w = world_size(self.group)
         if x.shape[0] % w:
             raise ValueError(f"the sequence dimension {x.shape[0]} does not divide by the tensor-parallel size {w}")
         y = MatmulReduceScatterFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(), self.group)
@@ -143,8 +140,7 @@ class MoE(torch.nn.Module):
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
-        import torch.distributed as dist
-        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        world = world_size(group)
         if experts % world:
             raise ValueError(f"{experts} experts do not split evenly over {world} ranks")
         local = experts // world

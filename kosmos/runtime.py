@@ -79,6 +79,11 @@ class World:
         return World(g, rank, size, device)
 
 
+def world_size(group=None) -> int:
+    """Ranks in ``group`` (1 without an initialised process group)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
 @lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

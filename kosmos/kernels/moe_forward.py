@@ -721,8 +721,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     returns (weights [T, k] fp32, experts [T, k] int64) as the kernel's router chose them. ``trace`` (int64
     [grid, 1024, 4]) records each program's tasks (kinds in ``runtime.TRACE_KINDS``) for the timeline.
     """
-    import torch.distributed as dist
-    w = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    w = runtime.world_size(group)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
     t_, h, e, el, f = check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, topk_group, w)
