@@ -59,7 +59,7 @@ from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_forward_a2a, route
 
 from . import timing
-from .tp import FIXED_SWEEP, TOLERANCE, Unavailable, agree, environment, world_info
+from .tp import FIXED_SWEEP, TOLERANCE, Unavailable, agree, environment, error_reason, world_info
 
 MOE_IMPLS = ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best")
 EXPERT_IMPLS = ("grouped-mm", "kosmos-expert-gemms")
@@ -416,11 +416,6 @@ def _recover(device):
         dist.barrier()
 
 
-def _error_reason(e: Exception) -> str:
-    from .sweep import error_reason
-    return error_reason(e)
-
-
 def _rel_err(out, ref) -> float:
     from kosmos.reference import rel_err
     if not isinstance(out, torch.Tensor):
@@ -445,7 +440,7 @@ def check_and_time(make, ref, st: MoESettings, device):
     except Unavailable as e:
         ok, why, err = False, "unavailable: " + str(e), None
     except Exception as e:  # recorded as failed, the sweep goes on
-        ok, why, err = False, _error_reason(e), None
+        ok, why, err = False, error_reason(e), None
         if not isinstance(e, KernelMissing):
             traceback.print_exc()
     ok, why = agree(ok, why)
@@ -462,7 +457,7 @@ def check_and_time(make, ref, st: MoESettings, device):
         runtime.check_errors()
         ok, why = True, None
     except Exception as e:
-        ok, why, t = False, _error_reason(e), None
+        ok, why, t = False, error_reason(e), None
         traceback.print_exc()
     ok, why = agree(ok, why)
     if not ok:

@@ -12,11 +12,7 @@ import traceback
 
 import torch
 
-from .tp import agree
-
-
-def error_reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+from .tp import agree, error_reason
 
 
 def run_sweep(out: str, env: dict, rank: int, cases: list, *, describe, run_one, failed_rows, recover, key):

@@ -47,6 +47,11 @@ def world_info():
     return 0, 1
 
 
+def error_reason(e: BaseException) -> str:
+    """One line of at most 300 characters saying what went wrong (a row's ``reason``)."""
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
 def agree(ok: bool, reason: str | None) -> tuple[bool, str | None]:
     """All ranks learn whether every rank succeeded, and the first failing rank's reason."""
     if not dist.is_initialized():
@@ -133,7 +138,7 @@ def _check_and_time(name, g, a, b, ref, params, st: TPSettings):
     except Unavailable as e:
         ok, why, err = False, "unavailable: " + str(e), None
     except Exception as e:  # recorded as failed, the sweep goes on
-        ok, why, err = False, f"{type(e).__name__}: {e}".splitlines()[0][:300], None
+        ok, why, err = False, error_reason(e), None
         traceback.print_exc()
     ok, why = agree(ok, why)
     if not ok:
@@ -149,7 +154,7 @@ def _check_and_time(name, g, a, b, ref, params, st: TPSettings):
         runtime.check_errors()
         ok, why = True, None
     except Exception as e:
-        ok, why, t = False, f"{type(e).__name__}: {e}".splitlines()[0][:300], None
+        ok, why, t = False, error_reason(e), None
         traceback.print_exc()
     ok, why = agree(ok, why)
     if not ok:
