@@ -137,6 +137,7 @@ class MoEConfig:
     num_warps: int
     num_stages: int
     fold_unroll: bool = False  # fold: the k loads of a column block unrolled (in flight together), BH/4 wide
+    half_tail: bool = True     # an expert's last m-tile with <= BM/2 rows runs as a BM/2-row tile
 
 
 def moe_config() -> MoEConfig:
@@ -145,10 +146,12 @@ def moe_config() -> MoEConfig:
     that a 4k-token batch makes ~one task per SM. Tiny blocks under the CPU interpreter."""
     if interpreting():
         return MoEConfig(RB=16, PB=16, FB=16, BH=32, BM=16, BK=16, BNH=16, BN=32, num_warps=4, num_stages=1,
-                         fold_unroll=os.environ.get("KOSMOS_MOE_FOLD_UNROLL", "0") == "1")
+                         fold_unroll=os.environ.get("KOSMOS_MOE_FOLD_UNROLL", "0") == "1",
+                         half_tail=os.environ.get("KOSMOS_MOE_HALF_TAIL", "1") == "1")
     # developer knobs for A/B runs in one device call (NOTES.md): KOSMOS_MOE_BH, the data movers' column
     # block; KOSMOS_MOE_FOLD_UNROLL=1, the unrolled fold (not yet measured: off by default)
     bh = int(os.environ.get("KOSMOS_MOE_BH", "256"))
     unroll = os.environ.get("KOSMOS_MOE_FOLD_UNROLL", "0") == "1"
+    half_tail = os.environ.get("KOSMOS_MOE_HALF_TAIL", "1") == "1"
     return MoEConfig(RB=32, PB=32, FB=32, BH=bh, BM=128, BK=64, BNH=128, BN=256, num_warps=8, num_stages=3,
-                     fold_unroll=unroll)
+                     fold_unroll=unroll, half_tail=half_tail)

@@ -178,10 +178,15 @@ def test_moe_fixed_role_policy_and_determinism():
         assert torch.equal(first[r], m.ys[r]), f"rank {r}: fixed-role and self-scheduling outputs differ"
 
 
-def test_expert_gemms_matches_reference():
+@pytest.mark.parametrize("half_tail", ["1", "0"])
+def test_expert_gemms_matches_reference(monkeypatch, half_tail):
+    """Experts with no rows, a last m-tile of 1..BM/2 rows (run as a half-height tile unless
+    KOSMOS_MOE_HALF_TAIL=0), exactly BM/2, more than BM/2, and whole tiles only (BM = 16 here)."""
+    monkeypatch.setenv("KOSMOS_MOE_HALF_TAIL", half_tail)
+    assert planning.moe_config().BM == 16
     gen = torch.Generator().manual_seed(3)
-    el, h, f = 4, 40, 24
-    counts = torch.tensor([5, 0, 19, 2], dtype=torch.int32)
+    el, h, f = 7, 40, 24
+    counts = torch.tensor([5, 0, 19, 2, 28, 24, 16], dtype=torch.int32)
     x = _rand(int(counts.sum()), h, gen=gen)
     w13 = _rand(el, h, 2 * f, gen=gen, scale=h ** -0.5)
     w2 = _rand(el, f, h, gen=gen, scale=f ** -0.5)

@@ -360,6 +360,18 @@ def _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, BM: tl.constexpr, BK:
 
 
 @triton.jit
+def _gemm2_task(le, first, rows, m, n, hb_ptr, w2_desc, y_ptr, xe_meta_ptr, peer_data, peer_ctr, off_comb, F, H,
+                TOPK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FB: tl.constexpr,
+                GEMMS_ONLY: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One GEMM2 tile and its epilogue: rows into y (expert_gemms) or back to their tokens' ranks."""
+    acc = _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, BM, BK, BN, DOT_FP32)
+    if GEMMS_ONLY:
+        store_rows(y_ptr, acc.to(tl.bfloat16), first + m * BM, n * BN, rows - m * BM, H, BM, BN)
+    else:
+        _combine_rows(acc, first, rows, m, n, xe_meta_ptr, peer_data, peer_ctr, off_comb, H, TOPK, BM, BN, FB)
+
+
+@triton.jit
 def _store_quarter(row_ptr, val, rmask, col0, H, BQ: tl.constexpr):
     c = tl.arange(0, BQ)
     tl.store(row_ptr[:, None] + c[None, :], val.to(tl.bfloat16), mask=rmask[:, None] & ((col0 + c) < H)[None, :])
@@ -447,7 +459,7 @@ def _moe_forward_kernel(
         RB: tl.constexpr, PB: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr, BNH: tl.constexpr, BN: tl.constexpr, GRID: tl.constexpr, POLICY: tl.constexpr,
         GEMMS_ONLY: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
-        FOLD_UNROLL: tl.constexpr,
+        FOLD_UNROLL: tl.constexpr, HALF_TAIL: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr):
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
@@ -533,7 +545,12 @@ def _moe_forward_kernel(
                         n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
                         t0 = t1
                     if ok != 0:
-                        _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM, BK, BNH, DOT_FP32)
+                        # an expert's last m-tile with at most BM/2 rows: a half-height tile (half the MACs)
+                        if HALF_TAIL & (rows - m * BM <= BM // 2):
+                            _gemm1_tile(le, first, rows, 2 * m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM // 2, BK, BNH,
+                                        DOT_FP32)
+                        else:
+                            _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM, BK, BNH, DOT_FP32)
                         tl.debug_barrier()
                         tl.atomic_add(g1_ctr + gm, 1, sem="release", scope="gpu")
                 elif cur == 3:
@@ -543,12 +560,12 @@ def _moe_forward_kernel(
                     n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
                     t0 = t1
                     if ok != 0:
-                        acc = _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, BM, BK, BN, DOT_FP32)
-                        if GEMMS_ONLY:
-                            store_rows(y_ptr, acc.to(tl.bfloat16), first + m * BM, n * BN, rows - m * BM, H, BM, BN)
+                        if HALF_TAIL & (rows - m * BM <= BM // 2):
+                            _gemm2_task(le, first, rows, 2 * m, n, hb_ptr, w2_desc, y_ptr, xe_meta_ptr, peer_data,
+                                        peer_ctr, off_comb, F, H, TOPK, BM // 2, BK, BN, FB, GEMMS_ONLY, DOT_FP32)
                         else:
-                            _combine_rows(acc, first, rows, m, n, xe_meta_ptr, peer_data, peer_ctr, off_comb, H,
-                                          TOPK, BM, BN, FB)
+                            _gemm2_task(le, first, rows, m, n, hb_ptr, w2_desc, y_ptr, xe_meta_ptr, peer_data,
+                                        peer_ctr, off_comb, F, H, TOPK, BM, BK, BN, FB, GEMMS_ONLY, DOT_FP32)
                 else:
                     _fold_block(t, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n2, rank, epoch, timeout_ns,
                                 err_ptr, TOPK, KP2, FB, BH, FOLD_UNROLL)
@@ -681,7 +698,7 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
         TOPK_GROUP=topk_group if routing == "sigmoid-grouped" else 1, NGP2=_p2(n_group_c),
         RB=cfg.RB, PB=cfg.PB, FB=cfg.FB, BH=cfg.BH, BM=cfg.BM, BK=cfg.BK, BNH=cfg.BNH, BN=cfg.BN, GRID=grid,
         POLICY=pol, GEMMS_ONLY=gemms_only, FINAL=gemms_only or bool(stages & (1 << FOLD)),
-        DOT_FP32=planning.interpreting(), TRACE=trace is not None, FOLD_UNROLL=cfg.fold_unroll,
+        DOT_FP32=planning.interpreting(), TRACE=trace is not None, FOLD_UNROLL=cfg.fold_unroll, HALF_TAIL=cfg.half_tail,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
