@@ -283,18 +283,13 @@ def workspace_bytes(group=None) -> int:
     return ws.data_bytes + 4 * ws.signal_slots + ctr
 
 
-_ALLOCATOR_SET = False
+def _triton_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.int8)
 
 
 def ensure_triton_allocator() -> None:
-    """Device-side tensor descriptors need scratch memory; give Triton a torch-backed allocator once."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET:
-        return
+    """Device-side tensor descriptors need scratch memory: give Triton a torch-backed allocator. Triton keeps
+    it in a context variable, which a new thread does not inherit (autograd runs backward on its own
+    thread), so this is set before every launch: one context-variable write."""
     import triton
-
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.int8)
-
-    triton.set_allocator(alloc)
-    _ALLOCATOR_SET = True
+    triton.set_allocator(_triton_scratch)

@@ -114,7 +114,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--fixed", type=int, default=0, help="fixed-role policy with this many data-moving programs")
     p.add_argument("--variant", dest="variants", action="append", default=None,
-                   help="developer knobs for one run, e.g. KOSMOS_MOE_FOLD_UNROLL=1,KOSMOS_MOE_BH=128; repeat to "
+                   help="developer knobs for one run, e.g. KOSMOS_MOE_HALF_TAIL=0,KOSMOS_MOE_BH=128; repeat to "
                         "compare several in one call (each compiles its own kernel variant)")
     args = p.parse_args(argv)
     spawn(_rank_main, check_world(args.world), args, timeout_s=600)

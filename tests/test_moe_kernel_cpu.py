@@ -218,20 +218,3 @@ def test_trace_records_every_task():
     for kind, n in expect.items():
         ids = sorted(ev[ev[:, 0] == kind][:, 1].tolist())
         assert ids == list(range(n)), (kind, ids)
-
-
-def test_unrolled_fold_matches_and_is_bitwise_equal():
-    """The unrolled fold (KOSMOS_MOE_FOLD_UNROLL=1) adds in the same slot order: the same bits as the loop."""
-    import dataclasses
-    m = MoERanks(2, 21, 40, 32, 8, 2, seed=17, route_kw=SOFTMAX)
-    m.new_inputs()
-    m.call(1)
-    m.check(1)
-    first = [y.clone() for y in m.ys]
-    m.cfg = dataclasses.replace(m.cfg, fold_unroll=True)
-    for r in range(2):
-        m.ys[r].fill_(float("nan"))
-    m.call(2)
-    m.check(2)
-    for r in range(2):
-        assert torch.equal(first[r], m.ys[r])

@@ -137,3 +137,27 @@ def _gpu_rank(rank, world, out_dir):
 def test_gpu_world2(tmp_path):
     from kosmos_bench.launcher import spawn
     spawn(_gpu_rank, 2, str(tmp_path), timeout_s=300)
+
+
+def test_triton_allocator_is_set_in_other_threads():
+    """Autograd runs a CUDA backward on its own thread, where Triton's allocator (a context variable) is
+    unset; the fused ops set it before every launch (found on the GPU: backward of the nn layers failed
+    with 'no allocator was set')."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from kosmos import runtime
+    runtime.ensure_triton_allocator()
+    seen = []
+
+    def worker():
+        before = _allocation._allocator.get()
+        runtime.ensure_triton_allocator()
+        seen.append((before, _allocation._allocator.get()))
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    before, after = seen[0]
+    assert isinstance(before, _allocation.NullAllocator)  # what made the GPU backward fail
+    assert after is runtime._triton_scratch

@@ -405,8 +405,7 @@ def _combine_rows(acc, first, rows, m, n, xe_meta_ptr, peer_data, peer_ctr, off_
 
 @triton.jit
 def _fold_block(b, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n_tiles2, rank, epoch, timeout_ns, err_ptr,
-                TOPK: tl.constexpr, KP2: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr,
-                FOLD_UNROLL: tl.constexpr):
+                TOPK: tl.constexpr, KP2: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr):
     t0 = b * FB
     n_tok = tl.minimum(T - t0, FB)
     ok = dev.wait_geq(ctr_ptr + b, n_tok * TOPK * n_tiles2, timeout_ns, err_ptr, 4, rank, b, -(b + 1))
@@ -415,31 +414,16 @@ def _fold_block(b, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n_tiles2, rank, e
         rmask = rows < T
         kcols = tl.arange(0, KP2)[None, :]
         w = tl.load(topk_w_ptr + rows[:, None] * TOPK + kcols, mask=rmask[:, None] & (kcols < TOPK), other=0.0)
-        if FOLD_UNROLL:
-            # the k loads of a column block are independent: unrolled, they are all in flight at once (the
-            # dynamic loop waits for each in turn: k * H / BH load latencies per task). Narrow blocks keep
-            # the k loaded blocks in registers. The adds stay in slot order.
-            for c0 in range(0, H, BH // 4):
-                c = c0 + tl.arange(0, BH // 4)
-                m2 = rmask[:, None] & (c < H)[None, :]
-                acc = tl.zeros((FB, BH // 4), dtype=tl.float32)
-                for j in tl.static_range(TOPK):
-                    wj = tl.sum(tl.where(kcols == j, w, 0.0), 1)
-                    v = tl.load(comb_ptr + (rows * TOPK + j).to(tl.int64)[:, None] * H + c[None, :], mask=m2,
-                                other=0.0)
-                    acc += wj[:, None] * v.to(tl.float32)
-                tl.store(y_ptr + rows.to(tl.int64)[:, None] * H + c[None, :], acc.to(tl.bfloat16), mask=m2)
-        else:
-            for c0 in range(0, H, BH):
-                c = c0 + tl.arange(0, BH)
-                m2 = rmask[:, None] & (c < H)[None, :]
-                acc = tl.zeros((FB, BH), dtype=tl.float32)
-                for j in range(TOPK):  # fixed slot order: deterministic (dynamic loop: unrolled, it spills)
-                    wj = tl.sum(tl.where(kcols == j, w, 0.0), 1)
-                    v = tl.load(comb_ptr + (rows * TOPK + j).to(tl.int64)[:, None] * H + c[None, :], mask=m2,
-                                other=0.0)
-                    acc += wj[:, None] * v.to(tl.float32)
-                tl.store(y_ptr + rows.to(tl.int64)[:, None] * H + c[None, :], acc.to(tl.bfloat16), mask=m2)
+        for c0 in range(0, H, BH):
+            c = c0 + tl.arange(0, BH)
+            m2 = rmask[:, None] & (c < H)[None, :]
+            acc = tl.zeros((FB, BH), dtype=tl.float32)
+            for j in range(TOPK):  # fixed slot order: deterministic (dynamic loop: unrolled, it spills)
+                wj = tl.sum(tl.where(kcols == j, w, 0.0), 1)
+                v = tl.load(comb_ptr + (rows * TOPK + j).to(tl.int64)[:, None] * H + c[None, :], mask=m2,
+                            other=0.0)
+                acc += wj[:, None] * v.to(tl.float32)
+            tl.store(y_ptr + rows.to(tl.int64)[:, None] * H + c[None, :], acc.to(tl.bfloat16), mask=m2)
         tl.debug_barrier()
         tl.store(ctr_ptr + b, 0)  # consumer reset: peers add again only after this rank's next dispatch
 
@@ -459,7 +443,7 @@ def _moe_forward_kernel(
         RB: tl.constexpr, PB: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
         BK: tl.constexpr, BNH: tl.constexpr, BN: tl.constexpr, GRID: tl.constexpr, POLICY: tl.constexpr,
         GEMMS_ONLY: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
-        FOLD_UNROLL: tl.constexpr, HALF_TAIL: tl.constexpr,
+        HALF_TAIL: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr):
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
@@ -568,7 +552,7 @@ def _moe_forward_kernel(
                                         peer_ctr, off_comb, F, H, TOPK, BM, BK, BN, FB, GEMMS_ONLY, DOT_FP32)
                 else:
                     _fold_block(t, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n2, rank, epoch, timeout_ns,
-                                err_ptr, TOPK, KP2, FB, BH, FOLD_UNROLL)
+                                err_ptr, TOPK, KP2, FB, BH)
                 if t < n_tasks:  # kinds 1 (dispatch), 5..8: permute, gemm1, gemm2, fold (runtime.TRACE_KINDS)
                     n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, tl.where(cur == 0, 1, 4 + cur), t, t0, dev.now_ns(),
                                      TRACE)
@@ -698,7 +682,7 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
         TOPK_GROUP=topk_group if routing == "sigmoid-grouped" else 1, NGP2=_p2(n_group_c),
         RB=cfg.RB, PB=cfg.PB, FB=cfg.FB, BH=cfg.BH, BM=cfg.BM, BK=cfg.BK, BNH=cfg.BNH, BN=cfg.BN, GRID=grid,
         POLICY=pol, GEMMS_ONLY=gemms_only, FINAL=gemms_only or bool(stages & (1 << FOLD)),
-        DOT_FP32=planning.interpreting(), TRACE=trace is not None, FOLD_UNROLL=cfg.fold_unroll, HALF_TAIL=cfg.half_tail,
+        DOT_FP32=planning.interpreting(), TRACE=trace is not None, HALF_TAIL=cfg.half_tail,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
