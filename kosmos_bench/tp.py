@@ -313,4 +313,6 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
         "torch": torch.__version__, "triton": triton.__version__, "kosmos": kosmos.__version__,
         "git_commit": git_commit(), "hostname": platform.node(), "argv": list(argv or []), "suite": suite,
         "bench": bench,
+        # developer knobs (NOTES.md) in effect, so that a run under an override says so
+        "knobs": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KOSMOS_") and k != "KOSMOS_GIT_COMMIT"},
     }
