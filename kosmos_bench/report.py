@@ -49,7 +49,7 @@ BASELINE_IMPL_BY_OP = {"moe_experts": "grouped-mm"}
 BASELINE_IMPLS = (*BASELINE_IMPL.values(), *BASELINE_IMPL_BY_OP.values())
 EXPERT_GEMM_BAR = ("moe_experts", "kosmos-expert-gemms", 0.8)  # op, impl, speedup vs grouped-mm to reach
 REQUIRED_RESULT_KEYS = ("op", "impl", "status", "m", "n", "k", "world", "dtype")
-ENV_FIELDS = ("gpu", "gpu_count", "torch", "triton", "git_commit", "timestamp")
+ENV_FIELDS = ("gpu", "gpu_count", "torch", "triton", "git_commit", "knobs", "timestamp")
 RENDER_FORMATS = ("md", "csv", "html", "text")
 
 TABLE_COLUMNS = [
@@ -160,6 +160,8 @@ def _check_required_keys(record: dict, path: Path, line_number: int) -> None:
 
 def _with_env(record: dict, env: dict, source: str) -> dict:
     env_fields = {field: env.get(field) for field in ENV_FIELDS}
+    # developer knobs in effect (KOSMOS_* overrides) as one "K=V K=V" cell; "" when none or not recorded
+    env_fields["knobs"] = " ".join(f"{k}={v}" for k, v in sorted((env.get("knobs") or {}).items()))
     merged = {**env_fields, **record, "source": source}
     merged["bench"] = record.get("bench") or env.get("bench") or "tp"
     return merged
@@ -478,7 +480,7 @@ def _environment_lines(df: pd.DataFrame) -> list[str]:
     environment = _environment_table(df)
     return [
         f"{row.source}: {row.gpu} x{row.gpu_count} | torch {row.torch} | triton {row.triton}"
-        f" | commit {row.git_commit} | {row.timestamp}"
+        f" | commit {row.git_commit}{' | knobs ' + row.knobs if row.knobs else ''} | {row.timestamp}"
         for row in environment.itertuples(index=False)
     ]
 

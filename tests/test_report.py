@@ -393,3 +393,16 @@ def test_moe_speedup_chart(tmp_path, moe_table):
     path = tmp_path / "moe.png"
     assert speedup_chart(moe_table, path) is True
     assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_developer_knobs_of_a_run_are_shown(tmp_path):
+    """A run made under a KOSMOS_* override says so: the env record's knobs reach every row and the report."""
+    env = {"type": "env", "run_id": "r1", "gpu": "G", "gpu_count": 2, "git_commit": "a" * 40,
+           "knobs": {"KOSMOS_MOE_BH": "512", "KOSMOS_MOE_HALF_TAIL": "0"}}
+    path = tmp_path / "k.jsonl"
+    path.write_text(json.dumps(env) + "\n" + json.dumps(result_line(run_id="r1")) + "\n")
+    df = build_table(load_results([path])[1])
+    assert set(df.knobs) == {"KOSMOS_MOE_BH=512 KOSMOS_MOE_HALF_TAIL=0"}
+    out = tmp_path / "k.md"
+    report_main([path], fmt="md", out=out)
+    assert "KOSMOS_MOE_BH=512 KOSMOS_MOE_HALF_TAIL=0" in out.read_text()
