@@ -39,8 +39,6 @@ W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -177,13 +175,8 @@ def _matmul_reduce_scatter_kernel(
 
 def _red_rows(cfg) -> int:
     """Rows per step of a reduce task: 8192 // BN elements (32 rows at BN 256: 200 registers, no spills).
-    A reduce task is a chain of BM / RED_ROWS dependent remote loads (13-15 us measured for 4 steps), so
-    fewer, larger steps may pay for a few spilled registers: KOSMOS_RS_RED_ROWS (a power of two <= BM) is
-    the developer knob to measure that (NOTES.md)."""
-    rows = int(os.environ.get("KOSMOS_RS_RED_ROWS", "0")) or 8192 // cfg.BN
-    if rows & (rows - 1):
-        raise ValueError(f"KOSMOS_RS_RED_ROWS={rows} must be a power of two")
-    return max(1, min(cfg.BM, rows))
+    64 rows (255 registers, 176 B spills) measured within noise of 32 on 2x H200 (NOTES.md, moe v0.3 table)."""
+    return max(1, min(cfg.BM, 8192 // cfg.BN))
 
 
 def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch,
