@@ -5,10 +5,11 @@ order is the whole scheduling policy's input: the kernel never reorders, it only
 take from next.
 
 AllGather+GEMM (rank r, world W, shard rows Ms = M/W, chunks of BM rows):
-  comm table     rows (PUSH, peer, chunk, 0) for peers r+1, r+2, ... (staggered, so no two ranks push to the
+  comm table     rows (PUSH, peer, chunk, 1) for peers r+1, r+2, ... (staggered, so no two ranks push to the
                  same peer at once), chunks ascending -- the order in which that peer consumes them; then
-                 (COPY, r, chunk, 0): this rank's own rows into its slot of the gathered buffer (only needed
-                 for the returned ``a_full``, so last).
+                 (COPY, r, chunk, 1): this rank's own rows into its slot of the gathered buffer (only needed
+                 for the returned ``a_full``, so last). With p chunks per task (developer knob) a row is
+                 (kind, peer, i, count): chunks i, i + stride, ... with stride = ceil(chunks / p).
   compute table  rows (slot, m_tile, n_tile, 0): own slot first (ready at once), then slots r-1, r-2, ...
                  in the order their pushes arrive; inside a slot, GROUP_M m-tiles share each n-tile (L2).
 
@@ -76,20 +77,41 @@ def _table(rows, device) -> torch.Tensor:
     return t.to(device)
 
 
+def ag_comm_config() -> tuple[int, int]:
+    """(chunks per comm task, elements per copy step) of AllGather+GEMM. Defaults 1 and 4096 (measured);
+    KOSMOS_AG_PUSH_CHUNKS and KOSMOS_AG_COPY_BLOCK are developer knobs for A/B runs (NOTES.md): fewer, larger
+    comm tasks with more bytes in flight per program would take the same NVLink bandwidth from fewer SMs."""
+    per_task = int(os.environ.get("KOSMOS_AG_PUSH_CHUNKS", "1"))
+    block = int(os.environ.get("KOSMOS_AG_COPY_BLOCK", "4096"))
+    if per_task < 1 or block < 256 or block & (block - 1):
+        raise ValueError(f"KOSMOS_AG_PUSH_CHUNKS={per_task} must be >= 1 and KOSMOS_AG_COPY_BLOCK={block} a "
+                         "power of two >= 256")
+    return per_task, block
+
+
+def ag_comm_stride(ms: int, bm: int, per_task: int) -> int:
+    """Comm tasks per destination; task i moves chunks i, i + stride, i + 2*stride, ... (so the first chunks
+    of every task land first: the peer consumes chunks in ascending order)."""
+    return math.ceil(math.ceil(ms / bm) / per_task)
+
+
 @lru_cache(maxsize=256)
-def _ag_rows(rank: int, world: int, ms: int, n: int, bm: int, bn: int):
+def _ag_rows(rank: int, world: int, ms: int, n: int, bm: int, bn: int, per_task: int = 1):
     chunks = math.ceil(ms / bm)
-    comm = [(PUSH, (rank + d) % world, c, 0) for d in range(1, world) for c in range(chunks)]
+    stride = ag_comm_stride(ms, bm, per_task)
+    groups = [(i, len(range(i, chunks, stride))) for i in range(stride)]
+    comm = [(PUSH, (rank + d) % world, i, cnt) for d in range(1, world) for i, cnt in groups]
     if world > 1:
-        comm += [(COPY, rank, c, 0) for c in range(chunks)]
+        comm += [(COPY, rank, i, cnt) for i, cnt in groups]
     tiles = _grouped(chunks, math.ceil(n / bn))
     compute = [((rank - d) % world, m, nt, 0) for d in range(world) for (m, nt) in tiles]
     return tuple(comm), tuple(compute)
 
 
-def plan_all_gather_matmul(rank: int, world: int, ms: int, n: int, cfg: TileConfig, device):
-    """Returns (comm_table, compute_table, flag_slots) for one rank; flags are (src, chunk)."""
-    comm, compute = _ag_rows(rank, world, ms, n, cfg.BM, cfg.BN)
+def plan_all_gather_matmul(rank: int, world: int, ms: int, n: int, cfg: TileConfig, device, per_task: int = 1):
+    """Returns (comm_table, compute_table, flag_slots) for one rank; flags are (src, chunk). A comm row is
+    (PUSH or COPY, peer, first chunk, chunks): ``per_task`` chunks per task, strided by ``ag_comm_stride``."""
+    comm, compute = _ag_rows(rank, world, ms, n, cfg.BM, cfg.BN, per_task)
     flag_slots = world * math.ceil(ms / cfg.BM)
     return _table(list(comm), device), _table(list(compute), device), flag_slots
 

@@ -151,6 +151,16 @@ def test_all_gather_matmul_self_policy_world2():
     run_schedule(AG(2, 21, 40, 48, seed=11), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
 
 
+@pytest.mark.parametrize("per_task,block", [("2", "256"), ("8", "1024")])
+def test_all_gather_matmul_comm_tasks_of_several_chunks(monkeypatch, per_task, block):
+    """Developer knobs KOSMOS_AG_PUSH_CHUNKS / KOSMOS_AG_COPY_BLOCK: tasks moving several strided chunks
+    (each flagged as it lands), copy steps smaller than a chunk; 5 chunks of 16 rows, the last one ragged."""
+    monkeypatch.setenv("KOSMOS_AG_PUSH_CHUNKS", per_task)
+    monkeypatch.setenv("KOSMOS_AG_COPY_BLOCK", block)
+    run_schedule(AG(3, 75, 40, 48, seed=17), [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(3)])
+    run_schedule(AG(2, 75, 40, 48, seed=19), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
+
+
 def test_all_gather_matmul_b_kmajor():
     run_schedule(AG(2, 21, 40, 48, seed=13, b_kmajor=True),
                  [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(2)])

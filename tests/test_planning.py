@@ -78,7 +78,7 @@ def test_ag_comm_table(rank, world, ms, n, cfg):
     pushes = [r for r in rows if r[0] == PUSH]
     copies = [r for r in rows if r[0] == COPY]
     assert len(pushes) + len(copies) == len(rows)
-    assert all(r[3] == 0 for r in rows)
+    assert all(r[3] == 1 for r in rows)  # one chunk per task (the default)
     # each peer (never self) gets each chunk exactly once
     assert len(pushes) == (world - 1) * chunks
     assert sorted((p, c) for _, p, c, _ in pushes) == sorted(
@@ -88,9 +88,41 @@ def test_ag_comm_table(rank, world, ms, n, cfg):
                                                  for c in range(chunks)]
     assert pushes[0][1] == (rank + 1) % world
     # COPY of own rows into own slot, after every push
-    assert copies == [(COPY, rank, c, 0) for c in range(chunks)]
+    assert copies == [(COPY, rank, c, 1) for c in range(chunks)]
     assert rows[-len(copies):] == copies
     assert rows[:len(pushes)] == pushes
+
+
+@pytest.mark.parametrize("chunks,per_task", [(1, 1), (7, 2), (8, 4), (32, 4), (5, 8), (9, 3)])
+def test_ag_comm_tasks_of_several_chunks(chunks, per_task):
+    """KOSMOS_AG_PUSH_CHUNKS: every chunk goes to every peer exactly once, tasks hold at most per_task chunks,
+    and task i moves chunks i, i + stride, ... so the first wave of tasks lands the lowest chunks first."""
+    cfg = CFGS[0]
+    world, rank = 3, 1
+    ms = chunks * cfg.BM - 3
+    stride = planning.ag_comm_stride(ms, cfg.BM, per_task)
+    assert stride == math.ceil(chunks / per_task)
+    comm, _, _ = planning.plan_all_gather_matmul(rank, world, ms, 48, cfg, "cpu", per_task)
+    rows = _rows(comm)
+    moved = {}
+    for kind, peer, first, count in rows:
+        assert 1 <= count <= per_task and first < stride
+        for j in range(count):
+            moved.setdefault((kind, peer), []).append(first + j * stride)
+    for peer in range(world):
+        kind = COPY if peer == rank else PUSH
+        assert sorted(moved[(kind, peer)]) == list(range(chunks))
+    assert len(rows) == world * stride
+    first_wave = [first for kind, peer, first, _ in rows if kind == PUSH and peer == (rank + 1) % world]
+    assert first_wave == list(range(stride))
+
+
+@pytest.mark.parametrize("value", [("KOSMOS_AG_PUSH_CHUNKS", "0"), ("KOSMOS_AG_COPY_BLOCK", "1000"),
+                                   ("KOSMOS_AG_COPY_BLOCK", "128")])
+def test_ag_comm_config_rejects_bad_knobs(monkeypatch, value):
+    monkeypatch.setenv(*value)
+    with pytest.raises(ValueError, match=value[0]):
+        planning.ag_comm_config()
 
 
 def test_ag_stagger_no_two_ranks_push_same_peer():

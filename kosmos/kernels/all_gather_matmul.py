@@ -9,6 +9,7 @@ schedule (bitwise deterministic).
 Tasks (planning.plan_all_gather_matmul):
   PUSH(peer, chunk)  copy rows [chunk*BM, +BM) of a_shard (one contiguous run) into the peer's gathered
                      buffer, slot r, with pointer stores over NVLink, then notify(peer flag[r, chunk] = epoch).
+                     (A task may move several chunks, each flagged as it lands: planning.ag_comm_config.)
   COPY(r, chunk)     same rows into this rank's own slot (only so that ``a_full`` is complete).
   TILE(slot, m, n)   C tile of gathered rows slot*Ms + m*BM; for slot != r it first waits flag[slot, m] >= epoch.
                      Own-slot tiles read a_shard directly and never wait.
@@ -41,16 +42,16 @@ from .common import check_launch, check_operands, copy_flat, policy_args, store_
 OP_CODE = 1
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_comp", "fixed_comm"])
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_comp", "fixed_comm", "comm_stride"])
 def _all_gather_matmul_kernel(
         a_ptr, b_ptr, c_ptr, gather_ptr,
         peer_data, peer_sig, sig_ptr,
         comm_table, n_comm, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
-        Ms, N, K, rank, epoch, timeout_us, fixed_comm,
+        Ms, N, K, rank, epoch, timeout_us, fixed_comm, comm_stride,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
-        FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
+        COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
@@ -85,19 +86,22 @@ def _all_gather_matmul_kernel(
                     handshake = 1
                 kind = tl.load(comm_table + t * 4)
                 peer = tl.load(comm_table + t * 4 + 1)
-                chunk = tl.load(comm_table + t * 4 + 2)
-                rows = tl.minimum(Ms - chunk * BM, BM)
-                src = a_ptr + chunk.to(tl.int64) * BM * K
-                dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
-                if peers_ok == 0:  # a peer never finished the last call: write nothing (the loop drains)
-                    pass
-                elif kind == 0:
-                    dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
-                    copy_flat(src, dst, rows * K, 4096)
-                    sig = dev.peer_ptr(peer_sig, peer, tl.int32)
-                    dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
-                else:
-                    copy_flat(src, gather_ptr + dst_row, rows * K, 4096)
+                chunk0 = tl.load(comm_table + t * 4 + 2)
+                n_moved = tl.load(comm_table + t * 4 + 3)
+                for j in range(n_moved):
+                    chunk = chunk0 + j * comm_stride
+                    rows = tl.minimum(Ms - chunk * BM, BM)
+                    src = a_ptr + chunk.to(tl.int64) * BM * K
+                    dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
+                    if peers_ok == 0:  # a peer never finished the last call: write nothing (the loop drains)
+                        pass
+                    elif kind == 0:
+                        dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
+                        copy_flat(src, dst, rows * K, COPY_BLOCK)
+                        sig = dev.peer_ptr(peer_sig, peer, tl.int32)
+                        dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
+                    else:
+                        copy_flat(src, gather_ptr + dst_row, rows * K, COPY_BLOCK)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t, t0, dev.now_ns(), TRACE)
             else:
                 comm_done = 1
@@ -135,16 +139,17 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
     ms, k = a_shard.shape
     n = c.shape[1]
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
-    key = ("ag", rank, world, ms, n, cfg, str(a_shard.device))
+    per_task, copy_block = planning.ag_comm_config()
+    key = ("ag", rank, world, ms, n, cfg, per_task, str(a_shard.device))
     comm_t, comp_t, _ = planning.cached_tables(
-        key, lambda: planning.plan_all_gather_matmul(rank, world, ms, n, cfg, a_shard.device))
+        key, lambda: planning.plan_all_gather_matmul(rank, world, ms, n, cfg, a_shard.device, per_task))
     trace_buf = trace if trace is not None else heads
     _all_gather_matmul_kernel[(grid,)](
         a_shard, b_store, c, gather, peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], comp_t, comp_t.shape[0], heads, errors, trace_buf,
-        ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
+        ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
-        TRACE=trace is not None, DOT_FP32=planning.interpreting(),
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
