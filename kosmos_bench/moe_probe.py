@@ -61,7 +61,7 @@ def _probe(rank, world, args, variant: str, index: int):
     for _ in range(args.iters):
         timing.barrier()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)
+        torch.cuda._sleep(timing.HOST_HIDE_CYCLES)
         s.record()
         call()
         e.record()
