@@ -56,7 +56,11 @@ def tile_config(rows: int, n: int, k: int) -> TileConfig:
         return TileConfig(16, _pow2_at_least(n, 16, 32), 16, 4, 1)
     bm = 128 if rows > 64 else 64
     bn = _pow2_at_least(n, 64, 256)
-    return TileConfig(bm, bn, 64, 8, 3)
+    # developer knob for A/B runs (NOTES.md): pipeline depth; 4 stages take 192 KiB of shared memory
+    stages = int(os.environ.get("KOSMOS_TP_STAGES", "3"))
+    if not 2 <= stages <= 4:
+        raise ValueError(f"KOSMOS_TP_STAGES={stages} must be 2, 3 or 4 (4 stages fill Hopper's shared memory)")
+    return TileConfig(bm, bn, 64, 8, stages)
 
 
 def _grouped(m_tiles: int, n_tiles: int):
