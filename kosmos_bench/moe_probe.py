@@ -7,7 +7,8 @@ per task kind (route = router math, comm = the route task's row pushes and count
 gemm2, fold, wait), how many tasks ran, when the first started and the last ended (us from the rank's first
 event; GPU clocks of two ranks are not aligned) and the busy time summed over programs (us per program).
 A traced call is made (and compiled) before the timed calls, so the trace has no compile skew.
-``--variant K=V,...`` (repeatable) runs the whole probe once per set of developer knobs, in one call.
+``--variant K=V,...`` (repeatable) runs the whole probe once per set of developer knobs, in one call;
+``--tree DIR`` (repeatable) once per source tree (e.g. a branch checked out with git archive), in a subprocess.
 Writes DIR/trace-moe-<model>-<tokens>-<routing>-w<W>.json (render: ``kosmos report --timeline FILE``).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -116,9 +118,46 @@ def main(argv=None):
     p.add_argument("--variant", dest="variants", action="append", default=None,
                    help="developer knobs for one run, e.g. KOSMOS_MOE_HALF_TAIL=0,KOSMOS_MOE_BH=128; repeat to "
                         "compare several in one call (each compiles its own kernel variant)")
+    p.add_argument("--tree", dest="trees", action="append", default=None,
+                   help="run the whole probe once per source tree (a directory holding kosmos/ and kosmos_bench/, "
+                        "e.g. `git archive BRANCH kosmos kosmos_bench | tar -x -C DIR`), each in a subprocess with "
+                        "that tree first on PYTHONPATH: code versions side by side in one device call; "
+                        "traces go to OUT/tree<i>")
     args = p.parse_args(argv)
+    if args.trees:
+        return _run_trees(args, argv if argv is not None else sys.argv[1:])
     spawn(_rank_main, check_world(args.world), args, timeout_s=600)
 
 
+def _strip_trees(argv: list[str]) -> list[str]:
+    """argv without its --tree options (both ``--tree DIR`` and ``--tree=DIR``) and without --out."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--tree", "--out"):
+            skip = True
+        elif not a.startswith(("--tree=", "--out=")):
+            out.append(a)
+    return out
+
+
+def _run_trees(args, argv: list[str]) -> int:
+    import subprocess
+    rest = _strip_trees(list(argv))
+    worst = 0
+    for i, tree in enumerate(args.trees):
+        tree = os.path.abspath(tree)
+        if not os.path.isdir(os.path.join(tree, "kosmos")) or not os.path.isdir(os.path.join(tree, "kosmos_bench")):
+            raise SystemExit(f"--tree {tree}: needs kosmos/ and kosmos_bench/ inside")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + [q for q in [os.environ.get("PYTHONPATH")] if q]))
+        out = os.path.join(os.path.abspath(args.out), f"tree{i}")
+        print(f"== tree {i}: {tree}", flush=True)
+        rc = subprocess.run([sys.executable, "-m", "kosmos_bench.moe_probe", "--out", out, *rest], env=env,
+                            cwd=tree).returncode
+        worst = worst or rc
+    return worst
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

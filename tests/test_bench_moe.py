@@ -432,3 +432,38 @@ def test_point_end_to_end_world2_over_gloo():
     # no split passes when the kernel is missing: the row says why, and the sweep stops at the first split
     assert missing_rows[0][0] == "failed" and missing_rows[0][1].startswith("no fixed split passed (S=8: ")
     assert "kosmos.moe_forward not available" in missing_rows[0][1] and missing_calls == 1
+
+
+def test_moe_probe_trees_options(tmp_path):
+    """moe_probe --tree: each tree's probe gets the same options but --tree/--out; a tree without the
+    packages is refused before anything runs."""
+    from kosmos_bench import moe_probe
+    argv = ["--out", "o", "--tree", "a", "--model", "qwen3-235b", "--tree=b", "--variant", "K=1", "--out=x"]
+    assert moe_probe._strip_trees(argv) == ["--model", "qwen3-235b", "--variant", "K=1"]
+    with pytest.raises(SystemExit, match="needs kosmos/ and kosmos_bench/"):
+        moe_probe.main(["--out", str(tmp_path), "--tree", str(tmp_path)])
+
+
+def test_moe_probe_runs_each_tree_in_a_subprocess(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from kosmos_bench import moe_probe
+    trees = []
+    for name in ("main", "branch"):
+        (tmp_path / name / "kosmos").mkdir(parents=True)
+        (tmp_path / name / "kosmos_bench").mkdir()
+        trees.append(str(tmp_path / name))
+    calls = []
+
+    def fake_run(cmd, env, cwd):
+        calls.append((cmd, env["PYTHONPATH"].split(os.pathsep)[0], cwd))
+        return subprocess.CompletedProcess(cmd, 0)
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    out = tmp_path / "out"
+    rc = moe_probe.main(["--out", str(out), "--tree", trees[0], "--tree", trees[1], "--tokens", "8192"])
+    assert rc == 0 and len(calls) == 2
+    for i, (cmd, path0, cwd) in enumerate(calls):
+        assert path0 == trees[i] and cwd == trees[i]
+        assert cmd == [sys.executable, "-m", "kosmos_bench.moe_probe", "--out", str(out / f"tree{i}"),
+                       "--tokens", "8192"]
