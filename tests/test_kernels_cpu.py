@@ -198,7 +198,13 @@ class RS:
         for r in range(self.world):
             err = reference.rel_err(self.cs[r], refs[r])
             assert err < TOL, f"rank {r}: rel err {err}"
-        if self.world > 1:  # each rank's staging holds its own bf16 partial products
+        if self.world > 1 and rs.rs_push():  # slot s of rank q's staging: source s's partial of q's rows
+            for q in range(self.world):
+                for s in range(self.world):
+                    part = (self.As[s].float() @ self.Bs[s].float())[q * self.ms:(q + 1) * self.ms]
+                    got = self.rk.data[q][s * self.ms:(s + 1) * self.ms]
+                    assert reference.rel_err(got, part) < TOL, (q, s)
+        elif self.world > 1:  # each rank's staging holds its own bf16 partial products
             for r in range(self.world):
                 part = (self.As[r].float() @ self.Bs[r].float())
                 assert reference.rel_err(self.rk.data[r], part) < TOL
@@ -228,6 +234,17 @@ def test_matmul_reduce_scatter_self_policy_world2():
     """Rank 1 computes first; rank 0 runs self-scheduled (its reduce tasks become ready while it computes,
     and are claimed early); rank 1 reduces last."""
     run_schedule(RS(2, 21, 40, 48, seed=19), [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matmul_reduce_scatter_push_partials(monkeypatch, world):
+    """Developer knob KOSMOS_RS_PUSH=1: partials pushed into the owners' staging slots, reduced locally; both
+    the phase-ordered and the self-scheduled schedules, several epochs."""
+    monkeypatch.setenv("KOSMOS_RS_PUSH", "1")
+    t = RS(world, 21, 40, 48, seed=23 + world)
+    run_schedule(t, [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(world)])
+    if world == 2:
+        run_schedule(RS(2, 21, 40, 48, seed=29), [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)])
 
 
 def test_matmul_reduce_scatter_b_kmajor():

@@ -14,6 +14,8 @@ Tasks (planning.plan_matmul_reduce_scatter):
                      partials straight from the ranks' staging buffers over NVLink (pull), sum in rank order,
                      store c_shard. Owners are staggered (rank r makes tile i for r+1, r+2, ..., r), so the W
                      partials of a tile appear at about the same time on every rank.
+  Developer knob KOSMOS_RS_PUSH=1 (``rs_push``): TILE stores into slot r of the owner's staging (viewed as
+  [W, Ms, N]; remote stores, then the same notify) and REDUCE reads its W slots from local memory.
 
 Synchronisation contract (signals of rank q):
   FLAG_BASE + s*T + t   written by rank s when its partial of q's tile t is in s's staging; waited by q.
@@ -38,6 +40,8 @@ running programs (or peers) have claimed or will claim.
 W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -64,8 +68,8 @@ def _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD: tl
 
 @triton.jit
 def _reduce_tile(t, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch, timeout_ns,
-                 tiles_per_owner, n_tn, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 RED_ROWS: tl.constexpr, FLAG_BASE: tl.constexpr):
+                 tiles_per_owner, n_tn, stage_ptr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 RED_ROWS: tl.constexpr, FLAG_BASE: tl.constexpr, PUSH: tl.constexpr):
     mt = tl.load(red_table + t * 4)
     nt = tl.load(red_table + t * 4 + 1)
     tile = mt * n_tn + nt
@@ -77,10 +81,14 @@ def _reduce_tile(t, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, 
     for r0 in range(0, BM, RED_ROWS):
         offs_r = r0 + tl.arange(0, RED_ROWS)
         mask = (offs_r[:, None] < rows_valid) & (offs_n[None, :] < N)
-        src = (rank * Ms + mt * BM + offs_r).to(tl.int64)[:, None] * N + offs_n[None, :]
         acc = tl.zeros((RED_ROWS, BN), dtype=tl.float32)
         for s in tl.static_range(WORLD):  # fixed rank order: deterministic
-            part = dev.peer_ptr(peer_data, s, tl.bfloat16)
+            if PUSH:  # source s pushed its partial into slot s of this rank's staging: a local read
+                part = stage_ptr
+                src = (s * Ms + mt * BM + offs_r).to(tl.int64)[:, None] * N + offs_n[None, :]
+            else:  # pull: this rank's rows of source s's staging, over NVLink
+                part = dev.peer_ptr(peer_data, s, tl.bfloat16)
+                src = (rank * Ms + mt * BM + offs_r).to(tl.int64)[:, None] * N + offs_n[None, :]
             acc += tl.load(part + src, mask=mask, other=0.0).to(tl.float32)
         store_rows(c_ptr, acc.to(tl.bfloat16), mt * BM + r0, nt * BN, rows_valid - r0, N, RED_ROWS, BN)
 
@@ -94,7 +102,7 @@ def _matmul_reduce_scatter_kernel(
         Ms, N, K, rank, epoch, timeout_us, fixed_comm,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
-        RED_ROWS: tl.constexpr,
+        RED_ROWS: tl.constexpr, PUSH: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
@@ -144,7 +152,7 @@ def _matmul_reduce_scatter_kernel(
             if t_red >= 0:
                 t0 = dev.now_ns()
                 _reduce_tile(t_red, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch,
-                             timeout_ns, tiles_per_owner, n_tn, WORLD, BM, BN, RED_ROWS, FLAG_BASE)
+                             timeout_ns, tiles_per_owner, n_tn, stage_ptr, WORLD, BM, BN, RED_ROWS, FLAG_BASE, PUSH)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t_red, t0, dev.now_ns(), TRACE)
             elif comp_done == 0:
                 t = dev.claim(heads_ptr + 1)
@@ -163,8 +171,12 @@ def _matmul_reduce_scatter_kernel(
                                                            2, rank)
                             handshake = 1
                         if peers_ok != 0:  # else a peer never finished the last call: write nothing, drain
-                            store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
-                                       Ms - mt * BM, N, BM, BN)
+                            if PUSH:  # into slot r of the owner's staging (remote stores unless own rows)
+                                store_rows(dev.peer_ptr(peer_data, owner, tl.bfloat16), acc.to(tl.bfloat16),
+                                           rank * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
+                            else:
+                                store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
+                                           Ms - mt * BM, N, BM, BN)
                             sig = dev.peer_ptr(peer_sig, owner, tl.int32)
                             dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
                     n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
@@ -177,6 +189,13 @@ def _red_rows(cfg) -> int:
     """Rows per step of a reduce task: 8192 // BN elements (32 rows at BN 256: 200 registers, no spills).
     64 rows (255 registers, 176 B spills) measured within noise of 32 on 2x H200 (NOTES.md, moe v0.3 table)."""
     return max(1, min(cfg.BM, 8192 // cfg.BN))
+
+
+def rs_push() -> bool:
+    """Developer knob KOSMOS_RS_PUSH=1 (default 0, NOTES.md): partial tiles are pushed into slot r of the
+    owner's staging from the GEMM epilogue and the owner reduces from local memory, instead of the owner
+    pulling every partial over NVLink (latency-bound: ~15 us per reduce task at attn_out-70b-8k)."""
+    return os.environ.get("KOSMOS_RS_PUSH", "0") == "1"
 
 
 def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch,
@@ -195,7 +214,7 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
-        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg),
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg), PUSH=rs_push(),
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
