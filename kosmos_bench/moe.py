@@ -47,7 +47,6 @@ any rank received (the time is the slowest rank's, normally the busiest).
 from __future__ import annotations
 
 import math
-import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -59,7 +58,8 @@ from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_forward_a2a, route
 
 from . import timing
-from .tp import FIXED_SWEEP, TOLERANCE, Unavailable, agree, environment, error_reason, world_info
+from .tp import FIXED_SWEEP, Unavailable, _max_over_ranks, environment, world_info
+from .tp import check_and_time as _check_and_time
 
 MOE_IMPLS = ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best")
 EXPERT_IMPLS = ("grouped-mm", "kosmos-expert-gemms")
@@ -379,14 +379,6 @@ class MoESettings:
     extra: dict = field(default_factory=dict)
 
 
-def _max_over_ranks(v: float, device) -> float:
-    if not dist.is_initialized():
-        return v
-    t = torch.tensor([v], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t)
@@ -428,42 +420,8 @@ def _rel_err(out, ref) -> float:
 def check_and_time(make, ref, st: MoESettings, device):
     """(status, reason, rel_err, timing dict or None, extra workspace bytes) of one implementation.
     ``make()`` -> (callable, workspace bytes or None). Every rank calls this with the same arguments."""
-    ws = None
-    try:
-        fn, ws = make()
-        out = fn()
-        runtime.check_errors()
-        _sync(device)
-        err = _rel_err(out, ref)
-        del out
-        ok, why = True, None
-    except Unavailable as e:
-        ok, why, err = False, "unavailable: " + str(e), None
-    except Exception as e:  # recorded as failed, the sweep goes on
-        ok, why, err = False, error_reason(e), None
-        if not isinstance(e, KernelMissing):
-            traceback.print_exc()
-    ok, why = agree(ok, why)
-    if not ok:
-        _recover(device)
-        status = "unavailable" if "unavailable: " in why else "failed"
-        return status, why.replace("unavailable: ", ""), None, None, ws
-    err = _max_over_ranks(err, device)
-    tol = TOLERANCE[st.dtype]
-    if not err <= tol:  # NaN fails too
-        return "failed", f"rel_err {err:.2e} > {tol:.0e}", err, None, ws
-    try:
-        t = timing.time_op(fn, iters=st.iters, warmup=st.warmup)
-        runtime.check_errors()
-        ok, why = True, None
-    except Exception as e:
-        ok, why, t = False, error_reason(e), None
-        traceback.print_exc()
-    ok, why = agree(ok, why)
-    if not ok:
-        _recover(device)
-        return "failed", why, err, None, ws
-    return "ok", None, err, t, ws
+    return _check_and_time(make, lambda out: _rel_err(out, ref), st, device, lambda: _recover(device),
+                           quiet=(KernelMissing,))
 
 
 class _Memory:

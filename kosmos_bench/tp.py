@@ -118,37 +118,44 @@ def reference_output(g: TPGemm, a, b):
     return reference.matmul_reduce_scatter_ref(a, b, fp32=True)
 
 
-def _max_over_ranks(x: float) -> float:
+def _max_over_ranks(x: float, device="cuda") -> float:
     if not dist.is_initialized():
         return x
-    t = torch.tensor([x], dtype=torch.float64, device="cuda")
+    t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
-def _check_and_time(name, g, a, b, ref, params, st: TPSettings):
-    """(status, reason, rel_err, timing dict or None) for one implementation."""
+def check_and_time(make, compare, st, device, recover, quiet=()):
+    """(status, reason, rel_err, timing dict or None, extra) of one implementation, for every bench: ``make()``
+    -> (callable, extra), ``compare(out)`` -> relative error against the reference; a failure on any rank
+    fails the implementation on every rank (``recover()`` then realigns them) and the sweep goes on.
+    Exceptions of the ``quiet`` types are recorded without a traceback. Every rank calls this in step."""
+    extra = None
     try:
-        fn = impl_callable(name, g, a, b, params)
+        fn, extra = make()
         out = fn()
         runtime.check_errors()
-        torch.cuda.synchronize()
-        err = reference.rel_err(out, ref)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        err = compare(out)
+        del out
         ok, why = True, None
     except Unavailable as e:
         ok, why, err = False, "unavailable: " + str(e), None
     except Exception as e:  # recorded as failed, the sweep goes on
         ok, why, err = False, error_reason(e), None
-        traceback.print_exc()
+        if not isinstance(e, quiet):
+            traceback.print_exc()
     ok, why = agree(ok, why)
     if not ok:
-        _recover()
+        recover()
         status = "unavailable" if why and "unavailable: " in why else "failed"
-        return status, why.replace("unavailable: ", ""), None, None
-    err = _max_over_ranks(err)
+        return status, why.replace("unavailable: ", ""), None, None, extra
+    err = _max_over_ranks(err, device)
     tol = TOLERANCE[st.dtype]
-    if not err <= tol:
-        return "failed", f"rel_err {err:.2e} > {tol:.0e}", err, None
+    if not err <= tol:  # NaN fails too
+        return "failed", f"rel_err {err:.2e} > {tol:.0e}", err, None, extra
     try:
         t = timing.time_op(fn, iters=st.iters, warmup=st.warmup)
         runtime.check_errors()
@@ -158,9 +165,17 @@ def _check_and_time(name, g, a, b, ref, params, st: TPSettings):
         traceback.print_exc()
     ok, why = agree(ok, why)
     if not ok:
-        _recover()
-        return "failed", why, err, None
-    return "ok", None, err, t
+        recover()
+        return "failed", why, err, None, extra
+    return "ok", None, err, t, extra
+
+
+def _check_and_time(name, g, a, b, ref, params, st: TPSettings):
+    """(status, reason, rel_err, timing dict or None) for one TP implementation."""
+    status, why, err, t, _ = check_and_time(lambda: (impl_callable(name, g, a, b, params), None),
+                                            lambda out: reference.rel_err(out, ref), st, torch.device("cuda"),
+                                            _recover)
+    return status, why, err, t
 
 
 def _recover():
