@@ -45,44 +45,42 @@ def _layer_data(seed, s, b, d_in, d_out):
     return x, w, dy
 
 
-def _check_column(rank, world, group=None, device="cpu"):
-    s, b, d_in, d_out = 8 * world, 2, 24, 16 * world
-    x, w, dy = _layer_data(1, s, b, d_in, d_out)
-    xs = x.chunk(world, 0)[rank]
-    ws = w.chunk(world, 0)[rank]
-    layer = knn.ColumnParallelLinear(d_in, d_out, group=group, device=device)
+# per layer: (class, seed, d_in, d_out of the full layer at W ranks, which dim each rank's shard of x, w, y
+# takes): Column -- x sharded over the sequence (gathered inside), w over its output rows, y over features;
+# Row -- x over features, w over its input columns, y over the sequence (reduce-scattered inside)
+_LAYERS = {
+    "column": (knn.ColumnParallelLinear, 1, lambda w: 24, lambda w: 16 * w, 0, 0, 2),
+    "row": (knn.RowParallelLinear, 2, lambda w: 16 * w, lambda w: 24, 2, 1, 0),
+}
+
+
+def _check_layer(kind, rank, world, group=None, device="cpu"):
+    cls, seed, d_in_of, d_out_of, x_dim, w_dim, y_dim = _LAYERS[kind]
+    s, b, d_in, d_out = 8 * world, 2, d_in_of(world), d_out_of(world)
+    x, w, dy = _layer_data(seed, s, b, d_in, d_out)
+    layer = cls(d_in, d_out, group=group, device=device)
     with torch.no_grad():
-        layer.weight.copy_(ws)
-    xin = xs.to(device, torch.bfloat16).requires_grad_(True)
+        layer.weight.copy_(w.chunk(world, w_dim)[rank])
+    xin = x.chunk(world, x_dim)[rank].to(device, torch.bfloat16).requires_grad_(True)
     y = layer(xin)
-    assert y.shape == (s, b, d_out // world)
-    y.backward(dy.chunk(world, 2)[rank].to(device, torch.bfloat16))
+    full = [s, b, d_out]
+    full[y_dim] //= world
+    assert y.shape == tuple(full)
+    y.backward(dy.chunk(world, y_dim)[rank].to(device, torch.bfloat16))
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     yr = xr @ wr.t()
     yr.backward(dy)
-    assert _rel(y, yr.chunk(world, 2)[rank]) < TOL
-    assert _rel(xin.grad, xr.grad.chunk(world, 0)[rank]) < TOL
-    assert _rel(layer.weight.grad, wr.grad.chunk(world, 0)[rank]) < TOL
+    assert _rel(y, yr.chunk(world, y_dim)[rank]) < TOL
+    assert _rel(xin.grad, xr.grad.chunk(world, x_dim)[rank]) < TOL
+    assert _rel(layer.weight.grad, wr.grad.chunk(world, w_dim)[rank]) < TOL
+
+
+def _check_column(rank, world, group=None, device="cpu"):
+    _check_layer("column", rank, world, group, device)
 
 
 def _check_row(rank, world, group=None, device="cpu"):
-    s, b, d_in, d_out = 8 * world, 2, 16 * world, 24
-    x, w, dy = _layer_data(2, s, b, d_in, d_out)
-    xs = x.chunk(world, 2)[rank]
-    ws = w.chunk(world, 1)[rank]
-    layer = knn.RowParallelLinear(d_in, d_out, group=group, device=device)
-    with torch.no_grad():
-        layer.weight.copy_(ws)
-    xin = xs.to(device, torch.bfloat16).requires_grad_(True)
-    y = layer(xin)
-    assert y.shape == (s // world, b, d_out)
-    y.backward(dy.chunk(world, 0)[rank].to(device, torch.bfloat16))
-    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    yr = xr @ wr.t()
-    yr.backward(dy)
-    assert _rel(y, yr.chunk(world, 0)[rank]) < TOL
-    assert _rel(xin.grad, xr.grad.chunk(world, 2)[rank]) < TOL
-    assert _rel(layer.weight.grad, wr.grad.chunk(world, 1)[rank]) < TOL
+    _check_layer("row", rank, world, group, device)
 
 
 def test_world1_column_and_row(monkeypatch):
