@@ -4,6 +4,7 @@
 returns {rank: result}. ``Checks`` + ``spawn_gpu`` -- GPU ranks (kosmos_bench.launcher.spawn, NCCL): a rank
 records failed checks and keeps going, so that all ranks make the same collective calls, then writes them to
 ``<tmp>/rank<r>.txt`` and raises (spawn turns that into a LaunchError carrying the rank's traceback).
+``stall_peer`` -- the stalled-peer scenario every fused op's GPU tests run.
 """
 import socket
 from pathlib import Path
@@ -56,3 +57,38 @@ def spawn_gpu(fn, tmp_path, world=2, timeout_s=300.0):
         f = Path(tmp_path) / f"rank{r}.txt"
         assert f.exists(), f"rank {r} did not finish"
         assert f.read_text() == "", f.read_text()
+
+
+def stall_peer(rank, call, op, check, on_timeout=None):
+    """Warm ``call`` up (compile, workspace), then run it with a 0.5 s timeout while rank 1's GPU spins ~1.5 s
+    first: rank 0 must raise KosmosTimeoutError naming ``op`` and rank 0 (then ``on_timeout()`` runs there,
+    on the poisoned workspace); the stalled rank may or may not time out in turn. Ends with the ranks
+    realigned and fresh workspaces."""
+    import torch
+    import torch.distributed as dist
+
+    import kosmos
+    call()
+    kosmos.check_errors()
+    torch.cuda.synchronize()
+    dist.barrier()
+    kosmos.set_timeout(0.5)
+    if rank == 1:
+        torch.cuda._sleep(int(3e9))  # ~1.5 s of GPU time before this rank's kernel starts
+    call()
+    if rank == 0:
+        try:
+            kosmos.check_errors()
+            check(False, "rank 0: check_errors() did not raise after the peer stalled")
+        except kosmos.KosmosTimeoutError as e:
+            check(op in str(e) and "rank 0" in str(e), f"unexpected timeout message: {e}")
+        if on_timeout is not None:
+            on_timeout()
+    else:
+        try:
+            kosmos.check_errors()
+        except kosmos.KosmosTimeoutError:
+            pass
+    torch.cuda.synchronize()
+    dist.barrier()
+    kosmos.reset_workspaces()

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from multiproc import Checks, spawn_gpu
+from multiproc import Checks, spawn_gpu, stall_peer
 
 HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -237,45 +237,21 @@ def _w2_determinism_back_to_back(rank, world, out_dir):
 
 
 def _w2_stalled_peer(rank, world, out_dir):
-    import torch.distributed as dist
-
     import kosmos
     from kosmos import reference
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda", rank)
     check = Checks(rank)
     shards, bs = _rank_inputs(3, world, (256, 512), (512, 768), dev)
-    # warm-up: compile, build the workspace
-    kosmos.all_gather_matmul(shards[rank], bs[rank])
-    kosmos.check_errors()
-    torch.cuda.synchronize()
-    dist.barrier()
 
-    kosmos.set_timeout(0.5)
-    if rank == 1:
-        torch.cuda._sleep(int(3e9))  # ~1.5 s of GPU time before this rank's kernel starts
-    kosmos.all_gather_matmul(shards[rank], bs[rank])
-    if rank == 0:
-        try:
-            kosmos.check_errors()
-            check(False, "rank 0: check_errors() did not raise after the peer stalled")
-        except kosmos.KosmosTimeoutError as e:
-            msg = str(e)
-            check("all_gather_matmul" in msg and "rank 0" in msg, f"unexpected timeout message: {msg}")
-        # the workspace stays poisoned: a further call raises at once, before launching anything
+    def poisoned_workspace_raises():  # a further call raises at once, before launching anything
         try:
             kosmos.all_gather_matmul(shards[rank], bs[rank])
             check(False, "a call on the poisoned workspace did not raise")
         except kosmos.KosmosTimeoutError:
             pass
-    else:
-        try:
-            kosmos.check_errors()  # the stalled rank may or may not time out in turn
-        except kosmos.KosmosTimeoutError:
-            pass
-    torch.cuda.synchronize()
-    dist.barrier()
-    kosmos.reset_workspaces()
+    stall_peer(rank, lambda: kosmos.all_gather_matmul(shards[rank], bs[rank]), "all_gather_matmul", check,
+               on_timeout=poisoned_workspace_raises)
 
     # recovered: a fresh workspace gives correct results again
     a_full, c = kosmos.all_gather_matmul(shards[rank], bs[rank])

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from multiproc import Checks, spawn_gpu
+from multiproc import Checks, spawn_gpu, stall_peer
 
 HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 N_GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -164,35 +164,12 @@ def _w2_determinism_back_to_back(rank, world, out_dir):
 
 
 def _w2_stalled_peer(rank, world, out_dir):
-    import torch.distributed as dist
-
     import kosmos
     dev = torch.device("cuda", rank)
     check = Checks(rank)
     xs, router, w13, w2 = make_case(31, world, 256, 256, 128, 8, 2)
     args = [t.to(dev) for t in (xs[rank], router, w13[rank], w2[rank])]
-    kosmos.moe_forward(*args, top_k=2)  # compile and build the workspace
-    kosmos.check_errors()
-    torch.cuda.synchronize()
-    dist.barrier()
-    kosmos.set_timeout(0.5)
-    if rank == 1:
-        torch.cuda._sleep(int(3e9))  # ~1.5 s of GPU time before this rank's kernel starts
-    kosmos.moe_forward(*args, top_k=2)
-    if rank == 0:
-        try:
-            kosmos.check_errors()
-            check(False, "rank 0: check_errors() did not raise after the peer stalled")
-        except kosmos.KosmosTimeoutError as e:
-            check("moe_forward" in str(e) and "rank 0" in str(e), f"unexpected timeout message: {e}")
-    else:
-        try:
-            kosmos.check_errors()
-        except kosmos.KosmosTimeoutError:
-            pass
-    torch.cuda.synchronize()
-    dist.barrier()
-    kosmos.reset_workspaces()
+    stall_peer(rank, lambda: kosmos.moe_forward(*args, top_k=2), "moe_forward", check)
     check.finish(out_dir)
 
 
