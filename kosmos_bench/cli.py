@@ -60,6 +60,9 @@ def bench_tp(
                                               "llama3-8b, llama3-70b, llama3-405b, gpt3-175b."),
     seq: Optional[List[str]] = typer.Option(None, "--seq", "-s", help="Token counts per layer (M), e.g. 4096,8192."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (default: all visible GPUs)."),
+    shapes_tp: Optional[int] = typer.Option(None, "--shapes-tp", help="Size the GEMMs as at TP=N (each rank's "
+                                            "weight shard) whatever --tp is: `--tp 1 --shapes-tp 2` times the "
+                                            "kernels with communication off on the per-rank GEMMs of a TP=2 run."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 (mxfp8 is planned)."),
     op: Optional[List[str]] = typer.Option(None, "--op", help="ag_gemm, gemm_rs, or layer names qkv,fc1,attn_out,fc2."),
     impl: Optional[List[str]] = typer.Option(None, "--impl", help="kosmos, nccl+cublas, torch-async-tp, fixed-role, "
@@ -93,20 +96,27 @@ def bench_tp(
             if bad:
                 raise SuiteError(f"unknown --op {bad}; use ag_gemm, gemm_rs or {', '.join(TP_LAYERS)}")
         cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int), dtype=dtype, layers=layers,
-                                     impls=_split(impl), iters=iters, warmup=warmup, tp=tp)
+                                     impls=_split(impl), iters=iters, warmup=warmup, tp=tp,
+                                     shapes_tp=shapes_tp)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
     world = _dtype_and_world(cfg.dtype, cfg.tp)
     from kosmos.models import tp_gemms
     try:
-        cases = [g for m in cfg.models for s in cfg.seq for g in tp_gemms(m, s, world, cfg.layers)]
+        shard = cfg.shapes_tp or world
+        cases = [g for m in cfg.models for s in cfg.seq for g in tp_gemms(m, s, shard, cfg.layers)]
+        if shard != world:  # the sequence is split over the real world (SP), the weight over ``shard``
+            bad = sorted({g.seq for g in cases if g.seq % world})
+            if bad:
+                raise ValueError(f"seq {bad} must divide by the world size {world}")
     except ValueError as e:
         _fail(str(e))
     out = out or Path("results") / f"tp-{cfg.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
+    shard_note = f" (GEMMs sized as at TP={cfg.shapes_tp})" if cfg.shapes_tp and cfg.shapes_tp != world else ""
     console.print(f"[bold]kosmos bench tp[/]: {len(cases)} shapes x {len(cfg.impls)} implementations on "
-                  f"{world} GPU(s) -> {out}")
+                  f"{world} GPU(s){shard_note} -> {out}")
     try:
         launcher.spawn(_bench_tp_rank, world, cfg.to_dict(), [vars(c) for c in cases], str(out), trace_dir,
                        sys.argv)

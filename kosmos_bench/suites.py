@@ -36,6 +36,7 @@ class TPSuite:
     warmup: int = 5
     fixed_sweep: tuple = FIXED_SWEEP
     tp: int | None = None
+    shapes_tp: int | None = None  # size the GEMMs as at TP=shapes_tp (per-rank shards), whatever the world
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -75,8 +76,10 @@ def _check(s: TPSuite) -> None:
         v = getattr(s, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "iters" else 0):
             raise SuiteError(f"'{key}' must be an integer >= {1 if key == 'iters' else 0}, got {v!r}")
-    if s.tp is not None and (not isinstance(s.tp, int) or s.tp < 1):
-        raise SuiteError(f"'tp' must be a positive integer, got {s.tp!r}")
+    for key in ("tp", "shapes_tp"):
+        v = getattr(s, key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise SuiteError(f"'{key}' must be a positive integer, got {v!r}")
 
 
 def _as_tuple(key, v):

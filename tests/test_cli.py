@@ -153,3 +153,21 @@ def test_report_committed_results_render():
     assert r.exit_code == 0, r.output
     n_results = sum('"type": "result"' in line for line in results.read_text().splitlines())
     assert n_results > 0 and len(r.output.strip().splitlines()) == 1 + n_results
+
+
+def test_bench_tp_shapes_tp_sizes_the_gemms_as_that_tp(monkeypatch):
+    """--tp 1 --shapes-tp 2: one rank, GEMMs of a TP=2 rank (weight shard halved, all tokens local)."""
+    from kosmos_bench import launcher
+    seen = {}
+    monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
+    monkeypatch.setattr(launcher, "spawn", lambda fn, world, suite, cases, *a: seen.update(cases=cases))
+    monkeypatch.setattr("kosmos_bench.report.load_results", lambda files: ([], []))
+    monkeypatch.setattr("kosmos_bench.report.print_terminal", lambda *a, **k: None)
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-70b", "--seq", "4096", "--tp", "1",
+                            "--shapes-tp", "2", "--out", "/tmp/kosmos-shapes-tp-test.jsonl"])
+    assert r.exit_code == 0, r.output
+    by_layer = {c["layer"]: (c["m"], c["n"], c["k"]) for c in seen["cases"]}
+    assert by_layer == {"qkv": (4096, 5120, 8192), "fc1": (4096, 28672, 8192),
+                        "attn_out": (4096, 8192, 4096), "fc2": (4096, 8192, 14336)}
+    r = runner.invoke(app, ["bench", "tp", "--shapes-tp", "0"])
+    assert r.exit_code == 2 and "'shapes_tp' must be a positive integer" in r.output
