@@ -8,8 +8,9 @@ AllGather+GEMM (rank r, world W, shard rows Ms = M/W, chunks of BM rows):
   comm table     rows (PUSH, peer, chunk, 1) for peers r+1, r+2, ... (staggered, so no two ranks push to the
                  same peer at once), chunks ascending -- the order in which that peer consumes them; then
                  (COPY, r, chunk, 1): this rank's own rows into its slot of the gathered buffer (only needed
-                 for the returned ``a_full``, so last). With p chunks per task (developer knob) a row is
-                 (kind, peer, i, count): chunks i, i + stride, ... with stride = ceil(chunks / p).
+                 for the returned ``a_full``, so last; the self policy runs them after the compute tiles,
+                 see the kernel's docstring). With p chunks per task (developer knob) a row is (kind, peer, i,
+                 count): chunks i, i + stride, ... with stride = ceil(chunks / p).
   compute table  rows (slot, m_tile, n_tile, 0): own slot first (ready at once), then slots r-1, r-2, ...
                  in the order their pushes arrive; inside a slot, GROUP_M m-tiles share each n-tile (L2).
 
@@ -97,6 +98,11 @@ def ag_comm_stride(ms: int, bm: int, per_task: int) -> int:
     """Comm tasks per destination; task i moves chunks i, i + stride, i + 2*stride, ... (so the first chunks
     of every task land first: the peer consumes chunks in ascending order)."""
     return math.ceil(math.ceil(ms / bm) / per_task)
+
+
+def ag_push_tasks(world: int, ms: int, bm: int, per_task: int) -> int:
+    """Number of PUSH rows at the front of the comm table (the COPY rows follow)."""
+    return (world - 1) * ag_comm_stride(ms, bm, per_task)
 
 
 @lru_cache(maxsize=256)

@@ -39,8 +39,9 @@ DONE_BASE = 0
 FLAG_BASE = 64
 PINGPONG_SLOT = 32  # between the done flags and the op flags; used only by the signal microbenchmark
 MAX_WORLD = 8
-NUM_HEADS = 4  # [0] comm/reduce head, [1] compute head, [2] exit counter, [3] spare
+NUM_HEADS = 4  # [0] comm/reduce head, [1] compute head, [2] exit counter, [3] tail head (AG's late copies)
 EXIT_SLOT = 2
+TAIL_HEAD = 3
 DEFAULT_TIMEOUT_S = float(os.environ.get("KOSMOS_TIMEOUT_S", "5.0"))
 TRACE_KINDS = {0: "idle", 1: "comm", 2: "compute", 3: "wait", 4: "route", 5: "permute", 6: "gemm1", 7: "gemm2",
                8: "fold"}  # 4..8: the MoE layer's task kinds

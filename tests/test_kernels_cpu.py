@@ -151,6 +151,26 @@ def test_all_gather_matmul_self_policy_world2():
     run_schedule(AG(2, 21, 40, 48, seed=11), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
 
 
+def test_all_gather_matmul_self_policy_copies_after_compute():
+    """Self policy: the pushes come before any compute tile, the own-slot COPY tasks after the last one is
+    claimed. Under the interpreter program 0 runs first and takes every task, so its trace is the order."""
+    from kosmos.kernels.common import TRACE_EVENTS
+    t = AG(2, 75, 40, 48, seed=23)
+    t.new_epoch_inputs()
+    ag_launch(t.rk, 1, t.shards[1], t.b_store[1], t.cs[1], epoch=1, cfg=t.cfg, **COMM_ONLY)
+    trace = torch.zeros(GRID, TRACE_EVENTS, 4, dtype=torch.int64)
+    ag_launch(t.rk, 0, t.shards[0], t.b_store[0], t.cs[0], epoch=1, cfg=t.cfg, trace=trace, policy="self")
+    ag_launch(t.rk, 1, t.shards[1], t.b_store[1], t.cs[1], epoch=1, cfg=t.cfg, **COMPUTE_ONLY)
+    t.check_outputs()
+    n_push = planning.ag_push_tasks(2, 75, t.cfg.BM, 1)
+    chunks = -(-75 // t.cfg.BM)
+    ev = [tuple(e) for e in trace[0].tolist() if e[0]]  # (kind, task, t0, t1); unused rows are zeros
+    kinds = [("push" if task < n_push else "copy") if kind == 1 else "tile" for kind, task, _, _ in ev if kind != 3]
+    n_tiles = 2 * chunks * -(-48 // t.cfg.BN)
+    assert kinds == ["push"] * n_push + ["tile"] * n_tiles + ["copy"] * chunks, kinds
+    assert trace[1:].abs().sum() == 0  # the other programs found every queue empty
+
+
 @pytest.mark.parametrize("per_task,block", [("2", "256"), ("8", "1024")])
 def test_all_gather_matmul_comm_tasks_of_several_chunks(monkeypatch, per_task, block):
     """Developer knobs KOSMOS_AG_PUSH_CHUNKS / KOSMOS_AG_COPY_BLOCK: tasks moving several strided chunks

@@ -19,14 +19,19 @@ Synchronisation contract (signals of rank q; see runtime.py):
   DONE_BASE + p              written by rank p's last program when p's launch ends; a rank's first push of a
                              call waits for done[p] >= epoch-1 so it never overwrites rows p is still reading.
 
-Policy (one loop, two queues; POLICY constexpr):
-  self   -- every program takes a comm task while any is unclaimed (they are always ready, and the peer
-            consumes them first), otherwise the next compute tile. How many programs communicate at a given
-            moment follows from how many comm tasks are left: no split parameter.
-  fixed  -- programs pid < S only communicate (then exit), the others only compute: the fixed-role baseline.
+Policy (one loop over three phases; POLICY constexpr):
+  self   -- every program takes a PUSH task while any is unclaimed (they are always ready, and the peer
+            consumes them first), then the next compute tile; once the compute queue is empty it takes the
+            COPY tasks (head TAIL_HEAD): nothing in the launch waits for them, so they fill the programs that
+            run out of tiles while the last tiles finish (wave-quantisation idle time) instead of delaying
+            tiles at the start. How many programs communicate at a given moment follows from how many comm
+            tasks are left: no split parameter.
+  fixed  -- programs pid < S only communicate (pushes then copies, then exit), the others only compute: the
+            fixed-role baseline.
 
 Deadlock-freedom: a tile waits only on a push of a peer; pushes are claimed before any compute by every
-program (self) or by dedicated programs (fixed) and wait only on the previous call's completion. The grid is
+program (self) or by dedicated programs (fixed) and wait only on the previous call's completion; COPY tasks
+never wait. The grid is
 at most the SM count with one program per SM. Every wait is bounded (device.wait_geq).
 """
 from __future__ import annotations
@@ -42,16 +47,18 @@ from .common import check_launch, check_operands, copy_flat, policy_args, store_
 OP_CODE = 1
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_comp", "fixed_comm", "comm_stride"])
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_lead", "n_comp", "fixed_comm",
+                               "comm_stride"])
 def _all_gather_matmul_kernel(
         a_ptr, b_ptr, c_ptr, gather_ptr,
         peer_data, peer_sig, sig_ptr,
-        comm_table, n_comm, comp_table, n_comp,
+        comm_table, n_comm, n_lead, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
         Ms, N, K, rank, epoch, timeout_us, fixed_comm, comm_stride,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
-        COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
+        COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr,
+        TAIL_HEAD: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
@@ -64,48 +71,20 @@ def _all_gather_matmul_kernel(
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN // 2])
     n_chunks = tl.cdiv(Ms, BM)
 
+    # phases: 0 = comm tasks [0, n_lead) (the pushes: their consumers wait), 1 = compute tiles, 2 = the rest
+    # of the comm table (self policy: the own-slot COPY tasks, which nothing in the launch waits for, so they
+    # fill the programs that run out of tiles while the last tiles finish), 3 = done
     if POLICY == 0:
-        comm_done = (n_comm == 0).to(tl.int32)
-        comp_done = 0
+        phase = tl.where(n_lead == 0, 1, 0)
     else:
-        comm_done = ((n_comm == 0) | (pid >= fixed_comm)).to(tl.int32)
-        comp_done = (pid < fixed_comm).to(tl.int32)
+        phase = tl.where(pid < fixed_comm, tl.where(n_lead == 0, 3, 0), 1)
     handshake = 0
     peers_ok = 1
     n_ev = 0
-    while (comm_done == 0) | (comp_done == 0):
+    while phase < 3:
         if dev.aborted(err_ptr):
-            comm_done = 1
-            comp_done = 1
-        elif comm_done == 0:
-            t = dev.claim(heads_ptr + 0)
-            if t < n_comm:
-                t0 = dev.now_ns()
-                if handshake == 0:  # nobody may still be reading what we are about to overwrite
-                    peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 1, rank)
-                    handshake = 1
-                kind = tl.load(comm_table + t * 4)
-                peer = tl.load(comm_table + t * 4 + 1)
-                chunk0 = tl.load(comm_table + t * 4 + 2)
-                n_moved = tl.load(comm_table + t * 4 + 3)
-                for j in range(n_moved):
-                    chunk = chunk0 + j * comm_stride
-                    rows = tl.minimum(Ms - chunk * BM, BM)
-                    src = a_ptr + chunk.to(tl.int64) * BM * K
-                    dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
-                    if peers_ok == 0:  # a peer never finished the last call: write nothing (the loop drains)
-                        pass
-                    elif kind == 0:
-                        dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
-                        copy_flat(src, dst, rows * K, COPY_BLOCK)
-                        sig = dev.peer_ptr(peer_sig, peer, tl.int32)
-                        dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
-                    else:
-                        copy_flat(src, gather_ptr + dst_row, rows * K, COPY_BLOCK)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t, t0, dev.now_ns(), TRACE)
-            else:
-                comm_done = 1
-        else:
+            phase = 3
+        elif phase == 1:
             t = dev.claim(heads_ptr + 1)
             if t < n_comp:
                 slot = tl.load(comp_table + t * 4)
@@ -127,8 +106,48 @@ def _all_gather_matmul_kernel(
                 acc = tile_matmul(a_desc, b_desc, mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
                 store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
+            elif POLICY == 0:
+                phase = tl.where(n_lead < n_comm, 2, 3)
             else:
-                comp_done = 1
+                phase = 3
+        else:
+            if phase == 0:
+                t = dev.claim(heads_ptr + 0)
+                end = n_lead
+            else:
+                t = n_lead + dev.claim(heads_ptr + TAIL_HEAD)
+                end = n_comm
+            if t < end:
+                t0 = dev.now_ns()
+                kind = tl.load(comm_table + t * 4)
+                peer = tl.load(comm_table + t * 4 + 1)
+                chunk0 = tl.load(comm_table + t * 4 + 2)
+                n_moved = tl.load(comm_table + t * 4 + 3)
+                if (kind == 0) & (handshake == 0):  # nobody may still be reading what we are about to overwrite
+                    peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 1, rank)
+                    handshake = 1
+                for j in range(n_moved):
+                    chunk = chunk0 + j * comm_stride
+                    rows = tl.minimum(Ms - chunk * BM, BM)
+                    src = a_ptr + chunk.to(tl.int64) * BM * K
+                    dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
+                    if peers_ok == 0:  # a peer never finished the last call: write nothing (the loop drains)
+                        pass
+                    elif kind == 0:
+                        dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
+                        copy_flat(src, dst, rows * K, COPY_BLOCK)
+                        sig = dev.peer_ptr(peer_sig, peer, tl.int32)
+                        dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
+                    else:
+                        copy_flat(src, gather_ptr + dst_row, rows * K, COPY_BLOCK)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t, t0, dev.now_ns(), TRACE)
+            elif phase == 0:
+                if POLICY == 0:
+                    phase = 1
+                else:  # a fixed-role comm program never computes
+                    phase = 3
+            else:
+                phase = 3
     dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
 
 
@@ -144,14 +163,16 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
     comm_t, comp_t, _ = planning.cached_tables(
         key, lambda: planning.plan_all_gather_matmul(rank, world, ms, n, cfg, a_shard.device, per_task))
     trace_buf = trace if trace is not None else heads
+    # the self policy takes only the pushes before computing; fixed-role comm programs run the whole table
+    n_lead = planning.ag_push_tasks(world, ms, cfg.BM, per_task) if pol == 0 else comm_t.shape[0]
     _all_gather_matmul_kernel[(grid,)](
         a_shard, b_store, c, gather, peer_data, peer_sig, signals,
-        comm_t, comm_t.shape[0], comp_t, comp_t.shape[0], heads, errors, trace_buf,
+        comm_t, comm_t.shape[0], n_lead, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
-        EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EXIT_SLOT=runtime.EXIT_SLOT, TAIL_HEAD=runtime.TAIL_HEAD, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *, policy: str = "self",
