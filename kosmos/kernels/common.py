@@ -43,12 +43,14 @@ def store_tile(c_desc, c_ptr, acc, row, col, rows_valid, N, BM: tl.constexpr, BN
 
 @triton.jit
 def store_rows(ptr, val, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.constexpr):
-    """Masked pointer store of val[BM, BN] at ptr[row + i, col + j] for i < rows_valid, col + j < N."""
+    """Masked pointer store of val[BM, BN] at ptr[row + i, col + j] for i < rows_valid, col + j < N. The
+    tile's start is one int64 scalar and the offsets inside it int32 (a tile spans far fewer than 2**31
+    elements), so no per-element 64-bit index is ever formed."""
     offs_m = tl.arange(0, BM)
-    offs_n = col + tl.arange(0, BN)
-    idx = (row + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
-    mask = (offs_m[:, None] < rows_valid) & (offs_n[None, :] < N)
-    tl.store(ptr + idx, val, mask=mask)
+    offs_n = tl.arange(0, BN)
+    base = ptr + (tl.cast(row, tl.int64) * N + col)
+    mask = (offs_m[:, None] < rows_valid) & (offs_n[None, :] < N - col)
+    tl.store(base + (offs_m[:, None] * N + offs_n[None, :]), val, mask=mask)
 
 
 @triton.jit

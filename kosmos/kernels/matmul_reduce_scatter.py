@@ -77,19 +77,19 @@ def _reduce_tile(t, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, 
         slot = FLAG_BASE + s * tiles_per_owner + tile
         dev.wait_geq(sig_ptr + slot, epoch, timeout_ns, err_ptr, 2, rank, t, slot)
     rows_valid = Ms - mt * BM
-    offs_n = nt * BN + tl.arange(0, BN)
+    offs_r = tl.arange(0, RED_ROWS)
+    offs_n = tl.arange(0, BN)
+    inner = offs_r[:, None] * N + offs_n[None, :]  # int32 offsets inside the tile; its start is an int64 scalar
     for r0 in range(0, BM, RED_ROWS):
-        offs_r = r0 + tl.arange(0, RED_ROWS)
-        mask = (offs_r[:, None] < rows_valid) & (offs_n[None, :] < N)
+        mask = (offs_r[:, None] < rows_valid - r0) & (offs_n[None, :] < N - nt * BN)
         acc = tl.zeros((RED_ROWS, BN), dtype=tl.float32)
         for s in tl.static_range(WORLD):  # fixed rank order: deterministic
             if PUSH:  # source s pushed its partial into slot s of this rank's staging: a local read
-                part = stage_ptr
-                src = (s * Ms + mt * BM + offs_r).to(tl.int64)[:, None] * N + offs_n[None, :]
+                part = stage_ptr + (tl.cast(s * Ms + mt * BM + r0, tl.int64) * N + nt * BN)
             else:  # pull: this rank's rows of source s's staging, over NVLink
-                part = dev.peer_ptr(peer_data, s, tl.bfloat16)
-                src = (rank * Ms + mt * BM + offs_r).to(tl.int64)[:, None] * N + offs_n[None, :]
-            acc += tl.load(part + src, mask=mask, other=0.0).to(tl.float32)
+                part = dev.peer_ptr(peer_data, s, tl.bfloat16) + (
+                    tl.cast(rank * Ms + mt * BM + r0, tl.int64) * N + nt * BN)
+            acc += tl.load(part + inner, mask=mask, other=0.0).to(tl.float32)
         store_rows(c_ptr, acc.to(tl.bfloat16), mt * BM + r0, nt * BN, rows_valid - r0, N, RED_ROWS, BN)
 
 
