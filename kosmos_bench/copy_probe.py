@@ -8,7 +8,6 @@ number of programs. Each method is a @triton.jit kernel launched on a grid of P 
 the p-th contiguous, equal share of a flat bf16 buffer, src -> dst:
 
   copy_flat-B  kosmos.kernels.common.copy_flat (what the fused kernels' comm tasks run), BLOCK per step
-  int64-B      the same loop with int64 element indices (copy_flat before session 4)
   tma-RxC-sS   the buffer viewed as a [N/C, C] matrix, device-side tensor descriptors, one [R, C] block per
                iteration (load -> store) over the program's rows, launched with num_stages=S
 
@@ -46,19 +45,6 @@ def flat_copy(src_ptr, dst_ptr, share, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def int64_copy(src_ptr, dst_ptr, share, BLOCK: tl.constexpr):
-    """copy_flat as it was up to session 4: int64 element indices (kept for the A/B)."""
-    base = tl.program_id(0).to(tl.int64) * share
-    src_ptr += base
-    dst_ptr += base
-    offs = tl.arange(0, BLOCK)
-    for start in range(0, share, BLOCK):
-        idx = tl.cast(start, tl.int64) + offs
-        mask = idx < share
-        tl.store(dst_ptr + idx, tl.load(src_ptr + idx, mask=mask), mask=mask)
-
-
-@triton.jit
 def tma_copy(src_ptr, dst_ptr, rows_total, rows_share, R: tl.constexpr, C: tl.constexpr):
     src = tl.make_tensor_descriptor(src_ptr, shape=[rows_total, C], strides=[C, 1], block_shape=[R, C])
     dst = tl.make_tensor_descriptor(dst_ptr, shape=[rows_total, C], strides=[C, 1], block_shape=[R, C])
@@ -68,11 +54,11 @@ def tma_copy(src_ptr, dst_ptr, rows_total, rows_share, R: tl.constexpr, C: tl.co
 
 
 def methods():
-    """Session 4 measured (one H200, GB/s per program at P=8): int64 indices 33 / 55 / 82 at 4096 / 8192 /
-    16384 elements per step, two 8192 blocks in flight 85, TMA [R, 256] blocks 30 / 45 / 62 at R = 32 / 64 /
-    128 (num_stages 3 slower than 1). Kept: the primitive itself, the int64 form, the best TMA block."""
+    """Session 4 measured on one H200 (GB/s per program at P=8): copy_flat 33 / 57 / 87 / 96 at 4096 / 8192 /
+    16384 / 32768 elements per step; two 8192 blocks in flight per step 85; TMA [R, 256] blocks 30 / 45 / 62
+    at R = 32 / 64 / 128 (num_stages 3 slower than 1); advancing pointers with int32 offsets the same as int64
+    indices. Kept: the primitive itself and the best TMA block."""
     out = [dict(method=f"copy_flat-{b}", block=b) for b in (4096, 8192, 16384, 32768)]
-    out += [dict(method=f"int64-{b}", block=b) for b in (4096, 16384)]
     out += [dict(method="tma-128x256-s1", R=128, C=256, stages=1)]
     return out
 
@@ -83,8 +69,7 @@ def launch(m, src, dst, P):
         rows = n // m["C"]
         tma_copy[(P,)](src, dst, rows, rows // P, R=m["R"], C=m["C"], num_warps=8, num_stages=m["stages"])
     else:
-        kernel = int64_copy if m["method"].startswith("int64") else flat_copy
-        kernel[(P,)](src, dst, n // P, BLOCK=m["block"], num_warps=8)
+        flat_copy[(P,)](src, dst, n // P, BLOCK=m["block"], num_warps=8)
 
 
 def buffer_elems(P, mib):

@@ -240,12 +240,3 @@ def test_cached_tables_builds_once():
     second = planning.cached_tables(key, build)
     assert first is second and len(calls) == 1
     planning._DEVICE_TABLES.pop(key, None)
-
-
-def test_tile_config_stages_knob(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("KOSMOS_TP_STAGES", "4")
-    assert planning.tile_config(4096, 8192, 8192).num_stages == 4
-    monkeypatch.setenv("KOSMOS_TP_STAGES", "5")
-    with pytest.raises(ValueError, match="KOSMOS_TP_STAGES"):
-        planning.tile_config(4096, 8192, 8192)

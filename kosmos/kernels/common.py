@@ -56,18 +56,15 @@ def store_rows(ptr, val, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.const
 @triton.jit
 def copy_flat(src_ptr, dst_ptr, n_elems, BLOCK: tl.constexpr):
     """dst[:n_elems] = src[:n_elems] for contiguous buffers (whole rows of a row-major matrix are one
-    contiguous run), BLOCK elements per step: fully coalesced 16-byte accesses. The two pointers advance by
-    BLOCK per step and the per-element offsets stay int32 (int64 indices cost two registers per element and
-    made BLOCK = 8192 spill inside the AllGather+GEMM kernel). One program's rate grows with the bytes in
-    flight per step (measured on one H200, read + write: 36 GB/s at 4096 bf16, 89 at 16384)."""
+    contiguous run), BLOCK elements at a time: fully coalesced 16-byte accesses. One program's rate grows
+    with the bytes in flight per step (one H200, read + write, 8 programs: 33 GB/s each at 4096 bf16, 83 at
+    16384; `kosmos_bench.copy_probe`). Advancing pointers with int32 offsets measured the same speed and
+    took more registers in the AllGather+GEMM kernel (Triton 3.6), so the indices stay int64."""
     offs = tl.arange(0, BLOCK)
-    src = src_ptr
-    dst = dst_ptr
     for start in range(0, n_elems, BLOCK):
-        mask = offs < n_elems - start
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-        src += BLOCK
-        dst += BLOCK
+        idx = tl.cast(start, tl.int64) + offs
+        mask = idx < n_elems
+        tl.store(dst_ptr + idx, tl.load(src_ptr + idx, mask=mask), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------- host side
