@@ -34,7 +34,9 @@ import triton.language as tl
 
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
-# Layout of the error buffer (int64[8]); the host decodes it in runtime.py.
+# Layout of the error buffer (int64[runtime.ERR_SLOTS]); the host decodes slots 0..7 in runtime.py. Slot 8
+# holds the address of a pinned (host-mapped) int64[8] mirror, or 0: the last program out of a launch that
+# recorded an error copies slots 0..7 there, so a healthy call costs no device-to-host copy.
 ERR_FLAG: tl.constexpr = tl.constexpr(0)
 ERR_OP: tl.constexpr = tl.constexpr(1)
 ERR_RANK: tl.constexpr = tl.constexpr(2)
@@ -43,6 +45,7 @@ ERR_COUNTER: tl.constexpr = tl.constexpr(4)
 ERR_EXPECTED: tl.constexpr = tl.constexpr(5)
 ERR_OBSERVED: tl.constexpr = tl.constexpr(6)
 ERR_ELAPSED: tl.constexpr = tl.constexpr(7)
+ERR_MIRROR: tl.constexpr = tl.constexpr(8)
 
 # Trace event kinds (kept in sync with runtime.TRACE_KINDS).
 EV_COMM: tl.constexpr = tl.constexpr(1)
@@ -169,20 +172,34 @@ def _signal_done(peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.conste
 
 
 @triton.jit
+def mirror_error(err_ptr):
+    """Called by the last program out (after its acq_rel exit atomic, so every program's record is visible):
+    copy a recorded error to the host-mapped mirror, if there is one."""
+    if tl.load(err_ptr + ERR_FLAG, volatile=True) != 0:
+        addr = tl.load(err_ptr + ERR_MIRROR, volatile=True)
+        if addr != 0:
+            offs = tl.arange(0, 8)
+            tl.store(addr.to(tl.pointer_type(tl.int64), bitcast=True) + offs,
+                     tl.load(err_ptr + offs, volatile=True))
+
+
+@triton.jit
 def exit_program(heads_ptr, EXIT_SLOT: tl.constexpr, NUM_HEADS: tl.constexpr, GRID: tl.constexpr,
-                 peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch):
-    """Last program out resets the queue heads (so the next launch starts at 0 without a reset kernel) and
-    tells every peer that this rank is done with the call's buffers (flag DONE_BASE + rank = epoch)."""
+                 peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, err_ptr):
+    """Last program out resets the queue heads (so the next launch starts at 0 without a reset kernel),
+    mirrors a recorded error to the host and tells every peer that this rank is done with the call's
+    buffers (flag DONE_BASE + rank = epoch)."""
     n_out = tl.atomic_add(heads_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
     if n_out == GRID - 1:
         for h in tl.static_range(NUM_HEADS):
             tl.store(heads_ptr + h, 0)
+        mirror_error(err_ptr)
         _signal_done(peer_sig_table, DONE_BASE, rank, WORLD, epoch)
 
 
 @triton.jit
 def exit_program_zeroing(scratch_ptr, n_zero, EXIT_SLOT: tl.constexpr, GRID: tl.constexpr, peer_sig_table,
-                         DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, BLOCK: tl.constexpr):
+                         DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, err_ptr, BLOCK: tl.constexpr):
     """``exit_program`` for kernels whose local scratch (heads, exit counter, readiness counters) is one int32
     array: the last program out zeroes its first ``n_zero`` entries, then signals done to every peer."""
     n_out = tl.atomic_add(scratch_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
@@ -190,6 +207,7 @@ def exit_program_zeroing(scratch_ptr, n_zero, EXIT_SLOT: tl.constexpr, GRID: tl.
         offs = tl.arange(0, BLOCK)
         for start in range(0, n_zero, BLOCK):
             tl.store(scratch_ptr + start + offs, tl.zeros([BLOCK], tl.int32), mask=start + offs < n_zero)
+        mirror_error(err_ptr)
         tl.debug_barrier()
         _signal_done(peer_sig_table, DONE_BASE, rank, WORLD, epoch)
 

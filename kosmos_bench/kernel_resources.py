@@ -52,7 +52,7 @@ def tp_kernels(world: int, ms: int = 4096, k: int = 8192, n: int = 5120):
     peers = torch.zeros(world, dtype=torch.int64, device=dev)
     sig = torch.zeros(runtime.FLAG_BASE + 4096, dtype=torch.int32, device=dev)
     heads = torch.zeros(runtime.NUM_HEADS, dtype=torch.int32, device=dev)
-    errs = torch.zeros(8, dtype=torch.int64, device=dev)
+    errs = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=dev)
     grid = runtime.num_sms(dev)
     common = dict(rank=0, world=world, epoch=1, timeout_ns=10**9, grid=grid)
     a_shard, b = torch.empty(ms, k, **bf), torch.empty(k, n, **bf)

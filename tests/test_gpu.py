@@ -46,6 +46,38 @@ def no_tf32():
 
 
 # ---------------------------------------------------------------------------------------------------- W=1
+def test_w1_timeout_reaches_the_host_through_the_error_mirror():
+    """One GPU, a launch told it has a peer (world 2) that never pushes: its bounded waits time out, the last
+    program out copies the error record into the pinned host mirror, and the workspace raises a
+    KosmosTimeoutError naming the op, the rank and the awaited counter -- no hang, no device-to-host copy."""
+    import triton
+    from kosmos import planning, runtime
+    from kosmos.kernels import all_gather_matmul as ag
+    dev = torch.device("cuda", 0)
+    runtime.reset_workspaces()
+    ws = runtime.get_workspace(None, dev)
+    ms, k, n = 256, 128, 256
+    cfg = planning.tile_config(ms, n, k)
+    ws.ensure(2 * ms * k * 2, 2 * triton.cdiv(ms, cfg.BM))
+    runtime.ensure_triton_allocator()
+    gen = torch.Generator().manual_seed(5)
+    a, b = _randn((ms, k), gen, dev), _randn((k, n), gen, dev)
+    c = torch.empty(2 * ms, n, dtype=torch.bfloat16, device=dev)
+    gather = ws.data[: 2 * ms * k * 2].view(torch.bfloat16).view(2 * ms, k)
+    fake_peers = lambda t: torch.tensor([t.data_ptr()] * 2, dtype=torch.int64, device=dev)  # noqa: E731
+    ag.launch(a, b, False, c, gather, fake_peers(ws.data), fake_peers(ws.signals), ws.signals, ws.heads,
+              ws.errors, rank=0, world=2, epoch=ws.next_epoch(), timeout_ns=2_000_000,
+              grid=runtime.num_sms(dev), cfg=cfg, policy="fixed", comm_programs=0)  # compute only: never pushed
+    ws.after_launch()
+    try:
+        with pytest.raises(runtime.KosmosTimeoutError, match=r"all_gather_matmul: rank 0 timed out .* counter "
+                           rf"{runtime.FLAG_BASE + triton.cdiv(ms, cfg.BM)}"):
+            ws.check_errors()
+        assert ws.errors[:8].tolist() == ws._err_host.tolist()  # the mirror holds the device record
+    finally:
+        runtime.reset_workspaces()
+
+
 W1_SHAPES = [(ms, k, n) for ms in (1, 37, 300) for (k, n) in ((8, 8), (136, 264), (512, 1000))]
 W1_VARIANTS = [pytest.param({}, False, id="self"), pytest.param({}, True, id="self-kmajor"),
                pytest.param({"policy": "fixed", "comm_programs": 4}, False, id="fixed")]

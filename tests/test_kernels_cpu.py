@@ -44,7 +44,7 @@ class Ranks:
         self.peer_data = torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64)
         self.peer_sig = torch.tensor([s.data_ptr() for s in self.sigs], dtype=torch.int64)
         self.heads = [torch.zeros(runtime.NUM_HEADS, dtype=torch.int32) for _ in range(world)]
-        self.errors = [torch.zeros(8, dtype=torch.int64) for _ in range(world)]
+        self.errors = [torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64) for _ in range(world)]
 
     def poison(self):
         for d in self.data:
@@ -52,7 +52,7 @@ class Ranks:
 
     def check_clean(self, r):
         assert self.heads[r].tolist() == [0] * runtime.NUM_HEADS, f"rank {r}: heads not reset"
-        assert self.errors[r].tolist() == [0] * 8, f"rank {r}: {runtime.decode_error(self.errors[r].tolist())}"
+        assert self.errors[r].tolist() == [0] * runtime.ERR_SLOTS, f"rank {r}: {runtime.decode_error(self.errors[r].tolist())}"
 
     def check_done(self, epoch):
         for q in range(self.world):
@@ -279,6 +279,8 @@ SHORT_NS = 50_000  # the interpreter counts one spin as 1000 ns: ~50 spins, then
 def test_all_gather_matmul_timeout_peer_never_pushed():
     t = AG(2, 21, 40, 48, seed=29)
     t.new_epoch_inputs()
+    mirror = torch.zeros(8, dtype=torch.int64)  # the host mirror: the last program out copies the record
+    t.rk.errors[0][8] = mirror.data_ptr()
     ag_launch(t.rk, 0, t.shards[0], t.b_store[0], t.cs[0], epoch=1, cfg=t.cfg, timeout_ns=SHORT_NS,
               **COMPUTE_ONLY)  # returns: no hang
     err = t.rk.errors[0].tolist()
@@ -291,7 +293,8 @@ def test_all_gather_matmul_timeout_peer_never_pushed():
     assert err[4] == runtime.FLAG_BASE + 1 * chunks + 0  # rank 1's first chunk
     assert err[5] == 1 and err[6] == 0  # expected epoch 1, observed nothing
     assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS  # the launch still ended cleanly
-    assert t.rk.errors[1].tolist() == [0] * 8
+    assert mirror.tolist() == err[:8]
+    assert t.rk.errors[1].tolist() == [0] * runtime.ERR_SLOTS
 
 
 def test_matmul_reduce_scatter_timeout_partials_missing():

@@ -67,7 +67,7 @@ class MoERanks:
             hb=torch.empty(self.lay.max_rows * ffn, dtype=torch.bfloat16),
             plan=torch.zeros(self.lay.plan_n, dtype=torch.int32),
             scratch=torch.zeros(self.lay.scratch_n, dtype=torch.int32),
-            errors=torch.zeros(8, dtype=torch.int64)) for _ in range(world)]
+            errors=torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64)) for _ in range(world)]
         self.xs = [None] * world
         self.ys = [torch.empty(tokens, hidden, dtype=torch.bfloat16) for _ in range(world)]
 
@@ -112,7 +112,7 @@ class MoERanks:
         w2 = torch.cat([w.float() for w in self.w2])
         for r in range(self.world):
             errs = self.local[r]["errors"].tolist()
-            assert errs == [0] * 8, f"rank {r}: {runtime.decode_error(errs)}"
+            assert errs == [0] * runtime.ERR_SLOTS, f"rank {r}: {runtime.decode_error(errs)}"
             w_k, e_k = self.routing(r)
             w_ref, e_ref = moe_reference.route(self.xs[r], self.router, self.k, **self.route_kw)
             assert torch.equal(e_k, e_ref), f"rank {r}: experts differ from the reference router"

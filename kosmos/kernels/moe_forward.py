@@ -558,7 +558,7 @@ def _moe_forward_kernel(
                                      TRACE)
     if FINAL:
         dev.exit_program_zeroing(scratch_ptr, scratch_n, SC_EXIT, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch,
-                                 1024)
+                                 err_ptr, 1024)
 
 
 # -------------------------------------------------------------------------------------------------- host
@@ -808,7 +808,7 @@ def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
         hb=ws.local("moe.gemms_hb", max(1, r_) * f, torch.bfloat16),
         plan=ws.local("moe.gemms_plan", lay.plan_n, torch.int32),
         scratch=ws.local("moe.gemms_scratch", lay.scratch_n, torch.int32),
-        errors=ws.local("moe.gemms_errors", 8, torch.int64))
+        errors=ws.local("moe.gemms_errors", runtime.ERR_SLOTS, torch.int64))
     y = torch.empty((r_, h), dtype=torch.bfloat16, device=x_sorted.device)
     if r_ == 0:
         return y
