@@ -40,8 +40,6 @@ class TileConfig:
     BK: int
     num_warps: int
     num_stages: int
-    warp_spec: bool = False  # developer knob KOSMOS_TP_WS=1: warp-specialised K loop (tl.range)
-    epi_split: int = 2       # developer knob KOSMOS_TP_EPI_SPLIT=1: one full-width TMA store per tile
 
 
 def interpreting() -> bool:
@@ -60,11 +58,7 @@ def tile_config(rows: int, n: int, k: int) -> TileConfig:
         return TileConfig(16, _pow2_at_least(n, 16, 32), 16, 4, 1)
     bm = 128 if rows > 64 else 64
     bn = _pow2_at_least(n, 64, 256)
-    ws = os.environ.get("KOSMOS_TP_WS", "0") == "1"
-    split = int(os.environ.get("KOSMOS_TP_EPI_SPLIT", "2"))
-    if split not in (1, 2):
-        raise ValueError(f"KOSMOS_TP_EPI_SPLIT={split} must be 1 or 2")
-    return TileConfig(bm, bn, 64, 8, 3, ws, split)
+    return TileConfig(bm, bn, 64, 8, 3)
 
 
 def _grouped(m_tiles: int, n_tiles: int):

@@ -57,7 +57,6 @@ def _all_gather_matmul_kernel(
         Ms, N, K, rank, epoch, timeout_us, fixed_comm, comm_stride,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
-        WARP_SPEC: tl.constexpr, EPI_SPLIT: tl.constexpr,
         COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr,
         TAIL_HEAD: tl.constexpr):
     pid = tl.program_id(0)
@@ -69,7 +68,7 @@ def _all_gather_matmul_kernel(
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN // EPI_SPLIT])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN // 2])
     n_chunks = tl.cdiv(Ms, BM)
 
     # phases: 0 = comm tasks [0, n_lead) (the pushes: their consumers wait), 1 = compute tiles, 2 = the rest
@@ -104,8 +103,8 @@ def _all_gather_matmul_kernel(
                 # one descriptor per tile over the slot's rows: a single GEMM loop for both sources (two
                 # loops would each reserve their own pipeline buffers), and rows past the slot read as 0.
                 a_desc = tl.make_tensor_descriptor(a_base, shape=[Ms, K], strides=[K, 1], block_shape=[BM, BK])
-                acc = tile_matmul(a_desc, b_desc, mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32, WARP_SPEC)
-                store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN, EPI_SPLIT)
+                acc = tile_matmul(a_desc, b_desc, mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+                store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
             elif POLICY == 0:
                 phase = tl.where(n_lead < n_comm, 2, 3)
@@ -171,8 +170,7 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         comm_t, comm_t.shape[0], n_lead, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
-        TRACE=trace is not None, DOT_FP32=planning.interpreting(), WARP_SPEC=cfg.warp_spec,
-        EPI_SPLIT=cfg.epi_split, COPY_BLOCK=copy_block,
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, TAIL_HEAD=runtime.TAIL_HEAD, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

@@ -11,11 +11,11 @@ TRACE_EVENTS = 1024  # per program
 
 @triton.jit
 def tile_matmul(a_desc, b_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr, WARP_SPEC: tl.constexpr = False):
+                B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
     """acc[BM, BN] = A[row:row+BM, :K] @ B[:K, col:col+BN] in fp32 (TMA loads; OOB rows/cols read as 0).
     B_KMAJOR: B is stored [N, K] (a transposed weight view) instead of [K, N]."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kk in tl.range(0, tl.cdiv(K, BK), warp_specialize=WARP_SPEC):
+    for kk in range(0, tl.cdiv(K, BK)):
         a = a_desc.load([row, kk * BK])
         if B_KMAJOR:
             b = b_desc.load([col, kk * BK]).T
@@ -29,19 +29,14 @@ def tile_matmul(a_desc, b_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr,
 
 
 @triton.jit
-def store_tile(c_desc, c_ptr, acc, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.constexpr,
-               SPLIT: tl.constexpr = 2):
-    """Store acc (fp32) as bf16 at C[row:row+rows_valid, col:col+BN]: TMA (SPLIT = 2: two half-width stores,
-    c_desc blocks of [BM, BN/2]; SPLIT = 1: one store) for a full tile, masked pointer stores when the tile
-    ends inside the rows (a shard boundary)."""
+def store_tile(c_desc, c_ptr, acc, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Store acc (fp32) as bf16 at C[row:row+rows_valid, col:col+BN]: TMA (two half-width stores) for a full
+    tile, masked pointer stores when the tile ends inside the rows (a shard boundary)."""
     if rows_valid >= BM:
-        if SPLIT == 2:
-            acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
-            lo, hi = tl.split(acc3)
-            c_desc.store([row, col], lo.to(tl.bfloat16))
-            c_desc.store([row, col + BN // 2], hi.to(tl.bfloat16))
-        else:
-            c_desc.store([row, col], acc.to(tl.bfloat16))
+        acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+        lo, hi = tl.split(acc3)
+        c_desc.store([row, col], lo.to(tl.bfloat16))
+        c_desc.store([row, col + BN // 2], hi.to(tl.bfloat16))
     else:
         store_rows(c_ptr, acc.to(tl.bfloat16), row, col, rows_valid, N, BM, BN)
 

@@ -102,7 +102,6 @@ def _matmul_reduce_scatter_kernel(
         Ms, N, K, rank, epoch, timeout_us, fixed_comm,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
-        WARP_SPEC: tl.constexpr, EPI_SPLIT: tl.constexpr,
         RED_ROWS: tl.constexpr, PUSH: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
     pid = tl.program_id(0)
@@ -115,7 +114,7 @@ def _matmul_reduce_scatter_kernel(
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[Ms, N], strides=[N, 1], block_shape=[BM, BN // EPI_SPLIT])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[Ms, N], strides=[N, 1], block_shape=[BM, BN // 2])
     n_tn = tl.cdiv(N, BN)
     tiles_per_owner = tl.cdiv(Ms, BM) * n_tn
 
@@ -163,9 +162,9 @@ def _matmul_reduce_scatter_kernel(
                     nt = tl.load(comp_table + t * 4 + 2)
                     t0 = dev.now_ns()
                     acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
-                                      DOT_FP32, WARP_SPEC)
+                                      DOT_FP32)
                     if WORLD == 1:
-                        store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN, EPI_SPLIT)
+                        store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                     else:
                         if handshake == 0:  # peers may still be pulling last call's partials from staging
                             peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
@@ -215,8 +214,7 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
-        TRACE=trace is not None, DOT_FP32=planning.interpreting(), WARP_SPEC=cfg.warp_spec,
-        EPI_SPLIT=cfg.epi_split, RED_ROWS=_red_rows(cfg), PUSH=rs_push(),
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg), PUSH=rs_push(),
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
