@@ -294,6 +294,23 @@ def _write_trace(g: TPGemm, st: TPSettings):
             json.dump(doc, f)
 
 
+def source_sha(root: str) -> str:
+    """sha1 over the paths and bytes of every .py file under kosmos/ and kosmos_bench/: names the code that
+    ran even where git cannot (a copied tree, uncommitted edits). `python -m kosmos_bench.tp --source-sha`
+    prints it for the tree it is run from, e.g. a `git worktree` of a commit."""
+    import hashlib
+    h = hashlib.sha1()
+    for pkg in ("kosmos", "kosmos_bench"):
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, pkg))):
+            dirnames.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(f.read() + b"\0")
+    return h.hexdigest()
+
+
 def environment(argv=None, suite=None, bench="tp") -> dict:
     """The env record written first in every results file."""
     import datetime
@@ -313,6 +330,17 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
                 sha = None
         return sha if sha and len(sha) == 40 and all(c in "0123456789abcdef" for c in sha) else None
 
+    def git_dirty():
+        """True when kosmos/ or kosmos_bench/ differ from the commit (or the .git beside them is stale, as on a
+        machine that received a copy of a working tree); None without git."""
+        try:
+            out = subprocess.run(["git", "status", "--porcelain", "--", "kosmos", "kosmos_bench"],
+                                 capture_output=True, text=True, timeout=5, cwd=root)
+            return bool(out.stdout.strip()) if out.returncode == 0 else None
+        except Exception:
+            return None
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     driver = None
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -326,8 +354,16 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
         "gpu_count": world_info()[1], "sm_count": torch.cuda.get_device_properties(0).multi_processor_count
         if torch.cuda.is_available() else None, "driver": driver, "cuda": torch.version.cuda,
         "torch": torch.__version__, "triton": triton.__version__, "kosmos": kosmos.__version__,
-        "git_commit": git_commit(), "hostname": platform.node(), "argv": list(argv or []), "suite": suite,
+        "git_commit": git_commit(), "git_dirty": git_dirty(), "source_sha": source_sha(root), "hostname": platform.node(), "argv": list(argv or []), "suite": suite,
         "bench": bench,
         # developer knobs (NOTES.md) in effect, so that a run under an override says so
         "knobs": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KOSMOS_") and k != "KOSMOS_GIT_COMMIT"},
     }
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] == ["--source-sha"]:
+        print(source_sha(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    else:
+        sys.exit("usage: python -m kosmos_bench.tp --source-sha")

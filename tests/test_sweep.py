@@ -34,3 +34,18 @@ def test_other_ranks_write_nothing(tmp_path):
               run_one=lambda c, write: write({"case": c}), failed_rows=lambda c, w: [], recover=lambda: None,
               key=lambda r: r["case"])
     assert not out.exists()
+
+
+def test_source_sha_names_the_code(tmp_path):
+    """The env record's source_sha: the same for the same files, different after any edit of a .py file."""
+    from kosmos_bench.tp import source_sha
+    for pkg in ("kosmos", "kosmos_bench"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "a.py").write_text("x = 1\n")
+    (tmp_path / "kosmos" / "notes.txt").write_text("ignored")
+    first = source_sha(str(tmp_path))
+    assert first == source_sha(str(tmp_path)) and len(first) == 40
+    (tmp_path / "kosmos" / "notes.txt").write_text("still ignored")
+    assert source_sha(str(tmp_path)) == first
+    (tmp_path / "kosmos_bench" / "a.py").write_text("x = 2\n")
+    assert source_sha(str(tmp_path)) != first
