@@ -1,0 +1,67 @@
+"""Fixed cost per call, one GPU (a developer's device script):
+
+    PYTHONPATH=. python -m kosmos_bench.fixed_cost
+
+Times, with the bench's own timing (kosmos_bench.timing.time_op), an empty 132-program Triton launch, one
+device-side descriptor per program, and torch.matmul / kosmos's two TP ops at W=1 on a one-tile shape and on
+a 4096x2048x4096 GEMM; then lists the GPU work one kosmos call enqueues (torch profiler). The gap between a
+one-tile kosmos call and the empty launch is what every call pays besides its tiles. Session 4 found a
+device-to-host copy of the error record after every launch this way (~5 us per call; removed).
+"""
+import torch
+import triton
+import triton.language as tl
+
+import kosmos
+from kosmos import runtime
+from kosmos_bench import timing
+
+
+@triton.jit
+def _empty(x_ptr):
+    pass
+
+
+@triton.jit
+def _one_desc(x_ptr, N: tl.constexpr):
+    d = tl.make_tensor_descriptor(x_ptr, shape=[N, N], strides=[N, 1], block_shape=[64, 64])
+    if tl.program_id(0) == 100000:  # never true: the descriptor is built, nothing is stored
+        d.store([0, 0], tl.zeros([64, 64], tl.bfloat16))
+
+
+def main():
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runtime.ensure_triton_allocator()
+    x = torch.zeros(4096, device="cuda", dtype=torch.bfloat16)
+    xb = torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16)
+    rows = []
+
+    def timed(name, fn):
+        r = timing.time_op(fn, iters=50, warmup=10)
+        rows.append((name, r["time_ms"] * 1e3, r["host_ms"] * 1e3))
+
+    timed("empty triton kernel, 132 programs", lambda: _empty[(132,)](x))
+    timed("one device descriptor per program, 132", lambda: _one_desc[(132,)](xb, N=256))
+    for (m, k, n) in [(128, 64, 256), (4096, 2048, 4096)]:
+        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+        timed(f"torch.matmul {m}x{k}x{n}", lambda: a @ b)
+        timed(f"kosmos.all_gather_matmul {m}x{k}x{n}", lambda: kosmos.all_gather_matmul(a, b)[1])
+        timed(f"kosmos.matmul_reduce_scatter {m}x{k}x{n}", lambda: kosmos.matmul_reduce_scatter(a, b))
+    from torch.profiler import ProfilerActivity, profile
+    kosmos.matmul_reduce_scatter(a, b)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            kosmos.matmul_reduce_scatter(a, b)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+    print(f"{'what':<50} {'gpu us':>8} {'host us':>8}")
+    for name, g, h in rows:
+        print(f"{name:<50} {g:8.1f} {h:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
