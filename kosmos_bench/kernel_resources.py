@@ -11,7 +11,6 @@ them here before timing a change.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -77,23 +76,15 @@ def main(argv=None):
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the kernels are compiled for the GPU that is there)")
     print(f"{'variant':<40} {'kernel':<24} {'regs':>5} {'spills':>7} {'shared KiB':>11}")
+    from .launcher import knobs
     for variant in args.variant or [""]:
-        env = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
-        old = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
         try:
-            for name, r in tp_kernels(args.world):
-                print(f"{variant or '(defaults)':<40} {name:<24} {r['regs']:>5} {r['spills']:>7} "
-                      f"{r['shared_kib']:>11}", flush=True)
+            with knobs(variant):
+                for name, r in tp_kernels(args.world):
+                    print(f"{variant or '(defaults)':<40} {name:<24} {r['regs']:>5} {r['spills']:>7} "
+                          f"{r['shared_kib']:>11}", flush=True)
         except Exception as e:  # a variant that does not compile is reported, the others still run
             print(f"{variant or '(defaults)':<40} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        finally:
-            for key, v in old.items():
-                if v is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = v
-
 
 if __name__ == "__main__":
     main()

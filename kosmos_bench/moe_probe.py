@@ -23,18 +23,10 @@ import torch.distributed as dist
 
 
 def _rank_main(rank, world, args):
+    from .launcher import knobs
     for i, variant in enumerate(args.variants or [""]):
-        env = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # the kernel's developer knobs are read at each call (planning.moe_config)
-        try:
+        with knobs(variant):  # the kernel's developer knobs are read at each call (planning.moe_config)
             _probe(rank, world, args, variant, i)
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _probe(rank, world, args, variant: str, index: int):

@@ -49,3 +49,16 @@ def test_source_sha_names_the_code(tmp_path):
     assert source_sha(str(tmp_path)) == first
     (tmp_path / "kosmos_bench" / "a.py").write_text("x = 2\n")
     assert source_sha(str(tmp_path)) != first
+
+
+def test_knobs_sets_and_restores_the_environment(monkeypatch):
+    import os
+    from kosmos_bench.launcher import knobs
+    monkeypatch.setenv("KOSMOS_AG_COPY_BLOCK", "4096")
+    monkeypatch.delenv("KOSMOS_RS_PUSH", raising=False)
+    with knobs("KOSMOS_AG_COPY_BLOCK=8192,KOSMOS_RS_PUSH=1") as env:
+        assert env == {"KOSMOS_AG_COPY_BLOCK": "8192", "KOSMOS_RS_PUSH": "1"}
+        assert os.environ["KOSMOS_AG_COPY_BLOCK"] == "8192" and os.environ["KOSMOS_RS_PUSH"] == "1"
+    assert os.environ["KOSMOS_AG_COPY_BLOCK"] == "4096" and "KOSMOS_RS_PUSH" not in os.environ
+    with knobs(""):
+        assert os.environ["KOSMOS_AG_COPY_BLOCK"] == "4096"
