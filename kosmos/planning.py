@@ -81,8 +81,8 @@ def _table(rows, device) -> torch.Tensor:
 
 def ag_comm_config() -> tuple[int, int]:
     """(chunks per comm task, elements per copy step) of AllGather+GEMM. Defaults 1 and 16384: one program
-    copies 2.6x faster with 16384 bf16 in flight per step than with 4096 (one H200, `copy_probe`), and the
-    kernel stays spill-free (Triton 3.6, sm_90: 184 registers; `kernel_resources`). KOSMOS_AG_PUSH_CHUNKS and
+    copies 2.5x faster with 16384 bf16 in flight per step than with 4096 (one H200, `copy_probe`), and the
+    kernel stays spill-free (Triton 3.6, sm_90: 181 registers; `kernel_resources`). KOSMOS_AG_PUSH_CHUNKS and
     KOSMOS_AG_COPY_BLOCK are developer knobs for A/B runs (NOTES.md): fewer, larger comm tasks with more
     bytes in flight per program would take the same NVLink bandwidth from fewer SMs."""
     per_task = int(os.environ.get("KOSMOS_AG_PUSH_CHUNKS", "1"))

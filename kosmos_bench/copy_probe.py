@@ -54,10 +54,11 @@ def tma_copy(src_ptr, dst_ptr, rows_total, rows_share, R: tl.constexpr, C: tl.co
 
 
 def methods():
-    """Session 4 measured on one H200 (GB/s per program at P=8): copy_flat 33 / 57 / 87 / 96 at 4096 / 8192 /
-    16384 / 32768 elements per step; two 8192 blocks in flight per step 85; TMA [R, 256] blocks 30 / 45 / 62
-    at R = 32 / 64 / 128 (num_stages 3 slower than 1); advancing pointers with int32 offsets the same as int64
-    indices. Kept: the primitive itself and the best TMA block."""
+    """Session 4 measured on one H200 (GB/s per program at P=8): copy_flat (int64 indices, as now) 33 / 55 /
+    82 at 4096 / 8192 / 16384 elements per step; with advancing pointers and int32 offsets 33 / 57 / 87 / 96
+    at 4096 ... 32768 (not kept: more registers in the fused kernel); two 8192 blocks in flight per step 85;
+    TMA [R, 256] blocks 30 / 45 / 62 at R = 32 / 64 / 128 (num_stages 3 slower than 1). Kept: the primitive
+    itself and the best TMA block."""
     out = [dict(method=f"copy_flat-{b}", block=b) for b in (4096, 8192, 16384, 32768)]
     out += [dict(method="tma-128x256-s1", R=128, C=256, stages=1)]
     return out

@@ -294,7 +294,10 @@ def _write_trace(g: TPGemm, st: TPSettings):
             json.dump(doc, f)
 
 
-def source_sha(root: str) -> str:
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds kosmos/ and kosmos_bench/
+
+
+def source_sha(root: str = SOURCE_ROOT) -> str:
     """sha1 over the paths and bytes of every .py file under kosmos/ and kosmos_bench/: names the code that
     ran even where git cannot (a copied tree, uncommitted edits). `python -m kosmos_bench.tp --source-sha`
     prints it for the tree it is run from, e.g. a `git worktree` of a commit."""
@@ -325,7 +328,7 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
         if not sha:
             try:
                 sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()
+                                     cwd=SOURCE_ROOT).stdout.strip()
             except Exception:
                 sha = None
         return sha if sha and len(sha) == 40 and all(c in "0123456789abcdef" for c in sha) else None
@@ -335,12 +338,11 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
         machine that received a copy of a working tree); None without git."""
         try:
             out = subprocess.run(["git", "status", "--porcelain", "--", "kosmos", "kosmos_bench"],
-                                 capture_output=True, text=True, timeout=5, cwd=root)
+                                 capture_output=True, text=True, timeout=5, cwd=SOURCE_ROOT)
             return bool(out.stdout.strip()) if out.returncode == 0 else None
         except Exception:
             return None
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     driver = None
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -354,7 +356,8 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
         "gpu_count": world_info()[1], "sm_count": torch.cuda.get_device_properties(0).multi_processor_count
         if torch.cuda.is_available() else None, "driver": driver, "cuda": torch.version.cuda,
         "torch": torch.__version__, "triton": triton.__version__, "kosmos": kosmos.__version__,
-        "git_commit": git_commit(), "git_dirty": git_dirty(), "source_sha": source_sha(root), "hostname": platform.node(), "argv": list(argv or []), "suite": suite,
+        "git_commit": git_commit(), "git_dirty": git_dirty(), "source_sha": source_sha(),
+        "hostname": platform.node(), "argv": list(argv or []), "suite": suite,
         "bench": bench,
         # developer knobs (NOTES.md) in effect, so that a run under an override says so
         "knobs": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KOSMOS_") and k != "KOSMOS_GIT_COMMIT"},
@@ -364,6 +367,6 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
 if __name__ == "__main__":
     import sys
     if sys.argv[1:] == ["--source-sha"]:
-        print(source_sha(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        print(source_sha())
     else:
         sys.exit("usage: python -m kosmos_bench.tp --source-sha")

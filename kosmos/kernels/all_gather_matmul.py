@@ -31,8 +31,7 @@ Policy (one loop over three phases; POLICY constexpr):
 
 Deadlock-freedom: a tile waits only on a push of a peer; pushes are claimed before any compute by every
 program (self) or by dedicated programs (fixed) and wait only on the previous call's completion; COPY tasks
-never wait. The grid is
-at most the SM count with one program per SM. Every wait is bounded (device.wait_geq).
+never wait. The grid is at most the SM count with one program per SM. Every wait is bounded (device.wait_geq).
 """
 from __future__ import annotations
 
@@ -57,8 +56,8 @@ def _all_gather_matmul_kernel(
         Ms, N, K, rank, epoch, timeout_us, fixed_comm, comm_stride,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
-        COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr,
-        TAIL_HEAD: tl.constexpr):
+        COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr,
+        EXIT_SLOT: tl.constexpr, TAIL_HEAD: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
@@ -172,7 +171,8 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
-        EXIT_SLOT=runtime.EXIT_SLOT, TAIL_HEAD=runtime.TAIL_HEAD, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EXIT_SLOT=runtime.EXIT_SLOT, TAIL_HEAD=runtime.TAIL_HEAD, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *, policy: str = "self",
