@@ -15,9 +15,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU interpreter tests: need TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)",
                 allow_module_level=True)
 
-from kosmos import planning, reference, runtime  # noqa: E402
+from kosmos import planning, runtime  # noqa: E402
 from kosmos.kernels import all_gather_matmul as ag  # noqa: E402
-from kosmos.kernels import matmul_reduce_scatter as rs  # noqa: E402
+from simranks import AG, RS, rand  # noqa: E402
 
 GRID = 3
 # A correct run never waits under the interpreter (phases are ordered); a broken one fails after ~5000 spins
@@ -26,49 +26,6 @@ TIMEOUT_NS = 5_000_000
 EPOCHS = (1, 2, 3)
 SHAPES = [pytest.param(21, 40, 48, id="ms21-k40-n48"), pytest.param(5, 16, 24, id="ms5-k16-n24")]
 WORLDS = [1, 2, 3]
-TOL = 1e-2
-NAN = float("nan")
-
-
-def _rand(*shape, gen):
-    return torch.randn(*shape, generator=gen).to(torch.bfloat16)
-
-
-class Ranks:
-    """The per-rank symmetric buffers of W simulated ranks."""
-
-    def __init__(self, world, data_rows, data_cols, n_sig=4096):
-        self.world = world
-        self.data = [torch.full((data_rows, data_cols), NAN, dtype=torch.bfloat16) for _ in range(world)]
-        self.sigs = [torch.zeros(n_sig, dtype=torch.int32) for _ in range(world)]
-        self.peer_data = torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64)
-        self.peer_sig = torch.tensor([s.data_ptr() for s in self.sigs], dtype=torch.int64)
-        self.heads = [torch.zeros(runtime.NUM_HEADS, dtype=torch.int32) for _ in range(world)]
-        self.errors = [torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64) for _ in range(world)]
-
-    def poison(self):
-        for d in self.data:
-            d.fill_(NAN)
-
-    def check_clean(self, r):
-        assert self.heads[r].tolist() == [0] * runtime.NUM_HEADS, f"rank {r}: heads not reset"
-        assert self.errors[r].tolist() == [0] * runtime.ERR_SLOTS, f"rank {r}: {runtime.decode_error(self.errors[r].tolist())}"
-
-    def check_done(self, epoch):
-        for q in range(self.world):
-            done = self.sigs[q][runtime.DONE_BASE:runtime.DONE_BASE + self.world].tolist()
-            assert done == [epoch] * self.world, f"rank {q}: done flags {done}, epoch {epoch}"
-
-
-# --------------------------------------------------------------------------------------------- launchers
-def ag_launch(rk, r, a, b, c, *, epoch, cfg, b_kmajor=False, timeout_ns=TIMEOUT_NS, **pol):
-    ag.launch(a, b, b_kmajor, c, rk.data[r], rk.peer_data, rk.peer_sig, rk.sigs[r], rk.heads[r], rk.errors[r],
-              rank=r, world=rk.world, epoch=epoch, timeout_ns=timeout_ns, grid=GRID, cfg=cfg, **pol)
-
-
-def rs_launch(rk, r, a, b, c, *, epoch, cfg, b_kmajor=False, timeout_ns=TIMEOUT_NS, **pol):
-    rs.launch(a, b, b_kmajor, c, rk.data[r], rk.peer_data, rk.peer_sig, rk.sigs[r], rk.heads[r], rk.errors[r],
-              rank=r, world=rk.world, epoch=epoch, timeout_ns=timeout_ns, grid=GRID, cfg=cfg, **pol)
 
 
 COMM_ONLY = dict(policy="fixed", comm_programs=GRID)
@@ -77,48 +34,6 @@ SELF = dict(policy="self")
 
 
 # ------------------------------------------------------------------------------------------- AllGather+GEMM
-class AG:
-    def __init__(self, world, ms, k, n, seed=0, b_kmajor=False):
-        self.world, self.ms, self.k, self.n = world, ms, k, n
-        self.gen = torch.Generator().manual_seed(seed)
-        self.cfg = planning.tile_config(ms, n, k)
-        self.rk = Ranks(world, world * ms, k)
-        self.shards = [torch.empty(ms, k, dtype=torch.bfloat16) for _ in range(world)]
-        self.b_kmajor = b_kmajor
-        # each rank multiplies by its own column shard of the weight
-        self.bs = [_rand(k, n, gen=self.gen) for _ in range(world)]
-        self.b_store = [b.t().contiguous() if b_kmajor else b for b in self.bs]  # [N, K] weight for kmajor
-        self.cs = [torch.empty(world * ms, n, dtype=torch.bfloat16) for _ in range(world)]
-
-    def new_epoch_inputs(self):
-        """Fresh data in the same buffers; outputs and the gathered buffers poisoned."""
-        for s in self.shards:
-            s.copy_(_rand(self.ms, self.k, gen=self.gen))
-        for c in self.cs:
-            c.fill_(NAN)
-        self.rk.poison()
-
-    def launch(self, r, epoch, **pol):
-        ag_launch(self.rk, r, self.shards[r], self.b_store[r], self.cs[r], epoch=epoch, cfg=self.cfg,
-                  b_kmajor=self.b_kmajor, **pol)
-
-    def check_outputs(self, ranks=None):
-        full = torch.cat(self.shards)
-        for r in (range(self.world) if ranks is None else ranks):
-            a_full, ref = reference.all_gather_matmul_ref_local(self.shards, self.bs[r])
-            err = reference.rel_err(self.cs[r], ref)
-            assert err < TOL, f"rank {r}: rel err {err}"
-            if self.world > 1:  # at W=1 the gathered buffer is unused (the op returns a_shard)
-                assert torch.equal(self.rk.data[r], full), f"rank {r}: gathered rows differ"
-
-    def check_flags(self, epoch):
-        chunks = -(-self.ms // self.cfg.BM)
-        for q in range(self.world):
-            for s in range(self.world):
-                got = self.rk.sigs[q][runtime.FLAG_BASE + s * chunks:runtime.FLAG_BASE + (s + 1) * chunks].tolist()
-                assert got == [0 if s == q else epoch] * chunks, (q, s, got)
-
-
 def run_schedule(t, schedule, flags=True):
     """Run every epoch of EPOCHS with ``schedule`` = [(rank, policy kwargs), ...] in order, then check that
     every launch left its queue heads at zero, the done flags, the data flags and the outputs."""
@@ -157,10 +72,10 @@ def test_all_gather_matmul_self_policy_copies_after_compute():
     from kosmos.kernels.common import TRACE_EVENTS
     t = AG(2, 75, 40, 48, seed=23)
     t.new_epoch_inputs()
-    ag_launch(t.rk, 1, t.shards[1], t.b_store[1], t.cs[1], epoch=1, cfg=t.cfg, **COMM_ONLY)
+    t.launch(1, 1, **COMM_ONLY)
     trace = torch.zeros(GRID, TRACE_EVENTS, 4, dtype=torch.int64)
-    ag_launch(t.rk, 0, t.shards[0], t.b_store[0], t.cs[0], epoch=1, cfg=t.cfg, trace=trace, policy="self")
-    ag_launch(t.rk, 1, t.shards[1], t.b_store[1], t.cs[1], epoch=1, cfg=t.cfg, **COMPUTE_ONLY)
+    t.launch(0, 1, trace=trace, policy="self")
+    t.launch(1, 1, **COMPUTE_ONLY)
     t.check_outputs()
     n_push = planning.ag_push_tasks(2, 75, t.cfg.BM, 1)
     chunks = -(-75 // t.cfg.BM)
@@ -187,57 +102,6 @@ def test_all_gather_matmul_b_kmajor():
 
 
 # --------------------------------------------------------------------------------------- GEMM+ReduceScatter
-class RS:
-    def __init__(self, world, ms, k, n, seed=0, b_kmajor=False):
-        self.world, self.ms, self.k, self.n = world, ms, k, n
-        self.m = world * ms
-        self.gen = torch.Generator().manual_seed(seed)
-        self.cfg = planning.tile_config(ms, n, k)
-        self.rk = Ranks(world, self.m, n)
-        self.As = [torch.empty(self.m, k, dtype=torch.bfloat16) for _ in range(world)]
-        self.Bs = [torch.empty(k, n, dtype=torch.bfloat16) for _ in range(world)]
-        self.b_kmajor = b_kmajor
-        self.b_store = [torch.empty(n, k, dtype=torch.bfloat16) for _ in range(world)] if b_kmajor else self.Bs
-        self.cs = [torch.empty(ms, n, dtype=torch.bfloat16) for _ in range(world)]
-
-    def new_epoch_inputs(self):
-        for r in range(self.world):
-            self.As[r].copy_(_rand(self.m, self.k, gen=self.gen))
-            self.Bs[r].copy_(_rand(self.k, self.n, gen=self.gen))
-            if self.b_kmajor:
-                self.b_store[r].copy_(self.Bs[r].t())
-            self.cs[r].fill_(NAN)
-        self.rk.poison()
-
-    def launch(self, r, epoch, **pol):
-        rs_launch(self.rk, r, self.As[r], self.b_store[r], self.cs[r], epoch=epoch, cfg=self.cfg,
-                  b_kmajor=self.b_kmajor, **pol)
-
-    def check_outputs(self):
-        refs = reference.matmul_reduce_scatter_ref_local(self.As, self.Bs)
-        for r in range(self.world):
-            err = reference.rel_err(self.cs[r], refs[r])
-            assert err < TOL, f"rank {r}: rel err {err}"
-        if self.world > 1 and rs.rs_push():  # slot s of rank q's staging: source s's partial of q's rows
-            for q in range(self.world):
-                for s in range(self.world):
-                    part = (self.As[s].float() @ self.Bs[s].float())[q * self.ms:(q + 1) * self.ms]
-                    got = self.rk.data[q][s * self.ms:(s + 1) * self.ms]
-                    assert reference.rel_err(got, part) < TOL, (q, s)
-        elif self.world > 1:  # each rank's staging holds its own bf16 partial products
-            for r in range(self.world):
-                part = (self.As[r].float() @ self.Bs[r].float())
-                assert reference.rel_err(self.rk.data[r], part) < TOL
-
-    def check_flags(self, epoch):
-        if self.world == 1:
-            return
-        tiles = -(-self.ms // self.cfg.BM) * -(-self.n // self.cfg.BN)
-        for q in range(self.world):
-            got = self.rk.sigs[q][runtime.FLAG_BASE:runtime.FLAG_BASE + self.world * tiles].tolist()
-            assert got == [epoch] * (self.world * tiles), (q, got)
-
-
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("ms,k,n", SHAPES)
 def test_matmul_reduce_scatter_epochs(world, ms, k, n):
@@ -281,8 +145,7 @@ def test_all_gather_matmul_timeout_peer_never_pushed():
     t.new_epoch_inputs()
     mirror = torch.zeros(8, dtype=torch.int64)  # the host mirror: the last program out copies the record
     t.rk.errors[0][8] = mirror.data_ptr()
-    ag_launch(t.rk, 0, t.shards[0], t.b_store[0], t.cs[0], epoch=1, cfg=t.cfg, timeout_ns=SHORT_NS,
-              **COMPUTE_ONLY)  # returns: no hang
+    t.launch(0, 1, timeout_ns=SHORT_NS, **COMPUTE_ONLY)  # returns: no hang
     err = t.rk.errors[0].tolist()
     assert err[0] != 0
     msg = runtime.decode_error(err)
@@ -300,7 +163,7 @@ def test_all_gather_matmul_timeout_peer_never_pushed():
 def test_matmul_reduce_scatter_timeout_partials_missing():
     t = RS(2, 5, 16, 24, seed=31)
     t.new_epoch_inputs()
-    rs_launch(t.rk, 0, t.As[0], t.b_store[0], t.cs[0], epoch=1, cfg=t.cfg, timeout_ns=SHORT_NS, **COMM_ONLY)
+    t.launch(0, 1, timeout_ns=SHORT_NS, **COMM_ONLY)
     err = t.rk.errors[0].tolist()
     assert err[0] != 0
     msg = runtime.decode_error(err)
@@ -316,7 +179,7 @@ def test_handshake_timeout_when_peer_did_not_finish_previous_call():
     t.new_epoch_inputs()
     t.launch(0, 1, **COMM_ONLY)  # rank 0 pushes call 1's rows; rank 1 never runs call 1
     t.rk.check_clean(0)
-    ag_launch(t.rk, 0, t.shards[0], t.b_store[0], t.cs[0], epoch=2, cfg=t.cfg, timeout_ns=SHORT_NS, **COMM_ONLY)
+    t.launch(0, 2, timeout_ns=SHORT_NS, **COMM_ONLY)
     err = t.rk.errors[0].tolist()
     assert err[0] != 0 and err[3] == -1
     assert err[4] == runtime.DONE_BASE + 1 and err[5] == 1 and err[6] == 0
@@ -330,8 +193,8 @@ def test_handshake_timeout_does_not_overwrite_peer_rows():
     t.new_epoch_inputs()
     t.launch(0, 1, **COMM_ONLY)  # rank 1 never finishes call 1
     before = t.rk.data[1].clone()
-    t.shards[0].copy_(_rand(21, 40, gen=t.gen))  # call 2's rows differ from call 1's
-    ag_launch(t.rk, 0, t.shards[0], t.b_store[0], t.cs[0], epoch=2, cfg=t.cfg, timeout_ns=SHORT_NS, **COMM_ONLY)
+    t.shards[0].copy_(rand(21, 40, gen=t.gen))  # call 2's rows differ from call 1's
+    t.launch(0, 2, timeout_ns=SHORT_NS, **COMM_ONLY)
     assert t.rk.errors[0][0] != 0
     # bit patterns: the buffer holds NaN poison, and NaN != NaN
     assert torch.equal(t.rk.data[1].view(torch.int16), before.view(torch.int16)), \

@@ -18,8 +18,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU interpreter tests: need TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)",
                 allow_module_level=True)
 
-from kosmos import moe_reference, planning, runtime  # noqa: E402
+from kosmos import moe_reference, planning  # noqa: E402
 from kosmos.kernels import moe_forward as mf  # noqa: E402
+from simranks import MoERanks, rand as _rand  # noqa: E402
 
 GRID = 3
 TIMEOUT_NS = 5_000_000
@@ -27,106 +28,6 @@ TIMEOUT_NS = 5_000_000
 # fp_downcast_rounding="rtne"); h, o and y are each truncated once, ~1% in all at these tiny sizes. A row
 # routed to the wrong expert or slot gives errors of order 1; the GPU tests hold 1e-2.
 TOL = 2e-2
-ROUTE_ONLY = 1 << mf.ROUTE
-MIDDLE = (1 << mf.PERMUTE) | (1 << mf.GEMM1) | (1 << mf.GEMM2)
-FOLD_ONLY = 1 << mf.FOLD
-
-
-def _rand(*shape, gen, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
-
-
-class MoERanks:
-    def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, route_kw=None, skew=False):
-        self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
-        self.el = experts // world
-        self.route_kw = dict(route_kw or {})
-        self.cfg = planning.moe_config()
-        self.lay = mf.Layout(world, tokens, hidden, ffn, top_k, self.el, self.cfg)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.skew = skew
-        self.router = _rand(experts, hidden, gen=self.gen, scale=0.5)
-        if skew:  # feature 0 of every token is 1: experts 0..k-1 win every token
-            self.router[:, 0] = -8.0
-            for j in range(top_k):
-                self.router[j, 0] = 8.0 - j
-        self.w13 = [_rand(self.el, hidden, 2 * ffn, gen=self.gen, scale=hidden ** -0.5) for _ in range(world)]
-        self.w2 = [_rand(self.el, ffn, hidden, gen=self.gen, scale=ffn ** -0.5) for _ in range(world)]
-        bias = self.route_kw.get("bias")
-        self.bias32 = bias.float().contiguous() if bias is not None else None
-        self.data = [torch.empty(self.lay.data_bytes, dtype=torch.uint8) for _ in range(world)]
-        self.sig = [torch.zeros(4096, dtype=torch.int32) for _ in range(world)]
-        self.ctr = [torch.zeros(max(64, self.lay.fold_blocks), dtype=torch.int32) for _ in range(world)]
-        tbl = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
-        self.peer_data, self.peer_sig, self.peer_ctr = tbl(self.data), tbl(self.sig), tbl(self.ctr)
-        self.local = [dict(
-            topk_w=torch.zeros(tokens * top_k, dtype=torch.float32),
-            topk_e=torch.zeros(tokens * top_k, dtype=torch.int32),
-            xe=torch.empty(self.lay.max_rows * hidden, dtype=torch.bfloat16),
-            xe_meta=torch.zeros(self.lay.max_rows * 3, dtype=torch.int32),
-            hb=torch.empty(self.lay.max_rows * ffn, dtype=torch.bfloat16),
-            plan=torch.zeros(self.lay.plan_n, dtype=torch.int32),
-            scratch=torch.zeros(self.lay.scratch_n, dtype=torch.int32),
-            errors=torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64)) for _ in range(world)]
-        self.xs = [None] * world
-        self.ys = [torch.empty(tokens, hidden, dtype=torch.bfloat16) for _ in range(world)]
-
-    def new_inputs(self):
-        for r in range(self.world):
-            x = _rand(self.t, self.h, gen=self.gen)
-            if self.skew:
-                x[:, 0] = 1.0
-            self.xs[r] = x
-            self.ys[r].fill_(float("nan"))
-            self.data[r].fill_(0xFF)  # bf16 NaN / int32 -1 everywhere
-            self.local[r]["xe"].fill_(float("nan"))
-            self.local[r]["hb"].fill_(float("nan"))
-
-    def bufs(self, r):
-        b = dict(self.local[r])
-        b.update(data=self.data[r], sig=self.sig[r], ctr=self.ctr[r], peer_data=self.peer_data,
-                 peer_sig=self.peer_sig, peer_ctr=self.peer_ctr, layout=self.lay)
-        return b
-
-    def launch(self, r, epoch, stages=mf.ALL_STAGES, **pol):
-        kw = {k: v for k, v in self.route_kw.items() if k != "bias"}
-        mf.launch(self.xs[r], self.router, self.bias32, self.w13[r], self.w2[r], self.ys[r], self.bufs(r), rank=r,
-                  world=self.world, epoch=epoch, timeout_ns=TIMEOUT_NS, grid=GRID, cfg=self.cfg, top_k=self.k,
-                  stages=stages, **kw, **pol)
-
-    def call(self, epoch, **pol):
-        if self.world == 1:
-            self.launch(0, epoch, **pol)
-            return
-        for stages in (ROUTE_ONLY, MIDDLE, FOLD_ONLY):
-            for r in range(self.world):
-                self.launch(r, epoch, stages, **pol)
-
-    def routing(self, r):
-        w = self.local[r]["topk_w"].view(self.t, self.k)
-        e = self.local[r]["topk_e"].view(self.t, self.k).long()
-        return w, e
-
-    def check(self, epoch):
-        w13 = torch.cat([w.float() for w in self.w13])
-        w2 = torch.cat([w.float() for w in self.w2])
-        for r in range(self.world):
-            errs = self.local[r]["errors"].tolist()
-            assert errs == [0] * runtime.ERR_SLOTS, f"rank {r}: {runtime.decode_error(errs)}"
-            w_k, e_k = self.routing(r)
-            w_ref, e_ref = moe_reference.route(self.xs[r], self.router, self.k, **self.route_kw)
-            assert torch.equal(e_k, e_ref), f"rank {r}: experts differ from the reference router"
-            assert torch.allclose(w_k, w_ref, rtol=1e-4, atol=1e-6), f"rank {r}: weights differ"
-            y_ref = moe_reference.apply_routing_ref(self.xs[r], w_k, e_k, w13, w2)
-            assert not torch.isnan(self.ys[r]).any(), f"rank {r}: output rows left unwritten"
-            err = ((self.ys[r].float() - y_ref).norm() / y_ref.norm()).item()
-            assert err < TOL, f"rank {r}: rel err {err}"
-            assert self.local[r]["scratch"].abs().sum().item() == 0, f"rank {r}: scratch not reset"
-            assert self.ctr[r].abs().sum().item() == 0, f"rank {r}: fold counters not reset"
-            done = self.sig[r][runtime.DONE_BASE:runtime.DONE_BASE + self.world].tolist()
-            assert done == [epoch] * self.world, f"rank {r}: done flags {done}"
-
-
 SOFTMAX = dict(routing="softmax", renormalize=True)
 
 

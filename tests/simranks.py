@@ -1,0 +1,298 @@
+"""W simulated ranks in one process (imported by test modules; not a test module).
+
+Every rank's buffers live on one device -- the CPU under the Triton interpreter, or one GPU -- and the peer
+pointer tables hold their addresses, so the kernels' peer loads, stores and flags reach the other simulated
+ranks' memory exactly as they reach other GPUs' over NVLink (same code path, ``scope="sys"`` atomics).
+
+* CPU: programs of a launch run one after another, so the tests order the ranks' phases by hand (fixed-role
+  policy with ``comm_programs=grid`` or ``0``).
+* One GPU: ``launch_all`` queues every rank's launch on its own stream before waiting on any, with a grid of
+  ``SMs // W`` programs each, so all W launches are resident at once and really run concurrently -- W = 2..8
+  on a machine with a single GPU. (Timings there mean nothing: the ranks share one GPU's SMs and HBM.)
+"""
+from __future__ import annotations
+
+import torch
+
+from kosmos import moe_reference, planning, reference, runtime
+from kosmos.kernels import all_gather_matmul as ag
+from kosmos.kernels import matmul_reduce_scatter as rs
+from kosmos.kernels import moe_forward as mf
+
+NAN = float("nan")
+TOL = 1e-2
+ROUTE_ONLY = 1 << mf.ROUTE
+MIDDLE = (1 << mf.PERMUTE) | (1 << mf.GEMM1) | (1 << mf.GEMM2)
+FOLD_ONLY = 1 << mf.FOLD
+
+
+def rand(*shape, gen, device="cpu", scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(device)
+
+
+def launch_all(world, launch, streams=None):
+    """Run ``launch(r)`` for every rank, each on its own CUDA stream, queued before any is waited on; the
+    current stream then waits for all of them (no host synchronisation)."""
+    cur = torch.cuda.current_stream()
+    streams = streams or [torch.cuda.Stream() for _ in range(world)]
+    for s in streams:
+        s.wait_stream(cur)
+    for r in range(world):
+        with torch.cuda.stream(streams[r]):
+            launch(r)
+    for s in streams:
+        cur.wait_stream(s)
+    return streams
+
+
+class Ranks:
+    """The per-rank symmetric buffers of W simulated ranks, plus each rank's local heads and error record."""
+
+    def __init__(self, world, data_rows, data_cols, device="cpu", n_sig=4096):
+        self.world = world
+        self.data = [torch.full((data_rows, data_cols), NAN, dtype=torch.bfloat16, device=device)
+                     for _ in range(world)]
+        self.sigs = [torch.zeros(n_sig, dtype=torch.int32, device=device) for _ in range(world)]
+        self.peer_data = torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64, device=device)
+        self.peer_sig = torch.tensor([s.data_ptr() for s in self.sigs], dtype=torch.int64, device=device)
+        self.heads = [torch.zeros(runtime.NUM_HEADS, dtype=torch.int32, device=device) for _ in range(world)]
+        self.errors = [torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=device) for _ in range(world)]
+
+    def poison(self):
+        for d in self.data:
+            d.fill_(NAN)
+
+    def check_clean(self, r):
+        assert self.heads[r].tolist() == [0] * runtime.NUM_HEADS, f"rank {r}: heads not reset"
+        err = self.errors[r].tolist()
+        assert err == [0] * runtime.ERR_SLOTS, f"rank {r}: {runtime.decode_error(err)}"
+
+    def check_done(self, epoch):
+        for q in range(self.world):
+            done = self.sigs[q][runtime.DONE_BASE:runtime.DONE_BASE + self.world].tolist()
+            assert done == [epoch] * self.world, f"rank {q}: done flags {done}, epoch {epoch}"
+
+
+class _Op:
+    """What AG and RS share: the simulated ranks, their grid, timeout and launch arguments."""
+
+    def __init__(self, world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns):
+        self.world, self.ms, self.k, self.n = world, ms, k, n
+        self.device, self.grid, self.timeout_ns = device, grid, timeout_ns
+        self.gen = torch.Generator().manual_seed(seed)
+        self.cfg = planning.tile_config(ms, n, k)
+        self.b_kmajor = b_kmajor
+
+    def _kw(self, r, epoch, timeout_ns, pol):
+        return dict(rank=r, world=self.world, epoch=epoch, grid=self.grid, cfg=self.cfg,
+                    timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns, **pol)
+
+    def launch_all(self, epoch, **pol):
+        """Every rank's launch of ``epoch`` concurrently (one GPU only)."""
+        launch_all(self.world, lambda r: self.launch(r, epoch, **pol))
+
+
+class AG(_Op):
+    """AllGather+GEMM: rank r holds shard [Ms, K] and its own column shard of the weight [K, N]."""
+
+    def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000):
+        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns)
+        self.rk = Ranks(world, world * ms, k, device)
+        self.shards = [torch.empty(ms, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
+        self.bs = [rand(k, n, gen=self.gen, device=device) for _ in range(world)]
+        self.b_store = [b.t().contiguous() if b_kmajor else b for b in self.bs]  # [N, K] weight for kmajor
+        self.cs = [torch.empty(world * ms, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
+
+    def new_epoch_inputs(self):
+        """Fresh data in the same buffers; outputs and the gathered buffers poisoned."""
+        for s in self.shards:
+            s.copy_(rand(self.ms, self.k, gen=self.gen))
+        for c in self.cs:
+            c.fill_(NAN)
+        self.rk.poison()
+
+    def launch(self, r, epoch, timeout_ns=None, **pol):
+        rk = self.rk
+        ag.launch(self.shards[r], self.b_store[r], self.b_kmajor, self.cs[r], rk.data[r], rk.peer_data,
+                  rk.peer_sig, rk.sigs[r], rk.heads[r], rk.errors[r], **self._kw(r, epoch, timeout_ns, pol))
+
+    def check_outputs(self, ranks=None, tol=TOL):
+        full = torch.cat(self.shards)
+        for r in (range(self.world) if ranks is None else ranks):
+            _, ref = reference.all_gather_matmul_ref_local(self.shards, self.bs[r])
+            err = reference.rel_err(self.cs[r], ref)
+            assert err < tol, f"rank {r}: rel err {err}"
+            if self.world > 1:  # at W=1 the gathered buffer is unused (the op returns a_shard)
+                assert torch.equal(self.rk.data[r], full), f"rank {r}: gathered rows differ"
+
+    def check_flags(self, epoch):
+        chunks = -(-self.ms // self.cfg.BM)
+        for q in range(self.world):
+            for s in range(self.world):
+                got = self.rk.sigs[q][runtime.FLAG_BASE + s * chunks:runtime.FLAG_BASE + (s + 1) * chunks].tolist()
+                assert got == [0 if s == q else epoch] * chunks, (q, s, got)
+
+    def outputs(self):
+        return [c.clone() for c in self.cs]
+
+
+class RS(_Op):
+    """GEMM+ReduceScatter: rank r holds a [M, K] and b [K, N] (its K shard); c_shard [Ms, N]."""
+
+    def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000):
+        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns)
+        self.m = world * ms
+        self.rk = Ranks(world, self.m, n, device)
+        self.As = [torch.empty(self.m, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
+        self.Bs = [torch.empty(k, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
+        self.b_store = ([torch.empty(n, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
+                        if b_kmajor else self.Bs)
+        self.cs = [torch.empty(ms, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
+
+    def new_epoch_inputs(self):
+        for r in range(self.world):
+            self.As[r].copy_(rand(self.m, self.k, gen=self.gen))
+            self.Bs[r].copy_(rand(self.k, self.n, gen=self.gen))
+            if self.b_kmajor:
+                self.b_store[r].copy_(self.Bs[r].t())
+            self.cs[r].fill_(NAN)
+        self.rk.poison()
+
+    def launch(self, r, epoch, timeout_ns=None, **pol):
+        rk = self.rk
+        rs.launch(self.As[r], self.b_store[r], self.b_kmajor, self.cs[r], rk.data[r], rk.peer_data, rk.peer_sig,
+                  rk.sigs[r], rk.heads[r], rk.errors[r], **self._kw(r, epoch, timeout_ns, pol))
+
+    def check_outputs(self, tol=TOL):
+        refs = reference.matmul_reduce_scatter_ref_local(self.As, self.Bs)
+        for r in range(self.world):
+            err = reference.rel_err(self.cs[r], refs[r])
+            assert err < tol, f"rank {r}: rel err {err}"
+        if self.world > 1 and rs.rs_push():  # slot s of rank q's staging: source s's partial of q's rows
+            for q in range(self.world):
+                for s in range(self.world):
+                    part = (self.As[s].float() @ self.Bs[s].float())[q * self.ms:(q + 1) * self.ms]
+                    got = self.rk.data[q][s * self.ms:(s + 1) * self.ms]
+                    assert reference.rel_err(got, part) < tol, (q, s)
+        elif self.world > 1:  # each rank's staging holds its own bf16 partial products
+            for r in range(self.world):
+                part = (self.As[r].float() @ self.Bs[r].float())
+                assert reference.rel_err(self.rk.data[r], part) < tol
+
+    def check_flags(self, epoch):
+        if self.world == 1:
+            return
+        tiles = -(-self.ms // self.cfg.BM) * -(-self.n // self.cfg.BN)
+        for q in range(self.world):
+            got = self.rk.sigs[q][runtime.FLAG_BASE:runtime.FLAG_BASE + self.world * tiles].tolist()
+            assert got == [epoch] * (self.world * tiles), (q, got)
+
+    def outputs(self):
+        return [c.clone() for c in self.cs]
+
+
+class MoERanks:
+    """The one-launch MoE layer on W simulated ranks: rank r holds T tokens and experts [r*El, (r+1)*El)."""
+
+    def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, route_kw=None, skew=False,
+                 device="cpu", grid=3, timeout_ns=5_000_000, tol=2e-2):
+        self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
+        self.device, self.grid, self.timeout_ns, self.tol = device, grid, timeout_ns, tol
+        self.el = experts // world
+        self.route_kw = dict(route_kw or {})
+        self.cfg = planning.moe_config()
+        self.lay = mf.Layout(world, tokens, hidden, ffn, top_k, self.el, self.cfg)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.skew = skew
+        router = rand(experts, hidden, gen=self.gen, scale=0.5)
+        if skew:  # feature 0 of every token is 1: experts 0..k-1 win every token
+            router[:, 0] = -8.0
+            for j in range(top_k):
+                router[j, 0] = 8.0 - j
+        self.router = router.to(device)
+        self.w13 = [rand(self.el, hidden, 2 * ffn, gen=self.gen, device=device, scale=hidden ** -0.5)
+                    for _ in range(world)]
+        self.w2 = [rand(self.el, ffn, hidden, gen=self.gen, device=device, scale=ffn ** -0.5) for _ in range(world)]
+        bias = self.route_kw.get("bias")
+        if bias is not None:
+            self.route_kw["bias"] = bias.to(device)
+        self.bias32 = self.route_kw["bias"].float().contiguous() if bias is not None else None
+        self.data = [torch.empty(self.lay.data_bytes, dtype=torch.uint8, device=device) for _ in range(world)]
+        self.sig = [torch.zeros(4096, dtype=torch.int32, device=device) for _ in range(world)]
+        self.ctr = [torch.zeros(max(64, self.lay.fold_blocks), dtype=torch.int32, device=device)
+                    for _ in range(world)]
+        tbl = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)  # noqa: E731
+        self.peer_data, self.peer_sig, self.peer_ctr = tbl(self.data), tbl(self.sig), tbl(self.ctr)
+        self.local = [dict(
+            topk_w=torch.zeros(tokens * top_k, dtype=torch.float32, device=device),
+            topk_e=torch.zeros(tokens * top_k, dtype=torch.int32, device=device),
+            xe=torch.empty(self.lay.max_rows * hidden, dtype=torch.bfloat16, device=device),
+            xe_meta=torch.zeros(self.lay.max_rows * 3, dtype=torch.int32, device=device),
+            hb=torch.empty(self.lay.max_rows * ffn, dtype=torch.bfloat16, device=device),
+            plan=torch.zeros(self.lay.plan_n, dtype=torch.int32, device=device),
+            scratch=torch.zeros(self.lay.scratch_n, dtype=torch.int32, device=device),
+            errors=torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=device)) for _ in range(world)]
+        self.xs = [None] * world
+        self.ys = [torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device) for _ in range(world)]
+
+    def new_inputs(self):
+        for r in range(self.world):
+            x = rand(self.t, self.h, gen=self.gen)
+            if self.skew:
+                x[:, 0] = 1.0
+            self.xs[r] = x.to(self.device)
+            self.ys[r].fill_(float("nan"))
+            self.data[r].fill_(0xFF)  # bf16 NaN / int32 -1 everywhere
+            self.local[r]["xe"].fill_(float("nan"))
+            self.local[r]["hb"].fill_(float("nan"))
+
+    def bufs(self, r):
+        b = dict(self.local[r])
+        b.update(data=self.data[r], sig=self.sig[r], ctr=self.ctr[r], peer_data=self.peer_data,
+                 peer_sig=self.peer_sig, peer_ctr=self.peer_ctr, layout=self.lay)
+        return b
+
+    def launch(self, r, epoch, stages=mf.ALL_STAGES, **pol):
+        kw = {k: v for k, v in self.route_kw.items() if k != "bias"}
+        mf.launch(self.xs[r], self.router, self.bias32, self.w13[r], self.w2[r], self.ys[r], self.bufs(r),
+                  rank=r, world=self.world, epoch=epoch, timeout_ns=self.timeout_ns, grid=self.grid, cfg=self.cfg,
+                  top_k=self.k, stages=stages, **kw, **pol)
+
+    def call(self, epoch, **pol):
+        """One call on every rank: CPU -- at W > 1 split into three launches per rank by stage mask (ROUTE on
+        every rank, then PERMUTE..GEMM2, then FOLD), so that no sequential program waits on an unstarted rank;
+        GPU -- every rank's whole launch at once (``launch_all``)."""
+        if self.world == 1:
+            self.launch(0, epoch, **pol)
+        elif torch.device(self.device).type == "cuda":
+            launch_all(self.world, lambda r: self.launch(r, epoch, **pol))
+        else:
+            for stages in (ROUTE_ONLY, MIDDLE, FOLD_ONLY):
+                for r in range(self.world):
+                    self.launch(r, epoch, stages, **pol)
+
+    def routing(self, r):
+        w = self.local[r]["topk_w"].view(self.t, self.k)
+        e = self.local[r]["topk_e"].view(self.t, self.k).long()
+        return w, e
+
+    def check(self, epoch):
+        w13 = torch.cat([w.float() for w in self.w13])
+        w2 = torch.cat([w.float() for w in self.w2])
+        for r in range(self.world):
+            errs = self.local[r]["errors"].tolist()
+            assert errs == [0] * runtime.ERR_SLOTS, f"rank {r}: {runtime.decode_error(errs)}"
+            w_k, e_k = self.routing(r)
+            w_ref, e_ref = moe_reference.route(self.xs[r], self.router, self.k, **self.route_kw)
+            assert torch.equal(e_k, e_ref), f"rank {r}: experts differ from the reference router"
+            assert torch.allclose(w_k, w_ref, rtol=1e-4, atol=1e-6), f"rank {r}: weights differ"
+            y_ref = moe_reference.apply_routing_ref(self.xs[r], w_k, e_k, w13, w2)
+            assert not torch.isnan(self.ys[r]).any(), f"rank {r}: output rows left unwritten"
+            err = ((self.ys[r].float() - y_ref).norm() / y_ref.norm()).item()
+            assert err < self.tol, f"rank {r}: rel err {err}"
+            assert self.local[r]["scratch"].abs().sum().item() == 0, f"rank {r}: scratch not reset"
+            assert self.ctr[r].abs().sum().item() == 0, f"rank {r}: fold counters not reset"
+            done = self.sig[r][runtime.DONE_BASE:runtime.DONE_BASE + self.world].tolist()
+            assert done == [epoch] * self.world, f"rank {r}: done flags {done}"
+
+
