@@ -32,6 +32,9 @@ Policy (one loop over three phases; POLICY constexpr):
 Deadlock-freedom: a tile waits only on a push of a peer; pushes are claimed before any compute by every
 program (self) or by dedicated programs (fixed) and wait only on the previous call's completion; COPY tasks
 never wait. The grid is at most the SM count with one program per SM. Every wait is bounded (device.wait_geq).
+After a timeout: a wait also gives up at once when any program of the launch has recorded one, and a program
+whose wait gave up leaves the loop. Nothing polls the error flag between tasks (that cost one system-scope
+atomic per tile), so a program that never waits finishes its tiles; the launch still ends.
 """
 from __future__ import annotations
 
@@ -81,9 +84,7 @@ def _all_gather_matmul_kernel(
     peers_ok = 1
     n_ev = 0
     while phase < 3:
-        if dev.aborted(err_ptr):
-            phase = 3
-        elif phase == 1:
+        if phase == 1:
             t = dev.claim(heads_ptr + 1)
             if t < n_comp:
                 slot = tl.load(comp_table + t * 4)
@@ -93,8 +94,9 @@ def _all_gather_matmul_kernel(
                 if slot == rank:
                     a_base = a_ptr
                 else:
-                    dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + mt, epoch, timeout_ns, err_ptr, 1,
-                                 rank, t, FLAG_BASE + slot * n_chunks + mt)
+                    if dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + mt, epoch, timeout_ns, err_ptr, 1,
+                                    rank, t, FLAG_BASE + slot * n_chunks + mt) == 0:
+                        phase = 3  # timed out, or another program did: this program drains (see docstring)
                     t1 = dev.now_ns()
                     n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
                     t0 = t1
@@ -125,6 +127,8 @@ def _all_gather_matmul_kernel(
                 if (kind == 0) & (handshake == 0):  # nobody may still be reading what we are about to overwrite
                     peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 1, rank)
                     handshake = 1
+                    if peers_ok == 0:
+                        phase = 3
                 for j in range(n_moved):
                     chunk = chunk0 + j * comm_stride
                     rows = tl.minimum(Ms - chunk * BM, BM)

@@ -35,7 +35,10 @@ Policy (POLICY constexpr, one place):
 
 Deadlock-freedom: compute tiles never wait (except on the previous call's completion); a reduce task is
 run early only when its inputs are already there, so every waiting program waits on compute tiles that
-running programs (or peers) have claimed or will claim.
+running programs (or peers) have claimed or will claim. After a timeout: every wait gives up at once once
+any program of the launch has recorded one, and a program whose wait gave up leaves the loop; nothing polls
+the error flag between tasks (one system-scope atomic per tile), so a program that never waits just
+finishes its compute tiles.
 
 W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
 """
@@ -55,27 +58,24 @@ OP_CODE = 2
 
 
 @triton.jit
-def _reduce_ready(red_table, h, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD: tl.constexpr,
-                  FLAG_BASE: tl.constexpr):
-    mt = tl.load(red_table + h * 4)
-    nt = tl.load(red_table + h * 4 + 1)
+def _reduce_ready(sig_ptr, tile, tiles_per_owner, epoch, WORLD: tl.constexpr, FLAG_BASE: tl.constexpr):
     ready = 1
     for s in tl.static_range(WORLD):
-        v = dev.load_uniform(sig_ptr + FLAG_BASE + s * tiles_per_owner + mt * n_tn + nt)
+        v = dev.load_uniform(sig_ptr + FLAG_BASE + s * tiles_per_owner + tile)
         ready = ready & (v >= epoch).to(tl.int32)
     return ready
 
 
 @triton.jit
-def _reduce_tile(t, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch, timeout_ns,
+def _reduce_tile(t, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch, timeout_ns,
                  tiles_per_owner, n_tn, stage_ptr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  RED_ROWS: tl.constexpr, FLAG_BASE: tl.constexpr, PUSH: tl.constexpr):
-    mt = tl.load(red_table + t * 4)
-    nt = tl.load(red_table + t * 4 + 1)
+    """Reduce task t = this rank's tile (mt, nt); returns 0 if a wait gave up (the caller drains)."""
     tile = mt * n_tn + nt
+    ok = 1
     for s in tl.static_range(WORLD):
         slot = FLAG_BASE + s * tiles_per_owner + tile
-        dev.wait_geq(sig_ptr + slot, epoch, timeout_ns, err_ptr, 2, rank, t, slot)
+        ok = ok & dev.wait_geq(sig_ptr + slot, epoch, timeout_ns, err_ptr, 2, rank, t, slot)
     rows_valid = Ms - mt * BM
     offs_r = tl.arange(0, RED_ROWS)
     offs_n = tl.arange(0, BN)
@@ -91,6 +91,7 @@ def _reduce_tile(t, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, 
                     tl.cast(rank * Ms + mt * BM + r0, tl.int64) * N + nt * BN)
             acc += tl.load(part + inner, mask=mask, other=0.0).to(tl.float32)
         store_rows(c_ptr, acc.to(tl.bfloat16), mt * BM + r0, nt * BN, rows_valid - r0, N, RED_ROWS, BN)
+    return ok
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comp", "n_red", "fixed_comm"])
@@ -125,70 +126,85 @@ def _matmul_reduce_scatter_kernel(
     else:
         red_done = ((n_red == 0) | (pid >= fixed_comm)).to(tl.int32)
         comp_done = (pid < fixed_comm).to(tl.int32)
+    # the next own reduce task's tile, loaded once per task rather than at every tile boundary
+    red_mt = tl.load(red_table + my_red * 4, mask=my_red < n_red, other=0)
+    red_nt = tl.load(red_table + my_red * 4 + 1, mask=my_red < n_red, other=0)
     handshake = 0
     peers_ok = 1
     n_ev = 0
     while (red_done == 0) | (comp_done == 0):
-        if dev.aborted(err_ptr):
-            red_done = 1
-            comp_done = 1
-        else:
-            t_red = -1
-            if red_done == 0:
-                if POLICY == 0:  # own tasks only: nothing to claim, nothing contended
-                    if comp_done == 1:  # nothing else to do: take the next own task and wait for it
-                        t_red = my_red
-                    elif _reduce_ready(red_table, my_red, sig_ptr, tiles_per_owner, n_tn, epoch, WORLD,
-                                       FLAG_BASE) != 0:
-                        t_red = my_red
-                    if t_red >= 0:
-                        my_red += GRID
-                        red_done = (my_red >= n_red).to(tl.int32)
-                else:  # fixed: the reducer programs share the reduce queue in order, waiting
-                    t_red = dev.claim(heads_ptr + 0)
-                    if t_red >= n_red:
-                        red_done = 1
-                        t_red = -1
-            if t_red >= 0:
-                t0 = dev.now_ns()
-                _reduce_tile(t_red, red_table, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch,
-                             timeout_ns, tiles_per_owner, n_tn, stage_ptr, WORLD, BM, BN, RED_ROWS, FLAG_BASE, PUSH)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t_red, t0, dev.now_ns(), TRACE)
-            elif comp_done == 0:
-                t = dev.claim(heads_ptr + 1)
-                if t < n_comp:
-                    owner = tl.load(comp_table + t * 4)
-                    mt = tl.load(comp_table + t * 4 + 1)
-                    nt = tl.load(comp_table + t * 4 + 2)
-                    t0 = dev.now_ns()
-                    acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
-                                      DOT_FP32)
-                    if WORLD == 1:
-                        store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
-                    else:
-                        if handshake == 0:  # peers may still be pulling last call's partials from staging
-                            peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
-                                                           2, rank)
-                            handshake = 1
-                        if peers_ok != 0:  # else a peer never finished the last call: write nothing, drain
-                            if PUSH:  # into slot r of the owner's staging (remote stores unless own rows)
-                                store_rows(dev.peer_ptr(peer_data, owner, tl.bfloat16), acc.to(tl.bfloat16),
-                                           rank * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
-                            else:
-                                store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
-                                           Ms - mt * BM, N, BM, BN)
-                            sig = dev.peer_ptr(peer_sig, owner, tl.int32)
-                            dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
+        t_red = -1
+        mt = red_mt
+        nt = red_nt
+        if red_done == 0:
+            if POLICY == 0:  # own tasks only: nothing to claim, nothing contended
+                if comp_done == 1:  # nothing else to do: take the next own task and wait for it
+                    t_red = my_red
+                elif _reduce_ready(sig_ptr, red_mt * n_tn + red_nt, tiles_per_owner, epoch, WORLD,
+                                   FLAG_BASE) != 0:
+                    t_red = my_red
+                if t_red >= 0:
+                    my_red += GRID
+                    red_done = (my_red >= n_red).to(tl.int32)
+                    red_mt = tl.load(red_table + my_red * 4, mask=my_red < n_red, other=0)
+                    red_nt = tl.load(red_table + my_red * 4 + 1, mask=my_red < n_red, other=0)
+            else:  # fixed: the reducer programs share the reduce queue in order, waiting
+                t_red = dev.claim(heads_ptr + 0)
+                if t_red >= n_red:
+                    red_done = 1
+                    t_red = -1
                 else:
-                    comp_done = 1
+                    mt = tl.load(red_table + t_red * 4)
+                    nt = tl.load(red_table + t_red * 4 + 1)
+        if t_red >= 0:
+            t0 = dev.now_ns()
+            if _reduce_tile(t_red, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch, timeout_ns,
+                            tiles_per_owner, n_tn, stage_ptr, WORLD, BM, BN, RED_ROWS, FLAG_BASE, PUSH) == 0:
+                red_done = 1  # timed out, or another program did: drain (see the docstring)
+                comp_done = 1
+            n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t_red, t0, dev.now_ns(), TRACE)
+        elif comp_done == 0:
+            t = dev.claim(heads_ptr + 1)
+            if t < n_comp:
+                owner = tl.load(comp_table + t * 4)
+                mt = tl.load(comp_table + t * 4 + 1)
+                nt = tl.load(comp_table + t * 4 + 2)
+                t0 = dev.now_ns()
+                acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
+                                  DOT_FP32)
+                if WORLD == 1:
+                    store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
+                else:
+                    if handshake == 0:  # peers may still be pulling last call's partials from staging
+                        peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
+                                                       2, rank)
+                        handshake = 1
+                        if peers_ok == 0:  # a peer never finished the last call: write nothing, drain
+                            red_done = 1
+                            comp_done = 1
+                    if peers_ok != 0:
+                        if PUSH:  # into slot r of the owner's staging (remote stores unless own rows)
+                            store_rows(dev.peer_ptr(peer_data, owner, tl.bfloat16), acc.to(tl.bfloat16),
+                                       rank * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
+                        else:
+                            store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
+                                       Ms - mt * BM, N, BM, BN)
+                        sig = dev.peer_ptr(peer_sig, owner, tl.int32)
+                        dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
+            else:
+                comp_done = 1
     dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch, err_ptr)
 
 
-def _red_rows(cfg) -> int:
-    """Rows per step of a reduce task: 8192 // BN elements (32 rows at BN 256: 200 registers, no spills).
-    64 rows (255 registers, 176 B spills) measured within noise of 32 on 2x H200 (NOTES.md, moe v0.3 table)."""
-    return max(1, min(cfg.BM, 8192 // cfg.BN))
+def _red_rows(cfg, world: int) -> int:
+    """Rows per step of a reduce task: a step loads W partials of [rows, BN] at once, so rows = 16384 //
+    (BN * W) (a power of two) keeps the bytes in flight -- and the registers -- the same at every world size:
+    32 rows at W=2 and BN 256 (245 registers, no spills, Triton 3.6). A fixed 32 rows spilled 238 B at W=8
+    (the 8 loads of a step are all issued before the adds). 64 rows at W=2 (255 registers, 176 B spills)
+    measured within noise of 32 on 2x H200 (NOTES.md, moe v0.3 table)."""
+    rows = max(1, 16384 // (cfg.BN * max(1, world)))
+    return max(1, min(cfg.BM, 1 << (rows.bit_length() - 1)))
 
 
 def rs_push() -> bool:
@@ -214,7 +230,7 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
-        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg), PUSH=rs_push(),
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=rs_push(),
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
