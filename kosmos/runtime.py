@@ -20,11 +20,12 @@ One ``Workspace`` per process group, created on first use and reused by every ca
 
 Epochs: every call gets the next value of a per-workspace counter; flags are written with it and waited on
 with ``>= epoch``, so back-to-back calls need no reset kernel and no host synchronisation. A call's first
-write into shared buffers waits until every peer has published ``done >= epoch - 1``.
+write into shared buffers waits until every peer has published ``done >= epoch - 1`` (at W = 1 there is no
+peer: neither the wait nor the done flag happens).
 
-Errors are checked without stalling the stream: the last program out of a launch that recorded an error
-copies the record into pinned, host-mapped memory (a healthy call moves nothing: a per-call device-to-host
-copy measured ~5 us per call on H200); an event is recorded after each launch, and the next call (or
+Errors are checked without stalling the stream: the program that records an error also writes the record
+into pinned, host-mapped memory (a healthy call moves nothing: a per-call device-to-host copy measured ~5 us
+per call on H200); an event is recorded after each launch, and the next call (or
 ``check_errors()``) reads the mirror once the event has completed and raises
 ``KosmosTimeoutError`` naming op, rank, task and counter. After a timeout the workspace is poisoned (peers may
 still write into it) and every further call raises until ``reset_workspaces()``.

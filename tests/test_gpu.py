@@ -48,8 +48,8 @@ def no_tf32():
 
 # ---------------------------------------------------------------------------------------------------- W=1
 def test_w1_timeout_reaches_the_host_through_the_error_mirror():
-    """One GPU, a launch told it has a peer (world 2) that never pushes: its bounded waits time out, the last
-    program out copies the error record into the pinned host mirror, and the workspace raises a
+    """One GPU, a launch told it has a peer (world 2) that never pushes: its bounded waits time out, the
+    program that records the error writes it into the pinned host mirror too, and the workspace raises a
     KosmosTimeoutError naming the op, the rank and the awaited counter -- no hang, no device-to-host copy."""
     import triton
     from kosmos import planning, runtime

@@ -143,7 +143,7 @@ SHORT_NS = 50_000  # the interpreter counts one spin as 1000 ns: ~50 spins, then
 def test_all_gather_matmul_timeout_peer_never_pushed():
     t = AG(2, 21, 40, 48, seed=29)
     t.new_epoch_inputs()
-    mirror = torch.zeros(8, dtype=torch.int64)  # the host mirror: the last program out copies the record
+    mirror = torch.zeros(8, dtype=torch.int64)  # the host mirror: the recording program writes it too
     t.rk.errors[0][8] = mirror.data_ptr()
     t.launch(0, 1, timeout_ns=SHORT_NS, **COMPUTE_ONLY)  # returns: no hang
     err = t.rk.errors[0].tolist()
