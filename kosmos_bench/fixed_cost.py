@@ -29,6 +29,59 @@ def _one_desc(x_ptr, N: tl.constexpr):
         d.store([0, 0], tl.zeros([64, 64], tl.bfloat16))
 
 
+@triton.jit
+def _one_tile(a_desc, b_desc, c_desc, heads_ptr, table_ptr, GRID: tl.constexpr, CLAIM: tl.constexpr,
+              EXIT: tl.constexpr):
+    """Program p: C[p*128:+128, :256] = A[p*128:+128, :64] @ B[:64, :256] -- one K step, the least a TMA GEMM
+    tile can do -- optionally behind a queue claim + table load, and followed by kosmos's exit protocol."""
+    pid = tl.program_id(0)
+    row = pid * 128
+    if CLAIM:
+        t = tl.atomic_add(heads_ptr + 1, 1, sem="relaxed", scope="gpu")
+        row = tl.load(table_ptr + t) * 128
+    acc = tl.dot(a_desc.load([row, 0]), b_desc.load([0, 0]))
+    c_desc.store([row, 0], acc.to(tl.bfloat16))
+    if EXIT:
+        n_out = tl.atomic_add(heads_ptr + 2, 1, sem="acq_rel", scope="gpu")
+        if n_out == GRID - 1:
+            for h in tl.static_range(4):
+                tl.store(heads_ptr + h, 0)
+
+
+@triton.jit
+def _one_tile_device_desc(a_ptr, b_ptr, c_ptr, heads_ptr, table_ptr, M, GRID: tl.constexpr,
+                          CLAIM: tl.constexpr, EXIT: tl.constexpr):
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, 64], strides=[64, 1], block_shape=[128, 64])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[64, 256], strides=[256, 1], block_shape=[64, 256])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, 256], strides=[256, 1], block_shape=[128, 256])
+    _one_tile(a_desc, b_desc, c_desc, heads_ptr, table_ptr, GRID, CLAIM, EXIT)
+
+
+@triton.jit
+def _one_tile_host_desc(a_desc, b_desc, c_desc, heads_ptr, table_ptr, GRID: tl.constexpr, CLAIM: tl.constexpr,
+                        EXIT: tl.constexpr):
+    _one_tile(a_desc, b_desc, c_desc, heads_ptr, table_ptr, GRID, CLAIM, EXIT)
+
+
+def _tile_probes(timed):
+    """Where a kosmos call's fixed cost goes: one 128x64x256 TMA tile per program, 132 programs, with device-
+    or host-built descriptors, a queue claim + table load in front, kosmos's exit counter behind."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    grid = 132
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    a, b, c = torch.randn(grid * 128, 64, **bf), torch.randn(64, 256, **bf), torch.empty(grid * 128, 256, **bf)
+    heads = torch.zeros(4, device="cuda", dtype=torch.int32)
+    table = torch.arange(grid, device="cuda", dtype=torch.int32)
+    ad, bd = TensorDescriptor.from_tensor(a, [128, 64]), TensorDescriptor.from_tensor(b, [64, 256])
+    cd = TensorDescriptor.from_tensor(c, [128, 256])
+    for claim, ex in [(False, False), (False, True), (True, True)]:
+        tag = ("claim+" if claim else "") + ("exit" if ex else "bare")
+        timed(f"132 one-K-step tiles, device descriptors, {tag}", lambda: _one_tile_device_desc[(grid,)](
+            a, b, c, heads, table, grid * 128, GRID=grid, CLAIM=claim, EXIT=ex, num_warps=8))
+        timed(f"132 one-K-step tiles, host descriptors, {tag}", lambda: _one_tile_host_desc[(grid,)](
+            ad, bd, cd, heads, table, GRID=grid, CLAIM=claim, EXIT=ex, num_warps=8))
+
+
 def main():
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -44,6 +97,7 @@ def main():
 
     timed("empty triton kernel, 132 programs", lambda: _empty[(132,)](x))
     timed("one device descriptor per program, 132", lambda: _one_desc[(132,)](xb, N=256))
+    _tile_probes(timed)
     for (m, k, n) in [(128, 64, 256), (4096, 2048, 4096)]:
         a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         b = torch.randn(k, n, device="cuda").to(torch.bfloat16)

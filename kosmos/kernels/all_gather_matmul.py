@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import check_launch, check_operands, copy_flat, policy_args, store_tile, tile_matmul
+from .common import check_launch, check_operands, copy_flat, host_descriptors, policy_args, store_tile, tile_matmul
 
 OP_CODE = 1
 
@@ -52,7 +52,7 @@ OP_CODE = 1
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_lead", "n_comp", "fixed_comm",
                                "comm_stride"])
 def _all_gather_matmul_kernel(
-        a_ptr, b_ptr, c_ptr, gather_ptr,
+        a_ptr, a_host_desc, b_desc, c_desc, c_ptr, gather_ptr,
         peer_data, peer_sig, sig_ptr,
         comm_table, n_comm, n_lead, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
@@ -65,12 +65,6 @@ def _all_gather_matmul_kernel(
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
-    M = Ms * WORLD
-    if B_KMAJOR:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN // 2])
     n_chunks = tl.cdiv(Ms, BM)
 
     # phases: 0 = comm tasks [0, n_lead) (the pushes: their consumers wait), 1 = compute tiles, 2 = the rest
@@ -101,9 +95,13 @@ def _all_gather_matmul_kernel(
                     n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
                     t0 = t1
                     a_base = gather_ptr + (slot * Ms).to(tl.int64) * K
-                # one descriptor per tile over the slot's rows: a single GEMM loop for both sources (two
-                # loops would each reserve their own pipeline buffers), and rows past the slot read as 0.
-                a_desc = tl.make_tensor_descriptor(a_base, shape=[Ms, K], strides=[K, 1], block_shape=[BM, BK])
+                if WORLD == 1:  # only the own slot: the host-built descriptor of a_shard
+                    a_desc = a_host_desc
+                else:
+                    # one descriptor per tile over the slot's rows: a single GEMM loop for both sources (two
+                    # loops would each reserve their own pipeline buffers), and rows past the slot read as 0.
+                    a_desc = tl.make_tensor_descriptor(a_base, shape=[Ms, K], strides=[K, 1],
+                                                       block_shape=[BM, BK])
                 acc = tile_matmul(a_desc, b_desc, mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
                 store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
@@ -168,8 +166,9 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
     trace_buf = trace if trace is not None else heads
     # the self policy takes only the pushes before computing; fixed-role comm programs run the whole table
     n_lead = planning.ag_push_tasks(world, ms, cfg.BM, per_task) if pol == 0 else comm_t.shape[0]
+    a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
     _all_gather_matmul_kernel[(grid,)](
-        a_shard, b_store, c, gather, peer_data, peer_sig, signals,
+        a_shard, a_desc, b_desc, c_desc, c, gather, peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], n_lead, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,

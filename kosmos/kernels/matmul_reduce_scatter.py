@@ -52,7 +52,8 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import check_launch, check_operands, policy_args, store_rows, store_tile, tile_matmul
+from .common import (check_launch, check_operands, host_descriptors, policy_args, store_rows, store_tile,
+                     tile_matmul)
 
 OP_CODE = 2
 
@@ -96,7 +97,7 @@ def _reduce_tile(t, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epo
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comp", "n_red", "fixed_comm"])
 def _matmul_reduce_scatter_kernel(
-        a_ptr, b_ptr, c_ptr, stage_ptr,
+        a_desc, b_desc, c_desc, c_ptr, stage_ptr,
         peer_data, peer_sig, sig_ptr,
         comp_table, n_comp, red_table, n_red,
         heads_ptr, err_ptr, trace_ptr,
@@ -109,13 +110,6 @@ def _matmul_reduce_scatter_kernel(
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
-    M = Ms * WORLD
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
-    if B_KMAJOR:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[Ms, N], strides=[N, 1], block_shape=[BM, BN // 2])
     n_tn = tl.cdiv(N, BN)
     tiles_per_owner = tl.cdiv(Ms, BM) * n_tn
 
@@ -225,8 +219,9 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
     comp_t, red_t, _ = planning.cached_tables(
         key, lambda: planning.plan_matmul_reduce_scatter(rank, world, ms, n, cfg, a.device))
     trace_buf = trace if trace is not None else heads
+    a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
     _matmul_reduce_scatter_kernel[(grid,)](
-        a, b_store, c, stage, peer_data, peer_sig, signals,
+        a_desc, b_desc, c_desc, c, stage, peer_data, peer_sig, signals,
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
