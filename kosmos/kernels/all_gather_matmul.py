@@ -44,7 +44,8 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import check_launch, check_operands, copy_flat, host_descriptors, policy_args, store_tile, tile_matmul
+from .common import (check_launch, check_operands, copy_flat, host_descriptors, policy_args, store_tile,
+                     tile_matmul, tma_descriptor)
 
 OP_CODE = 1
 
@@ -52,7 +53,7 @@ OP_CODE = 1
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_lead", "n_comp", "fixed_comm",
                                "comm_stride"])
 def _all_gather_matmul_kernel(
-        a_ptr, a_host_desc, b_desc, c_desc, c_ptr, gather_ptr,
+        a_ptr, a_host_desc, g_host_desc, b_desc, c_desc, c_ptr, gather_ptr,
         peer_data, peer_sig, sig_ptr,
         comm_table, n_comm, n_lead, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
@@ -85,24 +86,24 @@ def _all_gather_matmul_kernel(
                 mt = tl.load(comp_table + t * 4 + 1)
                 nt = tl.load(comp_table + t * 4 + 2)
                 t0 = dev.now_ns()
-                if slot == rank:
-                    a_base = a_ptr
-                else:
+                if slot != rank:
                     if dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + mt, epoch, timeout_ns, err_ptr, 1,
                                     rank, t, FLAG_BASE + slot * n_chunks + mt) == 0:
                         phase = 3  # timed out, or another program did: this program drains (see docstring)
                     t1 = dev.now_ns()
                     n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
                     t0 = t1
-                    a_base = gather_ptr + (slot * Ms).to(tl.int64) * K
-                if WORLD == 1:  # only the own slot: the host-built descriptor of a_shard
+                # one GEMM loop for both sources (two call sites would each reserve their own pipeline
+                # buffers), fed by one of two host-built descriptors picked per tile (device-built ones
+                # cost every tile ~1-3% at W=1: NOTES.md session 5). Rows past a remote slot read the next
+                # slot's rows (zeros past M): they only feed output rows that store_tile masks off.
+                if slot == rank:
                     a_desc = a_host_desc
+                    a_row = mt * BM
                 else:
-                    # one descriptor per tile over the slot's rows: a single GEMM loop for both sources (two
-                    # loops would each reserve their own pipeline buffers), and rows past the slot read as 0.
-                    a_desc = tl.make_tensor_descriptor(a_base, shape=[Ms, K], strides=[K, 1],
-                                                       block_shape=[BM, BK])
-                acc = tile_matmul(a_desc, b_desc, mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+                    a_desc = g_host_desc
+                    a_row = slot * Ms + mt * BM
+                acc = tile_matmul(a_desc, b_desc, a_row, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
                 store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
             elif POLICY == 0:
@@ -168,7 +169,7 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
     n_lead = planning.ag_push_tasks(world, ms, cfg.BM, per_task) if pol == 0 else comm_t.shape[0]
     a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
     _all_gather_matmul_kernel[(grid,)](
-        a_shard, a_desc, b_desc, c_desc, c, gather, peer_data, peer_sig, signals,
+        a_shard, a_desc, tma_descriptor(gather, [cfg.BM, cfg.BK]), b_desc, c_desc, c, gather, peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], n_lead, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,

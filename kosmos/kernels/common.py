@@ -73,10 +73,15 @@ def host_descriptors(a, b_store, b_kmajor: bool, c, cfg):
     k-major) and C [rows, N] (half-width [BM, BN/2] store tiles), built on the host: they reach the kernel as
     launch parameters. Building them on the device cost every program ~2 us at the start of a call (one H200,
     132 one-tile programs: 10.8 vs 8.6 us, `kosmos_bench.fixed_cost`)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
     b_block = [cfg.BN, cfg.BK] if b_kmajor else [cfg.BK, cfg.BN]
-    return (TensorDescriptor.from_tensor(a, [cfg.BM, cfg.BK]), TensorDescriptor.from_tensor(b_store, b_block),
-            TensorDescriptor.from_tensor(c, [cfg.BM, cfg.BN // 2]))
+    return (tma_descriptor(a, [cfg.BM, cfg.BK]), tma_descriptor(b_store, b_block),
+            tma_descriptor(c, [cfg.BM, cfg.BN // 2]))
+
+
+def tma_descriptor(t, block_shape):
+    """A host-built TMA descriptor of the 2-D row-major tensor ``t`` with tiles of ``block_shape``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor.from_tensor(t, block_shape)
 
 
 def check_matrix(name: str, t, device=None) -> None:

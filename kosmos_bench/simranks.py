@@ -1,4 +1,4 @@
-"""W simulated ranks in one process (imported by test modules; not a test module).
+"""W simulated ranks in one process (used by the kernel tests and by `kosmos_bench.sim_probe`).
 
 Every rank's buffers live on one device -- the CPU under the Triton interpreter, or one GPU -- and the peer
 pointer tables hold their addresses, so the kernels' peer loads, stores and flags reach the other simulated
