@@ -7,8 +7,9 @@ Everything a kernel needs to talk to other ranks lives here, and nowhere else:
 * ``notify``     -- publish a flag value to a (possibly remote) signal slot: ``atomic_xchg`` with
                     ``sem="release", scope="sys"``. Every store the *whole program* made before the call is
                     visible to whoever acquires the flag (a CTA barrier precedes the release, so the
-                    other threads' stores are ordered too). CUDA-graph safe: the value is the call epoch,
-                    passed as an argument.
+                    other threads' stores are ordered too). The value is the call's epoch, a launch
+                    argument: a CUDA graph replaying a captured call would reuse it and find its flags
+                    already set, so the ops are not graph-replayable as they stand (NOTES.md, session 5).
 * ``load_uniform`` -- read shared state so that all threads of a program agree (one broadcast atomic);
                     every branch on a flag or queue head uses it.
 * ``wait_geq``   -- bounded spin until a local signal slot holds a value >= target. Polls with volatile loads

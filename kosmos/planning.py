@@ -79,17 +79,26 @@ def _table(rows, device) -> torch.Tensor:
     return t.to(device)
 
 
-def ag_comm_config() -> tuple[int, int]:
-    """(chunks per comm task, elements per copy step) of AllGather+GEMM. Defaults 1 and 16384: one program
-    copies 2.5x faster with 16384 bf16 in flight per step than with 4096 (one H200, `copy_probe`), and the
-    kernel stays spill-free (Triton 3.6, sm_90: 181 registers; `kernel_resources`). KOSMOS_AG_PUSH_CHUNKS and
-    KOSMOS_AG_COPY_BLOCK are developer knobs for A/B runs (NOTES.md): fewer, larger comm tasks with more
-    bytes in flight per program would take the same NVLink bandwidth from fewer SMs."""
-    per_task = int(os.environ.get("KOSMOS_AG_PUSH_CHUNKS", "1"))
+AG_TARGET_PUSHERS = 16  # KOSMOS_AG_PUSH_CHUNKS=auto: about this many push tasks per rank (all peers)
+
+
+def ag_comm_config(world: int = 2, ms: int = 1, bm: int = 1) -> tuple[int, int]:
+    """(chunks per comm task, elements per copy step) of AllGather+GEMM for a shard of ``ms`` rows in chunks of
+    ``bm``. Defaults 1 and 16384: one program copies 2.5x faster with 16384 bf16 in flight per step than with
+    4096 (one H200, `copy_probe`), and the kernel stays spill-free (Triton 3.6, sm_90: 181 registers;
+    `kernel_resources`). KOSMOS_AG_PUSH_CHUNKS (an integer, or ``auto``: about AG_TARGET_PUSHERS push tasks in
+    all, however long the shard) and KOSMOS_AG_COPY_BLOCK are developer knobs for A/B runs (NOTES.md): fewer,
+    larger comm tasks would take the same NVLink bandwidth from fewer SMs."""
+    raw = os.environ.get("KOSMOS_AG_PUSH_CHUNKS", "1")
     block = int(os.environ.get("KOSMOS_AG_COPY_BLOCK", "16384"))
+    if raw == "auto":
+        chunks = math.ceil(ms / bm) * max(1, world - 1)
+        per_task = max(1, math.ceil(chunks / AG_TARGET_PUSHERS))
+    else:
+        per_task = int(raw) if raw.isdigit() else 0
     if per_task < 1 or block < 256 or block & (block - 1):
-        raise ValueError(f"KOSMOS_AG_PUSH_CHUNKS={per_task} must be >= 1 and KOSMOS_AG_COPY_BLOCK={block} a "
-                         "power of two >= 256")
+        raise ValueError(f"KOSMOS_AG_PUSH_CHUNKS={raw} must be an integer >= 1 or 'auto', and "
+                         f"KOSMOS_AG_COPY_BLOCK={block} a power of two >= 256")
     return per_task, block
 
 

@@ -4,8 +4,9 @@
 
 Times, with the bench's own timing (kosmos_bench.timing.time_op), an empty 132-program Triton launch, one
 device-side descriptor per program, and torch.matmul / kosmos's two TP ops at W=1 on a one-tile shape and on
-a 4096x2048x4096 GEMM; then lists the GPU work one kosmos call enqueues (torch profiler). The gap between a
-one-tile kosmos call and the empty launch is what every call pays besides its tiles. Session 4 found a
+a 4096x2048x4096 GEMM; then lists the GPU work one kosmos call enqueues (torch profiler) and where its host
+time goes (cProfile). The gap between a one-tile kosmos call and the empty launch is what every call pays
+besides its tiles. Session 4 found a
 device-to-host copy of the error record after every launch this way (~5 us per call; removed).
 """
 import torch
@@ -112,9 +113,33 @@ def main():
             kosmos.matmul_reduce_scatter(a, b)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+    _host_profile(lambda: kosmos.matmul_reduce_scatter(a, b))
     print(f"{'what':<50} {'gpu us':>8} {'host us':>8}")
     for name, g, h in rows:
         print(f"{name:<50} {g:8.1f} {h:8.1f}")
+
+
+def _host_profile(call, n=200):
+    """Where a call's host time goes: cProfile over n calls (the GPU is kept busy by the calls themselves;
+    host time per call = the profile's total / n), the 15 costliest functions by cumulative time."""
+    import cProfile
+    import pstats
+    import time
+    call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"host time per call, unprofiled: {host_us:.1f} us (enqueue only; n={n})")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
 
 
 if __name__ == "__main__":

@@ -117,12 +117,23 @@ def test_ag_comm_tasks_of_several_chunks(chunks, per_task):
     assert first_wave == list(range(stride))
 
 
-@pytest.mark.parametrize("value", [("KOSMOS_AG_PUSH_CHUNKS", "0"), ("KOSMOS_AG_COPY_BLOCK", "1000"),
-                                   ("KOSMOS_AG_COPY_BLOCK", "128")])
+@pytest.mark.parametrize("value", [("KOSMOS_AG_PUSH_CHUNKS", "0"), ("KOSMOS_AG_PUSH_CHUNKS", "two"),
+                                   ("KOSMOS_AG_COPY_BLOCK", "1000"), ("KOSMOS_AG_COPY_BLOCK", "128")])
 def test_ag_comm_config_rejects_bad_knobs(monkeypatch, value):
     monkeypatch.setenv(*value)
     with pytest.raises(ValueError, match=value[0]):
         planning.ag_comm_config()
+
+
+@pytest.mark.parametrize("world,ms,expect", [(2, 4096 // 2, 1), (2, 8192 // 2, 2), (2, 16384 // 2, 4),
+                                             (8, 16384 // 8, 7), (2, 100, 1)])
+def test_ag_push_chunks_auto(monkeypatch, world, ms, expect):
+    """KOSMOS_AG_PUSH_CHUNKS=auto: chunks per push task so that about 16 push tasks cover all peers' chunks
+    (16 / 32 / 64 chunks of 128 rows at seq 4k / 8k / 16k, TP=2)."""
+    monkeypatch.setenv("KOSMOS_AG_PUSH_CHUNKS", "auto")
+    per_task, _ = planning.ag_comm_config(world, ms, 128)
+    assert per_task == expect
+    assert planning.ag_push_tasks(world, ms, 128, per_task) <= planning.AG_TARGET_PUSHERS + world - 1
 
 
 def test_ag_stagger_no_two_ranks_push_same_peer():

@@ -160,7 +160,7 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
     ms, k = a_shard.shape
     n = c.shape[1]
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
-    per_task, copy_block = planning.ag_comm_config()
+    per_task, copy_block = planning.ag_comm_config(world, ms, cfg.BM)
     key = ("ag", rank, world, ms, n, cfg, per_task, str(a_shard.device))
     comm_t, comp_t, _ = planning.cached_tables(
         key, lambda: planning.plan_all_gather_matmul(rank, world, ms, n, cfg, a_shard.device, per_task))
