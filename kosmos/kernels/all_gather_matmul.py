@@ -168,8 +168,9 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
     # the self policy takes only the pushes before computing; fixed-role comm programs run the whole table
     n_lead = planning.ag_push_tasks(world, ms, cfg.BM, per_task) if pol == 0 else comm_t.shape[0]
     a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
+    gather_desc = tma_descriptor(gather, [cfg.BM, cfg.BK])
     _all_gather_matmul_kernel[(grid,)](
-        a_shard, a_desc, tma_descriptor(gather, [cfg.BM, cfg.BK]), b_desc, c_desc, c, gather, peer_data, peer_sig, signals,
+        a_shard, a_desc, gather_desc, b_desc, c_desc, c, gather, peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], n_lead, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
