@@ -345,3 +345,20 @@ def test_misaligned_base_pointer_rejected(fake_world, op):
         a = cuda(bf16(8 * 16 + 1)[1:].view(8, 16))
     assert a.is_contiguous() and a.data_ptr() % 16 != 0
     _raises_before_launch(fake_world, op, a, cuda(bf16(16, 8)), "align")
+
+
+def test_tma_descriptor_template_matches_a_fresh_descriptor():
+    """kernels.common.tma_descriptor copies a per-layout template: every field equals what Triton's own
+    TensorDescriptor.from_tensor gives, base is the tensor passed, and the cached template keeps no tensor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from kosmos.kernels import common
+    x, y = torch.zeros(256, 192, dtype=torch.bfloat16), torch.ones(256, 192, dtype=torch.bfloat16)
+    dx, dy = common.tma_descriptor(x, [128, 64]), common.tma_descriptor(y, [128, 64])
+    ref = TensorDescriptor.from_tensor(y, [128, 64])
+    assert isinstance(dy, TensorDescriptor) and dy.base is y and dx.base is x
+    assert {k: v for k, v in vars(dy).items() if k != "base"} == {k: v for k, v in vars(ref).items() if k != "base"}
+    key = ((256, 192), (192, 1), torch.bfloat16, (128, 64))
+    assert common._DESCRIPTOR_TEMPLATES[key].base is None
+    other = common.tma_descriptor(torch.zeros(256, 192, dtype=torch.bfloat16)[:, :128], [128, 64])  # new layout
+    assert tuple(other.strides) == (192, 1) and tuple(other.shape) == (256, 128)

@@ -78,10 +78,29 @@ def host_descriptors(a, b_store, b_kmajor: bool, c, cfg):
             tma_descriptor(c, [cfg.BM, cfg.BN // 2]))
 
 
+_DESCRIPTOR_TEMPLATES: dict = {}
+
+
 def tma_descriptor(t, block_shape):
-    """A host-built TMA descriptor of the 2-D row-major tensor ``t`` with tiles of ``block_shape``."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor.from_tensor(t, block_shape)
+    """A host-built TMA descriptor of the 2-D row-major tensor ``t`` with tiles of ``block_shape``.
+
+    Triton validates a new ``TensorDescriptor`` in Python (~9 us on the CPU of the dev box, three or four per
+    call); the fields depend only on the layout and the base, so each layout is validated once and later
+    calls copy that template and set ``base``. ``t`` itself passed ``check_matrix`` (16-byte aligned) or is
+    a fresh allocation. The template keeps no tensor alive."""
+    key = (tuple(t.shape), tuple(t.stride()), t.dtype, tuple(block_shape))
+    tmpl = _DESCRIPTOR_TEMPLATES.get(key)
+    if tmpl is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        tmpl = TensorDescriptor.from_tensor(t, list(block_shape))  # validated here, once per layout
+        tmpl.base = None
+        if len(_DESCRIPTOR_TEMPLATES) > 4096:  # many one-off shapes: start over rather than grow
+            _DESCRIPTOR_TEMPLATES.clear()
+        _DESCRIPTOR_TEMPLATES[key] = tmpl
+    desc = object.__new__(type(tmpl))
+    desc.__dict__.update(tmpl.__dict__)
+    desc.base = t
+    return desc
 
 
 def check_matrix(name: str, t, device=None) -> None:
