@@ -71,6 +71,16 @@ def test_tp_op_at_world(op, world, policy):
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
+def test_tp_op_transposed_weight(op):
+    """b given as the .t() of a row-major [N, K] weight (k-major B tiles) at W = 3."""
+    t = _make(op, 3, seed=30, b_kmajor=True)
+    for epoch in EPOCHS[:2]:
+        t.new_epoch_inputs()
+        t.launch_all(epoch)
+        _check_call(t, epoch)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_op_back_to_back_bitwise(op, world):
     """20 calls back to back on the same inputs, no host synchronisation between them: every call's output is
