@@ -195,7 +195,7 @@ def _signal_done(peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.conste
 
 @triton.jit
 def exit_program(heads_ptr, EXIT_SLOT: tl.constexpr, NUM_HEADS: tl.constexpr, GRID: tl.constexpr,
-                 peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, err_ptr):
+                 peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch):
     """Last program out resets the queue heads (so the next launch starts at 0 without a reset kernel) and
     tells every peer that this rank is done with the call's buffers (flag DONE_BASE + rank = epoch)."""
     n_out = tl.atomic_add(heads_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
@@ -207,7 +207,7 @@ def exit_program(heads_ptr, EXIT_SLOT: tl.constexpr, NUM_HEADS: tl.constexpr, GR
 
 @triton.jit
 def exit_program_zeroing(scratch_ptr, n_zero, EXIT_SLOT: tl.constexpr, GRID: tl.constexpr, peer_sig_table,
-                         DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, err_ptr, BLOCK: tl.constexpr):
+                         DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, BLOCK: tl.constexpr):
     """``exit_program`` for kernels whose local scratch (heads, exit counter, readiness counters) is one int32
     array: the last program out zeroes its first ``n_zero`` entries, then signals done to every peer."""
     n_out = tl.atomic_add(scratch_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")

@@ -188,7 +188,7 @@ def _matmul_reduce_scatter_kernel(
                 n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
             else:
                 comp_done = 1
-    dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch, err_ptr)
+    dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
 
 
 def _red_rows(cfg, world: int) -> int:

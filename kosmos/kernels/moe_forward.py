@@ -558,7 +558,7 @@ def _moe_forward_kernel(
                                      TRACE)
     if FINAL:
         dev.exit_program_zeroing(scratch_ptr, scratch_n, SC_EXIT, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch,
-                                 err_ptr, 1024)
+                                 1024)
 
 
 # -------------------------------------------------------------------------------------------------- host
