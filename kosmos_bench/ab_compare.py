@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 from collections import defaultdict
 
@@ -18,6 +19,8 @@ from collections import defaultdict
 def _load(paths):
     rows = defaultdict(list)  # (op, model, layer, seq, impl) -> [time_ms]
     for p in paths:
+        if not os.path.exists(p):
+            raise SystemExit(f"ab_compare: {p}: no such file (did that run fail?)")
         for line in open(p):
             r = json.loads(line)
             if r.get("type") == "result" and r.get("status") == "ok":

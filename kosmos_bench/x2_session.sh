@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The two-GPU session plan of NOTES.md ("Next session's device plan") as three device calls, each under the
+# device tool's 10-minute limit, each writing at most 8 files under $OUT and printing a short table last.
+#
+#   KOSMOS_GIT_COMMIT=<sha of the tree> bash kosmos_bench/x2_session.sh tests   # ~6 min: every GPU test
+#   KOSMOS_GIT_COMMIT=<sha> bash kosmos_bench/x2_session.sh ab                  # ~5 min: knob A/B + traces
+#   KOSMOS_GIT_COMMIT=<sha> bash kosmos_bench/x2_session.sh suite               # ~8 min: the default suite
+#
+# KOSMOS_GIT_COMMIT names the commit in the env records (the device's copy of the tree has a stale .git).
+set -u
+stage=${1:?usage: x2_session.sh tests|ab|suite}
+out=${OUT:?run on the device machine, where OUT is set}
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+bench() { timeout "$1" python -m kosmos_bench.cli bench tp "${@:2}" > /dev/null 2>&1; echo "  rc=$? $*"; }
+case $stage in
+  tests)
+    timeout 560 python -m pytest -q --durations=10 tests/test_gpu.py tests/test_moe_gpu.py tests/test_nn_tp.py \
+      tests/test_ranks_one_gpu.py > "$out/gpu-tests-w2.log" 2>&1
+    echo "pytest rc=$?"; tail -15 "$out/gpu-tests-w2.log" ;;
+  ab)
+    # AllGather+GEMM pushers: 1 chunk per push task (default), `auto` (~16 pushers), 4 chunks per task
+    for v in 1 auto 4; do
+      KOSMOS_AG_PUSH_CHUNKS=$v bench 120 --model llama3-70b --op ag_gemm --impl kosmos,nccl+cublas \
+        --out "$out/ag-push-$v.jsonl"
+    done
+    # GEMM+RS: pull the partials (default) or push them from the epilogue
+    for v in 0 1; do
+      KOSMOS_RS_PUSH=$v bench 120 --model llama3-70b --op gemm_rs --impl kosmos,nccl+cublas \
+        --out "$out/rs-push-$v.jsonl"
+    done
+    for v in auto 4; do python -m kosmos_bench.ab_compare "$out/ag-push-1.jsonl" --vs "$out/ag-push-$v.jsonl"; done
+    python -m kosmos_bench.ab_compare "$out/rs-push-0.jsonl" --vs "$out/rs-push-1.jsonl" ;;
+  suite)
+    bench 560 --impl kosmos,nccl+cublas,torch-async-tp,fixed-role,fixed-role-best --out "$out/tp-bf16.jsonl"
+    python -m kosmos_bench.cli report "$out/tp-bf16.jsonl" --format md --out "$out/tp-bf16.md" > /dev/null
+    tail -25 "$out/tp-bf16.md" ;;
+  *) echo "unknown stage $stage: tests, ab or suite" >&2; exit 2 ;;
+esac
