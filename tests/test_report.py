@@ -406,3 +406,18 @@ def test_developer_knobs_of_a_run_are_shown(tmp_path):
     out = tmp_path / "k.md"
     report_main([path], fmt="md", out=out)
     assert "KOSMOS_MOE_BH=512 KOSMOS_MOE_HALF_TAIL=0" in out.read_text()
+
+
+def test_trace_breakdown_shares_by_hand():
+    """Two programs over a 100 ns span: p0 computes 0-40 and 50-100 (a 10 ns gap), p1 communicates 0-30, waits
+    30-35 and computes 35-80 (20 ns idle at the end). Shares of 2 x 100 ns."""
+    from kosmos_bench.trace_breakdown import breakdown
+    ev = [(0, 2, 0, 0, 40), (0, 2, 1, 50, 100), (1, 1, 0, 0, 30), (1, 3, 2, 30, 35), (1, 2, 2, 35, 80)]
+    b = breakdown(ev)
+    assert b["span_us"] == pytest.approx(0.1) and b["programs"] == 2
+    s = b["share"]
+    assert s["compute"] == pytest.approx(135 / 200) and s["comm"] == pytest.approx(30 / 200)
+    assert s["wait"] == pytest.approx(5 / 200) and s["gaps"] == pytest.approx(10 / 200)
+    assert s["tail"] == pytest.approx(20 / 200) and s["head"] == 0
+    assert sum(s.values()) == pytest.approx(1.0)
+    assert b["tasks"] == {"compute": 3, "comm": 1, "wait": 1}
