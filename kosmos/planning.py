@@ -82,7 +82,7 @@ def _table(rows, device) -> torch.Tensor:
 AG_TARGET_PUSHERS = 16  # KOSMOS_AG_PUSH_CHUNKS=auto: about this many push tasks per rank (all peers)
 
 
-def ag_comm_config(world: int = 2, ms: int = 1, bm: int = 1) -> tuple[int, int]:
+def ag_comm_config(world: int, ms: int, bm: int) -> tuple[int, int]:
     """(chunks per comm task, elements per copy step) of AllGather+GEMM for a shard of ``ms`` rows in chunks of
     ``bm``. Defaults 1 and 16384: one program copies 2.5x faster with 16384 bf16 in flight per step than with
     4096 (one H200, `copy_probe`), and the kernel stays spill-free (Triton 3.6, sm_90: 181 registers;

@@ -334,8 +334,11 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
         return sha if sha and len(sha) == 40 and all(c in "0123456789abcdef" for c in sha) else None
 
     def git_dirty():
-        """True when kosmos/ or kosmos_bench/ differ from the commit (or the .git beside them is stale, as on a
-        machine that received a copy of a working tree); None without git."""
+        """True when kosmos/ or kosmos_bench/ differ from the commit; None without git, or when
+        KOSMOS_GIT_COMMIT names the commit (a copied tree's .git may be stale: source_sha then says which
+        code ran)."""
+        if os.environ.get("KOSMOS_GIT_COMMIT"):
+            return None
         try:
             out = subprocess.run(["git", "status", "--porcelain", "--", "kosmos", "kosmos_bench"],
                                  capture_output=True, text=True, timeout=5, cwd=SOURCE_ROOT)

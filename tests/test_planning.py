@@ -122,7 +122,7 @@ def test_ag_comm_tasks_of_several_chunks(chunks, per_task):
 def test_ag_comm_config_rejects_bad_knobs(monkeypatch, value):
     monkeypatch.setenv(*value)
     with pytest.raises(ValueError, match=value[0]):
-        planning.ag_comm_config()
+        planning.ag_comm_config(2, 4096, 128)
 
 
 @pytest.mark.parametrize("world,ms,expect", [(2, 4096 // 2, 1), (2, 8192 // 2, 2), (2, 16384 // 2, 4),

@@ -62,3 +62,16 @@ def test_knobs_sets_and_restores_the_environment(monkeypatch):
     assert os.environ["KOSMOS_AG_COPY_BLOCK"] == "4096" and "KOSMOS_RS_PUSH" not in os.environ
     with knobs(""):
         assert os.environ["KOSMOS_AG_COPY_BLOCK"] == "4096"
+
+
+def test_env_record_trusts_kosmos_git_commit(monkeypatch):
+    """A copied tree (the device machine) may carry a stale .git: with KOSMOS_GIT_COMMIT set, the record names
+    that commit and does not compare the tree against the stale .git (git_dirty None); source_sha is always
+    there."""
+    from kosmos_bench import tp
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("KOSMOS_GIT_COMMIT", sha)
+    env = tp.environment()
+    assert env["git_commit"] == sha and env["git_dirty"] is None
+    assert env["source_sha"] == tp.source_sha() and len(env["source_sha"]) == 40
+    assert "KOSMOS_GIT_COMMIT" not in env["knobs"]

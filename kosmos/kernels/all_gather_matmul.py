@@ -44,8 +44,8 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import (check_launch, check_operands, copy_flat, host_descriptors, policy_args, store_tile,
-                     tile_matmul, tma_descriptor)
+from .common import (check_launch, check_operands, copy_flat, host_descriptors, load_task, policy_args,
+                     store_tile, tile_matmul, tma_descriptor)
 
 OP_CODE = 1
 
@@ -82,9 +82,7 @@ def _all_gather_matmul_kernel(
         if phase == 1:
             t = dev.claim(heads_ptr + 1)
             if t < n_comp:
-                slot = tl.load(comp_table + t * 4)
-                mt = tl.load(comp_table + t * 4 + 1)
-                nt = tl.load(comp_table + t * 4 + 2)
+                slot, mt, nt = load_task(comp_table, t)
                 t0 = dev.now_ns()
                 if slot != rank:
                     if dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + mt, epoch, timeout_ns, err_ptr, 1,

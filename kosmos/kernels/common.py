@@ -29,6 +29,12 @@ def tile_matmul(a_desc, b_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr,
 
 
 @triton.jit
+def load_task(table, t):
+    """Fields 0..2 of row t of an int32 [n, 4] task table (planning.py)."""
+    return tl.load(table + t * 4), tl.load(table + t * 4 + 1), tl.load(table + t * 4 + 2)
+
+
+@triton.jit
 def store_tile(c_desc, c_ptr, acc, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.constexpr):
     """Store acc (fp32) as bf16 at C[row:row+rows_valid, col:col+BN]: TMA (two half-width stores) for a full
     tile, masked pointer stores when the tile ends inside the rows (a shard boundary)."""

@@ -52,8 +52,8 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
-from .common import (check_launch, check_operands, host_descriptors, policy_args, store_rows, store_tile,
-                     tile_matmul)
+from .common import (check_launch, check_operands, host_descriptors, load_task, policy_args, store_rows,
+                     store_tile, tile_matmul)
 
 OP_CODE = 2
 
@@ -160,9 +160,7 @@ def _matmul_reduce_scatter_kernel(
         elif comp_done == 0:
             t = dev.claim(heads_ptr + 1)
             if t < n_comp:
-                owner = tl.load(comp_table + t * 4)
-                mt = tl.load(comp_table + t * 4 + 1)
-                nt = tl.load(comp_table + t * 4 + 2)
+                owner, mt, nt = load_task(comp_table, t)
                 t0 = dev.now_ns()
                 acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
                                   DOT_FP32)
