@@ -130,7 +130,9 @@ def _matmul_reduce_scatter_kernel(
         t_red = -1
         mt = red_mt
         nt = red_nt
-        if red_done == 0:
+        if WORLD == 1:  # no reduce tasks: with this branch gone, t_red stays the literal -1 and the whole
+            pass        # reduce path compiles out (nothing of it stays live across the mainloop)
+        elif red_done == 0:
             if POLICY == 0:  # own tasks only: nothing to claim, nothing contended
                 if comp_done == 1:  # nothing else to do: take the next own task and wait for it
                     t_red = my_red
