@@ -135,6 +135,27 @@ def test_w1_random_shapes(no_tf32):
         assert reference.rel_err(c2, ref) < TOL, (ms, k, n)
 
 
+def test_w1_takes_no_data_workspace():
+    """At W=1 nothing is gathered and nothing is staged: both ops leave the symmetric data buffer at its 1 MiB
+    floor (before session 6 it grew to one gathered input / one partial output: 8 and 16 MiB here, 256 MiB at
+    the llama3-70b fc1 16k shape)."""
+    import kosmos
+    from kosmos import reference, runtime
+    runtime.reset_workspaces()
+    gen = torch.Generator().manual_seed(11)
+    a, b = _randn((4096, 1024), gen, "cuda"), _randn((1024, 2048), gen, "cuda")
+    try:
+        a_full, c = kosmos.all_gather_matmul(a, b)
+        c2 = kosmos.matmul_reduce_scatter(a, b)
+        kosmos.check_errors()
+        assert a_full.data_ptr() == a.data_ptr()
+        ref = a.float() @ b.float()
+        assert reference.rel_err(c, ref) < TOL and reference.rel_err(c2, ref) < TOL
+        assert runtime.get_workspace(None, a.device).data_bytes == 1 << 20
+    finally:
+        runtime.reset_workspaces()
+
+
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_w1_trace_records_every_compute_task(op):
     import kosmos

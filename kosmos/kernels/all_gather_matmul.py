@@ -195,10 +195,11 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *, pol
     cfg = planning.tile_config(ms, n, k)
     grid = runtime.num_sms(a_shard.device)
     check_launch(policy, comm_programs, trace, grid)
-    ws.ensure(m * k * 2, w * -(-ms // cfg.BM))  # (not triton.cdiv: a JIT function, ~7 us per host call)
+    gather_bytes = m * k * 2 if w > 1 else 0  # at W=1 nothing is gathered: a_full is a_shard itself
+    ws.ensure(gather_bytes, w * -(-ms // cfg.BM))  # (not triton.cdiv: a JIT function, ~7 us per host call)
     runtime.ensure_triton_allocator()
     epoch = ws.next_epoch()
-    gather = ws.data[: m * k * 2].view(torch.bfloat16).view(m, k)
+    gather = ws.data[:gather_bytes].view(torch.bfloat16).view(m, k) if w > 1 else a_shard
     c = torch.empty((m, n), dtype=torch.bfloat16, device=a_shard.device)
     launch(a_shard, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
            ws.errors, rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg,

@@ -248,11 +248,12 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, polic
     cfg = planning.tile_config(ms, n, k)
     grid = runtime.num_sms(a.device)
     check_launch(policy, comm_programs, trace, grid)
-    ws.ensure(m * n * 2, w * -(-ms // cfg.BM) * -(-n // cfg.BN))  # (triton.cdiv costs ~7 us per host call)
+    stage_bytes = m * n * 2 if w > 1 else 0  # at W=1 the tiles go straight into c_shard: no staging
+    ws.ensure(stage_bytes, w * -(-ms // cfg.BM) * -(-n // cfg.BN))  # (triton.cdiv costs ~7 us per host call)
     runtime.ensure_triton_allocator()
     epoch = ws.next_epoch()
-    stage = ws.data[: m * n * 2].view(torch.bfloat16).view(m, n)
     c = torch.empty((ms, n), dtype=torch.bfloat16, device=a.device)
+    stage = ws.data[:stage_bytes].view(torch.bfloat16).view(m, n) if w > 1 else c
     launch(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
            rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, policy=policy,
            comm_programs=comm_programs, trace=trace)
