@@ -4,7 +4,7 @@
 #
 #   KOSMOS_GIT_COMMIT=<sha of the tree> bash kosmos_bench/x2_session.sh tests   # ~6 min: every GPU test
 #   KOSMOS_GIT_COMMIT=<sha> bash kosmos_bench/x2_session.sh ab                  # ~6 min: knob A/B + traces
-#   KOSMOS_GIT_COMMIT=<sha> bash kosmos_bench/x2_session.sh suite               # ~8 min: the default suite
+#   KOSMOS_GIT_COMMIT=<sha> bash kosmos_bench/x2_session.sh suite               # <= 9.5 min: the default suite
 #
 # KOSMOS_GIT_COMMIT names the commit in the env records (the device's copy of the tree has a stale .git).
 set -u
@@ -34,7 +34,11 @@ case $stage in
     for v in auto 4; do python -m kosmos_bench.ab_compare "$out/ag-push-1.jsonl" --vs "$out/ag-push-$v.jsonl"; done
     python -m kosmos_bench.ab_compare "$out/rs-push-0.jsonl" --vs "$out/rs-push-1.jsonl" ;;
   suite)
-    bench 560 --impl kosmos,nccl+cublas,torch-async-tp,fixed-role,fixed-role-best --out "$out/tp-bf16.jsonl"
+    # the default suite, llama3-70b first (the bar shapes) so that a timeout can only cut llama3-8b;
+    # both runs append to one file (the report keys rows to their env line by run_id)
+    impls=kosmos,nccl+cublas,torch-async-tp,fixed-role,fixed-role-best
+    bench 330 --model llama3-70b --impl $impls --out "$out/tp-bf16.jsonl"
+    bench 230 --model llama3-8b --impl $impls --out "$out/tp-bf16.jsonl"
     python -m kosmos_bench.cli report "$out/tp-bf16.jsonl" --format md --out "$out/tp-bf16.md" > /dev/null
     tail -25 "$out/tp-bf16.md" ;;
   *) echo "unknown stage $stage: tests, ab or suite" >&2; exit 2 ;;

@@ -100,12 +100,17 @@ def test_tp_op_back_to_back_bitwise(op, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ag_several_chunks_per_comm_task(monkeypatch, world):
+@pytest.mark.parametrize("per_task,ms", [("4", 600), ("auto", 2600)])
+def test_ag_several_chunks_per_comm_task(monkeypatch, world, per_task, ms):
     """Developer knobs KOSMOS_AG_PUSH_CHUNKS / KOSMOS_AG_COPY_BLOCK: comm tasks moving 4 strided chunks each
-    (5 chunks of 128 rows per shard, the last ragged) with copy steps smaller than a chunk."""
-    monkeypatch.setenv("KOSMOS_AG_PUSH_CHUNKS", "4")
+    (5 chunks of 128 rows per shard, the last ragged), or as many as ``auto`` gives (21 chunks per shard: 2
+    per task at W=2, 4 at W=4), with copy steps smaller than a chunk."""
+    from kosmos import planning
+    monkeypatch.setenv("KOSMOS_AG_PUSH_CHUNKS", per_task)
     monkeypatch.setenv("KOSMOS_AG_COPY_BLOCK", "1024")
-    t = _make("ag", world, seed=50 + world, ms=600)
+    if per_task == "auto":
+        assert planning.ag_comm_config(world, ms, 128)[0] == {2: 2, 4: 4}[world]
+    t = _make("ag", world, seed=50 + world, ms=ms)
     for epoch in EPOCHS:
         t.new_epoch_inputs()
         t.launch_all(epoch)
