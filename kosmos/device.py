@@ -12,8 +12,6 @@ Everything a kernel needs to talk to other ranks lives here, and nowhere else:
                     already set, so the ops are not graph-replayable as they stand (NOTES.md, session 5).
 * ``load_uniform`` -- read shared state so that all threads of a program agree (one broadcast atomic);
                     every branch on a flag or queue head uses it.
-* ``all_geq``    -- whether W flags all hold a value >= target, read in parallel lanes, one shared verdict
-                    (``acquire_fence`` then orders the reads it guards).
 * ``wait_geq``   -- bounded spin until a local signal slot holds a value >= target. Polls with volatile loads
                     (measured 5.5 us round trip vs 36 us for acquire-atomic polling on 2x H200), decides with
                     one uniform read, then issues one
@@ -67,10 +65,7 @@ def now_ns():
 
 
 @triton.jit
-def acquire_fence(flag_ptr):
-    """Acquire what the flags observed so far guard, for TMA reads too (``flag_ptr``: one of those flags; the
-    interpreter stands in an acquire atomic on it). Ends ``wait_geq``; a caller that saw its flags set
-    through ``all_geq`` calls it before reading the data."""
+def _acquire_fence(flag_ptr):
     if INTERPRET:
         tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     else:
@@ -144,22 +139,8 @@ def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, rank, task
             if tl.atomic_cas(err_ptr + ERR_FLAG, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
                              scope="gpu") == 0:
                 _record_error(err_ptr, OP, rank, task, counter, target, v, now_ns() - t0)
-    acquire_fence(flag_ptr)
+    _acquire_fence(flag_ptr)
     return ok
-
-
-@triton.jit
-def all_geq(base_ptr, stride, COUNT: tl.constexpr, target, LANES: tl.constexpr):
-    """Whether ``base_ptr[i * stride] >= target`` for every i < COUNT, as one decision the whole program shares.
-
-    Lane i of a [LANES] tensor (LANES = the program's threads, one element each, so nothing is replicated)
-    reads flag i with a volatile load, all at once, and a reduction gives every thread the same verdict. W
-    ``load_uniform`` reads would cost W round trips in a row (each broadcast behind a barrier). A hint only,
-    with no ordering: a caller that goes on to read the guarded data calls ``acquire_fence`` after a True."""
-    lane = tl.arange(0, LANES)
-    mine = lane < COUNT
-    v = tl.load(base_ptr + lane * stride, mask=mine, other=0, volatile=True)
-    return tl.sum((mine & (v < target)).to(tl.int32), axis=0) == 0
 
 
 @triton.jit

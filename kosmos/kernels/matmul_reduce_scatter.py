@@ -59,31 +59,24 @@ OP_CODE = 2
 
 
 @triton.jit
-def _reduce_ready(sig_ptr, tile, tiles_per_owner, epoch, WORLD: tl.constexpr, FLAG_BASE: tl.constexpr,
-                  LANES: tl.constexpr):
-    """Whether all W partials of own tile ``tile`` have been published (the W flags read at once)."""
-    return dev.all_geq(sig_ptr + FLAG_BASE + tile, tiles_per_owner, WORLD, epoch, LANES)
+def _reduce_ready(sig_ptr, tile, tiles_per_owner, epoch, WORLD: tl.constexpr, FLAG_BASE: tl.constexpr):
+    ready = 1
+    for s in tl.static_range(WORLD):
+        v = dev.load_uniform(sig_ptr + FLAG_BASE + s * tiles_per_owner + tile)
+        ready = ready & (v >= epoch).to(tl.int32)
+    return ready
 
 
 @triton.jit
 def _reduce_tile(t, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch, timeout_ns,
                  tiles_per_owner, n_tn, stage_ptr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 RED_ROWS: tl.constexpr, FLAG_BASE: tl.constexpr, PUSH: tl.constexpr, LANES: tl.constexpr,
-                 seen_ready):
-    """Reduce task t = this rank's tile (mt, nt); returns 0 if a wait gave up (the caller drains).
-    ``seen_ready``: the caller has just seen all W flags set (``_reduce_ready``)."""
+                 RED_ROWS: tl.constexpr, FLAG_BASE: tl.constexpr, PUSH: tl.constexpr):
+    """Reduce task t = this rank's tile (mt, nt); returns 0 if a wait gave up (the caller drains)."""
     tile = mt * n_tn + nt
     ok = 1
-    if seen_ready == 0:
-        seen_ready = _reduce_ready(sig_ptr, tile, tiles_per_owner, epoch, WORLD, FLAG_BASE, LANES).to(tl.int32)
-    if seen_ready != 0:
-        # the usual case (the policy runs a task early only when its inputs are there): one parallel read
-        # of the W flags, then one acquire, instead of W waits in a row
-        dev.acquire_fence(sig_ptr + FLAG_BASE + tile)
-    else:
-        for s in tl.static_range(WORLD):
-            slot = FLAG_BASE + s * tiles_per_owner + tile
-            ok = ok & dev.wait_geq(sig_ptr + slot, epoch, timeout_ns, err_ptr, 2, rank, t, slot)
+    for s in tl.static_range(WORLD):
+        slot = FLAG_BASE + s * tiles_per_owner + tile
+        ok = ok & dev.wait_geq(sig_ptr + slot, epoch, timeout_ns, err_ptr, 2, rank, t, slot)
     rows_valid = Ms - mt * BM
     offs_r = tl.arange(0, RED_ROWS)
     offs_n = tl.arange(0, BN)
@@ -111,7 +104,7 @@ def _matmul_reduce_scatter_kernel(
         Ms, N, K, rank, epoch, timeout_us, fixed_comm,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
-        RED_ROWS: tl.constexpr, PUSH: tl.constexpr, LANES: tl.constexpr,
+        RED_ROWS: tl.constexpr, PUSH: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
@@ -135,7 +128,6 @@ def _matmul_reduce_scatter_kernel(
     n_ev = 0
     while (red_done == 0) | (comp_done == 0):
         t_red = -1
-        red_ready = 0
         mt = red_mt
         nt = red_nt
         if WORLD == 1:  # no reduce tasks: with this branch gone, t_red stays the literal -1 and the whole
@@ -145,9 +137,8 @@ def _matmul_reduce_scatter_kernel(
                 if comp_done == 1:  # nothing else to do: take the next own task and wait for it
                     t_red = my_red
                 elif _reduce_ready(sig_ptr, red_mt * n_tn + red_nt, tiles_per_owner, epoch, WORLD,
-                                   FLAG_BASE, LANES):
+                                   FLAG_BASE) != 0:
                     t_red = my_red
-                    red_ready = 1
                 if t_red >= 0:
                     my_red += GRID
                     red_done = (my_red >= n_red).to(tl.int32)
@@ -164,8 +155,7 @@ def _matmul_reduce_scatter_kernel(
         if t_red >= 0:
             t0 = dev.now_ns()
             if _reduce_tile(t_red, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epoch, timeout_ns,
-                            tiles_per_owner, n_tn, stage_ptr, WORLD, BM, BN, RED_ROWS, FLAG_BASE, PUSH,
-                            LANES, red_ready) == 0:
+                            tiles_per_owner, n_tn, stage_ptr, WORLD, BM, BN, RED_ROWS, FLAG_BASE, PUSH) == 0:
                 red_done = 1  # timed out, or another program did: drain (see the docstring)
                 comp_done = 1
             n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t_red, t0, dev.now_ns(), TRACE)
@@ -236,7 +226,6 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=rs_push(),
-        LANES=32 * cfg.num_warps,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
