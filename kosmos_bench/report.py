@@ -26,6 +26,10 @@ MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
 ``extra`` (older files).
 * ``geomean_speedup`` / ``geomean_overlap_efficiency`` -- geometric means over the
   "ok" rows of one (source, bench, impl) that have the metric.
+* ``vs_fastest_other`` / ``vs_fixed_role_best`` (section "kosmos against the fastest other
+  implementation") -- per comparison group where kosmos is ok: the fastest other ok implementation's
+  time (or fixed-role-best's) divided by kosmos's; > 1 means kosmos is faster. The line under it
+  counts the groups where kosmos is at most 3% slower (vs_fastest_other >= 0.97).
 """
 
 from __future__ import annotations
@@ -85,8 +89,15 @@ FLOAT_FORMATS = {
     "tflops": "{:.1f}", "rel_err": "{:.2e}",
     "speedup": "{:.3f}", "overlap_efficiency": "{:.3f}",
     "geomean_speedup": "{:.3f}", "geomean_overlap_efficiency": "{:.3f}",
+    "kosmos_ms": "{:.4f}", "fastest_other_ms": "{:.4f}", "vs_fastest_other": "{:.3f}",
+    "vs_fixed_role_best": "{:.3f}",
 }
-SPEEDUP_COLUMNS = ("speedup", "geomean_speedup")
+OURS = "kosmos"
+SLOWER_TOLERANCE = 0.03  # "no more than 3% slower than the fastest other implementation" (issue 2's bar)
+VERSUS_SHAPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "world", "dtype"]
+VERSUS_COLUMNS = VERSUS_SHAPE_COLUMNS + [
+    "kosmos_ms", "fastest_other", "fastest_other_ms", "vs_fastest_other", "vs_fixed_role_best"]
+SPEEDUP_COLUMNS = ("speedup", "geomean_speedup", "vs_fastest_other", "vs_fixed_role_best")
 NUMERIC_DISPLAY_COLUMNS = set(INTEGER_COLUMNS) | set(FLOAT_FORMATS) | {"ok", "failed", "unavailable"}
 MIB = 1024 * 1024
 
@@ -274,6 +285,68 @@ def geomean_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(records, columns=GEOMEAN_COLUMNS)
 
 
+def versus_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per comparison group where kosmos ran ok: the fastest other implementation that ran ok there, and
+    kosmos's time against it and against ``fixed-role-best`` (other time / kosmos time: > 1 = kosmos faster).
+    The MoE expert-GEMM rows are another comparison group (op), so they never compete with the layer."""
+    rows = df.to_dict("records")
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if _has_time(row):
+            groups.setdefault(_comparison_group(row), []).append(row)
+    records = []
+    for group in groups.values():
+        ours = [row for row in group if row["impl"] == OURS]
+        others = [row for row in group if row["impl"] != OURS]
+        if not ours or not others:
+            continue
+        mine, best = ours[0], min(others, key=lambda row: row["time_ms"])
+        fixed_best = [row["time_ms"] for row in others if row["impl"] == "fixed-role-best"]
+        records.append({
+            **{column: mine.get(column) for column in VERSUS_SHAPE_COLUMNS + MOE_COLUMNS},
+            "kosmos_ms": mine["time_ms"], "fastest_other": best["impl"], "fastest_other_ms": best["time_ms"],
+            "vs_fastest_other": best["time_ms"] / mine["time_ms"],
+            "vs_fixed_role_best": fixed_best[0] / mine["time_ms"] if fixed_best else math.nan,
+        })
+    columns = VERSUS_COLUMNS if "routing" not in df else \
+        VERSUS_SHAPE_COLUMNS + MOE_COLUMNS + VERSUS_COLUMNS[len(VERSUS_SHAPE_COLUMNS):]
+    return pd.DataFrame(records, columns=columns)
+
+
+def _versus_line(versus: pd.DataFrame) -> str | None:
+    """How often kosmos is at most 3% slower than the fastest other implementation, per source."""
+    if versus.empty:
+        return None
+    parts = []
+    for source, group in versus.groupby("source", sort=False):
+        close = group["vs_fastest_other"] >= 1 - SLOWER_TOLERANCE
+        worst = group.loc[group["vs_fastest_other"].idxmin()]
+        label = f"{source} " if versus["source"].nunique() > 1 else ""
+        part = (f"{label}at {int(close.sum())} of {len(group)} shapes (worst {worst['vs_fastest_other']:.3f}, "
+                f"{worst['fastest_other']} at {worst['model']} {_format_value('layer', worst['layer'])} "
+                f"{_format_value('seq', worst['seq'])})")
+        fixed = group["vs_fixed_role_best"].dropna()
+        if len(fixed):
+            part += (f", than fixed-role-best at {int((fixed >= 1 - SLOWER_TOLERANCE).sum())} of {len(fixed)} "
+                     f"(worst {fixed.min():.3f})")
+        parts.append(part)
+    return (f"kosmos at most {SLOWER_TOLERANCE:.0%} slower than the fastest other implementation: "
+            + "; ".join(parts) + ".")
+
+
+def _versus_display(versus: pd.DataFrame) -> list[str]:
+    hidden = set()
+    if versus["source"].nunique() <= 1:
+        hidden.add("source")
+    if versus["bench"].nunique() <= 1:
+        hidden.add("bench")
+    if versus["vs_fixed_role_best"].isna().all():
+        hidden.add("vs_fixed_role_best")
+    if "routing" in versus and versus["routing"].isna().all():
+        hidden.update(MOE_COLUMNS)
+    return [column for column in versus.columns if column not in hidden]
+
+
 def _geomean(values: pd.Series) -> float:
     positive = values.dropna()
     positive = positive[positive > 0]
@@ -397,6 +470,10 @@ def _render_markdown(df: pd.DataFrame) -> str:
     ]
     if _expert_gemm_line(df):
         sections.append(_expert_gemm_line(df))
+    versus = versus_table(df)
+    if not versus.empty:
+        sections += ["## kosmos against the fastest other implementation",
+                     _markdown_table(_formatted(versus, _versus_display(versus))), _versus_line(versus)]
     return "\n\n".join(sections) + "\n"
 
 
@@ -450,9 +527,17 @@ def _render_html(df: pd.DataFrame) -> str:
         _html_table(geomeans, GEOMEAN_COLUMNS),
         f"<p>{html.escape(_workspace_line(df))}</p>",
         *([f"<p>{html.escape(_expert_gemm_line(df))}</p>"] if _expert_gemm_line(df) else []),
+        *_versus_html(versus_table(df)),
         "</body></html>",
         "",
     ])
+
+
+def _versus_html(versus: pd.DataFrame) -> list[str]:
+    if versus.empty:
+        return []
+    return ["<h2>kosmos against the fastest other implementation</h2>",
+            _html_table(versus, _versus_display(versus)), f"<p>{html.escape(_versus_line(versus))}</p>"]
 
 
 def _render_text(df: pd.DataFrame) -> str:
@@ -474,6 +559,16 @@ def print_terminal(df: pd.DataFrame, console: Console | None = None) -> None:
     console.print(Text(_workspace_line(df)))
     if _expert_gemm_line(df):
         console.print(Text(_expert_gemm_line(df)))
+    versus = versus_table(df)
+    if not versus.empty:
+        table = Table(title="kosmos against the fastest other implementation")
+        columns = _versus_display(versus)
+        for column in columns:
+            table.add_column(column, justify="right" if column in NUMERIC_DISPLAY_COLUMNS else "left")
+        for row in versus.to_dict("records"):
+            table.add_row(*(_rich_cell(column, row) for column in columns))
+        console.print(table)
+        console.print(Text(_versus_line(versus)))
 
 
 def _environment_lines(df: pd.DataFrame) -> list[str]:

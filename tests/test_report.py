@@ -20,6 +20,7 @@ from kosmos_bench.report import (
     report_main,
     speedup_chart,
     timeline_chart,
+    versus_table,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -421,3 +422,35 @@ def test_trace_breakdown_shares_by_hand():
     assert s["tail"] == pytest.approx(20 / 200) and s["head"] == 0
     assert sum(s.values()) == pytest.approx(1.0)
     assert b["tasks"] == {"compute": 3, "comm": 1, "wait": 1}
+
+
+def test_versus_fastest_other_by_hand(tmp_path):
+    """Per shape: the fastest other ok implementation and kosmos's time against it and fixed-role-best; the
+    line counts shapes where kosmos is at most 3% slower. A shape where kosmos failed gets no row."""
+    lines = [result_line(m=1024, impl=impl, time_ms=t) for impl, t in
+             (("kosmos", 1.0), ("nccl+cublas", 1.2), ("torch-async-tp", 0.95), ("fixed-role-best", 1.1))]
+    lines += [result_line(m=2048, impl=impl, time_ms=t) for impl, t in
+              (("kosmos", 2.0), ("nccl+cublas", 3.0), ("fixed-role-best", 1.98))]
+    lines.append(result_line(m=2048, impl="torch-async-tp", status="failed", reason="x", time_ms=None))
+    lines += [result_line(m=4096, status="failed", reason="rel_err", time_ms=None),
+              result_line(m=4096, impl="nccl+cublas", time_ms=1.0)]
+    df = build_table(load_results([write_lines(tmp_path / "v.jsonl", lines)])[1])
+    versus = versus_table(df)
+    assert len(versus) == 2
+    first, second = versus.iloc[0], versus.iloc[1]
+    assert (first.fastest_other, first.vs_fastest_other) == ("torch-async-tp", pytest.approx(0.95))
+    assert first.vs_fixed_role_best == pytest.approx(1.1)
+    assert (second.fastest_other, second.vs_fastest_other) == ("fixed-role-best", pytest.approx(0.99))
+    text = render(df, "md")
+    assert "## kosmos against the fastest other implementation" in text
+    assert "at 1 of 2 shapes (worst 0.950, torch-async-tp" in text
+    assert "than fixed-role-best at 2 of 2 (worst 0.990)" in text
+    assert "kosmos against the fastest other implementation" in render(df, "html")
+    assert "at 1 of 2 shapes" in render(df, "text")
+
+
+def test_versus_section_absent_without_kosmos_or_baselines(tmp_path):
+    only_kosmos = write_lines(tmp_path / "k.jsonl", [result_line()])
+    df = build_table(load_results([only_kosmos])[1])
+    assert versus_table(df).empty
+    assert "fastest other" not in render(df, "md")
