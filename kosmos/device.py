@@ -9,7 +9,8 @@ Everything a kernel needs to talk to other ranks lives here, and nowhere else:
                     visible to whoever acquires the flag (a CTA barrier precedes the release, so the
                     other threads' stores are ordered too). The value is the call's epoch, a launch
                     argument: a CUDA graph replaying a captured call would reuse it and find its flags
-                    already set, so the ops are not graph-replayable as they stand (NOTES.md, session 5).
+                    already set, so the ops are not graph-replayable: ``runtime.get_workspace`` refuses
+                    a capture with a clear error (NOTES.md, sessions 5 and 6).
 * ``load_uniform`` -- read shared state so that all threads of a program agree (one broadcast atomic);
                     every branch on a flag or queue head uses it.
 * ``wait_geq``   -- bounded spin until a local signal slot holds a value >= target. Polls with volatile loads

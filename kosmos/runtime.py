@@ -253,6 +253,13 @@ _WORKSPACES: dict = {}
 
 
 def get_workspace(group=None, device=None) -> Workspace:
+    """The workspace of ``group`` on ``device``; every op takes it before it launches, so this is also where
+    a CUDA-graph capture is refused: an op's epoch (the value its cross-rank flags are compared with) is a
+    launch argument, and a replayed graph would reuse it, find the flags already set and read stale data."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise KosmosError("KOSMOS ops cannot be captured in a CUDA graph: each call's epoch is a launch "
+                          "argument, so a replay would reuse it and read stale peer data. Call them outside "
+                          "the captured region.")
     world = World.of(group, device)
     key = (id(world.group), world.device.index)
     ws = _WORKSPACES.get(key)

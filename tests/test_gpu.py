@@ -156,6 +156,25 @@ def test_w1_takes_no_data_workspace():
         runtime.reset_workspaces()
 
 
+def test_w1_cuda_graph_capture_is_refused():
+    """Capturing an op in a CUDA graph raises a KosmosError (a replay would reuse the call's epoch) and the
+    capture can be ended cleanly; the op works again afterwards."""
+    import kosmos
+    from kosmos import runtime
+    gen = torch.Generator().manual_seed(12)
+    a, b = _randn((256, 128), gen, "cuda"), _randn((128, 256), gen, "cuda")
+    kosmos.matmul_reduce_scatter(a, b)
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with pytest.raises(runtime.KosmosError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph, stream=stream):
+                kosmos.matmul_reduce_scatter(a, b)
+    c = kosmos.matmul_reduce_scatter(a, b)
+    kosmos.check_errors()
+    assert torch.allclose(c.float(), a.float() @ b.float(), rtol=2e-2, atol=2e-1)
+
+
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_w1_trace_records_every_compute_task(op):
     import kosmos

@@ -279,6 +279,15 @@ def test_poisoned_workspace_raises():
     assert issubclass(runtime.KosmosError, RuntimeError)
 
 
+def test_cuda_graph_capture_is_refused(monkeypatch):
+    """A captured op would replay with its epoch frozen and read stale peer data: refused with a clear error
+    before any workspace exists (the capture state is faked here; test_gpu.py captures for real)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(runtime.KosmosError, match="cannot be captured in a CUDA graph"):
+        runtime.get_workspace(None, torch.device("cpu"))
+
+
 def test_set_timeout_rejects_non_positive():
     for s in (0, -1.0):
         with pytest.raises(ValueError, match="positive"):
