@@ -235,8 +235,10 @@ def report(
     """Render benchmark results anywhere, GPU or not.
 
     Per shape: time, TFLOP/s (per GPU), speedup vs nccl+cublas, overlap efficiency
-    (max(t_gemm, t_comm) / t), relative error and status; then the geometric mean per implementation
-    and the workspace memory.
+    (max(t_gemm, t_comm) / t), relative error and status; then the geometric mean per implementation,
+    the workspace memory, and kosmos against the fastest other implementation of each shape (its time /
+    kosmos's: > 1 = kosmos faster). `--format csv` is the machine-readable contract: one row per
+    (op, model, shape, impl).
     """
     from .report import RENDER_FORMATS, ReportError, report_main
     if format not in RENDER_FORMATS:
