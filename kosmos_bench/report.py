@@ -25,7 +25,8 @@ Derived metrics (computed here, never stored by the benches):
 MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
 ``extra`` (older files).
 * ``geomean_speedup`` / ``geomean_overlap_efficiency`` -- geometric means over the
-  "ok" rows of one (source, bench, impl) that have the metric.
+  "ok" rows of one (source, bench, impl) that have the metric; the "Geomean per model"
+  table, shown when a source holds several models, splits them by model.
 * ``vs_fastest_other`` / ``vs_fixed_role_best`` (section "kosmos against the fastest other
   implementation") -- per comparison group where kosmos is ok: the fastest other ok implementation's
   time (or fixed-role-best's) divided by kosmos's; > 1 means kosmos is faster. The line under it
@@ -92,6 +93,10 @@ FLOAT_FORMATS = {
     "kosmos_ms": "{:.4f}", "fastest_other_ms": "{:.4f}", "vs_fastest_other": "{:.3f}",
     "vs_fixed_role_best": "{:.3f}",
 }
+MODEL_GEOMEAN_COLUMNS = [
+    "source", "bench", "model", "impl", "geomean_speedup", "geomean_overlap_efficiency",
+    "ok", "failed", "unavailable",
+]
 OURS = "kosmos"
 SLOWER_TOLERANCE = 0.03  # "no more than 3% slower than the fastest other implementation" (issue 2's bar)
 VERSUS_SHAPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "world", "dtype"]
@@ -285,6 +290,17 @@ def geomean_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(records, columns=GEOMEAN_COLUMNS)
 
 
+def geomean_by_model_table(df: pd.DataFrame) -> pd.DataFrame:
+    """``geomean_table`` split by model, for files that hold several models (a bar is often stated for one);
+    empty when every source holds a single model."""
+    if not (df.groupby("source")["model"].nunique() > 1).any():
+        return pd.DataFrame(columns=MODEL_GEOMEAN_COLUMNS)
+    parts = [geomean_table(group).assign(model=model)
+             for model, group in df.groupby("model", sort=False, dropna=False)]
+    table = pd.concat(parts, ignore_index=True)[MODEL_GEOMEAN_COLUMNS]
+    return table.sort_values(["source", "bench", "model"], kind="stable").reset_index(drop=True)
+
+
 def versus_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per comparison group where kosmos ran ok: the fastest other implementation that ran ok there, and
     kosmos's time against it and against ``fixed-role-best`` (other time / kosmos time: > 1 = kosmos faster).
@@ -466,6 +482,11 @@ def _render_markdown(df: pd.DataFrame) -> str:
         _markdown_table(_formatted(df, _display_columns(df))),
         "## Geomean over ok rows",
         _markdown_table(_formatted(geomeans, GEOMEAN_COLUMNS)),
+    ]
+    by_model = geomean_by_model_table(df)
+    if not by_model.empty:
+        sections += ["## Geomean per model", _markdown_table(_formatted(by_model, MODEL_GEOMEAN_COLUMNS))]
+    sections += [
         _workspace_line(df),
     ]
     if _expert_gemm_line(df):
@@ -525,12 +546,19 @@ def _render_html(df: pd.DataFrame) -> str:
         _html_table(df, _display_columns(df)),
         "<h2>Geomean over ok rows</h2>",
         _html_table(geomeans, GEOMEAN_COLUMNS),
+        *_by_model_html(geomean_by_model_table(df)),
         f"<p>{html.escape(_workspace_line(df))}</p>",
         *([f"<p>{html.escape(_expert_gemm_line(df))}</p>"] if _expert_gemm_line(df) else []),
         *_versus_html(versus_table(df)),
         "</body></html>",
         "",
     ])
+
+
+def _by_model_html(by_model: pd.DataFrame) -> list[str]:
+    if by_model.empty:
+        return []
+    return ["<h2>Geomean per model</h2>", _html_table(by_model, MODEL_GEOMEAN_COLUMNS)]
 
 
 def _versus_html(versus: pd.DataFrame) -> list[str]:
@@ -556,6 +584,9 @@ def print_terminal(df: pd.DataFrame, console: Console | None = None) -> None:
         console.print(Text(line))
     console.print(_results_rich_table(df))
     console.print(_geomean_rich_table(geomean_table(df)))
+    by_model = geomean_by_model_table(df)
+    if not by_model.empty:
+        console.print(_geomean_rich_table(by_model, MODEL_GEOMEAN_COLUMNS, "Geomean per model"))
     console.print(Text(_workspace_line(df)))
     if _expert_gemm_line(df):
         console.print(Text(_expert_gemm_line(df)))
@@ -609,12 +640,13 @@ def _rich_status(row: dict) -> Text:
     return Text(label, style="red" if status == "failed" else "yellow")
 
 
-def _geomean_rich_table(geomeans: pd.DataFrame) -> Table:
-    table = Table(title="Geomean over ok rows")
-    for column in GEOMEAN_COLUMNS:
+def _geomean_rich_table(geomeans: pd.DataFrame, columns=GEOMEAN_COLUMNS,
+                        title: str = "Geomean over ok rows") -> Table:
+    table = Table(title=title)
+    for column in columns:
         table.add_column(column, justify="right" if column in NUMERIC_DISPLAY_COLUMNS else "left")
     for row in geomeans.to_dict("records"):
-        table.add_row(*(_rich_cell(column, row) for column in GEOMEAN_COLUMNS))
+        table.add_row(*(_rich_cell(column, row) for column in columns))
     return table
 
 

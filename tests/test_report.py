@@ -19,6 +19,7 @@ from kosmos_bench.report import (
     render,
     report_main,
     speedup_chart,
+    geomean_by_model_table,
     timeline_chart,
     versus_table,
 )
@@ -454,3 +455,23 @@ def test_versus_section_absent_without_kosmos_or_baselines(tmp_path):
     df = build_table(load_results([only_kosmos])[1])
     assert versus_table(df).empty
     assert "fastest other" not in render(df, "md")
+
+
+def test_geomean_per_model_by_hand(tmp_path):
+    """A file of two models gets a per-model geomean table (a bar is often stated for one model)."""
+    lines = []
+    for model, m, base, ours in (("a", 1024, 2.0, 1.0), ("a", 2048, 1.0, 2.0), ("b", 1024, 3.0, 1.0)):
+        lines += [result_line(model=model, m=m, impl="nccl+cublas", time_ms=base),
+                  result_line(model=model, m=m, time_ms=ours)]
+    df = build_table(load_results([write_lines(tmp_path / "two.jsonl", lines)])[1])
+    by_model = geomean_by_model_table(df).set_index(["model", "impl"])
+    assert by_model.loc[("a", "kosmos"), "geomean_speedup"] == pytest.approx(1.0)  # 2 and 0.5
+    assert by_model.loc[("b", "kosmos"), "geomean_speedup"] == pytest.approx(3.0)
+    assert by_model.loc[("a", "kosmos"), "ok"] == 2
+    assert "## Geomean per model" in render(df, "md")
+    assert "Geomean per model" in render(df, "html") and "Geomean per model" in render(df, "text")
+
+
+def test_geomean_per_model_absent_for_one_model(table):
+    assert geomean_by_model_table(table).empty
+    assert "Geomean per model" not in render(table, "md")
