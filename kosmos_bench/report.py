@@ -341,6 +341,9 @@ def _versus_line(versus: pd.DataFrame) -> str | None:
         part = (f"{label}at {int(close.sum())} of {len(group)} shapes (worst {worst['vs_fastest_other']:.3f}, "
                 f"{worst['fastest_other']} at {worst['model']} {_format_value('layer', worst['layer'])} "
                 f"{_format_value('seq', worst['seq'])})")
+        if group["model"].nunique() > 1:
+            part += " [" + ", ".join(f"{model} {int(close[rows.index].sum())} of {len(rows)}"
+                                     for model, rows in group.groupby("model", sort=False)) + "]"
         fixed = group["vs_fixed_role_best"].dropna()
         if len(fixed):
             part += (f", than fixed-role-best at {int((fixed >= 1 - SLOWER_TOLERANCE).sum())} of {len(fixed)} "

@@ -469,6 +469,7 @@ def test_geomean_per_model_by_hand(tmp_path):
     assert by_model.loc[("b", "kosmos"), "geomean_speedup"] == pytest.approx(3.0)
     assert by_model.loc[("a", "kosmos"), "ok"] == 2
     assert "## Geomean per model" in render(df, "md")
+    assert "[a 1 of 2, b 1 of 1]" in render(df, "md")  # the versus line, split by model
     assert "Geomean per model" in render(df, "html") and "Geomean per model" in render(df, "text")
 
 
