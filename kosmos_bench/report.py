@@ -353,12 +353,13 @@ def _versus_line(versus: pd.DataFrame) -> str | None:
             + "; ".join(parts) + ".")
 
 
+def _single_valued(df: pd.DataFrame, columns=("source", "bench")) -> set[str]:
+    """The identity columns a human-readable table can drop: one value across the whole table."""
+    return {column for column in columns if df[column].nunique() <= 1}
+
+
 def _versus_display(versus: pd.DataFrame) -> list[str]:
-    hidden = set()
-    if versus["source"].nunique() <= 1:
-        hidden.add("source")
-    if versus["bench"].nunique() <= 1:
-        hidden.add("bench")
+    hidden = _single_valued(versus)
     if versus["vs_fixed_role_best"].isna().all():
         hidden.add("vs_fixed_role_best")
     if "routing" in versus and versus["routing"].isna().all():
@@ -388,11 +389,7 @@ def _formatted(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
 
 def _display_columns(df: pd.DataFrame) -> list[str]:
     """Columns of the human-readable per-shape tables (csv gets every column)."""
-    hidden = {"workspace_bytes"}
-    if df["source"].nunique() <= 1:
-        hidden.add("source")
-    if df["bench"].nunique() <= 1:
-        hidden.add("bench")
+    hidden = {"workspace_bytes"} | _single_valued(df)
     columns = [column for column in TABLE_COLUMNS if column not in hidden]
     if "routing" in df:
         position = columns.index("impl")
