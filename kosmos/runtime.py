@@ -42,7 +42,6 @@ import torch.distributed as dist
 DONE_BASE = 0
 FLAG_BASE = 64
 ERR_SLOTS = 9  # 8 slots of the record + the host mirror's address (device.ERR_MIRROR)
-PINGPONG_SLOT = 32  # between the done flags and the op flags; used only by the signal microbenchmark
 MAX_WORLD = 8
 NUM_HEADS = 4  # [0] comm/reduce head, [1] compute head, [2] exit counter, [3] tail head (AG's late copies)
 EXIT_SLOT = 2
@@ -50,7 +49,7 @@ TAIL_HEAD = 3
 DEFAULT_TIMEOUT_S = float(os.environ.get("KOSMOS_TIMEOUT_S", "5.0"))
 TRACE_KINDS = {0: "idle", 1: "comm", 2: "compute", 3: "wait", 4: "route", 5: "permute", 6: "gemm1", 7: "gemm2",
                8: "fold"}  # 4..8: the MoE layer's task kinds
-OP_CODES = {1: "all_gather_matmul", 2: "matmul_reduce_scatter", 3: "signal_pingpong", 4: "moe_forward"}
+OP_CODES = {1: "all_gather_matmul", 2: "matmul_reduce_scatter", 4: "moe_forward"}
 
 
 class KosmosError(RuntimeError):
@@ -122,7 +121,6 @@ class Workspace:
     heads: torch.Tensor | None = None
     errors: torch.Tensor | None = None
     epoch: int = 0
-    pingpong_count: int = 0
     poisoned: str | None = None
     _handles: list = field(default_factory=list)
     _local: dict = field(default_factory=dict)
@@ -170,7 +168,6 @@ class Workspace:
             # pinned memory is mapped into the device's address space at the same address (UVA)
             self.errors = torch.tensor([0] * 8 + [self._err_host.data_ptr()], dtype=torch.int64, device=dev)
         self.epoch = 0  # fresh zeroed signals: epochs restart
-        self.pingpong_count = 0
         torch.cuda.synchronize(dev)
         if self.world.size > 1:
             dist.barrier(group=self.world.group)

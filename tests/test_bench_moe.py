@@ -437,7 +437,7 @@ def test_point_end_to_end_world2_over_gloo():
 def test_moe_probe_trees_options(tmp_path):
     """moe_probe --tree: each tree's probe gets the same options but --tree/--out; a tree without the
     packages is refused before anything runs."""
-    from kosmos_bench import moe_probe
+    from dev import moe_probe
     argv = ["--out", "o", "--tree", "a", "--model", "qwen3-235b", "--tree=b", "--variant", "K=1", "--out=x"]
     assert moe_probe._strip_trees(argv) == ["--model", "qwen3-235b", "--variant", "K=1"]
     with pytest.raises(SystemExit, match="needs kosmos/ and kosmos_bench/"):
@@ -448,7 +448,7 @@ def test_moe_probe_runs_each_tree_in_a_subprocess(tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from kosmos_bench import moe_probe
+    from dev import moe_probe
     trees = []
     for name in ("main", "branch"):
         (tmp_path / name / "kosmos").mkdir(parents=True)
@@ -465,5 +465,5 @@ def test_moe_probe_runs_each_tree_in_a_subprocess(tmp_path, monkeypatch):
     assert rc == 0 and len(calls) == 2
     for i, (cmd, path0, cwd) in enumerate(calls):
         assert path0 == trees[i] and cwd == trees[i]
-        assert cmd == [sys.executable, "-m", "kosmos_bench.moe_probe", "--out", str(out / f"tree{i}"),
+        assert cmd == [sys.executable, "-m", "dev.moe_probe", "--out", str(out / f"tree{i}"),
                        "--tokens", "8192"]

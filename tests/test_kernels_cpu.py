@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from kosmos import planning, runtime  # noqa: E402
 from kosmos.kernels import all_gather_matmul as ag  # noqa: E402
-from kosmos_bench.simranks import AG, RS, rand  # noqa: E402
+from simranks import AG, RS, rand  # noqa: E402
 
 GRID = 3
 # A correct run never waits under the interpreter (phases are ordered); a broken one fails after ~5000 spins

@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from kosmos import moe_reference, planning  # noqa: E402
 from kosmos.kernels import moe_forward as mf  # noqa: E402
-from kosmos_bench.simranks import MoERanks, rand as _rand  # noqa: E402
+from simranks import MoERanks, rand as _rand  # noqa: E402
 
 GRID = 3
 TIMEOUT_NS = 5_000_000

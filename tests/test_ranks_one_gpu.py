@@ -19,7 +19,7 @@ IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability(0)[0] >= 9
 pytestmark = pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90+) GPU")
 
 from kosmos import runtime  # noqa: E402
-from kosmos_bench.simranks import AG, RS, MoERanks, launch_all  # noqa: E402
+from simranks import AG, RS, MoERanks, launch_all  # noqa: E402
 
 TIMEOUT_NS = 2_000_000_000  # a healthy call takes well under 10 ms here
 STALL_NS = 50_000_000

@@ -413,7 +413,7 @@ def test_developer_knobs_of_a_run_are_shown(tmp_path):
 def test_trace_breakdown_shares_by_hand():
     """Two programs over a 100 ns span: p0 computes 0-40 and 50-100 (a 10 ns gap), p1 communicates 0-30, waits
     30-35 and computes 35-80 (20 ns idle at the end). Shares of 2 x 100 ns."""
-    from kosmos_bench.trace_breakdown import breakdown
+    from dev.trace_breakdown import breakdown
     ev = [(0, 2, 0, 0, 40), (0, 2, 1, 50, 100), (1, 1, 0, 0, 30), (1, 3, 2, 30, 35), (1, 2, 2, 35, 80)]
     b = breakdown(ev)
     assert b["span_us"] == pytest.approx(0.1) and b["programs"] == 2

@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of the TP kernels as this GPU's Triton compiles them (a developer's
 device script: no second GPU needed, nothing runs).
 
-    PYTHONPATH=. python -m kosmos_bench.kernel_resources [--world 2] [--variant KOSMOS_AG_COPY_BLOCK=16384 ...]
+    PYTHONPATH=. python -m dev.kernel_resources [--world 2] [--variant KOSMOS_AG_COPY_BLOCK=16384 ...]
 
 Each fused kernel is compiled (``JITFunction.warmup``) exactly as its ``launch`` would launch it at world size
 --world for rank 0 of a llama3-70b-like shape, once per --variant (developer knobs K=V,..., set while that
@@ -76,7 +76,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the kernels are compiled for the GPU that is there)")
     print(f"{'variant':<40} {'kernel':<24} {'regs':>5} {'spills':>7} {'shared KiB':>11}")
-    from .launcher import knobs
+    from kosmos_bench.launcher import knobs
     for variant in args.variant or [""]:
         try:
             with knobs(variant):

@@ -1,6 +1,6 @@
 """Where the time of one fused MoE call goes (a developer's device script, one call per session):
 
-    python -m kosmos_bench.moe_probe --out DIR [--model deepseek-v3] [--tokens 4096] [--routing uniform]
+    python -m dev.moe_probe --out DIR [--model deepseek-v3] [--tokens 4096] [--routing uniform]
 
 Per rank: build the bench's inputs, warm up, time the call (median of --iters), then trace one call and print,
 per task kind (route = router math, comm = the route task's row pushes and count publish, permute, gemm1,
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 
 def _rank_main(rank, world, args):
-    from .launcher import knobs
+    from kosmos_bench.launcher import knobs
     for i, variant in enumerate(args.variants or [""]):
         with knobs(variant):  # the kernel's developer knobs are read at each call (planning.moe_config)
             _probe(rank, world, args, variant, i)
@@ -34,8 +34,8 @@ def _probe(rank, world, args, variant: str, index: int):
     from kosmos import runtime
     from kosmos.kernels.common import TRACE_EVENTS
 
-    from . import moe as bm
-    from . import timing
+    from kosmos_bench import moe as bm
+    from kosmos_bench import timing
     m = bm.moe_model(args.model)
     dev = torch.device("cuda", rank)
     x, wr, bias, _ = bm.make_router_inputs(m, args.tokens, args.routing, rank, 0, device=dev)
@@ -98,7 +98,7 @@ def _probe(rank, world, args, variant: str, index: int):
 
 
 def main(argv=None):
-    from .launcher import check_world, spawn
+    from kosmos_bench.launcher import check_world, spawn
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="deepseek-v3")
@@ -145,7 +145,7 @@ def _run_trees(args, argv: list[str]) -> int:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + [q for q in [os.environ.get("PYTHONPATH")] if q]))
         out = os.path.join(os.path.abspath(args.out), f"tree{i}")
         print(f"== tree {i}: {tree}", flush=True)
-        rc = subprocess.run([sys.executable, "-m", "kosmos_bench.moe_probe", "--out", out, *rest], env=env,
+        rc = subprocess.run([sys.executable, "-m", "dev.moe_probe", "--out", out, *rest], env=env,
                             cwd=tree).returncode
         worst = worst or rc
     return worst

@@ -1,6 +1,6 @@
 """Time a TP kernel's W-rank protocol on ONE GPU (a developer's device script; simulated ranks, see simranks).
 
-    PYTHONPATH=. python -m kosmos_bench.sim_probe --op ag --world 2 --ms 4096 --k 8192 --n 5120
+    PYTHONPATH=. python -m dev.sim_probe --op ag --world 2 --ms 4096 --k 8192 --n 5120
 
 W simulated ranks share the GPU (SMs // W programs each) and "NVLink" is local HBM, so the times are not
 those of W GPUs and must never be reported as such. What they are good for: an A/B of a kernel change that
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
@@ -28,7 +30,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     from kosmos import runtime
-    from kosmos_bench.simranks import AG, RS
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from simranks import AG, RS  # the tests' simulated-rank harness
     runtime.ensure_triton_allocator()
     torch.backends.cuda.matmul.allow_tf32 = False
     grid = runtime.num_sms(torch.device("cuda")) // args.world

@@ -1,6 +1,6 @@
 """Compare bench JSONL files of two code variants run interleaved in one device call (a developer script).
 
-    python -m kosmos_bench.ab_compare BASE.jsonl [BASE2.jsonl ...] --vs NEW.jsonl [NEW2.jsonl ...] [--impl kosmos]
+    python -m dev.ab_compare BASE.jsonl [BASE2.jsonl ...] --vs NEW.jsonl [NEW2.jsonl ...] [--impl kosmos]
 
 Per shape: the median time of --impl over the files of each side, their ratio (new / base), and each side's
 ratio to the same run's nccl+cublas (the run-to-run noise shows in how much that baseline moves between the

@@ -1,6 +1,6 @@
 """One device-session script: checks and times many variants in one call (for developers on a lent GPU box).
 
-    python -m kosmos_bench.devcheck --out DIR [--world W] [--models llama3-70b] [--seq 8192] [--skip-stall]
+    python -m dev.devcheck --out DIR [--world W] [--models llama3-70b] [--seq 8192] [--skip-stall]
 
 Per rank: signal round trip; fused ops vs fp32 reference on odd shapes (self and fixed policies); bitwise
 determinism over 5 runs; 100 back-to-back calls without host sync; a timed comparison on model shapes
@@ -26,10 +26,10 @@ def log(rank, *msg):
 def _rank_main(rank, world, args):
     import kosmos
     from kosmos import reference, runtime
-    from kosmos.kernels.signal_pingpong import signal_round_trip_us
+    from dev.signal_pingpong import signal_round_trip_us
     from kosmos.models import TPGemm, tp_gemms
 
-    from . import tp
+    from kosmos_bench import tp
 
     import faulthandler
     import sys
@@ -158,7 +158,7 @@ def _rank_main(rank, world, args):
                        fixed_sweep=tuple(int(x) for x in args.sweep.split(",")), trace_dir=args.out)
     if rank == 0:
         with open(os.path.join(args.out, "tp-rows.jsonl"), "a") as f:
-            env = tp.environment(argv=["python", "-m", "kosmos_bench.devcheck"] + list(args.argv), bench="tp",
+            env = tp.environment(argv=["python", "-m", "dev.devcheck"] + list(args.argv), bench="tp",
                                  suite={"models": args.models.split(","), "seq": args.seq, "impls": args.impls,
                                         "iters": args.iters, "fixed_sweep": args.sweep})
             f.write(json.dumps(env) + "\n")
@@ -233,7 +233,7 @@ def main():
     args = p.parse_args()
     import sys
     args.argv = sys.argv[1:]
-    from .launcher import check_world, spawn
+    from kosmos_bench.launcher import check_world, spawn
     world = check_world(args.world)
     os.makedirs(args.out, exist_ok=True)
     spawn(_rank_main, world, args, timeout_s=560)

@@ -1,8 +1,8 @@
 """Print a compact per-shape table of a results file (for narrow terminals and device logs):
-``python -m kosmos_bench.summary FILE``."""
+``python -m dev.summary FILE``."""
 import sys
 
-from .report import build_table, geomean_table, load_results
+from kosmos_bench.report import build_table, geomean_table, load_results
 
 
 def main(path: str) -> None:

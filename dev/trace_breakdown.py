@@ -1,6 +1,6 @@
 """Where the program time of a traced kosmos call went (a developer script; reads `bench ... --trace` JSON).
 
-    python -m kosmos_bench.trace_breakdown TRACE.json [TRACE2.json ...]
+    python -m dev.trace_breakdown TRACE.json [TRACE2.json ...]
 
 Per rank: the span (first task start to last task end), and the share of (programs x span) spent in each
 task kind (compute, comm, wait, ...), in gaps between a program's tasks (claims, table loads, readiness

@@ -1,6 +1,6 @@
 """How fast do 1..P Triton programs copy bytes device to device? (a developer's single-GPU probe)
 
-    PYTHONPATH=. python -m kosmos_bench.copy_probe --out DIR [--quick] [--mib 256]
+    PYTHONPATH=. python -m dev.copy_probe --out DIR [--quick] [--mib 256]
 
 The communication tasks of the fused kernels copy rows on a few programs (CTAs) while the others run GEMM
 tiles, so what matters is the bandwidth ONE program gets with a given copy method and how it scales with the

@@ -1,4 +1,4 @@
-"""Signal round-trip microbenchmark: rank 0 and rank 1 bounce a flag ``iters`` times.
+"""Signal round-trip microbenchmark (a developer probe; `dev.devcheck` runs it at W >= 2): rank 0 and rank 1 bounce a flag ``iters`` times.
 
 Rank 0: notify(peer flag = i) then wait(own flag >= i); rank 1: wait(own flag >= i) then notify(peer flag = i).
 One program per rank, the same device.notify / device.wait_geq every fused op uses; the time per iteration
@@ -9,8 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import device as dev
-from .. import runtime
+from kosmos import device as dev
+from kosmos import runtime
+
+PINGPONG_SLOT = 32  # between the done flags [0, 8) and the op flags (runtime.FLAG_BASE = 64): no op uses it
+OP_PINGPONG = 15    # the op code its wait records (runtime.OP_NAMES has no entry: decoded as "op15")
 
 
 @triton.jit(do_not_specialize=["rank", "base", "timeout_us"])
@@ -21,9 +24,9 @@ def _pingpong_kernel(peer_sig, sig_ptr, err_ptr, rank, base, iters, timeout_us, 
     for i in range(1, iters + 1):
         if rank == 0:
             tl.atomic_xchg(remote, base + i, sem="release", scope="sys")
-            dev.wait_geq(sig_ptr + SLOT, base + i, timeout_ns, err_ptr, 3, rank, i, SLOT)
+            dev.wait_geq(sig_ptr + SLOT, base + i, timeout_ns, err_ptr, 15, rank, i, SLOT)
         else:
-            dev.wait_geq(sig_ptr + SLOT, base + i, timeout_ns, err_ptr, 3, rank, i, SLOT)
+            dev.wait_geq(sig_ptr + SLOT, base + i, timeout_ns, err_ptr, 15, rank, i, SLOT)
             tl.atomic_xchg(remote, base + i, sem="release", scope="sys")
 
 
@@ -33,9 +36,10 @@ def signal_round_trip_us(iters: int = 2000, group=None) -> float:
     if ws.world.size < 2:
         raise ValueError("the signal round trip needs at least 2 ranks")
     ws.ensure(1 << 20, 1)
-    slot = runtime.PINGPONG_SLOT  # a slot no op uses; values only grow across runs
-    base = ws.pingpong_count
-    ws.pingpong_count += iters
+    slot = PINGPONG_SLOT
+    # both ranks' slots hold the same last value (each was written by the other rank), so each starts from its
+    # own: no state kept between runs, and a workspace regrown (signals zeroed) starts again from 0
+    base = int(ws.signals[slot].item())
     r = ws.world.rank
     if r > 1:
         return float("nan")

@@ -1,6 +1,6 @@
 """Fixed cost per call, one GPU (a developer's device script):
 
-    PYTHONPATH=. python -m kosmos_bench.fixed_cost
+    PYTHONPATH=. python -m dev.fixed_cost
 
 Times, with the bench's own timing (kosmos_bench.timing.time_op), an empty 132-program Triton launch, one
 device-side descriptor per program, and torch.matmul / kosmos's two TP ops at W=1 on a one-tile shape and on

@@ -2,9 +2,9 @@
 # The two-GPU session plan of NOTES.md ("Next session's device plan") as three device calls, each under the
 # device tool's 10-minute limit, each writing at most 8 files under $OUT and printing a short table last.
 #
-#   KOSMOS_GIT_COMMIT=<sha of the tree> bash kosmos_bench/x2_session.sh tests   # ~6 min: every GPU test
-#   KOSMOS_GIT_COMMIT=<sha> bash kosmos_bench/x2_session.sh ab                  # ~6 min: knob A/B + traces
-#   KOSMOS_GIT_COMMIT=<sha> bash kosmos_bench/x2_session.sh suite               # <= 9.5 min: the default suite
+#   KOSMOS_GIT_COMMIT=<sha of the tree> bash dev/x2_session.sh tests   # ~6 min: every GPU test
+#   KOSMOS_GIT_COMMIT=<sha> bash dev/x2_session.sh ab                  # ~6 min: knob A/B + traces
+#   KOSMOS_GIT_COMMIT=<sha> bash dev/x2_session.sh suite               # <= 9.5 min: the default suite
 #
 # KOSMOS_GIT_COMMIT names the commit in the env records (the device's copy of the tree has a stale .git).
 set -u
@@ -30,9 +30,9 @@ case $stage in
     done
     # where the program time goes now (compare with NOTES.md "Where W=2 program time went")
     bench 120 --model llama3-70b --op qkv,attn_out --seq 8192 --impl kosmos --trace --out "$out/trace-8k.jsonl"
-    python -m kosmos_bench.trace_breakdown "$out"/trace-8k-traces/*.json
-    for v in auto 4; do python -m kosmos_bench.ab_compare "$out/ag-push-1.jsonl" --vs "$out/ag-push-$v.jsonl"; done
-    python -m kosmos_bench.ab_compare "$out/rs-push-0.jsonl" --vs "$out/rs-push-1.jsonl" ;;
+    python -m dev.trace_breakdown "$out"/trace-8k-traces/*.json
+    for v in auto 4; do python -m dev.ab_compare "$out/ag-push-1.jsonl" --vs "$out/ag-push-$v.jsonl"; done
+    python -m dev.ab_compare "$out/rs-push-0.jsonl" --vs "$out/rs-push-1.jsonl" ;;
   suite)
     # the default suite, llama3-70b first (the bar shapes) so that a timeout can only cut llama3-8b;
     # both runs append to one file (the report keys rows to their env line by run_id)
