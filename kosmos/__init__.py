@@ -5,6 +5,7 @@ their GEMMs (NVIDIA Hopper, Triton).
     c_shard   = kosmos.matmul_reduce_scatter(a, b)        # row-parallel (attn-out, FC2) with SP
     y         = kosmos.moe_forward(x, router_w, w13, w2, top_k=8, routing="softmax")   # MoE layer, one launch
     kosmos.nn.MoE(...)                                      # the same as a module (forward only)
+    config=kosmos.AllGatherMatmulConfig(push_chunks="auto")  # each op's knobs: an explicit, validated config
 
 Importing needs no GPU; the ops need CUDA tensors and (for W > 1) an initialised NCCL process group.
 """
@@ -13,9 +14,11 @@ __version__ = "0.1.0"
 from .kernels.all_gather_matmul import all_gather_matmul
 from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
 from .kernels.moe_forward import moe_forward
+from .config import AllGatherMatmulConfig, MatmulReduceScatterConfig, MoEForwardConfig
 from . import nn  # noqa: E402
 from .runtime import (KosmosError, KosmosTimeoutError, check_errors, reset_workspaces, set_timeout,
                       workspace_bytes)
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "moe_forward", "nn", "KosmosError", "KosmosTimeoutError", "check_errors",
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "moe_forward", "AllGatherMatmulConfig",
+           "MatmulReduceScatterConfig", "MoEForwardConfig", "nn", "KosmosError", "KosmosTimeoutError", "check_errors",
            "reset_workspaces", "set_timeout", "workspace_bytes", "__version__"]

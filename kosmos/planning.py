@@ -79,27 +79,24 @@ def _table(rows, device) -> torch.Tensor:
     return t.to(device)
 
 
-AG_TARGET_PUSHERS = 16  # KOSMOS_AG_PUSH_CHUNKS=auto: about this many push tasks per rank (all peers)
+AG_TARGET_PUSHERS = 16  # push_chunks="auto": about this many push tasks per rank (all peers)
 
 
-def ag_comm_config(world: int, ms: int, bm: int) -> tuple[int, int]:
+def ag_comm_config(world: int, ms: int, bm: int, config=None) -> tuple[int, int]:
     """(chunks per comm task, elements per copy step) of AllGather+GEMM for a shard of ``ms`` rows in chunks of
-    ``bm``. Defaults 1 and 16384: one program copies 2.5x faster with 16384 bf16 in flight per step than with
-    4096 (one H200, `copy_probe`), and the kernel stays spill-free (Triton 3.6, sm_90: 181 registers;
-    `kernel_resources`). KOSMOS_AG_PUSH_CHUNKS (an integer, or ``auto``: about AG_TARGET_PUSHERS push tasks in
-    all, however long the shard) and KOSMOS_AG_COPY_BLOCK are developer knobs for A/B runs (NOTES.md): fewer,
-    larger comm tasks would take the same NVLink bandwidth from fewer SMs."""
-    raw = os.environ.get("KOSMOS_AG_PUSH_CHUNKS", "1")
-    block = int(os.environ.get("KOSMOS_AG_COPY_BLOCK", "16384"))
-    if raw == "auto":
+    ``bm``, from ``config`` (a ``kosmos.AllGatherMatmulConfig``; None = defaults 1 and 16384). One program
+    copies 2.5x faster with 16384 bf16 in flight per step than with 4096 (one H200, `dev.copy_probe`), and the
+    kernel stays spill-free (Triton 3.6, sm_90: 181 registers; `dev.kernel_resources`). push_chunks="auto":
+    about AG_TARGET_PUSHERS push tasks in all, however long the shard (fewer, larger comm tasks would take the
+    same NVLink bandwidth from fewer SMs; its two-GPU A/B is still to run)."""
+    from .config import AllGatherMatmulConfig, check_config
+    config = check_config(AllGatherMatmulConfig, config)
+    if config.push_chunks == "auto":
         chunks = math.ceil(ms / bm) * max(1, world - 1)
         per_task = max(1, math.ceil(chunks / AG_TARGET_PUSHERS))
     else:
-        per_task = int(raw) if raw.isdigit() else 0
-    if per_task < 1 or block < 256 or block & (block - 1):
-        raise ValueError(f"KOSMOS_AG_PUSH_CHUNKS={raw} must be an integer >= 1 or 'auto', and "
-                         f"KOSMOS_AG_COPY_BLOCK={block} a power of two >= 256")
-    return per_task, block
+        per_task = config.push_chunks
+    return per_task, config.copy_block
 
 
 def ag_comm_stride(ms: int, bm: int, per_task: int) -> int:
@@ -163,7 +160,7 @@ def cached_tables(key, build):
 
 # ------------------------------------------------------------------------------------------------------ MoE
 @dataclass(frozen=True)
-class MoEConfig:
+class MoETiles:
     """Block sizes of the one-launch MoE layer (kernels/moe_forward.py). Its task lists are built on the
     device (the per-expert row counts exist only there), so this is the whole host-side plan."""
     RB: int    # tokens per router/dispatch task
@@ -179,18 +176,16 @@ class MoEConfig:
     half_tail: bool = True     # an expert's last m-tile with <= BM/2 rows runs as a BM/2-row tile
 
 
-def moe_config() -> MoEConfig:
+def moe_config(config=None) -> MoETiles:
     """The one rule: GEMM tiles as the TP kernels (128 rows, 64-deep K steps, 3 stages, 8 warps; GEMM1 computes
     128 gate + 128 up columns so that SwiGLU fuses into its epilogue); 32-token blocks for the data movers so
-    that a 4k-token batch makes ~one task per SM, and 512 columns per copy step (measured: -1..4% against 256,
-    +3% at 128); an expert's last m-tile of at most 64 rows runs as a 64-row tile (measured: deepseek-v3 4k
-    uniform -8%). Tiny blocks under the CPU interpreter."""
+    that a 4k-token batch makes ~one task per SM; the copy step and the half-height tail tile from ``config``
+    (a ``kosmos.MoEForwardConfig``: 512 columns per copy step measured -1..4% against 256, +3% at 128; the half
+    tail -8% on deepseek-v3 4k uniform). Tiny blocks under the CPU interpreter (the copy step capped at 32)."""
+    from .config import MoEForwardConfig, check_config
+    config = check_config(MoEForwardConfig, config)
     if interpreting():
-        return MoEConfig(RB=16, PB=16, FB=16, BH=32, BM=16, BK=16, BNH=16, BN=32, num_warps=4, num_stages=1,
-                         half_tail=os.environ.get("KOSMOS_MOE_HALF_TAIL", "1") == "1")
-    # developer knobs for A/B runs in one device call (NOTES.md): KOSMOS_MOE_BH, the data movers' column
-    # block; KOSMOS_MOE_HALF_TAIL=0, every m-tile full height
-    bh = int(os.environ.get("KOSMOS_MOE_BH", "512"))
-    half_tail = os.environ.get("KOSMOS_MOE_HALF_TAIL", "1") == "1"
-    return MoEConfig(RB=32, PB=32, FB=32, BH=bh, BM=128, BK=64, BNH=128, BN=256, num_warps=8, num_stages=3,
-                     half_tail=half_tail)
+        return MoETiles(RB=16, PB=16, FB=16, BH=min(32, config.copy_cols), BM=16, BK=16, BNH=16, BN=32,
+                         num_warps=4, num_stages=1, half_tail=config.half_tail)
+    return MoETiles(RB=32, PB=32, FB=32, BH=config.copy_cols, BM=128, BK=64, BNH=128, BN=256, num_warps=8,
+                     num_stages=3, half_tail=config.half_tail)

@@ -77,15 +77,16 @@ class Ranks:
 class _Op:
     """What AG and RS share: the simulated ranks, their grid, timeout and launch arguments."""
 
-    def __init__(self, world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns):
+    def __init__(self, world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config):
         self.world, self.ms, self.k, self.n = world, ms, k, n
+        self.config = config  # the op's kosmos config (None: its defaults)
         self.device, self.grid, self.timeout_ns = device, grid, timeout_ns
         self.gen = torch.Generator().manual_seed(seed)
         self.cfg = planning.tile_config(ms, n, k)
         self.b_kmajor = b_kmajor
 
     def _kw(self, r, epoch, timeout_ns, pol):
-        return dict(rank=r, world=self.world, epoch=epoch, grid=self.grid, cfg=self.cfg,
+        return dict(rank=r, world=self.world, epoch=epoch, grid=self.grid, cfg=self.cfg, config=self.config,
                     timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns, **pol)
 
     def launch_all(self, epoch, **pol):
@@ -96,8 +97,9 @@ class _Op:
 class AG(_Op):
     """AllGather+GEMM: rank r holds shard [Ms, K] and its own column shard of the weight [K, N]."""
 
-    def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000):
-        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns)
+    def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000,
+                 config=None):
+        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config)
         self.rk = Ranks(world, world * ms, k, device)
         self.shards = [torch.empty(ms, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.bs = [rand(k, n, gen=self.gen, device=device) for _ in range(world)]
@@ -140,8 +142,9 @@ class AG(_Op):
 class RS(_Op):
     """GEMM+ReduceScatter: rank r holds a [M, K] and b [K, N] (its K shard); c_shard [Ms, N]."""
 
-    def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000):
-        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns)
+    def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000,
+                 config=None):
+        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config)
         self.m = world * ms
         self.rk = Ranks(world, self.m, n, device)
         self.As = [torch.empty(self.m, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
@@ -169,7 +172,7 @@ class RS(_Op):
         for r in range(self.world):
             err = reference.rel_err(self.cs[r], refs[r])
             assert err < tol, f"rank {r}: rel err {err}"
-        if self.world > 1 and rs.rs_push():  # slot s of rank q's staging: source s's partial of q's rows
+        if self.world > 1 and self.config is not None and self.config.push_partials:  # slot s of rank q's staging: source s's partial of q's rows
             for q in range(self.world):
                 for s in range(self.world):
                     part = (self.As[s].float() @ self.Bs[s].float())[q * self.ms:(q + 1) * self.ms]
@@ -196,12 +199,12 @@ class MoERanks:
     """The one-launch MoE layer on W simulated ranks: rank r holds T tokens and experts [r*El, (r+1)*El)."""
 
     def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, route_kw=None, skew=False,
-                 device="cpu", grid=3, timeout_ns=5_000_000, tol=2e-2):
+                 device="cpu", grid=3, timeout_ns=5_000_000, tol=2e-2, config=None):
         self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
         self.device, self.grid, self.timeout_ns, self.tol = device, grid, timeout_ns, tol
         self.el = experts // world
         self.route_kw = dict(route_kw or {})
-        self.cfg = planning.moe_config()
+        self.cfg = planning.moe_config(config)
         self.lay = mf.Layout(world, tokens, hidden, ffn, top_k, self.el, self.cfg)
         self.gen = torch.Generator().manual_seed(seed)
         self.skew = skew

@@ -16,6 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from kosmos import planning, runtime  # noqa: E402
+from kosmos.config import AllGatherMatmulConfig, MatmulReduceScatterConfig  # noqa: E402
 from kosmos.kernels import all_gather_matmul as ag  # noqa: E402
 from simranks import AG, RS, rand  # noqa: E402
 
@@ -86,14 +87,14 @@ def test_all_gather_matmul_self_policy_copies_after_compute():
     assert trace[1:].abs().sum() == 0  # the other programs found every queue empty
 
 
-@pytest.mark.parametrize("per_task,block", [("2", "256"), ("8", "1024")])
-def test_all_gather_matmul_comm_tasks_of_several_chunks(monkeypatch, per_task, block):
-    """Developer knobs KOSMOS_AG_PUSH_CHUNKS / KOSMOS_AG_COPY_BLOCK: tasks moving several strided chunks
-    (each flagged as it lands), copy steps smaller than a chunk; 5 chunks of 16 rows, the last one ragged."""
-    monkeypatch.setenv("KOSMOS_AG_PUSH_CHUNKS", per_task)
-    monkeypatch.setenv("KOSMOS_AG_COPY_BLOCK", block)
-    run_schedule(AG(3, 75, 40, 48, seed=17), [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(3)])
-    run_schedule(AG(2, 75, 40, 48, seed=19), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
+@pytest.mark.parametrize("per_task,block", [(2, 256), (8, 1024)])
+def test_all_gather_matmul_comm_tasks_of_several_chunks(per_task, block):
+    """AllGatherMatmulConfig(push_chunks, copy_block): tasks moving several strided chunks (each flagged as it
+    lands), copy steps smaller than a chunk; 5 chunks of 16 rows, the last one ragged."""
+    config = AllGatherMatmulConfig(push_chunks=per_task, copy_block=block)
+    run_schedule(AG(3, 75, 40, 48, seed=17, config=config),
+                 [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(3)])
+    run_schedule(AG(2, 75, 40, 48, seed=19, config=config), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
 
 
 def test_all_gather_matmul_b_kmajor():
@@ -121,14 +122,14 @@ def test_matmul_reduce_scatter_self_policy_world2():
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_matmul_reduce_scatter_push_partials(monkeypatch, world):
-    """Developer knob KOSMOS_RS_PUSH=1: partials pushed into the owners' staging slots, reduced locally; both
-    the phase-ordered and the self-scheduled schedules, several epochs."""
-    monkeypatch.setenv("KOSMOS_RS_PUSH", "1")
-    t = RS(world, 21, 40, 48, seed=23 + world)
+def test_matmul_reduce_scatter_push_partials(world):
+    """MatmulReduceScatterConfig(push_partials=True): partials pushed into the owners' staging slots, reduced
+    locally; both the phase-ordered and the self-scheduled schedules, several epochs."""
+    config = MatmulReduceScatterConfig(push_partials=True)
+    t = RS(world, 21, 40, 48, seed=23 + world, config=config)
     run_schedule(t, [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(world)])
     if world == 2:
-        run_schedule(RS(2, 21, 40, 48, seed=29), [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)])
+        run_schedule(RS(2, 21, 40, 48, seed=29, config=config), [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)])
 
 
 def test_matmul_reduce_scatter_b_kmajor():

@@ -19,6 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from kosmos import moe_reference, planning  # noqa: E402
+from kosmos.config import MoEForwardConfig  # noqa: E402
 from kosmos.kernels import moe_forward as mf  # noqa: E402
 from simranks import MoERanks, rand as _rand  # noqa: E402
 
@@ -79,19 +80,19 @@ def test_moe_fixed_role_policy_and_determinism():
         assert torch.equal(first[r], m.ys[r]), f"rank {r}: fixed-role and self-scheduling outputs differ"
 
 
-@pytest.mark.parametrize("half_tail", ["1", "0"])
-def test_expert_gemms_matches_reference(monkeypatch, half_tail):
+@pytest.mark.parametrize("half_tail", [True, False])
+def test_expert_gemms_matches_reference(half_tail):
     """Experts with no rows, a last m-tile of 1..BM/2 rows (run as a half-height tile unless
-    KOSMOS_MOE_HALF_TAIL=0), exactly BM/2, more than BM/2, and whole tiles only (BM = 16 here)."""
-    monkeypatch.setenv("KOSMOS_MOE_HALF_TAIL", half_tail)
-    assert planning.moe_config().BM == 16
+    MoEForwardConfig(half_tail=False)), exactly BM/2, more than BM/2, and whole tiles only (BM = 16 here)."""
+    config = MoEForwardConfig(half_tail=half_tail)
+    assert planning.moe_config(config).BM == 16 and planning.moe_config(config).half_tail == half_tail
     gen = torch.Generator().manual_seed(3)
     el, h, f = 7, 40, 24
     counts = torch.tensor([5, 0, 19, 2, 28, 24, 16], dtype=torch.int32)
     x = _rand(int(counts.sum()), h, gen=gen)
     w13 = _rand(el, h, 2 * f, gen=gen, scale=h ** -0.5)
     w2 = _rand(el, f, h, gen=gen, scale=f ** -0.5)
-    y = mf.expert_gemms(x, counts, w13, w2)
+    y = mf.expert_gemms(x, counts, w13, w2, config=config)
     start, ref = 0, []
     for i, n in enumerate(counts.tolist()):
         ref.append(moe_reference.expert_ffn(x[start:start + n].float(), w13[i].float(), w2[i].float()))

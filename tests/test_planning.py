@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kosmos import planning
+from kosmos.config import AllGatherMatmulConfig
 from kosmos.planning import COPY, GROUP_M, PUSH, TileConfig
 
 # Small tiles (as under the interpreter) and the GPU rule's big tiles, plus one with many m-tiles per slot so
@@ -95,7 +96,7 @@ def test_ag_comm_table(rank, world, ms, n, cfg):
 
 @pytest.mark.parametrize("chunks,per_task", [(1, 1), (7, 2), (8, 4), (32, 4), (5, 8), (9, 3)])
 def test_ag_comm_tasks_of_several_chunks(chunks, per_task):
-    """KOSMOS_AG_PUSH_CHUNKS: every chunk goes to every peer exactly once, tasks hold at most per_task chunks,
+    """push_chunks: every chunk goes to every peer exactly once, tasks hold at most per_task chunks,
     and task i moves chunks i, i + stride, ... so the first wave of tasks lands the lowest chunks first."""
     cfg = CFGS[0]
     world, rank = 3, 1
@@ -117,21 +118,34 @@ def test_ag_comm_tasks_of_several_chunks(chunks, per_task):
     assert first_wave == list(range(stride))
 
 
-@pytest.mark.parametrize("value", [("KOSMOS_AG_PUSH_CHUNKS", "0"), ("KOSMOS_AG_PUSH_CHUNKS", "two"),
-                                   ("KOSMOS_AG_COPY_BLOCK", "1000"), ("KOSMOS_AG_COPY_BLOCK", "128")])
-def test_ag_comm_config_rejects_bad_knobs(monkeypatch, value):
-    monkeypatch.setenv(*value)
-    with pytest.raises(ValueError, match=value[0]):
-        planning.ag_comm_config(2, 4096, 128)
+@pytest.mark.parametrize("field,value", [("push_chunks", 0), ("push_chunks", "two"), ("push_chunks", True),
+                                         ("copy_block", 1000), ("copy_block", 128)])
+def test_ag_config_rejects_bad_fields(field, value):
+    with pytest.raises(ValueError, match=field):
+        AllGatherMatmulConfig(**{field: value})
+
+
+def test_configs_from_strings_and_back():
+    """The bench's --config key=value path: values parsed by field type, unknown keys named."""
+    from kosmos.config import MatmulReduceScatterConfig, MoEForwardConfig, config_dict, config_from_strings
+    assert config_from_strings(AllGatherMatmulConfig, {"push_chunks": "auto"}).push_chunks == "auto"
+    assert config_from_strings(AllGatherMatmulConfig, {"push_chunks": "4"}).push_chunks == 4
+    assert config_from_strings(MatmulReduceScatterConfig, {"push_partials": "true"}).push_partials is True
+    assert config_dict(MoEForwardConfig(copy_cols=256)) == {"copy_cols": 256, "half_tail": True}
+    with pytest.raises(ValueError, match="known: push_chunks, copy_block"):
+        config_from_strings(AllGatherMatmulConfig, {"push_chunk": "4"})
+    with pytest.raises(ValueError, match="half_tail"):
+        config_from_strings(MoEForwardConfig, {"half_tail": "maybe"})
+    with pytest.raises(ValueError, match="must be a kosmos.MoEForwardConfig"):
+        planning.moe_config(AllGatherMatmulConfig())
 
 
 @pytest.mark.parametrize("world,ms,expect", [(2, 4096 // 2, 1), (2, 8192 // 2, 2), (2, 16384 // 2, 4),
                                              (8, 16384 // 8, 7), (2, 100, 1)])
-def test_ag_push_chunks_auto(monkeypatch, world, ms, expect):
-    """KOSMOS_AG_PUSH_CHUNKS=auto: chunks per push task so that about 16 push tasks cover all peers' chunks
+def test_ag_push_chunks_auto(world, ms, expect):
+    """push_chunks="auto": chunks per push task so that about 16 push tasks cover all peers' chunks
     (16 / 32 / 64 chunks of 128 rows at seq 4k / 8k / 16k, TP=2)."""
-    monkeypatch.setenv("KOSMOS_AG_PUSH_CHUNKS", "auto")
-    per_task, _ = planning.ag_comm_config(world, ms, 128)
+    per_task, _ = planning.ag_comm_config(world, ms, 128, AllGatherMatmulConfig(push_chunks="auto"))
     assert per_task == expect
     assert planning.ag_push_tasks(world, ms, 128, per_task) <= planning.AG_TARGET_PUSHERS + world - 1
 

@@ -100,17 +100,17 @@ def test_tp_op_back_to_back_bitwise(op, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("per_task,ms", [("4", 600), ("auto", 2600)])
-def test_ag_several_chunks_per_comm_task(monkeypatch, world, per_task, ms):
-    """Developer knobs KOSMOS_AG_PUSH_CHUNKS / KOSMOS_AG_COPY_BLOCK: comm tasks moving 4 strided chunks each
-    (5 chunks of 128 rows per shard, the last ragged), or as many as ``auto`` gives (21 chunks per shard: 2
-    per task at W=2, 4 at W=4), with copy steps smaller than a chunk."""
+@pytest.mark.parametrize("per_task,ms", [(4, 600), ("auto", 2600)])
+def test_ag_several_chunks_per_comm_task(world, per_task, ms):
+    """AllGatherMatmulConfig(push_chunks, copy_block): comm tasks moving 4 strided chunks each (5 chunks of
+    128 rows per shard, the last ragged), or as many as ``auto`` gives (21 chunks per shard: 2 per task at
+    W=2, 4 at W=4), with copy steps smaller than a chunk."""
     from kosmos import planning
-    monkeypatch.setenv("KOSMOS_AG_PUSH_CHUNKS", per_task)
-    monkeypatch.setenv("KOSMOS_AG_COPY_BLOCK", "1024")
+    from kosmos.config import AllGatherMatmulConfig
+    config = AllGatherMatmulConfig(push_chunks=per_task, copy_block=1024)
     if per_task == "auto":
-        assert planning.ag_comm_config(world, ms, 128)[0] == {2: 2, 4: 4}[world]
-    t = _make("ag", world, seed=50 + world, ms=ms)
+        assert planning.ag_comm_config(world, ms, 128, config)[0] == {2: 2, 4: 4}[world]
+    t = _make("ag", world, seed=50 + world, ms=ms, config=config)
     for epoch in EPOCHS:
         t.new_epoch_inputs()
         t.launch_all(epoch)
@@ -118,11 +118,11 @@ def test_ag_several_chunks_per_comm_task(monkeypatch, world, per_task, ms):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_rs_push_partials(monkeypatch, world):
-    """Developer knob KOSMOS_RS_PUSH=1: partial tiles stored into the owners' staging slots over the peer
-    mapping, reduced from local memory."""
-    monkeypatch.setenv("KOSMOS_RS_PUSH", "1")
-    t = _make("rs", world, seed=60 + world)
+def test_rs_push_partials(world):
+    """MatmulReduceScatterConfig(push_partials=True): partial tiles stored into the owners' staging slots over
+    the peer mapping, reduced from local memory."""
+    from kosmos.config import MatmulReduceScatterConfig
+    t = _make("rs", world, seed=60 + world, config=MatmulReduceScatterConfig(push_partials=True))
     for epoch in EPOCHS:
         t.new_epoch_inputs()
         t.launch_all(epoch)

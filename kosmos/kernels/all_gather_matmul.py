@@ -44,6 +44,7 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
+from ..config import AllGatherMatmulConfig, check_config
 from .common import (check_launch, check_operands, copy_flat, host_descriptors, load_task, policy_args,
                      store_tile, tile_matmul, tma_descriptor)
 
@@ -152,13 +153,13 @@ def _all_gather_matmul_kernel(
 
 
 def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, heads, errors, *, rank, world,
-           epoch, timeout_ns, grid, cfg, policy="self", comm_programs=None, trace=None):
+           epoch, timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None):
     """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
     Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases."""
     ms, k = a_shard.shape
     n = c.shape[1]
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
-    per_task, copy_block = planning.ag_comm_config(world, ms, cfg.BM)
+    per_task, copy_block = planning.ag_comm_config(world, ms, cfg.BM, config)
     key = ("ag", rank, world, ms, n, cfg, per_task, str(a_shard.device))
     comm_t, comp_t, _ = planning.cached_tables(
         key, lambda: planning.plan_all_gather_matmul(rank, world, ms, n, cfg, a_shard.device, per_task))
@@ -178,16 +179,19 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         num_stages=cfg.num_stages)
 
 
-def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *, policy: str = "self",
+def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *,
+                      config: AllGatherMatmulConfig | None = None, policy: str = "self",
                       comm_programs: int | None = None, trace: torch.Tensor | None = None):
     """``(a_full, c)`` with ``a_full = allgather(a_shard)`` over ``group`` and ``c = a_full @ b``.
 
     a_shard [M/W, K] bf16 CUDA; b [K, N] bf16 CUDA (row-major, or the ``.t()`` of a row-major [N, K] weight).
     K and N must be multiples of 8. Returns ``a_full`` [M, K] -- a view of the symmetric workspace, valid
     until the next KOSMOS call on this group (``.clone()`` it to keep it) -- and a new ``c`` [M, N] bf16.
+    ``config`` (``kosmos.AllGatherMatmulConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``trace`` (int64
     [grid, 1024, 4]) records per-program task events.
     """
+    config = check_config(AllGatherMatmulConfig, config)
     ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)
     ws = runtime.get_workspace(group, a_shard.device)
     w, r = ws.world.size, ws.world.rank
@@ -203,6 +207,6 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *, pol
     c = torch.empty((m, n), dtype=torch.bfloat16, device=a_shard.device)
     launch(a_shard, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
            ws.errors, rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg,
-           policy=policy, comm_programs=comm_programs, trace=trace)
+           config=config, policy=policy, comm_programs=comm_programs, trace=trace)
     ws.after_launch()
     return (a_shard if w == 1 else gather), c

@@ -14,7 +14,7 @@ Tasks (planning.plan_matmul_reduce_scatter):
                      partials straight from the ranks' staging buffers over NVLink (pull), sum in rank order,
                      store c_shard. Owners are staggered (rank r makes tile i for r+1, r+2, ..., r), so the W
                      partials of a tile appear at about the same time on every rank.
-  Developer knob KOSMOS_RS_PUSH=1 (``rs_push``): TILE stores into slot r of the owner's staging (viewed as
+  ``MatmulReduceScatterConfig(push_partials=True)``: TILE stores into slot r of the owner's staging (viewed as
   [W, Ms, N]; remote stores, then the same notify) and REDUCE reads its W slots from local memory.
 
 Synchronisation contract (signals of rank q):
@@ -44,14 +44,13 @@ W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
+from ..config import MatmulReduceScatterConfig, check_config
 from .common import (check_launch, check_operands, host_descriptors, load_task, policy_args, store_rows,
                      store_tile, tile_matmul)
 
@@ -201,20 +200,14 @@ def _red_rows(cfg, world: int) -> int:
     return max(1, min(cfg.BM, 1 << (rows.bit_length() - 1)))
 
 
-def rs_push() -> bool:
-    """Developer knob KOSMOS_RS_PUSH=1 (default 0, NOTES.md): partial tiles are pushed into slot r of the
-    owner's staging from the GEMM epilogue and the owner reduces from local memory, instead of the owner
-    pulling every partial over NVLink (latency-bound: ~15 us per reduce task at attn_out-70b-8k)."""
-    return os.environ.get("KOSMOS_RS_PUSH", "0") == "1"
-
-
 def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch,
-           timeout_ns, grid, cfg, policy="self", comm_programs=None, trace=None):
+           timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None):
     """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
     Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases."""
     m, k = a.shape
     ms, n = c.shape
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
+    config = check_config(MatmulReduceScatterConfig, config)
     key = ("rs", rank, world, ms, n, cfg, str(a.device))
     comp_t, red_t, _ = planning.cached_tables(
         key, lambda: planning.plan_matmul_reduce_scatter(rank, world, ms, n, cfg, a.device))
@@ -225,20 +218,23 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
-        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=rs_push(),
+        TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=config.push_partials,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, policy: str = "self",
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *,
+                          config: MatmulReduceScatterConfig | None = None, policy: str = "self",
                           comm_programs: int | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """``c_shard`` = this rank's M/W rows of ``sum_r a_r @ b_r`` over ``group`` (fixed rank order).
 
     a [M, K/W] bf16 CUDA with M divisible by W; b [K/W, N] bf16 CUDA (row-major, or the ``.t()`` of a
     row-major [N, K/W] weight). K/W and N must be multiples of 8. Returns a new [M/W, N] bf16 tensor.
+    ``config`` (``kosmos.MatmulReduceScatterConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation; ``trace`` as in
     ``all_gather_matmul``.
     """
+    config = check_config(MatmulReduceScatterConfig, config)
     m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)
     ws = runtime.get_workspace(group, a.device)
     w, r = ws.world.size, ws.world.rank
@@ -255,7 +251,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *, polic
     c = torch.empty((ms, n), dtype=torch.bfloat16, device=a.device)
     stage = ws.data[:stage_bytes].view(torch.bfloat16).view(m, n) if w > 1 else c
     launch(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
-           rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, policy=policy,
-           comm_programs=comm_programs, trace=trace)
+           rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config,
+           policy=policy, comm_programs=comm_programs, trace=trace)
     ws.after_launch()
     return c

@@ -68,6 +68,7 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
+from ..config import MoEForwardConfig, check_config
 from ..moe_reference import ROUTINGS
 from .common import POLICIES, check_launch, policy_args, store_rows
 
@@ -566,7 +567,7 @@ class Layout:
     """Byte offsets of the regions of the symmetric data buffer, and the local buffer sizes, for one shape."""
 
     def __init__(self, world: int, tokens: int, hidden: int, ffn: int, top_k: int, local_experts: int,
-                 cfg: planning.MoEConfig):
+                 cfg: planning.MoETiles):
         def up(v):
             return (v + 255) // 256 * 256
         self.off_recv = 0
@@ -648,7 +649,7 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
 
 
 def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch, timeout_ns, grid,
-           cfg: planning.MoEConfig, top_k, routing="softmax", renormalize=True, n_group=1, topk_group=1,
+           cfg: planning.MoETiles, top_k, routing="softmax", renormalize=True, n_group=1, topk_group=1,
            routed_scaling=1.0, policy="self", comm_programs=None, stages=ALL_STAGES, gemms_only=False,
            trace=None):
     """Launch on explicit buffers (``moe_forward`` builds them from the workspace; CPU tests build their own).
@@ -707,8 +708,8 @@ def _local_buffers(ws, lay: Layout, tokens, hidden, ffn, top_k):
 def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, top_k: int,
                 routing: str = "softmax", renormalize: bool = True, bias: torch.Tensor | None = None,
                 n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0, group=None,
-                policy: str = "self", comm_programs: int | None = None, return_routing: bool = False,
-                trace: torch.Tensor | None = None):
+                config: MoEForwardConfig | None = None, policy: str = "self", comm_programs: int | None = None,
+                return_routing: bool = False, trace: torch.Tensor | None = None):
     """The MoE expert layer over the expert-parallel ``group``, in one launch: ``y`` [T, H] bf16.
 
     x [T, H] bf16 CUDA: this rank's tokens (T, H, F, E, top_k and routing must be the same on every rank:
@@ -718,10 +719,12 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     on rank g // (E/W). routing: ``softmax`` (``renormalize`` the top-k weights or not) or
     ``sigmoid-grouped`` (DeepSeek-V3: ``bias`` [E] for the choice, ``n_group``/``topk_group``,
     ``routed_scaling``). E <= 256, top_k <= 16, H and F multiples of 8. Shared experts are not part of the op.
+    ``config`` (``kosmos.MoEForwardConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``return_routing=True`` also
     returns (weights [T, k] fp32, experts [T, k] int64) as the kernel's router chose them. ``trace`` (int64
     [grid, 1024, 4]) records each program's tasks (kinds in ``runtime.TRACE_KINDS``) for the timeline.
     """
+    config = check_config(MoEForwardConfig, config)
     w = runtime.world_size(group)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
@@ -730,7 +733,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     r = ws.world.rank
     grid = runtime.num_sms(x.device)
     check_launch(policy, comm_programs, trace, grid)
-    cfg = planning.moe_config()
+    cfg = planning.moe_config(config)
     lay = Layout(w, t_, h, f, top_k, el, cfg)
     _check_same_shape_on_every_rank(ws, (t_, h, f, e, top_k, ROUTINGS.index(routing)))
     ws.ensure(lay.data_bytes, w)
@@ -774,7 +777,8 @@ def _check_same_shape_on_every_rank(ws, key: tuple) -> None:
     seen.add(key)
 
 
-def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                 config: MoEForwardConfig | None = None) -> torch.Tensor:
     """The layer's expert GEMMs alone (GEMM1 + SwiGLU + GEMM2, same device code and tiles as ``moe_forward``) on
     rows already grouped by local expert: ``x_sorted`` [R, H] bf16, ``counts`` [E/W] int (rows per expert,
     summing to R, on the GPU; never read on the host). Returns [R, H] bf16. For measuring the GEMMs against
@@ -788,7 +792,7 @@ def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
         raise ValueError(f"shapes disagree: x_sorted {tuple(x_sorted.shape)}, counts {tuple(counts.shape)}, "
                          f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     f = f2 // 2
-    cfg = planning.moe_config()
+    cfg = planning.moe_config(check_config(MoEForwardConfig, config))
     ws = runtime.get_workspace(None, x_sorted.device)
     lay = Layout(1, max(1, r_), h, f, 1, el, cfg)
     lay.max_rows = r_
