@@ -1,18 +1,53 @@
-"""Registers, spills and shared memory of the TP kernels as this GPU's Triton compiles them (a developer's
-device script: no second GPU needed, nothing runs).
+"""Registers, spills and shared memory of the fused kernels as Triton compiles them for sm_90a (a developer
+script; nothing runs). Works on the GPU box (Triton 3.6 there) and on a CPU-only machine (Triton's compiler and
+ptxas need no GPU: a stand-in driver reports an sm_90 target):
 
-    PYTHONPATH=. python -m dev.kernel_resources [--world 2] [--variant KOSMOS_AG_COPY_BLOCK=16384 ...]
+    PYTHONPATH=. python -m dev.kernel_resources [--world 1,2,8] [--json OUT.json]
 
-Each fused kernel is compiled (``JITFunction.warmup``) exactly as its ``launch`` would launch it at world size
---world for rank 0 of a llama3-70b-like shape, once per --variant (developer knobs K=V,..., set while that
-variant compiles), and its ptxas figures are printed. Spills in the fused kernels cost GEMM speed, so check
-them here before timing a change.
+Each kernel is compiled (``JITFunction.warmup``) exactly as its ``launch`` would launch it for rank 0 of a
+llama3-70b-like TP shape (AllGather+GEMM qkv, GEMM+RS attn-out) or a deepseek-v3-like MoE layer, with the
+default configs, self policy; the figures are ptxas's (``cuobjdump --dump-resource-usage`` of the cubin).
+Spills in the fused kernels cost GEMM speed, so check them here before timing a change.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import torch
+
+
+def _use_stand_in_driver() -> None:
+    """Let Triton compile for sm_90a where no GPU is visible (CPU tensors stand in for device ones)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Sm90:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        def is_active(self):
+            return True
+
+    driver.set_active(_Sm90())
 
 
 class _CompileOnly:
@@ -27,7 +62,30 @@ class _CompileOnly:
         return run
 
 
-def _compile(module, kernel_name: str, call):
+def _resources(compiled) -> dict:
+    """regs / spill bytes / stack / shared KiB, from ptxas -v on the kernel's PTX (no device needed)."""
+    import triton
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tools = [t for t in (shutil.which("ptxas"), os.path.join(bundled, "ptxas-blackwell"),
+                         os.path.join(bundled, "ptxas")) if t and os.path.exists(t)]
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        for tool in tools:  # the first ptxas that knows this PTX version
+            run = subprocess.run([tool, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"no ptxas among {tools} assembles this PTX: {run.stderr.strip()[:200]}")
+    text = run.stderr + run.stdout
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else None  # noqa: E731
+    return {"regs": num(r"Used (\d+) registers"), "spill_bytes": num(r"(\d+) bytes spill stores"),
+            "stack_bytes": num(r"(\d+) bytes stack frame"), "shared_kib": round(compiled.metadata.shared / 1024, 1)}
+
+
+def _compile(module, kernel_name: str, call) -> dict:
     original = getattr(module, kernel_name)
     stub = _CompileOnly(original)
     setattr(module, kernel_name, stub)
@@ -35,56 +93,78 @@ def _compile(module, kernel_name: str, call):
         call()
     finally:
         setattr(module, kernel_name, original)
-    k = stub.compiled
-    k._init_handles()  # loads the binary: n_regs / n_spills are known from here on
-    return {"regs": k.n_regs, "spills": k.n_spills, "shared_kib": round(k.metadata.shared / 1024, 1)}
+    return _resources(stub.compiled)
 
 
-def tp_kernels(world: int, ms: int = 4096, k: int = 8192, n: int = 5120):
-    """(name, resources) of the AllGather+GEMM and GEMM+RS kernels at ``world`` (rank 0, self policy)."""
+def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: int = 5120):
+    """(name, resources) of every fused kernel at ``world`` (rank 0, self policy, default configs)."""
     from kosmos import planning, runtime
     from kosmos.kernels import all_gather_matmul as ag
     from kosmos.kernels import matmul_reduce_scatter as rs
-    dev = torch.device("cuda")
+    from kosmos.kernels import moe_forward as mf
     runtime.ensure_triton_allocator()
     bf = dict(dtype=torch.bfloat16, device=dev)
     peers = torch.zeros(world, dtype=torch.int64, device=dev)
     sig = torch.zeros(runtime.FLAG_BASE + 4096, dtype=torch.int32, device=dev)
     heads = torch.zeros(runtime.NUM_HEADS, dtype=torch.int32, device=dev)
     errs = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=dev)
-    grid = runtime.num_sms(dev)
     common = dict(rank=0, world=world, epoch=1, timeout_ns=10**9, grid=grid)
     a_shard, b = torch.empty(ms, k, **bf), torch.empty(k, n, **bf)
     gather, c = torch.empty(ms * world, k, **bf), torch.empty(ms * world, n, **bf)
     cfg = planning.tile_config(ms, n, k)
     out = [("all_gather_matmul", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
         a_shard, b, False, c, gather, peers, peers, sig, heads, errs, cfg=cfg, **common)))]
-    a_rs, b_rs = torch.empty(ms * world, k // world, **bf), torch.empty(k // world, n, **bf)
-    stage, c_rs = torch.empty(ms * world, n, **bf), torch.empty(ms, n, **bf)
-    cfg = planning.tile_config(ms * world, n, k // world)
+    k_rs, n_rs = 8192 // world, 8192  # attention-out: K = heads*head_dim / W
+    a_rs, b_rs = torch.empty(ms * world, k_rs, **bf), torch.empty(k_rs, n_rs, **bf)
+    stage, c_rs = torch.empty(ms * world, n_rs, **bf), torch.empty(ms, n_rs, **bf)
+    cfg = planning.tile_config(ms, n_rs, k_rs)
     out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
         a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+    # deepseek-v3-like MoE layer: H 7168, F 2048, 256 experts, top-8, sigmoid-grouped routing
+    t_, h, f, e, top_k = 256, 7168, 2048, 256, 8
+    el = e // world
+    mcfg = planning.moe_config()
+    lay = mf.Layout(world, t_, h, f, top_k, el, mcfg)
+    small = lambda n_, dt=torch.int32: torch.zeros(max(1, n_), dtype=dt, device=dev)  # noqa: E731
+    bufs = dict(data=small(1024, torch.uint8), sig=sig, ctr=small(4096), peer_data=peers, peer_sig=peers,
+                peer_ctr=peers, topk_w=small(16, torch.float32), topk_e=small(16), xe=torch.empty(128, h, **bf),
+                xe_meta=small(16), hb=torch.empty(128, f, **bf), plan=small(lay.plan_n),
+                scratch=small(lay.scratch_n), errors=errs, layout=lay)
+    x, wr = torch.empty(t_, h, **bf), torch.empty(e, h, **bf)
+    w13, w2, y = torch.empty(el, h, 2 * f, **bf), torch.empty(el, f, h, **bf), torch.empty(t_, h, **bf)
+    bias = torch.zeros(e, dtype=torch.float32, device=dev)
+    out.append(("moe_forward", _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
+        x, wr, bias, w13, w2, y, bufs, cfg=mcfg, top_k=top_k, routing="sigmoid-grouped", n_group=8,
+        topk_group=4, routed_scaling=2.5, **common))))
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2, help="world size the kernels are compiled for")
-    ap.add_argument("--variant", action="append", default=None,
-                    help="developer knobs K=V,... set while compiling (repeatable; default: the defaults)")
+    ap.add_argument("--world", default="1,2,8", help="world sizes the kernels are compiled for (comma-separated)")
+    ap.add_argument("--json", default=None, help="also write the table as JSON here")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (the kernels are compiled for the GPU that is there)")
-    print(f"{'variant':<40} {'kernel':<24} {'regs':>5} {'spills':>7} {'shared KiB':>11}")
-    from kosmos_bench.launcher import knobs
-    for variant in args.variant or [""]:
-        try:
-            with knobs(variant):
-                for name, r in tp_kernels(args.world):
-                    print(f"{variant or '(defaults)':<40} {name:<24} {r['regs']:>5} {r['spills']:>7} "
-                          f"{r['shared_kib']:>11}", flush=True)
-        except Exception as e:  # a variant that does not compile is reported, the others still run
-            print(f"{variant or '(defaults)':<40} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    if torch.cuda.is_available():
+        dev, grid = torch.device("cuda"), torch.cuda.get_device_properties(0).multi_processor_count
+    else:
+        _use_stand_in_driver()
+        dev, grid = torch.device("cpu"), 132
+    import triton
+    rows = []
+    print(f"triton {triton.__version__}, sm_90a, grid {grid}")
+    print(f"{'kernel':<24} {'W':>2} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared KiB':>11}")
+    for world in [int(w) for w in args.world.split(",")]:
+        for name, r in kernels(world, dev, grid):
+            rows.append(dict(kernel=name, world=world, triton=triton.__version__, **r))
+            print(f"{name:<24} {world:>2} {r['regs']:>5} {str(r['spill_bytes']):>8} {r['stack_bytes']:>8} "
+                  f"{r['shared_kib']:>11}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
