@@ -1,8 +1,10 @@
 """Benchmark suites: YAML files under suites/ naming models, sequence lengths (TP) or tokens and routings (MoE),
-precisions and implementations. ``load_suite`` validates everything up front and names the offending key on
-error; the file's ``bench`` key (default "tp") picks TPSuite or MoESuite."""
+precisions and implementations, and the report's bars for their results (``targets``). ``load_suite`` validates
+everything up front and names the offending key on error; the file's ``bench`` key (default "tp") picks TPSuite
+or MoESuite."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -23,6 +25,27 @@ class SuiteError(ValueError):
     pass
 
 
+# The bars a report judges a suite's results against (`targets:` in the suite file; suites/*.yaml say what each
+# means). The report reads them from the suite recorded in a results file (kosmos_bench/report/targets.py).
+TARGET_KEYS = {
+    "tp": ("slower_tolerance", "geomean_speedup", "geomean_overlap_efficiency"),
+    "moe": ("slower_tolerance", "geomean_speedup", "geomean_overlap_efficiency", "expert_gemm_share"),
+}
+
+
+def check_targets(bench: str, targets) -> None:
+    """A suite's ``targets``: a mapping of the known target names of ``bench`` to finite numbers >= 0."""
+    if not isinstance(targets, dict):
+        raise SuiteError(f"'targets' must be a mapping of target names to numbers, got {type(targets).__name__}")
+    allowed = TARGET_KEYS.get(bench, ())
+    for key, value in targets.items():
+        if key not in allowed:
+            raise SuiteError(f"unknown target {key!r} in 'targets'; allowed for a {bench} suite: "
+                             f"{', '.join(allowed)}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise SuiteError(f"'targets.{key}' must be a number >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class TPSuite:
     name: str = "tp-default"
@@ -37,6 +60,7 @@ class TPSuite:
     fixed_sweep: tuple = FIXED_SWEEP
     tp: int | None = None
     shapes_tp: int | None = None  # size the GEMMs as at TP=shapes_tp (per-rank shards), whatever the world
+    targets: dict = field(default_factory=dict)  # the report's bars for this suite's results (TARGET_KEYS)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -80,6 +104,7 @@ def _check(s: TPSuite) -> None:
         v = getattr(s, key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise SuiteError(f"'{key}' must be a positive integer, got {v!r}")
+    check_targets("tp", s.targets)
 
 
 def _as_tuple(key, v):
@@ -106,6 +131,7 @@ class MoESuite:
     ep: int | None = None
     expert_gemms: bool = True
     seed: int = 0
+    targets: dict = field(default_factory=dict)  # the report's bars for this suite's results (TARGET_KEYS)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -145,6 +171,7 @@ def _check_moe(s: MoESuite) -> None:
         raise SuiteError(f"'ep' must be a positive integer, got {s.ep!r}")
     if not isinstance(s.expert_gemms, bool):
         raise SuiteError(f"'expert_gemms' must be true or false, got {s.expert_gemms!r}")
+    check_targets("moe", s.targets)
     if s.ep is not None:
         for name in s.models:
             if MOE_MODELS[name].experts % s.ep:

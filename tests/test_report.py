@@ -13,6 +13,7 @@ from rich.console import Console
 from kosmos_bench.report import (
     ReportError,
     build_table,
+    default_targets,
     geomean_table,
     load_results,
     print_terminal,
@@ -20,9 +21,11 @@ from kosmos_bench.report import (
     report_main,
     speedup_chart,
     geomean_by_model_table,
+    target_of,
     timeline_chart,
     versus_table,
 )
+from kosmos_bench.suites import default_moe_suite, default_suite
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TP_SAMPLE = FIXTURES / "tp-sample.jsonl"
@@ -476,3 +479,68 @@ def test_geomean_per_model_by_hand(tmp_path):
 def test_geomean_per_model_absent_for_one_model(table):
     assert geomean_by_model_table(table).empty
     assert "Geomean per model" not in render(table, "md")
+
+
+def env_line(suite, run_id="r1", bench="tp"):
+    return {"type": "env", "run_id": run_id, "bench": bench, "gpu": "G", "gpu_count": 2, "suite": suite}
+
+
+def versus_lines():
+    """kosmos 2% slower than torch-async-tp at m=1024, 5% slower at m=2048; nccl+cublas the baseline."""
+    return [result_line(m=m, impl=impl, time_ms=t) for m, ours, other in ((1024, 1.0, 0.98), (2048, 1.0, 0.95))
+            for impl, t in (("kosmos", ours), ("nccl+cublas", 1.25), ("torch-async-tp", other))]
+
+
+def test_targets_read_from_the_results_files_env_suite(tmp_path):
+    """The bars are the recorded suite's targets; a key the suite leaves out falls back to the default suite's."""
+    suite = {"name": "mine", "bench": "tp", "targets": {"slower_tolerance": 0.06, "geomean_speedup": 1.3}}
+    path = write_lines(tmp_path / "mine.jsonl", [env_line(suite), *versus_lines()])
+    df = build_table(load_results([path])[1])
+    assert df.attrs["targets"][("mine", "tp")] == {**default_suite().targets, **suite["targets"]}
+    assert target_of(df, "mine", "tp", "geomean_speedup") == 1.3
+    md = render(df, "md")
+    assert "kosmos at most 6% slower than the fastest other implementation: at 2 of 2 shapes" in md
+    assert "Target geomean_speedup of kosmos over nccl+cublas >= 1.30: 1.250 misses." in md
+    assert "Target geomean_speedup of kosmos over nccl+cublas >= 1.30: 1.250 misses." in render(df, "text")
+    moe_lines = [json.loads(x) for x in MOE_SAMPLE.read_text().splitlines()]
+    moe_lines[0]["suite"] = {"bench": "moe", "targets": {"expert_gemm_share": 0.95}}
+    moe_df = build_table(load_results([write_lines(tmp_path / "moe.jsonl", moe_lines)])[1])
+    assert "90% of its TFLOP/s (geomean over 2 points, min 90%): misses the >= 95% bar" in render(moe_df, "md")
+
+
+def test_targets_fall_back_to_the_default_suite(tmp_path, table):
+    """Files whose recorded suite has no targets (all files before suites had them) and tables built from
+    records without a file are judged against the default suite file of their bench."""
+    for key, value in default_suite().targets.items():
+        assert target_of(table, "tp-sample", "tp", key) == value
+    assert default_targets("moe") == default_moe_suite().targets
+    md = render(table, "md")
+    tolerance = default_suite().targets["slower_tolerance"]
+    assert f"kosmos at most {tolerance:.0%} slower than the fastest other implementation" in md
+    bar = default_suite().targets["geomean_speedup"]
+    assert f"Target geomean_speedup of kosmos over nccl+cublas >= {bar:.2f}: 1.239 " in md
+    no_env = build_table([result_line(m=m, impl=impl, time_ms=t, source="hand") for m, impl, t in
+                          ((1024, "kosmos", 1.0), (1024, "nccl+cublas", 2.0))])
+    assert no_env.attrs["targets"] == {} and target_of(no_env, "hand", "tp", "slower_tolerance") == tolerance
+    two = write_lines(tmp_path / "two.jsonl", [env_line({"bench": "tp"}), *versus_lines()])
+    assert "kosmos at most 3% slower than the fastest other implementation: at 1 of 2 shapes" in \
+        render(build_table(load_results([two])[1]), "md")
+
+
+def test_two_sources_with_other_tolerances(tmp_path):
+    loose = write_lines(tmp_path / "loose.jsonl",
+                        [env_line({"targets": {"slower_tolerance": 0.1}}), *versus_lines()])
+    tight = write_lines(tmp_path / "tight.jsonl",
+                        [env_line({"targets": {"slower_tolerance": 0.01}}), *versus_lines()])
+    md = render(build_table(load_results([loose, tight])[1]), "md")
+    assert ("kosmos at most its suite's slower_tolerance slower than the fastest other implementation: "
+            "loose (at most 10% slower) at 2 of 2 shapes") in md
+    assert "tight (at most 1% slower) at 0 of 2 shapes" in md
+
+
+def test_malformed_recorded_targets_name_the_file(tmp_path):
+    path = write_lines(tmp_path / "bad.jsonl", [env_line({"targets": {"slower_tolerance": "3%"}}), result_line()])
+    with pytest.raises(ReportError, match="bad.jsonl: the suite of run r1 has malformed targets: "
+                                          "'targets.slower_tolerance' must be a number") as error:
+        load_results([path])
+    assert "\n" not in str(error.value)

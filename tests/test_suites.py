@@ -1,8 +1,8 @@
 """Suite loading: the default suite, overrides, and clear errors for malformed files."""
 import pytest
 
-from kosmos_bench.suites import (DEFAULT_MOE_SUITE, DEFAULT_SUITE, MoESuite, SuiteError, TPSuite, default_moe_suite,
-                                 default_suite, load_suite)
+from kosmos_bench.suites import (DEFAULT_MOE_SUITE, DEFAULT_SUITE, TARGET_KEYS, MoESuite, SuiteError, TPSuite,
+                                 default_moe_suite, default_suite, load_suite)
 
 
 def test_default_suite_file_loads():
@@ -94,3 +94,41 @@ def test_suite_of_the_wrong_bench(tmp_path):
     p.write_text("bench: pp\n")
     with pytest.raises(SuiteError, match="unknown bench 'pp'"):
         load_suite(p, bench=None)
+
+
+def test_default_suites_carry_their_targets():
+    """The project's bars are suite data; they travel with the suite into every results file's env line."""
+    tp, moe = default_suite(), default_moe_suite()
+    assert set(tp.targets) == set(TARGET_KEYS["tp"]) and tp.targets["slower_tolerance"] == 0.03
+    assert set(moe.targets) == {"slower_tolerance", "expert_gemm_share"} and moe.targets["expert_gemm_share"] == 0.8
+    assert tp.to_dict()["targets"] == tp.targets and moe.override(iters=3).targets == moe.targets
+    assert TPSuite().targets == {} and MoESuite().targets == {}
+
+
+@pytest.mark.parametrize("bench, text, needle", [
+    ("tp", "targets: {fast: 1.2}\n", "unknown target 'fast' in 'targets'"),
+    ("tp", "targets: {expert_gemm_share: 0.8}\n", "unknown target 'expert_gemm_share'"),
+    ("tp", "targets: {geomean_speedup: fast}\n", "'targets.geomean_speedup' must be a number"),
+    ("tp", "targets: {slower_tolerance: '3%'}\n", "'targets.slower_tolerance' must be a number"),
+    ("tp", "targets: {slower_tolerance: true}\n", "'targets.slower_tolerance' must be a number"),
+    ("tp", "targets: {geomean_speedup: [1.15]}\n", "'targets.geomean_speedup' must be a number"),
+    ("tp", "targets: {geomean_speedup: .nan}\n", "'targets.geomean_speedup' must be a number"),
+    ("tp", "targets: {geomean_overlap_efficiency: -0.9}\n", "'targets.geomean_overlap_efficiency'"),
+    ("tp", "targets: [slower_tolerance, 0.03]\n", "'targets' must be a mapping"),
+    ("moe", "targets: {expert_gemm_share: 80%}\n", "'targets.expert_gemm_share' must be a number"),
+    ("moe", "targets:\n  slower_tolerance: 0.03\n  bar: 2\n", "unknown target 'bar'"),
+])
+def test_malformed_targets_give_a_one_line_error(tmp_path, bench, text, needle):
+    p = tmp_path / "targets.yaml"
+    p.write_text(f"bench: {bench}\n" + text)
+    with pytest.raises(SuiteError, match=needle) as e:
+        load_suite(p, bench=bench)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_targets_are_checked_on_construction():
+    with pytest.raises(SuiteError, match="'targets.slower_tolerance' must be a number"):
+        TPSuite(targets={"slower_tolerance": "3%"})
+    with pytest.raises(SuiteError, match="unknown target 'geomean'"):
+        MoESuite().override(targets={"geomean": 1.6})
+    assert MoESuite(targets={"geomean_speedup": 1.6}).targets == {"geomean_speedup": 1.6}

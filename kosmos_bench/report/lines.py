@@ -1,0 +1,122 @@
+"""The one-sentence summaries under the report's tables: workspace memory, the MoE expert GEMMs against
+grouped-mm, the geomean targets, and how often kosmos is close to the fastest other implementation. Every bar
+they judge against is a suite target (targets.py); a line whose target is unset gives the numbers only."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from .schema import BASELINE_IMPL, EXPERT_GEMM_IMPL, EXPERT_GEMM_OP, MIB, OURS, format_value
+from .tables import geomean, geomean_by_model_table, geomean_table
+from .targets import target_of
+
+GEOMEAN_TARGETS = ("geomean_speedup", "geomean_overlap_efficiency")  # each bounds the geomean column of its name
+
+
+def summary_lines(df: pd.DataFrame) -> list[str]:
+    """The lines under the geomean tables, in order: workspace, expert GEMMs (MoE), geomean targets."""
+    expert_gemms = expert_gemm_line(df)
+    return [workspace_line(df), *([expert_gemms] if expert_gemms else []), *geomean_target_lines(df)]
+
+
+def workspace_line(df: pd.DataFrame) -> str:
+    with_workspace = df.dropna(subset=["workspace_bytes"])
+    if with_workspace.empty:
+        return "Workspace memory: not reported."
+    several_sources = df["source"].nunique() > 1
+    keys = ["source", "impl"] if several_sources else ["impl"]
+    maxima = with_workspace.groupby(keys, sort=False)["workspace_bytes"].max()
+    parts = [
+        f"{'/'.join(map(str, key)) if several_sources else key} {int(value) / MIB:.1f} MiB"
+        for key, value in maxima.items()
+    ]
+    return "Workspace memory (max symmetric workspace per rank): " + ", ".join(parts) + "."
+
+
+def expert_gemm_line(df: pd.DataFrame) -> str | None:
+    """The MoE expert GEMMs alone, per source: kosmos-expert-gemms TFLOP/s as a share of grouped-mm's (geomean of
+    the speedup over the points where both ran), against target ``expert_gemm_share``; None without such rows."""
+    rows = df[(df["op"] == EXPERT_GEMM_OP) & (df["impl"] == EXPERT_GEMM_IMPL)]
+    if rows.empty:
+        return None
+    parts = []
+    for (source, bench), group in rows.groupby(["source", "bench"], sort=False):
+        ok = group["speedup"].dropna()
+        share = geomean(ok)
+        label = f"{source}: " if df["source"].nunique() > 1 else ""
+        if math.isnan(share):
+            parts.append(f"{label}no point where both ran ({len(group)} rows)")
+            continue
+        part = f"{label}{share:.0%} of its TFLOP/s (geomean over {len(ok)} points, min {ok.min():.0%})"
+        bar = target_of(df, source, bench, "expert_gemm_share")
+        if bar is not None:
+            part += f": {'meets' if share >= bar else 'misses'} the >= {bar:.0%} bar"
+        parts.append(part)
+    return f"MoE expert GEMMs alone, {EXPERT_GEMM_IMPL} vs grouped-mm (torch._grouped_mm): " + "; ".join(parts) + "."
+
+
+def geomean_target_lines(df: pd.DataFrame) -> list[str]:
+    """A line per geomean target set for some source: kosmos's geomean (per model when the source holds several)
+    against it, e.g. "Target geomean_speedup of kosmos over nccl+cublas >= 1.15: a 1.051 misses, b 1.203 meets."."""
+    geomeans, by_model = geomean_table(df), geomean_by_model_table(df)
+    several_sources = df["source"].nunique() > 1
+    lines = []
+    for key in GEOMEAN_TARGETS:
+        parts = []
+        for (source, bench), _ in df.groupby(["source", "bench"], sort=False):
+            bar = target_of(df, source, bench, key)
+            ours = _ours(by_model, source, bench)
+            per_model = ours["model"].nunique() > 1
+            ours = ours if per_model else _ours(geomeans, source, bench)
+            if bar is None or ours.empty:
+                continue
+            values = ", ".join(f"{row['model'] + ' ' if per_model else ''}{_verdict(row[key], bar)}"
+                               for row in ours.to_dict("records"))
+            subject = f"{source} " if several_sources else ""
+            over = f"over {BASELINE_IMPL.get(bench, 'the baseline')} " if key == "geomean_speedup" else ""
+            parts.append(f"{subject}{over}>= {bar:.2f}: {values}")
+        if parts:
+            lines.append(f"Target {key} of kosmos{': ' if several_sources else ' '}" + "; ".join(parts) + ".")
+    return lines
+
+
+def _ours(geomeans: pd.DataFrame, source: str, bench: str) -> pd.DataFrame:
+    return geomeans[(geomeans["source"] == source) & (geomeans["bench"] == bench) & (geomeans["impl"] == OURS)]
+
+
+def _verdict(value: float, bar: float) -> str:
+    return "no ok rows" if math.isnan(value) else f"{value:.3f} {'meets' if value >= bar else 'misses'}"
+
+
+def versus_line(versus: pd.DataFrame, df: pd.DataFrame) -> str | None:
+    """How often kosmos is at most target ``slower_tolerance`` slower than the fastest other implementation (and
+    than fixed-role-best), per source; ``versus`` is ``versus_table(df)``. None without rows or target."""
+    tolerance = pd.Series([target_of(df, row.source, row.bench, "slower_tolerance")
+                           for row in versus.itertuples(index=False)], index=versus.index, dtype="float64")
+    versus = versus[tolerance.notna()]
+    if versus.empty:
+        return None
+    floor = 1 - tolerance[versus.index]  # kosmos is close where vs_fastest_other >= floor
+    tolerances = sorted(set(tolerance.dropna()))
+    parts = []
+    for source, group in versus.groupby("source", sort=False):
+        close = group["vs_fastest_other"] >= floor[group.index]
+        worst = group.loc[group["vs_fastest_other"].idxmin()]
+        label = f"{source} " if versus["source"].nunique() > 1 else ""
+        if len(tolerances) > 1:
+            label += f"(at most {tolerance[group.index].max():.0%} slower) "
+        part = (f"{label}at {int(close.sum())} of {len(group)} shapes (worst {worst['vs_fastest_other']:.3f}, "
+                f"{worst['fastest_other']} at {worst['model']} {format_value('layer', worst['layer'])} "
+                f"{format_value('seq', worst['seq'])})")
+        if group["model"].nunique() > 1:
+            part += " [" + ", ".join(f"{model} {int(close[rows.index].sum())} of {len(rows)}"
+                                     for model, rows in group.groupby("model", sort=False)) + "]"
+        fixed = group["vs_fixed_role_best"].dropna()
+        if len(fixed):
+            part += (f", than fixed-role-best at {int((fixed >= floor[fixed.index]).sum())} of {len(fixed)} "
+                     f"(worst {fixed.min():.3f})")
+        parts.append(part)
+    within = f"{tolerances[0]:.0%}" if len(tolerances) == 1 else "its suite's slower_tolerance"
+    return f"kosmos at most {within} slower than the fastest other implementation: " + "; ".join(parts) + "."

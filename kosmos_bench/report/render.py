@@ -1,0 +1,262 @@
+"""Rendering of KOSMOS benchmark results (JSON lines and traces, see SCHEMA.md): the report as markdown, csv,
+self-contained html or text, rich tables on the terminal, and ``report_main``, the entry point of
+``kosmos report``. Every human-readable format shows the same sections (``_sections``) in the same order; csv is
+the machine-readable contract: every column of ``build_table``, one row per result identity."""
+
+from __future__ import annotations
+
+import html
+import io
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .charts import speedup_chart, timeline_chart
+from .lines import summary_lines, versus_line
+from .load import load_results
+from .schema import (
+    ENV_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS, NUMERIC_DISPLAY_COLUMNS, RENDER_FORMATS,
+    SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
+)
+from .tables import build_table, geomean_by_model_table, geomean_table, versus_table
+
+ENVIRONMENT, RESULTS = "Environment", "Results per shape"
+
+
+# --------------------------------------------------------------------------- sections and formatting
+
+
+def _sections(df: pd.DataFrame):
+    """The report's parts in order: (title, table, columns) for a table, (None, sentence, None) for a line."""
+    environment = ["source", *ENV_COLUMNS]
+    yield ENVIRONMENT, df[environment].drop_duplicates().reset_index(drop=True), environment
+    yield RESULTS, df, _display_columns(df)
+    yield "Geomean over ok rows", geomean_table(df), GEOMEAN_COLUMNS
+    by_model = geomean_by_model_table(df)
+    if not by_model.empty:
+        yield "Geomean per model", by_model, MODEL_GEOMEAN_COLUMNS
+    for line in summary_lines(df):
+        yield None, line, None
+    versus = versus_table(df)
+    if not versus.empty:
+        yield "kosmos against the fastest other implementation", versus, _versus_display(versus)
+        line = versus_line(versus, df)
+        if line:
+            yield None, line, None
+
+
+def _formatted(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({column: [format_value(column, value) for value in df[column]] for column in columns})
+
+
+def _single_valued(df: pd.DataFrame, columns=("source", "bench")) -> set[str]:
+    """The identity columns a human-readable table can drop: one value across the whole table."""
+    return {column for column in columns if df[column].nunique() <= 1}
+
+
+def _display_columns(df: pd.DataFrame) -> list[str]:
+    """Columns of the human-readable per-shape tables (csv gets every column)."""
+    hidden = {"workspace_bytes"} | _single_valued(df)
+    columns = [column for column in TABLE_COLUMNS if column not in hidden]
+    if "routing" in df:
+        position = columns.index("impl")
+        columns[position:position] = MOE_COLUMNS
+    return columns
+
+
+def _versus_display(versus: pd.DataFrame) -> list[str]:
+    hidden = _single_valued(versus)
+    if versus["vs_fixed_role_best"].isna().all():
+        hidden.add("vs_fixed_role_best")
+    if "routing" in versus and versus["routing"].isna().all():
+        hidden.update(MOE_COLUMNS)
+    return [column for column in versus.columns if column not in hidden]
+
+
+def _speedup_style(value) -> str | None:
+    if value is None or pd.isna(value) or value == 1:
+        return None
+    return "green" if value > 1 else "red"
+
+
+def _shape_key(row: dict) -> tuple[str, ...]:
+    """Formatted identity of a row's shape (strings, so missing values compare equal)."""
+    return tuple(format_value(column, row.get(column)) for column in SHAPE_COLUMNS)
+
+
+# --------------------------------------------------------------------------- renderers
+
+
+def render(df: pd.DataFrame, fmt: str) -> str:
+    """Render the table as "md", "csv", "html" or "text"."""
+    renderers = {"md": _render_markdown, "csv": _render_csv, "html": _render_html, "text": _render_text}
+    if fmt not in renderers:
+        raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
+    return renderers[fmt](df)
+
+
+def _render_csv(df: pd.DataFrame) -> str:
+    return _formatted(df, list(df.columns)).to_csv(index=False, lineterminator="\n")
+
+
+def _markdown_table(frame: pd.DataFrame) -> str:
+    def cells(values) -> str:
+        return "| " + " | ".join(str(value).replace("|", "\\|") for value in values) + " |"
+
+    lines = [cells(frame.columns), cells("---" for _ in frame.columns)]
+    lines += [cells(row) for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _render_markdown(df: pd.DataFrame) -> str:
+    parts = ["# KOSMOS benchmark report"]
+    for title, body, columns in _sections(df):
+        parts += [body] if title is None else [f"## {title}", _markdown_table(_formatted(body, columns))]
+    return "\n\n".join(parts) + "\n"
+
+
+HTML_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; }
+table { border-collapse: collapse; margin-bottom: 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; }
+th { background: #f0f0f0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.faster { color: #067d17; font-weight: bold; }
+td.slower { color: #b00020; font-weight: bold; }
+tr.failed td, tr.unavailable td { background: #fff3f3; color: #777; }
+"""
+
+
+def _html_table(df: pd.DataFrame, columns: list[str]) -> str:
+    header = "".join(f"<th>{html.escape(column)}</th>" for column in columns)
+    body = []
+    for _, row in df.iterrows():
+        cells = "".join(_html_cell(column, row[column]) for column in columns)
+        status = row.get("status")
+        row_class = f' class="{html.escape(status)}"' if status in ("failed", "unavailable") else ""
+        body.append(f"<tr{row_class}>{cells}</tr>")
+    return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _html_cell(column: str, value) -> str:
+    classes = []
+    if column in NUMERIC_DISPLAY_COLUMNS:
+        classes.append("num")
+    if column in SPEEDUP_COLUMNS:
+        style = _speedup_style(value)
+        classes.append({"green": "faster", "red": "slower"}.get(style, ""))
+    class_attribute = f' class="{" ".join(filter(None, classes))}"' if any(classes) else ""
+    return f"<td{class_attribute}>{html.escape(format_value(column, value))}</td>"
+
+
+def _render_html(df: pd.DataFrame) -> str:
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"><title>KOSMOS benchmark report</title>',
+        f"<style>{HTML_STYLE}</style></head><body>",
+        "<h1>KOSMOS benchmark report</h1>",
+    ]
+    for title, body, columns in _sections(df):
+        parts += [f"<p>{html.escape(body)}</p>"] if title is None else \
+            [f"<h2>{html.escape(title)}</h2>", _html_table(body, columns)]
+    return "\n".join([*parts, "</body></html>", ""])
+
+
+def _render_text(df: pd.DataFrame) -> str:
+    buffer = io.StringIO()
+    print_terminal(df, Console(file=buffer, width=250, color_system=None, force_terminal=False))
+    return buffer.getvalue()
+
+
+# --------------------------------------------------------------------------- terminal
+
+
+def print_terminal(df: pd.DataFrame, console: Console | None = None) -> None:
+    """Rich tables: environment, per-shape results, geomeans and workspace memory."""
+    console = console or Console()
+    for title, body, columns in _sections(df):
+        if title is None:
+            console.print(Text(body))
+        elif title == ENVIRONMENT:
+            for line in _environment_lines(body):
+                console.print(Text(line))
+        elif title == RESULTS:  # the reason is in the status cell; a rule under each shape
+            console.print(_rich_table(body, [column for column in columns if column != "reason"], title,
+                                      shape_sections=True))
+        else:
+            console.print(_rich_table(body, columns, title))
+
+
+def _environment_lines(environment: pd.DataFrame) -> list[str]:
+    environment = _formatted(environment, list(environment.columns))
+    return [
+        f"{row.source}: {row.gpu} x{row.gpu_count} | torch {row.torch} | triton {row.triton}"
+        f" | commit {row.git_commit}{' | knobs ' + row.knobs if row.knobs else ''} | {row.timestamp}"
+        for row in environment.itertuples(index=False)
+    ]
+
+
+def _rich_table(frame: pd.DataFrame, columns: list[str], title: str, shape_sections: bool = False) -> Table:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right" if column in NUMERIC_DISPLAY_COLUMNS else "left")
+    records = frame.to_dict("records")
+    for index, row in enumerate(records):
+        is_last_of_shape = shape_sections and (
+            index + 1 == len(records) or _shape_key(records[index + 1]) != _shape_key(row))
+        table.add_row(*(_rich_cell(column, row) for column in columns), end_section=is_last_of_shape)
+    return table
+
+
+def _rich_cell(column: str, row: dict) -> Text:
+    if column == "status":
+        return _rich_status(row)
+    value = row[column]
+    style = _speedup_style(value) if column in SPEEDUP_COLUMNS else None
+    return Text(format_value(column, value), style=style or "")
+
+
+def _rich_status(row: dict) -> Text:
+    status = row["status"]
+    if status == "ok":
+        return Text("ok")
+    reason = format_value("reason", row.get("reason"))
+    label = f"{status}: {reason}" if reason else status
+    return Text(label, style="red" if status == "failed" else "yellow")
+
+
+# --------------------------------------------------------------------------- CLI glue
+
+
+def report_main(
+    files: list[str | Path],
+    fmt: str = "text",
+    out: str | Path | None = None,
+    chart: str | Path | None = None,
+    timeline: str | Path | None = None,
+    console: Console | None = None,
+) -> int:
+    """Entry point of `kosmos report`; raises ReportError for unusable inputs."""
+    console = console or Console()
+    if timeline is not None:
+        png_path = Path(out) if out is not None else Path(timeline).with_suffix(".png")
+        console.print(Text(f"timeline written to {timeline_chart(timeline, png_path)}"))
+        return 0
+    if fmt not in RENDER_FORMATS:
+        raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
+    _, results = load_results(files)
+    df = build_table(results)
+    if out is not None:
+        Path(out).write_text(render(df, fmt), encoding="utf-8")
+        console.print(Text(f"{fmt} report written to {out}"))
+    elif fmt == "text":
+        print_terminal(df, console)
+    else:
+        console.out(render(df, fmt), highlight=False, end="")
+    if chart is not None:
+        written = speedup_chart(df, chart)
+        console.print(Text(f"speedup chart written to {chart}" if written else "matplotlib missing: no speedup chart"))
+    return 0

@@ -1,0 +1,74 @@
+"""What the report's tables are made of: column names, row identities, baselines, number formats, and
+``ReportError``. Shared by every other module of the report; holds no logic but ``format_value``."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+BASELINE_IMPL = {"tp": "nccl+cublas", "moe": "nccl-a2a"}
+BASELINE_IMPL_BY_OP = {"moe_experts": "grouped-mm"}
+BASELINE_IMPLS = (*BASELINE_IMPL.values(), *BASELINE_IMPL_BY_OP.values())
+EXPERT_GEMM_OP, EXPERT_GEMM_IMPL = "moe_experts", "kosmos-expert-gemms"  # the MoE expert GEMMs alone
+OURS = "kosmos"
+REQUIRED_RESULT_KEYS = ("op", "impl", "status", "m", "n", "k", "world", "dtype")
+ENV_FIELDS = ("gpu", "gpu_count", "torch", "triton", "git_commit", "knobs", "timestamp")
+RENDER_FORMATS = ("md", "csv", "html", "text")
+
+TABLE_COLUMNS = [
+    "source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "world", "dtype", "impl",
+    "time_ms", "tflops", "speedup", "overlap_efficiency", "rel_err", "workspace_bytes",
+    "status", "reason",
+]
+MOE_COLUMNS = ["tokens", "experts", "top_k", "routing"]
+MOE_DETAIL_COLUMNS = ["peak_mem_delta_bytes"]
+DETAIL_COLUMNS = ["p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "peak_mem_bytes", "params"]
+ENV_COLUMNS = ["run_id", *ENV_FIELDS]
+GEOMEAN_COLUMNS = [
+    "source", "bench", "impl", "geomean_speedup", "geomean_overlap_efficiency",
+    "ok", "failed", "unavailable",
+]
+MODEL_GEOMEAN_COLUMNS = [
+    "source", "bench", "model", "impl", "geomean_speedup", "geomean_overlap_efficiency",
+    "ok", "failed", "unavailable",
+]
+
+SHAPE_COLUMNS = ("source", "bench", "op", "layer", "model", "m", "n", "k", "world", "dtype", *MOE_COLUMNS)
+ROW_IDENTITY = (*SHAPE_COLUMNS, "impl")
+COMPARISON_GROUP = ("source", "bench", "op", "model", "m", "n", "k", "world", "dtype")
+MOE_COMPARISON_GROUP = ("routing", "tokens")
+VERSUS_SHAPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "world", "dtype"]
+VERSUS_COLUMNS = VERSUS_SHAPE_COLUMNS + [
+    "kosmos_ms", "fastest_other", "fastest_other_ms", "vs_fastest_other", "vs_fixed_role_best"]
+
+INTEGER_COLUMNS = (
+    "seq", "m", "n", "k", "world", "workspace_bytes", "peak_mem_bytes",
+    "tokens", "experts", "top_k", "gpu_count", "peak_mem_delta_bytes",
+)
+FLOAT_COLUMNS = (
+    "time_ms", "tflops", "speedup", "overlap_efficiency", "rel_err",
+    "p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms",
+)
+FLOAT_FORMATS = {
+    "time_ms": "{:.4f}", "p20_ms": "{:.4f}", "p80_ms": "{:.4f}",
+    "t_gemm_ms": "{:.4f}", "t_comm_ms": "{:.4f}",
+    "tflops": "{:.1f}", "rel_err": "{:.2e}",
+    "speedup": "{:.3f}", "overlap_efficiency": "{:.3f}",
+    "geomean_speedup": "{:.3f}", "geomean_overlap_efficiency": "{:.3f}",
+    "kosmos_ms": "{:.4f}", "fastest_other_ms": "{:.4f}", "vs_fastest_other": "{:.3f}",
+    "vs_fixed_role_best": "{:.3f}",
+}
+SPEEDUP_COLUMNS = ("speedup", "geomean_speedup", "vs_fastest_other", "vs_fixed_role_best")
+NUMERIC_DISPLAY_COLUMNS = set(INTEGER_COLUMNS) | set(FLOAT_FORMATS) | {"ok", "failed", "unavailable"}
+MIB = 1024 * 1024
+
+
+class ReportError(ValueError):
+    """Result or trace files that cannot be reported on."""
+
+
+def format_value(column: str, value) -> str:
+    """A cell as the human-readable tables and the csv show it: "" for missing, FLOAT_FORMATS for floats."""
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return ""
+    float_format = FLOAT_FORMATS.get(column)
+    return float_format.format(value) if float_format else str(value)

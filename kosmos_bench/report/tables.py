@@ -1,0 +1,204 @@
+"""The report's pandas tables, built from the records of ``load_results``: the per-shape table with the derived
+metrics, the geomeans (per implementation and per model) and kosmos against the fastest other implementation.
+
+Every result row is identified by (source, bench, op, layer, model, m, n, k, world,
+dtype, impl) and, for MoE rows, also (tokens, experts, top_k, routing) from `extra`.
+`source` is the stem of the result file, so several files can be compared side by
+side. When a file holds the same row more than once (appended runs), the last wins.
+
+Derived metrics (computed here, never stored by the benches):
+
+* ``speedup`` -- time_ms of the baseline implementation of the same comparison group
+  divided by this row's time_ms; > 1 means faster than the baseline. The baseline is
+  "nccl+cublas" for bench "tp" and "nccl-a2a" for bench "moe" -- except the MoE
+  expert-GEMMs-alone rows (op "moe_experts"), whose baseline is "grouped-mm"
+  (torch._grouped_mm on the same rows; same FLOPs, so speedup = TFLOP/s ratio). The
+  comparison group is (source, bench, op, model, m, n, k, world, dtype), for MoE also
+  routing and tokens. NaN unless both rows are "ok" with a positive time.
+* ``overlap_efficiency`` -- max(t_gemm_ms, t_comm_ms) / time_ms, i.e. the time of
+  perfect overlap (the slower of the GEMM alone and the collective alone) relative
+  to the measured time. 1.0 is perfect overlap; lower values mean exposed
+  communication or overlap overhead. NaN unless the row is "ok" and both t_gemm_ms
+  and t_comm_ms are present. MoE rows: t_gemm_ms is the grouped-mm time of the same
+  point and t_comm_ms nccl-a2a's all-to-alls alone; a MoE row without t_comm_ms gets
+  t_gemm_ms / time_ms (the grouped-GEMM-only time over the layer's time).
+
+MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
+``extra`` (older files).
+* ``geomean_speedup`` / ``geomean_overlap_efficiency`` -- geometric means over the
+  "ok" rows of one (source, bench, impl) that have the metric; the "Geomean per model"
+  table, shown when a source holds several models, splits them by model.
+* ``vs_fastest_other`` / ``vs_fixed_role_best`` (section "kosmos against the fastest other
+  implementation") -- per comparison group where kosmos is ok: the fastest other ok implementation's
+  time (or fixed-role-best's) divided by kosmos's; > 1 means kosmos is faster. The line under it
+  (lines.py) counts the groups where kosmos is at most the suite's ``slower_tolerance`` slower.
+
+``build_table`` also keeps the suite targets of each (source, bench) in ``df.attrs["targets"]`` (targets.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+
+from .schema import (
+    BASELINE_IMPL, BASELINE_IMPL_BY_OP, COMPARISON_GROUP, DETAIL_COLUMNS, ENV_COLUMNS, FLOAT_COLUMNS,
+    GEOMEAN_COLUMNS, INTEGER_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS, MOE_COMPARISON_GROUP,
+    MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS, ReportError,
+)
+from .targets import table_targets
+
+
+def build_table(results: list[dict]) -> pd.DataFrame:
+    """One row per result identity with the derived speedup and overlap efficiency."""
+    rows = _deduplicate([_flatten(record) for record in results])
+    _add_speedup(rows)
+    for row in rows:
+        row["overlap_efficiency"] = _overlap_efficiency(row)
+    has_moe = any(row["bench"] == "moe" for row in rows)
+    columns = TABLE_COLUMNS + (MOE_COLUMNS if has_moe else []) + DETAIL_COLUMNS + \
+        (MOE_DETAIL_COLUMNS if has_moe else []) + ENV_COLUMNS
+    df = _with_dtypes(pd.DataFrame(rows, columns=columns))
+    df.attrs["targets"] = table_targets(rows)
+    return df
+
+
+def _flatten(record: dict) -> dict:
+    row = {key: value for key, value in record.items() if key not in ("type", "extra", "params")}
+    extra = record.get("extra") or {}
+    is_moe = record.get("bench") == "moe"
+    for column in MOE_COLUMNS:
+        row[column] = (record[column] if record.get(column) is not None else extra.get(column)) if is_moe else None
+    params = record.get("params")
+    row["params"] = json.dumps(params, sort_keys=True, separators=(",", ":")) if params else None
+    return row
+
+
+def _deduplicate(rows: list[dict]) -> list[dict]:
+    """Keep the last row of each identity, at the position of its first occurrence."""
+    by_identity: dict[tuple, dict] = {}
+    for row in rows:
+        by_identity[tuple(row.get(column) for column in ROW_IDENTITY)] = row
+    return list(by_identity.values())
+
+
+def _comparison_group(row: dict) -> tuple:
+    group = tuple(row.get(column) for column in COMPARISON_GROUP)
+    if row["bench"] == "moe":
+        group += tuple(row.get(column) for column in MOE_COMPARISON_GROUP)
+    return group
+
+
+def _has_time(row: dict) -> bool:
+    time_ms = row.get("time_ms")
+    return row["status"] == "ok" and _is_number(time_ms) and time_ms > 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _baseline_impl(row: dict) -> str | None:
+    return BASELINE_IMPL_BY_OP.get(row.get("op")) or BASELINE_IMPL.get(row["bench"])
+
+
+def _add_speedup(rows: list[dict]) -> None:
+    baseline_ms = {
+        _comparison_group(row): row["time_ms"]
+        for row in rows
+        if row["impl"] == _baseline_impl(row) and _has_time(row)
+    }
+    for row in rows:
+        baseline = baseline_ms.get(_comparison_group(row))
+        row["speedup"] = baseline / row["time_ms"] if baseline is not None and _has_time(row) else math.nan
+
+
+def _overlap_efficiency(row: dict) -> float:
+    t_gemm, t_comm = row.get("t_gemm_ms"), row.get("t_comm_ms")
+    if row["bench"] == "moe" and _is_number(t_gemm) and not _is_number(t_comm):
+        t_comm = 0.0  # MoE: the grouped-GEMM-only time over the layer's time
+    if not (_has_time(row) and _is_number(t_gemm) and _is_number(t_comm)):
+        return math.nan
+    return max(t_gemm, t_comm) / row["time_ms"]
+
+
+def _with_dtypes(df: pd.DataFrame) -> pd.DataFrame:
+    for column in INTEGER_COLUMNS:
+        if column in df:
+            try:
+                df[column] = df[column].astype("Int64")
+            except (TypeError, ValueError) as error:
+                raise ReportError(f"column {column!r} holds non-integer values") from error
+    for column in FLOAT_COLUMNS:
+        try:
+            df[column] = df[column].astype("float64")
+        except (TypeError, ValueError) as error:
+            raise ReportError(f"column {column!r} holds non-numeric values") from error
+    return df
+
+
+def geomean(values: pd.Series) -> float:
+    """Geometric mean of the positive values; NaN when there are none."""
+    positive = values.dropna()
+    positive = positive[positive > 0]
+    return float(np.exp(np.log(positive).mean())) if len(positive) else math.nan
+
+
+def geomean_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (source, bench, impl): geomean speedup / overlap efficiency over ok rows, row counts."""
+    records = []
+    for (source, bench, impl), group in df.groupby(["source", "bench", "impl"], sort=False, dropna=False):
+        ok = group[group["status"] == "ok"]
+        records.append({
+            "source": source,
+            "bench": bench,
+            "impl": impl,
+            "geomean_speedup": geomean(ok["speedup"]),
+            "geomean_overlap_efficiency": geomean(ok["overlap_efficiency"]),
+            "ok": len(ok),
+            "failed": int((group["status"] == "failed").sum()),
+            "unavailable": int((group["status"] == "unavailable").sum()),
+        })
+    return pd.DataFrame(records, columns=GEOMEAN_COLUMNS)
+
+
+def geomean_by_model_table(df: pd.DataFrame) -> pd.DataFrame:
+    """``geomean_table`` split by model, for files that hold several models (a bar is often stated for one);
+    empty when every source holds a single model."""
+    if not (df.groupby("source")["model"].nunique() > 1).any():
+        return pd.DataFrame(columns=MODEL_GEOMEAN_COLUMNS)
+    parts = [geomean_table(group).assign(model=model)
+             for model, group in df.groupby("model", sort=False, dropna=False)]
+    table = pd.concat(parts, ignore_index=True)[MODEL_GEOMEAN_COLUMNS]
+    return table.sort_values(["source", "bench", "model"], kind="stable").reset_index(drop=True)
+
+
+def versus_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per comparison group where kosmos ran ok: the fastest other implementation that ran ok there, and
+    kosmos's time against it and against ``fixed-role-best`` (other time / kosmos time: > 1 = kosmos faster).
+    The MoE expert-GEMM rows are another comparison group (op), so they never compete with the layer."""
+    rows = df.to_dict("records")
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if _has_time(row):
+            groups.setdefault(_comparison_group(row), []).append(row)
+    records = []
+    for group in groups.values():
+        ours = [row for row in group if row["impl"] == OURS]
+        others = [row for row in group if row["impl"] != OURS]
+        if not ours or not others:
+            continue
+        mine, best = ours[0], min(others, key=lambda row: row["time_ms"])
+        fixed_best = [row["time_ms"] for row in others if row["impl"] == "fixed-role-best"]
+        records.append({
+            **{column: mine.get(column) for column in VERSUS_SHAPE_COLUMNS + MOE_COLUMNS},
+            "kosmos_ms": mine["time_ms"], "fastest_other": best["impl"], "fastest_other_ms": best["time_ms"],
+            "vs_fastest_other": best["time_ms"] / mine["time_ms"],
+            "vs_fixed_role_best": fixed_best[0] / mine["time_ms"] if fixed_best else math.nan,
+        })
+    columns = VERSUS_COLUMNS if "routing" not in df else \
+        VERSUS_SHAPE_COLUMNS + MOE_COLUMNS + VERSUS_COLUMNS[len(VERSUS_SHAPE_COLUMNS):]
+    return pd.DataFrame(records, columns=columns)
