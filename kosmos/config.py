@@ -63,9 +63,10 @@ class MoEForwardConfig:
     """Knobs of ``moe_forward`` (and ``expert_gemms``).
 
     copy_cols  columns per copy step of the data movers (dispatch, permute, fold), a power of two >= 16.
-               512 measured -1..4% against 256 and 3% ahead of 128 (one H200).
-    half_tail  an expert's last m-tile of at most BM/2 rows runs as a BM/2-row tile (half the MACs): -8% on
-               deepseek-v3 4k uniform (one H200). False: every m-tile is full height.
+               512 against 256: -3.8% at qwen3 16k, -2.3..+0.3% per suite point; 128 was 2-4% slower than 256
+               (2x H200, EP=2, session 3, `dev.moe_probe`).
+    half_tail  an expert's last m-tile of at most BM/2 rows runs as a BM/2-row tile (half the MACs): -8.4% on
+               deepseek-v3 4k uniform (2x H200, EP=2, session 3). False: every m-tile is full height.
     """
     copy_cols: int = 512
     half_tail: bool = True

@@ -17,13 +17,12 @@ Everything a kernel needs to talk to other ranks lives here, and nowhere else:
                     (measured 5.5 us round trip vs 36 us for acquire-atomic polling on 2x H200), decides with
                     one uniform read, then issues one
                     acquire fence (``fence.acq_rel.sys``) and a generic->async proxy fence, because the data
-                    it guards is read next by TMA. On timeout it records (op, rank, task, counter, expected,
-                    observed, elapsed) in the error buffer, raises the abort flag and returns; it never hangs.
-* ``claim``      -- take the next index of a queue: ``atomic_add(head, 1)``.
-* ``try_claim``  -- take exactly index ``expected`` of a queue (``atomic_cas``), used to claim a task only
-                    after having checked that its inputs are ready.
+                    it guards is read next by TMA. On timeout it records (op, rank, task, index, expected,
+                    observed, elapsed, wait tag: codes.WAIT_*) in the error buffer, raises the abort flag and
+                    returns; it never hangs.
 * ``aborted``    -- whether some program of this launch has timed out (every loop checks it and drains).
 * ``trace``      -- record one (kind, task, t_start, t_end) event for the timeline; compiled out when off.
+Queue claims and the role decision are the scheduling policy's: schedule.py.
 
 Under ``TRITON_INTERPRET=1`` (CPU tests) inline PTX cannot run: the timer becomes a spin counter (1 spin
 counts as 1 us) and the fences become a relaxed no-op / an acquire atomic. Ordering does not matter there
@@ -36,23 +35,9 @@ import triton.language as tl
 
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
-# Layout of the error buffer (int64[runtime.ERR_SLOTS]); the host decodes slots 0..7 in runtime.py. Slot 8
-# holds the address of a pinned (host-mapped) int64[8] mirror, or 0: the program that records an error
-# writes the same 8 values there, so a healthy call costs no device-to-host copy.
-ERR_FLAG: tl.constexpr = tl.constexpr(0)
-ERR_OP: tl.constexpr = tl.constexpr(1)
-ERR_RANK: tl.constexpr = tl.constexpr(2)
-ERR_TASK: tl.constexpr = tl.constexpr(3)
-ERR_COUNTER: tl.constexpr = tl.constexpr(4)
-ERR_EXPECTED: tl.constexpr = tl.constexpr(5)
-ERR_OBSERVED: tl.constexpr = tl.constexpr(6)
-ERR_ELAPSED: tl.constexpr = tl.constexpr(7)
-ERR_MIRROR: tl.constexpr = tl.constexpr(8)
-
-# Trace event kinds (kept in sync with runtime.TRACE_KINDS).
-EV_COMM: tl.constexpr = tl.constexpr(1)
-EV_COMPUTE: tl.constexpr = tl.constexpr(2)
-EV_WAIT: tl.constexpr = tl.constexpr(3)
+# the error record's layout, wait tags, op codes and trace kinds are named in codes.py (host and device)
+from .codes import (ERR_COUNTER, ERR_ELAPSED, ERR_EXPECTED, ERR_FLAG, ERR_MIRROR, ERR_OBSERVED, ERR_OP,  # noqa: E402
+                    ERR_RANK, ERR_TASK, ERR_WAIT, TRACE_EVENTS, WAIT_PEERS_DONE)
 
 
 @triton.jit
@@ -112,8 +97,9 @@ def aborted(err_ptr):
 
 
 @triton.jit
-def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, rank, task, counter):
-    """Spin until ``*flag_ptr >= target`` (bounded). Returns 1 if satisfied, 0 on timeout/abort.
+def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index):
+    """Spin until ``*flag_ptr >= target`` (bounded). Returns 1 if satisfied, 0 on timeout/abort. OP and WAIT
+    (codes.OP_*, codes.WAIT_*) and ``index`` say in the error record what was awaited.
 
     Each thread polls with volatile loads (cheap; no barrier inside the loop, so threads may leave it at
     different times), then one uniform read decides for the whole program."""
@@ -139,49 +125,34 @@ def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, rank, task
             # first program to time out records the details; the others just drain.
             if tl.atomic_cas(err_ptr + ERR_FLAG, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
                              scope="gpu") == 0:
-                _record_error(err_ptr, OP, rank, task, counter, target, v, now_ns() - t0)
+                _record_error(err_ptr, OP, WAIT, rank, task, index, target, v, now_ns() - t0)
     _acquire_fence(flag_ptr)
     return ok
 
 
 @triton.jit
-def _store_record(ptr, OP: tl.constexpr, rank, task, counter, target, observed, elapsed):
+def _store_record(ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, target, observed, elapsed):
     tl.store(ptr + ERR_OP, OP)
+    tl.store(ptr + ERR_WAIT, WAIT)
     tl.store(ptr + ERR_RANK, tl.cast(rank, tl.int64))
     tl.store(ptr + ERR_TASK, tl.cast(task, tl.int64))
-    tl.store(ptr + ERR_COUNTER, tl.cast(counter, tl.int64))
+    tl.store(ptr + ERR_COUNTER, tl.cast(index, tl.int64))
     tl.store(ptr + ERR_EXPECTED, tl.cast(target, tl.int64))
     tl.store(ptr + ERR_OBSERVED, tl.cast(observed, tl.int64))
     tl.store(ptr + ERR_ELAPSED, elapsed)
 
 
 @triton.jit
-def _record_error(err_ptr, OP: tl.constexpr, rank, task, counter, target, observed, elapsed):
-    """Fill slots 1..7 of the record (the caller has set the flag) and write the whole record to the
+def _record_error(err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, target, observed, elapsed):
+    """Fill slots 1..ERR_WAIT of the record (the caller has set the flag) and write the whole record to the
     host-mapped mirror whose address is slot 8, if any: the host reads the mirror once the launch has ended,
     so a healthy call moves nothing and no program has to look at the record on its way out."""
-    _store_record(err_ptr, OP, rank, task, counter, target, observed, elapsed)
+    _store_record(err_ptr, OP, WAIT, rank, task, index, target, observed, elapsed)
     addr = tl.load(err_ptr + ERR_MIRROR)
     if addr != 0:
         mirror = addr.to(tl.pointer_type(tl.int64), bitcast=True)
-        _store_record(mirror, OP, rank, task, counter, target, observed, elapsed)
+        _store_record(mirror, OP, WAIT, rank, task, index, target, observed, elapsed)
         tl.store(mirror + ERR_FLAG, tl.cast(1, tl.int64))
-
-
-@triton.jit
-def claim(head_ptr):
-    return tl.atomic_add(head_ptr, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def try_claim(head_ptr, expected):
-    """Claim index ``expected`` only if nobody took it first; returns True on success."""
-    return tl.atomic_cas(head_ptr, expected, expected + 1, sem="relaxed", scope="gpu") == expected
-
-
-@triton.jit
-def peek(head_ptr):
-    return load_uniform(head_ptr)
 
 
 @triton.jit
@@ -228,17 +199,18 @@ def wait_peers_done(sig_ptr, DONE_BASE: tl.constexpr, WORLD: tl.constexpr, epoch
     ok = 1
     if WORLD > 1:
         for p in tl.static_range(WORLD):
-            ok = ok & wait_geq(sig_ptr + DONE_BASE + p, epoch - 1, timeout_ns, err_ptr, OP, rank, -1,
-                               DONE_BASE + p)
+            ok = ok & wait_geq(sig_ptr + DONE_BASE + p, epoch - 1, timeout_ns, err_ptr, OP, WAIT_PEERS_DONE, rank,
+                               -1, p)
     return ok
 
 
 @triton.jit
-def trace(trace_ptr, pid, n_events, MAX_EVENTS: tl.constexpr, kind, task, t0, t1, TRACE: tl.constexpr):
-    """Append one event to this program's trace row; returns the new event count."""
+def trace(trace_ptr, pid, n_events, kind, task, t0, t1, TRACE: tl.constexpr):
+    """Append one event (kind: codes.EV_*) to this program's row of the trace buffer [grid, TRACE_EVENTS, 4];
+    returns the new event count."""
     if TRACE:
-        if n_events < MAX_EVENTS:
-            base = trace_ptr + (pid * MAX_EVENTS + n_events) * 4
+        if n_events < TRACE_EVENTS:
+            base = trace_ptr + (pid * TRACE_EVENTS + n_events) * 4
             tl.store(base + 0, tl.cast(kind, tl.int64))
             tl.store(base + 1, tl.cast(task, tl.int64))
             tl.store(base + 2, t0)

@@ -19,6 +19,30 @@ GEMM+ReduceScatter (rank r): the output rows of owner p are rows [p*Ms, (p+1)*Ms
                  r+1, r+2, ..., r, so each owner receives tile i from all ranks at about the same time.
   reduce table   rows (m_tile, n_tile, 0, 0) of this rank's own tiles, in the same tile order: reduce tile i
                  becomes ready once every rank has produced its partial of tile i.
+
+Measured (dated) -- the GEMM core both TP ops share: the tile rule (tile_config) and the TMA mainloop
+(kernels/common.tile_matmul); detail: docs/archive/session-diary-1-6.md, the session named:
+  Rule 128x256x64, 3 stages, 8 warps, one program per SM. Its original "86-102% of cuBLAS" predates the diary
+  (DESIGN.md, not in this checkout). W=1 kosmos / cuBLAS TFLOP/s since, on one GPU of the 2x H200 machine:
+  v0.1 (6ccc827) 0.88-1.01, v0.2 (c47c5e6, seq 8k/16k) 0.92-1.05, geomean 0.99; on 1x H200 at 909b6c9
+  (session 6, Triton 3.6): llama3-70b TP=2 per-rank GEMMs 0.952-1.046 (geomean 1.005), TP=1 0.970-1.065
+  (1.009), llama3-8b per-rank 0.917-1.068 (short-K attn_out lowest).
+  Inside a tile it is at full rate (attn_out-70b-4k: 43.6 us per tile, 811 TFLOP/s against cuBLAS's 790 for
+  the shape; llama3-8b attn_out 4k: 23.8 us per 128x256x2048 tile, 745 TFLOP/s over 132 SMs). The loss is at
+  the edges: the gap between two tiles (0.99 us session 4, 0.83 us session 5, 0.9% of program time after
+  3667b58), the last partial wave (3.1% at attn_out-70b-4k, 7.76 tiles per program: half or quarter tiles round
+  up the same way, only a stream-K split of K would help), and ~9 us of launch, prologue and exit per call
+  (one-tile call 9.4 us with host descriptors, 82006a1; torch.matmul 4.8, an empty launch 2.9).
+  cuBLAS moved 2-3% between machines of one kind, and ~6% run to run at fc1-16k (ratio 1.063 vs 0.999):
+  compare ratios inside one run.
+Tried and parked (W=1, 1x H200, session 4, the 12 llama3-70b TP=2 per-rank GEMMs, geomean time vs default):
+  4 stages (192 KiB shared memory, no spills; predicted 2-4% faster at long K): 1.000, knob removed.
+  Warp-specialised K loop (tl.range(..., warp_specialize=True)): 1.002, removed.
+  One full-width [128, 256] epilogue store instead of two halves: 0.999, removed.
+  Claim-ahead of the next tile (session 6): 1.012 over the 24 per-rank GEMMs (the ops' records). No error-flag
+  atomic between tasks (86d5acd, session 5): 1.001, kept as simpler.
+  128x128 / 256x128 tiles for few-wave shapes (proposed at v0.1) and a pointer-load mainloop: not measured in
+  sessions 1-6.
 """
 from __future__ import annotations
 
@@ -180,8 +204,7 @@ def moe_config(config=None) -> MoETiles:
     """The one rule: GEMM tiles as the TP kernels (128 rows, 64-deep K steps, 3 stages, 8 warps; GEMM1 computes
     128 gate + 128 up columns so that SwiGLU fuses into its epilogue); 32-token blocks for the data movers so
     that a 4k-token batch makes ~one task per SM; the copy step and the half-height tail tile from ``config``
-    (a ``kosmos.MoEForwardConfig``: 512 columns per copy step measured -1..4% against 256, +3% at 128; the half
-    tail -8% on deepseek-v3 4k uniform). Tiny blocks under the CPU interpreter (the copy step capped at 32)."""
+    (a ``kosmos.MoEForwardConfig``, whose docstring has the measurements). Tiny blocks under the CPU interpreter (the copy step capped at 32)."""
     from .config import MoEForwardConfig, check_config
     config = check_config(MoEForwardConfig, config)
     if interpreting():

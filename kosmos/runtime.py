@@ -39,17 +39,14 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from .codes import ERR_RECORD, ERR_SLOTS, OP_NAMES, TRACE_KINDS, WAIT_TEXT  # noqa: F401 (re-exported)
+
 DONE_BASE = 0
 FLAG_BASE = 64
-ERR_SLOTS = 9  # 8 slots of the record + the host mirror's address (device.ERR_MIRROR)
 MAX_WORLD = 8
-NUM_HEADS = 4  # [0] comm/reduce head, [1] compute head, [2] exit counter, [3] tail head (AG's late copies)
-EXIT_SLOT = 2
-TAIL_HEAD = 3
+NUM_HEADS = 4  # [0, 3): one queue head per stage of a TP op (schedule.py), [3]: the exit counter
+EXIT_SLOT = 3
 DEFAULT_TIMEOUT_S = float(os.environ.get("KOSMOS_TIMEOUT_S", "5.0"))
-TRACE_KINDS = {0: "idle", 1: "comm", 2: "compute", 3: "wait", 4: "route", 5: "permute", 6: "gemm1", 7: "gemm2",
-               8: "fold"}  # 4..8: the MoE layer's task kinds
-OP_CODES = {1: "all_gather_matmul", 2: "matmul_reduce_scatter", 4: "moe_forward"}
 
 
 class KosmosError(RuntimeError):
@@ -101,11 +98,16 @@ def num_sms(device) -> int:
 
 
 def decode_error(err) -> str:
-    op = OP_CODES.get(int(err[1]), f"op{int(err[1])}")
+    """One sentence from an error record (codes.py's layout): which op, rank and task timed out, and what it
+    was waiting for, in words."""
+    op = OP_NAMES.get(int(err[1]), f"op{int(err[1])}")
     task = int(err[3])
-    what = "the previous call's completion by peers" if task < 0 else f"task {task}"
-    return (f"{op}: rank {int(err[2])} timed out after {int(err[7]) / 1e6:.1f} ms waiting for {what}: "
-            f"signal counter {int(err[4])} expected >= {int(err[5])}, observed {int(err[6])}. "
+    index = int(err[4])
+    wait = int(err[8]) if len(err) > 8 else 0
+    what = WAIT_TEXT.get(wait, f"signal {index}").format(index=index)
+    where = "" if task < 0 else f" (task {task})"
+    return (f"{op}: rank {int(err[2])}{where} timed out after {int(err[7]) / 1e6:.1f} ms waiting for {what}: "
+            f"expected >= {int(err[5])}, observed {int(err[6])}. "
             "A peer stalled, crashed, or did not make the same call.")
 
 
@@ -164,9 +166,9 @@ class Workspace:
         self.peer_signals = torch.tensor(sig_ptrs, dtype=torch.int64, device=dev)
         if self.heads is None:
             self.heads = torch.zeros(NUM_HEADS, dtype=torch.int32, device=dev)
-            self._err_host = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+            self._err_host = torch.zeros(ERR_RECORD, dtype=torch.int64, pin_memory=True)
             # pinned memory is mapped into the device's address space at the same address (UVA)
-            self.errors = torch.tensor([0] * 8 + [self._err_host.data_ptr()], dtype=torch.int64, device=dev)
+            self.errors = torch.tensor([0] * ERR_RECORD + [self._err_host.data_ptr()], dtype=torch.int64, device=dev)
         self.epoch = 0  # fresh zeroed signals: epochs restart
         torch.cuda.synchronize(dev)
         if self.world.size > 1:

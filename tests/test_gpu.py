@@ -71,12 +71,12 @@ def test_w1_timeout_reaches_the_host_through_the_error_mirror():
               grid=runtime.num_sms(dev), cfg=cfg, policy="fixed", comm_programs=0)  # compute only: never pushed
     ws.after_launch()
     try:
-        with pytest.raises(runtime.KosmosTimeoutError, match=r"all_gather_matmul: rank 0 timed out") as e:
+        with pytest.raises(runtime.KosmosTimeoutError, match=r"all_gather_matmul: rank 0 \(task \d+\) timed out") as e:
             ws.check_errors()
         chunks = triton.cdiv(ms, cfg.BM)  # whichever program timed out first: a flag of the fake peer's chunks
-        counter = int(re.search(r"signal counter (\d+)", str(e.value)).group(1))
+        counter = int(re.search(r"signal slot (\d+)", str(e.value)).group(1))
         assert runtime.FLAG_BASE + chunks <= counter < runtime.FLAG_BASE + 2 * chunks, e.value
-        assert ws.errors[:8].tolist() == ws._err_host.tolist()  # the mirror holds the device record
+        assert ws.errors[:runtime.ERR_RECORD].tolist() == ws._err_host.tolist()  # the mirror holds the device record
     finally:
         runtime.reset_workspaces()
 

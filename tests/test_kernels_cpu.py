@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU interpreter tests: need TRITON_INTERPRET=1 (tests/conftest.py sets it without CUDA)",
                 allow_module_level=True)
 
-from kosmos import planning, runtime  # noqa: E402
+from kosmos import codes, planning, runtime  # noqa: E402
 from kosmos.config import AllGatherMatmulConfig, MatmulReduceScatterConfig  # noqa: E402
 from kosmos.kernels import all_gather_matmul as ag  # noqa: E402
 from simranks import AG, RS, rand  # noqa: E402
@@ -144,8 +144,8 @@ SHORT_NS = 50_000  # the interpreter counts one spin as 1000 ns: ~50 spins, then
 def test_all_gather_matmul_timeout_peer_never_pushed():
     t = AG(2, 21, 40, 48, seed=29)
     t.new_epoch_inputs()
-    mirror = torch.zeros(8, dtype=torch.int64)  # the host mirror: the recording program writes it too
-    t.rk.errors[0][8] = mirror.data_ptr()
+    mirror = torch.zeros(codes.ERR_RECORD, dtype=torch.int64)  # the host mirror: the recording program writes it too
+    t.rk.errors[0][codes.ERR_MIRROR.value] = mirror.data_ptr()
     t.launch(0, 1, timeout_ns=SHORT_NS, **COMPUTE_ONLY)  # returns: no hang
     err = t.rk.errors[0].tolist()
     assert err[0] != 0
@@ -155,9 +155,10 @@ def test_all_gather_matmul_timeout_peer_never_pushed():
     assert err[1] == ag.OP_CODE and err[2] == 0
     assert err[3] >= 0  # a compute task, not the handshake
     assert err[4] == runtime.FLAG_BASE + 1 * chunks + 0  # rank 1's first chunk
+    assert err[codes.ERR_WAIT.value] == codes.WAIT_AG_ROWS.value and "rows pushed by a peer" in msg
     assert err[5] == 1 and err[6] == 0  # expected epoch 1, observed nothing
     assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS  # the launch still ended cleanly
-    assert mirror.tolist() == err[:8]
+    assert mirror.tolist() == err[:codes.ERR_RECORD]
     assert t.rk.errors[1].tolist() == [0] * runtime.ERR_SLOTS
 
 
@@ -168,7 +169,8 @@ def test_matmul_reduce_scatter_timeout_partials_missing():
     err = t.rk.errors[0].tolist()
     assert err[0] != 0
     msg = runtime.decode_error(err)
-    assert "matmul_reduce_scatter" in msg and "rank 0" in msg
+    assert "matmul_reduce_scatter" in msg and "rank 0" in msg and "a peer's partial tile" in msg
+    assert err[codes.ERR_WAIT.value] == codes.WAIT_RS_PARTIAL.value
     assert err[5] == 1 and err[6] == 0
     assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS
 
@@ -183,9 +185,10 @@ def test_handshake_timeout_when_peer_did_not_finish_previous_call():
     t.launch(0, 2, timeout_ns=SHORT_NS, **COMM_ONLY)
     err = t.rk.errors[0].tolist()
     assert err[0] != 0 and err[3] == -1
-    assert err[4] == runtime.DONE_BASE + 1 and err[5] == 1 and err[6] == 0
+    assert err[4] == 1 and err[5] == 1 and err[6] == 0  # peer 1's done flag
+    assert err[codes.ERR_WAIT.value] == codes.WAIT_PEERS_DONE.value
     msg = runtime.decode_error(err)
-    assert "all_gather_matmul: rank 0" in msg and "previous call's completion" in msg
+    assert "all_gather_matmul: rank 0 timed out" in msg and "rank 1 to finish the previous call" in msg
     assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS
 
 

@@ -19,15 +19,14 @@ Synchronisation contract (signals of rank q; see runtime.py):
   DONE_BASE + p              written by rank p's last program when p's launch ends; a rank's first push of a
                              call waits for done[p] >= epoch-1 so it never overwrites rows p is still reading.
 
-Policy (one loop over three phases; POLICY constexpr):
-  self   -- every program takes a PUSH task while any is unclaimed (they are always ready, and the peer
-            consumes them first), then the next compute tile; once the compute queue is empty it takes the
-            COPY tasks (head TAIL_HEAD): nothing in the launch waits for them, so they fill the programs that
-            run out of tiles while the last tiles finish (wave-quantisation idle time) instead of delaying
-            tiles at the start. How many programs communicate at a given moment follows from how many comm
-            tasks are left: no split parameter.
-  fixed  -- programs pid < S only communicate (pushes then copies, then exit), the others only compute: the
-            fixed-role baseline.
+Policy (schedule.py's loop; stages in demand order, one queue head each):
+  STAGE_PUSH, STAGE_TILE, STAGE_COPY. self -- every program takes a PUSH task while any is unclaimed (they are
+            always ready, and the peer consumes them first), then the next compute tile; once the tiles are
+            drained it takes the COPY tasks: nothing in the launch waits for them, so they fill the programs
+            that run out of tiles while the last tiles finish (wave-quantisation idle time) instead of
+            delaying tiles at the start. How many programs communicate at a given moment follows from how
+            many comm tasks are left: no split parameter. At W = 1 there are no PUSH or COPY stages.
+  fixed  -- programs pid < S take only PUSH then COPY, the others only TILE: the fixed-role baseline.
 
 Deadlock-freedom: a tile waits only on a push of a peer; pushes are claimed before any compute by every
 program (self) or by dedicated programs (fixed) and wait only on the previous call's completion; COPY tasks
@@ -35,6 +34,32 @@ never wait. The grid is at most the SM count with one program per SM. Every wait
 After a timeout: a wait also gives up at once when any program of the launch has recorded one, and a program
 whose wait gave up leaves the loop. Nothing polls the error flag between tasks (that cost one system-scope
 atomic per tile), so a program that never waits finishes its tiles; the launch still ends.
+
+Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, the session named):
+  W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), kosmos / cuBLAS TFLOP/s
+  (results/h200x1/tp-bf16-w1-shard2.jsonl): llama3-70b TP=2 per-rank GEMMs qkv 1.044-1.046, fc1 0.995-1.009
+  (seq 4k-16k); llama3-8b qkv 1.066-1.068, fc1 0.983-0.997; unsharded TP=1 (tp-bf16-w1.jsonl) qkv
+  1.002-1.018, fc1 1.012-1.017. W=1 takes no data workspace since 909b6c9 (1 MiB floor; was 256 MiB).
+  Two GPUs, last run: 2x H200, 75b681f, Triton 3.6, 2026-11-29 (session 3, results/h200x2/tp-bf16.jsonl):
+  AG shapes vs nccl+cublas, geomean llama3-70b 1.050 (0.966-1.152; torch-async-tp 1.110, fixed-role-best
+  1.039), llama3-8b 1.095. Everything below from session 4 on is unmeasured at W=2.
+  Where W=2 time went (qkv-70b-8k trace, session-3 code; re-read in session 5): compute 87%, comm 9.2%, waits
+  0.6%, idle at the end 2.4% of programs x span; 32 PUSH tasks 7.4 ms and 32 own-slot COPY tasks 5.1 ms of
+  SM time. Since then (1x H200, session 4): COPY tasks after the tiles (004227d), copy step 4096 -> 16384
+  elements (one program 36 -> 89 GB/s); predicted qkv-70b-8k 1.030 -> ~0.99 ms at W=2.
+  Host-built TMA descriptors (82006a1, 1x H200, session 5): W=1 AG shapes 1.2-3.2% faster, one-tile call
+  11.3 -> 8.8 us. At W>1 each tile picks one of two host descriptors (6378aee): simulated ranks only, 2.37 /
+  2.20 ms vs 2.74 / 2.37 median (not a two-GPU timing).
+  Registers (Triton 3.6, sm_90): 190 at W=2, 197 at W=8, no spills, 144 KiB shared memory (6378aee; 181 at
+  session 4's code). Simulated ranks W = 2, 3, 4, 8 pass on 1x H200 (sessions 5-6).
+Tried and parked:
+  A device-built A descriptor per tile (the v0.1-v0.4 design): cost AG shapes 1.2-3.2% at W=1 (session 5).
+  Two GEMM loops (own slot, gathered) instead of one descriptor: 295 KB shared memory > 227 KB (v0.1).
+  Pushes as 128x64 tiles: 254 regs + 176 B spills; flat 4096-element runs: 196, none (v0.2).
+  int32 pointer advance in copy_flat: same speed, 14-30 more registers; back to int64 indices (session 4).
+  TMA [R, 256] load->store copies: 30 / 45 / 62 GB/s at R = 32 / 64 / 128, no better (session 4).
+  Claim-ahead (next tile claimed during the mainloop): AG shapes 0.3-0.9% slower at W=1, 192 -> 203 regs
+  (session 6). Queued for two GPUs, unmeasured: push_chunks 1 / auto / 4 (NOTES.md).
 """
 from __future__ import annotations
 
@@ -44,57 +69,63 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
+from .. import schedule as sched
+from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS
 from ..config import AllGatherMatmulConfig, check_config
 from .common import (check_launch, check_operands, copy_flat, host_descriptors, load_task, policy_args,
                      store_tile, tile_matmul, tma_descriptor)
 
-OP_CODE = 1
+OP_CODE = OP_ALL_GATHER_MATMUL.value
+STAGE_PUSH: tl.constexpr = tl.constexpr(0)
+STAGE_TILE: tl.constexpr = tl.constexpr(1)
+STAGE_COPY: tl.constexpr = tl.constexpr(2)
+NUM_STAGES: tl.constexpr = tl.constexpr(3)
+COMM_STAGES: tl.constexpr = tl.constexpr((1 << 0) | (1 << 2))  # PUSH | COPY
+ALL_STAGES: tl.constexpr = tl.constexpr(0b111)
+W1_STAGES: tl.constexpr = tl.constexpr(1 << 1)  # at W = 1: TILE only (nothing to push or copy)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_lead", "n_comp", "fixed_comm",
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_push", "n_comp", "fixed_comm",
                                "comm_stride"])
 def _all_gather_matmul_kernel(
         a_ptr, a_host_desc, g_host_desc, b_desc, c_desc, c_ptr, gather_ptr,
         peer_data, peer_sig, sig_ptr,
-        comm_table, n_comm, n_lead, comp_table, n_comp,
+        comm_table, n_comm, n_push, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
         Ms, N, K, rank, epoch, timeout_us, fixed_comm, comm_stride,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr,
-        EXIT_SLOT: tl.constexpr, TAIL_HEAD: tl.constexpr):
+        EXIT_SLOT: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     n_chunks = tl.cdiv(Ms, BM)
 
-    # phases: 0 = comm tasks [0, n_lead) (the pushes: their consumers wait), 1 = compute tiles, 2 = the rest
-    # of the comm table (self policy: the own-slot COPY tasks, which nothing in the launch waits for, so they
-    # fill the programs that run out of tiles while the last tiles finish), 3 = done
-    if POLICY == 0:
-        phase = tl.where(n_lead == 0, 1, 0)
-    else:
-        phase = tl.where(pid < fixed_comm, tl.where(n_lead == 0, 3, 0), 1)
+    # comm table rows [0, n_push) are the pushes, [n_push, n_comm) the own-slot copies (none at W = 1)
+    stages = sched.program_stages(pid, POLICY, fixed_comm, W1_STAGES if WORLD == 1 else ALL_STAGES, COMM_STAGES)
+    stage = sched.next_stage(stages, -1, NUM_STAGES)
     handshake = 0
     peers_ok = 1
     n_ev = 0
-    while phase < 3:
-        if phase == 1:
-            t = dev.claim(heads_ptr + 1)
+    while stage < NUM_STAGES:
+        t = sched.claim(heads_ptr + stage)
+        if stage == STAGE_TILE:
             if t < n_comp:
                 slot, mt, nt = load_task(comp_table, t)
                 t0 = dev.now_ns()
                 if slot != rank:
-                    if dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + mt, epoch, timeout_ns, err_ptr, 1,
-                                    rank, t, FLAG_BASE + slot * n_chunks + mt) == 0:
-                        phase = 3  # timed out, or another program did: this program drains (see docstring)
+                    if dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + mt, epoch, timeout_ns, err_ptr,
+                                    OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, rank, t,
+                                    FLAG_BASE + slot * n_chunks + mt) == 0:
+                        stage = NUM_STAGES  # timed out, or another program did: this program drains (docstring)
                     t1 = dev.now_ns()
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
                     t0 = t1
                 # one GEMM loop for both sources (two call sites would each reserve their own pipeline
                 # buffers), fed by one of two host-built descriptors picked per tile (device-built ones
-                # cost every tile ~1-3% at W=1: NOTES.md session 5). Rows past a remote slot read the next
+                # cost every tile ~1-3% at W=1: session 5). Rows past a remote slot read the next
                 # slot's rows (zeros past M): they only feed output rows that store_tile masks off.
                 if slot == rank:
                     a_desc = a_host_desc
@@ -104,17 +135,14 @@ def _all_gather_matmul_kernel(
                     a_row = slot * Ms + mt * BM
                 acc = tile_matmul(a_desc, b_desc, a_row, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
                 store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
-            elif POLICY == 0:
-                phase = tl.where(n_lead < n_comm, 2, 3)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMPUTE, t, t0, dev.now_ns(), TRACE)
             else:
-                phase = 3
+                stage = sched.next_stage(stages, stage, NUM_STAGES)
         else:
-            if phase == 0:
-                t = dev.claim(heads_ptr + 0)
-                end = n_lead
+            if stage == STAGE_PUSH:
+                end = n_push
             else:
-                t = n_lead + dev.claim(heads_ptr + TAIL_HEAD)
+                t = n_push + t
                 end = n_comm
             if t < end:
                 t0 = dev.now_ns()
@@ -123,10 +151,11 @@ def _all_gather_matmul_kernel(
                 chunk0 = tl.load(comm_table + t * 4 + 2)
                 n_moved = tl.load(comm_table + t * 4 + 3)
                 if (kind == 0) & (handshake == 0):  # nobody may still be reading what we are about to overwrite
-                    peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 1, rank)
+                    peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
+                                                   OP_ALL_GATHER_MATMUL, rank)
                     handshake = 1
                     if peers_ok == 0:
-                        phase = 3
+                        stage = NUM_STAGES
                 for j in range(n_moved):
                     chunk = chunk0 + j * comm_stride
                     rows = tl.minimum(Ms - chunk * BM, BM)
@@ -141,14 +170,9 @@ def _all_gather_matmul_kernel(
                         dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
                     else:
                         copy_flat(src, gather_ptr + dst_row, rows * K, COPY_BLOCK)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t, t0, dev.now_ns(), TRACE)
-            elif phase == 0:
-                if POLICY == 0:
-                    phase = 1
-                else:  # a fixed-role comm program never computes
-                    phase = 3
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t0, dev.now_ns(), TRACE)
             else:
-                phase = 3
+                stage = sched.next_stage(stages, stage, NUM_STAGES)
     dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
 
 
@@ -164,18 +188,17 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
     comm_t, comp_t, _ = planning.cached_tables(
         key, lambda: planning.plan_all_gather_matmul(rank, world, ms, n, cfg, a_shard.device, per_task))
     trace_buf = trace if trace is not None else heads
-    # the self policy takes only the pushes before computing; fixed-role comm programs run the whole table
-    n_lead = planning.ag_push_tasks(world, ms, cfg.BM, per_task) if pol == 0 else comm_t.shape[0]
+    n_push = planning.ag_push_tasks(world, ms, cfg.BM, per_task)
     a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
     gather_desc = tma_descriptor(gather, [cfg.BM, cfg.BK])
     _all_gather_matmul_kernel[(grid,)](
         a_shard, a_desc, gather_desc, b_desc, c_desc, c, gather, peer_data, peer_sig, signals,
-        comm_t, comm_t.shape[0], n_lead, comp_t, comp_t.shape[0], heads, errors, trace_buf,
+        comm_t, comm_t.shape[0], n_push, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
-        EXIT_SLOT=runtime.EXIT_SLOT, TAIL_HEAD=runtime.TAIL_HEAD, num_warps=cfg.num_warps,
+        EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 

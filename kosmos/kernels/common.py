@@ -1,12 +1,17 @@
 """Tile-level building blocks shared by the fused-op kernels (GEMM mainloop, output stores, row copies),
-plus the host-side input checks every op runs before it launches."""
+plus the host-side input checks every op runs before it launches.
+
+Measured / tried and parked: the GEMM mainloop (tile_matmul) and the epilogue stores in kosmos/planning.py's
+module docstring; the row copies (copy_flat: copy step, int32 pointer advance, TMA copies) in
+all_gather_matmul.py's; store_rows' int64 tile start + int32 offsets (bbf1f19) in moe_forward.py's."""
 import torch
 import triton
 import triton.language as tl
 
-SELF_SCHEDULING, FIXED_ROLE = 0, 1
-POLICIES = {"self": SELF_SCHEDULING, "fixed": FIXED_ROLE}
-TRACE_EVENTS = 1024  # per program
+from ..codes import TRACE_EVENTS as _TRACE_EVENTS
+from ..schedule import POLICIES
+
+TRACE_EVENTS = _TRACE_EVENTS.value  # events per program of a trace buffer
 
 
 @triton.jit

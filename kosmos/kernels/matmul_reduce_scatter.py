@@ -22,7 +22,7 @@ Synchronisation contract (signals of rank q):
   DONE_BASE + p         rank p's launch has ended; the first staging write of a call waits for every
                         done[p] >= epoch-1, because p may still be pulling last call's partials.
 
-Policy (POLICY constexpr, one place):
+Policy (schedule.py: stages STAGE_TILE then STAGE_REDUCE, the reduce tasks owned, ready-first):
   self   -- reduce task t belongs to program t % GRID (no shared reduce head, no CAS). Before each compute
             tile a program looks at its own next reduce task; if that task's inputs are all ready it runs
             it, else it computes (compute tiles come from the shared fetch-add queue, so programs that
@@ -30,7 +30,8 @@ Policy (POLICY constexpr, one place):
             waiting for each. Communication (the pulls) therefore runs as soon as its data exists and the
             program owning it reaches a tile boundary -- no split parameter. (v0.2 claimed the shared head
             with one CAS and fell behind; v0.3 retried the CAS while the head was ready: ~130 programs
-            spun on one word after every compute wave and compute ran at half rate -- NOTES.md.)
+            spun on one word after every compute wave and compute ran at half rate: "v0.3 measured" in
+            docs/archive/session-diary-1-6.md.)
   fixed  -- programs pid < S only reduce (in queue order, waiting), the others only compute.
 
 Deadlock-freedom: compute tiles never wait (except on the previous call's completion); a reduce task is
@@ -41,6 +42,35 @@ the error flag between tasks (one system-scope atomic per tile), so a program th
 finishes its compute tiles.
 
 W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
+
+Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, the session named):
+  W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), kosmos / cuBLAS TFLOP/s
+  (results/h200x1/tp-bf16-w1-shard2.jsonl): llama3-70b TP=2 per-rank attn_out 0.952 / 0.978 / 0.989 (seq 4k /
+  8k / 16k; 4k in five runs 0.9496-0.9523: on the 95% line), fc2 0.977 / 1.001 / 1.024; llama3-8b attn_out
+  (K=2048) 0.917-0.941, fc2 0.958-0.984; TP=1 (tp-bf16-w1.jsonl) attn_out 0.970-1.006, fc2 0.987-1.065.
+  Reduce path compiled out at W=1 (3667b58): 255 regs + 24 B spills -> 208, none; 12 RS GEMMs geomean 0.995 of
+  before. W=1 takes no data workspace since 909b6c9. Host time at W=1, 4096x2048x4096: 99.7 us per call (GPU 105).
+  Two GPUs, last run: 2x H200, 75b681f, Triton 3.6, 2026-11-29 (session 3, results/h200x2/tp-bf16.jsonl):
+  RS shapes vs nccl+cublas, geomean llama3-70b 1.052 (0.998-1.122; torch-async-tp 1.112, fixed-role-best
+  1.030), llama3-8b 1.043. Sessions 4-6's changes (host descriptors, no per-task error atomic, reduce tile
+  loaded once) are unmeasured at W=2. attn_out-70b-8k trace at that code (v0.4): span 888 / 916 us (rank 0 /
+  1), reduce 15.1-15.6 us median, gap between tiles 1.9 us; compute 78.6 / 76.9%, comm 13.8 / 14.2%, gaps
+  4.4%, idle at the end 3.2 / 4.5% of programs x span.
+  Registers (Triton 3.6): W=2 253-254, no spills; W=8 239, none (86d5acd; was 255 + 238 B); W=1 208, none.
+Tried and parked:
+  v0.1-v0.2 shared reduce head (readiness peek + one CAS): reduces bunched at the end, ~150 us tail at
+  attn_out-70b-8k. v0.3 CAS retried while the head was ready: every RS shape 1.1-2.2x slower
+  (attn_out-70b-8k 0.982 -> 1.805 ms). A volatile-load peek (v0.1): threads diverged and hung.
+  all_geq readiness in one parallel read (9f74e11, reverted in 725c67f; simulated ranks on 1x H200): W=2
+  2.8-3.0% slower with 18 B spills, W=4 0 / -3.6%, W=8 -3.4 / -2.7% (may pay at W >= 4).
+  Claim-ahead (session 6): RS shapes 1.1-4.2% slower at W=1, spills 24 -> 34 B.
+  64-row reduce steps (2x H200, session 3): attn_out -1.4 / +1.7 / -2.1%, fc2 -1.0 / -1.3 / +1.4%: noise;
+  255 regs + 176 B spills (128 rows: 2.6 KB). Software-pipelined reduce steps (tl.range num_stages=2):
+  Triton 3.9 emits the same code (no tl.dot consumer), CPU compile only (session 6).
+  Reduce bookkeeping under a runtime `if WORLD > 1:` (session 5, CPU compile, Triton 3.9): stack 784 -> 536 B,
+  shared memory 144 -> 176 KiB; the constexpr W=1 branch replaced it. Queued for two GPUs, unmeasured:
+  push_partials (predicted attn_out-70b-8k -6%, fc2 -2%; a cruder push design in DESIGN.md measured 1.072 ms
+  there against this pull's 0.949 at attn_out-70b-8k in the 75b681f run).
 """
 from __future__ import annotations
 
@@ -50,20 +80,18 @@ import triton.language as tl
 
 from .. import device as dev
 from .. import planning, runtime
+from .. import schedule as sched
+from ..codes import EV_COMM, EV_COMPUTE, OP_MATMUL_REDUCE_SCATTER, WAIT_RS_PARTIAL
 from ..config import MatmulReduceScatterConfig, check_config
 from .common import (check_launch, check_operands, host_descriptors, load_task, policy_args, store_rows,
                      store_tile, tile_matmul)
 
-OP_CODE = 2
-
-
-@triton.jit
-def _reduce_ready(sig_ptr, tile, tiles_per_owner, epoch, WORLD: tl.constexpr, FLAG_BASE: tl.constexpr):
-    ready = 1
-    for s in tl.static_range(WORLD):
-        v = dev.load_uniform(sig_ptr + FLAG_BASE + s * tiles_per_owner + tile)
-        ready = ready & (v >= epoch).to(tl.int32)
-    return ready
+OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
+STAGE_TILE: tl.constexpr = tl.constexpr(0)
+STAGE_REDUCE: tl.constexpr = tl.constexpr(1)
+COMM_STAGES: tl.constexpr = tl.constexpr(1 << 1)  # REDUCE
+ALL_STAGES: tl.constexpr = tl.constexpr(0b11)
+W1_STAGES: tl.constexpr = tl.constexpr(1 << 0)  # at W = 1: TILE only (the tiles go straight into c_shard)
 
 
 @triton.jit
@@ -75,7 +103,8 @@ def _reduce_tile(t, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epo
     ok = 1
     for s in tl.static_range(WORLD):
         slot = FLAG_BASE + s * tiles_per_owner + tile
-        ok = ok & dev.wait_geq(sig_ptr + slot, epoch, timeout_ns, err_ptr, 2, rank, t, slot)
+        ok = ok & dev.wait_geq(sig_ptr + slot, epoch, timeout_ns, err_ptr, OP_MATMUL_REDUCE_SCATTER, WAIT_RS_PARTIAL,
+                               rank, t, slot)
     rows_valid = Ms - mt * BM
     offs_r = tl.arange(0, RED_ROWS)
     offs_n = tl.arange(0, BN)
@@ -112,13 +141,13 @@ def _matmul_reduce_scatter_kernel(
     n_tn = tl.cdiv(N, BN)
     tiles_per_owner = tl.cdiv(Ms, BM) * n_tn
 
-    my_red = pid  # POLICY 0: this program's next reduce task (its tasks are pid, pid + GRID, ...)
-    if POLICY == 0:
+    stages = sched.program_stages(pid, POLICY, fixed_comm, W1_STAGES if WORLD == 1 else ALL_STAGES, COMM_STAGES)
+    my_red = pid  # self: this program's next owned reduce task (its tasks are pid, pid + GRID, ...)
+    if POLICY == sched.POLICY_SELF:
         red_done = (my_red >= n_red).to(tl.int32)
-        comp_done = 0
-    else:
-        red_done = ((n_red == 0) | (pid >= fixed_comm)).to(tl.int32)
-        comp_done = (pid < fixed_comm).to(tl.int32)
+    else:  # fixed: the reducer programs share the reduce queue
+        red_done = ((n_red == 0) | (sched.has_stage(stages, STAGE_REDUCE) == 0)).to(tl.int32)
+    comp_done = (sched.has_stage(stages, STAGE_TILE) == 0).to(tl.int32)
     # the next own reduce task's tile, loaded once per task rather than at every tile boundary
     red_mt = tl.load(red_table + my_red * 4, mask=my_red < n_red, other=0)
     red_nt = tl.load(red_table + my_red * 4 + 1, mask=my_red < n_red, other=0)
@@ -132,11 +161,11 @@ def _matmul_reduce_scatter_kernel(
         if WORLD == 1:  # no reduce tasks: with this branch gone, t_red stays the literal -1 and the whole
             pass        # reduce path compiles out: 255 registers + 24 B spills -> 208, none; W=1 RS -0.5%
         elif red_done == 0:
-            if POLICY == 0:  # own tasks only: nothing to claim, nothing contended
-                if comp_done == 1:  # nothing else to do: take the next own task and wait for it
+            if POLICY == sched.POLICY_SELF:  # owned tasks, ready-first: nothing to claim, nothing contended
+                if comp_done == 1:  # the tiles are drained: take the next own task and wait for it
                     t_red = my_red
-                elif _reduce_ready(sig_ptr, red_mt * n_tn + red_nt, tiles_per_owner, epoch, WORLD,
-                                   FLAG_BASE) != 0:
+                elif sched.all_ready(sig_ptr + FLAG_BASE + red_mt * n_tn + red_nt, tiles_per_owner, epoch,
+                                     WORLD) != 0:
                     t_red = my_red
                 if t_red >= 0:
                     my_red += GRID
@@ -144,7 +173,7 @@ def _matmul_reduce_scatter_kernel(
                     red_mt = tl.load(red_table + my_red * 4, mask=my_red < n_red, other=0)
                     red_nt = tl.load(red_table + my_red * 4 + 1, mask=my_red < n_red, other=0)
             else:  # fixed: the reducer programs share the reduce queue in order, waiting
-                t_red = dev.claim(heads_ptr + 0)
+                t_red = sched.claim(heads_ptr + STAGE_REDUCE)
                 if t_red >= n_red:
                     red_done = 1
                     t_red = -1
@@ -157,9 +186,9 @@ def _matmul_reduce_scatter_kernel(
                             tiles_per_owner, n_tn, stage_ptr, WORLD, BM, BN, RED_ROWS, FLAG_BASE, PUSH) == 0:
                 red_done = 1  # timed out, or another program did: drain (see the docstring)
                 comp_done = 1
-            n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 1, t_red, t0, dev.now_ns(), TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t_red, t0, dev.now_ns(), TRACE)
         elif comp_done == 0:
-            t = dev.claim(heads_ptr + 1)
+            t = sched.claim(heads_ptr + STAGE_TILE)
             if t < n_comp:
                 owner, mt, nt = load_task(comp_table, t)
                 t0 = dev.now_ns()
@@ -170,7 +199,7 @@ def _matmul_reduce_scatter_kernel(
                 else:
                     if handshake == 0:  # peers may still be pulling last call's partials from staging
                         peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
-                                                       2, rank)
+                                                       OP_MATMUL_REDUCE_SCATTER, rank)
                         handshake = 1
                         if peers_ok == 0:  # a peer never finished the last call: write nothing, drain
                             red_done = 1
@@ -184,7 +213,7 @@ def _matmul_reduce_scatter_kernel(
                                        Ms - mt * BM, N, BM, BN)
                         sig = dev.peer_ptr(peer_sig, owner, tl.int32)
                         dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 2, t, t0, dev.now_ns(), TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMPUTE, t, t0, dev.now_ns(), TRACE)
             else:
                 comp_done = 1
     dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)

@@ -45,7 +45,7 @@ send counters, per-expert pair counters, placed-row counters, finished-GEMM1-til
 Handshake: a program's first write into a peer's buffers waits until every peer has finished the previous
 call (done flags); combine writes need none (they follow the owner's own dispatch of this call).
 
-Policy (POLICY constexpr, one place, ``_next_stage``): self -- every program takes tasks in stage order
+Policy (schedule.py's loop, stages STAGE_ROUTE..STAGE_FOLD): self -- every program takes tasks in stage order
 ROUTE, PERMUTE, GEMM1, GEMM2, FOLD, moving on when a queue is exhausted; what each program does at a given
 moment follows from which queues still hold work (no split parameter). fixed -- programs pid < S only move
 data (ROUTE, PERMUTE, FOLD), the others only run the expert GEMMs: the fixed-role ablation.
@@ -57,6 +57,33 @@ Workspace: symmetric data = receive rows [W, T, H] + metadata [W, T, 1+2k] + cou
 [T, k, H]; local = routing [T, k] x2, expert rows [W*T*min(k, El), H] + their (source, token, slot),
 SwiGLU output [W*T*min(k, El), F], plan, scratch: sized for the worst case (every token of every rank to
 this rank's experts), so no call can overflow.
+
+Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, "moe v0.1"-"moe v0.3"):
+  Suite, 2x H200 (EP=2), 1b61db4 run with the copy step (BH; config copy_cols) at 512, today's default,
+  Triton 3.6, 2026-11-29 (session 3, results/h200x2/moe-bf16.jsonl): kosmos vs nccl-a2a geomean 1.607
+  (1.43-1.83, never slower; 0.4% over the 1.6x bar, inside the run-to-run spread); fixed-role-best takes
+  1.26-1.39x kosmos's time; expert GEMMs alone 99-114% of torch._grouped_mm (geomean 106%); peak memory
+  below nccl-a2a's at all 12 points.
+  Weakest: zipf:1.2 at 16k (1.43-1.45x), deepseek-v3 8k (1.47-1.50x). Earlier suites: v0.1 1.488, v0.2
+  (75b681f) 1.549, BH 256 at 6d4b2ea 1.583. Since then (unmeasured at W=2): the error mirror, int32 offsets.
+  Where the time goes (qwen3-235b 16k uniform, 10.76 ms): route+dispatch 0-550 us, permute to 1180 us,
+  GEMM1 to 6.0 ms (~690 TFLOP/s), GEMM2 to 10.3 ms (~385 TFLOP/s, the combine epilogue), fold to 10.73 ms;
+  the expert GEMMs alone take 8.25 ms; nothing outside them overlaps them.
+  Kept, each from moe_probe on 2x H200 (deepseek-v3 4k uniform unless named): x loaded once per block for
+  all destinations (route 546 -> 482 us); BH 128 -> 256 (permute 444 -> 258 us); BH 256 -> 512 (qwen3 16k
+  -3.8%; per suite point -2.3..+0.3%, two runs); half-height tail tiles (-8.4%; qwen3 4k zipf:1.2 -2.6%).
+  Spills (ptxas sm_90a, local compile): 340 B at BH 256, 440 B with the half tail; GEMM1 alone 202 regs, none.
+  At W=1 (1x H200, session 4) int32 store offsets: 7.854 -> 7.737 ms (deepseek-v3 4k), 4.939 -> 5.031
+  (qwen3 8k): noise, kept for the spills. Tests: W=1 at BH 512 passed (1x H200, session 4); simulated
+  ranks W=2, 4 (sessions 5-6); real two-GPU tests last at BH 256 (6d4b2ea; the stalled peer at 75b681f).
+Tried and parked:
+  Unrolled fold loads: 7.234 -> 7.214 ms (noise; predicted -3%), removed. BH 256 -> 128: +2.1% (deepseek 4k)
+  / +3.8% (qwen3 16k).
+  Branch moe-overlap (few large DISPATCH tasks, own rows first, per-source readiness): DB=256 +3% (7.234 ->
+  7.445 ms; the dispatch ran at ~50 GB/s), DB=64 / 32 7.407 / 7.439 (main 7.29). Needs more bytes in flight
+  per program, not fewer programs.
+  Branches moe-prefold (combine pre-reduced at the expert rank; predicted -4..5%) and moe-interleave (permute
+  per m-tile in GEMM1's queue; predicted -2..5%): never measured; all three branches are lost (session 4).
 """
 from __future__ import annotations
 
@@ -70,13 +97,27 @@ from .. import device as dev
 from .. import planning, runtime
 from ..config import MoEForwardConfig, check_config
 from ..moe_reference import ROUTINGS
+from .. import schedule as sched
+from ..codes import (EV_COMM, EV_PERMUTE, EV_ROUTE, EV_WAIT, OP_MOE_FORWARD, WAIT_MOE_COMBINE,
+                     WAIT_MOE_DISPATCH, WAIT_MOE_GEMM1, WAIT_MOE_PERMUTE, WAIT_MOE_PLAN)
 from .common import POLICIES, check_launch, policy_args, store_rows
 
-OP_CODE = 4
+OP_CODE = OP_MOE_FORWARD.value
+# the stages, in schedule.py's drain order (host: bit positions of the ``stages`` mask of ``launch``)
 ROUTE, PERMUTE, GEMM1, GEMM2, FOLD = 0, 1, 2, 3, 4
 ALL_STAGES = 0b11111
 COMM_STAGES = (1 << ROUTE) | (1 << PERMUTE) | (1 << FOLD)
 COMPUTE_STAGES = (1 << GEMM1) | (1 << GEMM2)
+STAGE_ROUTE: tl.constexpr = tl.constexpr(ROUTE)
+STAGE_PERMUTE: tl.constexpr = tl.constexpr(PERMUTE)
+STAGE_GEMM1: tl.constexpr = tl.constexpr(GEMM1)
+STAGE_GEMM2: tl.constexpr = tl.constexpr(GEMM2)
+STAGE_FOLD: tl.constexpr = tl.constexpr(FOLD)
+NUM_STAGES: tl.constexpr = tl.constexpr(5)
+COMM_STAGE_MASK: tl.constexpr = tl.constexpr(COMM_STAGES)
+# a finished task's trace kind: EV_COMM for ROUTE's dispatch half, else EV_PERMUTE + (stage - PERMUTE)
+assert [EV_PERMUTE.value + s - PERMUTE for s in (PERMUTE, GEMM1, GEMM2, FOLD)] == [5, 6, 7, 8]
+ZERO_BLOCK: tl.constexpr = tl.constexpr(1024)  # scratch entries the last program out zeroes per step
 MAX_TOPK = 16
 MAX_EXPERTS = 256  # the router keeps all logits of a token block in one tile
 
@@ -237,8 +278,8 @@ def _ensure_plan(sig_ptr, cnt_ptr, plan_ptr, scratch_ptr, El, rank, epoch, timeo
     if state < 2:
         if not GEMMS_ONLY:
             for s in tl.static_range(WORLD):
-                ok = ok & dev.wait_geq(sig_ptr + FLAG_BASE + s, epoch, timeout_ns, err_ptr, 4, rank, -2,
-                                       FLAG_BASE + s)
+                ok = ok & dev.wait_geq(sig_ptr + FLAG_BASE + s, epoch, timeout_ns, err_ptr, OP_MOE_FORWARD,
+                                       WAIT_MOE_DISPATCH, rank, -1, s)
         if ok != 0:
             won = 0
             if state == 0:
@@ -259,7 +300,7 @@ def _ensure_plan(sig_ptr, cnt_ptr, plan_ptr, scratch_ptr, El, rank, epoch, timeo
                 tl.debug_barrier()
                 tl.atomic_xchg(scratch_ptr + SC_PLAN, 2, sem="release", scope="gpu")
     if ok != 0:  # also the acquire (+ proxy fence for TMA readers) of everything the plan stands for
-        ok = dev.wait_geq(scratch_ptr + SC_PLAN, 2, timeout_ns, err_ptr, 4, rank, -3, -1)
+        ok = dev.wait_geq(scratch_ptr + SC_PLAN, 2, timeout_ns, err_ptr, OP_MOE_FORWARD, WAIT_MOE_PLAN, rank, -1, 0)
     return ok
 
 
@@ -409,7 +450,8 @@ def _fold_block(b, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n_tiles2, rank, e
                 TOPK: tl.constexpr, KP2: tl.constexpr, FB: tl.constexpr, BH: tl.constexpr):
     t0 = b * FB
     n_tok = tl.minimum(T - t0, FB)
-    ok = dev.wait_geq(ctr_ptr + b, n_tok * TOPK * n_tiles2, timeout_ns, err_ptr, 4, rank, b, -(b + 1))
+    ok = dev.wait_geq(ctr_ptr + b, n_tok * TOPK * n_tiles2, timeout_ns, err_ptr, OP_MOE_FORWARD, WAIT_MOE_COMBINE,
+                      rank, b, b)
     if ok != 0:
         rows = t0 + tl.arange(0, FB)
         rmask = rows < T
@@ -461,54 +503,49 @@ def _moe_forward_kernel(
     perm_ctr = scratch_ptr + SC_PERM
     g1_ctr = perm_ctr + El
 
-    if POLICY == 0:
-        mine = stages
-    else:
-        mine = stages & tl.where(pid < fixed_comm, 0b10011, 0b01100)
-    cur = 0
+    mine = sched.program_stages(pid, POLICY, fixed_comm, stages, COMM_STAGE_MASK)
+    cur = sched.next_stage(mine, -1, NUM_STAGES)
     handshake = 0
     peers_ok = 1
     plan_ok = 0
     n_ev = 0
-    while cur < 5:
+    while cur < NUM_STAGES:
         if dev.aborted(err_ptr):
-            cur = 5
-        elif ((mine >> cur) & 1) == 0:
-            cur += 1
+            cur = NUM_STAGES
         else:
-            if (cur >= 1) & (cur <= 3) & (plan_ok == 0):
+            if (cur >= STAGE_PERMUTE) & (cur <= STAGE_GEMM2) & (plan_ok == 0):
                 t_w = dev.now_ns()
                 plan_ok = _ensure_plan(sig_ptr, cnt_ptr, plan_ptr, scratch_ptr, El, rank, epoch, timeout_ns,
                                        err_ptr, WORLD, WP2, ELP2, BM, FLAG_BASE, GEMMS_ONLY)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, -1, t_w, dev.now_ns(), TRACE)
-            if (cur >= 1) & (cur <= 3) & (plan_ok == 0):
-                cur = 5  # timed out waiting for a peer: drain
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t_w, dev.now_ns(), TRACE)
+            if (cur >= STAGE_PERMUTE) & (cur <= STAGE_GEMM2) & (plan_ok == 0):
+                cur = NUM_STAGES  # timed out waiting for a peer: drain
             else:
                 n_tasks = n_route
-                if cur == 1:
+                if cur == STAGE_PERMUTE:
                     n_tasks = n_perm
-                elif cur == 2:
+                elif cur == STAGE_GEMM1:
                     n_tasks = tl.load(plan_ptr + 2 * El, volatile=True) * n1
-                elif cur == 3:
+                elif cur == STAGE_GEMM2:
                     n_tasks = tl.load(plan_ptr + 2 * El, volatile=True) * n2
-                elif cur == 4:
+                elif cur == STAGE_FOLD:
                     n_tasks = n_fold
-                t = dev.claim(scratch_ptr + cur)
+                t = sched.claim(scratch_ptr + cur)  # the stage's queue head is scratch[stage]
                 t0 = dev.now_ns()
                 if t >= n_tasks:
-                    cur += 1
-                elif cur == 0:
+                    cur = sched.next_stage(mine, cur, NUM_STAGES)
+                elif cur == STAGE_ROUTE:
                     sel_w, sel_e = _route_block(t, x_desc, wr_desc, bias_ptr, topk_w_ptr, topk_e_ptr, T, H, E,
                                                 routed_scaling, TOPK, KP2, EP2, ROUTING, RENORM, N_GROUP,
                                                 TOPK_GROUP, NGP2, RB, BK, DOT_FP32)
                     # the task's two halves apart on the timeline: routing (kind route), then the row
                     # pushes with the publish (kind comm)
                     t1 = dev.now_ns()
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 4, t, t0, t1, TRACE)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_ROUTE, t, t0, t1, TRACE)
                     t0 = t1
                     if handshake == 0:  # a peer may still be reading last call's rows from its buffers
-                        peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, 4,
-                                                       rank)
+                        peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
+                                                       OP_MOE_FORWARD, rank)
                         handshake = 1
                     if peers_ok != 0:
                         _dispatch_block(t, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta, T, H, El,
@@ -518,16 +555,17 @@ def _moe_forward_kernel(
                         if n_done == n_route - 1:
                             _publish_counts(scratch_ptr, peer_data, peer_sig, off_cnt, El, rank, epoch, WORLD,
                                             ELP2, FLAG_BASE)
-                elif cur == 1:
+                elif cur == STAGE_PERMUTE:
                     _permute_block(t, recv_ptr, rmeta_ptr, cnt_ptr, plan_ptr, scratch_ptr, xe_ptr, xe_meta_ptr,
                                    T, H, El, rank, WORLD, TOPK, KP2, PB, BH)
-                elif cur == 2:
+                elif cur == STAGE_GEMM1:
                     le, first, rows, gm, m, n = _gemm_task(t, plan_ptr, El, n1, ELP2, BM)
                     ok = 1
                     if not GEMMS_ONLY:
-                        ok = dev.wait_geq(perm_ctr + le, rows, timeout_ns, err_ptr, 4, rank, t, -1000 - le)
+                        ok = dev.wait_geq(perm_ctr + le, rows, timeout_ns, err_ptr, OP_MOE_FORWARD, WAIT_MOE_PERMUTE,
+                                          rank, t, le)
                         t1 = dev.now_ns()
-                        n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
+                        n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
                         t0 = t1
                     if ok != 0:
                         # an expert's last m-tile with at most BM/2 rows: a half-height tile (half the MACs)
@@ -538,11 +576,12 @@ def _moe_forward_kernel(
                             _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM, BK, BNH, DOT_FP32)
                         tl.debug_barrier()
                         tl.atomic_add(g1_ctr + gm, 1, sem="release", scope="gpu")
-                elif cur == 3:
+                elif cur == STAGE_GEMM2:
                     le, first, rows, gm, m, n = _gemm_task(t, plan_ptr, El, n2, ELP2, BM)
-                    ok = dev.wait_geq(g1_ctr + gm, n1, timeout_ns, err_ptr, 4, rank, t, -100000 - gm)
+                    ok = dev.wait_geq(g1_ctr + gm, n1, timeout_ns, err_ptr, OP_MOE_FORWARD, WAIT_MOE_GEMM1, rank, t,
+                                      gm)
                     t1 = dev.now_ns()
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, 3, t, t0, t1, TRACE)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
                     t0 = t1
                     if ok != 0:
                         if HALF_TAIL & (rows - m * BM <= BM // 2):
@@ -554,12 +593,12 @@ def _moe_forward_kernel(
                 else:
                     _fold_block(t, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n2, rank, epoch, timeout_ns,
                                 err_ptr, TOPK, KP2, FB, BH)
-                if t < n_tasks:  # kinds 1 (dispatch), 5..8: permute, gemm1, gemm2, fold (runtime.TRACE_KINDS)
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, 1024, tl.where(cur == 0, 1, 4 + cur), t, t0, dev.now_ns(),
-                                     TRACE)
+                if t < n_tasks:  # ROUTE's dispatch half is comm; the other stages have a kind each (codes.py)
+                    kind = tl.where(cur == STAGE_ROUTE, EV_COMM, EV_PERMUTE - STAGE_PERMUTE + cur)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, kind, t, t0, dev.now_ns(), TRACE)
     if FINAL:
         dev.exit_program_zeroing(scratch_ptr, scratch_n, SC_EXIT, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch,
-                                 1024)
+                                 ZERO_BLOCK)
 
 
 # -------------------------------------------------------------------------------------------------- host

@@ -1,0 +1,65 @@
+"""The numbers that kernels write and the host reads, named once: op codes, wait tags, trace kinds, and the
+layout of the error record. Kernels use the ``tl.constexpr`` names; ``runtime`` decodes with the dicts below,
+which are built from the same values, so the two cannot drift apart.
+"""
+import triton.language as tl
+
+# ------------------------------------------------------------------------------------------- op codes
+OP_ALL_GATHER_MATMUL: tl.constexpr = tl.constexpr(1)
+OP_MATMUL_REDUCE_SCATTER: tl.constexpr = tl.constexpr(2)
+OP_MOE_FORWARD: tl.constexpr = tl.constexpr(4)
+OP_NAMES = {OP_ALL_GATHER_MATMUL.value: "all_gather_matmul", OP_MATMUL_REDUCE_SCATTER.value: "matmul_reduce_scatter",
+            OP_MOE_FORWARD.value: "moe_forward"}
+
+# ------------------------------------------------------------------------------------------- wait tags
+# What a bounded wait was waiting for; a timed-out wait records its tag and an index (the record's
+# ``counter`` field), and ``runtime.decode_error`` says it in words with WAIT_TEXT.
+WAIT_PEERS_DONE: tl.constexpr = tl.constexpr(1)    # index: the peer's rank
+WAIT_AG_ROWS: tl.constexpr = tl.constexpr(2)       # index: the signal slot of (source rank, chunk)
+WAIT_RS_PARTIAL: tl.constexpr = tl.constexpr(3)    # index: the signal slot of (source rank, tile)
+WAIT_MOE_DISPATCH: tl.constexpr = tl.constexpr(4)  # index: the source rank
+WAIT_MOE_PLAN: tl.constexpr = tl.constexpr(5)      # index: unused (0)
+WAIT_MOE_PERMUTE: tl.constexpr = tl.constexpr(6)   # index: the local expert
+WAIT_MOE_GEMM1: tl.constexpr = tl.constexpr(7)     # index: the expert m-tile
+WAIT_MOE_COMBINE: tl.constexpr = tl.constexpr(8)   # index: the fold block
+WAIT_TEXT = {
+    WAIT_PEERS_DONE.value: "rank {index} to finish the previous call (done flag)",
+    WAIT_AG_ROWS.value: "rows pushed by a peer (signal slot {index})",
+    WAIT_RS_PARTIAL.value: "a peer's partial tile (signal slot {index})",
+    WAIT_MOE_DISPATCH.value: "rank {index}'s dispatched rows and counts",
+    WAIT_MOE_PLAN.value: "this call's expert plan (built by another program of the launch)",
+    WAIT_MOE_PERMUTE.value: "the received rows of local expert {index} to be placed",
+    WAIT_MOE_GEMM1.value: "the GEMM1 column tiles of expert m-tile {index}",
+    WAIT_MOE_COMBINE.value: "the expert outputs of fold block {index} (combine from every rank)",
+}
+
+# ------------------------------------------------------------------------------------------- trace kinds
+EV_IDLE: tl.constexpr = tl.constexpr(0)
+EV_COMM: tl.constexpr = tl.constexpr(1)
+EV_COMPUTE: tl.constexpr = tl.constexpr(2)
+EV_WAIT: tl.constexpr = tl.constexpr(3)
+EV_ROUTE: tl.constexpr = tl.constexpr(4)
+EV_PERMUTE: tl.constexpr = tl.constexpr(5)
+EV_GEMM1: tl.constexpr = tl.constexpr(6)
+EV_GEMM2: tl.constexpr = tl.constexpr(7)
+EV_FOLD: tl.constexpr = tl.constexpr(8)
+TRACE_KINDS = {EV_IDLE.value: "idle", EV_COMM.value: "comm", EV_COMPUTE.value: "compute", EV_WAIT.value: "wait",
+               EV_ROUTE.value: "route", EV_PERMUTE.value: "permute", EV_GEMM1.value: "gemm1",
+               EV_GEMM2.value: "gemm2", EV_FOLD.value: "fold"}
+TRACE_EVENTS: tl.constexpr = tl.constexpr(1024)  # events per program in a trace buffer [grid, TRACE_EVENTS, 4]
+
+# ------------------------------------------------------------------------------------------- error record
+# int64[ERR_SLOTS]: slots 0..ERR_WAIT are the record (the flag first), ERR_MIRROR holds the address of a
+# pinned host-mapped int64[ERR_RECORD] copy of it, or 0.
+ERR_FLAG: tl.constexpr = tl.constexpr(0)
+ERR_OP: tl.constexpr = tl.constexpr(1)
+ERR_RANK: tl.constexpr = tl.constexpr(2)
+ERR_TASK: tl.constexpr = tl.constexpr(3)
+ERR_COUNTER: tl.constexpr = tl.constexpr(4)
+ERR_EXPECTED: tl.constexpr = tl.constexpr(5)
+ERR_OBSERVED: tl.constexpr = tl.constexpr(6)
+ERR_ELAPSED: tl.constexpr = tl.constexpr(7)
+ERR_WAIT: tl.constexpr = tl.constexpr(8)
+ERR_MIRROR: tl.constexpr = tl.constexpr(9)
+ERR_RECORD = 9   # slots mirrored to the host
+ERR_SLOTS = 10
