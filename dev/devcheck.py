@@ -30,6 +30,8 @@ def _rank_main(rank, world, args):
     from kosmos.models import TPGemm, tp_gemms
 
     from kosmos_bench import tp
+    from kosmos_bench.environment import environment
+    from kosmos_bench.harness import agree, max_over_ranks, recover
 
     import faulthandler
     import sys
@@ -71,15 +73,15 @@ def _rank_main(rank, world, args):
                 bt = kosmos.all_gather_matmul(a, b.t().contiguous().t(), policy=policy, comm_programs=s)[1]
                 runtime.check_errors()
                 e_t = reference.rel_err(bt, ref)
-                note("ag_correct", policy=policy, shape=[ms, k, n], rel_err=tp._max_over_ranks(e),
-                     rel_err_bT=tp._max_over_ranks(e_t), a_full_exact=exact)
+                note("ag_correct", policy=policy, shape=[ms, k, n], rel_err=max_over_ranks(e),
+                     rel_err_bT=max_over_ranks(e_t), a_full_exact=exact)
             except Exception as ex:  # keep going: report
                 note("ag_correct", policy=policy, shape=[ms, k, n], error=repr(ex)[:400])
                 failed = True
             else:
                 failed = False
-            if not tp.agree(not failed, "failed")[0]:
-                tp._recover()
+            if not agree(not failed, "failed")[0]:
+                recover()
         for (m, k, n) in shapes_rs:
             g = TPGemm("custom", "custom", "gemm_rs", m, m, n, k)
             a, b = tp.make_inputs(g, world, rank, gen_seed)
@@ -89,15 +91,15 @@ def _rank_main(rank, world, args):
                 runtime.check_errors()
                 e = reference.rel_err(c, ref)
                 nccl = reference.rel_err(reference.matmul_reduce_scatter_ref(a, b, fp32=False), ref)
-                note("rs_correct", policy=policy, shape=[m, k, n], rel_err=tp._max_over_ranks(e),
-                     nccl_rel_err=tp._max_over_ranks(nccl))
+                note("rs_correct", policy=policy, shape=[m, k, n], rel_err=max_over_ranks(e),
+                     nccl_rel_err=max_over_ranks(nccl))
             except Exception as ex:
                 note("rs_correct", policy=policy, shape=[m, k, n], error=repr(ex)[:400])
                 failed = True
             else:
                 failed = False
-            if not tp.agree(not failed, "failed")[0]:
-                tp._recover()
+            if not agree(not failed, "failed")[0]:
+                recover()
 
     # determinism + back-to-back
     for op in ("ag_gemm", "gemm_rs"):
@@ -123,9 +125,9 @@ def _rank_main(rank, world, args):
             ok = False
         else:
             ok = True
-        ok, why = tp.agree(ok, "failed")
+        ok, why = agree(ok, "failed")
         if not ok:
-            tp._recover()
+            recover()
 
     if args.host_profile and rank == 0:
         # where a call's host (enqueue) time goes: cProfile over 50 back-to-back calls of each op
@@ -158,9 +160,9 @@ def _rank_main(rank, world, args):
                        fixed_sweep=tuple(int(x) for x in args.sweep.split(",")), trace_dir=args.out)
     if rank == 0:
         with open(os.path.join(args.out, "tp-rows.jsonl"), "a") as f:
-            env = tp.environment(argv=["python", "-m", "dev.devcheck"] + list(args.argv), bench="tp",
-                                 suite={"models": args.models.split(","), "seq": args.seq, "impls": args.impls,
-                                        "iters": args.iters, "fixed_sweep": args.sweep})
+            env = environment(argv=["python", "-m", "dev.devcheck"] + list(args.argv), bench="tp",
+                              suite={"models": args.models.split(","), "seq": args.seq, "impls": args.impls,
+                                     "iters": args.iters, "fixed_sweep": args.sweep})
             f.write(json.dumps(env) + "\n")
     for model in args.models.split(","):
         for seq in [int(s) for s in args.seq.split(",")]:

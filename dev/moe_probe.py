@@ -7,7 +7,8 @@ per task kind (route = router math, comm = the route task's row pushes and count
 gemm2, fold, wait), how many tasks ran, when the first started and the last ended (us from the rank's first
 event; GPU clocks of two ranks are not aligned) and the busy time summed over programs (us per program).
 A traced call is made (and compiled) before the timed calls, so the trace has no compile skew.
-``--variant K=V,...`` (repeatable) runs the whole probe once per set of developer knobs, in one call;
+``--config KEY=V,...`` (repeatable) runs the whole probe once per ``kosmos.MoEForwardConfig`` (fields as in
+``kosmos bench moe --config``, e.g. ``copy_cols=256,half_tail=false``), in one call;
 ``--tree DIR`` (repeatable) once per source tree (e.g. a branch checked out with git archive), in a subprocess.
 Writes DIR/trace-moe-<model>-<tokens>-<routing>-w<W>.json (render: ``kosmos report --timeline FILE``).
 """
@@ -22,16 +23,21 @@ import torch
 import torch.distributed as dist
 
 
+def probe_configs(texts) -> list:
+    """One (text, MoEForwardConfig) per --config value (the defaults when none); ValueError naming a bad key."""
+    from kosmos_bench.registry import CONFIG_TYPES, parse_config
+    return [(v, parse_config([v], CONFIG_TYPES["moe"])["moe_fwd"]) for v in (texts or [""])]
+
+
 def _rank_main(rank, world, args):
-    from kosmos_bench.launcher import knobs
-    for i, variant in enumerate(args.variants or [""]):
-        with knobs(variant):  # the kernel's developer knobs are read at each call (planning.moe_config)
-            _probe(rank, world, args, variant, i)
+    for i, (variant, config) in enumerate(probe_configs(args.configs)):
+        _probe(rank, world, args, variant, config, i)
 
 
-def _probe(rank, world, args, variant: str, index: int):
+def _probe(rank, world, args, variant: str, config, index: int):
     import kosmos
     from kosmos import runtime
+    from kosmos.config import config_dict
     from kosmos.kernels.common import TRACE_EVENTS
 
     from kosmos_bench import moe as bm
@@ -46,7 +52,7 @@ def _probe(rank, world, args, variant: str, index: int):
     buf = torch.zeros((grid, TRACE_EVENTS, 4), dtype=torch.int64, device=dev)
 
     def call(**extra):
-        return kosmos.moe_forward(x, wr, w13, w2, top_k=m.top_k, **kw, **policy, **extra)
+        return kosmos.moe_forward(x, wr, w13, w2, top_k=m.top_k, **kw, **policy, config=config, **extra)
     for _ in range(3):
         call()
     call(trace=buf)  # compiles the traced variant now, so that the traced call below has no compile skew
@@ -75,7 +81,7 @@ def _probe(rank, world, args, variant: str, index: int):
     if rank != 0:
         return
     print(f"{args.model} tokens={args.tokens} routing={args.routing} W={world} policy={policy or 'self'} "
-          f"variant=[{variant or 'defaults'}]: median call {max(t for _, t in gathered):.3f} ms (max over ranks)")
+          f"config=[{variant or 'defaults'}]: median call {max(t for _, t in gathered):.3f} ms (max over ranks)")
     print(f"{'rank':>4} {'kind':>8} {'tasks':>6} {'first_us':>9} {'last_us':>9} {'busy_us/prog':>13}")
     for r, (evs, _) in enumerate(gathered):
         t_min = min(ev[3] for ev in evs)
@@ -89,9 +95,10 @@ def _probe(rank, world, args, variant: str, index: int):
     os.makedirs(args.out, exist_ok=True)
     doc = {"type": "trace", "op": "moe", "model": args.model, "tokens": args.tokens, "routing": args.routing,
            "world": world, "impl": "kosmos", "variant": variant,
+           "config": config_dict(config),
            "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
            "ranks": [{"rank": r, "events": evs} for r, (evs, _) in enumerate(gathered)]}
-    suffix = f"-v{index}" if args.variants else ""
+    suffix = f"-v{index}" if args.configs else ""
     name = f"trace-moe-{args.model}-{args.tokens}-{args.routing.replace(':', '')}-w{world}{suffix}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(doc, f)
@@ -107,15 +114,20 @@ def main(argv=None):
     p.add_argument("--world", type=int, default=None)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--fixed", type=int, default=0, help="fixed-role policy with this many data-moving programs")
-    p.add_argument("--variant", dest="variants", action="append", default=None,
-                   help="developer knobs for one run, e.g. KOSMOS_MOE_HALF_TAIL=0,KOSMOS_MOE_BH=128; repeat to "
-                        "compare several in one call (each compiles its own kernel variant)")
+    p.add_argument("--config", dest="configs", action="append", default=None,
+                   help="a MoEForwardConfig for one run, e.g. half_tail=false,copy_cols=128 (keys as in `kosmos "
+                        "bench moe --config`); repeat to compare several in one call (each compiles its own kernel "
+                        "variant)")
     p.add_argument("--tree", dest="trees", action="append", default=None,
                    help="run the whole probe once per source tree (a directory holding kosmos/ and kosmos_bench/, "
                         "e.g. `git archive BRANCH kosmos kosmos_bench | tar -x -C DIR`), each in a subprocess with "
                         "that tree first on PYTHONPATH: code versions side by side in one device call; "
                         "traces go to OUT/tree<i>")
     args = p.parse_args(argv)
+    try:
+        probe_configs(args.configs)  # a bad key fails here, before anything spawns
+    except ValueError as e:
+        p.error(str(e))
     if args.trees:
         return _run_trees(args, argv if argv is not None else sys.argv[1:])
     spawn(_rank_main, check_world(args.world), args, timeout_s=600)

@@ -3,7 +3,7 @@
 # device tool's 10-minute limit, each writing at most 8 files under $OUT and printing a short table last.
 #
 #   KOSMOS_GIT_COMMIT=<sha of the tree> bash dev/x2_session.sh tests   # ~6 min: every GPU test
-#   KOSMOS_GIT_COMMIT=<sha> bash dev/x2_session.sh ab                  # ~6 min: knob A/B + traces
+#   KOSMOS_GIT_COMMIT=<sha> bash dev/x2_session.sh ab                  # ~6 min: config A/B + traces
 #   KOSMOS_GIT_COMMIT=<sha> bash dev/x2_session.sh suite               # <= 9.5 min: the default suite
 #
 # KOSMOS_GIT_COMMIT names the commit in the env records (the device's copy of the tree has a stale .git).
@@ -20,12 +20,12 @@ case $stage in
   ab)
     # AllGather+GEMM pushers: 1 chunk per push task (default), `auto` (~16 pushers), 4 chunks per task
     for v in 1 auto 4; do
-      KOSMOS_AG_PUSH_CHUNKS=$v bench 120 --model llama3-70b --op ag_gemm --impl kosmos,nccl+cublas \
+      bench 120 --model llama3-70b --op ag_gemm --impl kosmos,nccl+cublas --config push_chunks=$v \
         --out "$out/ag-push-$v.jsonl"
     done
     # GEMM+RS: pull the partials (default) or push them from the epilogue
     for v in 0 1; do
-      KOSMOS_RS_PUSH=$v bench 120 --model llama3-70b --op gemm_rs --impl kosmos,nccl+cublas \
+      bench 120 --model llama3-70b --op gemm_rs --impl kosmos,nccl+cublas --config push_partials=$v \
         --out "$out/rs-push-$v.jsonl"
     done
     # where the program time goes now (compare with NOTES.md "Where W=2 program time went")

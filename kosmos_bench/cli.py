@@ -49,9 +49,63 @@ def _dtype_and_world(dtype: str, asked):
         _fail(str(e))
 
 
+def _configs(bench: str, items):
+    """``--config`` values -> {op: config} for ``bench`` (ValueError with one line naming a bad key or value)."""
+    from .registry import CONFIG_TYPES, parse_config
+    return parse_config(_split(items), CONFIG_TYPES[bench])
+
+
+CONFIG_HELP = ("Set a field of an op's config for the KOSMOS implementations ({impls}): KEY=VALUE, repeated or "
+               "comma-separated. KEY is OP.FIELD ({keys}) or FIELD alone when one op has it. Every row records "
+               "the config it ran with. E.g. --config {example}")
+
+
 def _fail(msg: str, code: int = 2):
     console.print(f"[bold red]error:[/] {msg}")
     raise typer.Exit(code)
+
+
+# the options both benches take (help texts naming the bench's own defaults)
+DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16 (mxfp8 is planned).")
+ITERS_OPTION = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported).")
+WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.")
+
+
+def _suite_option(bench: str):
+    return typer.Option(None, "--suite", help=f"YAML suite file (default: suites/{bench}-default.yaml).")
+
+
+def _out_option(bench: str):
+    return typer.Option(None, "--out", "-o", help=f"JSONL file to append to (default: "
+                        f"results/{bench}-<dtype>-<timestamp>.jsonl).")
+
+
+def _impl_option(names: str):
+    return typer.Option(None, "--impl", help=f"{names} (comma-separated).")
+
+
+def _config_option(impls: str, keys: str, example: str):
+    return typer.Option(None, "--config", "-c", help=CONFIG_HELP.format(impls=impls, keys=keys, example=example))
+
+
+def _out_path(out: Optional[Path], bench: str, dtype: str) -> Path:
+    out = out or Path("results") / f"{bench}-{dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _launch(rank_fn, world: int, out: Path, *args):
+    """Run ``rank_fn(rank, world, *args)`` on every rank, then show the table of ``out`` (rank 0)."""
+    from . import launcher
+    try:
+        launcher.spawn(rank_fn, world, *args)
+    except launcher.LaunchError as e:
+        _fail(f"{e}\npartial results (if any) are in {out}", code=1)
+    if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
+        return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
+    from .report import build_table, load_results, print_terminal
+    print_terminal(build_table(load_results([out])[1]), console=Console())
+    console.print(f"results: {out}  (render again with `kosmos report {out}`)")
 
 
 @bench_app.command("tp")
@@ -63,26 +117,29 @@ def bench_tp(
     shapes_tp: Optional[int] = typer.Option(None, "--shapes-tp", help="Size the GEMMs as at TP=N (each rank's "
                                             "weight shard) whatever --tp is: `--tp 1 --shapes-tp 2` times the "
                                             "kernels with communication off on the per-rank GEMMs of a TP=2 run."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 (mxfp8 is planned)."),
+    dtype: Optional[str] = DTYPE_OPTION,
     op: Optional[List[str]] = typer.Option(None, "--op", help="ag_gemm, gemm_rs, or layer names qkv,fc1,attn_out,fc2."),
-    impl: Optional[List[str]] = typer.Option(None, "--impl", help="kosmos, nccl+cublas, torch-async-tp, fixed-role, "
-                                             "fixed-role-best (comma-separated)."),
-    suite: Optional[Path] = typer.Option(None, "--suite", help="YAML suite file (default: suites/tp-default.yaml)."),
-    iters: Optional[int] = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported)."),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Untimed warm-up iterations."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSONL file to append to (default: "
-                                       "results/tp-<dtype>-<timestamp>.jsonl)."),
+    impl: Optional[List[str]] = _impl_option("kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best"),
+    suite: Optional[Path] = _suite_option("tp"),
+    iters: Optional[int] = ITERS_OPTION,
+    warmup: Optional[int] = WARMUP_OPTION,
+    out: Optional[Path] = _out_option("tp"),
     trace: bool = typer.Option(False, "--trace", help="Record a per-program task timeline of each kosmos run "
                                "(JSON next to --out; draw with `kosmos report --timeline FILE`)."),
+    config: Optional[List[str]] = _config_option(
+        "kosmos, fixed-role, fixed-role-best", "ag_gemm.push_chunks (an integer >= 1 or auto), ag_gemm.copy_block, "
+        "gemm_rs.push_partials (true/false)", "push_chunks=auto --config push_partials=true"),
 ):
     """Check every implementation against the fp32 reference, then time them side by side.
 
     Each (model, layer, seq) shape runs every implementation on the same random inputs; a failing one is
     recorded as failed with its reason and the sweep goes on. Rows are appended to --out as they finish.
+
+    Example (an A/B of a config field, one file each): kosmos bench tp --model llama3-70b --op ag_gemm
+    --impl kosmos,nccl+cublas --config ag_gemm.push_chunks=auto --out results/ag-auto.jsonl
     """
     from kosmos.models import TP_LAYERS
 
-    from . import launcher
     from .suites import SuiteError, TPSuite, default_suite, load_suite
 
     try:
@@ -98,6 +155,7 @@ def bench_tp(
         cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int), dtype=dtype, layers=layers,
                                      impls=_split(impl), iters=iters, warmup=warmup, tp=tp,
                                      shapes_tp=shapes_tp)
+        configs = _configs("tp", config)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
     world = _dtype_and_world(cfg.dtype, cfg.tp)
@@ -111,43 +169,13 @@ def bench_tp(
                 raise ValueError(f"seq {bad} must divide by the world size {world}")
     except ValueError as e:
         _fail(str(e))
-    out = out or Path("results") / f"tp-{cfg.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _out_path(out, "tp", cfg.dtype)
     trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
     shard_note = f" (GEMMs sized as at TP={cfg.shapes_tp})" if cfg.shapes_tp and cfg.shapes_tp != world else ""
     console.print(f"[bold]kosmos bench tp[/]: {len(cases)} shapes x {len(cfg.impls)} implementations on "
                   f"{world} GPU(s){shard_note} -> {out}")
-    try:
-        launcher.spawn(_bench_tp_rank, world, cfg.to_dict(), [vars(c) for c in cases], str(out), trace_dir,
-                       sys.argv)
-    except launcher.LaunchError as e:
-        _fail(f"{e}\npartial results (if any) are in {out}", code=1)
-    if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
-        return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
-    from .report import build_table, load_results, print_terminal
-    print_terminal(build_table(load_results([out])[1]), console=Console())
-    console.print(f"results: {out}  (render again with `kosmos report {out}`)")
-
-
-def _bench_tp_rank(rank, world, suite: dict, cases: list, out: str, trace_dir, argv):
-    """Runs on every rank; rank 0 writes the env line and every row as soon as it is ready."""
-    from kosmos.models import TPGemm
-
-    from . import tp
-    from .sweep import run_sweep
-    st = tp.TPSettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
-                       fixed_sweep=tuple(suite["fixed_sweep"]), dtype=suite["dtype"], trace_dir=trace_dir)
-    env = tp.environment(argv=argv, suite=suite, bench="tp")
-
-    def failed(g, why):
-        return [{"type": "result", "bench": "tp", "op": g.op, "layer": g.layer, "model": g.model, "seq": g.seq,
-                 "m": g.m, "n": g.n, "k": g.k, "world": world, "dtype": st.dtype, "impl": name,
-                 "status": "failed", "reason": why, "time_ms": None, "tflops": None} for name in st.impls]
-
-    run_sweep(out, env, rank, [TPGemm(**c) for c in cases],
-              describe=lambda g: f"{g.model} {g.layer} seq={g.seq} [{g.m}x{g.n}x{g.k}]",
-              run_one=lambda g, write: tp.run_case(g, st, on_row=write), failed_rows=failed, recover=tp._recover,
-              key=lambda r: (r["model"], r["layer"], r["seq"], r["op"], r["impl"]))
+    from .tp import bench_rank
+    _launch(bench_rank, world, out, cfg.to_dict(), [vars(c) for c in cases], str(out), trace_dir, sys.argv, configs)
 
 
 MOE_HELP = "\n\n".join([
@@ -165,6 +193,7 @@ MOE_HELP = "\n\n".join([
     "  kosmos bench moe                # suites/moe-default.yaml on all visible GPUs",
     "  kosmos bench moe --model qwen3-235b --tokens 4096,8192 --routing uniform,zipf:1.2 --ep 2",
     "  kosmos bench moe --model deepseek-v3 --impl kosmos,nccl-a2a --iters 50 --out results/moe.jsonl",
+    "  kosmos bench moe --model deepseek-v3 --impl kosmos,nccl-a2a --config copy_cols=256,half_tail=false",
     "  kosmos report results/moe.jsonl --format md",
 ])
 
@@ -177,19 +206,19 @@ def bench_moe(
     ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size (default: all visible GPUs)."),
     routing: Optional[List[str]] = typer.Option(None, "--routing", "-r", help="uniform and/or zipf:S (S > 0), "
                                                 "e.g. uniform,zipf:1.2."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 (mxfp8 is planned)."),
-    impl: Optional[List[str]] = typer.Option(None, "--impl", help="kosmos, nccl-a2a, deepep, fixed-role, "
-                                             "fixed-role-best (comma-separated)."),
-    suite: Optional[Path] = typer.Option(None, "--suite", help="YAML suite file (default: suites/moe-default.yaml)."),
-    iters: Optional[int] = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported)."),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Untimed warm-up iterations."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSONL file to append to (default: "
-                                       "results/moe-<dtype>-<timestamp>.jsonl)."),
+    dtype: Optional[str] = DTYPE_OPTION,
+    impl: Optional[List[str]] = _impl_option("kosmos, nccl-a2a, deepep, fixed-role, fixed-role-best"),
+    suite: Optional[Path] = _suite_option("moe"),
+    iters: Optional[int] = ITERS_OPTION,
+    warmup: Optional[int] = WARMUP_OPTION,
+    out: Optional[Path] = _out_option("moe"),
     expert_gemms: Optional[bool] = typer.Option(None, "--expert-gemms/--no-expert-gemms", help="Also time the "
                                                 "expert GEMMs alone (kosmos-expert-gemms vs grouped-mm); default on."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the inputs, weights and popularity shuffle."),
+    config: Optional[List[str]] = _config_option(
+        "kosmos, fixed-role, fixed-role-best, kosmos-expert-gemms", "moe_fwd.copy_cols (a power of two >= 16), "
+        "moe_fwd.half_tail (true/false)", "copy_cols=256 --config half_tail=false"),
 ):
-    from . import launcher
     from .moe import moe_cases
     from .suites import MoESuite, SuiteError, default_moe_suite, load_suite
 
@@ -198,6 +227,7 @@ def bench_moe(
         cfg: MoESuite = base.override(models=_split(model), tokens=_split(tokens, int), routing=_split(routing),
                                       dtype=dtype, impls=_split(impl), iters=iters, warmup=warmup, ep=ep,
                                       expert_gemms=expert_gemms, seed=seed)
+        configs = _configs("moe", config)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
     world = _dtype_and_world(cfg.dtype, cfg.ep)
@@ -205,20 +235,11 @@ def bench_moe(
         cases = moe_cases(cfg.models, cfg.tokens, cfg.routing, world)
     except ValueError as e:
         _fail(str(e))
-    out = out or Path("results") / f"moe-{cfg.dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _out_path(out, "moe", cfg.dtype)
     console.print(f"[bold]kosmos bench moe[/]: {len(cases)} points x {len(cfg.impls)} implementations on "
                   f"{world} GPU(s) (EP={world}) -> {out}")
     from .moe import bench_rank
-    try:
-        launcher.spawn(bench_rank, world, cfg.to_dict(), [vars(c) for c in cases], str(out), sys.argv)
-    except launcher.LaunchError as e:
-        _fail(f"{e}\npartial results (if any) are in {out}", code=1)
-    if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
-        return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
-    from .report import build_table, load_results, print_terminal
-    print_terminal(build_table(load_results([out])[1]), console=Console())
-    console.print(f"results: {out}  (render again with `kosmos report {out}`)")
+    _launch(bench_rank, world, out, cfg.to_dict(), [vars(c) for c in cases], str(out), sys.argv, configs)
 
 
 @app.command("report")

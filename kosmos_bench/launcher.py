@@ -7,7 +7,6 @@ if any rank failed, with that rank's traceback.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -20,23 +19,6 @@ import torch.multiprocessing as mp
 
 class LaunchError(RuntimeError):
     pass
-
-
-@contextlib.contextmanager
-def knobs(variant: str):
-    """Set the developer knobs of ``variant`` ("K=V,K2=V2"; "" for none) in os.environ for the block, then put
-    the environment back. The kernels read their knobs at each call, so one process can time several."""
-    env = dict(kv.split("=", 1) for kv in variant.split(",") if kv)
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield env
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def visible_gpus() -> int:

@@ -2,22 +2,25 @@
 size, number of experts, top-k and routing (``kosmos.models.MOE_MODELS``), experts split evenly over the EP
 ranks -- run by every implementation on the same inputs, checked against the fp32 reference, then timed side
 by side in the collective-safe loop of ``timing.py``. Runs inside one process per rank (``launcher.spawn``),
-like the TP benchmark, and shares its conventions: failures are agreed across ranks (``tp.agree``), rows are
-JSON lines after an env line (SCHEMA.md), a failing implementation is recorded and the sweep goes on.
+like the TP benchmark, through the same harness (harness.py: check -> agree across ranks -> time -> row; a
+failing implementation is recorded and the sweep goes on); rows are JSON lines after an env line (SCHEMA.md).
 
-Implementations of the layer (op ``moe_fwd``; y [T, H] bf16 from x [T, H] bf16 of this rank):
-  kosmos           kosmos.moe_forward(..., policy="self"): the one-launch fused layer (imported lazily; until it
-                   exists the row is "failed" with reason "kosmos.moe_forward not available: ...").
+Implementations of the layer (registry family "moe_fwd"; y [T, H] bf16 from x [T, H] bf16 of this rank):
+  kosmos           kosmos.moe_forward(..., policy="self", config=the moe_fwd config of ``--config``): the
+                   one-launch fused layer.
   nccl-a2a         kosmos.moe_reference.moe_forward_a2a(fp32=False): Megatron's all-to-all dispatcher with
                    torch._grouped_mm (the baseline of the speedup column).
   deepep           DeepEP's intranode Buffer dispatch/combine around the same grouped GEMMs ("unavailable" when
                    ``import deep_ep`` fails). UNTESTED: written against DeepEP's documented API, never run yet.
   fixed-role       kosmos.moe_forward(..., policy="fixed", comm_programs=S) at S = 16.
-  fixed-role-best  the same at the best S of ``fixed_sweep`` (the tuned oracle a fixed-role library needs).
-Expert GEMMs alone (op ``moe_experts``, on exactly the per-local-expert row counts this rank receives):
+  fixed-role-best  the same at the best S of ``fixed_sweep`` (the tuned oracle a fixed-role library needs;
+                   harness.best_fixed_split, shared with the TP bench).
+Expert GEMMs alone (family and op ``moe_experts``, on exactly the per-local-expert row counts this rank
+receives):
   grouped-mm           torch._grouped_mm x2 with the SwiGLU between (moe_reference._experts_forward, the GEMMs
                        of nccl-a2a); its time is the t_gemm_ms of the moe_fwd rows.
-  kosmos-expert-gemms  kosmos.kernels.moe_forward.expert_gemms: the fused kernel's GEMM1+SwiGLU+GEMM2 alone.
+  kosmos-expert-gemms  kosmos.kernels.moe_forward.expert_gemms: the fused kernel's GEMM1+SwiGLU+GEMM2 alone
+                       (with the moe_fwd config).
   The issue's bar: kosmos-expert-gemms reaches >= 80% of grouped-mm's TFLOP/s (report: speedup >= 0.8).
 
 Inputs (``make_router_inputs``, ``make_expert_weights``): x ~ N(0, 1) bf16 (different on every rank), router
@@ -46,35 +49,29 @@ any rank received (the time is the slowest rank's, normally the busiest).
 """
 from __future__ import annotations
 
+import importlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import kosmos
-from kosmos import runtime
+from kosmos import moe_forward
+from kosmos.kernels.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_forward_a2a, route
 
-from . import timing
-from .tp import FIXED_SWEEP, Unavailable, _max_over_ranks, environment, world_info
-from .tp import check_and_time as _check_and_time
+from . import harness, timing
+from .harness import Settings, policy_kwargs, world_info
+from .registry import names, register
 
-MOE_IMPLS = ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best")
-EXPERT_IMPLS = ("grouped-mm", "kosmos-expert-gemms")
-KOSMOS_IMPLS = ("kosmos", "fixed-role", "fixed-role-best")
-DEFAULT_FIXED_PROGRAMS = 16
 ROUTING_MARGIN = 1e-3       # logit units; sigmoid scores use SIGMOID_SLOPE_MAX * ROUTING_MARGIN
 SIGMOID_SLOPE_MAX = 0.25
 SOFTMAX_UNDERFLOW = 80.0    # logits this far below a token's top one have fp32 probability ~0 (ties)
 MAX_REDRAW_ROUNDS = 30
 ZIPF_FEATURE = 1.0          # c: the constant input feature x[:, 0] of zipf routing
 BIAS_STD = 0.002            # DeepSeek-V3 score-correction bias (sigmoid-grouped); larger skews "uniform"
-
-
-class KernelMissing(Exception):
-    """A KOSMOS entry point is not importable yet: recorded as failed (not unavailable)."""
 
 
 # --------------------------------------------------------------------------- models, routing specs, cases
@@ -251,27 +248,6 @@ def expert_load(experts, n_experts: int):
 # --------------------------------------------------------------------------- implementations
 
 
-def kosmos_moe_forward():
-    """kosmos.moe_forward, imported lazily (another file, written separately)."""
-    fn = getattr(kosmos, "moe_forward", None)
-    if fn is not None:
-        return fn
-    try:
-        from kosmos.kernels.moe_forward import moe_forward
-    except Exception as e:
-        raise KernelMissing(f"kosmos.moe_forward not available: {type(e).__name__}: {e}") from None
-    return moe_forward
-
-
-def kosmos_expert_gemms():
-    try:
-        from kosmos.kernels.moe_forward import expert_gemms
-    except Exception as e:
-        raise KernelMissing(f"kosmos.kernels.moe_forward.expert_gemms not available: {type(e).__name__}: {e}") \
-            from None
-    return expert_gemms
-
-
 @dataclass
 class MoEInputs:
     model: MoEModel
@@ -285,22 +261,61 @@ class MoEInputs:
         return route_kwargs(self.model, self.bias)
 
 
-def impl_callable(name: str, inp: MoEInputs, params: dict):
-    """(zero-argument callable running ``name`` on this rank and returning y [T, H], its extra workspace bytes
-    or None). Raises Unavailable / KernelMissing."""
-    m = inp.model
-    if name in KOSMOS_IMPLS:
-        fn = kosmos_moe_forward()
-        policy = "self" if name == "kosmos" else "fixed"
-        s = None if name == "kosmos" else params["comm_programs"]
-        return (lambda: fn(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=m.top_k, **inp.route_kw(), group=None,
-                           policy=policy, comm_programs=s)), None
-    if name == "nccl-a2a":
-        return (lambda: moe_forward_a2a(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=m.top_k, fp32=False,
-                                        **inp.route_kw())), 0
-    if name == "deepep":
-        return deepep_callable(inp)
-    raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(MOE_IMPLS)}")
+@dataclass
+class ExpertInputs:
+    """The expert GEMMs' inputs: rows sorted by local expert [R, H], rows per local expert (int32), weights."""
+    x_sorted: torch.Tensor
+    counts: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+# each maker: (inputs, params, config or None) -> (callable returning y of this rank, workspace bytes or None)
+
+
+@register("moe_fwd", "kosmos", kosmos=True)
+def _kosmos_layer(inp: MoEInputs, params: dict, config):
+    return (lambda: moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(),
+                                group=None, config=config, **policy_kwargs(params))), None
+
+
+@register("moe_fwd", "nccl-a2a", baseline=True)
+def _nccl_a2a(inp: MoEInputs, params: dict, config):
+    return (lambda: moe_forward_a2a(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, fp32=False,
+                                    **inp.route_kw())), 0
+
+
+def deepep_available() -> tuple[bool, str | None]:
+    try:
+        importlib.import_module("deep_ep")
+    except Exception as e:  # ImportError, or a broken build failing at import
+        return False, f"deep_ep is not importable ({type(e).__name__}: {e})"
+    world = world_info()[1]
+    if world not in (2, 4, 8):
+        return False, f"DeepEP's intranode kernels run on 2, 4 or 8 ranks, not {world}"
+    return True, None
+
+
+@register("moe_fwd", "deepep", available=deepep_available)
+def _deepep(inp: MoEInputs, params: dict, config):
+    return deepep_callable(inp)
+
+
+harness.register_fixed("moe_fwd", _kosmos_layer)
+
+
+@register("moe_experts", "grouped-mm", baseline=True)
+def _grouped_mm(inp: ExpertInputs, params: dict, config):
+    return (lambda: _experts_forward(inp.x_sorted, inp.counts, inp.w13, inp.w2, fp32=False)), 0
+
+
+@register("moe_experts", "kosmos-expert-gemms", kosmos=True)
+def _kosmos_expert_gemms(inp: ExpertInputs, params: dict, config):
+    return (lambda: expert_gemms(inp.x_sorted, inp.counts, inp.w13, inp.w2, config=config)), None
+
+
+MOE_IMPLS = names("moe_fwd")         # ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best")
+EXPERT_IMPLS = names("moe_experts")  # ("grouped-mm", "kosmos-expert-gemms")
 
 
 _DEEPEP = {}
@@ -312,13 +327,8 @@ def deepep_callable(inp: MoEInputs):
     indices local to the receiver, -1 elsewhere) -> expand to one row per (token, local expert), grouped GEMMs,
     weight by the gate and sum per received token (one bmm) -> Buffer.combine (sums the ranks' partials).
     UNTESTED on a GPU: follows DeepEP's tests/test_intranode.py and Megatron's DeepEP dispatcher."""
-    try:
-        import deep_ep
-    except Exception as e:  # ImportError, or a broken build failing at import
-        raise Unavailable(f"deep_ep is not importable ({type(e).__name__}: {e})") from None
-    rank, world = world_info()
-    if world not in (2, 4, 8):
-        raise Unavailable(f"DeepEP's intranode kernels run on 2, 4 or 8 ranks, not {world}")
+    import deep_ep
+    world = world_info()[1]
     m, x = inp.model, inp.x
     hidden_bytes = x.shape[1] * max(x.element_size(), 2)
     nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
@@ -363,20 +373,13 @@ def deepep_expert_side(recv_x, recv_idx, recv_w, recv_counts, w13, w2, local: in
     return torch.bmm(w.unsqueeze(1), pair.view(n_recv, k, hidden)).squeeze(1)
 
 
-# --------------------------------------------------------------------------- check and time
+# --------------------------------------------------------------------------- one point
 
 
 @dataclass
-class MoESettings:
+class MoESettings(Settings):
     impls: tuple = MOE_IMPLS
-    iters: int = 20
-    warmup: int = 5
-    fixed_sweep: tuple = FIXED_SWEEP
-    fixed_default: int = DEFAULT_FIXED_PROGRAMS
-    dtype: str = "bf16"
-    seed: int = 0
     expert_gemms: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -394,75 +397,27 @@ def _all_gather_int(v: int, device) -> list[int]:
     return out.tolist()
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _recover(device):
     """After a failure: drop KOSMOS's (possibly poisoned) workspace and DeepEP's buffer, realign the ranks."""
-    _sync(device)
-    kosmos.reset_workspaces()
-    _DEEPEP.clear()
-    if dist.is_initialized():
-        dist.barrier()
+    harness.recover(device, cleanup=(_DEEPEP.clear,))
 
 
-def _rel_err(out, ref) -> float:
-    from kosmos.reference import rel_err
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"output is a {type(out).__name__}, expected a tensor")
-    if tuple(out.shape) != tuple(ref.shape):
-        raise ValueError(f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
-    return rel_err(out, ref)
-
-
-def check_and_time(make, ref, st: MoESettings, device):
-    """(status, reason, rel_err, timing dict or None, extra workspace bytes) of one implementation.
-    ``make()`` -> (callable, workspace bytes or None). Every rank calls this with the same arguments."""
-    return _check_and_time(make, lambda out: _rel_err(out, ref), st, device, lambda: _recover(device),
-                           quiet=(KernelMissing,))
-
-
-class _Memory:
-    """Peak GPU memory (caching allocator) of one implementation: absolute and above what was resident."""
-
-    def __init__(self, device):
-        self.device = device
-        self.base = None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            self.base = torch.cuda.memory_allocated(device)
-
-    def peak(self) -> tuple:
-        if self.base is None:
-            return None, None
-        p = torch.cuda.max_memory_allocated(self.device)
-        return int(_max_over_ranks(p, self.device)), int(_max_over_ranks(p - self.base, self.device))
-
-
-def base_row(case: MoECase, world: int, dtype: str) -> dict:
-    """The identity fields of a row of ``case`` (also used for a whole point that failed)."""
+def base_row(case: MoECase, world: int, dtype: str, op: str = "moe_fwd") -> dict:
+    """The identity keys of a row of ``case`` for ``op`` ("moe_fwd" or "moe_experts")."""
     m = moe_model(case.model)
     return {
-        "type": "result", "bench": "moe", "op": "moe_fwd", "layer": "moe", "model": case.model, "seq": case.tokens,
-        "m": case.tokens, "n": m.hidden, "k": m.expert_ffn, "world": world, "ep": world, "dtype": dtype,
-        "tokens": case.tokens, "experts": m.experts, "top_k": m.top_k, "routing": case.routing, "hidden": m.hidden,
-        "expert_ffn": m.expert_ffn,
+        "type": "result", "bench": "moe", "op": op, "layer": "experts" if op == "moe_experts" else "moe",
+        "model": case.model, "seq": case.tokens, "m": case.tokens, "n": m.hidden, "k": m.expert_ffn, "world": world,
+        "ep": world, "dtype": dtype, "tokens": case.tokens, "experts": m.experts, "top_k": m.top_k,
+        "routing": case.routing, "hidden": m.hidden, "expert_ffn": m.expert_ffn,
     }
 
 
 def failed_rows(case: MoECase, world: int, st: MoESettings, reason: str) -> list[dict]:
-    rows = []
-    names = [("moe_experts", n) for n in (EXPERT_IMPLS if st.expert_gemms else ())] + \
-            [("moe_fwd", n) for n in st.impls]
-    for op, name in names:
-        row = base_row(case, world, st.dtype)
-        row.update(op=op, layer="experts" if op == "moe_experts" else "moe", impl=name, status="failed",
-                   reason=reason, time_ms=None, tflops=None)
-        rows.append(row)
-    return rows
+    """The rows of a point that failed as a whole (one per implementation of either op)."""
+    ops = [("moe_experts", n) for n in (EXPERT_IMPLS if st.expert_gemms else ())] + [("moe_fwd", n) for n in st.impls]
+    return [harness.failed_row(base_row(case, world, st.dtype, op), op, name, reason, st.config("moe_fwd"))
+            for op, name in ops]
 
 
 def _a2a_comm_only(x, experts, local: int, world: int):
@@ -526,108 +481,41 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     comm = _a2a_comm_only(x, experts, local, world)
     t_comm = timing.time_op(comm, iters=st.iters, warmup=st.warmup)["time_ms"] if comm else 0.0
     del experts, comm
-    rows = []
-
-    def emit(op, name, status, reason, err, t, params, flops, ws, mem, t_gemm):
-        tm = t["time_ms"] if t else None
-        peak, peak_delta = mem.peak()
-        row = base_row(case, world, st.dtype)
-        row.update({
-            "op": op, "layer": "experts" if op == "moe_experts" else "moe", "impl": name, "status": status,
-            "reason": reason, "time_ms": tm, "p20_ms": t["p20_ms"] if t else None,
-            "p80_ms": t["p80_ms"] if t else None, "tflops": flops / (tm * 1e-3) / 1e12 if tm else None,
-            "rel_err": err, "t_gemm_ms": t_gemm, "t_comm_ms": t_comm if op == "moe_fwd" else None,
-            "host_ms": t["host_ms"] if t else None, "workspace_bytes": ws, "peak_mem_bytes": peak,
-            "peak_mem_delta_bytes": peak_delta, "params": params, "extra": dict(extra),
-        })
-        rows.append(row)
-        if on_row:
-            on_row(row)
+    runner = harness.Runner(st, device, lambda: _recover(device), on_row, extra=extra, mem_delta=True)
+    config = st.config("moe_fwd")  # the expert GEMMs alone run with the layer's config too
 
     # expert GEMMs alone, on the row counts this rank receives (the rows' values: fresh N(0, 1))
     t_gemm = None
     if st.expert_gemms:
-        n_rows = int(counts.sum().item())
-        r_max = max(rows_per_rank)
-        x_sorted = torch.randn(n_rows, m.hidden, generator=_gen(device, 31 * st.seed + rank), device=device,
-                               dtype=torch.bfloat16)
-        ref_e = _experts_forward(x_sorted, counts, w13, w2, fp32=True)
-        makers = {
-            "grouped-mm": lambda: ((lambda: _experts_forward(x_sorted, counts, w13, w2, fp32=False)), 0),
-            "kosmos-expert-gemms": lambda: (_bind_expert_gemms(kosmos_expert_gemms(), x_sorted, counts, w13, w2),
-                                            None),
-        }
-        for name in EXPERT_IMPLS:
-            mem = _Memory(device)
-            status, reason, err, t, ws = check_and_time(makers[name], ref_e, st, device)
-            if name == "kosmos-expert-gemms" and status == "ok":
-                ws = _kosmos_workspace_bytes(device)
-            emit("moe_experts", name, status, reason, err, t, {}, 6.0 * r_max * m.hidden * m.expert_ffn, ws, mem,
-                 None)
-            if name == "grouped-mm" and status == "ok":
-                t_gemm = t["time_ms"]
-        del x_sorted, ref_e
+        x_sorted = torch.randn(int(counts.sum().item()), m.hidden, generator=_gen(device, 31 * st.seed + rank),
+                               device=device, dtype=torch.bfloat16)
+        done = runner.run("moe_experts", EXPERT_IMPLS, inputs=ExpertInputs(x_sorted, counts, w13, w2),
+                          ref=_experts_forward(x_sorted, counts, w13, w2, fp32=True),
+                          identity=base_row(case, world, st.dtype, "moe_experts"),
+                          flops=6.0 * max(rows_per_rank) * m.hidden * m.expert_ffn, config=config, t_gemm_ms=None,
+                          t_comm_ms=None)
+        t_gemm = done["grouped-mm"].time_ms  # the t_gemm_ms of the moe_fwd rows
+        del x_sorted
 
-    flops = 6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn
-    grid = runtime.num_sms(device) if device.type == "cuda" else None
-    for name in st.impls:
-        mem = _Memory(device)
-        if name in ("fixed-role", "fixed-role-best") and world == 1:
-            params = {"comm_programs": st.fixed_default} if name == "fixed-role" else {}
-            emit("moe_fwd", name, "unavailable", "no communication at world size 1", None, None, params, flops,
-                 None, mem, t_gemm)
-            continue
-        if name == "fixed-role-best":
-            best, first_failure = None, None
-            for s in st.fixed_sweep:
-                if grid is not None and not 1 <= s < grid:
-                    continue
-                res = check_and_time(lambda: impl_callable(name, inp, {"comm_programs": s}), ref, st, device)
-                if res[0] == "ok" and (best is None or res[3]["time_ms"] < best[1][3]["time_ms"]):
-                    best = (s, res)
-                if res[0] != "ok" and first_failure is None:
-                    first_failure = f"S={s}: {res[1]}"
-                    if "not available" in res[1]:
-                        break  # no kernel to sweep
-            if best is None:
-                emit("moe_fwd", name, "failed", f"no fixed split passed ({first_failure or 'empty sweep'})", None,
-                     None, {"sweep": list(st.fixed_sweep)}, flops, None, mem, t_gemm)
-            else:
-                s, (status, reason, err, t, _) = best
-                emit("moe_fwd", name, status, reason, err, t, {"comm_programs": s, "sweep": list(st.fixed_sweep)},
-                     flops, _kosmos_workspace_bytes(device), mem, t_gemm)
-            continue
-        params = {"comm_programs": st.fixed_default} if name == "fixed-role" else {}
-        status, reason, err, t, ws = check_and_time(lambda: impl_callable(name, inp, params), ref, st, device)
-        if name in KOSMOS_IMPLS and status == "ok":
-            ws = _kosmos_workspace_bytes(device)
-        emit("moe_fwd", name, status, reason, err, t, params, flops, ws, mem, t_gemm)
-    return rows  # the point's tensors go with this frame; bench_rank empties the CUDA cache after it
-
-
-def _kosmos_workspace_bytes(device):
-    """KOSMOS's symmetric workspace per rank (torch symmetric memory: not in the caching allocator's peak).
-    Grow-only, so this is the most any KOSMOS call of this process has needed so far."""
-    return runtime.workspace_bytes() if device.type == "cuda" else None
-
-
-def _bind_expert_gemms(fn, x_sorted, counts, w13, w2):
-    return lambda: fn(x_sorted, counts, w13, w2)
+    runner.run("moe_fwd", st.impls, inputs=inp, ref=ref, identity=base_row(case, world, st.dtype),
+               flops=6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn, config=config, t_gemm_ms=t_gemm,
+               t_comm_ms=t_comm)
+    return runner.rows  # the point's tensors go with this frame; bench_rank empties the CUDA cache after it
 
 
 # --------------------------------------------------------------------------- one rank of `kosmos bench moe`
 
 
-def bench_rank(rank, world, suite: dict, cases: list, out: str, argv):
-    """Runs on every rank (launcher.spawn); rank 0 writes the env line and every row as soon as it is ready."""
+def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=None):
+    """One rank of `kosmos bench moe` (launcher.spawn); rank 0 writes the env line and every row as it is ready."""
+    from .environment import environment
     from .sweep import run_sweep
 
     st = MoESettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
                      fixed_sweep=tuple(suite["fixed_sweep"]), dtype=suite["dtype"], seed=suite["seed"],
-                     expert_gemms=suite["expert_gemms"])
-    env = environment(argv=argv, suite=suite, bench="moe")
+                     expert_gemms=suite["expert_gemms"], configs=dict(configs or {}))
     device = torch.device("cuda", torch.cuda.current_device())
-    run_sweep(out, env, rank, [MoECase(**c) for c in cases],
+    run_sweep(out, environment(argv=argv, suite=suite, bench="moe"), rank, [MoECase(**c) for c in cases],
               describe=lambda case: f"{case.model} tokens={case.tokens} {case.routing} EP={world}",
               run_one=lambda case, write: run_case(case, st, on_row=write, device=device),
               failed_rows=lambda case, why: failed_rows(case, world, st, why), recover=lambda: _recover(device),

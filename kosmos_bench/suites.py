@@ -12,8 +12,9 @@ import yaml
 
 from kosmos.models import DENSE_MODELS, MOE_MODELS, TP_LAYERS
 
+from .harness import FIXED_SWEEP
 from .moe import MOE_IMPLS, parse_routing
-from .tp import FIXED_SWEEP, TP_IMPLS
+from .tp import TP_IMPLS
 
 DTYPES = ("bf16", "mxfp8")
 SUPPORTED_DTYPES = ("bf16",)

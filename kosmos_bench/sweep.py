@@ -8,11 +8,10 @@ reason; the sweep goes on.
 from __future__ import annotations
 
 import json
-import traceback
 
 import torch
 
-from .tp import agree, error_reason
+from .harness import agreed_call
 
 
 def run_sweep(out: str, env: dict, rank: int, cases: list, *, describe, run_one, failed_rows, recover, key):
@@ -41,13 +40,8 @@ def run_sweep(out: str, env: dict, rank: int, cases: list, *, describe, run_one,
             task = progress.add_task("starting", total=len(cases))
             for case in cases:
                 progress.update(task, description=describe(case))
-                try:
-                    run_one(case, write)
-                    ok, why = True, None
-                except Exception as e:  # a whole case failed (e.g. out of memory): record it, go on
-                    ok, why = False, error_reason(e)
-                    traceback.print_exc()
-                ok, why = agree(ok, why)
+                # a whole case that fails (e.g. out of memory) is recorded, the sweep goes on
+                ok, why, _ = agreed_call(lambda: run_one(case, write))
                 if not ok:
                     recover()
                     for row in failed_rows(case, why):

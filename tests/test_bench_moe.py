@@ -1,8 +1,8 @@
 """`kosmos bench moe` on the CPU: routing specs, the input generator (Zipf skew, well-separated routing,
 determinism), the nccl-a2a baseline's bf16 path vs the local reference (world 1, and world 2 over gloo), the
 DeepEP expert side, and a whole benchmark point run end to end with stand-ins for the GPU-only pieces (the
-timer, the KOSMOS kernels) -- including kernels that are missing, wrong or NaN, which must be recorded as
-failed."""
+timer, the KOSMOS kernels) -- including kernels that raise, are wrong or NaN, which must be recorded as
+failed -- with the config (``--config``) the KOSMOS rows ran with."""
 import math
 import os
 import sys
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from multiproc import spawn_gloo
 
+from kosmos.config import MoEForwardConfig, config_dict
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_forward_a2a, moe_forward_ref_local, route
 from kosmos_bench import moe, timing
@@ -267,8 +268,8 @@ def test_deepep_expert_side_matches_reference():
 
 def test_deepep_unavailable_without_the_package(monkeypatch, tiny_models):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # import deep_ep -> ImportError
-    with pytest.raises(moe.Unavailable, match="deep_ep is not importable"):
-        moe.deepep_callable(None)
+    ok, reason = moe.deepep_available()
+    assert not ok and reason.startswith("deep_ep is not importable (")
 
 
 # --------------------------------------------------------------------------- a whole point, end to end
@@ -288,11 +289,17 @@ def _cpu_time_op(fn, *, iters=20, warmup=5, **kw):
     return {"time_ms": ms, "p20_ms": ms, "p80_ms": ms, "samples": 1, "host_ms": ms}
 
 
-def _fake_moe_forward(mode):
-    """A stand-in for kosmos.moe_forward with its signature: the nccl-a2a math (correct), or wrong / NaN."""
+def _fake_moe_forward(mode, seen=None):
+    """A stand-in for kosmos.moe_forward with its signature: the nccl-a2a math (correct), or wrong / NaN / raising.
+    ``seen``: a list the configs it is called with are appended to."""
     def fn(x, router_weight, w13, w2, *, top_k, routing, renormalize, bias, n_group, topk_group, routed_scaling,
-           group, policy, comm_programs):
+           group, config, policy, comm_programs):
         assert group is None and policy in ("self", "fixed") and (comm_programs is None) == (policy == "self")
+        assert isinstance(config, MoEForwardConfig)
+        if seen is not None:
+            seen.append(config)
+        if mode == "raise":
+            raise RuntimeError("kernel exploded\nsecond line")
         y = moe_forward_a2a(x, router_weight, w13, w2, top_k=top_k, fp32=False, routing=routing,
                             renormalize=renormalize, bias=bias, n_group=n_group, topk_group=topk_group,
                             routed_scaling=routed_scaling)
@@ -304,15 +311,13 @@ def _fake_moe_forward(mode):
     return fn
 
 
-def _fake_expert_gemms(x_sorted, counts, w13, w2):
-    assert counts.dtype == torch.int32 and counts.shape == (w13.shape[0],)
+def _fake_expert_gemms(x_sorted, counts, w13, w2, *, config):
+    assert counts.dtype == torch.int32 and counts.shape == (w13.shape[0],) and isinstance(config, MoEForwardConfig)
     return _experts_forward(x_sorted, counts, w13, w2, fp32=False)
 
 
-def _no_kernel_module(monkeypatch):
-    import kosmos
-    monkeypatch.setitem(sys.modules, "kosmos.kernels.moe_forward", None)
-    monkeypatch.delattr(kosmos, "moe_forward", raising=False)
+def _raising_expert_gemms(*a, **kw):
+    raise ValueError("no such tile")
 
 
 def _rows_by_impl(rows):
@@ -322,8 +327,8 @@ def _rows_by_impl(rows):
 @pytest.mark.parametrize("name", ["tiny-softmax", "tiny-grouped"])
 def test_point_end_to_end_world1(monkeypatch, tiny_models, name):
     monkeypatch.setattr(timing, "time_op", _cpu_time_op)
-    monkeypatch.setattr(moe, "kosmos_moe_forward", lambda: _fake_moe_forward("ok"))
-    monkeypatch.setattr(moe, "kosmos_expert_gemms", lambda: _fake_expert_gemms)
+    monkeypatch.setattr(moe, "moe_forward", _fake_moe_forward("ok"))
+    monkeypatch.setattr(moe, "expert_gemms", _fake_expert_gemms)
     seen = []
     case = moe.MoECase(name, 96, "zipf:1.2")
     rows = moe.run_case(case, moe.MoESettings(), on_row=seen.append, device="cpu")
@@ -352,12 +357,34 @@ def test_point_end_to_end_world1(monkeypatch, tiny_models, name):
     assert by[("moe_fwd", "fixed-role")]["status"] == "unavailable"
     assert by[("moe_fwd", "fixed-role-best")]["reason"] == "no communication at world size 1"
     assert fwd["extra"]["top_expert_share"] > 1.5 / m.experts  # zipf skew visible in the row
+    # the KOSMOS rows record the config they ran with (the defaults here), the others none
+    for key, r in by.items():
+        kosmos_impl = key[1] in ("kosmos", "fixed-role", "fixed-role-best", "kosmos-expert-gemms")
+        assert r["config"] == (config_dict(MoEForwardConfig()) if kosmos_impl else None), key
+
+
+def test_config_reaches_the_kernels_and_the_rows(monkeypatch, tiny_models):
+    """MoESettings.configs (what `--config` builds): kosmos.moe_forward and expert_gemms get that config, and
+    every KOSMOS row records it in full."""
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    seen = []
+    monkeypatch.setattr(moe, "moe_forward", _fake_moe_forward("ok", seen))
+    got = []
+    monkeypatch.setattr(moe, "expert_gemms", lambda *a, config, **kw: got.append(config) or _fake_expert_gemms(
+        *a, config=config, **kw))
+    cfg = MoEForwardConfig(copy_cols=128, half_tail=False)
+    st = moe.MoESettings(impls=("kosmos", "nccl-a2a"), configs={"moe_fwd": cfg})
+    by = _rows_by_impl(moe.run_case(moe.MoECase("tiny-softmax", 32, "uniform"), st, device="cpu"))
+    assert seen and all(c == cfg for c in seen) and got and all(c == cfg for c in got)
+    want = {"copy_cols": 128, "half_tail": False}
+    assert by[("moe_fwd", "kosmos")]["config"] == want and by[("moe_experts", "kosmos-expert-gemms")]["config"] == want
+    assert by[("moe_fwd", "nccl-a2a")]["config"] is None and by[("moe_experts", "grouped-mm")]["config"] is None
 
 
 @pytest.mark.parametrize("mode, needle", [("wrong", "rel_err"), ("nan", "rel_err inf")])
 def test_wrong_or_nan_kernel_is_recorded_failed(monkeypatch, tiny_models, mode, needle):
     monkeypatch.setattr(timing, "time_op", _cpu_time_op)
-    monkeypatch.setattr(moe, "kosmos_moe_forward", lambda: _fake_moe_forward(mode))
+    monkeypatch.setattr(moe, "moe_forward", _fake_moe_forward(mode))
     st = moe.MoESettings(impls=("kosmos", "nccl-a2a"), expert_gemms=False)
     by = _rows_by_impl(moe.run_case(moe.MoECase("tiny-grouped", 64, "uniform"), st, device="cpu"))
     assert set(by) == {("moe_fwd", "kosmos"), ("moe_fwd", "nccl-a2a")}
@@ -366,14 +393,15 @@ def test_wrong_or_nan_kernel_is_recorded_failed(monkeypatch, tiny_models, mode, 
     assert by[("moe_fwd", "nccl-a2a")]["status"] == "ok"  # the sweep went on
 
 
-def test_missing_kernel_is_recorded_failed_with_reason(monkeypatch, tiny_models):
+def test_raising_kernel_is_recorded_failed_with_reason(monkeypatch, tiny_models):
     monkeypatch.setattr(timing, "time_op", _cpu_time_op)
-    _no_kernel_module(monkeypatch)
+    monkeypatch.setattr(moe, "moe_forward", _fake_moe_forward("raise"))
+    monkeypatch.setattr(moe, "expert_gemms", _raising_expert_gemms)
     st = moe.MoESettings(impls=("kosmos", "nccl-a2a"))
     by = _rows_by_impl(moe.run_case(moe.MoECase("tiny-softmax", 32, "uniform"), st, device="cpu"))
-    for key, what in ((("moe_fwd", "kosmos"), "kosmos.moe_forward not available"),
-                      (("moe_experts", "kosmos-expert-gemms"), "expert_gemms not available")):
-        assert by[key]["status"] == "failed" and what in by[key]["reason"], by[key]
+    for key, what in ((("moe_fwd", "kosmos"), "RuntimeError: kernel exploded"),
+                      (("moe_experts", "kosmos-expert-gemms"), "ValueError: no such tile")):
+        assert by[key]["status"] == "failed" and by[key]["reason"] == what, by[key]
     assert by[("moe_fwd", "nccl-a2a")]["status"] == "ok" and by[("moe_experts", "grouped-mm")]["status"] == "ok"
 
 
@@ -384,6 +412,9 @@ def test_failed_rows_cover_every_impl():
         [("moe_fwd", n) for n in moe.MOE_IMPLS]
     assert all(r["status"] == "failed" and r["reason"] == "OutOfMemoryError: boom" and r["experts"] == 128
                for r in rows)
+    configs = {r["impl"]: r["config"] for r in rows}
+    assert configs["kosmos"] == configs["kosmos-expert-gemms"] == config_dict(MoEForwardConfig())
+    assert configs["nccl-a2a"] is None and configs["grouped-mm"] is None
 
 
 def _point_rank(rank, world, port, q):
@@ -394,8 +425,8 @@ def _point_rank(rank, world, port, q):
         timing.time_op = _cpu_time_op
         ok, wrong = _fake_moe_forward("ok"), _fake_moe_forward("wrong")
         # the fixed policy is wrong at S = 8 only: fixed-role-best must pick another split
-        moe.kosmos_moe_forward = lambda: (lambda *a, **kw: (wrong if kw["comm_programs"] == 8 else ok)(*a, **kw))
-        moe.kosmos_expert_gemms = lambda: _fake_expert_gemms
+        moe.moe_forward = lambda *a, **kw: (wrong if kw["comm_programs"] == 8 else ok)(*a, **kw)
+        moe.expert_gemms = _fake_expert_gemms
         st = moe.MoESettings(impls=("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best"),
                              fixed_sweep=(8, 16, 24))
         rows = moe.run_case(moe.MoECase("tiny-grouped", 48, "zipf:1.2"), st, device="cpu")
@@ -403,13 +434,13 @@ def _point_rank(rank, world, port, q):
                 r["extra"]["rows_per_rank"], r["params"]) for r in rows]
         calls = []
 
-        def missing():
-            calls.append(1)
-            raise moe.KernelMissing("kosmos.moe_forward not available: ModuleNotFoundError: nope")
-        moe.kosmos_moe_forward = missing
+        def raising(*a, comm_programs, **kw):
+            calls.append(comm_programs)
+            raise RuntimeError(f"no kernel at S={comm_programs}")
+        moe.moe_forward = raising
         st = moe.MoESettings(impls=("fixed-role-best",), expert_gemms=False, fixed_sweep=(8, 16, 24))
         rows = moe.run_case(moe.MoECase("tiny-softmax", 16, "uniform"), st, device="cpu")
-        q.put((rank, (out, [(r["status"], r["reason"]) for r in rows], len(calls))))
+        q.put((rank, (out, [(r["status"], r["reason"], r["params"]) for r in rows], calls)))
     finally:
         dist.destroy_process_group()
 
@@ -417,7 +448,7 @@ def _point_rank(rank, world, port, q):
 def test_point_end_to_end_world2_over_gloo():
     got = _spawn(_point_rank, 2)
     assert got[0] == got[1]  # every rank agrees on every row
-    rows, missing_rows, missing_calls = got[0]
+    rows, failing_rows, failing_calls = got[0]
     by = {(op, impl): rest for op, impl, *rest in rows}
     for key in [("moe_experts", "grouped-mm"), ("moe_experts", "kosmos-expert-gemms"), ("moe_fwd", "kosmos"),
                 ("moe_fwd", "nccl-a2a"), ("moe_fwd", "fixed-role"), ("moe_fwd", "fixed-role-best")]:
@@ -429,19 +460,34 @@ def test_point_end_to_end_world2_over_gloo():
     assert by[("moe_fwd", "fixed-role-best")][5]["sweep"] == [8, 16, 24]
     rows_per_rank = by[("moe_fwd", "nccl-a2a")][4]
     assert len(rows_per_rank) == 2 and sum(rows_per_rank) == 2 * 48 * TINY["tiny-grouped"].top_k
-    # no split passes when the kernel is missing: the row says why, and the sweep stops at the first split
-    assert missing_rows[0][0] == "failed" and missing_rows[0][1].startswith("no fixed split passed (S=8: ")
-    assert "kosmos.moe_forward not available" in missing_rows[0][1] and missing_calls == 1
+    # no split passes: every split was tried, the row is failed and names the first failure
+    assert failing_calls == [8, 16, 24]
+    assert failing_rows == [("failed", "no fixed split passed (S=8: rank 0: RuntimeError: no kernel at S=8)",
+                             {"sweep": [8, 16, 24]})]
 
 
 def test_moe_probe_trees_options(tmp_path):
     """moe_probe --tree: each tree's probe gets the same options but --tree/--out; a tree without the
     packages is refused before anything runs."""
     from dev import moe_probe
-    argv = ["--out", "o", "--tree", "a", "--model", "qwen3-235b", "--tree=b", "--variant", "K=1", "--out=x"]
-    assert moe_probe._strip_trees(argv) == ["--model", "qwen3-235b", "--variant", "K=1"]
+    argv = ["--out", "o", "--tree", "a", "--model", "qwen3-235b", "--tree=b", "--config", "copy_cols=256",
+            "--out=x"]
+    assert moe_probe._strip_trees(argv) == ["--model", "qwen3-235b", "--config", "copy_cols=256"]
     with pytest.raises(SystemExit, match="needs kosmos/ and kosmos_bench/"):
         moe_probe.main(["--out", str(tmp_path), "--tree", str(tmp_path)])
+
+
+def test_moe_probe_configs(capsys):
+    """moe_probe --config: one MoEForwardConfig per value (defaults without any); a bad key is refused before
+    anything runs, naming the known keys."""
+    from dev import moe_probe
+    got = moe_probe.probe_configs(["copy_cols=256,half_tail=false", "moe_fwd.half_tail=0"])
+    assert got == [("copy_cols=256,half_tail=false", MoEForwardConfig(copy_cols=256, half_tail=False)),
+                   ("moe_fwd.half_tail=0", MoEForwardConfig(half_tail=False))]
+    assert moe_probe.probe_configs(None) == [("", MoEForwardConfig())]
+    with pytest.raises(SystemExit):
+        moe_probe.main(["--out", "o", "--config", "KOSMOS_MOE_BH=128"])
+    assert "unknown key 'KOSMOS_MOE_BH'; known: moe_fwd.copy_cols, moe_fwd.half_tail" in capsys.readouterr().err
 
 
 def test_moe_probe_runs_each_tree_in_a_subprocess(tmp_path, monkeypatch):

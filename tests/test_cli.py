@@ -171,3 +171,72 @@ def test_bench_tp_shapes_tp_sizes_the_gemms_as_that_tp(monkeypatch):
                         "attn_out": (4096, 8192, 4096), "fc2": (4096, 8192, 14336)}
     r = runner.invoke(app, ["bench", "tp", "--shapes-tp", "0"])
     assert r.exit_code == 2 and "'shapes_tp' must be a positive integer" in r.output
+
+
+def test_bench_help_teaches_config():
+    """Both benches' --help teach --config with an example and every key the registry knows."""
+    from kosmos_bench.registry import CONFIG_TYPES, config_keys
+    for bench, example in (("tp", "--config push_chunks=auto --config push_partials=true"),
+                           ("moe", "--config copy_cols=256 --config half_tail=false")):
+        r = runner.invoke(app, ["bench", bench, "--help"])
+        text = " ".join(r.output.replace("│", " ").split())  # rich boxes and wraps the option table
+        assert r.exit_code == 0 and f"E.g. {example}" in text, text
+        for key in config_keys(CONFIG_TYPES[bench]):
+            assert key in text, (bench, key)
+
+
+@pytest.mark.parametrize("bench, args, needle", [
+    ("tp", ["--config", "push_chunk=2"],
+     "--config: unknown key 'push_chunk'; known: ag_gemm.push_chunks, ag_gemm.copy_block, gemm_rs.push_partials"),
+    ("tp", ["--config", "gemm_rs.push_chunks=2"], "unknown key 'gemm_rs.push_chunks'; known: ag_gemm.push_chunks"),
+    ("tp", ["--config", "copy_cols=256"], "unknown key 'copy_cols'"),  # a MoE field is no TP op's
+    ("tp", ["--config", "push_chunks=0"], "--config ag_gemm.push_chunks=0: push_chunks=0 must be an integer >= 1"),
+    ("tp", ["--config", "push_partials=maybe"], "--config gemm_rs.push_partials=maybe: push_partials='maybe' must"),
+    ("tp", ["--config", "push_chunks"], "--config 'push_chunks': expected key=value"),
+    ("moe", ["--config", "moe_fwd.copy_cols=100"], "--config moe_fwd.copy_cols=100: copy_cols=100 must be a power"),
+    ("moe", ["-c", "KOSMOS_MOE_BH=128"], "unknown key 'KOSMOS_MOE_BH'; known: moe_fwd.copy_cols, moe_fwd.half_tail"),
+])
+def test_bench_config_errors(monkeypatch, bench, args, needle):
+    """A bad --config is a one-line error (exit 2) before anything launches, whatever the machine."""
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
+    monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("must not launch"))
+    r = runner.invoke(app, ["bench", bench, *args])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and needle in text, text
+
+
+def _capture_spawn(monkeypatch):
+    from kosmos_bench import launcher
+    seen = {}
+    monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
+    monkeypatch.setattr(launcher, "spawn", lambda fn, world, *a: seen.update(fn=fn, args=a))
+    monkeypatch.setattr("kosmos_bench.report.load_results", lambda files: ([], []))
+    monkeypatch.setattr("kosmos_bench.report.print_terminal", lambda *a, **k: None)
+    return seen
+
+
+def test_bench_tp_config_reaches_the_ranks(monkeypatch, tmp_path):
+    """Prefixed and unprefixed keys, repeated and comma-separated: the ranks get every op's full config."""
+    from kosmos import AllGatherMatmulConfig, MatmulReduceScatterConfig
+    from kosmos_bench import tp
+    seen = _capture_spawn(monkeypatch)
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--out", str(tmp_path / "r.jsonl"),
+                            "--config", "ag_gemm.push_chunks=auto,copy_block=4096", "--config", "push_partials=on"])
+    assert r.exit_code == 0, r.output
+    assert seen["fn"] is tp.bench_rank
+    assert seen["args"][-1] == {"ag_gemm": AllGatherMatmulConfig(push_chunks="auto", copy_block=4096),
+                                "gemm_rs": MatmulReduceScatterConfig(push_partials=True)}
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--out", str(tmp_path / "d.jsonl")])
+    assert r.exit_code == 0 and seen["args"][-1] == {"ag_gemm": AllGatherMatmulConfig(),
+                                                     "gemm_rs": MatmulReduceScatterConfig()}
+
+
+def test_bench_moe_config_reaches_the_ranks(monkeypatch, tmp_path):
+    from kosmos import MoEForwardConfig
+    from kosmos_bench import moe
+    seen = _capture_spawn(monkeypatch)
+    r = runner.invoke(app, ["bench", "moe", "--model", "qwen3-235b", "--tokens", "64", "--out",
+                            str(tmp_path / "r.jsonl"), "--config", "copy_cols=256,moe_fwd.half_tail=false"])
+    assert r.exit_code == 0, r.output
+    assert seen["fn"] is moe.bench_rank and seen["args"][-1] == {"moe_fwd": MoEForwardConfig(256, False)}

@@ -38,7 +38,7 @@ def test_other_ranks_write_nothing(tmp_path):
 
 def test_source_sha_names_the_code(tmp_path):
     """The env record's source_sha: the same for the same files, different after any edit of a .py file."""
-    from kosmos_bench.tp import source_sha
+    from kosmos_bench.environment import source_sha
     for pkg in ("kosmos", "kosmos_bench"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "a.py").write_text("x = 1\n")
@@ -51,27 +51,27 @@ def test_source_sha_names_the_code(tmp_path):
     assert source_sha(str(tmp_path)) != first
 
 
-def test_knobs_sets_and_restores_the_environment(monkeypatch):
-    import os
-    from kosmos_bench.launcher import knobs
-    monkeypatch.setenv("KOSMOS_AG_COPY_BLOCK", "4096")
-    monkeypatch.delenv("KOSMOS_RS_PUSH", raising=False)
-    with knobs("KOSMOS_AG_COPY_BLOCK=8192,KOSMOS_RS_PUSH=1") as env:
-        assert env == {"KOSMOS_AG_COPY_BLOCK": "8192", "KOSMOS_RS_PUSH": "1"}
-        assert os.environ["KOSMOS_AG_COPY_BLOCK"] == "8192" and os.environ["KOSMOS_RS_PUSH"] == "1"
-    assert os.environ["KOSMOS_AG_COPY_BLOCK"] == "4096" and "KOSMOS_RS_PUSH" not in os.environ
-    with knobs(""):
-        assert os.environ["KOSMOS_AG_COPY_BLOCK"] == "4096"
-
-
 def test_env_record_trusts_kosmos_git_commit(monkeypatch):
     """A copied tree (the device machine) may carry a stale .git: with KOSMOS_GIT_COMMIT set, the record names
     that commit and does not compare the tree against the stale .git (git_dirty None); source_sha is always
     there."""
-    from kosmos_bench import tp
+    from kosmos_bench import environment
     sha = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("KOSMOS_GIT_COMMIT", sha)
-    env = tp.environment()
+    env = environment.environment(argv=["kosmos", "bench", "tp"], bench="tp")
     assert env["git_commit"] == sha and env["git_dirty"] is None
-    assert env["source_sha"] == tp.source_sha() and len(env["source_sha"]) == 40
-    assert "KOSMOS_GIT_COMMIT" not in env["knobs"]
+    assert env["source_sha"] == environment.source_sha() and len(env["source_sha"]) == 40
+    assert env["type"] == "env" and env["bench"] == "tp" and env["argv"] == ["kosmos", "bench", "tp"]
+    assert "knobs" not in env  # configs are recorded per row now, no environment knobs
+
+
+def test_source_sha_command_prints_the_tree_sha():
+    """`python -m kosmos_bench.environment --source-sha` prints the sha of the tree it runs from."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kosmos_bench.environment import SOURCE_ROOT, source_sha
+    out = subprocess.run([sys.executable, "-m", "kosmos_bench.environment", "--source-sha"], capture_output=True,
+                         text=True, cwd=Path(SOURCE_ROOT), timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == source_sha()

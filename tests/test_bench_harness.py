@@ -1,0 +1,266 @@
+"""The bench framework on the CPU: the implementation registry (availability -> "unavailable" rows, unknown names),
+``--config`` parsing (registry.parse_config), the check -> agree -> time -> row harness with toy
+implementations, and the fixed-split sweep that fixed-role-best runs in both benches."""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kosmos.config import AllGatherMatmulConfig, MatmulReduceScatterConfig, MoEForwardConfig, config_dict
+from kosmos_bench import harness, moe, registry, timing, tp
+from kosmos_bench.harness import Result
+
+FAMILY = "test-toy"
+
+
+@pytest.fixture
+def family():
+    yield FAMILY
+    registry._IMPLS.pop(FAMILY, None)
+
+
+@pytest.fixture
+def cpu_timer(monkeypatch):
+    """time_op stand-in: one call; the time is the callable's ``ms`` attribute (1.0 without one)."""
+    def time_op(fn, *, iters=20, warmup=5, **kw):
+        fn()
+        ms = getattr(fn, "ms", 1.0)
+        return {"time_ms": ms, "p20_ms": ms, "p80_ms": ms, "samples": 1, "host_ms": 0.01}
+    monkeypatch.setattr(timing, "time_op", time_op)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_views_keep_the_names_and_order():
+    assert tp.TP_IMPLS == registry.names("tp") == ("kosmos", "nccl+cublas", "torch-async-tp", "fixed-role",
+                                                   "fixed-role-best")
+    assert moe.MOE_IMPLS == registry.names("moe_fwd") == ("kosmos", "nccl-a2a", "deepep", "fixed-role",
+                                                          "fixed-role-best")
+    assert moe.EXPERT_IMPLS == registry.names("moe_experts") == ("grouped-mm", "kosmos-expert-gemms")
+    assert [registry.baseline(f) for f in ("tp", "moe_fwd", "moe_experts")] == ["nccl+cublas", "nccl-a2a",
+                                                                                "grouped-mm"]
+    for family in ("tp", "moe_fwd"):
+        assert registry.get(family, "fixed-role").fixed == "default" and registry.get(family, "fixed-role").kosmos
+        assert registry.get(family, "fixed-role-best").fixed == "best"
+        assert not registry.get(family, registry.baseline(family)).kosmos
+
+
+def test_unknown_impl_is_a_one_line_error(family):
+    registry.register(family, "a")(lambda inp, params, config: None)
+    registry.register(family, "b")(lambda inp, params, config: None)
+    with pytest.raises(registry.UnknownImpl) as e:
+        registry.get(family, "c")
+    assert str(e.value) == f"unknown {family} implementation 'c'; choose from a, b"
+    with pytest.raises(registry.UnknownImpl, match="choose from kosmos, nccl-a2a, deepep, fixed-role, "
+                                                    "fixed-role-best"):
+        registry.get("moe_fwd", "megablocks")
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register(family, "a")(lambda inp, params, config: None)
+    with pytest.raises(ValueError, match="fixed="):
+        registry.register(family, "x", fixed="sometimes")
+
+
+def test_world_one_makes_fixed_role_unavailable():
+    for family in ("tp", "moe_fwd"):
+        assert registry.get(family, "fixed-role-best").availability() == (False, "no communication at world size 1")
+    assert registry.get("tp", "torch-async-tp").availability() == \
+        (False, "torch async-TP needs a process group of >= 2 ranks")
+    assert registry.get("tp", "kosmos").availability() == (True, None)
+
+
+# --------------------------------------------------------------------------- --config
+
+
+TYPES = registry.CONFIG_TYPES["tp"]
+
+
+def test_parse_config_defaults_prefixed_and_unprefixed():
+    assert registry.parse_config(None, TYPES) == {"ag_gemm": AllGatherMatmulConfig(),
+                                                   "gemm_rs": MatmulReduceScatterConfig()}
+    got = registry.parse_config(["ag_gemm.push_chunks=auto, copy_block=4096", "push_partials=true"], TYPES)
+    assert got == {"ag_gemm": AllGatherMatmulConfig(push_chunks="auto", copy_block=4096),
+                   "gemm_rs": MatmulReduceScatterConfig(push_partials=True)}
+    assert registry.parse_config(["push_chunks=2", "push_chunks=4"], TYPES)["ag_gemm"].push_chunks == 4  # last wins
+    assert registry.parse_config(["moe_fwd.copy_cols=256"], registry.CONFIG_TYPES["moe"]) == \
+        {"moe_fwd": MoEForwardConfig(copy_cols=256)}
+
+
+@pytest.mark.parametrize("items, message", [
+    (["push_chunk=2"], "--config: unknown key 'push_chunk'; known: ag_gemm.push_chunks, ag_gemm.copy_block, "
+                       "gemm_rs.push_partials"),
+    (["moe_fwd.copy_cols=256"], "--config: unknown key 'moe_fwd.copy_cols'; known: ag_gemm.push_chunks"),
+    (["ag_gemm.push_partials=1"], "--config: unknown key 'ag_gemm.push_partials'; known:"),
+    (["push_chunks=-1"], "--config ag_gemm.push_chunks=-1: push_chunks=-1 must be an integer >= 1 or 'auto'"),
+    (["copy_block=1000"], "--config ag_gemm.copy_block=1000: copy_block=1000 must be a power of two >= 256"),
+    (["push_partials=2"], "--config gemm_rs.push_partials=2: push_partials='2' must be true or false"),
+    (["push_chunks"], "--config 'push_chunks': expected key=value"),
+    (["=3"], "--config '=3': expected key=value"),
+])
+def test_parse_config_errors_name_the_key(items, message):
+    with pytest.raises(ValueError) as e:
+        registry.parse_config(items, TYPES)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_parse_config_ambiguous_field_needs_the_op():
+    @dataclass(frozen=True)
+    class A:
+        chunks: int = 1
+        only_a: bool = False
+
+    @dataclass(frozen=True)
+    class B:
+        chunks: int = 2
+    types = {"op_a": A, "op_b": B}
+    with pytest.raises(ValueError) as e:
+        registry.parse_config(["chunks=3"], types)
+    assert str(e.value) == "--config: key 'chunks' is ambiguous (a field of op_a, op_b); write op_a.chunks or " \
+                           "op_b.chunks"
+    assert registry.parse_config(["op_b.chunks=3", "only_a=yes"], types) == {"op_a": A(1, True), "op_b": B(3)}
+
+
+def test_settings_config_defaults_per_op():
+    st = harness.Settings(configs={"ag_gemm": AllGatherMatmulConfig(push_chunks=4)})
+    assert st.config("ag_gemm") == AllGatherMatmulConfig(push_chunks=4)
+    assert st.config("gemm_rs") == MatmulReduceScatterConfig() and st.config("moe_fwd") == MoEForwardConfig()
+
+
+# --------------------------------------------------------------------------- the fixed-split sweep
+
+
+def _measure(outcomes, calls):
+    """measure() of best_fixed_split from {S: ("ok", ms) | ("failed", reason) | ("unavailable", reason)}."""
+    def measure(params):
+        s = params["comm_programs"]
+        calls.append(s)
+        status, v = outcomes[s]
+        if status == "ok":
+            return Result("ok", None, 1e-3, {"time_ms": v}, params=params)
+        return Result(status, v, params=params)
+    return measure
+
+
+def test_fixed_sweep_keeps_the_fastest_passing_split():
+    calls = []
+    outcomes = {8: ("failed", "rel_err 5.0e-01 > 1e-02"), 16: ("ok", 2.0), 24: ("ok", 1.5), 32: ("ok", 1.7),
+                132: ("ok", 0.1)}
+    res = harness.best_fixed_split(_measure(outcomes, calls), (8, 16, 24, 32, 132), grid=132)
+    assert res.status == "ok" and res.time_ms == 1.5
+    assert res.params == {"comm_programs": 24, "sweep": [8, 16, 24, 32, 132]}
+    assert calls == [8, 16, 24, 32]  # S = 132 leaves no program for the GEMMs: skipped
+
+
+def test_fixed_sweep_without_a_passing_split_is_failed():
+    calls = []
+    outcomes = {8: ("failed", "rank 1: KosmosTimeoutError: stalled"), 16: ("failed", "rel_err nan > 1e-02")}
+    res = harness.best_fixed_split(_measure(outcomes, calls), (8, 16))
+    assert (res.status, res.reason, res.params, res.time_ms) == \
+        ("failed", "no fixed split passed (S=8: rank 1: KosmosTimeoutError: stalled)", {"sweep": [8, 16]}, None)
+    assert calls == [8, 16]
+    empty = harness.best_fixed_split(_measure({}, []), (200,), grid=132)
+    assert (empty.status, empty.reason) == ("failed", "no fixed split passed (empty sweep)")
+
+
+def test_fixed_sweep_stops_at_an_unavailable_split():
+    calls = []
+    res = harness.best_fixed_split(_measure({8: ("unavailable", "needs 2 ranks"), 16: ("ok", 1.0)}, calls), (8, 16))
+    assert (res.status, res.reason, calls) == ("unavailable", "needs 2 ranks", [8])
+
+
+# --------------------------------------------------------------------------- check -> agree -> time -> row
+
+
+def _toy(family):
+    """A toy family: y = 2x. Registered: a baseline, a KOSMOS kernel taking a config, a wrong one, one that
+    raises, one that finds at run time it cannot run, one a predicate rules out, and a fixed-role-best whose
+    time depends on S (fastest at 16; wrong at 8)."""
+    made = []
+
+    def ok(inp, params, config):
+        return (lambda: 2 * inp), 0
+
+    @registry.register(family, "kernel", kosmos=True)
+    def kernel(inp, params, config):
+        made.append(("kernel", config))
+        return (lambda: 2 * inp), None
+
+    registry.register(family, "base", baseline=True)(ok)
+
+    @registry.register(family, "wrong")
+    def wrong(inp, params, config):
+        return (lambda: 3 * inp), None
+
+    @registry.register(family, "raises")
+    def raises(inp, params, config):
+        def fn():
+            raise RuntimeError("boom\nmore")
+        return fn, None
+
+    @registry.register(family, "late")
+    def late(inp, params, config):
+        raise registry.Unavailable("found at run time")
+
+    @registry.register(family, "ruled-out", available=lambda: (False, "needs a thing"))
+    def ruled_out(inp, params, config):
+        made.append("ruled-out")
+        return (lambda: 2 * inp), None
+
+    @registry.register(family, "best", kosmos=True, fixed="best")
+    def best(inp, params, config):
+        s = params["comm_programs"]
+        fn = (lambda: (3 if s == 8 else 2) * inp)
+        fn.ms = {8: 0.5, 16: 1.0, 24: 2.0}[s]
+        return fn, None
+    return made
+
+
+def test_runner_rows(family, cpu_timer):
+    made = _toy(family)
+    x = torch.randn(8, 4)
+    st = harness.Settings(fixed_sweep=(8, 16, 24))
+    recovered = []
+    seen = []
+    runner = harness.Runner(st, torch.device("cpu"), lambda: recovered.append(1), seen.append, extra={"e": 1})
+    config = AllGatherMatmulConfig(push_chunks="auto")
+    names = ("kernel", "base", "wrong", "raises", "late", "ruled-out", "best")
+    results = runner.run(family, names, inputs=x, ref=2 * x, identity={"type": "result", "op": "toy"}, flops=2e9,
+                         config=config, t_gemm_ms=0.5, t_comm_ms=None)
+    assert runner.rows == seen and [r["impl"] for r in seen] == list(names) and set(results) == set(names)
+    by = {r["impl"]: r for r in seen}
+    assert (by["kernel"]["status"], by["kernel"]["time_ms"], by["kernel"]["tflops"]) == ("ok", 1.0, 2.0)
+    assert by["kernel"]["config"] == config_dict(config) == {"push_chunks": "auto", "copy_block": 16384}
+    assert made[0] == ("kernel", config)
+    assert by["base"]["status"] == "ok" and by["base"]["config"] is None and by["base"]["workspace_bytes"] == 0
+    assert by["wrong"]["status"] == "failed" and by["wrong"]["reason"].startswith("rel_err 5.0")
+    assert by["raises"]["status"] == "failed" and by["raises"]["reason"] == "RuntimeError: boom"
+    assert (by["late"]["status"], by["late"]["reason"]) == ("unavailable", "found at run time")
+    assert (by["ruled-out"]["status"], by["ruled-out"]["reason"]) == ("unavailable", "needs a thing")
+    assert "ruled-out" not in made  # a predicate that says no: the maker is never called
+    assert by["best"]["status"] == "ok" and by["best"]["params"] == {"comm_programs": 16, "sweep": [8, 16, 24]}
+    assert by["best"]["config"] == config_dict(config) and by["best"]["time_ms"] == 1.0
+    assert len(recovered) == 2  # raises and late; never for a wrong result or a predicate's no
+    for r in seen:
+        assert r["op"] == "toy" and r["extra"] == {"e": 1} and r["t_gemm_ms"] == 0.5 and "peak_mem_bytes" in r
+        assert "peak_mem_delta_bytes" not in r
+    with pytest.raises(registry.UnknownImpl, match="unknown test-toy implementation 'nope'"):
+        runner.run(family, ("nope",), inputs=x, ref=2 * x, identity={}, flops=1.0)
+
+
+def test_failed_row_records_the_config():
+    cfg = MatmulReduceScatterConfig(push_partials=True)
+    ident = {"type": "result", "bench": "tp", "op": "gemm_rs"}
+    row = harness.failed_row(ident, "tp", "fixed-role", "OutOfMemoryError: x", cfg)
+    assert row == {**ident, "impl": "fixed-role", "status": "failed", "reason": "OutOfMemoryError: x",
+                   "time_ms": None, "tflops": None, "config": {"push_partials": True}}
+    assert harness.failed_row(ident, "tp", "nccl+cublas", "x", cfg)["config"] is None
+
+
+def test_tp_failed_rows_use_each_ops_config():
+    from kosmos.models import TPGemm
+    st = tp.TPSettings(impls=("kosmos", "nccl+cublas"), configs={"ag_gemm": AllGatherMatmulConfig(push_chunks=2)})
+    g = TPGemm("llama3-8b", "qkv", "ag_gemm", 4096, 4096, 6144, 4096)
+    rows = tp.failed_rows(g, 2, st, "boom")
+    assert [(r["impl"], r["config"]) for r in rows] == [("kosmos", {"push_chunks": 2, "copy_block": 16384}),
+                                                        ("nccl+cublas", None)]
+    assert all(r["world"] == 2 and r["m"] == 4096 and r["reason"] == "boom" for r in rows)
