@@ -17,14 +17,15 @@ from collections import defaultdict
 
 
 def _load(paths):
-    rows = defaultdict(list)  # (op, model, layer, seq, impl) -> [time_ms]
+    rows = defaultdict(list)  # (op, model, layer, seq + routing for MoE points, impl) -> [time_ms]
     for p in paths:
         if not os.path.exists(p):
             raise SystemExit(f"ab_compare: {p}: no such file (did that run fail?)")
         for line in open(p):
             r = json.loads(line)
             if r.get("type") == "result" and r.get("status") == "ok":
-                rows[(r["op"], r["model"], r["layer"], r["seq"], r["impl"])].append(r["time_ms"])
+                seq = r["seq"] if r.get("routing") is None else f"{r['seq']}/{r['routing']}"
+                rows[(r["op"], r["model"], r["layer"], seq, r["impl"])].append(r["time_ms"])
     return rows
 
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The architecture issue's one-GPU checks as device calls (each < 10 minutes, files under $OUT, a short table
+# last). The old tree (the commit before the architecture work) is exported into .base/ and carried:
+#
+#   rm -rf .base && mkdir .base && git archive f5456a4 kosmos kosmos_bench suites | tar -x -C .base
+#   KOSMOS_GIT_COMMIT=<sha> bash dev/arch_session.sh tests   # every GPU test (W=1 + simulated W=2..8) and
+#                                                            # the register/spill table of both trees
+#   KOSMOS_GIT_COMMIT=<sha> bash dev/arch_session.sh tp      # W=1 A/B, llama3-70b TP=2 per-rank GEMMs
+#   KOSMOS_GIT_COMMIT=<sha> bash dev/arch_session.sh moe     # W=1 A/B, the MoE suite at EP=1
+#
+# A/B: old, new, old, new, interleaved in one call; `python -m dev.ab_compare` prints new/old per shape and
+# the geomean. Device run: carry [".base"].
+set -u
+stage=${1:?usage: arch_session.sh tests|tp|moe}
+out=${OUT:?run on the device machine, where OUT is set}
+export PYTHONUNBUFFERED=1
+[ -d .base/kosmos ] || { echo "no .base/ tree (see the header)"; exit 2; }
+regs() {  # tree json
+  PYTHONPATH=".:$1" timeout 280 python -c "import sys; sys.path.insert(0, '$1'); sys.argv = ['kr', '--world', '1,2,8', '--json', '$2']
+import importlib.util; spec = importlib.util.spec_from_file_location('kr', 'dev/kernel_resources.py')
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); sys.exit(m.main())"
+}
+case $stage in
+  tests)
+    # compile both trees' kernels on the CPU while the GPU tests run (ptxas figures of Triton 3.6)
+    ( regs .base "$out/regs-old.json" > "$out/regs-old.txt" 2>&1; regs . "$out/regs-new.json" > "$out/regs-new.txt" 2>&1 ) &
+    # TESTS: the GPU test selection (default: the marked GPU and simulated-rank tests, tests/conftest.py)
+    PYTHONPATH=. timeout 500 python -m pytest -q -p no:cacheprovider --durations=15 ${TESTS:--m "gpu or ranks" tests/} \
+      > "$out/gpu-tests.log" 2>&1
+    echo "pytest rc=$?"
+    wait
+    grep -E "^(triton|kernel|all_|matmul|moe)" "$out/regs-old.txt" | sed 's/^/old /'
+    grep -E "^(triton|kernel|all_|matmul|moe)" "$out/regs-new.txt" | sed 's/^/new /'
+    tail -22 "$out/gpu-tests.log" ;;
+  tp)
+    for round in 1 2; do
+      for tree in old new; do
+        root=.; [ $tree = old ] && root=.base
+        PYTHONPATH=$root timeout 130 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
+          --impl kosmos --out "$out/tp-w1-$tree-$round.jsonl" > "$out/tp-w1-$tree-$round.log" 2>&1
+        echo "tp $tree round $round rc=$?"
+      done
+    done
+    PYTHONPATH=. python -m dev.ab_compare "$out"/tp-w1-old-*.jsonl --vs "$out"/tp-w1-new-*.jsonl | tee "$out/ab-tp.txt" ;;
+  moe)
+    for round in 1 2; do
+      for tree in old new; do
+        root=.; [ $tree = old ] && root=.base
+        PYTHONPATH=$root timeout 130 python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos --no-expert-gemms \
+          --out "$out/moe-ep1-$tree-$round.jsonl" > "$out/moe-ep1-$tree-$round.log" 2>&1
+        echo "moe $tree round $round rc=$?"
+      done
+    done
+    PYTHONPATH=. python -m dev.ab_compare "$out"/moe-ep1-old-*.jsonl --vs "$out"/moe-ep1-new-*.jsonl \
+      --baseline nccl-a2a | tee "$out/ab-moe.txt" ;;
+  *) echo "unknown stage $stage: tests, tp or moe" >&2; exit 2 ;;
+esac
