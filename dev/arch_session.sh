@@ -11,7 +11,7 @@
 # A/B: old, new, old, new, interleaved in one call; `python -m dev.ab_compare` prints new/old per shape and
 # the geomean. Device run: carry [".base"].
 set -u
-stage=${1:?usage: arch_session.sh tests|tp|moe}
+stage=${1:?usage: arch_session.sh tests|regs|tp|moe}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1
 [ -d .base/kosmos ] || { echo "no .base/ tree (see the header)"; exit 2; }
@@ -32,7 +32,10 @@ case $stage in
     grep -E "^(triton|kernel|all_|matmul|moe)" "$out/regs-old.txt" | sed 's/^/old /'
     grep -E "^(triton|kernel|all_|matmul|moe)" "$out/regs-new.txt" | sed 's/^/new /'
     tail -22 "$out/gpu-tests.log" ;;
+  regs)  # the new tree's register table alone
+    regs . "$out/regs-new.json" > "$out/regs-new.txt" 2>&1; cat "$out/regs-new.txt" | grep -v -i warn ;;
   tp)
+    [ -n "${WITH_REGS:-}" ] && ( regs . "$out/regs-new.json" > "$out/regs-new.txt" 2>&1 ) &
     for round in 1 2; do
       for tree in old new; do
         root=.; [ $tree = old ] && root=.base
@@ -41,6 +44,8 @@ case $stage in
         echo "tp $tree round $round rc=$?"
       done
     done
+    wait
+    [ -f "$out/regs-new.txt" ] && grep -E "^(all_|matmul|moe)" "$out/regs-new.txt"
     PYTHONPATH=. python -m dev.ab_compare "$out"/tp-w1-old-*.jsonl --vs "$out"/tp-w1-new-*.jsonl | tee "$out/ab-tp.txt" ;;
   moe)
     for round in 1 2; do

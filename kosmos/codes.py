@@ -13,7 +13,9 @@ OP_NAMES = {OP_ALL_GATHER_MATMUL.value: "all_gather_matmul", OP_MATMUL_REDUCE_SC
 
 # ------------------------------------------------------------------------------------------- wait tags
 # What a bounded wait was waiting for; a timed-out wait records its tag and an index (the record's
-# ``counter`` field), and ``runtime.decode_error`` says it in words with WAIT_TEXT.
+# ``counter`` field), and ``runtime.decode_error`` says it in words with WAIT_TEXT. The tag travels in the op
+# slot (``op | tag << 8``, one compile-time constant): a separate slot meant one more store on every wait's
+# error path, and GEMM+RS at W=2 then spilled 56 B (Triton 3.6, 254 registers).
 WAIT_PEERS_DONE: tl.constexpr = tl.constexpr(1)    # index: the peer's rank
 WAIT_AG_ROWS: tl.constexpr = tl.constexpr(2)       # index: the signal slot of (source rank, chunk)
 WAIT_RS_PARTIAL: tl.constexpr = tl.constexpr(3)    # index: the signal slot of (source rank, tile)
@@ -49,8 +51,8 @@ TRACE_KINDS = {EV_IDLE.value: "idle", EV_COMM.value: "comm", EV_COMPUTE.value: "
 TRACE_EVENTS: tl.constexpr = tl.constexpr(1024)  # events per program in a trace buffer [grid, TRACE_EVENTS, 4]
 
 # ------------------------------------------------------------------------------------------- error record
-# int64[ERR_SLOTS]: slots 0..ERR_WAIT are the record (the flag first), ERR_MIRROR holds the address of a
-# pinned host-mapped int64[ERR_RECORD] copy of it, or 0.
+# int64[ERR_SLOTS]: slots 0..ERR_ELAPSED are the record (the flag first; ERR_OP holds op | wait tag << 8),
+# ERR_MIRROR holds the address of a pinned host-mapped int64[ERR_RECORD] copy of it, or 0.
 ERR_FLAG: tl.constexpr = tl.constexpr(0)
 ERR_OP: tl.constexpr = tl.constexpr(1)
 ERR_RANK: tl.constexpr = tl.constexpr(2)
@@ -59,7 +61,17 @@ ERR_COUNTER: tl.constexpr = tl.constexpr(4)
 ERR_EXPECTED: tl.constexpr = tl.constexpr(5)
 ERR_OBSERVED: tl.constexpr = tl.constexpr(6)
 ERR_ELAPSED: tl.constexpr = tl.constexpr(7)
-ERR_WAIT: tl.constexpr = tl.constexpr(8)
-ERR_MIRROR: tl.constexpr = tl.constexpr(9)
-ERR_RECORD = 9   # slots mirrored to the host
-ERR_SLOTS = 10
+ERR_MIRROR: tl.constexpr = tl.constexpr(8)
+ERR_RECORD = 8   # slots mirrored to the host
+ERR_SLOTS = 9
+WAIT_SHIFT: tl.constexpr = tl.constexpr(8)  # ERR_OP = op | wait tag << WAIT_SHIFT
+
+
+def op_code(record) -> int:
+    """The op code of an error record (its ERR_OP slot without the wait tag)."""
+    return int(record[ERR_OP.value]) & ((1 << WAIT_SHIFT.value) - 1)
+
+
+def wait_tag(record) -> int:
+    """The wait tag (WAIT_*) of an error record."""
+    return int(record[ERR_OP.value]) >> WAIT_SHIFT.value

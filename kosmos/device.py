@@ -37,7 +37,7 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # the error record's layout, wait tags, op codes and trace kinds are named in codes.py (host and device)
 from .codes import (ERR_COUNTER, ERR_ELAPSED, ERR_EXPECTED, ERR_FLAG, ERR_MIRROR, ERR_OBSERVED, ERR_OP,  # noqa: E402
-                    ERR_RANK, ERR_TASK, ERR_WAIT, TRACE_EVENTS, WAIT_PEERS_DONE)
+                    ERR_RANK, ERR_TASK, TRACE_EVENTS, WAIT_PEERS_DONE, WAIT_SHIFT)
 
 
 @triton.jit
@@ -132,8 +132,7 @@ def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, WAIT: tl.c
 
 @triton.jit
 def _store_record(ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, target, observed, elapsed):
-    tl.store(ptr + ERR_OP, OP)
-    tl.store(ptr + ERR_WAIT, WAIT)
+    tl.store(ptr + ERR_OP, OP | (WAIT << WAIT_SHIFT))  # one constant: the tag costs no store of its own
     tl.store(ptr + ERR_RANK, tl.cast(rank, tl.int64))
     tl.store(ptr + ERR_TASK, tl.cast(task, tl.int64))
     tl.store(ptr + ERR_COUNTER, tl.cast(index, tl.int64))
@@ -144,7 +143,7 @@ def _store_record(ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, 
 
 @triton.jit
 def _record_error(err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, target, observed, elapsed):
-    """Fill slots 1..ERR_WAIT of the record (the caller has set the flag) and write the whole record to the
+    """Fill slots 1..ERR_ELAPSED of the record (the caller has set the flag) and write the whole record to the
     host-mapped mirror whose address is slot 8, if any: the host reads the mirror once the launch has ended,
     so a healthy call moves nothing and no program has to look at the record on its way out."""
     _store_record(err_ptr, OP, WAIT, rank, task, index, target, observed, elapsed)

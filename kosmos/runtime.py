@@ -39,7 +39,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from .codes import ERR_RECORD, ERR_SLOTS, OP_NAMES, TRACE_KINDS, WAIT_TEXT  # noqa: F401 (re-exported)
+from .codes import ERR_RECORD, ERR_SLOTS, OP_NAMES, TRACE_KINDS, WAIT_TEXT, op_code, wait_tag  # noqa: F401
 
 DONE_BASE = 0
 FLAG_BASE = 64
@@ -100,10 +100,10 @@ def num_sms(device) -> int:
 def decode_error(err) -> str:
     """One sentence from an error record (codes.py's layout): which op, rank and task timed out, and what it
     was waiting for, in words."""
-    op = OP_NAMES.get(int(err[1]), f"op{int(err[1])}")
+    op = OP_NAMES.get(op_code(err), f"op{op_code(err)}")
+    wait = wait_tag(err)
     task = int(err[3])
     index = int(err[4])
-    wait = int(err[8]) if len(err) > 8 else 0
     what = WAIT_TEXT.get(wait, f"signal {index}").format(index=index)
     where = "" if task < 0 else f" (task {task})"
     return (f"{op}: rank {int(err[2])}{where} timed out after {int(err[7]) / 1e6:.1f} ms waiting for {what}: "

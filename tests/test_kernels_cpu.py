@@ -152,10 +152,10 @@ def test_all_gather_matmul_timeout_peer_never_pushed():
     msg = runtime.decode_error(err)
     assert "all_gather_matmul" in msg and "rank 0" in msg
     chunks = -(-21 // t.cfg.BM)
-    assert err[1] == ag.OP_CODE and err[2] == 0
+    assert codes.op_code(err) == ag.OP_CODE and err[2] == 0
     assert err[3] >= 0  # a compute task, not the handshake
     assert err[4] == runtime.FLAG_BASE + 1 * chunks + 0  # rank 1's first chunk
-    assert err[codes.ERR_WAIT.value] == codes.WAIT_AG_ROWS.value and "rows pushed by a peer" in msg
+    assert codes.wait_tag(err) == codes.WAIT_AG_ROWS.value and "rows pushed by a peer" in msg
     assert err[5] == 1 and err[6] == 0  # expected epoch 1, observed nothing
     assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS  # the launch still ended cleanly
     assert mirror.tolist() == err[:codes.ERR_RECORD]
@@ -170,7 +170,7 @@ def test_matmul_reduce_scatter_timeout_partials_missing():
     assert err[0] != 0
     msg = runtime.decode_error(err)
     assert "matmul_reduce_scatter" in msg and "rank 0" in msg and "a peer's partial tile" in msg
-    assert err[codes.ERR_WAIT.value] == codes.WAIT_RS_PARTIAL.value
+    assert codes.wait_tag(err) == codes.WAIT_RS_PARTIAL.value
     assert err[5] == 1 and err[6] == 0
     assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS
 
@@ -186,7 +186,7 @@ def test_handshake_timeout_when_peer_did_not_finish_previous_call():
     err = t.rk.errors[0].tolist()
     assert err[0] != 0 and err[3] == -1
     assert err[4] == 1 and err[5] == 1 and err[6] == 0  # peer 1's done flag
-    assert err[codes.ERR_WAIT.value] == codes.WAIT_PEERS_DONE.value
+    assert codes.wait_tag(err) == codes.WAIT_PEERS_DONE.value
     msg = runtime.decode_error(err)
     assert "all_gather_matmul: rank 0 timed out" in msg and "rank 1 to finish the previous call" in msg
     assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS
