@@ -113,13 +113,8 @@ def test_world2_over_gloo():
     assert got == {0: "ok", 1: "ok"}, got
 
 
-# ------------------------------------------------------------------------------- real kernels (GPU only)
-HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability(0)[0] >= 9
-gpu = pytest.mark.skipif(not IS_HOPPER, reason="needs a Hopper (sm_90+) GPU")
-
-
-@gpu
+# ---------------------------------------------------------- real kernels (GPU only: markers in conftest.py)
+@pytest.mark.gpu
 def test_gpu_world1_column_and_row():
     _check_column(0, 1, device="cuda")
     _check_row(0, 1, device="cuda")
@@ -130,32 +125,7 @@ def _gpu_rank(rank, world, out_dir):
     _check_row(rank, world, device=torch.device("cuda", rank))
 
 
-@gpu
-@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.multi_gpu
 def test_gpu_world2(tmp_path):
     from kosmos_bench.launcher import spawn
     spawn(_gpu_rank, 2, str(tmp_path), timeout_s=300)
-
-
-def test_triton_allocator_is_set_in_other_threads():
-    """Autograd runs a CUDA backward on its own thread, where Triton's allocator (a context variable) is
-    unset; the fused ops set it before every launch (found on the GPU: backward of the nn layers failed
-    with 'no allocator was set')."""
-    import threading
-
-    from triton.runtime import _allocation
-
-    from kosmos import runtime
-    runtime.ensure_triton_allocator()
-    seen = []
-
-    def worker():
-        before = _allocation._allocator.get()
-        runtime.ensure_triton_allocator()
-        seen.append((before, _allocation._allocator.get()))
-    th = threading.Thread(target=worker)
-    th.start()
-    th.join()
-    before, after = seen[0]
-    assert isinstance(before, _allocation.NullAllocator)  # what made the GPU backward fail
-    assert after is runtime._triton_scratch

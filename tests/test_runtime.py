@@ -1,0 +1,198 @@
+"""The runtime pieces around the ops, all on the CPU: error records and their decoding (kosmos.codes wait tags),
+workspaces (poisoned after a timeout, CUDA-graph capture refused), timeouts, the World of a group, Triton's
+allocator, the TMA descriptor cache, the op configs (kosmos.config), and kosmos.models' TP GEMM shapes.
+
+The ops' own input checks are in their test files (test_all_gather_matmul.py, test_matmul_reduce_scatter.py,
+test_moe_forward.py).
+"""
+import pytest
+import torch
+
+from kosmos import models, planning, runtime
+from kosmos.config import AllGatherMatmulConfig
+
+
+# ----------------------------------------------------------------------------------- errors and wait tags
+def test_decode_error():
+    from kosmos import codes
+    msg = runtime.decode_error([1, 1 | codes.WAIT_AG_ROWS.value << 8, 0, 5, runtime.FLAG_BASE + 3, 2, 1, 50_000_000])
+    assert msg.startswith("all_gather_matmul: rank 0 (task 5) timed out after 50.0 ms waiting for rows pushed by "
+                          f"a peer (signal slot {runtime.FLAG_BASE + 3}): expected >= 2, observed 1")
+    msg = runtime.decode_error([1, 2 | codes.WAIT_PEERS_DONE.value << 8, 3, -1, 1, 7, 6, 0])
+    assert msg.startswith("matmul_reduce_scatter: rank 3 timed out") and "rank 1 to finish the previous call" in msg
+    assert runtime.decode_error([1, 9, 0, 0, 0, 0, 0, 0]).startswith("op9:")
+
+
+@pytest.mark.parametrize("tag", sorted(__import__("kosmos.codes").codes.WAIT_TEXT))
+def test_every_wait_tag_decodes_to_words(tag):
+    """Every tag a kernel can record has its sentence (no bare counter numbers in an error)."""
+    msg = runtime.decode_error([1, 4 | tag << 8, 1, 7, 3, 2, 1, 1_000_000])
+    assert msg.startswith("moe_forward: rank 1 (task 7) timed out after 1.0 ms waiting for ")
+    assert "signal" not in msg.split("waiting for ")[1].split(":")[0] or tag in (2, 3)
+
+
+def test_every_wait_tag_used_by_a_kernel_is_named():
+    """The kernels record only named tags: every ``WAIT_*`` passed to a wait is in codes.WAIT_TEXT."""
+    import pathlib
+    import re
+    from kosmos import codes
+    root = pathlib.Path(codes.__file__).parent
+    used = set()
+    for path in list(root.glob("*.py")) + list(root.glob("kernels/*.py")):
+        used |= set(re.findall(r"\b(WAIT_[A-Z0-9_]+)\b", path.read_text())) - {"WAIT_TEXT", "WAIT_SHIFT"}
+    assert used, "no wait tags found"
+    for name in used:
+        assert getattr(codes, name).value in codes.WAIT_TEXT, name
+
+
+# ------------------------------------------------------------------------------------ workspaces, World
+def test_poisoned_workspace_raises():
+    ws = runtime.Workspace(runtime.World(None, 0, 1, torch.device("cpu")))
+    ws.check_errors()  # nothing launched yet: no error
+    ws.poisoned = "all_gather_matmul: rank 0 timed out"
+    with pytest.raises(runtime.KosmosTimeoutError, match="reset_workspaces"):
+        ws.ensure(1, 1)
+    with pytest.raises(runtime.KosmosTimeoutError, match="reset_workspaces"):
+        ws.next_epoch()
+    assert issubclass(runtime.KosmosTimeoutError, runtime.KosmosError)
+    assert issubclass(runtime.KosmosError, RuntimeError)
+
+
+def test_cuda_graph_capture_is_refused(monkeypatch):
+    """A captured op would replay with its epoch frozen and read stale peer data: refused with a clear error
+    before any workspace exists (the capture state is faked here; test_matmul_reduce_scatter.py's
+    test_w1_cuda_graph_capture_is_refused captures for real)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(runtime.KosmosError, match="cannot be captured in a CUDA graph"):
+        runtime.get_workspace(None, torch.device("cpu"))
+
+
+def test_set_timeout_rejects_non_positive():
+    for s in (0, -1.0):
+        with pytest.raises(ValueError, match="positive"):
+            runtime.set_timeout(s)
+
+
+def test_world_of_group_without_dist():
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("needs no process group")
+    w = runtime.World.of(None, torch.device("cpu"))
+    assert (w.rank, w.size, w.group) == (0, 1, None)
+    with pytest.raises(ValueError, match="not initialised"):
+        runtime.World.of(object(), torch.device("cpu"))
+
+
+def test_triton_allocator_is_set_in_other_threads():
+    """Autograd runs a CUDA backward on its own thread, where Triton's allocator (a context variable) is
+    unset; the fused ops set it before every launch (found on the GPU: backward of the nn layers failed
+    with 'no allocator was set')."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    runtime.ensure_triton_allocator()
+    seen = []
+
+    def worker():
+        before = _allocation._allocator.get()
+        runtime.ensure_triton_allocator()
+        seen.append((before, _allocation._allocator.get()))
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    before, after = seen[0]
+    assert isinstance(before, _allocation.NullAllocator)  # what made the GPU backward fail
+    assert after is runtime._triton_scratch
+
+
+def test_tma_descriptor_template_matches_a_fresh_descriptor():
+    """kernels.common.tma_descriptor copies a per-layout template: every field equals what Triton's own
+    TensorDescriptor.from_tensor gives, base is the tensor passed, and the cached template keeps no tensor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from kosmos.kernels import common
+    x, y = torch.zeros(256, 192, dtype=torch.bfloat16), torch.ones(256, 192, dtype=torch.bfloat16)
+    dx, dy = common.tma_descriptor(x, [128, 64]), common.tma_descriptor(y, [128, 64])
+    ref = TensorDescriptor.from_tensor(y, [128, 64])
+    assert isinstance(dy, TensorDescriptor) and dy.base is y and dx.base is x
+    assert {k: v for k, v in vars(dy).items() if k != "base"} == {k: v for k, v in vars(ref).items() if k != "base"}
+    key = ((256, 192), (192, 1), torch.bfloat16, (128, 64))
+    assert common._DESCRIPTOR_TEMPLATES[key].base is None
+    other = common.tma_descriptor(torch.zeros(256, 192, dtype=torch.bfloat16)[:, :128], [128, 64])  # new layout
+    assert tuple(other.strides) == (192, 1) and tuple(other.shape) == (256, 128)
+
+
+# ------------------------------------------------------------------------------------------------ configs
+@pytest.mark.parametrize("field,value", [
+    ("push_chunks", 0),      # not positive
+    ("push_chunks", "two"),  # a string other than "auto"
+    ("push_chunks", True),   # a bool is not an int here
+    ("copy_block", 1000),    # not a power of two
+    ("copy_block", 128),     # below the smallest copy step (256)
+])
+def test_ag_config_rejects_bad_fields(field, value):
+    with pytest.raises(ValueError, match=field):
+        AllGatherMatmulConfig(**{field: value})
+
+
+def test_configs_from_strings_and_back():
+    """The bench's --config key=value path: values parsed by field type, unknown keys named."""
+    from kosmos.config import MatmulReduceScatterConfig, MoEForwardConfig, config_dict, config_from_strings
+    assert config_from_strings(AllGatherMatmulConfig, {"push_chunks": "auto"}).push_chunks == "auto"
+    assert config_from_strings(AllGatherMatmulConfig, {"push_chunks": "4"}).push_chunks == 4
+    assert config_from_strings(MatmulReduceScatterConfig, {"push_partials": "true"}).push_partials is True
+    assert config_dict(MoEForwardConfig(copy_cols=256)) == {"copy_cols": 256, "half_tail": True}
+    with pytest.raises(ValueError, match="known: push_chunks, copy_block"):
+        config_from_strings(AllGatherMatmulConfig, {"push_chunk": "4"})
+    with pytest.raises(ValueError, match="half_tail"):
+        config_from_strings(MoEForwardConfig, {"half_tail": "maybe"})
+    with pytest.raises(ValueError, match="must be a kosmos.MoEForwardConfig"):
+        planning.moe_config(AllGatherMatmulConfig())
+
+
+# ------------------------------------------------------------------------------------------------ models
+def test_tp_gemms_llama3_70b_tp2():
+    g = {x.layer: x for x in models.tp_gemms("llama3-70b", 4096, 2)}
+    assert list(g) == list(models.TP_LAYERS)
+    assert (g["qkv"].op, g["qkv"].n, g["qkv"].k) == ("ag_gemm", 5120, 8192)
+    assert (g["fc1"].op, g["fc1"].n, g["fc1"].k) == ("ag_gemm", 28672, 8192)
+    assert (g["attn_out"].op, g["attn_out"].k, g["attn_out"].n) == ("gemm_rs", 4096, 8192)
+    assert (g["fc2"].op, g["fc2"].k, g["fc2"].n) == ("gemm_rs", 14336, 8192)
+    for x in g.values():
+        assert x.model == "llama3-70b" and x.seq == 4096 and x.m == 4096
+
+
+def test_tp_gemms_layer_subset_and_other_models():
+    (fc2,) = models.tp_gemms("llama3-8b", 1024, 8, layers=("fc2",))
+    assert (fc2.k, fc2.n) == (14336 // 8, 4096)
+    gpt = {x.layer: x for x in models.tp_gemms("gpt3-175b", 512, 4)}
+    assert gpt["fc1"].n == 49152 // 4  # not gated
+    assert gpt["qkv"].n == 3 * 12288 // 4
+    with pytest.raises(ValueError, match="unknown layer"):
+        models.tp_gemms("llama3-8b", 1024, 8, layers=("qkv", "lm_head"))
+
+
+def test_unknown_model():
+    with pytest.raises(models.UnknownModelError) as e:
+        models.tp_gemms("llama9-1t", 4096, 2)
+    assert isinstance(e.value, ValueError)
+    for name in models.DENSE_MODELS:
+        assert name in str(e.value)
+    assert "llama9-1t" in str(e.value)
+
+
+@pytest.mark.parametrize("seq,tp", [
+    (4097, 2),  # odd sequence
+    (100, 8),   # 100 = 12 * 8 + 4
+    (10, 3),    # TP not a power of two
+])
+def test_seq_not_divisible_by_tp(seq, tp):
+    with pytest.raises(ValueError, match="divide by tp"):
+        models.tp_gemms("llama3-70b", seq, tp)
+
+
+def test_width_not_divisible_by_tp():
+    with pytest.raises(ValueError, match="does not divide"):
+        models.tp_gemms("llama3-70b", 4096 * 3, 3)
