@@ -11,7 +11,7 @@
 # A/B: old, new, old, new, interleaved in one call; `python -m dev.ab_compare` prints new/old per shape and
 # the geomean. Device run: carry [".base"].
 set -u
-stage=${1:?usage: arch_session.sh tests|regs|tp|moe}
+stage=${1:?usage: arch_session.sh tests|regs|tp|moe|final}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1
 [ -d .base/kosmos ] || { echo "no .base/ tree (see the header)"; exit 2; }
@@ -25,7 +25,8 @@ case $stage in
     # compile both trees' kernels on the CPU while the GPU tests run (ptxas figures of Triton 3.6)
     ( regs .base "$out/regs-old.json" > "$out/regs-old.txt" 2>&1; regs . "$out/regs-new.json" > "$out/regs-new.txt" 2>&1 ) &
     # TESTS: the GPU test selection (default: the marked GPU and simulated-rank tests, tests/conftest.py)
-    PYTHONPATH=. timeout 500 python -m pytest -q -p no:cacheprovider --durations=15 ${TESTS:--m "gpu or ranks" tests/} \
+    PYTHONPATH=. timeout 500 python -m pytest -q -p no:cacheprovider --durations=15 \
+      ${TESTS:--m "gpu or ranks or multi_gpu or gpu_optional" tests/} \
       > "$out/gpu-tests.log" 2>&1
     echo "pytest rc=$?"
     wait
@@ -47,16 +48,25 @@ case $stage in
     wait
     [ -f "$out/regs-new.txt" ] && grep -E "^(all_|matmul|moe)" "$out/regs-new.txt"
     PYTHONPATH=. python -m dev.ab_compare "$out"/tp-w1-old-*.jsonl --vs "$out"/tp-w1-new-*.jsonl | tee "$out/ab-tp.txt" ;;
-  moe)
-    for round in 1 2; do
+  moe)  # MOE_ROUNDS (default 2) rounds of old, new; MOE_ITERS timed iterations (default 20)
+    for round in $(seq 1 ${MOE_ROUNDS:-2}); do
       for tree in old new; do
         root=.; [ $tree = old ] && root=.base
-        PYTHONPATH=$root timeout 130 python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos --no-expert-gemms \
-          --out "$out/moe-ep1-$tree-$round.jsonl" > "$out/moe-ep1-$tree-$round.log" 2>&1
+        PYTHONPATH=$root timeout ${MOE_TIMEOUT:-130} python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos \
+          --no-expert-gemms --iters ${MOE_ITERS:-20} --out "$out/moe-ep1-$tree-$round.jsonl" >> "$out/moe-runs.log" 2>&1
         echo "moe $tree round $round rc=$?"
       done
     done
     PYTHONPATH=. python -m dev.ab_compare "$out"/moe-ep1-old-*.jsonl --vs "$out"/moe-ep1-new-*.jsonl \
       --baseline nccl-a2a | tee "$out/ab-moe.txt" ;;
+  final)  # the GPU tests, both trees' register tables (compiled on the CPU meanwhile), one MoE A/B round
+    ( regs .base "$out/regs-old.json" > /tmp/regs-old.txt 2>&1; regs . "$out/regs-new.json" > /tmp/regs-new.txt 2>&1 ) &
+    PYTHONPATH=. timeout ${TEST_TIMEOUT:-220} python -m pytest -q -p no:cacheprovider --durations=5 \
+      -m "gpu or ranks or multi_gpu or gpu_optional" tests/ > "$out/gpu-tests.log" 2>&1
+    echo "pytest rc=$?"; tail -3 "$out/gpu-tests.log"
+    wait
+    grep -E "^(triton|all_|matmul|moe)" /tmp/regs-old.txt | sed 's/^/old /'
+    grep -E "^(triton|all_|matmul|moe)" /tmp/regs-new.txt | sed 's/^/new /'
+    MOE_ROUNDS=1 bash "$0" moe ;;
   *) echo "unknown stage $stage: tests, tp or moe" >&2; exit 2 ;;
 esac

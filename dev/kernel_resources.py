@@ -96,8 +96,11 @@ def _compile(module, kernel_name: str, call) -> dict:
     return _resources(stub.compiled)
 
 
-def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: int = 5120):
-    """(name, resources) of every fused kernel at ``world`` (rank 0, self policy, default configs)."""
+KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "moe_forward")
+
+
+def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: int = 5120, only=KERNELS):
+    """(name, resources) of the fused kernels in ``only`` at ``world`` (rank 0, self policy, default configs)."""
     from kosmos import planning, runtime
     from kosmos.kernels import all_gather_matmul as ag
     from kosmos.kernels import matmul_reduce_scatter as rs
@@ -112,14 +115,19 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     a_shard, b = torch.empty(ms, k, **bf), torch.empty(k, n, **bf)
     gather, c = torch.empty(ms * world, k, **bf), torch.empty(ms * world, n, **bf)
     cfg = planning.tile_config(ms, n, k)
-    out = [("all_gather_matmul", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
-        a_shard, b, False, c, gather, peers, peers, sig, heads, errs, cfg=cfg, **common)))]
+    out = []
+    if "all_gather_matmul" in only:
+        out.append(("all_gather_matmul", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
+            a_shard, b, False, c, gather, peers, peers, sig, heads, errs, cfg=cfg, **common))))
     k_rs, n_rs = 8192 // world, 8192  # attention-out: K = heads*head_dim / W
     a_rs, b_rs = torch.empty(ms * world, k_rs, **bf), torch.empty(k_rs, n_rs, **bf)
     stage, c_rs = torch.empty(ms * world, n_rs, **bf), torch.empty(ms, n_rs, **bf)
     cfg = planning.tile_config(ms, n_rs, k_rs)
-    out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
-        a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+    if "matmul_reduce_scatter" in only:
+        out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
+            a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+    if "moe_forward" not in only:
+        return out
     # deepseek-v3-like MoE layer: H 7168, F 2048, 256 experts, top-8, sigmoid-grouped routing
     t_, h, f, e, top_k = 256, 7168, 2048, 256, 8
     el = e // world
@@ -143,6 +151,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", default="1,2,8", help="world sizes the kernels are compiled for (comma-separated)")
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="which kernels (comma-separated)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -156,7 +165,7 @@ def main(argv=None):
     print(f"triton {triton.__version__}, sm_90a, grid {grid}")
     print(f"{'kernel':<24} {'W':>2} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared KiB':>11}")
     for world in [int(w) for w in args.world.split(",")]:
-        for name, r in kernels(world, dev, grid):
+        for name, r in kernels(world, dev, grid, only=args.kernels.split(",")):
             rows.append(dict(kernel=name, world=world, triton=triton.__version__, **r))
             print(f"{name:<24} {world:>2} {r['regs']:>5} {str(r['spill_bytes']):>8} {r['stack_bytes']:>8} "
                   f"{r['shared_kib']:>11}", flush=True)

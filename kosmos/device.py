@@ -141,7 +141,9 @@ def _store_record(ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, 
     tl.store(ptr + ERR_ELAPSED, elapsed)
 
 
-@triton.jit
+# The cold path as a call: inlined at every wait, it cost GEMM+RS 56 B of spills at W=2 and the MoE kernel 8 B
+# at W=1 (Triton 3.6, session 7); as a call, both are back at f5456a4's figures (250 registers / 160 B).
+@triton.jit(noinline=True)
 def _record_error(err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, target, observed, elapsed):
     """Fill slots 1..ERR_ELAPSED of the record (the caller has set the flag) and write the whole record to the
     host-mapped mirror whose address is slot 8, if any: the host reads the mirror once the launch has ended,
