@@ -504,7 +504,7 @@ def _moe_forward_kernel(
     g1_ctr = perm_ctr + El
 
     mine = sched.program_stages(pid, POLICY, fixed_comm, stages, COMM_STAGE_MASK)
-    cur = sched.next_stage(mine, -1, NUM_STAGES)
+    cur = 0
     handshake = 0
     peers_ok = 1
     plan_ok = 0
@@ -512,6 +512,8 @@ def _moe_forward_kernel(
     while cur < NUM_STAGES:
         if dev.aborted(err_ptr):
             cur = NUM_STAGES
+        elif not sched.has_stage(mine, cur):  # steps stage by stage: schedule.next_stage's selects spilled
+            cur += 1                              # 16 B more at W=8 here (Triton 3.6, session 7)
         else:
             if (cur >= STAGE_PERMUTE) & (cur <= STAGE_GEMM2) & (plan_ok == 0):
                 t_w = dev.now_ns()
@@ -533,7 +535,7 @@ def _moe_forward_kernel(
                 t = sched.claim(scratch_ptr + cur)  # the stage's queue head is scratch[stage]
                 t0 = dev.now_ns()
                 if t >= n_tasks:
-                    cur = sched.next_stage(mine, cur, NUM_STAGES)
+                    cur += 1
                 elif cur == STAGE_ROUTE:
                     sel_w, sel_e = _route_block(t, x_desc, wr_desc, bias_ptr, topk_w_ptr, topk_e_ptr, T, H, E,
                                                 routed_scaling, TOPK, KP2, EP2, ROUTING, RENORM, N_GROUP,
