@@ -48,30 +48,40 @@ def check_targets(bench: str, targets) -> None:
 
 
 @dataclass(frozen=True)
-class TPSuite:
-    name: str = "tp-default"
-    bench: str = "tp"
-    models: tuple = ("llama3-70b", "llama3-8b")
-    seq: tuple = (4096, 8192, 16384)
-    layers: tuple = TP_LAYERS
+class _Suite:
+    """What every suite has: its name and bench, the models, precision and implementations, the timing loop, the
+    fixed-role sweep, the report's targets (TARGET_KEYS) and free-form extras."""
+    name: str = ""
+    bench: str = ""
+    models: tuple = ()
     dtype: str = "bf16"
-    impls: tuple = TP_IMPLS
+    impls: tuple = ()
     iters: int = 20
     warmup: int = 5
     fixed_sweep: tuple = FIXED_SWEEP
-    tp: int | None = None
-    shapes_tp: int | None = None  # size the GEMMs as at TP=shapes_tp (per-rank shards), whatever the world
     targets: dict = field(default_factory=dict)  # the report's bars for this suite's results (TARGET_KEYS)
     extra: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        _check(self)
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
-    def override(self, **kw) -> "TPSuite":
+    def override(self, **kw):
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class TPSuite(_Suite):
+    name: str = "tp-default"
+    bench: str = "tp"
+    models: tuple = ("llama3-70b", "llama3-8b")
+    impls: tuple = TP_IMPLS
+    seq: tuple = (4096, 8192, 16384)
+    layers: tuple = TP_LAYERS
+    tp: int | None = None
+    shapes_tp: int | None = None  # size the GEMMs as at TP=shapes_tp (per-rank shards), whatever the world
+
+    def __post_init__(self):
+        _check(self)
 
 
 def _positive_ints(key, values):
@@ -117,34 +127,22 @@ def _as_tuple(key, v):
 
 
 @dataclass(frozen=True)
-class MoESuite:
+class MoESuite(_Suite):
     """A ``kosmos bench moe`` sweep: every (model, tokens per rank, routing) point runs every impl."""
     name: str = "moe-default"
     bench: str = "moe"
     models: tuple = ("deepseek-v3", "qwen3-235b")
+    impls: tuple = MOE_IMPLS
     tokens: tuple = (4096, 8192, 16384)
     routing: tuple = ("uniform", "zipf:1.2")
-    dtype: str = "bf16"
-    impls: tuple = MOE_IMPLS
-    iters: int = 20
-    warmup: int = 5
-    fixed_sweep: tuple = FIXED_SWEEP
     ep: int | None = None
     expert_gemms: bool = True
     seed: int = 0
-    targets: dict = field(default_factory=dict)  # the report's bars for this suite's results (TARGET_KEYS)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         _check_moe(self)
         # canonical routing strings ("ZIPF:1.20" -> "zipf:1.2"), so rows of one point always match
         object.__setattr__(self, "routing", tuple(str(parse_routing(r)) for r in self.routing))
-
-    def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-
-    def override(self, **kw) -> "MoESuite":
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
 def _check_moe(s: MoESuite) -> None:
