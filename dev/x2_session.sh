@@ -14,8 +14,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 bench() { timeout "$1" python -m kosmos_bench.cli bench tp "${@:2}" > /dev/null 2>&1; echo "  rc=$? $*"; }
 case $stage in
   tests)
-    timeout 560 python -m pytest -q --durations=10 tests/test_gpu.py tests/test_moe_gpu.py tests/test_nn_tp.py \
-      tests/test_ranks_one_gpu.py > "$out/gpu-tests-w2.log" 2>&1
+    timeout 560 python -m pytest -q --durations=10 -m "gpu or ranks or multi_gpu or gpu_optional" tests/ \
+      > "$out/gpu-tests-w2.log" 2>&1
     echo "pytest rc=$?"; tail -15 "$out/gpu-tests-w2.log" ;;
   ab)
     # AllGather+GEMM pushers: 1 chunk per push task (default), `auto` (~16 pushers), 4 chunks per task

@@ -14,8 +14,9 @@ OP_NAMES = {OP_ALL_GATHER_MATMUL.value: "all_gather_matmul", OP_MATMUL_REDUCE_SC
 # ------------------------------------------------------------------------------------------- wait tags
 # What a bounded wait was waiting for; a timed-out wait records its tag and an index (the record's
 # ``counter`` field), and ``runtime.decode_error`` says it in words with WAIT_TEXT. The tag travels in the op
-# slot (``op | tag << 8``, one compile-time constant): a separate slot meant one more store on every wait's
-# error path, and GEMM+RS at W=2 then spilled 56 B (Triton 3.6, 254 registers).
+# slot (``op | tag << 8``, one compile-time constant), so the record keeps its eight slots. (A slot of its own was
+# first suspected of GEMM+RS's 56 B of spills at W=2 on Triton 3.6; moving it changed nothing -- the inlined
+# error path was the cause: device._record_error.)
 WAIT_PEERS_DONE: tl.constexpr = tl.constexpr(1)    # index: the peer's rank
 WAIT_AG_ROWS: tl.constexpr = tl.constexpr(2)       # index: the signal slot of (source rank, chunk)
 WAIT_RS_PARTIAL: tl.constexpr = tl.constexpr(3)    # index: the signal slot of (source rank, tile)
