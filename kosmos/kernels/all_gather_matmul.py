@@ -83,6 +83,7 @@ NUM_STAGES: tl.constexpr = tl.constexpr(3)
 COMM_STAGES: tl.constexpr = tl.constexpr((1 << 0) | (1 << 2))  # PUSH | COPY
 ALL_STAGES: tl.constexpr = tl.constexpr(0b111)
 W1_STAGES: tl.constexpr = tl.constexpr(1 << 1)  # at W = 1: TILE only (nothing to push or copy)
+TASK_PUSH: tl.constexpr = tl.constexpr(planning.PUSH)  # a comm table row's kind (else planning.COPY)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_push", "n_comp", "fixed_comm",
@@ -150,7 +151,7 @@ def _all_gather_matmul_kernel(
                 peer = tl.load(comm_table + t * 4 + 1)
                 chunk0 = tl.load(comm_table + t * 4 + 2)
                 n_moved = tl.load(comm_table + t * 4 + 3)
-                if (kind == 0) & (handshake == 0):  # nobody may still be reading what we are about to overwrite
+                if (kind == TASK_PUSH) & (handshake == 0):  # nobody may still be reading what we are about to overwrite
                     peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
                                                    OP_ALL_GATHER_MATMUL, rank)
                     handshake = 1
@@ -163,7 +164,7 @@ def _all_gather_matmul_kernel(
                     dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
                     if peers_ok == 0:  # a peer never finished the last call: write nothing (the loop drains)
                         pass
-                    elif kind == 0:
+                    elif kind == TASK_PUSH:
                         dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
                         copy_flat(src, dst, rows * K, COPY_BLOCK)
                         sig = dev.peer_ptr(peer_sig, peer, tl.int32)
