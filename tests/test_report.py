@@ -5,6 +5,8 @@ import io
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -544,3 +546,133 @@ def test_malformed_recorded_targets_name_the_file(tmp_path):
                                           "'targets.slower_tolerance' must be a number") as error:
         load_results([path])
     assert "\n" not in str(error.value)
+
+
+# --------------------------------------------------------------------------- op configs (rows' `config`)
+
+AG_16K = {"push_chunks": 1, "copy_block": 16384}
+AG_8K = {"push_chunks": 1, "copy_block": 8192}
+RS_PULL = {"push_partials": False}
+
+
+def config_lines(ag_configs=(AG_16K,), world=2):
+    """One ag_gemm and one gemm_rs shape: nccl+cublas (no config) and kosmos once per ag_gemm config."""
+    lines = [result_line(impl="nccl+cublas", time_ms=1.2, world=world, config=None),
+             result_line(op="gemm_rs", layer="attn_out", impl="nccl+cublas", time_ms=1.2, world=world, config=None),
+             result_line(op="gemm_rs", layer="attn_out", time_ms=1.0, world=world, config=RS_PULL)]
+    lines += [result_line(time_ms=1.0 - 0.1 * index, world=world, config=config)
+              for index, config in enumerate(ag_configs)]
+    return lines
+
+
+def md_table(md, title):
+    """The rows (lists of cells) of the markdown table under ``## title``, header first."""
+    block = md.split(f"## {title}\n\n", 1)[1].split("\n\n", 1)[0]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in block.splitlines() if "---" not in line]
+
+
+def test_rows_that_differ_only_by_config_are_two_rows(tmp_path):
+    """An A/B of two configs appended to one file: both rows stay, and every human-readable format says which
+    config each ran with (all its fields, sorted, as --config takes them)."""
+    path = write_lines(tmp_path / "ab.jsonl", config_lines((AG_16K, AG_8K)))
+    df = build_table(load_results([path])[1])
+    kosmos = df[(df.op == "ag_gemm") & (df.impl == "kosmos")]
+    assert list(kosmos.config) == ["copy_block=16384 push_chunks=1", "copy_block=8192 push_chunks=1"]
+    assert list(kosmos.speedup) == [pytest.approx(1.2), pytest.approx(1.2 / 0.9)]
+    assert df[df.impl == "nccl+cublas"].config.isna().all()
+    rows = md_table(render(df, "md"), "Results per shape")
+    header = rows[0]
+    assert header[header.index("impl") + 1] == "config"
+    cells = [(row[header.index("impl")], row[header.index("config")]) for row in rows[1:]]
+    assert cells == [("nccl+cublas", ""), ("nccl+cublas", ""), ("kosmos", "push_partials=false"),
+                     ("kosmos", "copy_block=16384 push_chunks=1"), ("kosmos", "copy_block=8192 push_chunks=1")]
+    assert "<th>config</th>" in render(df, "html") and "copy_block=8192 push_chunks=1" in render(df, "html")
+    assert "config" in render(df, "text") and "copy_block=8192 push_chunks=1" in render(df, "text")
+    versus = versus_table(df)  # a row per config of kosmos
+    assert list(versus[versus.op == "ag_gemm"].vs_fastest_other) == [pytest.approx(1.2), pytest.approx(1.2 / 0.9)]
+    versus_rows = md_table(render(df, "md"), "kosmos against the fastest other implementation")
+    configs = [row[versus_rows[0].index("config")] for row in versus_rows[1:]]
+    assert configs == ["copy_block=16384 push_chunks=1", "copy_block=8192 push_chunks=1", "push_partials=false"]
+
+
+def test_the_same_row_with_the_same_config_keeps_the_last(tmp_path):
+    path = write_lines(tmp_path / "r.jsonl", [result_line(time_ms=2.0, config=AG_16K),
+                                              result_line(time_ms=1.5, config=dict(reversed(AG_16K.items())))])
+    assert list(build_table(load_results([path])[1]).time_ms) == [1.5]
+
+
+def test_config_column_hidden_with_one_config_per_op(tmp_path, table):
+    """Each op has its own fields and the baselines none: one config per op is no reason for a column."""
+    df = build_table(load_results([write_lines(tmp_path / "one.jsonl", config_lines())])[1])
+    assert set(df.config.dropna()) == {"copy_block=16384 push_chunks=1", "push_partials=false"}
+    for fmt in ("md", "text"):
+        assert "config" not in render(df, fmt)
+    assert "<th>config</th>" not in render(df, "html")
+    assert "config" not in render(table, "md")  # rows without a config (older files)
+    other = write_lines(tmp_path / "other.jsonl", config_lines((AG_8K,)))  # files of other configs side by side
+    assert "| config |" in render(build_table(load_results([tmp_path / "one.jsonl", other])[1]), "md")
+
+
+def test_csv_columns_only_grow_at_the_end(tmp_path, table):
+    """The csv contract: the columns of earlier versions keep their names, order and values; config comes last."""
+    before = ("source,bench,op,layer,model,seq,m,n,k,world,dtype,impl,time_ms,tflops,speedup,overlap_efficiency,"
+              "rel_err,workspace_bytes,status,reason,p20_ms,p80_ms,t_gemm_ms,t_comm_ms,peak_mem_bytes,params,"
+              "run_id,gpu,gpu_count,torch,triton,git_commit,knobs,timestamp").split(",")
+    assert next(csv.reader(io.StringIO(render(table, "csv")))) == before + ["config"]
+    df = build_table(load_results([write_lines(tmp_path / "ab.jsonl", config_lines((AG_16K, AG_8K)))])[1])
+    rows = list(csv.DictReader(io.StringIO(render(df, "csv"))))
+    assert [row["config"] for row in rows] == ["", "", "push_partials=false", "copy_block=16384 push_chunks=1",
+                                               "copy_block=8192 push_chunks=1"]
+    assert [row["time_ms"] for row in rows] == ["1.2000", "1.2000", "1.0000", "1.0000", "0.9000"]
+
+
+def test_old_files_with_knobs_render_as_before(tmp_path):
+    env = {"type": "env", "run_id": "r1", "gpu": "G", "gpu_count": 2, "knobs": {"KOSMOS_MOE_BH": "512"}}
+    path = write_lines(tmp_path / "old.jsonl", [env, result_line(), result_line(impl="nccl+cublas")])
+    md = render(build_table(load_results([path])[1]), "md")
+    assert "| knobs |" in md and "KOSMOS_MOE_BH=512" in md and "config" not in md
+
+
+def test_malformed_config_names_the_line(tmp_path):
+    path = write_lines(tmp_path / "c.jsonl", [result_line(), result_line(m=2048, config="copy_block=8192")])
+    with pytest.raises(ReportError, match=r"c\.jsonl:2: a result's config must be an object or null"):
+        load_results([path])
+
+
+# --------------------------------------------------------------------------- geomean targets: world > 1 only
+
+
+def test_geomean_targets_say_nothing_at_world_1(tmp_path):
+    """Rows at world 1 (communication off): no geomean verdict; the versus line stays."""
+    md = render(build_table(load_results([write_lines(tmp_path / "w1.jsonl", config_lines(world=1))])[1]), "md")
+    assert "Target geomean" not in md
+    assert "kosmos at most 3% slower than the fastest other implementation: at 2 of 2 shapes" in md
+
+
+def test_geomean_targets_over_the_rows_at_world_above_1(tmp_path):
+    """A file of world-1 and world-2 rows: the verdict is over the world-2 rows alone, and says so."""
+    lines = config_lines(world=2) + [result_line(m=m, world=1, impl=impl, time_ms=t) for m, impl, t in
+                                     ((4096, "nccl+cublas", 1.0), (4096, "kosmos", 2.0))]
+    md = render(build_table(load_results([write_lines(tmp_path / "mixed.jsonl", lines)])[1]), "md")
+    bar = default_targets("tp")["geomean_speedup"]
+    assert f"Target geomean_speedup of kosmos over nccl+cublas at world > 1 >= {bar:.2f}: 1.200 meets." in md
+    two = write_lines(tmp_path / "w2.jsonl", config_lines(world=2))
+    assert f"Target geomean_speedup of kosmos over nccl+cublas >= {bar:.2f}: 1.200 meets." in \
+        render(build_table(load_results([two])[1]), "md")
+    w1 = write_lines(tmp_path / "w1.jsonl", config_lines(world=1))
+    both = render(build_table(load_results([two, w1])[1]), "md")
+    assert f"Target geomean_speedup of kosmos: w2 over nccl+cublas >= {bar:.2f}: 1.200 meets." in both
+
+
+# --------------------------------------------------------------------------- import cost
+
+
+def test_report_reads_the_default_targets_without_torch():
+    """`kosmos report` stays fast: the default suites' targets are read from their YAML, not through
+    kosmos_bench.suites (which imports torch through the bench modules)."""
+    code = ("import sys\n"
+            "from kosmos_bench.report import build_table, load_results, render\n"
+            f"render(build_table(load_results([{str(TP_SAMPLE)!r}])[1]), 'md')\n"
+            "leaked = sorted(m for m in ('torch', 'kosmos', 'kosmos_bench.suites') if m in sys.modules)\n"
+            "assert not leaked, leaked\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

@@ -2,7 +2,7 @@
 import pytest
 
 from kosmos_bench.suites import (DEFAULT_MOE_SUITE, DEFAULT_SUITE, TARGET_KEYS, MoESuite, SuiteError, TPSuite,
-                                 default_moe_suite, default_suite, load_suite)
+                                 check_targets, default_moe_suite, default_suite, load_suite)
 
 
 def test_default_suite_file_loads():
@@ -132,3 +132,25 @@ def test_targets_are_checked_on_construction():
     with pytest.raises(SuiteError, match="unknown target 'geomean'"):
         MoESuite().override(targets={"geomean": 1.6})
     assert MoESuite(targets={"geomean_speedup": 1.6}).targets == {"geomean_speedup": 1.6}
+
+
+def test_targets_read_from_a_suite_file_alone(tmp_path):
+    """The report reads a suite file's targets without building the suite (no torch): the same mapping and the same
+    check as load_suite's."""
+    from kosmos_bench.report import suite_targets
+
+    assert suite_targets.suite_file_targets(DEFAULT_SUITE, "tp") == default_suite().targets
+    assert suite_targets.suite_file_targets(DEFAULT_MOE_SUITE, "moe") == default_moe_suite().targets
+    assert TARGET_KEYS is suite_targets.TARGET_KEYS
+    assert suite_targets.suite_file_targets(tmp_path / "none.yaml", "tp") == {} == TPSuite().targets
+    p = tmp_path / "bare.yaml"
+    p.write_text("name: bare\n")
+    assert suite_targets.suite_file_targets(p, "tp") == {} == load_suite(p).targets
+    for text, needle in (("targets: {fast: 1.2}\n", "unknown target 'fast'"), ("- a\n", "mapping"),
+                         ("targets: {x: [1\n", "not valid YAML"), ("bench: moe\n", "is a 'moe' suite")):
+        p.write_text(text)
+        with pytest.raises(suite_targets.TargetsError, match=needle) as e:
+            suite_targets.suite_file_targets(p, "tp")
+        assert str(p) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SuiteError, match="unknown target 'fast'"):  # suites' check is the same, as a SuiteError
+        check_targets("tp", {"fast": 1.2})

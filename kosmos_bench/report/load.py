@@ -73,6 +73,8 @@ def _check_required_keys(record: dict, path: Path, line_number: int) -> None:
     missing = [key for key in REQUIRED_RESULT_KEYS if record.get(key) is None]
     if missing:
         raise ReportError(f"{path}:{line_number}: result line lacks {', '.join(missing)}")
+    if not isinstance(record.get("config"), (dict, type(None))):
+        raise ReportError(f"{path}:{line_number}: a result's config must be an object or null")
 
 
 def _with_env(record: dict, env: dict, source: str, path: Path) -> dict:

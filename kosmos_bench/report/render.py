@@ -18,8 +18,8 @@ from .charts import speedup_chart, timeline_chart
 from .lines import summary_lines, versus_line
 from .load import load_results
 from .schema import (
-    ENV_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS, NUMERIC_DISPLAY_COLUMNS, RENDER_FORMATS,
-    SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
+    CONFIG_COLUMN, ENV_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS, NUMERIC_DISPLAY_COLUMNS,
+    RENDER_FORMATS, SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
 )
 from .tables import build_table, geomean_by_model_table, geomean_table, versus_table
 
@@ -57,6 +57,15 @@ def _single_valued(df: pd.DataFrame, columns=("source", "bench")) -> set[str]:
     return {column for column in columns if df[column].nunique() <= 1}
 
 
+def _config_varies(df: pd.DataFrame) -> bool:
+    """Whether a human-readable table shows ``config``: when some op holds rows of more than one config (an A/B
+    appended to one file, or files run with other configs side by side). The rule of ``_single_valued`` applied
+    per op rather than across the table: each op has its own fields and the baselines none, so a run of one
+    config per op would otherwise always show it."""
+    configs = df.dropna(subset=[CONFIG_COLUMN])
+    return bool((configs.groupby("op")[CONFIG_COLUMN].nunique() > 1).any())
+
+
 def _display_columns(df: pd.DataFrame) -> list[str]:
     """Columns of the human-readable per-shape tables (csv gets every column)."""
     hidden = {"workspace_bytes"} | _single_valued(df)
@@ -64,11 +73,15 @@ def _display_columns(df: pd.DataFrame) -> list[str]:
     if "routing" in df:
         position = columns.index("impl")
         columns[position:position] = MOE_COLUMNS
+    if _config_varies(df):
+        columns.insert(columns.index("impl") + 1, CONFIG_COLUMN)
     return columns
 
 
 def _versus_display(versus: pd.DataFrame) -> list[str]:
     hidden = _single_valued(versus)
+    if not _config_varies(versus):
+        hidden.add(CONFIG_COLUMN)
     if versus["vs_fixed_role_best"].isna().all():
         hidden.add("vs_fixed_role_best")
     if "routing" in versus and versus["routing"].isna().all():

@@ -23,6 +23,9 @@ MOE_COLUMNS = ["tokens", "experts", "top_k", "routing"]
 MOE_DETAIL_COLUMNS = ["peak_mem_delta_bytes"]
 DETAIL_COLUMNS = ["p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "peak_mem_bytes", "params"]
 ENV_COLUMNS = ["run_id", *ENV_FIELDS]
+# the op config a KOSMOS implementation ran with, as "field=value ..." text (tables.config_text); the last column
+# of build_table (and of the csv: columns are only ever added at the end), shown after impl where it varies
+CONFIG_COLUMN = "config"
 GEOMEAN_COLUMNS = [
     "source", "bench", "impl", "geomean_speedup", "geomean_overlap_efficiency",
     "ok", "failed", "unavailable",
@@ -33,12 +36,12 @@ MODEL_GEOMEAN_COLUMNS = [
 ]
 
 SHAPE_COLUMNS = ("source", "bench", "op", "layer", "model", "m", "n", "k", "world", "dtype", *MOE_COLUMNS)
-ROW_IDENTITY = (*SHAPE_COLUMNS, "impl")
+ROW_IDENTITY = (*SHAPE_COLUMNS, "impl", CONFIG_COLUMN)
 COMPARISON_GROUP = ("source", "bench", "op", "model", "m", "n", "k", "world", "dtype")
 MOE_COMPARISON_GROUP = ("routing", "tokens")
 VERSUS_SHAPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "world", "dtype"]
 VERSUS_COLUMNS = VERSUS_SHAPE_COLUMNS + [
-    "kosmos_ms", "fastest_other", "fastest_other_ms", "vs_fastest_other", "vs_fixed_role_best"]
+    CONFIG_COLUMN, "kosmos_ms", "fastest_other", "fastest_other_ms", "vs_fastest_other", "vs_fixed_role_best"]
 
 INTEGER_COLUMNS = (
     "seq", "m", "n", "k", "world", "workspace_bytes", "peak_mem_bytes",

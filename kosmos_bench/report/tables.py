@@ -2,9 +2,16 @@
 metrics, the geomeans (per implementation and per model) and kosmos against the fastest other implementation.
 
 Every result row is identified by (source, bench, op, layer, model, m, n, k, world,
-dtype, impl) and, for MoE rows, also (tokens, experts, top_k, routing) from `extra`.
+dtype, impl, config) and, for MoE rows, also (tokens, experts, top_k, routing) from `extra`.
 `source` is the stem of the result file, so several files can be compared side by
-side. When a file holds the same row more than once (appended runs), the last wins.
+side. When a file holds the same row more than once (appended runs), the last wins;
+rows that differ only by ``config`` (an A/B of two configs appended to one file) are two rows.
+
+``config`` is the op config a KOSMOS implementation ran with (null for the baselines), as the
+text ``config_text`` makes of it: every field as ``field=value``, sorted by field, values as
+``--config`` takes them (e.g. "copy_block=16384 push_chunks=1"). All fields rather than those
+off the defaults: the defaults are ``kosmos.config``'s, which the report cannot import without
+torch, and they change between versions while a file's rows stay as run.
 
 Derived metrics (computed here, never stored by the benches):
 
@@ -31,7 +38,8 @@ MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
 * ``vs_fastest_other`` / ``vs_fixed_role_best`` (section "kosmos against the fastest other
   implementation") -- per comparison group where kosmos is ok: the fastest other ok implementation's
   time (or fixed-role-best's) divided by kosmos's; > 1 means kosmos is faster. The line under it
-  (lines.py) counts the groups where kosmos is at most the suite's ``slower_tolerance`` slower.
+  (lines.py) counts the groups where kosmos is at most the suite's ``slower_tolerance`` slower. A group
+  where kosmos ran with several configs gets a row per config.
 
 ``build_table`` also keeps the suite targets of each (source, bench) in ``df.attrs["targets"]`` (targets.py).
 """
@@ -45,7 +53,7 @@ import numpy as np
 import pandas as pd
 
 from .schema import (
-    BASELINE_IMPL, BASELINE_IMPL_BY_OP, COMPARISON_GROUP, DETAIL_COLUMNS, ENV_COLUMNS, FLOAT_COLUMNS,
+    BASELINE_IMPL, BASELINE_IMPL_BY_OP, COMPARISON_GROUP, CONFIG_COLUMN, DETAIL_COLUMNS, ENV_COLUMNS, FLOAT_COLUMNS,
     GEOMEAN_COLUMNS, INTEGER_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS, MOE_COMPARISON_GROUP,
     MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS, ReportError,
 )
@@ -60,7 +68,7 @@ def build_table(results: list[dict]) -> pd.DataFrame:
         row["overlap_efficiency"] = _overlap_efficiency(row)
     has_moe = any(row["bench"] == "moe" for row in rows)
     columns = TABLE_COLUMNS + (MOE_COLUMNS if has_moe else []) + DETAIL_COLUMNS + \
-        (MOE_DETAIL_COLUMNS if has_moe else []) + ENV_COLUMNS
+        (MOE_DETAIL_COLUMNS if has_moe else []) + ENV_COLUMNS + [CONFIG_COLUMN]
     df = _with_dtypes(pd.DataFrame(rows, columns=columns))
     df.attrs["targets"] = table_targets(rows)
     return df
@@ -74,7 +82,17 @@ def _flatten(record: dict) -> dict:
         row[column] = (record[column] if record.get(column) is not None else extra.get(column)) if is_moe else None
     params = record.get("params")
     row["params"] = json.dumps(params, sort_keys=True, separators=(",", ":")) if params else None
+    row[CONFIG_COLUMN] = config_text(record.get("config"))
     return row
+
+
+def config_text(config: dict | None) -> str | None:
+    """A row's config as one cell: "field=value" for every field, sorted by field, separated by spaces; a value as
+    ``--config`` takes it (strings as they are, others as JSON: true, 16384). None for no config."""
+    if not config:
+        return None
+    return " ".join(f"{key}={value if isinstance(value, str) else json.dumps(value)}"
+                    for key, value in sorted(config.items()))
 
 
 def _deduplicate(rows: list[dict]) -> list[dict]:
@@ -191,14 +209,14 @@ def versus_table(df: pd.DataFrame) -> pd.DataFrame:
         others = [row for row in group if row["impl"] != OURS]
         if not ours or not others:
             continue
-        mine, best = ours[0], min(others, key=lambda row: row["time_ms"])
+        best = min(others, key=lambda row: row["time_ms"])
         fixed_best = [row["time_ms"] for row in others if row["impl"] == "fixed-role-best"]
-        records.append({
-            **{column: mine.get(column) for column in VERSUS_SHAPE_COLUMNS + MOE_COLUMNS},
+        records += [{
+            **{column: mine.get(column) for column in VERSUS_SHAPE_COLUMNS + MOE_COLUMNS + [CONFIG_COLUMN]},
             "kosmos_ms": mine["time_ms"], "fastest_other": best["impl"], "fastest_other_ms": best["time_ms"],
             "vs_fastest_other": best["time_ms"] / mine["time_ms"],
             "vs_fixed_role_best": fixed_best[0] / mine["time_ms"] if fixed_best else math.nan,
-        })
+        } for mine in ours]
     columns = VERSUS_COLUMNS if "routing" not in df else \
         VERSUS_SHAPE_COLUMNS + MOE_COLUMNS + VERSUS_COLUMNS[len(VERSUS_SHAPE_COLUMNS):]
     return pd.DataFrame(records, columns=columns)

@@ -1,11 +1,13 @@
 """The bars a report judges results against: the ``targets`` of a suite (suites/*.yaml says what each key means;
-kosmos_bench/suites.py validates them). Nothing in the report holds a bar itself.
+suite_targets.py checks them, for kosmos_bench/suites.py too). Nothing in the report holds a bar itself.
 
 The env line of every results file records the suite as run (``env["suite"]``), so the rows of a run are judged
 against that suite's targets. A recorded suite without ``targets`` (files written before suites had them), or one
 that leaves a key out, falls back key by key to the default suite file of the rows' bench
-(suites/tp-default.yaml, suites/moe-default.yaml). Tables built without a results file (``build_table`` on
-records that carry no ``suite_targets``) use the default suite's targets too.
+(suites/tp-default.yaml, suites/moe-default.yaml), whose ``targets`` are read from the YAML alone
+(``suite_file_targets``: no suite is built, so the report never imports kosmos_bench.suites and torch). Tables
+built without a results file (``build_table`` on records that carry no ``suite_targets``) use the default suite's
+targets too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from functools import lru_cache
 import pandas as pd
 
 from .schema import ReportError
+from .suite_targets import DEFAULT_SUITE_FILES, TargetsError, check_targets, suite_file_targets
 
 
 def run_targets(env: dict, bench: str, where) -> dict:
@@ -24,11 +27,9 @@ def run_targets(env: dict, bench: str, where) -> dict:
     recorded = suite.get("targets") if isinstance(suite, dict) else None
     if recorded is None:
         return default_targets(bench)
-    from ..suites import SuiteError, check_targets  # lazy: suites imports the model table and torch
-
     try:
         check_targets(bench, recorded)
-    except SuiteError as error:
+    except TargetsError as error:
         raise ReportError(f"{where}: the suite of run {env.get('run_id')} has malformed targets: {error}") from None
     return {**default_targets(bench), **recorded}
 
@@ -40,14 +41,11 @@ def default_targets(bench: str) -> dict:
 
 @lru_cache(maxsize=None)
 def _default_targets(bench: str) -> tuple:
-    from ..suites import SuiteError, default_moe_suite, default_suite
-
-    loaders = {"tp": default_suite, "moe": default_moe_suite}
-    if bench not in loaders:
+    if bench not in DEFAULT_SUITE_FILES:
         return ()
     try:
-        return tuple(loaders[bench]().targets.items())
-    except SuiteError as error:
+        return tuple(suite_file_targets(DEFAULT_SUITE_FILES[bench], bench).items())
+    except TargetsError as error:
         raise ReportError(f"default {bench} suite: {error}") from None
 
 
