@@ -16,6 +16,7 @@ from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
 from .kernels.moe_forward import moe_forward
 from .config import AllGatherMatmulConfig, MatmulReduceScatterConfig, MoEForwardConfig
 from . import nn  # noqa: E402
+from .quant import dequantize_mx, quantize_mx  # noqa: E402,F401  (MXFP8: kosmos.quant's module docstring)
 from .runtime import (KosmosError, KosmosTimeoutError, check_errors, reset_workspaces, set_timeout,
                       workspace_bytes)
 
