@@ -280,6 +280,9 @@ def set_timeout(seconds: float, group=None, device=None) -> None:
     to ``seconds`` (default KOSMOS_TIMEOUT_S or 5 s)."""
     if not 0 < seconds <= 2000:
         raise ValueError(f"timeout must be positive and at most 2000 s, got {seconds}")
+    if device is None and not torch.cuda.is_available():  # else torch's bare AssertionError (current_device)
+        raise KosmosError("kosmos.set_timeout: no CUDA device is available (the timeout belongs to a GPU's "
+                          "workspace; torch sees no GPU here)")
     get_workspace(group, torch.device(device) if device is not None else None).timeout_s = float(seconds)
 
 

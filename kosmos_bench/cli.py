@@ -16,13 +16,33 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=(
     "  kosmos bench tp                      # default TP suite on all visible GPUs\n\n"
     "  kosmos bench tp --model llama3-70b --seq 4096,8192 --tp 2\n\n"
     "  kosmos bench moe --model deepseek-v3 --tokens 4096 --routing uniform,zipf:1.2\n\n"
-    "  kosmos report results/h200x2/tp-bf16.jsonl --format md"))
+    "  kosmos bench tp --shape 8192x1024x8192 --op ag_gemm --dry-run\n\n"
+    "  kosmos report results/h200x2/tp-bf16.jsonl --format md\n\n"
+    "  kosmos env                           # what a bug report needs"))
 bench_app = typer.Typer(no_args_is_help=True, help="Check and time fused ops against baselines on this node's GPUs.")
 app.add_typer(bench_app, name="bench")
 console = Console(stderr=True)
 
 
-def _split(values: Optional[List[str]], cast=str):
+def _version(value: bool):
+    if value:
+        from .envinfo import version_line
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the versions of kosmos, torch and triton, and exit.")):
+    pass
+
+
+CAST_WORDS = {int: "an integer", float: "a number"}
+
+
+def _split(values: Optional[List[str]], cast=str, option: str = ""):
+    """Repeated and comma-separated option values -> a tuple (None when not given); a value ``cast`` rejects is
+    a one-line error naming ``option``."""
     if not values:
         return None
     out = []
@@ -33,20 +53,32 @@ def _split(values: Optional[List[str]], cast=str):
                 try:
                     out.append(cast(part))
                 except ValueError:
-                    raise typer.BadParameter(f"{part!r} is not a valid {cast.__name__}") from None
+                    _fail(f"{option}: {part!r} is not {CAST_WORDS.get(cast, 'a valid ' + cast.__name__)}")
     return tuple(out)
 
 
-def _dtype_and_world(dtype: str, asked):
-    """Exit with a clear message for a dtype not implemented yet or a world the machine cannot give."""
-    from . import launcher
+def _check_dtype(dtype: str) -> None:
     from .suites import SUPPORTED_DTYPES
     if dtype not in SUPPORTED_DTYPES:
         _fail(f"--dtype {dtype} is not implemented yet (MXFP8 kernels are planned); use --dtype bf16")
-    try:
-        return launcher.check_world(asked)
-    except launcher.LaunchError as e:
-        _fail(str(e))
+
+
+def _world(asked, flag: str, dry_run: bool) -> tuple[int, str]:
+    """(world size, how it was chosen). A real run needs the GPUs (one-line error otherwise); a dry run plans for
+    ``asked`` ranks, else for every visible GPU, else for 1 rank, and touches no GPU."""
+    from . import launcher
+    if not dry_run:
+        try:
+            world = launcher.check_world(asked)
+        except launcher.LaunchError as e:
+            _fail(str(e))
+        return world, f"{flag} {asked}" if asked is not None else "every visible GPU"
+    if asked is not None:
+        return asked, f"{flag} {asked}"
+    n = launcher.visible_gpus()
+    if n:
+        return n, f"every visible GPU ({n})"
+    return 1, f"no CUDA GPU visible here; {flag} N plans for N"
 
 
 def _configs(bench: str, items):
@@ -61,7 +93,9 @@ CONFIG_HELP = ("Set a field of an op's config for the KOSMOS implementations ({i
 
 
 def _fail(msg: str, code: int = 2):
-    console.print(f"[bold red]error:[/] {msg}")
+    """``error: msg`` on stderr (one line: not wrapped at the terminal width), then exit ``code``."""
+    from rich.markup import escape
+    console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -72,7 +106,27 @@ WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.
 
 
 def _suite_option(bench: str):
-    return typer.Option(None, "--suite", help=f"YAML suite file (default: suites/{bench}-default.yaml).")
+    return typer.Option(None, "--suite", help=f"YAML suite file, or the name of a packaged suite (e.g. "
+                        f"{bench}-default: the default, suites/{bench}-default.yaml in a checkout).")
+
+
+def _load_suite(suite: Optional[Path], bench: str):
+    """The suite of ``--suite`` (a file, or a packaged suite's name: what an installed package has without the
+    repository's suites/), else the bench's default suite."""
+    from .package_data import SUITES_DIR
+    from .suites import SuiteError, default_moe_suite, default_suite, load_suite
+    if suite is None:
+        return default_suite() if bench == "tp" else default_moe_suite()
+    packaged = SUITES_DIR / f"{suite}.yaml"
+    if not suite.exists() and suite.parent == Path(".") and not suite.suffix and packaged.is_file():
+        suite = packaged
+    try:
+        return load_suite(suite, bench=bench)
+    except SuiteError as e:
+        if suite.exists():
+            raise
+        names = ", ".join(sorted(p.stem for p in SUITES_DIR.glob("*.yaml")))
+        raise SuiteError(f"{e} (packaged suites, by name: {names})") from None
 
 
 def _out_option(bench: str):
@@ -88,10 +142,64 @@ def _config_option(impls: str, keys: str, example: str):
     return typer.Option(None, "--config", "-c", help=CONFIG_HELP.format(impls=impls, keys=keys, example=example))
 
 
-def _out_path(out: Optional[Path], bench: str, dtype: str) -> Path:
+DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Print the planned points and implementations (with "
+                              "what can be known of their availability without a GPU) and exit: no GPU is "
+                              "touched, nothing is launched or written. Works on a machine without GPUs.")
+
+
+def _out_path(out: Optional[Path], bench: str, dtype: str, create: bool = True) -> Path:
     out = out or Path("results") / f"{bench}-{dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if create:
+        out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _planned_availability(family: str, impls, world: int) -> list[tuple[str, str]]:
+    """[(impl, availability)] of ``impls`` of ``family`` as the registry's predicates judge them at ``world``
+    ranks (a package, the torch build, the world size), in this process: nothing launches. What needs the GPU
+    itself (Hopper, memory) is not known here."""
+    from . import harness, moe, registry, tp
+    modules = (harness, tp, moe)  # the predicates read the world size through these modules' world_info
+    saved = [m.world_info for m in modules]
+    base = registry.baseline(family)
+    out = []
+    try:
+        for m in modules:
+            m.world_info = lambda: (0, world)
+        for name in impls:
+            try:
+                ok, why = registry.get(family, name).availability()
+            except Exception as e:  # a predicate that cannot decide here
+                ok, why = None, f"not known without running ({type(e).__name__}: {e})"
+            word = "available" if ok else ("unavailable: " if ok is False else "") + (why or "")
+            out.append((name + (" (baseline)" if name == base else ""), word))
+    finally:
+        for m, f in zip(modules, saved):
+            m.world_info = f
+    return out
+
+
+def _print_plan(title: str, facts: list[tuple[str, str]], header: tuple, points: list[tuple],
+                impls: list[tuple[str, list[tuple[str, str]]]]) -> None:
+    """The dry run's report (stdout): the facts of the run, the points as a table, each family's implementations
+    with their availability; then exit 0."""
+    lines = [title] + [f"  {k}: {v}" for k, v in facts]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *points)]
+    lines.append(f"points ({len(points)}):")
+    for row in (header, *points):
+        lines.append("  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    for family, rows in impls:
+        lines.append(f"implementations ({family}):")
+        width = max(len(n) for n, _ in rows)
+        lines += [f"  {n.ljust(width)}  {a}" for n, a in rows]
+    lines.append("dry run: nothing was launched or written; GPU-side checks (Hopper, memory) happen at run time.")
+    typer.echo("\n".join(lines))
+    raise typer.Exit(0)
+
+
+def _configs_text(configs: dict) -> str:
+    from kosmos.config import config_dict
+    return "; ".join(f"{op} " + ", ".join(f"{k}={v}" for k, v in config_dict(c).items()) for op, c in configs.items())
 
 
 def _launch(rank_fn, world: int, out: Path, *args):
@@ -108,17 +216,91 @@ def _launch(rank_fn, world: int, out: Path, *args):
     console.print(f"results: {out}  (render again with `kosmos report {out}`)")
 
 
+SHAPE_HELP = ("A custom GEMM MxNxK instead of the models' shapes (repeated or comma-separated; needs --op ag_gemm "
+              "or gemm_rs; rows get model and layer 'custom'). M, N, K as in the result rows: ag_gemm C[M,N] = "
+              "allgather(A[M/W,K]) @ B[K,N], M the gathered rows, N already per rank; gemm_rs C_shard[M/W,N] = "
+              "RS(A[M,K] @ B[K,N]), K already per rank. M must divide by the world size W, N and K be multiples "
+              "of 8. E.g. --shape 8192x1024x8192 --op ag_gemm.")
+TP_OP_LAYERS = {"ag_gemm": ("qkv", "fc1"), "gemm_rs": ("attn_out", "fc2")}
+
+
+def _tp_layers(ops) -> tuple | None:
+    """``--op`` values (ops or layer names) -> the layers of the models' shapes."""
+    from kosmos.models import TP_LAYERS
+    if not ops:
+        return None
+    layers = tuple(dict.fromkeys(l for n in ops for l in TP_OP_LAYERS.get(n, (n,))))
+    bad = [l for l in layers if l not in TP_LAYERS]
+    if bad:
+        _fail(f"unknown --op {bad}; use ag_gemm, gemm_rs or {', '.join(TP_LAYERS)}")
+    return layers
+
+
+def _custom_shapes(shapes, ops, tp, **excluded) -> list[tuple[str, str, tuple]] | None:
+    """``--shape`` values -> [(op, text, (M, N, K))] for every op of ``--op`` (None without --shape), checked
+    before any GPU is looked for (at ``--tp``'s world size when given; _tp_cases checks M again at the real one).
+    The options that pick a model's shapes (``excluded``: option -> value) cannot be combined with it."""
+    from kosmos.models import TP_OPS, CustomShapeError, custom_tp_gemm, parse_shape
+    texts = _split(shapes)
+    if not texts:
+        return None
+    given = [opt for opt, v in excluded.items() if v not in (None, [], ())]
+    if given:
+        _fail(f"--shape gives the GEMM's M, N, K itself: drop {', '.join(given)}")
+    if not ops:
+        _fail(f"--shape needs --op {' or --op '.join(TP_OPS)} (the op the M, N, K belong to)")
+    bad = [o for o in ops if o not in TP_OPS]
+    if bad:
+        _fail(f"--op {','.join(bad)}: with --shape, --op is {' or '.join(TP_OPS)} (a layer name picks a model's "
+              f"shape)")
+    out = []
+    for text in texts:
+        try:
+            mnk = parse_shape(text)
+            for o in dict.fromkeys(ops):
+                custom_tp_gemm(o, *mnk, tp if isinstance(tp, int) and tp > 0 else 1)
+                out.append((o, text, mnk))
+        except CustomShapeError as e:
+            _fail(f"--shape {text}: {e}")
+    return out
+
+
+def _tp_cases(cfg, custom, world: int) -> list:
+    """The GEMMs of the run: the custom shapes, or every (model, seq, layer) of the suite."""
+    from kosmos.models import CustomShapeError, custom_tp_gemm, tp_gemms
+    if custom is not None:
+        cases = []
+        for o, text, (m, n, k) in custom:
+            try:
+                cases.append(custom_tp_gemm(o, m, n, k, world))
+            except CustomShapeError as e:
+                _fail(f"--shape {text}: {e}")
+        return list(dict.fromkeys(cases))
+    try:
+        shard = cfg.shapes_tp or world
+        cases = [g for m in cfg.models for s in cfg.seq for g in tp_gemms(m, s, shard, cfg.layers)]
+        if shard != world:  # the sequence is split over the real world (SP), the weight over ``shard``
+            bad = sorted({g.seq for g in cases if g.seq % world})
+            if bad:
+                raise ValueError(f"seq {bad} must divide by the world size {world}")
+    except ValueError as e:
+        _fail(str(e))
+    return cases
+
+
 @bench_app.command("tp")
 def bench_tp(
     model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="Model(s), comma-separated or repeated: "
                                               "llama3-8b, llama3-70b, llama3-405b, gpt3-175b."),
     seq: Optional[List[str]] = typer.Option(None, "--seq", "-s", help="Token counts per layer (M), e.g. 4096,8192."),
+    shape: Optional[List[str]] = typer.Option(None, "--shape", help=SHAPE_HELP),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (default: all visible GPUs)."),
     shapes_tp: Optional[int] = typer.Option(None, "--shapes-tp", help="Size the GEMMs as at TP=N (each rank's "
                                             "weight shard) whatever --tp is: `--tp 1 --shapes-tp 2` times the "
                                             "kernels with communication off on the per-rank GEMMs of a TP=2 run."),
     dtype: Optional[str] = DTYPE_OPTION,
-    op: Optional[List[str]] = typer.Option(None, "--op", help="ag_gemm, gemm_rs, or layer names qkv,fc1,attn_out,fc2."),
+    op: Optional[List[str]] = typer.Option(None, "--op", help="ag_gemm, gemm_rs, or layer names qkv,fc1,attn_out,fc2 "
+                                           "(with --shape: ag_gemm and/or gemm_rs)."),
     impl: Optional[List[str]] = _impl_option("kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best"),
     suite: Optional[Path] = _suite_option("tp"),
     iters: Optional[int] = ITERS_OPTION,
@@ -129,53 +311,59 @@ def bench_tp(
     config: Optional[List[str]] = _config_option(
         "kosmos, fixed-role, fixed-role-best", "ag_gemm.push_chunks (an integer >= 1 or auto), ag_gemm.copy_block, "
         "gemm_rs.push_partials (true/false)", "push_chunks=auto --config push_partials=true"),
+    dry_run: bool = DRY_RUN_OPTION,
 ):
     """Check every implementation against the fp32 reference, then time them side by side.
 
-    Each (model, layer, seq) shape runs every implementation on the same random inputs; a failing one is
-    recorded as failed with its reason and the sweep goes on. Rows are appended to --out as they finish.
+    Each (model, layer, seq) shape -- or each --shape -- runs every implementation on the same random inputs; a
+    failing one is recorded as failed with its reason and the sweep goes on. Rows are appended to --out as they
+    finish.
 
     Example (an A/B of a config field, one file each): kosmos bench tp --model llama3-70b --op ag_gemm
     --impl kosmos,nccl+cublas --config ag_gemm.push_chunks=auto --out results/ag-auto.jsonl
+
+    Example (a custom point, planned only): kosmos bench tp --shape 8192x1024x8192,16384x1024x8192 --op ag_gemm
+    --tp 8 --dry-run
     """
-    from kosmos.models import TP_LAYERS
+    from kosmos.models import CUSTOM
 
-    from .suites import SuiteError, TPSuite, default_suite, load_suite
+    from .suites import SuiteError, TPSuite
 
+    ops = _split(op)
+    custom = _custom_shapes(shape, ops, tp, **{"--model": model, "--seq": seq, "--shapes-tp": shapes_tp})
     try:
-        base = load_suite(suite) if suite else default_suite()
-        layers = None
-        if op:
-            names = _split(op)
-            by_op = {"ag_gemm": ("qkv", "fc1"), "gemm_rs": ("attn_out", "fc2")}
-            layers = tuple(dict.fromkeys(l for n in names for l in by_op.get(n, (n,))))
-            bad = [l for l in layers if l not in TP_LAYERS]
-            if bad:
-                raise SuiteError(f"unknown --op {bad}; use ag_gemm, gemm_rs or {', '.join(TP_LAYERS)}")
-        cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int), dtype=dtype, layers=layers,
-                                     impls=_split(impl), iters=iters, warmup=warmup, tp=tp,
-                                     shapes_tp=shapes_tp)
+        base = _load_suite(suite, "tp")
+        cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int, "--seq"), dtype=dtype,
+                                     layers=None if custom else _tp_layers(ops), impls=_split(impl), iters=iters,
+                                     warmup=warmup, tp=tp, shapes_tp=shapes_tp)
         configs = _configs("tp", config)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
-    world = _dtype_and_world(cfg.dtype, cfg.tp)
-    from kosmos.models import tp_gemms
-    try:
-        shard = cfg.shapes_tp or world
-        cases = [g for m in cfg.models for s in cfg.seq for g in tp_gemms(m, s, shard, cfg.layers)]
-        if shard != world:  # the sequence is split over the real world (SP), the weight over ``shard``
-            bad = sorted({g.seq for g in cases if g.seq % world})
-            if bad:
-                raise ValueError(f"seq {bad} must divide by the world size {world}")
-    except ValueError as e:
-        _fail(str(e))
-    out = _out_path(out, "tp", cfg.dtype)
+    _check_dtype(cfg.dtype)
+    world, how = _world(cfg.tp, "--tp", dry_run)
+    cases = _tp_cases(cfg, custom, world)
+    suite_dict = cfg.to_dict()
+    if custom is not None:  # the suite as run: the custom shapes instead of the suite's models
+        suite_dict.update(models=[CUSTOM], layers=[CUSTOM], seq=sorted({g.seq for g in cases}),
+                          shapes=[{"op": g.op, "m": g.m, "n": g.n, "k": g.k} for g in cases])
+    out = _out_path(out, "tp", cfg.dtype, create=not dry_run)
     trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
+    if dry_run:
+        _print_plan(
+            f"kosmos bench tp --dry-run: {len(cases)} GEMMs x {len(cfg.impls)} implementations",
+            [("world", f"{world} rank(s) ({how})"), ("dtype", cfg.dtype),
+             ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
+                        f"{list(cfg.fixed_sweep)}"),
+             ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
+             *([("traces", trace_dir)] if trace_dir else [])],
+            ("op", "model", "layer", "seq", "M", "N", "K"),
+            [(g.op, g.model, g.layer, g.seq, g.m, g.n, g.k) for g in cases],
+            [("tp", _planned_availability("tp", cfg.impls, world))])
     shard_note = f" (GEMMs sized as at TP={cfg.shapes_tp})" if cfg.shapes_tp and cfg.shapes_tp != world else ""
     console.print(f"[bold]kosmos bench tp[/]: {len(cases)} shapes x {len(cfg.impls)} implementations on "
                   f"{world} GPU(s){shard_note} -> {out}")
     from .tp import bench_rank
-    _launch(bench_rank, world, out, cfg.to_dict(), [vars(c) for c in cases], str(out), trace_dir, sys.argv, configs)
+    _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), trace_dir, sys.argv, configs)
 
 
 MOE_HELP = "\n\n".join([
@@ -194,8 +382,44 @@ MOE_HELP = "\n\n".join([
     "  kosmos bench moe --model qwen3-235b --tokens 4096,8192 --routing uniform,zipf:1.2 --ep 2",
     "  kosmos bench moe --model deepseek-v3 --impl kosmos,nccl-a2a --iters 50 --out results/moe.jsonl",
     "  kosmos bench moe --model deepseek-v3 --impl kosmos,nccl-a2a --config copy_cols=256,half_tail=false",
+    "  kosmos bench moe --hidden 4096 --ffn 1024 --experts 64 --top-k 6 --tokens 8192 --ep 8 --dry-run",
     "  kosmos report results/moe.jsonl --format md",
+    "A custom model (named 'custom' in the rows): --hidden, --ffn, --experts and --top-k together, optionally "
+    "with --routing-kind sigmoid-grouped --n-group G --topk-group K, --routed-scaling and --no-renormalize; "
+    "checked as kosmos.moe_forward checks its inputs (H and F multiples of 8, E <= 256 and divisible by the EP "
+    "size, top_k <= min(E, 16), ...).",
 ])
+
+# a custom MoE model's options: CustomShapeError field -> option
+MOE_CUSTOM_OPTIONS = {"hidden": "--hidden", "ffn": "--ffn", "experts": "--experts", "top_k": "--top-k",
+                      "routing": "--routing-kind", "n_group": "--n-group", "topk_group": "--topk-group",
+                      "routed_scaling": "--routed-scaling", "renormalize": "--renormalize", "ep": "--ep"}
+MOE_CUSTOM_REQUIRED = ("hidden", "ffn", "experts", "top_k")
+
+
+def _custom_moe(model, ep, given: dict):
+    """The custom MoEModel of the options in ``given`` (field -> value or None), None when none is given; a
+    missing or bad value is a one-line error naming its option."""
+    from kosmos.models import CustomShapeError, custom_moe_model
+    set_ = [f for f, v in given.items() if v is not None]
+    if not set_:
+        return None
+    shape = [f for f in set_ if f in MOE_CUSTOM_REQUIRED]
+    opts = "/".join(MOE_CUSTOM_OPTIONS[f] for f in MOE_CUSTOM_REQUIRED)
+    if not shape:
+        _fail(f"{', '.join(MOE_CUSTOM_OPTIONS[f] for f in set_)}: router options of a custom model ({opts})")
+    missing = [MOE_CUSTOM_OPTIONS[f] for f in MOE_CUSTOM_REQUIRED if given[f] is None]
+    if missing:
+        _fail(f"a custom model needs {', '.join(MOE_CUSTOM_OPTIONS[f] for f in MOE_CUSTOM_REQUIRED)} together; "
+              f"missing {', '.join(missing)}")
+    if model:
+        _fail(f"--model and a custom model ({opts}) exclude each other: give one")
+    kw = {f: v for f, v in given.items() if v is not None}
+    kw["routing"] = kw.pop("routing", "softmax")
+    try:
+        return custom_moe_model(**kw, ep=ep)
+    except CustomShapeError as e:
+        _fail(f"{MOE_CUSTOM_OPTIONS.get(e.field, e.field)}: {e}")
 
 
 @bench_app.command("moe", help=MOE_HELP)
@@ -218,28 +442,87 @@ def bench_moe(
     config: Optional[List[str]] = _config_option(
         "kosmos, fixed-role, fixed-role-best, kosmos-expert-gemms", "moe_fwd.copy_cols (a power of two >= 16), "
         "moe_fwd.half_tail (true/false)", "copy_cols=256 --config half_tail=false"),
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Custom model: hidden size H (a multiple of 8)."),
+    ffn: Optional[int] = typer.Option(None, "--ffn", help="Custom model: expert FFN size F (a multiple of 8)."),
+    experts: Optional[int] = typer.Option(None, "--experts", help="Custom model: routed experts E (<= 256, "
+                                          "divisible by the EP size)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Custom model: experts per token (<= min(E, 16))."),
+    routing_kind: Optional[str] = typer.Option(None, "--routing-kind", help="Custom model's router: softmax "
+                                               "(default) or sigmoid-grouped (DeepSeek-V3 style, with --n-group "
+                                               "and --topk-group)."),
+    n_group: Optional[int] = typer.Option(None, "--n-group", help="Custom model, sigmoid-grouped: expert groups "
+                                          "(E divisible by it)."),
+    topk_group: Optional[int] = typer.Option(None, "--topk-group", help="Custom model, sigmoid-grouped: groups "
+                                             "kept per token (<= --n-group)."),
+    routed_scaling: Optional[float] = typer.Option(None, "--routed-scaling", help="Custom model: factor on the "
+                                                   "routed experts' output (default 1)."),
+    renormalize: Optional[bool] = typer.Option(None, "--renormalize/--no-renormalize", help="Custom model: "
+                                               "renormalise the top-k gate weights (default on)."),
+    dry_run: bool = DRY_RUN_OPTION,
 ):
-    from .moe import moe_cases
-    from .suites import MoESuite, SuiteError, default_moe_suite, load_suite
+    from .moe import EXPERT_IMPLS, case_model, moe_cases
+    from .suites import MoESuite, SuiteError
 
     try:
-        base = load_suite(suite, bench="moe") if suite else default_moe_suite()
-        cfg: MoESuite = base.override(models=_split(model), tokens=_split(tokens, int), routing=_split(routing),
-                                      dtype=dtype, impls=_split(impl), iters=iters, warmup=warmup, ep=ep,
-                                      expert_gemms=expert_gemms, seed=seed)
+        base = _load_suite(suite, "moe")
+    except SuiteError as e:
+        _fail(str(e))
+    custom = _custom_moe(model, ep if ep is not None else base.ep, dict(
+        hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, routing=routing_kind, n_group=n_group,
+        topk_group=topk_group, routed_scaling=routed_scaling, renormalize=renormalize))
+    try:
+        # a custom model's EP is checked against its own experts (the suite checks its models')
+        cfg: MoESuite = base.override(models=_split(model), tokens=_split(tokens, int, "--tokens"),
+                                      routing=_split(routing), dtype=dtype, impls=_split(impl), iters=iters,
+                                      warmup=warmup, ep=None if custom else ep, expert_gemms=expert_gemms, seed=seed)
         configs = _configs("moe", config)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
-    world = _dtype_and_world(cfg.dtype, cfg.ep)
+    _check_dtype(cfg.dtype)
+    world, how = _world(ep if custom and ep is not None else cfg.ep, "--ep", dry_run)
     try:
-        cases = moe_cases(cfg.models, cfg.tokens, cfg.routing, world)
+        cases = moe_cases([custom] if custom else cfg.models, cfg.tokens, cfg.routing, world)
     except ValueError as e:
         _fail(str(e))
-    out = _out_path(out, "moe", cfg.dtype)
+    suite_dict = cfg.to_dict()
+    if custom:  # the suite as run: the custom model instead of the suite's models
+        from dataclasses import asdict
+        suite_dict.update(models=[custom.name], custom_model=asdict(custom), ep=world)
+    out = _out_path(out, "moe", cfg.dtype, create=not dry_run)
+    if dry_run:
+        families = ([("moe_experts", EXPERT_IMPLS)] if cfg.expert_gemms else []) + [("moe_fwd", cfg.impls)]
+        ops = " + ".join(f for f, _ in families)
+        points = []
+        for c in cases:
+            m = case_model(c)
+            router = m.routing + (f" {m.n_group}/{m.topk_group} groups" if m.routing == "sigmoid-grouped" else "")
+            points.append((m.name, c.tokens, c.routing, m.experts, m.experts // world, m.top_k, m.hidden,
+                           m.expert_ffn, router))
+        _print_plan(
+            f"kosmos bench moe --dry-run: {len(cases)} points ({ops}) x "
+            f"{sum(len(i) for _, i in families)} implementations",
+            [("world", f"EP={world} rank(s) ({how})"), ("dtype", cfg.dtype),
+             ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
+                        f"{list(cfg.fixed_sweep)}"), ("seed", str(cfg.seed)),
+             ("config", _configs_text(configs)), ("results", f"would be appended to {out}")],
+            ("model", "tokens/rank", "routing", "E", "E/rank", "top_k", "H", "F", "router"), points,
+            [(f, _planned_availability(f, i, world)) for f, i in families])
     console.print(f"[bold]kosmos bench moe[/]: {len(cases)} points x {len(cfg.impls)} implementations on "
                   f"{world} GPU(s) (EP={world}) -> {out}")
     from .moe import bench_rank
-    _launch(bench_rank, world, out, cfg.to_dict(), [vars(c) for c in cases], str(out), sys.argv, configs)
+    _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), sys.argv, configs)
+
+
+@app.command("env")
+def env():
+    """Print what a bug report needs (versions, GPUs, topology).
+
+    kosmos (version, git commit), Python, torch, CUDA, triton, NCCL, the driver, every GPU (name, memory, SMs),
+    their peer access and `nvidia-smi topo -m`, and the NCCL_/KOSMOS_/... environment variables that are set.
+    Without a GPU it says "no CUDA GPU" and exits 0.
+    """
+    from .envinfo import env_report
+    typer.echo(env_report())
 
 
 @app.command("report")
@@ -252,14 +535,18 @@ def report(
                                          "matplotlib)."),
     timeline: bool = typer.Option(False, "--timeline", help="FILES is a trace from `bench --trace`: draw the "
                                   "per-program roles over time as a PNG Gantt chart (to --out)."),
+    wide: bool = typer.Option(False, "--wide", help="Text format: every column, the full reasons and every "
+                              "section, as md and html have them (default: a compact view for 100 columns)."),
 ):
     """Render benchmark results anywhere, GPU or not.
 
-    Per shape: time, TFLOP/s (per GPU), speedup vs nccl+cublas, overlap efficiency
-    (max(t_gemm, t_comm) / t), relative error and status; then the geometric mean per implementation,
-    the workspace memory, and kosmos against the fastest other implementation of each shape (its time /
-    kosmos's: > 1 = kosmos faster). `--format csv` is the machine-readable contract: one row per
-    (op, model, shape, impl).
+    The headline first: the geometric means per implementation, the suite's targets judged, kosmos against
+    the fastest other implementation. On the terminal (compact view) a line per shape: each implementation's
+    time in ms and speedup over the baseline (nccl+cublas; MoE nccl-a2a, the expert GEMMs grouped-mm).
+    --wide, md and html: per shape also TFLOP/s (per GPU), overlap efficiency (max(t_gemm, t_comm) / t),
+    the NCCL collective's algorithm and bus bandwidth (nccl-tests' definitions), relative error and status.
+    `--format csv` is the machine-readable contract: one row per (op, model, shape, impl). Folders of
+    --out and --chart are created; messages go to stderr.
     """
     from .report import RENDER_FORMATS, ReportError, report_main
     if format not in RENDER_FORMATS:
@@ -269,10 +556,10 @@ def report(
             if len(files) != 1:
                 _fail("--timeline takes exactly one trace file")
             code = report_main([str(files[0])], fmt=format, out=str(out) if out else None,
-                               timeline=str(files[0]))
+                               timeline=str(files[0]), status=console)
         else:
             code = report_main([str(f) for f in files], fmt=format, out=str(out) if out else None,
-                               chart=str(chart) if chart else None)
+                               chart=str(chart) if chart else None, wide=wide, status=console)
     except ReportError as e:
         _fail(str(e))
     raise typer.Exit(code)

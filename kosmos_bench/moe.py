@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -120,20 +120,28 @@ class MoECase:
     model: str
     tokens: int   # per rank
     routing: str  # canonical RoutingSpec string
+    custom: dict | None = None  # a custom model's MoEModel fields (kosmos.models.custom_moe_model); None: named
+
+
+def case_model(case: MoECase) -> MoEModel:
+    """The MoEModel of ``case``: its custom fields, else the named model."""
+    return MoEModel(**case.custom) if case.custom else moe_model(case.model)
 
 
 def moe_cases(models, tokens, routings, ep: int) -> list[MoECase]:
-    """Every (model, tokens, routing) point; ValueError if a model's experts do not split evenly over ep."""
+    """Every (model, tokens, routing) point; ``models`` are names or MoEModel objects (a custom model: its fields
+    travel with each case). ValueError if a model's experts do not split evenly over ep."""
     out = []
-    for name in models:
-        m = moe_model(name)
+    for model in models:
+        m = model if isinstance(model, MoEModel) else moe_model(model)
+        custom = asdict(m) if isinstance(model, MoEModel) else None
         if ep < 1 or m.experts % ep:
-            raise ValueError(f"{name} has {m.experts} experts: they do not split evenly over --ep {ep}")
+            raise ValueError(f"{m.name} has {m.experts} experts: they do not split evenly over --ep {ep}")
         for t in tokens:
             if not isinstance(t, int) or t <= 0:
                 raise ValueError(f"tokens must be positive integers, got {t!r}")
             for r in routings:
-                out.append(MoECase(name, t, str(parse_routing(r))))
+                out.append(MoECase(m.name, t, str(parse_routing(r)), custom))
     return out
 
 
@@ -404,7 +412,7 @@ def _recover(device):
 
 def base_row(case: MoECase, world: int, dtype: str, op: str = "moe_fwd") -> dict:
     """The identity keys of a row of ``case`` for ``op`` ("moe_fwd" or "moe_experts")."""
-    m = moe_model(case.model)
+    m = case_model(case)
     return {
         "type": "result", "bench": "moe", "op": op, "layer": "experts" if op == "moe_experts" else "moe",
         "model": case.model, "seq": case.tokens, "m": case.tokens, "n": m.hidden, "k": m.expert_ffn, "world": world,
@@ -456,7 +464,7 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
         torch.backends.cuda.matmul.allow_tf32 = False
         # allocate time_op's L2-flush buffer now (keyed like time_op keys it), so no impl's peak includes it
         timing.flush_l2(torch.cuda.current_device())
-    m = moe_model(case.model)
+    m = case_model(case)
     if m.experts % world:
         raise ValueError(f"{m.name} has {m.experts} experts: they do not split evenly over {world} ranks")
     local = m.experts // world

@@ -1,7 +1,7 @@
-"""Benchmark suites: YAML files under suites/ naming models, sequence lengths (TP) or tokens and routings (MoE),
-precisions and implementations, and the report's bars for their results (``targets``). ``load_suite`` validates
-everything up front and names the offending key on error; the file's ``bench`` key (default "tp") picks TPSuite
-or MoESuite."""
+"""Benchmark suites: YAML files under suites/ (a link to the packaged kosmos_bench/suite_files/) naming models,
+sequence lengths (TP) or tokens and routings (MoE), precisions and implementations, and the report's bars for
+their results (``targets``). ``load_suite`` validates everything up front and names the offending key on error;
+the file's ``bench`` key (default "tp") picks TPSuite or MoESuite."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -13,7 +13,8 @@ from kosmos.models import DENSE_MODELS, MOE_MODELS, TP_LAYERS
 
 from .harness import FIXED_SWEEP
 from .moe import MOE_IMPLS, parse_routing
-from .report.suite_targets import DEFAULT_SUITE_FILES, TARGET_KEYS, TargetsError  # noqa: F401 (TARGET_KEYS re-exported)
+from .package_data import DEFAULT_SUITE_FILES  # the packaged default suites (suites/ links to them)
+from .report.suite_targets import TARGET_KEYS, TargetsError  # noqa: F401 (TARGET_KEYS re-exported)
 from .report.suite_targets import check_targets as _check_targets
 from .tp import TP_IMPLS
 
@@ -183,9 +184,14 @@ def load_suite(path, bench: str | None = "tp"):
     if not path.is_file():
         raise SuiteError(f"suite file {path} does not exist")
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:  # a binary file: one line with the path, not a bare codec error
+        raise SuiteError(f"{path}: not a text (UTF-8) YAML file: byte {e.start} is {e.object[e.start:e.start + 1]!r}"
+                         ) from None
+    except OSError as e:
+        raise SuiteError(f"{path}: cannot read the suite file: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise SuiteError(f"{path}: not valid YAML: {e}") from None
+        raise SuiteError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(doc, dict):
         raise SuiteError(f"{path}: a suite must be a YAML mapping of keys (name, models, seq, ...)")
     kind = doc.get("bench", "tp")

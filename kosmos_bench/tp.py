@@ -24,7 +24,7 @@ import torch.distributed as dist
 import kosmos
 from kosmos import reference, runtime
 from kosmos.config import config_dict
-from kosmos.models import TPGemm
+from kosmos.models import CUSTOM, TPGemm
 
 from . import harness, timing
 from .harness import Settings, policy_kwargs, world_info
@@ -164,10 +164,17 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, trace_dir, argv,
                     configs=dict(configs or {}))
     device = torch.device("cuda", torch.cuda.current_device())
     run_sweep(out, environment(argv=argv, suite=suite, bench="tp"), rank, [TPGemm(**c) for c in cases],
-              describe=lambda g: f"{g.model} {g.layer} seq={g.seq} [{g.m}x{g.n}x{g.k}]",
-              run_one=lambda g, write: run_case(g, st, on_row=write),
+              describe=describe, run_one=lambda g, write: run_case(g, st, on_row=write),
               failed_rows=lambda g, why: failed_rows(g, world, st, why), recover=lambda: harness.recover(device),
-              key=lambda r: (r["model"], r["layer"], r["seq"], r["op"], r["impl"]))
+              # m, n, k too: custom shapes (model and layer "custom") may share a seq
+              key=lambda r: (r["model"], r["layer"], r["seq"], r["op"], r["m"], r["n"], r["k"], r["impl"]))
+
+
+def describe(g: TPGemm) -> str:
+    """One line naming GEMM ``g`` (the progress bar)."""
+    if g.model == CUSTOM:
+        return f"custom {g.op} [{g.m}x{g.n}x{g.k}]"
+    return f"{g.model} {g.layer} seq={g.seq} [{g.m}x{g.n}x{g.k}]"
 
 
 def _write_trace(g: TPGemm, st: TPSettings, config):
@@ -199,6 +206,7 @@ def _write_trace(g: TPGemm, st: TPSettings, config):
                "k": g.k, "world": world, "impl": "kosmos", "config": config_dict(config),
                "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
                "ranks": [{"rank": r, "events": ev} for r, ev in enumerate(gathered)]}
-        path = f"{st.trace_dir}/trace-{g.model}-{g.layer}-{g.seq}-w{world}.json"
+        what = f"{g.op}-{g.m}x{g.n}x{g.k}" if g.model == CUSTOM else f"{g.layer}-{g.seq}"  # custom: one file each
+        path = f"{st.trace_dir}/trace-{g.model}-{what}-w{world}.json"
         with open(path, "w") as f:
             json.dump(doc, f)

@@ -240,3 +240,327 @@ def test_bench_moe_config_reaches_the_ranks(monkeypatch, tmp_path):
                             str(tmp_path / "r.jsonl"), "--config", "copy_cols=256,moe_fwd.half_tail=false"])
     assert r.exit_code == 0, r.output
     assert seen["fn"] is moe.bench_rank and seen["args"][-1] == {"moe_fwd": MoEForwardConfig(256, False)}
+
+
+# --------------------------------------------------------------------------- one-line errors, stderr, --version, env
+
+
+def _one_line_error(r, needle):
+    """exit 2 and ``error: ...needle...`` as the one line on stderr."""
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.output
+
+
+@pytest.mark.parametrize("bench, args, needle", [
+    ("tp", ["--seq", "abc"], "--seq: 'abc' is not an integer"),
+    ("tp", ["--seq", "4096,8k"], "--seq: '8k' is not an integer"),
+    ("moe", ["--tokens", "4k"], "--tokens: '4k' is not an integer"),
+])
+def test_not_a_number_names_the_option(bench, args, needle):
+    _one_line_error(runner.invoke(app, ["bench", bench, *args]), needle)
+
+
+@pytest.mark.parametrize("bench", ["tp", "moe"])
+def test_binary_suite_file_is_a_one_line_error_with_its_path(tmp_path, bench):
+    p = tmp_path / "suite.yaml"
+    p.write_bytes(b"\x80\x81\xff\xfe\x00binary")
+    r = runner.invoke(app, ["bench", bench, "--suite", str(p)])
+    _one_line_error(r, f"{p}: not a text (UTF-8) YAML file")
+
+
+def test_missing_suite_lists_the_packaged_ones_and_a_name_finds_one(tmp_path):
+    r = runner.invoke(app, ["bench", "tp", "--suite", str(tmp_path / "nope.yaml"), "--dry-run"])
+    _one_line_error(r, "does not exist (packaged suites, by name: moe-default, tp-default)")
+    r = runner.invoke(app, ["bench", "moe", "--suite", "moe-default", "--dry-run"])
+    assert r.exit_code == 0 and "deepseek-v3" in r.stdout, r.output
+
+
+def test_long_errors_stay_on_one_line():
+    """rich would wrap at the terminal width (80 under the test runner): errors are printed unwrapped."""
+    r = runner.invoke(app, ["bench", "moe", "--model", "mixtral-8x7b", "--ep", "3", "--tokens", "4096",
+                            "--routing", "uniform", "--impl", "kosmos,nccl-a2a,deepep,fixed-role,fixed-role-best"])
+    _one_line_error(r, "mixtral-8x7b has 8 experts: they do not split evenly over ep=3")
+
+
+def test_bench_status_goes_to_stderr(monkeypatch, tmp_path):
+    """The status line and the results path are stderr; stdout holds only the final table (stubbed here)."""
+    _capture_spawn(monkeypatch)
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--out", str(tmp_path / "r.jsonl")])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "" and "kosmos bench tp" in r.stderr and "results:" in r.stderr
+
+
+def test_set_timeout_without_a_gpu_is_a_kosmos_error(monkeypatch):
+    import torch
+
+    import kosmos
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(kosmos.KosmosError, match="no CUDA device is available"):
+        kosmos.set_timeout(3.0)
+    with pytest.raises(ValueError, match="positive"):  # the value is still checked first
+        kosmos.set_timeout(0)
+
+
+def test_version():
+    import torch
+    import triton
+
+    import kosmos
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0
+    assert r.stdout.strip() == f"kosmos {kosmos.__version__}  torch {torch.__version__}  triton {triton.__version__}"
+
+
+def test_env_without_a_gpu(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = runner.invoke(app, ["env"])
+    assert r.exit_code == 0, r.output
+    for part in ("kosmos:", "git commit:", "python:", "torch:", "triton:", "NCCL:", "driver:",
+                 "GPUs:        no CUDA GPU", "nvidia-smi topo -m", "environment:"):
+        assert part in r.stdout, (part, r.stdout)
+
+
+def test_env_lists_gpus_and_peer_access(monkeypatch):
+    """With GPUs (faked here): name, memory, SMs per GPU and the peer-access matrix."""
+    from types import SimpleNamespace
+
+    import torch
+    props = SimpleNamespace(name="NVIDIA H200", total_memory=140 * 2**30, multi_processor_count=132, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
+    out = runner.invoke(app, ["env"]).stdout
+    assert "GPUs:        2 visible" in out and "  1: NVIDIA H200, 140.0 GiB, 132 SMs, sm_90" in out
+    assert "peer access (row -> column):" in out and "    0    -  yes\n    1  yes    -" in out
+
+
+# --------------------------------------------------------------------------- custom points
+
+
+def test_custom_tp_gemm_follows_the_schema():
+    from kosmos.models import CustomShapeError, custom_tp_gemm, parse_shape
+    assert parse_shape("8192x1024x8192") == (8192, 1024, 8192) and parse_shape(" 16X8x8 ") == (16, 8, 8)
+    g = custom_tp_gemm("gemm_rs", 8192, 4096, 1024, 8)
+    assert (g.model, g.layer, g.op, g.seq, g.m, g.n, g.k) == ("custom", "custom", "gemm_rs", 8192, 8192, 4096, 1024)
+    for args, needle in [(("ag_gemm", 100, 8, 8, 8), "M=100 must divide by the world size 8"),
+                         (("ag_gemm", 64, 12, 8, 1), "N=12 must be a multiple of 8"),
+                         (("gemm_rs", 64, 8, 0, 1), "K=0 must be a positive integer"),
+                         (("qkv", 64, 8, 8, 1), "a custom shape is an ag_gemm or a gemm_rs")]:
+        with pytest.raises(CustomShapeError, match=needle):
+            custom_tp_gemm(*args)
+    for text in ("8192x1024", "8192x1024x8192x1", "axbxc", "-8x8x8", "8x8x0"):
+        with pytest.raises(CustomShapeError):
+            parse_shape(text)
+
+
+def test_bench_tp_custom_shapes_reach_the_ranks(monkeypatch, tmp_path):
+    """--shape (repeated and comma-separated) x --op: custom rows' GEMMs, the suite as run records them."""
+    from kosmos.models import TPGemm
+    seen = _capture_spawn(monkeypatch)
+    monkeypatch.setattr("kosmos_bench.launcher.check_world", lambda asked: 2)
+    r = runner.invoke(app, ["bench", "tp", "--shape", "8192x1024x8192,4096x2048x1024", "--shape", "8192x1024x8192",
+                            "--op", "ag_gemm,gemm_rs", "--out", str(tmp_path / "r.jsonl")])
+    assert r.exit_code == 0, r.output
+    suite, cases = seen["args"][0], seen["args"][1]
+    got = [(c["op"], c["m"], c["n"], c["k"]) for c in cases]
+    assert got == [("ag_gemm", 8192, 1024, 8192), ("gemm_rs", 8192, 1024, 8192), ("ag_gemm", 4096, 2048, 1024),
+                   ("gemm_rs", 4096, 2048, 1024)]  # the repeated shape once
+    assert all(TPGemm(**c).model == "custom" and c["layer"] == "custom" and c["seq"] == c["m"] for c in cases)
+    assert suite["models"] == ["custom"] and suite["seq"] == [4096, 8192] and len(suite["shapes"]) == 4
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--shape", "8192x1024x8192"], "--shape needs --op ag_gemm or --op gemm_rs"),
+    (["--shape", "8192x1024x8192", "--op", "fc1"], "--op fc1: with --shape, --op is ag_gemm or gemm_rs"),
+    (["--shape", "8192x1024", "--op", "ag_gemm"], "--shape 8192x1024: not MxNxK"),
+    (["--shape", "8192x0x8192", "--op", "ag_gemm"], "--shape 8192x0x8192: N=0 must be positive"),
+    (["--shape", "100x1024x8192", "--op", "ag_gemm", "--tp", "8"], "--shape 100x1024x8192: M=100 must divide by "
+                                                                    "the world size 8"),
+    (["--shape", "8192x1020x8192", "--op", "gemm_rs", "--tp", "1"], "N=1020 must be a multiple of 8"),
+    (["--shape", "8192x1024x8190", "--op", "gemm_rs", "--tp", "1"], "K=8190 must be a multiple of 8"),
+    (["--shape", "8192x1024x8192", "--op", "ag_gemm", "--model", "llama3-8b"], "drop --model"),
+    (["--shape", "8192x1024x8192", "--op", "ag_gemm", "--seq", "4096", "--shapes-tp", "2"], "drop --seq, --shapes-tp"),
+])
+def test_bench_tp_custom_shape_errors(monkeypatch, args, needle):
+    """One line naming --shape / --op, before anything launches, with or without --dry-run, whatever the machine."""
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("must not launch"))
+    for dry in ([], ["--dry-run"]):
+        _one_line_error(runner.invoke(app, ["bench", "tp", *args, *dry]), needle)
+
+
+def test_custom_moe_model_checks():
+    from kosmos.models import CustomShapeError, MoEModel, custom_moe_model
+    m = custom_moe_model(2048, 512, 64, 6, "sigmoid-grouped", n_group=8, topk_group=2, routed_scaling=2, ep=8)
+    assert m == MoEModel("custom", hidden=2048, expert_ffn=512, experts=64, top_k=6, routing="sigmoid-grouped",
+                         renormalize=True, n_group=8, topk_group=2, routed_scaling=2.0)
+    for kw, field in [(dict(hidden=100), "hidden"), (dict(ffn=0), "ffn"), (dict(experts=300), "experts"),
+                      (dict(experts=96, ep=5), "experts"), (dict(top_k=17, experts=64), "top_k"),
+                      (dict(top_k=9, experts=8), "top_k"), (dict(routing="topk"), "routing"),
+                      (dict(n_group=2), "n_group"), (dict(routed_scaling=float("nan")), "routed_scaling"),
+                      (dict(routing="sigmoid-grouped", n_group=5), "n_group"),
+                      (dict(routing="sigmoid-grouped", n_group=8, topk_group=9), "topk_group"),
+                      (dict(routing="sigmoid-grouped", n_group=8, topk_group=1, top_k=9), "top_k")]:
+        args = dict(hidden=2048, ffn=512, experts=64, top_k=6) | kw
+        with pytest.raises(CustomShapeError) as e:
+            custom_moe_model(**args)
+        assert e.value.field == field, (kw, e.value)
+
+
+def test_bench_moe_custom_model_reaches_the_ranks(monkeypatch, tmp_path):
+    from kosmos.models import MoEModel
+    from kosmos_bench import moe
+    seen = _capture_spawn(monkeypatch)
+    monkeypatch.setattr("kosmos_bench.launcher.check_world", lambda asked: 4)
+    r = runner.invoke(app, ["bench", "moe", "--hidden", "2048", "--ffn", "512", "--experts", "64", "--top-k", "6",
+                            "--routing-kind", "sigmoid-grouped", "--n-group", "8", "--topk-group", "2",
+                            "--tokens", "128", "--routing", "zipf:1.2", "--out", str(tmp_path / "r.jsonl")])
+    assert r.exit_code == 0, r.output
+    suite, cases = seen["args"][0], seen["args"][1]
+    assert suite["models"] == ["custom"] and suite["custom_model"]["experts"] == 64 and suite["ep"] == 4
+    case = moe.MoECase(**cases[0])
+    want = MoEModel("custom", 2048, 512, 64, 6, "sigmoid-grouped", True, 8, 2, 1.0)
+    assert moe.case_model(case) == want and (case.tokens, case.routing) == (128, "zipf:1.2")
+    row = moe.base_row(case, 4, "bf16")
+    assert (row["model"], row["experts"], row["top_k"], row["hidden"], row["expert_ffn"], row["n"], row["k"]) == \
+        ("custom", 64, 6, 2048, 512, 2048, 512)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--hidden", "2048"], "a custom model needs --hidden, --ffn, --experts, --top-k together; missing --ffn, "
+                           "--experts, --top-k"),
+    (["--routing-kind", "sigmoid-grouped"], "--routing-kind: router options of a custom model"),
+    (["--model", "qwen3-235b", "--hidden", "2048", "--ffn", "512", "--experts", "64", "--top-k", "6"],
+     "--model and a custom model (--hidden/--ffn/--experts/--top-k) exclude each other"),
+    (["--hidden", "2050", "--ffn", "512", "--experts", "64", "--top-k", "6"], "--hidden: hidden=2050 must be a "
+                                                                              "multiple of 8"),
+    (["--hidden", "2048", "--ffn", "512", "--experts", "96", "--top-k", "6", "--ep", "5"],
+     "--experts: 96 experts do not split evenly over EP=5 ranks"),
+    (["--hidden", "2048", "--ffn", "512", "--experts", "8", "--top-k", "9"], "--top-k: top_k=9 must be at most the "
+                                                                             "8 experts"),
+    (["--hidden", "2048", "--ffn", "512", "--experts", "64", "--top-k", "6", "--routing-kind", "sigmoid-grouped",
+      "--n-group", "8", "--topk-group", "9"], "--topk-group: topk_group=9 must be at most n_group=8"),
+    (["--hidden", "2048", "--ffn", "512", "--experts", "64", "--top-k", "6", "--n-group", "8"],
+     "--n-group: n_group=8: groups belong to routing kind 'sigmoid-grouped'"),
+    (["--hidden", "2048", "--ffn", "512", "--experts", "64", "--top-k", "6", "--ep", "3"],
+     "--experts: 64 experts do not split evenly over EP=3 ranks"),
+])
+def test_bench_moe_custom_model_errors(monkeypatch, args, needle):
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("must not launch"))
+    for dry in ([], ["--dry-run"]):
+        _one_line_error(runner.invoke(app, ["bench", "moe", *args, *dry]), needle)
+
+
+def test_bench_moe_custom_default_ep_must_split_its_experts(monkeypatch):
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 3)
+    monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("must not launch"))
+    r = runner.invoke(app, ["bench", "moe", "--hidden", "2048", "--ffn", "512", "--experts", "64", "--top-k", "6"])
+    _one_line_error(r, "custom has 64 experts: they do not split evenly over --ep 3")
+
+
+# --------------------------------------------------------------------------- --dry-run
+
+
+def _no_gpu_no_launch(monkeypatch, gpus=0):
+    """A machine with ``gpus`` GPUs, where a dry run must neither check the world, nor spawn, nor write."""
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(launcher, "check_world", lambda asked: pytest.fail("a dry run checks no GPU"))
+    monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("a dry run launches nothing"))
+
+
+def test_bench_tp_dry_run_without_a_gpu(monkeypatch, tmp_path):
+    _no_gpu_no_launch(monkeypatch)
+    out = tmp_path / "sub" / "r.jsonl"
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--op", "ag_gemm", "--dry-run",
+                            "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = r.stdout
+    assert "2 GEMMs x 5 implementations" in text and "1 rank(s) (no CUDA GPU visible here; --tp N plans for N)" in text
+    assert "ag_gemm  llama3-8b  qkv    4096  4096  6144   4096" in text and "fc1" in text and "fc2" not in text
+    assert "nccl+cublas (baseline)  available" in text
+    assert "fixed-role              unavailable: no communication at world size 1" in text
+    assert f"would be appended to {out}" in text and "nothing was launched or written" in text
+    assert not out.parent.exists()
+
+
+def test_bench_tp_dry_run_plans_for_the_asked_world(monkeypatch):
+    """--tp 8 on a machine without GPUs: the points and availability of an 8-rank run."""
+    _no_gpu_no_launch(monkeypatch)
+    r = runner.invoke(app, ["bench", "tp", "--shape", "16384x1024x8192", "--op", "gemm_rs", "--tp", "8",
+                            "--impl", "kosmos,fixed-role", "--config", "push_partials=true", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "8 rank(s) (--tp 8)" in r.stdout and "gemm_rs  custom  custom  16384  16384  1024  8192" in r.stdout
+    assert "fixed-role  available" in r.stdout and "gemm_rs push_partials=True" in r.stdout
+
+
+def test_bench_tp_dry_run_with_gpus_plans_for_all_of_them(monkeypatch):
+    _no_gpu_no_launch(monkeypatch, gpus=4)
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-70b", "--seq", "8192", "--dry-run"])
+    assert r.exit_code == 0 and "4 rank(s) (every visible GPU (4))" in r.stdout, r.output
+    assert "qkv       8192  8192  2560   8192" in r.stdout  # N = 10240 / 4
+
+
+def test_bench_moe_dry_run_shows_availability(monkeypatch, tmp_path):
+    import importlib.util
+    _no_gpu_no_launch(monkeypatch)
+    out = tmp_path / "new" / "m.jsonl"
+    r = runner.invoke(app, ["bench", "moe", "--model", "qwen3-235b", "--tokens", "4096,8192", "--routing", "uniform",
+                            "--ep", "8", "--dry-run", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = r.stdout
+    assert "2 points (moe_experts + moe_fwd) x 7 implementations" in text and "EP=8 rank(s) (--ep 8)" in text
+    assert "qwen3-235b  4096         uniform  128  16      8      4096  1536  softmax" in text
+    assert "implementations (moe_experts):" in text and "grouped-mm (baseline)  available" in text
+    deepep = [line for line in text.splitlines() if line.strip().startswith("deepep ")]
+    if importlib.util.find_spec("deep_ep") is None:
+        assert deepep and "unavailable: deep_ep is not importable" in deepep[0]
+    assert not out.parent.exists()
+
+
+def test_bench_moe_dry_run_custom_model(monkeypatch):
+    _no_gpu_no_launch(monkeypatch)
+    r = runner.invoke(app, ["bench", "moe", "--hidden", "2048", "--ffn", "512", "--experts", "64", "--top-k", "6",
+                            "--routing-kind", "sigmoid-grouped", "--n-group", "8", "--topk-group", "2", "--ep", "2",
+                            "--tokens", "256", "--no-expert-gemms", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "2 points (moe_fwd) x 5 implementations" in r.stdout
+    assert "custom  256          uniform   64  32      6      2048  512  sigmoid-grouped 8/2 groups" in r.stdout
+
+
+def test_custom_moe_point_runs_on_the_rank_side(monkeypatch):
+    """A custom case, as the ranks get it (a dict), through moe.run_case on CPU (kernels stood in for by the
+    reference math): every row carries the custom model's numbers."""
+    from dataclasses import asdict
+
+    from kosmos.models import custom_moe_model
+    from kosmos.moe_reference import _experts_forward, moe_forward_a2a
+    from kosmos_bench import moe, timing
+
+    def layer(x, wr, w13, w2, *, top_k, group, config, policy, comm_programs, **route):
+        return moe_forward_a2a(x, wr, w13, w2, top_k=top_k, fp32=False, **route)
+
+    def time_op(fn, **kw):
+        fn()
+        return dict(time_ms=1.0, p20_ms=1.0, p80_ms=1.0, samples=1, host_ms=0.1)
+
+    monkeypatch.setattr(timing, "time_op", time_op)
+    monkeypatch.setattr(moe, "moe_forward", layer)
+    monkeypatch.setattr(moe, "expert_gemms", lambda x, c, w13, w2, *, config: _experts_forward(x, c, w13, w2,
+                                                                                               fp32=False))
+    m = custom_moe_model(64, 32, 8, 2, "sigmoid-grouped", n_group=4, topk_group=2, routed_scaling=2.5, ep=1)
+    (case,) = moe.moe_cases([m], [48], ["uniform"], 1)
+    case = moe.MoECase(**vars(case))  # the trip through launcher.spawn
+    rows = moe.run_case(case, moe.MoESettings(impls=("kosmos", "nccl-a2a")), device="cpu")
+    assert [(r["op"], r["impl"], r["status"]) for r in rows] == [
+        ("moe_experts", "grouped-mm", "ok"), ("moe_experts", "kosmos-expert-gemms", "ok"),
+        ("moe_fwd", "kosmos", "ok"), ("moe_fwd", "nccl-a2a", "ok")]
+    for r in rows:
+        assert (r["model"], r["hidden"], r["expert_ffn"], r["experts"], r["top_k"]) == ("custom", 64, 32, 8, 2)
+        assert (r["extra"]["router"], r["extra"]["n_group"], r["extra"]["routed_scaling"]) == \
+            ("sigmoid-grouped", 4, 2.5)
+    assert case.custom == asdict(m)

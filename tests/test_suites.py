@@ -154,3 +154,32 @@ def test_targets_read_from_a_suite_file_alone(tmp_path):
         assert str(p) in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(SuiteError, match="unknown target 'fast'"):  # suites' check is the same, as a SuiteError
         check_targets("tp", {"fast": 1.2})
+
+
+def test_unreadable_suite_files_give_a_one_line_error_with_the_path(tmp_path):
+    """A binary file names its path (not a bare codec error); YAML's multi-line messages are folded to one line."""
+    p = tmp_path / "binary.yaml"
+    p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    with pytest.raises(SuiteError, match="not a text .UTF-8. YAML file") as e:
+        load_suite(p)
+    assert str(e.value).startswith(str(p)) and "\n" not in str(e.value)
+    p.write_text("models: [llama3-8b\nseq: 4096\n")
+    with pytest.raises(SuiteError, match="not valid YAML") as e:
+        load_suite(p)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_default_suites_are_package_data():
+    """The default suites live inside the package (an installed wheel has them); the repository's suites/ is a link
+    to that folder, so `--suite suites/tp-default.yaml` keeps working from a checkout."""
+    from pathlib import Path
+
+    import kosmos_bench
+    from kosmos_bench.package_data import DEFAULT_SUITE_FILES, SUITES_DIR
+    package = Path(kosmos_bench.__file__).resolve().parent
+    assert SUITES_DIR == package / "suite_files" and DEFAULT_SUITE == DEFAULT_SUITE_FILES["tp"]
+    assert DEFAULT_SUITE.is_file() and DEFAULT_MOE_SUITE.is_file() and DEFAULT_SUITE.parent == SUITES_DIR
+    repo_suites = package.parent / "suites"
+    if repo_suites.exists():  # a checkout (not an installed package)
+        assert repo_suites.is_symlink() and repo_suites.resolve() == SUITES_DIR
+        assert load_suite(repo_suites / "tp-default.yaml") == default_suite()
