@@ -11,6 +11,8 @@ Expert e (SwiGLU): y_e(x) = (silu(x @ W13[e][:, :F]) * (x @ W13[e][:, F:])) @ W2
 Fold: y[t] = sum_{j < k} w[t, j] * y_{e[t, j]}(x[t]), in top-k slot order j = 0..k-1 (topk's order).
 Experts are split evenly over W ranks: global expert g lives on rank g // (E/W) as local expert g % (E/W).
 Shared experts are outside the op.
+Backward: ``moe_backward_ref`` -- every gradient stage by stage with explicit formulas (no autograd), in the
+order a one-launch backward runs them, and which forward tensors such a backward saves or recomputes.
 
 ``moe_forward_ref_local`` takes every rank's tokens in one process (CPU tests); ``moe_forward_a2a`` is the
 distributed layer built from NCCL all-to-all the way Megatron's all-to-all dispatcher does it -- with
@@ -173,3 +175,256 @@ def apply_routing_ref(x, weights, experts, w13_all, w2_all):
             rows = (experts[:, j] == e).nonzero(as_tuple=True)[0]
             y[rows] += weights[rows, j, None].float() * expert_ffn(xf[rows], w13_all[e].float(), w2_all[e].float())
     return y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backward reference (issue 15): the layer's gradients written out stage by stage, explicit formulas, no autograd,
+# in the order a one-launch backward would run them. Pairs p = t*k + j (token-major, slot-minor, as in
+# moe_forward_a2a); per-pair tensors are [T*k, ...]. Every sum has a fixed order and no tensor is accumulated into
+# by index (no index_add): per expert, its pairs in ascending p inside one GEMM; per token, its slots j = 0..k-1.
+
+def _acc_dtype(*tensors):
+    """fp64 when any input is fp64, else fp32 (bf16/fp16/fp32 inputs are upcast)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _pairs_by_expert(experts, n_experts: int):
+    """[(e, pairs)] for every expert with rows, e ascending; pairs = the flat pair indices p = t*k + j that chose
+    e, ascending (a fixed, sort-free order: one compare and one nonzero per expert). Empty experts are absent."""
+    flat = experts.reshape(-1)
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    return [(e, (flat == e).nonzero(as_tuple=True)[0]) for e in range(n_experts) if counts[e]]
+
+
+def routing_weights_ref(logits, experts, routing: str, *, renormalize: bool = True, routed_scaling: float = 1.0):
+    """Differentiable part of the routing, given the decision ``experts`` [T, k] (top-k selection itself has no
+    gradient): (weights [T, k], full [T, E], denom [T, 1] or None), in logits' dtype.
+
+        softmax          full = p = softmax(l);   q_j = p[e_j]
+        sigmoid-grouped  full = s = sigmoid(l);   q_j = s[e_j]   (the bias chose e and appears nowhere here)
+        renormalize      denom S = sum_j q_j + 1e-20;  w_j = (q_j / S) * c      else  w_j = q_j * c
+    with c = routed_scaling -- the same formulas, in the same order, as ``route``."""
+    full = torch.softmax(logits, dim=-1) if routing == "softmax" else torch.sigmoid(logits)
+    q = full.gather(1, experts)
+    denom = q.sum(-1, keepdim=True) + 1e-20 if renormalize else None
+    weights = (q / denom if renormalize else q) * routed_scaling
+    return weights, full, denom
+
+
+def expert_pairs_forward_ref(x, experts, w13, w2, groups):
+    """The forward's per-pair tensors (what a backward saves or recomputes): for pair p = (t, j), e = e[t, j],
+        [g_p | u_p] = x_t @ W13[e]   (g gate, u up: [P, F] each),   h_p = silu(g_p) * u_p,   o_p = h_p @ W2[e]
+    in x's dtype. Returns (g, u, h, o), h and o [P, F] and [P, H]. ``groups`` from ``_pairs_by_expert``."""
+    n_tok, k = experts.shape
+    f = w2.shape[1]
+    g = x.new_zeros((n_tok * k, f))
+    u = x.new_zeros((n_tok * k, f))
+    o = x.new_zeros((n_tok * k, x.shape[1]))
+    for e, p in groups:
+        a = x[p // k] @ w13[e]
+        g[p], u[p] = a[:, :f], a[:, f:]
+    h = g * torch.sigmoid(g) * u
+    for e, p in groups:
+        o[p] = h[p] @ w2[e]
+    return g, u, h, o
+
+
+def combine_backward_ref(dy, weights, o):
+    """Combine (y[t] = sum_j w[t, j] o_(t, j)) backward: dy [T, H], weights [T, k], o [P, H] ->
+        do_(t, j) = w[t, j] * dy[t]                [P, H]
+        dw[t, j]  = <dy[t], o_(t, j)>              [T, k]   (sum over H)
+    A kernel sends dy[t] once per destination rank holding one of t's experts (the mirror of combine) with
+    w[t, :]; do is formed on the expert's rank."""
+    (n_tok, k), hidden = weights.shape, dy.shape[1]
+    do = (weights[:, :, None] * dy[:, None, :]).reshape(n_tok * k, hidden)
+    dw = (o.view(n_tok, k, hidden) * dy[:, None, :]).sum(-1)
+    return do, dw
+
+
+def gate_grad_from_h_ref(dy, h, experts, w2, groups):
+    """The gate gradient without o: dw[t, j] = <dy[t], h_p @ W2[e]> = <dy[t] @ W2[e]^T, h_p>. z_p = dy[t] @ W2[e]^T
+    is GEMM2's data gradient before the w scaling (dh_p = w[t, j] z_p), so a kernel gets dw as a row dot in the
+    GEMM2-dgrad epilogue and never saves nor recomputes o. Returns dw [T, k]."""
+    n_tok, k = experts.shape
+    dw = h.new_zeros(n_tok * k)
+    for e, p in groups:
+        dw[p] = ((dy[p // k] @ w2[e].t()) * h[p]).sum(-1)
+    return dw.view(n_tok, k)
+
+
+def gemm2_backward_ref(do, h, w2, groups):
+    """GEMM2 (o_p = h_p @ W2[e]) backward, per expert e with pairs P_e (ascending p; none: dW2[e] = 0):
+        dh[P_e]  = do[P_e] @ W2[e]^T               data gradient   [P, F]
+        dW2[e]   = h[P_e]^T @ do[P_e]              weight gradient [E, F, H], sum over P_e in ascending p
+    """
+    dh = do.new_zeros(h.shape)
+    dw2 = do.new_zeros(w2.shape)
+    for e, p in groups:
+        dh[p] = do[p] @ w2[e].t()
+        dw2[e] = h[p].t() @ do[p]
+    return dh, dw2
+
+
+def swiglu_backward_ref(dh, g, u):
+    """SwiGLU (h = silu(g) * u) backward, elementwise, with s = sigmoid(g), silu(g) = g s,
+    silu'(g) = s + g s (1 - s):
+        dg = dh * u * silu'(g),    du = dh * silu(g)"""
+    s = torch.sigmoid(g)
+    return dh * u * (s + g * s * (1 - s)), dh * (g * s)
+
+
+def gemm1_backward_ref(dg, du, x, experts, w13, groups):
+    """GEMM1 ([g | u]_p = x_t @ W13[e]) backward, per expert e with pairs P_e (ascending p), da = [dg | du]:
+        dx_pair[P_e] = da[P_e] @ W13[e]^T                      [P, H]
+        dW13[e]      = x[t(P_e)]^T @ da[P_e]                   [E, H, 2F], sum over P_e in ascending p
+    (x[t(P_e)]: the expert's rows as dispatched -- saved, or re-dispatched from x)."""
+    k = experts.shape[1]
+    da = torch.cat([dg, du], dim=-1)
+    dx_pair = da.new_zeros((da.shape[0], x.shape[1]))
+    dw13 = da.new_zeros(w13.shape)
+    for e, p in groups:
+        dx_pair[p] = da[p] @ w13[e].t()
+        dw13[e] = x[p // k].t() @ da[p]
+    return dx_pair, dw13
+
+
+def dispatch_backward_ref(dx_pair, top_k: int):
+    """Dispatch (token t copied to each of its k experts) backward: dx_e[t] = sum_{j=0..k-1} dx_pair_(t, j), summed
+    in slot order j = 0, 1, ..., k-1 (a kernel that pre-sums a token's rows per destination rank sums in another
+    fixed order: deterministic, not bitwise this one). [P, H] -> [T, H]."""
+    pairs = dx_pair.view(dx_pair.shape[0] // top_k, top_k, dx_pair.shape[1])
+    dx = pairs[:, 0].clone()
+    for j in range(1, top_k):
+        dx += pairs[:, j]
+    return dx
+
+
+def router_weights_backward_ref(dw, weights, denom, *, routed_scaling: float = 1.0):
+    """Through the weights' normalisation and scaling (w_j = c q_j / S, S = sum_i q_i + 1e-20; or w_j = c q_j):
+        renormalize   dq_j = (c dw_j - <dw, w>) / S        (since dw_i/dq_j = c (delta_ij - q_i / S) / S)
+        otherwise     dq_j = c dw_j
+    dw, weights [T, k]; denom [T, 1] or None (no renormalisation). Returns dq [T, k]."""
+    c = routed_scaling
+    if denom is None:
+        return c * dw
+    return (c * dw - (dw * weights).sum(-1, keepdim=True)) / denom
+
+
+def router_logits_backward_ref(dq, full, experts, routing: str):
+    """From the selected probabilities/scores q_j = full[e_j] back to the logits l [T, E]:
+        softmax          dl = p * (dp - <dp, p>),  dp = dq scattered to the selected experts (0 elsewhere), so
+                         <dp, p> = sum_j dq_j p[e_j]; every expert's logit gets a gradient
+        sigmoid-grouped  dl[e_j] = dq_j s_j (1 - s_j), 0 for unselected experts (only the k selected s are needed);
+                         the bias only chose e: no gradient (DeepSeek-V3)"""
+    q = full.gather(1, experts)
+    if routing == "softmax":
+        dp = torch.zeros_like(full).scatter_(1, experts, dq)
+        return full * (dp - (dq * q).sum(-1, keepdim=True))
+    return torch.zeros_like(full).scatter_(1, experts, dq * q * (1 - q))
+
+
+def router_gemm_backward_ref(dlogits, x, router_weight):
+    """Router GEMM (l = x @ Wr^T) backward: d(router weight) = dl^T x [E, H]; the router's part of dx = dl @ Wr."""
+    return dlogits.t() @ x, dlogits @ router_weight
+
+
+def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str = "softmax",
+                     renormalize: bool = True, bias=None, n_group: int = 1, topk_group: int = 1,
+                     routed_scaling: float = 1.0, experts=None, return_stages: bool = False):
+    """Gradients of the MoE layer y = moe(x) (``route`` + ``apply_routing_ref`` over ALL experts, one process) for
+    the output gradient dy [T, H]: (dx [T, H], d_router_weight [E, H], dw13 [E, H, 2F], dw2 [E, F, H]), plus a
+    dict of every stage's tensors when ``return_stages``. Arguments as ``route`` takes them (x [T, H],
+    router_weight [E, H], bias [E] for sigmoid-grouped), w13 [E, H, 2F] (gate | up), w2 [E, F, H].
+
+    Written out stage by stage with explicit formulas (no autograd), in the order a one-launch backward runs them:
+      0. routing decision: ``experts`` [T, k] as passed in (what a kernel saves), or recomputed with ``route``
+         (fp32 logits, exactly the forward reference's choice). Top-k selection has no gradient, and neither has
+         the bias (it only changes the choice). The weights are recomputed from the logits l = x @ Wr^T given
+         the decision (``routing_weights_ref``), together with the per-pair forward g, u, h, o
+         (``expert_pairs_forward_ref``) -- in a kernel these come from saved tensors or a recompute (below);
+      1. combine-backward     do_(t,j) = w[t,j] dy[t];  dw[t,j] = <dy[t], o_(t,j)>           combine_backward_ref
+      2. GEMM2 dgrad, wgrad   dh = do @ W2[e]^T;  dW2[e] = h^T do   (per expert)           gemm2_backward_ref
+      3. SwiGLU backward      dg = dh u silu'(g);  du = dh silu(g)                         swiglu_backward_ref
+      4. GEMM1 dgrad, wgrad   dx_pair = [dg|du] @ W13[e]^T;  dW13[e] = x_rows^T [dg|du]    gemm1_backward_ref
+      5. dispatch-backward    dx_e[t] = sum_j dx_pair_(t,j), slot order                    dispatch_backward_ref
+      6. router backward      dw -> dq (normalisation, scaling)                            router_weights_backward_ref
+                              dq -> dl (softmax / sigmoid)                                 router_logits_backward_ref
+                              dWr = dl^T x;  dx_r = dl @ Wr                                router_gemm_backward_ref
+      7. dx = dx_e + dx_r.
+    Stage 6 needs only stage 1's dw (and the routing tensors), so a kernel may run it beside stages 2-5.
+    Math in fp64 when any input is fp64, else fp32 (bf16 inputs are upcast); the gradients come back in that
+    dtype. Deterministic: no index_add; per expert its pairs in ascending p = t*k + j inside one GEMM (a kernel's
+    wgrad tile owner sums its row tiles in a fixed order), per token its slots in order j = 0..k-1.
+
+    What a one-launch backward must have from the forward, per rank, for deepseek-v3 at T = 4096 tokens per rank
+    (H 7168, F 2048, k 8, E 256 over W ranks; bf16 unless said; R = expert rows on the rank = T*k = 32768 on
+    average -- the forward's workspace is sized for the worst case W*T*min(k, E/W) rows, W times these figures):
+      tensor                      shape      bytes      needed by                    save or recompute
+      weights w                   [T, k] f32 128 KiB    combine-bwd (do = w dy)      save
+      experts e                   [T, k] i32 128 KiB    every stage (the decision)   save (a recompute is the router
+                                                                                     GEMM + top-k, ties included)
+      S = sum of selected s       [T] f32    16 KiB     sigmoid router bwd           save (s_j = w_j S / c), or the
+                                                                                     k selected logits: k*H MACs/token
+      p = softmax(l)              [T, E] f32 4 MiB      softmax router bwd (all E)   recompute l = x Wr^T: 2TEH =
+                                                                                     15 GFLOP (x is kept anyway)
+      x                           [T, H]     56 MiB     router wgrad, re-dispatch    the layer's input (kept by
+                                                                                     autograd anyway)
+      expert rows x_rows          [R, H]     448 MiB    GEMM1 wgrad                  save, or re-dispatch x: the
+                                                                                     forward's dispatch + permute
+      g | u                       [R, 2F]    256 MiB    SwiGLU bwd                   save (recompute = GEMM1 fwd,
+                                                                                     2*R*H*2F = 1.92 TFLOP)
+      h = silu(g) u               [R, F]     128 MiB    GEMM2 wgrad (h^T do)         recompute from g | u (elementwise)
+      o = h W2                    [R, H]     448 MiB    dw = <dy, o>                 neither: dw = <dy W2^T, h>, a row
+                                                                                     dot in the GEMM2-dgrad epilogue
+                                                                                     (gate_grad_from_h_ref); a recompute
+                                                                                     is GEMM2 fwd, 0.96 TFLOP
+    So the minimum saved set is w, e, S (or p's recompute), g | u and the expert rows (or their re-dispatch):
+    ~704 MiB per rank at balanced load, on top of x. ``backward_saved_bytes`` computes these figures."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    n_tok, hidden = x.shape
+    n_experts = router_weight.shape[0]
+    if experts is None:
+        _, experts = route(x, router_weight, top_k, routing, renormalize=renormalize, bias=bias, n_group=n_group,
+                           topk_group=topk_group, routed_scaling=routed_scaling)
+    else:
+        experts = experts.long()
+        if experts.shape != (n_tok, top_k):
+            raise ValueError(f"experts has shape {tuple(experts.shape)}, expected ({n_tok}, {top_k})")
+        if experts.numel() and (experts.min() < 0 or experts.max() >= n_experts):
+            raise ValueError(f"experts must lie in [0, {n_experts})")
+        if top_k > 1 and (experts.sort(-1).values.diff(dim=-1) == 0).any():
+            raise ValueError("a token's experts must be distinct")
+    acc = _acc_dtype(x, router_weight, w13, w2, dy)
+    xa, wra, w13a, w2a, dya = (t.to(acc) for t in (x, router_weight, w13, w2, dy))
+
+    logits = xa @ wra.t()
+    weights, full, denom = routing_weights_ref(logits, experts, routing, renormalize=renormalize,
+                                               routed_scaling=routed_scaling)
+    groups = _pairs_by_expert(experts, n_experts)
+    g, u, h, o = expert_pairs_forward_ref(xa, experts, w13a, w2a, groups)
+
+    do, dweights = combine_backward_ref(dya, weights, o)                       # 1
+    dh, dw2 = gemm2_backward_ref(do, h, w2a, groups)                           # 2
+    dg, du = swiglu_backward_ref(dh, g, u)                                     # 3
+    dx_pair, dw13 = gemm1_backward_ref(dg, du, xa, experts, w13a, groups)      # 4
+    dx_experts = dispatch_backward_ref(dx_pair, top_k)                         # 5
+    dq = router_weights_backward_ref(dweights, weights, denom, routed_scaling=routed_scaling)  # 6
+    dlogits = router_logits_backward_ref(dq, full, experts, routing)
+    d_router_weight, dx_router = router_gemm_backward_ref(dlogits, xa, wra)
+    dx = dx_experts + dx_router                                                # 7
+    if not return_stages:
+        return dx, d_router_weight, dw13, dw2
+    stages = dict(experts=experts, logits=logits, weights=weights, full=full, denom=denom, g=g, u=u, h=h, o=o,
+                  do=do, dweights=dweights, dh=dh, dg=dg, du=du, dx_pair=dx_pair, dx_experts=dx_experts, dq=dq,
+                  dlogits=dlogits, dx_router=dx_router)
+    return dx, d_router_weight, dw13, dw2, stages
+
+
+def backward_saved_bytes(tokens: int, hidden: int, ffn: int, top_k: int, n_experts: int, rows: int | None = None):
+    """Bytes per rank of each forward tensor ``moe_backward_ref``'s docstring lists (bf16 activations, fp32
+    routing tensors, int32 experts); rows = expert rows on the rank (default tokens * top_k, balanced load)."""
+    r = tokens * top_k if rows is None else rows
+    return dict(weights=tokens * top_k * 4, experts=tokens * top_k * 4, denom=tokens * 4,
+                probs=tokens * n_experts * 4, x=tokens * hidden * 2, x_rows=r * hidden * 2, gate_up=r * 2 * ffn * 2,
+                h=r * ffn * 2, o=r * hidden * 2)

@@ -132,3 +132,197 @@ def _gloo_rank(rank, world, port, q, case):
 def test_a2a_world2_over_gloo_matches_local_reference(case):
     errs = spawn_gloo(_gloo_rank, 2, case)
     assert max(errs.values()) < 1e-5, errs
+
+
+# ---- the backward reference (issue 15): moe_backward_ref against autograd ---------------------------------------
+
+from kosmos.moe_reference import (_pairs_by_expert, apply_routing_ref, backward_saved_bytes,  # noqa: E402
+                                  gate_grad_from_h_ref, moe_backward_ref)
+
+F64 = torch.float64
+
+
+def _forward64(x, wr, w13, w2, experts, routing="softmax", renormalize=True, routed_scaling=1.0, **_):
+    """A differentiable fp64 forward written from the module's formulas (route's weights given the decision,
+    expert SwiGLU per (token, slot) pair, fold). Returns y and the intermediates to differentiate against."""
+    k, f = experts.shape[1], w2.shape[1]
+    logits = x @ wr.t()
+    full = torch.softmax(logits, -1) if routing == "softmax" else torch.sigmoid(logits)
+    q = full.gather(1, experts)
+    w = (q / (q.sum(-1, keepdim=True) + 1e-20) if renormalize else q) * routed_scaling
+    xp = x.unsqueeze(1).expand(-1, k, -1)                              # the dispatched rows [T, k, H]
+    a = torch.einsum("tkh,tkhf->tkf", xp, w13[experts])
+    g, u = a[..., :f], a[..., f:]
+    h = torch.nn.functional.silu(g) * u
+    o = torch.einsum("tkf,tkfh->tkh", h, w2[experts])
+    y = (w.unsqueeze(-1) * o).sum(1)
+    return y, dict(logits=logits, weights=w, xp=xp, g=g, u=u, h=h, o=o)
+
+
+def _bwd_inputs(seed, tokens=37, hidden=24, ffn=10, experts=8, dtype=F64):
+    g = _gen(seed)
+    x = torch.randn(tokens, hidden, generator=g, dtype=dtype)
+    wr = torch.randn(experts, hidden, generator=g, dtype=dtype) / hidden ** 0.5
+    w13 = torch.randn(experts, hidden, 2 * ffn, generator=g, dtype=dtype) / hidden ** 0.5
+    w2 = torch.randn(experts, ffn, hidden, generator=g, dtype=dtype) / ffn ** 0.5
+    dy = torch.randn(tokens, hidden, generator=g, dtype=dtype)
+    return x, wr, w13, w2, dy
+
+
+def _rel_ok(got, want, tol=1e-10, floor=1e-3):
+    """||got - want|| <= tol * max(||want||, floor): relative, with a floor for gradients that vanish."""
+    err = float((got - want).norm())
+    assert got.shape == want.shape and err <= tol * max(float(want.norm()), floor), (err, float(want.norm()))
+
+
+def _check_vs_autograd(x, wr, w13, w2, dy, k, kw, experts=None):
+    """Every gradient and every stage tensor of moe_backward_ref vs autograd through _forward64, in fp64."""
+    dx, dwr, dw13, dw2, st = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=experts, return_stages=True,
+                                              **kw)
+    e = st["experts"]
+    if experts is None:
+        assert torch.equal(e, route(x, wr, k, **kw)[1])  # recomputed = the forward reference's decision
+    leaves = [t.clone().requires_grad_() for t in (x, wr, w13, w2)]
+    y, mid = _forward64(*leaves, e, **kw)
+    names = ["weights", "logits", "o", "h", "g", "u", "xp"]
+    grads = torch.autograd.grad(y, leaves + [mid[n] for n in names], dy, allow_unused=True)
+    want = dict(zip(["dx", "dwr", "dw13", "dw2"] + names, grads))
+    for got, name in [(dx, "dx"), (dwr, "dwr"), (dw13, "dw13"), (dw2, "dw2")]:
+        assert got.dtype == F64
+        _rel_ok(got, want[name])
+    _rel_ok(st["dweights"], want["weights"])
+    _rel_ok(st["dlogits"], want["logits"])
+    for stage, name in [("do", "o"), ("dh", "h"), ("dg", "g"), ("du", "u"), ("dx_pair", "xp")]:
+        _rel_ok(st[stage].view(want[name].shape), want[name])
+    _rel_ok(st["weights"], mid["weights"].detach())
+    # the o-free gate gradient (GEMM2-dgrad epilogue form) is the same number
+    groups = _pairs_by_expert(e, wr.shape[0])
+    _rel_ok(gate_grad_from_h_ref(dy, st["h"], e, w2, groups), st["dweights"], tol=1e-12)
+    return dx, dwr, dw13, dw2, st
+
+
+_BIAS = torch.linspace(-0.3, 0.4, 8, dtype=F64)
+BWD_ROUTINGS = {
+    "softmax-renorm": (3, dict(routing="softmax")),
+    "softmax-plain-scaled": (3, dict(routing="softmax", renormalize=False, routed_scaling=1.5)),
+    "sigmoid-grouped": (3, dict(routing="sigmoid-grouped", bias=_BIAS, n_group=4, topk_group=2,
+                                routed_scaling=2.5)),
+    "sigmoid-grouped-plain": (4, dict(routing="sigmoid-grouped", bias=_BIAS, n_group=2, topk_group=1,
+                                      renormalize=False, routed_scaling=0.7)),
+}
+
+
+@pytest.mark.parametrize("case", list(BWD_ROUTINGS))
+def test_backward_random_routing_matches_autograd(case):
+    k, kw = BWD_ROUTINGS[case]
+    _check_vs_autograd(*_bwd_inputs(10), k, kw)
+
+
+@pytest.mark.parametrize("case", ["softmax-renorm", "sigmoid-grouped"])
+def test_backward_skewed_routing_matches_autograd(case):
+    k, kw = BWD_ROUTINGS[case]
+    x, wr, w13, w2, dy = _bwd_inputs(11)
+    x = x + 1.0
+    wr[5] += 0.3  # logit 5 gains 0.3 * sum(x_t) ~ 7: (nearly) every token's first choice
+    *_, st = _check_vs_autograd(x, wr, w13, w2, dy, k, kw)
+    assert (st["experts"] == 5).any(1).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("case", ["softmax-plain-scaled", "sigmoid-grouped"])
+def test_backward_empty_experts(case):
+    k, kw = BWD_ROUTINGS[case]
+    kw = dict(kw, bias=torch.zeros(16, dtype=F64)) if "bias" in kw else kw
+    x, wr, w13, w2, dy = _bwd_inputs(12, tokens=3, experts=16)
+    _, _, dw13, dw2, st = _check_vs_autograd(x, wr, w13, w2, dy, 2, kw)
+    empty = torch.bincount(st["experts"].reshape(-1), minlength=16) == 0
+    assert empty.sum() >= 10
+    assert not dw13[empty].any() and not dw2[empty].any()  # exactly zero, not just small
+
+
+@pytest.mark.parametrize("kw", [dict(routing="softmax", renormalize=False), dict(routing="softmax"),
+                                dict(routing="sigmoid-grouped", routed_scaling=2.5)], ids=str)
+def test_backward_all_tokens_to_one_expert(kw):
+    x, wr, w13, w2, dy = _bwd_inputs(13, tokens=29)
+    x = x.abs() + 0.1
+    wr = torch.full_like(wr, -0.1)
+    wr[2] = 0.1
+    dx, dwr, dw13, dw2, st = _check_vs_autograd(x, wr, w13, w2, dy, 1, kw)
+    assert (st["experts"] == 2).all()
+    others = torch.arange(8) != 2
+    assert not dw13[others].any() and not dw2[others].any()
+    if kw.get("renormalize", True) and kw["routing"] == "softmax":
+        assert float(dwr.norm()) < 1e-12  # k = 1 renormalised: w = 1 whatever the logits
+
+
+@pytest.mark.parametrize("tokens", [1, 0])
+def test_backward_tiny_token_counts(tokens):
+    k, kw = BWD_ROUTINGS["sigmoid-grouped"]
+    _check_vs_autograd(*_bwd_inputs(14, tokens=tokens), k, kw)
+
+
+def test_backward_passed_routing_equals_recomputed_and_is_deterministic():
+    k, kw = BWD_ROUTINGS["sigmoid-grouped"]
+    x, wr, w13, w2, dy = _bwd_inputs(15)
+    _, e = route(x, wr, k, **kw)
+    a = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, **kw)
+    b = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=e, **kw)
+    c = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=e, **kw)
+    assert all(torch.equal(p, q) and torch.equal(q, r) for p, q, r in zip(a, b, c))
+
+
+def test_backward_bias_gets_no_gradient():
+    _, kw = BWD_ROUTINGS["sigmoid-grouped"]
+    x, wr, w13, w2, dy = (t.float() for t in _bwd_inputs(16))
+    bias = kw["bias"].float().requires_grad_()
+    kw = dict(kw, bias=bias)
+    x_leaf = x.clone().requires_grad_()
+    w, e = route(x_leaf, wr, 3, **kw)
+    y = apply_routing_ref(x_leaf, w, e, w13, w2)
+    assert torch.autograd.grad((y * dy).sum(), [x_leaf, bias], allow_unused=True)[1] is None
+    # a bias change too small to change the choice changes nothing, forward or backward
+    nudged = dict(kw, bias=bias.detach() + 1e-6)
+    w_n, e_n = route(x, wr, 3, **nudged)
+    assert torch.equal(e_n, e) and torch.equal(w_n, w.detach())
+    base = moe_backward_ref(x, wr, w13, w2, dy, top_k=3, **dict(kw, bias=bias.detach()))
+    assert all(torch.equal(p, q) for p, q in zip(base, moe_backward_ref(x, wr, w13, w2, dy, top_k=3, **nudged)))
+
+
+@pytest.mark.parametrize("case", ["softmax-renorm", "sigmoid-grouped"])
+def test_backward_fp32_matches_autograd_through_the_forward_reference(case):
+    """fp32: the existing route + apply_routing_ref are differentiable; the reference agrees at fp32 level, and
+    bf16 inputs are upcast (the same numbers as passing their fp32 values)."""
+    k, kw = BWD_ROUTINGS[case]
+    kw = dict(kw, bias=kw["bias"].float()) if "bias" in kw else kw
+    x, wr, w13, w2, dy = (t.float() for t in _bwd_inputs(17))
+    leaves = [t.clone().requires_grad_() for t in (x, wr, w13, w2)]
+    w, e = route(leaves[0], leaves[1], k, **kw)
+    y = apply_routing_ref(leaves[0], w, e, leaves[2], leaves[3])
+    want = torch.autograd.grad(y, leaves, dy)
+    got = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, **kw)
+    for g_, w_ in zip(got, want):
+        assert g_.dtype == torch.float32
+        _rel_ok(g_, w_, tol=1e-5)
+    low = [t.bfloat16() for t in (x, wr, w13, w2, dy)]
+    got_low = moe_backward_ref(*low, top_k=k, **kw)
+    got_up = moe_backward_ref(*(t.float() for t in low), top_k=k, **kw)
+    assert all(p.dtype == torch.float32 and torch.equal(p, q) for p, q in zip(got_low, got_up))
+
+
+@pytest.mark.parametrize("bad, msg", [(lambda e: e[:, :2], "shape"), (lambda e: e.clamp(max=0), "distinct"),
+                                      (lambda e: e + 8, r"\[0, 8\)")])
+def test_backward_rejects_bad_routing(bad, msg):
+    x, wr, w13, w2, dy = _bwd_inputs(18, tokens=5)
+    _, e = route(x, wr, 3)
+    with pytest.raises(ValueError, match=msg):
+        moe_backward_ref(x, wr, w13, w2, dy, top_k=3, experts=bad(e))
+
+
+def test_backward_saved_tensor_figures_deepseek_v3():
+    m = MOE_MODELS["deepseek-v3"]
+    b = backward_saved_bytes(4096, m.hidden, m.expert_ffn, m.top_k, m.experts)
+    mib = {name: v / 2 ** 20 for name, v in b.items()}
+    assert mib == dict(weights=0.125, experts=0.125, denom=0.015625, probs=4.0, x=56.0, x_rows=448.0,
+                       gate_up=256.0, h=128.0, o=448.0)
+    doc = moe_backward_ref.__doc__
+    for figure in ("128 KiB", "16 KiB", "4 MiB", "56 MiB", "448 MiB", "256 MiB", "128 MiB", "~704 MiB"):
+        assert figure in doc
