@@ -81,22 +81,24 @@ def test_installed_wheel_finds_its_default_suites(wheel, tmp_path):
     """A fresh venv with the wheel installed (--no-deps; torch and the rest come from this environment through a
     .pth line, whose own .pth files -- this checkout's editable install -- are not read): default_suite() loads the
     packaged file, and `--suite tp-default` names it where there is no suites/ folder."""
+    import os
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}  # nothing from here
     env = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env)
     py = env / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
                     str(wheel)], check=True, capture_output=True, timeout=120)
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
-                          capture_output=True, text=True).stdout.strip()
+                          capture_output=True, text=True, env=clean).stdout.strip()
     outer = [p for p in sys.path if p.endswith("site-packages")]
     Path(site, "outer.pth").write_text("\n".join(outer) + "\n")
     code = ("import kosmos_bench, pathlib; from kosmos_bench.suites import DEFAULT_SUITE, default_suite; "
             "print(pathlib.Path(kosmos_bench.__file__).parent); print(DEFAULT_SUITE); s = default_suite(); "
             "print(s.name, s.targets['geomean_speedup'])")
     got = subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path,
-                         timeout=120).stdout.splitlines()
+                         env=clean, timeout=120).stdout.splitlines()
     assert got[0] == site + "/kosmos_bench" and got[1] == site + "/kosmos_bench/suite_files/tp-default.yaml"
     assert got[2] == "tp-default 1.15"  # the file's targets, not the built-in TPSuite() (which has none)
     r = subprocess.run([str(env / "bin" / "kosmos"), "bench", "moe", "--suite", "moe-default", "--dry-run"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                       capture_output=True, text=True, cwd=tmp_path, env=clean, timeout=120)
     assert r.returncode == 0 and "deepseek-v3" in r.stdout, r.stderr
