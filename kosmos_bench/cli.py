@@ -535,14 +535,18 @@ def report(
                                          "matplotlib)."),
     timeline: bool = typer.Option(False, "--timeline", help="FILES is a trace from `bench --trace`: draw the "
                                   "per-program roles over time as a PNG Gantt chart (to --out)."),
+    wide: bool = typer.Option(False, "--wide", help="Text format: every column, the full reasons and every "
+                              "section, as md and html have them (default: a compact view for 100 columns)."),
 ):
     """Render benchmark results anywhere, GPU or not.
 
-    Per shape: time, TFLOP/s (per GPU), speedup vs nccl+cublas, overlap efficiency
-    (max(t_gemm, t_comm) / t), relative error and status; then the geometric mean per implementation,
-    the workspace memory, and kosmos against the fastest other implementation of each shape (its time /
-    kosmos's: > 1 = kosmos faster). `--format csv` is the machine-readable contract: one row per
-    (op, model, shape, impl).
+    The headline first: the geometric means per implementation, the suite's targets judged, kosmos against
+    the fastest other implementation. On the terminal (compact view) a line per shape: each implementation's
+    time in ms and speedup over the baseline (nccl+cublas; MoE nccl-a2a, the expert GEMMs grouped-mm).
+    --wide, md and html: per shape also TFLOP/s (per GPU), overlap efficiency (max(t_gemm, t_comm) / t),
+    the NCCL collective's algorithm and bus bandwidth (nccl-tests' definitions), relative error and status.
+    `--format csv` is the machine-readable contract: one row per (op, model, shape, impl). Folders of
+    --out and --chart are created; messages go to stderr.
     """
     from .report import RENDER_FORMATS, ReportError, report_main
     if format not in RENDER_FORMATS:
@@ -552,10 +556,10 @@ def report(
             if len(files) != 1:
                 _fail("--timeline takes exactly one trace file")
             code = report_main([str(files[0])], fmt=format, out=str(out) if out else None,
-                               timeline=str(files[0]))
+                               timeline=str(files[0]), status=console)
         else:
             code = report_main([str(f) for f in files], fmt=format, out=str(out) if out else None,
-                               chart=str(chart) if chart else None)
+                               chart=str(chart) if chart else None, wide=wide, status=console)
     except ReportError as e:
         _fail(str(e))
     raise typer.Exit(code)

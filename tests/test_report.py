@@ -1,9 +1,11 @@
 """Tests of kosmos_bench.report on the synthetic fixtures in tests/fixtures."""
 
 import csv
+import html
 import io
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from rich.console import Console
 from kosmos_bench.report import (
     ReportError,
     build_table,
+    comm_bandwidth,
     default_targets,
     geomean_table,
     load_results,
@@ -60,6 +63,13 @@ def result_line(**overrides):
 def write_lines(path, lines):
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
+
+
+def terminal_text(df, width, wide=False):
+    """What print_terminal shows on a console ``width`` columns wide."""
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    print_terminal(df, console, wide=wide)
+    return console.file.getvalue()
 
 
 def test_load_merges_env_and_source():
@@ -174,10 +184,12 @@ def test_unknown_format(table):
 
 def test_terminal_shows_reason(table):
     console = Console(file=io.StringIO(), width=300, color_system=None)
-    print_terminal(table, console)
+    print_terminal(table, console, wide=True)
     text = console.file.getvalue()
     assert "failed: rel_err 3.1e-01 > 1e-02" in text
     assert "Geomean" in text
+    compact = terminal_text(table, 300)
+    assert "failed [2]" in compact and "[2] fixed-role failed: rel_err 3.1e-01 > 1e-02" in compact
 
 
 def test_two_sources_side_by_side(tmp_path, table):
@@ -275,10 +287,13 @@ def test_timeline_rejects_malformed_trace(tmp_path, trace):
 
 def test_report_main_writes_outputs(tmp_path):
     console = Console(file=io.StringIO(), width=200, color_system=None)
+    status = Console(file=io.StringIO(), width=200, color_system=None)
     md_path, chart_path = tmp_path / "report.md", tmp_path / "chart.png"
-    assert report_main([TP_SAMPLE], fmt="md", out=md_path, chart=chart_path, console=console) == 0
+    assert report_main([TP_SAMPLE], fmt="md", out=md_path, chart=chart_path, console=console, status=status) == 0
     assert "## Geomean" in md_path.read_text()
-    assert chart_path.exists() or "matplotlib missing" in console.file.getvalue()
+    assert chart_path.exists() or "matplotlib missing" in status.file.getvalue()
+    assert console.file.getvalue() == ""  # the messages are status, not output
+    assert f"md report written to {md_path}" in status.file.getvalue()
 
 
 def test_report_main_prints_csv_unwrapped(tmp_path):
@@ -292,8 +307,10 @@ def test_report_main_timeline_default_output(tmp_path):
     trace_path = tmp_path / "trace.json"
     shutil.copy(TRACE_SAMPLE, trace_path)
     console = Console(file=io.StringIO(), width=200, color_system=None)
-    assert report_main([], timeline=trace_path, console=console) == 0
+    status = Console(file=io.StringIO(), width=200, color_system=None)
+    assert report_main([], timeline=trace_path, console=console, status=status) == 0
     assert (tmp_path / "trace.png").read_bytes().startswith(PNG_MAGIC)
+    assert "timeline written to" in status.file.getvalue() and console.file.getvalue() == ""
 
 
 # --------------------------------------------------------------------------- MoE rows (moe-sample.jsonl)
@@ -475,7 +492,8 @@ def test_geomean_per_model_by_hand(tmp_path):
     assert by_model.loc[("a", "kosmos"), "ok"] == 2
     assert "## Geomean per model" in render(df, "md")
     assert "[a 1 of 2, b 1 of 1]" in render(df, "md")  # the versus line, split by model
-    assert "Geomean per model" in render(df, "html") and "Geomean per model" in render(df, "text")
+    assert "Geomean per model" in render(df, "html") and "Geomean per model" in render(df, "text", wide=True)
+    assert "[a 1 of 2, b 1 of 1]" in render(df, "text")  # the compact view: the verdict lines, no per-model table
 
 
 def test_geomean_per_model_absent_for_one_model(table):
@@ -587,7 +605,12 @@ def test_rows_that_differ_only_by_config_are_two_rows(tmp_path):
     assert cells == [("nccl+cublas", ""), ("nccl+cublas", ""), ("kosmos", "push_partials=false"),
                      ("kosmos", "copy_block=16384 push_chunks=1"), ("kosmos", "copy_block=8192 push_chunks=1")]
     assert "<th>config</th>" in render(df, "html") and "copy_block=8192 push_chunks=1" in render(df, "html")
-    assert "config" in render(df, "text") and "copy_block=8192 push_chunks=1" in render(df, "text")
+    wide = render(df, "text", wide=True)
+    assert "config" in wide and "copy_block=8192 push_chunks=1" in wide
+    compact = render(df, "text")  # a column per config, and a legend
+    assert "kosmos #1" in compact and "kosmos #2" in compact
+    assert "kosmos #1: gemm_rs push_partials=false; ag_gemm copy_block=16384 push_chunks=1" in compact
+    assert "kosmos #2: ag_gemm copy_block=8192 push_chunks=1" in compact
     versus = versus_table(df)  # a row per config of kosmos
     assert list(versus[versus.op == "ag_gemm"].vs_fastest_other) == [pytest.approx(1.2), pytest.approx(1.2 / 0.9)]
     versus_rows = md_table(render(df, "md"), "kosmos against the fastest other implementation")
@@ -614,11 +637,13 @@ def test_config_column_hidden_with_one_config_per_op(tmp_path, table):
 
 
 def test_csv_columns_only_grow_at_the_end(tmp_path, table):
-    """The csv contract: the columns of earlier versions keep their names, order and values; config comes last."""
+    """The csv contract: the columns of earlier versions keep their names, order and values; config, then host_ms
+    and the bandwidths come last."""
     before = ("source,bench,op,layer,model,seq,m,n,k,world,dtype,impl,time_ms,tflops,speedup,overlap_efficiency,"
               "rel_err,workspace_bytes,status,reason,p20_ms,p80_ms,t_gemm_ms,t_comm_ms,peak_mem_bytes,params,"
               "run_id,gpu,gpu_count,torch,triton,git_commit,knobs,timestamp").split(",")
-    assert next(csv.reader(io.StringIO(render(table, "csv")))) == before + ["config"]
+    assert next(csv.reader(io.StringIO(render(table, "csv")))) == \
+        before + ["config", "host_ms", "comm_algbw_gbps", "comm_busbw_gbps"]
     df = build_table(load_results([write_lines(tmp_path / "ab.jsonl", config_lines((AG_16K, AG_8K)))])[1])
     rows = list(csv.DictReader(io.StringIO(render(df, "csv"))))
     assert [row["config"] for row in rows] == ["", "", "push_partials=false", "copy_block=16384 push_chunks=1",
@@ -676,3 +701,319 @@ def test_report_reads_the_default_targets_without_torch():
             "leaked = sorted(m for m in ('torch', 'kosmos', 'kosmos_bench.suites') if m in sys.modules)\n"
             "assert not leaked, leaked\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+# --------------------------------------------------------------------------- the compact terminal view
+
+
+def compact_tables(text):
+    """The tables of a compact view: per table, (header lines, body lines), the body up to the next blank line
+    after the geomean lines."""
+    lines = text.splitlines()
+    tables = []
+    for index, line in enumerate(lines):
+        if line.strip() and set(line.strip()) == {"─"}:
+            start = index
+            while start > 0 and "time in ms" not in lines[start - 1]:
+                start -= 1
+            body = []
+            for body_line in lines[index + 1:]:
+                if body_line.startswith("[") or "time in ms" in body_line or body_line.startswith("Workspace"):
+                    break
+                body.append(body_line)
+            tables.append((lines[start:index], body))
+    return tables
+
+
+def header_names(header_lines):
+    """The implementations' column names of a compact table: the header is right-justified over its column, a name
+    broken over lines ends at the same place on each."""
+    names = {}
+    for line in header_lines:
+        for match in re.finditer(r"\S+", line):
+            names[match.end()] = names.get(match.end(), "") + match.group()
+    return set(names.values())
+
+
+@pytest.mark.parametrize("width", [100, 80])
+@pytest.mark.parametrize("sample, impls, shapes", [
+    (TP_SAMPLE, {"nccl+cublas", "kosmos", "torch-async-tp", "fixed-role", "fixed-role-best"}, [4]),
+    (MOE_SAMPLE, {"nccl-a2a", "kosmos", "deepep", "fixed-role", "fixed-role-best"}, [2, 2]),
+])
+def test_compact_view_cuts_no_cell(sample, impls, shapes, width):
+    """At 100 and 80 columns: no cell ends in an ellipsis, every time and speedup is there whole, fixed-role and
+    fixed-role-best are two columns; the reason of an unavailable cell is a note of one line."""
+    df = build_table(load_results([sample])[1])
+    text = terminal_text(df, width)
+    assert max(map(len, text.splitlines())) <= width
+    tables = compact_tables(text)
+    assert len(tables) == len(shapes)
+    table_lines = [line for header, body in tables for line in header + body]
+    assert not any("…" in line for line in table_lines)
+    names = set().union(*(header_names(header) for header, _ in tables))
+    assert impls <= names
+    words = " ".join(table_lines).split()
+    for row in df[df.status == "ok"].to_dict("records"):
+        time_ms = row["time_ms"]
+        assert (f"{time_ms:.3f}" if time_ms < 10 else f"{time_ms:.2f}") in words, row["impl"]
+        if row["impl"] not in ("nccl+cublas", "nccl-a2a", "grouped-mm"):
+            assert f"{row['speedup']:.3f}x" in words, row["impl"]
+    notes = [line for line in text.splitlines() if re.match(r"\[\d+\] ", line)]
+    unavailable = df[df.status == "unavailable"]
+    reasons = set(unavailable.reason)
+    assert len([line for line in notes if " unavailable" in line]) == len(reasons)  # one note per reason
+    for line in notes:
+        assert len(line) <= width
+    wide = terminal_text(df, width, wide=True)
+    for reason in reasons:
+        assert reason in wide  # the full reason
+    if width == 100:  # a line per shape, its cells on that line
+        for (_, body), count in zip(tables, shapes):
+            assert len(shape_lines(body)) == count
+
+
+def shape_lines(body):
+    return [line for line in body if line.strip() and not line.startswith("geomean")]
+
+
+def test_compact_view_of_the_committed_runs_fits_100_columns():
+    """The committed H200 runs (two models, five implementations): a line per shape at 100 columns."""
+    root = Path(__file__).parent.parent / "results" / "h200x2"
+    for name, shapes in (("tp-bf16.jsonl", 24), ("moe-bf16.jsonl", 24)):
+        df = build_table(load_results([root / name])[1])
+        text = terminal_text(df, 100)
+        tables = compact_tables(text)
+        assert sum(len(shape_lines(table_body)) for _, table_body in tables) == shapes, name
+        assert not any("…" in line for header, table_body in tables for line in header + table_body)
+
+
+def test_compact_view_layout_by_hand():
+    """The TP fixture at 100 columns: the title says what every line shares, a line per shape with the baseline's
+    time and each other implementation's time and speedup, the geomeans under it, then the verdict lines."""
+    df = build_table(load_results([TP_SAMPLE])[1])
+    text = terminal_text(df, 100)
+    lines = text.splitlines()
+    assert lines[1] == "TP ops: time in ms, speedup over nccl+cublas (> 1 is faster) | llama3-70b | world 2 | bf16"
+    first = next(line for line in lines if line.startswith("ag_gemm  qkv       8192"))
+    assert first.split()[3:] == ["1.210", "1.052", "1.150x", "1.118", "1.082x", "1.097", "1.103x", "1.071", "1.130x"]
+    unavailable = next(line for line in lines if line.startswith("gemm_rs  attn_out  4096"))
+    assert "n/a [1]" in unavailable and "failed [2]" in unavailable
+    speedups = next(line for line in lines if line.startswith("geomean  speedup"))
+    assert speedups.split()[2:] == ["1.239x", "1.122x", "1.159x", "1.211x"]  # the baseline's 1 left out
+    assert lines.index(speedups) < lines.index("Target geomean_speedup of kosmos over nccl+cublas >= 1.15: 1.239 meets.")
+    assert lines[-1].startswith("Every column and the full reasons: kosmos report FILE --wide")
+
+
+def test_compact_view_names_the_source_and_custom_shapes(tmp_path):
+    """Two files side by side: a source column, a shape's lines one after the other; a custom shape shows m x n x k."""
+    other = tmp_path / "tp-other.jsonl"
+    shutil.copy(TP_SAMPLE, other)
+    text = terminal_text(build_table(load_results([TP_SAMPLE, other])[1]), 100)
+    lines = [line for line in text.splitlines() if line.startswith(("tp-sample ", "tp-other "))]
+    assert [line.split()[0] for line in lines[:2]] == ["tp-sample", "tp-other"]
+    custom = [result_line(model="custom", layer="custom", m=m, impl=impl, time_ms=t)
+              for m, impl, t in ((8192, "nccl+cublas", 2.0), (8192, "kosmos", 1.0), (4096, "kosmos", 0.5))]
+    text = terminal_text(build_table(load_results([write_lines(tmp_path / "c.jsonl", custom)])[1]), 100)
+    assert "m x n x k" in text and "8192x512x256" in text and "4096x512x256" in text
+
+
+# --------------------------------------------------------------------------- headline first
+
+
+def test_headline_comes_first_in_every_format(table):
+    """md, html and the wide text: the geomeans and the verdict lines before the per-shape tables; the compact
+    view ends with them (what stays on the screen)."""
+    md = render(table, "md")
+    assert md.index("## Geomean over ok rows") < md.index("Target geomean_speedup") < \
+        md.index("kosmos at most 3% slower") < md.index("## Results per shape") < \
+        md.index("## kosmos against the fastest other implementation")
+    html_text = render(table, "html")
+    assert html_text.index("<h2>Geomean over ok rows</h2>") < html_text.index("Target geomean_speedup") < \
+        html_text.index("<h2>Results per shape</h2>")
+    wide = render(table, "text", wide=True)
+    assert wide.index("Geomean over ok rows") < wide.index("Target geomean_speedup") < wide.index("Results per shape")
+    compact = render(table, "text")
+    assert compact.index("geomean  speedup") < compact.index("Target geomean_speedup")
+    assert max(map(len, compact.splitlines())) <= 100
+
+
+# --------------------------------------------------------------------------- failures and messages
+
+
+def test_truncated_last_line_is_skipped_with_a_warning(tmp_path):
+    """A run killed while writing its last line: the rows before it are reported, one warning names file and line."""
+    lines = TP_SAMPLE.read_text().splitlines()
+    path = tmp_path / "cut.jsonl"
+    path.write_text("\n".join(lines[:-1] + [lines[-1][:57]]))  # no newline at the end either
+    warnings = []
+    _, results = load_results([path], warn=warnings.append)
+    assert len(results) == 19
+    assert len(warnings) == 1 and warnings[0].startswith(f"{path}:21: the last line is not valid JSON")
+    assert "\n" not in warnings[0]
+    path.write_text("\n".join(lines[:-1] + [lines[-1][:57], "", ""]))  # blank lines after it: still the last
+    assert len(load_results([path], warn=warnings.append)[1]) == 19
+
+
+def test_truncated_last_line_warns_on_stderr(tmp_path, capsys):
+    lines = TP_SAMPLE.read_text().splitlines()
+    path = tmp_path / "cut.jsonl"
+    path.write_text("\n".join(lines[:-1] + [lines[-1][:10]]))
+    assert len(load_results([path])[1]) == 19
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"warning: {path}:21: the last line is not valid JSON")
+
+
+def test_malformed_line_in_the_middle_is_still_an_error(tmp_path):
+    lines = TP_SAMPLE.read_text().splitlines()
+    lines[5] = lines[5][:40]
+    path = tmp_path / "mid.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReportError, match=r"mid\.jsonl:6: invalid JSON"):
+        load_results([path], warn=lambda message: pytest.fail(message))
+
+
+def test_report_main_output_errors_are_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    quiet = Console(file=io.StringIO(), color_system=None)
+    for kwargs in ({"fmt": "md", "out": tmp_path / "file" / "x.md"},
+                   {"fmt": "md", "out": tmp_path / "file" / "sub" / "x.md"},
+                   {"fmt": "md", "out": tmp_path},  # a folder
+                   {"chart": tmp_path / "file" / "c.png"}):
+        with pytest.raises(ReportError) as error:
+            report_main([TP_SAMPLE], console=quiet, status=quiet, **kwargs)
+        message = str(error.value)
+        target = kwargs.get("out", kwargs.get("chart"))
+        assert message.startswith(f"cannot write {target}") and "\n" not in message, message
+    out = tmp_path / "new" / "sub" / "x.md"
+    assert report_main([TP_SAMPLE], fmt="md", out=out, console=quiet, status=quiet) == 0
+    assert out.read_text().startswith("# KOSMOS benchmark report")
+
+
+# --------------------------------------------------------------------------- host_ms and bandwidths in the table
+
+
+def test_host_ms_is_in_the_csv(moe_table, table):
+    rows = list(csv.DictReader(io.StringIO(render(moe_table, "csv"))))
+    kosmos = next(r for r in rows if r["routing"] == "uniform" and r["impl"] == "kosmos")
+    assert kosmos["host_ms"] == "0.2000"
+    assert {r["host_ms"] for r in csv.DictReader(io.StringIO(render(table, "csv")))} == {""}  # not in the fixture
+
+
+def test_bandwidths_by_hand(table, moe_table):
+    """nccl-tests: algbw = S / t, busbw = algbw (W-1)/W; S = gathered output (ag_gemm), input per rank (gemm_rs),
+    what a rank sends over both all-to-alls (moe_fwd); bf16 2 bytes; GB/s = 1e9 B/s."""
+    ag = row_of(table, "ag_gemm", 8192, "kosmos")  # m 8192, k 8192, t_comm 0.192 ms
+    assert ag.comm_algbw_gbps == pytest.approx(8192 * 8192 * 2 / 0.192e-3 / 1e9)
+    assert ag.comm_busbw_gbps == pytest.approx(ag.comm_algbw_gbps / 2)
+    rs = row_of(table, "gemm_rs", 8192, "nccl+cublas")
+    assert rs.comm_algbw_gbps == pytest.approx(rs.m * rs.n * 2 / (rs.t_comm_ms * 1e-3) / 1e9)
+    assert (rs.m, rs.n) == (8192, 8192)
+    moe = moe_row(moe_table, "uniform", "kosmos")  # tokens 4096, top_k 8, hidden 7168, t_comm 3.1 ms
+    assert moe.comm_algbw_gbps == pytest.approx(2 * 4096 * 8 * 7168 * 2 / 3.1e-3 / 1e9)
+    assert moe.comm_busbw_gbps == pytest.approx(moe.comm_algbw_gbps / 2)
+    assert math.isnan(moe_row(moe_table, "uniform", "kosmos-expert-gemms").comm_busbw_gbps)  # no t_comm_ms
+
+
+def test_bandwidth_edge_cases():
+    row = {"op": "ag_gemm", "m": 4096, "n": 1024, "k": 2048, "world": 4, "dtype": "mxfp8", "t_comm_ms": 0.5}
+    algbw, busbw = comm_bandwidth(row)
+    assert algbw == pytest.approx(4096 * 2048 * (1 + 1 / 32) / 0.5e-3 / 1e9)
+    assert busbw == pytest.approx(algbw * 3 / 4)
+    for change in ({"t_comm_ms": 0.0}, {"t_comm_ms": None}, {"dtype": "int4"}, {"op": "other"}):
+        assert all(math.isnan(value) for value in comm_bandwidth({**row, **change})), change
+
+
+def test_bandwidths_in_every_format(table, moe_table):
+    header = next(csv.reader(io.StringIO(render(table, "csv"))))
+    assert header[-2:] == ["comm_algbw_gbps", "comm_busbw_gbps"]
+    kosmos = next(r for r in csv.DictReader(io.StringIO(render(table, "csv")))
+                  if r["op"] == "ag_gemm" and r["m"] == "8192" and r["impl"] == "kosmos")
+    assert (kosmos["comm_algbw_gbps"], kosmos["comm_busbw_gbps"]) == ("699.1", "349.5")
+    md = render(table, "md")
+    results = md_table(md, "Results per shape")
+    assert "comm_algbw_gbps" in results[0] and "comm_busbw_gbps" in results[0]
+    definition = "comm_algbw_gbps, comm_busbw_gbps: nccl-tests' algorithm and bus bandwidth of t_comm_ms"
+    assert md.index("## Results per shape") < md.index(definition) < md.index("## kosmos against")
+    assert "ag_gemm the all-gather's output, m*k elements" in md and "moe_fwd" not in md.split(definition)[1][:400]
+    assert "2*tokens*top_k*n" in render(moe_table, "md")
+    assert "comm_busbw_gbps" in render(table, "html") and html.escape(definition) in render(table, "html")
+    assert definition in render(table, "text", wide=True)
+
+
+def test_no_bandwidth_columns_without_communication(tmp_path):
+    """World 1 (t_comm_ms 0): the columns stay in the csv, empty, and leave the human-readable tables."""
+    df = build_table(load_results([write_lines(tmp_path / "w1.jsonl", config_lines(world=1))])[1])
+    assert "comm_busbw_gbps" not in render(df, "md") and "nccl-tests" not in render(df, "md")
+    assert {r["comm_busbw_gbps"] for r in csv.DictReader(io.StringIO(render(df, "csv")))} == {""}
+
+
+# --------------------------------------------------------------------------- `kosmos report` on the command line
+
+
+def run_report(*args):
+    from typer.testing import CliRunner
+
+    from kosmos_bench.cli import app
+    return CliRunner().invoke(app, ["report", *map(str, args)])
+
+
+def one_line_error(result, *needles):
+    assert result.exit_code != 0
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # no traceback
+    assert "error:" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_cli_report_wide_and_compact():
+    compact, wide = run_report(TP_SAMPLE), run_report(TP_SAMPLE, "--wide")
+    assert compact.exit_code == 0 and wide.exit_code == 0
+    assert "fixed-role-best" in compact.stdout and "Results per shape" not in compact.stdout
+    assert "unavailable: torch.distributed._symmetric_memory not available" in wide.stdout
+    assert "comm_busbw_gbps" in wide.stdout
+
+
+def test_cli_report_out_creates_folders(tmp_path):
+    out = tmp_path / "newdir" / "sub" / "x.md"
+    result = run_report(TP_SAMPLE, "--format", "md", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text().startswith("# KOSMOS benchmark report")
+    assert result.stdout == "" and f"md report written to {out}" in result.stderr
+
+
+def test_cli_report_unwritable_outputs_are_one_line_errors(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    one_line_error(run_report(TP_SAMPLE, "--format", "md", "--out", blocker / "sub" / "x.md"),
+                   str(blocker / "sub" / "x.md"), f"{blocker} is not a folder")
+    one_line_error(run_report(TP_SAMPLE, "--format", "md", "--out", "/proc/x"), "/proc/x")
+    one_line_error(run_report(TP_SAMPLE, "--chart", blocker / "c.png"), str(blocker / "c.png"))
+    one_line_error(run_report("--timeline", TRACE_SAMPLE, "--out", blocker / "t.png"), str(blocker / "t.png"))
+
+
+def test_cli_report_csv_stays_pure_with_a_chart(tmp_path):
+    """`--format csv --chart c.png > out.csv`: stdout is the csv alone, the message goes to stderr."""
+    chart = tmp_path / "charts" / "c.png"
+    result = run_report(TP_SAMPLE, "--format", "csv", "--chart", chart)
+    assert result.exit_code == 0, result.output
+    rows = list(csv.reader(io.StringIO(result.stdout)))
+    assert len(rows) == 21 and rows[0][0] == "source" and {len(row) for row in rows} == {len(rows[0])}
+    assert "chart" not in result.stdout
+    assert "speedup chart written to" in result.stderr or "matplotlib missing" in result.stderr
+
+
+def test_cli_report_truncated_last_line(tmp_path):
+    lines = TP_SAMPLE.read_text().splitlines()
+    path = tmp_path / "killed.jsonl"
+    path.write_text("\n".join(lines[:-1] + [lines[-1][:100]]))
+    result = run_report(path, "--format", "csv")
+    assert result.exit_code == 0, result.output
+    assert len(result.stdout.strip().splitlines()) == 1 + 19
+    warning = result.stderr.strip().splitlines()
+    assert len(warning) == 1 and warning[0].startswith(f"warning: {path}:21: the last line is not valid JSON")
+    lines[3] = lines[3][:50]
+    path.write_text("\n".join(lines))
+    one_line_error(run_report(path), f"{path}:4: invalid JSON")

@@ -1,6 +1,7 @@
 """The one-sentence summaries under the report's tables: workspace memory, the MoE expert GEMMs against
 grouped-mm, the geomean targets, and how often kosmos is close to the fastest other implementation. Every bar
-they judge against is a suite target (targets.py); a line whose target is unset gives the numbers only."""
+they judge against is a suite target (targets.py); a line whose target is unset gives the numbers only. Also the
+line under the per-shape table that defines its bandwidth columns."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 
 import pandas as pd
 
-from .schema import BASELINE_IMPL, EXPERT_GEMM_IMPL, EXPERT_GEMM_OP, MIB, OURS, format_value
+from .schema import BANDWIDTH_COLUMNS, BASELINE_IMPL, EXPERT_GEMM_IMPL, EXPERT_GEMM_OP, MIB, OURS, format_value
 from .tables import geomean, geomean_by_model_table, geomean_table
 from .targets import target_of
 
@@ -125,3 +126,22 @@ def versus_line(versus: pd.DataFrame, df: pd.DataFrame) -> str | None:
         parts.append(part)
     within = f"{tolerances[0]:.0%}" if len(tolerances) == 1 else "its suite's slower_tolerance"
     return f"kosmos at most {within} slower than the fastest other implementation: " + "; ".join(parts) + "."
+
+
+BANDWIDTH_S = {  # S of nccl-tests per op (tables.comm_bytes)
+    "ag_gemm": "ag_gemm the all-gather's output, m*k elements",
+    "gemm_rs": "gemm_rs the reduce-scatter's input per rank, m*n",
+    "moe_fwd": "moe_fwd what a rank sends over the dispatch and combine all-to-alls, 2*tokens*top_k*n "
+               "(mean over ranks)",
+}
+
+
+def bandwidth_line(df: pd.DataFrame) -> str | None:
+    """The definitions of the bandwidth columns, for the ops of the rows that have them; None when none has."""
+    with_bandwidth = df[df[BANDWIDTH_COLUMNS[0]].notna()]
+    if with_bandwidth.empty:
+        return None
+    ops = [BANDWIDTH_S[op] for op in dict.fromkeys(with_bandwidth["op"]) if op in BANDWIDTH_S]
+    return ("comm_algbw_gbps, comm_busbw_gbps: nccl-tests' algorithm and bus bandwidth of t_comm_ms (the collective "
+            "alone) in GB/s (1e9 B/s): algbw = S / t_comm_ms, busbw = algbw * (world-1)/world; S = "
+            + "; ".join(ops) + "; bytes per element: bf16 2, mxfp8 1 + 1/32.")

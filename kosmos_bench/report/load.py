@@ -1,12 +1,16 @@
 """Reading the report's inputs: result files (JSON lines: env lines and result lines, see SCHEMA.md) and
 trace files (one JSON object per traced call). Malformed input raises ``ReportError`` naming the file and,
-for JSON lines, the line; unknown keys and line types are ignored."""
+for JSON lines, the line; unknown keys and line types are ignored. One exception: the last non-blank line of a
+results file that is not valid JSON is taken for a line cut short (a run killed while writing it) and skipped with
+a one-line warning naming the file and line, so that the rows before it are still reported; an invalid line
+anywhere before it is an error."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -14,31 +18,42 @@ from .schema import ENV_FIELDS, REQUIRED_RESULT_KEYS, ReportError
 from .targets import run_targets
 
 
-def load_results(paths: list[str | Path]) -> tuple[list[dict], list[dict]]:
+Warn = Callable[[str], None]
+
+
+def _warn_on_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def load_results(paths: list[str | Path], warn: Warn | None = None) -> tuple[list[dict], list[dict]]:
     """Read result files; return (env records, result records).
 
     Every record gets ``source`` (the file stem); result records also get the
     ENV_FIELDS of the env line with the same run_id in the same file, and ``suite_targets``: the
     targets of the suite that env line records, over the default suite's (targets.py).
+    A file whose last non-blank line is not valid JSON (cut short) is read without that line: ``warn`` gets one
+    line naming the file and line (default: "warning: ..." on stderr). An invalid line before the last raises
+    ReportError naming the file and line.
     """
     if not paths:
         raise ReportError("no result files given")
+    warn = warn or _warn_on_stderr
     envs: list[dict] = []
     results: list[dict] = []
     for path in map(Path, paths):
-        file_envs, file_results = _read_result_file(path)
+        file_envs, file_results = _read_result_file(path, warn)
         envs.extend(file_envs)
         results.extend(file_results)
     return envs, results
 
 
-def _read_result_file(path: Path) -> tuple[list[dict], list[dict]]:
+def _read_result_file(path: Path, warn: Warn) -> tuple[list[dict], list[dict]]:
     if not path.is_file():
         raise ReportError(f"{path}: no such result file")
     source = path.stem
     envs: list[dict] = []
     raw_results: list[dict] = []
-    for line_number, record in _json_lines(path):
+    for line_number, record in _json_lines(path, warn):
         if record.get("type") == "env":
             envs.append({**record, "source": source})
         elif record.get("type") == "result":
@@ -51,18 +66,26 @@ def _read_result_file(path: Path) -> tuple[list[dict], list[dict]]:
     return envs, results
 
 
-def _json_lines(path: Path):
-    """Yield (line number, object) for the non-blank lines of a JSON-lines file."""
+def _json_lines(path: Path, warn: Warn):
+    """Yield (line number, object) for the non-blank lines of a JSON-lines file; the last of them, when it is not
+    valid JSON, is skipped with a warning (a line cut short), any other invalid line raises ReportError."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
         raise ReportError(f"{path}: not UTF-8 text ({error})") from error
+    except OSError as error:
+        raise ReportError(f"{path}: cannot read ({error.strerror or error})") from None
+    last = max((number for number, line in enumerate(lines, start=1) if line.strip()), default=0)
     for line_number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
+            if line_number == last:
+                warn(f"{path}:{line_number}: the last line is not valid JSON ({error.msg}), as when a run stops "
+                     "while writing it: skipped, the lines before it are reported")
+                return
             raise ReportError(f"{path}:{line_number}: invalid JSON: {error.msg}") from error
         if not isinstance(record, dict):
             raise ReportError(f"{path}:{line_number}: expected a JSON object")
@@ -104,6 +127,8 @@ def load_trace(path: Path) -> Trace:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ReportError(f"{path}: invalid trace JSON ({error})") from error
+    except OSError as error:
+        raise ReportError(f"{path}: cannot read ({error.strerror or error})") from None
     if not isinstance(data, dict) or not isinstance(data.get("ranks"), list) or not data["ranks"]:
         raise ReportError(f"{path}: a trace needs a non-empty 'ranks' list")
     title = " ".join(

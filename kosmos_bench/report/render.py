@@ -1,7 +1,10 @@
 """Rendering of KOSMOS benchmark results (JSON lines and traces, see SCHEMA.md): the report as markdown, csv,
 self-contained html or text, rich tables on the terminal, and ``report_main``, the entry point of
-``kosmos report``. Every human-readable format shows the same sections (``_sections``) in the same order; csv is
-the machine-readable contract: every column of ``build_table``, one row per result identity."""
+``kosmos report``. Every human-readable format shows the same sections (``_sections``) in the same order, the
+headline first (the geomeans, the target and verdict lines), then the per-shape tables; csv is the
+machine-readable contract: every column of ``build_table``, one row per result identity. On the terminal (and in
+``--format text``) the default is the compact view of compact.py, made for 100 columns; ``wide`` gives the
+sections as md and html have them."""
 
 from __future__ import annotations
 
@@ -11,41 +14,53 @@ from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
+from rich.measure import Measurement
+from rich.segment import Segments
 from rich.table import Table
 from rich.text import Text
 
 from .charts import speedup_chart, timeline_chart
-from .lines import summary_lines, versus_line
+from .compact import print_compact
+from .lines import bandwidth_line, summary_lines, versus_line
 from .load import load_results
 from .schema import (
-    CONFIG_COLUMN, ENV_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS, NUMERIC_DISPLAY_COLUMNS,
-    RENDER_FORMATS, SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
+    BANDWIDTH_COLUMNS, CONFIG_COLUMN, ENV_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
+    NUMERIC_DISPLAY_COLUMNS, RENDER_FORMATS, SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
 )
 from .tables import build_table, geomean_by_model_table, geomean_table, versus_table
 
 ENVIRONMENT, RESULTS = "Environment", "Results per shape"
+COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and --wide
 
 
 # --------------------------------------------------------------------------- sections and formatting
 
 
+def _headline(df: pd.DataFrame) -> list[str]:
+    """The verdict lines: workspace, expert GEMMs (MoE), the geomean targets, kosmos against the fastest other."""
+    versus = versus_table(df)
+    line = versus_line(versus, df) if not versus.empty else None
+    return [*summary_lines(df), *([line] if line else [])]
+
+
 def _sections(df: pd.DataFrame):
-    """The report's parts in order: (title, table, columns) for a table, (None, sentence, None) for a line."""
+    """The report's parts in order: (title, table, columns) for a table, (None, sentence, None) for a line. The
+    headline first (geomeans, verdict lines), then the long per-shape tables."""
     environment = ["source", *ENV_COLUMNS]
     yield ENVIRONMENT, df[environment].drop_duplicates().reset_index(drop=True), environment
-    yield RESULTS, df, _display_columns(df)
     yield "Geomean over ok rows", geomean_table(df), GEOMEAN_COLUMNS
     by_model = geomean_by_model_table(df)
     if not by_model.empty:
         yield "Geomean per model", by_model, MODEL_GEOMEAN_COLUMNS
-    for line in summary_lines(df):
+    for line in _headline(df):
+        yield None, line, None
+    yield RESULTS, df, _display_columns(df)
+    line = bandwidth_line(df)
+    if line:
         yield None, line, None
     versus = versus_table(df)
     if not versus.empty:
         yield "kosmos against the fastest other implementation", versus, _versus_display(versus)
-        line = versus_line(versus, df)
-        if line:
-            yield None, line, None
 
 
 def _formatted(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
@@ -70,6 +85,8 @@ def _display_columns(df: pd.DataFrame) -> list[str]:
     """Columns of the human-readable per-shape tables (csv gets every column)."""
     hidden = {"workspace_bytes"} | _single_valued(df)
     columns = [column for column in TABLE_COLUMNS if column not in hidden]
+    bandwidths = [column for column in BANDWIDTH_COLUMNS if df[column].notna().any()]
+    columns[columns.index("status"):columns.index("status")] = bandwidths
     if "routing" in df:
         position = columns.index("impl")
         columns[position:position] = MOE_COLUMNS
@@ -103,9 +120,12 @@ def _shape_key(row: dict) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- renderers
 
 
-def render(df: pd.DataFrame, fmt: str) -> str:
-    """Render the table as "md", "csv", "html" or "text"."""
-    renderers = {"md": _render_markdown, "csv": _render_csv, "html": _render_html, "text": _render_text}
+def render(df: pd.DataFrame, fmt: str, wide: bool = False) -> str:
+    """Render the table as "md", "csv", "html" or "text" (the terminal view: compact at 100 columns, or with
+    ``wide`` every section at 250)."""
+    renderers = {"md": _render_markdown, "csv": _render_csv, "html": _render_html}
+    if fmt == "text":
+        return _render_text(df, wide)
     if fmt not in renderers:
         raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
     return renderers[fmt](df)
@@ -178,18 +198,32 @@ def _render_html(df: pd.DataFrame) -> str:
     return "\n".join([*parts, "</body></html>", ""])
 
 
-def _render_text(df: pd.DataFrame) -> str:
+def _render_text(df: pd.DataFrame, wide: bool) -> str:
     buffer = io.StringIO()
-    print_terminal(df, Console(file=buffer, width=250, color_system=None, force_terminal=False))
+    print_terminal(df, Console(file=buffer, width=WIDE_WIDTH if wide else COMPACT_WIDTH, color_system=None,
+                               force_terminal=False), wide=wide)
     return buffer.getvalue()
 
 
 # --------------------------------------------------------------------------- terminal
 
 
-def print_terminal(df: pd.DataFrame, console: Console | None = None) -> None:
-    """Rich tables: environment, per-shape results, geomeans and workspace memory."""
+def print_terminal(df: pd.DataFrame, console: Console | None = None, wide: bool = False) -> None:
+    """The report on a rich console. By default the compact view (compact.py): the environment, a line per shape
+    with each implementation's time and speedup, the geomeans under each table, then the verdict lines. With
+    ``wide``, every section of md and html (headline first) as rich tables, each as wide as its cells need
+    (wider than the console rather than cutting cells: ``| less -S`` on a narrow terminal)."""
     console = console or Console()
+    if not wide:
+        environment = df[["source", *ENV_COLUMNS]].drop_duplicates()
+        for line in _environment_lines(environment):
+            console.print(Text(line))
+        print_compact(df, console)
+        for line in _headline(df):
+            console.print(Text(line))
+        console.print(Text("Every column and the full reasons: kosmos report FILE --wide (or --format md, html, csv)",
+                           style="dim"))
+        return
     for title, body, columns in _sections(df):
         if title is None:
             console.print(Text(body))
@@ -197,10 +231,17 @@ def print_terminal(df: pd.DataFrame, console: Console | None = None) -> None:
             for line in _environment_lines(body):
                 console.print(Text(line))
         elif title == RESULTS:  # the reason is in the status cell; a rule under each shape
-            console.print(_rich_table(body, [column for column in columns if column != "reason"], title,
-                                      shape_sections=True))
+            _print_full_width(console, _rich_table(body, [column for column in columns if column != "reason"], title,
+                                                   shape_sections=True))
         else:
-            console.print(_rich_table(body, columns, title))
+            _print_full_width(console, _rich_table(body, columns, title))
+
+
+def _print_full_width(console: Console, table: Table) -> None:
+    """``table`` at the width its cells need, at least the console's."""
+    width = max(console.width, Measurement.get(console, console.options.update(width=10**6), table).maximum)
+    lines = console.render_lines(table, console.options.update(width=width), pad=False, new_lines=True)
+    console.print(Segments([segment for line in lines for segment in line]), crop=False, end="")
 
 
 def _environment_lines(environment: pd.DataFrame) -> list[str]:
@@ -251,25 +292,60 @@ def report_main(
     chart: str | Path | None = None,
     timeline: str | Path | None = None,
     console: Console | None = None,
+    wide: bool = False,
+    status: Console | None = None,
 ) -> int:
-    """Entry point of `kosmos report`; raises ReportError for unusable inputs."""
+    """Entry point of `kosmos report`: the report on ``console`` (stdout) or to ``out``; status messages ("...
+    written to ...") and warnings (a results file's last line cut short) on ``status`` (stderr), so that stdout
+    holds the report alone (``--format csv > out.csv``). The folders of ``out``, ``chart`` and the timeline's PNG
+    are created. Raises ReportError (one line, naming the file) for unusable inputs and unwritable outputs."""
     console = console or Console()
+    status = status or Console(stderr=True)
+
+    def say(message: str, style: str = "") -> None:
+        status.print(Text(message, style=style), soft_wrap=True)
+
     if timeline is not None:
         png_path = Path(out) if out is not None else Path(timeline).with_suffix(".png")
-        console.print(Text(f"timeline written to {timeline_chart(timeline, png_path)}"))
+        written = _writing(png_path, lambda: timeline_chart(timeline, png_path))
+        say(f"timeline written to {written}")
         return 0
     if fmt not in RENDER_FORMATS:
         raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
-    _, results = load_results(files)
+    _, results = load_results(files, warn=lambda message: say(f"warning: {message}", "yellow"))
     df = build_table(results)
+    if chart is not None:
+        _make_folder(Path(chart))  # before the report is shown: a bad path fails first
     if out is not None:
-        Path(out).write_text(render(df, fmt), encoding="utf-8")
-        console.print(Text(f"{fmt} report written to {out}"))
+        text = render(df, fmt, wide=wide)
+        _writing(Path(out), lambda: Path(out).write_text(text, encoding="utf-8"))
+        say(f"{fmt} report written to {out}")
     elif fmt == "text":
-        print_terminal(df, console)
+        print_terminal(df, console, wide=wide)
     else:
         console.out(render(df, fmt), highlight=False, end="")
     if chart is not None:
-        written = speedup_chart(df, chart)
-        console.print(Text(f"speedup chart written to {chart}" if written else "matplotlib missing: no speedup chart"))
+        written = _writing(Path(chart), lambda: speedup_chart(df, chart))
+        say(f"speedup chart written to {chart}" if written else "matplotlib missing: no speedup chart")
     return 0
+
+
+def _writing(path: Path, write):
+    """``write()`` after creating the folders of ``path``; an OSError of either is a one-line ReportError naming
+    the path."""
+    _make_folder(path)
+    try:
+        return write()
+    except OSError as error:
+        raise ReportError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def _make_folder(path: Path) -> None:
+    """The folders above ``path`` (a one-line ReportError naming it when they cannot be made)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        existing = next((folder for folder in path.parents if folder.exists()), None)
+        why = f"{existing} is not a folder" if existing is not None and not existing.is_dir() else \
+            f"cannot create its folder {path.parent} ({error.strerror or error})"
+        raise ReportError(f"cannot write {path}: {why}") from None

@@ -23,9 +23,17 @@ MOE_COLUMNS = ["tokens", "experts", "top_k", "routing"]
 MOE_DETAIL_COLUMNS = ["peak_mem_delta_bytes"]
 DETAIL_COLUMNS = ["p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "peak_mem_bytes", "params"]
 ENV_COLUMNS = ["run_id", *ENV_FIELDS]
-# the op config a KOSMOS implementation ran with, as "field=value ..." text (tables.config_text); the last column
-# of build_table (and of the csv: columns are only ever added at the end), shown after impl where it varies
+# the op config a KOSMOS implementation ran with, as "field=value ..." text (tables.config_text); shown after impl
+# where it varies
 CONFIG_COLUMN = "config"
+# nccl-tests' algorithm and bus bandwidth of the communication-only timing t_comm_ms, GB/s (tables.py says how)
+BANDWIDTH_COLUMNS = ["comm_algbw_gbps", "comm_busbw_gbps"]
+# the columns build_table (and so the csv) ends with, in the order they were added: a csv's columns are only ever
+# added at the end, so a reader of an older version's columns finds them where they were
+LAST_COLUMNS = [CONFIG_COLUMN, "host_ms", *BANDWIDTH_COLUMNS]
+# bytes per element of a row's dtype, for the bandwidths: mxfp8 is 1 byte per element plus one 1-byte (E8M0) scale
+# per block of 32 elements
+DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "mxfp8": 1.0 + 1.0 / 32}
 GEOMEAN_COLUMNS = [
     "source", "bench", "impl", "geomean_speedup", "geomean_overlap_efficiency",
     "ok", "failed", "unavailable",
@@ -49,11 +57,12 @@ INTEGER_COLUMNS = (
 )
 FLOAT_COLUMNS = (
     "time_ms", "tflops", "speedup", "overlap_efficiency", "rel_err",
-    "p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms",
+    "p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "host_ms", *BANDWIDTH_COLUMNS,
 )
 FLOAT_FORMATS = {
     "time_ms": "{:.4f}", "p20_ms": "{:.4f}", "p80_ms": "{:.4f}",
-    "t_gemm_ms": "{:.4f}", "t_comm_ms": "{:.4f}",
+    "t_gemm_ms": "{:.4f}", "t_comm_ms": "{:.4f}", "host_ms": "{:.4f}",
+    "comm_algbw_gbps": "{:.1f}", "comm_busbw_gbps": "{:.1f}",
     "tflops": "{:.1f}", "rel_err": "{:.2e}",
     "speedup": "{:.3f}", "overlap_efficiency": "{:.3f}",
     "geomean_speedup": "{:.3f}", "geomean_overlap_efficiency": "{:.3f}",

@@ -30,6 +30,20 @@ Derived metrics (computed here, never stored by the benches):
   point and t_comm_ms nccl-a2a's all-to-alls alone; a MoE row without t_comm_ms gets
   t_gemm_ms / time_ms (the grouped-GEMM-only time over the layer's time).
 
+* ``comm_algbw_gbps`` / ``comm_busbw_gbps`` -- nccl-tests' algorithm and bus bandwidth of the
+  communication-only timing ``t_comm_ms`` (the collective alone on this shape, measured once per shape and
+  recorded on each of its rows), in GB/s (1e9 bytes/s): ``algbw = S / t_comm``, ``busbw = algbw * (W-1)/W``
+  (nccl-tests' factor for all-gather, reduce-scatter and all-to-all), W = ``world``. S as nccl-tests defines
+  it per collective: ag_gemm (all_gather_into_tensor of A[m/W, k] into A[m, k]) S = the gathered output,
+  m*k elements; gemm_rs (reduce_scatter_tensor of the [m, n] partial) S = the input per rank, m*n elements;
+  moe_fwd (nccl-a2a's two all_to_all_single alone: the dispatch sends each of a rank's tokens*top_k (token,
+  expert) rows of n = hidden elements to the rank of its expert, the combine sends the rows a rank received
+  back) S = the bytes a rank sends over both, 2*tokens*top_k*hidden elements: exact for the dispatch; the
+  combine returns every dispatched row, so that is also exact as the mean over ranks, while under skewed
+  routing the rank that received the most rows sends more in the combine (``extra.rows_per_rank``). Bytes
+  per element from ``dtype``: bf16 2, mxfp8 1 + 1/32 (an E8M0 scale per 32 elements). NaN unless t_comm_ms
+  > 0 (world 1 times no communication) and the dtype's size is known; moe_experts rows have no t_comm_ms.
+
 MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
 ``extra`` (older files).
 * ``geomean_speedup`` / ``geomean_overlap_efficiency`` -- geometric means over the
@@ -53,9 +67,10 @@ import numpy as np
 import pandas as pd
 
 from .schema import (
-    BASELINE_IMPL, BASELINE_IMPL_BY_OP, COMPARISON_GROUP, CONFIG_COLUMN, DETAIL_COLUMNS, ENV_COLUMNS, FLOAT_COLUMNS,
-    GEOMEAN_COLUMNS, INTEGER_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS, MOE_COMPARISON_GROUP,
-    MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS, ReportError,
+    BASELINE_IMPL, BASELINE_IMPL_BY_OP, COMPARISON_GROUP, CONFIG_COLUMN, DETAIL_COLUMNS, DTYPE_BYTES, ENV_COLUMNS,
+    FLOAT_COLUMNS, GEOMEAN_COLUMNS, INTEGER_COLUMNS, LAST_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
+    MOE_COMPARISON_GROUP, MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS,
+    ReportError,
 )
 from .targets import table_targets
 
@@ -66,9 +81,10 @@ def build_table(results: list[dict]) -> pd.DataFrame:
     _add_speedup(rows)
     for row in rows:
         row["overlap_efficiency"] = _overlap_efficiency(row)
+        row["comm_algbw_gbps"], row["comm_busbw_gbps"] = comm_bandwidth(row)
     has_moe = any(row["bench"] == "moe" for row in rows)
     columns = TABLE_COLUMNS + (MOE_COLUMNS if has_moe else []) + DETAIL_COLUMNS + \
-        (MOE_DETAIL_COLUMNS if has_moe else []) + ENV_COLUMNS + [CONFIG_COLUMN]
+        (MOE_DETAIL_COLUMNS if has_moe else []) + ENV_COLUMNS + LAST_COLUMNS
     df = _with_dtypes(pd.DataFrame(rows, columns=columns))
     df.attrs["targets"] = table_targets(rows)
     return df
@@ -141,6 +157,32 @@ def _overlap_efficiency(row: dict) -> float:
     if not (_has_time(row) and _is_number(t_gemm) and _is_number(t_comm)):
         return math.nan
     return max(t_gemm, t_comm) / row["time_ms"]
+
+
+def comm_bytes(row: dict) -> float:
+    """S of nccl-tests for the communication-only timing of ``row`` (see the module docstring); NaN when the op
+    or dtype is not one it is known for."""
+    element = DTYPE_BYTES.get(row.get("dtype"), math.nan)
+    op = row.get("op")
+    if op == "ag_gemm":
+        elements = row["m"] * row["k"]
+    elif op == "gemm_rs":
+        elements = row["m"] * row["n"]
+    elif op == "moe_fwd" and _is_number(row.get("tokens")) and _is_number(row.get("top_k")):
+        elements = 2 * row["tokens"] * row["top_k"] * row["n"]
+    else:
+        return math.nan
+    return float(elements) * element
+
+
+def comm_bandwidth(row: dict) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s of the row's t_comm_ms; NaNs unless t_comm_ms > 0 and S is known."""
+    t_comm = row.get("t_comm_ms")
+    world = row.get("world")
+    if not (_is_number(t_comm) and t_comm > 0 and _is_number(world) and world >= 1):
+        return math.nan, math.nan
+    algbw = comm_bytes(row) / (t_comm * 1e-3) / 1e9
+    return algbw, algbw * (world - 1) / world
 
 
 def _with_dtypes(df: pd.DataFrame) -> pd.DataFrame:
