@@ -1017,3 +1017,13 @@ def test_cli_report_truncated_last_line(tmp_path):
     lines[3] = lines[3][:50]
     path.write_text("\n".join(lines))
     one_line_error(run_report(path), f"{path}:4: invalid JSON")
+
+
+def test_default_targets_come_from_the_packaged_suites():
+    """An installed wheel has no suites/ beside the package: the report reads the packaged copies."""
+    from kosmos_bench.package_data import DEFAULT_SUITE_FILES
+    from kosmos_bench.report import suite_targets
+    assert suite_targets.DEFAULT_SUITE_FILES == DEFAULT_SUITE_FILES
+    for bench, path in DEFAULT_SUITE_FILES.items():
+        assert path.is_file() and "kosmos_bench" in path.parts
+        assert default_targets(bench) == suite_targets.suite_file_targets(path, bench) != {}

@@ -1,7 +1,8 @@
 """A suite's ``targets`` (the bars a report judges its results against): the known keys per bench, their check,
-and the targets of a suite file read without building the suite. Imports only the standard library and yaml, so
-the report reads the default suites' bars without importing kosmos_bench.suites (which imports torch through the
-bench modules); kosmos_bench.suites checks its ``targets`` with the same ``check_targets``."""
+and the targets of a suite file read without building the suite. Imports only the standard library, yaml and
+kosmos_bench.package_data (where the packaged default suites are), so the report reads the default suites' bars
+without importing kosmos_bench.suites (which imports torch through the bench modules); kosmos_bench.suites checks
+its ``targets`` with the same ``check_targets``."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-SUITES_DIR = Path(__file__).resolve().parents[2] / "suites"
-DEFAULT_SUITE_FILES = {"tp": SUITES_DIR / "tp-default.yaml", "moe": SUITES_DIR / "moe-default.yaml"}
+# the packaged default suites (the checkout's suites/ links to them): an installed wheel has no suites/ beside it
+from ..package_data import DEFAULT_SUITE_FILES
 
 # The bars a report judges a suite's results against (`targets:` in the suite file; suites/*.yaml say what each
 # means). The report reads them from the suite recorded in a results file (targets.py).
