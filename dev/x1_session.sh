@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The next one-GPU session's first device call (written in session 7, not yet run): what session 7 built on the CPU
+# and could not run on a GPU (its device time was spent on the architecture checks). One call, < 10 minutes:
+#
+#   KOSMOS_GIT_COMMIT=<sha> bash dev/x1_session.sh check
+#
+# 1. the MXFP8 quant kernels' GPU tests (bit-exact vs the reference) -- first thing before any MXFP8 kernel work;
+# 2. `kosmos env` and the custom-point / dry-run paths of the bench on a real GPU (issue: the suite as users meet
+#    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
+# 3. the whole GPU test selection, as the last step (it is the longest).
+set -u
+stage=${1:?usage: x1_session.sh check}
+out=${OUT:?run on the device machine, where OUT is set}
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+case $stage in
+  check)
+    timeout 120 python -m pytest -q -p no:cacheprovider -m "gpu or gpu_optional" tests/test_quant.py \
+      > "$out/gpu-tests-quant.log" 2>&1; echo "quant tests rc=$?"; tail -2 "$out/gpu-tests-quant.log"
+    timeout 60 python -m kosmos_bench.cli env > "$out/kosmos-env.txt" 2>&1; echo "kosmos env rc=$?"
+    timeout 30 python -m kosmos_bench.cli bench tp --shape 8192x1024x8192 --op ag_gemm --tp 1 --dry-run \
+      > "$out/dry-run.txt" 2>&1; echo "dry run rc=$?"
+    timeout 120 python -m kosmos_bench.cli bench tp --shape 8192x1024x8192,4096x4096x1024 --op ag_gemm,gemm_rs \
+      --tp 1 --out "$out/custom-tp.jsonl" > "$out/custom.log" 2>&1; echo "custom tp rc=$?"
+    timeout 120 python -m kosmos_bench.cli bench moe --hidden 2048 --ffn 1024 --experts 16 --top-k 4 --ep 1 \
+      --tokens 2048 --out "$out/custom-moe.jsonl" >> "$out/custom.log" 2>&1; echo "custom moe rc=$?"
+    timeout 240 python -m pytest -q -p no:cacheprovider -m "gpu or ranks or multi_gpu or gpu_optional" tests/ \
+      > "$out/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -2 "$out/gpu-tests.log"
+    head -20 "$out/kosmos-env.txt" ;;
+  *) echo "unknown stage $stage: check" >&2; exit 2 ;;
+esac
