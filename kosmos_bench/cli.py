@@ -158,24 +158,16 @@ def _planned_availability(family: str, impls, world: int) -> list[tuple[str, str
     """[(impl, availability)] of ``impls`` of ``family`` as the registry's predicates judge them at ``world``
     ranks (a package, the torch build, the world size), in this process: nothing launches. What needs the GPU
     itself (Hopper, memory) is not known here."""
-    from . import harness, moe, registry, tp
-    modules = (harness, tp, moe)  # the predicates read the world size through these modules' world_info
-    saved = [m.world_info for m in modules]
+    from . import moe, registry, tp  # noqa: F401 (importing the bench modules registers their implementations)
     base = registry.baseline(family)
     out = []
-    try:
-        for m in modules:
-            m.world_info = lambda: (0, world)
-        for name in impls:
-            try:
-                ok, why = registry.get(family, name).availability()
-            except Exception as e:  # a predicate that cannot decide here
-                ok, why = None, f"not known without running ({type(e).__name__}: {e})"
-            word = "available" if ok else ("unavailable: " if ok is False else "") + (why or "")
-            out.append((name + (" (baseline)" if name == base else ""), word))
-    finally:
-        for m, f in zip(modules, saved):
-            m.world_info = f
+    for name in impls:
+        try:
+            ok, why = registry.get(family, name).availability(world)
+        except Exception as e:  # a predicate that cannot decide here
+            ok, why = None, f"not known without running ({type(e).__name__}: {e})"
+        word = "available" if ok else ("unavailable: " if ok is False else "") + (why or "")
+        out.append((name + (" (baseline)" if name == base else ""), word))
     return out
 
 

@@ -121,9 +121,9 @@ def recover(device="cuda", cleanup=()) -> None:
         dist.barrier()
 
 
-def needs_peers() -> tuple[bool, str | None]:
+def needs_peers(world: int) -> tuple[bool, str | None]:
     """Availability of the fixed-role policies: they dedicate programs to communication, so need a peer."""
-    return world_info()[1] > 1, "no communication at world size 1"
+    return world > 1, "no communication at world size 1"
 
 
 def policy_kwargs(params: dict) -> dict:
@@ -248,7 +248,7 @@ def run_impl(impl: registry.Impl, inputs, ref, st: Settings, device, recover: Ca
              grid: int | None = None) -> Result:
     """Steps 1-3 of one implementation (every rank in step); ``config``: the op's, for KOSMOS kernels."""
     params = {"comm_programs": st.fixed_default} if impl.fixed == "default" else {}
-    ok, why = agree_available(*impl.availability())
+    ok, why = agree_available(*impl.availability(world_info()[1]))
     if not ok:
         return Result("unavailable", why, params=params)
     cfg = config if impl.kosmos else None

@@ -293,12 +293,11 @@ def _nccl_a2a(inp: MoEInputs, params: dict, config):
                                     **inp.route_kw())), 0
 
 
-def deepep_available() -> tuple[bool, str | None]:
+def deepep_available(world: int) -> tuple[bool, str | None]:
     try:
         importlib.import_module("deep_ep")
     except Exception as e:  # ImportError, or a broken build failing at import
         return False, f"deep_ep is not importable ({type(e).__name__}: {e})"
-    world = world_info()[1]
     if world not in (2, 4, 8):
         return False, f"DeepEP's intranode kernels run on 2, 4 or 8 ranks, not {world}"
     return True, None

@@ -7,7 +7,7 @@ moe``) -- and registers its maker once, in the bench module that builds its inpu
     @register("tp", "nccl+cublas", baseline=True)
     def _nccl_cublas(inp, params, config): ...          # -> (zero-argument callable, workspace bytes or None)
 
-    @register("moe_fwd", "deepep", available=_deepep_available)   # () -> (ok, reason)
+    @register("moe_fwd", "deepep", available=_deepep_available)   # (world) -> (ok, reason)
     def _deepep(inp, params, config): ...
 
 ``available`` says up front whether the implementation can run here (a package, a world size); when it says no
@@ -42,15 +42,16 @@ class Impl:
     name: str
     make: Callable                # (inputs, params, config or None) -> (callable, workspace bytes or None)
     baseline: bool = False        # what the report's speedups are relative to
-    available: Callable[[], tuple] | None = None
+    available: Callable[[int], tuple] | None = None  # (world size) -> (ok, reason)
     kosmos: bool = False          # a KOSMOS kernel: takes the op's config, records it and the workspace
     fixed: str | None = None      # None, "default" (S = fixed_default) or "best" (best S of fixed_sweep)
 
-    def availability(self) -> tuple[bool, str | None]:
-        """(ok, reason): whether this implementation can run here (this process, this world size)."""
+    def availability(self, world: int) -> tuple[bool, str | None]:
+        """(ok, reason): whether this implementation can run here (this process) at ``world`` ranks; the bench
+        asks at its own world size, a dry run at the planned one."""
         if self.available is None:
             return True, None
-        ok, reason = self.available()
+        ok, reason = self.available(world)
         return bool(ok), (None if ok else reason or "unavailable")
 
 

@@ -68,8 +68,8 @@ def _nccl_cublas(inp: TPInputs, params: dict, config):
     return (lambda: reference.matmul_reduce_scatter_ref(a, b, fp32=False)), 0
 
 
-def _async_tp_available():
-    if world_info()[1] == 1:
+def _async_tp_available(world: int):
+    if world == 1:
         return False, "torch async-TP needs a process group of >= 2 ranks"
     ops = getattr(torch.ops, "symm_mem", None)
     if ops is None or not hasattr(ops, "fused_all_gather_matmul"):

@@ -63,10 +63,11 @@ def test_unknown_impl_is_a_one_line_error(family):
 
 def test_world_one_makes_fixed_role_unavailable():
     for family in ("tp", "moe_fwd"):
-        assert registry.get(family, "fixed-role-best").availability() == (False, "no communication at world size 1")
-    assert registry.get("tp", "torch-async-tp").availability() == \
+        assert registry.get(family, "fixed-role-best").availability(1) == (False, "no communication at world size 1")
+        assert registry.get(family, "fixed-role").availability(2) == (True, None)  # the world is the argument
+    assert registry.get("tp", "torch-async-tp").availability(1) == \
         (False, "torch async-TP needs a process group of >= 2 ranks")
-    assert registry.get("tp", "kosmos").availability() == (True, None)
+    assert registry.get("tp", "kosmos").availability(1) == (True, None)
 
 
 # --------------------------------------------------------------------------- --config
@@ -201,7 +202,7 @@ def _toy(family):
     def late(inp, params, config):
         raise registry.Unavailable("found at run time")
 
-    @registry.register(family, "ruled-out", available=lambda: (False, "needs a thing"))
+    @registry.register(family, "ruled-out", available=lambda world: (False, "needs a thing"))
     def ruled_out(inp, params, config):
         made.append("ruled-out")
         return (lambda: 2 * inp), None

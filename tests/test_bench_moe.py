@@ -268,7 +268,7 @@ def test_deepep_expert_side_matches_reference():
 
 def test_deepep_unavailable_without_the_package(monkeypatch, tiny_models):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # import deep_ep -> ImportError
-    ok, reason = moe.deepep_available()
+    ok, reason = moe.deepep_available(2)
     assert not ok and reason.startswith("deep_ep is not importable (")
 
 
