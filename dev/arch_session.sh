@@ -41,7 +41,7 @@ case $stage in
       for tree in old new; do
         root=.; [ $tree = old ] && root=.base
         PYTHONPATH=$root timeout 130 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
-          --impl kosmos --out "$out/tp-w1-$tree-$round.jsonl" > "$out/tp-w1-$tree-$round.log" 2>&1
+          --impl kosmos --out "$out/tp-w1-$tree-$round.jsonl" >> /tmp/tp-w1-runs.log 2>&1
         echo "tp $tree round $round rc=$?"
       done
     done
