@@ -81,10 +81,22 @@ CONFIG_TYPES = {"all_gather_matmul": AllGatherMatmulConfig, "matmul_reduce_scatt
                 "moe_forward": MoEForwardConfig}
 
 
-def check_config(cls, config):
-    """``config`` if it is a ``cls`` (``cls()`` for None); a one-line ValueError otherwise."""
+_DEFAULTS: dict = {}
+
+
+def default_config(cls):
+    """The one default instance of ``cls`` (configs are frozen: built once, not on every call)."""
+    config = _DEFAULTS.get(cls)
     if config is None:
-        return cls()
+        config = _DEFAULTS[cls] = cls()
+    return config
+
+
+def check_config(cls, config):
+    """``config`` if it is a ``cls`` (the default instance for None); a one-line ValueError otherwise. The public
+    ops call it once; what they hand on (launch, planning) is already checked."""
+    if config is None:
+        return default_config(cls)
     if not isinstance(config, cls):
         raise ValueError(f"config must be a kosmos.{cls.__name__}, got {type(config).__name__}")
     return config

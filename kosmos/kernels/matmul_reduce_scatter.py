@@ -82,7 +82,7 @@ from .. import device as dev
 from .. import planning, runtime
 from .. import schedule as sched
 from ..codes import EV_COMM, EV_COMPUTE, OP_MATMUL_REDUCE_SCATTER, WAIT_RS_PARTIAL
-from ..config import MatmulReduceScatterConfig, check_config
+from ..config import MatmulReduceScatterConfig, check_config, default_config
 from .common import (check_launch, check_operands, host_descriptors, load_task, policy_args, store_rows,
                      store_tile, tile_matmul)
 
@@ -236,7 +236,7 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
     m, k = a.shape
     ms, n = c.shape
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
-    config = check_config(MatmulReduceScatterConfig, config)
+    config = config or default_config(MatmulReduceScatterConfig)  # checked by the op
     key = ("rs", rank, world, ms, n, cfg, str(a.device))
     comp_t, red_t, _ = planning.cached_tables(
         key, lambda: planning.plan_matmul_reduce_scatter(rank, world, ms, n, cfg, a.device))
