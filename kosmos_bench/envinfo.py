@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-from .environment import SOURCE_ROOT, _driver, git_commit, git_dirty
+from .environment import SOURCE_ROOT, _driver, git_commit, git_dirty, in_checkout
 
 # environment variables that change what a run does (shown by `kosmos env` when set)
 ENV_PREFIXES = ("CUDA_VISIBLE_DEVICES", "NCCL_", "KOSMOS_", "TORCH_SYMM_MEM", "TRITON_", "TORCH_NCCL_")
@@ -45,7 +45,7 @@ def version_line() -> str:
 
 def _git() -> str:
     """The source tree's commit, or why there is none (an installed wheel has no git checkout)."""
-    if not os.environ.get("KOSMOS_GIT_COMMIT") and not os.path.exists(os.path.join(SOURCE_ROOT, ".git")):
+    if not os.environ.get("KOSMOS_GIT_COMMIT") and not in_checkout():
         return "no git checkout (an installed package)"
     sha = git_commit()
     if sha is None:

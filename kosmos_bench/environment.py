@@ -31,10 +31,18 @@ def source_sha(root: str = SOURCE_ROOT) -> str:
     return h.hexdigest()
 
 
+def in_checkout() -> bool:
+    """Whether the sources are a git checkout of their own (a ``.git`` folder, or a worktree's ``.git`` file, beside
+    kosmos/). An installed package is not, even inside some other repository: git there would name that
+    repository's commit."""
+    return os.path.exists(os.path.join(SOURCE_ROOT, ".git"))
+
+
 def git_commit() -> str | None:
-    """The source tree's commit (KOSMOS_GIT_COMMIT wins: a copied tree may have no .git)."""
+    """The source tree's commit (KOSMOS_GIT_COMMIT wins: a copied tree may have no .git); None outside a
+    checkout of its own."""
     sha = os.environ.get("KOSMOS_GIT_COMMIT")
-    if not sha:
+    if not sha and in_checkout():
         try:
             sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                                  cwd=SOURCE_ROOT).stdout.strip()
@@ -46,7 +54,7 @@ def git_commit() -> str | None:
 def git_dirty() -> bool | None:
     """True when kosmos/ or kosmos_bench/ differ from the commit; None without git, or when KOSMOS_GIT_COMMIT
     names the commit (a copied tree's .git may be stale: source_sha then says which code ran)."""
-    if os.environ.get("KOSMOS_GIT_COMMIT"):
+    if os.environ.get("KOSMOS_GIT_COMMIT") or not in_checkout():
         return None
     try:
         out = subprocess.run(["git", "status", "--porcelain", "--", "kosmos", "kosmos_bench"],

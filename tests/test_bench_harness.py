@@ -265,3 +265,15 @@ def test_tp_failed_rows_use_each_ops_config():
     assert [(r["impl"], r["config"]) for r in rows] == [("kosmos", {"push_chunks": 2, "copy_block": 16384}),
                                                         ("nccl+cublas", None)]
     assert all(r["world"] == 2 and r["m"] == 4096 and r["reason"] == "boom" for r in rows)
+
+
+def test_git_commit_only_from_a_checkout_of_its_own(monkeypatch, tmp_path):
+    """Outside a checkout of its own (an installed package, maybe inside another repository) the env record names
+    no commit and no dirty flag rather than the surrounding repository's; KOSMOS_GIT_COMMIT still wins."""
+    from kosmos_bench import environment
+    monkeypatch.delenv("KOSMOS_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(environment, "SOURCE_ROOT", str(tmp_path))
+    assert not environment.in_checkout()
+    assert environment.git_commit() is None and environment.git_dirty() is None
+    monkeypatch.setenv("KOSMOS_GIT_COMMIT", "a" * 40)
+    assert environment.git_commit() == "a" * 40
