@@ -3,8 +3,10 @@
     python -m dev.ab_compare BASE.jsonl [BASE2.jsonl ...] --vs NEW.jsonl [NEW2.jsonl ...] [--impl kosmos]
 
 Per shape: the median time of --impl over the files of each side, their ratio (new / base), and each side's
-ratio to the same run's nccl+cublas (the run-to-run noise shows in how much that baseline moves between the
-files). Prints a table and the geomean of new / base.
+time against the same rows' ``t_gemm_ms`` -- the local GEMM alone (torch.matmul / cuBLAS; for MoE rows the
+grouped GEMMs alone) timed in the same run, so the run-to-run noise shows in how much that reference moves
+between the files. (Not against an ``nccl+cublas`` row: at W=1 that still copies for a size-1 all-gather.)
+Prints a table and the geomeans of new / base and of each side against the GEMM alone.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from collections import defaultdict
 
 
 def _load(paths):
-    rows = defaultdict(list)  # (op, model, layer, seq + routing for MoE points, impl) -> [time_ms]
+    rows = defaultdict(list)  # (op, model, layer, seq + routing for MoE points, impl) -> [(time_ms, t_gemm_ms)]
     for p in paths:
         if not os.path.exists(p):
             raise SystemExit(f"ab_compare: {p}: no such file (did that run fail?)")
@@ -25,7 +27,8 @@ def _load(paths):
             r = json.loads(line)
             if r.get("type") == "result" and r.get("status") == "ok":
                 seq = r["seq"] if r.get("routing") is None else f"{r['seq']}/{r['routing']}"
-                rows[(r["op"], r["model"], r["layer"], seq, r["impl"])].append(r["time_ms"])
+                rows[(r["op"], r["model"], r["layer"], seq, r["impl"])].append(
+                    (r["time_ms"], r.get("t_gemm_ms") or float("nan")))
     return rows
 
 
@@ -34,22 +37,24 @@ def main(argv=None):
     ap.add_argument("base", nargs="+")
     ap.add_argument("--vs", nargs="+", required=True)
     ap.add_argument("--impl", default="kosmos")
-    ap.add_argument("--baseline", default="nccl+cublas")
     args = ap.parse_args(argv)
     base, new = _load(args.base), _load(args.vs)
     keys = sorted({k[:4] for k in base if k[4] == args.impl} & {k[:4] for k in new if k[4] == args.impl})
     print(f"{'model':<11} {'layer':<9} {'seq':>6} {'base ms':>9} {'new ms':>9} {'new/base':>9} "
-          f"{'base/cublas':>12} {'new/cublas':>11}")
-    logs = []
+          f"{'gemm/base':>10} {'gemm/new':>9}")
+    logs = {"new/base": [], "gemm/base": [], "gemm/new": []}
     for k in keys:
-        b, n = statistics.median(base[k + (args.impl,)]), statistics.median(new[k + (args.impl,)])
-        cb = base.get(k + (args.baseline,)) or [float("nan")]
-        cn = new.get(k + (args.baseline,)) or [float("nan")]
-        logs.append(math.log(n / b))
-        print(f"{k[1]:<11} {k[2]:<9} {k[3]:>6} {b:>9.4f} {n:>9.4f} {n / b:>9.3f} "
-              f"{b / statistics.median(cb):>12.3f} {n / statistics.median(cn):>11.3f}")
-    if logs:
-        print(f"geomean new/base over {len(logs)} shapes: {math.exp(sum(logs) / len(logs)):.3f}")
+        b = statistics.median(t for t, _ in base[k + (args.impl,)])
+        n = statistics.median(t for t, _ in new[k + (args.impl,)])
+        gb = statistics.median(g for _, g in base[k + (args.impl,)])  # > 1: faster than the GEMM alone
+        gn = statistics.median(g for _, g in new[k + (args.impl,)])
+        for name, v in (("new/base", n / b), ("gemm/base", gb / b), ("gemm/new", gn / n)):
+            if v == v:
+                logs[name].append(math.log(v))
+        print(f"{k[1]:<11} {k[2]:<9} {k[3]:>6} {b:>9.4f} {n:>9.4f} {n / b:>9.3f} {gb / b:>10.3f} {gn / n:>9.3f}")
+    for name, vals in logs.items():
+        if vals:
+            print(f"geomean {name} over {len(vals)} shapes: {math.exp(sum(vals) / len(vals)):.3f}")
 
 
 if __name__ == "__main__":

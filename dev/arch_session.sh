@@ -57,8 +57,7 @@ case $stage in
         echo "moe $tree round $round rc=$?"
       done
     done
-    PYTHONPATH=. python -m dev.ab_compare "$out"/moe-ep1-old-*.jsonl --vs "$out"/moe-ep1-new-*.jsonl \
-      --baseline nccl-a2a | tee "$out/ab-moe.txt" ;;
+    PYTHONPATH=. python -m dev.ab_compare "$out"/moe-ep1-old-*.jsonl --vs "$out"/moe-ep1-new-*.jsonl | tee "$out/ab-moe.txt" ;;
   final)  # the GPU tests, both trees' register tables (compiled on the CPU meanwhile), one MoE A/B round
     ( regs .base "$out/regs-old.json" > /tmp/regs-old.txt 2>&1; regs . "$out/regs-new.json" > /tmp/regs-new.txt 2>&1 ) &
     PYTHONPATH=. timeout ${TEST_TIMEOUT:-220} python -m pytest -q -p no:cacheprovider --durations=5 \
