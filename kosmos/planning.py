@@ -53,7 +53,7 @@ from functools import lru_cache
 
 import torch
 
-from .config import AllGatherMatmulConfig, MoEForwardConfig, default_config
+from .config import AllGatherMatmulConfig, MoEForwardConfig, check_config
 
 PUSH, COPY = 0, 1
 GROUP_M = 8
@@ -115,7 +115,7 @@ def ag_comm_config(world: int, ms: int, bm: int, config=None) -> tuple[int, int]
     kernel stays spill-free (Triton 3.6, sm_90: 181 registers; `dev.kernel_resources`). push_chunks="auto":
     about AG_TARGET_PUSHERS push tasks in all, however long the shard (fewer, larger comm tasks would take the
     same NVLink bandwidth from fewer SMs; its two-GPU A/B is still to run)."""
-    config = config or default_config(AllGatherMatmulConfig)  # checked by the op
+    config = check_config(AllGatherMatmulConfig, config)  # an isinstance check; None: the default instance
     if config.push_chunks == "auto":
         chunks = math.ceil(ms / bm) * max(1, world - 1)
         per_task = max(1, math.ceil(chunks / AG_TARGET_PUSHERS))
@@ -206,7 +206,7 @@ def moe_config(config=None) -> MoETiles:
     128 gate + 128 up columns so that SwiGLU fuses into its epilogue); 32-token blocks for the data movers so
     that a 4k-token batch makes ~one task per SM; the copy step and the half-height tail tile from ``config``
     (a ``kosmos.MoEForwardConfig``, whose docstring has the measurements). Tiny blocks under the CPU interpreter (the copy step capped at 32)."""
-    config = config or default_config(MoEForwardConfig)  # checked by the op
+    config = check_config(MoEForwardConfig, config)  # an isinstance check; None: the default instance
     if interpreting():
         return MoETiles(RB=16, PB=16, FB=16, BH=min(32, config.copy_cols), BM=16, BK=16, BNH=16, BN=32,
                          num_warps=4, num_stages=1, half_tail=config.half_tail)
