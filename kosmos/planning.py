@@ -25,8 +25,10 @@ Measured (dated) -- the GEMM core both TP ops share: the tile rule (tile_config)
   Rule 128x256x64, 3 stages, 8 warps, one program per SM. Its original "86-102% of cuBLAS" predates the diary
   (DESIGN.md, not in this checkout). W=1 kosmos / cuBLAS TFLOP/s since, on one GPU of the 2x H200 machine:
   v0.1 (6ccc827) 0.88-1.01, v0.2 (c47c5e6, seq 8k/16k) 0.92-1.05, geomean 0.99; on 1x H200 at 909b6c9
-  (session 6, Triton 3.6): llama3-70b TP=2 per-rank GEMMs 0.952-1.046 (geomean 1.005), TP=1 0.970-1.065
-  (1.009), llama3-8b per-rank 0.917-1.068 (short-K attn_out lowest).
+  (session 6, Triton 3.6), against torch.matmul alone (t_gemm_ms / time_ms): llama3-70b TP=2 per-rank GEMMs
+  0.903-1.025 (geomean 0.979; 11 of 12 at >= 0.95, qkv-16k 0.903), TP=1 0.967-1.019 (0.993), llama3-8b
+  per-rank 0.919-0.982 (short-K attn_out lowest). (Session 6 stated 0.952-1.046, geomean 1.005, against the
+  nccl+cublas row, which at W=1 still copies for the all-gather; the AG rows' cuBLAS time multiplied an uninitialised buffer (fixed in session 7, 1e83152; not re-measured).)
   Inside a tile it is at full rate (attn_out-70b-4k: 43.6 us per tile, 811 TFLOP/s against cuBLAS's 790 for
   the shape; llama3-8b attn_out 4k: 23.8 us per 128x256x2048 tile, 745 TFLOP/s over 132 SMs). The loss is at
   the edges: the gap between two tiles (0.99 us session 4, 0.83 us session 5, 0.9% of program time after

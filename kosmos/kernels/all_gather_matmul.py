@@ -36,10 +36,12 @@ whose wait gave up leaves the loop. Nothing polls the error flag between tasks (
 atomic per tile), so a program that never waits finishes its tiles; the launch still ends.
 
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, the session named):
-  W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), kosmos / cuBLAS TFLOP/s
-  (results/h200x1/tp-bf16-w1-shard2.jsonl): llama3-70b TP=2 per-rank GEMMs qkv 1.044-1.046, fc1 0.995-1.009
-  (seq 4k-16k); llama3-8b qkv 1.066-1.068, fc1 0.983-0.997; unsharded TP=1 (tp-bf16-w1.jsonl) qkv
-  1.002-1.018, fc1 1.012-1.017. W=1 takes no data workspace since 909b6c9 (1 MiB floor; was 256 MiB).
+  W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), against torch.matmul alone
+  (the rows' t_gemm_ms / time_ms; results/h200x1/tp-bf16-w1-shard2.jsonl): llama3-70b TP=2 per-rank GEMMs qkv
+  0.971 / 0.975 / 0.903 (seq 4k / 8k / 16k), fc1 0.984-1.000; llama3-8b qkv 0.951-0.960, fc1 0.954-0.970;
+  unsharded TP=1 (tp-bf16-w1.jsonl) qkv 0.967-0.981, fc1 0.978-1.015. (Session 6 reported qkv 1.044-1.068
+  "vs cuBLAS": that was against the nccl+cublas row, which at W=1 still copies for the all-gather. The
+  AG rows' cuBLAS time multiplied an uninitialised buffer (fixed in session 7, 1e83152; not re-measured).) W=1 takes no data workspace since 909b6c9 (1 MiB floor; was 256 MiB).
   Two GPUs, last run: 2x H200, 75b681f, Triton 3.6, 2026-11-29 (session 3, results/h200x2/tp-bf16.jsonl):
   AG shapes vs nccl+cublas, geomean llama3-70b 1.050 (0.966-1.152; torch-async-tp 1.110, fixed-role-best
   1.039), llama3-8b 1.095. Everything below from session 4 on is unmeasured at W=2.

@@ -44,10 +44,11 @@ finishes its compute tiles.
 W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
 
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, the session named):
-  W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), kosmos / cuBLAS TFLOP/s
-  (results/h200x1/tp-bf16-w1-shard2.jsonl): llama3-70b TP=2 per-rank attn_out 0.952 / 0.978 / 0.989 (seq 4k /
-  8k / 16k; 4k in five runs 0.9496-0.9523: on the 95% line), fc2 0.977 / 1.001 / 1.024; llama3-8b attn_out
-  (K=2048) 0.917-0.941, fc2 0.958-0.984; TP=1 (tp-bf16-w1.jsonl) attn_out 0.970-1.006, fc2 0.987-1.065.
+  W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), against torch.matmul alone
+  (t_gemm_ms / time_ms; results/h200x1/tp-bf16-w1-shard2.jsonl): llama3-70b TP=2 per-rank attn_out 0.952 /
+  0.982 / 0.992 (seq 4k / 8k / 16k; 4k in five runs 0.9496-0.9523 against nccl+cublas: on the 95% line), fc2
+  0.977 / 0.996 / 1.025; llama3-8b attn_out (K=2048) 0.919-0.944, fc2 0.958-0.982; TP=1 (tp-bf16-w1.jsonl)
+  attn_out 0.977-1.005, fc2 0.981-1.019.
   Reduce path compiled out at W=1 (3667b58): 255 regs + 24 B spills -> 208, none; 12 RS GEMMs geomean 0.995 of
   before. W=1 takes no data workspace since 909b6c9. Host time at W=1, 4096x2048x4096: 99.7 us per call (GPU 105).
   Two GPUs, last run: 2x H200, 75b681f, Triton 3.6, 2026-11-29 (session 3, results/h200x2/tp-bf16.jsonl):
