@@ -1,0 +1,143 @@
+"""MXFP8 on one H200: which compute path, and what the pieces cost (a developer probe; not product code).
+
+    PYTHONPATH=. python -m dev.mx_probe [--seqs 4096,8192] [--json OUT.jsonl]
+
+Per llama3-70b TP=2 per-rank GEMM at W=1 (device time, L2 flushed, kosmos_bench.timing): torch.matmul bf16,
+the kosmos bf16 op, the kosmos op with an MX A operand expanded in the GEMM's load path (scale bytes loaded
+per element, or per block and broadcast), dequantize-then-bf16-kosmos, quantize_mx / dequantize_mx alone,
+Triton's tl.dot_scaled at each candidate tile, and cuBLAS FP8 rowwise (torch._scaled_mm). Every output is
+checked against the fp32 product of the dequantized MX values; registers/spills of the MX kernels printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import kosmos
+from kosmos import planning, quant, reference, runtime
+from kosmos.kernels import all_gather_matmul as ag
+from kosmos.kernels import matmul_reduce_scatter as rs
+from kosmos.models import tp_gemms
+from kosmos_bench.dot_scaled import DOT_SCALED_CANDIDATES, dot_scaled_matmul
+from kosmos_bench.timing import time_op
+
+KERNELS = {}
+
+
+def mx_op(op, a_mx, b, bcast):
+    """The W=1 op on an MX A with the scale-load variant ``bcast`` (the public op has no such knob)."""
+    p, s = a_mx
+    m, k = p.shape
+    n = b.shape[1]
+    ws = runtime.get_workspace(None, p.device)
+    cfg = planning.tile_config(m, n, k)
+    grid = runtime.num_sms(p.device)
+    tiles = -(-m // cfg.BM) * (1 if op == "ag_gemm" else -(-n // cfg.BN))
+    ws.ensure(0, tiles)
+    runtime.ensure_triton_allocator()
+    epoch = ws.next_epoch()
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=p.device)
+    common = dict(rank=0, world=1, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, a_scales=s,
+                  scale_bcast=bcast)
+    if op == "ag_gemm":
+        kern = ag.launch(p, b, False, c, p, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
+                         gather_scales=s, **common)
+    else:
+        kern = rs.launch(p, b, False, c, c, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
+                         **common)
+    ws.after_launch()
+    KERNELS[(op, bcast)] = kern
+    return c
+
+
+def rowwise_fp8(x):
+    """(fp8 e4m3 payload, fp32 per-row scale [rows, 1]) with amax / 448 per row."""
+    amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    scale = amax / 448.0
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="4096,8192")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    out = open(args.json, "a") if args.json else None
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        for g in tp_gemms("llama3-70b", seq, 2):
+            m, n, k = g.m, g.n, g.k
+            gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+            a_mx = quant.quantize_mx(x)
+            w_mx = quant.quantize_mx(w)
+            b = quant.mx_round(w).t().contiguous()  # [K, N] row-major, the MX weight's exact values
+            ref = a_mx.dequantize(torch.float32) @ b.float()
+            t = lambda fn: time_op(fn, iters=args.iters, warmup=3)["time_ms"]  # noqa: E731
+            res = {"shape": f"{g.layer}-{seq}", "m": m, "n": n, "k": k}
+            x_deq = a_mx.dequantize()
+            res["cublas_bf16"] = t(lambda: x_deq @ b)
+            bf16_op = (lambda: kosmos.all_gather_matmul(x_deq, b)[1]) if g.op == "ag_gemm" else \
+                (lambda: kosmos.matmul_reduce_scatter(x_deq, b))
+            res["kosmos_bf16"] = t(bf16_op)
+            errs = {}
+            for bcast in (False, True):
+                key = "mx_bcast" if bcast else "mx_gather"
+                try:
+                    c = mx_op(g.op, a_mx, b, bcast)
+                    torch.cuda.synchronize()
+                    errs[key] = reference.rel_err(c, ref)
+                    res[key] = t(lambda: mx_op(g.op, a_mx, b, bcast))
+                except Exception as e:  # noqa: BLE001 -- a probe: record and go on
+                    res[key] = None
+                    errs[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            res["deq_then_bf16"] = t(lambda: (kosmos.all_gather_matmul(a_mx.dequantize(), b)[1]
+                                              if g.op == "ag_gemm" else
+                                              kosmos.matmul_reduce_scatter(a_mx.dequantize(), b)))
+            res["quantize"] = t(lambda: quant.quantize_mx(x))
+            res["dequantize"] = t(lambda: a_mx.dequantize())
+            best = None
+            for tile in DOT_SCALED_CANDIDATES:
+                try:
+                    c = dot_scaled_matmul(a_mx, w_mx, tile)
+                    torch.cuda.synchronize()
+                    e = reference.rel_err(c, ref)
+                    tt = t(lambda: dot_scaled_matmul(a_mx, w_mx, tile))
+                    res[f"dot_scaled_{'x'.join(map(str, tile))}"] = tt
+                    errs[f"dot_scaled_{tile}"] = e
+                    best = tt if best is None else min(best, tt)
+                except Exception as e:  # noqa: BLE001
+                    errs[f"dot_scaled_{tile}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            res["dot_scaled_best"] = best
+            xa, sa = rowwise_fp8(x)
+            wb, sb = rowwise_fp8(w)
+            res["fp8_rowwise"] = t(lambda: torch._scaled_mm(xa, wb.t(), scale_a=sa, scale_b=sb.t(),
+                                                              out_dtype=torch.bfloat16))
+            res["fp8_rowwise_rowquant"] = t(lambda: rowwise_fp8(x))
+            res["errs"] = errs
+            rows.append(res)
+            if out:
+                out.write(json.dumps(res) + "\n")
+                out.flush()
+            print(json.dumps(res), flush=True)
+    for key, kern in KERNELS.items():
+        print("regs", key, getattr(kern, "n_regs", "?"), "spills", getattr(kern, "n_spills", "?"))
+    cols = ["cublas_bf16", "kosmos_bf16", "mx_gather", "mx_bcast", "deq_then_bf16", "quantize", "dequantize",
+            "dot_scaled_best", "fp8_rowwise"]
+    print("shape".ljust(16) + "".join(c[:12].rjust(13) for c in cols))
+    for r in rows:
+        print(r["shape"].ljust(16) + "".join(
+            (f"{r[c]:.4f}" if isinstance(r.get(c), float) else "-").rjust(13) for c in cols))
+    print("ratios to cublas_bf16 (time): " + ", ".join(
+        f"{c} {math.exp(sum(math.log(r[c] / r['cublas_bf16']) for r in rows) / len(rows)):.3f}"
+        for c in cols[1:] if all(isinstance(r.get(c), float) for r in rows)))
+
+
+if __name__ == "__main__":
+    main()
