@@ -15,49 +15,40 @@ import json
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 import kosmos
-from kosmos import planning, quant, reference, runtime
-from kosmos.kernels import all_gather_matmul as ag
-from kosmos.kernels import matmul_reduce_scatter as rs
+from kosmos import quant, reference
 from kosmos.models import tp_gemms
 from kosmos_bench.dot_scaled import DOT_SCALED_CANDIDATES, dot_scaled_matmul
 from kosmos_bench.timing import time_op
-
-KERNELS = {}
-
-
-def mx_op(op, a_mx, b, bcast):
-    """The W=1 op on an MX A with the scale-load variant ``bcast`` (the public op has no such knob)."""
-    p, s = a_mx
-    m, k = p.shape
-    n = b.shape[1]
-    ws = runtime.get_workspace(None, p.device)
-    cfg = planning.tile_config(m, n, k)
-    grid = runtime.num_sms(p.device)
-    tiles = -(-m // cfg.BM) * (1 if op == "ag_gemm" else -(-n // cfg.BN))
-    ws.ensure(0, tiles)
-    runtime.ensure_triton_allocator()
-    epoch = ws.next_epoch()
-    c = torch.empty((m, n), dtype=torch.bfloat16, device=p.device)
-    common = dict(rank=0, world=1, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, a_scales=s,
-                  scale_bcast=bcast)
-    if op == "ag_gemm":
-        kern = ag.launch(p, b, False, c, p, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
-                         gather_scales=s, **common)
-    else:
-        kern = rs.launch(p, b, False, c, c, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
-                         **common)
-    ws.after_launch()
-    KERNELS[(op, bcast)] = kern
-    return c
-
 
 def rowwise_fp8(x):
     """(fp8 e4m3 payload, fp32 per-row scale [rows, 1]) with amax / 448 per row."""
     amax = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
     scale = amax / 448.0
     return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def quant_tiles(x, a_mx):
+    """quantize / dequantize kernels at other (BLOCK_R, BLOCK_NB, warps) tiles: ms."""
+    rows, k = x.shape
+    nb = k // 32
+    res = {}
+    for br, bnb, warps in ((8, 8, 4), (16, 16, 4), (32, 8, 4), (8, 32, 4), (32, 16, 8), (64, 8, 8)):
+        grid = (triton.cdiv(rows, br), triton.cdiv(nb, bnb))
+        p = torch.empty_like(a_mx.payload)
+        s = torch.empty_like(a_mx.scales)
+        out = torch.empty_like(x)
+        q = lambda: quant._quantize_kernel[grid](x.view(torch.int16), p.view(torch.uint8), s, rows, nb,  # noqa
+                                                  BLOCK_R=br, BLOCK_NB=bnb, num_warps=warps)
+        d = lambda: quant._dequantize_kernel[grid](a_mx.payload.view(torch.uint8), a_mx.scales,  # noqa
+                                                    out.view(torch.int16), rows, nb, OUT_BF16=True, BLOCK_R=br,
+                                                    BLOCK_NB=bnb, num_warps=warps)
+        res[f"q{br}x{bnb}w{warps}"] = time_op(q, iters=10, warmup=2)["time_ms"]
+        res[f"d{br}x{bnb}w{warps}"] = time_op(d, iters=10, warmup=2)["time_ms"]
+    return res
 
 
 def main(argv=None):
@@ -87,16 +78,13 @@ def main(argv=None):
                 (lambda: kosmos.matmul_reduce_scatter(x_deq, b))
             res["kosmos_bf16"] = t(bf16_op)
             errs = {}
-            for bcast in (False, True):
-                key = "mx_bcast" if bcast else "mx_gather"
-                try:
-                    c = mx_op(g.op, a_mx, b, bcast)
-                    torch.cuda.synchronize()
-                    errs[key] = reference.rel_err(c, ref)
-                    res[key] = t(lambda: mx_op(g.op, a_mx, b, bcast))
-                except Exception as e:  # noqa: BLE001 -- a probe: record and go on
-                    res[key] = None
-                    errs[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            op = (lambda a: kosmos.all_gather_matmul(a, b)[1]) if g.op == "ag_gemm" else \
+                (lambda a: kosmos.matmul_reduce_scatter(a, b))
+            c = op(a_mx)
+            torch.cuda.synchronize()
+            errs["kosmos_mx"] = reference.rel_err(c, ref)
+            res["kosmos_mx"] = t(lambda: op(a_mx))
+            res["kosmos_mx_from_bf16"] = t(lambda: op(quant.quantize_mx(x)))
             res["deq_then_bf16"] = t(lambda: (kosmos.all_gather_matmul(a_mx.dequantize(), b)[1]
                                               if g.op == "ag_gemm" else
                                               kosmos.matmul_reduce_scatter(a_mx.dequantize(), b)))
@@ -115,20 +103,29 @@ def main(argv=None):
                 except Exception as e:  # noqa: BLE001
                     errs[f"dot_scaled_{tile}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             res["dot_scaled_best"] = best
+            print("errs", errs, flush=True)
             xa, sa = rowwise_fp8(x)
             wb, sb = rowwise_fp8(w)
             res["fp8_rowwise"] = t(lambda: torch._scaled_mm(xa, wb.t(), scale_a=sa, scale_b=sb.t(),
                                                               out_dtype=torch.bfloat16))
             res["fp8_rowwise_rowquant"] = t(lambda: rowwise_fp8(x))
+            if g.layer == "qkv":
+                res.update(quant_tiles(x, a_mx))
             res["errs"] = errs
             rows.append(res)
             if out:
                 out.write(json.dumps(res) + "\n")
                 out.flush()
             print(json.dumps(res), flush=True)
-    for key, kern in KERNELS.items():
-        print("regs", key, getattr(kern, "n_regs", "?"), "spills", getattr(kern, "n_spills", "?"))
-    cols = ["cublas_bf16", "kosmos_bf16", "mx_gather", "mx_bcast", "deq_then_bf16", "quantize", "dequantize",
+    from kosmos.kernels import all_gather_matmul as ag, matmul_reduce_scatter as rs
+    try:  # Triton internals: a probe may read them
+        for kern in (ag._all_gather_matmul_kernel, rs._matmul_reduce_scatter_kernel):
+            for cache in kern.device_caches.values():
+                for key, ck in cache[0].items():
+                    print("regs", kern.fn.__name__, str(key)[-60:], ck.n_regs, "spills", ck.n_spills)
+    except Exception as e:  # noqa: BLE001
+        print("regs: not read", e)
+    cols = ["cublas_bf16", "kosmos_bf16", "kosmos_mx", "kosmos_mx_from_bf16", "deq_then_bf16", "quantize", "dequantize",
             "dot_scaled_best", "fp8_rowwise"]
     print("shape".ljust(16) + "".join(c[:12].rjust(13) for c in cols))
     for r in rows:

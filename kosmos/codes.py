@@ -25,6 +25,7 @@ WAIT_MOE_PLAN: tl.constexpr = tl.constexpr(5)      # index: unused (0)
 WAIT_MOE_PERMUTE: tl.constexpr = tl.constexpr(6)   # index: the local expert
 WAIT_MOE_GEMM1: tl.constexpr = tl.constexpr(7)     # index: the expert m-tile
 WAIT_MOE_COMBINE: tl.constexpr = tl.constexpr(8)   # index: the fold block
+WAIT_MX_ROWS: tl.constexpr = tl.constexpr(9)       # index: the signal slot of (source rank, chunk, part)
 WAIT_TEXT = {
     WAIT_PEERS_DONE.value: "rank {index} to finish the previous call (done flag)",
     WAIT_AG_ROWS.value: "rows pushed by a peer (signal slot {index})",
@@ -34,6 +35,7 @@ WAIT_TEXT = {
     WAIT_MOE_PERMUTE.value: "the received rows of local expert {index} to be placed",
     WAIT_MOE_GEMM1.value: "the GEMM1 column tiles of expert m-tile {index}",
     WAIT_MOE_COMBINE.value: "the expert outputs of fold block {index} (combine from every rank)",
+    WAIT_MX_ROWS.value: "MXFP8 rows to be dequantized by another program of the launch (signal slot {index})",
 }
 
 # ------------------------------------------------------------------------------------------- trace kinds

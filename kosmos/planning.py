@@ -185,6 +185,40 @@ def cached_tables(key, build):
     return t
 
 
+# ----------------------------------------------------------------------------------------------- MXFP8
+@dataclass(frozen=True)
+class DequantPlan:
+    """MXFP8 dequantize-on-arrival tasks of a TP op: each DEQ task expands ROWS rows of one BM-row chunk
+    (PARTS = BM / ROWS tasks per chunk, one flag each), NB MX blocks (32 elements) per step of its row loop."""
+    ROWS: int
+    PARTS: int
+    NB: int
+
+
+def dequant_plan(cfg: TileConfig, k: int) -> DequantPlan:
+    """32 rows per DEQ task (4 per 128-row chunk: ~1 MB of traffic at K = 8192, so the first chunks -- which
+    the first tiles wait for -- are spread over 4 programs), 16 MX blocks (512 columns) per step: 16 KB of
+    payload in flight per program. Tiny under the CPU interpreter."""
+    rows = max(1, cfg.BM // 4) if not interpreting() else max(1, cfg.BM // 2)
+    nb_cap = 16 if not interpreting() else 2
+    return DequantPlan(rows, cfg.BM // rows, min(nb_cap, _pow2_at_least(k // 32, 1, nb_cap)))
+
+
+@lru_cache(maxsize=256)
+def _deq_rows(rank: int, world: int, ms: int, bm: int, parts: int, op: str):
+    chunks = math.ceil(ms / bm)
+    if op == "ag":  # the compute table's slot order: own slot first, then slots r-1, r-2, ... as they arrive
+        order = [((rank - d) % world, m) for d in range(world) for m in range(chunks)]
+    else:  # gemm_rs: m-tile major, owners staggered r+1, ..., r (the compute table's order)
+        order = [((rank + d) % world, m) for m in range(chunks) for d in range(1, world + 1)]
+    return tuple((slot, m, p, 0) for slot, m in order for p in range(parts))
+
+
+def plan_dequant(rank: int, world: int, ms: int, cfg: TileConfig, plan: DequantPlan, op: str, device):
+    """The DEQ task table (slot, chunk, part, 0) in the order the op's tiles need the rows."""
+    return _table(list(_deq_rows(rank, world, ms, cfg.BM, plan.PARTS, op)), device)
+
+
 # ------------------------------------------------------------------------------------------------------ MoE
 @dataclass(frozen=True)
 class MoETiles:

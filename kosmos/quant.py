@@ -94,11 +94,55 @@ exponent from log2 with an exact correction step, rounding as ``round(|v| / quan
 ties to even), decoding by the E4M3 formula. They take bf16 or fp32 on any device; the tests compare the
 kernels against them bit for bit.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from . import planning
+
+
+class MXTensor(NamedTuple):
+    """An MXFP8 matrix: ``payload`` float8_e4m3fn [rows, K] and ``scales`` uint8 [rows, K/32] (E8M0 bytes), the
+    public layout. A plain tuple underneath: ``payload, scales = x`` works, and ``quantize_mx`` returns one.
+    The fused TP ops take it wherever they take a bf16 activation."""
+    payload: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self):
+        return self.payload.shape
+
+    @property
+    def device(self):
+        return self.payload.device
+
+    def dequantize(self, dtype=torch.bfloat16) -> torch.Tensor:
+        return dequantize_mx(self.payload, self.scales, dtype)
+
+
+def check_mx(name: str, x) -> tuple[int, int]:
+    """One-line ValueErrors for an MX operand of a fused op (payload e4m3fn [rows, K], K % 32 == 0, scales uint8
+    [rows, K/32] on the same device, both contiguous); returns (rows, K)."""
+    if not (isinstance(x, tuple) and len(x) == 2):
+        raise ValueError(f"{name} must be a kosmos.quant.MXTensor (payload, scales), got {type(x).__name__}")
+    payload, scales = x
+    _check_mx_matrix(f"{name}.payload", payload, (torch.float8_e4m3fn,), kernel=True)
+    _check_k(f"{name}.payload", payload.shape[1])
+    _check_scales(payload, scales, kernel=True)
+    if scales.data_ptr() % 16 or payload.data_ptr() % 16:
+        raise ValueError(f"{name}'s payload and scales must start at 16-byte aligned addresses -- .clone() them")
+    return tuple(payload.shape)
+
+
+def mx_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (bf16 [rows, K]) rounded to its MXFP8 values along K, as bf16: ``dequantize_mx(*quantize_mx(x))``.
+    Exact MX values in bf16 (the module docstring's exactness section). This is how the fused ops hold an MX
+    *weight*: Hopper has no MX tensor cores and a TP weight never travels, so the GEMM reads the bf16 expansion
+    of the MX weight (2 bytes per element where MX takes 1.03) -- the same values an MX MMA would multiply.
+    For a [K, N] right operand pass ``mx_round(w).t()`` of the [N, K] weight (blocks along K)."""
+    return dequantize_mx(*quantize_mx(x))
 
 MX_BLOCK = 32                # elements per scale (OCP MX: k = 32)
 E4M3_MAX = 448.0
@@ -347,7 +391,7 @@ def quantize_mx(x: torch.Tensor):
     scales = torch.empty((rows, k // MX_BLOCK), dtype=torch.uint8, device=x.device)
     if x.numel():
         _launch(_quantize_kernel, x, rows, k // MX_BLOCK, x.view(torch.int16), payload.view(torch.uint8), scales)
-    return payload, scales
+    return MXTensor(payload, scales)
 
 
 def dequantize_mx(payload: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:

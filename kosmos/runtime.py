@@ -44,8 +44,8 @@ from .codes import ERR_RECORD, ERR_SLOTS, OP_NAMES, TRACE_KINDS, WAIT_TEXT, op_c
 DONE_BASE = 0
 FLAG_BASE = 64
 MAX_WORLD = 8
-NUM_HEADS = 4  # [0, 3): one queue head per stage of a TP op (schedule.py), [3]: the exit counter
-EXIT_SLOT = 3
+NUM_HEADS = 5  # [0, 4): one queue head per stage of a TP op (schedule.py), [4]: the exit counter
+EXIT_SLOT = 4
 DEFAULT_TIMEOUT_S = float(os.environ.get("KOSMOS_TIMEOUT_S", "5.0"))
 
 

@@ -14,8 +14,9 @@ import triton
 import triton.language as tl
 
 # (BM, BN, BK, num_warps, num_stages): the default, and the other candidates dev/mx_probe.py times
-DOT_SCALED_TILE = (128, 128, 128, 8, 3)
-DOT_SCALED_CANDIDATES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4), (64, 128, 128, 4, 4)]
+DOT_SCALED_TILE = (128, 128, 64, 4, 4)
+DOT_SCALED_CANDIDATES = [(128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+                         (128, 128, 32, 4, 5), (128, 256, 64, 8, 3)]
 
 
 @triton.jit

@@ -192,6 +192,31 @@ class OnRanksCases:
             t.launch_all(epoch, **policy_kw(policy, world))
             check_call(t, epoch)
 
+    @pytest.mark.parametrize("world,policy", [(1, "self"), (2, "self"), (3, "self"), (4, "self"), (8, "self"),
+                                              (2, "fixed")])
+    def test_tp_op_mxfp8_at_world(self, world, policy):
+        """MXFP8 operand (K = 384: 12 MX blocks): the payload and scales arrive bit for bit (AG), every slot's
+        rows are dequantized exactly, the output matches the fp32 product of the dequantized values; fresh
+        inputs and poisoned buffers each epoch."""
+        t = make(self.op, world, seed=world * 10 + len(policy) + 3, mx=True)
+        for epoch in EPOCHS:
+            t.new_epoch_inputs()
+            t.launch_all(epoch, **policy_kw(policy, world))
+            check_call(t, epoch)
+
+    def test_tp_op_mxfp8_back_to_back_bitwise(self):
+        """MXFP8 at W = 2: 10 calls back to back give bitwise the same output."""
+        t = make(self.op, 2, seed=77, mx=True)
+        t.new_epoch_inputs()
+        outs = []
+        for epoch in range(1, 11):
+            t.launch_all(epoch)
+            if epoch % 5 == 0:
+                outs.append(t.outputs())
+        check_call(t, 10)
+        for r in range(2):
+            assert torch.equal(outs[1][r], outs[0][r]), f"rank {r}: output differs between back-to-back calls"
+
     def test_tp_op_transposed_weight(self):
         """b given as the .t() of a row-major [N, K] weight (k-major B tiles) at W = 3."""
         t = make(self.op, 3, seed=30, b_kmajor=True)

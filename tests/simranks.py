@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kosmos import moe_reference, planning, reference, runtime
+from kosmos import moe_reference, planning, quant, reference, runtime
 from kosmos.kernels import all_gather_matmul as ag
 from kosmos.kernels import matmul_reduce_scatter as rs
 from kosmos.kernels import moe_forward as mf
@@ -94,30 +94,74 @@ class _Op:
         launch_all(self.world, lambda r: self.launch(r, epoch, **pol))
 
 
+def mx_inputs(x):
+    """(payload, scales, the exact bf16 values) of x quantized to MXFP8 (the torch reference's bits)."""
+    payload, scales = quant.quantize_mx_ref(x)
+    return payload, scales, quant.dequantize_mx_ref(payload, scales)
+
+
 class AG(_Op):
-    """AllGather+GEMM: rank r holds shard [Ms, K] and its own column shard of the weight [K, N]."""
+    """AllGather+GEMM: rank r holds shard [Ms, K] and its own column shard of the weight [K, N]. mx: the shard
+    travels as MXFP8 (payload + scales; the gathered buffer holds the payload, then the scales at
+    ``scale_off``), the reference multiplies the dequantized values."""
 
     def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000,
-                 config=None):
+                 config=None, mx=False):
         super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config)
-        self.rk = Ranks(world, world * ms, k, device)
+        self.mx = mx
+        m = world * ms
+        self.scale_off = -(-m * k // 16) * 16
+        if mx:  # bytes, as bf16 pairs (the simulated symmetric buffer is a bf16 tensor)
+            self.rk = Ranks(world, 1, -(-(self.scale_off + m * (k // 32)) // 2), device)
+            self.payloads = [torch.empty(ms, k, dtype=torch.float8_e4m3fn, device=device) for _ in range(world)]
+            self.scales = [torch.empty(ms, k // 32, dtype=torch.uint8, device=device) for _ in range(world)]
+            self.dequantized = [torch.empty(m, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
+        else:
+            self.rk = Ranks(world, m, k, device)
         self.shards = [torch.empty(ms, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.bs = [rand(k, n, gen=self.gen, device=device) for _ in range(world)]
         self.b_store = [b.t().contiguous() if b_kmajor else b for b in self.bs]  # [N, K] weight for kmajor
         self.cs = [torch.empty(world * ms, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
 
     def new_epoch_inputs(self):
-        """Fresh data in the same buffers; outputs and the gathered buffers poisoned."""
-        for s in self.shards:
+        """Fresh data in the same buffers; outputs and the gathered buffers poisoned (NaN; 0xFF bytes for MX:
+        an E4M3 NaN and the E8M0 NaN scale)."""
+        for r, s in enumerate(self.shards):
             s.copy_(rand(self.ms, self.k, gen=self.gen))
+            if self.mx:
+                p, sc, vals = mx_inputs(s)
+                self.payloads[r].copy_(p)
+                self.scales[r].copy_(sc)
+                s.copy_(vals)  # the shard's exact MX values: what the reference multiplies
         for c in self.cs:
             c.fill_(NAN)
         self.rk.poison()
+        if self.mx:
+            for d in self.rk.data:
+                d.view(torch.uint8).fill_(0xFF)
+            for d in self.dequantized:
+                d.fill_(NAN)
+
+    def gathered(self, r):
+        """Rank r's gathered buffer: bf16 [M, K], or (payload [M, K], scales [M, K/32]) for MX."""
+        m, k = self.world * self.ms, self.k
+        if not self.mx:
+            return self.rk.data[r]
+        raw = self.rk.data[r].view(-1).view(torch.uint8)
+        return (raw[:m * k].view(torch.float8_e4m3fn).view(m, k),
+                raw[self.scale_off:self.scale_off + m * (k // 32)].view(m, k // 32))
 
     def launch(self, r, epoch, timeout_ns=None, **pol):
         rk = self.rk
-        ag.launch(self.shards[r], self.b_store[r], self.b_kmajor, self.cs[r], rk.data[r], rk.peer_data,
-                  rk.peer_sig, rk.sigs[r], rk.heads[r], rk.errors[r], **self._kw(r, epoch, timeout_ns, pol))
+        kw = self._kw(r, epoch, timeout_ns, pol)
+        if self.mx:
+            g_payload, g_scales = self.gathered(r) if self.world > 1 else (self.payloads[r], self.scales[r])
+            ag.launch(self.payloads[r], self.b_store[r], self.b_kmajor, self.cs[r], g_payload, rk.peer_data,
+                      rk.peer_sig, rk.sigs[r], rk.heads[r], rk.errors[r], a_scales=self.scales[r],
+                      gather_scales=g_scales, scale_offset=self.scale_off, dequantized=self.dequantized[r], **kw)
+        else:
+            ag.launch(self.shards[r], self.b_store[r], self.b_kmajor, self.cs[r], rk.data[r], rk.peer_data,
+                      rk.peer_sig, rk.sigs[r], rk.heads[r], rk.errors[r], **kw)
 
     def check_outputs(self, ranks=None, tol=TOL):
         full = torch.cat(self.shards)
@@ -125,7 +169,14 @@ class AG(_Op):
             _, ref = reference.all_gather_matmul_ref_local(self.shards, self.bs[r])
             err = reference.rel_err(self.cs[r], ref)
             assert err < tol, f"rank {r}: rel err {err}"
-            if self.world > 1:  # at W=1 the gathered buffer is unused (the op returns a_shard)
+            if self.mx:  # every slot's rows expanded exactly
+                assert torch.equal(self.dequantized[r], full), f"rank {r}: dequantized rows differ"
+            if self.world > 1 and self.mx:  # the MX bytes arrive unchanged
+                g_payload, g_scales = self.gathered(r)
+                assert torch.equal(g_payload.view(torch.uint8), torch.cat(self.payloads).view(torch.uint8)), \
+                    f"rank {r}: gathered payload differs"
+                assert torch.equal(g_scales, torch.cat(self.scales)), f"rank {r}: gathered scales differ"
+            elif self.world > 1:  # at W=1 the gathered buffer is unused (the op returns a_shard)
                 assert torch.equal(self.rk.data[r], full), f"rank {r}: gathered rows differ"
 
     def check_flags(self, epoch):
@@ -140,12 +191,15 @@ class AG(_Op):
 
 
 class RS(_Op):
-    """GEMM+ReduceScatter: rank r holds a [M, K] and b [K, N] (its K shard); c_shard [Ms, N]."""
+    """GEMM+ReduceScatter: rank r holds a [M, K] and b [K, N] (its K shard); c_shard [Ms, N]. mx: a is MXFP8
+    (the reference multiplies its dequantized values)."""
 
     def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000,
-                 config=None):
+                 config=None, mx=False):
         super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config)
+        self.mx = mx
         self.m = world * ms
+        self.dequantized = [torch.empty(self.m, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.rk = Ranks(world, self.m, n, device)
         self.As = [torch.empty(self.m, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.Bs = [torch.empty(k, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
@@ -154,20 +208,31 @@ class RS(_Op):
         self.cs = [torch.empty(ms, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
 
     def new_epoch_inputs(self):
+        self.mx_As = []
         for r in range(self.world):
             self.As[r].copy_(rand(self.m, self.k, gen=self.gen))
+            if self.mx:
+                p, sc, vals = mx_inputs(self.As[r])
+                self.mx_As.append((p.to(self.device), sc.to(self.device)))
+                self.As[r].copy_(vals)
             self.Bs[r].copy_(rand(self.k, self.n, gen=self.gen))
             if self.b_kmajor:
                 self.b_store[r].copy_(self.Bs[r].t())
             self.cs[r].fill_(NAN)
+            self.dequantized[r].fill_(NAN)
         self.rk.poison()
 
     def launch(self, r, epoch, timeout_ns=None, **pol):
         rk = self.rk
-        rs.launch(self.As[r], self.b_store[r], self.b_kmajor, self.cs[r], rk.data[r], rk.peer_data, rk.peer_sig,
-                  rk.sigs[r], rk.heads[r], rk.errors[r], **self._kw(r, epoch, timeout_ns, pol))
+        a, a_scales = self.mx_As[r] if self.mx else (self.As[r], None)
+        rs.launch(a, self.b_store[r], self.b_kmajor, self.cs[r], rk.data[r], rk.peer_data, rk.peer_sig,
+                  rk.sigs[r], rk.heads[r], rk.errors[r], a_scales=a_scales,
+                  dequantized=self.dequantized[r] if self.mx else None, **self._kw(r, epoch, timeout_ns, pol))
 
     def check_outputs(self, tol=TOL):
+        if self.mx:  # a's rows expanded exactly
+            for r in range(self.world):
+                assert torch.equal(self.dequantized[r], self.As[r]), f"rank {r}: dequantized rows differ"
         refs = reference.matmul_reduce_scatter_ref_local(self.As, self.Bs)
         for r in range(self.world):
             err = reference.rel_err(self.cs[r], refs[r])

@@ -36,6 +36,27 @@ def test_all_gather_matmul_epochs(world, ms, k, n):
     run_schedule(t, [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(world)])
 
 
+MX_SHAPES = [  # K a multiple of 32 (MX blocks); interpreter BK = 16, so a block spans two K steps
+    pytest.param(21, 64, 48, id="ms21-k64-n48"),
+    pytest.param(5, 32, 24, id="ms5-k32-n24"),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("ms,k,n", MX_SHAPES)
+def test_all_gather_matmul_mxfp8_epochs(world, ms, k, n):
+    """MXFP8 shards: the payload and scales arrive bit for bit, c matches the fp32 product of the dequantized
+    values (gathered buffers poisoned with 0xFF bytes -- NaN payload and NaN scales -- each epoch)."""
+    t = AG(world, ms, k, n, seed=world * 100 + ms + 5, mx=True)
+    run_schedule(t, [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(world)])
+
+
+@pytest.mark.interpreter
+def test_all_gather_matmul_mxfp8_self_policy_world2():
+    run_schedule(AG(2, 21, 64, 48, seed=12, mx=True), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("ms,k,n", SHAPES)
 def test_all_gather_matmul_self_policy_world1(ms, k, n):
@@ -279,3 +300,40 @@ def _w2_stalled_peer(rank, world, out_dir):
 @pytest.mark.multi_gpu
 def test_w2_stalled_peer_times_out(tmp_path):
     opcases.spawn(_w2_stalled_peer, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ms,k,n", [(1000, 512, 640), (256, 8192, 1024), (64, 96, 256)])
+def test_w1_all_gather_matmul_mxfp8(no_tf32, ms, k, n):
+    """The public op on an MXTensor at W=1: c against the fp32 product of the dequantized values (and against
+    the bf16 input, within the MX bound); a_full is the input itself; repeated calls bitwise equal."""
+    import kosmos
+    from kosmos import quant, reference
+    gen = torch.Generator().manual_seed(ms + k + n)
+    x = randn((ms, k), gen, "cuda")
+    b = weight(k, n, gen, "cuda", False)
+    mx = quant.quantize_mx(x)
+    a_full, c = kosmos.all_gather_matmul(mx, b)
+    kosmos.check_errors()
+    assert a_full is mx
+    ref = mx.dequantize(torch.float32) @ b.float()
+    assert reference.rel_err(c, ref) < TOL
+    assert reference.rel_err(c, x.float() @ b.float()) < 0.1  # MX rounding of x: ~2**-4 relative per element
+    assert torch.equal(kosmos.all_gather_matmul(mx, b)[1], c)
+
+
+@pytest.mark.gpu
+def test_mxfp8_bad_operands_raise():
+    import kosmos
+    from kosmos import quant
+    x = torch.randn(128, 256, device="cuda").to(torch.bfloat16)
+    b = torch.randn(256, 128, device="cuda").to(torch.bfloat16)
+    mx = quant.quantize_mx(x)
+    with pytest.raises(ValueError, match="scales"):
+        kosmos.all_gather_matmul(quant.MXTensor(mx.payload, mx.scales[:, :4].contiguous()), b)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kosmos.all_gather_matmul(quant.MXTensor(x, mx.scales), b)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        p = torch.zeros(128, 48, device="cuda", dtype=torch.float8_e4m3fn)
+        kosmos.all_gather_matmul(quant.MXTensor(p, torch.zeros(128, 1, device="cuda", dtype=torch.uint8)),
+                                 b[:48])

@@ -30,6 +30,17 @@ def test_matmul_reduce_scatter_epochs(world, ms, k, n):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("ms,k,n", [pytest.param(21, 64, 48, id="ms21-k64-n48"),
+                                    pytest.param(5, 32, 24, id="ms5-k32-n24")])
+def test_matmul_reduce_scatter_mxfp8_epochs(world, ms, k, n):
+    """MXFP8 a (K a multiple of 32): the partials and the reduction as in bf16, against the fp32 product of the
+    dequantized values."""
+    t = RS(world, ms, k, n, seed=world * 100 + ms + 9, mx=True)
+    run_schedule(t, [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(world)])
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("ms,k,n", SHAPES)
 def test_matmul_reduce_scatter_self_policy_world1(ms, k, n):
     run_schedule(RS(1, ms, k, n, seed=17), [(0, SELF)], flags=False)
@@ -162,3 +173,19 @@ class TestOnRanks(opcases.OnRanksCases):
             t.new_epoch_inputs()
             t.launch_all(epoch)
             opcases.check_call(t, epoch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1000, 512, 640), (256, 8192, 1024), (64, 96, 256)])
+def test_w1_matmul_reduce_scatter_mxfp8(no_tf32, m, k, n):
+    """The public op on an MXTensor at W=1 against the fp32 product of the dequantized values; bitwise repeat."""
+    import kosmos
+    from kosmos import quant, reference
+    gen = torch.Generator().manual_seed(m + k + n + 1)
+    x = randn((m, k), gen, "cuda")
+    b = weight(k, n, gen, "cuda", False)
+    mx = quant.quantize_mx(x)
+    c = kosmos.matmul_reduce_scatter(mx, b)
+    kosmos.check_errors()
+    assert reference.rel_err(c, mx.dequantize(torch.float32) @ b.float()) < TOL
+    assert torch.equal(kosmos.matmul_reduce_scatter(mx, b), c)

@@ -72,26 +72,31 @@ import triton.language as tl
 from .. import device as dev
 from .. import planning, runtime
 from .. import schedule as sched
-from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS
+from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, WAIT_MX_ROWS
 from ..config import AllGatherMatmulConfig, check_config
-from .common import (check_launch, check_operands, copy_flat, host_descriptors, load_task, policy_args,
-                     store_tile, tile_matmul, tma_descriptor)
+from ..quant import MXTensor
+from .common import (check_launch, check_operands, copy_flat, host_descriptors, load_task, mx_dequant_rows,
+                     policy_args, store_tile, tile_matmul, tma_descriptor, wait_rows_dequantized)
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
 STAGE_PUSH: tl.constexpr = tl.constexpr(0)
-STAGE_TILE: tl.constexpr = tl.constexpr(1)
-STAGE_COPY: tl.constexpr = tl.constexpr(2)
-NUM_STAGES: tl.constexpr = tl.constexpr(3)
-COMM_STAGES: tl.constexpr = tl.constexpr((1 << 0) | (1 << 2))  # PUSH | COPY
-ALL_STAGES: tl.constexpr = tl.constexpr(0b111)
-W1_STAGES: tl.constexpr = tl.constexpr(1 << 1)  # at W = 1: TILE only (nothing to push or copy)
+STAGE_DEQ: tl.constexpr = tl.constexpr(1)   # MXFP8 only: dequantize arrived (and own) rows to bf16
+STAGE_TILE: tl.constexpr = tl.constexpr(2)
+STAGE_COPY: tl.constexpr = tl.constexpr(3)
+NUM_STAGES: tl.constexpr = tl.constexpr(4)
+COMM_STAGES: tl.constexpr = tl.constexpr((1 << 0) | (1 << 3))  # PUSH | COPY
+ALL_STAGES: tl.constexpr = tl.constexpr(0b1101)     # bf16: PUSH, TILE, COPY
+MX_STAGES: tl.constexpr = tl.constexpr(0b1111)      # MXFP8: PUSH, DEQ, TILE, COPY
+W1_STAGES: tl.constexpr = tl.constexpr(1 << 2)      # at W = 1: TILE only (nothing to push or copy)
+MX_W1_STAGES: tl.constexpr = tl.constexpr(0b0110)   # at W = 1 in MXFP8: DEQ, TILE
 TASK_PUSH: tl.constexpr = tl.constexpr(planning.PUSH)  # a comm table row's kind (else planning.COPY)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_push", "n_comp", "fixed_comm",
-                               "comm_stride"])
+                               "comm_stride", "n_deq"])
 def _all_gather_matmul_kernel(
         a_ptr, a_host_desc, g_host_desc, b_desc, c_desc, c_ptr, gather_ptr,
+        a_mx, g_mx, a_scales, g_scales, scale_off, deq_ptr, deq_table, n_deq,
         peer_data, peer_sig, sig_ptr,
         comm_table, n_comm, n_push, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
@@ -99,15 +104,27 @@ def _all_gather_matmul_kernel(
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr,
-        EXIT_SLOT: tl.constexpr):
+        EXIT_SLOT: tl.constexpr, A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr,
+        DEQ_NB: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     n_chunks = tl.cdiv(Ms, BM)
+    if A_MX:  # rows move as E4M3 payload (a_ptr / gather_ptr are its bytes read as bf16 pairs) + E8M0 scales
+        row_elems = K // 2
+    else:
+        row_elems = K
+
+    KB = K // 32
+    DEQ_BASE = FLAG_BASE + WORLD * n_chunks  # MXFP8: flags (slot, chunk, part) of the dequantized rows
 
     # comm table rows [0, n_push) are the pushes, [n_push, n_comm) the own-slot copies (none at W = 1)
-    stages = sched.program_stages(pid, POLICY, fixed_comm, W1_STAGES if WORLD == 1 else ALL_STAGES, COMM_STAGES)
+    if A_MX:
+        all_stages = MX_W1_STAGES if WORLD == 1 else MX_STAGES
+    else:
+        all_stages = W1_STAGES if WORLD == 1 else ALL_STAGES
+    stages = sched.program_stages(pid, POLICY, fixed_comm, all_stages, COMM_STAGES)
     stage = sched.next_stage(stages, -1, NUM_STAGES)
     handshake = 0
     peers_ok = 1
@@ -118,7 +135,15 @@ def _all_gather_matmul_kernel(
             if t < n_comp:
                 slot, mt, nt = load_task(comp_table, t)
                 t0 = dev.now_ns()
-                if slot != rank:
+                if A_MX:  # the rows' DEQ tasks (every slot, the own one too) must have written them
+                    deq_flag = DEQ_BASE + (slot * n_chunks + mt) * DEQ_PARTS
+                    if wait_rows_dequantized(sig_ptr + deq_flag, DEQ_PARTS, epoch, timeout_ns, err_ptr,
+                                             OP_ALL_GATHER_MATMUL, WAIT_MX_ROWS, rank, t, deq_flag) == 0:
+                        stage = NUM_STAGES
+                    t1 = dev.now_ns()
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                    t0 = t1
+                elif slot != rank:
                     if dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + mt, epoch, timeout_ns, err_ptr,
                                     OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, rank, t,
                                     FLAG_BASE + slot * n_chunks + mt) == 0:
@@ -130,7 +155,11 @@ def _all_gather_matmul_kernel(
                 # buffers), fed by one of two host-built descriptors picked per tile (device-built ones
                 # cost every tile ~1-3% at W=1: session 5). Rows past a remote slot read the next
                 # slot's rows (zeros past M): they only feed output rows that store_tile masks off.
-                if slot == rank:
+                # (MXFP8: g_host_desc is over the dequantized rows of every slot)
+                if A_MX:
+                    a_desc = g_host_desc
+                    a_row = slot * Ms + mt * BM
+                elif slot == rank:
                     a_desc = a_host_desc
                     a_row = mt * BM
                 else:
@@ -139,6 +168,31 @@ def _all_gather_matmul_kernel(
                 acc = tile_matmul(a_desc, b_desc, a_row, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
                 store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMPUTE, t, t0, dev.now_ns(), TRACE)
+            else:
+                stage = sched.next_stage(stages, stage, NUM_STAGES)
+        elif stage == STAGE_DEQ:
+            if t < n_deq:
+                slot, chunk, part = load_task(deq_table, t)
+                t0 = dev.now_ns()
+                ok = 1
+                if slot != rank:  # a peer's rows: wait for them to land
+                    ok = dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + chunk, epoch, timeout_ns, err_ptr,
+                                      OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, rank, t, FLAG_BASE + slot * n_chunks + chunk)
+                    if ok == 0:
+                        stage = NUM_STAGES
+                r0 = chunk * BM + part * DEQ_ROWS
+                rows = tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0)
+                row = (slot * Ms + r0).to(tl.int64)
+                if slot == rank:
+                    q = a_mx + r0.to(tl.int64) * K
+                    sc = a_scales + r0.to(tl.int64) * KB
+                else:
+                    q = g_mx + row * K
+                    sc = g_scales + row * KB
+                if ok != 0:
+                    mx_dequant_rows(q, sc, deq_ptr + row * K, rows, K, DEQ_ROWS, DEQ_NB)
+                    dev.notify(sig_ptr + DEQ_BASE + (slot * n_chunks + chunk) * DEQ_PARTS + part, epoch)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t0, dev.now_ns(), TRACE)
             else:
                 stage = sched.next_stage(stages, stage, NUM_STAGES)
         else:
@@ -162,17 +216,26 @@ def _all_gather_matmul_kernel(
                 for j in range(n_moved):
                     chunk = chunk0 + j * comm_stride
                     rows = tl.minimum(Ms - chunk * BM, BM)
-                    src = a_ptr + chunk.to(tl.int64) * BM * K
-                    dst_row = (rank * Ms + chunk * BM).to(tl.int64) * K
+                    src = a_ptr + chunk.to(tl.int64) * BM * row_elems
+                    dst_row = (rank * Ms + chunk * BM).to(tl.int64) * row_elems
                     if peers_ok == 0:  # a peer never finished the last call: write nothing (the loop drains)
                         pass
                     elif kind == TASK_PUSH:
                         dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
-                        copy_flat(src, dst, rows * K, COPY_BLOCK)
+                        copy_flat(src, dst, rows * row_elems, COPY_BLOCK)
+                        if A_MX:
+                            s_off = (rank * Ms + chunk * BM).to(tl.int64) * (K // 32)
+                            copy_flat(a_scales + chunk.to(tl.int64) * BM * (K // 32),
+                                      dev.peer_ptr(peer_data, peer, tl.uint8) + scale_off + s_off,
+                                      rows * (K // 32), COPY_BLOCK)
                         sig = dev.peer_ptr(peer_sig, peer, tl.int32)
                         dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
                     else:
-                        copy_flat(src, gather_ptr + dst_row, rows * K, COPY_BLOCK)
+                        copy_flat(src, gather_ptr + dst_row, rows * row_elems, COPY_BLOCK)
+                        if A_MX:
+                            s_off = (rank * Ms + chunk * BM).to(tl.int64) * (K // 32)
+                            copy_flat(a_scales + chunk.to(tl.int64) * BM * (K // 32), g_scales + s_off,
+                                      rows * (K // 32), COPY_BLOCK)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t0, dev.now_ns(), TRACE)
             else:
                 stage = sched.next_stage(stages, stage, NUM_STAGES)
@@ -180,10 +243,15 @@ def _all_gather_matmul_kernel(
 
 
 def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, heads, errors, *, rank, world,
-           epoch, timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None):
+           epoch, timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None,
+           a_scales=None, gather_scales=None, scale_offset=0, dequantized=None):
     """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
-    Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases."""
+    Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases.
+    MXFP8: a_shard / gather are E4M3 payloads, a_scales / gather_scales their E8M0 bytes, a peer's gathered
+    scales start ``scale_offset`` bytes into its data buffer (after the [M, K] payload), and ``dequantized``
+    (bf16 [M, K], local) receives every slot's expanded rows, which the tiles multiply."""
     ms, k = a_shard.shape
+    mx = a_scales is not None
     n = c.shape[1]
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
     per_task, copy_block = planning.ag_comm_config(world, ms, cfg.BM, config)
@@ -192,47 +260,84 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         key, lambda: planning.plan_all_gather_matmul(rank, world, ms, n, cfg, a_shard.device, per_task))
     trace_buf = trace if trace is not None else heads
     n_push = planning.ag_push_tasks(world, ms, cfg.BM, per_task)
-    a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
-    gather_desc = tma_descriptor(gather, [cfg.BM, cfg.BK])
-    _all_gather_matmul_kernel[(grid,)](
-        a_shard, a_desc, gather_desc, b_desc, c_desc, c, gather, peer_data, peer_sig, signals,
+    if mx:
+        dq = planning.dequant_plan(cfg, k)
+        deq_t = planning.cached_tables(("ag-deq", rank, world, ms, cfg, dq, str(a_shard.device)),
+                                       lambda: planning.plan_dequant(rank, world, ms, cfg, dq, "ag", a_shard.device))
+        # the tiles read every slot from the dequantized rows: one bf16 descriptor (a_host_desc unused)
+        _, b_desc, c_desc = host_descriptors(dequantized, b_store, b_kmajor, c, cfg)
+        a_desc = gather_desc = tma_descriptor(dequantized, [cfg.BM, cfg.BK])
+        a_rows, g_rows = a_shard.view(torch.bfloat16), gather.view(torch.bfloat16)  # bytes as bf16 pairs
+        mx_args = (a_shard, gather, a_scales, gather_scales, scale_offset, dequantized, deq_t, deq_t.shape[0])
+    else:
+        dq = planning.DequantPlan(1, 1, 1)
+        a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
+        gather_desc = tma_descriptor(gather, [cfg.BM, cfg.BK])
+        a_rows, g_rows = a_shard, gather
+        mx_args = (a_shard, gather, a_shard, gather, 0, gather, comp_t, 0)
+    return _all_gather_matmul_kernel[(grid,)](
+        a_rows, a_desc, gather_desc, b_desc, c_desc, c, g_rows, *mx_args,
+        peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], n_push, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
-        EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        EXIT_SLOT=runtime.EXIT_SLOT, A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS, DEQ_NB=dq.NB,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, group=None, *,
+def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
                       config: AllGatherMatmulConfig | None = None, policy: str = "self",
                       comm_programs: int | None = None, trace: torch.Tensor | None = None):
     """``(a_full, c)`` with ``a_full = allgather(a_shard)`` over ``group`` and ``c = a_full @ b``.
 
-    a_shard [M/W, K] bf16 CUDA; b [K, N] bf16 CUDA (row-major, or the ``.t()`` of a row-major [N, K] weight).
-    K and N must be multiples of 8. Returns ``a_full`` [M, K] -- a view of the symmetric workspace, valid
-    until the next KOSMOS call on this group (``.clone()`` it to keep it) -- and a new ``c`` [M, N] bf16.
+    a_shard [M/W, K] bf16 CUDA, or MXFP8 (a ``kosmos.quant.MXTensor``: payload e4m3fn [M/W, K] + scales uint8
+    [M/W, K/32], K a multiple of 32; what moves is the payload and scales, 0.52x of the bf16 bytes); b [K, N]
+    bf16 CUDA (row-major, or the ``.t()`` of a row-major [N, K] weight; for MX semantics the weight's MX
+    values, ``quant.mx_round``). K and N must be multiples of 8. Returns ``a_full`` [M, K] (an MXTensor for
+    MX input) -- a view of the symmetric workspace, valid until the next KOSMOS call on this group
+    (``.clone()`` it to keep it) -- and a new ``c`` [M, N] bf16.
     ``config`` (``kosmos.AllGatherMatmulConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``trace`` (int64
     [grid, 1024, 4]) records per-program task events.
     """
     config = check_config(AllGatherMatmulConfig, config)
     ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)
-    ws = runtime.get_workspace(group, a_shard.device)
+    mx = isinstance(a_shard, tuple)
+    payload, scales = a_shard if mx else (a_shard, None)
+    device = payload.device
+    ws = runtime.get_workspace(group, device)
     w, r = ws.world.size, ws.world.rank
     m = ms * w
     cfg = planning.tile_config(ms, n, k)
-    grid = runtime.num_sms(a_shard.device)
+    grid = runtime.num_sms(device)
     check_launch(policy, comm_programs, trace, grid)
-    gather_bytes = m * k * 2 if w > 1 else 0  # at W=1 nothing is gathered: a_full is a_shard itself
-    ws.ensure(gather_bytes, w * -(-ms // cfg.BM))  # (not triton.cdiv: a JIT function, ~7 us per host call)
+    chunks = -(-ms // cfg.BM)  # (not triton.cdiv: a JIT function, ~7 us per host call)
+    if mx:  # [gathered payload M*K | scales M*K/32 | dequantized bf16 M*K*2], each 16-byte aligned (W=1: the last)
+        scale_off = -(-m * k // 16) * 16 if w > 1 else 0
+        deq_off = -(-(scale_off + m * (k // 32)) // 16) * 16 if w > 1 else 0
+        data_bytes = deq_off + m * k * 2
+        flags = w * chunks * (1 + planning.dequant_plan(cfg, k).PARTS)
+    else:
+        scale_off = deq_off = 0
+        data_bytes = m * k * 2 if w > 1 else 0  # at W=1 nothing is gathered: a_full is a_shard itself
+        flags = w * chunks
+    ws.ensure(data_bytes, flags)
     runtime.ensure_triton_allocator()
     epoch = ws.next_epoch()
-    gather = ws.data[:gather_bytes].view(torch.bfloat16).view(m, k) if w > 1 else a_shard
-    c = torch.empty((m, n), dtype=torch.bfloat16, device=a_shard.device)
-    launch(a_shard, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
+    if w > 1:
+        gather = ws.data[:m * k * (1 if mx else 2)].view(payload.dtype).view(m, k)
+        gather_scales = ws.data[scale_off:scale_off + m * (k // 32)].view(m, k // 32) if mx else None
+    else:
+        gather, gather_scales = payload, scales
+    dequantized = ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k) if mx else None
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    launch(payload, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
            ws.errors, rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg,
-           config=config, policy=policy, comm_programs=comm_programs, trace=trace)
+           config=config, policy=policy, comm_programs=comm_programs, trace=trace, a_scales=scales,
+           gather_scales=gather_scales, scale_offset=scale_off, dequantized=dequantized)
     ws.after_launch()
-    return (a_shard if w == 1 else gather), c
+    if w == 1:
+        return a_shard, c
+    return (MXTensor(gather, gather_scales) if mx else gather), c

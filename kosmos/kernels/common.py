@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ..codes import TRACE_EVENTS as _TRACE_EVENTS
+from .. import device as dev
 from ..schedule import POLICIES
 
 TRACE_EVENTS = _TRACE_EVENTS.value  # events per program of a trace buffer
@@ -31,6 +32,49 @@ def tile_matmul(a_desc, b_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr,
         else:
             acc = tl.dot(a, b, acc)
     return acc
+
+
+# ------------------------------------------------------------------------------- MXFP8: dequantize on arrival
+# The MX operand of a TP op is expanded to bf16 rows by DEQ tasks (a stage of the op's queue, in demand order;
+# each task one run of DEQ_ROWS rows, flagged when written), and the GEMM tiles, after waiting for the flags
+# of their rows, run the bf16 mainloop above unchanged. Why not expand inside the GEMM's load path: measured
+# 1.36-2.5x slower (kernels/all_gather_matmul.py's docstring, "Tried and parked").
+DEQ_COLS: tl.constexpr = tl.constexpr(16)  # MX blocks (of 32 elements) per step of a DEQ task's row loop
+
+
+@triton.jit
+def mx_dequant_rows(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr):
+    """out[:rows, :K] (bf16) = the MX values of q (E4M3 [rows, K], row-major) with scales s (E8M0 [rows, K/32]);
+    rows <= ROWS. Exact (kosmos/quant.py: every finite MX value below 2**128 whose lowest bit is >= 2**-133 is a
+    bf16; others round to nearest even as dequantize_mx does). The scale 2**(S-127) is built from its fp32
+    bits (S = 0: the subnormal 2**-127; 0xFF: NaN); the E4M3 -> fp32 conversion and the product are exact. Steps
+    of [ROWS, NB, 32] elements: full 16-byte loads of the payload, 32-byte stores."""
+    KB = K // 32
+    r = tl.arange(0, ROWS)
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 32)
+    rmask = (r < rows)[:, None]
+    for b0 in range(0, KB, NB):
+        smask = rmask & ((b0 + b) < KB)[None, :]
+        soffs = r.to(tl.int64)[:, None] * KB + (b0 + b)[None, :]
+        sb = tl.load(s_ptr + soffs, mask=smask, other=127).to(tl.int32)
+        bits = tl.where(sb == 0, 0x00400000, sb << 23)
+        bits = tl.where(sb == 255, 0x7FC00000, bits)
+        scale = bits.to(tl.float32, bitcast=True)
+        offs = soffs[:, :, None] * 32 + j[None, None, :]
+        q = tl.load(q_ptr + offs, mask=smask[:, :, None], other=0.0)
+        tl.store(out_ptr + offs, (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16), mask=smask[:, :, None])
+
+
+@triton.jit
+def wait_rows_dequantized(flag_ptr, PARTS: tl.constexpr, epoch, timeout_ns, err_ptr, OP: tl.constexpr,
+                          WAIT: tl.constexpr, rank, task, index):
+    """Wait (bounded) until the PARTS DEQ flags of one tile's rows, flag_ptr[0 .. PARTS), reach epoch."""
+    ok = 1
+    for i in tl.static_range(PARTS):
+        if ok != 0:
+            ok = dev.wait_geq(flag_ptr + i, epoch, timeout_ns, err_ptr, OP, WAIT, rank, task, index + i)
+    return ok
 
 
 @triton.jit
@@ -141,8 +185,14 @@ def b_layout(b: torch.Tensor):
 
 
 def check_operands(a_name: str, a, b, policy: str):
-    """Every check that needs no process group, in one place: returns (rows, K, N, b_store, b_kmajor)."""
-    check_matrix(a_name, a)
+    """Every check that needs no process group, in one place: returns (rows, K, N, b_store, b_kmajor).
+    ``a`` is a bf16 matrix or an MXFP8 one (a ``kosmos.quant.MXTensor``; b stays bf16: quant.mx_round)."""
+    if isinstance(a, tuple):
+        from ..quant import check_mx
+        check_mx(a_name, a)
+        a = a[0]
+    else:
+        check_matrix(a_name, a)
     check_matrix("b", b)
     if a.device.type != "cuda":
         raise ValueError(f"{a_name} must be a CUDA tensor, got {a.device}")

@@ -82,14 +82,15 @@ import triton.language as tl
 from .. import device as dev
 from .. import planning, runtime
 from .. import schedule as sched
-from ..codes import EV_COMM, EV_COMPUTE, OP_MATMUL_REDUCE_SCATTER, WAIT_RS_PARTIAL
+from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_MATMUL_REDUCE_SCATTER, WAIT_MX_ROWS, WAIT_RS_PARTIAL
 from ..config import MatmulReduceScatterConfig, check_config, default_config
-from .common import (check_launch, check_operands, host_descriptors, load_task, policy_args, store_rows,
-                     store_tile, tile_matmul)
+from .common import (check_launch, check_operands, host_descriptors, load_task, mx_dequant_rows, policy_args,
+                     store_rows, store_tile, tile_matmul, wait_rows_dequantized)
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
 STAGE_TILE: tl.constexpr = tl.constexpr(0)
 STAGE_REDUCE: tl.constexpr = tl.constexpr(1)
+STAGE_DEQ: tl.constexpr = tl.constexpr(2)  # MXFP8: a's rows expanded to bf16, taken by the TILE programs first
 COMM_STAGES: tl.constexpr = tl.constexpr(1 << 1)  # REDUCE
 ALL_STAGES: tl.constexpr = tl.constexpr(0b11)
 W1_STAGES: tl.constexpr = tl.constexpr(1 << 0)  # at W = 1: TILE only (the tiles go straight into c_shard)
@@ -124,9 +125,9 @@ def _reduce_tile(t, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epo
     return ok
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comp", "n_red", "fixed_comm"])
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comp", "n_red", "fixed_comm", "n_deq"])
 def _matmul_reduce_scatter_kernel(
-        a_desc, b_desc, c_desc, c_ptr, stage_ptr,
+        a_desc, b_desc, c_desc, c_ptr, stage_ptr, a_mx, a_scales, deq_ptr, deq_table, n_deq,
         peer_data, peer_sig, sig_ptr,
         comp_table, n_comp, red_table, n_red,
         heads_ptr, err_ptr, trace_ptr,
@@ -134,7 +135,8 @@ def _matmul_reduce_scatter_kernel(
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         RED_ROWS: tl.constexpr, PUSH: tl.constexpr,
-        FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr):
+        FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr,
+        A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
@@ -149,6 +151,9 @@ def _matmul_reduce_scatter_kernel(
     else:  # fixed: the reducer programs share the reduce queue
         red_done = ((n_red == 0) | (sched.has_stage(stages, STAGE_REDUCE) == 0)).to(tl.int32)
     comp_done = (sched.has_stage(stages, STAGE_TILE) == 0).to(tl.int32)
+    deq_done = comp_done | (n_deq == 0).to(tl.int32)  # MXFP8: the TILE programs expand a's rows first
+    n_chunks = tl.cdiv(Ms, BM)
+    DEQ_BASE = FLAG_BASE + WORLD * tiles_per_owner
     # the next own reduce task's tile, loaded once per task rather than at every tile boundary
     red_mt = tl.load(red_table + my_red * 4, mask=my_red < n_red, other=0)
     red_nt = tl.load(red_table + my_red * 4 + 1, mask=my_red < n_red, other=0)
@@ -189,34 +194,60 @@ def _matmul_reduce_scatter_kernel(
                 comp_done = 1
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t_red, t0, dev.now_ns(), TRACE)
         elif comp_done == 0:
-            t = sched.claim(heads_ptr + STAGE_TILE)
-            if t < n_comp:
-                owner, mt, nt = load_task(comp_table, t)
-                t0 = dev.now_ns()
-                acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
-                                  DOT_FP32)
-                if WORLD == 1:
-                    store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
-                else:
-                    if handshake == 0:  # peers may still be pulling last call's partials from staging
-                        peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
-                                                       OP_MATMUL_REDUCE_SCATTER, rank)
-                        handshake = 1
-                        if peers_ok == 0:  # a peer never finished the last call: write nothing, drain
+            did_deq = 0
+            if A_MX:
+                if deq_done == 0:
+                    did_deq = 1
+                    td = sched.claim(heads_ptr + STAGE_DEQ)
+                    if td < n_deq:
+                        owner, chunk, part = load_task(deq_table, td)
+                        t0 = dev.now_ns()
+                        r0 = chunk * BM + part * DEQ_ROWS
+                        row = (owner * Ms + r0).to(tl.int64)
+                        mx_dequant_rows(a_mx + row * K, a_scales + row * (K // 32), deq_ptr + row * K,
+                                        tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0), K, DEQ_ROWS, DEQ_NB)
+                        dev.notify(sig_ptr + DEQ_BASE + (owner * n_chunks + chunk) * DEQ_PARTS + part, epoch)
+                        n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, td, t0, dev.now_ns(), TRACE)
+                    else:
+                        deq_done = 1
+            if did_deq == 0:
+                t = sched.claim(heads_ptr + STAGE_TILE)
+                if t < n_comp:
+                    owner, mt, nt = load_task(comp_table, t)
+                    t0 = dev.now_ns()
+                    if A_MX:  # wait for the tile's rows to be expanded (by this or another program)
+                        deq_flag = DEQ_BASE + (owner * n_chunks + mt) * DEQ_PARTS
+                        if wait_rows_dequantized(sig_ptr + deq_flag, DEQ_PARTS, epoch, timeout_ns, err_ptr,
+                                                 OP_MATMUL_REDUCE_SCATTER, WAIT_MX_ROWS, rank, t, deq_flag) == 0:
                             red_done = 1
                             comp_done = 1
-                    if peers_ok != 0:
-                        if PUSH:  # into slot r of the owner's staging (remote stores unless own rows)
-                            store_rows(dev.peer_ptr(peer_data, owner, tl.bfloat16), acc.to(tl.bfloat16),
-                                       rank * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
-                        else:
-                            store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
-                                       Ms - mt * BM, N, BM, BN)
-                        sig = dev.peer_ptr(peer_sig, owner, tl.int32)
-                        dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMPUTE, t, t0, dev.now_ns(), TRACE)
-            else:
-                comp_done = 1
+                        t1 = dev.now_ns()
+                        n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                        t0 = t1
+                    acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
+                                      DOT_FP32)
+                    if WORLD == 1:
+                        store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
+                    else:
+                        if handshake == 0:  # peers may still be pulling last call's partials from staging
+                            peers_ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr,
+                                                           OP_MATMUL_REDUCE_SCATTER, rank)
+                            handshake = 1
+                            if peers_ok == 0:  # a peer never finished the last call: write nothing, drain
+                                red_done = 1
+                                comp_done = 1
+                        if peers_ok != 0:
+                            if PUSH:  # into slot r of the owner's staging (remote stores unless own rows)
+                                store_rows(dev.peer_ptr(peer_data, owner, tl.bfloat16), acc.to(tl.bfloat16),
+                                           rank * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
+                            else:
+                                store_rows(stage_ptr, acc.to(tl.bfloat16), owner * Ms + mt * BM, nt * BN,
+                                           Ms - mt * BM, N, BM, BN)
+                            sig = dev.peer_ptr(peer_sig, owner, tl.int32)
+                            dev.notify(sig + FLAG_BASE + rank * tiles_per_owner + mt * n_tn + nt, epoch)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMPUTE, t, t0, dev.now_ns(), TRACE)
+                else:
+                    comp_done = 1
     dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
 
 
@@ -231,9 +262,12 @@ def _red_rows(cfg, world: int) -> int:
 
 
 def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch,
-           timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None):
+           timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None, a_scales=None,
+           dequantized=None):
     """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
-    Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases."""
+    Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases.
+    MXFP8: ``a`` is the E4M3 payload, ``a_scales`` its E8M0 bytes and ``dequantized`` (bf16 [M, K], local)
+    receives its expanded rows, which the tiles multiply."""
     m, k = a.shape
     ms, n = c.shape
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
@@ -242,30 +276,44 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
     comp_t, red_t, _ = planning.cached_tables(
         key, lambda: planning.plan_matmul_reduce_scatter(rank, world, ms, n, cfg, a.device))
     trace_buf = trace if trace is not None else heads
-    a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
-    _matmul_reduce_scatter_kernel[(grid,)](
-        a_desc, b_desc, c_desc, c, stage, peer_data, peer_sig, signals,
+    mx = a_scales is not None
+    if mx:
+        dq = planning.dequant_plan(cfg, k)
+        deq_t = planning.cached_tables(("rs-deq", rank, world, ms, cfg, dq, str(a.device)),
+                                       lambda: planning.plan_dequant(rank, world, ms, cfg, dq, "rs", a.device))
+        a_desc, b_desc, c_desc = host_descriptors(dequantized, b_store, b_kmajor, c, cfg)
+        mx_args = (a, a_scales, dequantized, deq_t, deq_t.shape[0])
+    else:
+        dq = planning.DequantPlan(1, 1, 1)
+        a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
+        mx_args = (a, a, a, comp_t, 0)
+    return _matmul_reduce_scatter_kernel[(grid,)](
+        a_desc, b_desc, c_desc, c, stage, *mx_args, peer_data, peer_sig, signals,
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=config.push_partials,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
-        EXIT_SLOT=runtime.EXIT_SLOT, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EXIT_SLOT=runtime.EXIT_SLOT, A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS, DEQ_NB=dq.NB, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
-def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *,
+def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
                           config: MatmulReduceScatterConfig | None = None, policy: str = "self",
                           comm_programs: int | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
     """``c_shard`` = this rank's M/W rows of ``sum_r a_r @ b_r`` over ``group`` (fixed rank order).
 
-    a [M, K/W] bf16 CUDA with M divisible by W; b [K/W, N] bf16 CUDA (row-major, or the ``.t()`` of a
-    row-major [N, K/W] weight). K/W and N must be multiples of 8. Returns a new [M/W, N] bf16 tensor.
+    a [M, K/W] bf16 CUDA with M divisible by W, or MXFP8 (a ``kosmos.quant.MXTensor``, K/W a multiple of 32:
+    the GEMM expands it in its load path; the partials and the reduction stay bf16 / fp32); b [K/W, N] bf16
+    CUDA (row-major, or the ``.t()`` of a row-major [N, K/W] weight; for MX semantics ``quant.mx_round`` of
+    it). K/W and N must be multiples of 8. Returns a new [M/W, N] bf16 tensor.
     ``config`` (``kosmos.MatmulReduceScatterConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation; ``trace`` as in
     ``all_gather_matmul``.
     """
     config = check_config(MatmulReduceScatterConfig, config)
     m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)
+    a, a_scales = a if isinstance(a, tuple) else (a, None)
     ws = runtime.get_workspace(group, a.device)
     w, r = ws.world.size, ws.world.rank
     if m % w:
@@ -275,13 +323,19 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, *,
     grid = runtime.num_sms(a.device)
     check_launch(policy, comm_programs, trace, grid)
     stage_bytes = m * n * 2 if w > 1 else 0  # at W=1 the tiles go straight into c_shard: no staging
-    ws.ensure(stage_bytes, w * -(-ms // cfg.BM) * -(-n // cfg.BN))  # (triton.cdiv costs ~7 us per host call)
+    flags = w * -(-ms // cfg.BM) * -(-n // cfg.BN)  # (triton.cdiv costs ~7 us per host call)
+    if a_scales is not None:  # MXFP8: a's dequantized rows after the staging; one flag per DEQ task
+        flags += w * -(-ms // cfg.BM) * planning.dequant_plan(cfg, k).PARTS
+    deq_off = -(-stage_bytes // 16) * 16
+    ws.ensure(deq_off + (m * k * 2 if a_scales is not None else 0), flags)
     runtime.ensure_triton_allocator()
     epoch = ws.next_epoch()
     c = torch.empty((ms, n), dtype=torch.bfloat16, device=a.device)
     stage = ws.data[:stage_bytes].view(torch.bfloat16).view(m, n) if w > 1 else c
+    dequantized = (ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k)
+                   if a_scales is not None else None)
     launch(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
            rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config,
-           policy=policy, comm_programs=comm_programs, trace=trace)
+           policy=policy, comm_programs=comm_programs, trace=trace, a_scales=a_scales, dequantized=dequantized)
     ws.after_launch()
     return c
