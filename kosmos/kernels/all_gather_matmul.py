@@ -75,21 +75,47 @@ from .. import schedule as sched
 from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, WAIT_MX_ROWS
 from ..config import AllGatherMatmulConfig, check_config
 from ..quant import MXTensor
-from .common import (check_launch, check_operands, copy_flat, host_descriptors, load_task, mx_dequant_rows,
-                     policy_args, store_tile, tile_matmul, tma_descriptor, wait_rows_dequantized)
+from .common import (check_launch, check_operands, copy_flat, deq_lagging, deq_needed, deq_should_help,
+                     host_descriptors, load_task, mx_dequant_rows, policy_args, store_tile, tile_matmul,
+                     tma_descriptor, wait_rows_dequantized)
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
 STAGE_PUSH: tl.constexpr = tl.constexpr(0)
-STAGE_DEQ: tl.constexpr = tl.constexpr(1)   # MXFP8 only: dequantize arrived (and own) rows to bf16
+STAGE_DEQ: tl.constexpr = tl.constexpr(1)   # MXFP8: dequantize rows to bf16 (a queue, not in the stage masks:
+                                            # taken by TILE programs ahead of demand or while waiting)
 STAGE_TILE: tl.constexpr = tl.constexpr(2)
 STAGE_COPY: tl.constexpr = tl.constexpr(3)
 NUM_STAGES: tl.constexpr = tl.constexpr(4)
 COMM_STAGES: tl.constexpr = tl.constexpr((1 << 0) | (1 << 3))  # PUSH | COPY
 ALL_STAGES: tl.constexpr = tl.constexpr(0b1101)     # bf16: PUSH, TILE, COPY
-MX_STAGES: tl.constexpr = tl.constexpr(0b1111)      # MXFP8: PUSH, DEQ, TILE, COPY
 W1_STAGES: tl.constexpr = tl.constexpr(1 << 2)      # at W = 1: TILE only (nothing to push or copy)
-MX_W1_STAGES: tl.constexpr = tl.constexpr(0b0110)   # at W = 1 in MXFP8: DEQ, TILE
 TASK_PUSH: tl.constexpr = tl.constexpr(planning.PUSH)  # a comm table row's kind (else planning.COPY)
+
+
+@triton.jit
+def _deq_task(t, deq_table, rank, a_mx, g_mx, a_scales, g_scales, deq_ptr, sig_ptr, err_ptr, Ms, K, epoch,
+              timeout_ns, n_chunks, FLAG_BASE: tl.constexpr, DEQ_BASE, BM: tl.constexpr, DEQ_ROWS: tl.constexpr,
+              DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr):
+    """DEQ task t: rows (slot, chunk, part) to bf16 -- the own shard's, or a peer's once they have landed --
+    then its flag. Returns 0 when the wait for the peer's rows gave up (nothing written, no flag)."""
+    slot, chunk, part = load_task(deq_table, t)
+    ok = 1
+    if slot != rank:  # a peer's rows: wait for them to land
+        ok = dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + chunk, epoch, timeout_ns, err_ptr,
+                          OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, rank, t, FLAG_BASE + slot * n_chunks + chunk)
+    r0 = chunk * BM + part * DEQ_ROWS
+    rows = tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0)
+    row = (slot * Ms + r0).to(tl.int64)
+    if slot == rank:
+        q = a_mx + r0.to(tl.int64) * K
+        sc = a_scales + r0.to(tl.int64) * (K // 32)
+    else:
+        q = g_mx + row * K
+        sc = g_scales + row * (K // 32)
+    if ok != 0:
+        mx_dequant_rows(q, sc, deq_ptr + row * K, rows, K, DEQ_ROWS, DEQ_NB)
+        dev.notify(sig_ptr + DEQ_BASE + (slot * n_chunks + chunk) * DEQ_PARTS + part, epoch)
+    return ok
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_push", "n_comp", "fixed_comm",
@@ -105,7 +131,7 @@ def _all_gather_matmul_kernel(
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr,
         EXIT_SLOT: tl.constexpr, A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr,
-        DEQ_NB: tl.constexpr):
+        DEQ_NB: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
@@ -120,23 +146,48 @@ def _all_gather_matmul_kernel(
     DEQ_BASE = FLAG_BASE + WORLD * n_chunks  # MXFP8: flags (slot, chunk, part) of the dequantized rows
 
     # comm table rows [0, n_push) are the pushes, [n_push, n_comm) the own-slot copies (none at W = 1)
-    if A_MX:
-        all_stages = MX_W1_STAGES if WORLD == 1 else MX_STAGES
-    else:
-        all_stages = W1_STAGES if WORLD == 1 else ALL_STAGES
-    stages = sched.program_stages(pid, POLICY, fixed_comm, all_stages, COMM_STAGES)
+    stages = sched.program_stages(pid, POLICY, fixed_comm, W1_STAGES if WORLD == 1 else ALL_STAGES, COMM_STAGES)
     stage = sched.next_stage(stages, -1, NUM_STAGES)
     handshake = 0
     peers_ok = 1
     n_ev = 0
     while stage < NUM_STAGES:
-        t = sched.claim(heads_ptr + stage)
-        if stage == STAGE_TILE:
+        cur = stage
+        if A_MX:  # before a tile: a DEQ task instead while the DEQ queue is behind the next wave's demand
+            if stage == STAGE_TILE:
+                if deq_lagging(heads_ptr + STAGE_DEQ, heads_ptr + STAGE_TILE, n_deq, n_comp, GRID, n_chunks,
+                               tl.cdiv(N, BN), WORLD, DEQ_PARTS, GROUP_M, 0) != 0:
+                    cur = STAGE_DEQ
+        t = sched.claim(heads_ptr + cur)
+        if cur == STAGE_DEQ:
+            if t < n_deq:
+                t0 = dev.now_ns()
+                if _deq_task(t, deq_table, rank, a_mx, g_mx, a_scales, g_scales, deq_ptr, sig_ptr, err_ptr,
+                             Ms, K, epoch, timeout_ns, n_chunks, FLAG_BASE, DEQ_BASE, BM, DEQ_ROWS, DEQ_PARTS,
+                             DEQ_NB) == 0:
+                    stage = NUM_STAGES
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t0, dev.now_ns(), TRACE)
+        elif stage == STAGE_TILE:
             if t < n_comp:
                 slot, mt, nt = load_task(comp_table, t)
                 t0 = dev.now_ns()
-                if A_MX:  # the rows' DEQ tasks (every slot, the own one too) must have written them
+                if A_MX:  # the rows' DEQ tasks (every slot, the own one too) must have written them; while
+                    # they are not, this program runs the DEQ tasks up to the ones it needs (deadlock-free:
+                    # a DEQ task waits only for a peer's push)
                     deq_flag = DEQ_BASE + (slot * n_chunks + mt) * DEQ_PARTS
+                    need = deq_needed(t + 1, n_comp, n_chunks, tl.cdiv(N, BN), WORLD, DEQ_PARTS, GROUP_M, 0)
+                    helping = 1
+                    while helping != 0:
+                        if deq_should_help(heads_ptr + STAGE_DEQ, need, sig_ptr + deq_flag, epoch,
+                                           DEQ_PARTS) != 0:
+                            td = sched.claim(heads_ptr + STAGE_DEQ)
+                            if td < n_deq:
+                                if _deq_task(td, deq_table, rank, a_mx, g_mx, a_scales, g_scales, deq_ptr,
+                                             sig_ptr, err_ptr, Ms, K, epoch, timeout_ns, n_chunks, FLAG_BASE,
+                                             DEQ_BASE, BM, DEQ_ROWS, DEQ_PARTS, DEQ_NB) == 0:
+                                    helping = 0
+                        else:
+                            helping = 0
                     if wait_rows_dequantized(sig_ptr + deq_flag, DEQ_PARTS, epoch, timeout_ns, err_ptr,
                                              OP_ALL_GATHER_MATMUL, WAIT_MX_ROWS, rank, t, deq_flag) == 0:
                         stage = NUM_STAGES
@@ -168,31 +219,6 @@ def _all_gather_matmul_kernel(
                 acc = tile_matmul(a_desc, b_desc, a_row, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
                 store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMPUTE, t, t0, dev.now_ns(), TRACE)
-            else:
-                stage = sched.next_stage(stages, stage, NUM_STAGES)
-        elif stage == STAGE_DEQ:
-            if t < n_deq:
-                slot, chunk, part = load_task(deq_table, t)
-                t0 = dev.now_ns()
-                ok = 1
-                if slot != rank:  # a peer's rows: wait for them to land
-                    ok = dev.wait_geq(sig_ptr + FLAG_BASE + slot * n_chunks + chunk, epoch, timeout_ns, err_ptr,
-                                      OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, rank, t, FLAG_BASE + slot * n_chunks + chunk)
-                    if ok == 0:
-                        stage = NUM_STAGES
-                r0 = chunk * BM + part * DEQ_ROWS
-                rows = tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0)
-                row = (slot * Ms + r0).to(tl.int64)
-                if slot == rank:
-                    q = a_mx + r0.to(tl.int64) * K
-                    sc = a_scales + r0.to(tl.int64) * KB
-                else:
-                    q = g_mx + row * K
-                    sc = g_scales + row * KB
-                if ok != 0:
-                    mx_dequant_rows(q, sc, deq_ptr + row * K, rows, K, DEQ_ROWS, DEQ_NB)
-                    dev.notify(sig_ptr + DEQ_BASE + (slot * n_chunks + chunk) * DEQ_PARTS + part, epoch)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t0, dev.now_ns(), TRACE)
             else:
                 stage = sched.next_stage(stages, stage, NUM_STAGES)
         else:
@@ -284,6 +310,7 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS, DEQ_NB=dq.NB,
+        GROUP_M=planning.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

@@ -47,23 +47,72 @@ def mx_dequant_rows(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.c
     """out[:rows, :K] (bf16) = the MX values of q (E4M3 [rows, K], row-major) with scales s (E8M0 [rows, K/32]);
     rows <= ROWS. Exact (kosmos/quant.py: every finite MX value below 2**128 whose lowest bit is >= 2**-133 is a
     bf16; others round to nearest even as dequantize_mx does). The scale 2**(S-127) is built from its fp32
-    bits (S = 0: the subnormal 2**-127; 0xFF: NaN); the E4M3 -> fp32 conversion and the product are exact. Steps
-    of [ROWS, NB, 32] elements: full 16-byte loads of the payload, 32-byte stores."""
+    bits (S = 0: the subnormal 2**-127; 0xFF: NaN); the E4M3 -> fp32 conversion and the product are exact.
+    Steps of [ROWS, NB, 32] elements; the offsets inside a step are int32 and computed once (ROWS * K fits),
+    only the three base pointers advance: per-element 64-bit index math made the first version ALU-bound
+    (1.6 TB/s over all SMs, one H200)."""
     KB = K // 32
     r = tl.arange(0, ROWS)
     b = tl.arange(0, NB)
     j = tl.arange(0, 32)
+    soffs = r[:, None] * KB + b[None, :]
+    offs = soffs[:, :, None] * 32 + j[None, None, :]
     rmask = (r < rows)[:, None]
     for b0 in range(0, KB, NB):
-        smask = rmask & ((b0 + b) < KB)[None, :]
-        soffs = r.to(tl.int64)[:, None] * KB + (b0 + b)[None, :]
-        sb = tl.load(s_ptr + soffs, mask=smask, other=127).to(tl.int32)
+        smask = rmask & (b[None, :] < KB - b0)
+        sb = tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32)
         bits = tl.where(sb == 0, 0x00400000, sb << 23)
         bits = tl.where(sb == 255, 0x7FC00000, bits)
         scale = bits.to(tl.float32, bitcast=True)
-        offs = soffs[:, :, None] * 32 + j[None, None, :]
-        q = tl.load(q_ptr + offs, mask=smask[:, :, None], other=0.0)
-        tl.store(out_ptr + offs, (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16), mask=smask[:, :, None])
+        q = tl.load(q_ptr + b0 * 32 + offs, mask=smask[:, :, None], other=0.0)
+        tl.store(out_ptr + b0 * 32 + offs, (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16),
+                 mask=smask[:, :, None])
+
+
+@triton.jit
+def deq_needed(p, n_comp, n_chunks, n_tn, WORLD: tl.constexpr, PARTS: tl.constexpr, GROUP_M: tl.constexpr,
+               RS_ORDER: tl.constexpr):
+    """How many DEQ tasks (from the front of the DEQ table) the first ``p`` tiles of the compute table need.
+    Both tables follow planning.py's orders: AllGather+GEMM slot by slot, each slot in GROUP_M-row bands
+    (the DEQ table: slot by slot, chunks ascending); GEMM+ReduceScatter band by band, owners innermost (the
+    DEQ table: chunks ascending, owners innermost). A band's tiles need all its chunks."""
+    q = tl.minimum(tl.maximum(p, 1), n_comp) - 1  # the last tile counted
+    if RS_ORDER:
+        band = (q // WORLD) // (GROUP_M * n_tn)
+        return tl.minimum(n_chunks, (band + 1) * GROUP_M) * WORLD * PARTS
+    else:
+        per_slot = n_chunks * n_tn
+        band = (q % per_slot) // (GROUP_M * n_tn)
+        return (q // per_slot) * n_chunks * PARTS + tl.minimum(n_chunks, (band + 1) * GROUP_M) * PARTS
+
+
+@triton.jit
+def deq_lagging(deq_head, tile_head, n_deq, n_comp, GRID: tl.constexpr, n_chunks, n_tn, WORLD: tl.constexpr,
+                PARTS: tl.constexpr, GROUP_M: tl.constexpr, RS_ORDER: tl.constexpr):
+    """Whether the DEQ queue is behind what the tiles claimed so far plus one more wave (GRID tiles) will
+    need: then a program about to claim a tile takes a DEQ task instead. So the rows are expanded about one
+    wave ahead of the tiles, by few programs at a time, while the others compute (instead of a serial pass
+    over all rows before the first tile)."""
+    hd = dev.load_uniform(deq_head)
+    lag = 0
+    if hd < n_deq:
+        ht = dev.load_uniform(tile_head)
+        lag = (hd < deq_needed(ht + GRID, n_comp, n_chunks, n_tn, WORLD, PARTS, GROUP_M, RS_ORDER)).to(tl.int32)
+    return lag
+
+
+@triton.jit
+def deq_should_help(deq_head, need, flag_ptr, epoch, PARTS: tl.constexpr):
+    """A tile waiting for its rows runs a DEQ task itself while its rows are not all expanded and DEQ tasks it
+    needs (positions < need) are still unclaimed."""
+    hd = dev.load_uniform(deq_head)
+    do_help = 0
+    if hd < need:
+        ready = 1
+        for i in tl.static_range(PARTS):
+            ready = ready & (dev.load_uniform(flag_ptr + i) >= epoch).to(tl.int32)
+        do_help = 1 - ready
+    return do_help
 
 
 @triton.jit

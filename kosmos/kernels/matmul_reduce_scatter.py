@@ -84,8 +84,9 @@ from .. import planning, runtime
 from .. import schedule as sched
 from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_MATMUL_REDUCE_SCATTER, WAIT_MX_ROWS, WAIT_RS_PARTIAL
 from ..config import MatmulReduceScatterConfig, check_config, default_config
-from .common import (check_launch, check_operands, host_descriptors, load_task, mx_dequant_rows, policy_args,
-                     store_rows, store_tile, tile_matmul, wait_rows_dequantized)
+from .common import (check_launch, check_operands, deq_lagging, deq_needed, deq_should_help, host_descriptors,
+                     load_task, mx_dequant_rows, policy_args, store_rows, store_tile, tile_matmul,
+                     wait_rows_dequantized)
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
 STAGE_TILE: tl.constexpr = tl.constexpr(0)
@@ -125,6 +126,18 @@ def _reduce_tile(t, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epo
     return ok
 
 
+@triton.jit
+def _deq_task(t, deq_table, a_mx, a_scales, deq_ptr, sig_ptr, Ms, K, epoch, n_chunks, DEQ_BASE,
+              BM: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr):
+    """DEQ task t: rows (owner, chunk, part) of a to bf16, then its flag (nothing to wait for: a is local)."""
+    owner, chunk, part = load_task(deq_table, t)
+    r0 = chunk * BM + part * DEQ_ROWS
+    row = (owner * Ms + r0).to(tl.int64)
+    mx_dequant_rows(a_mx + row * K, a_scales + row * (K // 32), deq_ptr + row * K,
+                    tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0), K, DEQ_ROWS, DEQ_NB)
+    dev.notify(sig_ptr + DEQ_BASE + (owner * n_chunks + chunk) * DEQ_PARTS + part, epoch)
+
+
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comp", "n_red", "fixed_comm", "n_deq"])
 def _matmul_reduce_scatter_kernel(
         a_desc, b_desc, c_desc, c_ptr, stage_ptr, a_mx, a_scales, deq_ptr, deq_table, n_deq,
@@ -136,7 +149,8 @@ def _matmul_reduce_scatter_kernel(
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         RED_ROWS: tl.constexpr, PUSH: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr,
-        A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr):
+        A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr,
+        GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
@@ -195,28 +209,37 @@ def _matmul_reduce_scatter_kernel(
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t_red, t0, dev.now_ns(), TRACE)
         elif comp_done == 0:
             did_deq = 0
-            if A_MX:
+            if A_MX:  # before a tile: a DEQ task instead while the DEQ queue is behind the next wave's demand
                 if deq_done == 0:
-                    did_deq = 1
-                    td = sched.claim(heads_ptr + STAGE_DEQ)
-                    if td < n_deq:
-                        owner, chunk, part = load_task(deq_table, td)
-                        t0 = dev.now_ns()
-                        r0 = chunk * BM + part * DEQ_ROWS
-                        row = (owner * Ms + r0).to(tl.int64)
-                        mx_dequant_rows(a_mx + row * K, a_scales + row * (K // 32), deq_ptr + row * K,
-                                        tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0), K, DEQ_ROWS, DEQ_NB)
-                        dev.notify(sig_ptr + DEQ_BASE + (owner * n_chunks + chunk) * DEQ_PARTS + part, epoch)
-                        n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, td, t0, dev.now_ns(), TRACE)
-                    else:
-                        deq_done = 1
+                    if deq_lagging(heads_ptr + STAGE_DEQ, heads_ptr + STAGE_TILE, n_deq, n_comp, GRID, n_chunks,
+                                   n_tn, WORLD, DEQ_PARTS, GROUP_M, 1) != 0:
+                        did_deq = 1
+                        td = sched.claim(heads_ptr + STAGE_DEQ)
+                        if td < n_deq:
+                            t0 = dev.now_ns()
+                            _deq_task(td, deq_table, a_mx, a_scales, deq_ptr, sig_ptr, Ms, K, epoch, n_chunks,
+                                      DEQ_BASE, BM, DEQ_ROWS, DEQ_PARTS, DEQ_NB)
+                            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, td, t0, dev.now_ns(), TRACE)
+                        else:
+                            deq_done = 1
             if did_deq == 0:
                 t = sched.claim(heads_ptr + STAGE_TILE)
                 if t < n_comp:
                     owner, mt, nt = load_task(comp_table, t)
                     t0 = dev.now_ns()
-                    if A_MX:  # wait for the tile's rows to be expanded (by this or another program)
+                    if A_MX:  # wait for the tile's rows to be expanded, running the DEQ tasks it needs meanwhile
                         deq_flag = DEQ_BASE + (owner * n_chunks + mt) * DEQ_PARTS
+                        need = deq_needed(t + 1, n_comp, n_chunks, n_tn, WORLD, DEQ_PARTS, GROUP_M, 1)
+                        helping = 1
+                        while helping != 0:
+                            if deq_should_help(heads_ptr + STAGE_DEQ, need, sig_ptr + deq_flag, epoch,
+                                               DEQ_PARTS) != 0:
+                                td = sched.claim(heads_ptr + STAGE_DEQ)
+                                if td < n_deq:
+                                    _deq_task(td, deq_table, a_mx, a_scales, deq_ptr, sig_ptr, Ms, K, epoch,
+                                              n_chunks, DEQ_BASE, BM, DEQ_ROWS, DEQ_PARTS, DEQ_NB)
+                            else:
+                                helping = 0
                         if wait_rows_dequantized(sig_ptr + deq_flag, DEQ_PARTS, epoch, timeout_ns, err_ptr,
                                                  OP_MATMUL_REDUCE_SCATTER, WAIT_MX_ROWS, rank, t, deq_flag) == 0:
                             red_done = 1
@@ -294,7 +317,8 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=config.push_partials,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
-        EXIT_SLOT=runtime.EXIT_SLOT, A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS, DEQ_NB=dq.NB, num_warps=cfg.num_warps,
+        EXIT_SLOT=runtime.EXIT_SLOT, A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS, DEQ_NB=dq.NB, GROUP_M=planning.GROUP_M,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
 
