@@ -48,25 +48,24 @@ def mx_dequant_rows(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.c
     rows <= ROWS. Exact (kosmos/quant.py: every finite MX value below 2**128 whose lowest bit is >= 2**-133 is a
     bf16; others round to nearest even as dequantize_mx does). The scale 2**(S-127) is built from its fp32
     bits (S = 0: the subnormal 2**-127; 0xFF: NaN); the E4M3 -> fp32 conversion and the product are exact.
-    Steps of [ROWS, NB, 32] elements; the offsets inside a step are int32 and computed once (ROWS * K fits),
-    only the three base pointers advance: per-element 64-bit index math made the first version ALU-bound
-    (1.6 TB/s over all SMs, one H200)."""
+    Steps of [ROWS, NB * 32] elements; the offsets inside a step are int32 and computed once (ROWS * K fits),
+    only the base offsets advance. (A [ROWS, NB, 32] version with per-element int64 offsets ran at ~1.6 TB/s
+    over all SMs on one H200, ~11 GB/s per program; so did its int32-offset variant.)"""
     KB = K // 32
+    COLS: tl.constexpr = NB * 32
     r = tl.arange(0, ROWS)
-    b = tl.arange(0, NB)
-    j = tl.arange(0, 32)
-    soffs = r[:, None] * KB + b[None, :]
-    offs = soffs[:, :, None] * 32 + j[None, None, :]
+    c = tl.arange(0, COLS)
+    offs = r[:, None] * K + c[None, :]            # contiguous along columns: 16-byte loads and stores
+    soffs = r[:, None] * KB + c[None, :] // 32    # each scale byte 32 times: the same address, an L1 hit
     rmask = (r < rows)[:, None]
-    for b0 in range(0, KB, NB):
-        smask = rmask & (b[None, :] < KB - b0)
-        sb = tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32)
+    for k0 in range(0, K, COLS):
+        mask = rmask & (c[None, :] < K - k0)
+        sb = tl.load(s_ptr + k0 // 32 + soffs, mask=mask, other=127).to(tl.int32)
         bits = tl.where(sb == 0, 0x00400000, sb << 23)
         bits = tl.where(sb == 255, 0x7FC00000, bits)
-        scale = bits.to(tl.float32, bitcast=True)
-        q = tl.load(q_ptr + b0 * 32 + offs, mask=smask[:, :, None], other=0.0)
-        tl.store(out_ptr + b0 * 32 + offs, (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16),
-                 mask=smask[:, :, None])
+        q = tl.load(q_ptr + k0 + offs, mask=mask, other=0.0)
+        v = q.to(tl.float32) * bits.to(tl.float32, bitcast=True)
+        tl.store(out_ptr + k0 + offs, v.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -93,10 +92,10 @@ def deq_lagging(deq_head, tile_head, n_deq, n_comp, GRID: tl.constexpr, n_chunks
     need: then a program about to claim a tile takes a DEQ task instead. So the rows are expanded about one
     wave ahead of the tiles, by few programs at a time, while the others compute (instead of a serial pass
     over all rows before the first tile)."""
-    hd = dev.load_uniform(deq_head)
+    hd = dev.load_uniform_local(deq_head)
     lag = 0
     if hd < n_deq:
-        ht = dev.load_uniform(tile_head)
+        ht = dev.load_uniform_local(tile_head)
         lag = (hd < deq_needed(ht + GRID, n_comp, n_chunks, n_tn, WORLD, PARTS, GROUP_M, RS_ORDER)).to(tl.int32)
     return lag
 
@@ -105,12 +104,12 @@ def deq_lagging(deq_head, tile_head, n_deq, n_comp, GRID: tl.constexpr, n_chunks
 def deq_should_help(deq_head, need, flag_ptr, epoch, PARTS: tl.constexpr):
     """A tile waiting for its rows runs a DEQ task itself while its rows are not all expanded and DEQ tasks it
     needs (positions < need) are still unclaimed."""
-    hd = dev.load_uniform(deq_head)
+    hd = dev.load_uniform_local(deq_head)
     do_help = 0
     if hd < need:
         ready = 1
         for i in tl.static_range(PARTS):
-            ready = ready & (dev.load_uniform(flag_ptr + i) >= epoch).to(tl.int32)
+            ready = ready & (dev.load_uniform_local(flag_ptr + i) >= epoch).to(tl.int32)
         do_help = 1 - ready
     return do_help
 
