@@ -57,10 +57,27 @@ def _split(values: Optional[List[str]], cast=str, option: str = ""):
     return tuple(out)
 
 
-def _check_dtype(dtype: str) -> None:
+def _dtypes(values: Optional[str]) -> tuple | None:
+    """``--dtype`` (a comma list, e.g. bf16,mxfp8) -> a tuple without repeats (None when not given); an unknown
+    name is a one-line error."""
+    from .suites import DTYPES
+    names = _split([values] if values else None)
+    if names is None:
+        return None
+    if not names:
+        _fail(f"--dtype: give {', '.join(DTYPES)} or a comma list of them, e.g. --dtype bf16,mxfp8")
+    bad = [n for n in names if n not in DTYPES]
+    if bad:
+        _fail(f"--dtype: unknown {', '.join(map(repr, bad))}; choose from {', '.join(DTYPES)} (comma-separated, "
+              f"e.g. --dtype bf16,mxfp8)")
+    return tuple(dict.fromkeys(names))
+
+
+def _check_moe_dtype(dtype: str) -> None:
     from .suites import SUPPORTED_DTYPES
-    if dtype not in SUPPORTED_DTYPES:
-        _fail(f"--dtype {dtype} is not implemented yet (MXFP8 kernels are planned); use --dtype bf16")
+    if dtype not in SUPPORTED_DTYPES["moe"]:
+        _fail(f"--dtype {dtype} is not implemented yet for the MoE layer (bf16 only; MXFP8 runs for the TP ops: "
+              f"kosmos bench tp --dtype mxfp8)")
 
 
 def _world(asked, flag: str, dry_run: bool) -> tuple[int, str]:
@@ -100,7 +117,11 @@ def _fail(msg: str, code: int = 2):
 
 
 # the options both benches take (help texts naming the bench's own defaults)
-DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16 (mxfp8 is planned).")
+TP_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comma-separated (bf16,mxfp8: every "
+                               "shape runs at each, rows in one file, each with its dtype). mxfp8: the bf16 "
+                               "activation is MXFP8-quantized in the timed call, the weight's MX form made once; "
+                               "adds the triton-dot-scaled and fp8-rowwise baselines. Default bf16.")
+MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16 (MXFP8 is not implemented for the MoE layer yet).")
 ITERS_OPTION = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported).")
 WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.")
 
@@ -154,16 +175,19 @@ def _out_path(out: Optional[Path], bench: str, dtype: str, create: bool = True) 
     return out
 
 
-def _planned_availability(family: str, impls, world: int) -> list[tuple[str, str]]:
+def _planned_availability(family: str, impls, world: int, dtype: str | None = None) -> list[tuple[str, str]]:
     """[(impl, availability)] of ``impls`` of ``family`` as the registry's predicates judge them at ``world``
-    ranks (a package, the torch build, the world size), in this process: nothing launches. What needs the GPU
-    itself (Hopper, memory) is not known here."""
+    ranks (a package, the torch build, the world size) and precision ``dtype`` (those without a row at it
+    are left out), in this process: nothing launches. What needs the GPU itself (Hopper, memory) is not known
+    here."""
     from . import moe, registry, tp  # noqa: F401 (importing the bench modules registers their implementations)
     base = registry.baseline(family)
     out = []
     for name in impls:
+        if dtype is not None and not registry.get(family, name).runs_at(dtype):
+            continue
         try:
-            ok, why = registry.get(family, name).availability(world)
+            ok, why = registry.get(family, name).availability(world, dtype)
         except Exception as e:  # a predicate that cannot decide here
             ok, why = None, f"not known without running ({type(e).__name__}: {e})"
         word = "available" if ok else ("unavailable: " if ok is False else "") + (why or "")
@@ -290,10 +314,11 @@ def bench_tp(
     shapes_tp: Optional[int] = typer.Option(None, "--shapes-tp", help="Size the GEMMs as at TP=N (each rank's "
                                             "weight shard) whatever --tp is: `--tp 1 --shapes-tp 2` times the "
                                             "kernels with communication off on the per-rank GEMMs of a TP=2 run."),
-    dtype: Optional[str] = DTYPE_OPTION,
+    dtype: Optional[str] = TP_DTYPE_OPTION,
     op: Optional[List[str]] = typer.Option(None, "--op", help="ag_gemm, gemm_rs, or layer names qkv,fc1,attn_out,fc2 "
                                            "(with --shape: ag_gemm and/or gemm_rs)."),
-    impl: Optional[List[str]] = _impl_option("kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best"),
+    impl: Optional[List[str]] = _impl_option("kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best; "
+                                             "at mxfp8 also triton-dot-scaled, fp8-rowwise"),
     suite: Optional[Path] = _suite_option("tp"),
     iters: Optional[int] = ITERS_OPTION,
     warmup: Optional[int] = WARMUP_OPTION,
@@ -316,6 +341,10 @@ def bench_tp(
 
     Example (a custom point, planned only): kosmos bench tp --shape 8192x1024x8192,16384x1024x8192 --op ag_gemm
     --tp 8 --dry-run
+
+    Example (MXFP8 against bf16, one file): kosmos bench tp --model llama3-70b --dtype bf16,mxfp8 -- every shape
+    at both precisions; mxfp8 rows are checked against the fp32 product of the MX values and also record
+    rel_err_bf16; `kosmos report` shows an "mxfp8 / bf16" section.
     """
     from kosmos.models import CUSTOM
 
@@ -325,35 +354,41 @@ def bench_tp(
     custom = _custom_shapes(shape, ops, tp, **{"--model": model, "--seq": seq, "--shapes-tp": shapes_tp})
     try:
         base = _load_suite(suite, "tp")
-        cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int, "--seq"), dtype=dtype,
+        cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int, "--seq"), dtype=_dtypes(dtype),
                                      layers=None if custom else _tp_layers(ops), impls=_split(impl), iters=iters,
                                      warmup=warmup, tp=tp, shapes_tp=shapes_tp)
         configs = _configs("tp", config)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
-    _check_dtype(cfg.dtype)
+    from .tp import impls_at
+    empty = [d for d in cfg.dtype if not impls_at(cfg.impls, d)]
+    if empty:
+        _fail(f"--impl {','.join(cfg.impls)}: none of them runs at {', '.join(empty)} (triton-dot-scaled and "
+              f"fp8-rowwise are mxfp8 baselines)")
     world, how = _world(cfg.tp, "--tp", dry_run)
     cases = _tp_cases(cfg, custom, world)
     suite_dict = cfg.to_dict()
     if custom is not None:  # the suite as run: the custom shapes instead of the suite's models
         suite_dict.update(models=[CUSTOM], layers=[CUSTOM], seq=sorted({g.seq for g in cases}),
                           shapes=[{"op": g.op, "m": g.m, "n": g.n, "k": g.k} for g in cases])
-    out = _out_path(out, "tp", cfg.dtype, create=not dry_run)
+    out = _out_path(out, "tp", "-".join(cfg.dtype), create=not dry_run)
     trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
+    n_impls = sum(len(impls_at(cfg.impls, d)) for d in cfg.dtype)
     if dry_run:
         _print_plan(
-            f"kosmos bench tp --dry-run: {len(cases)} GEMMs x {len(cfg.impls)} implementations",
-            [("world", f"{world} rank(s) ({how})"), ("dtype", cfg.dtype),
+            f"kosmos bench tp --dry-run: {len(cases)} GEMMs x {n_impls} implementations"
+            + (f" over {len(cfg.dtype)} dtypes" if len(cfg.dtype) > 1 else ""),
+            [("world", f"{world} rank(s) ({how})"), ("dtype", ", ".join(cfg.dtype)),
              ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
                         f"{list(cfg.fixed_sweep)}"),
              ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
              *([("traces", trace_dir)] if trace_dir else [])],
             ("op", "model", "layer", "seq", "M", "N", "K"),
             [(g.op, g.model, g.layer, g.seq, g.m, g.n, g.k) for g in cases],
-            [("tp", _planned_availability("tp", cfg.impls, world))])
+            [(f"tp, {d}", _planned_availability("tp", cfg.impls, world, d)) for d in cfg.dtype])
     shard_note = f" (GEMMs sized as at TP={cfg.shapes_tp})" if cfg.shapes_tp and cfg.shapes_tp != world else ""
-    console.print(f"[bold]kosmos bench tp[/]: {len(cases)} shapes x {len(cfg.impls)} implementations on "
-                  f"{world} GPU(s){shard_note} -> {out}")
+    console.print(f"[bold]kosmos bench tp[/]: {len(cases)} shapes x {n_impls} implementations "
+                  f"({', '.join(cfg.dtype)}) on {world} GPU(s){shard_note} -> {out}")
     from .tp import bench_rank
     _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), trace_dir, sys.argv, configs)
 
@@ -422,7 +457,7 @@ def bench_moe(
     ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size (default: all visible GPUs)."),
     routing: Optional[List[str]] = typer.Option(None, "--routing", "-r", help="uniform and/or zipf:S (S > 0), "
                                                 "e.g. uniform,zipf:1.2."),
-    dtype: Optional[str] = DTYPE_OPTION,
+    dtype: Optional[str] = MOE_DTYPE_OPTION,
     impl: Optional[List[str]] = _impl_option("kosmos, nccl-a2a, deepep, fixed-role, fixed-role-best"),
     suite: Optional[Path] = _suite_option("moe"),
     iters: Optional[int] = ITERS_OPTION,
@@ -470,7 +505,7 @@ def bench_moe(
         configs = _configs("moe", config)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
-    _check_dtype(cfg.dtype)
+    _check_moe_dtype(cfg.dtype)
     world, how = _world(ep if custom and ep is not None else cfg.ep, "--ep", dry_run)
     try:
         cases = moe_cases([custom] if custom else cfg.models, cfg.tokens, cfg.routing, world)

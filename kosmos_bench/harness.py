@@ -5,7 +5,9 @@ registry) in turn, on every rank in step:
 
   1. availability: the registry's predicate, agreed across ranks; no -> an "unavailable" row with the reason.
   2. check: make the callable, run it once, compare with the fp32 reference (relative Frobenius error, max over
-     ranks; above ``TOLERANCE`` or NaN fails). An exception on any rank fails it on every rank (``agree``: no
+     ranks; above ``TOLERANCE`` or NaN fails). A ``Reference`` carries its own tolerance and further references
+     whose errors are only recorded (the TP bench's mxfp8 rows: ``rel_err_bf16``); the reference may differ per
+     implementation (``Runner.run`` takes a callable impl -> reference). An exception on any rank fails it on every rank (``agree``: no
      rank is left waiting in a collective) and ``recover`` realigns them; the sweep goes on.
   3. time: ``timing.time_op`` (collective-safe, max over ranks).
   4. the row (``result_row``; keys in SCHEMA.md): a KOSMOS kernel runs with the op's config and records it.
@@ -31,7 +33,18 @@ from .registry import Unavailable
 
 FIXED_SWEEP = (8, 16, 24, 32, 48, 64)
 DEFAULT_FIXED_PROGRAMS = 16
-TOLERANCE = {"bf16": 1e-2, "mxfp8": 5e-2}
+# mxfp8: against the fp32 product of the MX values themselves (the reference holds the MX rounding), so as tight as
+# bf16; an implementation with another rounding (the TP bench's fp8-rowwise) brings its own Reference
+TOLERANCE = {"bf16": 1e-2, "mxfp8": 1e-2}
+
+
+@dataclass
+class Reference:
+    """What one implementation's output is checked against: ``ref`` within ``tol``; ``also`` {row key: tensor}:
+    references whose errors are only recorded (max over ranks), in the row under that key."""
+    ref: torch.Tensor
+    tol: float
+    also: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -156,6 +169,7 @@ class Result:
     timing: dict | None = None        # timing.time_op's dict
     workspace: int | None = None
     params: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)  # Reference.also's errors: {row key: rel_err or None}
 
     @property
     def time_ms(self):
@@ -188,8 +202,11 @@ def agreed_call(fn):
 
 def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result:
     """Steps 2-3 of one implementation: ``make()`` -> (callable, workspace bytes or None). Every rank calls this
-    in step. A ``registry.Unavailable`` raised on the way makes the result "unavailable"."""
-    made = []
+    in step. A ``registry.Unavailable`` raised on the way makes the result "unavailable". ``ref``: a tensor
+    (tolerance ``TOLERANCE[st.dtype]``) or a ``Reference``."""
+    if not isinstance(ref, Reference):
+        ref = Reference(ref, TOLERANCE[st.dtype])
+    made, also = [], {}
 
     def check():
         fn, ws = make()
@@ -197,18 +214,21 @@ def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result
         out = fn()
         runtime.check_errors()
         sync(device)
-        return rel_err(out, ref)
+        also.update({key: rel_err(out, other) for key, other in ref.also.items()})
+        return rel_err(out, ref.ref)
 
     ok, why, err = agreed_call(check)
     ws = made[1] if made else None
+    errors = {key: None for key in ref.also}
     if not ok:
         recover()
         status = "unavailable" if "unavailable: " in why else "failed"
-        return Result(status, why.replace("unavailable: ", ""), workspace=ws)
+        return Result(status, why.replace("unavailable: ", ""), workspace=ws, errors=errors)
     err = max_over_ranks(err, device)
-    tol = TOLERANCE[st.dtype]
+    errors = {key: max_over_ranks(also[key], device) for key in ref.also}
+    tol = ref.tol
     if not err <= tol:  # NaN fails too
-        return Result("failed", f"rel_err {err:.2e} > {tol:.0e}", err, workspace=ws)
+        return Result("failed", f"rel_err {err:.2e} > {tol:.0e}", err, workspace=ws, errors=errors)
 
     def time_it():
         t = timing.time_op(made[0], iters=st.iters, warmup=st.warmup)
@@ -218,8 +238,8 @@ def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result
     ok, why, t = agreed_call(time_it)
     if not ok:
         recover()
-        return Result("failed", why, err, workspace=ws)
-    return Result("ok", None, err, t, ws)
+        return Result("failed", why, err, workspace=ws, errors=errors)
+    return Result("ok", None, err, t, ws, errors=errors)
 
 
 def best_fixed_split(measure: Callable, sweep, grid: int | None = None) -> Result:
@@ -248,7 +268,7 @@ def run_impl(impl: registry.Impl, inputs, ref, st: Settings, device, recover: Ca
              grid: int | None = None) -> Result:
     """Steps 1-3 of one implementation (every rank in step); ``config``: the op's, for KOSMOS kernels."""
     params = {"comm_programs": st.fixed_default} if impl.fixed == "default" else {}
-    ok, why = agree_available(*impl.availability(world_info()[1]))
+    ok, why = agree_available(*impl.availability(world_info()[1], st.dtype))
     if not ok:
         return Result("unavailable", why, params=params)
     cfg = config if impl.kosmos else None
@@ -293,13 +313,14 @@ def _config_field(impl: registry.Impl, config) -> dict:
 def result_row(identity: dict, impl: registry.Impl, res: Result, *, flops: float, config=None,
                peak=(None, None), mem_delta: bool = False, extra=None, **fields) -> dict:
     """A result row: the case's ``identity`` keys, then the outcome; ``fields`` (t_gemm_ms, t_comm_ms) go
-    between rel_err and host_ms. ``mem_delta``: also peak_mem_delta_bytes."""
+    between rel_err and host_ms, after the result's recorded errors (``Result.errors``, e.g. rel_err_bf16).
+    ``mem_delta``: also peak_mem_delta_bytes."""
     t, tm = res.timing or {}, res.time_ms
     row = dict(identity)
     row.update({
         "impl": impl.name, "status": res.status, "reason": res.reason, "time_ms": tm, "p20_ms": t.get("p20_ms"),
         "p80_ms": t.get("p80_ms"), "tflops": flops / (tm * 1e-3) / 1e12 if tm else None, "rel_err": res.rel_err,
-        **fields, "host_ms": t.get("host_ms"), "workspace_bytes": res.workspace, "peak_mem_bytes": peak[0],
+        **res.errors, **fields, "host_ms": t.get("host_ms"), "workspace_bytes": res.workspace, "peak_mem_bytes": peak[0],
     })
     if mem_delta:
         row["peak_mem_delta_bytes"] = peak[1]
@@ -326,17 +347,20 @@ class Runner:
     rows: list = field(default_factory=list)
 
     def run(self, family: str, names, *, inputs, ref, identity: dict, flops: float, config=None,
-            **fields) -> dict:
+            impl_fields: Callable | None = None, **fields) -> dict:
         """Check, time and write a row for each implementation ``names`` of ``family`` on ``inputs``;
-        {name: Result}."""
+        {name: Result}. ``ref``: a tensor or ``Reference``, or a callable impl name -> one of those;
+        ``impl_fields(name)``: row fields of that implementation alone (after ``fields``)."""
         grid = runtime.num_sms(self.device) if self.device.type == "cuda" else None
         results = {}
         for name in names:
             impl = registry.get(family, name)
             mem = Memory(self.device)
-            res = results[name] = run_impl(impl, inputs, ref, self.st, self.device, self.recover, config, grid)
+            impl_ref = ref(name) if callable(ref) else ref
+            res = results[name] = run_impl(impl, inputs, impl_ref, self.st, self.device, self.recover, config, grid)
             row = result_row(identity, impl, res, flops=flops, config=config, peak=mem.peak(),
-                             mem_delta=self.mem_delta, extra=self.extra, **fields)
+                             mem_delta=self.mem_delta, extra=self.extra,
+                             **fields, **(impl_fields(name) if impl_fields else {}))
             self.rows.append(row)
             if self.on_row:
                 self.on_row(row)

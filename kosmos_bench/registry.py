@@ -18,6 +18,10 @@ fixed-role policy at S = the settings' ``fixed_default``, or at the fastest pass
 (harness.best_fixed_split); the maker gets S as ``params["comm_programs"]``. ``names(family)`` lists a family in
 registration order (TP_IMPLS, MOE_IMPLS and EXPERT_IMPLS are these views); ``get`` fails with one line naming
 the known ones.
+
+``dtypes`` ({dtype: None or reason}; None: every dtype) says at which precisions a bench runs the implementation:
+a dtype mapped to None runs, one mapped to a reason gives an "unavailable" row with that reason (torch-async-tp at
+mxfp8), and a dtype not in the mapping is skipped -- no row (the MXFP8-only baselines at bf16); ``runs_at``.
 """
 from __future__ import annotations
 
@@ -45,10 +49,17 @@ class Impl:
     available: Callable[[int], tuple] | None = None  # (world size) -> (ok, reason)
     kosmos: bool = False          # a KOSMOS kernel: takes the op's config, records it and the workspace
     fixed: str | None = None      # None, "default" (S = fixed_default) or "best" (best S of fixed_sweep)
+    dtypes: dict | None = None    # {dtype: None (runs) or reason (unavailable)}; absent dtypes skipped; None: all
 
-    def availability(self, world: int) -> tuple[bool, str | None]:
-        """(ok, reason): whether this implementation can run here (this process) at ``world`` ranks; the bench
-        asks at its own world size, a dry run at the planned one."""
+    def runs_at(self, dtype: str) -> bool:
+        """Whether a bench at ``dtype`` has a row of this implementation (ok, failed or unavailable)."""
+        return self.dtypes is None or dtype in self.dtypes
+
+    def availability(self, world: int, dtype: str | None = None) -> tuple[bool, str | None]:
+        """(ok, reason): whether this implementation can run here (this process) at ``world`` ranks and precision
+        ``dtype`` (None: not asked); the bench asks at its own world size, a dry run at the planned one."""
+        if dtype is not None and self.dtypes is not None and self.dtypes.get(dtype) is not None:
+            return False, self.dtypes[dtype]
         if self.available is None:
             return True, None
         ok, reason = self.available(world)
@@ -59,7 +70,7 @@ _IMPLS: dict[str, dict[str, Impl]] = {}
 
 
 def register(family: str, name: str, *, baseline: bool = False, available=None, kosmos: bool = False,
-             fixed: str | None = None):
+             fixed: str | None = None, dtypes: dict | None = None):
     """Decorator: register ``make`` as implementation ``name`` of ``family`` (returns ``make`` unchanged, so one
     maker can be registered under several names)."""
     if fixed not in (None, "default", "best"):
@@ -69,7 +80,7 @@ def register(family: str, name: str, *, baseline: bool = False, available=None, 
         impls = _IMPLS.setdefault(family, {})
         if name in impls:
             raise ValueError(f"{family} implementation {name!r} is registered twice")
-        impls[name] = Impl(family, name, make, baseline, available, kosmos, fixed)
+        impls[name] = Impl(family, name, make, baseline, available, kosmos, fixed, dtypes)
         return make
     return deco
 

@@ -19,7 +19,7 @@ from .report.suite_targets import check_targets as _check_targets
 from .tp import TP_IMPLS
 
 DTYPES = ("bf16", "mxfp8")
-SUPPORTED_DTYPES = ("bf16",)
+SUPPORTED_DTYPES = {"tp": ("bf16", "mxfp8"), "moe": ("bf16",)}  # what each bench implements
 DEFAULT_SUITE = DEFAULT_SUITE_FILES["tp"]
 DEFAULT_MOE_SUITE = DEFAULT_SUITE_FILES["moe"]
 
@@ -65,8 +65,10 @@ class _Suite:
 
 @dataclass(frozen=True)
 class TPSuite(_Suite):
+    """``dtype``: one precision or a list (every point runs at each); held as a tuple, e.g. ("bf16", "mxfp8")."""
     name: str = "tp-default"
     bench: str = "tp"
+    dtype: tuple = ("bf16",)
     models: tuple = ("llama3-70b", "llama3-8b")
     impls: tuple = TP_IMPLS
     seq: tuple = (4096, 8192, 16384)
@@ -75,7 +77,17 @@ class TPSuite(_Suite):
     shapes_tp: int | None = None  # size the GEMMs as at TP=shapes_tp (per-rank shards), whatever the world
 
     def __post_init__(self):
+        object.__setattr__(self, "dtype", _dtypes(self.dtype))
         _check(self)
+
+
+def _dtypes(value) -> tuple:
+    """A TP suite's dtype(s): a name, a comma list or a list -> a tuple without repeats (order kept)."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise SuiteError(f"'dtype' must be a name or a list of names ({', '.join(DTYPES)}), got {value!r}")
+    return tuple(dict.fromkeys(v.strip() for v in value if v.strip()))
 
 
 def _positive_ints(key, values):
@@ -99,8 +111,7 @@ def _check(s: TPSuite) -> None:
     _subset("impls", s.impls, list(TP_IMPLS))
     _positive_ints("seq", s.seq)
     _positive_ints("fixed_sweep", s.fixed_sweep)
-    if s.dtype not in DTYPES:
-        raise SuiteError(f"unknown dtype {s.dtype!r}; choose from {', '.join(DTYPES)}")
+    _subset("dtype", s.dtype, list(DTYPES))
     for key in ("iters", "warmup"):
         v = getattr(s, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "iters" else 0):

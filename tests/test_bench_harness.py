@@ -34,7 +34,7 @@ def cpu_timer(monkeypatch):
 
 def test_registry_views_keep_the_names_and_order():
     assert tp.TP_IMPLS == registry.names("tp") == ("kosmos", "nccl+cublas", "torch-async-tp", "fixed-role",
-                                                   "fixed-role-best")
+                                                   "fixed-role-best", "triton-dot-scaled", "fp8-rowwise")
     assert moe.MOE_IMPLS == registry.names("moe_fwd") == ("kosmos", "nccl-a2a", "deepep", "fixed-role",
                                                           "fixed-role-best")
     assert moe.EXPERT_IMPLS == registry.names("moe_experts") == ("grouped-mm", "kosmos-expert-gemms")
@@ -277,3 +277,91 @@ def test_git_commit_only_from_a_checkout_of_its_own(monkeypatch, tmp_path):
     assert environment.git_commit() is None and environment.git_dirty() is None
     monkeypatch.setenv("KOSMOS_GIT_COMMIT", "a" * 40)
     assert environment.git_commit() == "a" * 40
+
+
+# --------------------------------------------------------------------------- mxfp8 (TP)
+
+
+def test_tp_impls_per_dtype():
+    assert tp.impls_at(tp.TP_IMPLS, "bf16") == ("kosmos", "nccl+cublas", "torch-async-tp", "fixed-role",
+                                                "fixed-role-best")
+    assert tp.impls_at(tp.TP_IMPLS, "mxfp8") == tp.TP_IMPLS
+    assert registry.get("tp", "torch-async-tp").availability(2, "mxfp8") == (False, "no MXFP8 path in torch async-TP")
+    assert registry.get("tp", "fixed-role").availability(2, "mxfp8") == (True, None)  # the kosmos maker, MX too
+    assert registry.get("tp", "kosmos").runs_at("mxfp8") and not registry.get("tp", "fp8-rowwise").runs_at("bf16")
+    assert harness.TOLERANCE["mxfp8"] == harness.TOLERANCE["bf16"] == 1e-2
+
+
+def test_wire_bytes():
+    m, n, k = 4096, 1024, 2048
+    for impl in ("kosmos", "nccl+cublas", "torch-async-tp", "fixed-role"):
+        assert tp.wire_bytes("ag_gemm", impl, "bf16", m, n, k, 4) == m * k * 2 * 3 // 4
+    for impl in ("kosmos", "nccl+cublas", "triton-dot-scaled", "fixed-role-best"):
+        assert tp.wire_bytes("ag_gemm", impl, "mxfp8", m, n, k, 4) == m * k * (1 + 1 / 32) * 3 / 4
+    assert tp.wire_bytes("ag_gemm", "fp8-rowwise", "mxfp8", m, n, k, 4) == (m * k + m * 4) * 3 // 4
+    for impl, dtype in (("kosmos", "bf16"), ("kosmos", "mxfp8"), ("fp8-rowwise", "mxfp8")):
+        assert tp.wire_bytes("gemm_rs", impl, dtype, m, n, k, 8) == m * n * 2 * 7 // 8
+        assert tp.wire_bytes("gemm_rs", impl, dtype, m, n, k, 1) == tp.wire_bytes("ag_gemm", impl, dtype, m, n, k,
+                                                                                   1) == 0
+    assert isinstance(tp.wire_bytes("ag_gemm", "kosmos", "mxfp8", m, n, k, 8), int)
+
+
+def test_runner_reference_per_impl_and_impl_fields(family, cpu_timer):
+    registry.register(family, "exact")(lambda inp, params, config: ((lambda: 2 * inp), 0))
+    registry.register(family, "rough")(lambda inp, params, config: ((lambda: 2.03 * inp), 0))
+    x = torch.randn(8, 4)
+    loose = harness.Reference(2 * x, 5e-2, {"rel_err_other": 2.03 * x})
+    st = harness.Settings(dtype="mxfp8")
+    runner = harness.Runner(st, torch.device("cpu"), lambda: None)
+    runner.run(family, ("exact", "rough"), inputs=x, ref=lambda name: loose if name == "rough" else 2 * x,
+               identity={"type": "result"}, flops=1.0, impl_fields=lambda name: {"wire_bytes": len(name)},
+               t_gemm_ms=0.5)
+    exact, rough = runner.rows
+    assert exact["status"] == "ok" and "rel_err_other" not in exact and exact["wire_bytes"] == 5
+    assert rough["status"] == "ok" and rough["rel_err"] == pytest.approx(0.015) and rough["wire_bytes"] == 5
+    assert rough["rel_err_other"] == pytest.approx(0.0, abs=1e-7)
+    keys = list(rough)
+    assert keys.index("rel_err") + 1 == keys.index("rel_err_other") < keys.index("t_gemm_ms") < keys.index("wire_bytes")
+    runner.rows.clear()  # the tolerance is the Reference's: 1.5% fails against the dtype's 1e-2
+    runner.run(family, ("rough",), inputs=x, ref=2 * x, identity={}, flops=1.0)
+    assert runner.rows[0]["status"] == "failed" and runner.rows[0]["reason"].startswith("rel_err 1.50e-02 > 1e-02")
+
+
+MX_BASELINES_SCRIPT = """
+import math, torch
+from kosmos_bench import tp, registry
+from kosmos.models import TPGemm
+from kosmos.reference import rel_err
+for op in ("ag_gemm", "gemm_rs"):
+    g = TPGemm("custom", "custom", op, 64, 96, 64, 128)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(g.m, g.k, generator=gen).to(torch.bfloat16)
+    b = (torch.randn(g.k, g.n, generator=gen) / math.sqrt(g.k)).to(torch.bfloat16)
+    b_mx = tp.mx_weight(b)
+    refs = tp.references(g, a, b, "mxfp8", b_mx)
+    inp = tp.TPInputs(g, a, b, "mxfp8", b_mx)
+    for name in ("nccl+cublas", "triton-dot-scaled", "fp8-rowwise"):
+        fn, _ = registry.get("tp", name).make(inp, {}, None)
+        out, ref = fn(), refs(name)
+        err, err_bf16 = rel_err(out, ref.ref), rel_err(out, ref.also["rel_err_bf16"])
+        assert tuple(out.shape) == (g.m, g.n) and out.dtype == torch.bfloat16, (op, name, out.shape)
+        assert err <= ref.tol and 1e-3 < err_bf16 < 5e-2, (op, name, err, err_bf16)
+        if name != "fp8-rowwise":
+            assert ref.tol == 1e-2 and err < 5e-3, (op, name, err)
+    print("ok", op)
+"""
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="torch without _scaled_mm")
+def test_tp_mx_baselines_at_world_one_in_the_interpreter():
+    """The mxfp8 baselines' timed calls at W=1 (no collectives) on the CPU under TRITON_INTERPRET=1 (quantize_mx,
+    dequantize_mx and tl.dot_scaled interpreted; torch._scaled_mm on the CPU), against the bench's references."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", MX_BASELINES_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode and "_scaled_mm" in r.stderr and "not implemented" in r.stderr.lower():
+        pytest.skip("torch._scaled_mm has no CPU kernel here")
+    assert r.returncode == 0 and r.stdout.split() == ["ok", "ag_gemm", "ok", "gemm_rs"], r.stderr[-3000:]

@@ -25,9 +25,42 @@ def test_bench_unknown_model_is_a_clear_error():
     assert r.exit_code == 2 and "unknown models" in r.output
 
 
-def test_bench_mxfp8_not_yet():
-    r = runner.invoke(app, ["bench", "tp", "--dtype", "mxfp8"])
-    assert r.exit_code == 2 and "not implemented yet" in r.output
+@pytest.mark.parametrize("value, dtypes", [("bf16", "bf16"), ("mxfp8", "mxfp8"), ("bf16,mxfp8", "bf16, mxfp8"),
+                                           ("mxfp8,bf16,mxfp8", "mxfp8, bf16")])
+def test_bench_tp_dtype_list_parses(value, dtypes):
+    r = runner.invoke(app, ["bench", "tp", "--shape", "256x256x256", "--op", "ag_gemm", "--tp", "1", "--dtype", value,
+                            "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert f"dtype: {dtypes}" in r.output
+    for d in dtypes.split(", "):
+        assert f"implementations (tp, {d}):" in r.output
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("fp4", "--dtype: unknown 'fp4'; choose from bf16, mxfp8"),
+    ("bf16,int8", "--dtype: unknown 'int8'"),
+    (",", "--dtype: give bf16, mxfp8 or a comma list"),
+])
+def test_bench_tp_bad_dtype_is_one_line(value, needle):
+    r = runner.invoke(app, ["bench", "tp", "--dtype", value, "--dry-run"])
+    assert r.exit_code == 2 and needle in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_bench_tp_dry_run_lists_implementations_per_dtype():
+    r = runner.invoke(app, ["bench", "tp", "--shape", "256x256x256", "--op", "ag_gemm,gemm_rs", "--tp", "2",
+                            "--dtype", "bf16,mxfp8", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    bf16, mx = r.output.split("implementations (tp, bf16):")[1].split("implementations (tp, mxfp8):")
+    assert "triton-dot-scaled" not in bf16 and "fp8-rowwise" not in bf16  # mxfp8-only baselines: no bf16 rows
+    for name in ("kosmos", "nccl+cublas (baseline)", "fixed-role-best", "triton-dot-scaled", "fp8-rowwise"):
+        assert name in mx
+    assert "torch-async-tp          unavailable: no MXFP8 path in torch async-TP" in mx
+    assert "over 2 dtypes" in r.output and "tp-bf16-mxfp8-" in r.output
+
+
+def test_bench_tp_impls_without_a_row_at_a_dtype():
+    r = runner.invoke(app, ["bench", "tp", "--dtype", "bf16", "--impl", "fp8-rowwise", "--dry-run"])
+    assert r.exit_code == 2 and "none of them runs at bf16" in r.output
 
 
 def test_bench_bad_op_and_seq():
@@ -71,7 +104,7 @@ def test_bench_moe_help_teaches():
     (["--impl", "megablocks"], "unknown impls ['megablocks']"),
     (["--tokens", "0"], "positive integers"),
     (["--model", "mixtral-8x7b", "--ep", "3"], "mixtral-8x7b has 8 experts: they do not split evenly over ep=3"),
-    (["--dtype", "mxfp8"], "--dtype mxfp8 is not implemented yet"),
+    (["--dtype", "mxfp8"], "--dtype mxfp8 is not implemented yet for the MoE layer (bf16 only"),
     (["--suite", str(SUITES / "tp-default.yaml")], "is a 'tp' suite; run it with `kosmos bench tp`"),
 ])
 def test_bench_moe_input_errors(args, needle):
@@ -564,3 +597,30 @@ def test_custom_moe_point_runs_on_the_rank_side(monkeypatch):
         assert (r["extra"]["router"], r["extra"]["n_group"], r["extra"]["routed_scaling"]) == \
             ("sigmoid-grouped", 4, 2.5)
     assert case.custom == asdict(m)
+
+
+@pytest.mark.gpu
+def test_bench_tp_bf16_and_mxfp8_end_to_end(tmp_path):
+    """`bench tp --dtype bf16,mxfp8` at W=1 on one GPU: every row ok (unavailable only where a world of 1 or the
+    dtype rules the implementation out), both dtypes in one file, the mxfp8 fields recorded."""
+    import json
+    out = tmp_path / "mx.jsonl"
+    r = runner.invoke(app, ["bench", "tp", "--shape", "256x256x256", "--op", "ag_gemm,gemm_rs", "--tp", "1",
+                            "--dtype", "bf16,mxfp8", "--iters", "2", "--warmup", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in out.read_text().splitlines() if '"result"' in line]
+    rows = [row for row in rows if row["type"] == "result"]
+    ran = [row for row in rows if row["status"] != "unavailable"]
+    assert {row["dtype"] for row in rows} == {"bf16", "mxfp8"}
+    assert all(row["status"] == "ok" for row in ran), [(r["impl"], r["dtype"], r["reason"]) for r in ran
+                                                       if r["status"] != "ok"]
+    for op in ("ag_gemm", "gemm_rs"):
+        mx = {row["impl"] for row in ran if row["dtype"] == "mxfp8" and row["op"] == op}
+        assert mx == {"kosmos", "nccl+cublas", "triton-dot-scaled", "fp8-rowwise"}, mx
+        assert {row["impl"] for row in ran if row["dtype"] == "bf16" and row["op"] == op} == {"kosmos", "nccl+cublas"}
+    for row in ran:
+        assert row["wire_bytes"] == 0 and row["t_gemm_ms"] > 0
+        if row["dtype"] == "mxfp8":
+            assert 0 < row["rel_err_bf16"] < 5e-2
+    rep = runner.invoke(app, ["report", str(out)])
+    assert rep.exit_code == 0 and "mxfp8 / bf16" in rep.output, rep.output
