@@ -35,6 +35,31 @@ After a timeout: a wait also gives up at once when any program of the launch has
 whose wait gave up leaves the loop. Nothing polls the error flag between tasks (that cost one system-scope
 atomic per tile), so a program that never waits finishes its tiles; the launch still ends.
 
+MXFP8 (a_shard a kosmos.quant.MXTensor; b the bf16 expansion of an MX weight, quant.mx_round):
+    a_full = allgather(payload, scales)  payload [Ms, K] e4m3, scales [Ms, K/32] E8M0: 1 + 1/32 bytes per
+                                         element on the wire (0.52x of bf16)
+    c      = dequant(a_full) @ b         exact MX products (a dequantized MX value is a bf16), fp32 accumulation
+  Dequantize on arrival: PUSH/COPY move payload and scales (the payload's bytes as bf16 pairs, then the scale
+  bytes; one flag after both). DEQ(slot, chunk, part) tasks expand 32-row runs into a local bf16 buffer
+  [M, K] (for a peer's slot after waiting for its flag) and set a local flag DEQ_BASE + (slot*chunks +
+  chunk)*4 + part; a tile waits for its chunk's 4 flags, then runs the bf16 mainloop unchanged (own slot too).
+  DEQ is a queue, not a stage of the masks: a TILE program takes a DEQ task instead of a tile while the DEQ
+  head is behind what the claimed tiles plus one more wave need (common.deq_lagging), and a tile waiting for
+  its rows runs the DEQ tasks it needs itself (common.deq_should_help). Deadlock-free: a DEQ task waits only
+  for a peer's push, which waits for nothing in this launch.
+  Why this path (one H200, W=1, Triton 3.6, session 8; dev/mx_probe.py, results/h200x1/s8/mx-probe*.jsonl;
+  times over the 8 llama3-70b TP=2 per-rank GEMMs at seq 4k/8k, geomean of time / torch.matmul bf16):
+    kosmos bf16 1.02-1.03; MX here (dequantize on arrival, MX input) 1.152 (qkv-4k 1.21, fc1-8k 1.09);
+    from bf16 input (quantize_mx first) 1.24; dequantize_mx then the bf16 op 1.14-1.15; Triton tl.dot_scaled
+    (both operands MX, best of 6 tiles, 128x128x64) 4.2-4.3; cuBLAS FP8 rowwise (torch._scaled_mm, a different
+    scaling) 0.61. The bar (<= 1.05) is missed: the expansion runs at ~1.4 TB/s (mx_dequant_rows' record).
+  Tried and parked (same probe): the MX tile expanded in the GEMM's load path (E4M3 TMA tile -> bf16 in
+  registers -> bf16 MMA): per-element scale bytes 2.5x cuBLAS time (and wrong results in some runs), per-block
+  scales broadcast 1.36x, BK = 32 with one scale per tile row 1.73x (correct) -- Triton 3.6 feeds the MMA from
+  registers without overlapping it; DEQ tasks all before the first tile (a serial pass): 1.152, the same as
+  the lag policy at this expansion rate. FP8 wgmma with per-32 promotion: not built -- a 128x256x32 FP8 MMA
+  takes ~280 cycles per SM and rescaling the fp32 partial ~256, so per-32 promotion lands at about bf16 speed.
+
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, the session named):
   W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), against torch.matmul alone
   (the rows' t_gemm_ms / time_ms; results/h200x1/tp-bf16-w1-shard2.jsonl): llama3-70b TP=2 per-rank GEMMs qkv

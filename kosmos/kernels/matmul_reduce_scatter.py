@@ -22,6 +22,12 @@ Synchronisation contract (signals of rank q):
   DONE_BASE + p         rank p's launch has ended; the first staging write of a call waits for every
                         done[p] >= epoch-1, because p may still be pulling last call's partials.
 
+MXFP8 (a a kosmos.quant.MXTensor [M, K/W]; b the bf16 expansion of an MX weight): the partials and the
+reduction are bf16/fp32 as below; nothing MX travels. a's rows are expanded to bf16 by DEQ tasks (32 rows
+each, local flags after the partial flags), taken by the TILE programs ahead of demand and while a tile waits
+for its rows -- the same policy as AllGather+GEMM's (its docstring has the measurements: W=1, one H200, the MX
+op at 1.15x of torch.matmul bf16 geomean over the 8 per-rank GEMMs of seq 4k/8k).
+
 Policy (schedule.py: stages STAGE_TILE then STAGE_REDUCE, the reduce tasks owned, ready-first):
   self   -- reduce task t belongs to program t % GRID (no shared reduce head, no CAS). Before each compute
             tile a program looks at its own next reduce task; if that task's inputs are all ready it runs
