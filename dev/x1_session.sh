@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check}
+stage=${1:?usage: x1_session.sh check|mxfp8}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -26,5 +26,11 @@ case $stage in
     timeout 240 python -m pytest -q -p no:cacheprovider -m "gpu or ranks or multi_gpu or gpu_optional" tests/ \
       > "$out/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -2 "$out/gpu-tests.log"
     head -20 "$out/kosmos-env.txt" ;;
-  *) echo "unknown stage $stage: check" >&2; exit 2 ;;
+  mxfp8)  # session 8: the MXFP8 TP results (issue 14's W=1 bar), bf16 and mxfp8 rows of one run
+    timeout 420 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b --dtype bf16,mxfp8 \
+      --out "$out/tp-mxfp8-w1-shard2.jsonl" > "$out/bench-mxfp8.log" 2>&1; echo "bench rc=$?"
+    timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/test_bench_harness.py tests/test_cli.py \
+      -k "mxfp8" > "$out/gpu-tests-bench-mx.log" 2>&1; echo "bench gpu tests rc=$?"; tail -1 "$out/gpu-tests-bench-mx.log"
+    tail -30 "$out/bench-mxfp8.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8" >&2; exit 2 ;;
 esac
