@@ -318,7 +318,7 @@ def test_runner_reference_per_impl_and_impl_fields(family, cpu_timer):
                t_gemm_ms=0.5)
     exact, rough = runner.rows
     assert exact["status"] == "ok" and "rel_err_other" not in exact and exact["wire_bytes"] == 5
-    assert rough["status"] == "ok" and rough["rel_err"] == pytest.approx(0.015) and rough["wire_bytes"] == 5
+    assert rough["status"] == "ok" and rough["rel_err"] == pytest.approx(0.015, rel=1e-4) and rough["wire_bytes"] == 5
     assert rough["rel_err_other"] == pytest.approx(0.0, abs=1e-7)
     keys = list(rough)
     assert keys.index("rel_err") + 1 == keys.index("rel_err_other") < keys.index("t_gemm_ms") < keys.index("wire_bytes")

@@ -643,7 +643,7 @@ def test_csv_columns_only_grow_at_the_end(tmp_path, table):
               "rel_err,workspace_bytes,status,reason,p20_ms,p80_ms,t_gemm_ms,t_comm_ms,peak_mem_bytes,params,"
               "run_id,gpu,gpu_count,torch,triton,git_commit,knobs,timestamp").split(",")
     assert next(csv.reader(io.StringIO(render(table, "csv")))) == \
-        before + ["config", "host_ms", "comm_algbw_gbps", "comm_busbw_gbps"]
+        before + ["config", "host_ms", "comm_algbw_gbps", "comm_busbw_gbps", "wire_bytes", "rel_err_bf16"]
     df = build_table(load_results([write_lines(tmp_path / "ab.jsonl", config_lines((AG_16K, AG_8K)))])[1])
     rows = list(csv.DictReader(io.StringIO(render(df, "csv"))))
     assert [row["config"] for row in rows] == ["", "", "push_partials=false", "copy_block=16384 push_chunks=1",
@@ -925,7 +925,7 @@ def test_bandwidth_edge_cases():
 
 def test_bandwidths_in_every_format(table, moe_table):
     header = next(csv.reader(io.StringIO(render(table, "csv"))))
-    assert header[-2:] == ["comm_algbw_gbps", "comm_busbw_gbps"]
+    assert header[-4:-2] == ["comm_algbw_gbps", "comm_busbw_gbps"]
     kosmos = next(r for r in csv.DictReader(io.StringIO(render(table, "csv")))
                   if r["op"] == "ag_gemm" and r["m"] == "8192" and r["impl"] == "kosmos")
     assert (kosmos["comm_algbw_gbps"], kosmos["comm_busbw_gbps"]) == ("699.1", "349.5")
@@ -1027,3 +1027,62 @@ def test_default_targets_come_from_the_packaged_suites():
     for bench, path in DEFAULT_SUITE_FILES.items():
         assert path.is_file() and "kosmos_bench" in path.parts
         assert default_targets(bench) == suite_targets.suite_file_targets(path, bench) != {}
+
+
+# --------------------------------------------------------------------------- bf16 and mxfp8 rows in one file
+
+MX_FIXTURE = Path(__file__).parent / "fixtures" / "tp-mx-sample.jsonl"
+
+
+def _mx_table():
+    return build_table(load_results([MX_FIXTURE])[1])
+
+
+def test_geomeans_per_dtype_and_impl():
+    g = geomean_table(_mx_table())
+    assert list(g.columns[:4]) == ["source", "bench", "dtype", "impl"]
+    by = g.set_index(["dtype", "impl"])
+    assert by.loc[("bf16", "kosmos"), "geomean_speedup"] == pytest.approx(math.sqrt(1.21 / 1.05 * 1.95 / 1.70))
+    assert by.loc[("mxfp8", "kosmos"), "geomean_speedup"] == pytest.approx(math.sqrt(1.40 / 1.10 * 2.20 / 1.80))
+    assert by.loc[("mxfp8", "torch-async-tp"), "unavailable"] == 2 and ("bf16", "fp8-rowwise") not in by.index
+
+
+def test_dtype_and_wire_tables():
+    from kosmos_bench.report.tables import dtype_table, wire_table
+    ratios = dtype_table(_mx_table()).set_index("op")
+    assert ratios.loc["ag_gemm", "mxfp8_vs_bf16"] == pytest.approx(1.10 / 1.05)
+    assert ratios.loc["ag_gemm", "mxfp8_vs_cublas_bf16"] == pytest.approx(1.10 / 0.985)
+    assert ratios.loc["gemm_rs", "kosmos_bf16_ms"] == 1.70 and ratios.loc["gemm_rs", "cublas_bf16_ms"] == 1.62
+    wires = wire_table(_mx_table())
+    ag = wires[wires["op"] == "ag_gemm"].set_index("impls")
+    assert ag.loc["kosmos, nccl+cublas, triton-dot-scaled", "wire_vs_bf16"] == pytest.approx(33 / 64)
+    assert ag.loc["fp8-rowwise", "wire_mib"] == pytest.approx((8192 * 8192 + 8192 * 4) / 2 / 2**20)
+    assert "torch-async-tp" not in " ".join(wires[wires["dtype"] == "mxfp8"]["impls"])  # unavailable: sends nothing
+    rs = wires[(wires["op"] == "gemm_rs") & (wires["dtype"] == "mxfp8")]
+    assert len(rs) == 1 and rs["wire_vs_bf16"].iloc[0] == 1.0  # the partials are bf16 at every dtype
+    single = build_table(load_results([FIXTURES / "tp-sample.jsonl"])[1])  # bf16 only: no such sections
+    assert dtype_table(single).empty and wire_table(single).empty
+
+
+def test_mx_report_sections_in_every_format():
+    table = _mx_table()
+    text = render(table, "text")
+    assert all(len(line) <= 100 for line in text.splitlines())
+    assert "| bf16" in text and "| mxfp8" in text  # a table per dtype, named in its title
+    assert "mxfp8 / bf16" in text and "Bytes on the wire per rank" in text and "(0.516x)" in text
+    assert "bf16 1.150" in text and "mxfp8 1.247" in text  # the targets judged per dtype
+    md = render(table, "md")
+    assert "## mxfp8 / bf16" in md and "## Bytes on the wire per implementation" in md
+    assert "| rel_err_bf16 | wire_bytes |" in md
+    assert "mxfp8 / bf16" in render(table, "html") and "mxfp8 / bf16" not in render(_mx_table_bf16_only(), "md")
+    header = next(csv.reader(io.StringIO(render(table, "csv"))))
+    assert header[-2:] == ["wire_bytes", "rel_err_bf16"]
+
+
+def _mx_table_bf16_only():
+    return build_table(load_results([FIXTURES / "tp-sample.jsonl"])[1])
+
+
+def test_gemm_rs_bandwidth_counts_bf16_partials_at_mxfp8():
+    row = {"op": "gemm_rs", "m": 4096, "n": 1024, "k": 2048, "world": 2, "dtype": "mxfp8", "t_comm_ms": 0.5}
+    assert comm_bandwidth(row)[0] == pytest.approx(4096 * 1024 * 2 / 0.5e-3 / 1e9)

@@ -183,3 +183,16 @@ def test_default_suites_are_package_data():
     if repo_suites.exists():  # a checkout (not an installed package)
         assert repo_suites.is_symlink() and repo_suites.resolve() == SUITES_DIR
         assert load_suite(repo_suites / "tp-default.yaml") == default_suite()
+
+
+def test_tp_suite_dtype_may_be_a_list(tmp_path):
+    from kosmos_bench.suites import TPSuite, load_suite
+    path = tmp_path / "mx.yaml"
+    path.write_text("bench: tp\ndtype: [bf16, mxfp8, bf16]\n")
+    assert load_suite(path).dtype == ("bf16", "mxfp8")
+    path.write_text("bench: tp\ndtype: mxfp8\n")
+    assert load_suite(path).dtype == ("mxfp8",) and TPSuite().dtype == ("bf16",)
+    assert TPSuite().override(dtype=("mxfp8", "bf16")).to_dict()["dtype"] == ["mxfp8", "bf16"]
+    path.write_text("bench: tp\ndtype: [bf16, fp4]\n")
+    with pytest.raises(SuiteError, match=r"unknown dtype \['fp4'\]"):
+        load_suite(path)

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .schema import BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, SHAPE_COLUMNS, format_value
-from .tables import geomean
+from .tables import dtype_table, geomean, wire_table
 
 WHAT = {"tp": "TP ops", "moe_fwd": "moe_fwd (the MoE layer)", "moe_experts": "moe_experts (the expert GEMMs alone)"}
 CONTEXT_FIELDS = ("model", "world", "dtype")  # said in the title when one value across a table
@@ -62,14 +62,15 @@ class Notes:
 
 
 def print_compact(df: pd.DataFrame, console: Console) -> None:
-    """The per-shape part of the compact view: a table per comparison, the config legend and the notes."""
+    """The per-shape part of the compact view: a table per comparison and dtype, the config legend and the notes,
+    then (files with mxfp8 rows) the "mxfp8 / bf16" table and the bytes on the wire."""
     notes = Notes()
     records = df.to_dict("records")
     families: dict[tuple, list[dict]] = {}
-    for row in records:
-        families.setdefault(family_of(row), []).append(row)
+    for row in records:  # a table per comparison and dtype (mxfp8 has baselines of its own)
+        families.setdefault((family_of(row), row.get("dtype")), []).append(row)
     several_sources = df["source"].nunique() > 1
-    for family, rows in families.items():
+    for (family, _), rows in families.items():
         title, table, legend = _family_table(family, rows, several_sources, notes, console.width)
         console.print(Text(title, style="bold"))
         console.print(table)
@@ -77,6 +78,50 @@ def print_compact(df: pd.DataFrame, console: Console) -> None:
             console.print(Text(line))
     for line in notes.lines():
         console.print(Text(" ".join(line.split())), no_wrap=True, overflow="ellipsis", crop=True)
+    print_dtype_compact(df, console)
+
+
+def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
+    """The "mxfp8 / bf16" part of the compact view: a line per shape with kosmos's mxfp8 time against its bf16
+    time and against cuBLAS bf16 alone, and the bytes on the wire per implementation (MiB, ratio to bf16)."""
+    ratios, wires = dtype_table(df), wire_table(df)
+    if ratios.empty and wires.empty:
+        return
+    several_sources = df["source"].nunique() > 1
+    if not ratios.empty:
+        console.print(Text("mxfp8 / bf16: kosmos time at mxfp8 over kosmos at bf16 and over cuBLAS bf16 alone "
+                           "(t_gemm_ms; < 1: mxfp8 faster)", style="bold"))
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+        labels = (["source"] if several_sources else []) + ["op", "layer", "seq"] + \
+            (["world"] if ratios["world"].nunique() > 1 else [])
+        for column in labels:
+            table.add_column(column, justify="right" if column == "seq" else "left")
+        for header in ("bf16 ms", "mxfp8 ms", "mx/bf16", "cuBLAS bf16", "mx/cuBLAS"):
+            table.add_column(header, justify="right")
+        for row in ratios.to_dict("records"):
+            cells = [_label_cell(column, row) for column in labels]
+            cells += [_num(row["kosmos_bf16_ms"], _ms), _ms(row["kosmos_mxfp8_ms"]),
+                      _num(row["mxfp8_vs_bf16"], "{:.3f}".format), _num(row["cublas_bf16_ms"], _ms),
+                      _num(row["mxfp8_vs_cublas_bf16"], "{:.3f}".format)]
+            table.add_row(*cells)
+        console.print(table)
+    if not wires.empty:
+        console.print(Text("Bytes on the wire per rank (MiB; x: over bf16)", style="bold"))
+        shape_columns = ["source", "op", "layer", "model", "seq", "m", "n", "k", "world"]
+        for _, group in wires.groupby(shape_columns, sort=False, dropna=False):
+            first = group.iloc[0]
+            label = f"{first['source'] + ' ' if several_sources else ''}{first['op']} {first['layer']} " \
+                    f"{first['seq']} W{first['world']}:"
+            parts = []
+            for row in group.to_dict("records"):
+                ratio = "" if pd.isna(row["wire_vs_bf16"]) or row["dtype"] == "bf16" else \
+                    f" ({row['wire_vs_bf16']:.3f}x)"
+                parts.append(f"{row['dtype']} {row['impls']} {row['wire_mib']:.2f}{ratio}")
+            console.print(Text(f"{label} " + "; ".join(parts)), overflow="fold")
+
+
+def _num(value, fmt) -> str:
+    return "" if value is None or pd.isna(value) else fmt(value)
 
 
 def _family_table(family: tuple, rows: list[dict], several_sources: bool, notes: Notes,

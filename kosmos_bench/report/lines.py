@@ -77,8 +77,9 @@ def geomean_target_lines(df: pd.DataFrame) -> list[str]:
             ours = ours if per_model else _ours(geomeans, source, bench)
             if bar is None or ours.empty:
                 continue
-            values = ", ".join(f"{row['model'] + ' ' if per_model else ''}{_verdict(row[key], bar)}"
-                               for row in ours.to_dict("records"))
+            per_dtype = ours["dtype"].nunique() > 1  # e.g. bf16 and mxfp8 rows in one file: each its own
+            values = ", ".join(f"{row['model'] + ' ' if per_model else ''}{row['dtype'] + ' ' if per_dtype else ''}"
+                               f"{_verdict(row[key], bar)}" for row in ours.to_dict("records"))
             subject = f"{source} " if several_sources else ""
             over = f"over {BASELINE_IMPL.get(bench, 'the baseline')} " if key == "geomean_speedup" else ""
             where = "at world > 1 " if (group["world"] <= 1).any() else ""

@@ -24,12 +24,13 @@ from .compact import print_compact
 from .lines import bandwidth_line, summary_lines, versus_line
 from .load import load_results
 from .schema import (
-    BANDWIDTH_COLUMNS, CONFIG_COLUMN, ENV_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
+    BANDWIDTH_COLUMNS, CONFIG_COLUMN, ENV_COLUMNS, MX_DETAIL_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
     NUMERIC_DISPLAY_COLUMNS, RENDER_FORMATS, SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
 )
-from .tables import build_table, geomean_by_model_table, geomean_table, versus_table
+from .tables import build_table, dtype_table, geomean_by_model_table, geomean_table, versus_table, wire_table
 
 ENVIRONMENT, RESULTS = "Environment", "Results per shape"
+MX_SECTION = "mxfp8 / bf16: kosmos at mxfp8 against kosmos at bf16 and cuBLAS bf16 alone (time ratios, < 1: faster)"
 COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and --wide
 
 
@@ -61,6 +62,12 @@ def _sections(df: pd.DataFrame):
     versus = versus_table(df)
     if not versus.empty:
         yield "kosmos against the fastest other implementation", versus, _versus_display(versus)
+    ratios, wires = dtype_table(df), wire_table(df)
+    if not ratios.empty:
+        yield MX_SECTION, ratios, [c for c in ratios.columns if c not in _single_valued(ratios)]
+    if not wires.empty:
+        yield "Bytes on the wire per implementation (per rank)", wires, \
+            [c for c in wires.columns if c not in _single_valued(wires)]
 
 
 def _formatted(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
@@ -87,6 +94,8 @@ def _display_columns(df: pd.DataFrame) -> list[str]:
     columns = [column for column in TABLE_COLUMNS if column not in hidden]
     bandwidths = [column for column in BANDWIDTH_COLUMNS if df[column].notna().any()]
     columns[columns.index("status"):columns.index("status")] = bandwidths
+    mx = [column for column in MX_DETAIL_COLUMNS if column in df and df[column].notna().any()]
+    columns[columns.index("rel_err") + 1:columns.index("rel_err") + 1] = mx  # mxfp8 rows: rel_err_bf16, wire
     if "routing" in df:
         position = columns.index("impl")
         columns[position:position] = MOE_COLUMNS

@@ -30,16 +30,19 @@ CONFIG_COLUMN = "config"
 BANDWIDTH_COLUMNS = ["comm_algbw_gbps", "comm_busbw_gbps"]
 # the columns build_table (and so the csv) ends with, in the order they were added: a csv's columns are only ever
 # added at the end, so a reader of an older version's columns finds them where they were
-LAST_COLUMNS = [CONFIG_COLUMN, "host_ms", *BANDWIDTH_COLUMNS]
+LAST_COLUMNS = [CONFIG_COLUMN, "host_ms", *BANDWIDTH_COLUMNS, "wire_bytes", "rel_err_bf16"]
+# the TP bench's mxfp8 rows: the error against the fp32 reference of the original bf16 inputs; every TP row: the
+# bytes a rank sends in the op's collective (kosmos_bench/tp.py wire_bytes)
+MX_DETAIL_COLUMNS = ["rel_err_bf16", "wire_bytes"]
 # bytes per element of a row's dtype, for the bandwidths: mxfp8 is 1 byte per element plus one 1-byte (E8M0) scale
 # per block of 32 elements
 DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "mxfp8": 1.0 + 1.0 / 32}
 GEOMEAN_COLUMNS = [
-    "source", "bench", "impl", "geomean_speedup", "geomean_overlap_efficiency",
+    "source", "bench", "dtype", "impl", "geomean_speedup", "geomean_overlap_efficiency",
     "ok", "failed", "unavailable",
 ]
 MODEL_GEOMEAN_COLUMNS = [
-    "source", "bench", "model", "impl", "geomean_speedup", "geomean_overlap_efficiency",
+    "source", "bench", "dtype", "model", "impl", "geomean_speedup", "geomean_overlap_efficiency",
     "ok", "failed", "unavailable",
 ]
 
@@ -53,17 +56,27 @@ VERSUS_COLUMNS = VERSUS_SHAPE_COLUMNS + [
 
 INTEGER_COLUMNS = (
     "seq", "m", "n", "k", "world", "workspace_bytes", "peak_mem_bytes",
-    "tokens", "experts", "top_k", "gpu_count", "peak_mem_delta_bytes",
+    "tokens", "experts", "top_k", "gpu_count", "peak_mem_delta_bytes", "wire_bytes",
 )
 FLOAT_COLUMNS = (
     "time_ms", "tflops", "speedup", "overlap_efficiency", "rel_err",
-    "p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "host_ms", *BANDWIDTH_COLUMNS,
+    "p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "host_ms", *BANDWIDTH_COLUMNS, "rel_err_bf16",
 )
+# the "mxfp8 / bf16" section (tables.dtype_table): per shape, kosmos at mxfp8 against kosmos at bf16 and against
+# cuBLAS bf16 alone (the mxfp8 row's t_gemm_ms); ratios of times, < 1 means mxfp8 is faster
+DTYPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "world", "kosmos_bf16_ms",
+                 "kosmos_mxfp8_ms", "mxfp8_vs_bf16", "cublas_bf16_ms", "mxfp8_vs_cublas_bf16"]
+# the bytes on the wire per implementation (tables.wire_table): per shape and dtype, the implementations that send
+# the same bytes, in MiB, and that against the shape's bf16 bytes
+WIRE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "world", "dtype", "impls",
+                "wire_mib", "wire_vs_bf16"]
 FLOAT_FORMATS = {
     "time_ms": "{:.4f}", "p20_ms": "{:.4f}", "p80_ms": "{:.4f}",
     "t_gemm_ms": "{:.4f}", "t_comm_ms": "{:.4f}", "host_ms": "{:.4f}",
     "comm_algbw_gbps": "{:.1f}", "comm_busbw_gbps": "{:.1f}",
-    "tflops": "{:.1f}", "rel_err": "{:.2e}",
+    "tflops": "{:.1f}", "rel_err": "{:.2e}", "rel_err_bf16": "{:.2e}",
+    "kosmos_bf16_ms": "{:.4f}", "kosmos_mxfp8_ms": "{:.4f}", "cublas_bf16_ms": "{:.4f}", "mxfp8_vs_bf16": "{:.3f}",
+    "mxfp8_vs_cublas_bf16": "{:.3f}", "wire_mib": "{:.2f}", "wire_vs_bf16": "{:.3f}",
     "speedup": "{:.3f}", "overlap_efficiency": "{:.3f}",
     "geomean_speedup": "{:.3f}", "geomean_overlap_efficiency": "{:.3f}",
     "kosmos_ms": "{:.4f}", "fastest_other_ms": "{:.4f}", "vs_fastest_other": "{:.3f}",

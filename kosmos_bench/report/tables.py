@@ -41,19 +41,27 @@ Derived metrics (computed here, never stored by the benches):
   back) S = the bytes a rank sends over both, 2*tokens*top_k*hidden elements: exact for the dispatch; the
   combine returns every dispatched row, so that is also exact as the mean over ranks, while under skewed
   routing the rank that received the most rows sends more in the combine (``extra.rows_per_rank``). Bytes
-  per element from ``dtype``: bf16 2, mxfp8 1 + 1/32 (an E8M0 scale per 32 elements). NaN unless t_comm_ms
+  per element from ``dtype``: bf16 2, mxfp8 1 + 1/32 (an E8M0 scale per 32 elements) -- except gemm_rs, whose
+  reduce-scatter moves the bf16 partials at every dtype (2). NaN unless t_comm_ms
   > 0 (world 1 times no communication) and the dtype's size is known; moe_experts rows have no t_comm_ms.
 
 MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
 ``extra`` (older files).
 * ``geomean_speedup`` / ``geomean_overlap_efficiency`` -- geometric means over the
-  "ok" rows of one (source, bench, impl) that have the metric; the "Geomean per model"
+  "ok" rows of one (source, bench, dtype, impl) that have the metric (an mxfp8 row's speedup is over the
+  baseline at mxfp8: nccl+cublas on the same MX inputs); the "Geomean per model"
   table, shown when a source holds several models, splits them by model.
 * ``vs_fastest_other`` / ``vs_fixed_role_best`` (section "kosmos against the fastest other
   implementation") -- per comparison group where kosmos is ok: the fastest other ok implementation's
   time (or fixed-role-best's) divided by kosmos's; > 1 means kosmos is faster. The line under it
   (lines.py) counts the groups where kosmos is at most the suite's ``slower_tolerance`` slower. A group
   where kosmos ran with several configs gets a row per config.
+
+* ``dtype_table`` (section "mxfp8 / bf16") -- per TP shape where kosmos ran ok at mxfp8: kosmos's mxfp8 time over
+  its bf16 time (``mxfp8_vs_bf16``, when the bf16 row is ok too) and over cuBLAS bf16 alone on the shape, the
+  mxfp8 row's ``t_gemm_ms`` (``mxfp8_vs_cublas_bf16``); < 1 means mxfp8 is faster. ``wire_table``: per shape and
+  dtype, the bytes a rank sends in the collective (``wire_bytes``) in MiB, the implementations that send the same
+  bytes on one line, and that against the shape's bf16 bytes.
 
 ``build_table`` also keeps the suite targets of each (source, bench) in ``df.attrs["targets"]`` (targets.py).
 """
@@ -70,7 +78,7 @@ from .schema import (
     BASELINE_IMPL, BASELINE_IMPL_BY_OP, COMPARISON_GROUP, CONFIG_COLUMN, DETAIL_COLUMNS, DTYPE_BYTES, ENV_COLUMNS,
     FLOAT_COLUMNS, GEOMEAN_COLUMNS, INTEGER_COLUMNS, LAST_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
     MOE_COMPARISON_GROUP, MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS,
-    ReportError,
+    WIRE_COLUMNS, DTYPE_COLUMNS, ReportError,
 )
 from .targets import table_targets
 
@@ -164,6 +172,8 @@ def comm_bytes(row: dict) -> float:
     or dtype is not one it is known for."""
     element = DTYPE_BYTES.get(row.get("dtype"), math.nan)
     op = row.get("op")
+    if op == "gemm_rs" and row.get("dtype") in DTYPE_BYTES:
+        element = DTYPE_BYTES["bf16"]  # the reduce-scatter moves the bf16 partials at every input dtype
     if op == "ag_gemm":
         elements = row["m"] * row["k"]
     elif op == "gemm_rs":
@@ -210,11 +220,13 @@ def geomean(values: pd.Series) -> float:
 def geomean_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per (source, bench, impl): geomean speedup / overlap efficiency over ok rows, row counts."""
     records = []
-    for (source, bench, impl), group in df.groupby(["source", "bench", "impl"], sort=False, dropna=False):
+    for (source, bench, dtype, impl), group in df.groupby(["source", "bench", "dtype", "impl"], sort=False,
+                                                          dropna=False):
         ok = group[group["status"] == "ok"]
         records.append({
             "source": source,
             "bench": bench,
+            "dtype": dtype,
             "impl": impl,
             "geomean_speedup": geomean(ok["speedup"]),
             "geomean_overlap_efficiency": geomean(ok["overlap_efficiency"]),
@@ -233,7 +245,7 @@ def geomean_by_model_table(df: pd.DataFrame) -> pd.DataFrame:
     parts = [geomean_table(group).assign(model=model)
              for model, group in df.groupby("model", sort=False, dropna=False)]
     table = pd.concat(parts, ignore_index=True)[MODEL_GEOMEAN_COLUMNS]
-    return table.sort_values(["source", "bench", "model"], kind="stable").reset_index(drop=True)
+    return table.sort_values(["source", "bench", "dtype", "model"], kind="stable").reset_index(drop=True)
 
 
 def versus_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -262,3 +274,49 @@ def versus_table(df: pd.DataFrame) -> pd.DataFrame:
     columns = VERSUS_COLUMNS if "routing" not in df else \
         VERSUS_SHAPE_COLUMNS + MOE_COLUMNS + VERSUS_COLUMNS[len(VERSUS_SHAPE_COLUMNS):]
     return pd.DataFrame(records, columns=columns)
+
+
+MX, BF16 = "mxfp8", "bf16"
+_DTYPE_SHAPE = ["source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "world"]
+
+
+def dtype_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Section "mxfp8 / bf16" (module docstring): a row per shape where kosmos ran ok at mxfp8."""
+    rows = [row for row in df.to_dict("records") if row["impl"] == OURS and _has_time(row)]
+    bf16 = {tuple(row.get(c) for c in _DTYPE_SHAPE): row for row in rows if row["dtype"] == BF16}
+    records = []
+    for mx in (row for row in rows if row["dtype"] == MX):
+        base = bf16.get(tuple(mx.get(c) for c in _DTYPE_SHAPE))
+        cublas = mx.get("t_gemm_ms")
+        cublas = cublas if _is_number(cublas) and cublas > 0 else math.nan
+        records.append({
+            **{c: mx.get(c) for c in _DTYPE_SHAPE},
+            "kosmos_bf16_ms": base["time_ms"] if base else math.nan, "kosmos_mxfp8_ms": mx["time_ms"],
+            "mxfp8_vs_bf16": mx["time_ms"] / base["time_ms"] if base else math.nan,
+            "cublas_bf16_ms": cublas, "mxfp8_vs_cublas_bf16": mx["time_ms"] / cublas,
+        })
+    return pd.DataFrame(records, columns=DTYPE_COLUMNS)
+
+
+def wire_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The bytes on the wire per implementation (module docstring), for files that hold mxfp8 rows with
+    ``wire_bytes``; empty otherwise."""
+    if "wire_bytes" not in df or not ((df["dtype"] == MX) & df["wire_bytes"].notna()).any():
+        return pd.DataFrame(columns=WIRE_COLUMNS)
+    groups: dict[tuple, list[str]] = {}
+    for row in df.to_dict("records"):
+        wire = row.get("wire_bytes")
+        if wire is None or pd.isna(wire) or row["status"] != "ok":  # what ran
+            continue
+        key = (*(row.get(c) for c in _DTYPE_SHAPE), row["dtype"], int(wire))
+        groups.setdefault(key, [])
+        if row["impl"] not in groups[key]:
+            groups[key].append(row["impl"])
+    bf16 = {key[:len(_DTYPE_SHAPE)]: key[-1] for key in groups if key[-2] == BF16}
+    records = []
+    for key, impls in groups.items():
+        shape, wire = key[:len(_DTYPE_SHAPE)], key[-1]
+        base = bf16.get(shape)
+        records.append({**dict(zip(_DTYPE_SHAPE, shape)), "dtype": key[-2], "impls": ", ".join(impls),
+                        "wire_mib": wire / 2**20, "wire_vs_bf16": wire / base if base else math.nan})
+    return pd.DataFrame(records, columns=WIRE_COLUMNS)
