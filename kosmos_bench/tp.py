@@ -264,7 +264,9 @@ def reference_output(g: TPGemm, a, b):
 
 def mx_weight(b: torch.Tensor) -> torch.Tensor:
     """The MX values of weight ``b`` [K, N] in bf16, blocks along K: mx_round of the [N, K] weight, transposed."""
-    return quant.mx_round(b.t().contiguous()).t()
+    # row-major [K, N] like the bf16 rows' b: the transposed view sent the kosmos op down its k-major B path,
+    # which measured slower (one H200, session 8: qkv-70b-4k at mxfp8 0.693 ms vs 0.558 in dev/mx_probe)
+    return quant.mx_round(b.t().contiguous()).t().contiguous()
 
 
 def references(g: TPGemm, a, b, dtype: str, b_mx=None):
