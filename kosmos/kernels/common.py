@@ -92,10 +92,10 @@ def deq_lagging(deq_head, tile_head, n_deq, n_comp, GRID: tl.constexpr, n_chunks
     need: then a program about to claim a tile takes a DEQ task instead. So the rows are expanded about one
     wave ahead of the tiles, by few programs at a time, while the others compute (instead of a serial pass
     over all rows before the first tile)."""
-    hd = dev.load_uniform_local(deq_head)
+    hd = dev.load_uniform(deq_head)
     lag = 0
     if hd < n_deq:
-        ht = dev.load_uniform_local(tile_head)
+        ht = dev.load_uniform(tile_head)
         lag = (hd < deq_needed(ht + GRID, n_comp, n_chunks, n_tn, WORLD, PARTS, GROUP_M, RS_ORDER)).to(tl.int32)
     return lag
 
@@ -104,12 +104,12 @@ def deq_lagging(deq_head, tile_head, n_deq, n_comp, GRID: tl.constexpr, n_chunks
 def deq_should_help(deq_head, need, flag_ptr, epoch, PARTS: tl.constexpr):
     """A tile waiting for its rows runs a DEQ task itself while its rows are not all expanded and DEQ tasks it
     needs (positions < need) are still unclaimed."""
-    hd = dev.load_uniform_local(deq_head)
+    hd = dev.load_uniform(deq_head)
     do_help = 0
     if hd < need:
         ready = 1
         for i in tl.static_range(PARTS):
-            ready = ready & (dev.load_uniform_local(flag_ptr + i) >= epoch).to(tl.int32)
+            ready = ready & (dev.load_uniform(flag_ptr + i) >= epoch).to(tl.int32)
         do_help = 1 - ready
     return do_help
 
