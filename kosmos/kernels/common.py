@@ -48,24 +48,29 @@ def mx_dequant_rows(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.c
     rows <= ROWS. Exact (kosmos/quant.py: every finite MX value below 2**128 whose lowest bit is >= 2**-133 is a
     bf16; others round to nearest even as dequantize_mx does). The scale 2**(S-127) is built from its fp32
     bits (S = 0: the subnormal 2**-127; 0xFF: NaN); the E4M3 -> fp32 conversion and the product are exact.
-    Steps of [ROWS, NB * 32] elements; the offsets inside a step are int32 and computed once (ROWS * K fits),
-    only the base offsets advance. (A [ROWS, NB, 32] version with per-element int64 offsets ran at ~1.6 TB/s
-    over all SMs on one H200, ~11 GB/s per program; so did its int32-offset variant.)"""
+    Steps of [ROWS, NB, 32] elements; the offsets inside a step are int32 and computed once (ROWS * K fits),
+    only the base offsets advance. Measured (one H200, session 8, dev/mx_probe.py): per-element int64 offsets
+    and these int32 ones gave the same W=1 MX op time (1.152x cuBLAS bf16 over the 8 llama3-70b per-rank GEMMs
+    of seq 4k/8k), i.e. the DEQ tasks cost ~70 us at qkv-4k (32M elements: ~1.4 TB/s, ~11 GB/s per program).
+    A 2-D [ROWS, 512] variant loading each element's scale byte (the same address 32 times) plus GPU-scope
+    reads in the DEQ checks measured 1.34x (and ran the first two bench runs by mistake: results/h200x1/s8/).
+    Why the rate stays far below HBM's ~4 TB/s is not yet understood (next: a DEQ-only probe, ncu)."""
     KB = K // 32
-    COLS: tl.constexpr = NB * 32
     r = tl.arange(0, ROWS)
-    c = tl.arange(0, COLS)
-    offs = r[:, None] * K + c[None, :]            # contiguous along columns: 16-byte loads and stores
-    soffs = r[:, None] * KB + c[None, :] // 32    # each scale byte 32 times: the same address, an L1 hit
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 32)
+    soffs = r[:, None] * KB + b[None, :]
+    offs = soffs[:, :, None] * 32 + j[None, None, :]
     rmask = (r < rows)[:, None]
-    for k0 in range(0, K, COLS):
-        mask = rmask & (c[None, :] < K - k0)
-        sb = tl.load(s_ptr + k0 // 32 + soffs, mask=mask, other=127).to(tl.int32)
+    for b0 in range(0, KB, NB):
+        smask = rmask & (b[None, :] < KB - b0)
+        sb = tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32)
         bits = tl.where(sb == 0, 0x00400000, sb << 23)
         bits = tl.where(sb == 255, 0x7FC00000, bits)
-        q = tl.load(q_ptr + k0 + offs, mask=mask, other=0.0)
-        v = q.to(tl.float32) * bits.to(tl.float32, bitcast=True)
-        tl.store(out_ptr + k0 + offs, v.to(tl.bfloat16), mask=mask)
+        scale = bits.to(tl.float32, bitcast=True)
+        q = tl.load(q_ptr + b0 * 32 + offs, mask=smask[:, :, None], other=0.0)
+        tl.store(out_ptr + b0 * 32 + offs, (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16),
+                 mask=smask[:, :, None])
 
 
 @triton.jit
