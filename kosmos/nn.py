@@ -11,8 +11,17 @@ parallel regions; weights in ``nn.Linear``'s [out, in] layout):
     forward  matmul_reduce_scatter(x, W_local^T)
     backward dx = allgather(dy_shard) @ W_local            -> all_gather_matmul(dy_shard, W_local)
              dW_local = allgather(dy_shard)^T @ x           (the gathered dy comes out of the same launch)
-so every collective of the layer, forward and backward, runs fused with a GEMM. BF16; no bias (add it
-outside: with sequence parallelism a bias belongs after the reduce-scatter, on the sharded output).
+so every collective of the layer, forward and backward, runs fused with a GEMM. No bias (add it outside: with
+sequence parallelism a bias belongs after the reduce-scatter, on the sharded output).
+
+Precision: ``dtype=torch.bfloat16`` (default) or ``dtype="mxfp8"``. MXFP8 keeps the parameter in bf16 (the
+master weight) and computes the forward on MX values: the activation is quantized per call (``quant.to_mx``,
+what the AllGather moves), the weight's MX values (``quant.mx_round``, blocks along ``in``) are cached until the
+parameter changes (its ``_version``). The backward uses the forward's MX operands with the incoming gradient in
+bf16 -- dx = dy @ W_mx (fused as above), dW = dy^T @ x_mx (x_mx's payload and scales are kept, 1.03 bytes per
+element; a column layer re-gathers them with NCCL, 0.52x of the bf16 bytes) -- and passes the gradients
+straight through the quantizers to x and the master weight (the MX training recipes do the same; dy itself
+is not quantized here).
 
 ``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``), forward only for now
 (the backward launch is future work: calling it on tensors that require grad raises instead of silently
@@ -25,6 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from . import quant
 from .kernels.all_gather_matmul import all_gather_matmul
 from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
 from .kernels.moe_forward import moe_forward
@@ -39,6 +49,58 @@ def _all_gather_rows(x_shard: torch.Tensor, group) -> torch.Tensor:
     out = x_shard.new_empty((x_shard.shape[0] * w,) + tuple(x_shard.shape[1:]))
     dist.all_gather_into_tensor(out, x_shard.contiguous(), group=group)
     return out
+
+
+def _all_gather_mx(x, group) -> torch.Tensor:
+    """The dequantized MX values of allgather(x) for an MXTensor x (payload and scales gathered with NCCL)."""
+    payload, scales = x
+    if world_size(group) == 1:
+        return quant.from_mx(x)
+    p = _all_gather_rows(payload.view(torch.uint8), group).view(payload.dtype)
+    return quant.from_mx(quant.MXTensor(p, _all_gather_rows(scales, group)))
+
+
+class AllGatherMatmulMXFn(torch.autograd.Function):
+    """MXFP8 c = allgather(mx(a_shard)) @ b_mx: ``b`` is the bf16 weight view (gets the gradient), ``b_mx`` its
+    MX values (what is multiplied). Backward: module docstring."""
+
+    @staticmethod
+    def forward(ctx, a_shard, b, b_mx, group=None):
+        a_mx = quant.to_mx(a_shard)
+        _, c = all_gather_matmul(a_mx, b_mx, group)
+        ctx.save_for_backward(a_mx.payload, a_mx.scales, b_mx)
+        ctx.group = group
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        payload, scales, b_mx = ctx.saved_tensors
+        dc = dc.contiguous()
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = matmul_reduce_scatter(dc, b_mx.t(), ctx.group)
+        if ctx.needs_input_grad[1]:
+            db = _all_gather_mx(quant.MXTensor(payload, scales), ctx.group).t() @ dc
+        return da, db, None, None
+
+
+class MatmulReduceScatterMXFn(torch.autograd.Function):
+    """MXFP8 c_shard = reduce_scatter(mx(a) @ b_mx); ``b`` gets the gradient, ``b_mx`` is multiplied."""
+
+    @staticmethod
+    def forward(ctx, a, b, b_mx, group=None):
+        a_mx = quant.to_mx(a)
+        ctx.save_for_backward(a_mx.payload, a_mx.scales, b_mx)
+        ctx.group = group
+        return matmul_reduce_scatter(a_mx, b_mx, group)
+
+    @staticmethod
+    def backward(ctx, dc_shard):
+        payload, scales, b_mx = ctx.saved_tensors
+        dc_full, da = all_gather_matmul(dc_shard.contiguous(), b_mx.t(), ctx.group)
+        db = (quant.from_mx(quant.MXTensor(payload, scales)).t() @ dc_full
+              if ctx.needs_input_grad[1] else None)  # dc_full: valid until the next KOSMOS call
+        return (da if ctx.needs_input_grad[0] else None), db, None, None
 
 
 class AllGatherMatmulFn(torch.autograd.Function):
@@ -80,10 +142,24 @@ class MatmulReduceScatterFn(torch.autograd.Function):
         return (da if ctx.needs_input_grad[0] else None), db, None
 
 
+PRECISIONS = ("bf16", "mxfp8")
+
+
 class _ParallelLinear(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int, *, shard_out: bool, group=None, device=None,
                  dtype=torch.bfloat16):
         super().__init__()
+        if isinstance(dtype, str):
+            if dtype not in PRECISIONS:
+                raise ValueError(f"dtype {dtype!r}: choose torch.bfloat16 or one of {', '.join(PRECISIONS)}")
+            self.precision = dtype
+            dtype = torch.bfloat16  # the master weight
+        else:
+            self.precision = "bf16"
+        if self.precision == "mxfp8" and in_features % (32 * (1 if shard_out else world_size(group))):
+            raise ValueError(f"dtype='mxfp8' needs the GEMM's K ({'in' if shard_out else 'in/W'}) to be a multiple "
+                             f"of 32 (MX blocks); in_features={in_features}")
+        self._mx_cache = None
         w = world_size(group)
         sharded = out_features if shard_out else in_features
         if sharded % w:
@@ -94,6 +170,14 @@ class _ParallelLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         with torch.no_grad():
             self.weight.normal_(0.0, 1.0 / math.sqrt(in_features))
+
+    def _mx_weight_t(self) -> torch.Tensor:
+        """The weight's MX values, transposed to [in, out] (cached until the parameter changes)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._mx_cache is None or self._mx_cache[0] != key:
+            with torch.no_grad():
+                self._mx_cache = (key, quant.mx_round(self.weight.detach()).t())
+        return self._mx_cache[1]
 
     def _flat(self, x: torch.Tensor, features: int) -> torch.Tensor:
         if x.dim() < 2 or x.shape[-1] != features:
@@ -110,7 +194,11 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = world_size(self.group)
-        y = AllGatherMatmulFn.apply(self._flat(x, self.in_features), self.weight.t(), self.group)
+        if self.precision == "mxfp8":
+            y = AllGatherMatmulMXFn.apply(self._flat(x, self.in_features), self.weight.t(), self._mx_weight_t(),
+                                          self.group)
+        else:
+            y = AllGatherMatmulFn.apply(self._flat(x, self.in_features), self.weight.t(), self.group)
         return y.view((x.shape[0] * w,) + tuple(x.shape[1:-1]) + (self.weight.shape[0],))
 
 
@@ -126,7 +214,11 @@ class RowParallelLinear(_ParallelLinear):
         w = world_size(self.group)
         if x.shape[0] % w:
             raise ValueError(f"the sequence dimension {x.shape[0]} does not divide by the tensor-parallel size {w}")
-        y = MatmulReduceScatterFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(), self.group)
+        if self.precision == "mxfp8":
+            y = MatmulReduceScatterMXFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(),
+                                              self._mx_weight_t(), self.group)
+        else:
+            y = MatmulReduceScatterFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(), self.group)
         return y.view((x.shape[0] // w,) + tuple(x.shape[1:-1]) + (self.out_features,))
 
 

@@ -138,13 +138,29 @@ def check_mx(name: str, x) -> tuple[int, int]:
     return tuple(payload.shape)
 
 
+def to_mx(x: torch.Tensor) -> MXTensor:
+    """quantize_mx on a CUDA tensor (the kernel), the torch reference elsewhere (same bits): for code that runs
+    on both, e.g. kosmos.nn's layers in their CPU tests."""
+    if x.is_cuda:
+        return quantize_mx(x)
+    return MXTensor(*quantize_mx_ref(x))
+
+
+def from_mx(x, dtype=torch.bfloat16) -> torch.Tensor:
+    """dequantize_mx (CUDA) or its reference (elsewhere)."""
+    payload, scales = x
+    if payload.is_cuda:
+        return dequantize_mx(payload, scales, dtype)
+    return dequantize_mx_ref(payload, scales, dtype)
+
+
 def mx_round(x: torch.Tensor) -> torch.Tensor:
     """``x`` (bf16 [rows, K]) rounded to its MXFP8 values along K, as bf16: ``dequantize_mx(*quantize_mx(x))``.
     Exact MX values in bf16 (the module docstring's exactness section). This is how the fused ops hold an MX
     *weight*: Hopper has no MX tensor cores and a TP weight never travels, so the GEMM reads the bf16 expansion
     of the MX weight (2 bytes per element where MX takes 1.03) -- the same values an MX MMA would multiply.
     For a [K, N] right operand pass ``mx_round(w).t()`` of the [N, K] weight (blocks along K)."""
-    return dequantize_mx(*quantize_mx(x))
+    return from_mx(to_mx(x))
 
 MX_BLOCK = 32                # elements per scale (OCP MX: k = 32)
 E4M3_MAX = 448.0

@@ -14,17 +14,21 @@ import torch.distributed as dist
 from multiproc import spawn_gloo
 
 import kosmos.nn as knn
-from kosmos import reference
+from kosmos import quant, reference
 
 TOL = 2e-2
 
 
 def _fake_ops(monkeypatch=None):
     def agm(a, b, group=None):
+        if isinstance(a, tuple):  # MXFP8: its exact values (a_full is not used by the MX layers)
+            a = quant.from_mx(a)
         a_full, c = reference.all_gather_matmul_ref(a.float(), b.float(), group, fp32=True)
         return a_full.to(a.dtype), c.to(a.dtype)
 
     def mrs(a, b, group=None):
+        if isinstance(a, tuple):
+            a = quant.from_mx(a)
         return reference.matmul_reduce_scatter_ref(a.float(), b.float(), group, fp32=True).to(a.dtype)
     if monkeypatch is not None:
         monkeypatch.setattr(knn, "all_gather_matmul", agm)
@@ -54,11 +58,24 @@ _LAYERS = {
 }
 
 
-def _check_layer(kind, rank, world, group=None, device="cpu"):
-    cls, seed, d_in_of, d_out_of, x_dim, w_dim, y_dim = _LAYERS[kind]
+# MXFP8: K (the layer's in, or in/W of a row layer) a multiple of 32, so MX blocks never straddle shards
+_MX_LAYERS = {
+    "column": (knn.ColumnParallelLinear, 3, lambda w: 64, lambda w: 16 * w, 0, 0, 2),
+    "row": (knn.RowParallelLinear, 4, lambda w: 32 * w, lambda w: 24, 2, 1, 0),
+}
+
+
+def _mx_ste(t):
+    """t's MX values (blocks along the last dim) with a straight-through gradient: the MX layers' contract."""
+    q = quant.from_mx(quant.to_mx(t.detach().reshape(-1, t.shape[-1]).to(torch.bfloat16))).float()
+    return t + (q.reshape(t.shape) - t).detach()
+
+
+def _check_layer(kind, rank, world, group=None, device="cpu", mx=False):
+    cls, seed, d_in_of, d_out_of, x_dim, w_dim, y_dim = (_MX_LAYERS if mx else _LAYERS)[kind]
     s, b, d_in, d_out = 8 * world, 2, d_in_of(world), d_out_of(world)
     x, w, dy = _layer_data(seed, s, b, d_in, d_out)
-    layer = cls(d_in, d_out, group=group, device=device)
+    layer = cls(d_in, d_out, group=group, device=device, dtype="mxfp8" if mx else torch.bfloat16)
     with torch.no_grad():
         layer.weight.copy_(w.chunk(world, w_dim)[rank])
     xin = x.chunk(world, x_dim)[rank].to(device, torch.bfloat16).requires_grad_(True)
@@ -68,7 +85,10 @@ def _check_layer(kind, rank, world, group=None, device="cpu"):
     assert y.shape == tuple(full)
     y.backward(dy.chunk(world, y_dim)[rank].to(device, torch.bfloat16))
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    yr = xr @ wr.t()
+    if mx:  # the reference quantizes what the layer quantizes (bf16 inputs, blocks along in)
+        yr = _mx_ste(xr.to(torch.bfloat16).float()) @ _mx_ste(wr.to(torch.bfloat16).float()).t()
+    else:
+        yr = xr @ wr.t()
     yr.backward(dy)
     assert _rel(y, yr.chunk(world, y_dim)[rank]) < TOL
     assert _rel(xin.grad, xr.grad.chunk(world, x_dim)[rank]) < TOL
@@ -89,6 +109,31 @@ def test_world1_column_and_row(monkeypatch):
     _check_row(0, 1)
 
 
+def test_world1_column_and_row_mxfp8(monkeypatch):
+    """dtype="mxfp8": forward on the MX values of x and W, dx = dy @ W_mx, dW = dy^T @ x_mx (straight through)."""
+    _fake_ops(monkeypatch)
+    _check_layer("column", 0, 1, mx=True)
+    _check_layer("row", 0, 1, mx=True)
+
+
+def test_mxfp8_weight_cache_follows_the_parameter(monkeypatch):
+    _fake_ops(monkeypatch)
+    layer = knn.ColumnParallelLinear(64, 16, dtype="mxfp8")
+    first = layer._mx_weight_t()
+    assert layer._mx_weight_t() is first  # cached
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    again = layer._mx_weight_t()
+    assert again is not first and torch.equal(again, (first.float() * 2).to(torch.bfloat16))
+
+
+def test_mxfp8_layer_errors():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        knn.ColumnParallelLinear(24, 16, dtype="mxfp8")
+    with pytest.raises(ValueError, match="choose torch.bfloat16"):
+        knn.ColumnParallelLinear(64, 16, dtype="fp4")
+
+
 def test_shape_errors():
     with pytest.raises(ValueError, match="expected input"):
         knn.ColumnParallelLinear(24, 16)(torch.zeros(4, 23, dtype=torch.bfloat16))
@@ -101,6 +146,8 @@ def _gloo_rank(rank, world, port, q):
         _fake_ops()
         _check_column(rank, world)
         _check_row(rank, world)
+        _check_layer("column", rank, world, mx=True)
+        _check_layer("row", rank, world, mx=True)
         q.put((rank, "ok"))
     except BaseException as e:  # noqa: BLE001 -- reported to the parent
         q.put((rank, f"{type(e).__name__}: {e}"))
@@ -120,9 +167,17 @@ def test_gpu_world1_column_and_row():
     _check_row(0, 1, device="cuda")
 
 
+@pytest.mark.gpu
+def test_gpu_world1_column_and_row_mxfp8():
+    _check_layer("column", 0, 1, device="cuda", mx=True)
+    _check_layer("row", 0, 1, device="cuda", mx=True)
+
+
 def _gpu_rank(rank, world, out_dir):
     _check_column(rank, world, device=torch.device("cuda", rank))
     _check_row(rank, world, device=torch.device("cuda", rank))
+    _check_layer("column", rank, world, device=torch.device("cuda", rank), mx=True)
+    _check_layer("row", rank, world, device=torch.device("cuda", rank), mx=True)
 
 
 @pytest.mark.multi_gpu
