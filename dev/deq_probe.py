@@ -19,13 +19,46 @@ from kosmos_bench.timing import time_op
 
 
 @triton.jit
-def _deq_all(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr):
+def _expand(q, sb):
+    bits = tl.where(sb == 0, 0x00400000, sb << 23)
+    bits = tl.where(sb == 255, 0x7FC00000, bits)
+    return (q.to(tl.float32) * bits.to(tl.float32, bitcast=True)[:, :, None]).to(tl.bfloat16)
+
+
+@triton.jit
+def _dequant_rows_x2(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr):
+    """Candidate for mx_dequant_rows: two steps' loads issued before either step's stores (twice the bytes in
+    flight per program; the same arithmetic)."""
+    KB = K // 32
+    r = tl.arange(0, ROWS)
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 32)
+    soffs = r[:, None] * KB + b[None, :]
+    offs = soffs[:, :, None] * 32 + j[None, None, :]
+    rmask = (r < rows)[:, None]
+    for b0 in range(0, KB, 2 * NB):
+        m0 = rmask & (b[None, :] < KB - b0)
+        m1 = rmask & (b[None, :] < KB - b0 - NB)
+        s0 = tl.load(s_ptr + b0 + soffs, mask=m0, other=127).to(tl.int32)
+        s1 = tl.load(s_ptr + b0 + NB + soffs, mask=m1, other=127).to(tl.int32)
+        q0 = tl.load(q_ptr + b0 * 32 + offs, mask=m0[:, :, None], other=0.0)
+        q1 = tl.load(q_ptr + (b0 + NB) * 32 + offs, mask=m1[:, :, None], other=0.0)
+        tl.store(out_ptr + b0 * 32 + offs, _expand(q0, s0), mask=m0[:, :, None])
+        tl.store(out_ptr + (b0 + NB) * 32 + offs, _expand(q1, s1), mask=m1[:, :, None])
+
+
+@triton.jit
+def _deq_all(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr, X2: tl.constexpr):
     n_runs = tl.cdiv(rows, ROWS)
     for run in range(tl.program_id(0), n_runs, tl.num_programs(0)):
         r0 = run * ROWS
         row = r0.to(tl.int64)
-        mx_dequant_rows(q_ptr + row * K, s_ptr + row * (K // 32), out_ptr + row * K,
-                        tl.minimum(rows - r0, ROWS), K, ROWS, NB)
+        if X2:
+            _dequant_rows_x2(q_ptr + row * K, s_ptr + row * (K // 32), out_ptr + row * K,
+                             tl.minimum(rows - r0, ROWS), K, ROWS, NB)
+        else:
+            mx_dequant_rows(q_ptr + row * K, s_ptr + row * (K // 32), out_ptr + row * K,
+                            tl.minimum(rows - r0, ROWS), K, ROWS, NB)
 
 
 def main():
@@ -36,19 +69,23 @@ def main():
     traffic = rows * k * (1 + 1 / 32 + 2)
     out = torch.empty_like(want)
     res = []
-    for rows_per, nb, warps in ((32, 16, 8), (32, 16, 4), (16, 16, 4), (8, 32, 4), (32, 8, 8), (64, 8, 8),
-                                (16, 32, 8), (4, 64, 4)):
-        for progs in (132, 264, 32):
+    # session 8 (04ee27a, results/h200x1/s8/deq-probe.log): the single-step kernel 2.4 TB/s at 132 programs,
+    # ~3.0 at 264, 0.8 at 32 (~25 GB/s per program): the per-program rate is the limit inside the TP ops
+    for rows_per, nb, warps, x2 in ((32, 16, 8, False), (32, 16, 8, True), (16, 32, 8, False), (16, 32, 8, True),
+                                    (32, 32, 8, False), (64, 16, 8, False), (64, 16, 8, True), (32, 8, 4, True)):
+        for progs in (132, 32, 8):
             fn = lambda: _deq_all[(progs,)](mx.payload, mx.scales, out, rows, k, ROWS=rows_per, NB=nb,  # noqa
-                                            num_warps=warps)
+                                            X2=x2, num_warps=warps)
             try:
                 fn()
                 torch.cuda.synchronize()
                 ok = torch.equal(out.view(torch.int16), want.view(torch.int16))
                 ms = time_op(fn, iters=10, warmup=2)["time_ms"]
-                res.append((f"rows{rows_per} nb{nb} w{warps} p{progs}", ms, traffic / ms / 1e9, ok))
+                res.append((f"rows{rows_per} nb{nb} w{warps}{' x2' if x2 else ''} p{progs}", ms,
+                            traffic / ms / 1e9, ok))
             except Exception as e:  # noqa: BLE001
-                res.append((f"rows{rows_per} nb{nb} w{warps} p{progs}", None, str(e).splitlines()[0][:80], False))
+                res.append((f"rows{rows_per} nb{nb} w{warps} x2={x2} p{progs}", None, str(e).splitlines()[0][:80],
+                            False))
     ms = time_op(lambda: mx.dequantize(), iters=10, warmup=2)["time_ms"]
     res.append(("quant.dequantize_mx", ms, traffic / ms / 1e9, True))
     y = torch.empty_like(want)
