@@ -14,6 +14,11 @@ Shared experts are outside the op.
 Backward: ``moe_backward_ref`` -- every gradient stage by stage with explicit formulas (no autograd), in the
 order a one-launch backward runs them, and which forward tensors such a backward saves or recomputes.
 
+MXFP8 (``mx=True``; OCP MX, kosmos/quant.py): the router stays on the bf16 tokens; each expert multiplies the MX
+values of x (blocks along H) with the MX values of W13 (blocks along H) and W2 (blocks along F), and its
+SwiGLU output h is rounded to bf16 and then to its MX values (blocks along F) before W2 -- what a layer that
+dispatches MX tokens, runs GEMM1 on them and re-quantizes h for GEMM2 computes; fold in fp32 as in bf16.
+
 ``moe_forward_ref_local`` takes every rank's tokens in one process (CPU tests); ``moe_forward_a2a`` is the
 distributed layer built from NCCL all-to-all the way Megatron's all-to-all dispatcher does it -- with
 ``fp32=True`` the reference, with ``fp32=False`` the ``nccl-a2a`` baseline (bf16, grouped GEMMs on CUDA).
@@ -65,20 +70,31 @@ def expert_ffn(x, w13, w2):
     return (F.silu(h[:, :f]) * h[:, f:]) @ w2
 
 
-def moe_forward_ref_local(xs, router_weight, w13s, w2s, *, top_k: int, routing: str = "softmax", **route_kw):
+def expert_ffn_mx(x, w13, w2):
+    """The MXFP8 expert (module docstring), fp32 math on MX values: x [n, H] bf16, w13 [H, 2F], w2 [F, H]."""
+    from .quant import mx_values
+    f = w2.shape[0]
+    h = mx_values(x.to(torch.bfloat16)).float() @ mx_values(w13.to(torch.bfloat16), dim=0).float()
+    h = (F.silu(h[:, :f]) * h[:, f:]).to(torch.bfloat16)
+    return mx_values(h).float() @ mx_values(w2.to(torch.bfloat16), dim=0).float()
+
+
+def moe_forward_ref_local(xs, router_weight, w13s, w2s, *, top_k: int, routing: str = "softmax", mx: bool = False,
+                          **route_kw):
     """Every rank's tokens ``xs[r]`` [T_r, H] and experts ``w13s[r]`` [E/W, H, 2F], ``w2s[r]`` [E/W, F, H]
-    in one process -> each rank's y [T_r, H] in fp32."""
-    w13 = torch.cat([w.float() for w in w13s])
-    w2 = torch.cat([w.float() for w in w2s])
+    in one process -> each rank's y [T_r, H] in fp32 (``mx``: the MXFP8 layer's math, module docstring)."""
+    w13 = torch.cat([w if mx else w.float() for w in w13s])
+    w2 = torch.cat([w if mx else w.float() for w in w2s])
     out = []
     for x in xs:
         weights, experts = route(x, router_weight, top_k, routing, **route_kw)
-        y = torch.zeros(x.shape, dtype=torch.float32)
-        xf = x.float()
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        xf = x if mx else x.float()
         for j in range(top_k):  # fixed slot order
             for e in experts[:, j].unique().tolist():
                 rows = (experts[:, j] == e).nonzero(as_tuple=True)[0]
-                y[rows] += weights[rows, j, None] * expert_ffn(xf[rows], w13[e], w2[e])
+                ffn = expert_ffn_mx if mx else expert_ffn
+                y[rows] += weights[rows, j, None] * ffn(xf[rows], w13[e], w2[e])
         out.append(y)
     return out
 

@@ -176,6 +176,14 @@ _E4M3_MAXENC = tl.constexpr(0x7E)     # 448 = 1.75 * 2**8
 
 
 # ============================================================================================ torch reference
+def mx_values(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The MX values of ``t`` (bf16, any rank) with blocks of 32 along ``dim``, as bf16 -- mx_round for an
+    axis other than the last (e.g. an expert weight [E, K, N] with blocks along K: dim=1)."""
+    moved = t.movedim(dim, -1)
+    flat = moved.reshape(-1, moved.shape[-1]).contiguous()
+    return from_mx(to_mx(flat)).reshape(moved.shape).movedim(-1, dim)
+
+
 def _check_mx_matrix(name, t, dtypes, *, kernel: bool) -> None:
     """One-line ValueErrors naming ``name``. The kernels also need a contiguous tensor on their device: CUDA,
     or the CPU under TRITON_INTERPRET=1."""

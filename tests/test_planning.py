@@ -243,3 +243,50 @@ def test_cached_tables_builds_once():
     second = planning.cached_tables(key, build)
     assert first is second and len(calls) == 1
     planning._DEVICE_TABLES.pop(key, None)
+
+
+# ------------------------------------------------------------------------------------------ MXFP8 DEQ tasks
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kosmos.kernels.common import deq_needed  # noqa: E402
+
+
+@triton.jit
+def _deq_needed_kernel(out, n_comp, n_chunks, n_tn, WORLD: tl.constexpr, PARTS: tl.constexpr, GROUP: tl.constexpr,
+                       RS: tl.constexpr):
+    p = tl.program_id(0) + 1
+    tl.store(out + p - 1, deq_needed(p, n_comp, n_chunks, n_tn, WORLD, PARTS, GROUP, RS))
+
+
+DEQ_CASES = [  # (rank, world, ms, n, BM, BN, parts)
+    (0, 1, 300, 700, 128, 256, 4), (1, 2, 1000, 512, 128, 256, 4), (2, 3, 77, 96, 16, 32, 2),
+    (3, 4, 4096, 5120, 128, 256, 4), (5, 8, 200, 640, 128, 256, 4), (0, 2, 16, 32, 16, 32, 2),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("rank,world,ms,n,bm,bn,parts", DEQ_CASES)
+def test_deq_needed_covers_every_tile(op, rank, world, ms, n, bm, bn, parts):
+    """The kernels' deq_needed(p) (run under the interpreter) against the planners' tables: the first p tiles
+    of the compute table need exactly DEQ tasks [0, deq_needed(p)) -- never fewer (a tile would wait for a DEQ
+    task nobody claims ahead of it; the help loop claims only below it) and no more than the band needs."""
+    cfg = TileConfig(bm, bn, 64, 8, 3)
+    dq = planning.DequantPlan(bm // parts, parts, 1)
+    if op == "ag":
+        _, comp, _ = planning.plan_all_gather_matmul(rank, world, ms, n, cfg, "cpu")
+    else:
+        comp, _, _ = planning.plan_matmul_reduce_scatter(rank, world, ms, n, cfg, "cpu")
+    deq = planning.plan_dequant(rank, world, ms, cfg, dq, op, "cpu").tolist()
+    n_comp, chunks, n_tn = comp.shape[0], math.ceil(ms / bm), math.ceil(n / bn)
+
+    got = torch.zeros(n_comp, dtype=torch.int32)
+    _deq_needed_kernel[(n_comp,)](got, n_comp, chunks, n_tn, WORLD=world, PARTS=parts, GROUP=GROUP_M, RS=op == "rs")
+    position = {(slot, chunk, part): i for i, (slot, chunk, part, _) in enumerate(deq)}
+    seen = -1
+    for t, (slot, mt, _, _) in enumerate(comp.tolist()):
+        seen = max(seen, max(position[(slot, mt, p)] for p in range(parts)))
+        assert got[t] >= seen + 1, (t, got[t].item(), seen)
+        assert got[t] <= len(deq)
+    assert got[-1] == len(deq)
