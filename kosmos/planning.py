@@ -237,14 +237,14 @@ class MoETiles:
     half_tail: bool = True     # an expert's last m-tile with <= BM/2 rows runs as a BM/2-row tile
 
 
-def moe_config(config=None) -> MoETiles:
+def moe_config(config=None, mx: bool = False) -> MoETiles:
     """The one rule: GEMM tiles as the TP kernels (128 rows, 64-deep K steps, 3 stages, 8 warps; GEMM1 computes
     128 gate + 128 up columns so that SwiGLU fuses into its epilogue); 32-token blocks for the data movers so
     that a 4k-token batch makes ~one task per SM; the copy step and the half-height tail tile from ``config``
     (a ``kosmos.MoEForwardConfig``, whose docstring has the measurements). Tiny blocks under the CPU interpreter (the copy step capped at 32)."""
     config = check_config(MoEForwardConfig, config)  # an isinstance check; None: the default instance
-    if interpreting():
-        return MoETiles(RB=16, PB=16, FB=16, BH=min(32, config.copy_cols), BM=16, BK=16, BNH=16, BN=32,
-                         num_warps=4, num_stages=1, half_tail=config.half_tail)
+    if interpreting():  # (MXFP8: GEMM1's epilogue rounds whole 32-column MX blocks, so BNH >= 32)
+        return MoETiles(RB=16, PB=16, FB=16, BH=min(32, config.copy_cols), BM=16, BK=16, BNH=32 if mx else 16,
+                         BN=32, num_warps=4, num_stages=1, half_tail=config.half_tail)
     return MoETiles(RB=32, PB=32, FB=32, BH=config.copy_cols, BM=128, BK=64, BNH=128, BN=256, num_warps=8,
                      num_stages=3, half_tail=config.half_tail)

@@ -181,7 +181,7 @@ def mx_values(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     axis other than the last (e.g. an expert weight [E, K, N] with blocks along K: dim=1)."""
     moved = t.movedim(dim, -1)
     flat = moved.reshape(-1, moved.shape[-1]).contiguous()
-    return from_mx(to_mx(flat)).reshape(moved.shape).movedim(-1, dim)
+    return from_mx(to_mx(flat)).reshape(moved.shape).movedim(-1, dim).contiguous()
 
 
 def _check_mx_matrix(name, t, dtypes, *, kernel: bool) -> None:
@@ -386,6 +386,22 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, rows, nb, OUT_BF16: tl.constexpr, 
         tl.store(out_ptr + offs, tl.where(r >= 32768, r - 65536, r).to(tl.int16), mask=mask)
     else:
         tl.store(out_ptr + offs, tl.where(nan, _F32_QNAN, mag | (sign << 31)), mask=mask)
+
+
+@triton.jit
+def mx_round_bf16_bits(h):
+    """The MX values of a tile of bf16 values, bit for bit as dequantize_mx(*quantize_mx(.)) gives them:
+    ``h`` holds the bf16 bits (int32, the low 16 bits) of an [R, NB, 32] tile whose last axis is one MX block;
+    returns the bf16 bits (int32) of its MX values (a block with a NaN or Inf: NaN). For kernels that round
+    an operand to MX in registers (the MoE layer's SwiGLU output)."""
+    sign = (h >> 15) & 1
+    a = (h & 0x7FFF) << 16
+    amax = tl.max(a, axis=2)
+    nonfinite = (amax >= _F32_INF)[:, :, None]
+    xexp = _rceil_exponent(amax)[:, :, None]
+    mag = _mx_magnitude_bits(_e4m3_encode(a, xexp), xexp)
+    r = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
+    return tl.where(nonfinite, _BF16_QNAN, r | (sign << 15))
 
 
 # ============================================================================================ host wrappers

@@ -264,12 +264,13 @@ class MoERanks:
     """The one-launch MoE layer on W simulated ranks: rank r holds T tokens and experts [r*El, (r+1)*El)."""
 
     def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, route_kw=None, skew=False,
-                 device="cpu", grid=3, timeout_ns=5_000_000, tol=2e-2, config=None):
+                 device="cpu", grid=3, timeout_ns=5_000_000, tol=2e-2, config=None, mx=False):
         self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
+        self.mx = mx  # MXFP8: weights hold their MX values, x is quantized per call, the reference is MX math
         self.device, self.grid, self.timeout_ns, self.tol = device, grid, timeout_ns, tol
         self.el = experts // world
         self.route_kw = dict(route_kw or {})
-        self.cfg = planning.moe_config(config)
+        self.cfg = planning.moe_config(config, mx=mx)
         self.lay = mf.Layout(world, tokens, hidden, ffn, top_k, self.el, self.cfg)
         self.gen = torch.Generator().manual_seed(seed)
         self.skew = skew
@@ -282,6 +283,9 @@ class MoERanks:
         self.w13 = [rand(self.el, hidden, 2 * ffn, gen=self.gen, device=device, scale=hidden ** -0.5)
                     for _ in range(world)]
         self.w2 = [rand(self.el, ffn, hidden, gen=self.gen, device=device, scale=ffn ** -0.5) for _ in range(world)]
+        if mx:
+            self.w13 = [quant.mx_values(w, dim=1) for w in self.w13]
+            self.w2 = [quant.mx_values(w, dim=1) for w in self.w2]
         bias = self.route_kw.get("bias")
         if bias is not None:
             self.route_kw["bias"] = bias.to(device)
@@ -325,7 +329,7 @@ class MoERanks:
         kw = {k: v for k, v in self.route_kw.items() if k != "bias"}
         mf.launch(self.xs[r], self.router, self.bias32, self.w13[r], self.w2[r], self.ys[r], self.bufs(r),
                   rank=r, world=self.world, epoch=epoch, timeout_ns=self.timeout_ns, grid=self.grid, cfg=self.cfg,
-                  top_k=self.k, stages=stages, **kw, **pol)
+                  top_k=self.k, stages=stages, x_mx=quant.to_mx(self.xs[r]) if self.mx else None, **kw, **pol)
 
     def call(self, epoch, **pol):
         """One call on every rank: CPU -- at W > 1 split into three launches per rank by stage mask (ROUTE on
@@ -355,7 +359,15 @@ class MoERanks:
             w_ref, e_ref = moe_reference.route(self.xs[r], self.router, self.k, **self.route_kw)
             assert torch.equal(e_k, e_ref), f"rank {r}: experts differ from the reference router"
             assert torch.allclose(w_k, w_ref, rtol=1e-4, atol=1e-6), f"rank {r}: weights differ"
-            y_ref = moe_reference.apply_routing_ref(self.xs[r], w_k, e_k, w13, w2)
+            if self.mx:
+                y_ref = torch.zeros(self.t, self.h, device=self.xs[r].device)
+                for j in range(self.k):
+                    for ex in e_k[:, j].unique().tolist():
+                        sel = (e_k[:, j] == ex).nonzero(as_tuple=True)[0]
+                        y_ref[sel] += w_k[sel, j, None] * moe_reference.expert_ffn_mx(
+                            self.xs[r][sel], self.w13[ex // self.el][ex % self.el], self.w2[ex // self.el][ex % self.el])
+            else:
+                y_ref = moe_reference.apply_routing_ref(self.xs[r], w_k, e_k, w13, w2)
             assert not torch.isnan(self.ys[r]).any(), f"rank {r}: output rows left unwritten"
             err = ((self.ys[r].float() - y_ref).norm() / y_ref.norm()).item()
             assert err < self.tol, f"rank {r}: rel err {err}"

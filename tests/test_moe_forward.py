@@ -73,6 +73,26 @@ def test_moe_forward_vs_reference(world, tokens, hidden, ffn, experts, top_k, ro
         m.check(epoch)
 
 
+MX_INTERP_CASES = [  # H and F multiples of 32 (MX blocks); interpreter tiles BNH = 32
+    pytest.param(1, 21, 64, 32, 4, 2, SOFTMAX, id="w1-softmax"),
+    pytest.param(2, 17, 64, 32, 8, 2, SOFTMAX, id="w2-softmax"),
+    pytest.param(2, 13, 64, 64, 16, 4, _interp_grouped(16, 4, 2), id="w2-grouped"),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world,tokens,hidden,ffn,experts,top_k,route_kw", MX_INTERP_CASES)
+def test_moe_forward_mxfp8_vs_reference(world, tokens, hidden, ffn, experts, top_k, route_kw):
+    """MXFP8: x dispatched as payload + scales and dequantized in PERMUTE, h rounded to MX in GEMM1's epilogue;
+    against the MX reference math (moe_reference.expert_ffn_mx) on the kernel's own routing."""
+    m = MoERanks(world, tokens, hidden, ffn, experts, top_k, seed=world * 100 + tokens + 7, route_kw=route_kw,
+                 mx=True)
+    for epoch in (1, 2):
+        m.new_inputs()
+        m.call(epoch)
+        m.check(epoch)
+
+
 @pytest.mark.interpreter
 def test_moe_all_tokens_to_few_experts_and_empty_experts():
     """Every token of both ranks picks experts 0 and 1 (rank 0): rank 1's experts get no rows at all."""
@@ -450,3 +470,41 @@ def test_w2_moe_determinism_and_back_to_back(tmp_path):
 @pytest.mark.multi_gpu
 def test_w2_moe_stalled_peer_times_out(tmp_path):
     opcases.spawn(_w2_stalled_peer, tmp_path)
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("ranks_setup")
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_forward_mxfp8_at_world(world):
+    """MXFP8 at W simulated ranks (W=1: one launch): against the MX reference math on the kernel's routing,
+    two epochs, then bitwise the same on a third call."""
+    m = MoERanks(world, seed=90 + world, route_kw=dict(routing="softmax", renormalize=True), device="cuda",
+                 grid=opcases.grid(world), timeout_ns=opcases.RANKS_TIMEOUT_NS, tol=1e-2, mx=True, **RANKS_MOE)
+    for epoch in (1, 2):
+        m.new_inputs()
+        m.call(epoch)
+        torch.cuda.synchronize()
+        m.check(epoch)
+    first = [y.clone() for y in m.ys]
+    m.call(3)
+    torch.cuda.synchronize()
+    for r in range(world):
+        assert torch.equal(first[r], m.ys[r]), f"rank {r}: repeated call differs"
+
+
+@pytest.mark.gpu
+def test_w1_moe_forward_mxfp8_public_op():
+    """kosmos.moe_forward(precision="mxfp8") with the weights' MX values: the MX reference math, bitwise
+    repeatable; bad shapes and precisions raise one-line errors."""
+    import kosmos
+    from kosmos import quant
+    xs, router, w13, w2 = make_case(21, 1, 300, 256, 128, 8, 2)
+    x, router = xs[0].cuda(), router.cuda()
+    w13m, w2m = quant.mx_values(w13[0].cuda(), dim=1), quant.mx_values(w2[0].cuda(), dim=1)
+    y = kosmos.moe_forward(x, router, w13m, w2m, top_k=2, precision="mxfp8")
+    kosmos.check_errors()
+    ref = moe_reference.moe_forward_ref_local([x], router, [w13m], [w2m], top_k=2, mx=True)[0]
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert torch.equal(kosmos.moe_forward(x, router, w13m, w2m, top_k=2, precision="mxfp8"), y)
+    with pytest.raises(ValueError, match="precision"):
+        kosmos.moe_forward(x, router, w13m, w2m, top_k=2, precision="fp4")

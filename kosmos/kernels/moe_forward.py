@@ -100,6 +100,7 @@ from ..moe_reference import ROUTINGS
 from .. import schedule as sched
 from ..codes import (EV_COMM, EV_PERMUTE, EV_ROUTE, EV_WAIT, OP_MOE_FORWARD, WAIT_MOE_COMBINE,
                      WAIT_MOE_DISPATCH, WAIT_MOE_GEMM1, WAIT_MOE_PERMUTE, WAIT_MOE_PLAN)
+from ..quant import mx_round_bf16_bits, quantize_mx
 from .common import POLICIES, check_launch, policy_args, store_rows
 
 OP_CODE = OP_MOE_FORWARD.value
@@ -211,8 +212,11 @@ def _route_block(b, x_desc, wr_desc, bias_ptr, topk_w_ptr, topk_e_ptr, T, H, E, 
 @triton.jit
 def _dispatch_block(b, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta, T, H, El, rank,
                     WORLD: tl.constexpr, WP2: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr,
-                    RB: tl.constexpr, BH: tl.constexpr):
-    """Push tokens [b*RB, +RB) once to each destination rank holding one of their experts (+ metadata)."""
+                    RB: tl.constexpr, BH: tl.constexpr, xs_ptr, off_rscale, KB, A_MX: tl.constexpr,
+                    KBP2: tl.constexpr):
+    """Push tokens [b*RB, +RB) once to each destination rank holding one of their experts (+ metadata).
+    MXFP8 (A_MX): x_ptr is the E4M3 payload read as bf16 pairs (H is then half the hidden size) and the KB
+    scale bytes of each row follow to the destination's scale region at off_rscale."""
     MW: tl.constexpr = 1 + 2 * TOPK
     rows = b * RB + tl.arange(0, RB)
     tmask = rows < T
@@ -248,6 +252,14 @@ def _dispatch_block(b, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta
             at_d = tl.sum(tl.where(dcols == dd, slots, 0), 1)
             dst = dev.peer_region(peer_data, dd, off_recv, tl.bfloat16) + at_d * H
             tl.store(dst[:, None] + c[None, :], v, mask=(at_d >= 0)[:, None] & cm)
+    if A_MX:
+        sc = tl.arange(0, KBP2)
+        scm = (sc < KB)[None, :]
+        vs = tl.load(xs_ptr + rows.to(tl.int64)[:, None] * KB + sc[None, :], mask=tmask[:, None] & scm)
+        for dd in range(WORLD):
+            at_d = tl.sum(tl.where(dcols == dd, slots, 0), 1)
+            dst = dev.peer_region(peer_data, dd, off_rscale, tl.uint8) + at_d * KB
+            tl.store(dst[:, None] + sc[None, :], vs, mask=(at_d >= 0)[:, None] & scm)
 
 
 @triton.jit
@@ -307,8 +319,10 @@ def _ensure_plan(sig_ptr, cnt_ptr, plan_ptr, scratch_ptr, El, rank, epoch, timeo
 @triton.jit
 def _permute_block(p, recv_ptr, rmeta_ptr, cnt_ptr, plan_ptr, scratch_ptr, xe_ptr, xe_meta_ptr, T, H, El, rank,
                    WORLD: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr, PB: tl.constexpr,
-                   BH: tl.constexpr):
-    """Copy received rows [b*PB, +PB) of source s into their local experts' row ranges."""
+                   BH: tl.constexpr, rq_ptr, rs_ptr, A_MX: tl.constexpr):
+    """Copy received rows [b*PB, +PB) of source s into their local experts' row ranges. MXFP8 (A_MX): the
+    received rows are E4M3 payload (rq_ptr) + E8M0 scales (rs_ptr), dequantized to bf16 on the way (exact;
+    the dequantize-on-arrival of the TP ops, here fused into the copy that places the rows anyway)."""
     MW: tl.constexpr = 1 + 2 * TOPK
     n_pb = tl.cdiv(T, PB)
     s = (rank + p // n_pb) % WORLD  # own rows first: they are there before any peer's
@@ -333,10 +347,24 @@ def _permute_block(p, recv_ptr, rmeta_ptr, cnt_ptr, plan_ptr, scratch_ptr, xe_pt
         tl.store(xm + 1, tok[:, None] + 0 * dst, mask=valid)
         tl.store(xm + 2, kcols + 0 * dst, mask=valid)
         src = recv_ptr + (s * T + rows).to(tl.int64) * H
+        NBH: tl.constexpr = BH // 32
+        qsrc = rq_ptr + (s * T + rows).to(tl.int64) * H
+        ssrc = rs_ptr + (s * T + rows).to(tl.int64) * (H // 32)
         for c0 in range(0, H, BH):
             c = c0 + tl.arange(0, BH)
             cm = (c < H)[None, :]
-            v = tl.load(src[:, None] + c[None, :], mask=rmask[:, None] & cm)
+            if A_MX:
+                bq = tl.arange(0, NBH)
+                col3 = c0 + bq[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+                q = tl.load(qsrc[:, None, None] + col3, mask=rmask[:, None, None] & (col3 < H), other=0.0)
+                sb = tl.load(ssrc[:, None] + c0 // 32 + bq[None, :],
+                             mask=rmask[:, None] & ((c0 // 32 + bq) < H // 32)[None, :], other=127).to(tl.int32)
+                bits = tl.where(sb == 0, 0x00400000, sb << 23)
+                bits = tl.where(sb == 255, 0x7FC00000, bits)
+                v3 = q.to(tl.float32) * bits.to(tl.float32, bitcast=True)[:, :, None]
+                v = tl.reshape(v3.to(tl.bfloat16), (PB, BH))
+            else:
+                v = tl.load(src[:, None] + c[None, :], mask=rmask[:, None] & cm)
             for j in range(TOPK):  # a dynamic loop: unrolled, the k stores' pointers would spill
                 dj = tl.sum(tl.where(kcols == j, dst, 0), 1)
                 vj = tl.max(tl.where((kcols == j) & valid, 1, 0), 1) > 0
@@ -363,7 +391,7 @@ def _gemm_task(g, plan_ptr, El, n_tiles_n, ELP2: tl.constexpr, BM: tl.constexpr)
 
 @triton.jit
 def _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM: tl.constexpr, BK: tl.constexpr,
-                BNH: tl.constexpr, DOT_FP32: tl.constexpr):
+                BNH: tl.constexpr, DOT_FP32: tl.constexpr, A_MX: tl.constexpr):
     """h[rows m*BM.., cols n*BNH..] = silu(x @ W13_gate) * (x @ W13_up) for local expert le.
     W13 is viewed as [El*H, 2F]: a K block past H reads the next expert's rows, multiplied by A's
     out-of-bounds columns, which TMA fills with zeros."""
@@ -381,8 +409,12 @@ def _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM: tl.co
         else:
             acc_g = tl.dot(a, bg, acc_g)
             acc_u = tl.dot(a, bu, acc_u)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    store_rows(hb_ptr, h.to(tl.bfloat16), first + m * BM, n * BNH, rows - m * BM, F, BM, BNH)
+    h = (acc_g * tl.sigmoid(acc_g) * acc_u).to(tl.bfloat16)
+    if A_MX:  # GEMM2 multiplies h's MX values (blocks of 32 along F; a tile holds BNH / 32 whole blocks)
+        hb = tl.reshape(h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, (BM, BNH // 32, 32))
+        r = tl.reshape(mx_round_bf16_bits(hb), (BM, BNH))
+        h = tl.where(r >= 32768, r - 65536, r).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    store_rows(hb_ptr, h, first + m * BM, n * BNH, rows - m * BM, F, BM, BNH)
 
 
 @triton.jit
@@ -478,6 +510,7 @@ def _moe_forward_kernel(
         recv_ptr, rmeta_ptr, cnt_ptr, comb_ptr,
         peer_data, peer_sig, peer_ctr, sig_ptr, ctr_ptr,
         off_recv, off_rmeta, off_cnt, off_comb,
+        xq_ptr, xs_ptr, rq_ptr, rs_ptr, off_rscale,
         topk_w_ptr, topk_e_ptr, xe_ptr, xe_meta_ptr, hb_ptr, plan_ptr, scratch_ptr, scratch_n, err_ptr, trace_ptr,
         T, H, F, E, El, rank, epoch, timeout_us, fixed_comm, routed_scaling, stages,
         WORLD: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr, EP2: tl.constexpr, ELP2: tl.constexpr,
@@ -487,7 +520,7 @@ def _moe_forward_kernel(
         BK: tl.constexpr, BNH: tl.constexpr, BN: tl.constexpr, GRID: tl.constexpr, POLICY: tl.constexpr,
         GEMMS_ONLY: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
         HALF_TAIL: tl.constexpr,
-        FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr):
+        FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, A_MX: tl.constexpr, KBP2: tl.constexpr):
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, H], strides=[H, 1], block_shape=[RB, BK])
@@ -550,8 +583,14 @@ def _moe_forward_kernel(
                                                        OP_MOE_FORWARD, rank)
                         handshake = 1
                     if peers_ok != 0:
-                        _dispatch_block(t, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta, T, H, El,
-                                        rank, WORLD, WP2, TOPK, KP2, RB, BH)
+                        if A_MX:  # the payload as bf16 pairs (H / 2 per row), then the scales
+                            _dispatch_block(t, sel_e, xq_ptr, peer_data, scratch_ptr, off_recv, off_rmeta, T, H // 2,
+                                            El, rank, WORLD, WP2, TOPK, KP2, RB, BH, xs_ptr, off_rscale, H // 32,
+                                            A_MX, KBP2)
+                        else:
+                            _dispatch_block(t, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta, T, H, El,
+                                            rank, WORLD, WP2, TOPK, KP2, RB, BH, xs_ptr, off_rscale, H // 32, A_MX,
+                                            KBP2)
                         tl.debug_barrier()
                         n_done = tl.atomic_add(scratch_ptr + SC_ROUTED, 1, sem="acq_rel", scope="sys")
                         if n_done == n_route - 1:
@@ -559,7 +598,7 @@ def _moe_forward_kernel(
                                             ELP2, FLAG_BASE)
                 elif cur == STAGE_PERMUTE:
                     _permute_block(t, recv_ptr, rmeta_ptr, cnt_ptr, plan_ptr, scratch_ptr, xe_ptr, xe_meta_ptr,
-                                   T, H, El, rank, WORLD, TOPK, KP2, PB, BH)
+                                   T, H, El, rank, WORLD, TOPK, KP2, PB, BH, rq_ptr, rs_ptr, A_MX)
                 elif cur == STAGE_GEMM1:
                     le, first, rows, gm, m, n = _gemm_task(t, plan_ptr, El, n1, ELP2, BM)
                     ok = 1
@@ -573,9 +612,10 @@ def _moe_forward_kernel(
                         # an expert's last m-tile with at most BM/2 rows: a half-height tile (half the MACs)
                         if HALF_TAIL & (rows - m * BM <= BM // 2):
                             _gemm1_tile(le, first, rows, 2 * m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM // 2, BK, BNH,
-                                        DOT_FP32)
+                                        DOT_FP32, A_MX)
                         else:
-                            _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM, BK, BNH, DOT_FP32)
+                            _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, H, F, BM, BK, BNH, DOT_FP32,
+                                        A_MX)
                         tl.debug_barrier()
                         tl.atomic_add(g1_ctr + gm, 1, sem="release", scope="gpu")
                 elif cur == STAGE_GEMM2:
@@ -612,6 +652,7 @@ class Layout:
         def up(v):
             return (v + 255) // 256 * 256
         self.off_recv = 0
+        self.off_rscale = up(world * tokens * hidden)  # MXFP8: the payload, then the scales, inside recv
         self.off_rmeta = up(world * tokens * hidden * 2)
         self.off_cnt = up(self.off_rmeta + world * tokens * (1 + 2 * top_k) * 4)
         self.off_comb = up(self.off_cnt + world * (local_experts + 1) * 4)
@@ -631,6 +672,13 @@ class Layout:
         cnt = view(self.off_cnt, world * (local_experts + 1) * 4, torch.int32)
         comb = view(self.off_comb, tokens * top_k * hidden * 2, torch.bfloat16)
         return recv, meta, cnt, comb
+
+    def mx_regions(self, data: torch.Tensor, world: int, tokens: int, hidden: int):
+        """MXFP8: (received payload [W*T, H] e4m3, scales [W*T, H/32] uint8), inside the recv region."""
+        n = world * tokens
+        q = data[self.off_recv:self.off_recv + n * hidden].view(torch.float8_e4m3fn).view(n, hidden)
+        s = data[self.off_rscale:self.off_rscale + n * (hidden // 32)].view(n, hidden // 32)
+        return q, s
 
 
 def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, topk_group, world):
@@ -692,14 +740,15 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
 def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch, timeout_ns, grid,
            cfg: planning.MoETiles, top_k, routing="softmax", renormalize=True, n_group=1, topk_group=1,
            routed_scaling=1.0, policy="self", comm_programs=None, stages=ALL_STAGES, gemms_only=False,
-           trace=None):
+           trace=None, x_mx=None):
     """Launch on explicit buffers (``moe_forward`` builds them from the workspace; CPU tests build their own).
 
     ``bufs``: data (this rank's symmetric bytes), sig, ctr (its signals / counters), peer_data, peer_sig,
     peer_ctr (int64 address tables), topk_w, topk_e, xe, xe_meta, hb, plan, scratch, errors, layout.
     ``stages`` (bitmask of ROUTE..FOLD) lets CPU tests run a rank's stages in separate launches so that no
     program of the sequential interpreter waits on a rank that has not run yet; the last program zeroes the
-    scratch only in a launch that includes FOLD (or the GEMM-only mode)."""
+    scratch only in a launch that includes FOLD (or the GEMM-only mode). ``x_mx`` (a quant.MXTensor of x):
+    the MXFP8 layer (dispatch moves x_mx, PERMUTE dequantizes, GEMM1 rounds h to MX; w13 / w2 hold MX values)."""
     t_, h = x.shape
     e = router_weight.shape[0]
     el, f = w2.shape[0], w2.shape[1]
@@ -711,11 +760,17 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
     else:
         recv, meta, cnt, comb = lay.regions(bufs["data"], world, t_, h, top_k, el)
     n_group_c = n_group if routing == "sigmoid-grouped" else 1
+    mx = x_mx is not None
+    if mx and not gemms_only:
+        rq, rs = lay.mx_regions(bufs["data"], world, t_, h)
+        mx_args = (x_mx.payload.view(torch.bfloat16), x_mx.scales, rq, rs, lay.off_rscale)
+    else:
+        mx_args = (x, bufs["plan"], recv, bufs["plan"], 0)
     _moe_forward_kernel[(grid,)](
         x, router_weight, bias if bias is not None else bufs["plan"], w13, w2, y,
         recv, meta, cnt, comb,
         bufs["peer_data"], bufs["peer_sig"], bufs["peer_ctr"], bufs["sig"], bufs["ctr"],
-        lay.off_recv, lay.off_rmeta, lay.off_cnt, lay.off_comb,
+        lay.off_recv, lay.off_rmeta, lay.off_cnt, lay.off_comb, *mx_args,
         bufs["topk_w"], bufs["topk_e"], bufs["xe"], bufs["xe_meta"], bufs["hb"], bufs["plan"], bufs["scratch"],
         lay.scratch_n, bufs["errors"], trace if trace is not None else bufs["errors"],
         t_, h, f, e, el, rank, epoch, max(1, timeout_ns // 1000), fixed, float(routed_scaling), stages,
@@ -725,7 +780,7 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
         RB=cfg.RB, PB=cfg.PB, FB=cfg.FB, BH=cfg.BH, BM=cfg.BM, BK=cfg.BK, BNH=cfg.BNH, BN=cfg.BN, GRID=grid,
         POLICY=pol, GEMMS_ONLY=gemms_only, FINAL=gemms_only or bool(stages & (1 << FOLD)),
         DOT_FP32=planning.interpreting(), TRACE=trace is not None, HALF_TAIL=cfg.half_tail,
-        FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE,
+        FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, A_MX=mx, KBP2=_p2(max(1, h // 32)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -750,7 +805,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
                 routing: str = "softmax", renormalize: bool = True, bias: torch.Tensor | None = None,
                 n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0, group=None,
                 config: MoEForwardConfig | None = None, policy: str = "self", comm_programs: int | None = None,
-                return_routing: bool = False, trace: torch.Tensor | None = None):
+                return_routing: bool = False, trace: torch.Tensor | None = None, precision: str = "bf16"):
     """The MoE expert layer over the expert-parallel ``group``, in one launch: ``y`` [T, H] bf16.
 
     x [T, H] bf16 CUDA: this rank's tokens (T, H, F, E, top_k and routing must be the same on every rank:
@@ -764,8 +819,16 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``return_routing=True`` also
     returns (weights [T, k] fp32, experts [T, k] int64) as the kernel's router chose them. ``trace`` (int64
     [grid, 1024, 4]) records each program's tasks (kinds in ``runtime.TRACE_KINDS``) for the timeline.
+    ``precision="mxfp8"``: the MXFP8 layer (kosmos/moe_reference.py's module docstring has the math): x is
+    quantized (quant.quantize_mx, a separate launch) and dispatched as E4M3 payload + scales (0.52x of the
+    bf16 bytes), dequantized where the rows are placed; GEMM2 multiplies the MX values of h. ``w13`` and ``w2``
+    must then hold the MX values of the expert weights (``quant.mx_values(w13, dim=1)``, ``(w2, dim=1)``: blocks
+    along H and F), kept by the caller like any cached weight; H and F multiples of 32. The router runs on the
+    bf16 x.
     """
     config = check_config(MoEForwardConfig, config)
+    if precision not in ("bf16", "mxfp8"):
+        raise ValueError(f"precision {precision!r}: choose 'bf16' or 'mxfp8'")
     w = runtime.world_size(group)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
@@ -774,7 +837,10 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     r = ws.world.rank
     grid = runtime.num_sms(x.device)
     check_launch(policy, comm_programs, trace, grid)
-    cfg = planning.moe_config(config)
+    mx = precision == "mxfp8"
+    if mx and (h % 32 or f % 32):
+        raise ValueError(f"precision='mxfp8' needs H={h} and F={f} to be multiples of 32 (MX blocks)")
+    cfg = planning.moe_config(config, mx=mx)
     lay = Layout(w, t_, h, f, top_k, el, cfg)
     _check_same_shape_on_every_rank(ws, (t_, h, f, e, top_k, ROUTINGS.index(routing)))
     ws.ensure(lay.data_bytes, w)
@@ -786,10 +852,11 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     bias32 = bias.float().contiguous() if bias is not None else None
     epoch = ws.next_epoch()
     y = torch.empty((t_, h), dtype=torch.bfloat16, device=x.device)
+    x_mx = quantize_mx(x) if mx else None
     launch(x, router_weight, bias32, w13, w2, y, bufs, rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(),
            grid=grid, cfg=cfg, top_k=top_k, routing=routing, renormalize=renormalize, n_group=n_group,
            topk_group=topk_group, routed_scaling=routed_scaling, policy=policy, comm_programs=comm_programs,
-           trace=trace)
+           trace=trace, x_mx=x_mx)
     ws.after_launch()
     if return_routing:
         return (y, bufs["topk_w"][:t_ * top_k].view(t_, top_k).clone(),
