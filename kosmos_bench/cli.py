@@ -73,13 +73,6 @@ def _dtypes(values: Optional[str]) -> tuple | None:
     return tuple(dict.fromkeys(names))
 
 
-def _check_moe_dtype(dtype: str) -> None:
-    from .suites import SUPPORTED_DTYPES
-    if dtype not in SUPPORTED_DTYPES["moe"]:
-        _fail(f"--dtype {dtype} is not implemented yet for the MoE layer (bf16 only; MXFP8 runs for the TP ops: "
-              f"kosmos bench tp --dtype mxfp8)")
-
-
 def _world(asked, flag: str, dry_run: bool) -> tuple[int, str]:
     """(world size, how it was chosen). A real run needs the GPUs (one-line error otherwise); a dry run plans for
     ``asked`` ranks, else for every visible GPU, else for 1 rank, and touches no GPU."""
@@ -121,7 +114,10 @@ TP_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comma
                                "shape runs at each, rows in one file, each with its dtype). mxfp8: the bf16 "
                                "activation is MXFP8-quantized in the timed call, the weight's MX form made once; "
                                "adds the triton-dot-scaled and fp8-rowwise baselines. Default bf16.")
-MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16 (MXFP8 is not implemented for the MoE layer yet).")
+MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comma-separated (bf16,mxfp8: every "
+                                "point runs at each, rows in one file, each with its dtype). mxfp8: x is MXFP8-"
+                                "quantized in the timed call, the expert weights' MX values made once; the expert "
+                                "GEMMs alone (kosmos-expert-gemms vs grouped-mm) run at bf16 only.")
 ITERS_OPTION = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported).")
 WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.")
 
@@ -500,12 +496,11 @@ def bench_moe(
     try:
         # a custom model's EP is checked against its own experts (the suite checks its models')
         cfg: MoESuite = base.override(models=_split(model), tokens=_split(tokens, int, "--tokens"),
-                                      routing=_split(routing), dtype=dtype, impls=_split(impl), iters=iters,
+                                      routing=_split(routing), dtype=_dtypes(dtype), impls=_split(impl), iters=iters,
                                       warmup=warmup, ep=None if custom else ep, expert_gemms=expert_gemms, seed=seed)
         configs = _configs("moe", config)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
-    _check_moe_dtype(cfg.dtype)
     world, how = _world(ep if custom and ep is not None else cfg.ep, "--ep", dry_run)
     try:
         cases = moe_cases([custom] if custom else cfg.models, cfg.tokens, cfg.routing, world)
@@ -515,10 +510,15 @@ def bench_moe(
     if custom:  # the suite as run: the custom model instead of the suite's models
         from dataclasses import asdict
         suite_dict.update(models=[custom.name], custom_model=asdict(custom), ep=world)
-    out = _out_path(out, "moe", cfg.dtype, create=not dry_run)
+    out = _out_path(out, "moe", "-".join(cfg.dtype), create=not dry_run)
+    from .registry import impls_at
+    # per dtype: (family, its implementations with a row there); the expert GEMMs alone run at bf16 only
+    plan = [(d, f, impls_at(f, names, d)) for d in cfg.dtype
+            for f, names in ([("moe_experts", EXPERT_IMPLS)] if cfg.expert_gemms else []) + [("moe_fwd", cfg.impls)]]
+    plan = [p for p in plan if p[2]]
+    n_impls = sum(len(i) for _, f, i in plan if f == "moe_fwd")
     if dry_run:
-        families = ([("moe_experts", EXPERT_IMPLS)] if cfg.expert_gemms else []) + [("moe_fwd", cfg.impls)]
-        ops = " + ".join(f for f, _ in families)
+        ops = " + ".join(dict.fromkeys(f for _, f, _ in plan))
         points = []
         for c in cases:
             m = case_model(c)
@@ -527,15 +527,16 @@ def bench_moe(
                            m.expert_ffn, router))
         _print_plan(
             f"kosmos bench moe --dry-run: {len(cases)} points ({ops}) x "
-            f"{sum(len(i) for _, i in families)} implementations",
-            [("world", f"EP={world} rank(s) ({how})"), ("dtype", cfg.dtype),
+            f"{sum(len(i) for _, _, i in plan)} implementations"
+            + (f" over {len(cfg.dtype)} dtypes" if len(cfg.dtype) > 1 else ""),
+            [("world", f"EP={world} rank(s) ({how})"), ("dtype", ", ".join(cfg.dtype)),
              ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
                         f"{list(cfg.fixed_sweep)}"), ("seed", str(cfg.seed)),
              ("config", _configs_text(configs)), ("results", f"would be appended to {out}")],
             ("model", "tokens/rank", "routing", "E", "E/rank", "top_k", "H", "F", "router"), points,
-            [(f, _planned_availability(f, i, world)) for f, i in families])
-    console.print(f"[bold]kosmos bench moe[/]: {len(cases)} points x {len(cfg.impls)} implementations on "
-                  f"{world} GPU(s) (EP={world}) -> {out}")
+            [(f if len(cfg.dtype) == 1 else f"{f}, {d}", _planned_availability(f, i, world, d)) for d, f, i in plan])
+    console.print(f"[bold]kosmos bench moe[/]: {len(cases)} points x {n_impls} implementations "
+                  f"({', '.join(cfg.dtype)}) on {world} GPU(s) (EP={world}) -> {out}")
     from .moe import bench_rank
     _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), sys.argv, configs)
 

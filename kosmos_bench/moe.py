@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -62,9 +62,12 @@ from kosmos.kernels.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_forward_a2a, route
 
-from . import harness, timing
+from . import harness, moe_mx, registry, timing
 from .harness import Settings, policy_kwargs, world_info
 from .registry import names, register
+
+MX = "mxfp8"
+MOE_DTYPES = ("bf16", MX)
 
 ROUTING_MARGIN = 1e-3       # logit units; sigmoid scores use SIGMOID_SLOPE_MAX * ROUTING_MARGIN
 SIGMOID_SLOPE_MAX = 0.25
@@ -264,6 +267,9 @@ class MoEInputs:
     bias: torch.Tensor | None
     w13: torch.Tensor
     w2: torch.Tensor
+    dtype: str = "bf16"
+    w13_mx: torch.Tensor | None = None  # mxfp8: the expert weights' MX values (moe_mx.mx_expert_weights), made once
+    w2_mx: torch.Tensor | None = None
 
     def route_kw(self) -> dict:
         return route_kwargs(self.model, self.bias)
@@ -283,12 +289,19 @@ class ExpertInputs:
 
 @register("moe_fwd", "kosmos", kosmos=True)
 def _kosmos_layer(inp: MoEInputs, params: dict, config):
+    if inp.dtype == MX:  # x in bf16 (the op quantizes it inside the call), the weights' MX values made once
+        return (lambda: moe_forward(inp.x, inp.router_weight, inp.w13_mx, inp.w2_mx, top_k=inp.model.top_k,
+                                    **inp.route_kw(), group=None, config=config, precision=MX,
+                                    **policy_kwargs(params))), None
     return (lambda: moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(),
                                 group=None, config=config, **policy_kwargs(params))), None
 
 
 @register("moe_fwd", "nccl-a2a", baseline=True)
 def _nccl_a2a(inp: MoEInputs, params: dict, config):
+    if inp.dtype == MX:
+        return (lambda: moe_mx.moe_forward_a2a_mx(inp.x, inp.router_weight, inp.w13_mx, inp.w2_mx,
+                                                  top_k=inp.model.top_k, fp32=False, **inp.route_kw())), 0
     return (lambda: moe_forward_a2a(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, fp32=False,
                                     **inp.route_kw())), 0
 
@@ -303,7 +316,8 @@ def deepep_available(world: int) -> tuple[bool, str | None]:
     return True, None
 
 
-@register("moe_fwd", "deepep", available=deepep_available)
+@register("moe_fwd", "deepep", available=deepep_available,
+          dtypes={"bf16": None, MX: "no MXFP8 path in the deepep baseline yet"})
 def _deepep(inp: MoEInputs, params: dict, config):
     return deepep_callable(inp)
 
@@ -311,12 +325,13 @@ def _deepep(inp: MoEInputs, params: dict, config):
 harness.register_fixed("moe_fwd", _kosmos_layer)
 
 
-@register("moe_experts", "grouped-mm", baseline=True)
+# the expert GEMMs alone are compared at bf16 only (no rows at mxfp8: registry dtypes)
+@register("moe_experts", "grouped-mm", baseline=True, dtypes={"bf16": None})
 def _grouped_mm(inp: ExpertInputs, params: dict, config):
     return (lambda: _experts_forward(inp.x_sorted, inp.counts, inp.w13, inp.w2, fp32=False)), 0
 
 
-@register("moe_experts", "kosmos-expert-gemms", kosmos=True)
+@register("moe_experts", "kosmos-expert-gemms", kosmos=True, dtypes={"bf16": None})
 def _kosmos_expert_gemms(inp: ExpertInputs, params: dict, config):
     return (lambda: expert_gemms(inp.x_sorted, inp.counts, inp.w13, inp.w2, config=config)), None
 
@@ -421,28 +436,13 @@ def base_row(case: MoECase, world: int, dtype: str, op: str = "moe_fwd") -> dict
 
 
 def failed_rows(case: MoECase, world: int, st: MoESettings, reason: str) -> list[dict]:
-    """The rows of a point that failed as a whole (one per implementation of either op)."""
-    ops = [("moe_experts", n) for n in (EXPERT_IMPLS if st.expert_gemms else ())] + [("moe_fwd", n) for n in st.impls]
+    """The rows of a point that failed as a whole (one per implementation of either op that runs at
+    ``st.dtype``)."""
+    experts = registry.impls_at("moe_experts", EXPERT_IMPLS, st.dtype) if st.expert_gemms else ()
+    ops = [("moe_experts", n) for n in experts] + [("moe_fwd", n) for n in registry.impls_at("moe_fwd", st.impls,
+                                                                                          st.dtype)]
     return [harness.failed_row(base_row(case, world, st.dtype, op), op, name, reason, st.config("moe_fwd"))
             for op, name in ops]
-
-
-def _a2a_comm_only(x, experts, local: int, world: int):
-    """The NCCL all-to-alls of nccl-a2a alone (dispatch rows out, expert outputs back, same splits), or None at
-    world size 1."""
-    if world == 1:
-        return None
-    send = torch.bincount(experts.reshape(-1), minlength=local * world).view(world, local).sum(1)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send)
-    send_splits, recv_splits = torch.stack([send, recv]).tolist()
-    out = x.new_empty((sum(send_splits), x.shape[1]))
-    got = x.new_empty((sum(recv_splits), x.shape[1]))
-
-    def fn():
-        dist.all_to_all_single(got, out, recv_splits, send_splits)
-        dist.all_to_all_single(out, got, send_splits, recv_splits)
-    return fn
 
 
 def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[dict]:
@@ -469,8 +469,18 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     local = m.experts // world
     x, wr, bias, redrawn = make_router_inputs(m, case.tokens, case.routing, rank, st.seed, device)
     w13, w2 = make_expert_weights(m, world, rank, st.seed, device)
-    inp = MoEInputs(m, x, wr, bias, w13, w2)
+    mx = st.dtype == MX
+    # mxfp8: the weights' MX values once, outside every timed call (a cached weight)
+    w_mx = moe_mx.mx_expert_weights(w13, w2) if mx else (None, None)
+    inp = MoEInputs(m, x, wr, bias, w13, w2, st.dtype, *w_mx)
     ref = moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, fp32=True, **inp.route_kw())
+    if mx:  # checked against the MX layer's fp32 math (nccl-a2a: with its bf16 GEMM1 output, moe_mx's docstring);
+        # the error against the bf16 layer's is recorded
+        also = {"rel_err_bf16": ref}
+        refs = {g: harness.Reference(moe_mx.moe_forward_a2a_mx(x, wr, w13, w2, top_k=m.top_k, fp32=True,
+                                                               gemm1_bf16=g, **inp.route_kw()),
+                                     harness.TOLERANCE[MX], also) for g in (False, True)}
+        ref = lambda name: refs[name == "nccl-a2a"]  # noqa: E731
 
     _, experts = route(x, wr, m.top_k, **inp.route_kw())
     load = _sum_over_ranks(expert_load(experts, m.experts))
@@ -485,17 +495,24 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
         "top_expert_share": load.max().item() / pairs, "load_max_over_mean": load.max().item() * m.experts / pairs,
         **st.extra,
     }
-    comm = _a2a_comm_only(x, experts, local, world)
+    comm = moe_mx.a2a_comm_parts(x, experts, local, world, mx)
     t_comm = timing.time_op(comm, iters=st.iters, warmup=st.warmup)["time_ms"] if comm else 0.0
+    wire = moe_mx.wire_bytes(st.dtype, moe_mx.cross_rank_pairs(experts, local, world), m.hidden, world)
     del experts, comm
     runner = harness.Runner(st, device, lambda: _recover(device), on_row, extra=extra, mem_delta=True)
     config = st.config("moe_fwd")  # the expert GEMMs alone run with the layer's config too
 
-    # expert GEMMs alone, on the row counts this rank receives (the rows' values: fresh N(0, 1))
+    # expert GEMMs alone, on the row counts this rank receives (the rows' values: fresh N(0, 1)); at mxfp8 no rows,
+    # only grouped-mm's bf16 time (the moe_fwd rows' t_gemm_ms: bf16 at every dtype, like the TP bench's cuBLAS)
     t_gemm = None
     if st.expert_gemms:
         x_sorted = torch.randn(int(counts.sum().item()), m.hidden, generator=_gen(device, 31 * st.seed + rank),
                                device=device, dtype=torch.bfloat16)
+    if st.expert_gemms and mx:
+        t_gemm = timing.time_op(lambda: _experts_forward(x_sorted, counts, w13, w2, fp32=False), iters=st.iters,
+                                warmup=st.warmup)["time_ms"]
+        del x_sorted
+    elif st.expert_gemms:
         done = runner.run("moe_experts", EXPERT_IMPLS, inputs=ExpertInputs(x_sorted, counts, w13, w2),
                           ref=_experts_forward(x_sorted, counts, w13, w2, fp32=True),
                           identity=base_row(case, world, st.dtype, "moe_experts"),
@@ -504,9 +521,10 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
         t_gemm = done["grouped-mm"].time_ms  # the t_gemm_ms of the moe_fwd rows
         del x_sorted
 
-    runner.run("moe_fwd", st.impls, inputs=inp, ref=ref, identity=base_row(case, world, st.dtype),
-               flops=6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn, config=config, t_gemm_ms=t_gemm,
-               t_comm_ms=t_comm)
+    runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype), inputs=inp, ref=ref,
+               identity=base_row(case, world, st.dtype), flops=6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn,
+               config=config, t_gemm_ms=t_gemm, t_comm_ms=t_comm, wire_bytes=wire,
+               impl_fields=lambda name: {"note": moe_mx.BASELINE_NOTE} if mx and name == "nccl-a2a" else {})
     return runner.rows  # the point's tensors go with this frame; bench_rank empties the CUDA cache after it
 
 
@@ -518,12 +536,18 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=No
     from .environment import environment
     from .sweep import run_sweep
 
+    dtypes = suite["dtype"] if isinstance(suite["dtype"], (list, tuple)) else [suite["dtype"]]
     st = MoESettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
-                     fixed_sweep=tuple(suite["fixed_sweep"]), dtype=suite["dtype"], seed=suite["seed"],
+                     fixed_sweep=tuple(suite["fixed_sweep"]), dtype=dtypes[0], seed=suite["seed"],
                      expert_gemms=suite["expert_gemms"], configs=dict(configs or {}))
+    by_dtype = {d: replace(st, dtype=d) for d in dtypes}
     device = torch.device("cuda", torch.cuda.current_device())
-    run_sweep(out, environment(argv=argv, suite=suite, bench="moe"), rank, [MoECase(**c) for c in cases],
-              describe=lambda case: f"{case.model} tokens={case.tokens} {case.routing} EP={world}",
-              run_one=lambda case, write: run_case(case, st, on_row=write, device=device),
-              failed_rows=lambda case, why: failed_rows(case, world, st, why), recover=lambda: _recover(device),
-              key=lambda r: (r["model"], r["tokens"], r["routing"], r["op"], r["impl"]))
+    # a case is (point, dtype): each point at every dtype in turn (as the TP bench does)
+    run_sweep(out, environment(argv=argv, suite=suite, bench="moe"), rank,
+              [(MoECase(**c), d) for c in cases for d in dtypes],
+              describe=lambda case: f"{case[0].model} tokens={case[0].tokens} {case[0].routing} EP={world} "
+                                    f"{case[1]}",
+              run_one=lambda case, write: run_case(case[0], by_dtype[case[1]], on_row=write, device=device),
+              failed_rows=lambda case, why: failed_rows(case[0], world, by_dtype[case[1]], why),
+              recover=lambda: _recover(device),
+              key=lambda r: (r["model"], r["tokens"], r["routing"], r["op"], r["dtype"], r["impl"]))

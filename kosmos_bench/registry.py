@@ -98,6 +98,11 @@ def get(family: str, name: str) -> Impl:
                           f"{', '.join(names(family)) or '(none registered)'}") from None
 
 
+def impls_at(family: str, impls, dtype: str) -> tuple:
+    """The implementations of ``impls`` (names of ``family``) that have a row at ``dtype`` (``Impl.runs_at``)."""
+    return tuple(name for name in impls if get(family, name).runs_at(dtype))
+
+
 def baseline(family: str) -> str | None:
     """The name of ``family``'s baseline implementation (None if it has none)."""
     return next((i.name for i in _IMPLS.get(family, {}).values() if i.baseline), None)

@@ -19,7 +19,7 @@ from .report.suite_targets import check_targets as _check_targets
 from .tp import TP_IMPLS
 
 DTYPES = ("bf16", "mxfp8")
-SUPPORTED_DTYPES = {"tp": ("bf16", "mxfp8"), "moe": ("bf16",)}  # what each bench implements
+SUPPORTED_DTYPES = {"tp": ("bf16", "mxfp8"), "moe": ("bf16", "mxfp8")}  # what each bench implements
 DEFAULT_SUITE = DEFAULT_SUITE_FILES["tp"]
 DEFAULT_MOE_SUITE = DEFAULT_SUITE_FILES["moe"]
 
@@ -82,7 +82,7 @@ class TPSuite(_Suite):
 
 
 def _dtypes(value) -> tuple:
-    """A TP suite's dtype(s): a name, a comma list or a list -> a tuple without repeats (order kept)."""
+    """A suite's dtype(s): a name, a comma list or a list -> a tuple without repeats (order kept)."""
     if isinstance(value, str):
         value = value.split(",")
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -133,9 +133,11 @@ def _as_tuple(key, v):
 
 @dataclass(frozen=True)
 class MoESuite(_Suite):
-    """A ``kosmos bench moe`` sweep: every (model, tokens per rank, routing) point runs every impl."""
+    """A ``kosmos bench moe`` sweep: every (model, tokens per rank, routing) point runs every impl at each
+    ``dtype`` (one precision or a list, held as a tuple like TPSuite's)."""
     name: str = "moe-default"
     bench: str = "moe"
+    dtype: tuple = ("bf16",)
     models: tuple = ("deepseek-v3", "qwen3-235b")
     impls: tuple = MOE_IMPLS
     tokens: tuple = (4096, 8192, 16384)
@@ -145,6 +147,7 @@ class MoESuite(_Suite):
     seed: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "dtype", _dtypes(self.dtype))
         _check_moe(self)
         # canonical routing strings ("ZIPF:1.20" -> "zipf:1.2"), so rows of one point always match
         object.__setattr__(self, "routing", tuple(str(parse_routing(r)) for r in self.routing))
@@ -164,8 +167,7 @@ def _check_moe(s: MoESuite) -> None:
             parse_routing(r)
         except ValueError as e:
             raise SuiteError(f"'routing': {e}") from None
-    if s.dtype not in DTYPES:
-        raise SuiteError(f"unknown dtype {s.dtype!r}; choose from {', '.join(DTYPES)}")
+    _subset("dtype", s.dtype, list(DTYPES))
     for key in ("iters", "warmup", "seed"):
         v = getattr(s, key)
         low = 1 if key == "iters" else 0

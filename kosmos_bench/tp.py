@@ -247,7 +247,7 @@ TP_DTYPES = ("bf16", MX)
 
 def impls_at(impls, dtype: str) -> tuple:
     """The implementations of ``impls`` that have a row at ``dtype`` (registry dtypes)."""
-    return tuple(name for name in impls if registry.get("tp", name).runs_at(dtype))
+    return registry.impls_at("tp", impls, dtype)
 
 
 @dataclass

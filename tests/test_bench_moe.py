@@ -239,6 +239,63 @@ def test_a2a_bf16_world2_over_gloo_matches_local_reference():
             assert dtype == "torch.bfloat16" and 0 < err < 1e-2, got
 
 
+# --------------------------------------------------------------------------- the MXFP8 nccl-a2a baseline (CPU)
+
+
+def _mx_errors(xs, wr, w13, w2, m, rank, kw):
+    """(baseline vs the MX reference, distributed fp32 MX reference vs the local one, baseline dtype)."""
+    from kosmos_bench import moe_mx
+    ref = moe_forward_ref_local(xs, wr, w13, w2, top_k=m.top_k, mx=True, **kw)[rank]
+    w_mx = moe_mx.mx_expert_weights(w13[rank], w2[rank])
+    y = moe_mx.moe_forward_a2a_mx(xs[rank], wr, *w_mx, top_k=m.top_k, fp32=False, **kw)
+    y32 = moe_mx.moe_forward_a2a_mx(xs[rank], wr, w13[rank], w2[rank], top_k=m.top_k, fp32=True, **kw)
+    y32b = moe_mx.moe_forward_a2a_mx(xs[rank], wr, w13[rank], w2[rank], top_k=m.top_k, fp32=True, gemm1_bf16=True,
+                                     **kw)
+    bf16 = moe_forward_ref_local(xs, wr, w13, w2, top_k=m.top_k, **kw)[rank]
+    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+    return rel(y, y32b), rel(y32, ref), str(y.dtype), rel(ref, bf16), rel(y, ref)
+
+
+@pytest.mark.parametrize("name", ["tiny-softmax", "tiny-grouped"])
+def test_a2a_mx_world1_matches_local_mx_reference(name):
+    m = TINY[name]
+    xs, wr, bias, w13, w2 = _bf16_layer(m, 1, 97)
+    err, err32, dtype, mx_vs_bf16, vs_mx = _mx_errors(xs, wr, w13, w2, m, 0, moe.route_kwargs(m, bias))
+    # against the MX layer with its bf16 GEMM1 output (what it is checked against): bf16 GEMM outputs, not exact
+    assert dtype == "torch.bfloat16" and 0 < err < 5e-3
+    assert vs_mx < 3e-2  # against the MX layer itself (moe_mx's docstring: ~1.7e-2 from h's extra roundings)
+    assert err32 < 1e-6  # the distributed reference is the local one's math
+    assert 1e-2 < mx_vs_bf16 < 1e-1  # and MX is not bf16: the check would see a bf16 layer passed off as MX
+
+
+def test_mx_wire_bytes_formula():
+    from kosmos_bench import moe_mx
+    assert moe_mx.wire_bytes("mxfp8", 100, 64, 1) == 0
+    assert moe_mx.wire_bytes("bf16", 100, 64, 2) == 100 * (64 * 2 + 64 * 2) // 2
+    assert moe_mx.wire_bytes("mxfp8", 100, 64, 2) == 100 * (64 + 2 + 64 * 2) // 2
+
+
+def _a2a_mx_rank(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        res = {}
+        for name, m in TINY.items():
+            xs, wr, bias, w13, w2 = _bf16_layer(m, world, 53)
+            res[name] = _mx_errors(xs, wr, w13, w2, m, rank, moe.route_kwargs(m, bias))
+        q.put((rank, res))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a2a_mx_world2_over_gloo_matches_local_mx_reference():
+    got = _spawn(_a2a_mx_rank, 2)
+    for res in got.values():
+        assert set(res) == set(TINY)
+        for err, err32, dtype, _, _ in res.values():
+            assert dtype == "torch.bfloat16" and 0 < err < 5e-3 and err32 < 1e-6, got
+
+
 # --------------------------------------------------------------------------- DeepEP expert side (CPU)
 
 
@@ -361,6 +418,47 @@ def test_point_end_to_end_world1(monkeypatch, tiny_models, name):
     for key, r in by.items():
         kosmos_impl = key[1] in ("kosmos", "fixed-role", "fixed-role-best", "kosmos-expert-gemms")
         assert r["config"] == (config_dict(MoEForwardConfig()) if kosmos_impl else None), key
+
+
+def _fake_mx_moe_forward(x, router_weight, w13, w2, *, top_k, group, config, policy, comm_programs, precision,
+                         **route_kw):
+    """kosmos.moe_forward(..., precision="mxfp8") as the bench calls it: w13 / w2 the MX values, x bf16."""
+    from kosmos_bench import moe_mx
+    assert precision == "mxfp8" and x.dtype == torch.bfloat16
+    assert torch.equal(w13, moe_mx.mx_expert_weights(w13, w2)[0])  # already MX values (idempotent)
+    return moe_mx.moe_forward_a2a_mx(x, router_weight, w13, w2, top_k=top_k, fp32=True, **route_kw).bfloat16()
+
+
+@pytest.mark.parametrize("name", ["tiny-softmax", "tiny-grouped"])
+def test_point_end_to_end_mxfp8_world1(monkeypatch, tiny_models, name):
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    monkeypatch.setattr(moe, "moe_forward", _fake_mx_moe_forward)
+    monkeypatch.setattr(moe, "expert_gemms", _raising_expert_gemms)  # never called at mxfp8
+    rows = moe.run_case(moe.MoECase(name, 96, "zipf:1.2"), moe.MoESettings(dtype="mxfp8"), device="cpu")
+    by = _rows_by_impl(rows)
+    assert list(by) == [("moe_fwd", n) for n in moe.MOE_IMPLS]  # no expert-GEMM rows at mxfp8
+    assert all(r["dtype"] == "mxfp8" and r["wire_bytes"] == 0 for r in rows)
+    for impl in ("kosmos", "nccl-a2a"):
+        r = by[("moe_fwd", impl)]
+        assert r["status"] == "ok" and 0 < r["rel_err"] < 1e-2 and 1e-2 < r["rel_err_bf16"] < 1e-1, r
+        assert r["t_gemm_ms"] > 0  # grouped-mm at bf16, timed without a row
+    assert by[("moe_fwd", "nccl-a2a")]["note"].startswith("GEMM1's output rounded to bf16")
+    assert by[("moe_fwd", "deepep")]["status"] == "unavailable"
+    assert by[("moe_fwd", "deepep")]["reason"] == "no MXFP8 path in the deepep baseline yet"
+    assert by[("moe_fwd", "fixed-role")]["reason"] == "no communication at world size 1"
+    failed = moe.failed_rows(moe.MoECase(name, 96, "uniform"), 1, moe.MoESettings(dtype="mxfp8"), "boom")
+    assert [r["impl"] for r in failed] == list(moe.MOE_IMPLS) and {r["dtype"] for r in failed} == {"mxfp8"}
+
+
+def test_kosmos_without_the_precision_kwarg_is_recorded_failed(monkeypatch, tiny_models):
+    """Until the MXFP8 kernel lands, kosmos.moe_forward has no ``precision``: the row says so, the sweep goes on."""
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    monkeypatch.setattr(moe, "moe_forward", _fake_moe_forward("ok"))
+    st = moe.MoESettings(impls=("kosmos", "nccl-a2a"), dtype="mxfp8")
+    by = _rows_by_impl(moe.run_case(moe.MoECase("tiny-softmax", 32, "uniform"), st, device="cpu"))
+    k = by[("moe_fwd", "kosmos")]
+    assert k["status"] == "failed" and k["reason"].startswith("TypeError") and "precision" in k["reason"], k
+    assert k["rel_err_bf16"] is None and by[("moe_fwd", "nccl-a2a")]["status"] == "ok"
 
 
 def test_config_reaches_the_kernels_and_the_rows(monkeypatch, tiny_models):

@@ -104,12 +104,46 @@ def test_bench_moe_help_teaches():
     (["--impl", "megablocks"], "unknown impls ['megablocks']"),
     (["--tokens", "0"], "positive integers"),
     (["--model", "mixtral-8x7b", "--ep", "3"], "mixtral-8x7b has 8 experts: they do not split evenly over ep=3"),
-    (["--dtype", "mxfp8"], "--dtype mxfp8 is not implemented yet for the MoE layer (bf16 only"),
+    (["--dtype", "fp8"], "--dtype: unknown 'fp8'; choose from bf16, mxfp8"),
     (["--suite", str(SUITES / "tp-default.yaml")], "is a 'tp' suite; run it with `kosmos bench tp`"),
 ])
 def test_bench_moe_input_errors(args, needle):
     r = runner.invoke(app, ["bench", "moe", *args])
     assert r.exit_code == 2 and needle in " ".join(r.output.split()), r.output
+
+
+MOE_TINY = ["bench", "moe", "--hidden", "256", "--ffn", "128", "--experts", "8", "--top-k", "2", "--tokens", "256"]
+
+
+@pytest.mark.parametrize("value, dtypes", [("bf16", "bf16"), ("mxfp8", "mxfp8"), ("bf16,mxfp8", "bf16, mxfp8"),
+                                           ("mxfp8,bf16,mxfp8", "mxfp8, bf16")])
+def test_bench_moe_dtype_list_parses(value, dtypes):
+    r = runner.invoke(app, [*MOE_TINY, "--ep", "1", "--dtype", value, "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert f"dtype: {dtypes}" in r.output and f"moe-{dtypes.replace(', ', '-')}-" in r.output
+
+
+def test_bench_moe_dry_run_lists_implementations_per_dtype():
+    r = runner.invoke(app, [*MOE_TINY, "--ep", "2", "--dtype", "bf16,mxfp8", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "over 2 dtypes" in r.output
+    bf16, mx = r.output.split("implementations (moe_fwd, bf16):")[1].split("implementations (moe_fwd, mxfp8):")
+    assert "implementations (moe_experts, bf16):" in r.output  # the expert GEMMs alone: bf16 only
+    assert "implementations (moe_experts, mxfp8)" not in r.output and "kosmos-expert-gemms" not in mx
+    for name in ("kosmos", "nccl-a2a (baseline)", "fixed-role", "fixed-role-best"):
+        assert name in mx
+    assert "deepep" in bf16 and "unavailable: no MXFP8 path in the deepep baseline yet" in mx
+    r = runner.invoke(app, [*MOE_TINY, "--ep", "1", "--dtype", "mxfp8", "--no-expert-gemms", "--dry-run"])
+    assert r.exit_code == 0 and "implementations (moe_fwd):" in r.output and "moe_experts" not in r.output, r.output
+
+
+def test_bench_moe_suite_dtype_list(tmp_path):
+    path = tmp_path / "moe-mx.yaml"
+    path.write_text("bench: moe\nmodels: [mixtral-8x7b]\ntokens: [128]\nrouting: [uniform]\ndtype: [bf16, mxfp8]\n")
+    r = runner.invoke(app, ["bench", "moe", "--suite", str(path), "--ep", "1", "--dry-run"])
+    assert r.exit_code == 0 and "dtype: bf16, mxfp8" in r.output, r.output
+    r = runner.invoke(app, ["bench", "moe", "--suite", str(path), "--ep", "1", "--dtype", "mxfp8", "--dry-run"])
+    assert r.exit_code == 0 and "dtype: mxfp8" in r.output, r.output
 
 
 def test_bench_moe_tokens_not_a_number():
@@ -622,5 +656,29 @@ def test_bench_tp_bf16_and_mxfp8_end_to_end(tmp_path):
         assert row["wire_bytes"] == 0 and row["t_gemm_ms"] > 0
         if row["dtype"] == "mxfp8":
             assert 0 < row["rel_err_bf16"] < 5e-2
+    rep = runner.invoke(app, ["report", str(out)])
+    assert rep.exit_code == 0 and "mxfp8 / bf16" in rep.output, rep.output
+
+
+@pytest.mark.gpu
+def test_bench_moe_bf16_and_mxfp8_end_to_end(tmp_path):
+    """`bench moe --dtype bf16,mxfp8` at EP=1 on one GPU: every kosmos and nccl-a2a row ok at both dtypes, the
+    expert GEMMs alone at bf16 only, the mxfp8 fields recorded, the report's "mxfp8 / bf16" section."""
+    import json
+    out = tmp_path / "moe-mx.jsonl"
+    r = runner.invoke(app, [*MOE_TINY, "--ep", "1", "--dtype", "bf16,mxfp8", "--iters", "2", "--warmup", "1",
+                            "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [row for row in rows if row["type"] == "result"]
+    assert {row["dtype"] for row in rows} == {"bf16", "mxfp8"}
+    for dtype in ("bf16", "mxfp8"):
+        for impl in ("kosmos", "nccl-a2a"):
+            row, = [x for x in rows if x["op"] == "moe_fwd" and x["impl"] == impl and x["dtype"] == dtype]
+            assert row["status"] == "ok", (impl, dtype, row["reason"])
+            assert row["wire_bytes"] == 0 and row["t_gemm_ms"] > 0
+            if dtype == "mxfp8":
+                assert 0 < row["rel_err_bf16"] < 5e-2
+    assert {row["dtype"] for row in rows if row["op"] == "moe_experts"} == {"bf16"}
     rep = runner.invoke(app, ["report", str(out)])
     assert rep.exit_code == 0 and "mxfp8 / bf16" in rep.output, rep.output
