@@ -99,8 +99,10 @@ def _compile(module, kernel_name: str, call) -> dict:
 KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "moe_forward")
 
 
-def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: int = 5120, only=KERNELS):
-    """(name, resources) of the fused kernels in ``only`` at ``world`` (rank 0, self policy, default configs)."""
+def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: int = 5120, only=KERNELS,
+            mx: bool = False):
+    """(name, resources) of the fused kernels in ``only`` at ``world`` (rank 0, self policy, default configs);
+    ``mx``: their MXFP8 variants (MX activation, dequantize on arrival; the MoE layer's MX dispatch)."""
     from kosmos import planning, runtime
     from kosmos.kernels import all_gather_matmul as ag
     from kosmos.kernels import matmul_reduce_scatter as rs
@@ -116,14 +118,25 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     gather, c = torch.empty(ms * world, k, **bf), torch.empty(ms * world, n, **bf)
     cfg = planning.tile_config(ms, n, k)
     out = []
-    if "all_gather_matmul" in only:
+    f8 = dict(dtype=torch.float8_e4m3fn, device=dev)
+    u8 = dict(dtype=torch.uint8, device=dev)
+    if "all_gather_matmul" in only and mx:
+        out.append(("all_gather_matmul mx", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
+            torch.empty(ms, k, **f8), b, False, c, torch.empty(ms * world, k, **f8), peers, peers, sig, heads, errs,
+            cfg=cfg, a_scales=torch.empty(ms, k // 32, **u8), gather_scales=torch.empty(ms * world, k // 32, **u8),
+            scale_offset=ms * world * k, dequantized=gather, **common))))
+    elif "all_gather_matmul" in only:
         out.append(("all_gather_matmul", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
             a_shard, b, False, c, gather, peers, peers, sig, heads, errs, cfg=cfg, **common))))
     k_rs, n_rs = 8192 // world, 8192  # attention-out: K = heads*head_dim / W
     a_rs, b_rs = torch.empty(ms * world, k_rs, **bf), torch.empty(k_rs, n_rs, **bf)
     stage, c_rs = torch.empty(ms * world, n_rs, **bf), torch.empty(ms, n_rs, **bf)
     cfg = planning.tile_config(ms, n_rs, k_rs)
-    if "matmul_reduce_scatter" in only:
+    if "matmul_reduce_scatter" in only and mx:
+        out.append(("matmul_reduce_scatter mx", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
+            torch.empty(ms * world, k_rs, **f8), b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg,
+            a_scales=torch.empty(ms * world, k_rs // 32, **u8), dequantized=a_rs, **common))))
+    elif "matmul_reduce_scatter" in only:
         out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
             a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
     if "moe_forward" not in only:
@@ -131,19 +144,21 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     # deepseek-v3-like MoE layer: H 7168, F 2048, 256 experts, top-8, sigmoid-grouped routing
     t_, h, f, e, top_k = 256, 7168, 2048, 256, 8
     el = e // world
-    mcfg = planning.moe_config()
+    mcfg = planning.moe_config(mx=mx)
     lay = mf.Layout(world, t_, h, f, top_k, el, mcfg)
     small = lambda n_, dt=torch.int32: torch.zeros(max(1, n_), dtype=dt, device=dev)  # noqa: E731
-    bufs = dict(data=small(1024, torch.uint8), sig=sig, ctr=small(4096), peer_data=peers, peer_sig=peers,
+    bufs = dict(data=small(lay.data_bytes if mx else 1024, torch.uint8), sig=sig, ctr=small(4096), peer_data=peers, peer_sig=peers,
                 peer_ctr=peers, topk_w=small(16, torch.float32), topk_e=small(16), xe=torch.empty(128, h, **bf),
                 xe_meta=small(16), hb=torch.empty(128, f, **bf), plan=small(lay.plan_n),
                 scratch=small(lay.scratch_n), errors=errs, layout=lay)
     x, wr = torch.empty(t_, h, **bf), torch.empty(e, h, **bf)
     w13, w2, y = torch.empty(el, h, 2 * f, **bf), torch.empty(el, f, h, **bf), torch.empty(t_, h, **bf)
     bias = torch.zeros(e, dtype=torch.float32, device=dev)
-    out.append(("moe_forward", _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
+    from kosmos.quant import MXTensor
+    x_mx = MXTensor(torch.empty(t_, h, **f8), torch.empty(t_, h // 32, **u8)) if mx else None
+    out.append(("moe_forward" + (" mx" if mx else ""), _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
         x, wr, bias, w13, w2, y, bufs, cfg=mcfg, top_k=top_k, routing="sigmoid-grouped", n_group=8,
-        topk_group=4, routed_scaling=2.5, **common))))
+        topk_group=4, routed_scaling=2.5, x_mx=x_mx, **common))))
     return out
 
 
@@ -152,6 +167,7 @@ def main(argv=None):
     ap.add_argument("--world", default="1,2,8", help="world sizes the kernels are compiled for (comma-separated)")
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="which kernels (comma-separated)")
+    ap.add_argument("--mx", action="store_true", help="the MXFP8 variants instead of the bf16 ones")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -165,9 +181,9 @@ def main(argv=None):
     print(f"triton {triton.__version__}, sm_90a, grid {grid}")
     print(f"{'kernel':<24} {'W':>2} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared KiB':>11}")
     for world in [int(w) for w in args.world.split(",")]:
-        for name, r in kernels(world, dev, grid, only=args.kernels.split(",")):
+        for name, r in kernels(world, dev, grid, only=args.kernels.split(","), mx=args.mx):
             rows.append(dict(kernel=name, world=world, triton=triton.__version__, **r))
-            print(f"{name:<24} {world:>2} {r['regs']:>5} {str(r['spill_bytes']):>8} {r['stack_bytes']:>8} "
+            print(f"{name:<26} {world:>2} {r['regs']:>5} {str(r['spill_bytes']):>8} {r['stack_bytes']:>8} "
                   f"{r['shared_kib']:>11}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -58,6 +58,17 @@ Workspace: symmetric data = receive rows [W, T, H] + metadata [W, T, 1+2k] + cou
 SwiGLU output [W*T*min(k, El), F], plan, scratch: sized for the worst case (every token of every rank to
 this rank's experts), so no call can overflow.
 
+MXFP8 (``precision="mxfp8"``; the math in kosmos/moe_reference.py's docstring): x is quantized before the
+launch (quant.quantize_mx); ROUTE routes on the bf16 x and pushes each token's E4M3 payload (as bf16 pairs)
+and its E8M0 scales (into the receive region, after the payload); PERMUTE dequantizes while it places the rows
+(exact: bf16 expert rows, so both GEMMs stay bf16 MMAs); GEMM1's epilogue rounds h to bf16 and then to its MX
+values (blocks of 32 along F; BNH = 128 holds 4 whole blocks); the weights arrive as their MX values.
+Wire bytes of the dispatch: 0.52x of bf16; the combine stays bf16. Session 8 (2026-12-01): interpreter tests
+at W = 1, 2 pass; compiled for sm_90a on the CPU box (Triton 3.9, not the GPU's 3.6): 255 registers and
+328 / 260 B of spills at W = 1 / 2 against 160 / 144 for bf16 (dev/kernel_resources.py --mx). Not yet run
+on a GPU: speed and the GPU tests (test_moe_forward.py: mxfp8 at simulated W = 1, 2, 4, the public op) are
+the next session's first MoE call.
+
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, "moe v0.1"-"moe v0.3"):
   Suite, 2x H200 (EP=2), 1b61db4 run with the copy step (BH; config copy_cols) at 512, today's default,
   Triton 3.6, 2026-11-29 (session 3, results/h200x2/moe-bf16.jsonl): kosmos vs nccl-a2a geomean 1.607
