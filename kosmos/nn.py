@@ -232,6 +232,15 @@ class MoE(torch.nn.Module):
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+        self.precision = "bf16"
+        if isinstance(dtype, str):  # "mxfp8": bf16 parameters, the MXFP8 layer (moe_forward's precision)
+            if dtype not in PRECISIONS:
+                raise ValueError(f"dtype {dtype!r}: choose torch.bfloat16 or one of {', '.join(PRECISIONS)}")
+            if dtype == "mxfp8" and (hidden % 32 or expert_ffn % 32):
+                raise ValueError(f"dtype='mxfp8' needs hidden={hidden} and expert_ffn={expert_ffn} to be multiples "
+                                 f"of 32 (MX blocks)")
+            self.precision, dtype = dtype, torch.bfloat16
+        self._mx_cache = None
         world = world_size(group)
         if experts % world:
             raise ValueError(f"{experts} experts do not split evenly over {world} ranks")
@@ -259,5 +268,12 @@ class MoE(torch.nn.Module):
                                                                 (self.router_weight, self.w13, self.w2))):
             raise RuntimeError("kosmos.nn.MoE has no backward yet: run it under torch.no_grad() / inference_mode, "
                                "or freeze its parameters")
-        return moe_forward(x, self.router_weight, self.w13, self.w2, top_k=self.top_k, routing=self.routing,
-                           bias=self.bias, group=self.group, **self.route_kw)
+        w13, w2 = self.w13, self.w2
+        if self.precision == "mxfp8":  # the experts' MX values, cached until a parameter changes
+            key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))
+            if self._mx_cache is None or self._mx_cache[0] != key:
+                self._mx_cache = (key, quant.mx_values(self.w13.detach(), dim=1),
+                                  quant.mx_values(self.w2.detach(), dim=1))
+            w13, w2 = self._mx_cache[1], self._mx_cache[2]
+        return moe_forward(x, self.router_weight, w13, w2, top_k=self.top_k, routing=self.routing,
+                           bias=self.bias, group=self.group, precision=self.precision, **self.route_kw)

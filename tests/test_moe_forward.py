@@ -508,3 +508,30 @@ def test_w1_moe_forward_mxfp8_public_op():
     assert torch.equal(kosmos.moe_forward(x, router, w13m, w2m, top_k=2, precision="mxfp8"), y)
     with pytest.raises(ValueError, match="precision"):
         kosmos.moe_forward(x, router, w13m, w2m, top_k=2, precision="fp4")
+
+
+def test_nn_moe_mxfp8_arguments():
+    import kosmos.nn as knn
+    with pytest.raises(ValueError, match="multiples of 32"):
+        knn.MoE(hidden=48, expert_ffn=32, experts=4, top_k=2, dtype="mxfp8")
+    with pytest.raises(ValueError, match="choose torch.bfloat16"):
+        knn.MoE(hidden=64, expert_ffn=32, experts=4, top_k=2, dtype="fp4")
+    assert knn.MoE(hidden=64, expert_ffn=32, experts=4, top_k=2, dtype="mxfp8").precision == "mxfp8"
+
+
+@pytest.mark.gpu
+def test_w1_nn_moe_mxfp8():
+    """nn.MoE(dtype="mxfp8") = moe_forward(precision="mxfp8") on the parameters' MX values; the cache follows
+    the parameters."""
+    import kosmos
+    import kosmos.nn as knn
+    from kosmos import quant
+    layer = knn.MoE(hidden=256, expert_ffn=128, experts=8, top_k=2, dtype="mxfp8").cuda()
+    x = torch.randn(200, 256, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+        want = kosmos.moe_forward(x, layer.router_weight, quant.mx_values(layer.w13, dim=1),
+                                  quant.mx_values(layer.w2, dim=1), top_k=2, precision="mxfp8")
+        assert torch.equal(y, want)
+        layer.w2.mul_(2.0)
+        assert not torch.equal(layer(x), y)
