@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -32,5 +32,16 @@ case $stage in
     timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/test_bench_harness.py tests/test_cli.py \
       -k "mxfp8" > "$out/gpu-tests-bench-mx.log" 2>&1; echo "bench gpu tests rc=$?"; tail -1 "$out/gpu-tests-bench-mx.log"
     tail -30 "$out/bench-mxfp8.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8" >&2; exit 2 ;;
+  gpu-all)  # session 9's first call: every GPU test (session 8 ran only part), then the DEQ / MX probes
+    timeout 420 python -m pytest -q -p no:cacheprovider -m "gpu or ranks or multi_gpu or gpu_optional" tests/ \
+      > "$out/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -2 "$out/gpu-tests.log"
+    grep -E "^(FAILED|ERROR)" "$out/gpu-tests.log" | head -20
+    timeout 60 python -m dev.deq_probe > "$out/deq-probe.log" 2>&1; echo "deq probe rc=$?"
+    timeout 90 python -m dev.mx_probe --seqs 4096 --json "$out/mx-probe.jsonl" > "$out/mx-probe.log" 2>&1
+    echo "mx probe rc=$?"; tail -30 "$out/deq-probe.log"; grep -v "^{" "$out/mx-probe.log" | tail -8 ;;
+  moe-mxfp8)  # the MXFP8 MoE results (issue 14's MoE bar: mxfp8 kosmos <= 1.05x the bf16 kosmos time, EP=1)
+    timeout 540 python -m kosmos_bench.cli bench moe --ep 1 --dtype bf16,mxfp8 --tokens 4096,8192 \
+      --out "$out/moe-mxfp8-ep1.jsonl" > "$out/bench-moe-mxfp8.log" 2>&1; echo "bench rc=$?"
+    tail -30 "$out/bench-moe-mxfp8.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8" >&2; exit 2 ;;
 esac
