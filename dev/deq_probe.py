@@ -48,12 +48,33 @@ def _dequant_rows_x2(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.
 
 
 @triton.jit
+def _dequant_rows_pipelined(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr):
+    """Candidate: the single-step loop as a tl.range with num_stages=3 (Triton's pipeliner may then issue the
+    next steps' loads early as asynchronous copies)."""
+    KB = K // 32
+    r = tl.arange(0, ROWS)
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 32)
+    soffs = r[:, None] * KB + b[None, :]
+    offs = soffs[:, :, None] * 32 + j[None, None, :]
+    rmask = (r < rows)[:, None]
+    for b0 in tl.range(0, KB, NB, num_stages=3):
+        smask = rmask & (b[None, :] < KB - b0)
+        sb = tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32)
+        q = tl.load(q_ptr + b0 * 32 + offs, mask=smask[:, :, None], other=0.0)
+        tl.store(out_ptr + b0 * 32 + offs, _expand(q, sb), mask=smask[:, :, None])
+
+
+@triton.jit
 def _deq_all(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr, X2: tl.constexpr):
     n_runs = tl.cdiv(rows, ROWS)
     for run in range(tl.program_id(0), n_runs, tl.num_programs(0)):
         r0 = run * ROWS
         row = r0.to(tl.int64)
-        if X2:
+        if X2 == 2:
+            _dequant_rows_pipelined(q_ptr + row * K, s_ptr + row * (K // 32), out_ptr + row * K,
+                                    tl.minimum(rows - r0, ROWS), K, ROWS, NB)
+        elif X2 == 1:
             _dequant_rows_x2(q_ptr + row * K, s_ptr + row * (K // 32), out_ptr + row * K,
                              tl.minimum(rows - r0, ROWS), K, ROWS, NB)
         else:
@@ -71,8 +92,9 @@ def main():
     res = []
     # session 8 (04ee27a, results/h200x1/s8/deq-probe.log): the single-step kernel 2.4 TB/s at 132 programs,
     # ~3.0 at 264, 0.8 at 32 (~25 GB/s per program): the per-program rate is the limit inside the TP ops
-    for rows_per, nb, warps, x2 in ((32, 16, 8, False), (32, 16, 8, True), (16, 32, 8, False), (16, 32, 8, True),
-                                    (32, 32, 8, False), (64, 16, 8, False), (64, 16, 8, True), (32, 8, 4, True)):
+    # x2: 0 the product's mx_dequant_rows, 1 two steps in flight, 2 a tl.range pipelined over 3 stages
+    for rows_per, nb, warps, x2 in ((32, 16, 8, 0), (32, 16, 8, 1), (32, 16, 8, 2), (16, 32, 8, 1), (16, 32, 8, 2),
+                                    (32, 32, 8, 0), (64, 16, 8, 1), (32, 8, 4, 2)):
         for progs in (132, 32, 8):
             fn = lambda: _deq_all[(progs,)](mx.payload, mx.scales, out, rows, k, ROWS=rows_per, NB=nb,  # noqa
                                             X2=x2, num_warps=warps)
@@ -81,7 +103,7 @@ def main():
                 torch.cuda.synchronize()
                 ok = torch.equal(out.view(torch.int16), want.view(torch.int16))
                 ms = time_op(fn, iters=10, warmup=2)["time_ms"]
-                res.append((f"rows{rows_per} nb{nb} w{warps}{' x2' if x2 else ''} p{progs}", ms,
+                res.append((f"rows{rows_per} nb{nb} w{warps} v{x2} p{progs}", ms,
                             traffic / ms / 1e9, ok))
             except Exception as e:  # noqa: BLE001
                 res.append((f"rows{rows_per} nb{nb} w{warps} x2={x2} p{progs}", None, str(e).splitlines()[0][:80],
