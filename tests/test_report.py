@@ -1086,3 +1086,34 @@ def _mx_table_bf16_only():
 def test_gemm_rs_bandwidth_counts_bf16_partials_at_mxfp8():
     row = {"op": "gemm_rs", "m": 4096, "n": 1024, "k": 2048, "world": 2, "dtype": "mxfp8", "t_comm_ms": 0.5}
     assert comm_bandwidth(row)[0] == pytest.approx(4096 * 1024 * 2 / 0.5e-3 / 1e9)
+
+
+MOE_MX_FIXTURE = Path(__file__).parent / "fixtures" / "moe-mx-sample.jsonl"
+
+
+def test_moe_bf16_and_mxfp8_rows_render():
+    """A MoE file with bf16 and mxfp8 rows: a table per dtype, the "mxfp8 / bf16" ratios per (tokens, routing)
+    point, the bytes on the wire (mxfp8 dispatch payload + scales, bf16 combine), every format."""
+    from kosmos_bench.report.tables import dtype_table, wire_table
+    df = build_table(load_results([MOE_MX_FIXTURE])[1])
+    ratios = dtype_table(df).set_index("routing")
+    assert list(ratios.index) == ["uniform", "zipf:1.2"]  # two points at one token count: not merged
+    assert ratios.loc["uniform", "mxfp8_vs_bf16"] == pytest.approx(8.1 / 9.0)
+    assert ratios.loc["zipf:1.2", "mxfp8_vs_bf16"] == pytest.approx(10.8 / 12.0)
+    assert ratios.loc["zipf:1.2", "mxfp8_vs_cublas_bf16"] == pytest.approx(10.8 / 6.1)
+    wires = wire_table(df)
+    mx = wires[(wires["dtype"] == "mxfp8") & (wires["routing"] == "uniform")]
+    assert len(mx) == 1 and mx["wire_vs_bf16"].iloc[0] == pytest.approx((1 + 1 / 32 + 2) / 4)
+    assert "deepep" not in " ".join(wires["impls"])
+    g = geomean_table(df).set_index(["dtype", "impl"])
+    assert g.loc[("mxfp8", "kosmos"), "geomean_speedup"] == pytest.approx(math.sqrt(10.5 / 8.1 * 13.2 / 10.8))
+    assert ("mxfp8", "grouped-mm") not in g.index
+    r = run_report(MOE_MX_FIXTURE)
+    assert r.exit_code == 0, r.output
+    text = r.output
+    assert "mxfp8 / bf16" in text and "no MXFP8 path in the deepep baseline yet" in text
+    assert "zipf:1.2" in text.split("mxfp8 / bf16")[1]
+    for fmt in ("md", "csv", "html"):
+        r = run_report(MOE_MX_FIXTURE, "--format", fmt)
+        assert r.exit_code == 0, (fmt, r.output)
+    assert "mxfp8 / bf16" in run_report(MOE_MX_FIXTURE, "--format", "md").output

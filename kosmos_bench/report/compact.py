@@ -93,7 +93,8 @@ def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
                            "(t_gemm_ms; < 1: mxfp8 faster)", style="bold"))
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
         labels = (["source"] if several_sources else []) + ["op", "layer", "seq"] + \
-            (["world"] if ratios["world"].nunique() > 1 else [])
+            (["routing"] if ratios["routing"].notna().any() else []) + \
+            (["model"] if ratios["model"].nunique() > 1 else []) + (["world"] if ratios["world"].nunique() > 1 else [])
         for column in labels:
             table.add_column(column, justify="right" if column == "seq" else "left")
         for header in ("bf16 ms", "mxfp8 ms", "mx/bf16", "cuBLAS bf16", "mx/cuBLAS"):
@@ -107,11 +108,12 @@ def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
         console.print(table)
     if not wires.empty:
         console.print(Text("Bytes on the wire per rank (MiB; x: over bf16)", style="bold"))
-        shape_columns = ["source", "op", "layer", "model", "seq", "m", "n", "k", "world"]
+        shape_columns = ["source", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world"]
         for _, group in wires.groupby(shape_columns, sort=False, dropna=False):
             first = group.iloc[0]
+            routing = "" if first["routing"] is None or pd.isna(first["routing"]) else f" {first['routing']}"
             label = f"{first['source'] + ' ' if several_sources else ''}{first['op']} {first['layer']} " \
-                    f"{first['seq']} W{first['world']}:"
+                    f"{first['seq']}{routing} W{first['world']}:"
             parts = []
             for row in group.to_dict("records"):
                 ratio = "" if pd.isna(row["wire_vs_bf16"]) or row["dtype"] == "bf16" else \

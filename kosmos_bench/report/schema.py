@@ -64,11 +64,11 @@ FLOAT_COLUMNS = (
 )
 # the "mxfp8 / bf16" section (tables.dtype_table): per shape, kosmos at mxfp8 against kosmos at bf16 and against
 # cuBLAS bf16 alone (the mxfp8 row's t_gemm_ms); ratios of times, < 1 means mxfp8 is faster
-DTYPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "world", "kosmos_bf16_ms",
+DTYPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world", "kosmos_bf16_ms",
                  "kosmos_mxfp8_ms", "mxfp8_vs_bf16", "cublas_bf16_ms", "mxfp8_vs_cublas_bf16"]
 # the bytes on the wire per implementation (tables.wire_table): per shape and dtype, the implementations that send
 # the same bytes, in MiB, and that against the shape's bf16 bytes
-WIRE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "world", "dtype", "impls",
+WIRE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world", "dtype", "impls",
                 "wire_mib", "wire_vs_bf16"]
 FLOAT_FORMATS = {
     "time_ms": "{:.4f}", "p20_ms": "{:.4f}", "p80_ms": "{:.4f}",

@@ -57,9 +57,11 @@ MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
   (lines.py) counts the groups where kosmos is at most the suite's ``slower_tolerance`` slower. A group
   where kosmos ran with several configs gets a row per config.
 
-* ``dtype_table`` (section "mxfp8 / bf16") -- per TP shape where kosmos ran ok at mxfp8: kosmos's mxfp8 time over
+* ``dtype_table`` (section "mxfp8 / bf16") -- per shape (TP; MoE: per moe_fwd point, routing included) where
+  kosmos ran ok at mxfp8: kosmos's mxfp8 time over
   its bf16 time (``mxfp8_vs_bf16``, when the bf16 row is ok too) and over cuBLAS bf16 alone on the shape, the
-  mxfp8 row's ``t_gemm_ms`` (``mxfp8_vs_cublas_bf16``); < 1 means mxfp8 is faster. ``wire_table``: per shape and
+  mxfp8 row's ``t_gemm_ms`` (``mxfp8_vs_cublas_bf16``; for MoE rows grouped-mm at bf16 on the same rows);
+  < 1 means mxfp8 is faster. ``wire_table``: per shape and
   dtype, the bytes a rank sends in the collective (``wire_bytes``) in MiB, the implementations that send the same
   bytes on one line, and that against the shape's bf16 bytes.
 
@@ -277,20 +279,27 @@ def versus_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 MX, BF16 = "mxfp8", "bf16"
-_DTYPE_SHAPE = ["source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "world"]
+# MoE points also differ by routing (None for TP rows)
+_DTYPE_SHAPE = ["source", "bench", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world"]
+
+
+def _shape_key(row: dict) -> tuple:
+    """The shape of ``row`` for the dtype sections (a missing value, NaN from a mixed frame, is None)."""
+    return tuple(None if (v := row.get(c)) is None or (isinstance(v, float) and math.isnan(v)) else v
+                 for c in _DTYPE_SHAPE)
 
 
 def dtype_table(df: pd.DataFrame) -> pd.DataFrame:
     """Section "mxfp8 / bf16" (module docstring): a row per shape where kosmos ran ok at mxfp8."""
     rows = [row for row in df.to_dict("records") if row["impl"] == OURS and _has_time(row)]
-    bf16 = {tuple(row.get(c) for c in _DTYPE_SHAPE): row for row in rows if row["dtype"] == BF16}
+    bf16 = {_shape_key(row): row for row in rows if row["dtype"] == BF16}
     records = []
     for mx in (row for row in rows if row["dtype"] == MX):
-        base = bf16.get(tuple(mx.get(c) for c in _DTYPE_SHAPE))
+        base = bf16.get(_shape_key(mx))
         cublas = mx.get("t_gemm_ms")
         cublas = cublas if _is_number(cublas) and cublas > 0 else math.nan
         records.append({
-            **{c: mx.get(c) for c in _DTYPE_SHAPE},
+            **dict(zip(_DTYPE_SHAPE, _shape_key(mx))),
             "kosmos_bf16_ms": base["time_ms"] if base else math.nan, "kosmos_mxfp8_ms": mx["time_ms"],
             "mxfp8_vs_bf16": mx["time_ms"] / base["time_ms"] if base else math.nan,
             "cublas_bf16_ms": cublas, "mxfp8_vs_cublas_bf16": mx["time_ms"] / cublas,
@@ -308,7 +317,7 @@ def wire_table(df: pd.DataFrame) -> pd.DataFrame:
         wire = row.get("wire_bytes")
         if wire is None or pd.isna(wire) or row["status"] != "ok":  # what ran
             continue
-        key = (*(row.get(c) for c in _DTYPE_SHAPE), row["dtype"], int(wire))
+        key = (*_shape_key(row), row["dtype"], int(wire))
         groups.setdefault(key, [])
         if row["impl"] not in groups[key]:
             groups[key].append(row["impl"])
