@@ -15,6 +15,23 @@ Implementations of the layer (registry family "moe_fwd"; y [T, H] bf16 from x [T
   fixed-role       kosmos.moe_forward(..., policy="fixed", comm_programs=S) at S = 16.
   fixed-role-best  the same at the best S of ``fixed_sweep`` (the tuned oracle a fixed-role library needs;
                    harness.best_fixed_split, shared with the TP bench).
+Precisions (``--dtype bf16,mxfp8``: every point runs at each, bf16 first; each row's ``dtype`` says which). At
+mxfp8 every implementation starts from the same bf16 x; the experts' weights' MX values (``quant.mx_values``,
+blocks along H for W13, along F for W2) are made once, outside the timed call, like a cached weight:
+  kosmos           kosmos.moe_forward(x, ..., w13_mx, w2_mx, precision="mxfp8"): the op quantizes x inside the call;
+                   fixed-role and fixed-role-best the same with policy "fixed". A kosmos without ``precision``
+                   gives a failed row (TypeError) and the sweep goes on.
+  nccl-a2a         moe_mx.moe_forward_a2a_mx(fp32=False): quantize x, all-to-all of the payload (as uint8) and the
+                   scales, dequantize, torch._grouped_mm with the MX weight values, SwiGLU, h -> its MX values,
+                   GEMM2, bf16 combine, fold (moe_mx.py's docstring).
+  deepep           unavailable ("no MXFP8 path in the deepep baseline yet").
+  The expert GEMMs alone (moe_experts) have no rows at mxfp8; the moe_fwd rows' t_gemm_ms is grouped-mm at bf16
+  on the same rows at both dtypes (timed without a row at mxfp8).
+The check at mxfp8 (harness.Reference): the MX layer's fp32 math (moe_reference's ``mx=True``, distributed:
+moe_mx.moe_forward_a2a_mx(fp32=True)) within TOLERANCE["mxfp8"] (1e-2); nccl-a2a against the same with GEMM1's
+output rounded to bf16 (its own rounding; row ``note``). Every mxfp8 row also records ``rel_err_bf16`` (against the
+bf16 layer's fp32 reference). Every moe_fwd row records ``wire_bytes`` (moe_mx.wire_bytes: dispatch payload +
+scales at mxfp8, H*(1 + 1/32) bytes a row, and the bf16 combine, 2H; SCHEMA.md).
 Expert GEMMs alone (family and op ``moe_experts``, on exactly the per-local-expert row counts this rank
 receives):
   grouped-mm           torch._grouped_mm x2 with the SwiGLU between (moe_reference._experts_forward, the GEMMs
