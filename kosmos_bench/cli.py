@@ -363,6 +363,11 @@ def bench_tp(
               f"fp8-rowwise are mxfp8 baselines)")
     world, how = _world(cfg.tp, "--tp", dry_run)
     cases = _tp_cases(cfg, custom, world)
+    if "mxfp8" in cfg.dtype:  # MX blocks are 32 elements along each GEMM's K (per rank for gemm_rs)
+        bad = [g for g in cases if g.k % 32]
+        if bad:
+            _fail(f"--dtype mxfp8 needs each GEMM's K to be a multiple of 32 (MX blocks of 32 along K); "
+                  f"{bad[0].op} {bad[0].model} {bad[0].layer} {bad[0].m}x{bad[0].n}x{bad[0].k} has K={bad[0].k}")
     suite_dict = cfg.to_dict()
     if custom is not None:  # the suite as run: the custom shapes instead of the suite's models
         suite_dict.update(models=[CUSTOM], layers=[CUSTOM], seq=sorted({g.seq for g in cases}),
@@ -506,6 +511,12 @@ def bench_moe(
         cases = moe_cases([custom] if custom else cfg.models, cfg.tokens, cfg.routing, world)
     except ValueError as e:
         _fail(str(e))
+    if "mxfp8" in cfg.dtype:
+        for c in cases:
+            m = case_model(c)
+            if m.hidden % 32 or m.expert_ffn % 32:
+                _fail(f"--dtype mxfp8 needs hidden and ffn to be multiples of 32 (MX blocks); {m.name} has "
+                      f"hidden={m.hidden}, ffn={m.expert_ffn}")
     suite_dict = cfg.to_dict()
     if custom:  # the suite as run: the custom model instead of the suite's models
         from dataclasses import asdict

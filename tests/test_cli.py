@@ -682,3 +682,17 @@ def test_bench_moe_bf16_and_mxfp8_end_to_end(tmp_path):
     assert {row["dtype"] for row in rows if row["op"] == "moe_experts"} == {"bf16"}
     rep = runner.invoke(app, ["report", str(out)])
     assert rep.exit_code == 0 and "mxfp8 / bf16" in rep.output, rep.output
+
+
+def test_mxfp8_needs_k_and_moe_sizes_in_mx_blocks():
+    """--dtype mxfp8 on a shape whose K (or an MoE layer whose hidden / ffn) is not a multiple of 32: one line,
+    exit 2, before anything runs."""
+    r = runner.invoke(app, ["bench", "tp", "--shape", "256x256x48", "--op", "ag_gemm", "--tp", "1", "--dtype",
+                            "bf16,mxfp8", "--dry-run"])
+    assert r.exit_code == 2 and "K=48" in r.output and "multiple of 32" in r.output
+    r = runner.invoke(app, ["bench", "moe", "--hidden", "48", "--ffn", "32", "--experts", "4", "--top-k", "2",
+                            "--ep", "1", "--tokens", "64", "--dtype", "mxfp8", "--dry-run"])
+    assert r.exit_code == 2 and "hidden=48" in r.output
+    r = runner.invoke(app, ["bench", "tp", "--shape", "256x256x64", "--op", "ag_gemm", "--tp", "1", "--dtype",
+                            "mxfp8", "--dry-run"])
+    assert r.exit_code == 0, r.output
