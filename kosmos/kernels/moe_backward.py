@@ -1,6 +1,8 @@
 """The MoE layer's backward: its pieces, on the way to one launch (issue: the MoE backward in one launch).
 
-So far: the per-expert weight gradient, the one GEMM shape of the backward the forward kernel has no twin of.
+So far, as tile functions with standalone launchers (to become stages of the one launch):
+
+1. The per-expert weight gradient, the one GEMM shape of the backward the forward kernel has no twin of.
 
     dW[e] = A[rows of e]^T @ B[rows of e]            A [R, KA], B [R, KB] bf16, rows of expert e consecutive
                                                       (counts[e] of them, zero allowed), dW [E, KA, KB] fp32
@@ -16,6 +18,15 @@ An expert without rows gets zeros.
 
 Math per tile: acc[BI, BJ] += A[r0:r0+BR, i*BI:+BI]^T @ B[r0:r0+BR, j*BJ:+BJ] (tl.dot of the transposed A
 tile); rows past the expert's end load as zeros.
+
+2. GEMM2's data gradient with the SwiGLU backward and the gate-weight gradient in its epilogue, per expert row
+   p (token t, slot j, weight w_p; rows expert-sorted, dy_rows[p] = dy[t]):
+       z_p  = dy_rows[p] @ W2[e]^T                        [R, F]  (fp32 accumulation; W2[e] read as its rows)
+       h_p  = silu(g_p) * u_p                             recomputed from the saved g | u
+       dwp[p, n] = sum over the tile's columns of z_p * h_p   the gate gradient <dy, o_p> = <z_p, h_p>, one
+                                                          partial per F-tile n, summed in order by the caller
+       dh_p = w_p z_p;  dg = dh u silu'(g);  du = dh silu(g)  stored bf16 as [dg | du] [R, 2F]
+   (moe_reference.gate_grad_from_h_ref, gemm2_backward_ref, swiglu_backward_ref.)
 
 Not yet run on a GPU (session 8, 2026-12-01: interpreter tests only); no speed figures. Compiles for sm_90a
 (local Triton 3.9, 128x128 tiles, 64-row steps, 8 warps, 3 stages): 98 registers, no spills, 96 KiB shared. In the one-launch
@@ -89,6 +100,92 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) 
     _expert_wgrad_kernel[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br,
                                DOT_FP32=planning.interpreting(), num_warps=warps, num_stages=stages)
     return out
+
+
+@triton.jit
+def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, H, F,
+                          n_mtiles, ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          DOT_FP32: tl.constexpr):
+    """One (expert, m-tile, F-tile) of item 2 of the module docstring. The m-tiles of all experts are numbered
+    consecutively (an expert's first m-tile from the exclusive cumsum of ceil(counts / BM))."""
+    pid = tl.program_id(0)
+    n_f = tl.cdiv(F, BN)
+    gm = pid // n_f
+    nf = pid % n_f
+    # the expert of m-tile gm: the last whose first m-tile is <= gm (first_mtile: exclusive cumsum, padded
+    # with 2**30 to ELP2 entries; an expert without rows shares its successor's first tile and loses the tie)
+    mt = tl.load(n_mtiles + tl.arange(0, ELP2))
+    e = tl.sum((mt <= gm).to(tl.int32), 0) - 1
+    first = tl.load(offs_ptr + e)
+    rows = tl.load(counts_ptr + e)
+    m = gm - tl.load(n_mtiles + e)
+    r = m * BM + tl.arange(0, BM)
+    rm = r < rows
+    rr = (first + r).to(tl.int64)
+    cf = nf * BN + tl.arange(0, BN)
+    fm = cf < F
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    ck = tl.arange(0, BK)
+    w2e = w2_ptr + e.to(tl.int64) * F * H
+    for k0 in range(0, H, BK):
+        km = (k0 + ck) < H
+        a = tl.load(dyr_ptr + rr[:, None] * H + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        # B[k, n] = W2[e][n, k]: rows of W2[e] (F of them, H long), read transposed
+        b = tl.load(w2e + cf[None, :].to(tl.int64) * H + (k0 + ck)[:, None], mask=km[:, None] & fm[None, :],
+                    other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    mask = rm[:, None] & fm[None, :]
+    g = tl.load(gu_ptr + rr[:, None] * (2 * F) + cf[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + rr[:, None] * (2 * F) + F + cf[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    silu = g * s
+    h = silu * u
+    tl.store(dwp_ptr + rr * tl.cdiv(F, BN) + nf, tl.sum(acc * h, 1), mask=rm)
+    dh = acc * tl.load(wp_ptr + rr, mask=rm, other=0.0)[:, None]
+    dg = dh * u * (s + g * s * (1.0 - s))
+    du = dh * silu
+    tl.store(dgu_ptr + rr[:, None] * (2 * F) + cf[None, :], dg.to(tl.bfloat16), mask=mask)
+    tl.store(dgu_ptr + rr[:, None] * (2 * F) + F + cf[None, :], du.to(tl.bfloat16), mask=mask)
+
+
+def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor, w_pair: torch.Tensor,
+                         counts: torch.Tensor):
+    """Item 2 of the module docstring for expert-sorted rows: dy_rows [R, H] bf16 (each row's token gradient),
+    gu [R, 2F] bf16 (the forward's g | u), w2 [E, F, H] bf16, w_pair [R] fp32 (each row's gate weight), counts
+    [E] (rows per expert, consecutive). Returns (dgu [R, 2F] bf16 = [dg | du], dw_rows [R] fp32 = <dy_t, o_p>,
+    the F-tile partials summed in order). Rows past sum(counts) are left unwritten (zeros in dw_rows)."""
+    r_all, h = dy_rows.shape
+    e, f, h2 = w2.shape
+    if h2 != h or gu.shape != (r_all, 2 * f) or w_pair.shape != (r_all,) or counts.shape != (e,):
+        raise ValueError(f"shapes disagree: dy_rows {tuple(dy_rows.shape)}, gu {tuple(gu.shape)}, w2 "
+                         f"{tuple(w2.shape)}, w_pair {tuple(w_pair.shape)}, counts {tuple(counts.shape)}")
+    if planning.interpreting():
+        bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
+    else:  # 128 x 64 (unmeasured): at 128 x 128 the epilogue's fp32 temporaries spill 916 B (255 regs,
+        bm, bn, bk, warps, stages = 128, 64, 64, 8, 3  # local Triton 3.9 sm_90a); 128 x 64: 238 regs, none
+    counts32 = counts.to(torch.int32)
+    offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32
+    mtiles = (counts32 + bm - 1) // bm
+    first_mtile = torch.cumsum(mtiles, 0, dtype=torch.int32) - mtiles
+    # a static bound on the m-tiles (no host sync): every expert's rows fit in ceil(R / BM) + E tiles
+    n_m = -(-r_all // bm) + e
+    n_f = -(-f // bn)
+    dgu = torch.zeros((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
+    dwp = torch.zeros((r_all, n_f), dtype=torch.float32, device=dy_rows.device)
+    # experts past the last real m-tile: tiles beyond an expert's rows mask everything off
+    elp2 = triton.next_power_of_2(max(e, 1))
+    first_pad = torch.full((elp2,), 2**30, dtype=torch.int32, device=dy_rows.device)
+    first_pad[:e] = first_mtile
+    _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu, w2, w_pair.float().contiguous(), offs, counts32, dgu, dwp,
+                                          h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
+                                          DOT_FP32=planning.interpreting(), num_warps=warps, num_stages=stages)
+    dw_rows = dwp[:, 0].clone()
+    for i in range(1, n_f):  # the partials in F-tile order (deterministic)
+        dw_rows += dwp[:, i]
+    return dgu, dw_rows
 
 
 def expert_weight_grads_ref(a: torch.Tensor, b: torch.Tensor, counts) -> torch.Tensor:
