@@ -27,6 +27,7 @@ tile); rows past the expert's end load as zeros.
                                                           partial per F-tile n, summed in order by the caller
        dh_p = w_p z_p;  dg = dh u silu'(g);  du = dh silu(g)  stored bf16 as [dg | du] [R, 2F]
    (moe_reference.gate_grad_from_h_ref, gemm2_backward_ref, swiglu_backward_ref.)
+3. GEMM1's data gradient: dx_rows[p] = [dg | du]_p @ W13[e]^T   [R, H] (W13[e] [H, 2F] read as its rows).
 
 Not yet run on a GPU (session 8, 2026-12-01: interpreter tests only); no speed figures. Compiles for sm_90a
 (local Triton 3.9, 128x128 tiles, 64-row steps, 8 warps, 3 stages): 98 registers, no spills, 96 KiB shared. In the one-launch
@@ -103,6 +104,27 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) 
 
 
 @triton.jit
+def _expert_of_mtile(first_mtile_ptr, gm, ELP2: tl.constexpr):
+    """The expert of global m-tile gm: the last whose first m-tile is <= gm (an exclusive cumsum padded with
+    2**30 to ELP2 entries; an expert without rows shares its successor's first tile and loses the tie)."""
+    mt = tl.load(first_mtile_ptr + tl.arange(0, ELP2))
+    return tl.sum((mt <= gm).to(tl.int32), 0) - 1
+
+
+def _mtile_plan(counts: torch.Tensor, rows: int, bm: int):
+    """(counts int32, first row per expert, first m-tile per expert padded to a power of two, static m-tile
+    bound) -- all on the device, no host synchronisation."""
+    e = counts.shape[0]
+    counts32 = counts.to(torch.int32)
+    offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32
+    mtiles = (counts32 + bm - 1) // bm
+    elp2 = triton.next_power_of_2(max(e, 1))
+    first_mtile = torch.full((elp2,), 2**30, dtype=torch.int32, device=counts.device)
+    first_mtile[:e] = torch.cumsum(mtiles, 0, dtype=torch.int32) - mtiles
+    return counts32, offs, first_mtile, elp2, -(-rows // bm) + e
+
+
+@triton.jit
 def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, H, F,
                           n_mtiles, ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           DOT_FP32: tl.constexpr):
@@ -112,10 +134,7 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
     n_f = tl.cdiv(F, BN)
     gm = pid // n_f
     nf = pid % n_f
-    # the expert of m-tile gm: the last whose first m-tile is <= gm (first_mtile: exclusive cumsum, padded
-    # with 2**30 to ELP2 entries; an expert without rows shares its successor's first tile and loses the tie)
-    mt = tl.load(n_mtiles + tl.arange(0, ELP2))
-    e = tl.sum((mt <= gm).to(tl.int32), 0) - 1
+    e = _expert_of_mtile(n_mtiles, gm, ELP2)
     first = tl.load(offs_ptr + e)
     rows = tl.load(counts_ptr + e)
     m = gm - tl.load(n_mtiles + e)
@@ -166,19 +185,10 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
         bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
     else:  # 128 x 64 (unmeasured): at 128 x 128 the epilogue's fp32 temporaries spill 916 B (255 regs,
         bm, bn, bk, warps, stages = 128, 64, 64, 8, 3  # local Triton 3.9 sm_90a); 128 x 64: 238 regs, none
-    counts32 = counts.to(torch.int32)
-    offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32
-    mtiles = (counts32 + bm - 1) // bm
-    first_mtile = torch.cumsum(mtiles, 0, dtype=torch.int32) - mtiles
-    # a static bound on the m-tiles (no host sync): every expert's rows fit in ceil(R / BM) + E tiles
-    n_m = -(-r_all // bm) + e
+    counts32, offs, first_pad, elp2, n_m = _mtile_plan(counts, r_all, bm)  # n_m: a static m-tile bound
     n_f = -(-f // bn)
     dgu = torch.zeros((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
     dwp = torch.zeros((r_all, n_f), dtype=torch.float32, device=dy_rows.device)
-    # experts past the last real m-tile: tiles beyond an expert's rows mask everything off
-    elp2 = triton.next_power_of_2(max(e, 1))
-    first_pad = torch.full((elp2,), 2**30, dtype=torch.int32, device=dy_rows.device)
-    first_pad[:e] = first_mtile
     _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu, w2, w_pair.float().contiguous(), offs, counts32, dgu, dwp,
                                           h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
                                           DOT_FP32=planning.interpreting(), num_warps=warps, num_stages=stages)
@@ -188,6 +198,57 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
     return dgu, dw_rows
 
 
+@triton.jit
+def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, F,
+                   ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One (expert, m-tile, H-tile) of item 3: dx_rows = [dg | du] @ W13[e]^T, K = 2F."""
+    pid = tl.program_id(0)
+    n_h = tl.cdiv(H, BN)
+    gm = pid // n_h
+    nh = pid % n_h
+    e = _expert_of_mtile(first_mtile_ptr, gm, ELP2)
+    first = tl.load(offs_ptr + e)
+    rows = tl.load(counts_ptr + e)
+    m = gm - tl.load(first_mtile_ptr + e)
+    r = m * BM + tl.arange(0, BM)
+    rm = r < rows
+    rr = (first + r).to(tl.int64)
+    ch = nh * BN + tl.arange(0, BN)
+    hm = ch < H
+    ck = tl.arange(0, BK)
+    w13e = w13_ptr + e.to(tl.int64) * H * (2 * F)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, 2 * F, BK):
+        km = (k0 + ck) < 2 * F
+        a = tl.load(dgu_ptr + rr[:, None] * (2 * F) + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        b = tl.load(w13e + ch[None, :].to(tl.int64) * (2 * F) + (k0 + ck)[:, None], mask=km[:, None] & hm[None, :],
+                    other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(dx_ptr + rr[:, None] * H + ch[None, :], acc.to(tl.bfloat16), mask=rm[:, None] & hm[None, :])
+
+
+def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Item 3 of the module docstring: dgu [R, 2F] bf16, w13 [E, H, 2F] bf16, counts [E] -> dx_rows [R, H] bf16
+    (rows past sum(counts): zeros)."""
+    r_all = dgu.shape[0]
+    e, h, f2 = w13.shape
+    if dgu.shape[1] != f2 or counts.shape != (e,):
+        raise ValueError(f"shapes disagree: dgu {tuple(dgu.shape)}, w13 {tuple(w13.shape)}, counts {tuple(counts.shape)}")
+    if planning.interpreting():
+        bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
+    else:  # a first choice (unmeasured)
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    counts32, offs, first_mtile, elp2, n_m = _mtile_plan(counts, r_all, bm)
+    dx = torch.zeros((r_all, h), dtype=torch.bfloat16, device=dgu.device)
+    _dgrad1_kernel[(n_m * -(-h // bn),)](dgu, w13, offs, counts32, first_mtile, dx, h, f2 // 2, ELP2=elp2, BM=bm,
+                                         BN=bn, BK=bk, DOT_FP32=planning.interpreting(), num_warps=warps,
+                                         num_stages=stages)
+    return dx
+
+
 def expert_weight_grads_ref(a: torch.Tensor, b: torch.Tensor, counts) -> torch.Tensor:
     """The same in fp64 (then fp32), one expert at a time (any device)."""
     out, start = [], 0
@@ -195,3 +256,68 @@ def expert_weight_grads_ref(a: torch.Tensor, b: torch.Tensor, counts) -> torch.T
         out.append(a[start:start + n].double().t() @ b[start:start + n].double())
         start += n
     return torch.stack(out).float() if out else torch.empty((0, a.shape[1], b.shape[1]))
+
+
+# ----------------------------------------------------------------------------------- the whole backward at W=1
+def _expert_gemm1(x_rows: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[g | u] = x_rows @ W13[e] per expert (the forward's GEMM1, recomputed): torch._grouped_mm on CUDA (bf16
+    out, fp32 accumulation), one expert at a time elsewhere."""
+    if x_rows.is_cuda and hasattr(torch, "_grouped_mm") and x_rows.shape[0] > 0:
+        return torch._grouped_mm(x_rows, w13, offs=torch.cumsum(counts.to(torch.int32), 0, dtype=torch.int32))
+    out, start = torch.zeros((x_rows.shape[0], w13.shape[2]), dtype=torch.bfloat16, device=x_rows.device), 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            out[start:start + n] = (x_rows[start:start + n].float() @ w13[e].float()).to(torch.bfloat16)
+        start += n
+    return out
+
+
+def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
+                    renormalize: bool = True, routed_scaling: float = 1.0):
+    """Gradients of the MoE layer at one rank (all E experts local) for the output gradient dy [T, H], given
+    the forward's routing decision (``weights`` [T, k] fp32 and ``experts`` [T, k], e.g. ``moe_forward(...,
+    return_routing=True)``): (dx [T, H] bf16, d_router_weight [E, H] fp32, dw13 [E, H, 2F] fp32, dw2 [E, F, H]
+    fp32) -- moe_reference.moe_backward_ref's stages, with the three expert GEMM shapes on this module's
+    kernels and the rest in torch:
+
+      pairs sorted by expert (stable: ascending p = t*k + j inside an expert), gathered rows x_rows, dy_rows;
+      [g | u] recomputed (GEMM1 again: nothing of the forward's expert state is kept);
+      dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu); dW2 = h^T (w dy) and
+      dW13 = x_rows^T [dg | du] (expert_weight_grads); dx_rows = [dg | du] W13^T (expert_dgrad1);
+      dispatch backward (slot order), router backward in fp32 (logits recomputed), dx = dx_experts + dx_router.
+
+    Several launches, W=1 only: the one-launch backward, with its communication stages for W > 1, is the next
+    step. Deterministic (no atomics anywhere; stable sort; fixed summation orders)."""
+    from .. import moe_reference as mr
+    n_tok, hidden = x.shape
+    n_exp = router_weight.shape[0]
+    k = experts.shape[1]
+    experts = experts.long()
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices                    # expert-sorted row i <- pair order[i]
+    counts = torch.bincount(flat, minlength=n_exp)
+    tok = order // k
+    x_rows = x[tok].contiguous()
+    dy_rows = dy.to(torch.bfloat16)[tok].contiguous()
+    w_pair = weights.reshape(-1).float()[order].contiguous()
+    gu = _expert_gemm1(x_rows, w13, counts)
+    dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
+    f = w2.shape[1]
+    g, u = gu[:, :f].float(), gu[:, f:].float()
+    h = (g * torch.sigmoid(g) * u).to(torch.bfloat16).contiguous()
+    do_rows = (w_pair[:, None] * dy_rows.float()).to(torch.bfloat16).contiguous()
+    dw2 = expert_weight_grads(h, do_rows, counts)
+    dw13 = expert_weight_grads(x_rows, dgu, counts)
+    dx_rows = expert_dgrad1(dgu, w13, counts)
+    dx_pair = torch.empty_like(dx_rows)
+    dx_pair[order] = dx_rows                                         # back to pair order p = t*k + j
+    dx_e = mr.dispatch_backward_ref(dx_pair.float(), k)               # slot order j = 0..k-1, fp32
+    dweights = torch.empty_like(dw_rows)
+    dweights[order] = dw_rows
+    logits = x.float() @ router_weight.float().t()
+    w_re, full, denom = mr.routing_weights_ref(logits, experts, routing, renormalize=renormalize,
+                                               routed_scaling=routed_scaling)
+    dq = mr.router_weights_backward_ref(dweights.view(n_tok, k), w_re, denom, routed_scaling=routed_scaling)
+    dlogits = mr.router_logits_backward_ref(dq, full, experts, routing)
+    d_router, dx_r = mr.router_gemm_backward_ref(dlogits, x.float(), router_weight.float())
+    return (dx_e + dx_r).to(torch.bfloat16), d_router, dw13, dw2
