@@ -23,9 +23,12 @@ element; a column layer re-gathers them with NCCL, 0.52x of the bf16 bytes) -- a
 straight through the quantizers to x and the master weight (the MX training recipes do the same; dy itself
 is not quantized here).
 
-``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``), forward only for now
-(the backward launch is future work: calling it on tensors that require grad raises instead of silently
-dropping gradients). Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``.
+``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains at one rank
+(expert parallelism of 1): the backward is ``kernels.moe_backward.moe_backward_w1`` (every gradient from the
+forward's routing decision, several launches; the one-launch backward with its all-to-all stages for W > 1 is
+future work -- at W > 1, or in MXFP8, a forward that needs gradients raises instead of silently dropping them).
+The forward keeps x, the parameters and the routing (weights, experts: T*k each); the backward recomputes GEMM1.
+Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from . import quant
 from .kernels.all_gather_matmul import all_gather_matmul
 from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
+from .kernels.moe_backward import moe_backward_w1
 from .kernels.moe_forward import moe_forward
 from .moe_reference import ROUTINGS
 from .runtime import world_size
@@ -222,6 +226,27 @@ class RowParallelLinear(_ParallelLinear):
         return y.view((x.shape[0] // w,) + tuple(x.shape[1:-1]) + (self.out_features,))
 
 
+class MoEFn(torch.autograd.Function):
+    """y = moe_forward(x, ...) at one rank with its backward (moe_backward_w1); the bias gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight, w13, w2, bias, top_k, routing, route_kw, group=None):
+        y, weights, experts = moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias,
+                                          group=group, return_routing=True, **route_kw)
+        ctx.save_for_backward(x, router_weight, w13, w2, weights, experts)
+        ctx.routing = routing
+        ctx.route_kw = route_kw
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, router_weight, w13, w2, weights, experts = ctx.saved_tensors
+        kw = {k: v for k, v in ctx.route_kw.items() if k in ("renormalize", "routed_scaling")}
+        dx, d_router, dw13, dw2 = moe_backward_w1(x, router_weight, w13, w2, dy.contiguous(), weights, experts,
+                                                  routing=ctx.routing, **kw)
+        return dx, d_router, dw13, dw2, None, None, None, None, None
+
+
 class MoE(torch.nn.Module):
     """This rank's share of an expert-parallel MoE layer: router weight [E, H] (replicated), w13 [E/W, H, 2F]
     (gate | up) and w2 [E/W, F, H] for the experts g with g // (E/W) == rank. ``forward(x [T, H]) -> [T, H]``."""
@@ -266,8 +291,12 @@ class MoE(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in
                                                                 (self.router_weight, self.w13, self.w2))):
-            raise RuntimeError("kosmos.nn.MoE has no backward yet: run it under torch.no_grad() / inference_mode, "
-                               "or freeze its parameters")
+            if world_size(self.group) > 1 or self.precision != "bf16":
+                raise RuntimeError("kosmos.nn.MoE's backward runs at one rank in bf16 so far (the one-launch "
+                                   "backward over the EP group is future work): run this under torch.no_grad() / "
+                                   "inference_mode, or freeze its parameters")
+            return MoEFn.apply(x, self.router_weight, self.w13, self.w2, self.bias, self.top_k, self.routing,
+                               dict(self.route_kw), self.group)
         w13, w2 = self.w13, self.w2
         if self.precision == "mxfp8":  # the experts' MX values, cached until a parameter changes
             key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))

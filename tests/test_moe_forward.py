@@ -234,11 +234,41 @@ def test_public_op_rejects_cpu_tensors_before_touching_a_gpu():
         kosmos.moe_forward(x, r, w13, w2, top_k=2, policy="greedy")
 
 
-def test_nn_module_refuses_autograd():
+def test_nn_module_refuses_autograd_in_mxfp8():
     import kosmos
-    m = kosmos.nn.MoE(64, 32, 8, 2)
-    with pytest.raises(RuntimeError, match="no backward"):
+    m = kosmos.nn.MoE(64, 32, 8, 2, dtype="mxfp8")
+    with pytest.raises(RuntimeError, match="one rank in bf16"):
         m(torch.zeros(4, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.interpreter
+def test_nn_moe_trains_at_one_rank(monkeypatch):
+    """nn.MoE's autograd at W=1: the forward (here the reference layer, returning its routing as moe_forward
+    does) and the backward (moe_backward_w1 on the kernels, under the interpreter) give the gradients of
+    moe_reference.moe_backward_ref; two micro-batches accumulate into .grad."""
+    import kosmos.nn as knn
+    from kosmos import moe_reference as mr
+
+    def fake_forward(x, router_weight, w13, w2, *, top_k, routing, bias=None, group=None, return_routing=False,
+                     **kw):
+        weights, experts = mr.route(x, router_weight, top_k, routing, bias=bias, **kw)
+        y = mr.apply_routing_ref(x, weights, experts, w13, w2).to(torch.bfloat16)
+        return (y, weights, experts) if return_routing else y
+    monkeypatch.setattr(knn, "moe_forward", fake_forward)
+    g = torch.Generator().manual_seed(2)
+    m = knn.MoE(32, 16, 8, 2)
+    xs = [torch.randn(13, 32, generator=g).to(torch.bfloat16) for _ in range(2)]
+    dys = [torch.randn(13, 32, generator=g).to(torch.bfloat16) for _ in range(2)]
+    want = [torch.zeros(p.shape) for p in (m.router_weight, m.w13, m.w2)]
+    for x, dy in zip(xs, dys):
+        xg = x.clone().requires_grad_(True)
+        m(xg).backward(dy)
+        ref = mr.moe_backward_ref(x, m.router_weight.detach(), m.w13.detach(), m.w2.detach(), dy, top_k=2)
+        assert ((xg.grad.float() - ref[0]).norm() / ref[0].norm()).item() < 3e-2
+        for acc, r in zip(want, ref[1:]):
+            acc += r
+    for p, r in zip((m.router_weight, m.w13, m.w2), want):
+        assert ((p.grad.float() - r).norm() / r.norm()).item() < 3e-2
 
 
 def _shape_rank(rank, world, port, q, tokens):
@@ -535,3 +565,26 @@ def test_w1_nn_moe_mxfp8():
         assert torch.equal(y, want)
         layer.w2.mul_(2.0)
         assert not torch.equal(layer(x), y)
+
+
+@pytest.mark.gpu
+def test_w1_nn_moe_backward_gpu(no_tf32):
+    """nn.MoE at one rank on the GPU: loss.backward() gives moe_reference.moe_backward_ref's gradients for the
+    kernel's own routing decision (both routings)."""
+    import kosmos
+    import kosmos.nn as knn
+    from kosmos import moe_reference as mr
+    for kw in (dict(routing="softmax"), dict(routing="sigmoid-grouped", n_group=4, topk_group=2, routed_scaling=2.5)):
+        m = knn.MoE(256, 128, 16, 4, **kw).cuda()
+        x = torch.randn(300, 256, device="cuda").to(torch.bfloat16).requires_grad_(True)
+        dy = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+        m(x).backward(dy)
+        kernel_kw = {k: v for k, v in kw.items() if k != "routing"}
+        _, _, experts = kosmos.moe_forward(x.detach(), m.router_weight.detach(), m.w13.detach(), m.w2.detach(),
+                                           top_k=4, routing=kw["routing"], bias=m.bias, return_routing=True,
+                                           **kernel_kw)
+        ref = mr.moe_backward_ref(x.detach().cpu(), m.router_weight.detach().cpu(), m.w13.detach().cpu(),
+                                  m.w2.detach().cpu(), dy.cpu(), top_k=4, experts=experts.cpu(),
+                                  **{k: v for k, v in kw.items() if k != "n_group" and k != "topk_group"})
+        for got, want in zip((x.grad, m.router_weight.grad, m.w13.grad, m.w2.grad), ref):
+            assert ((got.float().cpu() - want).norm() / want.norm()).item() < 3e-2
