@@ -73,6 +73,20 @@ def _dtypes(values: Optional[str]) -> tuple | None:
     return tuple(dict.fromkeys(names))
 
 
+def _directions(values: Optional[str]) -> tuple | None:
+    """``--direction`` (a comma list of fwd, bwd, fwd+bwd) -> a tuple without repeats (None when not given); an
+    unknown name is a one-line error."""
+    from .moe import DIRECTIONS
+    names = _split([values] if values else None)
+    if names is None:
+        return None
+    bad = [n for n in names if n not in DIRECTIONS]
+    if not names or bad:
+        _fail(f"--direction: {'unknown ' + ', '.join(map(repr, bad)) + '; ' if bad else ''}choose from "
+              f"{', '.join(DIRECTIONS)} (comma-separated, e.g. --direction fwd,bwd)")
+    return tuple(dict.fromkeys(names))
+
+
 def _world(asked, flag: str, dry_run: bool) -> tuple[int, str]:
     """(world size, how it was chosen). A real run needs the GPUs (one-line error otherwise); a dry run plans for
     ``asked`` ranks, else for every visible GPU, else for 1 rank, and touches no GPU."""
@@ -118,6 +132,11 @@ MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comm
                                 "point runs at each, rows in one file, each with its dtype). mxfp8: x is MXFP8-"
                                 "quantized in the timed call, the expert weights' MX values made once; the expert "
                                 "GEMMs alone (kosmos-expert-gemms vs grouped-mm) run at bf16 only.")
+MOE_DIRECTION_OPTION = typer.Option(None, "--direction", help="fwd (the layer's forward, the default), bwd (its "
+                                    "backward alone: an untimed forward before each timed backward) or fwd+bwd, or "
+                                    "a comma list (every point runs in each, rows carry their direction). The "
+                                    "backward runs at one rank (--ep 1) and bf16: kosmos (moe_backward_w1) and "
+                                    "nccl-a2a (autograd), checked against the fp32 gradients.")
 ITERS_OPTION = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported).")
 WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.")
 
@@ -171,7 +190,8 @@ def _out_path(out: Optional[Path], bench: str, dtype: str, create: bool = True) 
     return out
 
 
-def _planned_availability(family: str, impls, world: int, dtype: str | None = None) -> list[tuple[str, str]]:
+def _planned_availability(family: str, impls, world: int, dtype: str | None = None,
+                          direction: str | None = None) -> list[tuple[str, str]]:
     """[(impl, availability)] of ``impls`` of ``family`` as the registry's predicates judge them at ``world``
     ranks (a package, the torch build, the world size) and precision ``dtype`` (those without a row at it
     are left out), in this process: nothing launches. What needs the GPU itself (Hopper, memory) is not known
@@ -180,10 +200,10 @@ def _planned_availability(family: str, impls, world: int, dtype: str | None = No
     base = registry.baseline(family)
     out = []
     for name in impls:
-        if dtype is not None and not registry.get(family, name).runs_at(dtype):
+        if dtype is not None and not registry.get(family, name).runs_at(dtype, direction):
             continue
         try:
-            ok, why = registry.get(family, name).availability(world, dtype)
+            ok, why = registry.get(family, name).availability(world, dtype, direction)
         except Exception as e:  # a predicate that cannot decide here
             ok, why = None, f"not known without running ({type(e).__name__}: {e})"
         word = "available" if ok else ("unavailable: " if ok is False else "") + (why or "")
@@ -459,6 +479,7 @@ def bench_moe(
     routing: Optional[List[str]] = typer.Option(None, "--routing", "-r", help="uniform and/or zipf:S (S > 0), "
                                                 "e.g. uniform,zipf:1.2."),
     dtype: Optional[str] = MOE_DTYPE_OPTION,
+    direction: Optional[str] = MOE_DIRECTION_OPTION,
     impl: Optional[List[str]] = _impl_option("kosmos, nccl-a2a, deepep, fixed-role, fixed-role-best"),
     suite: Optional[Path] = _suite_option("moe"),
     iters: Optional[int] = ITERS_OPTION,
@@ -501,7 +522,8 @@ def bench_moe(
     try:
         # a custom model's EP is checked against its own experts (the suite checks its models')
         cfg: MoESuite = base.override(models=_split(model), tokens=_split(tokens, int, "--tokens"),
-                                      routing=_split(routing), dtype=_dtypes(dtype), impls=_split(impl), iters=iters,
+                                      routing=_split(routing), dtype=_dtypes(dtype),
+                                      direction=_directions(direction), impls=_split(impl), iters=iters,
                                       warmup=warmup, ep=None if custom else ep, expert_gemms=expert_gemms, seed=seed)
         configs = _configs("moe", config)
     except (SuiteError, ValueError) as e:
@@ -523,13 +545,15 @@ def bench_moe(
         suite_dict.update(models=[custom.name], custom_model=asdict(custom), ep=world)
     out = _out_path(out, "moe", "-".join(cfg.dtype), create=not dry_run)
     from .registry import impls_at
-    # per dtype: (family, its implementations with a row there); the expert GEMMs alone run at bf16 only
-    plan = [(d, f, impls_at(f, names, d)) for d in cfg.dtype
+    # per (dtype, direction): (family, its implementations with a row there); the expert GEMMs alone run at bf16
+    # and fwd only
+    plan = [(d, g, f, impls_at(f, names, d, g)) for d in cfg.dtype for g in cfg.direction
             for f, names in ([("moe_experts", EXPERT_IMPLS)] if cfg.expert_gemms else []) + [("moe_fwd", cfg.impls)]]
-    plan = [p for p in plan if p[2]]
-    n_impls = sum(len(i) for _, f, i in plan if f == "moe_fwd")
+    plan = [p for p in plan if p[3]]
+    n_impls = sum(len(i) for _, _, f, i in plan if f == "moe_fwd")
+    several = [what for what, values in (("dtype", cfg.dtype), ("direction", cfg.direction)) if len(values) > 1]
     if dry_run:
-        ops = " + ".join(dict.fromkeys(f for _, f, _ in plan))
+        ops = " + ".join(dict.fromkeys(f for _, _, f, _ in plan))
         points = []
         for c in cases:
             m = case_model(c)
@@ -538,16 +562,19 @@ def bench_moe(
                            m.expert_ffn, router))
         _print_plan(
             f"kosmos bench moe --dry-run: {len(cases)} points ({ops}) x "
-            f"{sum(len(i) for _, _, i in plan)} implementations"
-            + (f" over {len(cfg.dtype)} dtypes" if len(cfg.dtype) > 1 else ""),
+            f"{sum(len(i) for _, _, _, i in plan)} implementations"
+            + (f" over {len(cfg.dtype)} dtypes" if len(cfg.dtype) > 1 else "")
+            + (f" over {len(cfg.direction)} directions" if len(cfg.direction) > 1 else ""),
             [("world", f"EP={world} rank(s) ({how})"), ("dtype", ", ".join(cfg.dtype)),
+             ("direction", ", ".join(cfg.direction)),
              ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
                         f"{list(cfg.fixed_sweep)}"), ("seed", str(cfg.seed)),
              ("config", _configs_text(configs)), ("results", f"would be appended to {out}")],
             ("model", "tokens/rank", "routing", "E", "E/rank", "top_k", "H", "F", "router"), points,
-            [(f if len(cfg.dtype) == 1 else f"{f}, {d}", _planned_availability(f, i, world, d)) for d, f, i in plan])
+            [(", ".join([f] + [{"dtype": d, "direction": g}[w] for w in several]),
+              _planned_availability(f, i, world, d, g)) for d, g, f, i in plan])
     console.print(f"[bold]kosmos bench moe[/]: {len(cases)} points x {n_impls} implementations "
-                  f"({', '.join(cfg.dtype)}) on {world} GPU(s) (EP={world}) -> {out}")
+                  f"({', '.join(cfg.dtype)}; {', '.join(cfg.direction)}) on {world} GPU(s) (EP={world}) -> {out}")
     from .moe import bench_rank
     _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), sys.argv, configs)
 

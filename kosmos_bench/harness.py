@@ -9,7 +9,8 @@ registry) in turn, on every rank in step:
      whose errors are only recorded (the TP bench's mxfp8 rows: ``rel_err_bf16``); the reference may differ per
      implementation (``Runner.run`` takes a callable impl -> reference). An exception on any rank fails it on every rank (``agree``: no
      rank is left waiting in a collective) and ``recover`` realigns them; the sweep goes on.
-  3. time: ``timing.time_op`` (collective-safe, max over ranks).
+  3. time: ``timing.time_op`` (collective-safe, max over ranks); a ``timing.Split`` callable (the MoE backward)
+     has its setup (the forward) run untimed before each timed call.
   4. the row (``result_row``; keys in SCHEMA.md): a KOSMOS kernel runs with the op's config and records it.
 
 ``fixed="best"`` implementations (fixed-role-best) do 2-3 at every S of ``fixed_sweep`` and keep the fastest S
@@ -17,6 +18,7 @@ that passes (``best_fixed_split``); ``fixed="default"`` (fixed-role) runs at S =
 """
 from __future__ import annotations
 
+import math
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,10 +43,28 @@ TOLERANCE = {"bf16": 1e-2, "mxfp8": 1e-2}
 @dataclass
 class Reference:
     """What one implementation's output is checked against: ``ref`` within ``tol``; ``also`` {row key: tensor}:
-    references whose errors are only recorded (max over ranks), in the row under that key."""
-    ref: torch.Tensor
+    references whose errors are only recorded (max over ranks), in the row under that key.
+
+    ``parts`` (names): the output is a tuple whose first len(parts) items are checked each against the same item
+    of ``ref`` (a tuple); rel_err is the largest of their errors (NaN if any is NaN) and every part's error is
+    recorded in the row under ``parts_key`` ({name: error}; the MoE backward's gradients). ``ref`` may be a
+    callable of the output (what it depends on, e.g. the implementation's own routing decision, travels in it)."""
+    ref: object
     tol: float
     also: dict = field(default_factory=dict)
+    parts: tuple = ()
+    parts_key: str = "rel_err_parts"
+
+    def errors(self, out) -> tuple[float, dict]:
+        """(rel_err, {part: rel_err}) of ``out``; the dict is empty without ``parts``."""
+        ref = self.ref(out) if callable(self.ref) else self.ref
+        if not self.parts:
+            return rel_err(out, ref), {}
+        if not isinstance(out, (tuple, list)) or len(out) < len(self.parts):
+            raise TypeError(f"output is a {type(out).__name__}, expected a tuple of {', '.join(self.parts)}")
+        errs = {name: rel_err(o, r) for name, o, r in zip(self.parts, out, ref)}
+        worst = math.nan if any(math.isnan(e) for e in errs.values()) else max(errs.values())
+        return worst, errs
 
 
 @dataclass
@@ -56,6 +76,7 @@ class Settings:
     fixed_sweep: tuple = FIXED_SWEEP
     fixed_default: int = DEFAULT_FIXED_PROGRAMS
     dtype: str = "bf16"
+    direction: str = "fwd"  # the MoE bench's --direction: fwd, bwd or fwd+bwd (the TP bench: fwd)
     seed: int = 0
     configs: dict = field(default_factory=dict)  # {op: config} (registry.parse_config); missing op: defaults
     extra: dict = field(default_factory=dict)
@@ -145,10 +166,13 @@ def policy_kwargs(params: dict) -> dict:
     return {"policy": "self", "comm_programs": None} if s is None else {"policy": "fixed", "comm_programs": s}
 
 
-def register_fixed(family: str, make) -> None:
-    """Register ``make`` (a KOSMOS maker honouring ``policy_kwargs``) as fixed-role and fixed-role-best."""
-    registry.register(family, "fixed-role", kosmos=True, fixed="default", available=needs_peers)(make)
-    registry.register(family, "fixed-role-best", kosmos=True, fixed="best", available=needs_peers)(make)
+def register_fixed(family: str, make, directions: dict | None = None) -> None:
+    """Register ``make`` (a KOSMOS maker honouring ``policy_kwargs``) as fixed-role and fixed-role-best
+    (``directions``: registry.register's)."""
+    registry.register(family, "fixed-role", kosmos=True, fixed="default", available=needs_peers,
+                      directions=directions)(make)
+    registry.register(family, "fixed-role-best", kosmos=True, fixed="best", available=needs_peers,
+                      directions=directions)(make)
 
 
 def kosmos_workspace_bytes(device):
@@ -206,7 +230,7 @@ def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result
     (tolerance ``TOLERANCE[st.dtype]``) or a ``Reference``."""
     if not isinstance(ref, Reference):
         ref = Reference(ref, TOLERANCE[st.dtype])
-    made, also = [], {}
+    made, also, parts = [], {}, {}
 
     def check():
         fn, ws = make()
@@ -215,17 +239,23 @@ def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result
         runtime.check_errors()
         sync(device)
         also.update({key: rel_err(out, other) for key, other in ref.also.items()})
-        return rel_err(out, ref.ref)
+        err, errs = ref.errors(out)
+        parts.update(errs)
+        return err
 
     ok, why, err = agreed_call(check)
     ws = made[1] if made else None
     errors = {key: None for key in ref.also}
+    if ref.parts:
+        errors[ref.parts_key] = None
     if not ok:
         recover()
         status = "unavailable" if "unavailable: " in why else "failed"
         return Result(status, why.replace("unavailable: ", ""), workspace=ws, errors=errors)
     err = max_over_ranks(err, device)
     errors = {key: max_over_ranks(also[key], device) for key in ref.also}
+    if ref.parts:
+        errors[ref.parts_key] = {name: max_over_ranks(parts[name], device) for name in ref.parts}
     tol = ref.tol
     if not err <= tol:  # NaN fails too
         return Result("failed", f"rel_err {err:.2e} > {tol:.0e}", err, workspace=ws, errors=errors)
@@ -268,7 +298,7 @@ def run_impl(impl: registry.Impl, inputs, ref, st: Settings, device, recover: Ca
              grid: int | None = None) -> Result:
     """Steps 1-3 of one implementation (every rank in step); ``config``: the op's, for KOSMOS kernels."""
     params = {"comm_programs": st.fixed_default} if impl.fixed == "default" else {}
-    ok, why = agree_available(*impl.availability(world_info()[1], st.dtype))
+    ok, why = agree_available(*impl.availability(world_info()[1], st.dtype, st.direction))
     if not ok:
         return Result("unavailable", why, params=params)
     cfg = config if impl.kosmos else None

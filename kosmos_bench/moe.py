@@ -75,9 +75,10 @@ import torch.distributed as dist
 
 import kosmos
 from kosmos import moe_forward
+from kosmos.kernels.moe_backward import moe_backward_w1
 from kosmos.kernels.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
-from kosmos.moe_reference import _experts_forward, moe_forward_a2a, route
+from kosmos.moe_reference import _experts_forward, moe_backward_ref, moe_forward_a2a, route
 
 from . import harness, moe_mx, registry, timing
 from .harness import Settings, policy_kwargs, world_info
@@ -85,6 +86,13 @@ from .registry import names, register
 
 MX = "mxfp8"
 MOE_DTYPES = ("bf16", MX)
+FWD, BWD, FWD_BWD = "fwd", "bwd", "fwd+bwd"
+DIRECTIONS = (FWD, BWD, FWD_BWD)  # --direction: what is timed (module docstring)
+GRADS = ("dx", "d_router", "dw13", "dw2")  # the backward's outputs, in moe_backward_w1's order
+GRAD_TOLERANCE = 3e-2  # bf16 gradients through several GEMMs (dgrad2, SwiGLU backward, dgrad1, wgrads)
+# the FLOPs of each direction in units of the forward's expert GEMMs (6*T*k*H*F): the backward is a data and a
+# weight gradient per GEMM (the kosmos backward's GEMM1 recompute is not counted: not useful work)
+DIRECTION_FLOPS = {FWD: 1.0, BWD: 2.0, FWD_BWD: 3.0}
 
 ROUTING_MARGIN = 1e-3       # logit units; sigmoid scores use SIGMOID_SLOPE_MAX * ROUTING_MARGIN
 SIGMOID_SLOPE_MAX = 0.25
@@ -287,9 +295,16 @@ class MoEInputs:
     dtype: str = "bf16"
     w13_mx: torch.Tensor | None = None  # mxfp8: the expert weights' MX values (moe_mx.mx_expert_weights), made once
     w2_mx: torch.Tensor | None = None
+    direction: str = FWD
+    dy: torch.Tensor | None = None  # bwd, fwd+bwd: the output gradient [T, H] bf16 (N(0, 1), this rank's)
 
     def route_kw(self) -> dict:
         return route_kwargs(self.model, self.bias)
+
+    def backward_kw(self) -> dict:
+        """moe_backward_w1's routing arguments."""
+        m = self.model
+        return dict(routing=m.routing, renormalize=m.renormalize, routed_scaling=m.routed_scaling)
 
 
 @dataclass
@@ -304,8 +319,39 @@ class ExpertInputs:
 # each maker: (inputs, params, config or None) -> (callable returning y of this rank, workspace bytes or None)
 
 
-@register("moe_fwd", "kosmos", kosmos=True)
+def _kosmos_backward_available(world: int, dtype) -> tuple[bool, str | None]:
+    if dtype == MX:
+        return False, "no MXFP8 backward yet"
+    if world > 1:
+        return False, "no kosmos MoE backward at W>1 yet (the one-launch backward is future work)"
+    return True, None
+
+
+def _a2a_backward_available(world: int, dtype) -> tuple[bool, str | None]:
+    if dtype == MX:
+        return False, "no MXFP8 backward in the nccl-a2a baseline yet"
+    if world > 1:
+        return False, ("no autograd through moe_forward_a2a's dist.all_to_all_single at W>1 (a differentiable "
+                       "all-to-all baseline is future work)")
+    return True, None
+
+
+KOSMOS_DIRECTIONS = {FWD: None, BWD: _kosmos_backward_available, FWD_BWD: _kosmos_backward_available}
+A2A_DIRECTIONS = {FWD: None, BWD: _a2a_backward_available, FWD_BWD: _a2a_backward_available}
+FIXED_BACKWARD = "no fixed-role MoE backward (no kosmos backward at W>1 yet, and fixed-role needs W>1)"
+FIXED_DIRECTIONS = {FWD: None, BWD: FIXED_BACKWARD, FWD_BWD: FIXED_BACKWARD}
+DEEPEP_BACKWARD = "no backward in the deepep baseline yet"
+
+
+# each maker: (inputs, params, config or None) -> (callable returning y of this rank, workspace bytes or None);
+# at bwd the callable is a timing.Split (the forward untimed, the backward timed) and at fwd+bwd a plain callable,
+# both returning (dx, d_router, dw13, dw2, experts): the gradients and the routing decision they are for
+
+
+@register("moe_fwd", "kosmos", kosmos=True, directions=KOSMOS_DIRECTIONS)
 def _kosmos_layer(inp: MoEInputs, params: dict, config):
+    if inp.direction != FWD:
+        return _kosmos_backward(inp, params, config), None
     if inp.dtype == MX:  # x in bf16 (the op quantizes it inside the call), the weights' MX values made once
         return (lambda: moe_forward(inp.x, inp.router_weight, inp.w13_mx, inp.w2_mx, top_k=inp.model.top_k,
                                     **inp.route_kw(), group=None, config=config, precision=MX,
@@ -314,13 +360,59 @@ def _kosmos_layer(inp: MoEInputs, params: dict, config):
                                 group=None, config=config, **policy_kwargs(params))), None
 
 
-@register("moe_fwd", "nccl-a2a", baseline=True)
+def _kosmos_backward(inp: MoEInputs, params: dict, config):
+    """bwd: moe_forward(return_routing=True) untimed, moe_backward_w1 on its decision timed; fwd+bwd: both."""
+    def forward():
+        _, weights, experts = moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k,
+                                          **inp.route_kw(), group=None, config=config, return_routing=True,
+                                          **policy_kwargs(params))
+        return weights, experts
+
+    def backward(state):
+        weights, experts = state
+        grads = moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, weights, experts,
+                                **inp.backward_kw())
+        return (*grads, experts)
+
+    return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))
+
+
+def a2a_backward(inp: MoEInputs):
+    """nccl-a2a's backward: autograd through ``moe_forward_a2a(fp32=False)`` (torch._grouped_mm has a derivative)
+    with x and the parameters requiring grad; bwd: the forward (its graph) untimed, ``torch.autograd.grad`` timed;
+    fwd+bwd: both. The routing decision is ``route`` on the same inputs, the call moe_forward_a2a makes itself."""
+    leaves = [t.detach().requires_grad_(True) for t in (inp.x, inp.router_weight, inp.w13, inp.w2)]
+    _, experts = route(inp.x, inp.router_weight, inp.model.top_k, **inp.route_kw())
+
+    def forward():
+        return moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=False, **inp.route_kw())
+
+    def backward(y):
+        return (*torch.autograd.grad(y, leaves, inp.dy), experts)
+
+    return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))
+
+
+@register("moe_fwd", "nccl-a2a", baseline=True, directions=A2A_DIRECTIONS)
 def _nccl_a2a(inp: MoEInputs, params: dict, config):
+    if inp.direction != FWD:
+        return a2a_backward(inp), 0
     if inp.dtype == MX:
         return (lambda: moe_mx.moe_forward_a2a_mx(inp.x, inp.router_weight, inp.w13_mx, inp.w2_mx,
                                                   top_k=inp.model.top_k, fp32=False, **inp.route_kw())), 0
     return (lambda: moe_forward_a2a(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, fp32=False,
                                     **inp.route_kw())), 0
+
+
+def grad_reference(inp: MoEInputs) -> harness.Reference:
+    """The check of a backward's output (dx, d_router, dw13, dw2, experts): each gradient against
+    moe_reference.moe_backward_ref (fp32) for the implementation's own decision ``experts``, within
+    GRAD_TOLERANCE; rel_err is the largest of the four, each in the row's ``rel_err_grads``. One rank only (W=1:
+    every expert is local)."""
+    def ref(out):
+        return moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, top_k=inp.model.top_k,
+                                **inp.route_kw(), experts=out[len(GRADS)])
+    return harness.Reference(ref, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
 
 
 def deepep_available(world: int) -> tuple[bool, str | None]:
@@ -334,21 +426,22 @@ def deepep_available(world: int) -> tuple[bool, str | None]:
 
 
 @register("moe_fwd", "deepep", available=deepep_available,
-          dtypes={"bf16": None, MX: "no MXFP8 path in the deepep baseline yet"})
+          dtypes={"bf16": None, MX: "no MXFP8 path in the deepep baseline yet"},
+          directions={FWD: None, BWD: DEEPEP_BACKWARD, FWD_BWD: DEEPEP_BACKWARD})
 def _deepep(inp: MoEInputs, params: dict, config):
     return deepep_callable(inp)
 
 
-harness.register_fixed("moe_fwd", _kosmos_layer)
+harness.register_fixed("moe_fwd", _kosmos_layer, FIXED_DIRECTIONS)
 
 
-# the expert GEMMs alone are compared at bf16 only (no rows at mxfp8: registry dtypes)
-@register("moe_experts", "grouped-mm", baseline=True, dtypes={"bf16": None})
+# the expert GEMMs alone are compared at bf16 and in the forward only (no rows at mxfp8 or at bwd, fwd+bwd)
+@register("moe_experts", "grouped-mm", baseline=True, dtypes={"bf16": None}, directions={FWD: None})
 def _grouped_mm(inp: ExpertInputs, params: dict, config):
     return (lambda: _experts_forward(inp.x_sorted, inp.counts, inp.w13, inp.w2, fp32=False)), 0
 
 
-@register("moe_experts", "kosmos-expert-gemms", kosmos=True, dtypes={"bf16": None})
+@register("moe_experts", "kosmos-expert-gemms", kosmos=True, dtypes={"bf16": None}, directions={FWD: None})
 def _kosmos_expert_gemms(inp: ExpertInputs, params: dict, config):
     return (lambda: expert_gemms(inp.x_sorted, inp.counts, inp.w13, inp.w2, config=config)), None
 
@@ -441,25 +534,25 @@ def _recover(device):
     harness.recover(device, cleanup=(_DEEPEP.clear,))
 
 
-def base_row(case: MoECase, world: int, dtype: str, op: str = "moe_fwd") -> dict:
-    """The identity keys of a row of ``case`` for ``op`` ("moe_fwd" or "moe_experts")."""
+def base_row(case: MoECase, world: int, dtype: str, op: str = "moe_fwd", direction: str = FWD) -> dict:
+    """The identity keys of a row of ``case`` for ``op`` ("moe_fwd" or "moe_experts") in ``direction``."""
     m = case_model(case)
     return {
         "type": "result", "bench": "moe", "op": op, "layer": "experts" if op == "moe_experts" else "moe",
         "model": case.model, "seq": case.tokens, "m": case.tokens, "n": m.hidden, "k": m.expert_ffn, "world": world,
-        "ep": world, "dtype": dtype, "tokens": case.tokens, "experts": m.experts, "top_k": m.top_k,
+        "ep": world, "dtype": dtype, "direction": direction, "tokens": case.tokens, "experts": m.experts, "top_k": m.top_k,
         "routing": case.routing, "hidden": m.hidden, "expert_ffn": m.expert_ffn,
     }
 
 
 def failed_rows(case: MoECase, world: int, st: MoESettings, reason: str) -> list[dict]:
     """The rows of a point that failed as a whole (one per implementation of either op that runs at
-    ``st.dtype``)."""
-    experts = registry.impls_at("moe_experts", EXPERT_IMPLS, st.dtype) if st.expert_gemms else ()
+    ``st.dtype`` and ``st.direction``)."""
+    experts = registry.impls_at("moe_experts", EXPERT_IMPLS, st.dtype, st.direction) if st.expert_gemms else ()
     ops = [("moe_experts", n) for n in experts] + [("moe_fwd", n) for n in registry.impls_at("moe_fwd", st.impls,
-                                                                                          st.dtype)]
-    return [harness.failed_row(base_row(case, world, st.dtype, op), op, name, reason, st.config("moe_fwd"))
-            for op, name in ops]
+                                                                                          st.dtype, st.direction)]
+    return [harness.failed_row(base_row(case, world, st.dtype, op, st.direction), op, name, reason,
+                               st.config("moe_fwd")) for op, name in ops]
 
 
 def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[dict]:
@@ -487,11 +580,15 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     x, wr, bias, redrawn = make_router_inputs(m, case.tokens, case.routing, rank, st.seed, device)
     w13, w2 = make_expert_weights(m, world, rank, st.seed, device)
     mx = st.dtype == MX
+    fwd = st.direction == FWD
     # mxfp8: the weights' MX values once, outside every timed call (a cached weight)
-    w_mx = moe_mx.mx_expert_weights(w13, w2) if mx else (None, None)
-    inp = MoEInputs(m, x, wr, bias, w13, w2, st.dtype, *w_mx)
-    ref = moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, fp32=True, **inp.route_kw())
-    if mx:  # checked against the MX layer's fp32 math (nccl-a2a: with its bf16 GEMM1 output, moe_mx's docstring);
+    w_mx = moe_mx.mx_expert_weights(w13, w2) if mx and fwd else (None, None)
+    dy = None if fwd else torch.randn(case.tokens, m.hidden, generator=_gen(device, 1_000_003 * st.seed + 613 * rank
+                                                                            + 11), device=device, dtype=torch.bfloat16)
+    inp = MoEInputs(m, x, wr, bias, w13, w2, st.dtype, *w_mx, direction=st.direction, dy=dy)
+    # bwd, fwd+bwd: every gradient against moe_backward_ref for the implementation's own decision (grad_reference)
+    ref = moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, fp32=True, **inp.route_kw()) if fwd else grad_reference(inp)
+    if mx and fwd:  # checked against the MX layer's fp32 math (nccl-a2a: with its bf16 GEMM1 output, moe_mx's docstring);
         # the error against the bf16 layer's is recorded
         also = {"rel_err_bf16": ref}
         refs = {g: harness.Reference(moe_mx.moe_forward_a2a_mx(x, wr, w13, w2, top_k=m.top_k, fp32=True,
@@ -512,8 +609,9 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
         "top_expert_share": load.max().item() / pairs, "load_max_over_mean": load.max().item() * m.experts / pairs,
         **st.extra,
     }
-    comm = moe_mx.a2a_comm_parts(x, experts, local, world, mx)
-    t_comm = timing.time_op(comm, iters=st.iters, warmup=st.warmup)["time_ms"] if comm else 0.0
+    # the forward's all-to-alls alone and the expert GEMMs alone: measured in the forward direction only
+    comm = moe_mx.a2a_comm_parts(x, experts, local, world, mx) if fwd else None
+    t_comm = (timing.time_op(comm, iters=st.iters, warmup=st.warmup)["time_ms"] if comm else 0.0) if fwd else None
     wire = moe_mx.wire_bytes(st.dtype, moe_mx.cross_rank_pairs(experts, local, world), m.hidden, world)
     del experts, comm
     runner = harness.Runner(st, device, lambda: _recover(device), on_row, extra=extra, mem_delta=True)
@@ -522,14 +620,14 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     # expert GEMMs alone, on the row counts this rank receives (the rows' values: fresh N(0, 1)); at mxfp8 no rows,
     # only grouped-mm's bf16 time (the moe_fwd rows' t_gemm_ms: bf16 at every dtype, like the TP bench's cuBLAS)
     t_gemm = None
-    if st.expert_gemms:
+    if st.expert_gemms and fwd:
         x_sorted = torch.randn(int(counts.sum().item()), m.hidden, generator=_gen(device, 31 * st.seed + rank),
                                device=device, dtype=torch.bfloat16)
-    if st.expert_gemms and mx:
+    if st.expert_gemms and fwd and mx:
         t_gemm = timing.time_op(lambda: _experts_forward(x_sorted, counts, w13, w2, fp32=False), iters=st.iters,
                                 warmup=st.warmup)["time_ms"]
         del x_sorted
-    elif st.expert_gemms:
+    elif st.expert_gemms and fwd:
         done = runner.run("moe_experts", EXPERT_IMPLS, inputs=ExpertInputs(x_sorted, counts, w13, w2),
                           ref=_experts_forward(x_sorted, counts, w13, w2, fp32=True),
                           identity=base_row(case, world, st.dtype, "moe_experts"),
@@ -538,9 +636,9 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
         t_gemm = done["grouped-mm"].time_ms  # the t_gemm_ms of the moe_fwd rows
         del x_sorted
 
-    runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype), inputs=inp, ref=ref,
-               identity=base_row(case, world, st.dtype), flops=6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn,
-               config=config, t_gemm_ms=t_gemm, t_comm_ms=t_comm, wire_bytes=wire,
+    flops = DIRECTION_FLOPS[st.direction] * 6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn
+    runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype, st.direction), inputs=inp, ref=ref,
+               identity=base_row(case, world, st.dtype, direction=st.direction), flops=flops, config=config, t_gemm_ms=t_gemm, t_comm_ms=t_comm, wire_bytes=wire,
                impl_fields=lambda name: {"note": moe_mx.BASELINE_NOTE} if mx and name == "nccl-a2a" else {})
     return runner.rows  # the point's tensors go with this frame; bench_rank empties the CUDA cache after it
 
@@ -554,17 +652,21 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=No
     from .sweep import run_sweep
 
     dtypes = suite["dtype"] if isinstance(suite["dtype"], (list, tuple)) else [suite["dtype"]]
+    directions = suite.get("direction") or [FWD]
+    directions = directions if isinstance(directions, (list, tuple)) else [directions]
     st = MoESettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
                      fixed_sweep=tuple(suite["fixed_sweep"]), dtype=dtypes[0], seed=suite["seed"],
                      expert_gemms=suite["expert_gemms"], configs=dict(configs or {}))
-    by_dtype = {d: replace(st, dtype=d) for d in dtypes}
+    settings = {(d, g): replace(st, dtype=d, direction=g) for d in dtypes for g in directions}
     device = torch.device("cuda", torch.cuda.current_device())
-    # a case is (point, dtype): each point at every dtype in turn (as the TP bench does)
+    # a case is (point, dtype, direction): each point at every dtype in turn (as the TP bench does), each dtype in
+    # every direction
     run_sweep(out, environment(argv=argv, suite=suite, bench="moe"), rank,
-              [(MoECase(**c), d) for c in cases for d in dtypes],
+              [(MoECase(**c), d, g) for c in cases for d in dtypes for g in directions],
               describe=lambda case: f"{case[0].model} tokens={case[0].tokens} {case[0].routing} EP={world} "
-                                    f"{case[1]}",
-              run_one=lambda case, write: run_case(case[0], by_dtype[case[1]], on_row=write, device=device),
-              failed_rows=lambda case, why: failed_rows(case[0], world, by_dtype[case[1]], why),
+                                    f"{case[1]} {case[2]}",
+              run_one=lambda case, write: run_case(case[0], settings[case[1:]], on_row=write, device=device),
+              failed_rows=lambda case, why: failed_rows(case[0], world, settings[case[1:]], why),
               recover=lambda: _recover(device),
-              key=lambda r: (r["model"], r["tokens"], r["routing"], r["op"], r["dtype"], r["impl"]))
+              key=lambda r: (r["model"], r["tokens"], r["routing"], r["op"], r["dtype"], r.get("direction", FWD),
+                             r["impl"]))

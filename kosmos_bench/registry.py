@@ -22,6 +22,9 @@ the known ones.
 ``dtypes`` ({dtype: None or reason}; None: every dtype) says at which precisions a bench runs the implementation:
 a dtype mapped to None runs, one mapped to a reason gives an "unavailable" row with that reason (torch-async-tp at
 mxfp8), and a dtype not in the mapping is skipped -- no row (the MXFP8-only baselines at bf16); ``runs_at``.
+``directions`` the same for the MoE bench's ``--direction`` (fwd, bwd, fwd+bwd): {direction: None (runs), a reason
+(unavailable) or a predicate (world, dtype) -> (ok, reason)}; a direction not in it is skipped; None: every
+direction.
 """
 from __future__ import annotations
 
@@ -50,16 +53,28 @@ class Impl:
     kosmos: bool = False          # a KOSMOS kernel: takes the op's config, records it and the workspace
     fixed: str | None = None      # None, "default" (S = fixed_default) or "best" (best S of fixed_sweep)
     dtypes: dict | None = None    # {dtype: None (runs) or reason (unavailable)}; absent dtypes skipped; None: all
+    directions: dict | None = None  # {direction: None, reason or (world, dtype) -> (ok, reason)}; None: all
 
-    def runs_at(self, dtype: str) -> bool:
-        """Whether a bench at ``dtype`` has a row of this implementation (ok, failed or unavailable)."""
-        return self.dtypes is None or dtype in self.dtypes
+    def runs_at(self, dtype: str, direction: str | None = None) -> bool:
+        """Whether a bench at ``dtype`` (and ``direction``, None: not asked) has a row of this implementation (ok,
+        failed or unavailable)."""
+        return (self.dtypes is None or dtype in self.dtypes) and \
+            (direction is None or self.directions is None or direction in self.directions)
 
-    def availability(self, world: int, dtype: str | None = None) -> tuple[bool, str | None]:
-        """(ok, reason): whether this implementation can run here (this process) at ``world`` ranks and precision
-        ``dtype`` (None: not asked); the bench asks at its own world size, a dry run at the planned one."""
+    def availability(self, world: int, dtype: str | None = None,
+                     direction: str | None = None) -> tuple[bool, str | None]:
+        """(ok, reason): whether this implementation can run here (this process) at ``world`` ranks, precision
+        ``dtype`` and direction ``direction`` (None: not asked); the bench asks at its own world size, a dry run at
+        the planned one."""
         if dtype is not None and self.dtypes is not None and self.dtypes.get(dtype) is not None:
             return False, self.dtypes[dtype]
+        rule = self.directions.get(direction) if direction is not None and self.directions is not None else None
+        if callable(rule):
+            ok, reason = rule(world, dtype)
+            if not ok:
+                return False, reason or "unavailable"
+        elif rule is not None:
+            return False, rule
         if self.available is None:
             return True, None
         ok, reason = self.available(world)
@@ -70,7 +85,7 @@ _IMPLS: dict[str, dict[str, Impl]] = {}
 
 
 def register(family: str, name: str, *, baseline: bool = False, available=None, kosmos: bool = False,
-             fixed: str | None = None, dtypes: dict | None = None):
+             fixed: str | None = None, dtypes: dict | None = None, directions: dict | None = None):
     """Decorator: register ``make`` as implementation ``name`` of ``family`` (returns ``make`` unchanged, so one
     maker can be registered under several names)."""
     if fixed not in (None, "default", "best"):
@@ -80,7 +95,7 @@ def register(family: str, name: str, *, baseline: bool = False, available=None, 
         impls = _IMPLS.setdefault(family, {})
         if name in impls:
             raise ValueError(f"{family} implementation {name!r} is registered twice")
-        impls[name] = Impl(family, name, make, baseline, available, kosmos, fixed, dtypes)
+        impls[name] = Impl(family, name, make, baseline, available, kosmos, fixed, dtypes, directions)
         return make
     return deco
 
@@ -98,9 +113,10 @@ def get(family: str, name: str) -> Impl:
                           f"{', '.join(names(family)) or '(none registered)'}") from None
 
 
-def impls_at(family: str, impls, dtype: str) -> tuple:
-    """The implementations of ``impls`` (names of ``family``) that have a row at ``dtype`` (``Impl.runs_at``)."""
-    return tuple(name for name in impls if get(family, name).runs_at(dtype))
+def impls_at(family: str, impls, dtype: str, direction: str | None = None) -> tuple:
+    """The implementations of ``impls`` (names of ``family``) that have a row at ``dtype`` (and ``direction``;
+    ``Impl.runs_at``)."""
+    return tuple(name for name in impls if get(family, name).runs_at(dtype, direction))
 
 
 def baseline(family: str) -> str | None:

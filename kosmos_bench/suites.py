@@ -12,7 +12,7 @@ import yaml
 from kosmos.models import DENSE_MODELS, MOE_MODELS, TP_LAYERS
 
 from .harness import FIXED_SWEEP
-from .moe import MOE_IMPLS, parse_routing
+from .moe import DIRECTIONS, MOE_IMPLS, parse_routing
 from .package_data import DEFAULT_SUITE_FILES  # the packaged default suites (suites/ links to them)
 from .report.suite_targets import TARGET_KEYS, TargetsError  # noqa: F401 (TARGET_KEYS re-exported)
 from .report.suite_targets import check_targets as _check_targets
@@ -81,12 +81,13 @@ class TPSuite(_Suite):
         _check(self)
 
 
-def _dtypes(value) -> tuple:
-    """A suite's dtype(s): a name, a comma list or a list -> a tuple without repeats (order kept)."""
+def _dtypes(value, key: str = "dtype", allowed=DTYPES) -> tuple:
+    """A suite's dtype(s) (or, with ``key`` "direction", direction(s)): a name, a comma list or a list -> a tuple
+    without repeats (order kept)."""
     if isinstance(value, str):
         value = value.split(",")
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise SuiteError(f"'dtype' must be a name or a list of names ({', '.join(DTYPES)}), got {value!r}")
+        raise SuiteError(f"'{key}' must be a name or a list of names ({', '.join(allowed)}), got {value!r}")
     return tuple(dict.fromkeys(v.strip() for v in value if v.strip()))
 
 
@@ -134,10 +135,12 @@ def _as_tuple(key, v):
 @dataclass(frozen=True)
 class MoESuite(_Suite):
     """A ``kosmos bench moe`` sweep: every (model, tokens per rank, routing) point runs every impl at each
-    ``dtype`` (one precision or a list, held as a tuple like TPSuite's)."""
+    ``dtype`` (one precision or a list, held as a tuple like TPSuite's), in each ``direction`` (fwd, bwd, fwd+bwd:
+    one or a list, the same way)."""
     name: str = "moe-default"
     bench: str = "moe"
     dtype: tuple = ("bf16",)
+    direction: tuple = ("fwd",)
     models: tuple = ("deepseek-v3", "qwen3-235b")
     impls: tuple = MOE_IMPLS
     tokens: tuple = (4096, 8192, 16384)
@@ -148,6 +151,7 @@ class MoESuite(_Suite):
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", _dtypes(self.dtype))
+        object.__setattr__(self, "direction", _dtypes(self.direction, "direction", DIRECTIONS))
         _check_moe(self)
         # canonical routing strings ("ZIPF:1.20" -> "zipf:1.2"), so rows of one point always match
         object.__setattr__(self, "routing", tuple(str(parse_routing(r)) for r in self.routing))
@@ -168,6 +172,7 @@ def _check_moe(s: MoESuite) -> None:
         except ValueError as e:
             raise SuiteError(f"'routing': {e}") from None
     _subset("dtype", s.dtype, list(DTYPES))
+    _subset("direction", s.direction, list(DIRECTIONS))
     for key in ("iters", "warmup", "seed"):
         v = getattr(s, key)
         low = 1 if key == "iters" else 0

@@ -7,11 +7,17 @@ before the start event, so the host enqueues the call while the GPU is busy -- a
 step, where the host runs ahead. Without it, every Python-side cost of an op (argument checks, Triton's
 launcher) would count as GPU time, because the barrier leaves the GPU idle. The host's enqueue time is
 measured separately and reported as ``host_ms`` (median), so it is not hidden from the reader.
+
+A ``Split`` (the MoE bench's backward) is timed in two parts: for every iteration, warm-up included, its ``setup``
+(the forward) runs first, untimed, before the L2 flush and the barrier, and only ``run(state)`` is timed. Every rank
+runs the same setups in the same order, so a setup may hold collectives.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,18 +45,35 @@ def barrier(group=None) -> None:
 HOST_HIDE_CYCLES = 4_000_000
 
 
+@dataclass
+class Split:
+    """A call timed in two parts: ``setup()`` (untimed) -> state, then ``run(state)`` (timed) -> the output.
+    Called as a whole (``split()``: run(setup())) where nothing is timed, e.g. the correctness check."""
+    setup: Callable
+    run: Callable
+
+    def __call__(self):
+        return self.run(self.setup())
+
+
 def time_op(fn, *, iters: int = 20, warmup: int = 5, group=None, flush: bool = True,
             hide_host: bool = True) -> dict:
     """Median / p20 / p80 in ms of ``fn()`` over ``iters`` timed calls (max over ranks per call), and the
-    median host time to enqueue one call (``host_ms``, max over ranks)."""
+    median host time to enqueue one call (``host_ms``, max over ranks). ``fn`` a ``Split``: its ``setup()``
+    before each call, untimed (before the flush and the barrier), and only ``run(state)`` timed."""
     device = torch.cuda.current_device()
+    setup, call = (fn.setup, fn.run) if isinstance(fn, Split) else (None, None)
     for _ in range(warmup):
-        fn()
+        if setup is not None:
+            call(setup())
+        else:
+            fn()
     barrier(group)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     host = []
     for i in range(iters):
+        state = setup() if setup is not None else None  # untimed: every rank, in step, before the barrier
         if flush:
             flush_l2(device)
         barrier(group)
@@ -58,9 +81,13 @@ def time_op(fn, *, iters: int = 20, warmup: int = 5, group=None, flush: bool = T
             torch.cuda._sleep(HOST_HIDE_CYCLES)
         starts[i].record()
         t0 = time.perf_counter()
-        fn()
+        if setup is not None:
+            call(state)
+        else:
+            fn()
         host.append((time.perf_counter() - t0) * 1e3)
         ends[i].record()
+        state = None  # the setup's tensors (a forward's graph) go before the next one is made
     torch.cuda.synchronize()
     per_iter = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)] + [statistics.median(host)],
                             device="cuda")
