@@ -2,10 +2,10 @@
 SCHEMA.md). The parts: schema (columns, formats, ReportError), load (result and trace files), targets (the
 suite bars a report judges against), tables (per-shape table, geomeans, kosmos vs the fastest other, the
 communication's bandwidths), lines (the sentences under the tables), compact (the default terminal view, for 100
-columns), render (md/csv/html/text, terminal, ``report_main``), charts (PNGs). The names below are what the rest
+columns), render (md/csv/html/text, terminal, ``report_main``), charts (PNGs), train (the ``bench train`` rows). The names below are what the rest
 of the project imports from ``kosmos_bench.report``."""
 
-from .charts import speedup_chart, timeline_chart
+from .charts import loss_chart, speedup_chart, timeline_chart
 from .lines import bandwidth_line, expert_gemm_line, geomean_target_lines, versus_line, workspace_line
 from .load import load_results, load_trace
 from .render import print_terminal, render, report_main
@@ -16,6 +16,7 @@ from .schema import (
 )
 from .tables import build_table, comm_bandwidth, geomean, geomean_by_model_table, geomean_table, versus_table
 from .targets import default_targets, target_of
+from .train import render_train, train_table
 
 __all__ = [
     "BANDWIDTH_COLUMNS", "BASELINE_IMPL", "BASELINE_IMPL_BY_OP", "BASELINE_IMPLS", "DETAIL_COLUMNS", "DTYPE_BYTES",
@@ -24,5 +25,5 @@ __all__ = [
     "REQUIRED_RESULT_KEYS", "TABLE_COLUMNS", "VERSUS_COLUMNS", "ReportError",
     "bandwidth_line", "build_table", "comm_bandwidth", "default_targets", "expert_gemm_line", "geomean", "geomean_by_model_table", "geomean_table",
     "geomean_target_lines", "load_results", "load_trace", "print_terminal", "render", "report_main",
-    "speedup_chart", "target_of", "timeline_chart", "versus_line", "versus_table", "workspace_line",
+    "loss_chart", "render_train", "speedup_chart", "target_of", "timeline_chart", "train_table", "versus_line", "versus_table", "workspace_line",
 ]

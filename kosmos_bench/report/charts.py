@@ -4,6 +4,7 @@
   against its own baseline (TP ops vs nccl+cublas, ``moe_fwd`` vs nccl-a2a, ``moe_experts`` vs grouped-mm: never
   one axis), a panel wrapped into several rows rather than one wide strip, the baseline named on the y axis and
   drawn as the line at 1.0, and machine, models, dtype and commit in the title.
+* ``loss_chart`` -- the loss per step of each implementation of a ``kosmos bench train`` table, a panel per proxy.
 * ``timeline_chart`` -- the per-program timeline of a trace file (``bench --trace``): one panel per rank on one
   shared time axis, compute, communication, waiting and idle in distinct colour families, a legend of the kinds
   drawn.
@@ -386,6 +387,46 @@ def _not_drawn_note(panel: pd.DataFrame, series: list) -> str:
         elif bad:
             notes.append(f"{impl}: {bad}")
     return "not drawn — " + "; ".join(notes) if notes else ""
+
+
+# --------------------------------------------------------------------------- loss curves (bench train)
+
+
+def loss_chart(df: pd.DataFrame, path: str | Path) -> bool:
+    """The loss per step of every implementation of a train table (``report.train.train_table``); False when
+    matplotlib is missing."""
+    if not _has_matplotlib():
+        return False
+    _save(_loss_figure(df), path)
+    return True
+
+
+def _loss_figure(df: pd.DataFrame):
+    """One panel per proxy (model, layers, seq, batch, hidden, world, dtype): the loss of each implementation over
+    the recorded steps in its ``impl_color`` (the baseline dashed), a failed one marked "failed" in its label."""
+    from .train import TRAIN_GROUP
+    keys = [c for c in TRAIN_GROUP if c in df]
+    groups = list(df.groupby(keys, dropna=False, sort=False)) if not df.empty else []
+    fig = _new_figure((min(MAX_WIDTH_IN, 6.0 * max(1, len(groups))), 4.2))
+    axes = fig.subplots(1, max(1, len(groups)), squeeze=False)[0]
+    for ax, (key, panel) in zip(axes, groups):
+        key = key if isinstance(key, tuple) else (key,)
+        for _, row in panel.iterrows():
+            losses = row.get("losses") or []
+            if not losses:
+                continue
+            label = row["impl"] + ("" if row["status"] == "ok" else f" ({row['status']})")
+            ax.plot(range(len(losses)), losses, label=label, color=impl_color(row["impl"]), linewidth=1.6,
+                    linestyle="--" if row.get("baseline") else "-", marker="o", markersize=2.5)
+        ax.set_xlabel("step (after warm-up)")
+        ax.set_ylabel("loss")
+        ax.grid(color="#dddddd", linewidth=0.6)
+        title = " ".join(f"{c}={format_value(c, v)}" for c, v in zip(keys, key))
+        ax.set_title("\n".join(textwrap.wrap(title, 60)), fontsize=8, loc="left")
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    fig.suptitle("Training proxy: loss per step", fontsize=10)
+    return fig
 
 
 # --------------------------------------------------------------------------- timeline

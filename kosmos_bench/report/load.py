@@ -17,6 +17,8 @@ import numpy as np
 from .schema import ENV_FIELDS, REQUIRED_RESULT_KEYS, ReportError
 from .targets import run_targets
 
+TRAIN_REQUIRED_KEYS = ("model", "impl", "status", "world", "dtype")  # bench train rows (report/train.py)
+
 
 Warn = Callable[[str], None]
 
@@ -93,7 +95,8 @@ def _json_lines(path: Path, warn: Warn):
 
 
 def _check_required_keys(record: dict, path: Path, line_number: int) -> None:
-    missing = [key for key in REQUIRED_RESULT_KEYS if record.get(key) is None]
+    required = TRAIN_REQUIRED_KEYS if record.get("bench") == "train" else REQUIRED_RESULT_KEYS  # no op/m/n/k
+    missing = [key for key in required if record.get(key) is None]
     if missing:
         raise ReportError(f"{path}:{line_number}: result line lacks {', '.join(missing)}")
     if not isinstance(record.get("config"), (dict, type(None))):

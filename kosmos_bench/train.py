@@ -1,0 +1,732 @@
+"""The end-to-end training proxies (``kosmos bench train``): a small model built from KOSMOS's own modules, trained
+for a few steps with each implementation swapped in layer by layer -- same weights, same data -- timing each
+step and recording every step's loss, which must agree with the baseline's.
+
+The model: ``layers`` blocks (default 2), Megatron's TP+SP layout (activations [s/W, b, hidden], sharded along
+the sequence, between the parallel regions; W = ``--tp``)::
+
+    ProxyBlock (dense, llama3 shapes: kosmos.models.dense_model)
+      h = x + attn_out(SDPA_causal(split_heads(qkv(rms1(x)))))     qkv column-parallel, attn_out row-parallel
+      y = h + fc2(silu(gate) * up),  gate|up = fc1(rms2(h))         fc1 column-parallel, fc2 row-parallel
+    MoEProxyBlock (deepseek-v3 / qwen3-235b shapes: kosmos.models.MOE_MODELS; one rank only, see below)
+      h = x + attention (as above, its linears at W = 1), y = h + moe(rms2(h))   (routed experts, no shared one)
+
+The full QKV weight is [q | k | v] (heads, kv_heads, kv_heads blocks of head_dim rows), the full FC1 weight
+[gate | up]; each rank's shard holds its heads/W query heads and kv_heads/W KV heads as [q_r | k_r | v_r], FC1's
+[gate_r | up_r] of its ffn/W columns (so the model at W ranks is the model at one, sharded); GQA by
+repeating each KV head over its query heads. RMSNorm weights are replicated: their gradients are summed over the
+TP ranks after the backward (Megatron's sequence-parallel norm all-reduce), for every implementation alike.
+
+Implementations (``impl``):
+  nccl+cublas  the baseline (dense): the same layers' math with NCCL collectives + torch matmuls, the autograd
+               Functions below calling kosmos.reference (all_gather_matmul_ref / matmul_reduce_scatter_ref,
+               fp32=False): forward AG+GEMM / GEMM+RS, backward dx by GEMM+RS / AG+GEMM, dW from the re-gathered
+               activation (column) or gathered gradient (row) -- exactly what kosmos.nn's layers compute.
+  kosmos       kosmos.nn.ColumnParallelLinear / RowParallelLinear (the fused ops, forward and backward).
+  nccl-a2a     the MoE baseline: an nn.Module around kosmos.moe_reference.moe_forward_a2a(fp32=False), autograd
+               through its torch ops (at W = 1 its all-to-alls are skipped; at W > 1 dist.all_to_all_single has no
+               autograd, so it is recorded unavailable there too).
+  kosmos (MoE) kosmos.nn.MoE, whose backward exists at one rank only: unavailable at W > 1 (the row says so).
+In the MoE proxy the attention's linears are the dense implementation of the same name's family (kosmos ->
+kosmos.nn layers, nccl-a2a -> the nccl+cublas Functions), at W = 1.
+
+Weights: every parameter is drawn once from ``seed`` (a CPU generator per parameter, the full unsharded tensor,
+N(0, 1/fan_in); RMSNorm weights 1) and each rank keeps its shard exactly as the kosmos layers shard it (column:
+rows of [out, in], per section as above; row: columns; MoE experts: E/W at W = 1 all of them), so every implementation starts from the
+same model.
+
+Data (fixed, synthetic): step i's input x_i ~ N(0, 1) [seq, batch, hidden] from a generator seeded (seed, i) on
+the device, the same on every rank (each keeps its sequence chunk), and one fixed target T ~ N(0, 1) of the same
+shape; loss = mean((proxy(x_i) - T)^2) over the whole sequence (each rank's chunk summed over the ranks). AdamW
+(lr 1e-3, betas (0.9, 0.95), weight decay 0.01, fp32 moments over the bf16 parameters: torch's AdamW). The
+recorded loss of step i is the loss of the forward of step i (before that step's update).
+
+Step: forward, backward, the norm-gradient all-reduce, AdamW step, zero_grad. ``warmup`` steps (default 3) are
+run and not recorded, then ``steps`` (default 20) timed: CUDA events around each step on the GPU, max over
+ranks (perf_counter on the CPU). Every implementation restarts from the initial weights and the same data, so
+the warm-up steps are part of every implementation's run: the recorded losses are steps warmup..warmup+steps-1.
+
+Agreement (``LOSS_RTOL``): every step's loss of an implementation within 2e-2 relative of the baseline's
+(|l - l_base| <= 2e-2 * |l_base|; covers the final loss): bf16 activations and weights, with fp32
+accumulation in different orders, drift apart by ~1e-3 over 20 steps at these sizes; a step that trains
+differently -- a wrong gradient -- shows at the first step already. A disagreeing implementation's row is
+"failed" with the first step that disagrees as the reason (its timing is still recorded). A non-finite loss
+fails too.
+
+Precision: ``dtype`` "bf16" (default) or "mxfp8": the kosmos layers take dtype="mxfp8" (the forward on MX values
+of x and W, straight-through gradients); the baseline then quantizes the same way (kosmos.quant to_mx / from_mx
+of the activation, mx_round of the weight, before the bf16 Functions, gradients straight through), so the two
+still train the same model. The MoE proxy at mxfp8 is unavailable (kosmos.nn.MoE trains in bf16 only).
+
+Sizes: the model's shapes by default; ``scale`` (e.g. 0.0625) or ``hidden`` (scale = hidden / model hidden)
+shrink hidden, ffn (rounded to a multiple of 32 * W, at least that), heads and kv_heads (at least W, heads a
+multiple of kv_heads) for a quick run; head_dim stays unless ``head_dim`` is given. MoE: hidden and expert_ffn
+scaled, the expert count, top_k and the router kept.
+
+Rows (SCHEMA.md, "train"): one per implementation after the env line (environment.environment(bench="train")).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kosmos import quant, reference
+from kosmos.models import DENSE_MODELS, MOE_MODELS, dense_model
+
+DENSE_IMPLS = ("nccl+cublas", "kosmos")
+MOE_IMPLS = ("nccl-a2a", "kosmos")
+BASELINE = {"dense": "nccl+cublas", "moe": "nccl-a2a"}
+DTYPES = ("bf16", "mxfp8")
+LOSS_RTOL = 2e-2
+DEFAULT_MODEL, DEFAULT_SEQ, DEFAULT_BATCH = "llama3-8b", 4096, 1
+DEFAULT_LAYERS, DEFAULT_STEPS, DEFAULT_WARMUP = 2, 20, 3
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+class Unavailable(Exception):
+    """An implementation that cannot train here: its row is "unavailable" with the message."""
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class ProxyShape:
+    model: str
+    kind: str            # "dense" | "moe"
+    hidden: int
+    ffn: int             # dense: the MLP's ffn; MoE: expert_ffn
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int = DEFAULT_LAYERS
+    seq: int = DEFAULT_SEQ
+    batch: int = DEFAULT_BATCH
+    scale: float = 1.0
+    experts: int | None = None
+    top_k: int | None = None
+    routing: str | None = None
+    route_kw: dict = field(default_factory=dict)
+
+
+def _round_to(v: float, multiple: int) -> int:
+    return max(multiple, int(round(v / multiple)) * multiple)
+
+
+def proxy_shape(model: str = DEFAULT_MODEL, *, layers: int = DEFAULT_LAYERS, seq: int = DEFAULT_SEQ,
+                batch: int = DEFAULT_BATCH, tp: int = 1, scale: float | None = None, hidden: int | None = None,
+                head_dim: int | None = None) -> ProxyShape:
+    """The proxy's shapes for ``model`` (dense or MoE), scaled as the module docstring says; ValueError for what
+    does not fit (seq not dividing by tp, an unknown model)."""
+    if model in MOE_MODELS:
+        m = MOE_MODELS[model]
+        base_hidden, base_ffn, heads, kv, hd = m.hidden, m.expert_ffn, 32, 8, 128  # attention: llama3-like
+    elif model in DENSE_MODELS:
+        d = dense_model(model)
+        if not d.gated:
+            raise ValueError(f"{model}: the proxy's MLP is SwiGLU (gated models only)")
+        base_hidden, base_ffn, heads, kv, hd = d.hidden, d.ffn, d.heads, d.kv_heads, d.head_dim
+    else:
+        raise ValueError(f"unknown model {model!r}; dense: {', '.join(DENSE_MODELS)}; MoE: {', '.join(MOE_MODELS)}")
+    if hidden is not None:
+        scale = hidden / base_hidden
+    scale = 1.0 if scale is None else float(scale)
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale={scale} must be in (0, 1]")
+    if seq % tp:
+        raise ValueError(f"seq={seq} must divide by tp={tp} (sequence parallelism splits the tokens)")
+    q = 32 * tp
+    h = hidden if hidden is not None else (base_hidden if scale == 1 else _round_to(base_hidden * scale, q))
+    f = base_ffn if scale == 1 else _round_to(base_ffn * scale, q)
+    kv_s = max(tp, int(round(kv * scale)))
+    heads_s = max(kv_s, int(round(heads * scale)) // kv_s * kv_s)
+    for what, v in (("heads", heads_s), ("kv_heads", kv_s), ("ffn", f)):
+        if v % tp:
+            raise ValueError(f"{model}: {what}={v} does not divide by tp={tp}")
+    common = dict(model=model, hidden=h, ffn=f, heads=heads_s, kv_heads=kv_s, head_dim=head_dim or hd,
+                  layers=layers, seq=seq, batch=batch, scale=scale)
+    if model in MOE_MODELS:
+        route_kw = dict(renormalize=m.renormalize, routed_scaling=m.routed_scaling)
+        if m.routing == "sigmoid-grouped":
+            route_kw.update(n_group=m.n_group, topk_group=m.topk_group)
+        return ProxyShape(kind="moe", experts=m.experts, top_k=m.top_k, routing=m.routing, route_kw=route_kw,
+                          **common)
+    return ProxyShape(kind="dense", **common)
+
+
+# --------------------------------------------------------------------------- the baseline's layers
+
+
+def _world(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _gather_rows(x, group):
+    """allgather(x) along rows with NCCL (x itself at W = 1)."""
+    w = _world(group)
+    if w == 1:
+        return x
+    out = x.new_empty((x.shape[0] * w,) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _AGMatmulRef(torch.autograd.Function):
+    """c = allgather(a_shard) @ b by NCCL + torch.matmul; backward as kosmos.nn.AllGatherMatmulFn's."""
+
+    @staticmethod
+    def forward(ctx, a_shard, b, group=None):
+        ctx.save_for_backward(a_shard, b)
+        ctx.group = group
+        return reference.all_gather_matmul_ref(a_shard, b, group, fp32=False)[1]
+
+    @staticmethod
+    def backward(ctx, dc):
+        a_shard, b = ctx.saved_tensors
+        dc = dc.contiguous()
+        da = reference.matmul_reduce_scatter_ref(dc, b.t(), ctx.group, fp32=False)
+        db = _gather_rows(a_shard, ctx.group).t() @ dc if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class _MatmulRSRef(torch.autograd.Function):
+    """c_shard = reduce_scatter(a @ b) by torch.matmul + NCCL; backward as kosmos.nn.MatmulReduceScatterFn's."""
+
+    @staticmethod
+    def forward(ctx, a, b, group=None):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        return reference.matmul_reduce_scatter_ref(a, b, group, fp32=False)
+
+    @staticmethod
+    def backward(ctx, dc_shard):
+        a, b = ctx.saved_tensors
+        dc_full, da = reference.all_gather_matmul_ref(dc_shard.contiguous(), b.t(), ctx.group, fp32=False)
+        db = a.t() @ dc_full if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    """q in the forward, the gradient passed to x unchanged (the MX layers' contract)."""
+
+    @staticmethod
+    def forward(ctx, x, q):
+        return q
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _mx_act(x2d):
+    return _StraightThrough.apply(x2d, quant.from_mx(quant.to_mx(x2d.detach().contiguous())))
+
+
+class _RefParallelLinear(torch.nn.Module):
+    """The baseline's column / row parallel linear: kosmos.nn's layer math (same weight layout and sharding) with
+    NCCL + torch matmuls; ``precision`` "mxfp8" quantizes x and W as the kosmos layer does."""
+
+    def __init__(self, in_features, out_features, *, shard_out: bool, group=None, device=None,
+                 dtype=torch.bfloat16):
+        super().__init__()
+        self.precision = dtype if isinstance(dtype, str) else "bf16"
+        w = _world(group)
+        self.in_features, self.out_features, self.group, self.shard_out = in_features, out_features, group, shard_out
+        shape = (out_features // w, in_features) if shard_out else (out_features, in_features // w)
+        self.weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        w = _world(self.group)
+        k = self.weight.shape[1]
+        a = x.reshape(-1, k)
+        wt = self.weight.t()
+        if self.precision == "mxfp8":
+            a = _mx_act(a)
+            wt = _StraightThrough.apply(self.weight, quant.mx_round(self.weight.detach())).t()
+        if self.shard_out:
+            y = _AGMatmulRef.apply(a, wt, self.group)
+            return y.view((x.shape[0] * w,) + tuple(x.shape[1:-1]) + (self.weight.shape[0],))
+        y = _MatmulRSRef.apply(a, wt, self.group)
+        return y.view((x.shape[0] // w,) + tuple(x.shape[1:-1]) + (self.out_features,))
+
+
+def make_linear(family: str, column: bool, in_features: int, out_features: int, *, group=None, device=None,
+                dtype="bf16"):
+    """A column (``column``) or row parallel linear of ``family`` ("kosmos" or "nccl+cublas")."""
+    layer_dtype = torch.bfloat16 if dtype == "bf16" else dtype
+    if family == "kosmos":
+        import kosmos.nn as knn
+        cls = knn.ColumnParallelLinear if column else knn.RowParallelLinear
+        return cls(in_features, out_features, group=group, device=device, dtype=layer_dtype)
+    if family == "nccl+cublas":
+        return _RefParallelLinear(in_features, out_features, shard_out=column, group=group, device=device,
+                                  dtype=layer_dtype)
+    raise ValueError(f"unknown linear family {family!r}")
+
+
+class A2AMoE(torch.nn.Module):
+    """The nccl-a2a MoE baseline with autograd: moe_reference.moe_forward_a2a(fp32=False) on parameters laid out
+    as kosmos.nn.MoE's (router [E, H], w13 [E/W, H, 2F], w2 [E/W, F, H])."""
+
+    def __init__(self, hidden, expert_ffn, experts, top_k, *, routing="softmax", group=None, device=None,
+                 **route_kw):
+        super().__init__()
+        local = experts // _world(group)
+        kw = dict(device=device, dtype=torch.bfloat16)
+        self.group, self.top_k, self.routing, self.route_kw = group, top_k, routing, route_kw
+        self.router_weight = torch.nn.Parameter(torch.empty(experts, hidden, **kw))
+        self.w13 = torch.nn.Parameter(torch.empty(local, hidden, 2 * expert_ffn, **kw))
+        self.w2 = torch.nn.Parameter(torch.empty(local, expert_ffn, hidden, **kw))
+        self.bias = (torch.nn.Parameter(torch.zeros(experts, device=device, dtype=torch.float32), requires_grad=False)
+                     if routing == "sigmoid-grouped" else None)
+
+    def forward(self, x):
+        from kosmos.moe_reference import moe_forward_a2a
+        kw = dict(self.route_kw)
+        if self.bias is not None:
+            kw["bias"] = self.bias
+        return moe_forward_a2a(x, self.router_weight, self.w13, self.w2, top_k=self.top_k, routing=self.routing,
+                               group=self.group, fp32=False, **kw)
+
+
+# --------------------------------------------------------------------------- the proxy
+
+
+class ProxyBlock(torch.nn.Module):
+    """One transformer block (module docstring): x [s/W, b, hidden] -> [s/W, b, hidden]. ``mlp``: None for the
+    TP SwiGLU MLP, or a module [T, hidden] -> [T, hidden] (the MoE proxy, at W = 1)."""
+
+    def __init__(self, shape: ProxyShape, family: str, *, group=None, device=None, dtype="bf16", mlp=None):
+        super().__init__()
+        w = _world(group)
+        self.shape, self.group, self.world = shape, group, w
+        h, hd = shape.hidden, shape.head_dim
+        self.heads_local, self.kv_local = shape.heads // w, shape.kv_heads // w
+        self.norm1 = torch.nn.RMSNorm(h, eps=1e-5, device=device, dtype=torch.bfloat16)
+        self.norm2 = torch.nn.RMSNorm(h, eps=1e-5, device=device, dtype=torch.bfloat16)
+        lin = dict(group=group, device=device, dtype=dtype)
+        self.qkv = make_linear(family, True, h, (shape.heads + 2 * shape.kv_heads) * hd, **lin)
+        self.attn_out = make_linear(family, False, shape.heads * hd, h, **lin)
+        self.mlp = mlp
+        if mlp is None:
+            self.fc1 = make_linear(family, True, h, 2 * shape.ffn, **lin)
+            self.fc2 = make_linear(family, False, shape.ffn, h, **lin)
+
+    def attention(self, x):
+        s, b = x.shape[0] * self.world, x.shape[1]
+        hd, hq, hk = self.shape.head_dim, self.heads_local, self.kv_local
+        qkv = self.qkv(self.norm1(x))  # [s, b, (hq + 2 hk) hd]
+        q, k, v = qkv.split([hq * hd, hk * hd, hk * hd], dim=-1)
+        q, k, v = (t.reshape(s, b, -1, hd).permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hd]
+        if hq != hk:
+            k, v = (t.repeat_interleave(hq // hk, dim=1) for t in (k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.attn_out(o.permute(2, 0, 1, 3).reshape(s, b, hq * hd))
+
+    def forward(self, x):
+        x = x + self.attention(x)
+        y = self.norm2(x)
+        if self.mlp is not None:
+            return x + self.mlp(y.reshape(-1, y.shape[-1])).view_as(y)
+        gate, up = self.fc1(y).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+class Proxy(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build_proxy(shape: ProxyShape, impl: str, *, group=None, device="cpu", dtype="bf16", seed: int = 0,
+                rank: int = 0) -> Proxy:
+    """The proxy of ``impl`` with the weights of ``seed`` (this rank's shards); raises Unavailable for what
+    cannot train here."""
+    w = _world(group)
+    if shape.kind == "moe":
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"unknown MoE proxy implementation {impl!r}; choose from {', '.join(MOE_IMPLS)}")
+        if w > 1:
+            raise Unavailable("kosmos.nn.MoE's backward runs at one rank only (the EP backward is future work)"
+                              if impl == "kosmos" else
+                              "moe_forward_a2a's all_to_all_single has no autograd at W > 1")
+        if dtype != "bf16":
+            raise Unavailable("kosmos.nn.MoE trains in bf16 only")
+        family = "kosmos" if impl == "kosmos" else "nccl+cublas"
+        blocks = []
+        for _ in range(shape.layers):
+            if impl == "kosmos":
+                import kosmos.nn as knn
+                mlp = knn.MoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, routing=shape.routing,
+                              group=group, device=device, **shape.route_kw)
+            else:
+                mlp = A2AMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, routing=shape.routing, group=group,
+                             device=device, **shape.route_kw)
+            blocks.append(ProxyBlock(shape, family, group=group, device=device, dtype=dtype, mlp=mlp))
+    else:
+        if impl not in DENSE_IMPLS:
+            raise ValueError(f"unknown dense proxy implementation {impl!r}; choose from {', '.join(DENSE_IMPLS)}")
+        blocks = [ProxyBlock(shape, impl, group=group, device=device, dtype=dtype) for _ in range(shape.layers)]
+    proxy = Proxy(blocks)
+    init_weights(proxy, seed, rank, w)
+    return proxy
+
+
+def init_weights(proxy: Proxy, seed: int, rank: int, world: int) -> None:
+    """Every parameter from ``seed`` (module docstring): the full tensor drawn on the CPU, this rank's shard kept.
+    Column layers: rows (chunk r of dim 0); row layers: columns (chunk r of dim 1); MoE experts: chunk r of dim 0;
+    router and norms replicated."""
+    with torch.no_grad():
+        for index, (name, p) in enumerate(proxy.named_parameters()):
+            if name.endswith("norm1.weight") or name.endswith("norm2.weight"):
+                p.fill_(1.0)
+                continue
+            if name.endswith(".bias"):  # the sigmoid-grouped router's bias: zeros, no gradient
+                p.zero_()
+                continue
+            g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+            owner = proxy.get_submodule(name.rsplit(".", 1)[0])
+            if name.endswith("router_weight"):
+                full, dim = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]), None
+            elif name.endswith("w13") or name.endswith("w2"):
+                full = torch.randn((p.shape[0] * world,) + tuple(p.shape[1:]), generator=g) / math.sqrt(p.shape[1])
+                dim = 0
+            else:
+                column = getattr(owner, "shard_out", None)
+                if column is None:  # a kosmos.nn layer
+                    import kosmos.nn as knn
+                    column = isinstance(owner, knn.ColumnParallelLinear)
+                shape = (p.shape[0] * world, p.shape[1]) if column else (p.shape[0], p.shape[1] * world)
+                full, dim = torch.randn(shape, generator=g) / math.sqrt(shape[1]), (0 if column else 1)
+                sections = _column_sections(proxy, name) if column else None
+                if sections:  # [q | k | v] / [gate | up]: this rank's share of each section
+                    p.copy_(torch.cat([part.chunk(world, 0)[rank] for part in full.split(sections)]).to(p.dtype))
+                    continue
+            p.copy_((full if dim is None else full.chunk(world, dim)[rank]).to(p.dtype))
+
+
+def _column_sections(proxy: Proxy, name: str):
+    """The row sections of a full column weight: QKV [q | k | v] (heads*hd, kv*hd, kv*hd), FC1 [gate | up]."""
+    shape = proxy.blocks[0].shape
+    if name.endswith("qkv.weight"):
+        return [shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.kv_heads * shape.head_dim]
+    if name.endswith("fc1.weight"):
+        return [shape.ffn, shape.ffn]
+    return None
+
+
+def replicated_params(proxy: Proxy):
+    """The parameters every TP rank holds whole whose gradients come from its own sequence chunk (the norms)."""
+    return [p for n, p in proxy.named_parameters() if "norm" in n]
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainSettings:
+    impls: tuple = ()
+    steps: int = DEFAULT_STEPS
+    warmup: int = DEFAULT_WARMUP
+    dtype: str = "bf16"
+    seed: int = 0
+    loss_rtol: float = LOSS_RTOL
+
+
+def step_input(shape: ProxyShape, step: int, seed: int, device, rank: int, world: int):
+    """Step ``step``'s input: x ~ N(0, 1) [seq, batch, hidden] (seeded (seed, step), the same on every rank),
+    this rank's sequence chunk, bf16."""
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + 1 + step)
+    x = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g, device=device)
+    return x.chunk(world, 0)[rank].to(torch.bfloat16).contiguous()
+
+
+def fixed_target(shape: ProxyShape, seed: int, device, rank: int, world: int):
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + 104729)
+    t = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g, device=device)
+    return t.chunk(world, 0)[rank].contiguous()
+
+
+def _sum_over_ranks(t, group=None):
+    if _world(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_losses(proxy: Proxy, shape: ProxyShape, st: TrainSettings, device, *, group=None, rank=0,
+                 timed: bool = True):
+    """Run ``st.warmup + st.steps`` steps of ``proxy``; returns (losses of the timed steps, step times in ms)."""
+    world = _world(group)
+    n_total = shape.seq * shape.batch * shape.hidden
+    target = fixed_target(shape, st.seed, device, rank, world)
+    opt = torch.optim.AdamW(proxy.parameters(), **ADAMW)
+    shared = replicated_params(proxy)
+    cuda = torch.device(device).type == "cuda"
+    losses, times = [], []
+    for i in range(st.warmup + st.steps):
+        x = step_input(shape, i, st.seed, device, rank, world)
+        _sync(device)
+        if world > 1:
+            dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        y = proxy(x)
+        local = ((y.float() - target) ** 2).sum() / n_total
+        local.backward()
+        for p in shared:
+            if p.grad is not None:
+                _sum_over_ranks(p.grad, group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        loss = _sum_over_ranks(local.detach().double().reshape(1), group)
+        if i >= st.warmup:
+            losses.append(loss.item())
+            times.append(ms)
+    if world > 1:  # the step time: max over ranks per step
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times = t.tolist()
+    return losses, times
+
+
+def loss_disagreement(losses, base, rtol: float = LOSS_RTOL) -> str | None:
+    """None when every step's loss is within ``rtol`` of the baseline's (and finite), else the reason naming the
+    first step that is not."""
+    if len(losses) != len(base):
+        return f"{len(losses)} losses against the baseline's {len(base)}"
+    for i, (l, b) in enumerate(zip(losses, base)):
+        if not math.isfinite(l):
+            return f"loss at step {i} is {l}"
+        if not abs(l - b) <= rtol * abs(b):
+            return f"loss at step {i} {l:.6g} vs the baseline's {b:.6g} (rel diff {abs(l - b) / abs(b):.2e} > " \
+                   f"{rtol:.0e}): trains differently"
+    return None
+
+
+def max_rel_diff(losses, base) -> float | None:
+    if not losses or not base or len(losses) != len(base):
+        return None
+    return max(abs(l - b) / abs(b) if b else abs(l - b) for l, b in zip(losses, base))
+
+
+def identity(shape: ProxyShape, world: int, dtype: str) -> dict:
+    """The identity keys of a train row."""
+    return {"type": "result", "bench": "train", "model": shape.model, "kind": shape.kind, "layers": shape.layers,
+            "seq": shape.seq, "batch": shape.batch, "hidden": shape.hidden, "ffn": shape.ffn, "heads": shape.heads,
+            "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "experts": shape.experts, "top_k": shape.top_k,
+            "scale": shape.scale, "world": world, "dtype": dtype}
+
+
+def _error_reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def _agree(ok: bool, why, group=None):
+    if _world(group) == 1:
+        return ok, why
+    got = [None] * _world(group)
+    dist.all_gather_object(got, (ok, why), group=group)
+    for r, (o, w) in enumerate(got):
+        if not o:
+            return False, w if all(not g[0] and g[1] == w for g in got) else f"rank {r}: {w}"
+    return True, None
+
+
+def run_train(shape: ProxyShape, st: TrainSettings, device="cpu", *, group=None, rank: int | None = None,
+              on_row=None, build=build_proxy) -> list[dict]:
+    """Train the proxy with each implementation of ``st.impls`` (the baseline first, whatever the order given) and
+    return a row per implementation (every rank the same rows); ``on_row(row)`` as each is ready; ``rank``: this
+    process's rank in ``group`` (default: its rank there). ``build``:
+    (shape, impl, **kw) -> Proxy (tests pass a perturbed one)."""
+    world = _world(group)
+    if rank is None:
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+    base_name = BASELINE[shape.kind]
+    impls = list(st.impls or (MOE_IMPLS if shape.kind == "moe" else DENSE_IMPLS))
+    impls.sort(key=lambda n: n != base_name)
+    tokens_per_gpu = shape.seq * shape.batch / (world if shape.kind == "dense" else 1)
+    rows, base_losses = [], None
+    cuda = torch.device(device).type == "cuda"
+    for name in impls:
+        row = identity(shape, world, st.dtype)
+        row.update(impl=name, baseline=name == base_name, steps=st.steps, warmup=st.warmup, status="ok", reason=None,
+                   step_ms=None, step_p20_ms=None, step_p80_ms=None, step_times_ms=None, tokens_per_s=None,
+                   peak_mem_bytes=None, losses=None, final_loss=None, loss_rtol=st.loss_rtol,
+                   loss_max_rel_diff=None)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        result = {}
+
+        def attempt():
+            proxy = build(shape, name, group=group, device=device, dtype=st.dtype, seed=st.seed, rank=rank)
+            result["losses"], result["times"] = train_losses(proxy, shape, st, device, group=group, rank=rank)
+
+        try:
+            attempt()
+            ok, why = True, None
+        except Unavailable as e:
+            ok, why = False, "unavailable: " + str(e)
+        except Exception as e:  # recorded, the other implementations still run
+            traceback.print_exc()
+            ok, why = False, _error_reason(e)
+        ok, why = _agree(ok, why, group)
+        if not ok:
+            row["status"] = "unavailable" if why.startswith("unavailable: ") else "failed"
+            row["reason"] = why.replace("unavailable: ", "", 1) if row["status"] == "unavailable" else why
+            if name == base_name:
+                base_losses = None
+        else:
+            losses, times = result["losses"], result["times"]
+            ms = statistics.median(times)
+            q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
+            peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+            if cuda and world > 1:
+                t = torch.tensor([float(peak)], device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                peak = int(t.item())
+            row.update(step_ms=ms, step_p20_ms=q[0], step_p80_ms=q[3], step_times_ms=times,
+                       tokens_per_s=tokens_per_gpu / (ms * 1e-3) if ms > 0 else None, peak_mem_bytes=int(peak),
+                       losses=losses, final_loss=losses[-1] if losses else None)
+            if name == base_name:
+                base_losses = losses
+                bad = next((f"loss at step {i} is {l}" for i, l in enumerate(losses) if not math.isfinite(l)), None)
+            elif base_losses is None:
+                bad = None
+                row["reason"] = f"losses not compared: the baseline {base_name} did not train"
+            else:
+                bad = loss_disagreement(losses, base_losses, st.loss_rtol)
+                row["loss_max_rel_diff"] = max_rel_diff(losses, base_losses)
+            if bad:
+                row.update(status="failed", reason=bad)
+        rows.append(row)
+        if on_row:
+            on_row(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- ranks and the command
+
+
+def train_rank(rank: int, world: int, shape_kw: dict, st_kw: dict, out: str, argv, cpu: bool = False):
+    """One rank of `kosmos bench train` (launcher.spawn, or in-process on the CPU): rank 0 writes the env line
+    and every row as it is ready."""
+    from .environment import environment
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    shape = proxy_shape(tp=world, **shape_kw)
+    st = TrainSettings(**st_kw)
+    env = environment(argv=argv, bench="train")
+    f = open(out, "a") if rank == 0 else None
+
+    def write(row):
+        if f:
+            f.write(json.dumps({**row, "run_id": env["run_id"]}) + "\n")
+            f.flush()
+    try:
+        if f:
+            f.write(json.dumps(env) + "\n")
+            f.flush()
+        run_train(shape, st, device, rank=rank, on_row=write)
+    finally:
+        if f:
+            f.close()
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def bench_train(
+    model: str = DEFAULT_MODEL, layers: int = DEFAULT_LAYERS, seq: int = DEFAULT_SEQ, batch: int = DEFAULT_BATCH,
+    steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WARMUP, dtype: str = "bf16", impl: str | None = None,
+    tp: int | None = None, out=None, dry_run: bool = False, hidden: int | None = None, scale: float | None = None,
+    head_dim: int | None = None, seed: int = 0,
+):
+    """Train the end-to-end proxy (kosmos_bench/train.py) with each implementation: forward, backward and AdamW
+    per step; step time, tokens/s per GPU, peak memory and every step's loss, which must agree with the
+    baseline's (nccl+cublas; MoE models nccl-a2a) within 2e-2 relative. Defaults: llama3-8b, 2 layers, seq
+    4096, batch 1, 20 steps after 3 warm-up steps, TP over every visible GPU (MoE models: 1)."""
+    import typer
+    from pathlib import Path
+
+    from . import launcher
+
+    def fail(msg):
+        typer.echo(f"error: {msg}", err=True)
+        raise typer.Exit(2)
+
+    if dtype not in DTYPES:
+        fail(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    kind = "moe" if model in MOE_MODELS else "dense"
+    known = MOE_IMPLS if kind == "moe" else DENSE_IMPLS
+    impls = tuple(_split(impl)) or known
+    unknown = [n for n in impls if n not in known]
+    if unknown:
+        fail(f"--impl {','.join(unknown)}: the {kind} proxy has {', '.join(known)}")
+    gpus = launcher.visible_gpus()
+    world = tp or (1 if kind == "moe" or gpus == 0 else gpus)
+    try:
+        shape = proxy_shape(model, layers=layers, seq=seq, batch=batch, tp=world, scale=scale, hidden=hidden,
+                            head_dim=head_dim)
+    except ValueError as e:
+        fail(str(e))
+    for what, v in (("--steps", steps), ("--layers", layers), ("--seq", seq), ("--batch", batch)):
+        if v < 1:
+            fail(f"{what}={v} must be >= 1")
+    out = Path(out) if out else Path("results") / f"train-{dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    if dry_run:
+        lines = ["kosmos bench train (dry run)"]
+        lines += [f"  {k}: {v}" for k, v in asdict(shape).items() if v not in (None, {})]
+        lines += [f"  world: {world}", f"  dtype: {dtype}", f"  steps: {steps} (+{warmup} warm-up)", f"  out: {out}",
+                  "implementations:"]
+        for n in sorted(impls, key=lambda n: n != BASELINE[kind]):
+            note = " (baseline)" if n == BASELINE[kind] else ""
+            if kind == "moe" and world > 1:
+                note += " unavailable: trains at one rank only"
+            lines.append(f"  {n}{note}")
+        lines.append("dry run: nothing was launched or written.")
+        typer.echo("\n".join(lines))
+        raise typer.Exit(0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shape_kw = dict(model=model, layers=layers, seq=seq, batch=batch, scale=scale, hidden=hidden, head_dim=head_dim)
+    st_kw = dict(impls=impls, steps=steps, warmup=warmup, dtype=dtype, seed=seed)
+    import sys
+    argv = list(sys.argv)
+    if gpus == 0:
+        if world > 1:
+            fail("no CUDA GPU is visible: the CPU runs the proxy at --tp 1 only")
+        train_rank(0, 1, shape_kw, st_kw, str(out), argv, cpu=True)
+    else:
+        try:
+            launcher.spawn(train_rank, world, shape_kw, st_kw, str(out), argv)
+        except launcher.LaunchError as e:
+            typer.echo(f"error: {e}\npartial results (if any) are in {out}", err=True)
+            raise typer.Exit(1)
+    typer.echo(f"results: {out}  (render with `kosmos report {out}`)")
