@@ -611,3 +611,91 @@ def test_moe_probe_runs_each_tree_in_a_subprocess(tmp_path, monkeypatch):
         assert path0 == trees[i] and cwd == trees[i]
         assert cmd == [sys.executable, "-m", "dev.moe_probe", "--out", str(out / f"tree{i}"),
                        "--tokens", "8192"]
+
+
+# --------------------------------------------------------------------------- --direction bwd, fwd+bwd
+
+
+def _fake_moe_forward_routing(x, router_weight, w13, w2, *, top_k, routing, renormalize, bias, n_group, topk_group,
+                              routed_scaling, group, config, policy, comm_programs, return_routing=False):
+    """kosmos.moe_forward's return_routing on the CPU (the op needs CUDA): the reference's routing decision."""
+    assert return_routing and policy == "self"
+    weights, experts = route(x, router_weight, top_k, routing, renormalize=renormalize, bias=bias, n_group=n_group,
+                             topk_group=topk_group, routed_scaling=routed_scaling)
+    return None, weights, experts
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("direction", ["bwd", "fwd+bwd"])
+@pytest.mark.parametrize("name", ["tiny-softmax", "tiny-grouped"])
+def test_point_backward_world1(monkeypatch, tiny_models, name, direction):
+    """bwd / fwd+bwd rows at W=1 on the CPU: kosmos (moe_backward_w1's kernels under the interpreter, on the
+    decision of a stand-in forward) and nccl-a2a (autograd through moe_forward_a2a) checked gradient by gradient
+    against moe_backward_ref; no expert-GEMM rows; the others unavailable with their reasons."""
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    monkeypatch.setattr(moe, "moe_forward", _fake_moe_forward_routing)
+    rows = moe.run_case(moe.MoECase(name, 64, "uniform"), moe.MoESettings(iters=1, warmup=0, direction=direction),
+                        device="cpu")
+    by = _rows_by_impl(rows)
+    assert list(by) == [("moe_fwd", n) for n in moe.MOE_IMPLS]  # no moe_experts rows outside fwd
+    m = TINY[name]
+    for impl in ("kosmos", "nccl-a2a"):
+        r = by[("moe_fwd", impl)]
+        assert r["status"] == "ok" and r["direction"] == direction, r
+        assert set(r["rel_err_grads"]) == set(moe.GRADS)
+        assert r["rel_err"] == max(r["rel_err_grads"].values()) and 0 < r["rel_err"] < moe.GRAD_TOLERANCE, r
+        flops = moe.DIRECTION_FLOPS[direction] * 6 * 64 * m.top_k * m.hidden * m.expert_ffn
+        assert r["tflops"] == pytest.approx(flops / (r["time_ms"] * 1e-3) / 1e12)
+        assert r["t_gemm_ms"] is None and r["t_comm_ms"] is None
+    assert by[("moe_fwd", "deepep")]["status"] == "unavailable"
+    assert by[("moe_fwd", "fixed-role")]["reason"] == moe.FIXED_BACKWARD
+
+
+def test_backward_availability_by_world_and_dtype():
+    from kosmos_bench import registry
+    kosmos = registry.get("moe_fwd", "kosmos")
+    assert kosmos.availability(1, "bf16", "bwd") == (True, None)
+    assert kosmos.availability(2, "bf16", "bwd") == \
+        (False, "no kosmos MoE backward at W>1 yet (the one-launch backward is future work)")
+    assert kosmos.availability(1, "mxfp8", "fwd+bwd") == (False, "no MXFP8 backward yet")
+    assert registry.get("moe_fwd", "nccl-a2a").availability(2, "bf16", "bwd")[0] is False
+    assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "bwd") == ()
+    assert registry.impls_at("moe_fwd", moe.MOE_IMPLS, "bf16", "bwd") == moe.MOE_IMPLS
+
+
+def test_split_is_timed_without_its_setup(monkeypatch):
+    calls = []
+    split = timing.Split(lambda: calls.append("setup") or 3, lambda s: calls.append(("run", s)) or s + 1)
+    assert split() == 4 and calls == ["setup", ("run", 3)]
+
+
+def test_reference_parts_record_each_error():
+    from kosmos_bench.harness import Reference
+    ref = (torch.ones(4), torch.ones(3))
+    r = Reference(lambda out: ref, 1e-2, parts=("a", "b"), parts_key="errs")
+    err, errs = r.errors((torch.ones(4), torch.full((3,), 1.1), "decision"))
+    assert errs["a"] == 0 and errs["b"] == pytest.approx(0.1, rel=1e-3) and err == errs["b"]
+    err, _ = r.errors((torch.full((4,), float("nan")), torch.ones(3)))
+    assert not err <= 1e-2  # NaN (or inf) never passes
+
+
+@pytest.mark.gpu
+def test_bench_moe_directions_end_to_end(tmp_path):
+    """`kosmos bench moe ... --direction fwd,bwd,fwd+bwd` on one GPU: kosmos and nccl-a2a rows ok in every
+    direction, the backward rows with their four gradient errors."""
+    import json
+    import subprocess
+    out = tmp_path / "moe-dir.jsonl"
+    cmd = [sys.executable, "-m", "kosmos_bench.cli", "bench", "moe", "--hidden", "256", "--ffn", "128", "--experts",
+           "8", "--top-k", "2", "--ep", "1", "--tokens", "256", "--direction", "fwd,bwd,fwd+bwd", "--iters", "2",
+           "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [row for row in rows if row["type"] == "result" and row["op"] == "moe_fwd"]
+    for direction in ("fwd", "bwd", "fwd+bwd"):
+        for impl in ("kosmos", "nccl-a2a"):
+            got = [row for row in rows if row["direction"] == direction and row["impl"] == impl]
+            assert got and all(row["status"] == "ok" for row in got), (direction, impl, got)
+            if direction != "fwd":
+                assert all(set(row["rel_err_grads"]) == set(moe.GRADS) for row in got)

@@ -696,3 +696,37 @@ def test_mxfp8_needs_k_and_moe_sizes_in_mx_blocks():
     r = runner.invoke(app, ["bench", "tp", "--shape", "256x256x64", "--op", "ag_gemm", "--tp", "1", "--dtype",
                             "mxfp8", "--dry-run"])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("value", ["sideways", "fwd,back", ","])
+def test_bench_moe_bad_direction_is_one_line(value):
+    r = runner.invoke(app, [*MOE_TINY, "--ep", "1", "--direction", value, "--dry-run"])
+    assert r.exit_code == 2, r.output
+    assert "--direction" in r.output and "fwd, bwd, fwd+bwd" in r.output
+    assert len([line for line in r.output.splitlines() if line.strip()]) == 1, r.output
+
+
+def test_bench_moe_dry_run_lists_implementations_per_direction():
+    r = runner.invoke(app, [*MOE_TINY, "--ep", "1", "--direction", "fwd,bwd,fwd+bwd", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "direction: fwd, bwd, fwd+bwd" in r.output and "over 3 directions" in r.output
+    assert "implementations (moe_experts, fwd):" in r.output and "(moe_experts, bwd)" not in r.output
+    fwd, rest = r.output.split("implementations (moe_fwd, fwd):")[1].split("implementations (moe_fwd, bwd):")
+    bwd, both = rest.split("implementations (moe_fwd, fwd+bwd):")
+    for part in (bwd, both):
+        assert "kosmos               available" in part and "nccl-a2a (baseline)  available" in part
+        assert "unavailable: no backward in the deepep baseline yet" in part
+    r = runner.invoke(app, [*MOE_TINY, "--ep", "2", "--direction", "bwd", "--dry-run"])
+    assert r.exit_code == 0 and "no kosmos MoE backward at W>1 yet" in r.output, r.output
+    assert "implementations (moe_fwd):" in r.output  # one dtype, one direction: the family alone
+    r = runner.invoke(app, [*MOE_TINY, "--ep", "1", "--direction", "bwd", "--dtype", "bf16,mxfp8", "--dry-run"])
+    assert r.exit_code == 0 and "no MXFP8 backward yet" in r.output, r.output
+
+
+def test_bench_moe_suite_direction_list(tmp_path):
+    path = tmp_path / "moe-dir.yaml"
+    path.write_text("bench: moe\nmodels: [mixtral-8x7b]\ntokens: [128]\nrouting: [uniform]\ndirection: [fwd, bwd]\n")
+    r = runner.invoke(app, ["bench", "moe", "--suite", str(path), "--ep", "1", "--dry-run"])
+    assert r.exit_code == 0 and "direction: fwd, bwd" in r.output, r.output
+    r = runner.invoke(app, ["bench", "moe", "--suite", str(path), "--ep", "1", "--direction", "fwd+bwd", "--dry-run"])
+    assert r.exit_code == 0 and "direction: fwd+bwd" in r.output, r.output

@@ -643,7 +643,7 @@ def test_csv_columns_only_grow_at_the_end(tmp_path, table):
               "rel_err,workspace_bytes,status,reason,p20_ms,p80_ms,t_gemm_ms,t_comm_ms,peak_mem_bytes,params,"
               "run_id,gpu,gpu_count,torch,triton,git_commit,knobs,timestamp").split(",")
     assert next(csv.reader(io.StringIO(render(table, "csv")))) == \
-        before + ["config", "host_ms", "comm_algbw_gbps", "comm_busbw_gbps", "wire_bytes", "rel_err_bf16"]
+        before + ["config", "host_ms", "comm_algbw_gbps", "comm_busbw_gbps", "wire_bytes", "rel_err_bf16", "direction"]
     df = build_table(load_results([write_lines(tmp_path / "ab.jsonl", config_lines((AG_16K, AG_8K)))])[1])
     rows = list(csv.DictReader(io.StringIO(render(df, "csv"))))
     assert [row["config"] for row in rows] == ["", "", "push_partials=false", "copy_block=16384 push_chunks=1",
@@ -925,7 +925,7 @@ def test_bandwidth_edge_cases():
 
 def test_bandwidths_in_every_format(table, moe_table):
     header = next(csv.reader(io.StringIO(render(table, "csv"))))
-    assert header[-4:-2] == ["comm_algbw_gbps", "comm_busbw_gbps"]
+    assert header[-5:-3] == ["comm_algbw_gbps", "comm_busbw_gbps"]
     kosmos = next(r for r in csv.DictReader(io.StringIO(render(table, "csv")))
                   if r["op"] == "ag_gemm" and r["m"] == "8192" and r["impl"] == "kosmos")
     assert (kosmos["comm_algbw_gbps"], kosmos["comm_busbw_gbps"]) == ("699.1", "349.5")
@@ -1040,7 +1040,7 @@ def _mx_table():
 
 def test_geomeans_per_dtype_and_impl():
     g = geomean_table(_mx_table())
-    assert list(g.columns[:4]) == ["source", "bench", "dtype", "impl"]
+    assert list(g.columns[:5]) == ["source", "bench", "dtype", "direction", "impl"]
     by = g.set_index(["dtype", "impl"])
     assert by.loc[("bf16", "kosmos"), "geomean_speedup"] == pytest.approx(math.sqrt(1.21 / 1.05 * 1.95 / 1.70))
     assert by.loc[("mxfp8", "kosmos"), "geomean_speedup"] == pytest.approx(math.sqrt(1.40 / 1.10 * 2.20 / 1.80))
@@ -1076,7 +1076,7 @@ def test_mx_report_sections_in_every_format():
     assert "| rel_err_bf16 | wire_bytes |" in md
     assert "mxfp8 / bf16" in render(table, "html") and "mxfp8 / bf16" not in render(_mx_table_bf16_only(), "md")
     header = next(csv.reader(io.StringIO(render(table, "csv"))))
-    assert header[-2:] == ["wire_bytes", "rel_err_bf16"]
+    assert header[-3:] == ["wire_bytes", "rel_err_bf16", "direction"]
 
 
 def _mx_table_bf16_only():
@@ -1117,3 +1117,35 @@ def test_moe_bf16_and_mxfp8_rows_render():
         r = run_report(MOE_MX_FIXTURE, "--format", fmt)
         assert r.exit_code == 0, (fmt, r.output)
     assert "mxfp8 / bf16" in run_report(MOE_MX_FIXTURE, "--format", "md").output
+
+
+MOE_DIRECTION_SAMPLE = Path(__file__).parent / "fixtures" / "moe-direction-sample.jsonl"
+
+
+def test_report_directions_fwd_and_bwd():
+    """MoE rows of several directions (the fwd rows without the field, as in older files): speedups and geomeans
+    per (dtype, direction, impl), a compact table per direction."""
+    df = build_table(load_results([MOE_DIRECTION_SAMPLE])[1])
+    assert set(df["direction"]) == {"fwd", "bwd", "fwd+bwd"}  # the missing field reads as fwd
+    speed = {(r["direction"], r["impl"]): r["speedup"] for r in df.to_dict("records")}
+    assert speed[("fwd", "kosmos")] == pytest.approx(2.0) and speed[("bwd", "kosmos")] == pytest.approx(1.5)
+    assert speed[("fwd+bwd", "kosmos")] == pytest.approx(2.0)
+    g = geomean_table(df)
+    by = {(r["direction"], r["impl"]): r for r in g.to_dict("records")}
+    assert by[("bwd", "kosmos")]["geomean_speedup"] == pytest.approx(1.5)
+    assert by[("bwd", "deepep")]["unavailable"] == 1 and ("fwd", "deepep") not in by
+    text = render(df, "text")
+    assert all(len(line) <= 100 for line in text.splitlines())
+    flat = " ".join(text.split())  # a long title wraps
+    assert flat.count("moe_fwd (the MoE layer): time in ms") == 3
+    assert flat.index("| direction fwd ") < flat.index("| direction bwd ") < flat.index("| direction fwd+bwd ")
+    assert "no backward in the deepep baseline yet" in text
+    md = render(df, "md")
+    assert "| direction |" in md
+    versus = versus_table(df)
+    assert sorted(versus["direction"]) == ["bwd", "fwd", "fwd+bwd"]
+
+
+def test_report_forward_only_files_do_not_say_direction():
+    text = render(build_table(load_results([MOE_SAMPLE])[1]), "text")
+    assert "direction" not in text

@@ -196,3 +196,19 @@ def test_tp_suite_dtype_may_be_a_list(tmp_path):
     path.write_text("bench: tp\ndtype: [bf16, fp4]\n")
     with pytest.raises(SuiteError, match=r"unknown dtype \['fp4'\]"):
         load_suite(path)
+
+
+def test_moe_suite_direction_list(tmp_path):
+    from kosmos_bench.suites import MoESuite
+    assert MoESuite().direction == ("fwd",)
+    path = tmp_path / "d.yaml"
+    path.write_text("bench: moe\nmodels: [mixtral-8x7b]\ndirection: [fwd, bwd, fwd+bwd, bwd]\n")
+    assert load_suite(path, bench="moe").direction == ("fwd", "bwd", "fwd+bwd")
+    path.write_text("bench: moe\nmodels: [mixtral-8x7b]\ndirection: bwd\n")
+    assert load_suite(path, bench="moe").direction == ("bwd",)
+    path.write_text("bench: moe\nmodels: [mixtral-8x7b]\ndirection: [fwd, backwards]\n")
+    with pytest.raises(SuiteError, match="unknown direction"):
+        load_suite(path, bench="moe")
+    path.write_text("bench: moe\nmodels: [mixtral-8x7b]\ndirection: 3\n")
+    with pytest.raises(SuiteError, match="'direction' must be a name or a list"):
+        load_suite(path, bench="moe")

@@ -26,7 +26,7 @@ from .schema import BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, SHAPE_COL
 from .tables import dtype_table, geomean, wire_table
 
 WHAT = {"tp": "TP ops", "moe_fwd": "moe_fwd (the MoE layer)", "moe_experts": "moe_experts (the expert GEMMs alone)"}
-CONTEXT_FIELDS = ("model", "world", "dtype")  # said in the title when one value across a table
+CONTEXT_FIELDS = ("model", "world", "dtype", "direction")  # said in the title when one value across a table
 STATUS_WORDS = {"failed": "failed", "unavailable": "n/a"}
 GAP = 2  # the columns between two of a table's columns (collapsed padding and the box's blank rule)
 
@@ -67,11 +67,13 @@ def print_compact(df: pd.DataFrame, console: Console) -> None:
     notes = Notes()
     records = df.to_dict("records")
     families: dict[tuple, list[dict]] = {}
-    for row in records:  # a table per comparison and dtype (mxfp8 has baselines of its own)
-        families.setdefault((family_of(row), row.get("dtype")), []).append(row)
+    for row in records:  # a table per comparison, dtype and direction (mxfp8 has baselines of its own)
+        families.setdefault((family_of(row), row.get("dtype"), row.get("direction")), []).append(row)
     several_sources = df["source"].nunique() > 1
-    for (family, _), rows in families.items():
-        title, table, legend = _family_table(family, rows, several_sources, notes, console.width)
+    # the direction is said where a file has other than forward rows (TP files, older MoE files: not at all)
+    directions = "direction" in df and bool((df["direction"].fillna("fwd") != "fwd").any())
+    for (family, _, _), rows in families.items():
+        title, table, legend = _family_table(family, rows, several_sources, notes, console.width, directions)
         console.print(Text(title, style="bold"))
         console.print(table)
         for line in legend:
@@ -127,13 +129,14 @@ def _num(value, fmt) -> str:
 
 
 def _family_table(family: tuple, rows: list[dict], several_sources: bool, notes: Notes,
-                  width: int) -> tuple[str, Table, list[str]]:
+                  width: int, directions: bool = False) -> tuple[str, Table, list[str]]:
     """The title and table of one comparison for a console ``width`` columns wide, and its config legend. The
     label columns keep their width (rich narrows the implementations' columns, whose cells wrap between time and
     speedup); the implementations' names break after '-' or '+' where the table would not fit otherwise."""
     name, baseline = family
     frame = pd.DataFrame(rows)
-    context = [column for column in CONTEXT_FIELDS if frame[column].nunique(dropna=False) <= 1]
+    context = [column for column in CONTEXT_FIELDS if column in frame and frame[column].nunique(dropna=False) <= 1]
+    shown = [column for column in context if column != "direction" or directions]
     if name == "tp" and frame["op"].nunique() <= 1:
         context.insert(0, "op")
     labels = _label_columns(frame, name, context, several_sources)
@@ -144,7 +147,7 @@ def _family_table(family: tuple, rows: list[dict], several_sources: bool, notes:
     title = f"{WHAT.get(name, name)}: time in ms"
     if baseline:
         title += f", speedup over {baseline} (> 1 is faster)"
-    title = " | ".join([title, *(_context_text(column, rows[0]) for column in context)])
+    title = " | ".join([title, *(_context_text(column, rows[0]) for column in shown if column in context)])
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
     cells = []
     for shape in shapes:
@@ -170,7 +173,7 @@ def _family_table(family: tuple, rows: list[dict], several_sources: bool, notes:
 
 def _context_text(column: str, row: dict) -> str:
     value = format_value(column, row.get(column))
-    return {"world": f"world {value}", "op": f"op {value}"}.get(column, value)
+    return {"world": f"world {value}", "op": f"op {value}", "direction": f"direction {value}"}.get(column, value)
 
 
 def _label_columns(frame: pd.DataFrame, name: str, context: list[str], several_sources: bool) -> list[str]:
@@ -181,7 +184,7 @@ def _label_columns(frame: pd.DataFrame, name: str, context: list[str], several_s
     if name != "tp":
         columns = [c for c in columns if c != "op"]  # one op per MoE table: its title names it
     columns += ["layer", "seq"] if name == "tp" else ["tokens", "routing"]
-    columns += [c for c in ("world", "dtype") if c not in context]
+    columns += [c for c in ("world", "dtype", "direction") if c not in context and c in frame]
     shape_ids = frame[[c for c in SHAPE_COLUMNS if c in frame]].astype(str).drop_duplicates()
     labelled = frame[columns].astype(str).drop_duplicates()
     if len(labelled) < len(shape_ids) or (frame["model"] == "custom").any():

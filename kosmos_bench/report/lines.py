@@ -65,6 +65,8 @@ def geomean_target_lines(df: pd.DataFrame) -> list[str]:
     (communication off) the speedup over the baseline and the overlap efficiency say nothing about that. A source
     without such rows gets no verdict; one that also holds world-1 rows says "at world > 1"."""
     multi_gpu = df[(df["world"] > 1).fillna(False).astype(bool)]
+    if "direction" in multi_gpu:  # the bars are the forward's (MoE --direction bwd rows have their own geomeans)
+        multi_gpu = multi_gpu[multi_gpu["direction"].fillna("fwd") == "fwd"]
     geomeans, by_model = geomean_table(multi_gpu), geomean_by_model_table(multi_gpu)
     several_sources = df["source"].nunique() > 1
     lines = []

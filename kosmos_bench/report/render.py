@@ -49,10 +49,12 @@ def _sections(df: pd.DataFrame):
     headline first (geomeans, verdict lines), then the long per-shape tables."""
     environment = ["source", *ENV_COLUMNS]
     yield ENVIRONMENT, df[environment].drop_duplicates().reset_index(drop=True), environment
-    yield "Geomean over ok rows", geomean_table(df), GEOMEAN_COLUMNS
+    # the direction column where a file has other than forward rows (MoE --direction bwd / fwd+bwd)
+    forward_only = "direction" not in df or bool((df["direction"].fillna("fwd") == "fwd").all())
+    yield "Geomean over ok rows", geomean_table(df), [c for c in GEOMEAN_COLUMNS if c != "direction" or not forward_only]
     by_model = geomean_by_model_table(df)
     if not by_model.empty:
-        yield "Geomean per model", by_model, MODEL_GEOMEAN_COLUMNS
+        yield "Geomean per model", by_model, [c for c in MODEL_GEOMEAN_COLUMNS if c != "direction" or not forward_only]
     for line in _headline(df):
         yield None, line, None
     yield RESULTS, df, _display_columns(df)
@@ -99,6 +101,8 @@ def _display_columns(df: pd.DataFrame) -> list[str]:
     if "routing" in df:
         position = columns.index("impl")
         columns[position:position] = MOE_COLUMNS
+    if "direction" in df and (df["direction"].fillna("fwd") != "fwd").any():  # MoE --direction bwd / fwd+bwd rows
+        columns.insert(columns.index("dtype") + 1, "direction")
     if _config_varies(df):
         columns.insert(columns.index("impl") + 1, CONFIG_COLUMN)
     return columns
@@ -322,6 +326,9 @@ def report_main(
     if fmt not in RENDER_FORMATS:
         raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
     _, results = load_results(files, warn=lambda message: say(f"warning: {message}", "yellow"))
+    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
+        from .train import train_report_main
+        return train_report_main(results, fmt, out, chart, console, say)
     df = build_table(results)
     if chart is not None:
         _make_folder(Path(chart))  # before the report is shown: a bad path fails first

@@ -30,7 +30,10 @@ CONFIG_COLUMN = "config"
 BANDWIDTH_COLUMNS = ["comm_algbw_gbps", "comm_busbw_gbps"]
 # the columns build_table (and so the csv) ends with, in the order they were added: a csv's columns are only ever
 # added at the end, so a reader of an older version's columns finds them where they were
-LAST_COLUMNS = [CONFIG_COLUMN, "host_ms", *BANDWIDTH_COLUMNS, "wire_bytes", "rel_err_bf16"]
+LAST_COLUMNS = [CONFIG_COLUMN, "host_ms", *BANDWIDTH_COLUMNS, "wire_bytes", "rel_err_bf16", "direction"]
+# what a row times (the MoE bench's --direction): "fwd", "bwd" (the backward alone) or "fwd+bwd"; rows without the
+# field (every TP row, MoE rows of older files) are forward rows
+DIRECTION, DEFAULT_DIRECTION = "direction", "fwd"
 # the TP bench's mxfp8 rows: the error against the fp32 reference of the original bf16 inputs; every TP row: the
 # bytes a rank sends in the op's collective (kosmos_bench/tp.py wire_bytes)
 MX_DETAIL_COLUMNS = ["rel_err_bf16", "wire_bytes"]
@@ -38,19 +41,19 @@ MX_DETAIL_COLUMNS = ["rel_err_bf16", "wire_bytes"]
 # per block of 32 elements
 DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "mxfp8": 1.0 + 1.0 / 32}
 GEOMEAN_COLUMNS = [
-    "source", "bench", "dtype", "impl", "geomean_speedup", "geomean_overlap_efficiency",
+    "source", "bench", "dtype", "direction", "impl", "geomean_speedup", "geomean_overlap_efficiency",
     "ok", "failed", "unavailable",
 ]
 MODEL_GEOMEAN_COLUMNS = [
-    "source", "bench", "dtype", "model", "impl", "geomean_speedup", "geomean_overlap_efficiency",
+    "source", "bench", "dtype", "direction", "model", "impl", "geomean_speedup", "geomean_overlap_efficiency",
     "ok", "failed", "unavailable",
 ]
 
-SHAPE_COLUMNS = ("source", "bench", "op", "layer", "model", "m", "n", "k", "world", "dtype", *MOE_COLUMNS)
+SHAPE_COLUMNS = ("source", "bench", "op", "layer", "model", "m", "n", "k", "world", "dtype", "direction", *MOE_COLUMNS)
 ROW_IDENTITY = (*SHAPE_COLUMNS, "impl", CONFIG_COLUMN)
-COMPARISON_GROUP = ("source", "bench", "op", "model", "m", "n", "k", "world", "dtype")
+COMPARISON_GROUP = ("source", "bench", "op", "model", "m", "n", "k", "world", "dtype", "direction")
 MOE_COMPARISON_GROUP = ("routing", "tokens")
-VERSUS_SHAPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "world", "dtype"]
+VERSUS_SHAPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "world", "dtype", "direction"]
 VERSUS_COLUMNS = VERSUS_SHAPE_COLUMNS + [
     CONFIG_COLUMN, "kosmos_ms", "fastest_other", "fastest_other_ms", "vs_fastest_other", "vs_fixed_role_best"]
 

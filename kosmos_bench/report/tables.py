@@ -20,8 +20,9 @@ Derived metrics (computed here, never stored by the benches):
   "nccl+cublas" for bench "tp" and "nccl-a2a" for bench "moe" -- except the MoE
   expert-GEMMs-alone rows (op "moe_experts"), whose baseline is "grouped-mm"
   (torch._grouped_mm on the same rows; same FLOPs, so speedup = TFLOP/s ratio). The
-  comparison group is (source, bench, op, model, m, n, k, world, dtype), for MoE also
-  routing and tokens. NaN unless both rows are "ok" with a positive time.
+  comparison group is (source, bench, op, model, m, n, k, world, dtype, direction), for MoE
+  also routing and tokens. ``direction`` (MoE ``--direction``: fwd, bwd, fwd+bwd) is "fwd" for rows without it
+  (TP rows, older files); the dtype sections below compare forward rows only. NaN unless both rows are "ok" with a positive time.
 * ``overlap_efficiency`` -- max(t_gemm_ms, t_comm_ms) / time_ms, i.e. the time of
   perfect overlap (the slower of the GEMM alone and the collective alone) relative
   to the measured time. 1.0 is perfect overlap; lower values mean exposed
@@ -48,7 +49,7 @@ Derived metrics (computed here, never stored by the benches):
 MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
 ``extra`` (older files).
 * ``geomean_speedup`` / ``geomean_overlap_efficiency`` -- geometric means over the
-  "ok" rows of one (source, bench, dtype, impl) that have the metric (an mxfp8 row's speedup is over the
+  "ok" rows of one (source, bench, dtype, direction, impl) that have the metric (an mxfp8 row's speedup is over the
   baseline at mxfp8: nccl+cublas on the same MX inputs); the "Geomean per model"
   table, shown when a source holds several models, splits them by model.
 * ``vs_fastest_other`` / ``vs_fixed_role_best`` (section "kosmos against the fastest other
@@ -77,7 +78,8 @@ import numpy as np
 import pandas as pd
 
 from .schema import (
-    BASELINE_IMPL, BASELINE_IMPL_BY_OP, COMPARISON_GROUP, CONFIG_COLUMN, DETAIL_COLUMNS, DTYPE_BYTES, ENV_COLUMNS,
+    BASELINE_IMPL, BASELINE_IMPL_BY_OP, COMPARISON_GROUP, CONFIG_COLUMN, DEFAULT_DIRECTION, DETAIL_COLUMNS, DIRECTION,
+    DTYPE_BYTES, ENV_COLUMNS,
     FLOAT_COLUMNS, GEOMEAN_COLUMNS, INTEGER_COLUMNS, LAST_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
     MOE_COMPARISON_GROUP, MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS,
     WIRE_COLUMNS, DTYPE_COLUMNS, ReportError,
@@ -106,6 +108,7 @@ def _flatten(record: dict) -> dict:
     is_moe = record.get("bench") == "moe"
     for column in MOE_COLUMNS:
         row[column] = (record[column] if record.get(column) is not None else extra.get(column)) if is_moe else None
+    row[DIRECTION] = record.get(DIRECTION) or DEFAULT_DIRECTION  # older files, TP rows: the forward
     params = record.get("params")
     row["params"] = json.dumps(params, sort_keys=True, separators=(",", ":")) if params else None
     row[CONFIG_COLUMN] = config_text(record.get("config"))
@@ -220,15 +223,16 @@ def geomean(values: pd.Series) -> float:
 
 
 def geomean_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (source, bench, impl): geomean speedup / overlap efficiency over ok rows, row counts."""
+    """Per (source, bench, dtype, direction, impl): geomean speedup / overlap efficiency over ok rows, row counts."""
     records = []
-    for (source, bench, dtype, impl), group in df.groupby(["source", "bench", "dtype", "impl"], sort=False,
-                                                          dropna=False):
+    for (source, bench, dtype, direction, impl), group in df.groupby(["source", "bench", "dtype", DIRECTION, "impl"],
+                                                                     sort=False, dropna=False):
         ok = group[group["status"] == "ok"]
         records.append({
             "source": source,
             "bench": bench,
             "dtype": dtype,
+            "direction": direction,
             "impl": impl,
             "geomean_speedup": geomean(ok["speedup"]),
             "geomean_overlap_efficiency": geomean(ok["overlap_efficiency"]),
@@ -289,9 +293,14 @@ def _shape_key(row: dict) -> tuple:
                  for c in _DTYPE_SHAPE)
 
 
+def _forward_rows(df: pd.DataFrame) -> list[dict]:
+    """The rows of the forward direction (the dtype sections compare forward passes)."""
+    return [row for row in df.to_dict("records") if row.get(DIRECTION, DEFAULT_DIRECTION) == DEFAULT_DIRECTION]
+
+
 def dtype_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Section "mxfp8 / bf16" (module docstring): a row per shape where kosmos ran ok at mxfp8."""
-    rows = [row for row in df.to_dict("records") if row["impl"] == OURS and _has_time(row)]
+    """Section "mxfp8 / bf16" (module docstring): a row per shape where kosmos ran ok at mxfp8 (forward rows)."""
+    rows = [row for row in _forward_rows(df) if row["impl"] == OURS and _has_time(row)]
     bf16 = {_shape_key(row): row for row in rows if row["dtype"] == BF16}
     records = []
     for mx in (row for row in rows if row["dtype"] == MX):
@@ -313,7 +322,7 @@ def wire_table(df: pd.DataFrame) -> pd.DataFrame:
     if "wire_bytes" not in df or not ((df["dtype"] == MX) & df["wire_bytes"].notna()).any():
         return pd.DataFrame(columns=WIRE_COLUMNS)
     groups: dict[tuple, list[str]] = {}
-    for row in df.to_dict("records"):
+    for row in _forward_rows(df):
         wire = row.get("wire_bytes")
         if wire is None or pd.isna(wire) or row["status"] != "ok":  # what ran
             continue
