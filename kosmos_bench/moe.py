@@ -40,6 +40,24 @@ receives):
                        (with the moe_fwd config).
   The issue's bar: kosmos-expert-gemms reaches >= 80% of grouped-mm's TFLOP/s (report: speedup >= 0.8).
 
+Directions (``--direction fwd,bwd,fwd+bwd``, suite key ``direction``: every point in each, after each dtype; each
+row's ``direction`` says which; rows without it are fwd):
+  fwd      the forward, as above.
+  bwd      the backward alone: each timed call is a ``timing.Split`` -- the forward runs untimed before the L2 flush
+           and the barrier (collective-safe: every rank runs it in step), then only the backward is timed.
+           kosmos: ``moe_forward(..., return_routing=True)`` untimed, ``kosmos.kernels.moe_backward.moe_backward_w1``
+           on its decision timed (W = 1, bf16 only: "unavailable" at W > 1 or mxfp8). nccl-a2a: autograd through
+           ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad (torch._grouped_mm has a
+           derivative), the forward (its graph) untimed, ``torch.autograd.grad`` timed; W = 1, bf16 only (its
+           ``dist.all_to_all_single`` has no autograd). deepep, fixed-role, fixed-role-best: "unavailable". The output
+           gradient dy ~ N(0, 1) bf16, this rank's.
+  fwd+bwd  both in one timed call.
+  Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against ``moe_reference.moe_backward_ref`` (fp32)
+  for the implementation's own routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a
+  makes), relative Frobenius error; the row's rel_err is the largest (tolerance GRAD_TOLERANCE, 3e-2: bf16 through
+  several GEMMs), each in ``rel_err_grads``. FLOPs: 2x the forward's at bwd, 3x at fwd+bwd. The expert GEMMs
+  alone, t_gemm_ms and t_comm_ms are the forward's: no moe_experts rows and null there at bwd and fwd+bwd.
+
 Inputs (``make_router_inputs``, ``make_expert_weights``): x ~ N(0, 1) bf16 (different on every rank), router
 weight ~ N(0, 1/H) bf16 (logits ~ N(0, 1), replicated), w13 ~ N(0, 1/H), w2 ~ N(0, 1/F) bf16 (each rank its own
 experts); DeepSeek-V3's score-correction bias ~ N(0, 0.002^2), rounded to bf16 values, passed as fp32 [E] (it moves
