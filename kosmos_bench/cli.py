@@ -579,6 +579,37 @@ def bench_moe(
     _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), sys.argv, configs)
 
 
+from .train import bench_train as _bench_train  # noqa: E402
+
+
+@bench_app.command("train")
+def bench_train(
+    model: str = typer.Option("llama3-8b", "--model", "-m", help="Dense (llama3-*) or MoE (deepseek-v3, qwen3-235b) "
+                              "model."),
+    layers: int = typer.Option(2, "--layers", help="Transformer blocks."),
+    seq: int = typer.Option(4096, "--seq", "-s", help="Tokens per sequence (all ranks)."),
+    batch: int = typer.Option(1, "--batch", "-b", help="Sequences per step."),
+    steps: int = typer.Option(20, "--steps", help="Recorded (timed) steps."),
+    warmup: int = typer.Option(3, "--warmup", help="Unrecorded warm-up steps."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or mxfp8."),
+    impl: Optional[str] = typer.Option(None, "--impl", help="nccl+cublas,kosmos (MoE: nccl-a2a,kosmos)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (default: all visible GPUs; MoE 1)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSONL file to append to."),
+    dry_run: bool = DRY_RUN_OPTION,
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the model to this hidden size."),
+    scale: Optional[float] = typer.Option(None, "--scale", help="Scale hidden/ffn/heads, e.g. 0.0625."),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Override head_dim."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights and data."),
+):
+    """Train the end-to-end proxy with each implementation: step time, tokens/s per GPU, peak memory and
+    every step's loss, which must agree with the baseline's within 2e-2 (kosmos_bench/train.py).
+
+    Example: kosmos bench train --model llama3-8b --layers 2 --seq 4096 --tp 1 --steps 20
+    """
+    _bench_train(model=model, layers=layers, seq=seq, batch=batch, steps=steps, warmup=warmup, dtype=dtype,
+                 impl=impl, tp=tp, out=out, dry_run=dry_run, hidden=hidden, scale=scale, head_dim=head_dim, seed=seed)
+
+
 @app.command("env")
 def env():
     """Print what a bug report needs (versions, GPUs, topology).

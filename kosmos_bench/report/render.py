@@ -329,6 +329,9 @@ def report_main(
     if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
         from .train import train_report_main
         return train_report_main(results, fmt, out, chart, console, say)
+    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
+        from .train import train_report_main
+        return train_report_main(results, fmt, out, chart, console, say)
     df = build_table(results)
     if chart is not None:
         _make_folder(Path(chart))  # before the report is shown: a bad path fails first
