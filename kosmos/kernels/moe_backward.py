@@ -29,6 +29,19 @@ tile); rows past the expert's end load as zeros.
    (moe_reference.gate_grad_from_h_ref, gemm2_backward_ref, swiglu_backward_ref.)
 3. GEMM1's data gradient: dx_rows[p] = [dg | du]_p @ W13[e]^T   [R, H] (W13[e] [H, 2F] read as its rows).
 
+4. ``moe_backward_w1``: the whole backward at one rank from these kernels and torch (see its docstring).
+
+Plan for the one launch (not built): the forward's own layout (its expert rows, their (source, token, slot)
+and the device-side plan) kept for the backward instead of a re-sort; stages in demand order, each a queue of
+tiles with readiness counters as in moe_forward.py: COMBINE-BWD (dy rows to the experts' ranks, once per
+destination, with the gate weights: the mirror of combine) -> DGRAD2 (item 2; counts finished F-tiles per
+m-tile) -> WGRAD2 (item 1 on h and w*dy; waits for nothing new) -> DGRAD1 (item 3; waits for its m-tile's
+DGRAD2 tiles) -> WGRAD1 (item 1 on the rows and [dg | du]; waits for the expert's DGRAD2 tiles) ->
+DISPATCH-BWD (each token's rows back to its rank, summed in slot order; waits for DGRAD1) -> ROUTER-BWD (the
+gate gradients' F-tile partials summed in order, then dq, dl, dWr, dx_r). g | u either saved by the forward's
+GEMM1 epilogue (R x 2F bf16: 256 MiB per rank at deepseek-v3 4k tokens) or recomputed (GEMM1 again, 1.92
+TFLOP): measure both.
+
 Not yet run on a GPU (session 8, 2026-12-01: interpreter tests only); no speed figures. Compiles for sm_90a
 (local Triton 3.9, 128x128 tiles, 64-row steps, 8 warps, 3 stages): 98 registers, no spills, 96 KiB shared. In the one-launch
 backward these tiles become a stage whose tasks wait for the rows' dgrad flags, as the forward's GEMM2 waits
