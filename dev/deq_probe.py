@@ -14,15 +14,14 @@ import triton
 import triton.language as tl
 
 from kosmos import quant
+from kosmos.quant import mx_scale_f32
 from kosmos.kernels.common import mx_dequant_rows
 from kosmos_bench.timing import time_op
 
 
 @triton.jit
 def _expand(q, sb):
-    bits = tl.where(sb == 0, 0x00400000, sb << 23)
-    bits = tl.where(sb == 255, 0x7FC00000, bits)
-    return (q.to(tl.float32) * bits.to(tl.float32, bitcast=True)[:, :, None]).to(tl.bfloat16)
+    return (q.to(tl.float32) * mx_scale_f32(sb)[:, :, None]).to(tl.bfloat16)
 
 
 @triton.jit

@@ -92,12 +92,6 @@ def load_uniform(ptr):
 
 
 @triton.jit
-def load_uniform_local(ptr):
-    """load_uniform for a slot only this GPU writes (queue heads, the MX DEQ flags): a GPU-scope atomic."""
-    return tl.atomic_add(ptr, tl.zeros([], ptr.dtype.element_ty), sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def aborted(err_ptr):
     return load_uniform(err_ptr + ERR_FLAG) != 0
 

@@ -389,6 +389,15 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, rows, nb, OUT_BF16: tl.constexpr, 
 
 
 @triton.jit
+def mx_scale_f32(sb):
+    """The fp32 value 2**(S - 127) of E8M0 scale bytes ``sb`` (int32), built from its bits: S = 0 is the fp32
+    subnormal 2**-127, 0xFF the spec's NaN. Times an E4M3 element converted to fp32, an exact MX value: the
+    dequantize-on-arrival paths of the fused ops use it (their integer-path twin is _mx_magnitude_bits)."""
+    bits = tl.where(sb == 0, 0x00400000, sb << 23)
+    return tl.where(sb == 255, _F32_QNAN, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def mx_round_bf16_bits(h):
     """The MX values of a tile of bf16 values, bit for bit as dequantize_mx(*quantize_mx(.)) gives them:
     ``h`` holds the bf16 bits (int32, the low 16 bits) of an [R, NB, 32] tile whose last axis is one MX block;

@@ -264,8 +264,8 @@ def reference_output(g: TPGemm, a, b):
 
 def mx_weight(b: torch.Tensor) -> torch.Tensor:
     """The MX values of weight ``b`` [K, N] in bf16, blocks along K: mx_round of the [N, K] weight, transposed."""
-    # row-major [K, N] like the bf16 rows' b: the transposed view sent the kosmos op down its k-major B path,
-    # which measured slower (one H200, session 8: qkv-70b-4k at mxfp8 0.693 ms vs 0.558 in dev/mx_probe)
+    # row-major [K, N], the layout of the bf16 rows' b, so both dtypes run the same B path (a k-major view was
+    # suspected of a slowdown in session 8; the rerun showed the same times: the cause was a dequant variant)
     return quant.mx_round(b.t().contiguous()).t().contiguous()
 
 

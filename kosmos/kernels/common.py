@@ -10,6 +10,7 @@ import triton.language as tl
 
 from ..codes import TRACE_EVENTS as _TRACE_EVENTS
 from .. import device as dev
+from ..quant import mx_scale_f32
 from ..schedule import POLICIES
 
 TRACE_EVENTS = _TRACE_EVENTS.value  # events per program of a trace buffer
@@ -64,10 +65,7 @@ def mx_dequant_rows(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.c
     rmask = (r < rows)[:, None]
     for b0 in range(0, KB, NB):
         smask = rmask & (b[None, :] < KB - b0)
-        sb = tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32)
-        bits = tl.where(sb == 0, 0x00400000, sb << 23)
-        bits = tl.where(sb == 255, 0x7FC00000, bits)
-        scale = bits.to(tl.float32, bitcast=True)
+        scale = mx_scale_f32(tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32))
         q = tl.load(q_ptr + b0 * 32 + offs, mask=smask[:, :, None], other=0.0)
         tl.store(out_ptr + b0 * 32 + offs, (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16),
                  mask=smask[:, :, None])

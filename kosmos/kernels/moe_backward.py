@@ -117,11 +117,14 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) 
 
 
 @triton.jit
-def _expert_of_mtile(first_mtile_ptr, gm, ELP2: tl.constexpr):
-    """The expert of global m-tile gm: the last whose first m-tile is <= gm (an exclusive cumsum padded with
-    2**30 to ELP2 entries; an expert without rows shares its successor's first tile and loses the tie)."""
+def _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2: tl.constexpr, BM: tl.constexpr):
+    """(expert e, its rows' int64 indices [BM], their mask) of global m-tile gm. e is the last expert whose
+    first m-tile is <= gm (an exclusive cumsum padded with 2**30 to ELP2 entries; an expert without rows shares
+    its successor's first tile and loses the tie); tiles past an expert's rows are masked off entirely."""
     mt = tl.load(first_mtile_ptr + tl.arange(0, ELP2))
-    return tl.sum((mt <= gm).to(tl.int32), 0) - 1
+    e = tl.sum((mt <= gm).to(tl.int32), 0) - 1
+    r = (gm - tl.load(first_mtile_ptr + e)) * BM + tl.arange(0, BM)
+    return e, (tl.load(offs_ptr + e) + r).to(tl.int64), r < tl.load(counts_ptr + e)
 
 
 def _mtile_plan(counts: torch.Tensor, rows: int, bm: int):
@@ -147,13 +150,7 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
     n_f = tl.cdiv(F, BN)
     gm = pid // n_f
     nf = pid % n_f
-    e = _expert_of_mtile(n_mtiles, gm, ELP2)
-    first = tl.load(offs_ptr + e)
-    rows = tl.load(counts_ptr + e)
-    m = gm - tl.load(n_mtiles + e)
-    r = m * BM + tl.arange(0, BM)
-    rm = r < rows
-    rr = (first + r).to(tl.int64)
+    e, rr, rm = _mtile_rows(n_mtiles, offs_ptr, counts_ptr, gm, ELP2, BM)
     cf = nf * BN + tl.arange(0, BN)
     fm = cf < F
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -219,13 +216,7 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
     n_h = tl.cdiv(H, BN)
     gm = pid // n_h
     nh = pid % n_h
-    e = _expert_of_mtile(first_mtile_ptr, gm, ELP2)
-    first = tl.load(offs_ptr + e)
-    rows = tl.load(counts_ptr + e)
-    m = gm - tl.load(first_mtile_ptr + e)
-    r = m * BM + tl.arange(0, BM)
-    rm = r < rows
-    rr = (first + r).to(tl.int64)
+    e, rr, rm = _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2, BM)
     ch = nh * BN + tl.arange(0, BN)
     hm = ch < H
     ck = tl.arange(0, BK)

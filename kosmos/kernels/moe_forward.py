@@ -111,7 +111,7 @@ from ..moe_reference import ROUTINGS
 from .. import schedule as sched
 from ..codes import (EV_COMM, EV_PERMUTE, EV_ROUTE, EV_WAIT, OP_MOE_FORWARD, WAIT_MOE_COMBINE,
                      WAIT_MOE_DISPATCH, WAIT_MOE_GEMM1, WAIT_MOE_PERMUTE, WAIT_MOE_PLAN)
-from ..quant import mx_round_bf16_bits, quantize_mx
+from ..quant import mx_round_bf16_bits, mx_scale_f32, quantize_mx
 from .common import POLICIES, check_launch, policy_args, store_rows
 
 OP_CODE = OP_MOE_FORWARD.value
@@ -370,9 +370,7 @@ def _permute_block(p, recv_ptr, rmeta_ptr, cnt_ptr, plan_ptr, scratch_ptr, xe_pt
                 q = tl.load(qsrc[:, None, None] + col3, mask=rmask[:, None, None] & (col3 < H), other=0.0)
                 sb = tl.load(ssrc[:, None] + c0 // 32 + bq[None, :],
                              mask=rmask[:, None] & ((c0 // 32 + bq) < H // 32)[None, :], other=127).to(tl.int32)
-                bits = tl.where(sb == 0, 0x00400000, sb << 23)
-                bits = tl.where(sb == 255, 0x7FC00000, bits)
-                v3 = q.to(tl.float32) * bits.to(tl.float32, bitcast=True)[:, :, None]
+                v3 = q.to(tl.float32) * mx_scale_f32(sb)[:, :, None]
                 v = tl.reshape(v3.to(tl.bfloat16), (PB, BH))
             else:
                 v = tl.load(src[:, None] + c[None, :], mask=rmask[:, None] & cm)
