@@ -11,7 +11,7 @@
 # A/B: old, new, old, new, interleaved in one call; `python -m dev.ab_compare` prints new/old per shape and
 # the geomean. Device run: carry [".base"].
 set -u
-stage=${1:?usage: arch_session.sh tests|regs|tp|moe|final}
+stage=${1:?usage: arch_session.sh tests|regs|tp|moe|final|ab9}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1
 [ -d .base/kosmos ] || { echo "no .base/ tree (see the header)"; exit 2; }
@@ -67,5 +67,32 @@ case $stage in
     grep -E "^(triton|all_|matmul|moe)" /tmp/regs-old.txt | sed 's/^/old /'
     grep -E "^(triton|all_|matmul|moe)" /tmp/regs-new.txt | sed 's/^/new /'
     MOE_ROUNDS=1 bash "$0" moe ;;
+  ab9)  # session 9: interleaved old/new A/B (TP W=1 suite x2 rounds, MoE EP=1 x1) + both trees' registers,
+        # each tree compiled by its own dev/kernel_resources.py (archive the old tree with it); a deadline
+        # (AB_DEADLINE_S, default 540) skips runs that would not fit
+    ( own_regs() { PYTHONPATH="$1" timeout 400 python "$1/dev/kernel_resources.py" --world 1,2,8 --json "$2"; }
+      own_regs .base "$out/regs-old.json" > /tmp/regs-old.txt 2>&1; own_regs . "$out/regs-new.json" > /tmp/regs-new.txt 2>&1 ) &
+    deadline=${AB_DEADLINE_S:-540}
+    run_one() {  # kind tree round limit
+      local root=.; [ $2 = old ] && root=.base
+      if [ $((SECONDS + $4)) -gt $deadline ]; then echo "$1 $2 round $3 skipped (deadline)"; return; fi
+      local t0=$SECONDS
+      if [ $1 = tp ]; then
+        PYTHONPATH=$root timeout $4 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
+          --impl kosmos --out "$out/tp-w1-$2-$3.jsonl" >> /tmp/ab-runs.log 2>&1
+      else
+        PYTHONPATH=$root timeout $4 python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos --no-expert-gemms \
+          --iters 20 --out "$out/moe-ep1-$2-$3.jsonl" >> /tmp/ab-runs.log 2>&1
+      fi
+      echo "$1 $2 round $3 rc=$? $((SECONDS - t0)) s"
+    }
+    run_one tp old 1 120; run_one tp new 1 120; run_one moe old 1 110; run_one moe new 1 110
+    run_one tp old 2 90; run_one tp new 2 90
+    wait
+    grep -E "^(all_|matmul|moe)" /tmp/regs-old.txt | sed 's/^/old /'
+    grep -E "^(all_|matmul|moe)" /tmp/regs-new.txt | sed 's/^/new /'
+    tail -5 /tmp/ab-runs.log
+    PYTHONPATH=. python -m dev.ab_compare "$out"/moe-ep1-old-*.jsonl --vs "$out"/moe-ep1-new-*.jsonl
+    PYTHONPATH=. python -m dev.ab_compare "$out"/tp-w1-old-*.jsonl --vs "$out"/tp-w1-new-*.jsonl ;;
   *) echo "unknown stage $stage: tests, tp or moe" >&2; exit 2 ;;
 esac
