@@ -65,12 +65,33 @@ def _dequant_rows_pipelined(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, 
 
 
 @triton.jit
-def _deq_all(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr, X2: tl.constexpr):
+def _dequant_rows_tma(q_desc, s_ptr, o_desc, r0, rows, K, ROWS: tl.constexpr, NB: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """Candidate (session 9): TMA loads of [ROWS, NB, 32] payload boxes (3-D descriptor over [rows, K/32, 32])
+    pipelined over STAGES by tl.range, bf16 written by TMA stores: bytes in flight without registers."""
+    KB = K // 32
+    r = tl.arange(0, ROWS)
+    b = tl.arange(0, NB)
+    soffs = r[:, None] * KB + b[None, :]
+    rmask = (r < rows)[:, None]
+    for b0 in tl.range(0, KB, NB, num_stages=STAGES):
+        q = q_desc.load([r0, b0, 0])
+        smask = rmask & (b[None, :] < KB - b0)
+        sc = mx_scale_f32(tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32))
+        o_desc.store([r0, b0, 0], (q.to(tl.float32) * sc[:, :, None]).to(tl.bfloat16))
+
+
+@triton.jit
+def _deq_all(q_ptr, s_ptr, out_ptr, q_desc, o_desc, rows, K, ROWS: tl.constexpr, NB: tl.constexpr,
+             X2: tl.constexpr):
     n_runs = tl.cdiv(rows, ROWS)
     for run in range(tl.program_id(0), n_runs, tl.num_programs(0)):
         r0 = run * ROWS
         row = r0.to(tl.int64)
-        if X2 == 2:
+        if X2 >= 3:  # 3: TMA, 3 stages; 4: TMA, 4 stages
+            _dequant_rows_tma(q_desc, s_ptr + row * (K // 32), o_desc, r0, tl.minimum(rows - r0, ROWS), K,
+                              ROWS, NB, X2)
+        elif X2 == 2:
             _dequant_rows_pipelined(q_ptr + row * K, s_ptr + row * (K // 32), out_ptr + row * K,
                                     tl.minimum(rows - r0, ROWS), K, ROWS, NB)
         elif X2 == 1:
@@ -92,12 +113,20 @@ def main():
     # session 8 (04ee27a, results/h200x1/s8/deq-probe.log): the single-step kernel 2.4 TB/s at 132 programs,
     # ~3.0 at 264, 0.8 at 32 (~25 GB/s per program): the per-program rate is the limit inside the TP ops
     # x2: 0 the product's mx_dequant_rows, 1 two steps in flight, 2 a tl.range pipelined over 3 stages
-    for rows_per, nb, warps, x2 in ((32, 16, 8, 0), (32, 16, 8, 1), (32, 16, 8, 2), (16, 32, 8, 1), (16, 32, 8, 2),
-                                    (32, 32, 8, 0), (64, 16, 8, 1), (32, 8, 4, 2)):
+    # x2 3 / 4: TMA boxes [ROWS, NB, 32] pipelined over 3 / 4 stages (session 9)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    q3, o3 = mx.payload.view(rows, k // 32, 32), out.view(rows, k // 32, 32)
+    for rows_per, nb, warps, x2 in ((32, 16, 8, 0), (32, 16, 8, 1), (32, 16, 8, 2), (32, 32, 8, 0), (32, 32, 8, 1),
+                                    (32, 64, 8, 0), (32, 16, 8, 3), (32, 16, 8, 4), (32, 8, 8, 4), (16, 16, 8, 4),
+                                    (32, 32, 8, 3)):
+        qd = TensorDescriptor.from_tensor(q3, [rows_per, nb, 32])
+        od = TensorDescriptor.from_tensor(o3, [rows_per, nb, 32])
         for progs in (132, 32, 8):
-            fn = lambda: _deq_all[(progs,)](mx.payload, mx.scales, out, rows, k, ROWS=rows_per, NB=nb,  # noqa
-                                            X2=x2, num_warps=warps)
+            fn = lambda: _deq_all[(progs,)](mx.payload, mx.scales, out, qd, od, rows, k, ROWS=rows_per,  # noqa
+                                            NB=nb, X2=x2, num_warps=warps)
             try:
+                out.fill_(float("nan"))  # poisoned: a variant that skips rows fails the bit check
                 fn()
                 torch.cuda.synchronize()
                 ok = torch.equal(out.view(torch.int16), want.view(torch.int16))
