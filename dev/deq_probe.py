@@ -25,6 +25,38 @@ def _expand(q, sb):
 
 
 @triton.jit
+def _expand_int(q, sb):
+    """Candidate (session 9): E4M3 -> fp32 by integer ops instead of conversion instructions. The payload byte's
+    low 7 bits shifted to bit 20 are the fp32 bits of |q| * 2**-120 for normal and subnormal E4M3 alike (the
+    fp32 subnormal case needs IEEE denormals in the multiply); the scale 2**(S-127) is applied as
+    2**(min(S,134)-7) then 2**(max(S,134)-134) (each a normal fp32, the first product exact); NaN payloads
+    (0x7F) and the NaN scale (0xFF) give NaN."""
+    qb = q.to(tl.uint8, bitcast=True).to(tl.int32)
+    f = (((qb & 0x7F) << 20) | ((qb & 0x80) << 24)).to(tl.float32, bitcast=True)
+    a = ((tl.minimum(sb, 134) + 120) << 23).to(tl.float32, bitcast=True)
+    b = tl.where(sb == 255, float("nan"), ((tl.maximum(sb, 134) - 7) << 23).to(tl.float32, bitcast=True))
+    v = f * a[:, :, None] * b[:, :, None]
+    return tl.where((qb & 0x7F) == 0x7F, float("nan"), v).to(tl.bfloat16)
+
+
+@triton.jit
+def _dequant_rows_int(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr):
+    """Candidate: the product's single-step loop with the integer expansion."""
+    KB = K // 32
+    r = tl.arange(0, ROWS)
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 32)
+    soffs = r[:, None] * KB + b[None, :]
+    offs = soffs[:, :, None] * 32 + j[None, None, :]
+    rmask = (r < rows)[:, None]
+    for b0 in range(0, KB, NB):
+        smask = rmask & (b[None, :] < KB - b0)
+        sb = tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32)
+        q = tl.load(q_ptr + b0 * 32 + offs, mask=smask[:, :, None], other=0.0)
+        tl.store(out_ptr + b0 * 32 + offs, _expand_int(q, sb), mask=smask[:, :, None])
+
+
+@triton.jit
 def _dequant_rows_x2(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr):
     """Candidate for mx_dequant_rows: two steps' loads issued before either step's stores (twice the bytes in
     flight per program; the same arithmetic)."""
@@ -66,7 +98,7 @@ def _dequant_rows_pipelined(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, 
 
 @triton.jit
 def _dequant_rows_tma(q_desc, s_ptr, o_desc, r0, rows, K, ROWS: tl.constexpr, NB: tl.constexpr,
-                      STAGES: tl.constexpr):
+                      STAGES: tl.constexpr, INT: tl.constexpr):
     """Candidate (session 9): TMA loads of [ROWS, NB, 32] payload boxes (3-D descriptor over [rows, K/32, 32])
     pipelined over STAGES by tl.range, bf16 written by TMA stores: bytes in flight without registers."""
     KB = K // 32
@@ -77,8 +109,11 @@ def _dequant_rows_tma(q_desc, s_ptr, o_desc, r0, rows, K, ROWS: tl.constexpr, NB
     for b0 in tl.range(0, KB, NB, num_stages=STAGES):
         q = q_desc.load([r0, b0, 0])
         smask = rmask & (b[None, :] < KB - b0)
-        sc = mx_scale_f32(tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32))
-        o_desc.store([r0, b0, 0], (q.to(tl.float32) * sc[:, :, None]).to(tl.bfloat16))
+        sb = tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32)
+        if INT:
+            o_desc.store([r0, b0, 0], _expand_int(q, sb))
+        else:
+            o_desc.store([r0, b0, 0], (q.to(tl.float32) * mx_scale_f32(sb)[:, :, None]).to(tl.bfloat16))
 
 
 @triton.jit
@@ -88,9 +123,12 @@ def _deq_all(q_ptr, s_ptr, out_ptr, q_desc, o_desc, rows, K, ROWS: tl.constexpr,
     for run in range(tl.program_id(0), n_runs, tl.num_programs(0)):
         r0 = run * ROWS
         row = r0.to(tl.int64)
-        if X2 >= 3:  # 3: TMA, 3 stages; 4: TMA, 4 stages
+        if X2 == 5:  # the integer expansion, plain loads
+            _dequant_rows_int(q_ptr + row * K, s_ptr + row * (K // 32), out_ptr + row * K,
+                              tl.minimum(rows - r0, ROWS), K, ROWS, NB)
+        elif X2 >= 3:  # 3: TMA, 3 stages; 4: TMA, 4 stages; 6: TMA, 3 stages, integer expansion
             _dequant_rows_tma(q_desc, s_ptr + row * (K // 32), o_desc, r0, tl.minimum(rows - r0, ROWS), K,
-                              ROWS, NB, X2)
+                              ROWS, NB, 3 if X2 == 6 else X2, X2 == 6)
         elif X2 == 2:
             _dequant_rows_pipelined(q_ptr + row * K, s_ptr + row * (K // 32), out_ptr + row * K,
                                     tl.minimum(rows - r0, ROWS), K, ROWS, NB)
@@ -117,9 +155,11 @@ def main():
     from triton.tools.tensor_descriptor import TensorDescriptor
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     q3, o3 = mx.payload.view(rows, k // 32, 32), out.view(rows, k // 32, 32)
-    for rows_per, nb, warps, x2 in ((32, 16, 8, 0), (32, 16, 8, 1), (32, 16, 8, 2), (32, 32, 8, 0), (32, 32, 8, 1),
-                                    (32, 64, 8, 0), (32, 16, 8, 3), (32, 16, 8, 4), (32, 8, 8, 4), (16, 16, 8, 4),
-                                    (32, 32, 8, 3)):
+    # session 9 (bddcc85, results/h200x1/s9/deq-probe.log): per program at 8 programs 27 GB/s (v0 nb16) -> 45
+    # (TMA nb32, 3 stages); 2-4 steps in flight barely help: the conversion instructions, not memory, limit it?
+    # 5 / 6: the integer expansion (plain loads / TMA)
+    for rows_per, nb, warps, x2 in ((32, 16, 8, 0), (32, 32, 8, 3), (32, 16, 8, 5), (32, 32, 8, 5), (32, 64, 8, 5),
+                                    (32, 16, 8, 6), (32, 32, 8, 6)):
         qd = TensorDescriptor.from_tensor(q3, [rows_per, nb, 32])
         od = TensorDescriptor.from_tensor(o3, [rows_per, nb, 32])
         for progs in (132, 32, 8):
