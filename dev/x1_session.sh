@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|deepep}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -53,5 +53,31 @@ case $stage in
     timeout 240 python -m kosmos_bench.cli bench train --model deepseek-v3 --layers 2 --seq 4096 --scale 0.25 \
       --tp 1 --steps 20 --out "$out/train-deepseek-v3-w1.jsonl" >> "$out/bench-train.log" 2>&1
     echo "train moe rc=$?"; tail -30 "$out/bench-train.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train" >&2; exit 2 ;;
+  deepep)  # issue 18 part 1: the deepep baseline on the shared DeepEP wheel, 2 ranks on one GPU over gloo (< 4 min).
+    # Needs the wheel in .wheels/ (ignored via .git/info/exclude): the device call names it in carry: [".wheels"]
+    python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
+    echo "deepep install rc=$?"
+    export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
+    timeout 30 python -c "import torch, deep_ep; print('torch', torch.__version__, 'deep_ep', deep_ep.__file__,
+      'Buffer.num_sms', deep_ep.Buffer.num_sms, 'topk_idx_t', deep_ep.topk_idx_t, 'sm90',
+      deep_ep.Buffer.is_sm90_compiled())" > "$out/deepep-import.txt" 2>&1; echo "deepep import rc=$?"
+    timeout 110 python -m pytest -q -p no:cacheprovider -rs tests/test_deepep.py > "$out/deepep-tests.log" 2>&1
+    echo "deepep tests rc=$?"
+    # one tiny point through the bench itself, every rank on cuda:0 (launcher.py): a correctness run, not a timing
+    KOSMOS_RANKS_ON_ONE_GPU=1 timeout 90 python -m kosmos_bench.cli bench moe --hidden 1024 --ffn 512 --experts 16 \
+      --top-k 4 --ep 2 --tokens 512 --routing uniform,zipf:1.2 --impl nccl-a2a,deepep --no-expert-gemms --iters 5 \
+      --warmup 2 --out "$out/moe-deepep-1gpu.jsonl" > "$out/bench-deepep.log" 2>&1; echo "bench rc=$?"
+    grep -v "^{" "$out/bench-deepep.log" | grep -iE "error|Traceback" | head -5
+    tail -3 "$out/deepep-import.txt"; grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$out/deepep-tests.log" | tail -8
+    [ -f "$out/moe-deepep-1gpu.jsonl" ] && python - "$out/moe-deepep-1gpu.jsonl" <<'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("type") == "result":
+        err = "-" if r.get("rel_err") is None else f"{r['rel_err']:.2e}"
+        print(f"{r['routing']:9} {r['impl']:9} {r['status']:11} rel_err {err} {r.get('reason') or ''}"
+              f" {r.get('note') or ''}")
+EOF
+    ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|deepep" >&2; exit 2 ;;
 esac

@@ -10,8 +10,11 @@ Implementations of the layer (registry family "moe_fwd"; y [T, H] bf16 from x [T
                    one-launch fused layer.
   nccl-a2a         kosmos.moe_reference.moe_forward_a2a(fp32=False): Megatron's all-to-all dispatcher with
                    torch._grouped_mm (the baseline of the speedup column).
-  deepep           DeepEP's intranode Buffer dispatch/combine around the same grouped GEMMs ("unavailable" when
-                   ``import deep_ep`` fails). UNTESTED: written against DeepEP's documented API, never run yet.
+  deepep           DeepEP V1's intranode Buffer dispatch/combine around the same grouped GEMMs, at DeepEP's own
+                   recommended configs and SM count (``deepep_callable``); "unavailable" when ``import deep_ep``
+                   fails, at W not 2, 4 or 8, or for shapes its kernels refuse. Written against the sources of the
+                   wheel in ../shared/wheels (commit 567632d) and run on the CPU against a stand-in Buffer; not yet
+                   run on a GPU (tests/test_deepep.py, ``dev/x1_session.sh deepep``).
   fixed-role       kosmos.moe_forward(..., policy="fixed", comm_programs=S) at S = 16.
   fixed-role-best  the same at the best S of ``fixed_sweep`` (the tuned oracle a fixed-role library needs;
                    harness.best_fixed_split, shared with the TP bench).
@@ -468,47 +471,117 @@ MOE_IMPLS = names("moe_fwd")         # ("kosmos", "nccl-a2a", "deepep", "fixed-r
 EXPERT_IMPLS = names("moe_experts")  # ("grouped-mm", "kosmos-expert-gemms")
 
 
-_DEEPEP = {}
+_DEEPEP = {}  # this process's DeepEP Buffer ("buffer") and the note of its rows ("note")
+
+# What DeepEP V1's intranode kernels accept (its csrc at commit 567632d): a bf16 token moves as pairs of 16-byte
+# vectors (hidden % 16) and half a token (+ an 8-byte mbarrier) is staged per warp in 8 KiB of shared memory by
+# the SM90 (TMA) dispatch (hidden <= 8176); notify_dispatch gives a local expert one of 128 threads; top-k <= 32;
+# 2, 4 or 8 ranks (deepep_available).
+DEEPEP_HIDDEN_MULTIPLE = 16
+DEEPEP_MAX_HIDDEN = 8176
+DEEPEP_MAX_LOCAL_EXPERTS = 128
+DEEPEP_MAX_TOP_K = 32
+
+
+def deepep_shape_problem(m: MoEModel, world: int) -> str | None:
+    """Why DeepEP's intranode kernels cannot run model ``m`` at ``world`` ranks (None: they can); a device-side
+    assert would trap the CUDA context, so the maker refuses first ("unavailable" row)."""
+    if m.hidden % DEEPEP_HIDDEN_MULTIPLE or m.hidden > DEEPEP_MAX_HIDDEN:
+        return (f"DeepEP's intranode dispatch needs hidden % {DEEPEP_HIDDEN_MULTIPLE} == 0 and hidden <= "
+                f"{DEEPEP_MAX_HIDDEN} (bf16), got {m.hidden}")
+    if m.experts // world > DEEPEP_MAX_LOCAL_EXPERTS:
+        return (f"DeepEP's intranode dispatch takes <= {DEEPEP_MAX_LOCAL_EXPERTS} experts per rank, "
+                f"got {m.experts // world}")
+    if m.top_k > DEEPEP_MAX_TOP_K:
+        return f"DeepEP's intranode kernels take top-k <= {DEEPEP_MAX_TOP_K}, got {m.top_k}"
+    return None
+
+
+def deepep_release(destroy: bool = True) -> None:
+    """Drop this process's DeepEP Buffer. ``destroy``: free it now with ``Buffer.destroy()`` -- a GPU barrier
+    between the ranks, so collective: every rank calls it in step. Without (after a failure, when a peer may be
+    gone or the context broken): the buffer is only dropped (its memory stays until the process ends; DeepEP
+    prints a warning then), rather than risking a barrier no peer joins."""
+    buf = _DEEPEP.pop("buffer", None)
+    _DEEPEP.clear()
+    if buf is not None and destroy:
+        buf.destroy()
+
+
+def _deepep_buffer(deep_ep, world: int, hidden_bytes: int):
+    """The Buffer of DeepEP's own sizing recipe (its README's get_buffer): the NVLink buffer is the larger of the
+    recommended dispatch and combine configs' ``get_nvl_buffer_size_hint(hidden_bytes, world)``; no RDMA buffer
+    (intranode; the wheel, built without NVSHMEM, asserts in get_rdma_buffer_size_hint). Reused while big
+    enough, else destroyed (collective: every rank makes the same callable in step) and made again."""
+    configs = (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
+    nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world) for cfg in configs)
+    buf = _DEEPEP.get("buffer")
+    if buf is None or buf.num_nvl_bytes < nvl_bytes:
+        deepep_release()
+        # explicitly_destroy: freed by deepep_release in step, never by a destructor at exit (whose barrier
+        # would wait for a peer that may have exited already)
+        buf = _DEEPEP["buffer"] = deep_ep.Buffer(dist.group.WORLD, nvl_bytes, 0, explicitly_destroy=True)
+    return buf, configs
 
 
 def deepep_callable(inp: MoEInputs):
-    """DeepEP (normal, intranode mode) around the nccl-a2a GEMMs: route (same router as nccl-a2a) ->
-    Buffer.get_dispatch_layout -> Buffer.dispatch (each token once per destination rank, with its top-k
-    indices local to the receiver, -1 elsewhere) -> expand to one row per (token, local expert), grouped GEMMs,
-    weight by the gate and sum per received token (one bmm) -> Buffer.combine (sums the ranks' partials).
-    UNTESTED on a GPU: follows DeepEP's tests/test_intranode.py and Megatron's DeepEP dispatcher."""
+    """The ``deepep`` baseline: DeepEP V1's intranode (NVLink) normal-mode dispatch/combine around nccl-a2a's GEMMs.
+
+    One call: ``route`` (the router nccl-a2a runs, fp32 weights, int64 experts = ``deep_ep.topk_idx_t``) ->
+    ``Buffer.get_dispatch_layout(topk_idx, E)`` (tokens per rank and per expert, int32; is_token_in_rank) ->
+    ``Buffer.dispatch(x, ..., topk_idx, topk_weights)``: every token once per rank holding any of its experts;
+    returns (recv_x, recv_topk_idx local to this rank or -1, recv_topk_weights 0 there, the rows per local
+    expert as a host list, handle, event) -> ``deepep_expert_side``: one row per (token, local expert), the same
+    torch._grouped_mm x2 + SwiGLU as nccl-a2a (``_experts_forward``), gate-weighted sum per received token (one
+    bmm, as nccl-a2a's fold) -> ``Buffer.combine(partial, handle)``: sums the ranks' partials (no weights) back
+    on the token's own rank, bf16. Synchronous (async_finish=False: the current stream waits for DeepEP's
+    communication stream); dispatch waits on the host for the received counts, as nccl-a2a's split sizes do.
+
+    Configuration, DeepEP's own, not tuned down: ``Buffer.get_dispatch_config(W)`` and
+    ``Buffer.get_combine_config(W)`` (its recommended per world size; W = 2: NVL chunks send/recv 24/256 and
+    10/256 tokens) at ``Buffer.num_sms`` = its default, 20 SMs (10 channels); DeepEP's README example and
+    tests/test_intranode.py set 24 (``Buffer.set_num_sms``), which this baseline does not. The Buffer: DeepEP's
+    sizing (``_deepep_buffer``); the row's workspace_bytes is its NVLink buffer.
+
+    What has run: the call sequence and the expert side on the CPU, with a stand-in Buffer that mirrors the
+    wheel's signatures (tests/test_deepep.py); the real kernels on no GPU yet: tests/test_deepep.py's GPU test
+    (two processes on one GPU over gloo, ``launcher.spawn_one_gpu``) and ``dev/x1_session.sh deepep`` are
+    written for that run."""
     import deep_ep
     world = world_info()[1]
     m, x = inp.model, inp.x
-    hidden_bytes = x.shape[1] * max(x.element_size(), 2)
-    nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
-                    for cfg in (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world)))
-    buf = _DEEPEP.get("buffer")
-    if buf is None or _DEEPEP.get("nvl_bytes", 0) < nvl_bytes:
-        _DEEPEP.clear()
-        buf = _DEEPEP["buffer"] = deep_ep.Buffer(dist.group.WORLD, nvl_bytes, 0)
-        _DEEPEP["nvl_bytes"] = nvl_bytes
-    idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
+    problem = deepep_shape_problem(m, world)
+    if problem:
+        raise registry.Unavailable(problem)
+    hidden_bytes = x.shape[1] * max(x.element_size(), 2)  # DeepEP's get_hidden_bytes
+    buf, (dispatch_cfg, combine_cfg) = _deepep_buffer(deep_ep, world, hidden_bytes)
+    _DEEPEP["note"] = (f"DeepEP intranode: Buffer.get_dispatch_config({world}) / get_combine_config({world}) "
+                       f"(its recommended), Buffer.num_sms={deep_ep.Buffer.num_sms} (its default)")
+    idx_dtype = deep_ep.topk_idx_t
     k, local = m.top_k, inp.w13.shape[0]
 
     def fn():
         weights, experts = route(x, inp.router_weight, k, **inp.route_kw())
-        topk_idx = experts.to(idx_dtype)
+        topk_idx = experts.to(idx_dtype).contiguous()
+        topk_w = weights.float().contiguous()
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, m.experts)
         recv_x, recv_idx, recv_w, recv_counts, handle, _ = buf.dispatch(
-            x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w, config=dispatch_cfg)
         y_part = deepep_expert_side(recv_x, recv_idx, recv_w, recv_counts, inp.w13, inp.w2, local)
-        y, _, _ = buf.combine(y_part, handle)
+        y, _, _ = buf.combine(y_part, handle, config=combine_cfg)
         return y
 
-    return fn, _DEEPEP["nvl_bytes"]
+    return fn, buf.num_nvl_bytes
 
 
 def deepep_expert_side(recv_x, recv_idx, recv_w, recv_counts, w13, w2, local: int):
     """Received tokens [R, H] with their top-k local expert indices [R, k] (-1: not on this rank) and gate
-    weights [R, k] -> this rank's partial output [R, H] = sum over its local slots of w * expert(x). Pure torch
-    (CPU-testable); recv_counts: list of rows per local expert (DeepEP returns it on the host)."""
+    weights [R, k] -> this rank's partial output [R, H] (recv_x's dtype) = sum over its local slots of
+    w * expert(x), the experts run as nccl-a2a runs them (``_experts_forward``, bf16 grouped GEMMs on CUDA) and
+    the sum as its fold (one bmm, weights in x's dtype). recv_counts: rows per local expert, a host list (what
+    DeepEP's dispatch returns). Whatever the weights hold at -1 slots is ignored; R = 0 gives [0, H]. Pure
+    torch (CPU-tested)."""
     n_recv, k = recv_idx.shape
     hidden = recv_x.shape[1]
     valid = recv_idx >= 0
@@ -549,7 +622,7 @@ def _all_gather_int(v: int, device) -> list[int]:
 
 def _recover(device):
     """After a failure: drop KOSMOS's (possibly poisoned) workspace and DeepEP's buffer, realign the ranks."""
-    harness.recover(device, cleanup=(_DEEPEP.clear,))
+    harness.recover(device, cleanup=(lambda: deepep_release(destroy=False),))
 
 
 def base_row(case: MoECase, world: int, dtype: str, op: str = "moe_fwd", direction: str = FWD) -> dict:
@@ -657,8 +730,17 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     flops = DIRECTION_FLOPS[st.direction] * 6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn
     runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype, st.direction), inputs=inp, ref=ref,
                identity=base_row(case, world, st.dtype, direction=st.direction), flops=flops, config=config, t_gemm_ms=t_gemm, t_comm_ms=t_comm, wire_bytes=wire,
-               impl_fields=lambda name: {"note": moe_mx.BASELINE_NOTE} if mx and name == "nccl-a2a" else {})
+               impl_fields=lambda name: _impl_fields(name, mx))
     return runner.rows  # the point's tensors go with this frame; bench_rank empties the CUDA cache after it
+
+
+def _impl_fields(name: str, mx: bool) -> dict:
+    """Row fields of one implementation alone: nccl-a2a's rounding note at mxfp8; deepep's configuration (the
+    note its callable left, taken by this row)."""
+    if name == "deepep":
+        note = _DEEPEP.pop("note", None)
+        return {"note": note} if note else {}
+    return {"note": moe_mx.BASELINE_NOTE} if mx and name == "nccl-a2a" else {}
 
 
 # --------------------------------------------------------------------------- one rank of `kosmos bench moe`
@@ -672,9 +754,12 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=No
     dtypes = suite["dtype"] if isinstance(suite["dtype"], (list, tuple)) else [suite["dtype"]]
     directions = suite.get("direction") or [FWD]
     directions = directions if isinstance(directions, (list, tuple)) else [directions]
+    from .launcher import ranks_on_one_gpu
+    # every rank on one GPU (KOSMOS_RANKS_ON_ONE_GPU, launcher.py): a correctness run; each row says so
+    shared = {"ranks_on_one_gpu": True} if world > 1 and ranks_on_one_gpu() else {}
     st = MoESettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
                      fixed_sweep=tuple(suite["fixed_sweep"]), dtype=dtypes[0], seed=suite["seed"],
-                     expert_gemms=suite["expert_gemms"], configs=dict(configs or {}))
+                     expert_gemms=suite["expert_gemms"], configs=dict(configs or {}), extra=shared)
     settings = {(d, g): replace(st, dtype=d, direction=g) for d in dtypes for g in directions}
     device = torch.device("cuda", torch.cuda.current_device())
     # a case is (point, dtype, direction): each point at every dtype in turn (as the TP bench does), each dtype in
@@ -688,3 +773,4 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=No
               recover=lambda: _recover(device),
               key=lambda r: (r["model"], r["tokens"], r["routing"], r["op"], r["dtype"], r.get("direction", FWD),
                              r["impl"]))
+    deepep_release()  # every rank, after the same sweep: DeepEP's Buffer freed in step (its barrier), not at exit
