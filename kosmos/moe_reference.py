@@ -237,11 +237,11 @@ def expert_pairs_forward_ref(x, experts, w13, w2, groups):
     u = x.new_zeros((n_tok * k, f))
     o = x.new_zeros((n_tok * k, x.shape[1]))
     for e, p in groups:
-        a = x[p // k] @ w13[e]
+        a = x[p // k] @ w13[e].to(x.dtype)
         g[p], u[p] = a[:, :f], a[:, f:]
     h = g * torch.sigmoid(g) * u
     for e, p in groups:
-        o[p] = h[p] @ w2[e]
+        o[p] = h[p] @ w2[e].to(h.dtype)
     return g, u, h, o
 
 
@@ -264,7 +264,7 @@ def gate_grad_from_h_ref(dy, h, experts, w2, groups):
     n_tok, k = experts.shape
     dw = h.new_zeros(n_tok * k)
     for e, p in groups:
-        dw[p] = ((dy[p // k] @ w2[e].t()) * h[p]).sum(-1)
+        dw[p] = ((dy[p // k] @ w2[e].to(dy.dtype).t()) * h[p]).sum(-1)
     return dw.view(n_tok, k)
 
 
@@ -276,7 +276,7 @@ def gemm2_backward_ref(do, h, w2, groups):
     dh = do.new_zeros(h.shape)
     dw2 = do.new_zeros(w2.shape)
     for e, p in groups:
-        dh[p] = do[p] @ w2[e].t()
+        dh[p] = do[p] @ w2[e].to(do.dtype).t()
         dw2[e] = h[p].t() @ do[p]
     return dh, dw2
 
@@ -299,7 +299,7 @@ def gemm1_backward_ref(dg, du, x, experts, w13, groups):
     dx_pair = da.new_zeros((da.shape[0], x.shape[1]))
     dw13 = da.new_zeros(w13.shape)
     for e, p in groups:
-        dx_pair[p] = da[p] @ w13[e].t()
+        dx_pair[p] = da[p] @ w13[e].to(da.dtype).t()
         dw13[e] = x[p // k].t() @ da[p]
     return dx_pair, dw13
 
@@ -412,7 +412,10 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
         if top_k > 1 and (experts.sort(-1).values.diff(dim=-1) == 0).any():
             raise ValueError("a token's experts must be distinct")
     acc = _acc_dtype(x, router_weight, w13, w2, dy)
-    xa, wra, w13a, w2a, dya = (t.to(acc) for t in (x, router_weight, w13, w2, dy))
+    # the expert weights stay in their dtype and are upcast one expert at a time (w13a[e].to(acc) in the stage
+    # references): a whole fp32 copy of DeepSeek-V3's 256 experts is 42 GiB, and ran the bench out of memory
+    xa, wra, dya = (t.to(acc) for t in (x, router_weight, dy))
+    w13a, w2a = w13, w2
 
     logits = xa @ wra.t()
     weights, full, denom = routing_weights_ref(logits, experts, routing, renormalize=renormalize,
