@@ -38,7 +38,7 @@ same model.
 Data (fixed, synthetic): step i's input x_i ~ N(0, 1) [seq, batch, hidden] from a generator seeded (seed, i) on
 the device, the same on every rank (each keeps its sequence chunk), and one fixed target T ~ N(0, 1) of the same
 shape; loss = mean((proxy(x_i) - T)^2) over the whole sequence (each rank's chunk summed over the ranks). AdamW
-(lr 1e-3, betas (0.9, 0.95), weight decay 0.01, fp32 moments over the bf16 parameters: torch's AdamW). The
+(lr 1e-3 * min(1, 1024 / hidden) -- ``adamw_lr``: at 1e-3 a 4096-wide proxy diverges --, betas (0.9, 0.95), weight decay 0.01, fp32 moments over the bf16 parameters: torch's AdamW). The
 recorded loss of step i is the loss of the forward of step i (before that step's update).
 
 Step: forward, backward, the norm-gradient all-reduce, AdamW step, zero_grad. ``warmup`` steps (default 3) are
@@ -89,6 +89,17 @@ LOSS_RTOL = 2e-2
 DEFAULT_MODEL, DEFAULT_SEQ, DEFAULT_BATCH = "llama3-8b", 4096, 1
 DEFAULT_LAYERS, DEFAULT_STEPS, DEFAULT_WARMUP = 2, 20, 3
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+LR_HIDDEN = 1024  # the learning rate is ADAMW's lr * min(1, LR_HIDDEN / hidden): see adamw_lr
+
+
+def adamw_lr(hidden: int) -> float:
+    """AdamW's step moves every weight by ~lr whatever its gradient's scale, and the weights are drawn with std
+    1/sqrt(fan_in): at a fixed lr the relative update grows with the width. Measured (one H200, session 9,
+    results/h200x1/s9/c5/): at lr 1e-3 the llama3-8b proxy (hidden 4096) diverged in both implementations from
+    the 8th step (loss 2.5 -> 13 -> 84 for nccl+cublas, 650 for kosmos: chaos, not a comparison), while the
+    deepseek-v3 proxy at hidden 1792 trained smoothly (2.53 -> 2.34 over 20 steps, the two within 5e-4). So lr
+    scales as 1 / hidden above 1024: 2.5e-4 at 4096, 1.25e-4 at 8192."""
+    return ADAMW["lr"] * min(1.0, LR_HIDDEN / hidden)
 
 
 class Unavailable(Exception):
@@ -477,7 +488,7 @@ def train_losses(proxy: Proxy, shape: ProxyShape, st: TrainSettings, device, *, 
     world = _world(group)
     n_total = shape.seq * shape.batch * shape.hidden
     target = fixed_target(shape, st.seed, device, rank, world)
-    opt = torch.optim.AdamW(proxy.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(proxy.parameters(), **{**ADAMW, "lr": adamw_lr(shape.hidden)})
     shared = replicated_params(proxy)
     cuda = torch.device(device).type == "cuda"
     losses, times = [], []
