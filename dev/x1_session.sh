@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|deepep}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -53,6 +53,18 @@ case $stage in
     timeout 240 python -m kosmos_bench.cli bench train --model deepseek-v3 --layers 2 --seq 4096 --scale 0.25 \
       --tp 1 --steps 20 --out "$out/train-deepseek-v3-w1.jsonl" >> "$out/bench-train.log" 2>&1
     echo "train moe rc=$?"; tail -30 "$out/bench-train.log" ;;
+  grid)  # issue 13 (parts 1, 3): today's TP kernels on the public grid (suites/tp-grid.yaml: 48 GEMMs x both ops)
+    # at W=1 against cuBLAS alone (t_gemm_ms), with the host enqueue time per call. Estimated 1.5-4 min (the suite's
+    # header says how); the timeouts keep the stage under 8 min (400 + 2 x 30 s). Partial rows survive a timeout.
+    timeout 400 python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
+      --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "bench rc=$?"
+    timeout 30 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" --format md --out "$out/tp-grid-w1.md" \
+      >> "$out/bench-grid.log" 2>&1; echo "report md rc=$?"
+    COLUMNS=100 timeout 30 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" > "$out/tp-grid-w1.txt" \
+      2>> "$out/bench-grid.log"; echo "report text rc=$?"
+    echo "rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
+      "$out/tp-grid-w1.jsonl")"; grep -v '^{' "$out/bench-grid.log" | grep -iE "error|Traceback" | head -5
+    sed -n '/^kosmos against cuBLAS alone at world 1 (t_gemm_ms \/ time_ms: TFLOP/,$p' "$out/tp-grid-w1.txt" ;;
   deepep)  # issue 18 part 1: the deepep baseline on the shared DeepEP wheel, 2 ranks on one GPU over gloo (< 4 min).
     # Needs the wheel in .wheels/ (ignored via .git/info/exclude): the device call names it in carry: [".wheels"]
     python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
@@ -79,5 +91,5 @@ for line in open(sys.argv[1]):
               f" {r.get('note') or ''}")
 EOF
     ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|deepep" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep" >&2; exit 2 ;;
 esac

@@ -297,6 +297,22 @@ def _custom_shapes(shapes, ops, tp, **excluded) -> list[tuple[str, str, tuple]] 
     return out
 
 
+def _suite_shapes(cfg, ops, **excluded) -> list[tuple[str, str, tuple]]:
+    """The GEMMs of a suite with ``shapes`` in ``_custom_shapes``' form, those of ``--op``'s ops when given
+    (ag_gemm, gemm_rs). The options that pick a model's shapes (``excluded``) cannot be combined with it."""
+    from kosmos.models import TP_OPS
+    given = [opt for opt, v in excluded.items() if v not in (None, [], ())]
+    if given:
+        _fail(f"suite {cfg.name} lists its GEMMs (shapes): drop {', '.join(given)}, or give --shape")
+    bad = [o for o in ops or () if o not in TP_OPS]
+    if bad:
+        _fail(f"--op {','.join(bad)}: suite {cfg.name} lists its GEMMs (shapes): --op is {' or '.join(TP_OPS)}")
+    out = [(o, f"{m}x{n}x{k} of suite {cfg.name}", (m, n, k)) for o, m, n, k in cfg.shapes if not ops or o in ops]
+    if not out:
+        _fail(f"suite {cfg.name} has no shapes of --op {','.join(ops)}")
+    return out
+
+
 def _tp_cases(cfg, custom, world: int) -> list:
     """The GEMMs of the run: the custom shapes, or every (model, seq, layer) of the suite."""
     from kosmos.models import CustomShapeError, custom_tp_gemm, tp_gemms
@@ -376,6 +392,8 @@ def bench_tp(
         configs = _configs("tp", config)
     except (SuiteError, ValueError) as e:
         _fail(str(e))
+    if custom is None and cfg.shapes:  # a suite that lists its GEMMs (suites/tp-grid.yaml): as its --shapes
+        custom = _suite_shapes(cfg, ops, **{"--model": model, "--seq": seq, "--shapes-tp": shapes_tp})
     from .tp import impls_at
     empty = [d for d in cfg.dtype if not impls_at(cfg.impls, d)]
     if empty:

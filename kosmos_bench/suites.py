@@ -1,7 +1,13 @@
 """Benchmark suites: YAML files under suites/ (a link to the packaged kosmos_bench/suite_files/) naming models,
 sequence lengths (TP) or tokens and routings (MoE), precisions and implementations, and the report's bars for
 their results (``targets``). ``load_suite`` validates everything up front and names the offending key on error;
-the file's ``bench`` key (default "tp") picks TPSuite or MoESuite."""
+the file's ``bench`` key (default "tp") picks TPSuite or MoESuite.
+
+A TP suite may list its GEMMs itself instead of models (``shapes``, e.g. suites/tp-grid.yaml): a mapping of op
+(ag_gemm, gemm_rs) to "MxNxK" strings -- the convention of ``kosmos bench tp --shape``: M, N, K as in the result
+rows -- or a list of {op, m, n, k} mappings (the form a results file's env line records, so a recorded suite
+loads back). Such a suite runs exactly as the same ``--shape``s with ``--op`` would (rows with model and layer
+"custom"); it cannot also name models, seq, layers or shapes_tp."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -9,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from kosmos.models import DENSE_MODELS, MOE_MODELS, TP_LAYERS
+from kosmos.models import DENSE_MODELS, MOE_MODELS, TP_LAYERS, TP_OPS, CustomShapeError, custom_tp_gemm, parse_shape
 
 from .harness import FIXED_SWEEP
 from .moe import DIRECTIONS, MOE_IMPLS, parse_routing
@@ -75,10 +81,75 @@ class TPSuite(_Suite):
     layers: tuple = TP_LAYERS
     tp: int | None = None
     shapes_tp: int | None = None  # size the GEMMs as at TP=shapes_tp (per-rank shards), whatever the world
+    # the GEMMs themselves instead of the models' (module docstring): held as ((op, m, n, k), ...) in file order,
+    # repeats dropped; () = the models' shapes
+    shapes: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", _dtypes(self.dtype))
+        object.__setattr__(self, "shapes", parse_shapes(self.shapes))
         _check(self)
+
+    def to_dict(self) -> dict:
+        """As _Suite's; ``shapes`` as a results file records them, [{op, m, n, k}, ...], and only when given."""
+        d = super().to_dict()
+        if self.shapes:
+            d["shapes"] = [dict(zip(("op", "m", "n", "k"), s)) for s in self.shapes]
+        else:
+            d.pop("shapes")
+        return d
+
+
+SHAPE_KEYS = ("op", "m", "n", "k")
+# what a suite with ``shapes`` cannot also give (its GEMMs are the shapes, not a model's)
+MODEL_SHAPE_KEYS = ("models", "seq", "layers", "shapes_tp")
+
+
+def parse_shapes(value) -> tuple:
+    """A suite's ``shapes`` -> ((op, m, n, k), ...) in order, repeats dropped. ``value``: a mapping of op to a list
+    of "MxNxK" strings, a list of {op, m, n, k} mappings, or that tuple already. A malformed entry is a one-line
+    SuiteError naming it (e.g. "'shapes.ag_gemm[3]': '512x1024': not MxNxK ..."). N and K must be multiples of
+    8 (TMA); M's divisibility by the world size is checked when the world is known (the CLI)."""
+    if value is None or (isinstance(value, (tuple, list, dict)) and not value):
+        return ()
+    entries = []  # (where, op, (m, n, k))
+    if isinstance(value, dict):
+        for op, texts in value.items():
+            if op not in TP_OPS:
+                raise SuiteError(f"'shapes': unknown op {op!r}; choose from {', '.join(TP_OPS)}")
+            if not isinstance(texts, list) or not texts:
+                raise SuiteError(f"'shapes.{op}' must be a non-empty list of \"MxNxK\" strings, got {texts!r}")
+            for i, text in enumerate(texts):
+                if not isinstance(text, str):
+                    raise SuiteError(f"'shapes.{op}[{i}]': {text!r} is not a string \"MxNxK\" (e.g. "
+                                     f"\"8192x1024x8192\"; quote it)")
+                try:
+                    mnk = parse_shape(text)
+                except CustomShapeError as e:
+                    raise SuiteError(f"'shapes.{op}[{i}]': {text!r}: {e}") from None
+                entries.append((f"shapes.{op}[{i}] ({text})", op, mnk))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            where = f"shapes[{i}]"
+            if isinstance(item, (list, tuple)) and len(item) == 4:  # the held form
+                item = dict(zip(SHAPE_KEYS, item))
+            if not isinstance(item, dict) or set(item) != set(SHAPE_KEYS):
+                raise SuiteError(f"'{where}': {item!r} must be a mapping with keys op, m, n, k (or give 'shapes' "
+                                 f"as a mapping of op to \"MxNxK\" strings)")
+            entries.append((where, item["op"], (item["m"], item["n"], item["k"])))
+    else:
+        raise SuiteError(f"'shapes' must be a mapping of op ({', '.join(TP_OPS)}) to lists of \"MxNxK\" strings, "
+                         f"got {type(value).__name__}")
+    out = []
+    for where, op, (m, n, k) in entries:
+        if op not in TP_OPS:
+            raise SuiteError(f"'{where}': unknown op {op!r}; choose from {', '.join(TP_OPS)}")
+        try:
+            custom_tp_gemm(op, m, n, k, 1)  # the --shape checks (positive ints, N and K multiples of 8)
+        except CustomShapeError as e:
+            raise SuiteError(f"'{where}': {e}") from None
+        out.append((op, m, n, k))
+    return tuple(dict.fromkeys(out))
 
 
 def _dtypes(value, key: str = "dtype", allowed=DTYPES) -> tuple:
@@ -222,6 +293,9 @@ def load_suite(path, bench: str | None = "tp"):
     unknown = sorted(set(doc) - known)
     if unknown:
         raise SuiteError(f"{path}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    both = [key for key in MODEL_SHAPE_KEYS if key in doc] if doc.get("shapes") else []
+    if both:
+        raise SuiteError(f"{path}: 'shapes' gives the GEMMs themselves: drop {', '.join(map(repr, both))}")
     kw = dict(doc)
     try:
         for key in LIST_KEYS[kind]:

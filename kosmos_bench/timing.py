@@ -6,7 +6,11 @@ Device time, not host time: after the barrier the GPU is given ~2 ms of spinning
 before the start event, so the host enqueues the call while the GPU is busy -- as it does in a training
 step, where the host runs ahead. Without it, every Python-side cost of an op (argument checks, Triton's
 launcher) would count as GPU time, because the barrier leaves the GPU idle. The host's enqueue time is
-measured separately and reported as ``host_ms`` (median), so it is not hidden from the reader.
+measured separately and reported as ``host_ms`` (median), so it is not hidden from the reader: in the same loop,
+per timed call, the CPU wall time (``time.perf_counter``) from entering the call to its return, taken between
+the start and the end event's records -- no synchronisation in between, so the device timing is unchanged, and the
+GPU is still spinning, so the call never waits on a full launch queue. A call that synchronises inside (a
+``.item()``, a host copy) shows it there as the rest of the ~2 ms spin.
 
 A ``Split`` (the MoE bench's backward) is timed in two parts: for every iteration, warm-up included, its ``setup``
 (the forward) runs first, untimed, before the L2 flush and the barrier, and only ``run(state)`` is timed. Every rank
@@ -59,8 +63,9 @@ class Split:
 def time_op(fn, *, iters: int = 20, warmup: int = 5, group=None, flush: bool = True,
             hide_host: bool = True) -> dict:
     """Median / p20 / p80 in ms of ``fn()`` over ``iters`` timed calls (max over ranks per call), and the
-    median host time to enqueue one call (``host_ms``, max over ranks). ``fn`` a ``Split``: its ``setup()``
-    before each call, untimed (before the flush and the barrier), and only ``run(state)`` timed."""
+    median over the same timed calls of the host time inside one call (``host_ms``: from entering ``fn`` to its
+    return, module docstring; max over ranks). ``fn`` a ``Split``: its ``setup()`` before each call, untimed
+    (before the flush and the barrier), and only ``run(state)`` timed, on the device and on the host."""
     device = torch.cuda.current_device()
     setup, call = (fn.setup, fn.run) if isinstance(fn, Split) else (None, None)
     for _ in range(warmup):

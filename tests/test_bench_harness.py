@@ -365,3 +365,95 @@ def test_tp_mx_baselines_at_world_one_in_the_interpreter():
     if r.returncode and "_scaled_mm" in r.stderr and "not implemented" in r.stderr.lower():
         pytest.skip("torch._scaled_mm has no CPU kernel here")
     assert r.returncode == 0 and r.stdout.split() == ["ok", "ag_gemm", "ok", "gemm_rs"], r.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- host enqueue time (host_ms)
+
+
+class _FakeCuda:
+    """torch.cuda as timing.time_op uses it, on a fake clock: events read the clock when recorded, and every
+    call lands in ``log`` (what ran in which order)."""
+
+    def __init__(self, clock, log):
+        self.clock, self.log = clock, log
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                cuda.log.append("record")
+                self.t = cuda.clock[0]
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        self.Event = Event
+
+    def current_device(self):
+        return 0
+
+    def _sleep(self, cycles):
+        self.log.append("sleep")
+
+    def synchronize(self, *args):
+        self.log.append("sync")
+
+
+def _fake_timing(monkeypatch):
+    from types import SimpleNamespace
+    clock, log = [0.0], []
+    fake_torch = SimpleNamespace(cuda=_FakeCuda(clock, log), tensor=lambda data, device=None: torch.tensor(data))
+    monkeypatch.setattr(timing, "torch", fake_torch)
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(timing, "flush_l2", lambda device: log.append("flush"))
+    return clock, log
+
+
+def test_time_op_host_ms_is_the_median_time_inside_the_timed_calls(monkeypatch):
+    """The real timing loop on a fake clock: host_ms is the median over the timed calls (not the warm-up) of the
+    time from entering the call to its return, taken inside the device timing (between the two events' records)
+    with no synchronisation there, so measuring it leaves the device timing as it was."""
+    clock, log = _fake_timing(monkeypatch)
+    costs = iter([5.0, 5.0] + [1e-4, 3e-4, 2e-4, 9e-4, 2e-4])  # seconds: two warm-ups, five timed calls
+
+    def fn():
+        log.append("call")
+        clock[0] += next(costs)
+
+    t = timing.time_op(fn, iters=5, warmup=2)
+    assert t["host_ms"] == pytest.approx(0.2) and t["samples"] == 5
+    assert t["time_ms"] == pytest.approx(0.2)  # the fake device time is the call's clock time too
+    timed = log[log.index("sync"):]  # after the warm-ups' barrier
+    for i in range(5):  # each timed call: flush, barrier (sync), spin, start event, the call, end event
+        at = [j for j, what in enumerate(timed) if what == "call"][i]
+        assert timed[at - 3:at + 2] == ["sync", "sleep", "record", "call", "record"]
+
+
+def test_time_op_host_ms_of_a_split_is_its_run_alone(monkeypatch):
+    clock, log = _fake_timing(monkeypatch)
+
+    def setup():
+        clock[0] += 1.0  # untimed: neither device nor host time
+        return 2e-4
+
+    def run(cost):
+        clock[0] += cost
+
+    t = timing.time_op(timing.Split(setup, run), iters=3, warmup=1)
+    assert t["host_ms"] == pytest.approx(0.2) and t["time_ms"] == pytest.approx(0.2)
+
+
+def test_rows_carry_the_host_time_of_their_timing(family, cpu_timer):
+    """Every timed row has the timing's host_ms; a row that was not timed has None."""
+    _toy(family)
+    x = torch.randn(8, 4)
+    runner = harness.Runner(harness.Settings(), torch.device("cpu"), lambda: None)
+    runner.run(family, ("kernel", "base", "wrong", "ruled-out"), inputs=x, ref=2 * x,
+               identity={"type": "result", "op": "toy"}, flops=1.0)
+    by = {r["impl"]: r for r in runner.rows}
+    assert by["kernel"]["host_ms"] == by["base"]["host_ms"] == 0.01
+    assert by["wrong"]["host_ms"] is None and by["ruled-out"]["host_ms"] is None
+    keys = list(by["kernel"])
+    assert keys.index("rel_err") < keys.index("host_ms") < keys.index("workspace_bytes")

@@ -706,9 +706,13 @@ def test_report_reads_the_default_targets_without_torch():
 # --------------------------------------------------------------------------- the compact terminal view
 
 
+# the titles of the compact view's summary tables after the per-shape ones (kosmos vs cuBLAS at world 1, host time)
+SUMMARY_TITLES = ("kosmos against cuBLAS alone", "Host enqueue time")
+
+
 def compact_tables(text):
-    """The tables of a compact view: per table, (header lines, body lines), the body up to the next blank line
-    after the geomean lines."""
+    """The per-shape tables of a compact view: per table, (header lines, body lines), the body up to the next blank
+    line after the geomean lines (the summary tables after them are not per-shape tables)."""
     lines = text.splitlines()
     tables = []
     for index, line in enumerate(lines):
@@ -716,9 +720,11 @@ def compact_tables(text):
             start = index
             while start > 0 and "time in ms" not in lines[start - 1]:
                 start -= 1
+            if any(header.startswith(SUMMARY_TITLES) for header in lines[start:index]):
+                continue
             body = []
             for body_line in lines[index + 1:]:
-                if body_line.startswith("[") or "time in ms" in body_line or body_line.startswith("Workspace"):
+                if body_line.startswith(("[", "Workspace", *SUMMARY_TITLES)) or "time in ms" in body_line:
                     break
                 body.append(body_line)
             tables.append((lines[start:index], body))
@@ -1149,3 +1155,92 @@ def test_report_directions_fwd_and_bwd():
 def test_report_forward_only_files_do_not_say_direction():
     text = render(build_table(load_results([MOE_SAMPLE])[1]), "text")
     assert "direction" not in text
+
+
+# --------------------------------------------------------------------------- kosmos vs cuBLAS alone at world 1, host time
+
+GRID_TARGETS = {"vs_cublas_geomean": 0.97, "vs_cublas_floor": 0.90}
+
+
+def cublas_lines(targets=GRID_TARGETS):
+    """World-1 rows of a suite with the cuBLAS bars: kosmos ag_gemm at 0.5x, 0.95x and 1.02x of cuBLAS alone
+    (t_gemm_ms / time_ms), gemm_rs at 1.0x; nccl+cublas rows, a world-2 kosmos row and a failed one (not counted)."""
+    suite = {"name": "grid", "bench": "tp", **({"targets": targets} if targets else {})}
+    rows = []
+    for op, m, time_ms, t_gemm, host in (("ag_gemm", 256, 2.0, 1.0, 0.150), ("ag_gemm", 1024, 1.0, 0.95, 0.100),
+                                         ("ag_gemm", 2048, 1.0, 1.02, 0.125), ("gemm_rs", 4096, 0.5, 0.5, 0.080)):
+        shape = dict(op=op, layer="custom", model="custom", seq=m, m=m, world=1, t_gemm_ms=t_gemm, t_comm_ms=0.0)
+        rows += [result_line(**shape, impl="kosmos", time_ms=time_ms, host_ms=host),
+                 result_line(**shape, impl="nccl+cublas", time_ms=t_gemm * 1.01, host_ms=0.030)]
+    rows.append(result_line(op="ag_gemm", m=8192, seq=8192, world=2, impl="kosmos", time_ms=1.0, t_gemm_ms=2.0,
+                            host_ms=0.2))
+    rows.append(result_line(op="gemm_rs", m=512, seq=512, world=1, impl="kosmos", status="failed", time_ms=None,
+                            t_gemm_ms=0.1, reason="boom"))
+    return [env_line(suite, bench="tp"), *rows]
+
+
+def test_cublas_tables_by_hand(tmp_path):
+    from kosmos_bench.report import cublas_summary_table, cublas_table
+    df = build_table(load_results([write_lines(tmp_path / "grid-w1.jsonl", cublas_lines())])[1])
+    per_shape = cublas_table(df)
+    assert list(zip(per_shape.op, per_shape.m)) == [("ag_gemm", 256), ("ag_gemm", 1024), ("ag_gemm", 2048),
+                                                    ("gemm_rs", 4096)]  # kosmos, world 1, ok
+    assert list(per_shape.vs_cublas) == pytest.approx([0.5, 0.95, 1.02, 1.0])
+    assert list(per_shape.host_us) == pytest.approx([150.0, 100.0, 125.0, 80.0])
+    summary = cublas_summary_table(df).set_index("op")
+    assert summary.loc["ag_gemm", "geomean_vs_cublas"] == pytest.approx((0.5 * 0.95 * 1.02) ** (1 / 3))
+    assert summary.loc["ag_gemm", "min_vs_cublas"] == 0.5 and summary.loc["ag_gemm", "worst_shape"] == "256x512x256"
+    assert summary.loc["ag_gemm", "below_floor"] == 1 and summary.loc["gemm_rs", "below_floor"] == 0
+    assert list(summary.shapes) == [3, 1]
+    no_bars = build_table(load_results([write_lines(tmp_path / "plain.jsonl", cublas_lines(targets=None))])[1])
+    assert cublas_summary_table(no_bars)["below_floor"].isna().all()  # the default suite sets no floor
+    world_2 = build_table(load_results([write_lines(tmp_path / "w2.jsonl", versus_lines())])[1])
+    assert not world_2.empty and cublas_table(world_2).empty  # world 2: no cuBLAS-alone section
+
+
+def test_cublas_line_judges_the_suites_bars(tmp_path):
+    from kosmos_bench.report import cublas_line
+    df = build_table(load_results([write_lines(tmp_path / "grid-w1.jsonl", cublas_lines())])[1])
+    line = cublas_line(df)
+    assert line.startswith("kosmos against cuBLAS alone at world 1 (t_gemm_ms / time_ms")
+    assert "ag_gemm geomean 0.785 misses the >= 0.97 bar, min 0.500 at 256x512x256, 1 of 3 shapes under 0.90" in line
+    assert "gemm_rs geomean 1.000 meets the >= 0.97 bar, min 1.000 at 4096x512x256, 0 of 1 shapes under 0.90" in line
+    plain = build_table(load_results([write_lines(tmp_path / "plain.jsonl", cublas_lines(targets=None))])[1])
+    assert "ag_gemm geomean 0.785, min 0.500 at 256x512x256 (3 shapes)" in cublas_line(plain)
+    assert cublas_line(build_table(load_results([TP_SAMPLE])[1])) is None  # world 2 only
+
+
+def test_host_table_and_line_by_hand(tmp_path):
+    from kosmos_bench.report import host_line, host_table
+    df = build_table(load_results([write_lines(tmp_path / "grid-w1.jsonl", cublas_lines())])[1])
+    hosts = host_table(df)
+    assert list(zip(hosts.impl, hosts.op, hosts.rows)) == [("kosmos", "ag_gemm", 4), ("kosmos", "gemm_rs", 1),
+                                                           ("nccl+cublas", "ag_gemm", 3),
+                                                           ("nccl+cublas", "gemm_rs", 1)]
+    kosmos_ag = hosts.iloc[0]  # 150, 100, 125 at world 1 and 200 at world 2; the failed row has none
+    assert (kosmos_ag.host_us_median, kosmos_ag.host_us_min, kosmos_ag.host_us_max) == pytest.approx((137.5, 100, 200))
+    line = host_line(df)
+    assert line.startswith("Host enqueue time per call, µs")
+    assert line.endswith(": kosmos 125 (max 200), nccl+cublas 30 (max 30).")
+    assert host_table(build_table(load_results([TP_SAMPLE])[1])).empty  # the fixture has no host_ms
+    assert host_line(build_table(load_results([TP_SAMPLE])[1])) is None
+
+
+def test_cublas_and_host_sections_in_every_format(tmp_path):
+    df = build_table(load_results([write_lines(tmp_path / "grid-w1.jsonl", cublas_lines())])[1])
+    md = render(df, "md")
+    assert "## kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms" in md
+    per_op = md_table(md, "kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms: the TFLOP/s "
+                          "ratio, > 1: kosmos faster): per op")
+    assert per_op[0] == ["op", "dtype", "shapes", "geomean_vs_cublas", "min_vs_cublas", "worst_shape",
+                         "below_floor", "floor"]
+    assert per_op[1] == ["ag_gemm", "bf16", "3", "0.785", "0.500", "256x512x256", "1", "0.90"]
+    assert "## Host enqueue time per call, µs" in md and "| kosmos | 4 | 137.5 | 100.0 | 200.0 |" in md
+    assert "kosmos against cuBLAS alone at world 1" in render(df, "html")
+    text = terminal_text(df, 100)
+    assert max(map(len, text.splitlines())) <= 100
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("kosmos against cuBLAS alone at world 1 (t_gemm"))
+    assert lines[at + 3].split() == ["ag_gemm", "3", "0.785x", "0.500x", "256x512x256", "1", "<", "0.90"]
+    assert any(line.split()[:3] == ["kosmos", "ag_gemm", "4"] for line in lines)  # the host table
+    assert text.index("kosmos against cuBLAS alone") < text.index("Host enqueue time") < text.index("Workspace")

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .schema import BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, SHAPE_COLUMNS, format_value
-from .tables import dtype_table, geomean, wire_table
+from .tables import config_varies, cublas_summary_table, dtype_table, geomean, host_table, wire_table
 
 WHAT = {"tp": "TP ops", "moe_fwd": "moe_fwd (the MoE layer)", "moe_experts": "moe_experts (the expert GEMMs alone)"}
 CONTEXT_FIELDS = ("model", "world", "dtype", "direction")  # said in the title when one value across a table
@@ -122,6 +122,58 @@ def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
                     f" ({row['wire_vs_bf16']:.3f}x)"
                 parts.append(f"{row['dtype']} {row['impls']} {row['wire_mib']:.2f}{ratio}")
             console.print(Text(f"{label} " + "; ".join(parts)), overflow="fold")
+
+
+def _small_table(frame: pd.DataFrame, labels: list[str], cells: list[tuple[str, object]]) -> Table:
+    """A compact table: the label columns (left), then a right-aligned column per (header, row -> text)."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for column in labels:
+        table.add_column(column, justify="left")
+    for header, _ in cells:
+        table.add_column(header, justify="right")
+    for row in frame.to_dict("records"):
+        table.add_row(*[format_value(column, row.get(column)) for column in labels], *[cell(row) for _, cell in cells])
+    return table
+
+
+def _varying(frame: pd.DataFrame, columns) -> list[str]:
+    """The ``columns`` of ``frame`` that vary (the config: where some op ran with several, ``config_varies``)."""
+    return [column for column in columns if column in frame and (
+        config_varies(frame) if column == CONFIG_COLUMN else frame[column].nunique(dropna=False) > 1)]
+
+
+def _cell(column: str, fmt):
+    return lambda row: _num(row[column], fmt)
+
+
+def print_cublas_compact(df: pd.DataFrame, console: Console) -> None:
+    """kosmos against cuBLAS alone at world 1, a line per (source, op, dtype, config): the shapes, the geomean and
+    minimum of t_gemm_ms / time_ms, the worst shape and (with the suite's vs_cublas_floor) the shapes under it."""
+    summary = cublas_summary_table(df)
+    if summary.empty:
+        return
+    console.print(Text("kosmos against cuBLAS alone at world 1 (t_gemm_ms / time_ms: TFLOP/s ratio, > 1 faster)",
+                       style="bold"))
+    labels = _varying(summary, ("source",)) + ["op"] + _varying(summary, ("dtype", CONFIG_COLUMN))
+    cells = [("shapes", _cell("shapes", str)), ("geomean", _cell("geomean_vs_cublas", "{:.3f}x".format)),
+             ("min", _cell("min_vs_cublas", "{:.3f}x".format)), ("at m x n x k", lambda row: row["worst_shape"])]
+    if summary["below_floor"].notna().any():
+        cells.append(("under floor", lambda row: "" if pd.isna(row["below_floor"]) else
+                      f"{int(row['below_floor'])} < {row['floor']:.2f}"))
+    console.print(_small_table(summary, labels, cells))
+
+
+def print_host_compact(df: pd.DataFrame, console: Console) -> None:
+    """The host enqueue time per call: a line per (source, op, dtype, direction, impl, config) with the median,
+    min and max over its ok rows of host_ms, in microseconds."""
+    hosts = host_table(df)
+    if hosts.empty:
+        return
+    console.print(Text("Host enqueue time per call, µs (per row: the median over its timed calls)", style="bold"))
+    labels = _varying(hosts, ("source",)) + ["impl", "op"] + _varying(hosts, ("dtype", "direction", CONFIG_COLUMN))
+    console.print(_small_table(hosts, labels, [
+        ("rows", _cell("rows", str)), ("median", _cell("host_us_median", "{:.1f}".format)),
+        ("min", _cell("host_us_min", "{:.1f}".format)), ("max", _cell("host_us_max", "{:.1f}".format))]))
 
 
 def _num(value, fmt) -> str:

@@ -1,7 +1,8 @@
 """The one-sentence summaries under the report's tables: workspace memory, the MoE expert GEMMs against
-grouped-mm, the geomean targets, and how often kosmos is close to the fastest other implementation. Every bar
-they judge against is a suite target (targets.py); a line whose target is unset gives the numbers only. Also the
-line under the per-shape table that defines its bandwidth columns."""
+grouped-mm, the geomean targets, how often kosmos is close to the fastest other implementation, kosmos against
+cuBLAS alone at world 1, and the host enqueue time per call. Every bar they judge against is a suite target
+(targets.py); a line whose target is unset gives the numbers only. Also the line under the per-shape table that
+defines its bandwidth columns."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import math
 
 import pandas as pd
 
-from .schema import BANDWIDTH_COLUMNS, BASELINE_IMPL, EXPERT_GEMM_IMPL, EXPERT_GEMM_OP, MIB, OURS, format_value
-from .tables import geomean, geomean_by_model_table, geomean_table
+from .schema import (BANDWIDTH_COLUMNS, BASELINE_IMPL, CONFIG_COLUMN, EXPERT_GEMM_IMPL, EXPERT_GEMM_OP, MIB, OURS,
+                     format_value)
+from .tables import config_varies, cublas_summary_table, geomean, geomean_by_model_table, geomean_table
 from .targets import target_of
 
 GEOMEAN_TARGETS = ("geomean_speedup", "geomean_overlap_efficiency")  # each bounds the geomean column of its name
@@ -148,3 +150,49 @@ def bandwidth_line(df: pd.DataFrame) -> str | None:
     return ("comm_algbw_gbps, comm_busbw_gbps: nccl-tests' algorithm and bus bandwidth of t_comm_ms (the collective "
             "alone) in GB/s (1e9 B/s): algbw = S / t_comm_ms, busbw = algbw * (world-1)/world; S = "
             + "; ".join(ops) + "; bytes per element: bf16 2, mxfp8 1 + 1/32.")
+
+
+def cublas_line(df: pd.DataFrame, summary: pd.DataFrame | None = None) -> str | None:
+    """kosmos against cuBLAS alone at world 1 (``summary``: ``cublas_summary_table(df)``), per source, op, dtype and
+    config: the geomean of t_gemm_ms / time_ms against target ``vs_cublas_geomean``, the worst shape, and the
+    shapes under target ``vs_cublas_floor``; None without such rows."""
+    summary = cublas_summary_table(df) if summary is None else summary
+    if summary.empty:
+        return None
+    several = {column: summary[column].nunique(dropna=False) > 1 for column in ("source", "dtype")}
+    several[CONFIG_COLUMN] = config_varies(summary)
+    parts = []
+    for row in summary.to_dict("records"):
+        label = " ".join([*([row["source"]] if several["source"] else []), row["op"],
+                          *([row["dtype"]] if several["dtype"] else [])])
+        part = f"{label} geomean {row['geomean_vs_cublas']:.3f}"
+        bar = target_of(df, row["source"], row["bench"], "vs_cublas_geomean")
+        if bar is not None:
+            part += f" {'meets' if row['geomean_vs_cublas'] >= bar else 'misses'} the >= {bar:.2f} bar"
+        part += f", min {row['min_vs_cublas']:.3f} at {row['worst_shape']}"
+        if not pd.isna(row["below_floor"]):
+            part += f", {int(row['below_floor'])} of {row['shapes']} shapes under {row['floor']:.2f}"
+        else:
+            part += f" ({row['shapes']} shapes)"
+        if several[CONFIG_COLUMN]:
+            part += f" [{row[CONFIG_COLUMN] or 'no config'}]"
+        parts.append(part)
+    return ("kosmos against cuBLAS alone at world 1 (t_gemm_ms / time_ms, the TFLOP/s ratio; torch.matmul with no "
+            "collective, not nccl+cublas): " + "; ".join(parts) + ".")
+
+
+def host_line(df: pd.DataFrame) -> str | None:
+    """The host enqueue time per call of each implementation (per source, and dtype where several): the median
+    over its ok rows of each row's host_ms (itself the median over the row's timed calls), and the largest, in
+    microseconds; None when no row has host_ms."""
+    ok = df[(df["status"] == "ok") & df["host_ms"].notna()]
+    if ok.empty:
+        return None
+    several_sources, several_dtypes = df["source"].nunique() > 1, ok["dtype"].nunique() > 1
+    parts = []
+    for (source, dtype, impl), group in ok.groupby(["source", "dtype", "impl"], sort=False, dropna=False):
+        host_us = group["host_ms"].astype("float64") * 1e3
+        label = " ".join([*([source] if several_sources else []), impl, *([dtype] if several_dtypes else [])])
+        parts.append(f"{label} {host_us.median():.0f} (max {host_us.max():.0f})")
+    return ("Host enqueue time per call, µs (CPU time inside the implementation's call, median over its timed calls; "
+            "the median over an implementation's rows, and the largest): " + ", ".join(parts) + ".")

@@ -20,16 +20,20 @@ from rich.table import Table
 from rich.text import Text
 
 from .charts import speedup_chart, timeline_chart
-from .compact import print_compact
-from .lines import bandwidth_line, summary_lines, versus_line
+from .compact import print_compact, print_cublas_compact, print_host_compact
+from .lines import bandwidth_line, cublas_line, host_line, summary_lines, versus_line
 from .load import load_results
 from .schema import (
     BANDWIDTH_COLUMNS, CONFIG_COLUMN, ENV_COLUMNS, MX_DETAIL_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
     NUMERIC_DISPLAY_COLUMNS, RENDER_FORMATS, SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
 )
-from .tables import build_table, dtype_table, geomean_by_model_table, geomean_table, versus_table, wire_table
+from .tables import (build_table, config_varies, cublas_summary_table, cublas_table, dtype_table,
+                     geomean_by_model_table, geomean_table, host_table, versus_table, wire_table)
 
 ENVIRONMENT, RESULTS = "Environment", "Results per shape"
+CUBLAS_SECTION = ("kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms: the TFLOP/s ratio, > 1: "
+                  "kosmos faster)")
+HOST_SECTION = "Host enqueue time per call, µs (host_ms of the ok rows: median over each row's timed calls)"
 MX_SECTION = "mxfp8 / bf16: kosmos at mxfp8 against kosmos at bf16 and cuBLAS bf16 alone (time ratios, < 1: faster)"
 COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and --wide
 
@@ -38,10 +42,11 @@ COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and
 
 
 def _headline(df: pd.DataFrame) -> list[str]:
-    """The verdict lines: workspace, expert GEMMs (MoE), the geomean targets, kosmos against the fastest other."""
+    """The verdict lines: workspace, expert GEMMs (MoE), the geomean targets, kosmos against the fastest other,
+    kosmos against cuBLAS alone at world 1, the host enqueue time per call."""
     versus = versus_table(df)
-    line = versus_line(versus, df) if not versus.empty else None
-    return [*summary_lines(df), *([line] if line else [])]
+    lines = [versus_line(versus, df) if not versus.empty else None, cublas_line(df), host_line(df)]
+    return [*summary_lines(df), *(line for line in lines if line)]
 
 
 def _sections(df: pd.DataFrame):
@@ -64,6 +69,14 @@ def _sections(df: pd.DataFrame):
     versus = versus_table(df)
     if not versus.empty:
         yield "kosmos against the fastest other implementation", versus, _versus_display(versus)
+    per_shape = cublas_table(df)
+    if not per_shape.empty:
+        summary = cublas_summary_table(df, per_shape)
+        yield CUBLAS_SECTION + ": per op", summary, _summary_display(summary)
+        yield CUBLAS_SECTION + ": per shape", per_shape, _summary_display(per_shape)
+    hosts = host_table(df)
+    if not hosts.empty:
+        yield HOST_SECTION, hosts, _summary_display(hosts)
     ratios, wires = dtype_table(df), wire_table(df)
     if not ratios.empty:
         yield MX_SECTION, ratios, [c for c in ratios.columns if c not in _single_valued(ratios)]
@@ -86,8 +99,7 @@ def _config_varies(df: pd.DataFrame) -> bool:
     appended to one file, or files run with other configs side by side). The rule of ``_single_valued`` applied
     per op rather than across the table: each op has its own fields and the baselines none, so a run of one
     config per op would otherwise always show it."""
-    configs = df.dropna(subset=[CONFIG_COLUMN])
-    return bool((configs.groupby("op")[CONFIG_COLUMN].nunique() > 1).any())
+    return config_varies(df)
 
 
 def _display_columns(df: pd.DataFrame) -> list[str]:
@@ -117,6 +129,21 @@ def _versus_display(versus: pd.DataFrame) -> list[str]:
     if "routing" in versus and versus["routing"].isna().all():
         hidden.update(MOE_COLUMNS)
     return [column for column in versus.columns if column not in hidden]
+
+
+def _summary_display(table: pd.DataFrame) -> list[str]:
+    """The columns of the cuBLAS and host sections a human-readable table shows: without the source and bench when
+    single-valued, the config where it does not vary, the direction of forward-only tables, the floor columns
+    without a floor target."""
+    hidden = _single_valued(table)
+    if CONFIG_COLUMN in table and not _config_varies(table):
+        hidden.add(CONFIG_COLUMN)
+    if "direction" in table and (table["direction"].fillna("fwd") == "fwd").all():
+        hidden.add("direction")
+    for column in ("below_floor", "floor"):
+        if column in table and table[column].isna().all():
+            hidden.add(column)
+    return [column for column in table.columns if column not in hidden]
 
 
 def _speedup_style(value) -> str | None:
@@ -232,6 +259,8 @@ def print_terminal(df: pd.DataFrame, console: Console | None = None, wide: bool 
         for line in _environment_lines(environment):
             console.print(Text(line))
         print_compact(df, console)
+        print_cublas_compact(df, console)
+        print_host_compact(df, console)
         for line in _headline(df):
             console.print(Text(line))
         console.print(Text("Every column and the full reasons: kosmos report FILE --wide (or --format md, html, csv)",

@@ -73,6 +73,20 @@ DTYPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "routing", "m
 # the same bytes, in MiB, and that against the shape's bf16 bytes
 WIRE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world", "dtype", "impls",
                 "wire_mib", "wire_vs_bf16"]
+# the section "kosmos against cuBLAS alone at world 1" (tables.cublas_table): per TP shape where kosmos ran ok at
+# world 1, kosmos's time against cuBLAS alone (the row's t_gemm_ms); vs_cublas = t_gemm_ms / time_ms, the TFLOP/s
+# ratio (> 1: kosmos faster); host_us the kosmos row's host_ms in microseconds. The summary (cublas_summary_table):
+# per (source, op, dtype, config) the geomean, the worst shape (m x n x k) and the shapes under the suite's
+# vs_cublas_floor target (empty without the target)
+CUBLAS_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "dtype", CONFIG_COLUMN,
+                  "kosmos_ms", "cublas_ms", "vs_cublas", "host_us"]
+CUBLAS_SUMMARY_COLUMNS = ["source", "bench", "op", "dtype", CONFIG_COLUMN, "shapes", "geomean_vs_cublas",
+                          "min_vs_cublas", "worst_shape", "below_floor", "floor"]
+# the section "Host enqueue time per call" (tables.host_table): per (source, bench, op, dtype, direction, impl,
+# config), over the ok rows with host_ms: each row's host_ms (the median over its timed calls of the host time
+# inside the implementation's call, timing.py) in microseconds, the median, min and max over the rows
+HOST_COLUMNS = ["source", "bench", "op", "dtype", "direction", "impl", CONFIG_COLUMN, "rows", "host_us_median",
+                "host_us_min", "host_us_max"]
 FLOAT_FORMATS = {
     "time_ms": "{:.4f}", "p20_ms": "{:.4f}", "p80_ms": "{:.4f}",
     "t_gemm_ms": "{:.4f}", "t_comm_ms": "{:.4f}", "host_ms": "{:.4f}",
@@ -84,9 +98,14 @@ FLOAT_FORMATS = {
     "geomean_speedup": "{:.3f}", "geomean_overlap_efficiency": "{:.3f}",
     "kosmos_ms": "{:.4f}", "fastest_other_ms": "{:.4f}", "vs_fastest_other": "{:.3f}",
     "vs_fixed_role_best": "{:.3f}",
+    "cublas_ms": "{:.4f}", "vs_cublas": "{:.3f}", "geomean_vs_cublas": "{:.3f}", "min_vs_cublas": "{:.3f}",
+    "floor": "{:.2f}", "host_us": "{:.1f}", "host_us_median": "{:.1f}", "host_us_min": "{:.1f}",
+    "host_us_max": "{:.1f}",
 }
-SPEEDUP_COLUMNS = ("speedup", "geomean_speedup", "vs_fastest_other", "vs_fixed_role_best")
-NUMERIC_DISPLAY_COLUMNS = set(INTEGER_COLUMNS) | set(FLOAT_FORMATS) | {"ok", "failed", "unavailable"}
+SPEEDUP_COLUMNS = ("speedup", "geomean_speedup", "vs_fastest_other", "vs_fixed_role_best", "vs_cublas",
+                   "geomean_vs_cublas", "min_vs_cublas")
+NUMERIC_DISPLAY_COLUMNS = set(INTEGER_COLUMNS) | set(FLOAT_FORMATS) | {"ok", "failed", "unavailable", "shapes",
+                                                                        "below_floor", "rows"}
 MIB = 1024 * 1024
 
 

@@ -66,6 +66,17 @@ MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
   dtype, the bytes a rank sends in the collective (``wire_bytes``) in MiB, the implementations that send the same
   bytes on one line, and that against the shape's bf16 bytes.
 
+* ``cublas_table`` (section "kosmos against cuBLAS alone at world 1") -- per TP shape where kosmos ran ok at world
+  1 with a ``t_gemm_ms`` (torch.matmul on the same operands, no collective: "cuBLAS" in this project -- not
+  nccl+cublas, whose world-1 row still pays a size-1 all-gather copy): ``vs_cublas`` = t_gemm_ms / time_ms, the
+  ratio of kosmos's TFLOP/s to cuBLAS's (> 1: kosmos faster; at mxfp8 against cuBLAS bf16). ``cublas_summary_table``
+  per (source, bench, op, dtype, config): the shapes, their geomean and minimum, the worst shape ("MxNxK") and,
+  when the suite sets target ``vs_cublas_floor``, how many shapes fall under it (``below_floor``).
+* ``host_table`` (section "Host enqueue time per call") -- per (source, bench, op, dtype, direction, impl, config)
+  over the ok rows with ``host_ms`` (the median over a row's timed calls of the CPU time spent inside the
+  implementation's call, from entering it to its return, no synchronisation in between: timing.py): the rows and
+  the median, min and max of host_ms in microseconds.
+
 ``build_table`` also keeps the suite targets of each (source, bench) in ``df.attrs["targets"]`` (targets.py).
 """
 
@@ -82,9 +93,9 @@ from .schema import (
     DTYPE_BYTES, ENV_COLUMNS,
     FLOAT_COLUMNS, GEOMEAN_COLUMNS, INTEGER_COLUMNS, LAST_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
     MOE_COMPARISON_GROUP, MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS,
-    WIRE_COLUMNS, DTYPE_COLUMNS, ReportError,
+    WIRE_COLUMNS, DTYPE_COLUMNS, CUBLAS_COLUMNS, CUBLAS_SUMMARY_COLUMNS, HOST_COLUMNS, ReportError,
 )
-from .targets import table_targets
+from .targets import table_targets, target_of
 
 
 def build_table(results: list[dict]) -> pd.DataFrame:
@@ -338,3 +349,67 @@ def wire_table(df: pd.DataFrame) -> pd.DataFrame:
         records.append({**dict(zip(_DTYPE_SHAPE, shape)), "dtype": key[-2], "impls": ", ".join(impls),
                         "wire_mib": wire / 2**20, "wire_vs_bf16": wire / base if base else math.nan})
     return pd.DataFrame(records, columns=WIRE_COLUMNS)
+
+
+def config_varies(df: pd.DataFrame) -> bool:
+    """Whether some op of ``df`` holds rows of more than one config (an A/B appended to one file, or files run
+    with other configs side by side): each op has its own fields and the baselines none, so a run of one config
+    per op shows none."""
+    configs = df.dropna(subset=[CONFIG_COLUMN])
+    return bool((configs.groupby("op")[CONFIG_COLUMN].nunique() > 1).any())
+
+
+def _number_or_nan(value) -> float:
+    return float(value) if _is_number(value) else math.nan
+
+
+def cublas_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Section "kosmos against cuBLAS alone at world 1" (module docstring): a row per TP kosmos row that ran ok at
+    world 1 with a positive t_gemm_ms (forward rows)."""
+    records, identity = [], CUBLAS_COLUMNS[:CUBLAS_COLUMNS.index("kosmos_ms")]
+    for row in _forward_rows(df):
+        cublas, world = row.get("t_gemm_ms"), row.get("world")
+        if not (row["bench"] == "tp" and row["impl"] == OURS and not pd.isna(world) and int(world) == 1
+                and _has_time(row) and _is_number(cublas) and cublas > 0):
+            continue
+        host = _number_or_nan(row.get("host_ms"))
+        records.append({**{column: row.get(column) for column in identity},
+                        "kosmos_ms": row["time_ms"], "cublas_ms": cublas, "vs_cublas": cublas / row["time_ms"],
+                        "host_us": host * 1e3})
+    return pd.DataFrame(records, columns=CUBLAS_COLUMNS)
+
+
+def cublas_summary_table(df: pd.DataFrame, per_shape: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per (source, bench, op, dtype, config) of ``cublas_table(df)`` (or ``per_shape``): the shapes, the geomean
+    and minimum of vs_cublas, the worst shape, and the shapes under the suite's ``vs_cublas_floor`` (with it)."""
+    per_shape = cublas_table(df) if per_shape is None else per_shape
+    records = []
+    keys = ["source", "bench", "op", "dtype", CONFIG_COLUMN]
+    for key, group in per_shape.groupby(keys, sort=False, dropna=False):
+        source, bench = key[0], key[1]
+        worst = group.loc[group["vs_cublas"].idxmin()]
+        floor = target_of(df, source, bench, "vs_cublas_floor")
+        records.append({**dict(zip(keys, key)), "shapes": len(group), "geomean_vs_cublas": geomean(group["vs_cublas"]),
+                        "min_vs_cublas": float(worst["vs_cublas"]),
+                        "worst_shape": f"{worst['m']}x{worst['n']}x{worst['k']}",
+                        "below_floor": None if floor is None else int((group["vs_cublas"] < floor).sum()),
+                        "floor": math.nan if floor is None else float(floor)})
+    table = pd.DataFrame(records, columns=CUBLAS_SUMMARY_COLUMNS)
+    table["below_floor"] = table["below_floor"].astype("Int64")
+    table["floor"] = table["floor"].astype("float64")
+    return table
+
+
+def host_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Section "Host enqueue time per call" (module docstring): per (source, bench, op, dtype, direction, impl,
+    config), over its ok rows with host_ms, the median, min and max of host_ms in microseconds."""
+    keys = ["source", "bench", "op", "dtype", DIRECTION, "impl", CONFIG_COLUMN]
+    ok = df[(df["status"] == "ok") & df["host_ms"].notna()]
+    records = []
+    for key, group in ok.groupby(keys, sort=False, dropna=False):
+        host_us = group["host_ms"].astype("float64") * 1e3
+        records.append({**dict(zip(keys, key)), "rows": len(group), "host_us_median": float(host_us.median()),
+                        "host_us_min": float(host_us.min()), "host_us_max": float(host_us.max())})
+    impls = list(dict.fromkeys(record["impl"] for record in records))  # an implementation's lines together
+    records.sort(key=lambda record: impls.index(record["impl"]))
+    return pd.DataFrame(records, columns=HOST_COLUMNS)
