@@ -11,7 +11,7 @@
 # A/B: old, new, old, new, interleaved in one call; `python -m dev.ab_compare` prints new/old per shape and
 # the geomean. Device run: carry [".base"].
 set -u
-stage=${1:?usage: arch_session.sh tests|regs|tp|moe|final|ab9}
+stage=${1:?usage: arch_session.sh tests|regs|tp|moe|final|ab9|deq9}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1
 [ -d .base/kosmos ] || { echo "no .base/ tree (see the header)"; exit 2; }
@@ -94,5 +94,27 @@ case $stage in
     tail -5 /tmp/ab-runs.log
     PYTHONPATH=. python -m dev.ab_compare "$out"/moe-ep1-old-*.jsonl --vs "$out"/moe-ep1-new-*.jsonl
     PYTHONPATH=. python -m dev.ab_compare "$out"/tp-w1-old-*.jsonl --vs "$out"/tp-w1-new-*.jsonl ;;
+  deq9)  # session 9: the MXFP8 DEQ A/B at W=1 (kosmos mxfp8 rows, llama3-70b TP=2 per-rank GEMMs): .base (the
+         # old DEQ), .var/rows8 (8-row DEQ tasks), . (8-row tasks through TMA), two rounds interleaved;
+         # the new tree's MX GPU tests first and its registers compiled meanwhile (Triton 3.6)
+    ( PYTHONPATH=. timeout 300 python dev/kernel_resources.py --world 1,2,8 --mx --json "$out/regs-mx-new.json" \
+        > /tmp/regs-mx-new.txt 2>&1 ) &
+    PYTHONPATH=. timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/test_all_gather_matmul.py \
+      tests/test_matmul_reduce_scatter.py tests/test_quant.py -k "mx" > "$out/gpu-tests-mx.log" 2>&1
+    echo "mx gpu tests rc=$?"; tail -1 "$out/gpu-tests-mx.log"; grep -E "^(FAILED|ERROR)" "$out/gpu-tests-mx.log" | head -5
+    for round in 1 2; do
+      for tree in old rows8 tma; do
+        root=.; [ $tree = old ] && root=.base; [ $tree = rows8 ] && root=.var/rows8
+        t0=$SECONDS
+        PYTHONPATH=$root timeout 80 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
+          --impl kosmos --dtype mxfp8 --out "$out/mx-$tree-$round.jsonl" >> /tmp/deq-runs.log 2>&1
+        echo "mx $tree round $round rc=$? $((SECONDS - t0)) s"
+      done
+    done
+    wait
+    grep -E "^(all_|matmul|moe)" /tmp/regs-mx-new.txt
+    for tree in rows8 tma; do
+      PYTHONPATH=. python -m dev.ab_compare "$out"/mx-old-*.jsonl --vs "$out"/mx-$tree-*.jsonl | tail -16 | sed "s/^/$tree: /"
+    done ;;
   *) echo "unknown stage $stage: tests, tp or moe" >&2; exit 2 ;;
 esac
