@@ -56,8 +56,8 @@ case $stage in
       > /dev/null 2>&1
     grep -v "^{" "$out/bench-tp-mx.log" | tail -30 ;;
   moe-mx)  # issue 17 / 18 part 2: the MoE suite at bf16 and mxfp8 with deepep (carry [".wheels"]: the shared
-           # DeepEP wheel, ../shared/wheels/README.md). ~9 min. (No MoE trace: the MoE kernel has no trace
-           # buffer yet -- issue 17 asks for one point's timeline.)
+           # DeepEP wheel, ../shared/wheels/README.md). ~9 min. (No MoE trace: `bench moe` has no --trace option yet,
+           # though the kernel records task events -- issue 17 asks for one point's timeline.)
     python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > /dev/null 2>&1
     export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
     timeout 480 python -m kosmos_bench.cli bench moe --dtype bf16,mxfp8 --out "$out/moe-bf16-mxfp8.jsonl" \
