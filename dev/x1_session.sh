@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -91,5 +91,24 @@ for line in open(sys.argv[1]):
               f" {r.get('note') or ''}")
 EOF
     ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep" >&2; exit 2 ;;
+  s9final)  # session 9's last call (<= ~330 s): the DEQ A/B (arch_session.sh deq9; carry .base .var), then what
+            # time is left: the one-GPU EP=2 training proxy (loss agreement), the grid (partial rows are kept).
+            # Everything lands in one tarball ($OUT/s9-final.tar.gz: at most 8 files come back).
+    real_out=$out; export OUT=/tmp/s9o; out=$OUT; mkdir -p "$out"
+    bash dev/arch_session.sh deq9
+    left=$((320 - SECONDS))
+    if [ $left -gt 60 ]; then
+      KOSMOS_RANKS_ON_ONE_GPU=1 timeout 60 python -m kosmos_bench.cli bench train --model deepseek-v3 --layers 2 \
+        --seq 1024 --scale 0.125 --tp 2 --steps 10 --impl nccl-a2a,deepep,kosmos \
+        --out "$out/train-deepseek-v3-ep2-1gpu.jsonl" > "$out/bench-train-ep2.log" 2>&1; echo "train ep2 rc=$?"
+      grep -v "^{" "$out/bench-train-ep2.log" | grep -E "failed|ok|unavailable|Error" | head -6
+    fi
+    left=$((320 - SECONDS))
+    if [ $left -gt 40 ]; then
+      timeout $left python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
+        --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "grid rc=$? (limit $left s)"
+      echo "grid rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96"
+    fi
+    tar czf "$real_out/s9-final.tar.gz" -C "$out" . ; echo "tarball: $(du -k "$real_out/s9-final.tar.gz" | cut -f1) KiB" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final" >&2; exit 2 ;;
 esac
