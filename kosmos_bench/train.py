@@ -8,7 +8,7 @@ the sequence, between the parallel regions; W = ``--tp``)::
     ProxyBlock (dense, llama3 shapes: kosmos.models.dense_model)
       h = x + attn_out(SDPA_causal(split_heads(qkv(rms1(x)))))     qkv column-parallel, attn_out row-parallel
       y = h + fc2(silu(gate) * up),  gate|up = fc1(rms2(h))         fc1 column-parallel, fc2 row-parallel
-    MoEProxyBlock (deepseek-v3 / qwen3-235b shapes: kosmos.models.MOE_MODELS; one rank only, see below)
+    MoEProxyBlock (deepseek-v3 / qwen3-235b shapes: kosmos.models.MOE_MODELS; W = EP size, see below)
       h = x + attention (as above, its linears at W = 1), y = h + moe(rms2(h))   (routed experts, no shared one)
 
 The full QKV weight is [q | k | v] (heads, kv_heads, kv_heads blocks of head_dim rows), the full FC1 weight
@@ -17,34 +17,65 @@ The full QKV weight is [q | k | v] (heads, kv_heads, kv_heads blocks of head_dim
 repeating each KV head over its query heads. RMSNorm weights are replicated: their gradients are summed over the
 TP ranks after the backward (Megatron's sequence-parallel norm all-reduce), for every implementation alike.
 
-Implementations (``impl``):
-  nccl+cublas  the baseline (dense): the same layers' math with NCCL collectives + torch matmuls, the autograd
-               Functions below calling kosmos.reference (all_gather_matmul_ref / matmul_reduce_scatter_ref,
-               fp32=False): forward AG+GEMM / GEMM+RS, backward dx by GEMM+RS / AG+GEMM, dW from the re-gathered
-               activation (column) or gathered gradient (row) -- exactly what kosmos.nn's layers compute.
-  kosmos       kosmos.nn.ColumnParallelLinear / RowParallelLinear (the fused ops, forward and backward).
-  nccl-a2a     the MoE baseline: an nn.Module around kosmos.moe_reference.moe_forward_a2a(fp32=False), autograd
-               through its torch ops (at W = 1 its all-to-alls are skipped; at W > 1 dist.all_to_all_single has no
-               autograd, so it is recorded unavailable there too).
-  kosmos (MoE) kosmos.nn.MoE, whose backward exists at one rank only: unavailable at W > 1 (the row says so).
+The MoE proxy at W ranks (``--tp`` is then the EP size) trains as DeepSeek-V3 does: attention data-parallel --
+every rank its own ``batch`` sequences (the global batch W * batch), whole heads, its linears at W = 1 (a process
+group of the rank alone, ``local_group``) -- and the experts split E/W a rank over the group; every parameter but
+the experts' (attention, router, norms) is replicated and its gradient summed over the ranks after the backward
+(``replicated_params``; over gloo too, CUDA tensors included). Its sizes do not depend on W, so the proxy at W
+ranks is the proxy at one rank with batch W * batch (tests/test_bench_train.py compares the two).
+
+Implementations (``impl``; default: every one of the proxy's kind, the baseline first; one that cannot train
+here gets an "unavailable" row with the reason -- ``unavailable_reason`` -- and the run goes on):
+  nccl+cublas    the baseline (dense): the same layers' math with NCCL collectives + torch matmuls, the autograd
+                 Functions below calling kosmos.reference (all_gather_matmul_ref / matmul_reduce_scatter_ref,
+                 fp32=False): forward AG+GEMM / GEMM+RS, backward dx by GEMM+RS / AG+GEMM, dW from the re-gathered
+                 activation (column) or gathered gradient (row) -- exactly what kosmos.nn's layers compute.
+  torch-async-tp the four TP+SP linears through torch's async-TP fused ops, as the TP bench calls them
+                 (torch.ops.symm_mem.fused_all_gather_matmul(a, [W^T], gather_dim=0) /
+                 fused_matmul_reduce_scatter(a, W^T, "sum", scatter_dim=0)), in autograd Functions with Megatron's
+                 sequence-parallel backward: column dx = fused GEMM+RS of dy with W, dW = dy^T @ the gathered input
+                 (the one the forward's fused op returned, kept as torch's compiled async-TP keeps it); row: dy
+                 fused AG+GEMM with W, dW = dy_full^T @ x. Unavailable at W = 1 (nothing to overlap), at mxfp8, on
+                 the CPU and over gloo (symmetric memory needs an NCCL group of one GPU per rank). Written against
+                 torch 2.11's ops; on the CPU only its Functions' math is tested (torch's fallbacks of the ops).
+  kosmos         kosmos.nn.ColumnParallelLinear / RowParallelLinear (the fused ops, forward and backward);
+                 unavailable at W > 1 on one GPU over gloo (KOSMOS's W > 1 ops need one GPU per rank).
+  nccl-a2a       the MoE baseline: an nn.Module around ``moe_a2a_train`` -- kosmos.moe_reference.moe_forward_a2a
+                 (fp32=False, the bench's nccl-a2a) op for op, its row all-to-alls through an autograd Function
+                 (``_AllToAll``: the backward is the reverse all_to_all_single, the split sizes swapped), so it
+                 trains at any W (at W = 1 the all-to-alls are copies).
+  deepep         DeepEP V1's intranode dispatch / combine (the bench's Buffer: moe._deepep_buffer, DeepEP's
+                 recommended configs) around nccl-a2a's expert GEMMs (moe.deepep_expert_side), in autograd
+                 Functions with Megatron's DeepEP backward: dispatch's is a combine of the gradient with the same
+                 handle (topk_weights= the weights' gradient), combine's a cached-mode dispatch (handle=). The
+                 Buffer is freed after the implementation (in step). Unavailable when deep_ep does not import, at
+                 W not 2, 4 or 8 (so at W = 1) and for shapes DeepEP's kernels refuse (moe.deepep_shape_problem).
+  kosmos (MoE)   kosmos.nn.MoE, whose backward exists at one rank only: unavailable at W > 1 (the row says so).
 In the MoE proxy the attention's linears are the dense implementation of the same name's family (kosmos ->
-kosmos.nn layers, nccl-a2a -> the nccl+cublas Functions), at W = 1.
+kosmos.nn layers, nccl-a2a and deepep -> the nccl+cublas Functions), at W = 1.
+
+Ranks on one GPU (KOSMOS_RANKS_ON_ONE_GPU=1, launcher.py): every rank on cuda:0 over gloo -- for loss agreement
+of the process-based baselines (nccl-a2a, DeepEP's intranode Buffer) at W > 1 on one GPU; the times are no
+measurement, and every row says so (``extra``: {"ranks_on_one_gpu": true}, as the MoE bench marks its rows).
 
 Weights: every parameter is drawn once from ``seed`` (a CPU generator per parameter, the full unsharded tensor,
 N(0, 1/fan_in); RMSNorm weights 1) and each rank keeps its shard exactly as the kosmos layers shard it (column:
-rows of [out, in], per section as above; row: columns; MoE experts: E/W at W = 1 all of them), so every implementation starts from the
-same model.
+rows of [out, in], per section as above; row: columns; MoE experts: E/W, at W = 1 all of them; the MoE proxy's
+attention linears whole), so every implementation starts from the same model.
 
-Data (fixed, synthetic): step i's input x_i ~ N(0, 1) [seq, batch, hidden] from a generator seeded (seed, i) on
-the device, the same on every rank (each keeps its sequence chunk), and one fixed target T ~ N(0, 1) of the same
-shape; loss = mean((proxy(x_i) - T)^2) over the whole sequence (each rank's chunk summed over the ranks). AdamW
-(lr 1e-3 * min(1, 1024 / hidden) -- ``adamw_lr``: at 1e-3 a 4096-wide proxy diverges --, betas (0.9, 0.95), weight decay 0.01, fp32 moments over the bf16 parameters: torch's AdamW). The
-recorded loss of step i is the loss of the forward of step i (before that step's update).
+Data (fixed, synthetic): step i's input x_i ~ N(0, 1) [seq, global batch, hidden] from a generator seeded
+(seed, i) on the device, the same on every rank (each keeps its part: dense its sequence chunk, MoE its
+sequences), and one fixed target T ~ N(0, 1) of the same shape; loss = mean((proxy(x_i) - T)^2) over the whole
+global batch (each rank's part summed over the ranks). AdamW (lr 1e-3 * min(1, 1024 / hidden) -- ``adamw_lr``:
+at 1e-3 a 4096-wide proxy diverges --, betas (0.9, 0.95), weight decay 0.01, fp32 moments over the bf16
+parameters: torch's AdamW). The recorded loss of step i is the loss of the forward of step i (before that step's
+update).
 
-Step: forward, backward, the norm-gradient all-reduce, AdamW step, zero_grad. ``warmup`` steps (default 3) are
-run and not recorded, then ``steps`` (default 20) timed: CUDA events around each step on the GPU, max over
-ranks (perf_counter on the CPU). Every implementation restarts from the initial weights and the same data, so
-the warm-up steps are part of every implementation's run: the recorded losses are steps warmup..warmup+steps-1.
+Step: forward, backward, the replicated parameters' gradient all-reduce, AdamW step, zero_grad. ``warmup`` steps
+(default 3) are run and not recorded, then ``steps`` (default 20) timed: CUDA events around each step on the
+GPU, max over ranks (perf_counter on the CPU). Every implementation restarts from the initial weights and the
+same data, so the warm-up steps are part of every implementation's run: the recorded losses are steps
+warmup..warmup+steps-1.
 
 Agreement (``LOSS_RTOL``): every step's loss of an implementation within 2e-2 relative of the baseline's
 (|l - l_base| <= 2e-2 * |l_base|; covers the final loss): bf16 activations and weights, with fp32
@@ -63,10 +94,12 @@ shrink hidden, ffn (rounded to a multiple of 32 * W, at least that), heads and k
 multiple of kv_heads) for a quick run; head_dim stays unless ``head_dim`` is given. MoE: hidden and expert_ffn
 scaled, the expert count, top_k and the router kept.
 
-Rows (SCHEMA.md, "train"): one per implementation after the env line (environment.environment(bench="train")).
+Rows (SCHEMA.md, "train"): one per implementation after the env line (environment.environment(bench="train")),
+each with ``extra`` (a dict: ``ranks_on_one_gpu`` when so); ``world`` is the TP size (MoE: the EP size).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import statistics
@@ -81,8 +114,8 @@ import torch.nn.functional as F
 from kosmos import quant, reference
 from kosmos.models import DENSE_MODELS, MOE_MODELS, dense_model
 
-DENSE_IMPLS = ("nccl+cublas", "kosmos")
-MOE_IMPLS = ("nccl-a2a", "kosmos")
+DENSE_IMPLS = ("nccl+cublas", "torch-async-tp", "kosmos")
+MOE_IMPLS = ("nccl-a2a", "deepep", "kosmos")
 BASELINE = {"dense": "nccl+cublas", "moe": "nccl-a2a"}
 DTYPES = ("bf16", "mxfp8")
 LOSS_RTOL = 2e-2
@@ -152,15 +185,21 @@ def proxy_shape(model: str = DEFAULT_MODEL, *, layers: int = DEFAULT_LAYERS, seq
     scale = 1.0 if scale is None else float(scale)
     if not 0 < scale <= 1:
         raise ValueError(f"scale={scale} must be in (0, 1]")
-    if seq % tp:
+    moe = model in MOE_MODELS
+    if moe and m.experts % tp:
+        raise ValueError(f"{model}: its {m.experts} experts do not split evenly over {tp} ranks")
+    # the MoE proxy's attention is data-parallel (every rank whole heads on its own sequences) and its experts are
+    # split over the ranks: only the dense proxy's sizes depend on the TP size
+    sp = 1 if moe else tp
+    if seq % sp:
         raise ValueError(f"seq={seq} must divide by tp={tp} (sequence parallelism splits the tokens)")
-    q = 32 * tp
+    q = 32 * sp
     h = hidden if hidden is not None else (base_hidden if scale == 1 else _round_to(base_hidden * scale, q))
     f = base_ffn if scale == 1 else _round_to(base_ffn * scale, q)
-    kv_s = max(tp, int(round(kv * scale)))
+    kv_s = max(sp, int(round(kv * scale)))
     heads_s = max(kv_s, int(round(heads * scale)) // kv_s * kv_s)
     for what, v in (("heads", heads_s), ("kv_heads", kv_s), ("ffn", f)):
-        if v % tp:
+        if v % sp:
             raise ValueError(f"{model}: {what}={v} does not divide by tp={tp}")
     common = dict(model=model, hidden=h, ffn=f, heads=heads_s, kv_heads=kv_s, head_dim=head_dim or hd,
                   layers=layers, seq=seq, batch=batch, scale=scale)
@@ -225,6 +264,88 @@ class _MatmulRSRef(torch.autograd.Function):
         return da, db, None
 
 
+# --------------------------------------------------------------------------- torch async-TP's layers
+
+
+def _symm_ops():
+    """torch.ops.symm_mem (the async-TP fused ops); tests substitute torch's own fallbacks (CPU, gloo)."""
+    return torch.ops.symm_mem
+
+
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+class _AGMatmulAsyncTP(torch.autograd.Function):
+    """c = allgather(a_shard) @ b by torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0, as the TP bench
+    calls it). Backward, Megatron's sequence-parallel column layer: da = reduce_scatter(dc @ b^T) by
+    fused_matmul_reduce_scatter, db = a_full^T @ dc on the gathered input the forward's fused op returned (kept,
+    as torch's compiled async-TP keeps its all-gather's output for the backward: no re-gather)."""
+
+    @staticmethod
+    def forward(ctx, a_shard, b, group=None):
+        name = _group_name(group)
+        a_full, (c,) = _symm_ops().fused_all_gather_matmul(a_shard.contiguous(), [b], gather_dim=0, group_name=name)
+        ctx.save_for_backward(a_full, b)
+        ctx.group_name = name
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        a_full, b = ctx.saved_tensors
+        dc = dc.contiguous()
+        da = _symm_ops().fused_matmul_reduce_scatter(dc, b.t(), "sum", scatter_dim=0,
+                                                   group_name=ctx.group_name)
+        db = a_full.t() @ dc if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class _MatmulRSAsyncTP(torch.autograd.Function):
+    """c_shard = reduce_scatter(a @ b) by torch.ops.symm_mem.fused_matmul_reduce_scatter ("sum", scatter_dim 0).
+    Backward, Megatron's sequence-parallel row layer: (dc_full, da) = allgather(dc_shard), allgather(dc_shard) @
+    b^T by fused_all_gather_matmul, db = a^T @ dc_full."""
+
+    @staticmethod
+    def forward(ctx, a, b, group=None):
+        name = _group_name(group)
+        ctx.save_for_backward(a, b)
+        ctx.group_name = name
+        return _symm_ops().fused_matmul_reduce_scatter(a.contiguous(), b, "sum", scatter_dim=0, group_name=name)
+
+    @staticmethod
+    def backward(ctx, dc_shard):
+        a, b = ctx.saved_tensors
+        dc_full, (da,) = _symm_ops().fused_all_gather_matmul(dc_shard.contiguous(), [b.t()], gather_dim=0,
+                                                             group_name=ctx.group_name)
+        db = a.t() @ dc_full if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+def async_tp_problem(world: int, dtype: str = "bf16", device="cpu", backend: str | None = None) -> str | None:
+    """Why torch-async-tp cannot train here (None: it can): W = 1 (nothing to overlap), mxfp8, a CPU run or a
+    group other than NCCL (symmetric memory needs one GPU per rank: not gloo, not every rank on one GPU), or a
+    torch without the fused ops."""
+    if world == 1:
+        return ("torch async-TP at W = 1: there is nothing to overlap (no all-gather or reduce-scatter to fuse with "
+                "the GEMMs); it needs >= 2 ranks")
+    if dtype != "bf16":
+        return "no MXFP8 path in torch async-TP"
+    if torch.device(device).type != "cuda" or backend != "nccl":
+        where = "the CPU" if torch.device(device).type != "cuda" else f"a {backend} group"
+        return ("torch async-TP's fused ops need symmetric memory over an NCCL group of one GPU per rank; this run "
+                f"is on {where}")
+    try:
+        importlib.import_module("torch.distributed._symmetric_memory")  # defines the torch.ops.symm_mem ops
+    except Exception as e:
+        return f"torch {torch.__version__}: torch.distributed._symmetric_memory does not import ({e})"
+    ops = getattr(torch.ops, "symm_mem", None)
+    missing = [n for n in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
+               if ops is None or not hasattr(ops, n)]
+    if missing:
+        return f"torch {torch.__version__} has no torch.ops.symm_mem.{' / '.join(missing)}"
+    return None
+
+
 class _StraightThrough(torch.autograd.Function):
     """q in the forward, the gradient passed to x unchanged (the MX layers' contract)."""
 
@@ -245,6 +366,8 @@ class _RefParallelLinear(torch.nn.Module):
     """The baseline's column / row parallel linear: kosmos.nn's layer math (same weight layout and sharding) with
     NCCL + torch matmuls; ``precision`` "mxfp8" quantizes x and W as the kosmos layer does."""
 
+    ag_matmul, matmul_rs = _AGMatmulRef, _MatmulRSRef  # the forward's collectives + GEMMs and their backward
+
     def __init__(self, in_features, out_features, *, shard_out: bool, group=None, device=None,
                  dtype=torch.bfloat16):
         super().__init__()
@@ -263,29 +386,95 @@ class _RefParallelLinear(torch.nn.Module):
             a = _mx_act(a)
             wt = _StraightThrough.apply(self.weight, quant.mx_round(self.weight.detach())).t()
         if self.shard_out:
-            y = _AGMatmulRef.apply(a, wt, self.group)
+            y = self.ag_matmul.apply(a, wt, self.group)
             return y.view((x.shape[0] * w,) + tuple(x.shape[1:-1]) + (self.weight.shape[0],))
-        y = _MatmulRSRef.apply(a, wt, self.group)
+        y = self.matmul_rs.apply(a, wt, self.group)
         return y.view((x.shape[0] // w,) + tuple(x.shape[1:-1]) + (self.out_features,))
+
+
+class _AsyncTPParallelLinear(_RefParallelLinear):
+    """The torch-async-tp column / row parallel linear: the same weight layout and math, the forward by torch's
+    fused async-TP ops, the backward Megatron's (_AGMatmulAsyncTP / _MatmulRSAsyncTP). bf16 only."""
+    ag_matmul, matmul_rs = _AGMatmulAsyncTP, _MatmulRSAsyncTP
 
 
 def make_linear(family: str, column: bool, in_features: int, out_features: int, *, group=None, device=None,
                 dtype="bf16"):
-    """A column (``column``) or row parallel linear of ``family`` ("kosmos" or "nccl+cublas")."""
+    """A column (``column``) or row parallel linear of ``family`` ("kosmos", "nccl+cublas" or
+    "torch-async-tp")."""
     layer_dtype = torch.bfloat16 if dtype == "bf16" else dtype
     if family == "kosmos":
         import kosmos.nn as knn
         cls = knn.ColumnParallelLinear if column else knn.RowParallelLinear
         return cls(in_features, out_features, group=group, device=device, dtype=layer_dtype)
-    if family == "nccl+cublas":
-        return _RefParallelLinear(in_features, out_features, shard_out=column, group=group, device=device,
-                                  dtype=layer_dtype)
+    if family in ("nccl+cublas", "torch-async-tp"):
+        cls = _RefParallelLinear if family == "nccl+cublas" else _AsyncTPParallelLinear
+        return cls(in_features, out_features, shard_out=column, group=group, device=device, dtype=layer_dtype)
     raise ValueError(f"unknown linear family {family!r}")
 
 
+class _AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single with autograd: rows [sum(in_splits), ...] -> [sum(out_splits), ...]; the backward is
+    the reverse all-to-all of the gradient, the split sizes swapped (every row goes back where it came from)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group=None):
+        ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        dx = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
+        dist.all_to_all_single(dx, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return dx, None, None, None
+
+
+def moe_a2a_train(x, router_weight, w13, w2, *, top_k: int, routing: str = "softmax", group=None, **route_kw):
+    """moe_reference.moe_forward_a2a(fp32=False) -- the bench's nccl-a2a layer, op for op (route, permute by
+    expert, the counts' all-to-all and the one host sync, the rows' all-to-all, regroup by local expert,
+    _experts_forward's grouped GEMMs, the all-to-all back, unpermute, the bmm fold) -- with the two row
+    all-to-alls through ``_AllToAll``, so that autograd runs through it at any W (the counts' exchange carries no
+    gradient). At W = 1 the all-to-alls are the copies moe_forward_a2a makes. tests/test_bench_train.py checks
+    that the forward is bitwise moe_forward_a2a's."""
+    from kosmos.moe_reference import _experts_forward, route
+    world = _world(group)
+    local = w13.shape[0]
+    n_tokens, hidden = x.shape
+    weights, experts = route(x, router_weight, top_k, routing, **route_kw)
+    flat_expert = experts.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    rows = x.index_select(0, order // top_k)
+    per_expert = torch.bincount(flat_expert, minlength=local * world)
+    send = per_expert.view(world, local)
+    recv = torch.empty_like(send)
+    if world > 1:
+        dist.all_to_all_single(recv, send, group=group)
+    else:
+        recv.copy_(send)
+    send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
+    got = _AllToAll.apply(rows, recv_splits, send_splits, group) if world > 1 else rows.clone()
+    chunk_expert = torch.arange(local, device=x.device).repeat(world)
+    src_expert = torch.repeat_interleave(chunk_expert, recv.reshape(-1).to(x.device), output_size=got.shape[0])
+    by_expert = torch.argsort(src_expert, stable=True)
+    out_sorted = _experts_forward(got.index_select(0, by_expert), recv.sum(0), w13, w2, False)
+    if got.shape[0] == 0 and got.requires_grad:  # nothing received: still a graph through both all-to-alls,
+        out_sorted = out_sorted + got.sum()      # so that this rank joins its peers' backward all-to-alls
+    out = torch.empty_like(out_sorted)
+    out.index_copy_(0, by_expert, out_sorted)
+    back = _AllToAll.apply(out, send_splits, recv_splits, group) if world > 1 else out.clone()
+    pair_out = torch.empty_like(back)
+    pair_out.index_copy_(0, order, back)
+    pair_out = pair_out.view(n_tokens, top_k, hidden)
+    return torch.bmm(weights.to(x.dtype).unsqueeze(1), pair_out).squeeze(1)
+
+
 class A2AMoE(torch.nn.Module):
-    """The nccl-a2a MoE baseline with autograd: moe_reference.moe_forward_a2a(fp32=False) on parameters laid out
-    as kosmos.nn.MoE's (router [E, H], w13 [E/W, H, 2F], w2 [E/W, F, H])."""
+    """The nccl-a2a MoE baseline with autograd at any W: ``moe_a2a_train`` (moe_reference.moe_forward_a2a(fp32=False)
+    with differentiable all-to-alls) on parameters laid out as kosmos.nn.MoE's (router [E, H], w13 [E/W, H, 2F],
+    w2 [E/W, F, H])."""
 
     def __init__(self, hidden, expert_ffn, experts, top_k, *, routing="softmax", group=None, device=None,
                  **route_kw):
@@ -293,19 +482,116 @@ class A2AMoE(torch.nn.Module):
         local = experts // _world(group)
         kw = dict(device=device, dtype=torch.bfloat16)
         self.group, self.top_k, self.routing, self.route_kw = group, top_k, routing, route_kw
+        self.experts = experts
         self.router_weight = torch.nn.Parameter(torch.empty(experts, hidden, **kw))
         self.w13 = torch.nn.Parameter(torch.empty(local, hidden, 2 * expert_ffn, **kw))
         self.w2 = torch.nn.Parameter(torch.empty(local, expert_ffn, hidden, **kw))
         self.bias = (torch.nn.Parameter(torch.zeros(experts, device=device, dtype=torch.float32), requires_grad=False)
                      if routing == "sigmoid-grouped" else None)
 
-    def forward(self, x):
-        from kosmos.moe_reference import moe_forward_a2a
+    def _route_kw(self) -> dict:
         kw = dict(self.route_kw)
         if self.bias is not None:
             kw["bias"] = self.bias
-        return moe_forward_a2a(x, self.router_weight, self.w13, self.w2, top_k=self.top_k, routing=self.routing,
-                               group=self.group, fp32=False, **kw)
+        return kw
+
+    def forward(self, x):
+        return moe_a2a_train(x, self.router_weight, self.w13, self.w2, top_k=self.top_k, routing=self.routing,
+                             group=self.group, **self._route_kw())
+
+
+class _DeepEPState:
+    """What a DeepEP dispatch leaves for its combine and both backwards: the Buffer, its configs, the handle,
+    the received top-k indices (local, -1 elsewhere) and rows per local expert."""
+
+    def __init__(self, buf, dispatch_config, combine_config):
+        self.buf, self.dispatch_config, self.combine_config = buf, dispatch_config, combine_config
+        self.handle = self.recv_idx = self.counts = None
+
+
+class _DeepEPDispatch(torch.autograd.Function):
+    """DeepEP V1 intranode dispatch (``Buffer.dispatch`` with the layout of ``get_dispatch_layout``): (x [T, H]
+    bf16, topk_weights [T, k] fp32) -> (recv_x [R, H], recv_topk_weights [R, k]); the handle, recv_topk_idx and
+    the per-expert counts go to ``state``. Backward as Megatron's DeepEP dispatcher (fused_a2a.FusedDispatch):
+    ``Buffer.combine`` of the gradient with the same handle, ``topk_weights=`` the weights' gradient (combine
+    sums a received token's rows and its top-k weights over the ranks it went to: each slot is live on one
+    rank, 0 elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, layout, state):
+        per_rank, per_rdma_rank, per_expert, in_rank = layout
+        recv_x, recv_idx, recv_w, counts, handle, _ = state.buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+            config=state.dispatch_config)
+        state.handle, state.recv_idx, state.counts = handle, recv_idx, list(counts)
+        ctx.state = state
+        return recv_x, recv_w
+
+    @staticmethod
+    def backward(ctx, d_recv_x, d_recv_w):
+        st = ctx.state
+        dx, dw, _ = st.buf.combine(d_recv_x.contiguous(), st.handle, topk_weights=d_recv_w.float().contiguous(),
+                                   config=st.combine_config)
+        return dx, dw, None, None, None
+
+
+class _DeepEPCombine(torch.autograd.Function):
+    """DeepEP V1 intranode combine (``Buffer.combine(partial, handle)``: every received row's partial summed back
+    on its token's rank, bf16). Backward as Megatron's (fused_a2a.FusedCombine): ``Buffer.dispatch`` of the
+    gradient in cached mode (``handle=`` the dispatch's: the layout reused, no top-k)."""
+
+    @staticmethod
+    def forward(ctx, partial, state):
+        y, _, _ = state.buf.combine(partial.contiguous(), state.handle, config=state.combine_config)
+        ctx.state = state
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        st = ctx.state
+        d_partial = st.buf.dispatch(dy.contiguous(), handle=st.handle, config=st.dispatch_config)[0]
+        return d_partial, None
+
+
+class DeepEPMoE(A2AMoE):
+    """The deepep MoE baseline with autograd: the router nccl-a2a runs, DeepEP V1's intranode dispatch ->
+    moe.deepep_expert_side (the same _experts_forward grouped GEMMs as nccl-a2a, the gate-weighted sum of a
+    received token's local slots) -> DeepEP's combine; both through autograd Functions (_DeepEPDispatch,
+    _DeepEPCombine). The Buffer: the bench's (moe._deepep_buffer: DeepEP's recommended configs and sizing, on
+    the world group), freed by run_train after the implementation (moe.deepep_release, in step). The same
+    parameters (names, order, layout) as A2AMoE, so the same weights."""
+
+    def forward(self, x):
+        import deep_ep
+
+        from kosmos.moe_reference import route
+
+        from . import moe
+        world = _world(self.group)
+        weights, experts = route(x, self.router_weight, self.top_k, self.routing, **self._route_kw())
+        topk_idx = experts.to(deep_ep.topk_idx_t).contiguous()
+        buf, (dispatch_cfg, combine_cfg) = moe._deepep_buffer(deep_ep, world, x.shape[1] * max(x.element_size(), 2))
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, self.experts)
+        state = _DeepEPState(buf, dispatch_cfg, combine_cfg)
+        recv_x, recv_w = _DeepEPDispatch.apply(x.contiguous(), weights.float().contiguous(), topk_idx,
+                                               (per_rank, per_rdma_rank, per_expert, in_rank), state)
+        part = moe.deepep_expert_side(recv_x, state.recv_idx, recv_w, state.counts, self.w13, self.w2,
+                                      self.w13.shape[0])
+        return _DeepEPCombine.apply(part, state)
+
+
+def deepep_problem(shape: "ProxyShape", world: int) -> str | None:
+    """Why the deepep baseline cannot train ``shape`` at ``world`` ranks (None: it can): deep_ep not importable,
+    W not 2, 4 or 8 (so never at W = 1), or a shape DeepEP's intranode kernels refuse (moe.py)."""
+    from types import SimpleNamespace
+
+    from . import moe
+    ok, why = moe.deepep_available(world)
+    if not ok:
+        return why
+    return moe.deepep_shape_problem(SimpleNamespace(hidden=shape.hidden, experts=shape.experts, top_k=shape.top_k),
+                                    world)
 
 
 # --------------------------------------------------------------------------- the proxy
@@ -352,9 +638,13 @@ class ProxyBlock(torch.nn.Module):
 
 
 class Proxy(torch.nn.Module):
-    def __init__(self, blocks):
+    """``blocks`` in sequence. ``data_parallel``: the MoE proxy at W > 1 (attention, router and norms replicated,
+    each rank on its own sequences: every replicated parameter's gradient is summed over the ranks)."""
+
+    def __init__(self, blocks, data_parallel: bool = False):
         super().__init__()
         self.blocks = torch.nn.ModuleList(blocks)
+        self.data_parallel = data_parallel
 
     def forward(self, x):
         for block in self.blocks:
@@ -362,20 +652,68 @@ class Proxy(torch.nn.Module):
         return x
 
 
+_LOCAL_GROUPS = {}
+
+
+def local_group(group=None):
+    """A process group of this rank alone (the MoE proxy's data-parallel attention runs its linears at W = 1):
+    ``dist.new_group([r], backend="gloo")`` for every rank r of ``group`` (collective: every rank makes all of
+    them, in the same order), made once per group; None without a process group. Its linears make no collective
+    call (W = 1: kosmos.reference copies and multiplies), so gloo serves CUDA tensors too and no NCCL
+    communicator is split off for it."""
+    if _world(group) == 1:
+        return group
+    key = id(group)
+    if key not in _LOCAL_GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        mine = None
+        for r in ranks:
+            g = dist.new_group([r], backend="gloo")
+            if r == dist.get_rank():
+                mine = g
+        _LOCAL_GROUPS[key] = mine
+    return _LOCAL_GROUPS[key]
+
+
+def _backend(group=None) -> str | None:
+    return dist.get_backend(group) if dist.is_initialized() and _world(group) > 1 else None
+
+
+def unavailable_reason(shape: ProxyShape, impl: str, world: int, dtype: str = "bf16", *, device="cpu",
+                       backend: str | None = None) -> str | None:
+    """Why ``impl`` cannot train ``shape`` at ``world`` ranks (None: it can); ``backend``: the group's ("nccl",
+    "gloo"; None at W = 1). On a GPU over gloo (KOSMOS_RANKS_ON_ONE_GPU: every rank on one GPU) KOSMOS's and
+    torch async-TP's W > 1 ops cannot run (they need one GPU per rank); the baselines and DeepEP can."""
+    cuda = torch.device(device).type == "cuda"
+    one_gpu = "every rank on one GPU over gloo" if backend == "gloo" else f"a {backend} group"
+    if shape.kind == "moe":
+        if dtype != "bf16":
+            return "the MoE proxy trains in bf16 only (kosmos.nn.MoE trains in bf16 only)"
+        if impl == "kosmos" and world > 1:
+            return "kosmos.nn.MoE's backward runs at one rank only (the EP backward is future work)"
+        if impl == "deepep":
+            return deepep_problem(shape, world)
+        return None
+    if impl == "torch-async-tp":
+        return async_tp_problem(world, dtype, device, backend)
+    if impl == "kosmos" and world > 1 and cuda and backend != "nccl":
+        return f"KOSMOS's fused ops at W > 1 need one GPU per rank over NCCL (symmetric memory); here {one_gpu}"
+    return None
+
+
 def build_proxy(shape: ProxyShape, impl: str, *, group=None, device="cpu", dtype="bf16", seed: int = 0,
                 rank: int = 0) -> Proxy:
     """The proxy of ``impl`` with the weights of ``seed`` (this rank's shards); raises Unavailable for what
-    cannot train here."""
+    cannot train here (``unavailable_reason``)."""
     w = _world(group)
+    known = MOE_IMPLS if shape.kind == "moe" else DENSE_IMPLS
+    if impl not in known:
+        raise ValueError(f"unknown {shape.kind} proxy implementation {impl!r}; choose from {', '.join(known)}")
+    local = local_group(group) if shape.kind == "moe" else group  # collective at W > 1: before any refusal
+    why = unavailable_reason(shape, impl, w, dtype, device=device, backend=_backend(group))
+    if why:
+        raise Unavailable(why)
     if shape.kind == "moe":
-        if impl not in MOE_IMPLS:
-            raise ValueError(f"unknown MoE proxy implementation {impl!r}; choose from {', '.join(MOE_IMPLS)}")
-        if w > 1:
-            raise Unavailable("kosmos.nn.MoE's backward runs at one rank only (the EP backward is future work)"
-                              if impl == "kosmos" else
-                              "moe_forward_a2a's all_to_all_single has no autograd at W > 1")
-        if dtype != "bf16":
-            raise Unavailable("kosmos.nn.MoE trains in bf16 only")
         family = "kosmos" if impl == "kosmos" else "nccl+cublas"
         blocks = []
         for _ in range(shape.layers):
@@ -384,22 +722,39 @@ def build_proxy(shape: ProxyShape, impl: str, *, group=None, device="cpu", dtype
                 mlp = knn.MoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, routing=shape.routing,
                               group=group, device=device, **shape.route_kw)
             else:
-                mlp = A2AMoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, routing=shape.routing, group=group,
-                             device=device, **shape.route_kw)
-            blocks.append(ProxyBlock(shape, family, group=group, device=device, dtype=dtype, mlp=mlp))
+                cls = DeepEPMoE if impl == "deepep" else A2AMoE
+                mlp = cls(shape.hidden, shape.ffn, shape.experts, shape.top_k, routing=shape.routing, group=group,
+                          device=device, **shape.route_kw)
+            # attention data-parallel: its linears at W = 1 (a group of this rank alone), the experts over group
+            blocks.append(ProxyBlock(shape, family, group=local, device=device, dtype=dtype, mlp=mlp))
     else:
-        if impl not in DENSE_IMPLS:
-            raise ValueError(f"unknown dense proxy implementation {impl!r}; choose from {', '.join(DENSE_IMPLS)}")
+        if impl == "torch-async-tp" and torch.device(device).type == "cuda":
+            import warnings
+
+            import torch.distributed._symmetric_memory as symm_mem
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # as the TP bench (deprecated, a no-op, in newer torch)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm_mem.enable_symm_mem_for_group(_group_name(group))
         blocks = [ProxyBlock(shape, impl, group=group, device=device, dtype=dtype) for _ in range(shape.layers)]
-    proxy = Proxy(blocks)
+    proxy = Proxy(blocks, data_parallel=shape.kind == "moe" and w > 1)
     init_weights(proxy, seed, rank, w)
     return proxy
+
+
+def _shard_of(owner, rank: int, world: int) -> tuple[int, int]:
+    """(rank, world) of the parameters of module ``owner``: its own group's (a linear of the MoE proxy's
+    data-parallel attention: (0, 1)), else this process's."""
+    ow = _world(getattr(owner, "group", None))
+    return (rank, world) if ow == world else (0, ow)
 
 
 def init_weights(proxy: Proxy, seed: int, rank: int, world: int) -> None:
     """Every parameter from ``seed`` (module docstring): the full tensor drawn on the CPU, this rank's shard kept.
     Column layers: rows (chunk r of dim 0); row layers: columns (chunk r of dim 1); MoE experts: chunk r of dim 0;
-    router and norms replicated."""
+    router and norms replicated (and the MoE proxy's attention linears at W > 1: their group is this rank
+    alone)."""
+    full_world, full_rank = world, rank
     with torch.no_grad():
         for index, (name, p) in enumerate(proxy.named_parameters()):
             if name.endswith("norm1.weight") or name.endswith("norm2.weight"):
@@ -410,6 +765,7 @@ def init_weights(proxy: Proxy, seed: int, rank: int, world: int) -> None:
                 continue
             g = torch.Generator().manual_seed(seed * 1_000_003 + index)
             owner = proxy.get_submodule(name.rsplit(".", 1)[0])
+            rank, world = _shard_of(owner, full_rank, full_world)
             if name.endswith("router_weight"):
                 full, dim = torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]), None
             elif name.endswith("w13") or name.endswith("w2"):
@@ -440,7 +796,11 @@ def _column_sections(proxy: Proxy, name: str):
 
 
 def replicated_params(proxy: Proxy):
-    """The parameters every TP rank holds whole whose gradients come from its own sequence chunk (the norms)."""
+    """The parameters every rank holds whole whose gradients come from its own tokens, summed over the ranks after
+    the backward: the dense proxy's norms (each rank its sequence chunk); the MoE proxy's at W > 1 every parameter
+    but the experts' (data-parallel attention, router and norms: each rank its own sequences)."""
+    if getattr(proxy, "data_parallel", False):
+        return [p for n, p in proxy.named_parameters() if p.requires_grad and not n.endswith((".w13", ".w2"))]
     return [p for n, p in proxy.named_parameters() if "norm" in n]
 
 
@@ -455,20 +815,32 @@ class TrainSettings:
     dtype: str = "bf16"
     seed: int = 0
     loss_rtol: float = LOSS_RTOL
+    extra: dict = field(default_factory=dict)  # every row's ``extra`` (e.g. ranks_on_one_gpu)
+
+
+def global_batch(shape: ProxyShape, world: int) -> int:
+    """Sequences per step over all ranks: ``batch`` (dense: TP+SP, every rank a chunk of the same sequences), or
+    ``batch`` per rank (MoE: data-parallel attention, every rank its own ``batch`` sequences)."""
+    return shape.batch * (world if shape.kind == "moe" else 1)
+
+
+def _rank_part(t, shape: ProxyShape, rank: int, world: int):
+    """This rank's part of a [seq, global batch, hidden] tensor: dense its sequence chunk, MoE its sequences."""
+    return t.chunk(world, 1 if shape.kind == "moe" else 0)[rank]
 
 
 def step_input(shape: ProxyShape, step: int, seed: int, device, rank: int, world: int):
-    """Step ``step``'s input: x ~ N(0, 1) [seq, batch, hidden] (seeded (seed, step), the same on every rank),
-    this rank's sequence chunk, bf16."""
+    """Step ``step``'s input: x ~ N(0, 1) [seq, global batch, hidden] (seeded (seed, step), the same on every
+    rank), this rank's part (``_rank_part``), bf16."""
     g = torch.Generator(device=device).manual_seed(seed * 7919 + 1 + step)
-    x = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g, device=device)
-    return x.chunk(world, 0)[rank].to(torch.bfloat16).contiguous()
+    x = torch.randn(shape.seq, global_batch(shape, world), shape.hidden, generator=g, device=device)
+    return _rank_part(x, shape, rank, world).to(torch.bfloat16).contiguous()
 
 
 def fixed_target(shape: ProxyShape, seed: int, device, rank: int, world: int):
     g = torch.Generator(device=device).manual_seed(seed * 7919 + 104729)
-    t = torch.randn(shape.seq, shape.batch, shape.hidden, generator=g, device=device)
-    return t.chunk(world, 0)[rank].contiguous()
+    t = torch.randn(shape.seq, global_batch(shape, world), shape.hidden, generator=g, device=device)
+    return _rank_part(t, shape, rank, world).contiguous()
 
 
 def _sum_over_ranks(t, group=None):
@@ -486,7 +858,7 @@ def train_losses(proxy: Proxy, shape: ProxyShape, st: TrainSettings, device, *, 
                  timed: bool = True):
     """Run ``st.warmup + st.steps`` steps of ``proxy``; returns (losses of the timed steps, step times in ms)."""
     world = _world(group)
-    n_total = shape.seq * shape.batch * shape.hidden
+    n_total = shape.seq * global_batch(shape, world) * shape.hidden
     target = fixed_target(shape, st.seed, device, rank, world)
     opt = torch.optim.AdamW(proxy.parameters(), **{**ADAMW, "lr": adamw_lr(shape.hidden)})
     shared = replicated_params(proxy)
@@ -505,6 +877,8 @@ def train_losses(proxy: Proxy, shape: ProxyShape, st: TrainSettings, device, *, 
         local = ((y.float() - target) ** 2).sum() / n_total
         local.backward()
         for p in shared:
+            if p.grad is None and world > 1:  # every rank joins every all-reduce (a rank without a path: zeros)
+                p.grad = torch.zeros_like(p)
             if p.grad is not None:
                 _sum_over_ranks(p.grad, group)
         opt.step()
@@ -584,12 +958,14 @@ def run_train(shape: ProxyShape, st: TrainSettings, device="cpu", *, group=None,
     tokens_per_gpu = shape.seq * shape.batch / (world if shape.kind == "dense" else 1)
     rows, base_losses = [], None
     cuda = torch.device(device).type == "cuda"
+    if shape.kind == "moe":
+        local_group(group)  # collective (new_group): every rank here, before any implementation
     for name in impls:
         row = identity(shape, world, st.dtype)
         row.update(impl=name, baseline=name == base_name, steps=st.steps, warmup=st.warmup, status="ok", reason=None,
                    step_ms=None, step_p20_ms=None, step_p80_ms=None, step_times_ms=None, tokens_per_s=None,
                    peak_mem_bytes=None, losses=None, final_loss=None, loss_rtol=st.loss_rtol,
-                   loss_max_rel_diff=None)
+                   loss_max_rel_diff=None, extra=dict(st.extra))
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -608,6 +984,9 @@ def run_train(shape: ProxyShape, st: TrainSettings, device="cpu", *, group=None,
             traceback.print_exc()
             ok, why = False, _error_reason(e)
         ok, why = _agree(ok, why, group)
+        if name == "deepep":  # DeepEP's Buffer freed in step (its destroy is a barrier): only when every rank is ok
+            from . import moe
+            moe.deepep_release(destroy=ok)
         if not ok:
             row["status"] = "unavailable" if why.startswith("unavailable: ") else "failed"
             row["reason"] = why.replace("unavailable: ", "", 1) if row["status"] == "unavailable" else why
@@ -653,6 +1032,9 @@ def train_rank(rank: int, world: int, shape_kw: dict, st_kw: dict, out: str, arg
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     shape = proxy_shape(tp=world, **shape_kw)
     st = TrainSettings(**st_kw)
+    from .launcher import ranks_on_one_gpu
+    if not cpu and world > 1 and ranks_on_one_gpu():  # every rank on cuda:0 over gloo: loss agreement only
+        st.extra = {**st.extra, "ranks_on_one_gpu": True}
     env = environment(argv=argv, bench="train")
     f = open(out, "a") if rank == 0 else None
 
@@ -682,8 +1064,12 @@ def bench_train(
 ):
     """Train the end-to-end proxy (kosmos_bench/train.py) with each implementation: forward, backward and AdamW
     per step; step time, tokens/s per GPU, peak memory and every step's loss, which must agree with the
-    baseline's (nccl+cublas; MoE models nccl-a2a) within 2e-2 relative. Defaults: llama3-8b, 2 layers, seq
-    4096, batch 1, 20 steps after 3 warm-up steps, TP over every visible GPU (MoE models: 1)."""
+    baseline's (nccl+cublas; MoE models nccl-a2a) within 2e-2 relative. Implementations (default: all of the
+    model's kind): dense nccl+cublas, torch-async-tp, kosmos; MoE nccl-a2a, deepep, kosmos -- one that cannot run
+    here gets an "unavailable" row with the reason and fails nothing. Defaults: llama3-8b, 2 layers, seq 4096,
+    batch 1 (MoE: per rank), 20 steps after 3 warm-up steps, TP over every visible GPU (MoE models: EP 1; --tp
+    sets the EP size). With KOSMOS_RANKS_ON_ONE_GPU=1 more ranks than GPUs run, every rank on cuda:0 over gloo
+    (loss agreement only; rows marked extra.ranks_on_one_gpu)."""
     import typer
     from pathlib import Path
 
@@ -703,6 +1089,7 @@ def bench_train(
         fail(f"--impl {','.join(unknown)}: the {kind} proxy has {', '.join(known)}")
     gpus = launcher.visible_gpus()
     world = tp or (1 if kind == "moe" or gpus == 0 else gpus)
+    one_gpu = world > 1 and launcher.ranks_on_one_gpu()
     try:
         shape = proxy_shape(model, layers=layers, seq=seq, batch=batch, tp=world, scale=scale, hidden=hidden,
                             head_dim=head_dim)
@@ -715,12 +1102,18 @@ def bench_train(
     if dry_run:
         lines = ["kosmos bench train (dry run)"]
         lines += [f"  {k}: {v}" for k, v in asdict(shape).items() if v not in (None, {})]
-        lines += [f"  world: {world}", f"  dtype: {dtype}", f"  steps: {steps} (+{warmup} warm-up)", f"  out: {out}",
-                  "implementations:"]
+        lines += [f"  world: {world}" + (" (EP; attention data-parallel, batch per rank)" if kind == "moe" else ""),
+                  f"  dtype: {dtype}", f"  steps: {steps} (+{warmup} warm-up)", f"  out: {out}"]
+        if one_gpu:
+            lines.append(f"  ranks: every rank on cuda:0 over gloo ({launcher.ONE_GPU_ENV}=1): loss agreement only, "
+                         "the times are no measurement (rows: extra.ranks_on_one_gpu)")
+        lines.append("implementations:")
+        backend = None if world == 1 else ("gloo" if one_gpu or gpus == 0 else "nccl")
         for n in sorted(impls, key=lambda n: n != BASELINE[kind]):
             note = " (baseline)" if n == BASELINE[kind] else ""
-            if kind == "moe" and world > 1:
-                note += " unavailable: trains at one rank only"
+            why = unavailable_reason(shape, n, world, dtype, device="cuda" if gpus else "cpu", backend=backend)
+            if why:
+                note += f" unavailable: {why}"
             lines.append(f"  {n}{note}")
         lines.append("dry run: nothing was launched or written.")
         typer.echo("\n".join(lines))
@@ -735,6 +1128,10 @@ def bench_train(
             fail("no CUDA GPU is visible: the CPU runs the proxy at --tp 1 only")
         train_rank(0, 1, shape_kw, st_kw, str(out), argv, cpu=True)
     else:
+        try:  # more ranks than GPUs only with KOSMOS_RANKS_ON_ONE_GPU=1 (every rank on cuda:0 over gloo)
+            launcher.check_world(world)
+        except launcher.LaunchError as e:
+            fail(f"{e} (or {launcher.ONE_GPU_ENV}=1: every rank on cuda:0 over gloo, loss agreement only)")
         try:
             launcher.spawn(train_rank, world, shape_kw, st_kw, str(out), argv)
         except launcher.LaunchError as e:

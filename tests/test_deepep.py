@@ -4,7 +4,9 @@
   ``launcher.check_world`` with KOSMOS_RANKS_ON_ONE_GPU; and the whole callable over gloo on CPU ranks with a
   stand-in ``deep_ep`` whose Buffer has the wheel's signatures, return tuples and host-side checks (DeepEP V1,
   commit 567632d: dtypes, contiguity, sizes, the NVLink buffer's size assertion) and emulates dispatch/combine
-  with all-to-alls -- the call sequence, not DeepEP's kernels.
+  with all-to-alls -- the call sequence, not DeepEP's kernels. It also has what a backward uses (the training
+  proxy's deepep, tests/test_bench_train.py): dispatch in cached mode (``handle=``, x only) and combine's
+  ``topk_weights`` (summed over the ranks, as DeepEP reduces them).
 * GPU (``gpu``): the real wheel (../shared/wheels; ``dev/x1_session.sh deepep`` installs it), two processes on
   cuda:0 with a gloo group (``launcher.spawn_one_gpu``); skipped without a GPU or when ``deep_ep`` does not import.
 
@@ -196,11 +198,17 @@ class _Buffer:
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        assert handle is None and num_worst_tokens == 0 and expert_alignment == 1 and isinstance(config, _Config)
+        assert num_worst_tokens == 0 and expert_alignment == 1 and isinstance(config, _Config)
         assert num_tokens_per_rdma_rank is None  # intranode
         assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16
         n, hidden = x.shape
         assert (hidden * x.element_size()) % 16 == 0 and hidden % 16 == 0 and hidden <= 8176  # host + TMA asserts
+        if handle is not None:  # cached mode: the layout of an earlier dispatch, x only (a combine's backward)
+            assert topk_idx is None and topk_weights is None
+            send_counts, _, recv_counts, recv_src, in_rank, tok = handle
+            assert in_rank.shape[0] == n
+            _Buffer.log.append(("cached", n))
+            return _a2a(x[tok], send_counts, recv_counts), None, None, None, None, _Event()
         assert is_token_in_rank.dtype == torch.bool and is_token_in_rank.is_contiguous()
         w = self.group_size
         assert is_token_in_rank.shape == (n, w)
@@ -237,13 +245,19 @@ class _Buffer:
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
-        assert isinstance(config, _Config) and topk_weights is None and bias is None
+        assert isinstance(config, _Config) and bias is None
         send_counts, _, recv_counts, recv_src, in_rank, tok = handle
         assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16 and x.shape[0] == len(recv_src)
         back = _a2a(x, recv_counts, send_counts)  # every partial back to its token's rank, in the sent order
         y = torch.zeros(in_rank.shape[0], x.shape[1], dtype=torch.float32)
         y.index_add_(0, tok, back.float())        # DeepEP's combine: a sum in fp32, bf16 out
-        return y.to(torch.bfloat16), None, _Event()
+        w = None
+        if topk_weights is not None:  # reduced too: summed over the ranks the token went to (fp32)
+            assert topk_weights.dim() == 2 and topk_weights.is_contiguous() and topk_weights.dtype == torch.float32
+            assert topk_weights.shape[0] == x.shape[0]
+            w = torch.zeros(in_rank.shape[0], topk_weights.shape[1], dtype=torch.float32)
+            w.index_add_(0, tok, _a2a(topk_weights, recv_counts, send_counts))
+        return y.to(torch.bfloat16), w, _Event()
 
 
 def _fake_deep_ep():
