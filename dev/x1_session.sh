@@ -91,14 +91,15 @@ for line in open(sys.argv[1]):
               f" {r.get('note') or ''}")
 EOF
     ;;
-  s9final)  # session 9's last call (<= ~330 s): the DEQ A/B (arch_session.sh deq9; carry .base .var), then what
+  s9final)  # session 9's last call (<= ~330 s): the DEQ A/B (arch_session.sh deq9; carry .base .var .wheels), then what
             # time is left: the one-GPU EP=2 training proxy (loss agreement), the grid (partial rows are kept).
             # Everything lands in one tarball ($OUT/s9-final.tar.gz: at most 8 files come back).
     real_out=$out; export OUT=/tmp/s9o; out=$OUT; mkdir -p "$out"
     bash dev/arch_session.sh deq9
     left=$((320 - SECONDS))
     if [ $left -gt 60 ]; then
-      KOSMOS_RANKS_ON_ONE_GPU=1 timeout 60 python -m kosmos_bench.cli bench train --model deepseek-v3 --layers 2 \
+      python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > /dev/null 2>&1
+      PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH KOSMOS_RANKS_ON_ONE_GPU=1 timeout 60 python -m kosmos_bench.cli bench train --model deepseek-v3 --layers 2 \
         --seq 1024 --scale 0.125 --tp 2 --steps 10 --impl nccl-a2a,deepep,kosmos \
         --out "$out/train-deepseek-v3-ep2-1gpu.jsonl" > "$out/bench-train-ep2.log" 2>&1; echo "train ep2 rc=$?"
       grep -v "^{" "$out/bench-train-ep2.log" | grep -E "failed|ok|unavailable|Error" | head -6
