@@ -99,15 +99,15 @@ case $stage in
          # the new tree's MX GPU tests first and its registers compiled meanwhile (Triton 3.6)
     ( PYTHONPATH=. timeout 300 python dev/kernel_resources.py --world 1,2,8 --mx --json "$out/regs-mx-new.json" \
         > /tmp/regs-mx-new.txt 2>&1 ) &
-    PYTHONPATH=. timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/test_all_gather_matmul.py \
+    PYTHONPATH=. timeout 60 python -m pytest -q -p no:cacheprovider -m gpu tests/test_all_gather_matmul.py \
       tests/test_matmul_reduce_scatter.py tests/test_quant.py -k "mx" > "$out/gpu-tests-mx.log" 2>&1
     echo "mx gpu tests rc=$?"; tail -1 "$out/gpu-tests-mx.log"; grep -E "^(FAILED|ERROR)" "$out/gpu-tests-mx.log" | head -5
     for round in 1 2; do
       for tree in old rows8 tma; do
         root=.; [ $tree = old ] && root=.base; [ $tree = rows8 ] && root=.var/rows8
         t0=$SECONDS
-        PYTHONPATH=$root timeout 80 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
-          --impl kosmos --dtype mxfp8 --out "$out/mx-$tree-$round.jsonl" >> /tmp/deq-runs.log 2>&1
+        PYTHONPATH=$root timeout ${DEQ_RUN_S:-80} python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 \
+          --model llama3-70b --impl kosmos --dtype mxfp8 --out "$out/mx-$tree-$round.jsonl" >> /tmp/deq-runs.log 2>&1
         echo "mx $tree round $round rc=$? $((SECONDS - t0)) s"
       done
     done

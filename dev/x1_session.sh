@@ -95,14 +95,15 @@ EOF
             # time is left: the one-GPU EP=2 training proxy (loss agreement), the grid (partial rows are kept).
             # Everything lands in one tarball ($OUT/s9-final.tar.gz: at most 8 files come back).
     real_out=$out; export OUT=/tmp/s9o; out=$OUT; mkdir -p "$out"
-    bash dev/arch_session.sh deq9
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s9-final.tar.gz"; }
+    DEQ_RUN_S=50 bash dev/arch_session.sh deq9; keep
     left=$((320 - SECONDS))
     if [ $left -gt 60 ]; then
       python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > /dev/null 2>&1
       PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH KOSMOS_RANKS_ON_ONE_GPU=1 timeout 60 python -m kosmos_bench.cli bench train --model deepseek-v3 --layers 2 \
         --seq 1024 --scale 0.125 --tp 2 --steps 10 --impl nccl-a2a,deepep,kosmos \
         --out "$out/train-deepseek-v3-ep2-1gpu.jsonl" > "$out/bench-train-ep2.log" 2>&1; echo "train ep2 rc=$?"
-      grep -v "^{" "$out/bench-train-ep2.log" | grep -E "failed|ok|unavailable|Error" | head -6
+      grep -v "^{" "$out/bench-train-ep2.log" | grep -E "failed|ok|unavailable|Error" | head -6; keep
     fi
     left=$((320 - SECONDS))
     if [ $left -gt 40 ]; then
@@ -110,6 +111,6 @@ EOF
         --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "grid rc=$? (limit $left s)"
       echo "grid rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96"
     fi
-    tar czf "$real_out/s9-final.tar.gz" -C "$out" . ; echo "tarball: $(du -k "$real_out/s9-final.tar.gz" | cut -f1) KiB" ;;
+    keep; echo "tarball: $(du -k "$real_out/s9-final.tar.gz" | cut -f1) KiB" ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final" >&2; exit 2 ;;
 esac
