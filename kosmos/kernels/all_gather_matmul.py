@@ -101,8 +101,7 @@ from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_ALL_GATHER_MATMUL, WAIT_AG_
 from ..config import AllGatherMatmulConfig, check_config
 from ..quant import MXTensor
 from .common import (check_launch, check_operands, copy_flat, deq_lagging, deq_needed, deq_should_help,
-                     host_descriptors, load_task, mx_dequant_rows_tma, mx_row_descriptor, policy_args,
-                     store_tile, tile_matmul,
+                     host_descriptors, load_task, mx_dequant_rows, policy_args, store_tile, tile_matmul,
                      tma_descriptor, wait_rows_dequantized)
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
@@ -119,9 +118,9 @@ TASK_PUSH: tl.constexpr = tl.constexpr(planning.PUSH)  # a comm table row's kind
 
 
 @triton.jit
-def _deq_task(t, deq_table, rank, a_q_desc, g_q_desc, a_scales, g_scales, deq_desc, sig_ptr, err_ptr, Ms, K,
-              epoch, timeout_ns, n_chunks, FLAG_BASE: tl.constexpr, DEQ_BASE, BM: tl.constexpr,
-              DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr):
+def _deq_task(t, deq_table, rank, a_mx, g_mx, a_scales, g_scales, deq_ptr, sig_ptr, err_ptr, Ms, K, epoch,
+              timeout_ns, n_chunks, FLAG_BASE: tl.constexpr, DEQ_BASE, BM: tl.constexpr, DEQ_ROWS: tl.constexpr,
+              DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr):
     """DEQ task t: rows (slot, chunk, part) to bf16 -- the own shard's, or a peer's once they have landed --
     then its flag. Returns 0 when the wait for the peer's rows gave up (nothing written, no flag)."""
     slot, chunk, part = load_task(deq_table, t)
@@ -132,16 +131,14 @@ def _deq_task(t, deq_table, rank, a_q_desc, g_q_desc, a_scales, g_scales, deq_de
     r0 = chunk * BM + part * DEQ_ROWS
     rows = tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0)
     row = (slot * Ms + r0).to(tl.int64)
-    if slot == rank:  # the own shard: slot 0 of its [1, Ms, K/32, 32] descriptor
-        q_desc = a_q_desc
-        q_slot = 0
+    if slot == rank:
+        q = a_mx + r0.to(tl.int64) * K
         sc = a_scales + r0.to(tl.int64) * (K // 32)
     else:
-        q_desc = g_q_desc
-        q_slot = slot
+        q = g_mx + row * K
         sc = g_scales + row * (K // 32)
     if ok != 0:
-        mx_dequant_rows_tma(q_desc, q_slot, r0, sc, deq_desc, slot, rows, K, DEQ_ROWS, DEQ_NB)
+        mx_dequant_rows(q, sc, deq_ptr + row * K, rows, K, DEQ_ROWS, DEQ_NB)
         dev.notify(sig_ptr + DEQ_BASE + (slot * n_chunks + chunk) * DEQ_PARTS + part, epoch)
     return ok
 
@@ -150,7 +147,7 @@ def _deq_task(t, deq_table, rank, a_q_desc, g_q_desc, a_scales, g_scales, deq_de
                                "comm_stride", "n_deq"])
 def _all_gather_matmul_kernel(
         a_ptr, a_host_desc, g_host_desc, b_desc, c_desc, c_ptr, gather_ptr,
-        a_q_desc, g_q_desc, a_scales, g_scales, scale_off, deq_desc, deq_table, n_deq,
+        a_mx, g_mx, a_scales, g_scales, scale_off, deq_ptr, deq_table, n_deq,
         peer_data, peer_sig, sig_ptr,
         comm_table, n_comm, n_push, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
@@ -190,7 +187,7 @@ def _all_gather_matmul_kernel(
         if cur == STAGE_DEQ:
             if t < n_deq:
                 t0 = dev.now_ns()
-                if _deq_task(t, deq_table, rank, a_q_desc, g_q_desc, a_scales, g_scales, deq_desc, sig_ptr, err_ptr,
+                if _deq_task(t, deq_table, rank, a_mx, g_mx, a_scales, g_scales, deq_ptr, sig_ptr, err_ptr,
                              Ms, K, epoch, timeout_ns, n_chunks, FLAG_BASE, DEQ_BASE, BM, DEQ_ROWS, DEQ_PARTS,
                              DEQ_NB) == 0:
                     stage = NUM_STAGES
@@ -210,7 +207,7 @@ def _all_gather_matmul_kernel(
                                            DEQ_PARTS) != 0:
                             td = sched.claim(heads_ptr + STAGE_DEQ)
                             if td < n_deq:
-                                if _deq_task(td, deq_table, rank, a_q_desc, g_q_desc, a_scales, g_scales, deq_desc,
+                                if _deq_task(td, deq_table, rank, a_mx, g_mx, a_scales, g_scales, deq_ptr,
                                              sig_ptr, err_ptr, Ms, K, epoch, timeout_ns, n_chunks, FLAG_BASE,
                                              DEQ_BASE, BM, DEQ_ROWS, DEQ_PARTS, DEQ_NB) == 0:
                                     helping = 0
@@ -322,16 +319,13 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         _, b_desc, c_desc = host_descriptors(dequantized, b_store, b_kmajor, c, cfg)
         a_desc = gather_desc = tma_descriptor(dequantized, [cfg.BM, cfg.BK])
         a_rows, g_rows = a_shard.view(torch.bfloat16), gather.view(torch.bfloat16)  # bytes as bf16 pairs
-        # DEQ tasks: TMA boxes of the own payload (one slot), the gathered payloads (W slots) and the
-        # dequantized rows (W slots)
-        mx_args = (mx_row_descriptor(a_shard, 1, dq), mx_row_descriptor(gather, world, dq), a_scales,
-                   gather_scales, scale_offset, mx_row_descriptor(dequantized, world, dq), deq_t, deq_t.shape[0])
+        mx_args = (a_shard, gather, a_scales, gather_scales, scale_offset, dequantized, deq_t, deq_t.shape[0])
     else:
         dq = planning.DequantPlan(1, 1, 1)
         a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
         gather_desc = tma_descriptor(gather, [cfg.BM, cfg.BK])
         a_rows, g_rows = a_shard, gather
-        mx_args = (a_desc, a_desc, a_shard, gather, 0, a_desc, comp_t, 0)  # unused (A_MX off)
+        mx_args = (a_shard, gather, a_shard, gather, 0, gather, comp_t, 0)
     return _all_gather_matmul_kernel[(grid,)](
         a_rows, a_desc, gather_desc, b_desc, c_desc, c, g_rows, *mx_args,
         peer_data, peer_sig, signals,

@@ -72,38 +72,6 @@ def mx_dequant_rows(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.c
 
 
 @triton.jit
-def mx_dequant_rows_tma(src_desc, src_slot, r0, s_ptr, dst_desc, dst_slot, rows, K, ROWS: tl.constexpr,
-                        NB: tl.constexpr):
-    """mx_dequant_rows through TMA: rows [r0, r0 + ROWS) of slot ``src_slot`` of the 4-D payload descriptor
-    ([slots, rows, K/32, 32] E4M3, boxes [1, ROWS, NB, 32]; ``mx_row_descriptor``) to the same rows of slot
-    ``dst_slot`` of the bf16 descriptor, scales from ``s_ptr`` (row r0's E8M0 bytes, [rows, K/32]). The loads
-    are pipelined over 3 stages by tl.range and the stores are TMA stores, so a program keeps ~3 steps in
-    flight without holding them in registers; rows past the slot's end load as zeros and are not stored (the
-    descriptor's bounds). Same arithmetic as mx_dequant_rows (exact). Measured alone (one H200, session 9,
-    dev/deq_probe.py, [32, 32, 32] boxes): 45 GB/s per program with 8 programs vs 27 for mx_dequant_rows'
-    [32, 16, 32] steps, 3.0 vs 2.4 TB/s with 132."""
-    KB = K // 32
-    r = tl.arange(0, ROWS)
-    b = tl.arange(0, NB)
-    soffs = r[:, None] * KB + b[None, :]
-    rmask = (r < rows)[:, None]
-    for b0 in tl.range(0, KB, NB, num_stages=3):
-        q = tl.reshape(src_desc.load([src_slot, r0, b0, 0]), (ROWS, NB, 32))
-        smask = rmask & (b[None, :] < KB - b0)
-        scale = mx_scale_f32(tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32))
-        v = (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16)
-        dst_desc.store([dst_slot, r0, b0, 0], tl.reshape(v, (1, ROWS, NB, 32)))
-
-
-def mx_row_descriptor(t, slots: int, dq):
-    """The 4-D TMA descriptor of the row-major [slots * rows, K] tensor ``t`` (E4M3 payload or bf16 rows) seen
-    as [slots, rows, K/32, 32] with boxes [1, ROWS, NB, 32] of the DEQ plan ``dq``: a box never crosses a
-    slot's end (the DEQ tasks of mx_dequant_rows_tma)."""
-    m, k = t.shape
-    return tma_descriptor(t.view(slots, m // slots, k // 32, 32), [1, dq.ROWS, dq.NB, 32])
-
-
-@triton.jit
 def deq_needed(p, n_comp, n_chunks, n_tn, WORLD: tl.constexpr, PARTS: tl.constexpr, GROUP_M: tl.constexpr,
                RS_ORDER: tl.constexpr):
     """How many DEQ tasks (from the front of the DEQ table) the first ``p`` tiles of the compute table need.

@@ -91,8 +91,8 @@ from .. import schedule as sched
 from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_MATMUL_REDUCE_SCATTER, WAIT_MX_ROWS, WAIT_RS_PARTIAL
 from ..config import MatmulReduceScatterConfig, check_config, default_config
 from .common import (check_launch, check_operands, deq_lagging, deq_needed, deq_should_help, host_descriptors,
-                     load_task, mx_dequant_rows_tma, mx_row_descriptor, policy_args, store_rows, store_tile,
-                     tile_matmul, wait_rows_dequantized)
+                     load_task, mx_dequant_rows, policy_args, store_rows, store_tile, tile_matmul,
+                     wait_rows_dequantized)
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
 STAGE_TILE: tl.constexpr = tl.constexpr(0)
@@ -133,21 +133,20 @@ def _reduce_tile(t, mt, nt, c_ptr, peer_data, sig_ptr, err_ptr, Ms, N, rank, epo
 
 
 @triton.jit
-def _deq_task(t, deq_table, a_q_desc, a_scales, deq_desc, sig_ptr, Ms, K, epoch, n_chunks, DEQ_BASE,
+def _deq_task(t, deq_table, a_mx, a_scales, deq_ptr, sig_ptr, Ms, K, epoch, n_chunks, DEQ_BASE,
               BM: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr):
     """DEQ task t: rows (owner, chunk, part) of a to bf16, then its flag (nothing to wait for: a is local)."""
     owner, chunk, part = load_task(deq_table, t)
     r0 = chunk * BM + part * DEQ_ROWS
     row = (owner * Ms + r0).to(tl.int64)
-    # a and its dequantized rows as [W, Ms, K/32, 32] TMA descriptors: slot = owner
-    mx_dequant_rows_tma(a_q_desc, owner, r0, a_scales + row * (K // 32), deq_desc, owner,
-                        tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0), K, DEQ_ROWS, DEQ_NB)
+    mx_dequant_rows(a_mx + row * K, a_scales + row * (K // 32), deq_ptr + row * K,
+                    tl.maximum(tl.minimum(Ms - r0, DEQ_ROWS), 0), K, DEQ_ROWS, DEQ_NB)
     dev.notify(sig_ptr + DEQ_BASE + (owner * n_chunks + chunk) * DEQ_PARTS + part, epoch)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comp", "n_red", "fixed_comm", "n_deq"])
 def _matmul_reduce_scatter_kernel(
-        a_desc, b_desc, c_desc, c_ptr, stage_ptr, a_q_desc, a_scales, deq_desc, deq_table, n_deq,
+        a_desc, b_desc, c_desc, c_ptr, stage_ptr, a_mx, a_scales, deq_ptr, deq_table, n_deq,
         peer_data, peer_sig, sig_ptr,
         comp_table, n_comp, red_table, n_red,
         heads_ptr, err_ptr, trace_ptr,
@@ -224,7 +223,7 @@ def _matmul_reduce_scatter_kernel(
                         td = sched.claim(heads_ptr + STAGE_DEQ)
                         if td < n_deq:
                             t0 = dev.now_ns()
-                            _deq_task(td, deq_table, a_q_desc, a_scales, deq_desc, sig_ptr, Ms, K, epoch, n_chunks,
+                            _deq_task(td, deq_table, a_mx, a_scales, deq_ptr, sig_ptr, Ms, K, epoch, n_chunks,
                                       DEQ_BASE, BM, DEQ_ROWS, DEQ_PARTS, DEQ_NB)
                             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, td, t0, dev.now_ns(), TRACE)
                         else:
@@ -243,7 +242,7 @@ def _matmul_reduce_scatter_kernel(
                                                DEQ_PARTS) != 0:
                                 td = sched.claim(heads_ptr + STAGE_DEQ)
                                 if td < n_deq:
-                                    _deq_task(td, deq_table, a_q_desc, a_scales, deq_desc, sig_ptr, Ms, K, epoch,
+                                    _deq_task(td, deq_table, a_mx, a_scales, deq_ptr, sig_ptr, Ms, K, epoch,
                                               n_chunks, DEQ_BASE, BM, DEQ_ROWS, DEQ_PARTS, DEQ_NB)
                             else:
                                 helping = 0
@@ -312,12 +311,11 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         deq_t = planning.cached_tables(("rs-deq", rank, world, ms, cfg, dq, str(a.device)),
                                        lambda: planning.plan_dequant(rank, world, ms, cfg, dq, "rs", a.device))
         a_desc, b_desc, c_desc = host_descriptors(dequantized, b_store, b_kmajor, c, cfg)
-        mx_args = (mx_row_descriptor(a, world, dq), a_scales, mx_row_descriptor(dequantized, world, dq), deq_t,
-                   deq_t.shape[0])
+        mx_args = (a, a_scales, dequantized, deq_t, deq_t.shape[0])
     else:
         dq = planning.DequantPlan(1, 1, 1)
         a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
-        mx_args = (a_desc, a, a_desc, comp_t, 0)  # unused (A_MX off)
+        mx_args = (a, a, a, comp_t, 0)
     return _matmul_reduce_scatter_kernel[(grid,)](
         a_desc, b_desc, c_desc, c, stage, *mx_args, peer_data, peer_sig, signals,
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
