@@ -196,16 +196,11 @@ class DequantPlan:
 
 
 def dequant_plan(cfg: TileConfig, k: int) -> DequantPlan:
-    """8 rows per DEQ task (16 per 128-row chunk), 64 MX blocks (2048 columns) per step: the same 16 K elements
-    (16 KB of payload) in flight per program as before, in tasks a quarter as long. Why: the first tiles wait
-    for their band's rows (8 chunks at GROUP_M = 8); with 32-row tasks only 32 programs could share them and
-    the rest idled for one whole task (~30 us at K = 8192, ~25 GB/s per program: dev/deq_probe.py), with 8-row
-    tasks all programs do (session 9). Tiny under the CPU interpreter."""
-    if interpreting():
-        rows, nb_cap = max(1, cfg.BM // 2), 2
-    else:
-        rows = min(8, cfg.BM)
-        nb_cap = 512 // rows
+    """32 rows per DEQ task (4 per 128-row chunk: ~1 MB of traffic at K = 8192, so the first chunks -- which
+    the first tiles wait for -- are spread over 4 programs), 16 MX blocks (512 columns) per step: 16 KB of
+    payload in flight per program. Tiny under the CPU interpreter."""
+    rows = max(1, cfg.BM // 4) if not interpreting() else max(1, cfg.BM // 2)
+    nb_cap = 16 if not interpreting() else 2
     return DequantPlan(rows, cfg.BM // rows, min(nb_cap, _pow2_at_least(k // 32, 1, nb_cap)))
 
 
