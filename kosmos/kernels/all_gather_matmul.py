@@ -59,6 +59,15 @@ MXFP8 (a_shard a kosmos.quant.MXTensor; b the bf16 expansion of an MX weight, qu
   registers without overlapping it; DEQ tasks all before the first tile (a serial pass): 1.152, the same as
   the lag policy at this expansion rate. FP8 wgmma with per-32 promotion: not built -- a 128x256x32 FP8 MMA
   takes ~280 cycles per SM and rescaling the fp32 partial ~256, so per-32 promotion lands at about bf16 speed.
+  Tried and parked (session 9, one H200, Triton 3.6; interleaved A/B of kosmos mxfp8 rows, 12 llama3-70b TP=2
+  per-rank GEMMs, results/h200x1/s9/final/): DEQ tasks of 8 rows x 64 blocks per step instead of 32 x 16 (all
+  programs share the first band's rows): new/old 0.999; those plus DEQ through TMA (4-D [slots, rows, K/32, 32]
+  boxes, 3-stage tl.range, TMA stores; 45 vs 27 GB/s per program in dev/deq_probe.py): 0.999. Predicted 1.12x
+  and ~1.09x of cuBLAS from 1.16x; neither moved, so neither the start-of-op wait nor the DEQ rate is what costs
+  (commits bf8b522 / f4cf053, reverted; the TMA variant also failed to compile at bf16 on Triton 3.6: the DEQ
+  call sits under a runtime branch). In the same call the old tree ran at 1.383x cuBLAS bf16 (qkv-4k 0.678 ms)
+  against 1.164x (0.549 ms) in the committed 66a569a run of `--dtype bf16,mxfp8` with every implementation --
+  the same kernel source: unexplained, to be re-measured side by side before further MX work.
 
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, the session named):
   W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), against torch.matmul alone
