@@ -610,8 +610,11 @@ def bench_train(
     steps: int = typer.Option(20, "--steps", help="Recorded (timed) steps."),
     warmup: int = typer.Option(3, "--warmup", help="Unrecorded warm-up steps."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 or mxfp8."),
-    impl: Optional[str] = typer.Option(None, "--impl", help="nccl+cublas,kosmos (MoE: nccl-a2a,kosmos)."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (default: all visible GPUs; MoE 1)."),
+    impl: Optional[str] = typer.Option(None, "--impl", help="Dense: nccl+cublas (the baseline), torch-async-tp, kosmos; MoE: nccl-a2a (the baseline), deepep, "
+                                     "kosmos. Default: all of the model's kind (unavailable ones get a row saying why)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Ranks: the TP size (dense) or the EP size (MoE, attention data-parallel); default: "
+                                   "all visible GPUs (MoE 1). KOSMOS_RANKS_ON_ONE_GPU=1 puts every rank on one GPU "
+                                   "(gloo; a correctness run, not a timing)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSONL file to append to."),
     dry_run: bool = DRY_RUN_OPTION,
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the model to this hidden size."),
