@@ -503,6 +503,8 @@ def bench_moe(
     iters: Optional[int] = ITERS_OPTION,
     warmup: Optional[int] = WARMUP_OPTION,
     out: Optional[Path] = _out_option("moe"),
+    trace: bool = typer.Option(False, "--trace", help="Record a per-program task timeline of one kosmos forward "
+                               "per point (bf16; JSON next to --out; draw with `kosmos report --timeline FILE`)."),
     expert_gemms: Optional[bool] = typer.Option(None, "--expert-gemms/--no-expert-gemms", help="Also time the "
                                                 "expert GEMMs alone (kosmos-expert-gemms vs grouped-mm); default on."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the inputs, weights and popularity shuffle."),
@@ -562,6 +564,7 @@ def bench_moe(
         from dataclasses import asdict
         suite_dict.update(models=[custom.name], custom_model=asdict(custom), ep=world)
     out = _out_path(out, "moe", "-".join(cfg.dtype), create=not dry_run)
+    trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
     from .registry import impls_at
     # per (dtype, direction): (family, its implementations with a row there); the expert GEMMs alone run at bf16
     # and fwd only
@@ -587,14 +590,15 @@ def bench_moe(
              ("direction", ", ".join(cfg.direction)),
              ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
                         f"{list(cfg.fixed_sweep)}"), ("seed", str(cfg.seed)),
-             ("config", _configs_text(configs)), ("results", f"would be appended to {out}")],
+             ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
+             *([("traces", trace_dir)] if trace_dir else [])],
             ("model", "tokens/rank", "routing", "E", "E/rank", "top_k", "H", "F", "router"), points,
             [(", ".join([f] + [{"dtype": d, "direction": g}[w] for w in several]),
               _planned_availability(f, i, world, d, g)) for d, g, f, i in plan])
     console.print(f"[bold]kosmos bench moe[/]: {len(cases)} points x {n_impls} implementations "
                   f"({', '.join(cfg.dtype)}; {', '.join(cfg.direction)}) on {world} GPU(s) (EP={world}) -> {out}")
     from .moe import bench_rank
-    _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), sys.argv, configs)
+    _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), sys.argv, configs, trace_dir)
 
 
 from .train import bench_train as _bench_train  # noqa: E402

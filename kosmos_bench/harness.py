@@ -144,6 +144,30 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def write_trace(buf: torch.Tensor, path: str, fields: dict) -> None:
+    """The per-program task events of a traced kosmos call (``buf`` int64 [programs, events, 4]: kind, task,
+    start ns, end ns; zero end = unused) gathered from every rank; rank 0 writes the trace JSON (SCHEMA.md,
+    "Trace files") with ``fields`` (op, model, shape, world, config, ...) to ``path``. Collective."""
+    import json
+    import os
+    host = buf.cpu()
+    events = [[p, int(e[0]), int(e[1]), int(e[2]), int(e[3])]
+              for p in range(host.shape[0]) for e in host[p] if int(e[3]) > 0]
+    rank, world = world_info()
+    gathered = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, events)
+    else:
+        gathered = [events]
+    if rank == 0:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        doc = {"type": "trace", **fields, "impl": "kosmos",
+               "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
+               "ranks": [{"rank": r, "events": ev} for r, ev in enumerate(gathered)]}
+        with open(path, "w") as f:
+            json.dump(doc, f)
+
+
 def recover(device="cuda", cleanup=()) -> None:
     """After a failure: drop KOSMOS's (possibly poisoned) workspace and whatever ``cleanup`` callables hold (e.g.
     DeepEP's buffer) on every rank, and realign the ranks."""

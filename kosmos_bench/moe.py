@@ -96,6 +96,7 @@ import torch.distributed as dist
 
 import kosmos
 from kosmos import moe_forward
+from kosmos.config import config_dict
 from kosmos.kernels.moe_backward import moe_backward_w1
 from kosmos.kernels.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
@@ -603,6 +604,7 @@ def deepep_expert_side(recv_x, recv_idx, recv_w, recv_counts, w13, w2, local: in
 class MoESettings(Settings):
     impls: tuple = MOE_IMPLS
     expert_gemms: bool = True
+    trace_dir: str | None = None  # --trace: one traced kosmos forward per point (bf16) written here
 
 
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -731,7 +733,31 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype, st.direction), inputs=inp, ref=ref,
                identity=base_row(case, world, st.dtype, direction=st.direction), flops=flops, config=config, t_gemm_ms=t_gemm, t_comm_ms=t_comm, wire_bytes=wire,
                impl_fields=lambda name: _impl_fields(name, mx))
+    if st.trace_dir and fwd and not mx and any(r["impl"] == "kosmos" and r["op"] == "moe_fwd" and r["status"] == "ok"
+                                                for r in runner.rows):
+        _write_trace(case, inp, world, config, st.trace_dir)
     return runner.rows  # the point's tensors go with this frame; bench_rank empties the CUDA cache after it
+
+
+def _write_trace(case: MoECase, inp: MoEInputs, world: int, config, trace_dir: str) -> None:
+    """One kosmos forward of the point with its per-program task timeline (``bench moe --trace``; the MoE kernel's
+    trace kinds: route, dispatch, permute, GEMM1, GEMM2, combine, fold, waits) -> trace-<model>-<tokens>-<routing>
+    -w<W>.json (harness.write_trace; draw with `kosmos report --timeline FILE`). Collective."""
+    from kosmos.kernels.common import TRACE_EVENTS
+    device = inp.x.device
+    grid = kosmos.runtime.num_sms(device) if device.type == "cuda" else 4  # (CPU: the tests' fake forward)
+    buf = torch.zeros((grid, TRACE_EVENTS, 4), dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        timing.barrier()
+    moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(), group=None,
+                config=config, trace=buf)
+    kosmos.runtime.check_errors()
+    m = inp.model
+    routing = case.routing.replace(":", "")
+    harness.write_trace(buf, f"{trace_dir}/trace-{case.model}-{case.tokens}-{routing}-w{world}.json",
+                        {"op": "moe_fwd", "model": case.model, "tokens": case.tokens, "routing": case.routing,
+                         "m": case.tokens, "n": m.hidden, "k": m.expert_ffn, "experts": m.experts, "top_k": m.top_k,
+                         "world": world, "config": config_dict(config)})
 
 
 def _impl_fields(name: str, mx: bool) -> dict:
@@ -746,7 +772,7 @@ def _impl_fields(name: str, mx: bool) -> dict:
 # --------------------------------------------------------------------------- one rank of `kosmos bench moe`
 
 
-def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=None):
+def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=None, trace_dir=None):
     """One rank of `kosmos bench moe` (launcher.spawn); rank 0 writes the env line and every row as it is ready."""
     from .environment import environment
     from .sweep import run_sweep
@@ -759,7 +785,8 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=No
     shared = {"ranks_on_one_gpu": True} if world > 1 and ranks_on_one_gpu() else {}
     st = MoESettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
                      fixed_sweep=tuple(suite["fixed_sweep"]), dtype=dtypes[0], seed=suite["seed"],
-                     expert_gemms=suite["expert_gemms"], configs=dict(configs or {}), extra=shared)
+                     expert_gemms=suite["expert_gemms"], configs=dict(configs or {}), extra=shared,
+                     trace_dir=trace_dir)
     settings = {(d, g): replace(st, dtype=d, direction=g) for d in dtypes for g in directions}
     device = torch.device("cuda", torch.cuda.current_device())
     # a case is (point, dtype, direction): each point at every dtype in turn (as the TP bench does), each dtype in

@@ -389,24 +389,7 @@ def _write_trace(g: TPGemm, st: TPSettings, config):
     else:
         kosmos.matmul_reduce_scatter(a, b, config=config, trace=buf)
     runtime.check_errors()
-    events = []
-    host = buf.cpu()
-    for p in range(grid):
-        for e in host[p]:
-            if int(e[3]) > 0:
-                events.append([p, int(e[0]), int(e[1]), int(e[2]), int(e[3])])
-    gathered = [None] * world
-    if dist.is_initialized():
-        dist.all_gather_object(gathered, events)
-    else:
-        gathered = [events]
-    if rank == 0:
-        os.makedirs(st.trace_dir, exist_ok=True)
-        doc = {"type": "trace", "op": g.op, "model": g.model, "layer": g.layer, "seq": g.seq, "m": g.m, "n": g.n,
-               "k": g.k, "world": world, "impl": "kosmos", "config": config_dict(config),
-               "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
-               "ranks": [{"rank": r, "events": ev} for r, ev in enumerate(gathered)]}
-        what = f"{g.op}-{g.m}x{g.n}x{g.k}" if g.model == CUSTOM else f"{g.layer}-{g.seq}"  # custom: one file each
-        path = f"{st.trace_dir}/trace-{g.model}-{what}-w{world}.json"
-        with open(path, "w") as f:
-            json.dump(doc, f)
+    what = f"{g.op}-{g.m}x{g.n}x{g.k}" if g.model == CUSTOM else f"{g.layer}-{g.seq}"  # custom: one file each
+    harness.write_trace(buf, f"{st.trace_dir}/trace-{g.model}-{what}-w{world}.json",
+                        {"op": g.op, "model": g.model, "layer": g.layer, "seq": g.seq, "m": g.m, "n": g.n, "k": g.k,
+                         "world": world, "config": config_dict(config)})

@@ -699,3 +699,34 @@ def test_bench_moe_directions_end_to_end(tmp_path):
             assert got and all(row["status"] == "ok" for row in got), (direction, impl, got)
             if direction != "fwd":
                 assert all(set(row["rel_err_grads"]) == set(moe.GRADS) for row in got)
+
+
+def test_trace_of_one_kosmos_forward(monkeypatch, tmp_path, tiny_models):
+    """--trace: after a point whose kosmos row is ok, one traced kosmos forward (the trace buffer passed to
+    moe_forward) is written as a trace JSON with the point's identity and every event the buffer holds."""
+    import json
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    fake = _fake_moe_forward("ok")
+    traced = []
+
+    def forward(*a, trace=None, **kw):
+        if trace is not None:  # two events of program 1: (kind, task, start, end)
+            trace[1, 0] = torch.tensor([2, 7, 100, 250])
+            trace[1, 1] = torch.tensor([3, 8, 260, 400])
+            traced.append(trace.shape)
+        return fake(*a, **{"policy": "self", "comm_programs": None, **kw})
+
+    monkeypatch.setattr(moe, "moe_forward", forward)
+    monkeypatch.setattr(moe, "expert_gemms", _fake_expert_gemms)
+    st = moe.MoESettings(impls=("kosmos", "nccl-a2a"), expert_gemms=False, trace_dir=str(tmp_path / "tr"))
+    rows = moe.run_case(moe.MoECase("tiny-softmax", 32, "zipf:1.2"), st, device="cpu")
+    assert _rows_by_impl(rows)[("moe_fwd", "kosmos")]["status"] == "ok" and len(traced) == 1
+    files = list((tmp_path / "tr").glob("*.json"))
+    assert [f.name for f in files] == ["trace-tiny-softmax-32-zipf1.2-w1.json"]
+    doc = json.loads(files[0].read_text())
+    assert doc["type"] == "trace" and doc["op"] == "moe_fwd" and doc["tokens"] == 32 and doc["world"] == 1
+    assert doc["ranks"] == [{"rank": 0, "events": [[1, 2, 7, 100, 250], [1, 3, 8, 260, 400]]}]
+    # at mxfp8 (or without --trace) nothing is traced
+    st_mx = moe.MoESettings(impls=("nccl-a2a",), expert_gemms=False, trace_dir=str(tmp_path / "tr2"))
+    moe.run_case(moe.MoECase("tiny-softmax", 32, "uniform"), st_mx, device="cpu")
+    assert not (tmp_path / "tr2").exists()

@@ -306,7 +306,8 @@ def test_bench_moe_config_reaches_the_ranks(monkeypatch, tmp_path):
     r = runner.invoke(app, ["bench", "moe", "--model", "qwen3-235b", "--tokens", "64", "--out",
                             str(tmp_path / "r.jsonl"), "--config", "copy_cols=256,moe_fwd.half_tail=false"])
     assert r.exit_code == 0, r.output
-    assert seen["fn"] is moe.bench_rank and seen["args"][-1] == {"moe_fwd": MoEForwardConfig(256, False)}
+    assert seen["fn"] is moe.bench_rank and seen["args"][-2] == {"moe_fwd": MoEForwardConfig(256, False)}
+    assert seen["args"][-1] is None  # no --trace
 
 
 # --------------------------------------------------------------------------- one-line errors, stderr, --version, env
