@@ -39,7 +39,6 @@ the op's collective (``wire_bytes()``).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, replace
