@@ -56,12 +56,13 @@ case $stage in
       > /dev/null 2>&1
     grep -v "^{" "$out/bench-tp-mx.log" | tail -30 ;;
   moe-mx)  # issue 17 / 18 part 2: the MoE suite at bf16 and mxfp8 with deepep (carry [".wheels"]: the shared
-           # DeepEP wheel, ../shared/wheels/README.md). ~9 min. (No MoE trace: `bench moe` has no --trace option yet,
-           # though the kernel records task events -- issue 17 asks for one point's timeline.)
+           # DeepEP wheel, ../shared/wheels/README.md), one traced point for its timeline. ~9 min.
     python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > /dev/null 2>&1
     export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
     timeout 480 python -m kosmos_bench.cli bench moe --dtype bf16,mxfp8 --out "$out/moe-bf16-mxfp8.jsonl" \
       > "$out/bench-moe-mx.log" 2>&1; echo "moe rc=$?"
+    timeout 60 python -m kosmos_bench.cli bench moe --model deepseek-v3 --tokens 8192 --routing uniform \
+      --impl kosmos --no-expert-gemms --trace --out "$out/moe-trace.jsonl" > /dev/null 2>&1; echo "trace rc=$?"
     python -m kosmos_bench.cli report "$out/moe-bf16-mxfp8.jsonl" --format md --out "$out/moe-bf16-mxfp8.md" \
       > /dev/null 2>&1
     grep -v "^{" "$out/bench-moe-mx.log" | tail -30 ;;
