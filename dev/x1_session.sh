@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -112,5 +112,13 @@ EOF
       echo "grid rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96"
     fi
     keep; echo "tarball: $(du -k "$real_out/s9-final.tar.gz" | cut -f1) KiB" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final" >&2; exit 2 ;;
+  tiles)  # issue 13 part 1: which tile each grid GEMM wants (dev/tile_probe.py: the 48 GEMMs of suites/tp-grid.yaml x
+          # both ops x 8 candidate tiles at W=1, each checked against fp32 then timed against torch.matmul; ~32
+          # compiles). Estimated 2.5-5 min (the probe's docstring); no new work after 420 s (partial rows kept).
+    timeout 460 python -m dev.tile_probe --max-seconds 420 --json "$out/tile-probe.jsonl" > "$out/tile-probe.log" 2>&1
+    echo "tile probe rc=$?"; grep -E "^(tile probe:|done )" "$out/tile-probe.log"
+    grep -E "Traceback|Error" "$out/tile-probe.log" | head -5
+    grep -o '"status": "[a-z]*"' "$out/tile-probe.jsonl" | sort | uniq -c
+    python -m dev.tile_probe --table "$out/tile-probe.jsonl" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles" >&2; exit 2 ;;
 esac

@@ -1,0 +1,65 @@
+"""The developer probes' CPU paths (dev/): what can be checked without a GPU before a device call spends time.
+
+* ``interpreter`` -- dev.tile_probe's check-only mode (``--cpu-smoke``) on tiny shapes under the CPU interpreter:
+  every candidate tile checked against the fp32 product, through the kernels' own ``launch``.
+"""
+import json
+
+import pytest
+
+from dev import tile_probe
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.interpreter
+def test_tile_probe_check_only_two_candidates(tmp_path, capsys):
+    """One ragged shape (M = 40: two full 16-row tiles and a half one; K = 48: three BK steps), both ops, two tiny
+    candidates: every row checked and correct, the JSONL and the table written."""
+    out = tmp_path / "probe.jsonl"
+    rc = tile_probe.main(["--cpu-smoke", "--shapes", "40x64x48", "--candidates", "16x32x16w4s1,32x16x16w4s1",
+                          "--json", str(out)])
+    assert rc == 0
+    rows = _rows(out)
+    assert rows[0]["type"] == "env" and rows[0]["check_only"]
+    res = [r for r in rows if r["type"] == "result"]
+    assert [(r["op"], r["cand"]) for r in res] == [(op, c) for op in ("ag_gemm", "gemm_rs")
+                                                    for c in ("16x32x16w4s1", "32x16x16w4s1")]
+    for r in res:
+        assert r["status"] == "ok", r
+        assert r["rel_err"] < tile_probe.TOL
+        assert (r["m"], r["n"], r["k"], r["grid"]) == (40, 64, 48, tile_probe.INTERP_GRID)
+    assert (res[1]["BM"], res[1]["BN"], res[1]["BK"]) == (32, 16, 16)
+    assert "passed 1/1" in capsys.readouterr().out
+
+
+@pytest.mark.interpreter
+def test_tile_probe_records_wrong_and_skipped(tmp_path, monkeypatch):
+    """A launch that writes the wrong values is recorded as wrong (the check runs before anything is timed), a
+    tile the kernels cannot take (BN not a power of two) as skipped, and the probe goes on."""
+    def broken(op, a, b, c, cfg, grid, bufs):
+        return lambda: c.fill_(1.0)
+
+    monkeypatch.setattr(tile_probe, "make_launch", broken)
+    out = tmp_path / "probe.jsonl"
+    rc = tile_probe.main(["--cpu-smoke", "--shapes", "16x32x16", "--ops", "gemm_rs", "--candidates",
+                          "16x24x16w4s1,16x32x16w4s1", "--json", str(out)])
+    assert rc == 1  # nothing ran correctly
+    res = [r for r in _rows(out) if r["type"] == "result"]
+    assert [(r["cand"], r["status"]) for r in res] == [("16x24x16w4s1", "skipped"), ("16x32x16w4s1", "wrong")]
+    assert "power" in res[0]["reason"] and "rel err" in res[1]["reason"]
+
+
+def test_tile_probe_candidates_parse():
+    cands = tile_probe.parse_candidates(tile_probe.DEFAULT_CANDIDATES)
+    assert 5 <= len(cands) <= 8 and cands[0].name == "rule" and cands[0].cfg is None
+    c = tile_probe.parse_candidate("64x128x64w4s4g2")
+    assert (c.cfg.BM, c.cfg.BN, c.cfg.BK, c.cfg.num_warps, c.cfg.num_stages, c.per_sm) == (64, 128, 64, 4, 4, 2)
+    for cand in cands[1:]:  # every default candidate passes the kernels' static constraints
+        assert tile_probe.static_reason(cand.cfg) is None, cand
+    assert len(tile_probe.load_shapes(None)) == 48
+    with pytest.raises(ValueError):
+        tile_probe.parse_candidate("128x128")
