@@ -23,10 +23,11 @@ element; a column layer re-gathers them with NCCL, 0.52x of the bf16 bytes) -- a
 straight through the quantizers to x and the master weight (the MX training recipes do the same; dy itself
 is not quantized here).
 
-``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains at one rank
-(expert parallelism of 1): the backward is ``kernels.moe_backward.moe_backward_w1`` (every gradient from the
-forward's routing decision, several launches; the one-launch backward with its all-to-all stages for W > 1 is
-future work -- at W > 1, or in MXFP8, a forward that needs gradients raises instead of silently dropping them).
+``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains in bf16 at any
+expert-parallel size: the backward is ``kernels.moe_backward.moe_backward`` (every gradient from the forward's
+routing decision, several launches, with NCCL all-to-alls between them at W > 1; the one-launch backward with its
+communication in the launch is future work -- in MXFP8 a forward that needs gradients raises instead of silently
+dropping them).
 The forward keeps x, the parameters and the routing (weights, experts: T*k each); the backward recomputes GEMM1.
 Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``.
 """
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from . import quant
 from .kernels.all_gather_matmul import all_gather_matmul
 from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
-from .kernels.moe_backward import moe_backward_w1
+from .kernels.moe_backward import moe_backward
 from .kernels.moe_forward import moe_forward
 from .moe_reference import ROUTINGS
 from .runtime import world_size
@@ -227,7 +228,9 @@ class RowParallelLinear(_ParallelLinear):
 
 
 class MoEFn(torch.autograd.Function):
-    """y = moe_forward(x, ...) at one rank with its backward (moe_backward_w1); the bias gets no gradient."""
+    """y = moe_forward(x, ...) over the EP group with its backward (kernels.moe_backward.moe_backward: several
+    launches, all-to-alls between them at W > 1); the bias gets no gradient; d(router weight) is this rank's
+    tokens' part (all-reduce it over the data-parallel ranks like any replicated parameter's gradient)."""
 
     @staticmethod
     def forward(ctx, x, router_weight, w13, w2, bias, top_k, routing, route_kw, group=None):
@@ -236,14 +239,15 @@ class MoEFn(torch.autograd.Function):
         ctx.save_for_backward(x, router_weight, w13, w2, weights, experts)
         ctx.routing = routing
         ctx.route_kw = route_kw
+        ctx.group = group
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, router_weight, w13, w2, weights, experts = ctx.saved_tensors
         kw = {k: v for k, v in ctx.route_kw.items() if k in ("renormalize", "routed_scaling")}
-        dx, d_router, dw13, dw2 = moe_backward_w1(x, router_weight, w13, w2, dy.contiguous(), weights, experts,
-                                                  routing=ctx.routing, **kw)
+        dx, d_router, dw13, dw2 = moe_backward(x, router_weight, w13, w2, dy.contiguous(), weights, experts,
+                                               group=ctx.group, routing=ctx.routing, **kw)
         return dx, d_router, dw13, dw2, None, None, None, None, None
 
 
@@ -291,10 +295,10 @@ class MoE(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in
                                                                 (self.router_weight, self.w13, self.w2))):
-            if world_size(self.group) > 1 or self.precision != "bf16":
-                raise RuntimeError("kosmos.nn.MoE's backward runs at one rank in bf16 so far (the one-launch "
-                                   "backward over the EP group is future work): run this under torch.no_grad() / "
-                                   "inference_mode, or freeze its parameters")
+            if self.precision != "bf16":
+                raise RuntimeError("kosmos.nn.MoE's backward runs in bf16 only so far (dtype='mxfp8' trains "
+                                   "nothing yet): run this under torch.no_grad() / inference_mode, or freeze its "
+                                   "parameters")
             return MoEFn.apply(x, self.router_weight, self.w13, self.w2, self.bias, self.top_k, self.routing,
                                dict(self.route_kw), self.group)
         w13, w2 = self.w13, self.w2

@@ -97,7 +97,7 @@ import torch.distributed as dist
 import kosmos
 from kosmos import moe_forward
 from kosmos.config import config_dict
-from kosmos.kernels.moe_backward import moe_backward_w1
+from kosmos.kernels.moe_backward import moe_backward_w1  # (moe_backward at one rank)
 from kosmos.kernels.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_backward_ref, moe_forward_a2a, route
@@ -344,8 +344,9 @@ class ExpertInputs:
 def _kosmos_backward_available(world: int, dtype) -> tuple[bool, str | None]:
     if dtype == MX:
         return False, "no MXFP8 backward yet"
-    if world > 1:
-        return False, "no kosmos MoE backward at W>1 yet (the one-launch backward is future work)"
+    if world > 1:  # kosmos.nn.MoE trains at W > 1 (kernels.moe_backward.moe_backward); the bench's check is W=1
+        return False, ("the bench checks the backward at W=1 only so far (grad_reference: no distributed fp32 "
+                       "reference of the gradients yet)")
     return True, None
 
 

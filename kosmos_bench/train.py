@@ -50,7 +50,8 @@ here gets an "unavailable" row with the reason -- ``unavailable_reason`` -- and 
                  handle (topk_weights= the weights' gradient), combine's a cached-mode dispatch (handle=). The
                  Buffer is freed after the implementation (in step). Unavailable when deep_ep does not import, at
                  W not 2, 4 or 8 (so at W = 1) and for shapes DeepEP's kernels refuse (moe.deepep_shape_problem).
-  kosmos (MoE)   kosmos.nn.MoE, whose backward exists at one rank only: unavailable at W > 1 (the row says so).
+  kosmos (MoE)   kosmos.nn.MoE (its backward: kernels.moe_backward.moe_backward, all-to-alls between the kernels
+                 at W > 1); at W > 1 it needs one GPU per rank over NCCL (unavailable over gloo, the row says so).
 In the MoE proxy the attention's linears are the dense implementation of the same name's family (kosmos ->
 kosmos.nn layers, nccl-a2a and deepep -> the nccl+cublas Functions), at W = 1.
 
@@ -689,8 +690,9 @@ def unavailable_reason(shape: ProxyShape, impl: str, world: int, dtype: str = "b
     if shape.kind == "moe":
         if dtype != "bf16":
             return "the MoE proxy trains in bf16 only (kosmos.nn.MoE trains in bf16 only)"
-        if impl == "kosmos" and world > 1:
-            return "kosmos.nn.MoE's backward runs at one rank only (the EP backward is future work)"
+        if impl == "kosmos" and world > 1 and not (cuda and backend == "nccl"):
+            return (f"kosmos.nn.MoE at W > 1 needs one GPU per rank over NCCL (its forward is the one-launch "
+                    f"layer over symmetric memory); here {one_gpu if cuda else 'CPU ranks over ' + backend}")
         if impl == "deepep":
             return deepep_problem(shape, world)
         return None

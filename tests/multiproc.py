@@ -25,13 +25,26 @@ def spawn_gloo(target, world, *args, timeout_s=180):
     procs = [ctx.Process(target=target, args=(r, world, port, q, *args)) for r in range(world)]
     for p in procs:
         p.start()
+    # read the results while the ranks run: a result larger than the pipe's buffer blocks its sender's put
+    # until it is read (joining first would then wait for ever)
+    import time
+    results, deadline = {}, time.monotonic() + timeout_s
+    while len(results) < world and time.monotonic() < deadline:
+        if not q.empty():
+            rank, value = q.get()
+            results[rank] = value
+        elif not any(p.is_alive() for p in procs) and q.empty():
+            break
+        else:
+            time.sleep(0.05)
     for p in procs:
-        p.join(timeout_s)
+        p.join(max(1.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.terminate()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return dict(q.get() for _ in range(world))
+    assert len(results) == world, sorted(results)
+    return results
 
 
 class Checks:

@@ -273,7 +273,7 @@ def test_bench_train_dry_run_ranks_on_one_gpu(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "world: 2 (EP" in text and "hidden: 896" in text and "every rank on cuda:0 over gloo" in text
     assert "  nccl-a2a (baseline)\n" in text  # available
-    assert "kosmos unavailable: kosmos.nn.MoE's backward runs at one rank only" in text
+    assert "kosmos unavailable: kosmos.nn.MoE at W > 1 needs one GPU per rank over NCCL" in text
     assert "deepep" in text
 
 
@@ -400,7 +400,7 @@ def test_moe_world2_nccl_a2a_and_deepep_over_gloo():
         assert status == "ok", status
         assert failures == [], (rank, failures)
         assert [(i, s) for i, s, *_ in rows] == [("nccl-a2a", "ok"), ("deepep", "ok"), ("kosmos", "unavailable")], rows
-        assert "one rank only" in rows[2][2] and all(r[4] == 2 for r in rows)
+        assert "needs one GPU per rank over NCCL" in rows[2][2] and all(r[4] == 2 for r in rows)
         assert "cached" in log and log[-1] == "destroy"  # the combine's backward: DeepEP's cached dispatch; freed
     a2a, deepep = got[0][2][0][3], got[0][2][1][3]
     assert a2a == got[1][2][0][3]  # every rank reports the same (summed) losses

@@ -156,3 +156,78 @@ def test_moe_backward_w1_vs_reference(routing):
     assert torch.equal(got[2][5], torch.zeros_like(got[2][5])) and torch.equal(got[3][5], torch.zeros_like(got[3][5]))
     again = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, **rkw)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def _ep_backward_rank(rank, world, port, q, routing):
+    """One rank of the EP backward test: this rank's tokens, dy and decision, its experts; moe_backward over a
+    gloo group (the kernels under the interpreter)."""
+    import os
+    import torch.distributed as dist
+    from kosmos.kernels.moe_backward import moe_backward
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        full = _ep_inputs(routing, world)
+        x, dy, experts, weights = (full[n][rank] for n in ("x", "dy", "experts", "weights"))
+        local = full["w13"].shape[0] // world
+        w13, w2 = (full[n][rank * local:(rank + 1) * local] for n in ("w13", "w2"))
+        got = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
+                           **full["rkw"])
+        again = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
+                             **full["rkw"])
+        same = all(torch.equal(a, b) for a, b in zip(got, again))
+        # by value (numpy; bf16 exactly as fp32): a tensor on the queue would live in this process's shared memory
+        q.put((rank, ([t.float().numpy() for t in got], same)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2):
+    """Every rank's tokens (rank 1: none routed to expert block 0's last expert; rank 0: a token count not a
+    multiple of anything) and the whole layer, from one seed."""
+    from kosmos import moe_reference as mr
+    g = torch.Generator().manual_seed(23)
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16)
+    kw = dict(routing="softmax") if routing == "softmax" else dict(routing="sigmoid-grouped", n_group=4,
+                                                                   topk_group=2, routed_scaling=2.5)
+    rkw = {kk: v for kk, v in kw.items() if kk in ("routing", "routed_scaling")}
+    allowed = torch.tensor([0, 1, 2, 4, 5, 6, 7])  # expert 3 gets no rows from any rank
+    xs, dys, exps, ws = [], [], [], []
+    for r in range(world):
+        n = t + 5 * r
+        x = torch.randn(n, h, generator=g).to(torch.bfloat16)
+        experts = allowed[torch.stack([torch.randperm(7, generator=g)[:k] for _ in range(n)])]
+        logits = x.float() @ wr.float().t()
+        weights, _, _ = mr.routing_weights_ref(logits, experts, kw["routing"],
+                                               routed_scaling=kw.get("routed_scaling", 1.0))
+        xs.append(x), dys.append(torch.randn(n, h, generator=g).to(torch.bfloat16)), exps.append(experts)
+        ws.append(weights)
+    return dict(x=xs, dy=dys, experts=exps, weights=ws, wr=wr, w13=w13, w2=w2, kw=kw, rkw=rkw)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("routing", ["softmax", "sigmoid-grouped"])
+def test_moe_backward_over_two_ranks_vs_reference(routing):
+    """moe_backward at W=2 over gloo (all-to-alls between the kernels) against moe_backward_ref on every rank's
+    tokens with every expert in one process: dx of each rank's tokens, d(router weight) summed over the ranks,
+    dW13 / dW2 of each rank's experts (an expert without rows: zeros); deterministic per rank."""
+    from kosmos import moe_reference as mr
+    from multiproc import spawn_gloo
+    world = 2
+    full = _ep_inputs(routing, world)
+    got = spawn_gloo(_ep_backward_rank, world, routing)
+    x_all, dy_all = torch.cat(full["x"]), torch.cat(full["dy"])
+    want = mr.moe_backward_ref(x_all, full["wr"], full["w13"], full["w2"], dy_all, top_k=2,
+                               experts=torch.cat(full["experts"]), **full["kw"])
+    part = lambda r, i: torch.from_numpy(got[r][0][i])  # noqa: E731
+    dx = torch.cat([part(r, 0) for r in range(world)])
+    d_router = sum(part(r, 1) for r in range(world))
+    dw13 = torch.cat([part(r, 2) for r in range(world)])
+    dw2 = torch.cat([part(r, 3) for r in range(world)])
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), (dx, d_router, dw13, dw2), want):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, (name, rel)
+    assert torch.equal(dw13[3], torch.zeros_like(dw13[3])) and torch.equal(dw2[3], torch.zeros_like(dw2[3]))
+    assert all(got[r][1] for r in range(world))  # bitwise the same twice

@@ -276,34 +276,73 @@ def _expert_gemm1(x_rows: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor)
     return out
 
 
-def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
-                    renormalize: bool = True, routed_scaling: float = 1.0):
-    """Gradients of the MoE layer at one rank (all E experts local) for the output gradient dy [T, H], given
-    the forward's routing decision (``weights`` [T, k] fp32 and ``experts`` [T, k], e.g. ``moe_forward(...,
-    return_routing=True)``): (dx [T, H] bf16, d_router_weight [E, H] fp32, dw13 [E, H, 2F] fp32, dw2 [E, F, H]
-    fp32) -- moe_reference.moe_backward_ref's stages, with the three expert GEMM shapes on this module's
-    kernels and the rest in torch:
+def _exchange(t: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
+    """all_to_all_single of the rows of ``t`` (split sizes on the host); a copy at one rank."""
+    if send_splits is None:
+        return t
+    import torch.distributed as dist
+    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
+    dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=group)
+    return out
 
-      pairs sorted by expert (stable: ascending p = t*k + j inside an expert), gathered rows x_rows, dy_rows;
+
+def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
+                 renormalize: bool = True, routed_scaling: float = 1.0):
+    """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
+    output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
+    fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
+    w13 [E/W, H, 2F] / w2 [E/W, F, H] this rank's experts: (dx [T, H] bf16, d_router_weight [E, H] fp32 -- this
+    rank's tokens' part, to be all-reduced like any replicated parameter's gradient --, dw13 [E/W, H, 2F] fp32,
+    dw2 [E/W, F, H] fp32, from every rank's tokens) -- moe_reference.moe_backward_ref's stages, with the three
+    expert GEMM shapes on this module's kernels and the rest in torch:
+
+      pairs sorted by expert (stable: ascending p = t*k + j inside an expert), hence by destination rank;
+      W > 1: the expert rows x_rows, dy_rows and the pairs' gate weights to the experts' ranks
+      (dist.all_to_all_single, split sizes read on the host: one sync), regrouped by local expert (stable:
+      source rank, then pair order);
       [g | u] recomputed (GEMM1 again: nothing of the forward's expert state is kept);
       dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu); dW2 = h^T (w dy) and
       dW13 = x_rows^T [dg | du] (expert_weight_grads); dx_rows = [dg | du] W13^T (expert_dgrad1);
+      W > 1: dx_rows and the gate gradients back to the tokens' ranks;
       dispatch backward (slot order), router backward in fp32 (logits recomputed), dx = dx_experts + dx_router.
 
-    Several launches, W=1 only: the one-launch backward, with its communication stages for W > 1, is the next
-    step. Deterministic (no atomics anywhere; stable sort; fixed summation orders)."""
+    Several launches and, at W > 1, NCCL (or gloo) all-to-alls between them: the one-launch backward, with its
+    communication in the launch, is the next step; this is its correctness twin and the EP backward the
+    training proxy runs until then. Deterministic (no atomics anywhere; stable sorts; fixed summation orders;
+    the all-to-alls only move rows)."""
     from .. import moe_reference as mr
+    from ..runtime import world_size
+    import torch.distributed as dist
     n_tok, hidden = x.shape
     n_exp = router_weight.shape[0]
+    local = w13.shape[0]
+    world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
+    if local * world != n_exp:
+        raise ValueError(f"w13 holds {local} experts per rank: {local} x {world} ranks != {n_exp} router experts")
     k = experts.shape[1]
     experts = experts.long()
     flat = experts.reshape(-1)
-    order = torch.sort(flat, stable=True).indices                    # expert-sorted row i <- pair order[i]
-    counts = torch.bincount(flat, minlength=n_exp)
+    order = torch.sort(flat, stable=True).indices                    # expert-sorted pair i <- pair order[i]
     tok = order // k
     x_rows = x[tok].contiguous()
     dy_rows = dy.to(torch.bfloat16)[tok].contiguous()
     w_pair = weights.reshape(-1).float()[order].contiguous()
+    per_expert = torch.bincount(flat, minlength=n_exp)
+    if world > 1:
+        send = per_expert.view(world, local)                         # [dest rank, local expert]
+        recv = torch.empty_like(send)                                # [source rank, local expert]
+        dist.all_to_all_single(recv, send, group=group)
+        send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
+        x_rows, dy_rows, w_pair = (_exchange(t, send_splits, recv_splits, group) for t in (x_rows, dy_rows, w_pair))
+        # per source rank, rows sorted by local expert: regroup by local expert (stable: source rank order)
+        chunk_expert = torch.arange(local, device=x.device).repeat(world)
+        src_expert = torch.repeat_interleave(chunk_expert, recv.reshape(-1).to(x.device), output_size=x_rows.shape[0])
+        by_expert = torch.sort(src_expert, stable=True).indices
+        x_rows, dy_rows, w_pair = (t[by_expert].contiguous() for t in (x_rows, dy_rows, w_pair))
+        counts = recv.sum(0)
+    else:
+        send_splits = recv_splits = by_expert = None
+        counts = per_expert
     gu = _expert_gemm1(x_rows, w13, counts)
     dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
     f = w2.shape[1]
@@ -313,6 +352,11 @@ def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing:
     dw2 = expert_weight_grads(h, do_rows, counts)
     dw13 = expert_weight_grads(x_rows, dgu, counts)
     dx_rows = expert_dgrad1(dgu, w13, counts)
+    if by_expert is not None:  # back to the received order, then to the tokens' ranks
+        dx_back, dw_back = torch.empty_like(dx_rows), torch.empty_like(dw_rows)
+        dx_back[by_expert], dw_back[by_expert] = dx_rows, dw_rows
+        dx_rows = _exchange(dx_back, recv_splits, send_splits, group)
+        dw_rows = _exchange(dw_back, recv_splits, send_splits, group)
     dx_pair = torch.empty_like(dx_rows)
     dx_pair[order] = dx_rows                                         # back to pair order p = t*k + j
     dx_e = mr.dispatch_backward_ref(dx_pair.float(), k)               # slot order j = 0..k-1, fp32
@@ -325,3 +369,10 @@ def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing:
     dlogits = mr.router_logits_backward_ref(dq, full, experts, routing)
     d_router, dx_r = mr.router_gemm_backward_ref(dlogits, x.float(), router_weight.float())
     return (dx_e + dx_r).to(torch.bfloat16), d_router, dw13, dw2
+
+
+def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
+                    renormalize: bool = True, routed_scaling: float = 1.0):
+    """``moe_backward`` at one rank (all E experts local)."""
+    return moe_backward(x, router_weight, w13, w2, dy, weights, experts, group=None, routing=routing,
+                        renormalize=renormalize, routed_scaling=routed_scaling)
