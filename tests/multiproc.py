@@ -18,6 +18,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def finish_gloo():
+    """The end of a gloo rank: a barrier (no rank tears its group down while a peer still talks to it: a
+    rank whose peer had gone aborted with "terminate called without an active exception" in CI), then
+    destroy_process_group."""
+    import torch.distributed as dist
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def spawn_gloo(target, world, *args, timeout_s=180):
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()

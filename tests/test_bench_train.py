@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import spawn_gloo
+from multiproc import spawn_gloo, finish_gloo
 from test_nn_tp import _fake_ops
 
 from kosmos.models import MoEModel
@@ -190,7 +190,7 @@ def _gloo_rank(rank, world, port, q):
     except BaseException as e:  # noqa: BLE001 -- reported to the parent
         q.put((rank, (f"{type(e).__name__}: {e}", None)))
     finally:
-        dist.destroy_process_group()
+        finish_gloo()
 
 
 def test_world2_over_gloo(monkeypatch):
@@ -382,7 +382,7 @@ def _moe_gloo_rank(rank, world, port, q):
         import traceback
         q.put((rank, (f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None, None, None)))
     finally:
-        dist.destroy_process_group()
+        finish_gloo()
 
 
 def _moe_tiny(batch=2):
@@ -443,7 +443,7 @@ def _async_tp_gloo_rank(rank, world, port, q):
     except BaseException as e:  # noqa: BLE001
         q.put((rank, f"{type(e).__name__}: {e}"))
     finally:
-        dist.destroy_process_group()
+        finish_gloo()
 
 
 def test_async_tp_functions_over_gloo_with_torch_fallbacks():

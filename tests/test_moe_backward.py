@@ -179,7 +179,8 @@ def _ep_backward_rank(rank, world, port, q, routing):
         # by value (numpy; bf16 exactly as fp32): a tensor on the queue would live in this process's shared memory
         q.put((rank, ([t.float().numpy() for t in got], same)))
     finally:
-        dist.destroy_process_group()
+        from multiproc import finish_gloo
+        finish_gloo()
 
 
 def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2):
