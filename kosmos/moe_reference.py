@@ -121,6 +121,32 @@ def _experts_forward(x_sorted, counts, w13, w2, fp32: bool):
     return out
 
 
+class AllToAllRows(torch.autograd.Function):
+    """dist.all_to_all_single of rows with autograd: [sum(in_splits), ...] -> [sum(out_splits), ...] (split sizes
+    on the host); the backward is the reverse all-to-all of the gradient, the split sizes swapped (every row goes
+    back where it came from). ``all_to_all_rows(x, out_splits, in_splits, group)``."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group=None):
+        import torch.distributed as dist
+        ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+        out_splits, in_splits = ctx.splits
+        dx = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
+        dist.all_to_all_single(dx, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return dx, None, None, None
+
+
+def all_to_all_rows(x, out_splits, in_splits, group=None):
+    return AllToAllRows.apply(x, out_splits, in_splits, group)
+
+
 def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "softmax", group=None,
                     fp32: bool = True, **route_kw):
     """The MoE layer over ``group`` with NCCL/gloo all-to-all (Megatron's all-to-all dispatcher):
@@ -132,7 +158,9 @@ def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "so
     ``fp32=True`` (the reference): rows upcast to fp32, experts one by one in fp32, the fold in fp32 in slot
     order; returns fp32. ``fp32=False`` (the ``nccl-a2a`` baseline): bf16 rows on the wire, grouped GEMMs, and
     the fold as one batched GEMM ``y[t] = w[t, :] @ pair_out[t, :, :]`` (weights cast to x.dtype, fp32
-    accumulation inside the GEMM); returns x.dtype. One host sync per call (the split sizes)."""
+    accumulation inside the GEMM); returns x.dtype. One host sync per call (the split sizes). Differentiable at
+    any W (the row exchanges through AllToAllRows; the counts' exchange carries no gradient): the training
+    proxy's nccl-a2a baseline is this function under autograd."""
     import torch.distributed as dist
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     local = w13.shape[0]
@@ -151,10 +179,10 @@ def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "so
     else:
         recv.copy_(send)
     send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
-    got = rows.new_empty((sum(recv_splits), hidden))
-    if world > 1:
-        dist.all_to_all_single(got, rows, recv_splits, send_splits, group=group)
+    if world > 1:  # differentiable (AllToAllRows): autograd runs through the layer at any W
+        got = all_to_all_rows(rows, recv_splits, send_splits, group)
     else:
+        got = rows.new_empty((sum(recv_splits), hidden))
         got.copy_(rows)
     # got holds, per source rank, rows sorted by local expert: regroup by local expert (stable, so within an
     # expert the rows stay in source-rank order)
@@ -162,12 +190,14 @@ def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "so
     src_expert = torch.repeat_interleave(chunk_expert, recv.reshape(-1).to(x.device), output_size=got.shape[0])
     by_expert = torch.argsort(src_expert, stable=True)
     out_sorted = _experts_forward(got.index_select(0, by_expert), recv.sum(0), w13, w2, fp32)
+    if world > 1 and got.shape[0] == 0 and got.requires_grad:  # nothing received: still a graph through both
+        out_sorted = out_sorted + got.sum()  # all-to-alls, so that this rank joins its peers' backward ones
     out = torch.empty_like(out_sorted)
     out.index_copy_(0, by_expert, out_sorted)
-    back = out.new_empty((sum(send_splits), hidden))
     if world > 1:
-        dist.all_to_all_single(back, out, send_splits, recv_splits, group=group)
+        back = all_to_all_rows(out, send_splits, recv_splits, group)
     else:
+        back = out.new_empty((sum(send_splits), hidden))
         back.copy_(out)
     pair_out = torch.empty_like(back)
     pair_out.index_copy_(0, order, back)                    # pair order again: token-major, slot-minor

@@ -40,10 +40,9 @@ here gets an "unavailable" row with the reason -- ``unavailable_reason`` -- and 
                  torch 2.11's ops; on the CPU only its Functions' math is tested (torch's fallbacks of the ops).
   kosmos         kosmos.nn.ColumnParallelLinear / RowParallelLinear (the fused ops, forward and backward);
                  unavailable at W > 1 on one GPU over gloo (KOSMOS's W > 1 ops need one GPU per rank).
-  nccl-a2a       the MoE baseline: an nn.Module around ``moe_a2a_train`` -- kosmos.moe_reference.moe_forward_a2a
-                 (fp32=False, the bench's nccl-a2a) op for op, its row all-to-alls through an autograd Function
-                 (``_AllToAll``: the backward is the reverse all_to_all_single, the split sizes swapped), so it
-                 trains at any W (at W = 1 the all-to-alls are copies).
+  nccl-a2a       the MoE baseline: an nn.Module around kosmos.moe_reference.moe_forward_a2a (fp32=False, the
+                 bench's nccl-a2a) under autograd: its row all-to-alls are differentiable (AllToAllRows: the
+                 backward is the reverse all_to_all_single, the split sizes swapped), so it trains at any W.
   deepep         DeepEP V1's intranode dispatch / combine (the bench's Buffer: moe._deepep_buffer, DeepEP's
                  recommended configs) around nccl-a2a's expert GEMMs (moe.deepep_expert_side), in autograd
                  Functions with Megatron's DeepEP backward: dispatch's is a combine of the gradient with the same
@@ -113,6 +112,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kosmos import quant, reference
+from kosmos.moe_reference import moe_forward_a2a
 from kosmos.models import DENSE_MODELS, MOE_MODELS, dense_model
 
 DENSE_IMPLS = ("nccl+cublas", "torch-async-tp", "kosmos")
@@ -414,67 +414,9 @@ def make_linear(family: str, column: bool, in_features: int, out_features: int, 
     raise ValueError(f"unknown linear family {family!r}")
 
 
-class _AllToAll(torch.autograd.Function):
-    """dist.all_to_all_single with autograd: rows [sum(in_splits), ...] -> [sum(out_splits), ...]; the backward is
-    the reverse all-to-all of the gradient, the split sizes swapped (every row goes back where it came from)."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group=None):
-        ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        out_splits, in_splits = ctx.splits
-        dx = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
-        dist.all_to_all_single(dx, g.contiguous(), in_splits, out_splits, group=ctx.group)
-        return dx, None, None, None
-
-
-def moe_a2a_train(x, router_weight, w13, w2, *, top_k: int, routing: str = "softmax", group=None, **route_kw):
-    """moe_reference.moe_forward_a2a(fp32=False) -- the bench's nccl-a2a layer, op for op (route, permute by
-    expert, the counts' all-to-all and the one host sync, the rows' all-to-all, regroup by local expert,
-    _experts_forward's grouped GEMMs, the all-to-all back, unpermute, the bmm fold) -- with the two row
-    all-to-alls through ``_AllToAll``, so that autograd runs through it at any W (the counts' exchange carries no
-    gradient). At W = 1 the all-to-alls are the copies moe_forward_a2a makes. tests/test_bench_train.py checks
-    that the forward is bitwise moe_forward_a2a's."""
-    from kosmos.moe_reference import _experts_forward, route
-    world = _world(group)
-    local = w13.shape[0]
-    n_tokens, hidden = x.shape
-    weights, experts = route(x, router_weight, top_k, routing, **route_kw)
-    flat_expert = experts.reshape(-1)
-    order = torch.argsort(flat_expert, stable=True)
-    rows = x.index_select(0, order // top_k)
-    per_expert = torch.bincount(flat_expert, minlength=local * world)
-    send = per_expert.view(world, local)
-    recv = torch.empty_like(send)
-    if world > 1:
-        dist.all_to_all_single(recv, send, group=group)
-    else:
-        recv.copy_(send)
-    send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
-    got = _AllToAll.apply(rows, recv_splits, send_splits, group) if world > 1 else rows.clone()
-    chunk_expert = torch.arange(local, device=x.device).repeat(world)
-    src_expert = torch.repeat_interleave(chunk_expert, recv.reshape(-1).to(x.device), output_size=got.shape[0])
-    by_expert = torch.argsort(src_expert, stable=True)
-    out_sorted = _experts_forward(got.index_select(0, by_expert), recv.sum(0), w13, w2, False)
-    if got.shape[0] == 0 and got.requires_grad:  # nothing received: still a graph through both all-to-alls,
-        out_sorted = out_sorted + got.sum()      # so that this rank joins its peers' backward all-to-alls
-    out = torch.empty_like(out_sorted)
-    out.index_copy_(0, by_expert, out_sorted)
-    back = _AllToAll.apply(out, send_splits, recv_splits, group) if world > 1 else out.clone()
-    pair_out = torch.empty_like(back)
-    pair_out.index_copy_(0, order, back)
-    pair_out = pair_out.view(n_tokens, top_k, hidden)
-    return torch.bmm(weights.to(x.dtype).unsqueeze(1), pair_out).squeeze(1)
-
-
 class A2AMoE(torch.nn.Module):
-    """The nccl-a2a MoE baseline with autograd at any W: ``moe_a2a_train`` (moe_reference.moe_forward_a2a(fp32=False)
-    with differentiable all-to-alls) on parameters laid out as kosmos.nn.MoE's (router [E, H], w13 [E/W, H, 2F],
+    """The nccl-a2a MoE baseline with autograd at any W: moe_reference.moe_forward_a2a(fp32=False) (differentiable
+    all-to-alls) on parameters laid out as kosmos.nn.MoE's (router [E, H], w13 [E/W, H, 2F],
     w2 [E/W, F, H])."""
 
     def __init__(self, hidden, expert_ffn, experts, top_k, *, routing="softmax", group=None, device=None,
@@ -497,8 +439,8 @@ class A2AMoE(torch.nn.Module):
         return kw
 
     def forward(self, x):
-        return moe_a2a_train(x, self.router_weight, self.w13, self.w2, top_k=self.top_k, routing=self.routing,
-                             group=self.group, **self._route_kw())
+        return moe_forward_a2a(x, self.router_weight, self.w13, self.w2, top_k=self.top_k, routing=self.routing,
+                             group=self.group, fp32=False, **self._route_kw())
 
 
 class _DeepEPState:

@@ -250,7 +250,8 @@ def _no_deep_ep(real):
     return import_module
 
 
-def test_a2a_train_forward_is_the_bench_nccl_a2a_w1():
+def test_a2a_module_forward_is_the_bench_nccl_a2a_w1():
+    """The proxy's nccl-a2a module (A2AMoE) is the bench's nccl-a2a layer on its parameters, bit for bit."""
     from kosmos.moe_reference import moe_forward_a2a
     m = GRAD_MODELS[1]
     x, wr, bias, _ = moe.make_router_inputs(m, 48, "uniform", 0, 0)
@@ -258,7 +259,13 @@ def test_a2a_train_forward_is_the_bench_nccl_a2a_w1():
     kw = moe.route_kwargs(m, bias)
     kw.pop("routing")
     ref = moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, routing=m.routing, fp32=False, **kw)
-    assert torch.equal(T.moe_a2a_train(x, wr, w13, w2, top_k=m.top_k, routing=m.routing, **kw), ref)
+    route_kw = {k: v for k, v in kw.items() if k != "bias"}
+    layer = T.A2AMoE(m.hidden, m.expert_ffn, m.experts, m.top_k, routing=m.routing, **route_kw)
+    with torch.no_grad():
+        layer.router_weight.copy_(wr), layer.w13.copy_(w13), layer.w2.copy_(w2)
+        if layer.bias is not None:
+            layer.bias.copy_(bias)
+    assert torch.equal(layer(x), ref)
 
 
 def test_bench_train_dry_run_ranks_on_one_gpu(capsys, monkeypatch):

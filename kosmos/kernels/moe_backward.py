@@ -277,13 +277,9 @@ def _expert_gemm1(x_rows: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor)
 
 
 def _exchange(t: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
-    """all_to_all_single of the rows of ``t`` (split sizes on the host); a copy at one rank."""
-    if send_splits is None:
-        return t
-    import torch.distributed as dist
-    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=group)
-    return out
+    """The rows of ``t`` to their ranks (moe_reference.all_to_all_rows; split sizes on the host)."""
+    from ..moe_reference import all_to_all_rows
+    return all_to_all_rows(t, recv_splits, send_splits, group)
 
 
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
