@@ -7,6 +7,12 @@ time against the same rows' ``t_gemm_ms`` -- the local GEMM alone (torch.matmul 
 grouped GEMMs alone) timed in the same run, so the run-to-run noise shows in how much that reference moves
 between the files. (Not against an ``nccl+cublas`` row: at W=1 that still copies for a size-1 all-gather.)
 Prints a table and the geomeans of new / base and of each side against the GEMM alone.
+
+Refuses (exit 2) when both sides ran the same code: each file's env header carries ``source_sha`` (the hash of the
+kosmos / kosmos_bench sources that ran), and an A/B whose sides share one compares a tree with itself. Session 10
+found that every interleaved A/B of sessions 7-9 had done exactly that: ``PYTHONPATH=.base python -m
+kosmos_bench.cli`` imports the package of the working directory (``-m`` puts it first on sys.path), so "old" was
+the new tree again. Run each tree from its own directory instead (dev/arch_session.sh ``bench_in``).
 """
 from __future__ import annotations
 
@@ -15,21 +21,26 @@ import json
 import math
 import os
 import statistics
+import sys
 from collections import defaultdict
 
 
 def _load(paths):
+    """(rows, source_shas): the ok rows by point and the set of env headers' source_sha over the files."""
     rows = defaultdict(list)  # (op, model, layer, seq + routing for MoE points, impl) -> [(time_ms, t_gemm_ms)]
+    shas = set()
     for p in paths:
         if not os.path.exists(p):
             raise SystemExit(f"ab_compare: {p}: no such file (did that run fail?)")
         for line in open(p):
             r = json.loads(line)
+            if r.get("type") == "env":
+                shas.add(r.get("source_sha"))
             if r.get("type") == "result" and r.get("status") == "ok":
                 seq = r["seq"] if r.get("routing") is None else f"{r['seq']}/{r['routing']}"
                 rows[(r["op"], r["model"], r["layer"], seq, r["impl"])].append(
                     (r["time_ms"], r.get("t_gemm_ms") or float("nan")))
-    return rows
+    return rows, shas
 
 
 def main(argv=None):
@@ -38,7 +49,19 @@ def main(argv=None):
     ap.add_argument("--vs", nargs="+", required=True)
     ap.add_argument("--impl", default="kosmos")
     args = ap.parse_args(argv)
-    base, new = _load(args.base), _load(args.vs)
+    (base, base_src), (new, new_src) = _load(args.base), _load(args.vs)
+    if None in base_src | new_src:
+        print("ab_compare: a file has no env header with source_sha: cannot tell which code ran", file=sys.stderr)
+        return 2
+    if base_src & new_src:
+        print(f"ab_compare: both sides ran the same code (source_sha {sorted(base_src & new_src)[0][:12]}): "
+              "this is not an A/B (run each tree from its own directory)", file=sys.stderr)
+        return 2
+    if len(base_src) > 1 or len(new_src) > 1:
+        print(f"ab_compare: one side mixes several sources (base {len(base_src)}, new {len(new_src)})",
+              file=sys.stderr)
+        return 2
+    print(f"base source {min(base_src)[:12]}, new source {min(new_src)[:12]}")
     keys = sorted({k[:4] for k in base if k[4] == args.impl} & {k[:4] for k in new if k[4] == args.impl})
     print(f"{'model':<11} {'layer':<9} {'seq':>6} {'base ms':>9} {'new ms':>9} {'new/base':>9} "
           f"{'gemm/base':>10} {'gemm/new':>9}")
@@ -55,7 +78,8 @@ def main(argv=None):
     for name, vals in logs.items():
         if vals:
             print(f"geomean {name} over {len(vals)} shapes: {math.exp(sum(vals) / len(vals)):.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

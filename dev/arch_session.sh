@@ -8,13 +8,19 @@
 #   KOSMOS_GIT_COMMIT=<sha> bash dev/arch_session.sh tp      # W=1 A/B, llama3-70b TP=2 per-rank GEMMs
 #   KOSMOS_GIT_COMMIT=<sha> bash dev/arch_session.sh moe     # W=1 A/B, the MoE suite at EP=1
 #
-# A/B: old, new, old, new, interleaved in one call; `python -m dev.ab_compare` prints new/old per shape and
-# the geomean. Device run: carry [".base"].
+# A/B: old, new, old, new, interleaved in one call, each tree run from its own directory (in_tree);
+# `python -m dev.ab_compare` prints new/old per shape and the geomean, and refuses files of one source.
+# Device run: carry [".base"].
 set -u
 stage=${1:?usage: arch_session.sh tests|regs|tp|moe|final|ab9|deq9}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1
 [ -d .base/kosmos ] || { echo "no .base/ tree (see the header)"; exit 2; }
+# Run a command inside one tree: `python -m` imports the package of the working directory first (it heads
+# sys.path), so PYTHONPATH=.base alone ran the working tree -- every A/B of sessions 7-9 compared a tree with
+# itself (found in session 10 from the rows' source_sha; dev/ab_compare.py now refuses such a pair).
+# Out paths must be absolute ($OUT is).
+in_tree() { local root=$1; shift; ( cd "$root" && PYTHONPATH=. "$@" ); }
 regs() {  # tree json
   PYTHONPATH=".:$1" timeout 280 python -c "import sys; sys.path.insert(0, '$1'); sys.argv = ['kr', '--world', '1,2,8', '--json', '$2']
 import importlib.util; spec = importlib.util.spec_from_file_location('kr', 'dev/kernel_resources.py')
@@ -40,7 +46,7 @@ case $stage in
     for round in 1 2; do
       for tree in old new; do
         root=.; [ $tree = old ] && root=.base
-        PYTHONPATH=$root timeout 130 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
+        in_tree $root timeout 130 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
           --impl kosmos --out "$out/tp-w1-$tree-$round.jsonl" >> /tmp/tp-w1-runs.log 2>&1
         echo "tp $tree round $round rc=$?"
       done
@@ -52,7 +58,7 @@ case $stage in
     for round in $(seq 1 ${MOE_ROUNDS:-2}); do
       for tree in old new; do
         root=.; [ $tree = old ] && root=.base
-        PYTHONPATH=$root timeout ${MOE_TIMEOUT:-130} python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos \
+        in_tree $root timeout ${MOE_TIMEOUT:-130} python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos \
           --no-expert-gemms --iters ${MOE_ITERS:-20} --out "$out/moe-ep1-$tree-$round.jsonl" >> "$out/moe-runs.log" 2>&1
         echo "moe $tree round $round rc=$?"
       done
@@ -78,10 +84,10 @@ case $stage in
       if [ $((SECONDS + $4)) -gt $deadline ]; then echo "$1 $2 round $3 skipped (deadline)"; return; fi
       local t0=$SECONDS
       if [ $1 = tp ]; then
-        PYTHONPATH=$root timeout $4 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
+        in_tree $root timeout $4 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
           --impl kosmos --out "$out/tp-w1-$2-$3.jsonl" >> /tmp/ab-runs.log 2>&1
       else
-        PYTHONPATH=$root timeout $4 python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos --no-expert-gemms \
+        in_tree $root timeout $4 python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos --no-expert-gemms \
           --iters 20 --out "$out/moe-ep1-$2-$3.jsonl" >> /tmp/ab-runs.log 2>&1
       fi
       echo "$1 $2 round $3 rc=$? $((SECONDS - t0)) s"
@@ -106,7 +112,7 @@ case $stage in
       for tree in old rows8 tma; do
         root=.; [ $tree = old ] && root=.base; [ $tree = rows8 ] && root=.var/rows8
         t0=$SECONDS
-        PYTHONPATH=$root timeout ${DEQ_RUN_S:-80} python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 \
+        in_tree $root timeout ${DEQ_RUN_S:-80} python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 \
           --model llama3-70b --impl kosmos --dtype mxfp8 --out "$out/mx-$tree-$round.jsonl" >> /tmp/deq-runs.log 2>&1
         echo "mx $tree round $round rc=$? $((SECONDS - t0)) s"
       done

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -120,5 +120,51 @@ EOF
     grep -E "Traceback|Error" "$out/tile-probe.log" | head -5
     grep -o '"status": "[a-z]*"' "$out/tile-probe.jsonl" | sort | uniq -c
     python -m dev.tile_probe --table "$out/tile-probe.jsonl" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles" >&2; exit 2 ;;
+  s10a)  # session 10's first call (<= 550 s; one tarball $OUT/s10a.tar.gz). Trees (carry .snap .base .var):
+         #   . = main HEAD, .base = 66a569a (the committed MX run), .var/tma = d24f136 (session 9's TMA DEQ tree,
+         #   which ran every "old/rows8/tma" row of its DEQ A/B), .var/old = cde9bc8 (before session 8's kernel
+         #   changes), .var/cg = branch cuda-graphs-rebased (with its tests).
+         # 1. the branch's GPU tests while Triton 3.6 compiles the register tables (HEAD bf16 + mx, branch bf16);
+         # 2. with the CPU quiet: the MX run difference (mxfp8 kosmos: .base, ., .var/tma), then the bf16 A/B
+         #    (TP W=1: old, head, cg, head, cg; MoE EP=1: head, cg), each tree run from its own directory.
+    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10a.tar.gz"; }
+    in_tree() { local root=$1; shift; ( cd "$root" && PYTHONPATH=. "$@" ); }
+    own_regs() { in_tree "$1" timeout 280 python dev/kernel_resources.py --world 1,2,8 $3 --json "$2"; }
+    ( own_regs . "$out/regs-head-bf16.json" "" > "$out/regs-head-bf16.txt" 2>&1 &
+      own_regs . "$out/regs-head-mx.json" --mx > "$out/regs-head-mx.txt" 2>&1 &
+      own_regs .var/cg "$out/regs-cg-bf16.json" "" > "$out/regs-cg-bf16.txt" 2>&1 & wait ) &
+    regs_pid=$!
+    in_tree .var/cg timeout 230 python -m pytest -v -p no:cacheprovider -m "gpu or ranks or gpu_optional" \
+      tests/test_cuda_graphs.py tests/test_runtime.py tests/test_tp_ops_together.py tests/test_moe_forward.py \
+      tests/test_all_gather_matmul.py tests/test_matmul_reduce_scatter.py > "$out/cg-gpu-tests.log" 2>&1
+    echo "cg gpu tests rc=$? (124: the 230 s limit)"; grep -cE " PASSED" "$out/cg-gpu-tests.log"
+    grep -E "(FAILED|ERROR)" "$out/cg-gpu-tests.log" | head -8; tail -1 "$out/cg-gpu-tests.log"
+    wait $regs_pid; keep
+    run_one() {  # kind name dir limit tag
+      if [ $((SECONDS + $4)) -gt 540 ]; then echo "$1 $2 $5 skipped (deadline)"; return; fi
+      local t0=$SECONDS
+      case $1 in
+        mx) in_tree $3 timeout $4 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
+              --impl kosmos --dtype mxfp8 --out "$out/mx-$2-$5.jsonl" >> "$out/runs.log" 2>&1 ;;
+        tp) in_tree $3 timeout $4 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
+              --impl kosmos --out "$out/tp-$2-$5.jsonl" >> "$out/runs.log" 2>&1 ;;
+        moe) in_tree $3 timeout $4 python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos --no-expert-gemms \
+              --iters 20 --out "$out/moe-$2-$5.jsonl" >> "$out/runs.log" 2>&1 ;;
+      esac
+      echo "$1 $2 $5 rc=$? $((SECONDS - t0)) s"
+    }
+    run_one mx base .base 60 1; run_one mx head . 60 1; run_one mx tma .var/tma 60 1; keep
+    run_one tp old .var/old 60 1; run_one tp head . 45 1; run_one tp cg .var/cg 60 1; keep
+    run_one moe head . 70 1; run_one moe cg .var/cg 80 1; keep
+    run_one tp head . 40 2; run_one tp cg .var/cg 40 2; keep
+    grep -E "^(all_|matmul|moe)" "$out"/regs-*.txt | sed "s|$out/||"
+    ab() { python -m dev.ab_compare $1 --vs $2 | grep -E "source|geomean|^llama|^deepseek|^qwen" | sed "s/^/$3: /"; }
+    ab "$out/mx-base-1.jsonl" "$out/mx-head-1.jsonl" "mx head/66a569a"
+    ab "$out/mx-base-1.jsonl" "$out/mx-tma-1.jsonl" "mx tma/66a569a" | grep geomean
+    ab "$out/tp-old-1.jsonl" "$out/tp-head-1.jsonl" "tp head/cde9bc8" | grep -E "geomean|source"
+    ab "$(ls $out/tp-head-*.jsonl)" "$(ls $out/tp-cg-*.jsonl)" "tp cg/head"
+    ab "$out/moe-head-1.jsonl" "$out/moe-cg-1.jsonl" "moe cg/head" | grep -E "geomean|source"
+    keep; echo "tarball: $(du -k "$real_out/s10a.tar.gz" | cut -f1) KiB" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a" >&2; exit 2 ;;
 esac

@@ -2,12 +2,13 @@
 
 * ``interpreter`` -- dev.tile_probe's check-only mode (``--cpu-smoke``) on tiny shapes under the CPU interpreter:
   every candidate tile checked against the fp32 product, through the kernels' own ``launch``.
+* dev.ab_compare refuses an A/B whose two sides ran the same code (the sessions 7-9 mistake).
 """
 import json
 
 import pytest
 
-from dev import tile_probe
+from dev import ab_compare, tile_probe
 
 
 def _rows(path):
@@ -63,3 +64,25 @@ def test_tile_probe_candidates_parse():
     assert len(tile_probe.load_shapes(None)) == 48
     with pytest.raises(ValueError):
         tile_probe.parse_candidate("128x128")
+
+
+def _ab_file(path, source_sha, time_ms):
+    rows = [{"type": "env", "source_sha": source_sha},
+            {"type": "result", "status": "ok", "op": "ag_gemm", "model": "m", "layer": "qkv", "seq": 4096,
+             "impl": "kosmos", "time_ms": time_ms, "t_gemm_ms": 1.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_ab_compare_refuses_a_tree_against_itself(tmp_path, capsys):
+    """Same source_sha on both sides: exit 2 and the reason; different sources: the ratio new/base is printed."""
+    old = _ab_file(tmp_path / "old.jsonl", "a" * 40, 2.0)
+    same = _ab_file(tmp_path / "same.jsonl", "a" * 40, 1.0)
+    assert ab_compare.main([old, "--vs", same]) == 2
+    assert "same code" in capsys.readouterr().err
+    new = _ab_file(tmp_path / "new.jsonl", "b" * 40, 1.0)
+    assert ab_compare.main([old, "--vs", new]) == 0
+    out = capsys.readouterr().out
+    assert "geomean new/base over 1 shapes: 0.500" in out
+    mixed = [old, _ab_file(tmp_path / "old2.jsonl", "c" * 40, 2.0)]
+    assert ab_compare.main(mixed + ["--vs", new]) == 2
