@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -166,5 +166,29 @@ EOF
     ab "$(ls $out/tp-head-*.jsonl)" "$(ls $out/tp-cg-*.jsonl)" "tp cg/head"
     ab "$out/moe-head-1.jsonl" "$out/moe-cg-1.jsonl" "moe cg/head" | grep -E "geomean|source"
     keep; echo "tarball: $(du -k "$real_out/s10a.tar.gz" | cut -f1) KiB" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a" >&2; exit 2 ;;
+  s10b)  # session 10's second call (<= 550 s; tarball $OUT/s10b.tar.gz; trees as s10a): the MoE A/B's second
+         # round in the other order (cg, head), the tile probe for what time allows (gemm_rs and ag_gemm, shape
+         # by shape), then the branch's GPU tests that s10a's 230 s did not reach (dev/cg-done.txt: node ids
+         # that ran; each test limited to 60 s so a hang names itself).
+    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10b.tar.gz"; }
+    in_tree() { local root=$1; shift; ( cd "$root" && PYTHONPATH=. "$@" ); }
+    for tree in cg:.var/cg head:.; do
+      t0=$SECONDS
+      in_tree ${tree#*:} timeout 80 python -m kosmos_bench.cli bench moe --ep 1 --impl kosmos --no-expert-gemms \
+        --iters 20 --out "$out/moe-${tree%%:*}-2.jsonl" >> "$out/runs.log" 2>&1; echo "moe ${tree%%:*} 2 rc=$? $((SECONDS - t0)) s"
+    done; keep
+    left=$((330 - SECONDS))
+    timeout $((left + 40)) python -m dev.tile_probe --max-seconds $left --json "$out/tile-probe.jsonl" \
+      > "$out/tile-probe.log" 2>&1; echo "tile probe rc=$? (budget $left s)"; keep
+    grep -o '"status": "[a-z]*"' "$out/tile-probe.jsonl" | sort | uniq -c
+    left=$((535 - SECONDS))
+    in_tree .var/cg timeout $left python -m pytest -v -p no:cacheprovider --timeout 60 \
+      -m "gpu or ranks or gpu_optional" tests/test_all_gather_matmul.py tests/test_matmul_reduce_scatter.py \
+      $(sed 's/^/--deselect /' dev/cg-done.txt) > "$out/cg-gpu-tests-2.log" 2>&1
+    echo "cg gpu tests rc=$? (limit $left s; 124: the limit)"; grep -cE " PASSED" "$out/cg-gpu-tests-2.log"
+    grep -E "(FAILED|ERROR|Timeout)" "$out/cg-gpu-tests-2.log" | head -8; tail -1 "$out/cg-gpu-tests-2.log"
+    python -m dev.tile_probe --table "$out/tile-probe.jsonl" | tail -30
+    keep ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b" >&2; exit 2 ;;
 esac
