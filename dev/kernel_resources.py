@@ -113,7 +113,8 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     sig = torch.zeros(runtime.FLAG_BASE + 4096, dtype=torch.int32, device=dev)
     heads = torch.zeros(runtime.NUM_HEADS, dtype=torch.int32, device=dev)
     errs = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=dev)
-    common = dict(rank=0, world=world, epoch=1, timeout_ns=10**9, grid=grid)
+    common = dict(rank=0, world=world, epoch_slot=torch.zeros(1, dtype=torch.int32, device=dev), timeout_ns=10**9,
+                  grid=grid)
     a_shard, b = torch.empty(ms, k, **bf), torch.empty(k, n, **bf)
     gather, c = torch.empty(ms * world, k, **bf), torch.empty(ms * world, n, **bf)
     cfg = planning.tile_config(ms, n, k)

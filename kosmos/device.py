@@ -7,10 +7,10 @@ Everything a kernel needs to talk to other ranks lives here, and nowhere else:
 * ``notify``     -- publish a flag value to a (possibly remote) signal slot: ``atomic_xchg`` with
                     ``sem="release", scope="sys"``. Every store the *whole program* made before the call is
                     visible to whoever acquires the flag (a CTA barrier precedes the release, so the
-                    other threads' stores are ordered too). The value is the call's epoch, a launch
-                    argument: a CUDA graph replaying a captured call would reuse it and find its flags
-                    already set, so the ops are not graph-replayable: ``runtime.get_workspace`` refuses
-                    a capture with a clear error (NOTES.md, sessions 5 and 6).
+                    other threads' stores are ordered too). The value is the call's epoch.
+* ``call_epoch`` -- the call's epoch, read from the workspace's device slot at the start of every program
+                    (slot + 1); ``exit_program`` advances the slot. No epoch is a launch argument, so a CUDA
+                    graph replaying a captured call runs each replay at the next epoch (runtime.py).
 * ``load_uniform`` -- read shared state so that all threads of a program agree (one broadcast atomic);
                     every branch on a flag or queue head uses it.
 * ``wait_geq``   -- bounded spin until a local signal slot holds a value >= target. Polls with volatile loads
@@ -157,6 +157,14 @@ def _record_error(err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, ind
 
 
 @triton.jit
+def call_epoch(epoch_ptr):
+    """This launch's epoch: ``*epoch_ptr + 1`` (the slot holds the last completed call's epoch). One uniform
+    read per program, at its start, kept in a register for the whole launch; ``exit_program`` of the last
+    program out stores the new value (why no program can read the bumped value: there)."""
+    return load_uniform(epoch_ptr) + 1
+
+
+@triton.jit
 def _signal_done(peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch):
     """done[rank] = epoch on every rank. At W = 1 nobody reads it (``wait_peers_done`` returns at once): the
     system-scope release it would cost (~1.5 us per call, measured) is skipped."""
@@ -166,23 +174,46 @@ def _signal_done(peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.conste
             tl.atomic_xchg(sig + DONE_BASE + rank, epoch, sem="release", scope="sys")
 
 
+# Advancing the device epoch (``_advance_epoch``, run by the last program out of a launch).
+# Every program reads the slot once, in ``call_epoch`` at its start: one thread's atomic, broadcast to the
+# others through shared memory behind a CTA barrier, so the read precedes, in that program, everything after
+# it -- in particular its exit ``atomic_add`` on the exit counter (acq_rel). The last program out is the one
+# whose exit atomic returned GRID - 1: every other program's exit atomic came before it in the counter's
+# modification order, and acquiring it makes each of those programs' earlier actions -- their slot reads among
+# them -- happen before the last program's store to the slot. A read that happens before a write cannot see it
+# (read-write coherence), so every program of the launch saw the same, old value; and the launch cannot have a
+# program still to start, since all GRID have already counted themselves out. The next launch on the stream
+# (or the next replay) starts after this one has ended and reads the new value. Launches that are not the
+# last of their call -- the CPU tests' phase launches: the MoE layer's with FINAL off, the TP ops' with
+# ADVANCE off -- do not advance it.
+@triton.jit
+def _advance_epoch(epoch_ptr, epoch):
+    tl.store(epoch_ptr, epoch)
+
+
 @triton.jit
 def exit_program(heads_ptr, EXIT_SLOT: tl.constexpr, NUM_HEADS: tl.constexpr, GRID: tl.constexpr,
-                 peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch):
-    """Last program out resets the queue heads (so the next launch starts at 0 without a reset kernel) and
-    tells every peer that this rank is done with the call's buffers (flag DONE_BASE + rank = epoch)."""
+                 peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, epoch_ptr,
+                 ADVANCE: tl.constexpr):
+    """Last program out resets the queue heads (so the next launch starts at 0 without a reset kernel), tells
+    every peer that this rank is done with the call's buffers (flag DONE_BASE + rank = epoch) and, with
+    ADVANCE (always, but in the CPU tests' launches that are a first part of one call), advances the device
+    epoch (slot = epoch: the next launch runs at epoch + 1; see the comment above)."""
     n_out = tl.atomic_add(heads_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
     if n_out == GRID - 1:
         for h in tl.static_range(NUM_HEADS):
             tl.store(heads_ptr + h, 0)
         _signal_done(peer_sig_table, DONE_BASE, rank, WORLD, epoch)
+        if ADVANCE:
+            _advance_epoch(epoch_ptr, epoch)
 
 
 @triton.jit
 def exit_program_zeroing(scratch_ptr, n_zero, EXIT_SLOT: tl.constexpr, GRID: tl.constexpr, peer_sig_table,
-                         DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, BLOCK: tl.constexpr):
+                         DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, epoch_ptr, BLOCK: tl.constexpr):
     """``exit_program`` for kernels whose local scratch (heads, exit counter, readiness counters) is one int32
-    array: the last program out zeroes its first ``n_zero`` entries, then signals done to every peer."""
+    array: the last program out zeroes its first ``n_zero`` entries, signals done to every peer and advances
+    the device epoch."""
     n_out = tl.atomic_add(scratch_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
     if n_out == GRID - 1:
         offs = tl.arange(0, BLOCK)
@@ -190,6 +221,7 @@ def exit_program_zeroing(scratch_ptr, n_zero, EXIT_SLOT: tl.constexpr, GRID: tl.
             tl.store(scratch_ptr + start + offs, tl.zeros([BLOCK], tl.int32), mask=start + offs < n_zero)
         tl.debug_barrier()
         _signal_done(peer_sig_table, DONE_BASE, rank, WORLD, epoch)
+        _advance_epoch(epoch_ptr, epoch)
 
 
 @triton.jit

@@ -177,9 +177,12 @@ _DEVICE_TABLES: dict = {}
 
 
 def cached_tables(key, build):
-    """Keep device copies of task tables so that steady-state calls allocate and copy nothing."""
+    """Keep device copies of task tables so that steady-state calls allocate and copy nothing (and a CUDA-graph
+    capture finds them: building one is a host-to-device copy, refused while capturing)."""
     t = _DEVICE_TABLES.get(key)
     if t is None:
+        from .runtime import capture_refusal
+        capture_refusal(f"its task tables for {key[0]} at this shape are not built yet")
         t = build()
         _DEVICE_TABLES[key] = t
     return t

@@ -13,6 +13,7 @@ One ``Workspace`` per process group, created on first use and reused by every ca
                 after reading it), reached through ``peer_counters``. Kept apart from ``signals`` because
                 epoch-valued flags of other ops must never land in a counter.
 * ``heads``  -- local int32 queue heads (+ an exit counter); the last program of a launch zeroes them.
+* ``epoch_slot`` -- local int32[1]: the device epoch, the number of calls this workspace has completed (below).
 * ``local(name, numel, dtype)`` -- plain (non-symmetric) device buffers an op keeps between calls (grown on
                 demand; created zeroed).
 * ``errors`` -- local int64[ERR_SLOTS] error record written by a timed-out wait (see device.py); its last slot
@@ -21,7 +22,25 @@ One ``Workspace`` per process group, created on first use and reused by every ca
 Epochs: every call gets the next value of a per-workspace counter; flags are written with it and waited on
 with ``>= epoch``, so back-to-back calls need no reset kernel and no host synchronisation. A call's first
 write into shared buffers waits until every peer has published ``done >= epoch - 1`` (at W = 1 there is no
-peer: neither the wait nor the done flag happens).
+peer: neither the wait nor the done flag happens). The counter lives on the device, in ``epoch_slot``, and the
+launch itself advances it: every program reads ``epoch = slot + 1`` once at its start and the last program
+to exit stores ``slot = epoch`` (device.call_epoch / device.exit_program). The host never passes an epoch, so
+a CUDA graph that captured a call replays it with the next epoch each time and never reads stale peer data.
+Every op of a workspace (both TP ops and the MoE layer) shares its slot, like the done flags they share; the
+ranks' slots advance in lockstep because every rank makes the same sequence of calls. A workspace growth
+(fresh zeroed signals) sets the slot back to 0. ``Workspace.device_epoch()`` reads it (a host sync: tests).
+
+CUDA graphs: the ops may be captured (``torch.cuda.graph``) once one eager call of the same shapes, dtypes,
+config and group has run: that call creates what a capture must not create -- the symmetric workspace and the
+local buffers large enough for the shape, the cached task tables, the compiled kernel, the MoE layer's
+cross-rank shape check. A capture that would need any of them raises a one-line ``KosmosError`` saying so
+(``capture_refusal``) instead of allocating, synchronising or talking to peers. A capture keeps fixed what any
+CUDA graph does: the shapes, the input tensors' addresses (copy new data into them), the output tensors of
+the captured call (every replay writes the same ones), the policy and config, and the timeout in force at
+capture. At W > 1 every rank must capture the same calls and replay its graphs in the same order as its
+peers (each replay is one call per op captured, as eagerly). Under capture no error event is recorded (an
+event captured in a graph cannot be queried after a replay); ``check_errors()`` after replays synchronises
+the device and then reads the pinned mirror, raising ``KosmosTimeoutError`` exactly as after eager calls.
 
 Errors are checked without stalling the stream: the program that records an error also writes the record
 into pinned, host-mapped memory (a healthy call moves nothing: a per-call device-to-host copy measured ~5 us
@@ -121,14 +140,16 @@ class Workspace:
     counters: torch.Tensor | None = None      # int32, symmetric, always left at zero between calls
     peer_counters: torch.Tensor | None = None  # int64 [W]
     heads: torch.Tensor | None = None
+    epoch_slot: torch.Tensor | None = None    # int32 [1], local: the device epoch (module docstring)
     errors: torch.Tensor | None = None
-    epoch: int = 0
     poisoned: str | None = None
     _handles: list = field(default_factory=list)
     _local: dict = field(default_factory=dict)
     agreed_shapes: set = field(default_factory=set)  # call signatures every rank was checked to share
     _err_host: torch.Tensor | None = None
     _err_event: object = None
+    _capturing: bool = False  # the current call is being captured into a CUDA graph (before_launch)
+    _captured: bool = False   # some call was: check_errors() synchronises the device (replays record no event)
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
@@ -147,6 +168,7 @@ class Workspace:
         need_sig = FLAG_BASE + flag_slots
         if self.data is not None and self.data_bytes >= data_bytes and self.signal_slots >= need_sig:
             return
+        capture_refusal(f"its symmetric workspace must grow to {data_bytes} bytes and {need_sig} signal slots")
         dev = self.world.device
         if self.data is not None:  # growing: let every peer finish with the old buffers first
             torch.cuda.synchronize(dev)
@@ -166,10 +188,11 @@ class Workspace:
         self.peer_signals = torch.tensor(sig_ptrs, dtype=torch.int64, device=dev)
         if self.heads is None:
             self.heads = torch.zeros(NUM_HEADS, dtype=torch.int32, device=dev)
+            self.epoch_slot = torch.zeros(1, dtype=torch.int32, device=dev)
             self._err_host = torch.zeros(ERR_RECORD, dtype=torch.int64, pin_memory=True)
             # pinned memory is mapped into the device's address space at the same address (UVA)
             self.errors = torch.tensor([0] * ERR_RECORD + [self._err_host.data_ptr()], dtype=torch.int64, device=dev)
-        self.epoch = 0  # fresh zeroed signals: epochs restart
+        self.epoch_slot.zero_()  # fresh zeroed signals: epochs restart (on every rank: growth is collective)
         torch.cuda.synchronize(dev)
         if self.world.size > 1:
             dist.barrier(group=self.world.group)
@@ -181,6 +204,7 @@ class Workspace:
         have = 0 if self.counters is None else self.counters.numel()
         if have >= slots:
             return
+        capture_refusal(f"its symmetric counter buffer must grow to {slots} slots")
         dev = self.world.device
         if self.counters is not None:
             torch.cuda.synchronize(dev)
@@ -200,6 +224,7 @@ class Workspace:
         stream order."""
         t = self._local.get(name)
         if t is None or t.numel() < numel or t.dtype != dtype:
+            capture_refusal(f"its local buffer {name!r} must grow to {numel} elements")
             t = torch.zeros(max(numel, 1), dtype=dtype, device=self.world.device)
             if init is not None:
                 init(t)
@@ -219,28 +244,48 @@ class Workspace:
         self._handles.append(handle)
         return t, list(handle.buffer_ptrs)
 
-    def next_epoch(self) -> int:
-        self.check_errors(block=False)
-        self.epoch += 1
-        return self.epoch
+    def before_launch(self) -> None:
+        """Every op calls this right before its launch: raise a timeout an earlier call recorded (a look at the
+        last launch's event, never a wait), and note whether this call is being captured into a CUDA graph (then
+        nothing is queried: an event query is illegal during a capture). The epoch is not the host's business:
+        the launch reads and advances the device slot itself."""
+        self._capturing = capturing()
+        if self._capturing:
+            self._captured = True
+            if self.poisoned:
+                raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        else:
+            self.check_errors(block=False)
 
     def after_launch(self) -> None:
         """Record the event behind which the host mirror of the error record is complete (the kernel writes
-        the mirror only on error); it is read by the next call or check_errors()."""
+        the mirror only on error); it is read by the next call or check_errors(). Not while capturing: an event
+        recorded into a graph cannot be queried after a replay; check_errors() then synchronises instead."""
+        if self._capturing:
+            return
         if self._err_event is None:
             self._err_event = torch.cuda.Event()
         self._err_event.record()
 
+    def device_epoch(self) -> int:
+        """The device epoch (calls completed on this workspace since it was made or last grew): a
+        device-to-host copy, so a synchronisation -- for tests and error reports, never on the hot path."""
+        return 0 if self.epoch_slot is None else int(self.epoch_slot.item())
+
     def check_errors(self, block: bool = True) -> None:
         if self.poisoned:
             raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
-        if self._err_event is None:
+        if capturing():  # nothing can be waited for or queried inside a capture; replays are checked after it
             return
-        if block:
+        if block and self._captured:  # a replayed graph records no event: wait for everything on the device
+            torch.cuda.synchronize(self.world.device)
+        elif self._err_event is None:
+            return
+        elif block:
             self._err_event.synchronize()
         elif not self._err_event.query():
             return
-        if int(self._err_host[0]) != 0:
+        if self._err_host is not None and int(self._err_host[0]) != 0:
             self.poisoned = decode_error(self._err_host.tolist())
             raise KosmosTimeoutError(self.poisoned)
 
@@ -251,14 +296,23 @@ class Workspace:
 _WORKSPACES: dict = {}
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capture_refusal(what: str) -> None:
+    """Raise a one-line KosmosError if the current stream is capturing a CUDA graph: a call of an op that
+    still has to do ``what`` (allocate, build tables, synchronise, talk to peers) cannot be captured. Only
+    the slow paths call it (a first call of a shape), so the steady state pays nothing."""
+    if capturing():
+        raise KosmosError(f"a KOSMOS op cannot be captured in a CUDA graph here: {what}, which a capture "
+                          f"cannot do -- run one eager call with the same shapes (and config, group) first")
+
+
 def get_workspace(group=None, device=None) -> Workspace:
-    """The workspace of ``group`` on ``device``; every op takes it before it launches, so this is also where
-    a CUDA-graph capture is refused: an op's epoch (the value its cross-rank flags are compared with) is a
-    launch argument, and a replayed graph would reuse it, find the flags already set and read stale data."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise KosmosError("KOSMOS ops cannot be captured in a CUDA graph: each call's epoch is a launch "
-                          "argument, so a replay would reuse it and read stale peer data. Call them outside "
-                          "the captured region.")
+    """The workspace of ``group`` on ``device``, created on first use (nothing is allocated until an op
+    calls ``ensure``); every op takes it before it launches."""
     world = World.of(group, device)
     key = (id(world.group), world.device.index)
     ws = _WORKSPACES.get(key)

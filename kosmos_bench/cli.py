@@ -139,6 +139,9 @@ MOE_DIRECTION_OPTION = typer.Option(None, "--direction", help="fwd (the layer's 
                                     "and nccl-a2a (autograd), checked against the fp32 gradients.")
 ITERS_OPTION = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported).")
 WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.")
+CUDA_GRAPH_OPTION = typer.Option(False, "--cuda-graph", help="Capture one call of each implementation (after "
+                                 "warm-up) into a CUDA graph and time its replay; rows carry cuda_graph: true, and "
+                                 "one whose capture fails is recorded as failed with the reason.")
 
 
 def _suite_option(bench: str):
@@ -357,6 +360,7 @@ def bench_tp(
     out: Optional[Path] = _out_option("tp"),
     trace: bool = typer.Option(False, "--trace", help="Record a per-program task timeline of each kosmos run "
                                "(JSON next to --out; draw with `kosmos report --timeline FILE`)."),
+    cuda_graph: bool = CUDA_GRAPH_OPTION,
     config: Optional[List[str]] = _config_option(
         "kosmos, fixed-role, fixed-role-best", "ag_gemm.push_chunks (an integer >= 1 or auto), ag_gemm.copy_block, "
         "gemm_rs.push_partials (true/false)", "push_chunks=auto --config push_partials=true"),
@@ -410,6 +414,8 @@ def bench_tp(
     if custom is not None:  # the suite as run: the custom shapes instead of the suite's models
         suite_dict.update(models=[CUSTOM], layers=[CUSTOM], seq=sorted({g.seq for g in cases}),
                           shapes=[{"op": g.op, "m": g.m, "n": g.n, "k": g.k} for g in cases])
+    if cuda_graph:  # the suite as run (the env line) says so; bench_rank reads it
+        suite_dict["cuda_graph"] = True
     out = _out_path(out, "tp", "-".join(cfg.dtype), create=not dry_run)
     trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
     n_impls = sum(len(impls_at(cfg.impls, d)) for d in cfg.dtype)
@@ -419,7 +425,7 @@ def bench_tp(
             + (f" over {len(cfg.dtype)} dtypes" if len(cfg.dtype) > 1 else ""),
             [("world", f"{world} rank(s) ({how})"), ("dtype", ", ".join(cfg.dtype)),
              ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
-                        f"{list(cfg.fixed_sweep)}"),
+                        f"{list(cfg.fixed_sweep)}" + (", CUDA graph replays" if cuda_graph else "")),
              ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
              *([("traces", trace_dir)] if trace_dir else [])],
             ("op", "model", "layer", "seq", "M", "N", "K"),
@@ -508,6 +514,7 @@ def bench_moe(
     expert_gemms: Optional[bool] = typer.Option(None, "--expert-gemms/--no-expert-gemms", help="Also time the "
                                                 "expert GEMMs alone (kosmos-expert-gemms vs grouped-mm); default on."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the inputs, weights and popularity shuffle."),
+    cuda_graph: bool = CUDA_GRAPH_OPTION,
     config: Optional[List[str]] = _config_option(
         "kosmos, fixed-role, fixed-role-best, kosmos-expert-gemms", "moe_fwd.copy_cols (a power of two >= 16), "
         "moe_fwd.half_tail (true/false)", "copy_cols=256 --config half_tail=false"),
@@ -563,6 +570,8 @@ def bench_moe(
     if custom:  # the suite as run: the custom model instead of the suite's models
         from dataclasses import asdict
         suite_dict.update(models=[custom.name], custom_model=asdict(custom), ep=world)
+    if cuda_graph:
+        suite_dict["cuda_graph"] = True
     out = _out_path(out, "moe", "-".join(cfg.dtype), create=not dry_run)
     trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
     from .registry import impls_at
@@ -589,7 +598,8 @@ def bench_moe(
             [("world", f"EP={world} rank(s) ({how})"), ("dtype", ", ".join(cfg.dtype)),
              ("direction", ", ".join(cfg.direction)),
              ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
-                        f"{list(cfg.fixed_sweep)}"), ("seed", str(cfg.seed)),
+                        f"{list(cfg.fixed_sweep)}" + (", CUDA graph replays" if cuda_graph else "")),
+             ("seed", str(cfg.seed)),
              ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
              *([("traces", trace_dir)] if trace_dir else [])],
             ("model", "tokens/rank", "routing", "E", "E/rank", "top_k", "H", "F", "router"), points,

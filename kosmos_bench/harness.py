@@ -10,7 +10,10 @@ registry) in turn, on every rank in step:
      implementation (``Runner.run`` takes a callable impl -> reference). An exception on any rank fails it on every rank (``agree``: no
      rank is left waiting in a collective) and ``recover`` realigns them; the sweep goes on.
   3. time: ``timing.time_op`` (collective-safe, max over ranks); a ``timing.Split`` callable (the MoE backward)
-     has its setup (the forward) run untimed before each timed call.
+     has its setup (the forward) run untimed before each timed call. With ``Settings.cuda_graph`` (``--cuda-graph``)
+     one call is first captured into a CUDA graph (``timing.capture_graph``) and its replay is timed; a capture
+     that fails on any rank gives a "failed" row whose reason starts "CUDA graph capture:" (a split call:
+     "unavailable"), and the sweep goes on. Such rows carry ``cuda_graph: true``.
   4. the row (``result_row``; keys in SCHEMA.md): a KOSMOS kernel runs with the op's config and records it.
 
 ``fixed="best"`` implementations (fixed-role-best) do 2-3 at every S of ``fixed_sweep`` and keep the fastest S
@@ -77,6 +80,7 @@ class Settings:
     fixed_default: int = DEFAULT_FIXED_PROGRAMS
     dtype: str = "bf16"
     direction: str = "fwd"  # the MoE bench's --direction: fwd, bwd or fwd+bwd (the TP bench: fwd)
+    cuda_graph: bool = False  # --cuda-graph: time the replay of one captured call (timing.capture_graph)
     seed: int = 0
     configs: dict = field(default_factory=dict)  # {op: config} (registry.parse_config); missing op: defaults
     extra: dict = field(default_factory=dict)
@@ -284,8 +288,23 @@ def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result
     if not err <= tol:  # NaN fails too
         return Result("failed", f"rel_err {err:.2e} > {tol:.0e}", err, workspace=ws, errors=errors)
 
+    fn = made[0]
+    if st.cuda_graph:
+        if isinstance(fn, timing.Split):
+            return Result("unavailable", "a split call (untimed setup, timed run) is not captured in a CUDA graph",
+                          err, workspace=ws, errors=errors)
+
+        def capture():
+            replay = timing.capture_graph(fn, warmup=st.warmup)
+            runtime.check_errors()
+            return replay
+        ok, why, fn = agreed_call(capture)
+        if not ok:
+            recover()
+            return Result("failed", f"CUDA graph capture: {why}", err, workspace=ws, errors=errors)
+
     def time_it():
-        t = timing.time_op(made[0], iters=st.iters, warmup=st.warmup)
+        t = timing.time_op(fn, iters=st.iters, warmup=st.warmup)
         runtime.check_errors()
         return t
 
@@ -414,7 +433,8 @@ class Runner:
             res = results[name] = run_impl(impl, inputs, impl_ref, self.st, self.device, self.recover, config, grid)
             row = result_row(identity, impl, res, flops=flops, config=config, peak=mem.peak(),
                              mem_delta=self.mem_delta, extra=self.extra,
-                             **fields, **(impl_fields(name) if impl_fields else {}))
+                             **fields, **(impl_fields(name) if impl_fields else {}),
+                             **({"cuda_graph": True} if self.st.cuda_graph else {}))
             self.rows.append(row)
             if self.on_row:
                 self.on_row(row)

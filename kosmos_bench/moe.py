@@ -787,7 +787,7 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=No
     st = MoESettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
                      fixed_sweep=tuple(suite["fixed_sweep"]), dtype=dtypes[0], seed=suite["seed"],
                      expert_gemms=suite["expert_gemms"], configs=dict(configs or {}), extra=shared,
-                     trace_dir=trace_dir)
+                     trace_dir=trace_dir, cuda_graph=bool(suite.get("cuda_graph")))
     settings = {(d, g): replace(st, dtype=d, direction=g) for d in dtypes for g in directions}
     device = torch.device("cuda", torch.cuda.current_device())
     # a case is (point, dtype, direction): each point at every dtype in turn (as the TP bench does), each dtype in

@@ -12,6 +12,11 @@ the start and the end event's records -- no synchronisation in between, so the d
 GPU is still spinning, so the call never waits on a full launch queue. A call that synchronises inside (a
 ``.item()``, a host copy) shows it there as the rest of the ~2 ms spin.
 
+``--cuda-graph`` (``capture_graph``): one call of the implementation, after warm-up, is captured into a
+``torch.cuda.CUDAGraph`` and the timing loop times ``graph.replay()`` instead of the call (same flush,
+barrier, spin and events; ``host_ms`` is then the replay's enqueue time). Every replay writes the captured
+call's outputs.
+
 A ``Split`` (the MoE bench's backward) is timed in two parts: for every iteration, warm-up included, its ``setup``
 (the forward) runs first, untimed, before the L2 flush and the barrier, and only ``run(state)`` is timed. Every rank
 runs the same setups in the same order, so a setup may hold collectives.
@@ -58,6 +63,25 @@ class Split:
 
     def __call__(self):
         return self.run(self.setup())
+
+
+def capture_graph(fn, warmup: int = 3):
+    """``fn`` captured into a CUDA graph -> the graph's ``replay`` (the graph lives as long as the callable).
+    torch's recipe: ``warmup`` calls on a side stream first (lazy initialisation, compiles, cached plans and
+    workspaces all happen outside the capture), then one call captured. Every rank captures in step (a captured
+    collective runs only at replay). Raises what the capture raised (the caller records it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
 
 
 def time_op(fn, *, iters: int = 20, warmup: int = 5, group=None, flush: bool = True,

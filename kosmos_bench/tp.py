@@ -355,7 +355,7 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, trace_dir, argv,
     dtypes = suite["dtype"] if isinstance(suite["dtype"], (list, tuple)) else [suite["dtype"]]
     st = TPSettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
                     fixed_sweep=tuple(suite["fixed_sweep"]), dtype=dtypes[0], trace_dir=trace_dir,
-                    configs=dict(configs or {}))
+                    configs=dict(configs or {}), cuda_graph=bool(suite.get("cuda_graph")))
     by_dtype = {d: replace(st, dtype=d) for d in dtypes}
     device = torch.device("cuda", torch.cuda.current_device())
     # a case is (GEMM, dtype): each GEMM at every dtype in turn, so the precisions of a shape run back to back

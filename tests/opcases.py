@@ -62,6 +62,31 @@ def run_schedule(t, schedule, flags=True):
         t.check_outputs()
 
 
+def run_device_epochs(t, schedule, calls=3):
+    """Like ``run_schedule``, but the host never names an epoch: every launch runs at its rank's device epoch
+    (``launch(r, None)``), as the public ops and a replayed CUDA graph do; a rank's phase launches before its last
+    one of the call pass ``advance=False``. Every call re-launches the same arguments on fresh data in the same
+    buffers (a simulated replay). After call i every rank's slot holds i, the done and data flags hold i, the
+    heads are clean and the outputs right; a last call on unchanged inputs is bitwise the previous one."""
+    last = {r: i for i, (r, _) in enumerate(schedule)}
+    for call in range(1, calls + 2):
+        if call <= calls:
+            t.new_epoch_inputs()
+        else:
+            before = t.outputs()
+            for c in t.cs:
+                c.fill_(float("nan"))
+        for i, (r, pol) in enumerate(schedule):
+            t.launch(r, None, **pol, **({} if last[r] == i else {"advance": False}))
+            t.rk.check_clean(r)
+        assert t.rk.device_epochs() == [call] * t.world
+        t.rk.check_done(call)
+        t.check_flags(call)
+        t.check_outputs()
+    for r in range(t.world):
+        assert torch.equal(t.cs[r], before[r]), f"rank {r}: a replay on the same inputs differs"
+
+
 # ============================================================================================ one GPU
 TOL = 1e-2
 SPAWN_TIMEOUT_S = 300.0
@@ -305,8 +330,8 @@ class FakeWorkspace:
     def ensure(self, *a, **k):
         self._touch("ensure")
 
-    def next_epoch(self):
-        self._touch("next_epoch")
+    def before_launch(self):
+        self._touch("before_launch")
 
     def after_launch(self):
         self._touch("after_launch")

@@ -8,7 +8,15 @@ ranks' memory exactly as they reach other GPUs' over NVLink (same code path, ``s
   policy with ``comm_programs=grid`` or ``0``).
 * One GPU: ``launch_all`` queues every rank's launch on its own stream before waiting on any, with a grid of
   ``SMs // W`` programs each, so all W launches are resident at once and really run concurrently -- W = 2..8
-  on a machine with a single GPU. (Timings there mean nothing: the ranks share one GPU's SMs and HBM.)
+  on a machine with a single GPU. (Timings there mean nothing: the ranks share one GPU's SMs and HBM.) The
+  same ``launch_all`` inside ``torch.cuda.graph`` (streams made beforehand) captures every rank's launch as
+  one branch of a graph, which replays them concurrently.
+
+Epochs: each rank has its own device epoch slot (``Ranks.epochs``). ``launch(r, epoch)`` with an int sets it to
+``epoch - 1`` first (a host write in stream order), so a test can name the epoch of every launch -- the CPU
+tests run one call as several phase launches; with ``epoch=None`` the launch runs at whatever the device slot
+holds, as the public ops do (a CPU phase launch that is not the rank's last of the call then passes
+``advance=False``; the MoE layer's stage-split launches advance only in the one with FOLD).
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ class Ranks:
         self.peer_data = torch.tensor([d.data_ptr() for d in self.data], dtype=torch.int64, device=device)
         self.peer_sig = torch.tensor([s.data_ptr() for s in self.sigs], dtype=torch.int64, device=device)
         self.heads = [torch.zeros(runtime.NUM_HEADS, dtype=torch.int32, device=device) for _ in range(world)]
+        self.epochs = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
         self.errors = [torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=device) for _ in range(world)]
 
     def poison(self):
@@ -66,6 +75,15 @@ class Ranks:
         assert self.heads[r].tolist() == [0] * runtime.NUM_HEADS, f"rank {r}: heads not reset"
         err = self.errors[r].tolist()
         assert err == [0] * runtime.ERR_SLOTS, f"rank {r}: {runtime.decode_error(err)}"
+
+    def set_epoch(self, r, epoch):
+        """Before a launch of rank r: run it at ``epoch`` (the slot holds the last completed one); None: leave
+        the device epoch alone."""
+        if epoch is not None:
+            self.epochs[r].fill_(epoch - 1)
+
+    def device_epochs(self):
+        return [int(e.item()) for e in self.epochs]
 
     def check_done(self, epoch):
         want = [epoch if self.world > 1 else 0] * self.world  # at W=1 there is no peer to tell
@@ -86,12 +104,13 @@ class _Op:
         self.b_kmajor = b_kmajor
 
     def _kw(self, r, epoch, timeout_ns, pol):
-        return dict(rank=r, world=self.world, epoch=epoch, grid=self.grid, cfg=self.cfg, config=self.config,
-                    timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns, **pol)
+        self.rk.set_epoch(r, epoch)
+        return dict(rank=r, world=self.world, epoch_slot=self.rk.epochs[r], grid=self.grid, cfg=self.cfg,
+                    config=self.config, timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns, **pol)
 
-    def launch_all(self, epoch, **pol):
-        """Every rank's launch of ``epoch`` concurrently (one GPU only)."""
-        launch_all(self.world, lambda r: self.launch(r, epoch, **pol))
+    def launch_all(self, epoch, streams=None, **pol):
+        """Every rank's launch of ``epoch`` (None: the device epoch) concurrently (one GPU only)."""
+        return launch_all(self.world, lambda r: self.launch(r, epoch, **pol), streams)
 
 
 def mx_inputs(x):
@@ -291,6 +310,7 @@ class MoERanks:
             self.route_kw["bias"] = bias.to(device)
         self.bias32 = self.route_kw["bias"].float().contiguous() if bias is not None else None
         self.data = [torch.empty(self.lay.data_bytes, dtype=torch.uint8, device=device) for _ in range(world)]
+        self.epochs = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
         self.sig = [torch.zeros(4096, dtype=torch.int32, device=device) for _ in range(world)]
         self.ctr = [torch.zeros(max(64, self.lay.fold_blocks), dtype=torch.int32, device=device)
                     for _ in range(world)]
@@ -313,7 +333,10 @@ class MoERanks:
             x = rand(self.t, self.h, gen=self.gen)
             if self.skew:
                 x[:, 0] = 1.0
-            self.xs[r] = x.to(self.device)
+            if self.xs[r] is None:
+                self.xs[r] = x.to(self.device)
+            else:  # into the same buffer: a captured CUDA graph keeps reading it
+                self.xs[r].copy_(x)
             self.ys[r].fill_(float("nan"))
             self.data[r].fill_(0xFF)  # bf16 NaN / int32 -1 everywhere
             self.local[r]["xe"].fill_(float("nan"))
@@ -326,19 +349,25 @@ class MoERanks:
         return b
 
     def launch(self, r, epoch, stages=mf.ALL_STAGES, **pol):
+        """Rank r's launch (of ``stages``) at ``epoch`` (the slot set to epoch - 1 first; None: the device
+        epoch)."""
         kw = {k: v for k, v in self.route_kw.items() if k != "bias"}
+        if epoch is not None:
+            self.epochs[r].fill_(epoch - 1)
         mf.launch(self.xs[r], self.router, self.bias32, self.w13[r], self.w2[r], self.ys[r], self.bufs(r),
-                  rank=r, world=self.world, epoch=epoch, timeout_ns=self.timeout_ns, grid=self.grid, cfg=self.cfg,
+                  rank=r, world=self.world, epoch_slot=self.epochs[r], timeout_ns=self.timeout_ns, grid=self.grid,
+                  cfg=self.cfg,
                   top_k=self.k, stages=stages, x_mx=quant.to_mx(self.xs[r]) if self.mx else None, **kw, **pol)
 
-    def call(self, epoch, **pol):
-        """One call on every rank: CPU -- at W > 1 split into three launches per rank by stage mask (ROUTE on
-        every rank, then PERMUTE..GEMM2, then FOLD), so that no sequential program waits on an unstarted rank;
-        GPU -- every rank's whole launch at once (``launch_all``)."""
+    def call(self, epoch, streams=None, **pol):
+        """One call on every rank (``epoch`` None: at the device epochs): CPU -- at W > 1 split into three
+        launches per rank by stage mask (ROUTE on every rank, then PERMUTE..GEMM2, then FOLD), so that no
+        sequential program waits on an unstarted rank; GPU -- every rank's whole launch at once
+        (``launch_all``)."""
         if self.world == 1:
             self.launch(0, epoch, **pol)
         elif torch.device(self.device).type == "cuda":
-            launch_all(self.world, lambda r: self.launch(r, epoch, **pol))
+            return launch_all(self.world, lambda r: self.launch(r, epoch, **pol), streams)
         else:
             for stages in (ROUTE_ONLY, MIDDLE, FOLD_ONLY):
                 for r in range(self.world):

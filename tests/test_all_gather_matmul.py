@@ -19,7 +19,7 @@ import torch
 import opcases
 from multiproc import Checks, stall_peer
 from opcases import (COMM_ONLY, COMPUTE_ONLY, INTERP_GRID, SELF, SHAPES, SHORT_NS, TOL, W1_SHAPES, W1_VARIANTS,
-                     WORLDS, randn, run_schedule, weight)
+                     WORLDS, randn, run_device_epochs, run_schedule, weight)
 from simranks import AG, rand
 
 from kosmos import codes, planning, runtime
@@ -109,6 +109,35 @@ def test_all_gather_matmul_comm_tasks_of_several_chunks(per_task, block):
 def test_all_gather_matmul_b_kmajor():
     run_schedule(AG(2, 21, 40, 48, seed=13, b_kmajor=True),
                  [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(2)])
+
+
+# ----------------------------------------------------------------------------------- the device epoch
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world,mx,schedule", [
+    pytest.param(1, False, [(0, SELF)], id="w1"),
+    pytest.param(1, True, [(0, SELF)], id="w1-mxfp8"),  # the DEQ flags are local flags of the epoch
+    pytest.param(2, False, [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)], id="w2-self"),
+    pytest.param(3, False, [(r, COMM_ONLY) for r in range(3)] + [(r, COMPUTE_ONLY) for r in range(3)], id="w3"),
+])
+def test_all_gather_matmul_device_epoch(world, mx, schedule):
+    """No epoch from the host: each launch reads its rank's slot and the last one of a call advances it by one;
+    the same launch arguments again and again (a replay) give right results on fresh data every call."""
+    t = AG(world, 21, 64 if mx else 40, 48, seed=53 + world, mx=mx)
+    run_device_epochs(t, schedule)
+
+
+@pytest.mark.interpreter
+def test_all_gather_matmul_replay_without_the_peer_waits_for_the_next_epoch():
+    """After 2 calls rank 1's flags hold 2; rank 0 launching a third time alone (a replay its peer did not
+    make) must not take those flags for this call's rows: it waits for 3, times out, records it, still ends."""
+    t = AG(2, 21, 40, 48, seed=59)
+    run_device_epochs(t, [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)], calls=2)
+    t.launch(0, None, timeout_ns=SHORT_NS, **COMPUTE_ONLY)
+    err = t.rk.errors[0].tolist()
+    assert err[0] != 0 and codes.wait_tag(err) == codes.WAIT_AG_ROWS.value, runtime.decode_error(err)
+    assert (err[5], err[6]) == (4, 3), runtime.decode_error(err)  # expected this call's epoch, observed the last
+    assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS
+    assert t.rk.device_epochs() == [4, 3]
 
 
 # ------------------------------------------------------------------------------------ interpreter timeouts
@@ -211,8 +240,9 @@ def test_w1_timeout_reaches_the_host_through_the_error_mirror():
     c = torch.empty(2 * ms, n, dtype=torch.bfloat16, device=dev)
     gather = ws.data[: 2 * ms * k * 2].view(torch.bfloat16).view(2 * ms, k)
     fake_peers = lambda t: torch.tensor([t.data_ptr()] * 2, dtype=torch.int64, device=dev)  # noqa: E731
+    ws.before_launch()
     ag.launch(a, b, False, c, gather, fake_peers(ws.data), fake_peers(ws.signals), ws.signals, ws.heads,
-              ws.errors, rank=0, world=2, epoch=ws.next_epoch(), timeout_ns=2_000_000,
+              ws.errors, rank=0, world=2, epoch_slot=ws.epoch_slot, timeout_ns=2_000_000,
               grid=runtime.num_sms(dev), cfg=cfg, policy="fixed", comm_programs=0)  # compute only: never pushed
     ws.after_launch()
     try:

@@ -4,7 +4,7 @@
   ordered by hand (``COMPUTE_ONLY`` on every rank, then ``COMM_ONLY``: see test_all_gather_matmul.py); the
   self-scheduling policy at W=1, and at W=2 with the peer's compute done beforehand; a missing partial times out.
 * ``gpu_optional`` / unmarked -- input checks: a ValueError before anything is launched (opcases.InputChecks).
-* ``gpu`` -- W=1 on one GPU through the public op; CUDA-graph capture refused. References in fp32, TF32 off.
+* ``gpu`` -- W=1 on one GPU through the public op. References in fp32, TF32 off. (CUDA graphs: test_cuda_graphs.py.)
 * ``ranks`` -- W = 2..8 simulated ranks on one GPU, all launches resident at once (simranks.py).
 * The real multi-GPU cases (W=2) run this op interleaved with AllGather+GEMM: test_tp_ops_together.py.
 """
@@ -13,7 +13,7 @@ import torch
 
 import opcases
 from opcases import COMM_ONLY, COMPUTE_ONLY, SELF, SHAPES, SHORT_NS, TOL, W1_SHAPES, W1_VARIANTS, WORLDS, randn, \
-    run_schedule, weight
+    run_device_epochs, run_schedule, weight
 from simranks import RS
 
 from kosmos import codes, runtime
@@ -72,6 +72,32 @@ def test_matmul_reduce_scatter_push_partials(world):
 def test_matmul_reduce_scatter_b_kmajor():
     run_schedule(RS(2, 21, 40, 48, seed=23, b_kmajor=True),
                  [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(2)])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world,mx,schedule", [
+    pytest.param(1, False, [(0, SELF)], id="w1"),
+    pytest.param(1, True, [(0, SELF)], id="w1-mxfp8"),  # the DEQ flags are local flags of the epoch
+    pytest.param(2, False, [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)], id="w2-self"),
+    pytest.param(3, False, [(r, COMPUTE_ONLY) for r in range(3)] + [(r, COMM_ONLY) for r in range(3)], id="w3"),
+])
+def test_matmul_reduce_scatter_device_epoch(world, mx, schedule):
+    """No epoch from the host (opcases.run_device_epochs): the slot advances by one per call, results right."""
+    t = RS(world, 21, 64 if mx else 40, 48, seed=61 + world, mx=mx)
+    run_device_epochs(t, schedule)
+
+
+@pytest.mark.interpreter
+def test_matmul_reduce_scatter_replay_without_the_peer_waits_for_the_next_epoch():
+    """Rank 0 reducing a further call alone must wait for partial flags of the new epoch, not take the last
+    call's: a timeout recorded with expected 4, observed 3."""
+    t = RS(2, 21, 40, 48, seed=67)
+    run_device_epochs(t, [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)], calls=2)
+    t.launch(0, None, timeout_ns=SHORT_NS, **COMM_ONLY)
+    err = t.rk.errors[0].tolist()
+    assert err[0] != 0 and codes.wait_tag(err) == codes.WAIT_RS_PARTIAL.value, runtime.decode_error(err)
+    assert (err[5], err[6]) == (4, 3), runtime.decode_error(err)
+    assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS
 
 
 @pytest.mark.interpreter
@@ -134,25 +160,6 @@ def test_w1_matmul_reduce_scatter(no_tf32, ms, k, n, pol, kmajor):
     assert c.dtype == torch.bfloat16 and tuple(c.shape) == (ms, n)
     (ref,) = reference.matmul_reduce_scatter_ref_local([a], [b])
     assert reference.rel_err(c, ref) < TOL
-
-
-@pytest.mark.gpu
-def test_w1_cuda_graph_capture_is_refused():
-    """Capturing an op in a CUDA graph raises a KosmosError (a replay would reuse the call's epoch) and the
-    capture can be ended cleanly; the op works again afterwards."""
-    import kosmos
-    gen = torch.Generator().manual_seed(12)
-    a, b = randn((256, 128), gen, "cuda"), randn((128, 256), gen, "cuda")
-    kosmos.matmul_reduce_scatter(a, b)
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        with pytest.raises(runtime.KosmosError, match="cannot be captured in a CUDA graph"):
-            with torch.cuda.graph(graph, stream=stream):
-                kosmos.matmul_reduce_scatter(a, b)
-    c = kosmos.matmul_reduce_scatter(a, b)
-    kosmos.check_errors()
-    assert torch.allclose(c.float(), a.float() @ b.float(), rtol=2e-2, atol=2e-1)
 
 
 @pytest.mark.gpu

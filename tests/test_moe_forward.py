@@ -94,6 +94,45 @@ def test_moe_forward_mxfp8_vs_reference(world, tokens, hidden, ffn, experts, top
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_forward_device_epoch(world):
+    """No epoch from the host: every launch reads its rank's slot; at W = 2 the three stage launches of a call
+    see the same epoch and only the FOLD one advances it. The same arguments launched call after call (a
+    simulated replay) give right results on fresh inputs, and bitwise the same y on unchanged ones."""
+    m = MoERanks(world, 21, 32, 24, 8, 2, seed=71 + world, route_kw=SOFTMAX)
+    for call in (1, 2, 3):
+        m.new_inputs()
+        m.call(None)
+        m.check(call)
+        assert [int(e.item()) for e in m.epochs] == [call] * world
+    before = [y.clone() for y in m.ys]
+    for y in m.ys:
+        y.fill_(float("nan"))
+    m.call(None)
+    m.check(4)
+    for r in range(world):
+        assert torch.equal(m.ys[r], before[r]), f"rank {r}: a replay on the same inputs differs"
+
+
+@pytest.mark.interpreter
+def test_moe_forward_replay_without_the_peer_waits_for_the_next_epoch():
+    """After 2 calls, rank 0 running a third alone must wait for rank 1's dispatch of epoch 3 (not take its
+    flag of epoch 2): a timeout recorded, the launch still ends with its scratch reset and the slot advanced."""
+    from kosmos import codes, runtime
+    m = MoERanks(2, 21, 32, 24, 8, 2, seed=79, route_kw=SOFTMAX, timeout_ns=50_000)
+    for call in (1, 2):
+        m.new_inputs()
+        m.call(None)
+        m.check(call)
+    m.launch(0, None)
+    err = m.local[0]["errors"].tolist()
+    assert err[0] != 0 and codes.wait_tag(err) == codes.WAIT_MOE_DISPATCH.value, runtime.decode_error(err)
+    assert (err[4], err[5], err[6]) == (1, 3, 2), runtime.decode_error(err)  # rank 1's flag: expected 3, saw 2
+    assert m.local[0]["scratch"].abs().sum().item() == 0
+    assert [int(e.item()) for e in m.epochs] == [3, 2]
+
+
+@pytest.mark.interpreter
 def test_moe_all_tokens_to_few_experts_and_empty_experts():
     """Every token of both ranks picks experts 0 and 1 (rank 0): rank 1's experts get no rows at all."""
     m = MoERanks(2, 19, 32, 24, 8, 2, seed=5, route_kw=SOFTMAX, skew=True)
@@ -151,8 +190,8 @@ def test_trace_records_every_task():
     m.new_inputs()
     trace = torch.zeros((INTERP_GRID, 1024, 4), dtype=torch.int64)
     kw = {k: v for k, v in m.route_kw.items() if k != "bias"}
-    mf.launch(m.xs[0], m.router, None, m.w13[0], m.w2[0], m.ys[0], m.bufs(0), rank=0, world=1, epoch=1,
-              timeout_ns=INTERP_TIMEOUT_NS, grid=INTERP_GRID, cfg=m.cfg, top_k=2, trace=trace, **kw)
+    mf.launch(m.xs[0], m.router, None, m.w13[0], m.w2[0], m.ys[0], m.bufs(0), rank=0, world=1,
+              epoch_slot=m.epochs[0], timeout_ns=INTERP_TIMEOUT_NS, grid=INTERP_GRID, cfg=m.cfg, top_k=2, trace=trace, **kw)
     m.check(1)
     ev = trace.view(-1, 4)
     cfg = m.cfg

@@ -1,5 +1,5 @@
 """The runtime pieces around the ops, all on the CPU: error records and their decoding (kosmos.codes wait tags),
-workspaces (poisoned after a timeout, CUDA-graph capture refused), timeouts, the World of a group, Triton's
+workspaces (poisoned after a timeout; under a CUDA-graph capture: what is refused, what is skipped), timeouts, the World of a group, Triton's
 allocator, the TMA descriptor cache, the op configs (kosmos.config), and kosmos.models' TP GEMM shapes.
 
 The ops' own input checks are in their test files (test_all_gather_matmul.py, test_matmul_reduce_scatter.py,
@@ -55,19 +55,77 @@ def test_poisoned_workspace_raises():
     with pytest.raises(runtime.KosmosTimeoutError, match="reset_workspaces"):
         ws.ensure(1, 1)
     with pytest.raises(runtime.KosmosTimeoutError, match="reset_workspaces"):
-        ws.next_epoch()
+        ws.before_launch()
     assert issubclass(runtime.KosmosTimeoutError, runtime.KosmosError)
     assert issubclass(runtime.KosmosError, RuntimeError)
 
 
-def test_cuda_graph_capture_is_refused(monkeypatch):
-    """A captured op would replay with its epoch frozen and read stale peer data: refused with a clear error
-    before any workspace exists (the capture state is faked here; test_matmul_reduce_scatter.py's
-    test_w1_cuda_graph_capture_is_refused captures for real)."""
+def _fake_capture(monkeypatch, on: bool):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(runtime.KosmosError, match="cannot be captured in a CUDA graph"):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
+
+
+def test_cuda_graph_capture_of_a_first_call_is_refused(monkeypatch):
+    """The workspace may be taken while capturing (the epoch lives on the device: nothing to refuse), but what a
+    capture cannot do -- grow the symmetric workspace or counters, make a local buffer, build task tables -- is
+    refused with one line telling the user to run one eager call of the shape first (the capture state is
+    faked here; test_matmul_reduce_scatter.py's GPU tests capture for real)."""
+    _fake_capture(monkeypatch, True)
+    try:
         runtime.get_workspace(None, torch.device("cpu"))
+    finally:
+        runtime.reset_workspaces()
+    ws = runtime.Workspace(runtime.World(None, 0, 1, torch.device("cpu")))
+    for grow in (lambda: ws.ensure(1, 1), lambda: ws.ensure_counters(8), lambda: ws.local("x", 4, torch.int32),
+                 lambda: planning.cached_tables(("capture-test",), lambda: 1 / 0)):
+        with pytest.raises(runtime.KosmosError, match="run one eager call with the same shapes") as e:
+            grow()
+        assert "\n" not in str(e.value) and "cannot be captured in a CUDA graph" in str(e.value)
+    assert ws.data is None and not ws._local and ("capture-test",) not in planning._DEVICE_TABLES
+
+
+class _Event:
+    """Stands in for torch.cuda.Event: records what was asked of it."""
+    def __init__(self, log):
+        self.log = log
+
+    def record(self):
+        self.log.append("record")
+
+    def query(self):
+        self.log.append("query")
+        return True
+
+    def synchronize(self):
+        self.log.append("synchronize")
+
+
+def test_capture_records_no_event_and_check_errors_waits_for_replays(monkeypatch):
+    """While capturing, a call neither queries nor records the error event (both illegal or useless in a
+    graph); after a capture, check_errors() synchronises the device -- a replay records no event -- and then
+    raises the timeout a replay wrote into the pinned mirror."""
+    from kosmos import codes
+    ws = runtime.Workspace(runtime.World(None, 0, 1, torch.device("cpu")))
+    log, synced = [], []
+    ws._err_event = _Event(log)
+    ws._err_host = torch.zeros(codes.ERR_RECORD, dtype=torch.int64)
+    _fake_capture(monkeypatch, True)
+    ws.before_launch()
+    ws.after_launch()
+    ws.check_errors()  # inside the capture: nothing to wait for
+    assert log == []
+    _fake_capture(monkeypatch, False)
+    ws.before_launch()  # an eager call looks at the last eager launch's event, without waiting
+    assert log == ["query"]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    ws.check_errors()
+    assert synced == [ws.world.device] and log == ["query"]
+    ws._err_host.copy_(torch.tensor([1, 1 | codes.WAIT_AG_ROWS.value << 8, 0, 5, runtime.FLAG_BASE + 3, 9, 8,
+                                     50_000_000]))  # what a timed-out replay's kernel writes
+    with pytest.raises(runtime.KosmosTimeoutError, match="expected >= 9, observed 8"):
+        ws.check_errors()
+    with pytest.raises(runtime.KosmosTimeoutError, match="reset_workspaces"):  # poisoned
+        ws.before_launch()
 
 
 def test_set_timeout_rejects_non_positive():

@@ -15,6 +15,9 @@ Tasks (planning.plan_all_gather_matmul):
                      Own-slot tiles read a_shard directly and never wait.
 
 Synchronisation contract (signals of rank q; see runtime.py):
+  epoch                      the workspace's device slot + 1, read by every program at its start; the last
+                             program out stores it back (device.exit_program), so no epoch is a launch
+                             argument and a CUDA-graph replay runs at the next one.
   FLAG_BASE + s*chunks + j   written by rank s (release, sys) after pushing chunk j to q; waited by q's tiles.
   DONE_BASE + p              written by rank p's last program when p's launch ends; a rank's first push of a
                              call waits for done[p] >= epoch-1 so it never overwrites rows p is still reading.
@@ -152,7 +155,7 @@ def _deq_task(t, deq_table, rank, a_mx, g_mx, a_scales, g_scales, deq_ptr, sig_p
     return ok
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comm", "n_push", "n_comp", "fixed_comm",
+@triton.jit(do_not_specialize=["rank", "timeout_us", "n_comm", "n_push", "n_comp", "fixed_comm",
                                "comm_stride", "n_deq"])
 def _all_gather_matmul_kernel(
         a_ptr, a_host_desc, g_host_desc, b_desc, c_desc, c_ptr, gather_ptr,
@@ -160,16 +163,18 @@ def _all_gather_matmul_kernel(
         peer_data, peer_sig, sig_ptr,
         comm_table, n_comm, n_push, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
-        Ms, N, K, rank, epoch, timeout_us, fixed_comm, comm_stride,
+        Ms, N, K, rank, epoch_ptr, timeout_us, fixed_comm, comm_stride,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr,
-        EXIT_SLOT: tl.constexpr, A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr,
+        EXIT_SLOT: tl.constexpr, ADVANCE: tl.constexpr, A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr,
+        DEQ_PARTS: tl.constexpr,
         DEQ_NB: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
+    epoch = dev.call_epoch(epoch_ptr)  # this call's epoch, from the device slot (runtime.py: Epochs)
     n_chunks = tl.cdiv(Ms, BM)
     if A_MX:  # rows move as E4M3 payload (a_ptr / gather_ptr are its bytes read as bf16 pairs) + E8M0 scales
         row_elems = K // 2
@@ -299,14 +304,17 @@ def _all_gather_matmul_kernel(
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t0, dev.now_ns(), TRACE)
             else:
                 stage = sched.next_stage(stages, stage, NUM_STAGES)
-    dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
+    dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch, epoch_ptr,
+                     ADVANCE)
 
 
 def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, heads, errors, *, rank, world,
-           epoch, timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None,
-           a_scales=None, gather_scales=None, scale_offset=0, dequantized=None):
+           epoch_slot, timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None,
+           a_scales=None, gather_scales=None, scale_offset=0, dequantized=None, advance=True):
     """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
     Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases.
+    ``epoch_slot`` (int32 [1], local): the device epoch; the launch runs at slot + 1 and advances it
+    (``advance=False``: not -- a CPU test's first launch of a call split in two, like its fixed-role phases).
     MXFP8: a_shard / gather are E4M3 payloads, a_scales / gather_scales their E8M0 bytes, a peer's gathered
     scales start ``scale_offset`` bytes into its data buffer (after the [M, K] payload), and ``dequantized``
     (bf16 [M, K], local) receives every slot's expanded rows, which the tiles multiply."""
@@ -339,11 +347,13 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         a_rows, a_desc, gather_desc, b_desc, c_desc, c, g_rows, *mx_args,
         peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], n_push, comp_t, comp_t.shape[0], heads, errors, trace_buf,
-        ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed, planning.ag_comm_stride(ms, cfg.BM, per_task),
+        ms, n, k, rank, epoch_slot, max(1, timeout_ns // 1000), fixed,
+        planning.ag_comm_stride(ms, cfg.BM, per_task),
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
-        EXIT_SLOT=runtime.EXIT_SLOT, A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS, DEQ_NB=dq.NB,
+        EXIT_SLOT=runtime.EXIT_SLOT, ADVANCE=bool(advance), A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS,
+        DEQ_NB=dq.NB,
         GROUP_M=planning.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -386,7 +396,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
         flags = w * chunks
     ws.ensure(data_bytes, flags)
     runtime.ensure_triton_allocator()
-    epoch = ws.next_epoch()
+    ws.before_launch()
     if w > 1:
         gather = ws.data[:m * k * (1 if mx else 2)].view(payload.dtype).view(m, k)
         gather_scales = ws.data[scale_off:scale_off + m * (k // 32)].view(m, k // 32) if mx else None
@@ -395,7 +405,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     dequantized = ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k) if mx else None
     c = torch.empty((m, n), dtype=torch.bfloat16, device=device)
     launch(payload, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
-           ws.errors, rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg,
+           ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg,
            config=config, policy=policy, comm_programs=comm_programs, trace=trace, a_scales=scales,
            gather_scales=gather_scales, scale_offset=scale_off, dequantized=dequantized)
     ws.after_launch()

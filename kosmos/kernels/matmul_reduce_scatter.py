@@ -17,7 +17,8 @@ Tasks (planning.plan_matmul_reduce_scatter):
   ``MatmulReduceScatterConfig(push_partials=True)``: TILE stores into slot r of the owner's staging (viewed as
   [W, Ms, N]; remote stores, then the same notify) and REDUCE reads its W slots from local memory.
 
-Synchronisation contract (signals of rank q):
+Synchronisation contract (signals of rank q; the epoch is the workspace's device slot + 1, read by every
+program at its start and advanced by the last one out: runtime.py, Epochs):
   FLAG_BASE + s*T + t   written by rank s when its partial of q's tile t is in s's staging; waited by q.
   DONE_BASE + p         rank p's launch has ended; the first staging write of a call waits for every
                         done[p] >= epoch-1, because p may still be pulling last call's partials.
@@ -144,23 +145,25 @@ def _deq_task(t, deq_table, a_mx, a_scales, deq_ptr, sig_ptr, Ms, K, epoch, n_ch
     dev.notify(sig_ptr + DEQ_BASE + (owner * n_chunks + chunk) * DEQ_PARTS + part, epoch)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_us", "n_comp", "n_red", "fixed_comm", "n_deq"])
+@triton.jit(do_not_specialize=["rank", "timeout_us", "n_comp", "n_red", "fixed_comm", "n_deq"])
 def _matmul_reduce_scatter_kernel(
         a_desc, b_desc, c_desc, c_ptr, stage_ptr, a_mx, a_scales, deq_ptr, deq_table, n_deq,
         peer_data, peer_sig, sig_ptr,
         comp_table, n_comp, red_table, n_red,
         heads_ptr, err_ptr, trace_ptr,
-        Ms, N, K, rank, epoch, timeout_us, fixed_comm,
+        Ms, N, K, rank, epoch_ptr, timeout_us, fixed_comm,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GRID: tl.constexpr,
         POLICY: tl.constexpr, B_KMAJOR: tl.constexpr, TRACE: tl.constexpr, DOT_FP32: tl.constexpr,
         RED_ROWS: tl.constexpr, PUSH: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr,
-        A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr, DEQ_NB: tl.constexpr,
+        ADVANCE: tl.constexpr, A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr,
+        DEQ_NB: tl.constexpr,
         GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
+    epoch = dev.call_epoch(epoch_ptr)  # this call's epoch, from the device slot (runtime.py: Epochs)
     n_tn = tl.cdiv(N, BN)
     tiles_per_owner = tl.cdiv(Ms, BM) * n_tn
 
@@ -277,7 +280,8 @@ def _matmul_reduce_scatter_kernel(
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMPUTE, t, t0, dev.now_ns(), TRACE)
                 else:
                     comp_done = 1
-    dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch)
+    dev.exit_program(heads_ptr, EXIT_SLOT, NUM_HEADS, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch, epoch_ptr,
+                     ADVANCE)
 
 
 def _red_rows(cfg, world: int) -> int:
@@ -290,11 +294,13 @@ def _red_rows(cfg, world: int) -> int:
     return max(1, min(cfg.BM, 1 << (rows.bit_length() - 1)))
 
 
-def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch,
+def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch_slot,
            timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None, a_scales=None,
-           dequantized=None):
+           dequantized=None, advance=True):
     """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
     Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases.
+    ``epoch_slot`` (int32 [1], local): the device epoch; the launch runs at slot + 1 and advances it
+    (``advance=False``: not -- a CPU test's first launch of a call split in two, like its fixed-role phases).
     MXFP8: ``a`` is the E4M3 payload, ``a_scales`` its E8M0 bytes and ``dequantized`` (bf16 [M, K], local)
     receives its expanded rows, which the tiles multiply."""
     m, k = a.shape
@@ -319,11 +325,12 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
     return _matmul_reduce_scatter_kernel[(grid,)](
         a_desc, b_desc, c_desc, c, stage, *mx_args, peer_data, peer_sig, signals,
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
-        ms, n, k, rank, epoch, max(1, timeout_ns // 1000), fixed,
+        ms, n, k, rank, epoch_slot, max(1, timeout_ns // 1000), fixed,
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=config.push_partials,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
-        EXIT_SLOT=runtime.EXIT_SLOT, A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS, DEQ_NB=dq.NB, GROUP_M=planning.GROUP_M,
+        EXIT_SLOT=runtime.EXIT_SLOT, ADVANCE=bool(advance), A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS,
+        DEQ_NB=dq.NB, GROUP_M=planning.GROUP_M,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
@@ -359,13 +366,13 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     deq_off = -(-stage_bytes // 16) * 16
     ws.ensure(deq_off + (m * k * 2 if a_scales is not None else 0), flags)
     runtime.ensure_triton_allocator()
-    epoch = ws.next_epoch()
+    ws.before_launch()
     c = torch.empty((ms, n), dtype=torch.bfloat16, device=a.device)
     stage = ws.data[:stage_bytes].view(torch.bfloat16).view(m, n) if w > 1 else c
     dequantized = (ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k)
                    if a_scales is not None else None)
     launch(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
-           rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config,
+           rank=r, world=w, epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config,
            policy=policy, comm_programs=comm_programs, trace=trace, a_scales=a_scales, dequantized=dequantized)
     ws.after_launch()
     return c

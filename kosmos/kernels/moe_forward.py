@@ -38,8 +38,9 @@ Determinism: every output row is one dot product per element (independent of whi
 and the fold sums in slot order in fp32, so y is bitwise reproducible although row placement inside an
 expert depends on atomics.
 
-Synchronisation (per rank q): signals FLAG_BASE + s = epoch: source s's rows, metadata and counts for q are
-written. Counters (symmetric, consumer-reset) [0, ceil(T/FB)): fold counters, added to by every rank's GEMM2.
+Synchronisation (per rank q; the epoch is the workspace's device slot + 1, read by every program at its start
+and advanced by the last one out of the call's FINAL launch: runtime.py, Epochs): signals FLAG_BASE + s = epoch:
+source s's rows, metadata and counts for q are written. Counters (symmetric, consumer-reset) [0, ceil(T/FB)): fold counters, added to by every rank's GEMM2.
 Local scratch (zeroed by the last program out): queue heads, exit counter, plan state, routed-task count,
 send counters, per-expert pair counters, placed-row counters, finished-GEMM1-tile counters.
 Handshake: a program's first write into a peer's buffers waits until every peer has finished the previous
@@ -512,7 +513,7 @@ def _fold_block(b, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n_tiles2, rank, e
         tl.store(ctr_ptr + b, 0)  # consumer reset: peers add again only after this rank's next dispatch
 
 
-@triton.jit(do_not_specialize=["T", "rank", "epoch", "timeout_us", "fixed_comm", "stages", "scratch_n",
+@triton.jit(do_not_specialize=["T", "rank", "timeout_us", "fixed_comm", "stages", "scratch_n",
                                "off_recv", "off_rmeta", "off_cnt", "off_comb"])
 def _moe_forward_kernel(
         x_ptr, wr_ptr, bias_ptr, w13_ptr, w2_ptr, y_ptr,
@@ -521,7 +522,7 @@ def _moe_forward_kernel(
         off_recv, off_rmeta, off_cnt, off_comb,
         xq_ptr, xs_ptr, rq_ptr, rs_ptr, off_rscale,
         topk_w_ptr, topk_e_ptr, xe_ptr, xe_meta_ptr, hb_ptr, plan_ptr, scratch_ptr, scratch_n, err_ptr, trace_ptr,
-        T, H, F, E, El, rank, epoch, timeout_us, fixed_comm, routed_scaling, stages,
+        T, H, F, E, El, rank, epoch_ptr, timeout_us, fixed_comm, routed_scaling, stages,
         WORLD: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr, EP2: tl.constexpr, ELP2: tl.constexpr,
         WP2: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, N_GROUP: tl.constexpr,
         TOPK_GROUP: tl.constexpr, NGP2: tl.constexpr,
@@ -532,6 +533,7 @@ def _moe_forward_kernel(
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, A_MX: tl.constexpr, KBP2: tl.constexpr):
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
+    epoch = dev.call_epoch(epoch_ptr)  # this call's epoch, from the device slot (runtime.py: Epochs)
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, H], strides=[H, 1], block_shape=[RB, BK])
     wr_desc = tl.make_tensor_descriptor(wr_ptr, shape=[E, H], strides=[H, 1], block_shape=[EP2, BK])
     w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[El * H, 2 * F], strides=[2 * F, 1],
@@ -649,7 +651,7 @@ def _moe_forward_kernel(
                     n_ev = dev.trace(trace_ptr, pid, n_ev, kind, t, t0, dev.now_ns(), TRACE)
     if FINAL:
         dev.exit_program_zeroing(scratch_ptr, scratch_n, SC_EXIT, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch,
-                                 ZERO_BLOCK)
+                                 epoch_ptr, ZERO_BLOCK)
 
 
 # -------------------------------------------------------------------------------------------------- host
@@ -746,7 +748,7 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
     return t_, h, e, el, f
 
 
-def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch, timeout_ns, grid,
+def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch_slot, timeout_ns, grid,
            cfg: planning.MoETiles, top_k, routing="softmax", renormalize=True, n_group=1, topk_group=1,
            routed_scaling=1.0, policy="self", comm_programs=None, stages=ALL_STAGES, gemms_only=False,
            trace=None, x_mx=None):
@@ -756,7 +758,9 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
     peer_ctr (int64 address tables), topk_w, topk_e, xe, xe_meta, hb, plan, scratch, errors, layout.
     ``stages`` (bitmask of ROUTE..FOLD) lets CPU tests run a rank's stages in separate launches so that no
     program of the sequential interpreter waits on a rank that has not run yet; the last program zeroes the
-    scratch only in a launch that includes FOLD (or the GEMM-only mode). ``x_mx`` (a quant.MXTensor of x):
+    scratch, signals done and advances the device epoch (``epoch_slot``, int32 [1]: the launch runs at slot
+    + 1) only in a launch that includes FOLD (or the GEMM-only mode), so every launch of one call sees the same
+    epoch. ``x_mx`` (a quant.MXTensor of x):
     the MXFP8 layer (dispatch moves x_mx, PERMUTE dequantizes, GEMM1 rounds h to MX; w13 / w2 hold MX values)."""
     t_, h = x.shape
     e = router_weight.shape[0]
@@ -782,7 +786,7 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
         lay.off_recv, lay.off_rmeta, lay.off_cnt, lay.off_comb, *mx_args,
         bufs["topk_w"], bufs["topk_e"], bufs["xe"], bufs["xe_meta"], bufs["hb"], bufs["plan"], bufs["scratch"],
         lay.scratch_n, bufs["errors"], trace if trace is not None else bufs["errors"],
-        t_, h, f, e, el, rank, epoch, max(1, timeout_ns // 1000), fixed, float(routed_scaling), stages,
+        t_, h, f, e, el, rank, epoch_slot, max(1, timeout_ns // 1000), fixed, float(routed_scaling), stages,
         WORLD=world, TOPK=top_k, KP2=_p2(top_k), EP2=_p2(e, 16), ELP2=_p2(el), WP2=_p2(world),
         ROUTING=ROUTINGS.index(routing), RENORM=bool(renormalize), N_GROUP=n_group_c,
         TOPK_GROUP=topk_group if routing == "sigmoid-grouped" else 1, NGP2=_p2(n_group_c),
@@ -859,10 +863,11 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     bufs.update(data=ws.data, sig=ws.signals, ctr=ws.counters, peer_data=ws.peer_data, peer_sig=ws.peer_signals,
                 peer_ctr=ws.peer_counters, errors=ws.errors, layout=lay)
     bias32 = bias.float().contiguous() if bias is not None else None
-    epoch = ws.next_epoch()
+    ws.before_launch()
     y = torch.empty((t_, h), dtype=torch.bfloat16, device=x.device)
     x_mx = quantize_mx(x) if mx else None
-    launch(x, router_weight, bias32, w13, w2, y, bufs, rank=r, world=w, epoch=epoch, timeout_ns=ws.timeout_ns(),
+    launch(x, router_weight, bias32, w13, w2, y, bufs, rank=r, world=w, epoch_slot=ws.epoch_slot,
+           timeout_ns=ws.timeout_ns(),
            grid=grid, cfg=cfg, top_k=top_k, routing=routing, renormalize=renormalize, n_group=n_group,
            topk_group=topk_group, routed_scaling=routed_scaling, policy=policy, comm_programs=comm_programs,
            trace=trace, x_mx=x_mx)
@@ -881,6 +886,7 @@ def _check_same_shape_on_every_rank(ws, key: tuple) -> None:
     seen = ws.agreed_shapes
     if key in seen or ws.world.size == 1:
         return
+    runtime.capture_refusal("its cross-rank check of this shape (one all-gather) has not run yet")
     import torch.distributed as dist
     mine = torch.tensor(key[1:], dtype=torch.int64, device=ws.world.device)
     got = [torch.empty_like(mine) for _ in range(ws.world.size)]
@@ -934,6 +940,8 @@ def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
     if r_ == 0:
         return y
     router = ws.local("moe.gemms_router", el * h, torch.bfloat16)[:el * h].view(el, h)  # unused by the GEMMs
-    launch(x_sorted[:1], router, None, w13, w2, y, bufs, rank=0, world=1, epoch=1, timeout_ns=ws.timeout_ns(),
+    # its own epoch slot: these launches are not calls of the workspace's group (no peer keeps step with them)
+    launch(x_sorted[:1], router, None, w13, w2, y, bufs, rank=0, world=1,
+           epoch_slot=ws.local("moe.gemms_epoch", 1, torch.int32), timeout_ns=ws.timeout_ns(),
            grid=grid, cfg=cfg, top_k=1, stages=(1 << GEMM1) | (1 << GEMM2), gemms_only=True)
     return y
