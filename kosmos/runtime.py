@@ -38,9 +38,13 @@ cross-rank shape check. A capture that would need any of them raises a one-line 
 CUDA graph does: the shapes, the input tensors' addresses (copy new data into them), the output tensors of
 the captured call (every replay writes the same ones), the policy and config, and the timeout in force at
 capture. At W > 1 every rank must capture the same calls and replay its graphs in the same order as its
-peers (each replay is one call per op captured, as eagerly). Under capture no error event is recorded (an
-event captured in a graph cannot be queried after a replay); ``check_errors()`` after replays synchronises
-the device and then reads the pinned mirror, raising ``KosmosTimeoutError`` exactly as after eager calls.
+peers (each replay is one call per op captured, as eagerly). Once a call was captured the workspace's buffers
+may not grow any more (the graphs hold them): an eager call that would need more raises a KosmosError, so the
+largest shapes go first; ``reset_workspaces()`` drops the buffers and with them every graph that used them.
+Under capture no error event is recorded (an event captured in a graph cannot be queried after a replay);
+``check_errors()`` after replays synchronises the device and then reads the pinned mirror, raising
+``KosmosTimeoutError`` exactly as after eager calls; the next eager call also sees a replay's error (it reads
+the mirror once its predecessor's event has completed).
 
 Errors are checked without stalling the stream: the program that records an error also writes the record
 into pinned, host-mapped memory (a healthy call moves nothing: a per-call device-to-host copy measured ~5 us
@@ -149,7 +153,8 @@ class Workspace:
     _err_host: torch.Tensor | None = None
     _err_event: object = None
     _capturing: bool = False  # the current call is being captured into a CUDA graph (before_launch)
-    _captured: bool = False   # some call was: check_errors() synchronises the device (replays record no event)
+    _captured: bool = False   # some call was: check_errors() synchronises the device (replays record no event),
+                              # and the buffers may no longer grow (_may_grow)
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
@@ -168,7 +173,7 @@ class Workspace:
         need_sig = FLAG_BASE + flag_slots
         if self.data is not None and self.data_bytes >= data_bytes and self.signal_slots >= need_sig:
             return
-        capture_refusal(f"its symmetric workspace must grow to {data_bytes} bytes and {need_sig} signal slots")
+        self._may_grow(f"its symmetric workspace must grow to {data_bytes} bytes and {need_sig} signal slots")
         dev = self.world.device
         if self.data is not None:  # growing: let every peer finish with the old buffers first
             torch.cuda.synchronize(dev)
@@ -204,7 +209,7 @@ class Workspace:
         have = 0 if self.counters is None else self.counters.numel()
         if have >= slots:
             return
-        capture_refusal(f"its symmetric counter buffer must grow to {slots} slots")
+        self._may_grow(f"its symmetric counter buffer must grow to {slots} slots")
         dev = self.world.device
         if self.counters is not None:
             torch.cuda.synchronize(dev)
@@ -224,7 +229,7 @@ class Workspace:
         stream order."""
         t = self._local.get(name)
         if t is None or t.numel() < numel or t.dtype != dtype:
-            capture_refusal(f"its local buffer {name!r} must grow to {numel} elements")
+            self._may_grow(f"its local buffer {name!r} must grow to {numel} elements")
             t = torch.zeros(max(numel, 1), dtype=dtype, device=self.world.device)
             if init is not None:
                 init(t)
@@ -233,6 +238,17 @@ class Workspace:
 
     def local_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._local.values())
+
+    def _may_grow(self, what: str) -> None:
+        """Before a buffer is made or grown: not inside a capture (``capture_refusal``), and not once a CUDA graph
+        holds calls on this workspace -- the graph keeps using the old buffers, which growing would free (and
+        its epochs would restart under the graph)."""
+        capture_refusal(what)
+        if self._captured:
+            raise KosmosError(f"a KOSMOS workspace cannot grow once CUDA graphs have captured calls on it ({what}): "
+                              f"the graphs keep using its buffers. Make the eager call with the largest shapes "
+                              f"before capturing, or call kosmos.reset_workspaces() (which invalidates those "
+                              f"graphs) and capture again")
 
     def _symmetric(self, numel: int, dtype):
         if self.world.size == 1:
@@ -251,7 +267,6 @@ class Workspace:
         the launch reads and advances the device slot itself."""
         self._capturing = capturing()
         if self._capturing:
-            self._captured = True
             if self.poisoned:
                 raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
         else:
@@ -262,6 +277,7 @@ class Workspace:
         the mirror only on error); it is read by the next call or check_errors(). Not while capturing: an event
         recorded into a graph cannot be queried after a replay; check_errors() then synchronises instead."""
         if self._capturing:
+            self._captured = True  # a graph now holds a launch on this workspace's buffers
             return
         if self._err_event is None:
             self._err_event = torch.cuda.Event()

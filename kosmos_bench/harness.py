@@ -309,8 +309,16 @@ def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result
         return t
 
     ok, why, t = agreed_call(time_it)
-    if not ok:
+    if st.cuda_graph:  # the graph holds KOSMOS's workspace buffers, which may then no longer grow: drop both
+        # (every rank in step), so that the next implementation or a larger case starts afresh
+        if ws is None and ok:
+            ws = kosmos_workspace_bytes(device)
+        fn = None
+        made.clear()
         recover()
+    if not ok:
+        if not st.cuda_graph:
+            recover()
         return Result("failed", why, err, workspace=ws, errors=errors)
     return Result("ok", None, err, t, ws, errors=errors)
 
@@ -352,7 +360,7 @@ def run_impl(impl: registry.Impl, inputs, ref, st: Settings, device, recover: Ca
         return res
 
     res = best_fixed_split(measure, st.fixed_sweep, grid) if impl.fixed == "best" else measure(params)
-    if impl.kosmos and res.status == "ok":
+    if impl.kosmos and res.status == "ok" and not st.cuda_graph:  # (with graphs: measured before the release)
         res.workspace = kosmos_workspace_bytes(device)
     return res
 

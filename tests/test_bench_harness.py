@@ -457,3 +457,51 @@ def test_rows_carry_the_host_time_of_their_timing(family, cpu_timer):
     assert by["wrong"]["host_ms"] is None and by["ruled-out"]["host_ms"] is None
     keys = list(by["kernel"])
     assert keys.index("rel_err") < keys.index("host_ms") < keys.index("workspace_bytes")
+
+
+def test_cuda_graph_times_the_replay_and_records_a_failed_capture(family, cpu_timer, monkeypatch):
+    """Settings.cuda_graph: after the check, each implementation's call is captured (timing.capture_graph) and
+    its replay is what time_op times; a capture that raises gives a "failed" row with the reason and the sweep
+    goes on; a split call is "unavailable"; every row says cuda_graph."""
+    calls = []
+
+    def capture_graph(fn, warmup=3):
+        if getattr(fn, "no_capture", False):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        calls.append("captured")
+
+        def replay():
+            calls.append("replay")
+            return fn()
+        return replay
+    monkeypatch.setattr(timing, "capture_graph", capture_graph)
+
+    @registry.register(family, "graphable")
+    def graphable(inp, params, config):
+        return (lambda: 2 * inp), None
+
+    @registry.register(family, "ungraphable")
+    def ungraphable(inp, params, config):
+        fn = (lambda: 2 * inp)
+        fn.no_capture = True
+        return fn, None
+
+    @registry.register(family, "split")
+    def split(inp, params, config):
+        return timing.Split(lambda: inp, lambda x: 2 * x), None
+    x = torch.randn(4, 4)
+    recovered = []
+    runner = harness.Runner(harness.Settings(cuda_graph=True), torch.device("cpu"), lambda: recovered.append(1))
+    runner.run(family, ("graphable", "ungraphable", "split"), inputs=x, ref=2 * x, identity={"op": "toy"},
+               flops=1.0)
+    by = {r["impl"]: r for r in runner.rows}
+    assert by["graphable"]["status"] == "ok" and calls == ["captured", "replay"]  # the replay was timed
+    assert by["ungraphable"]["status"] == "failed"
+    assert by["ungraphable"]["reason"] == "CUDA graph capture: RuntimeError: operation not permitted when stream " \
+                                          "is capturing"
+    assert by["split"]["status"] == "unavailable" and "CUDA graph" in by["split"]["reason"]
+    # recovered after the failed capture, and after the timed graph (its workspace released for the next one)
+    assert all(r["cuda_graph"] is True for r in runner.rows) and len(recovered) == 2
+    plain = harness.Runner(harness.Settings(), torch.device("cpu"), lambda: None)
+    plain.run(family, ("graphable",), inputs=x, ref=2 * x, identity={"op": "toy"}, flops=1.0)
+    assert "cuda_graph" not in plain.rows[0]

@@ -735,3 +735,21 @@ def test_bench_moe_suite_direction_list(tmp_path):
     assert r.exit_code == 0 and "direction: fwd, bwd" in r.output, r.output
     r = runner.invoke(app, ["bench", "moe", "--suite", str(path), "--ep", "1", "--direction", "fwd+bwd", "--dry-run"])
     assert r.exit_code == 0 and "direction: fwd+bwd" in r.output, r.output
+
+
+def test_bench_cuda_graph_reaches_the_ranks_and_the_plan(monkeypatch, tmp_path):
+    """--cuda-graph: the suite the ranks get (and the env line records) says cuda_graph; the dry run says so."""
+    from kosmos_bench import moe, tp
+    seen = _capture_spawn(monkeypatch)
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--cuda-graph", "--out",
+                            str(tmp_path / "r.jsonl")])
+    assert r.exit_code == 0, r.output
+    assert seen["fn"] is tp.bench_rank and seen["args"][0]["cuda_graph"] is True
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--out", str(tmp_path / "s.jsonl")])
+    assert r.exit_code == 0 and "cuda_graph" not in seen["args"][0]
+    r = runner.invoke(app, ["bench", "moe", "--model", "qwen3-235b", "--tokens", "64", "--cuda-graph", "--out",
+                            str(tmp_path / "m.jsonl")])
+    assert r.exit_code == 0, r.output
+    assert seen["fn"] is moe.bench_rank and seen["args"][0]["cuda_graph"] is True
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--cuda-graph", "--dry-run"])
+    assert r.exit_code == 0 and "CUDA graph replays" in " ".join(r.output.split()), r.output

@@ -27,6 +27,18 @@ REPLAYS = 100
 N_INPUTS = 4  # replay i runs on input set i % N_INPUTS
 
 
+@pytest.fixture(autouse=True)
+def fresh_workspaces():
+    """Each test on fresh workspaces, dropped after it: a workspace that a graph captured may not grow, so the
+    tests after this file (other shapes) must not inherit one."""
+    if torch.cuda.is_available():
+        runtime.reset_workspaces()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        runtime.reset_workspaces()
+
+
 def _capture(call):
     """``call()`` captured into a new CUDA graph -> (graph, what the captured call returned)."""
     torch.cuda.synchronize()

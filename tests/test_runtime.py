@@ -84,6 +84,22 @@ def test_cuda_graph_capture_of_a_first_call_is_refused(monkeypatch):
     assert ws.data is None and not ws._local and ("capture-test",) not in planning._DEVICE_TABLES
 
 
+def test_workspace_does_not_grow_under_captured_graphs(monkeypatch):
+    """Once a call was captured (after_launch under capture), an eager call that would grow a buffer the graph
+    holds raises instead of freeing it; what already fits passes."""
+    ws = runtime.Workspace(runtime.World(None, 0, 1, torch.device("cpu")))
+    ws.local("x", 8, torch.int32)
+    _fake_capture(monkeypatch, True)
+    ws.before_launch()
+    ws.after_launch()
+    _fake_capture(monkeypatch, False)
+    assert ws.local("x", 8, torch.int32).numel() == 8  # fits: the same buffer
+    for grow in (lambda: ws.ensure(1, 1), lambda: ws.ensure_counters(8), lambda: ws.local("x", 9, torch.int32)):
+        with pytest.raises(runtime.KosmosError, match="cannot grow once CUDA graphs have captured") as e:
+            grow()
+        assert "\n" not in str(e.value) and "reset_workspaces" in str(e.value)
+
+
 class _Event:
     """Stands in for torch.cuda.Event: records what was asked of it."""
     def __init__(self, log):

@@ -5,8 +5,9 @@ the markers). Each op's own cases are in test_all_gather_matmul.py and test_matm
 * ``multi_gpu`` -- W=2, one process per GPU (kosmos_bench.launcher.spawn; the rank functions are
   module-level, pickled by reference): every shape and policy through AG then RS on one workspace (it grows
   and shrinks its needs from call to call); bitwise determinism and 100 back-to-back calls interleaving the
-  two ops without a host sync. A rank records failed checks and keeps going, so that both ranks make the
-  same sequence of collective calls (multiproc.Checks). References in fp32 with TF32 off.
+  two ops without a host sync; both ops captured in one CUDA graph and replayed 50 times. A rank records
+  failed checks and keeps going, so that both ranks make the same sequence of collective calls
+  (multiproc.Checks). References in fp32 with TF32 off.
 """
 import pytest
 import torch
@@ -182,3 +183,51 @@ def test_w2_correctness_both_ops_both_policies(tmp_path):
 @pytest.mark.multi_gpu
 def test_w2_determinism_and_back_to_back(tmp_path):
     opcases.spawn(_w2_determinism_back_to_back, tmp_path)
+
+
+def _w2_cuda_graph_replays(rank, world, out_dir):
+    """Real W=2: one AG and one RS call captured together in one graph on each rank after eager calls, replayed
+    50 times with the inputs rotating; every replay bitwise equal to the eager calls on the same inputs, the
+    device epochs of both ranks advanced in lockstep, no timeout."""
+    import kosmos
+    from kosmos import runtime
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda", rank)
+    check = Checks(rank)
+    ms, k, n = 300, 520, 1000
+    shards, bs = rank_inputs(5, world, (ms, k), (k, n), dev)
+    a_list, b_list = rank_inputs(6, world, (world * ms, k), (k, n), dev)
+    scales = (1.0, 2.0, -0.5, 4.0)
+    ag_in, rs_in = shards[rank].clone(), a_list[rank].clone()
+
+    def set_inputs(j):
+        ag_in.copy_(shards[rank] * scales[j])
+        rs_in.copy_(a_list[rank] * scales[j])
+
+    def call():
+        return kosmos.all_gather_matmul(ag_in, bs[rank])[1], kosmos.matmul_reduce_scatter(rs_in, b_list[rank])
+    eager = []
+    for j in range(len(scales)):
+        set_inputs(j)
+        eager.append(tuple(t.clone() for t in call()))
+    kosmos.check_errors()
+    ws = runtime.get_workspace(None, dev)
+    e0 = ws.device_epoch()
+    set_inputs(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for i in range(50):
+        j = i % len(scales)
+        set_inputs(j)
+        graph.replay()
+        check(torch.equal(out[0], eager[j][0]) and torch.equal(out[1], eager[j][1]), f"replay {i} differs")
+    kosmos.check_errors()
+    check(ws.device_epoch() == e0 + 100, f"device epoch {ws.device_epoch()}, expected {e0 + 100}")
+    check.finish(out_dir)
+
+
+@pytest.mark.multi_gpu
+def test_w2_cuda_graph_replays(tmp_path):
+    opcases.spawn(_w2_cuda_graph_replays, tmp_path)
