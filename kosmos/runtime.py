@@ -339,7 +339,8 @@ def get_workspace(group=None, device=None) -> Workspace:
 
 
 def check_errors(group=None) -> None:
-    """Wait for the last KOSMOS launch on ``group`` and raise if any bounded wait timed out."""
+    """Wait for the last KOSMOS launch on ``group`` (after CUDA-graph replays: for the whole device) and raise
+    if any bounded wait timed out."""
     for ws in list(_WORKSPACES.values()):
         if group is None or ws.world.group is group:
             ws.check_errors(block=True)
