@@ -199,7 +199,7 @@ class Buffers:
         self.sig = torch.zeros(runtime.FLAG_BASE + (1 << 16), dtype=torch.int32, device=device)
         self.heads = torch.zeros(runtime.NUM_HEADS, dtype=torch.int32, device=device)
         self.errors = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=device)
-        self.epoch = 0
+        self.epoch_slot = torch.zeros(1, dtype=torch.int32, device=device)  # the device-resident epoch
 
     def clean(self) -> str | None:
         from kosmos import runtime
@@ -212,17 +212,17 @@ class Buffers:
 
 
 def make_launch(op, a, b, c, cfg, grid, bufs):
-    """fn() = one W=1 call of ``op`` on explicit buffers with tile ``cfg`` (a fresh epoch each call, as the
-    public op's workspace gives)."""
+    """fn() = one W=1 call of ``op`` on explicit buffers with tile ``cfg`` (the launch advances the device-resident
+    epoch in ``bufs.epoch_slot`` itself, as the public op's workspace does)."""
     from kosmos.kernels import all_gather_matmul as ag
     from kosmos.kernels import matmul_reduce_scatter as rs
     mod = ag if op == "ag_gemm" else rs
 
     def fn():
-        bufs.epoch += 1
         # AG at W=1: the gathered buffer is the shard itself; RS at W=1: the tiles store straight into c
         mod.launch(a, b, False, c, a if op == "ag_gemm" else c, bufs.peers, bufs.peers, bufs.sig, bufs.heads,
-                   bufs.errors, rank=0, world=1, epoch=bufs.epoch, timeout_ns=TIMEOUT_NS, grid=grid, cfg=cfg)
+                   bufs.errors, rank=0, world=1, epoch_slot=bufs.epoch_slot, timeout_ns=TIMEOUT_NS, grid=grid,
+                   cfg=cfg)
     return fn
 
 
