@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -190,5 +190,38 @@ EOF
     grep -E "(FAILED|ERROR|Timeout)" "$out/cg-gpu-tests-2.log" | head -8; tail -1 "$out/cg-gpu-tests-2.log"
     python -m dev.tile_probe --table "$out/tile-probe.jsonl" | tail -30
     keep ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b" >&2; exit 2 ;;
+  s10c)  # session 10's third call (<= 330 s; tarball $OUT/s10c.tar.gz): CUDA graphs in the bench (issue 13 part 2:
+         # eager vs replayed, TP and MoE, one file each), the MoE backward's stage costs (dev/moe_bwd_probe),
+         # the MXFP8 training proxy (issue 16), then the host-cost profile (dev/fixed_cost) with what is left.
+    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10c.tar.gz"; }
+    for g in eager graph; do
+      flag=""; [ $g = graph ] && flag=--cuda-graph
+      timeout 50 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b --seq 4096 \
+        --impl kosmos,nccl+cublas $flag --out "$out/tp-$g.jsonl" >> "$out/bench-graph.log" 2>&1; echo "tp $g rc=$?"
+      timeout 60 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096 --routing uniform \
+        --impl kosmos,nccl-a2a --no-expert-gemms $flag --out "$out/moe-$g.jsonl" >> "$out/bench-graph.log" 2>&1
+      echo "moe $g rc=$?"
+    done; keep
+    timeout 140 python -m dev.moe_bwd_probe --json "$out/moe-bwd-probe.jsonl" > "$out/moe-bwd-probe.log" 2>&1
+    echo "moe bwd probe rc=$?"; keep
+    timeout 100 python -m kosmos_bench.cli bench train --model llama3-8b --layers 2 --seq 4096 --tp 1 --steps 20 \
+      --dtype mxfp8 --out "$out/train-llama3-8b-w1-mxfp8.jsonl" > "$out/bench-train-mx.log" 2>&1; echo "train mx rc=$?"
+    keep
+    left=$((320 - SECONDS)); [ $left -gt 20 ] && { timeout $left python -m dev.fixed_cost > "$out/fixed-cost.log" 2>&1
+      echo "fixed cost rc=$?"; }
+    keep
+    python - "$out" <<'PYEOF'
+import json, sys, glob
+for f in sorted(glob.glob(sys.argv[1] + "/*-eager.jsonl") + glob.glob(sys.argv[1] + "/*-graph.jsonl")):
+    for line in open(f):
+        r = json.loads(line)
+        if r.get("type") == "result":
+            t = "-" if r.get("time_ms") is None else f"{r['time_ms']:.4f}"
+            h = "-" if r.get("host_ms") is None else f"{r['host_ms'] * 1000:.0f}us"
+            print(f"{f.split('/')[-1]:18} {r.get('layer', ''):8} {r['impl']:12} {r['status']:7} {t:>9} host {h:>7} "
+                  f"{(r.get('reason') or '')[:60]}")
+PYEOF
+    grep -v "^{" "$out/bench-train-mx.log" | tail -8; tail -25 "$out/moe-bwd-probe.log"; tail -25 "$out/fixed-cost.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c" >&2; exit 2 ;;
 esac
