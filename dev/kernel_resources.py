@@ -96,13 +96,36 @@ def _compile(module, kernel_name: str, call) -> dict:
     return _resources(stub.compiled)
 
 
-KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "moe_forward")
+KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "moe_forward", "moe_backward")
+
+
+def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: int = 32768) -> list:
+    """(name, resources) of the W=1 MoE backward's Triton kernels (kosmos/kernels/moe_backward.py) at their GPU
+    tiles, on a qwen3-235b-like layer (H 4096, F 1536, 128 experts, 4096 tokens x top-8 rows), each compiled as
+    its launcher launches it."""
+    from kosmos.kernels import moe_backward as mb
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    counts = torch.full((e,), rows // e, dtype=torch.int32, device=dev)
+    x_rows, dy_rows, gu = torch.empty(rows, h, **bf), torch.empty(rows, h, **bf), torch.empty(rows, 2 * f, **bf)
+    w13, w2 = torch.empty(e, h, 2 * f, **bf), torch.empty(e, f, h, **bf)
+    w_pair = torch.empty(rows, dtype=torch.float32, device=dev)
+    out = [("moe_bwd wgrad bf16", _compile(mb, "_expert_wgrad_kernel",
+                                           lambda: mb.expert_weight_grads(x_rows, gu, counts))),
+           ("moe_bwd wgrad fp32", _compile(mb, "_expert_wgrad_kernel", lambda: mb.expert_weight_grads(
+               x_rows, gu, counts, out_dtype=torch.float32))),
+           ("moe_bwd dgrad2_swiglu", _compile(mb, "_dgrad2_swiglu_kernel",
+                                              lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts))),
+           ("moe_bwd dgrad1", _compile(mb, "_dgrad1_kernel", lambda: mb.expert_dgrad1(gu, w13, counts)))]
+    for name, extra in getattr(mb, "RESOURCE_PROBES", {}).items():  # the backward's small kernels
+        out.append((f"moe_bwd {name}", _compile(mb, extra[0], lambda: extra[1](dev))))
+    return out
 
 
 def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: int = 5120, only=KERNELS,
-            mx: bool = False):
+            mx: bool = False, tile=None):
     """(name, resources) of the fused kernels in ``only`` at ``world`` (rank 0, self policy, default configs);
-    ``mx``: their MXFP8 variants (MX activation, dequantize on arrival; the MoE layer's MX dispatch)."""
+    ``mx``: their MXFP8 variants (MX activation, dequantize on arrival; the MoE layer's MX dispatch); ``tile``
+    (a planning.TileConfig): the TP kernels with that tile instead of tile_config's choice for the shape."""
     from kosmos import planning, runtime
     from kosmos.kernels import all_gather_matmul as ag
     from kosmos.kernels import matmul_reduce_scatter as rs
@@ -117,7 +140,7 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
                   grid=grid)
     a_shard, b = torch.empty(ms, k, **bf), torch.empty(k, n, **bf)
     gather, c = torch.empty(ms * world, k, **bf), torch.empty(ms * world, n, **bf)
-    cfg = planning.tile_config(ms, n, k)
+    cfg = tile or planning.tile_config(ms, n, k, world=world, programs=grid, mx=mx)
     out = []
     f8 = dict(dtype=torch.float8_e4m3fn, device=dev)
     u8 = dict(dtype=torch.uint8, device=dev)
@@ -132,7 +155,7 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     k_rs, n_rs = 8192 // world, 8192  # attention-out: K = heads*head_dim / W
     a_rs, b_rs = torch.empty(ms * world, k_rs, **bf), torch.empty(k_rs, n_rs, **bf)
     stage, c_rs = torch.empty(ms * world, n_rs, **bf), torch.empty(ms, n_rs, **bf)
-    cfg = planning.tile_config(ms, n_rs, k_rs)
+    cfg = tile or planning.tile_config(ms, n_rs, k_rs, world=world, programs=grid, mx=mx)
     if "matmul_reduce_scatter" in only and mx:
         out.append(("matmul_reduce_scatter mx", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
             torch.empty(ms * world, k_rs, **f8), b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg,
@@ -140,6 +163,8 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     elif "matmul_reduce_scatter" in only:
         out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
             a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+    if "moe_backward" in only and world == 1:
+        out += moe_backward_kernels(dev)
     if "moe_forward" not in only:
         return out
     # deepseek-v3-like MoE layer: H 7168, F 2048, 256 experts, top-8, sigmoid-grouped routing
@@ -169,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the table as JSON here")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="which kernels (comma-separated)")
     ap.add_argument("--mx", action="store_true", help="the MXFP8 variants instead of the bf16 ones")
+    ap.add_argument("--tiles", action="store_true", help="the TP kernels once per tile of planning.TILE_CANDIDATES "
+                    "(what tile_config may pick on some shape) instead of the one picked for the default shape")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
@@ -181,11 +208,21 @@ def main(argv=None):
     rows = []
     print(f"triton {triton.__version__}, sm_90a, grid {grid}")
     print(f"{'kernel':<24} {'W':>2} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared KiB':>11}")
+    from kosmos import planning
+    tiles = [None]
+    if args.tiles:
+        tiles = [planning.TileConfig(bm, bn, 64, w, s) for bm, bn, w, s, _ in planning.TILE_CANDIDATES]
+    only = args.kernels.split(",")
+    if args.tiles:
+        only = [k for k in only if k != "moe_forward"]
     for world in [int(w) for w in args.world.split(",")]:
-        for name, r in kernels(world, dev, grid, only=args.kernels.split(","), mx=args.mx):
-            rows.append(dict(kernel=name, world=world, triton=triton.__version__, **r))
-            print(f"{name:<26} {world:>2} {r['regs']:>5} {str(r['spill_bytes']):>8} {r['stack_bytes']:>8} "
-                  f"{r['shared_kib']:>11}", flush=True)
+        for tile in tiles:
+            for name, r in kernels(world, dev, grid, only=only, mx=args.mx, tile=tile):
+                if tile is not None:
+                    name = f"{name} {tile.BM}x{tile.BN}w{tile.num_warps}s{tile.num_stages}"
+                rows.append(dict(kernel=name, world=world, triton=triton.__version__, **r))
+                print(f"{name:<26} {world:>2} {r['regs']:>5} {str(r['spill_bytes']):>8} {r['stack_bytes']:>8} "
+                      f"{r['shared_kib']:>11}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

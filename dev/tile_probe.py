@@ -25,8 +25,9 @@ per op and candidate the geomean of the ratio over the shapes it ran on, per sha
 ratio, and the "best per shape" geomean -- the upper bound that a perfect rule choosing among these tiles
 would reach (no split-K / stream-K: a separate question).
 
-Candidates (``--candidates``, comma-separated; ``rule`` = planning.tile_config's choice for the shape, which
-is 128x256x64, 8 warps, 3 stages on every grid GEMM). Syntax BMxBNxBK[wWARPS][sSTAGES][gPROGRAMS_PER_SM].
+Candidates (``--candidates``, comma-separated; ``rule`` = planning.tile_config's choice for the shape at W=1 on
+the device's SMs: 128x256x64, 8 warps, 3 stages on every grid GEMM when the probe ran in session 10; the
+wave model since picks among TILE_CANDIDATES from that run). Syntax BMxBNxBK[wWARPS][sSTAGES][gPROGRAMS_PER_SM].
 The kernels' constraints: BM and BN powers of two (tl.arange in store_rows and in the reduce), BN >= 16 (the
 epilogue's two half-width TMA stores [BM, BN/2] need rows of >= 16 bytes), every TMA box side <= 256, BK a
 multiple of 16 (bf16 wgmma K step), 4 or 8 warps (one or two warpgroups; the candidates give BM = 64 four),
@@ -130,9 +131,9 @@ def parse_candidates(text: str) -> list[Candidate]:
     return cands
 
 
-def resolve(cand: Candidate, m: int, n: int, k: int):
+def resolve(cand: Candidate, m: int, n: int, k: int, programs: int = 132):
     from kosmos import planning
-    return cand.cfg if cand.cfg is not None else planning.tile_config(m, n, k)
+    return cand.cfg if cand.cfg is not None else planning.tile_config(m, n, k, programs=programs)
 
 
 def static_reason(cfg) -> str | None:
@@ -306,7 +307,7 @@ def run(args) -> list[dict]:
                 if args.max_seconds and time.monotonic() - START > args.max_seconds:
                     stopped = f"deadline ({args.max_seconds} s) inside shape {m}x{n}x{k}"
                     break
-                cfg = resolve(cand, m, n, k)
+                cfg = resolve(cand, m, n, k, programs=sms)
                 grid = sms * cand.per_sm
                 row = {"type": "result", "m": m, "n": n, "k": k, "op": op, "cand": cand.name, "BM": cfg.BM,
                        "BN": cfg.BN, "BK": cfg.BK, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,

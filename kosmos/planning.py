@@ -78,15 +78,60 @@ def _pow2_at_least(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, 1 << max(0, math.ceil(math.log2(max(1, x))))))
 
 
-def tile_config(rows: int, n: int, k: int) -> TileConfig:
-    """The one tile rule (no autotuning): 128x256x64, 3 stages, 8 warps -- measured at 86-102% of cuBLAS on
-    H200 with TMA -- shrunk for small problems. Tiny tiles under the CPU interpreter. (4 stages measured the
-    same at W=1 on the 12 llama3-70b TP=2 GEMMs: geomean 1.000, NOTES.md session 4.)"""
+# The tile candidates of tile_config, largest first: (BM, BN, num_warps, num_stages, throughput). Throughput is
+# each tile's TFLOP/s relative to 128x256 when the grid has many waves of tiles: the geomean over the 20
+# GEMMs of suites/tp-grid.yaml with >= 5 waves of 128x256 tiles, both TP ops at W=1, in the session-10 tile
+# probe on one H200 (results/h200x1/s10/b/tile-probe.jsonl, Triton 3.6): against cuBLAS 128x256 0.93x,
+# 128x128 (one warpgroup, 4 stages) 0.84x, 64x128 0.53x, 64x64 0.40x; relative 1, 0.896, 0.566, 0.426.
+TILE_CANDIDATES = (
+    (128, 256, 8, 3, 1.00),
+    (128, 128, 4, 4, 0.90),
+    (64, 128, 4, 4, 0.57),
+    (64, 64, 4, 6, 0.43),
+)
+
+
+def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 132,
+                mx: bool = False) -> TileConfig:
+    """The one tile rule (no autotuning, no per-shape table): the candidate of TILE_CANDIDATES whose grid of
+    tiles finishes first on ``programs`` persistent programs, by a wave model.
+
+    Each rank computes the whole [rows * world, n] output in tiles (AG: the gathered rows; RS: all rows before
+    the reduction), so a candidate (BM, BN) makes T = ceil(rows*world / BM) * ceil(n / BN) tiles, run in
+    ceil(T / programs) waves; one tile of it takes (BM*BN)/(128*256) / throughput of a 128x256 tile's time. The
+    predicted time is the product; the smallest wins, a larger tile on a tie within 1%. What it does: shapes
+    with many waves keep 128x256x64 (8 warps, 3 stages: 86-102% of cuBLAS on H200 with TMA); a grid under half
+    a wave takes smaller tiles until it fills the SMs (256x1536x1024: 12 tiles of 128x256 -> 96 of 64x64); a
+    wave count just over an integer (192 tiles = 1.45 waves) takes 128x128 (384 tiles, 2.9 waves, less idle
+    tail). K does not enter: the probe found no K where another BK won (128x256x128 lost everywhere, 0.70x of
+    the rule).
+
+    Measured (session 10, one H200, W=1, both TP ops, the 48 GEMMs of suites/tp-grid.yaml, t_gemm/time):
+    the rule picks the fastest of the probe's 8 candidates on 91 of the 96 (shape, op) points and is within
+    1.2% of it on the other 5 (the 8-warp 128x128 or a 64x256 tile won there by a hair); predicted geomean
+    0.875x (RS) / 0.869x (AG) of cuBLAS against 0.825x / 0.819x for 128x256 everywhere; worst shape
+    512x1536x7168 0.35x -> 0.59x. This is in-sample (the throughputs come from the same probe), to be
+    confirmed by the grid bench. Left for split-K / stream-K: shapes under a wave even in 64x64 tiles, and
+    the per-tile overhead that holds short-K shapes (K = 1024: 0.84-0.90x) below cuBLAS.
+
+    ``mx``: the MXFP8 paths keep 128x256 (their DEQ plan was measured only with it; the small tiles are not
+    yet compiled or timed there). The rows <= 64 case falls out of the model (a 128-row tile costs its full
+    time however few rows it holds). At W > 1 the same rule applies and the communication chunks are BM rows.
+    Tiny tiles under the CPU interpreter."""
     if interpreting():
         return TileConfig(16, _pow2_at_least(n, 16, 32), 16, 4, 1)
-    bm = 128 if rows > 64 else 64
-    bn = _pow2_at_least(n, 64, 256)
-    return TileConfig(bm, bn, 64, 8, 3)
+    bn_cap = _pow2_at_least(n, 64, 256)
+    if mx:
+        return TileConfig(128 if rows > 64 else 64, bn_cap, 64, 8, 3)
+    m_total = rows * max(1, world)
+    best = None
+    for bm, bn, warps, stages, throughput in TILE_CANDIDATES:
+        bn = min(bn, bn_cap)
+        tiles = -(-m_total // bm) * -(-n // bn)
+        cost = -(-tiles // max(1, programs)) * (bm * bn) / (128 * 256) / throughput
+        if best is None or cost < best[0] * 0.99:
+            best = (cost, TileConfig(bm, bn, 64, warps, stages))
+    return best[1]
 
 
 def _grouped(m_tiles: int, n_tiles: int):

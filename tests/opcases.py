@@ -91,8 +91,8 @@ def run_device_epochs(t, schedule, calls=3):
 TOL = 1e-2
 SPAWN_TIMEOUT_S = 300.0
 
-# GPU tiles (planning.tile_config): BM = 64 up to 64 rows, else 128; BN = N rounded up to a power of two in
-# [64, 256]; BK = 64.
+# GPU tiles (planning.tile_config's wave model): on these few-tile shapes mostly 64x64 or 64x128 (4 warps),
+# 128x128 / 128x256 as the tiles grow; BN = N rounded up to a power of two in [64, 256]; BK = 64.
 W1_ROWS = (
     1,    # one row: a tile that is almost all padding
     37,   # less than one 64-row tile
@@ -150,7 +150,7 @@ def w1_trace_records_every_compute_task(op):
     else:
         kosmos.matmul_reduce_scatter(a, b, trace=trace)
     kosmos.check_errors()
-    cfg = planning.tile_config(ms, n, k)
+    cfg = planning.tile_config(ms, n, k, programs=grid)  # the op's own choice at W=1
     n_tiles = -(-ms // cfg.BM) * -(-n // cfg.BN)
     ev = trace.view(-1, 4).cpu()
     compute = ev[ev[:, 0] == 2]

@@ -100,7 +100,7 @@ class _Op:
         self.config = config  # the op's kosmos config (None: its defaults)
         self.device, self.grid, self.timeout_ns = device, grid, timeout_ns
         self.gen = torch.Generator().manual_seed(seed)
-        self.cfg = planning.tile_config(ms, n, k)
+        self.cfg = planning.tile_config(ms, n, k, world=world, programs=grid)  # as the public op picks it
         self.b_kmajor = b_kmajor
 
     def _kw(self, r, epoch, timeout_ns, pol):

@@ -232,7 +232,7 @@ def test_w1_timeout_reaches_the_host_through_the_error_mirror():
     runtime.reset_workspaces()
     ws = runtime.get_workspace(None, dev)
     ms, k, n = 256, 128, 256
-    cfg = planning.tile_config(ms, n, k)
+    cfg = planning.tile_config(ms, n, k, programs=runtime.num_sms(dev))
     ws.ensure(2 * ms * k * 2, 2 * triton.cdiv(ms, cfg.BM))
     runtime.ensure_triton_allocator()
     gen = torch.Generator().manual_seed(5)

@@ -165,7 +165,7 @@ def test_stalled_peer_under_replay_raises_at_check_errors():
     runtime.reset_workspaces()
     ws = runtime.get_workspace(None, dev)
     ms, k, n = 256, 128, 256
-    cfg = planning.tile_config(ms, n, k)
+    cfg = planning.tile_config(ms, n, k, programs=runtime.num_sms(dev))
     chunks = triton.cdiv(ms, cfg.BM)
     ws.ensure(2 * ms * k * 2, 2 * chunks)
     runtime.ensure_triton_allocator()

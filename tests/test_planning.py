@@ -214,21 +214,72 @@ def test_tile_config_interpreter(monkeypatch):
 
 @pytest.mark.parametrize("env", ["0", None])
 def test_tile_config_gpu(monkeypatch, env):
+    """Many waves of tiles: 128x256x64, 8 warps, 3 stages, BN shrunk to N's power of two (>= 64)."""
     if env is None:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:
         monkeypatch.setenv("TRITON_INTERPRET", env)
     assert not planning.interpreting()
-    for rows, n, bn in [(4096, 8192, 256), (65, 256, 256), (300, 200, 256), (129, 128, 128), (1000, 72, 128),
-                        (1000, 64, 64), (1000, 8, 64), (1000, 40, 64)]:
+    for rows, n in [(4096, 8192), (16384, 14336), (8192, 28672)]:
         cfg = planning.tile_config(rows, n, 8192)
-        assert (cfg.BM, cfg.BN, cfg.BK) == (128, bn, 64), (rows, n)
-        assert (cfg.num_warps, cfg.num_stages) == (8, 3)
+        assert (cfg.BM, cfg.BN, cfg.BK, cfg.num_warps, cfg.num_stages) == (128, 256, 64, 8, 3), (rows, n)
+    for rows, n, bn in [(32768, 128, 128), (65536, 72, 128), (65536, 64, 64), (65536, 8, 64), (65536, 40, 64)]:
+        cfg = planning.tile_config(rows, n, 8192)
+        assert (cfg.BM, cfg.BN) == (128, bn), (rows, n)
         assert cfg.BN & (cfg.BN - 1) == 0 and 64 <= cfg.BN <= 256
-    # small row counts take 64-row tiles
-    for rows in (1, 37, 64):
-        cfg = planning.tile_config(rows, 4096, 4096)
-        assert (cfg.BM, cfg.BN, cfg.BK) == (64, 256, 64)
+
+
+@pytest.mark.parametrize("rows,n,world,programs,want", [
+    # the session-10 probe's winners on one H200 (132 programs), W=1
+    (256, 1536, 1, 132, (64, 64, 4, 6)),       # 12 tiles of 128x256: 96 of 64x64 fill the SMs
+    (512, 1536, 1, 132, (64, 128, 4, 4)),      # 24 -> 96 tiles
+    (256, 8192, 1, 132, (128, 128, 4, 4)),     # 64 -> 128 tiles
+    (4096, 1536, 1, 132, (128, 128, 4, 4)),    # 1.45 waves -> 2.9
+    (2048, 5120, 1, 132, (128, 128, 4, 4)),    # 2.42 waves -> 4.85
+    (1024, 4096, 1, 132, (128, 256, 8, 3)),    # 0.97 waves: one full wave already
+    (8192, 1536, 1, 132, (128, 256, 8, 3)),    # 2.91 waves
+    (512, 5120, 1, 132, (128, 256, 8, 3)),     # 0.61 waves: 2 waves of 128x128 would cost more
+    # the llama3-70b TP=2 per-rank GEMMs of the default suite keep 128x256
+    (4096, 5120, 1, 132, (128, 256, 8, 3)), (4096, 14336, 1, 132, (128, 256, 8, 3)),
+    (4096, 8192, 1, 132, (128, 256, 8, 3)),
+    # W > 1: every rank computes all rows*world rows, so the same shard grows into more waves
+    (128, 1536, 2, 132, (64, 64, 4, 6)), (2048, 1536, 2, 132, (128, 128, 4, 4)),
+    (2048, 8192, 2, 132, (128, 256, 8, 3)),
+    # fewer programs: the same shape has more waves
+    (256, 8192, 1, 16, (128, 256, 8, 3)),
+])
+def test_tile_config_wave_model(monkeypatch, rows, n, world, programs, want):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = planning.tile_config(rows, n, 4096, world=world, programs=programs)
+    assert (cfg.BM, cfg.BN, cfg.num_warps, cfg.num_stages) == want
+    assert cfg.BK == 64
+
+
+def test_tile_config_mx_keeps_the_measured_tile(monkeypatch):
+    """MXFP8 keeps 128x256 (64 rows at <= 64 rows) whatever the waves: its DEQ plan was measured only there."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for rows, bm in [(256, 128), (37, 64), (4096, 128)]:
+        cfg = planning.tile_config(rows, 1536, 4096, mx=True)
+        assert (cfg.BM, cfg.BN, cfg.num_warps, cfg.num_stages) == (bm, 256, 8, 3)
+
+
+def test_tile_config_picks_the_cheapest_candidate(monkeypatch):
+    """The rule is the argmin of the wave model over TILE_CANDIDATES (ties within 1% to the larger tile), on
+    every grid GEMM of suites/tp-grid.yaml."""
+    import math
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ms = [256, 512, 1024, 2048, 3000, 4096, 6000, 8192, 16384]
+    ns = [1536, 3072, 4096, 5120, 6144, 6912, 8192, 14336, 28672]
+    for m in ms:
+        for n in ns:
+            cfg = planning.tile_config(m, n, 4096)
+            costs = []
+            for bm, bn, w, s, thr in planning.TILE_CANDIDATES:
+                tiles = math.ceil(m / bm) * math.ceil(n / bn)
+                costs.append((math.ceil(tiles / 132) * bm * bn / (128 * 256) / thr, (bm, bn, w, s)))
+            cheapest = min(c for c, _ in costs)
+            first_within = next(t for c, t in costs if c < cheapest / 0.99 + 1e-12)
+            assert (cfg.BM, cfg.BN, cfg.num_warps, cfg.num_stages) == first_within, (m, n)
 
 
 def test_cached_tables_builds_once():

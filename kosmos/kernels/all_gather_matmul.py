@@ -381,8 +381,8 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     ws = runtime.get_workspace(group, device)
     w, r = ws.world.size, ws.world.rank
     m = ms * w
-    cfg = planning.tile_config(ms, n, k)
     grid = runtime.num_sms(device)
+    cfg = planning.tile_config(ms, n, k, world=w, programs=grid, mx=mx)
     check_launch(policy, comm_programs, trace, grid)
     chunks = -(-ms // cfg.BM)  # (not triton.cdiv: a JIT function, ~7 us per host call)
     if mx:  # [gathered payload M*K | scales M*K/32 | dequantized bf16 M*K*2], each 16-byte aligned (W=1: the last)

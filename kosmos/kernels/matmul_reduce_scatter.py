@@ -87,7 +87,7 @@ import triton
 import triton.language as tl
 
 from .. import device as dev
-from .. import planning, runtime
+from .. import launch_plan, planning, runtime
 from .. import schedule as sched
 from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_MATMUL_REDUCE_SCATTER, WAIT_MX_ROWS, WAIT_RS_PARTIAL
 from ..config import MatmulReduceScatterConfig, check_config, default_config
@@ -294,10 +294,11 @@ def _red_rows(cfg, world: int) -> int:
     return max(1, min(cfg.BM, 1 << (rows.bit_length() - 1)))
 
 
-def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch_slot,
+def _launch_args(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch_slot,
            timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None, a_scales=None,
            dequantized=None, advance=True):
-    """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
+    """The kernel's runtime arguments and constexpr / option keywords of ``launch`` (also a plan's template).
+    Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
     Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases.
     ``epoch_slot`` (int32 [1], local): the device epoch; the launch runs at slot + 1 and advances it
     (``advance=False``: not -- a CPU test's first launch of a call split in two, like its fixed-role phases).
@@ -322,10 +323,11 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         dq = planning.DequantPlan(1, 1, 1)
         a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
         mx_args = (a, a, a, comp_t, 0)
-    return _matmul_reduce_scatter_kernel[(grid,)](
+    args = (
         a_desc, b_desc, c_desc, c, stage, *mx_args, peer_data, peer_sig, signals,
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
-        ms, n, k, rank, epoch_slot, max(1, timeout_ns // 1000), fixed,
+        ms, n, k, rank, epoch_slot, max(1, timeout_ns // 1000), fixed)
+    kw = dict(
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=config.push_partials,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
@@ -333,6 +335,13 @@ def launch(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, 
         DEQ_NB=dq.NB, GROUP_M=planning.GROUP_M,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
+    return args, kw
+
+
+def launch(*a, **k):
+    """Launch on explicit buffers, the normal (unplanned) way: ``_launch_args``' docstring."""
+    args, kw = _launch_args(*a, **k)
+    return _matmul_reduce_scatter_kernel[(kw["GRID"],)](*args, **kw)
 
 
 def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
@@ -348,6 +357,25 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation; ``trace`` as in
     ``all_gather_matmul``.
     """
+    try:  # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
+        key = ("rs", launch_plan.input_key(a), launch_plan.input_key(b), config, policy, comm_programs,
+               launch_plan.input_key(trace))
+        hash(key)
+    except (launch_plan.Unkeyable, TypeError):  # not a tensor, an unhashable config: the checks say what
+        key = None
+    if key is not None:
+        ws = runtime.get_workspace(group, a[0].device if isinstance(a, tuple) else a.device)
+        plan = launch_plan.lookup(ws, key) if hasattr(ws, "_plans") else None
+        if plan is not None:
+            runtime.ensure_triton_allocator()
+            ws.before_launch()
+            info = plan.info
+            c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
+            payload, scales = a if info["mx"] else (a, None)
+            sources = dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
+            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"])
+            ws.after_launch()
+            return c
     config = check_config(MatmulReduceScatterConfig, config)
     m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)
     a, a_scales = a if isinstance(a, tuple) else (a, None)
@@ -371,8 +399,17 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     stage = ws.data[:stage_bytes].view(torch.bfloat16).view(m, n) if w > 1 else c
     dequantized = (ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k)
                    if a_scales is not None else None)
-    launch(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals, ws.heads, ws.errors,
-           rank=r, world=w, epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config,
-           policy=policy, comm_programs=comm_programs, trace=trace, a_scales=a_scales, dequantized=dequantized)
+    args, kw = _launch_args(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
+                            ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(),
+                            grid=grid, cfg=cfg, config=config, policy=policy, comm_programs=comm_programs,
+                            trace=trace, a_scales=a_scales, dequantized=dequantized)
+    kl = launch_plan.KernelLaunch(_matmul_reduce_scatter_kernel, grid, args, kw)
+    info = dict(c_shape=(ms, n), device=a.device, mx=a_scales is not None, b_kmajor=b_kmajor,
+                clean=launch_plan.clean_check(ws))
+    if key is not None:
+        plan = launch_plan.make_plan(kl, dict(a=a, s=a_scales, b=b_store, c=c, trace=trace), ws, info)
+        if plan is not None:
+            launch_plan.store(ws, key, plan)
+    kl.launch(list(args), outputs=(c,), clean=info["clean"])
     ws.after_launch()
     return c
