@@ -148,7 +148,7 @@ def all_to_all_rows(x, out_splits, in_splits, group=None):
 
 
 def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "softmax", group=None,
-                    fp32: bool = True, **route_kw):
+                    fp32: bool = True, experts=None, **route_kw):
     """The MoE layer over ``group`` with NCCL/gloo all-to-all (Megatron's all-to-all dispatcher):
     route, permute (token, expert) pairs by expert, exchange counts (read on the host: NCCL needs the split
     sizes there), all_to_all_single the rows, group them by local expert, SwiGLU experts, all_to_all_single
@@ -160,12 +160,23 @@ def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "so
     the fold as one batched GEMM ``y[t] = w[t, :] @ pair_out[t, :, :]`` (weights cast to x.dtype, fp32
     accumulation inside the GEMM); returns x.dtype. One host sync per call (the split sizes). Differentiable at
     any W (the row exchanges through AllToAllRows; the counts' exchange carries no gradient): the training
-    proxy's nccl-a2a baseline is this function under autograd."""
+    proxy's nccl-a2a baseline is this function under autograd. ``experts`` [T, k] (global ids): use this routing
+    decision instead of ``route``'s, with its weights from ``routing_weights_ref`` on the fp32 logits (so the
+    router weight still gets its gradient): the distributed fp32 reference of a backward taken for a kernel's
+    own decision (kosmos_bench.moe.grad_reference at W > 1)."""
     import torch.distributed as dist
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     local = w13.shape[0]
     n_tokens, hidden = x.shape
-    weights, experts = route(x, router_weight, top_k, routing, **route_kw)
+    if experts is None:
+        weights, experts = route(x, router_weight, top_k, routing, **route_kw)
+    else:
+        experts = experts.long()
+        if tuple(experts.shape) != (n_tokens, top_k):
+            raise ValueError(f"experts has shape {tuple(experts.shape)}, expected ({n_tokens}, {top_k})")
+        logits = x.float() @ router_weight.float().t()
+        weights = routing_weights_ref(logits, experts, routing, renormalize=route_kw.get("renormalize", True),
+                                      routed_scaling=route_kw.get("routed_scaling", 1.0))[0]
     flat_expert = experts.reshape(-1)                       # pair p = token p // k, slot p % k
     order = torch.argsort(flat_expert, stable=True)         # pairs grouped by expert, hence by rank
     rows = x.index_select(0, order // top_k)

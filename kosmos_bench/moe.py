@@ -48,17 +48,24 @@ row's ``direction`` says which; rows without it are fwd):
   fwd      the forward, as above.
   bwd      the backward alone: each timed call is a ``timing.Split`` -- the forward runs untimed before the L2 flush
            and the barrier (collective-safe: every rank runs it in step), then only the backward is timed.
-           kosmos: ``moe_forward(..., return_routing=True)`` untimed, ``kosmos.kernels.moe_backward.moe_backward_w1``
-           on its decision timed (W = 1, bf16 only: "unavailable" at W > 1 or mxfp8). nccl-a2a: autograd through
-           ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad (torch._grouped_mm has a
-           derivative), the forward (its graph) untimed, ``torch.autograd.grad`` timed; W = 1, bf16 only (its
-           ``dist.all_to_all_single`` has no autograd). deepep, fixed-role, fixed-role-best: "unavailable". The output
-           gradient dy ~ N(0, 1) bf16, this rank's.
+           kosmos: ``moe_forward(..., return_routing=True)`` untimed, then on its decision
+           ``kosmos.kernels.moe_backward.moe_backward_w1`` (W = 1) or ``moe_backward`` over the EP group (W > 1:
+           all-to-alls between its launches) timed; bf16 only ("unavailable" at mxfp8). nccl-a2a: autograd
+           through ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad (torch._grouped_mm has
+           a derivative; the row exchanges are moe_reference.AllToAllRows at W > 1), the forward (its graph)
+           untimed, ``torch.autograd.grad`` timed; bf16 only. deepep, fixed-role, fixed-role-best: "unavailable".
+           The output gradient dy ~ N(0, 1) bf16, this rank's.
   fwd+bwd  both in one timed call.
-  Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against ``moe_reference.moe_backward_ref`` (fp32)
-  for the implementation's own routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a
-  makes), relative Frobenius error; the row's rel_err is the largest (tolerance GRAD_TOLERANCE, 3e-2: bf16 through
-  several GEMMs), each in ``rel_err_grads``. FLOPs: 2x the forward's at bwd, 3x at fwd+bwd. The expert GEMMs
+  Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against an fp32 reference, relative Frobenius
+  error; the row's rel_err is the largest (tolerance GRAD_TOLERANCE, 3e-2: bf16 through several GEMMs), each in
+  ``rel_err_grads``. W = 1: ``moe_reference.moe_backward_ref`` (explicit formulas) for the implementation's own
+  routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a makes). W > 1: autograd
+  through ``moe_forward_a2a(fp32=True)`` over the group on fp32 copies of the inputs, for the decision of
+  ``route`` (fp32 logits), computed once per point before any implementation runs (it is collective: inside an
+  implementation's check a failing rank would leave its peers waiting); an implementation whose decision differs
+  fails with that reason (the inputs are redrawn away from routing ties, so a correct one agrees). What it
+  gives per rank: dx of this rank's tokens, d_router from this rank's tokens (replicated: to be all-reduced, as
+  moe_backward returns it), dw13 / dw2 of this rank's experts from every rank's tokens. FLOPs: 2x the forward's at bwd, 3x at fwd+bwd. The expert GEMMs
   alone, t_gemm_ms and t_comm_ms are the forward's: no moe_experts rows and null there at bwd and fwd+bwd.
 
 Inputs (``make_router_inputs``, ``make_expert_weights``): x ~ N(0, 1) bf16 (different on every rank), router
@@ -97,7 +104,7 @@ import torch.distributed as dist
 import kosmos
 from kosmos import moe_forward
 from kosmos.config import config_dict
-from kosmos.kernels.moe_backward import moe_backward_w1  # (moe_backward at one rank)
+from kosmos.kernels.moe_backward import moe_backward, moe_backward_w1  # (moe_backward_w1: one rank)
 from kosmos.kernels.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_backward_ref, moe_forward_a2a, route
@@ -344,24 +351,19 @@ class ExpertInputs:
 def _kosmos_backward_available(world: int, dtype) -> tuple[bool, str | None]:
     if dtype == MX:
         return False, "no MXFP8 backward yet"
-    if world > 1:  # kosmos.nn.MoE trains at W > 1 (kernels.moe_backward.moe_backward); the bench's check is W=1
-        return False, ("the bench checks the backward at W=1 only so far (grad_reference: no distributed fp32 "
-                       "reference of the gradients yet)")
     return True, None
 
 
 def _a2a_backward_available(world: int, dtype) -> tuple[bool, str | None]:
     if dtype == MX:
         return False, "no MXFP8 backward in the nccl-a2a baseline yet"
-    if world > 1:
-        return False, ("no autograd through moe_forward_a2a's dist.all_to_all_single at W>1 (a differentiable "
-                       "all-to-all baseline is future work)")
     return True, None
 
 
 KOSMOS_DIRECTIONS = {FWD: None, BWD: _kosmos_backward_available, FWD_BWD: _kosmos_backward_available}
 A2A_DIRECTIONS = {FWD: None, BWD: _a2a_backward_available, FWD_BWD: _a2a_backward_available}
-FIXED_BACKWARD = "no fixed-role MoE backward (no kosmos backward at W>1 yet, and fixed-role needs W>1)"
+FIXED_BACKWARD = ("no fixed-role MoE backward (the kosmos backward has no comm/compute roles yet: its all-to-alls "
+                  "run between launches)")
 FIXED_DIRECTIONS = {FWD: None, BWD: FIXED_BACKWARD, FWD_BWD: FIXED_BACKWARD}
 DEEPEP_BACKWARD = "no backward in the deepep baseline yet"
 
@@ -384,7 +386,9 @@ def _kosmos_layer(inp: MoEInputs, params: dict, config):
 
 
 def _kosmos_backward(inp: MoEInputs, params: dict, config):
-    """bwd: moe_forward(return_routing=True) untimed, moe_backward_w1 on its decision timed; fwd+bwd: both."""
+    """bwd: moe_forward(return_routing=True) untimed, moe_backward_w1 (W = 1) or moe_backward over the default
+    group (W > 1) on its decision timed; fwd+bwd: both."""
+    multi = dist.is_initialized() and dist.get_world_size() > 1
     def forward():
         _, weights, experts = moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k,
                                           **inp.route_kw(), group=None, config=config, return_routing=True,
@@ -393,8 +397,8 @@ def _kosmos_backward(inp: MoEInputs, params: dict, config):
 
     def backward(state):
         weights, experts = state
-        grads = moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, weights, experts,
-                                **inp.backward_kw())
+        grads = (moe_backward if multi else moe_backward_w1)(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy,
+                                                             weights, experts, **inp.backward_kw())
         return (*grads, experts)
 
     return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))
@@ -427,14 +431,46 @@ def _nccl_a2a(inp: MoEInputs, params: dict, config):
                                     **inp.route_kw())), 0
 
 
-def grad_reference(inp: MoEInputs) -> harness.Reference:
-    """The check of a backward's output (dx, d_router, dw13, dw2, experts): each gradient against
-    moe_reference.moe_backward_ref (fp32) for the implementation's own decision ``experts``, within
-    GRAD_TOLERANCE; rel_err is the largest of the four, each in the row's ``rel_err_grads``. One rank only (W=1:
-    every expert is local)."""
+def grad_reference(inp: MoEInputs, world: int = 1) -> harness.Reference:
+    """The check of a backward's output (dx, d_router, dw13, dw2, experts): each gradient against an fp32
+    reference within GRAD_TOLERANCE; rel_err is the largest of the four, each in the row's ``rel_err_grads``.
+    W = 1: moe_reference.moe_backward_ref for the implementation's own decision ``experts`` (every expert local).
+    W > 1: grad_reference_distributed (collective: every rank calls this in step, before any implementation)."""
+    if world > 1 and inp.dtype == MX:  # no implementation has an MXFP8 backward: nothing to check, nothing to pay
+        return harness.Reference(_no_mx_backward_reference, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
+    if world > 1:
+        return grad_reference_distributed(inp)
+
     def ref(out):
         return moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, top_k=inp.model.top_k,
                                 **inp.route_kw(), experts=out[len(GRADS)])
+    return harness.Reference(ref, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
+
+
+def _no_mx_backward_reference(out):
+    raise ValueError("no MXFP8 backward reference at W > 1 (no implementation has an MXFP8 backward)")
+
+
+def grad_reference_distributed(inp: MoEInputs, group=None) -> harness.Reference:
+    """The W > 1 backward check: autograd through moe_forward_a2a(fp32=True) over ``group`` on fp32 leaf copies of
+    x, the router weight and this rank's experts, for ``route``'s decision (fp32 logits), with this rank's dy;
+    the gradients are computed here, once (the call is collective). The returned Reference checks an output's
+    four gradients against them and first that its decision equals route's (else a one-line ValueError: the
+    implementation routed differently, which on these tie-free inputs is a bug)."""
+    _, decision = route(inp.x, inp.router_weight, inp.model.top_k, **inp.route_kw())
+    leaves = [t.detach().float().requires_grad_(True) for t in (inp.x, inp.router_weight, inp.w13, inp.w2)]
+    y = moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=True, experts=decision, group=group,
+                        **inp.route_kw())
+    grads = tuple(g.detach() for g in torch.autograd.grad(y, leaves, inp.dy.float()))
+    del y, leaves
+
+    def ref(out):
+        got = out[len(GRADS)]
+        if not torch.equal(got.long().to(decision.device), decision):
+            diff = int((got.long().to(decision.device) != decision).any(-1).sum())
+            raise ValueError(f"routing decision differs from route()'s on {diff} of {decision.shape[0]} tokens "
+                             "(the fp32 reference is for route's decision)")
+        return grads
     return harness.Reference(ref, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
 
 
@@ -681,7 +717,8 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
                                                                             + 11), device=device, dtype=torch.bfloat16)
     inp = MoEInputs(m, x, wr, bias, w13, w2, st.dtype, *w_mx, direction=st.direction, dy=dy)
     # bwd, fwd+bwd: every gradient against moe_backward_ref for the implementation's own decision (grad_reference)
-    ref = moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, fp32=True, **inp.route_kw()) if fwd else grad_reference(inp)
+    ref = (moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, fp32=True, **inp.route_kw()) if fwd
+           else grad_reference(inp, world))
     if mx and fwd:  # checked against the MX layer's fp32 math (nccl-a2a: with its bf16 GEMM1 output, moe_mx's docstring);
         # the error against the bf16 layer's is recorded
         also = {"rel_err_bf16": ref}

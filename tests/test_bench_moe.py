@@ -239,6 +239,75 @@ def test_a2a_bf16_world2_over_gloo_matches_local_reference():
             assert dtype == "torch.bfloat16" and 0 < err < 1e-2, got
 
 
+def _bwd_w2_rank(rank, world, port, q):
+    """One rank of the W=2 backward check: the bench's distributed fp32 reference (grad_reference at W > 1), the
+    nccl-a2a baseline's backward and kosmos's moe_backward (kernels under the interpreter), both checked through
+    it; and the reference's own gradients, for the test to compare with one process's moe_backward_ref."""
+    from kosmos.kernels.moe_backward import moe_backward
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        MOE_MODELS.update(TINY)
+        res = {}
+        for name, m in TINY.items():
+            xs, wr, bias, w13, w2 = _bf16_layer(m, world, 29 + 6 * rank, routing="uniform")
+            g = torch.Generator().manual_seed(700 + rank)
+            dy = torch.randn(xs[rank].shape, generator=g).to(torch.bfloat16)
+            inp = moe.MoEInputs(m, xs[rank], wr, bias, w13[rank], w2[rank], direction=moe.BWD, dy=dy)
+            ref = moe.grad_reference(inp, world)
+            weights, decision = route(inp.x, wr, m.top_k, **inp.route_kw())
+            ref_grads = ref.ref((None,) * 4 + (decision,))
+            a2a_err, a2a_parts = ref.errors(moe.a2a_backward(inp)())
+            kos = moe_backward(inp.x, wr, inp.w13, inp.w2, dy, weights, decision, group=dist.group.WORLD,
+                               **inp.backward_kw())
+            kos_err, _ = ref.errors((*kos, decision))
+            try:
+                ref.errors((*kos, decision.flip(-1) if m.top_k > 1 else (decision + 1) % m.experts))
+                wrong = "accepted"
+            except ValueError as e:
+                wrong = str(e)
+            res[name] = dict(grads=[t.float().numpy() for t in ref_grads], a2a=a2a_err, kos=kos_err, wrong=wrong,
+                             tokens=xs[rank].shape[0])
+        q.put((rank, res))
+    finally:
+        from multiproc import finish_gloo
+        finish_gloo()
+
+
+@pytest.mark.interpreter
+def test_backward_check_at_world2_over_gloo():
+    """`bench moe --direction bwd` at W=2 (issue 19's two-GPU run needs it): the distributed fp32 reference
+    equals one process's moe_backward_ref on every rank's tokens and every expert (dx per rank, d_router from
+    this rank's tokens, dw13 / dw2 of this rank's experts); nccl-a2a's autograd and kosmos's moe_backward pass
+    the check at bf16 level; a decision other than route's is refused with a reason."""
+    from kosmos.moe_reference import moe_backward_ref
+    world = 2
+    got = _spawn(_bwd_w2_rank, world)
+    for name, m in TINY.items():
+        local = m.experts // world
+        xs, wr, bias, w13, w2 = [], None, None, [], []
+        for r in range(world):  # the ranks' inputs again (29 + 6r tokens on rank r)
+            x_r, wr, bias, w13_r, w2_r = _bf16_layer(m, world, 29 + 6 * r, routing="uniform")
+            xs.append(x_r[r]), w13.append(w13_r[r]), w2.append(w2_r[r])
+        dys = [torch.randn(xs[r].shape, generator=torch.Generator().manual_seed(700 + r)).to(torch.bfloat16)
+               for r in range(world)]
+        kw = moe.route_kwargs(m, bias)
+        w13_all, w2_all = torch.cat(w13), torch.cat(w2)
+        whole = moe_backward_ref(torch.cat(xs), wr, w13_all, w2_all, torch.cat(dys), top_k=m.top_k, **kw)
+        start = 0
+        for r in range(world):
+            res = got[r][name]
+            n = res["tokens"]
+            mine = moe_backward_ref(xs[r], wr, w13_all, w2_all, dys[r], top_k=m.top_k, **kw)
+            want = (whole[0][start:start + n], mine[1], whole[2][r * local:(r + 1) * local],
+                    whole[3][r * local:(r + 1) * local])
+            start += n
+            for part, a, b in zip(moe.GRADS, res["grads"], want):
+                torch.testing.assert_close(torch.from_numpy(a), b.float(), rtol=1e-4, atol=1e-5, msg=f"{name} {part}")
+            assert 0 < res["a2a"] < moe.GRAD_TOLERANCE and 0 < res["kos"] < moe.GRAD_TOLERANCE, (name, res["a2a"], res["kos"])
+            assert "routing decision differs" in res["wrong"], res["wrong"]
+
+
 # --------------------------------------------------------------------------- the MXFP8 nccl-a2a baseline (CPU)
 
 
@@ -655,11 +724,10 @@ def test_backward_availability_by_world_and_dtype():
     from kosmos_bench import registry
     kosmos = registry.get("moe_fwd", "kosmos")
     assert kosmos.availability(1, "bf16", "bwd") == (True, None)
-    assert kosmos.availability(2, "bf16", "bwd") == \
-        (False, "the bench checks the backward at W=1 only so far (grad_reference: no distributed fp32 reference "
-                "of the gradients yet)")
+    assert kosmos.availability(2, "bf16", "bwd") == (True, None)  # checked by the distributed reference
     assert kosmos.availability(1, "mxfp8", "fwd+bwd") == (False, "no MXFP8 backward yet")
-    assert registry.get("moe_fwd", "nccl-a2a").availability(2, "bf16", "bwd")[0] is False
+    assert registry.get("moe_fwd", "nccl-a2a").availability(2, "bf16", "bwd") == (True, None)
+    assert registry.get("moe_fwd", "nccl-a2a").availability(2, "mxfp8", "bwd")[0] is False
     assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "bwd") == ()
     assert registry.impls_at("moe_fwd", moe.MOE_IMPLS, "bf16", "bwd") == moe.MOE_IMPLS
 
