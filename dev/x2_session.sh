@@ -12,7 +12,7 @@
 #
 # KOSMOS_GIT_COMMIT names the commit in the env records (the device's copy of the tree has a stale .git).
 set -u
-stage=${1:?usage: x2_session.sh tests|ab|suite|tp-mx|moe-mx|train}
+stage=${1:?usage: x2_session.sh tests|ab|suite|tp-mx|moe-mx|moe-bwd|train}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 bench() { timeout "$1" python -m kosmos_bench.cli bench tp "${@:2}" > /dev/null 2>&1; echo "  rc=$? $*"; }
@@ -66,6 +66,15 @@ case $stage in
     python -m kosmos_bench.cli report "$out/moe-bf16-mxfp8.jsonl" --format md --out "$out/moe-bf16-mxfp8.md" \
       > /dev/null 2>&1
     grep -v "^{" "$out/bench-moe-mx.log" | tail -30 ;;
+  moe-bwd)  # issue 19: the MoE forward and backward at EP=2 on the default suite, every implementation (deepep from
+            # .wheels: carry [".wheels"]); the backward rows are checked against the distributed fp32 reference
+            # (kosmos_bench.moe.grad_reference_distributed). ~9 min: split with --model if it runs long.
+    python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > /dev/null 2>&1
+    export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
+    timeout 540 python -m kosmos_bench.cli bench moe --direction fwd,bwd --out "$out/moe-bwd.jsonl" \
+      > "$out/bench-moe-bwd.log" 2>&1; echo "moe fwd,bwd rc=$?"
+    python -m kosmos_bench.cli report "$out/moe-bwd.jsonl" --format md --out "$out/moe-bwd.md" > /dev/null 2>&1
+    grep -v "^{" "$out/bench-moe-bwd.log" | tail -30 ;;
   train)  # issue 19: the training proxies at W=2 (llama3-70b TP=2; deepseek-v3 / qwen3-235b EP=2 scaled down)
     timeout 240 python -m kosmos_bench.cli bench train --model llama3-70b --layers 2 --seq 8192 --tp 2 --steps 20 \
       --out "$out/train.jsonl" > "$out/bench-train.log" 2>&1; echo "llama3-70b rc=$?"
@@ -76,5 +85,5 @@ case $stage in
     python -m kosmos_bench.cli report "$out/train.jsonl" --format md --out "$out/train.md" --chart "$out/train-loss.png" \
       > /dev/null 2>&1
     tail -20 "$out/train.md" ;;
-  *) echo "unknown stage $stage: tests, ab, suite, tp-mx, moe-mx or train" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: tests, ab, suite, tp-mx, moe-mx, moe-bwd or train" >&2; exit 2 ;;
 esac
