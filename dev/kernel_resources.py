@@ -99,6 +99,24 @@ def _compile(module, kernel_name: str, call) -> dict:
 KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "moe_forward", "moe_backward")
 
 
+def _compile_among(module, kernel_name: str, call) -> dict:
+    """``_compile`` where ``call`` launches several of the module's kernels: every one of them compiles only."""
+    import triton
+    names = [n for n, v in vars(module).items() if isinstance(v, triton.runtime.JITFunction) and n.endswith("_kernel")]
+    originals = {n: getattr(module, n) for n in names}
+    module.COMPILE_ONLY = True
+    stubs = {n: _CompileOnly(f) for n, f in originals.items()}
+    for n, st in stubs.items():
+        setattr(module, n, st)
+    try:
+        call()
+    finally:
+        module.COMPILE_ONLY = False
+        for n, f in originals.items():
+            setattr(module, n, f)
+    return _resources(stubs[kernel_name].compiled)
+
+
 def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: int = 32768) -> list:
     """(name, resources) of the W=1 MoE backward's Triton kernels (kosmos/kernels/moe_backward.py) at their GPU
     tiles, on a qwen3-235b-like layer (H 4096, F 1536, 128 experts, 4096 tokens x top-8 rows), each compiled as
@@ -109,15 +127,20 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
     x_rows, dy_rows, gu = torch.empty(rows, h, **bf), torch.empty(rows, h, **bf), torch.empty(rows, 2 * f, **bf)
     w13, w2 = torch.empty(e, h, 2 * f, **bf), torch.empty(e, f, h, **bf)
     w_pair = torch.empty(rows, dtype=torch.float32, device=dev)
-    out = [("moe_bwd wgrad bf16", _compile(mb, "_expert_wgrad_kernel",
+    out = [("moe_bwd wgrad bf16", _compile_among(mb, "_expert_wgrad_kernel",
                                            lambda: mb.expert_weight_grads(x_rows, gu, counts))),
-           ("moe_bwd wgrad fp32", _compile(mb, "_expert_wgrad_kernel", lambda: mb.expert_weight_grads(
+           ("moe_bwd wgrad fp32", _compile_among(mb, "_expert_wgrad_kernel", lambda: mb.expert_weight_grads(
                x_rows, gu, counts, out_dtype=torch.float32))),
-           ("moe_bwd dgrad2_swiglu", _compile(mb, "_dgrad2_swiglu_kernel",
+           ("moe_bwd dgrad2_swiglu", _compile_among(mb, "_dgrad2_swiglu_kernel",
                                               lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts))),
-           ("moe_bwd dgrad1", _compile(mb, "_dgrad1_kernel", lambda: mb.expert_dgrad1(gu, w13, counts)))]
-    for name, extra in getattr(mb, "RESOURCE_PROBES", {}).items():  # the backward's small kernels
-        out.append((f"moe_bwd {name}", _compile(mb, extra[0], lambda: extra[1](dev))))
+           ("moe_bwd dgrad1", _compile_among(mb, "_dgrad1_kernel", lambda: mb.expert_dgrad1(gu, w13, counts)))]
+    tok = torch.zeros(rows, dtype=torch.int64, device=dev)
+    out += [("moe_bwd sum_partials", _compile_among(mb, "_sum_partials_kernel", lambda: mb.sum_partials(
+                torch.empty(rows, f // 64, dtype=torch.float32, device=dev)))),
+            ("moe_bwd scaled_rows", _compile_among(mb, "_scale_rows_kernel",
+                                             lambda: mb.scaled_rows(dy_rows[:rows // 8], tok, w_pair))),
+            ("moe_bwd unpermute_sum", _compile_among(mb, "_unpermute_sum_kernel",
+                                               lambda: mb.unpermute_sum(x_rows, torch.arange(rows, device=dev), 8)))]
     return out
 
 

@@ -16,7 +16,7 @@ One EP=1 point, built by the MoE bench's own builders (kosmos_bench/moe.py: ``ma
 ``make_expert_weights``, ``MoEInputs``, the output gradient dy drawn as ``run_case`` draws it; seed 0, rank 0 by
 default): fresh random bf16 inputs, the model's shapes from kosmos/models.py (``--experts-scale S`` divides the
 expert count by S, keeping H, F, top-k and the groups: deepseek-v3's 256 experts at 4096 tokens ran the bench's
-bwd out of memory, and in this probe the fp32 weight gradients of a stage and of the whole call (42 GiB each at
+bwd out of memory, and in this probe the weight gradients of a stage and of the whole call (bf16: 21 GiB each at
 S = 1) are alive at once for the bitwise check -- use --experts-scale 2 or 4 there).
 The routing decision is the kosmos forward's (``moe_forward(return_routing=True)``, the bench's bwd setup;
 ``--decision route``: moe_reference.route, no forward kernel to compile).
@@ -31,13 +31,13 @@ hiding the host's enqueue, median of --iters; p20/p80 and the host's enqueue tim
     sort             the pairs sorted by expert, counts per expert                      torch
     permute          x_rows, dy_rows, w_pair gathered in expert order                    torch
     gemm1_recompute  [g | u] = x_rows @ W13[e] (the forward's GEMM1 again)               torch._grouped_mm
-    dgrad2_swiglu    z = dy_rows W2^T, SwiGLU backward, gate grads (+ its torch glue)   kosmos Triton
+    dgrad2_swiglu    z = dy_rows W2^T, SwiGLU backward, gate grads (+ one partial-sum)  kosmos Triton
     h_recompute      h = silu(g) u in torch (for wgrad2)                                 torch
-    do_rows          w * dy_rows in torch (for wgrad2)                                   torch
-    wgrad2           dW2[e] = h^T do, fp32 out                                           kosmos Triton
-    wgrad1           dW13[e] = x_rows^T [dg | du], fp32 out                              kosmos Triton
+    do_rows          w * dy[tok] -> bf16 (for wgrad2; one pass, no fp32 temporary)        kosmos Triton
+    wgrad2           dW2[e] = h^T do, bf16 out (the parameters' dtype; fp32 accumulation) kosmos Triton
+    wgrad1           dW13[e] = x_rows^T [dg | du], bf16 out                              kosmos Triton
     dgrad1           dx_rows = [dg | du] W13^T                                           kosmos Triton
-    unpermute_dx     dx_rows back to pair order, fp32 slot sum per token                 torch
+    unpermute_dx     dx_rows gathered per token, fp32 slot-order sum (one launch)        kosmos Triton
     router_logits    gate grads to pair order, logits recomputed (fp32 GEMM), weights    torch
     router_bwd       dq, dlogits, dWr = dl^T x, dx_r = dl Wr (fp32 GEMMs)                torch
     dx_sum           dx = dx_e + dx_r -> bf16                                            torch
@@ -234,6 +234,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     n_exp = router_weight.shape[0]
     k = pt.experts.shape[1]
     f = w2.shape[1]
+    wdt = mb._wgrad_dtype(w13, None)  # moe_backward's default: the parameters' dtype
 
     def sort(s):
         experts = s["experts"].long()
@@ -260,22 +261,19 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         return {"h": (g * torch.sigmoid(g) * u).to(torch.bfloat16).contiguous()}
 
     def do_rows(s):
-        return {"do_rows": (s["w_pair"][:, None] * s["dy_rows"].float()).to(torch.bfloat16).contiguous()}
+        return {"do_rows": mb.do_rows_of(dy, s["tok"], s["dy_rows"], s["w_pair"], 1)}
 
     def wgrad2(s):
-        return {"dw2": mb.expert_weight_grads(s["h"], s["do_rows"], s["counts"])}
+        return {"dw2": mb.expert_weight_grads(s["h"], s["do_rows"], s["counts"], out_dtype=wdt)}
 
     def wgrad1(s):
-        return {"dw13": mb.expert_weight_grads(s["x_rows"], s["dgu"], s["counts"])}
+        return {"dw13": mb.expert_weight_grads(s["x_rows"], s["dgu"], s["counts"], out_dtype=wdt)}
 
     def dgrad1(s):
         return {"dx_rows": mb.expert_dgrad1(s["dgu"], w13, s["counts"])}
 
     def unpermute(s):
-        dx_rows = s["dx_rows"]
-        dx_pair = torch.empty_like(dx_rows)
-        dx_pair[s["order"]] = dx_rows
-        return {"dx_e": mr.dispatch_backward_ref(dx_pair.float(), k)}
+        return {"dx_e": mb.unpermute_sum(s["dx_rows"], s["order"], k)}
 
     def router_logits(s):
         dw_rows = s["dw_rows"]
@@ -309,19 +307,22 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
               Gemm(lambda r, h, ff: 2 * r * h * 2 * ff, lambda s, o: gm(s["x_rows"], w13, o),
                    "_grouped_mm(x_rows, W13) bf16 out", "gu")),
         Stage("dgrad2_swiglu", "kosmos triton (+ torch glue)",
-              "z = dy_rows W2^T; SwiGLU bwd -> [dg|du] bf16; gate grads (F-tile partials summed in torch)",
+              "z = dy_rows W2^T; SwiGLU bwd -> [dg|du] bf16; gate grads (F-tile partials summed in one launch)",
               ("dy_rows", "gu", "w_pair", "counts"), dgrad2,
               Gemm(lambda r, h, ff: 2 * r * h * ff, lambda s, o: gm(s["dy_rows"], w2t, o),
                    "_grouped_mm(dy_rows, W2^T) bf16 out (no epilogue)", None)),
         Stage("h_recompute", "torch", "h = silu(g) * u from [g|u] (fp32 temporaries) -> bf16", ("gu",), h_recompute),
-        Stage("do_rows", "torch", "do = w_pair * dy_rows (fp32 temporary) -> bf16", ("w_pair", "dy_rows"), do_rows),
-        Stage("wgrad2", "kosmos triton", "dW2[e] = h^T do, fp32 out", ("h", "do_rows", "counts"), wgrad2,
+        Stage("do_rows", "kosmos triton", "do = w_pair * dy[tok] -> bf16 (one pass)", ("w_pair", "dy_rows", "tok"),
+              do_rows),
+        Stage("wgrad2", "kosmos triton", "dW2[e] = h^T do, bf16 out (TMA, fp32 accumulation)",
+              ("h", "do_rows", "counts"), wgrad2,
               Gemm(lambda r, h, ff: 2 * r * ff * h,
                    lambda s, o: _wgrad_ref(s["h"], s["do_rows"], o, wgrad_dtype),
                    f"_grouped_mm(h.t(), do, offs) {wd} out (torch autograd's wgrad)", "dw2",
                    lambda s, o: _wgrad_ref(s["h"], s["do_rows"], o, wgrad_dtype, copy=True),
                    "_grouped_mm(h.t().contiguous(), do, offs), the copy included")),
-        Stage("wgrad1", "kosmos triton", "dW13[e] = x_rows^T [dg|du], fp32 out", ("x_rows", "dgu", "counts"), wgrad1,
+        Stage("wgrad1", "kosmos triton", "dW13[e] = x_rows^T [dg|du], bf16 out (TMA, fp32 accumulation)",
+              ("x_rows", "dgu", "counts"), wgrad1,
               Gemm(lambda r, h, ff: 2 * r * h * 2 * ff,
                    lambda s, o: _wgrad_ref(s["x_rows"], s["dgu"], o, wgrad_dtype),
                    f"_grouped_mm(x_rows.t(), dgu, offs) {wd} out (torch autograd's wgrad)", "dw13",
@@ -330,7 +331,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         Stage("dgrad1", "kosmos triton", "dx_rows = [dg|du] W13^T, bf16 out", ("dgu", "counts"), dgrad1,
               Gemm(lambda r, h, ff: 2 * r * 2 * ff * h, lambda s, o: gm(s["dgu"], w13t, o),
                    "_grouped_mm(dgu, W13^T) bf16 out", "dx_rows")),
-        Stage("unpermute_dx", "torch", "dx_rows to pair order (index_put), fp32 copy, slot-order sum",
+        Stage("unpermute_dx", "kosmos triton", "dx_rows gathered per token (inverse order), fp32 slot-order sum",
               ("dx_rows", "order"), unpermute),
         Stage("router_logits", "torch", "gate grads to pair order; logits x Wr^T (fp32 GEMM); routing weights",
               ("dw_rows", "order", "experts_l"), router_logits),
@@ -515,7 +516,7 @@ def run(args) -> list[dict]:
     _release(device)
 
     # 2. kosmos's whole backward as the bench times it; then one call on the stages' decision, kept for the
-    # bitwise check (after the timing: the fp32 weight gradients are the largest tensors here)
+    # bitwise check (after the timing: the weight gradients are the largest tensors here)
     whole = whole_backward(pt)
     row = base("total", impl="kosmos", what="moe_backward_w1 (bench Split: the decision's forward untimed)")
     if probe.left():
@@ -601,8 +602,8 @@ def run(args) -> list[dict]:
             probe.emit(row)
             _print_progress(row)
             break
-        # the gradients: bitwise against the whole call's, then (GPU) both dropped -- the fp32 weight gradients
-        # of deepseek-v3 are 45 GiB each way
+        # the gradients: bitwise against the whole call's, then (GPU) both dropped -- the weight gradients
+        # of deepseek-v3 are 22 GiB each way (bf16)
         for name in GRAD_NAMES:
             if name in s and name in want:
                 equal[name] = bool(torch.equal(s[name], want[name]))

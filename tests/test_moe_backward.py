@@ -10,6 +10,9 @@ CASES = [  # counts per expert (zeros allowed), KA, KB: ragged rows, a KA/KB not
     pytest.param([5, 0, 17, 1], 24, 40, id="ragged-with-empty"),
     pytest.param([0, 0], 16, 16, id="all-empty"),
     pytest.param([33], 16, 48, id="one-expert-3-steps"),
+    pytest.param([0, 16, 0, 31, 0], 56, 8, id="empty-first-and-last-rows-at-and-past-the-step"),
+    pytest.param([16, 0, 31], 12, 40, id="ka-not-a-multiple-of-8-pointer-fallback"),
+    pytest.param([7, 9], 40, 20, id="kb-not-a-multiple-of-8-pointer-fallback"),
 ]
 
 
@@ -24,16 +27,23 @@ def _inputs(counts, ka, kb, device, seed=0, spare=3):
 
 
 def _check(a, b, counts):
-    got = expert_weight_grads(a, b, counts)
+    """fp32 out against the fp64 reference; the default bf16 out is the fp32 result rounded to nearest even, bit
+    for bit (one accumulator, rounded once); experts without rows: zeros; deterministic."""
+    got = expert_weight_grads(a, b, counts, out_dtype=torch.float32)
     ref = expert_weight_grads_ref(a.cpu(), b.cpu(), counts.cpu())
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert not torch.isnan(got).any()
     err = (got.cpu() - ref).abs().max().item()
     assert err <= 1e-4 * max(1.0, ref.abs().max().item()), err
+    if ref.numel() and ref.norm() > 0:
+        assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
     for e, n in enumerate(counts.tolist()):
         if n == 0:
             assert torch.equal(got[e].cpu(), torch.zeros_like(ref[e])), f"expert {e} without rows is not zero"
-    assert torch.equal(expert_weight_grads(a, b, counts), got)  # deterministic
+    assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32), got)  # deterministic
+    bf = expert_weight_grads(a, b, counts)
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16), got.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(expert_weight_grads(a, b, counts), bf)
 
 
 @pytest.mark.interpreter
@@ -56,6 +66,8 @@ def test_expert_weight_grads_errors():
         expert_weight_grads(a.float(), a, torch.tensor([4], dtype=torch.int32))
     with pytest.raises(ValueError, match="counts"):
         expert_weight_grads(a, a, torch.tensor([[4]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="out_dtype"):
+        expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), out_dtype=torch.float16)
 
 
 def _dgrad2_inputs(counts, h, f, device, seed=3):
@@ -84,8 +96,9 @@ def _dgrad2_ref(dy_rows, gu, w2, w_pair, counts):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([40], 48, 16), ([0, 3], 16, 40)])
-def test_expert_dgrad2_swiglu_interpreter(counts, h, f):
+@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([40], 48, 16), ([0, 3], 16, 40),
+                                         ([17, 0, 3, 0], 20, 24), ([0, 33, 0], 48, 8)])
+def test_expert_dgrad2_swiglu_interpreter(counts, h, f):  # H = 20: the pointer fallback (rows not 16-B aligned)
     """GEMM2's data gradient with the SwiGLU backward and the gate gradient in the epilogue, against the
     references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic."""
     from kosmos.kernels.moe_backward import expert_dgrad2_swiglu
@@ -109,8 +122,9 @@ def test_expert_dgrad2_swiglu_gpu(no_tf32):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([0, 40], 48, 16)])
-def test_expert_dgrad1_interpreter(counts, h, f):
+@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([0, 40], 48, 16), ([9, 0, 18], 40, 6),
+                                         ([0, 33, 0], 24, 8)])
+def test_expert_dgrad1_interpreter(counts, h, f):  # 2F = 12: the pointer fallback
     from kosmos.kernels.moe_backward import expert_dgrad1
     g = torch.Generator().manual_seed(4)
     r, e = sum(counts), len(counts)

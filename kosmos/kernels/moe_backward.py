@@ -5,7 +5,8 @@ So far, as tile functions with standalone launchers (to become stages of the one
 1. The per-expert weight gradient, the one GEMM shape of the backward the forward kernel has no twin of.
 
     dW[e] = A[rows of e]^T @ B[rows of e]            A [R, KA], B [R, KB] bf16, rows of expert e consecutive
-                                                      (counts[e] of them, zero allowed), dW [E, KA, KB] fp32
+                                                      (counts[e] of them, zero allowed), dW [E, KA, KB] bf16
+                                                      (fp32 accumulation, rounded once; out_dtype=fp32 too)
 It is GEMM2's weight gradient (A = h [R, F], B = do [R, H]: dW2[e] = h^T do) and GEMM1's (A = the expert rows
 x_rows [R, H], B = [dg | du] [R, 2F]: dW13[e] = x_rows^T [dg | du]) -- moe_reference.gemm2_backward_ref and
 gemm1_backward_ref.
@@ -17,7 +18,8 @@ expert row offsets are an exclusive cumsum of counts on the device, so nothing s
 An expert without rows gets zeros.
 
 Math per tile: acc[BI, BJ] += A[r0:r0+BR, i*BI:+BI]^T @ B[r0:r0+BR, j*BJ:+BJ] (tl.dot of the transposed A
-tile); rows past the expert's end load as zeros.
+tile); rows past the expert's end load as zeros (TMA descriptors whose shape ends at the expert's last row:
+the next expert's rows are never read, so they cannot be summed in), columns past KA / KB likewise.
 
 2. GEMM2's data gradient with the SwiGLU backward and the gate-weight gradient in its epilogue, per expert row
    p (token t, slot j, weight w_p; rows expert-sorted, dy_rows[p] = dy[t]):
@@ -42,10 +44,44 @@ gate gradients' F-tile partials summed in order, then dq, dl, dWr, dx_r). g | u 
 GEMM1 epilogue (R x 2F bf16: 256 MiB per rank at deepseek-v3 4k tokens) or recomputed (GEMM1 again, 1.92
 TFLOP): measure both.
 
-Not yet run on a GPU (session 8, 2026-12-01: interpreter tests only); no speed figures. Compiles for sm_90a
-(local Triton 3.9, 128x128 tiles, 64-row steps, 8 warps, 3 stages): 98 registers, no spills, 96 KiB shared. In the one-launch
-backward these tiles become a stage whose tasks wait for the rows' dgrad flags, as the forward's GEMM2 waits
-for GEMM1's tiles.
+In the one-launch backward these tiles become a stage whose tasks wait for the rows' dgrad flags, as the
+forward's GEMM2 waits for GEMM1's tiles.
+
+Issue 15 speed pass (session 10, after dev/moe_bwd_probe's first H200 run, results/h200x1/s10/c: whole backward
+15.5 ms vs nccl-a2a 9.7 ms at qwen3-235b, 4096 tokens, EP=1):
+* weight gradients in bf16 (the parameters' dtype; ``out_dtype=torch.float32`` / ``moe_backward(...,
+  wgrad_dtype=torch.float32)`` for fp32): one fp32 accumulator rounded to nearest even once, so the bf16 result
+  is bitwise the old fp32 one rounded -- what autograd's cast to the bf16 parameters made of it anyway (nn.MoE's
+  .grad unchanged). Halves the 9.6 GB of weight-gradient writes at qwen3.
+* the wgrad kernel on TMA: both operands through per-program tensor descriptors clipped at the expert's rows
+  (TMA -> shared -> wgmma, A's transpose a shared-memory view, the row loop pipelined over 3 stages), the tile
+  stored by a TMA store of [1, BI, BJ] of [E, KA, KB]; the masked-pointer kernel kept as the fallback where KA or
+  KB is not a multiple of 8 (rows not 16-byte aligned). Still one program per (e, i, j) tile, rows summed in
+  ascending order: determinism unchanged. No persistent grid (96 KiB shared: two programs per SM overlap one's
+  epilogue with the other's loads).
+* dgrad2 / dgrad1 on TMA as well (per-program descriptors: the expert's rows -- zeros past its end -- and its
+  weight matrix W2[e] [F, H] / W13[e] [H, 2F], read transposed as a shared-memory view; the pointer loops kept
+  for rows not 16-byte aligned); m-tiles past the last expert's rows (the static grid bound, ~E of
+  ceil(R/BM) + E) exit before their K loop; dgu / dx / the gate partials allocated with torch.empty (no zero
+  fill: every row < sum(counts) is written); the gate gradient's F-tile partials summed by one launch
+  (``sum_partials``, left to right: bitwise the per-partial torch adds it replaces).
+* do = w * dy_rows in one Triton pass straight from dy's token rows (``scaled_rows``: one fp32 product, bf16,
+  bitwise the torch line); the dispatch backward (``unpermute_sum``) a gather-sum over each token's k rows in
+  slot order in fp32 (bitwise dispatch_backward_ref of the rows put in pair order, without the [P, H] pair-order
+  and fp32 copies).
+* not done: h = silu(g) u still in torch (fp32 temporaries; a kernel would have to match torch's sigmoid bit for
+  bit to keep the probe's bitwise composition -- or come from dgrad2's epilogue, which already has h in fp32),
+  a persistent wgrad grid, TMA stores in the dgrad epilogues, re-tuned dgrad tiles.
+PREDICTION (unmeasured; for the lead to time with dev/moe_bwd_probe.py on the H200): wgrad1 3.23 -> ~2.0 ms,
+wgrad2 1.63 -> ~1.0 ms (bf16 writes and TMA loads: ~410 TF/s, ~0.95x torch._grouped_mm's bf16-out wgrad),
+dgrad2_swiglu 2.37 -> ~1.3 ms, dgrad1 2.24 -> ~1.75 ms (TMA loads, the ~20% empty m-tiles gone, one launch for
+the gate partials instead of F/BN),
+do_rows 0.95 -> ~0.1 ms, unpermute_dx 1.44 -> ~0.15 ms, the rest unchanged: whole backward 15.5 -> ~10.0 ms.
+sm_90a (local Triton 3.9, ptxas; ``python -m dev.kernel_resources --world 1 --kernels moe_backward``): wgrad
+128x128 tiles, 64-row steps, 8 warps, 3 stages: 90 registers, no spills, 96 KiB shared (bf16 or fp32 out);
+dgrad2 128x64x64 (8 warps, 3 stages): 244 registers, no spills, 72 KiB; dgrad1 128x128x64 (8 warps, 3 stages):
+109 registers, no spills, 96 KiB; sum_partials 40, scaled_rows 24, unpermute_sum 38 registers, no spills. All
+three GEMM kernels run wgmma on TMA loads (wgmma.mma_async, cp.async.bulk.tensor in their PTX).
 """
 from __future__ import annotations
 
@@ -57,8 +93,56 @@ from .. import planning
 
 
 @triton.jit
+def _to_out(acc, out_ty: tl.constexpr, RNE_BITS: tl.constexpr):
+    """acc (fp32) in out_ty, rounded to nearest even. RNE_BITS (the CPU interpreter, whose fp32 -> bf16 cast
+    truncates): the rounding done on the bits, so the interpreter's bf16 equals torch's .to(torch.bfloat16) as
+    the GPU's cvt.rn.bf16.f32 does (finite values)."""
+    if out_ty == tl.bfloat16 and RNE_BITS:
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(out_ty)
+
+
+@triton.jit
 def _expert_wgrad_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
                          BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One output tile (e, i, j) of dW[e] = A[rows of e]^T B[rows of e], the operands through TMA: each program's
+    descriptors cover its expert's rows alone (base = the expert's first row, shape [counts[e], K]), so a row
+    step past the expert's end reads zeros -- never the next expert's rows -- and the loop (pipelined by
+    num_stages) runs TMA -> shared memory -> wgmma with A's transpose a shared-memory view. Out in out_ptr's dtype
+    (bf16 or fp32) from the fp32 accumulator, through a TMA store of the [1, BI, BJ] block of [E, KA, KB] (clipped
+    at KA, KB)."""
+    pid = tl.program_id(0)
+    n_i = tl.cdiv(KA, BI)
+    n_j = tl.cdiv(KB, BJ)
+    e = pid // (n_i * n_j)
+    ti = (pid // n_j) % n_i
+    tj = pid % n_j
+    first = tl.load(offs_ptr + e).to(tl.int64)
+    rows = tl.load(counts_ptr + e)
+    a_desc = tl.make_tensor_descriptor(a_ptr + first * KA, shape=[rows, KA], strides=[KA, 1], block_shape=[BR, BI])
+    b_desc = tl.make_tensor_descriptor(b_ptr + first * KB, shape=[rows, KB], strides=[KB, 1], block_shape=[BR, BJ])
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    for r0 in range(0, rows, BR):
+        a = a_desc.load([r0, ti * BI])
+        b = b_desc.load([r0, tj * BJ])
+        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+    n_exp = tl.num_programs(0) // (n_i * n_j)
+    o_desc = tl.make_tensor_descriptor(out_ptr, shape=[n_exp, KA, KB], strides=[KA * KB, KB, 1],
+                                       block_shape=[1, BI, BJ])
+    o_desc.store([e, ti * BI, tj * BJ], tl.reshape(_to_out(acc, out_ptr.dtype.element_ty, DOT_FP32), (1, BI, BJ)))
+
+
+@triton.jit
+def _expert_wgrad_ptr_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
+                             BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The same with masked pointer loads and stores: the fallback where a TMA descriptor cannot describe the
+    operands (KA or KB not a multiple of 8 bf16 elements: row strides not 16-byte aligned)."""
     pid = tl.program_id(0)
     n_i = tl.cdiv(KA, BI)
     n_j = tl.cdiv(KB, BJ)
@@ -76,18 +160,25 @@ def _expert_wgrad_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
         rm = (r0 + r) < rows
         a = tl.load(a_ptr + rr[:, None] * KA + ci[None, :], mask=rm[:, None] & (ci < KA)[None, :], other=0.0)
         b = tl.load(b_ptr + rr[:, None] * KB + cj[None, :], mask=rm[:, None] & (cj < KB)[None, :], other=0.0)
-        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+        if DOT_FP32:
             acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
         else:
             acc = tl.dot(tl.trans(a), b, acc)
     out = out_ptr + e.to(tl.int64) * KA * KB
-    tl.store(out + ci[:, None] * KB + cj[None, :], acc, mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+    tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+             mask=(ci < KA)[:, None] & (cj < KB)[None, :])
 
 
-def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """dW [E, KA, KB] fp32 with dW[e] = a[rows of e]^T @ b[rows of e]; a [R, KA], b [R, KB] bf16 on one device,
-    the rows of expert e the next counts[e] after those of experts < e (sum(counts) <= R). Deterministic (the
-    module docstring). CUDA, or the CPU under TRITON_INTERPRET=1."""
+WGRAD_TILES = (128, 128, 64, 8, 3)  # GPU (BI, BJ, BR, warps, stages): see the module docstring's figures
+
+
+def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """dW [E, KA, KB] in ``out_dtype`` (bf16, the parameters' dtype, by default; or fp32) with dW[e] =
+    a[rows of e]^T @ b[rows of e], accumulated in fp32 and rounded once (the bf16 result is the fp32 one rounded
+    to nearest even, bitwise); a [R, KA], b [R, KB] bf16 on one device, the rows of expert e the next counts[e]
+    after those of experts < e (sum(counts) <= R). Deterministic (the module docstring). CUDA, or the CPU under
+    TRITON_INTERPRET=1."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
             raise ValueError(f"{name} must be a 2-D torch.bfloat16 tensor, got "
@@ -100,19 +191,26 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) 
         raise ValueError(f"a, b and counts must be on one device (got {a.device}, {b.device}, {counts.device})")
     if counts.dim() != 1 or counts.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"counts must be a 1-D int32/int64 tensor, got {counts.dtype} {tuple(counts.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     n_exp, ka, kb = counts.shape[0], a.shape[1], b.shape[1]
-    out = torch.empty((n_exp, ka, kb), dtype=torch.float32, device=a.device)
-    if n_exp == 0:
+    out = torch.empty((n_exp, ka, kb), dtype=out_dtype, device=a.device)
+    if n_exp == 0 or out.numel() == 0:
         return out
     counts32 = counts.to(torch.int32)
     offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32  # exclusive: no host synchronisation
     if planning.interpreting():
         bi, bj, br, warps, stages = 16, 16, 16, 4, 1
-    else:  # a first choice (unmeasured): 128x128 output tiles, 64 rows per step
-        bi, bj, br, warps, stages = 128, 128, 64, 8, 3
+    else:
+        bi, bj, br, warps, stages = WGRAD_TILES
     grid = (n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj),)
-    _expert_wgrad_kernel[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br,
-                               DOT_FP32=planning.interpreting(), num_warps=warps, num_stages=stages)
+    aligned = ka % 8 == 0 and kb % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a, b, out))
+    if aligned:
+        from .. import runtime
+        runtime.ensure_triton_allocator()
+    kernel = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
+    kernel[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br, DOT_FP32=planning.interpreting(),
+                 num_warps=warps, num_stages=stages)
     return out
 
 
@@ -143,7 +241,7 @@ def _mtile_plan(counts: torch.Tensor, rows: int, bm: int):
 @triton.jit
 def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, H, F,
                           n_mtiles, ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          DOT_FP32: tl.constexpr):
+                          DOT_FP32: tl.constexpr, TMA: tl.constexpr = False):
     """One (expert, m-tile, F-tile) of item 2 of the module docstring. The m-tiles of all experts are numbered
     consecutively (an expert's first m-tile from the exclusive cumsum of ceil(counts / BM))."""
     pid = tl.program_id(0)
@@ -151,21 +249,37 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
     gm = pid // n_f
     nf = pid % n_f
     e, rr, rm = _mtile_rows(n_mtiles, offs_ptr, counts_ptr, gm, ELP2, BM)
+    if tl.sum(rm.to(tl.int32), 0) == 0:  # past the last expert's rows (the static grid bound): nothing to do
+        return
     cf = nf * BN + tl.arange(0, BN)
     fm = cf < F
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     ck = tl.arange(0, BK)
     w2e = w2_ptr + e.to(tl.int64) * F * H
-    for k0 in range(0, H, BK):
-        km = (k0 + ck) < H
-        a = tl.load(dyr_ptr + rr[:, None] * H + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        # B[k, n] = W2[e][n, k]: rows of W2[e] (F of them, H long), read transposed
-        b = tl.load(w2e + cf[None, :].to(tl.int64) * H + (k0 + ck)[:, None], mask=km[:, None] & fm[None, :],
-                    other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
+    if TMA:  # per-expert descriptors: W2[e] [F, H] and A's rows clipped at the expert's end (zeros past them)
+        first = tl.load(offs_ptr + e).to(tl.int64)
+        lm0 = (gm - tl.load(n_mtiles + e)) * BM
+        a_desc = tl.make_tensor_descriptor(dyr_ptr + first * H, shape=[tl.load(counts_ptr + e), H],
+                                           strides=[H, 1], block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(w2e, shape=[F, H], strides=[H, 1], block_shape=[BN, BK])
+        for k0 in range(0, H, BK):
+            a = a_desc.load([lm0, k0])
+            b = b_desc.load([nf * BN, k0])
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+    else:
+        for k0 in range(0, H, BK):
+            km = (k0 + ck) < H
+            a = tl.load(dyr_ptr + rr[:, None] * H + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            # B[k, n] = W2[e][n, k]: rows of W2[e] (F of them, H long), read transposed
+            b = tl.load(w2e + cf[None, :].to(tl.int64) * H + (k0 + ck)[:, None], mask=km[:, None] & fm[None, :],
+                        other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
     mask = rm[:, None] & fm[None, :]
     g = tl.load(gu_ptr + rr[:, None] * (2 * F) + cf[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + rr[:, None] * (2 * F) + F + cf[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -185,7 +299,7 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
     """Item 2 of the module docstring for expert-sorted rows: dy_rows [R, H] bf16 (each row's token gradient),
     gu [R, 2F] bf16 (the forward's g | u), w2 [E, F, H] bf16, w_pair [R] fp32 (each row's gate weight), counts
     [E] (rows per expert, consecutive). Returns (dgu [R, 2F] bf16 = [dg | du], dw_rows [R] fp32 = <dy_t, o_p>,
-    the F-tile partials summed in order). Rows past sum(counts) are left unwritten (zeros in dw_rows)."""
+    the F-tile partials summed in order). Rows past sum(counts) are left unspecified (moe_backward has none)."""
     r_all, h = dy_rows.shape
     e, f, h2 = w2.shape
     if h2 != h or gu.shape != (r_all, 2 * f) or w_pair.shape != (r_all,) or counts.shape != (e,):
@@ -197,60 +311,175 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
         bm, bn, bk, warps, stages = 128, 64, 64, 8, 3  # local Triton 3.9 sm_90a); 128 x 64: 238 regs, none
     counts32, offs, first_pad, elp2, n_m = _mtile_plan(counts, r_all, bm)  # n_m: a static m-tile bound
     n_f = -(-f // bn)
-    dgu = torch.zeros((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
-    dwp = torch.zeros((r_all, n_f), dtype=torch.float32, device=dy_rows.device)
+    dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
+    dwp = torch.empty((r_all, n_f), dtype=torch.float32, device=dy_rows.device)
+    tma = h % 8 == 0 and dy_rows.is_contiguous() and w2.is_contiguous() and \
+        all(t.data_ptr() % 16 == 0 for t in (dy_rows, w2))
+    if tma:
+        from .. import runtime
+        runtime.ensure_triton_allocator()
     _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu, w2, w_pair.float().contiguous(), offs, counts32, dgu, dwp,
                                           h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
-                                          DOT_FP32=planning.interpreting(), num_warps=warps, num_stages=stages)
-    dw_rows = dwp[:, 0].clone()
-    for i in range(1, n_f):  # the partials in F-tile order (deterministic)
-        dw_rows += dwp[:, i]
-    return dgu, dw_rows
+                                          DOT_FP32=planning.interpreting(), TMA=tma, num_warps=warps,
+                                          num_stages=stages)
+    return dgu, sum_partials(dwp)
 
 
 @triton.jit
 def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, F,
-                   ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
+                   ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+                   TMA: tl.constexpr = False):
     """One (expert, m-tile, H-tile) of item 3: dx_rows = [dg | du] @ W13[e]^T, K = 2F."""
     pid = tl.program_id(0)
     n_h = tl.cdiv(H, BN)
     gm = pid // n_h
     nh = pid % n_h
     e, rr, rm = _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2, BM)
+    if tl.sum(rm.to(tl.int32), 0) == 0:  # past the last expert's rows: nothing to do
+        return
     ch = nh * BN + tl.arange(0, BN)
     hm = ch < H
     ck = tl.arange(0, BK)
     w13e = w13_ptr + e.to(tl.int64) * H * (2 * F)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, 2 * F, BK):
-        km = (k0 + ck) < 2 * F
-        a = tl.load(dgu_ptr + rr[:, None] * (2 * F) + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-        b = tl.load(w13e + ch[None, :].to(tl.int64) * (2 * F) + (k0 + ck)[:, None], mask=km[:, None] & hm[None, :],
-                    other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
+    if TMA:  # the W13 tile within W13[e] (shape [H, 2F]); A's rows clipped at the expert's end
+        first = tl.load(offs_ptr + e).to(tl.int64)
+        lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
+        a_desc = tl.make_tensor_descriptor(dgu_ptr + first * (2 * F), shape=[tl.load(counts_ptr + e), 2 * F],
+                                           strides=[2 * F, 1], block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(w13e, shape=[H, 2 * F], strides=[2 * F, 1], block_shape=[BN, BK])
+        for k0 in range(0, 2 * F, BK):
+            a = a_desc.load([lm0, k0])
+            b = b_desc.load([nh * BN, k0])
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+    else:
+        for k0 in range(0, 2 * F, BK):
+            km = (k0 + ck) < 2 * F
+            a = tl.load(dgu_ptr + rr[:, None] * (2 * F) + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :],
+                        other=0.0)
+            b = tl.load(w13e + ch[None, :].to(tl.int64) * (2 * F) + (k0 + ck)[:, None],
+                        mask=km[:, None] & hm[None, :], other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
     tl.store(dx_ptr + rr[:, None] * H + ch[None, :], acc.to(tl.bfloat16), mask=rm[:, None] & hm[None, :])
 
 
 def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Item 3 of the module docstring: dgu [R, 2F] bf16, w13 [E, H, 2F] bf16, counts [E] -> dx_rows [R, H] bf16
-    (rows past sum(counts): zeros)."""
+    (rows past sum(counts): unspecified; moe_backward has none)."""
     r_all = dgu.shape[0]
     e, h, f2 = w13.shape
     if dgu.shape[1] != f2 or counts.shape != (e,):
-        raise ValueError(f"shapes disagree: dgu {tuple(dgu.shape)}, w13 {tuple(w13.shape)}, counts {tuple(counts.shape)}")
+        raise ValueError(f"shapes disagree: dgu {tuple(dgu.shape)}, w13 {tuple(w13.shape)}, "
+                         f"counts {tuple(counts.shape)}")
     if planning.interpreting():
         bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
     else:  # a first choice (unmeasured)
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
     counts32, offs, first_mtile, elp2, n_m = _mtile_plan(counts, r_all, bm)
-    dx = torch.zeros((r_all, h), dtype=torch.bfloat16, device=dgu.device)
+    dx = torch.empty((r_all, h), dtype=torch.bfloat16, device=dgu.device)
+    tma = f2 % 8 == 0 and dgu.is_contiguous() and w13.is_contiguous() and \
+        all(t.data_ptr() % 16 == 0 for t in (dgu, w13))
+    if tma:
+        from .. import runtime
+        runtime.ensure_triton_allocator()
     _dgrad1_kernel[(n_m * -(-h // bn),)](dgu, w13, offs, counts32, first_mtile, dx, h, f2 // 2, ELP2=elp2, BM=bm,
-                                         BN=bn, BK=bk, DOT_FP32=planning.interpreting(), num_warps=warps,
+                                         BN=bn, BK=bk, DOT_FP32=planning.interpreting(), TMA=tma, num_warps=warps,
                                          num_stages=stages)
     return dx
+
+
+COMPILE_ONLY = False  # dev/kernel_resources.py: CPU tensors stand in for CUDA ones (sm_90a compiles, nothing runs)
+
+
+def _triton_runs(t: torch.Tensor) -> bool:
+    """Whether the small gather kernels run for tensors like t (else their torch twins): CUDA or the interpreter."""
+    return t.is_cuda or planning.interpreting() or COMPILE_ONLY
+
+
+@triton.jit
+def _sum_partials_kernel(p_ptr, out_ptr, R, NP, BLOCK: tl.constexpr):
+    """out[r] = ((p[r, 0] + p[r, 1]) + p[r, 2]) + ... in fp32, left to right: the order of the per-partial
+    torch adds it replaces (bitwise the same)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = r < R
+    rp = p_ptr + r.to(tl.int64) * NP
+    acc = tl.load(rp, mask=m, other=0.0)
+    for i in range(1, NP):
+        acc += tl.load(rp + i, mask=m, other=0.0)
+    tl.store(out_ptr + r, acc, mask=m)
+
+
+def sum_partials(p: torch.Tensor) -> torch.Tensor:
+    """[R, N] fp32 -> [R]: each row's N partials summed left to right in fp32 (one launch)."""
+    out = torch.empty(p.shape[0], dtype=torch.float32, device=p.device)
+    if p.shape[0]:
+        block = 1024
+        _sum_partials_kernel[(triton.cdiv(p.shape[0], block),)](p, out, p.shape[0], p.shape[1], BLOCK=block,
+                                                                 num_warps=4)
+    return out
+
+
+@triton.jit
+def _scale_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, H, BH: tl.constexpr, RNE_BITS: tl.constexpr):
+    """out[i] = bf16(w[i] * fp32(src[idx[i]])): one fp32 product per element, rounded to nearest even."""
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = c < H
+    row = tl.load(idx_ptr + i).to(tl.int64)
+    v = tl.load(src_ptr + row * H + c, mask=m, other=0.0).to(tl.float32) * tl.load(w_ptr + i)
+    tl.store(out_ptr + i.to(tl.int64) * H + c, _to_out(v, tl.bfloat16, RNE_BITS), mask=m)
+
+
+def scaled_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(w[:, None] * src[idx].float()).to(bf16) -- bitwise -- in one pass: src [T, H] bf16, idx [R] int, w [R]
+    fp32 -> [R, H] bf16 (no gathered copy, no fp32 temporary)."""
+    r, h = idx.shape[0], src.shape[1]
+    out = torch.empty((r, h), dtype=torch.bfloat16, device=src.device)
+    if r and h:
+        bh = min(1024, triton.next_power_of_2(h))
+        _scale_rows_kernel[(r, triton.cdiv(h, bh))](src.contiguous(), idx.contiguous(), w.float().contiguous(),
+                                                    out, h, BH=bh, RNE_BITS=planning.interpreting(), num_warps=4)
+    return out
+
+
+@triton.jit
+def _unpermute_sum_kernel(rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, BH: tl.constexpr):
+    """out[t] = ((rows[inv[t*K]] + rows[inv[t*K+1]]) + ...) in fp32, slot order."""
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = c < H
+    acc = tl.load(rows_ptr + tl.load(inv_ptr + t * K).to(tl.int64) * H + c, mask=m, other=0.0).to(tl.float32)
+    for j in range(1, K):
+        row = tl.load(inv_ptr + t * K + j).to(tl.int64)
+        acc += tl.load(rows_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * H + c, acc, mask=m)
+
+
+def unpermute_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The dispatch backward from expert-sorted rows: rows [P, H] (row i is pair order[i], p = t*k + j) ->
+    dx_e [T, H] fp32, dx_e[t] = sum_j rows of (t, j) in slot order j = 0..k-1 -- bitwise
+    moe_reference.dispatch_backward_ref of the rows put back in pair order, without the [P, H] pair-order and
+    fp32 copies (one gather-sum launch; the torch path where Triton cannot run)."""
+    from .. import moe_reference as mr
+    p, h = rows.shape
+    if not _triton_runs(rows):
+        pair = torch.empty_like(rows)
+        pair[order] = rows
+        return mr.dispatch_backward_ref(pair.float(), top_k)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(p, dtype=order.dtype, device=order.device)
+    out = torch.empty((p // top_k, h), dtype=torch.float32, device=rows.device)
+    if p and h:
+        bh = min(1024, triton.next_power_of_2(h))
+        _unpermute_sum_kernel[(p // top_k, triton.cdiv(h, bh))](rows.contiguous(), inv, out, h, K=top_k, BH=bh,
+                                                                num_warps=4)
+    return out
 
 
 def expert_weight_grads_ref(a: torch.Tensor, b: torch.Tensor, counts) -> torch.Tensor:
@@ -282,14 +511,33 @@ def _exchange(t: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
     return all_to_all_rows(t, recv_splits, send_splits, group)
 
 
+def _wgrad_dtype(w13: torch.Tensor, wgrad_dtype) -> torch.dtype:
+    """The weight gradients' dtype: ``wgrad_dtype`` if given, else the parameters' (bf16; fp32 parameters: fp32)."""
+    if wgrad_dtype is not None:
+        return wgrad_dtype
+    return torch.float32 if w13.dtype == torch.float32 else torch.bfloat16
+
+
+def do_rows_of(dy, tok, dy_rows, w_pair, world: int) -> torch.Tensor:
+    """GEMM2's weight-gradient operand do = w_pair * dy_rows (bf16, one fp32 product per element; bitwise
+    ``(w_pair[:, None] * dy_rows.float()).to(bf16)``): at W=1 straight from dy's token rows (dy_rows[i] =
+    dy[tok[i]]), at W > 1 from the received dy_rows; torch where Triton cannot run."""
+    if not _triton_runs(dy_rows):
+        return (w_pair[:, None] * dy_rows.float()).to(torch.bfloat16).contiguous()
+    if world == 1:
+        return scaled_rows(dy.to(torch.bfloat16), tok, w_pair)
+    return scaled_rows(dy_rows, torch.arange(dy_rows.shape[0], device=dy_rows.device), w_pair)
+
+
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
-                 renormalize: bool = True, routed_scaling: float = 1.0):
+                 renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None):
     """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
     output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
     fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
     w13 [E/W, H, 2F] / w2 [E/W, F, H] this rank's experts: (dx [T, H] bf16, d_router_weight [E, H] fp32 -- this
-    rank's tokens' part, to be all-reduced like any replicated parameter's gradient --, dw13 [E/W, H, 2F] fp32,
-    dw2 [E/W, F, H] fp32, from every rank's tokens) -- moe_reference.moe_backward_ref's stages, with the three
+    rank's tokens' part, to be all-reduced like any replicated parameter's gradient --, dw13 [E/W, H, 2F] and
+    dw2 [E/W, F, H] in the parameters' dtype (bf16: fp32 accumulation, rounded once; ``wgrad_dtype=torch.float32``
+    for the fp32 accumulators), from every rank's tokens) -- moe_reference.moe_backward_ref's stages, with the three
     expert GEMM shapes on this module's kernels and the rest in torch:
 
       pairs sorted by expert (stable: ascending p = t*k + j inside an expert), hence by destination rank;
@@ -344,18 +592,17 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     f = w2.shape[1]
     g, u = gu[:, :f].float(), gu[:, f:].float()
     h = (g * torch.sigmoid(g) * u).to(torch.bfloat16).contiguous()
-    do_rows = (w_pair[:, None] * dy_rows.float()).to(torch.bfloat16).contiguous()
-    dw2 = expert_weight_grads(h, do_rows, counts)
-    dw13 = expert_weight_grads(x_rows, dgu, counts)
+    do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
+    wdt = _wgrad_dtype(w13, wgrad_dtype)
+    dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt)
+    dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wdt)
     dx_rows = expert_dgrad1(dgu, w13, counts)
     if by_expert is not None:  # back to the received order, then to the tokens' ranks
         dx_back, dw_back = torch.empty_like(dx_rows), torch.empty_like(dw_rows)
         dx_back[by_expert], dw_back[by_expert] = dx_rows, dw_rows
         dx_rows = _exchange(dx_back, recv_splits, send_splits, group)
         dw_rows = _exchange(dw_back, recv_splits, send_splits, group)
-    dx_pair = torch.empty_like(dx_rows)
-    dx_pair[order] = dx_rows                                         # back to pair order p = t*k + j
-    dx_e = mr.dispatch_backward_ref(dx_pair.float(), k)               # slot order j = 0..k-1, fp32
+    dx_e = unpermute_sum(dx_rows, order, k)                          # pair order p = t*k + j; slot order, fp32
     dweights = torch.empty_like(dw_rows)
     dweights[order] = dw_rows
     logits = x.float() @ router_weight.float().t()
@@ -368,7 +615,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
 
 
 def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
-                    renormalize: bool = True, routed_scaling: float = 1.0):
+                    renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None):
     """``moe_backward`` at one rank (all E experts local)."""
     return moe_backward(x, router_weight, w13, w2, dy, weights, experts, group=None, routing=routing,
-                        renormalize=renormalize, routed_scaling=routed_scaling)
+                        renormalize=renormalize, routed_scaling=routed_scaling, wgrad_dtype=wgrad_dtype)
