@@ -1,6 +1,12 @@
 """Fixed cost per call, one GPU (a developer's device script):
 
     PYTHONPATH=. python -m dev.fixed_cost
+    PYTHONPATH=. python -m dev.fixed_cost --plans   # host us per eager call, fast launch on / off
+
+``--plans``: host time per eager call (median of 200 back-to-back calls, time.perf_counter around each call, no
+synchronisation inside the loop) of all_gather_matmul, matmul_reduce_scatter (bf16 and MXFP8) and the MoE layer
+at W=1 on a small shape, with the launch plans' fast path on and off (kosmos.launch_plan.set_fast_launch), and
+the plan-cache hit rate and launch counters of each run. Issue 13's bar: <= 30 us per call.
 
 Times, with the bench's own timing (kosmos_bench.timing.time_op), an empty 132-program Triton launch, one
 device-side descriptor per program, and torch.matmul / kosmos's two TP ops at W=1 on a one-tile shape and on
@@ -142,5 +148,62 @@ def _host_profile(call, n=200):
     pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
 
 
+def _median_host_us(call, n=200):
+    import statistics
+    import time
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def plans():
+    """Host us per eager call with the launch plans, fast launch on and off (module docstring)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    import triton
+    from kosmos import launch_plan, quant
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = "cuda"
+    a = torch.randn(128, 256, device=dev).to(torch.bfloat16)
+    b = torch.randn(256, 256, device=dev).to(torch.bfloat16)
+    a_mx = quant.quantize_mx(a)
+    t_, h, f, e, k = 128, 256, 256, 8, 2
+    x = torch.randn(t_, h, device=dev).to(torch.bfloat16)
+    router = torch.randn(e, h, device=dev).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, device=dev) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, device=dev) * 0.05).to(torch.bfloat16)
+    cases = [
+        ("all_gather_matmul 128x256x256", lambda: kosmos.all_gather_matmul(a, b)),
+        ("matmul_reduce_scatter 128x256x256", lambda: kosmos.matmul_reduce_scatter(a, b)),
+        ("all_gather_matmul mxfp8", lambda: kosmos.all_gather_matmul(a_mx, b)),
+        ("matmul_reduce_scatter mxfp8", lambda: kosmos.matmul_reduce_scatter(a_mx, b)),
+        ("moe_forward T128 H256 F256 E8 k2", lambda: kosmos.moe_forward(x, router, w13, w2, top_k=k)),
+        ("moe_forward mxfp8", lambda: kosmos.moe_forward(x, router, quant.mx_values(w13, dim=1),
+                                                         quant.mx_values(w2, dim=1), top_k=k, precision="mxfp8")),
+        ("torch.matmul 128x256x256", lambda: a @ b),
+    ]
+    print(f"triton {triton.__version__}, fast launch supported: {launch_plan.fast_launch_supported()}")
+    print(f"{'what':<36} {'fast':>5} {'host us':>8} {'hit rate':>8} {'fast/normal launches':>21} {'off':>4}")
+    for fast in (True, False):
+        launch_plan.set_fast_launch(fast)
+        for name, call in cases:
+            launch_plan.reset_plan_stats()
+            us = _median_host_us(call)
+            s = launch_plan.plan_stats()
+            print(f"{name:<36} {str(fast):>5} {us:8.1f} {s['hit_rate']:8.3f} "
+                  f"{s['fast_launches']:>10}/{s['normal_launches']:<10} {s['fast_disabled']:>4}")
+    launch_plan.set_fast_launch(True)
+    kosmos.check_errors()
+    _host_profile(lambda: kosmos.matmul_reduce_scatter(a, b))
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    plans() if "--plans" in sys.argv[1:] else main()

@@ -156,6 +156,7 @@ class Workspace:
     _captured: bool = False   # some call was: check_errors() synchronises the device (replays record no event),
                               # and the buffers may no longer grow (_may_grow)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    _plans: dict = field(default_factory=dict)  # the ops' launch plans on these buffers (kosmos/launch_plan.py)
 
     @property
     def data_bytes(self) -> int:
@@ -198,6 +199,7 @@ class Workspace:
             # pinned memory is mapped into the device's address space at the same address (UVA)
             self.errors = torch.tensor([0] * ERR_RECORD + [self._err_host.data_ptr()], dtype=torch.int64, device=dev)
         self.epoch_slot.zero_()  # fresh zeroed signals: epochs restart (on every rank: growth is collective)
+        self._grew()
         torch.cuda.synchronize(dev)
         if self.world.size > 1:
             dist.barrier(group=self.world.group)
@@ -219,6 +221,7 @@ class Workspace:
         self.counters, ptrs = self._symmetric(slots, torch.int32)
         self.counters.zero_()
         self.peer_counters = torch.tensor(ptrs, dtype=torch.int64, device=dev)
+        self._grew()
         torch.cuda.synchronize(dev)
         if self.world.size > 1:
             dist.barrier(group=self.world.group)
@@ -234,7 +237,13 @@ class Workspace:
             if init is not None:
                 init(t)
             self._local[name] = t
+            self._grew()
         return t
+
+    def _grew(self) -> None:
+        """A buffer was made or replaced: the launch plans that viewed the old ones are dropped (they would keep
+        freed buffers alive and point the next launch at them)."""
+        self._plans.clear()
 
     def local_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._local.values())

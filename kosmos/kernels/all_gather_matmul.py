@@ -62,15 +62,15 @@ MXFP8 (a_shard a kosmos.quant.MXTensor; b the bf16 expansion of an MX weight, qu
   registers without overlapping it; DEQ tasks all before the first tile (a serial pass): 1.152, the same as
   the lag policy at this expansion rate. FP8 wgmma with per-32 promotion: not built -- a 128x256x32 FP8 MMA
   takes ~280 cycles per SM and rescaling the fp32 partial ~256, so per-32 promotion lands at about bf16 speed.
-  Tried and parked (session 9, one H200, Triton 3.6; interleaved A/B of kosmos mxfp8 rows, 12 llama3-70b TP=2
-  per-rank GEMMs, results/h200x1/s9/final/): DEQ tasks of 8 rows x 64 blocks per step instead of 32 x 16 (all
-  programs share the first band's rows): new/old 0.999; those plus DEQ through TMA (4-D [slots, rows, K/32, 32]
-  boxes, 3-stage tl.range, TMA stores; 45 vs 27 GB/s per program in dev/deq_probe.py): 0.999. Predicted 1.12x
-  and ~1.09x of cuBLAS from 1.16x; neither moved, so neither the start-of-op wait nor the DEQ rate is what costs
-  (commits bf8b522 / f4cf053, reverted; the TMA variant also failed to compile at bf16 on Triton 3.6: the DEQ
-  call sits under a runtime branch). In the same call the old tree ran at 1.383x cuBLAS bf16 (qkv-4k 0.678 ms)
-  against 1.164x (0.549 ms) in the committed 66a569a run of `--dtype bf16,mxfp8` with every implementation --
-  the same kernel source: unexplained, to be re-measured side by side before further MX work.
+  Tried and reverted (session 9): DEQ tasks of 8 rows x 64 blocks per step instead of 32 x 16 (bf8b522: all
+  programs share the first band's rows; predicted 1.12x of cuBLAS from 1.16x) and, on top, DEQ through TMA
+  (f4cf053: 4-D [slots, rows, K/32, 32] boxes, 3-stage tl.range, TMA stores; 45 vs 27 GB/s per program alone
+  in dev/deq_probe.py; predicted ~1.09x). Session 9's A/B of them (0.999 each) was void: all its sides ran the
+  rows8 + TMA tree (see dev/ab_compare.py). Session 10 (one H200, Triton 3.6, mxfp8 kosmos rows, the 12
+  llama3-70b TP=2 per-rank GEMMs at W=1, results/h200x1/s10/a/): that tree (d24f136) takes 1.184x the time of
+  the committed kernel (66a569a); HEAD (the reverts) 1.002x of 66a569a, 1.16x torch.matmul bf16. So the two
+  changes together made DEQ slower (the TMA variant also failed to compile at bf16 on Triton 3.6: the DEQ call
+  sits under a runtime branch); 8-row tasks alone were never measured.
 
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, the session named):
   W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), against torch.matmul alone
@@ -107,7 +107,7 @@ import triton
 import triton.language as tl
 
 from .. import device as dev
-from .. import planning, runtime
+from .. import launch_plan, planning, runtime
 from .. import schedule as sched
 from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, WAIT_MX_ROWS
 from ..config import AllGatherMatmulConfig, check_config
@@ -308,10 +308,11 @@ def _all_gather_matmul_kernel(
                      ADVANCE)
 
 
-def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, heads, errors, *, rank, world,
+def _launch_args(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, heads, errors, *, rank, world,
            epoch_slot, timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None,
            a_scales=None, gather_scales=None, scale_offset=0, dequantized=None, advance=True):
-    """Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
+    """The kernel's runtime arguments and constexpr / option keywords of ``launch`` (also a plan's template).
+    Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
     Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases.
     ``epoch_slot`` (int32 [1], local): the device epoch; the launch runs at slot + 1 and advances it
     (``advance=False``: not -- a CPU test's first launch of a call split in two, like its fixed-role phases).
@@ -343,12 +344,13 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         gather_desc = tma_descriptor(gather, [cfg.BM, cfg.BK])
         a_rows, g_rows = a_shard, gather
         mx_args = (a_shard, gather, a_shard, gather, 0, gather, comp_t, 0)
-    return _all_gather_matmul_kernel[(grid,)](
+    args = (
         a_rows, a_desc, gather_desc, b_desc, c_desc, c, g_rows, *mx_args,
         peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], n_push, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch_slot, max(1, timeout_ns // 1000), fixed,
-        planning.ag_comm_stride(ms, cfg.BM, per_task),
+        planning.ag_comm_stride(ms, cfg.BM, per_task))
+    kw = dict(
         WORLD=world, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GRID=grid, POLICY=pol, B_KMAJOR=b_kmajor,
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), COPY_BLOCK=copy_block,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
@@ -356,6 +358,15 @@ def launch(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, 
         DEQ_NB=dq.NB,
         GROUP_M=planning.GROUP_M,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return args, kw
+
+
+def launch(*a, **k):
+    """Launch on explicit buffers, the normal (unplanned) way: ``_launch_args``' docstring."""
+    args, kw = _launch_args(*a, **k)
+    return _all_gather_matmul_kernel[(kw["GRID"],)](*args, **kw)
+
+
 
 
 def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
@@ -373,6 +384,26 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``trace`` (int64
     [grid, 1024, 4]) records per-program task events.
     """
+    try:  # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
+        key = ("ag", launch_plan.input_key(a_shard), launch_plan.input_key(b), config, policy, comm_programs,
+               launch_plan.input_key(trace))
+        hash(key)
+    except (launch_plan.Unkeyable, TypeError):  # not a tensor, an unhashable config: the checks say what
+        key = None
+    if key is not None:
+        ws = runtime.get_workspace(group, a_shard[0].device if isinstance(a_shard, tuple) else a_shard.device)
+        plan = launch_plan.lookup(ws, key) if hasattr(ws, "_plans") else None
+        if plan is not None:
+            runtime.ensure_triton_allocator()
+            ws.before_launch()
+            info = plan.info
+            c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
+            payload, scales = a_shard if info["mx"] else (a_shard, None)
+            sources = dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None, s=scales,
+                           b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
+            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"])
+            ws.after_launch()
+            return (a_shard if info["a_full"] is None else info["a_full"]), c
     config = check_config(AllGatherMatmulConfig, config)
     ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)
     mx = isinstance(a_shard, tuple)
@@ -404,10 +435,21 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
         gather, gather_scales = payload, scales
     dequantized = ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k) if mx else None
     c = torch.empty((m, n), dtype=torch.bfloat16, device=device)
-    launch(payload, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
-           ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg,
-           config=config, policy=policy, comm_programs=comm_programs, trace=trace, a_scales=scales,
-           gather_scales=gather_scales, scale_offset=scale_off, dequantized=dequantized)
+    args, kw = _launch_args(payload, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals,
+                            ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,
+                            timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config, policy=policy,
+                            comm_programs=comm_programs, trace=trace, a_scales=scales,
+                            gather_scales=gather_scales, scale_offset=scale_off, dequantized=dequantized)
+    kl = launch_plan.KernelLaunch(_all_gather_matmul_kernel, grid, args, kw)
+    a_full = None if w == 1 else (MXTensor(gather, gather_scales) if mx else gather)
+    info = dict(c_shape=(m, n), device=device, mx=mx, b_kmajor=b_kmajor, a_full=a_full,
+                clean=launch_plan.clean_check(ws))
+    if key is not None:
+        plan = launch_plan.make_plan(kl, dict(a=payload, a16=payload.view(torch.bfloat16) if mx else None,
+                                              s=scales, b=b_store, c=c, trace=trace), ws, info, views=("a16",))
+        if plan is not None:
+            launch_plan.store(ws, key, plan)
+    kl.launch(list(args), outputs=(c,), clean=info["clean"])
     ws.after_launch()
     if w == 1:
         return a_shard, c

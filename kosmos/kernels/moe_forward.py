@@ -106,7 +106,7 @@ import triton
 import triton.language as tl
 
 from .. import device as dev
-from .. import planning, runtime
+from .. import launch_plan, planning, runtime
 from ..config import MoEForwardConfig, check_config
 from ..moe_reference import ROUTINGS
 from .. import schedule as sched
@@ -748,11 +748,12 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
     return t_, h, e, el, f
 
 
-def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch_slot, timeout_ns, grid,
+def _launch_args(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch_slot, timeout_ns, grid,
            cfg: planning.MoETiles, top_k, routing="softmax", renormalize=True, n_group=1, topk_group=1,
            routed_scaling=1.0, policy="self", comm_programs=None, stages=ALL_STAGES, gemms_only=False,
            trace=None, x_mx=None):
-    """Launch on explicit buffers (``moe_forward`` builds them from the workspace; CPU tests build their own).
+    """The kernel's runtime arguments and constexpr / option keywords of ``launch`` (also a plan's template).
+    Launch on explicit buffers (``moe_forward`` builds them from the workspace; CPU tests build their own).
 
     ``bufs``: data (this rank's symmetric bytes), sig, ctr (its signals / counters), peer_data, peer_sig,
     peer_ctr (int64 address tables), topk_w, topk_e, xe, xe_meta, hb, plan, scratch, errors, layout.
@@ -779,14 +780,15 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
         mx_args = (x_mx.payload.view(torch.bfloat16), x_mx.scales, rq, rs, lay.off_rscale)
     else:
         mx_args = (x, bufs["plan"], recv, bufs["plan"], 0)
-    _moe_forward_kernel[(grid,)](
+    args = (
         x, router_weight, bias if bias is not None else bufs["plan"], w13, w2, y,
         recv, meta, cnt, comb,
         bufs["peer_data"], bufs["peer_sig"], bufs["peer_ctr"], bufs["sig"], bufs["ctr"],
         lay.off_recv, lay.off_rmeta, lay.off_cnt, lay.off_comb, *mx_args,
         bufs["topk_w"], bufs["topk_e"], bufs["xe"], bufs["xe_meta"], bufs["hb"], bufs["plan"], bufs["scratch"],
         lay.scratch_n, bufs["errors"], trace if trace is not None else bufs["errors"],
-        t_, h, f, e, el, rank, epoch_slot, max(1, timeout_ns // 1000), fixed, float(routed_scaling), stages,
+        t_, h, f, e, el, rank, epoch_slot, max(1, timeout_ns // 1000), fixed, float(routed_scaling), stages)
+    kw = dict(
         WORLD=world, TOPK=top_k, KP2=_p2(top_k), EP2=_p2(e, 16), ELP2=_p2(el), WP2=_p2(world),
         ROUTING=ROUTINGS.index(routing), RENORM=bool(renormalize), N_GROUP=n_group_c,
         TOPK_GROUP=topk_group if routing == "sigmoid-grouped" else 1, NGP2=_p2(n_group_c),
@@ -795,6 +797,15 @@ def launch(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world, epoch
         DOT_FP32=planning.interpreting(), TRACE=trace is not None, HALF_TAIL=cfg.half_tail,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, A_MX=mx, KBP2=_p2(max(1, h // 32)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return args, kw
+
+
+def launch(*a, **k):
+    """Launch on explicit buffers, the normal (unplanned) way: ``_launch_args``' docstring."""
+    args, kw = _launch_args(*a, **k)
+    _moe_forward_kernel[(kw["GRID"],)](*args, **kw)
+
+
 
 
 def _local_buffers(ws, lay: Layout, tokens, hidden, ffn, top_k):
@@ -839,6 +850,29 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     along H and F), kept by the caller like any cached weight; H and F multiples of 32. The router runs on the
     bf16 x.
     """
+    try:  # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
+        ik = launch_plan.input_key
+        key = ("moe", ik(x), ik(router_weight), ik(w13), ik(w2), ik(bias), top_k, routing, renormalize, n_group,
+               topk_group, routed_scaling, config, policy, comm_programs, ik(trace), precision)
+        hash(key)
+    except (launch_plan.Unkeyable, TypeError):  # not a tensor, an unhashable argument: the checks say what
+        key = None
+    if key is not None and isinstance(x, torch.Tensor):
+        ws = runtime.get_workspace(group, x.device)
+        plan = launch_plan.lookup(ws, key) if hasattr(ws, "_plans") else None
+        if plan is not None:
+            info = plan.info
+            runtime.ensure_triton_allocator()
+            bias32 = bias.float().contiguous() if bias is not None else None
+            ws.before_launch()
+            y = torch.empty(info["y_shape"], dtype=torch.bfloat16, device=x.device)
+            x_mx = quantize_mx(x) if info["mx"] else None
+            sources = dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace,
+                           xq=x_mx.payload.view(torch.bfloat16) if x_mx is not None else None,
+                           xs=x_mx.scales if x_mx is not None else None)
+            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(y,), clean=info["clean"])
+            ws.after_launch()
+            return _moe_result(y, info["bufs"], x.shape[0], top_k, return_routing)
     config = check_config(MoEForwardConfig, config)
     if precision not in ("bf16", "mxfp8"):
         raise ValueError(f"precision {precision!r}: choose 'bf16' or 'mxfp8'")
@@ -866,12 +900,25 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     ws.before_launch()
     y = torch.empty((t_, h), dtype=torch.bfloat16, device=x.device)
     x_mx = quantize_mx(x) if mx else None
-    launch(x, router_weight, bias32, w13, w2, y, bufs, rank=r, world=w, epoch_slot=ws.epoch_slot,
-           timeout_ns=ws.timeout_ns(),
-           grid=grid, cfg=cfg, top_k=top_k, routing=routing, renormalize=renormalize, n_group=n_group,
-           topk_group=topk_group, routed_scaling=routed_scaling, policy=policy, comm_programs=comm_programs,
-           trace=trace, x_mx=x_mx)
+    args, kw = _launch_args(x, router_weight, bias32, w13, w2, y, bufs, rank=r, world=w, epoch_slot=ws.epoch_slot,
+                            timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, top_k=top_k, routing=routing,
+                            renormalize=renormalize, n_group=n_group, topk_group=topk_group,
+                            routed_scaling=routed_scaling, policy=policy, comm_programs=comm_programs,
+                            trace=trace, x_mx=x_mx)
+    kl = launch_plan.KernelLaunch(_moe_forward_kernel, grid, args, kw)
+    info = dict(y_shape=(t_, h), mx=mx, bufs=bufs, clean=launch_plan.clean_check(ws))
+    if key is not None:
+        sources = dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace,
+                       xq=x_mx.payload.view(torch.bfloat16) if mx else None, xs=x_mx.scales if mx else None)
+        plan = launch_plan.make_plan(kl, sources, ws, info)
+        if plan is not None:
+            launch_plan.store(ws, key, plan)
+    kl.launch(list(args), outputs=(y,), clean=info["clean"])
     ws.after_launch()
+    return _moe_result(y, bufs, t_, top_k, return_routing)
+
+
+def _moe_result(y, bufs, t_, top_k, return_routing):
     if return_routing:
         return (y, bufs["topk_w"][:t_ * top_k].view(t_, top_k).clone(),
                 bufs["topk_e"][:t_ * top_k].view(t_, top_k).long())
