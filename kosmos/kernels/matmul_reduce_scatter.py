@@ -384,8 +384,8 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     if m % w:
         raise ValueError(f"M={m} rows of a must divide by the world size {w}")
     ms = m // w
-    cfg = planning.tile_config(ms, n, k)
     grid = runtime.num_sms(a.device)
+    cfg = planning.tile_config(ms, n, k, world=w, programs=grid, mx=a_scales is not None)
     check_launch(policy, comm_programs, trace, grid)
     stage_bytes = m * n * 2 if w > 1 else 0  # at W=1 the tiles go straight into c_shard: no staging
     flags = w * -(-ms // cfg.BM) * -(-n // cfg.BN)  # (triton.cdiv costs ~7 us per host call)
