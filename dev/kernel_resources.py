@@ -139,6 +139,7 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                 torch.empty(rows, f // 64, dtype=torch.float32, device=dev)))),
             ("moe_bwd scaled_rows", _compile_among(mb, "_scale_rows_kernel",
                                              lambda: mb.scaled_rows(dy_rows[:rows // 8], tok, w_pair))),
+            ("moe_bwd swiglu_h", _compile_among(mb, "_swiglu_h_kernel", lambda: mb.swiglu_h(gu, f))),
             ("moe_bwd unpermute_sum", _compile_among(mb, "_unpermute_sum_kernel",
                                                lambda: mb.unpermute_sum(x_rows, torch.arange(rows, device=dev), 8)))]
     return out

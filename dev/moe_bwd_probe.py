@@ -32,7 +32,7 @@ hiding the host's enqueue, median of --iters; p20/p80 and the host's enqueue tim
     permute          x_rows, dy_rows, w_pair gathered in expert order                    torch
     gemm1_recompute  [g | u] = x_rows @ W13[e] (the forward's GEMM1 again)               torch._grouped_mm
     dgrad2_swiglu    z = dy_rows W2^T, SwiGLU backward, gate grads (+ one partial-sum)  kosmos Triton
-    h_recompute      h = silu(g) u in torch (for wgrad2)                                 torch
+    h_recompute      h = silu(g) u -> bf16 (for wgrad2; one pass, torch's sigmoid formula)  kosmos Triton
     do_rows          w * dy[tok] -> bf16 (for wgrad2; one pass, no fp32 temporary)        kosmos Triton
     wgrad2           dW2[e] = h^T do, bf16 out (the parameters' dtype; fp32 accumulation) kosmos Triton
     wgrad1           dW13[e] = x_rows^T [dg | du], bf16 out                              kosmos Triton
@@ -256,9 +256,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         return {"dgu": dgu, "dw_rows": dw_rows}
 
     def h_recompute(s):
-        gu = s["gu"]
-        g, u = gu[:, :f].float(), gu[:, f:].float()
-        return {"h": (g * torch.sigmoid(g) * u).to(torch.bfloat16).contiguous()}
+        return {"h": mb.swiglu_h(s["gu"], f)}
 
     def do_rows(s):
         return {"do_rows": mb.do_rows_of(dy, s["tok"], s["dy_rows"], s["w_pair"], 1)}
@@ -311,7 +309,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
               ("dy_rows", "gu", "w_pair", "counts"), dgrad2,
               Gemm(lambda r, h, ff: 2 * r * h * ff, lambda s, o: gm(s["dy_rows"], w2t, o),
                    "_grouped_mm(dy_rows, W2^T) bf16 out (no epilogue)", None)),
-        Stage("h_recompute", "torch", "h = silu(g) * u from [g|u] (fp32 temporaries) -> bf16", ("gu",), h_recompute),
+        Stage("h_recompute", "kosmos triton", "h = silu(g) * u from [g|u] -> bf16 (one pass)", ("gu",), h_recompute),
         Stage("do_rows", "kosmos triton", "do = w_pair * dy[tok] -> bf16 (one pass)", ("w_pair", "dy_rows", "tok"),
               do_rows),
         Stage("wgrad2", "kosmos triton", "dW2[e] = h^T do, bf16 out (TMA, fp32 accumulation)",

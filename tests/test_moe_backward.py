@@ -139,6 +139,61 @@ def test_expert_dgrad1_interpreter(counts, h, f):  # 2F = 12: the pointer fallba
     assert ((dx.double() - want).norm() / want.norm()).item() < 1e-2
 
 
+def _gu(r, f, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(r, 2 * f, generator=g) * 4).to(torch.bfloat16)
+    gu[0, :4] = torch.tensor([-100.0, -90.0, 0.0, 95.0]).to(torch.bfloat16)  # exp(-g) past fp32's range, g = 0
+    return gu
+
+
+def _h_torch(gu, f):  # moe_backward's torch line for h, as it was
+    g, u = gu[:, :f].float(), gu[:, f:].float()
+    return (g * torch.sigmoid(g) * u).to(torch.bfloat16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("r,f", [(5, 24), (3, 1030)])
+def test_swiglu_h_interpreter(r, f):
+    """h = silu(g) u in one pass: within one bf16 rounding of torch's line (the interpreter's exp is numpy's)."""
+    from kosmos.kernels.moe_backward import swiglu_h
+    gu = _gu(r, f)
+    got, want = swiglu_h(gu, f), _h_torch(gu, f)
+    assert got.dtype == torch.bfloat16 and got.shape == (r, f)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-30).all()
+
+
+@pytest.mark.gpu
+def test_swiglu_h_bitwise_torch_gpu():
+    """On the GPU the kernel is bitwise torch's (g * sigmoid(g) * u).to(bf16): libdevice expf, IEEE division."""
+    from kosmos.kernels.moe_backward import swiglu_h
+    gu = _gu(4096, 1536).cuda()
+    assert torch.equal(swiglu_h(gu, 1536).view(torch.int16), _h_torch(gu, 1536).view(torch.int16))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("counts,h", [([3, 0, 5], 24), ([0, 0, 4], 1030)])
+def test_scaled_rows_and_unpermute_sum_bitwise_torch(counts, h):
+    """do = w * dy[tok] and the dispatch backward's gather-sum: bitwise the torch lines they replace."""
+    from kosmos import moe_reference as mr
+    from kosmos.kernels.moe_backward import scaled_rows, sum_partials, unpermute_sum
+    g = torch.Generator().manual_seed(9)
+    k, t = 2, sum(counts) // 2 + 1
+    p = t * k
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    order = torch.randperm(p, generator=g)
+    tok, w = order // k, torch.rand(p, generator=g)
+    assert torch.equal(scaled_rows(dy, tok, w), (w[:, None] * dy[tok].float()).to(torch.bfloat16))
+    rows = torch.randn(p, h, generator=g).to(torch.bfloat16)
+    pair = torch.empty_like(rows)
+    pair[order] = rows
+    assert torch.equal(unpermute_sum(rows, order, k), mr.dispatch_backward_ref(pair.float(), k))
+    parts = torch.randn(p, 5, generator=g)
+    want = parts[:, 0].clone()
+    for i in range(1, 5):
+        want += parts[:, i]
+    assert torch.equal(sum_partials(parts), want)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("routing", ["softmax", "sigmoid-grouped"])
 def test_moe_backward_w1_vs_reference(routing):

@@ -54,11 +54,12 @@ Issue 15 speed pass (session 10, after dev/moe_bwd_probe's first H200 run, resul
   is bitwise the old fp32 one rounded -- what autograd's cast to the bf16 parameters made of it anyway (nn.MoE's
   .grad unchanged). Halves the 9.6 GB of weight-gradient writes at qwen3.
 * the wgrad kernel on TMA: both operands through per-program tensor descriptors clipped at the expert's rows
-  (TMA -> shared -> wgmma, A's transpose a shared-memory view, the row loop pipelined over 3 stages), the tile
-  stored by a TMA store of [1, BI, BJ] of [E, KA, KB]; the masked-pointer kernel kept as the fallback where KA or
-  KB is not a multiple of 8 (rows not 16-byte aligned). Still one program per (e, i, j) tile, rows summed in
-  ascending order: determinism unchanged. No persistent grid (96 KiB shared: two programs per SM overlap one's
-  epilogue with the other's loads).
+  (TMA -> shared -> wgmma, A's transpose a shared-memory view, the row loop pipelined over 3 stages); the
+  masked-pointer kernel kept as the fallback where KA or KB is not a multiple of 8 (rows not 16-byte aligned).
+  Still one program per (e, i, j) tile, rows summed in ascending order: determinism unchanged. No persistent
+  grid (96 KiB shared: two programs per SM, one's epilogue overlapping the other's loads); the tile stored
+  through masked pointers (a TMA store would be a third in-kernel descriptor per program, on a loop of ~4 row
+  steps: not tried).
 * dgrad2 / dgrad1 on TMA as well (per-program descriptors: the expert's rows -- zeros past its end -- and its
   weight matrix W2[e] [F, H] / W13[e] [H, 2F], read transposed as a shared-memory view; the pointer loops kept
   for rows not 16-byte aligned); m-tiles past the last expert's rows (the static grid bound, ~E of
@@ -69,19 +70,24 @@ Issue 15 speed pass (session 10, after dev/moe_bwd_probe's first H200 run, resul
   bitwise the torch line); the dispatch backward (``unpermute_sum``) a gather-sum over each token's k rows in
   slot order in fp32 (bitwise dispatch_backward_ref of the rows put in pair order, without the [P, H] pair-order
   and fp32 copies).
-* not done: h = silu(g) u still in torch (fp32 temporaries; a kernel would have to match torch's sigmoid bit for
-  bit to keep the probe's bitwise composition -- or come from dgrad2's epilogue, which already has h in fp32),
-  a persistent wgrad grid, TMA stores in the dgrad epilogues, re-tuned dgrad tiles.
+* h = silu(g) u for wgrad2 in one pass (``swiglu_h``: no fp32 copies of g, u), torch's formula 1 / (1 + expf(-g))
+  with libdevice's expf and an IEEE division, so that it is meant to be bitwise the torch line it replaces --
+  unverified until tests/test_moe_backward.py::test_swiglu_h_bitwise_torch_gpu runs on the GPU (the
+  interpreter's exp is numpy's: within one bf16 rounding there); ``SWIGLU_H_TORCH = True`` restores the torch
+  line. Either way moe_backward and the probe's stages run the same code (bitwise composition kept).
+* not done: a persistent wgrad grid, TMA stores in the epilogues, re-tuned tiles (nothing here was timed),
+  h from dgrad2's epilogue (which has it in fp32 already).
 PREDICTION (unmeasured; for the lead to time with dev/moe_bwd_probe.py on the H200): wgrad1 3.23 -> ~2.0 ms,
 wgrad2 1.63 -> ~1.0 ms (bf16 writes and TMA loads: ~410 TF/s, ~0.95x torch._grouped_mm's bf16-out wgrad),
 dgrad2_swiglu 2.37 -> ~1.3 ms, dgrad1 2.24 -> ~1.75 ms (TMA loads, the ~20% empty m-tiles gone, one launch for
-the gate partials instead of F/BN),
-do_rows 0.95 -> ~0.1 ms, unpermute_dx 1.44 -> ~0.15 ms, the rest unchanged: whole backward 15.5 -> ~10.0 ms.
+the gate partials instead of F/BN), h_recompute 0.78 -> ~0.1 ms, do_rows 0.95 -> ~0.1 ms, unpermute_dx 1.44 ->
+~0.15 ms, the rest unchanged: whole backward 15.5 -> ~9.3 ms (nccl-a2a 9.7 ms: the issue's 1.3x bar needs the
+GEMM1 recompute and the router's fp32 torch work next).
 sm_90a (local Triton 3.9, ptxas; ``python -m dev.kernel_resources --world 1 --kernels moe_backward``): wgrad
 128x128 tiles, 64-row steps, 8 warps, 3 stages: 90 registers, no spills, 96 KiB shared (bf16 or fp32 out);
 dgrad2 128x64x64 (8 warps, 3 stages): 244 registers, no spills, 72 KiB; dgrad1 128x128x64 (8 warps, 3 stages):
-109 registers, no spills, 96 KiB; sum_partials 40, scaled_rows 24, unpermute_sum 38 registers, no spills. All
-three GEMM kernels run wgmma on TMA loads (wgmma.mma_async, cp.async.bulk.tensor in their PTX).
+109 registers, no spills, 96 KiB; sum_partials 40, scaled_rows 24, swiglu_h 40, unpermute_sum 38 registers,
+no spills. The three GEMM kernels run wgmma on TMA loads (wgmma.mma_async, cp.async.bulk.tensor in their PTX).
 """
 from __future__ import annotations
 
@@ -90,6 +96,11 @@ import triton
 import triton.language as tl
 
 from .. import planning
+
+try:  # libdevice's expf for swiglu_h (Triton >= 3.0 spells it this way)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language.extra.cuda import libdevice
 
 
 @triton.jit
@@ -112,8 +123,7 @@ def _expert_wgrad_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
     descriptors cover its expert's rows alone (base = the expert's first row, shape [counts[e], K]), so a row
     step past the expert's end reads zeros -- never the next expert's rows -- and the loop (pipelined by
     num_stages) runs TMA -> shared memory -> wgmma with A's transpose a shared-memory view. Out in out_ptr's dtype
-    (bf16 or fp32) from the fp32 accumulator, through a TMA store of the [1, BI, BJ] block of [E, KA, KB] (clipped
-    at KA, KB)."""
+    (bf16 or fp32) from the fp32 accumulator, through a masked store."""
     pid = tl.program_id(0)
     n_i = tl.cdiv(KA, BI)
     n_j = tl.cdiv(KB, BJ)
@@ -132,10 +142,11 @@ def _expert_wgrad_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
             acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
         else:
             acc = tl.dot(tl.trans(a), b, acc)
-    n_exp = tl.num_programs(0) // (n_i * n_j)
-    o_desc = tl.make_tensor_descriptor(out_ptr, shape=[n_exp, KA, KB], strides=[KA * KB, KB, 1],
-                                       block_shape=[1, BI, BJ])
-    o_desc.store([e, ti * BI, tj * BJ], tl.reshape(_to_out(acc, out_ptr.dtype.element_ty, DOT_FP32), (1, BI, BJ)))
+    ci = ti * BI + tl.arange(0, BI)
+    cj = tj * BJ + tl.arange(0, BJ)
+    out = out_ptr + e.to(tl.int64) * KA * KB
+    tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+             mask=(ci < KA)[:, None] & (cj < KB)[None, :])
 
 
 @triton.jit
@@ -449,6 +460,43 @@ def scaled_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.
 
 
 @triton.jit
+def _swiglu_h_kernel(gu_ptr, h_ptr, F, BF: tl.constexpr, INTERP: tl.constexpr):
+    """h[r] = bf16((g * sigmoid(g)) * u), g | u = gu[r] in fp32, sigmoid(g) = 1 / (1 + exp(-g)) as torch's CUDA
+    kernel computes it: libdevice expf (CUDA's expf) and an IEEE division (the interpreter: numpy's exp)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BF + tl.arange(0, BF)
+    m = c < F
+    g = tl.load(gu_ptr + r * (2 * F) + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + r * (2 * F) + F + c, mask=m, other=0.0).to(tl.float32)
+    if INTERP:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    s = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+    tl.store(h_ptr + r * F + c, _to_out((g * s) * u, tl.bfloat16, INTERP), mask=m)
+
+
+def swiglu_h(gu: torch.Tensor, f: int) -> torch.Tensor:
+    """h = silu(g) * u -> bf16 from gu = [g | u] [R, 2F] bf16 in one pass (no fp32 copies of g, u): meant to be
+    bitwise ``(g * torch.sigmoid(g) * u).to(bf16)`` of the fp32 g, u (torch's CUDA sigmoid is 1 / (1 + expf(-x))
+    with an IEEE division; checked by tests/test_moe_backward.py's GPU test); torch where Triton cannot run, or
+    with ``SWIGLU_H_TORCH = True``."""
+    if SWIGLU_H_TORCH or not _triton_runs(gu):
+        g, u = gu[:, :f].float(), gu[:, f:].float()
+        return (g * torch.sigmoid(g) * u).to(torch.bfloat16).contiguous()
+    r = gu.shape[0]
+    h = torch.empty((r, f), dtype=torch.bfloat16, device=gu.device)
+    if r and f:
+        bf = min(1024, triton.next_power_of_2(f))
+        _swiglu_h_kernel[(r, triton.cdiv(f, bf))](gu.contiguous(), h, f, BF=bf, INTERP=planning.interpreting(),
+                                                  num_warps=4)
+    return h
+
+
+SWIGLU_H_TORCH = False  # True: h through the torch line (the fallback if the GPU test finds a bit differing)
+
+
+@triton.jit
 def _unpermute_sum_kernel(rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, BH: tl.constexpr):
     """out[t] = ((rows[inv[t*K]] + rows[inv[t*K+1]]) + ...) in fp32, slot order."""
     t = tl.program_id(0)
@@ -590,8 +638,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     gu = _expert_gemm1(x_rows, w13, counts)
     dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
     f = w2.shape[1]
-    g, u = gu[:, :f].float(), gu[:, f:].float()
-    h = (g * torch.sigmoid(g) * u).to(torch.bfloat16).contiguous()
+    h = swiglu_h(gu, f)
     do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
     dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt)
