@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -223,33 +223,43 @@ for f in sorted(glob.glob(sys.argv[1] + "/*-eager.jsonl") + glob.glob(sys.argv[1
                   f"{(r.get('reason') or '')[:60]}")
 PYEOF
     grep -v "^{" "$out/bench-train-mx.log" | tail -8; tail -25 "$out/moe-bwd-probe.log"; tail -25 "$out/fixed-cost.log" ;;
-  s10d)  # session 10's last call (<= 585 s; tarball $OUT/s10d.tar.gz): the measurements first (each checks its own
-         # results against fp32 or bitwise), then the GPU tests of the changed files with the time left:
-         # 1. the grid with the wave-model tile rule (issue 13 part 1), both ops, W=1, vs cuBLAS alone;
-         # 2. the default suite's llama3-70b TP=2 per-rank GEMMs at W=1 (the rule keeps their tile: no worse);
-         # 3. the MoE backward's stages after the wgrad/dgrad changes (dev/moe_bwd_probe);
-         # 4. host time per eager call with the launch plans (dev/fixed_cost);
-         # 5. GPU tests: the TP op files (new tiles at W=1 and simulated W>1), CUDA graphs, the MoE backward.
+  s10d)  # session 10's fourth call (<= 260 s; tarball $OUT/s10d.tar.gz): what the launch plans and the MoE backward
+         # speed pass must show on a GPU before the grid is worth running:
+         # 1. GPU tests: CUDA graphs (capture with plans), the MoE forward (its plan) and backward (the TMA kernels,
+         #    swiglu_h bitwise vs torch), the TP ops together; each test limited to 60 s;
+         # 2. host time per eager call with plans, fast launch on and off (dev/fixed_cost --plans);
+         # 3. the MoE backward's stages after the speed pass (dev/moe_bwd_probe).
     real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
     keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10d.tar.gz"; }
-    timeout 150 python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
+    timeout 110 python -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or ranks or gpu_optional" \
+      tests/test_cuda_graphs.py tests/test_moe_backward.py tests/test_moe_forward.py tests/test_tp_ops_together.py \
+      > "$out/gpu-tests-d.log" 2>&1
+    echo "gpu tests rc=$? $SECONDS s"; grep -cE " PASSED" "$out/gpu-tests-d.log"
+    grep -E "(FAILED|ERROR|Timeout)" "$out/gpu-tests-d.log" | head -8; tail -1 "$out/gpu-tests-d.log"; keep
+    timeout 60 python -m dev.fixed_cost --plans > "$out/fixed-cost-plans.log" 2>&1; echo "fixed cost rc=$? $SECONDS s"
+    keep
+    timeout 100 python -m dev.moe_bwd_probe --json "$out/moe-bwd-probe.jsonl" > "$out/moe-bwd-probe.log" 2>&1
+    echo "moe bwd probe rc=$? $SECONDS s"; keep
+    grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ " "$out/fixed-cost-plans.log" | grep -v Warning | tail -30
+    sed -n '/== moe backward stages/,/composed/p' "$out/moe-bwd-probe.log" ;;
+  s10e)  # session 10's last call (<= 400 s; tarball $OUT/s10e.tar.gz): the measurements, then the TP op tests:
+         # 1. the grid with the wave-model tile rule (issue 13 part 1), both ops, W=1, vs cuBLAS alone;
+         # 2. the default suite's llama3-70b TP=2 per-rank GEMMs at W=1 (the rule keeps their tile: no worse);
+         # 3. GPU tests of the TP op files (new tiles at W=1 and on simulated ranks, plans) with the time left.
+    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10e.tar.gz"; }
+    timeout 140 python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
       --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "grid rc=$? $SECONDS s"
     echo "grid rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
       "$out/tp-grid-w1.jsonl")"; keep
     timeout 40 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b --impl kosmos \
       --out "$out/tp-w1-shard2.jsonl" > "$out/bench-suite.log" 2>&1; echo "suite rc=$? $SECONDS s"; keep
-    timeout 110 python -m dev.moe_bwd_probe --json "$out/moe-bwd-probe.jsonl" > "$out/moe-bwd-probe.log" 2>&1
-    echo "moe bwd probe rc=$? $SECONDS s"; keep
-    timeout 50 python -m dev.fixed_cost ${FIXED_COST_ARGS:-} > "$out/fixed-cost.log" 2>&1; echo "fixed cost rc=$? $SECONDS s"
-    keep
-    left=$((575 - SECONDS))
+    left=$((${S10E_END:-390} - SECONDS))
     timeout $left python -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or ranks or gpu_optional" \
-      ${S10D_TESTS:-tests/test_cuda_graphs.py tests/test_moe_backward.py tests/test_all_gather_matmul.py \
-      tests/test_matmul_reduce_scatter.py} > "$out/gpu-tests.log" 2>&1
-    echo "gpu tests rc=$? (limit $left s; 124: the limit)"; grep -cE " PASSED" "$out/gpu-tests.log"
-    grep -E "(FAILED|ERROR|Timeout)" "$out/gpu-tests.log" | head -8; tail -1 "$out/gpu-tests.log"; keep
+      tests/test_matmul_reduce_scatter.py tests/test_all_gather_matmul.py > "$out/gpu-tests-e.log" 2>&1
+    echo "gpu tests rc=$? (limit $left s; 124: the limit)"; grep -cE " PASSED" "$out/gpu-tests-e.log"
+    grep -E "(FAILED|ERROR|Timeout)" "$out/gpu-tests-e.log" | head -8; tail -1 "$out/gpu-tests-e.log"; keep
     COLUMNS=110 timeout 20 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" 2>/dev/null | \
-      sed -n '/kosmos against cuBLAS alone/,$p' | head -60
-    grep -E "whole|bar|composed" "$out/moe-bwd-probe.log" | head -6; tail -12 "$out/fixed-cost.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d" >&2; exit 2 ;;
+      sed -n '/kosmos against cuBLAS alone/,$p' | head -40 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e" >&2; exit 2 ;;
 esac
