@@ -242,10 +242,11 @@ PYEOF
     echo "moe bwd probe rc=$? $SECONDS s"; keep
     grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ " "$out/fixed-cost-plans.log" | grep -v Warning | tail -30
     sed -n '/== moe backward stages/,/composed/p' "$out/moe-bwd-probe.log" ;;
-  s10e)  # session 10's last call (<= 400 s; tarball $OUT/s10e.tar.gz): the measurements, then the TP op tests:
+  s10e)  # session 10's last call (<= S10E_END s, default 390; tarball $OUT/s10e.tar.gz): the measurements, then tests:
          # 1. the grid with the wave-model tile rule (issue 13 part 1), both ops, W=1, vs cuBLAS alone;
          # 2. the default suite's llama3-70b TP=2 per-rank GEMMs at W=1 (the rule keeps their tile: no worse);
-         # 3. GPU tests of the TP op files (new tiles at W=1 and on simulated ranks, plans) with the time left.
+         # 3. host time per eager call with plans after the hook fix (dev/fixed_cost --plans);
+         # 4. GPU tests of the TP op files (new tiles at W=1 and on simulated ranks, plans) with the time left.
     real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
     keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10e.tar.gz"; }
     timeout 140 python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
@@ -254,6 +255,8 @@ PYEOF
       "$out/tp-grid-w1.jsonl")"; keep
     timeout 40 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b --impl kosmos \
       --out "$out/tp-w1-shard2.jsonl" > "$out/bench-suite.log" 2>&1; echo "suite rc=$? $SECONDS s"; keep
+    timeout 60 python -m dev.fixed_cost --plans > "$out/fixed-cost-plans.log" 2>&1; echo "fixed cost rc=$? $SECONDS s"
+    sed -n '1,16p' "$out/fixed-cost-plans.log"; keep
     left=$((${S10E_END:-390} - SECONDS))
     timeout $left python -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or ranks or gpu_optional" \
       tests/test_matmul_reduce_scatter.py tests/test_all_gather_matmul.py > "$out/gpu-tests-e.log" 2>&1

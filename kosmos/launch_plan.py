@@ -269,7 +269,7 @@ class KernelLaunch:
         compiled = self.kernel[self.grid](*args, **self.kw)
         STATS["normal_launches"] += 1
         if (self.state == "new" and self_check and outputs and _STATE["fast"] and fast_launch_supported()
-                and not _capturing()):
+                and not _capturing() and not hooks_active()):
             self._self_check(compiled, args, outputs, clean)
 
     def _disable(self, why: str) -> None:
@@ -312,6 +312,23 @@ class KernelLaunch:
             self.state = "verified"
 
 
+def hooks_active(runtime_knobs=None) -> bool:
+    """Whether a Triton launch hook is set (a profiler's). Triton 3.6 and 3.9 keep them in ``knobs.runtime`` as
+    HookChain objects that are never None -- empty means no hook -- so ``is not None`` is always true there (the
+    first device run, session 10, found the fast path never taken for that reason: every call went the normal
+    way and repeated the self-check). Anything without ``calls`` counts as set unless it is None."""
+    if runtime_knobs is None:
+        from triton import knobs
+        runtime_knobs = knobs.runtime
+    for hook in (runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook):
+        if hook is None:
+            continue
+        calls = getattr(hook, "calls", None)
+        if calls is None or len(calls) > 0:
+            return True
+    return False
+
+
 def _capturing() -> bool:
     from .runtime import capturing
     return capturing()
@@ -341,7 +358,7 @@ def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int):
     hooks = knobs.runtime
 
     def fast(args):
-        if hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+        if hooks_active(hooks):  # the normal launch passes the hooks (and their metadata) to the launcher
             raise UseNormalLaunch
         device = get_device()
         if device != device0:

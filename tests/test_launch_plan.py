@@ -241,3 +241,18 @@ def test_fast_launch_switch(cpu_ops, monkeypatch):
         op(*_inputs(10))
     assert made == [] and launch_plan.plan_stats()["self_checks"] == 0
     assert launch_plan.plan_stats()["hit_rate"] == pytest.approx(2 / 3)
+
+
+def test_hooks_active_reads_triton_hook_chains():
+    """Triton 3.6 / 3.9 keep launch hooks as HookChains, never None: an empty chain is no hook (the fast path's
+    check once read any chain as a hook and so never took the fast path on the GPU)."""
+    from types import SimpleNamespace
+    from triton.knobs import HookChain
+    from kosmos import launch_plan
+    knobs = SimpleNamespace(launch_enter_hook=HookChain(), launch_exit_hook=HookChain(reversed=True))
+    assert not launch_plan.hooks_active(knobs)
+    knobs.launch_enter_hook.add(print)
+    assert launch_plan.hooks_active(knobs)
+    assert not launch_plan.hooks_active(SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    assert launch_plan.hooks_active(SimpleNamespace(launch_enter_hook=None, launch_exit_hook=print))
+    assert not launch_plan.hooks_active()  # this process: nothing set
