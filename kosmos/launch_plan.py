@@ -256,7 +256,9 @@ class KernelLaunch:
     def launch(self, args, outputs=(), clean=None, self_check=True):
         """Launch with ``args`` (a full runtime argument list). ``outputs``: the tensors the launch writes that
         the self-check compares; ``clean()``: after a synchronisation, None or what is wrong with the error
-        record / queue heads."""
+        record / queue heads. ``self_check=False``: no self-check, so the plan keeps the normal launch -- the
+        ops pass it for a traced call, whose trace buffer a second launch of the self-check would overwrite
+        only in part (the GPU's trace tests caught it, session 10)."""
         if self.state == "verified" and _STATE["fast"]:
             try:
                 self.fast(args)

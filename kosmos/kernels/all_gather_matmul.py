@@ -401,7 +401,8 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
             payload, scales = a_shard if info["mx"] else (a_shard, None)
             sources = dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None, s=scales,
                            b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
-            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"])
+            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"],
+                               self_check=trace is None)  # a traced call: the normal launch only
             ws.after_launch()
             return (a_shard if info["a_full"] is None else info["a_full"]), c
     config = check_config(AllGatherMatmulConfig, config)

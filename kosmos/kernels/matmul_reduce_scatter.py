@@ -373,7 +373,8 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
             c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
             payload, scales = a if info["mx"] else (a, None)
             sources = dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
-            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"])
+            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"],
+                               self_check=trace is None)  # a traced call: the normal launch only
             ws.after_launch()
             return c
     config = check_config(MatmulReduceScatterConfig, config)

@@ -870,7 +870,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
             sources = dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace,
                            xq=x_mx.payload.view(torch.bfloat16) if x_mx is not None else None,
                            xs=x_mx.scales if x_mx is not None else None)
-            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(y,), clean=info["clean"])
+            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(y,), clean=info["clean"],
+                               self_check=trace is None)  # a traced call: the normal launch only
             ws.after_launch()
             return _moe_result(y, info["bufs"], x.shape[0], top_k, return_routing)
     config = check_config(MoEForwardConfig, config)
