@@ -914,7 +914,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
         plan = launch_plan.make_plan(kl, sources, ws, info)
         if plan is not None:
             launch_plan.store(ws, key, plan)
-    kl.launch(list(args), outputs=(y,), clean=info["clean"])
+    kl.launch(list(args), outputs=(y,), clean=info["clean"], self_check=trace is None)
     ws.after_launch()
     return _moe_result(y, bufs, t_, top_k, return_routing)
 
