@@ -110,8 +110,11 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
     the rule picks the fastest of the probe's 8 candidates on 91 of the 96 (shape, op) points and is within
     1.2% of it on the other 5 (the 8-warp 128x128 or a 64x256 tile won there by a hair); predicted geomean
     0.875x (RS) / 0.869x (AG) of cuBLAS against 0.825x / 0.819x for 128x256 everywhere; worst shape
-    512x1536x7168 0.35x -> 0.59x. This is in-sample (the throughputs come from the same probe), to be
-    confirmed by the grid bench. Left for split-K / stream-K: shapes under a wave even in 64x64 tiles, and
+    512x1536x7168 0.35x -> 0.59x. That was in-sample (the throughputs come from the same probe); the grid
+    bench with the rule (results/h200x1/tp-grid-w1.*, same session, 3922e32) measured 0.865x (AG) / 0.871x
+    (RS) geomean, worst 0.588x / 0.589x at 512x1536x7168, 24 / 25 of 48 shapes under 0.90x (issue 13's bar:
+    0.97x, none under 0.90x); the llama3-70b TP=2 per-rank GEMMs keep 128x256 (0.985x of cuBLAS, min 0.949).
+    Left for split-K / stream-K: shapes under a wave even in 64x64 tiles, and
     the per-tile overhead that holds short-K shapes (K = 1024: 0.84-0.90x) below cuBLAS.
 
     ``mx``: the MXFP8 paths keep 128x256 (their DEQ plan was measured only with it; the small tiles are not

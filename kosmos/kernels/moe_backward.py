@@ -83,6 +83,15 @@ dgrad2_swiglu 2.37 -> ~1.3 ms, dgrad1 2.24 -> ~1.75 ms (TMA loads, the ~20% empt
 the gate partials instead of F/BN), h_recompute 0.78 -> ~0.1 ms, do_rows 0.95 -> ~0.1 ms, unpermute_dx 1.44 ->
 ~0.15 ms, the rest unchanged: whole backward 15.5 -> ~9.3 ms (nccl-a2a 9.7 ms: the issue's 1.3x bar needs the
 GEMM1 recompute and the router's fp32 torch work next).
+MEASURED (session 10, one H200, Triton 3.6, dev/moe_bwd_probe.py, qwen3-235b 4096 tokens uniform, EP=1;
+results/h200x1/s10/c and /d, before -> after, ms; TF/s and the ratio to torch._grouped_mm on the same rows):
+wgrad1 3.23 -> 2.58 (320 TF/s, 0.72x), wgrad2 1.63 -> 1.30 (317, 0.76x), dgrad2_swiglu 2.37 -> 2.19 (189,
+0.38x: the narrow 128x64 tile and its epilogue), dgrad1 2.24 -> 2.04 (404, 0.82x), h_recompute 0.78 -> 0.09,
+do_rows 0.95 -> 0.10, unpermute_dx 1.44 -> 0.10; GEMM1 recompute (torch) 1.63 unchanged; whole backward
+15.50 -> 11.36 ms (prediction 9.3), 109 launches (was 149); nccl-a2a's autograd 9.70: kosmos is 0.854x of it
+(bar >= 1.3x faster). The GEMM kernels came in short of the prediction (wgrad 0.72-0.76x of torch, not
+0.95x); with torch's GEMM times the stages would sum to 8.29 ms, 6.66 without the recompute.
+test_swiglu_h_bitwise_torch_gpu passed on the GPU (swiglu_h is bitwise torch's line there).
 sm_90a (local Triton 3.9, ptxas; ``python -m dev.kernel_resources --world 1 --kernels moe_backward``): wgrad
 128x128 tiles, 64-row steps, 8 warps, 3 stages: 90 registers, no spills, 96 KiB shared (bf16 or fp32 out);
 dgrad2 128x64x64 (8 warps, 3 stages): 244 registers, no spills, 72 KiB; dgrad1 128x128x64 (8 warps, 3 stages):
