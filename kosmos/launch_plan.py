@@ -131,6 +131,22 @@ def input_key(x):
     raise Unkeyable
 
 
+def find(op: str, group, tensors, others, device):
+    """The three ops' plan lookup: (workspace, key, plan) of a call of ``op`` whose key is ``op``, the
+    input_key of each of ``tensors`` (tensors, MX pairs or None) and the hashable ``others`` (config, policy,
+    routing arguments...), on the workspace of ``group`` on ``device``; plan None on a miss. (None, None, None)
+    when the call cannot key a plan (an input that is not a tensor, an unhashable config): the op then runs
+    its full checks, which say what is wrong."""
+    try:
+        key = (op, *(input_key(t) for t in tensors), *others)
+        hash(key)
+    except (Unkeyable, TypeError):
+        return None, None, None
+    from . import runtime
+    ws = runtime.get_workspace(group, device)
+    return ws, key, (lookup(ws, key) if hasattr(ws, "_plans") else None)
+
+
 def lookup(ws, key):
     """The plan of ``key`` in workspace ``ws``, or None (counted as a hit or a miss)."""
     plan = ws._plans.get(key)

@@ -384,27 +384,22 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``trace`` (int64
     [grid, 1024, 4]) records per-program task events.
     """
-    try:  # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
-        key = ("ag", launch_plan.input_key(a_shard), launch_plan.input_key(b), config, policy, comm_programs,
-               launch_plan.input_key(trace))
-        hash(key)
-    except (launch_plan.Unkeyable, TypeError):  # not a tensor, an unhashable config: the checks say what
-        key = None
-    if key is not None:
-        ws = runtime.get_workspace(group, a_shard[0].device if isinstance(a_shard, tuple) else a_shard.device)
-        plan = launch_plan.lookup(ws, key) if hasattr(ws, "_plans") else None
-        if plan is not None:
-            runtime.ensure_triton_allocator()
-            ws.before_launch()
-            info = plan.info
-            c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
-            payload, scales = a_shard if info["mx"] else (a_shard, None)
-            sources = dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None, s=scales,
-                           b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
-            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"],
-                               self_check=trace is None)  # a traced call: the normal launch only
-            ws.after_launch()
-            return (a_shard if info["a_full"] is None else info["a_full"]), c
+    # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
+    first = a_shard[0] if isinstance(a_shard, tuple) and a_shard else a_shard
+    ws, key, plan = launch_plan.find("ag", group, (a_shard, b, trace), (config, policy, comm_programs),
+                                     getattr(first, "device", None))
+    if plan is not None:
+        runtime.ensure_triton_allocator()
+        ws.before_launch()
+        info = plan.info
+        c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
+        payload, scales = a_shard if info["mx"] else (a_shard, None)
+        sources = dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None, s=scales,
+                       b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
+        plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"],
+                           self_check=trace is None)  # a traced call: the normal launch only
+        ws.after_launch()
+        return (a_shard if info["a_full"] is None else info["a_full"]), c
     config = check_config(AllGatherMatmulConfig, config)
     ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)
     mx = isinstance(a_shard, tuple)

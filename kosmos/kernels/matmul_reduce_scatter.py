@@ -357,26 +357,21 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation; ``trace`` as in
     ``all_gather_matmul``.
     """
-    try:  # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
-        key = ("rs", launch_plan.input_key(a), launch_plan.input_key(b), config, policy, comm_programs,
-               launch_plan.input_key(trace))
-        hash(key)
-    except (launch_plan.Unkeyable, TypeError):  # not a tensor, an unhashable config: the checks say what
-        key = None
-    if key is not None:
-        ws = runtime.get_workspace(group, a[0].device if isinstance(a, tuple) else a.device)
-        plan = launch_plan.lookup(ws, key) if hasattr(ws, "_plans") else None
-        if plan is not None:
-            runtime.ensure_triton_allocator()
-            ws.before_launch()
-            info = plan.info
-            c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
-            payload, scales = a if info["mx"] else (a, None)
-            sources = dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
-            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"],
-                               self_check=trace is None)  # a traced call: the normal launch only
-            ws.after_launch()
-            return c
+    # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
+    first = a[0] if isinstance(a, tuple) and a else a
+    ws, key, plan = launch_plan.find("rs", group, (a, b, trace), (config, policy, comm_programs),
+                                     getattr(first, "device", None))
+    if plan is not None:
+        runtime.ensure_triton_allocator()
+        ws.before_launch()
+        info = plan.info
+        c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
+        payload, scales = a if info["mx"] else (a, None)
+        sources = dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
+        plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"],
+                           self_check=trace is None)  # a traced call: the normal launch only
+        ws.after_launch()
+        return c
     config = check_config(MatmulReduceScatterConfig, config)
     m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)
     a, a_scales = a if isinstance(a, tuple) else (a, None)

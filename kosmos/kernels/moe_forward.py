@@ -850,30 +850,25 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     along H and F), kept by the caller like any cached weight; H and F multiples of 32. The router runs on the
     bf16 x.
     """
-    try:  # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
-        ik = launch_plan.input_key
-        key = ("moe", ik(x), ik(router_weight), ik(w13), ik(w2), ik(bias), top_k, routing, renormalize, n_group,
-               topk_group, routed_scaling, config, policy, comm_programs, ik(trace), precision)
-        hash(key)
-    except (launch_plan.Unkeyable, TypeError):  # not a tensor, an unhashable argument: the checks say what
-        key = None
-    if key is not None and isinstance(x, torch.Tensor):
-        ws = runtime.get_workspace(group, x.device)
-        plan = launch_plan.lookup(ws, key) if hasattr(ws, "_plans") else None
-        if plan is not None:
-            info = plan.info
-            runtime.ensure_triton_allocator()
-            bias32 = bias.float().contiguous() if bias is not None else None
-            ws.before_launch()
-            y = torch.empty(info["y_shape"], dtype=torch.bfloat16, device=x.device)
-            x_mx = quantize_mx(x) if info["mx"] else None
-            sources = dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace,
-                           xq=x_mx.payload.view(torch.bfloat16) if x_mx is not None else None,
-                           xs=x_mx.scales if x_mx is not None else None)
-            plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(y,), clean=info["clean"],
-                               self_check=trace is None)  # a traced call: the normal launch only
-            ws.after_launch()
-            return _moe_result(y, info["bufs"], x.shape[0], top_k, return_routing)
+    # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
+    ws, key, plan = (launch_plan.find("moe", group, (x, router_weight, w13, w2, bias, trace),
+                                      (top_k, routing, renormalize, n_group, topk_group, routed_scaling, config,
+                                       policy, comm_programs, precision), x.device)
+                     if isinstance(x, torch.Tensor) else (None, None, None))
+    if plan is not None:
+        info = plan.info
+        runtime.ensure_triton_allocator()
+        bias32 = bias.float().contiguous() if bias is not None else None
+        ws.before_launch()
+        y = torch.empty(info["y_shape"], dtype=torch.bfloat16, device=x.device)
+        x_mx = quantize_mx(x) if info["mx"] else None
+        sources = dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace,
+                       xq=x_mx.payload.view(torch.bfloat16) if x_mx is not None else None,
+                       xs=x_mx.scales if x_mx is not None else None)
+        plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(y,), clean=info["clean"],
+                           self_check=trace is None)  # a traced call: the normal launch only
+        ws.after_launch()
+        return _moe_result(y, info["bufs"], x.shape[0], top_k, return_routing)
     config = check_config(MoEForwardConfig, config)
     if precision not in ("bf16", "mxfp8"):
         raise ValueError(f"precision {precision!r}: choose 'bf16' or 'mxfp8'")
