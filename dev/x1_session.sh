@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -264,5 +264,39 @@ PYEOF
     grep -E "(FAILED|ERROR|Timeout)" "$out/gpu-tests-e.log" | head -8; tail -1 "$out/gpu-tests-e.log"; keep
     COLUMNS=110 timeout 20 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" 2>/dev/null | \
       sed -n '/kosmos against cuBLAS alone/,$p' | head -40 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e" >&2; exit 2 ;;
+  s11a)  # written in session 10 for the next one-GPU session's first call (<= 560 s; tarball $OUT/s11a.tar.gz).
+         # Trees (carry .snap .var): . = main HEAD, .var/splitk = branch split-k, .var/bwd2 = branch moe-bwd-2
+         # (git archive each; NOTES.md "Next one-GPU session"). Nothing of these has run on a GPU yet.
+         # 1. the trace tests fixed on the CPU in session 10, then HEAD's Triton 3.6 registers (background);
+         # 2. A/Bs, each tree from its own directory: the grid (main vs split-k, both ops) and the MoE backward
+         #    probe (main vs moe-bwd-2, qwen3 4k);
+         # 3. the branches' GPU tests with what time is left.
+    real_out=$out; export OUT=/tmp/s11o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s11a.tar.gz"; }
+    in_tree() { local root=$1; shift; ( cd "$root" && PYTHONPATH=. "$@" ); }
+    timeout 60 python -m pytest -q -p no:cacheprovider -m gpu tests/test_all_gather_matmul.py \
+      tests/test_matmul_reduce_scatter.py -k trace > "$out/trace-tests.log" 2>&1; echo "trace tests rc=$?"
+    tail -1 "$out/trace-tests.log"; keep
+    ( for v in "" --mx --tiles; do timeout 280 python dev/kernel_resources.py --world 1,2,8 $v \
+        --json "$out/regs-head${v//-/_}.json" > "$out/regs-head${v//-/_}.txt" 2>&1; done ) &
+    regs_pid=$!
+    for tree in main:. splitk:.var/splitk; do
+      in_tree ${tree#*:} timeout 100 python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml \
+        --impl kosmos --out "$out/grid-${tree%%:*}.jsonl" >> "$out/runs.log" 2>&1; echo "grid ${tree%%:*} rc=$?"
+    done; keep
+    for tree in main:. bwd2:.var/bwd2; do
+      in_tree ${tree#*:} timeout 110 python -m dev.moe_bwd_probe --json "$out/bwd-${tree%%:*}.jsonl" \
+        > "$out/bwd-${tree%%:*}.log" 2>&1; echo "bwd probe ${tree%%:*} rc=$?"
+    done; keep
+    wait $regs_pid
+    left=$((550 - SECONDS))
+    [ $left -gt 30 ] && for tree in splitk:.var/splitk bwd2:.var/bwd2; do
+      in_tree ${tree#*:} timeout $((left / 2)) python -m pytest -q -p no:cacheprovider --timeout 60 \
+        -m "gpu or ranks or gpu_optional" tests/test_moe_backward.py tests/test_matmul_reduce_scatter.py \
+        tests/test_all_gather_matmul.py > "$out/gpu-tests-${tree%%:*}.log" 2>&1
+      echo "gpu tests ${tree%%:*} rc=$?"; tail -1 "$out/gpu-tests-${tree%%:*}.log"
+    done; keep
+    python -m dev.ab_compare "$out/grid-main.jsonl" --vs "$out/grid-splitk.jsonl" | tail -3
+    for t in main bwd2; do sed -n '/kosmos whole/,/composed/p' "$out/bwd-$t.log" | sed "s/^/$t: /"; done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a" >&2; exit 2 ;;
 esac
