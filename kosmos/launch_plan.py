@@ -207,6 +207,17 @@ class Plan:
         self.timeout_slot = kl.slot("timeout_us")
         self.info = info
 
+    def call(self, ws, sources: dict, outputs, traced: bool) -> None:
+        """A hit's launch, the same for every op: the error check of the last call (``before_launch``), the
+        launch with this call's tensors (``sources``) and ``outputs``, the error event. A traced call never
+        self-checks (a second launch would overwrite its trace buffer in part)."""
+        from . import runtime
+        runtime.ensure_triton_allocator()
+        ws.before_launch()
+        self.launch.launch(self.args(sources, ws.timeout_ns()), outputs=outputs, clean=self.info["clean"],
+                           self_check=not traced)
+        ws.after_launch()
+
     def args(self, sources: dict, timeout_ns: int) -> list:
         """The runtime arguments of this call: the bound ones, the caller's tensors (and fresh descriptors of
         them) from ``sources``, the timeout."""

@@ -389,16 +389,11 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     ws, key, plan = launch_plan.find("ag", group, (a_shard, b, trace), (config, policy, comm_programs),
                                      getattr(first, "device", None))
     if plan is not None:
-        runtime.ensure_triton_allocator()
-        ws.before_launch()
         info = plan.info
         c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
         payload, scales = a_shard if info["mx"] else (a_shard, None)
-        sources = dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None, s=scales,
-                       b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
-        plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"],
-                           self_check=trace is None)  # a traced call: the normal launch only
-        ws.after_launch()
+        plan.call(ws, dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None, s=scales,
+                           b=b.t() if info["b_kmajor"] else b, c=c, trace=trace), (c,), trace is not None)
         return (a_shard if info["a_full"] is None else info["a_full"]), c
     config = check_config(AllGatherMatmulConfig, config)
     ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)

@@ -362,15 +362,11 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     ws, key, plan = launch_plan.find("rs", group, (a, b, trace), (config, policy, comm_programs),
                                      getattr(first, "device", None))
     if plan is not None:
-        runtime.ensure_triton_allocator()
-        ws.before_launch()
         info = plan.info
         c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
         payload, scales = a if info["mx"] else (a, None)
-        sources = dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace)
-        plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(c,), clean=info["clean"],
-                           self_check=trace is None)  # a traced call: the normal launch only
-        ws.after_launch()
+        plan.call(ws, dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace), (c,),
+                  trace is not None)
         return c
     config = check_config(MatmulReduceScatterConfig, config)
     m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)

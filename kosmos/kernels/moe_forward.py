@@ -857,17 +857,12 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
                      if isinstance(x, torch.Tensor) else (None, None, None))
     if plan is not None:
         info = plan.info
-        runtime.ensure_triton_allocator()
         bias32 = bias.float().contiguous() if bias is not None else None
-        ws.before_launch()
         y = torch.empty(info["y_shape"], dtype=torch.bfloat16, device=x.device)
         x_mx = quantize_mx(x) if info["mx"] else None
-        sources = dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace,
-                       xq=x_mx.payload.view(torch.bfloat16) if x_mx is not None else None,
-                       xs=x_mx.scales if x_mx is not None else None)
-        plan.launch.launch(plan.args(sources, ws.timeout_ns()), outputs=(y,), clean=info["clean"],
-                           self_check=trace is None)  # a traced call: the normal launch only
-        ws.after_launch()
+        plan.call(ws, dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace,
+                           xq=x_mx.payload.view(torch.bfloat16) if x_mx is not None else None,
+                           xs=x_mx.scales if x_mx is not None else None), (y,), trace is not None)
         return _moe_result(y, info["bufs"], x.shape[0], top_k, return_routing)
     config = check_config(MoEForwardConfig, config)
     if precision not in ("bf16", "mxfp8"):
