@@ -96,12 +96,16 @@ def _dgrad2_ref(dy_rows, gu, w2, w_pair, counts):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("split", [True, False], ids=["split-epilogue", "whole-epilogue"])
 @pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([40], 48, 16), ([0, 3], 16, 40),
-                                         ([17, 0, 3, 0], 20, 24), ([0, 33, 0], 48, 8)])
-def test_expert_dgrad2_swiglu_interpreter(counts, h, f):  # H = 20: the pointer fallback (rows not 16-B aligned)
+                                         ([17, 0, 3, 0], 20, 24), ([0, 33, 0], 48, 8), ([9, 0, 14], 32, 12)])
+def test_expert_dgrad2_swiglu_interpreter(counts, h, f, split, monkeypatch):  # H = 20: the pointer fallback
     """GEMM2's data gradient with the SwiGLU backward and the gate gradient in the epilogue, against the
-    references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic."""
+    references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic. ``split``: the epilogue
+    in two half-width slices (the GPU's 128 x 128 tile) or on the whole tile; F = 12: a half past F."""
+    from kosmos.kernels import moe_backward as mb
     from kosmos.kernels.moe_backward import expert_dgrad2_swiglu
+    monkeypatch.setattr(mb, "DGRAD2_SPLIT", split)
     args = _dgrad2_inputs(counts, h, f, "cpu")
     dgu, dw = expert_dgrad2_swiglu(*args)
     want_dgu, want_dw = _dgrad2_ref(*[a.cpu() for a in args])

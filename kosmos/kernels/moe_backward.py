@@ -25,8 +25,9 @@ the next expert's rows are never read, so they cannot be summed in), columns pas
    p (token t, slot j, weight w_p; rows expert-sorted, dy_rows[p] = dy[t]):
        z_p  = dy_rows[p] @ W2[e]^T                        [R, F]  (fp32 accumulation; W2[e] read as its rows)
        h_p  = silu(g_p) * u_p                             recomputed from the saved g | u
-       dwp[p, n] = sum over the tile's columns of z_p * h_p   the gate gradient <dy, o_p> = <z_p, h_p>, one
-                                                          partial per F-tile n, summed in order by the caller
+       dwp[p, n] = sum over the slice's columns of z_p * h_p   the gate gradient <dy, o_p> = <z_p, h_p>, one
+                                                          partial per epilogue slice n (half an F-tile),
+                                                          summed in order by the caller
        dh_p = w_p z_p;  dg = dh u silu'(g);  du = dh silu(g)  stored bf16 as [dg | du] [R, 2F]
    (moe_reference.gate_grad_from_h_ref, gemm2_backward_ref, swiglu_backward_ref.)
 3. GEMM1's data gradient: dx_rows[p] = [dg | du]_p @ W13[e]^T   [R, H] (W13[e] [H, 2F] read as its rows).
@@ -97,6 +98,18 @@ sm_90a (local Triton 3.9, ptxas; ``python -m dev.kernel_resources --world 1 --ke
 dgrad2 128x64x64 (8 warps, 3 stages): 244 registers, no spills, 72 KiB; dgrad1 128x128x64 (8 warps, 3 stages):
 109 registers, no spills, 96 KiB; sum_partials 40, scaled_rows 24, swiglu_h 40, unpermute_sum 38 registers,
 no spills. The three GEMM kernels run wgmma on TMA loads (wgmma.mma_async, cp.async.bulk.tensor in their PTX).
+
+Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev/moe_bwd_probe.py decides):
+* dgrad2_swiglu at 128 x 128 x 64 (8 warps, 3 stages; ``DGRAD2_TILES``): the epilogue runs on two 64-column
+  halves one after the other (``DGRAD2_SPLIT``; the accumulator split in registers by reshape / permute /
+  split, as common.store_tile does), each loading its g, u slice and storing its [dg | du] and its own gate
+  partial (dwp [R, 2 * F / 128], summed left to right by sum_partials as before), with int32 offsets inside
+  the tile (no per-element 64-bit index). sm_90a: 225 registers, no spills, 96 KiB shared (the whole-tile
+  epilogue at 128 x 128: 255 registers, 956 B spilled). sigmoid(g) there is now torch's formula
+  (``_torch_sigmoid``: libdevice expf, IEEE division -- swiglu_h's), so that h can come from this epilogue
+  (next item); the dg / du values move by rounding only (tests: relative error vs the fp64 reference).
+  PREDICTION (unmeasured): the same A-tile reuse as dgrad1's 128 x 128 (404 TF/s) with a heavier epilogue
+  that one resident program per SM cannot hide: dgrad2_swiglu 2.19 -> ~1.2 ms (~340 TF/s, ~0.7x torch).
 """
 from __future__ import annotations
 
@@ -259,11 +272,54 @@ def _mtile_plan(counts: torch.Tensor, rows: int, bm: int):
 
 
 @triton.jit
-def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, H, F,
+def _torch_sigmoid(g, INTERP: tl.constexpr):
+    """sigmoid(g) = 1 / (1 + exp(-g)) in fp32 as torch's CUDA kernel computes it: libdevice expf (CUDA's expf)
+    and an IEEE division (the interpreter: numpy's exp). swiglu_h's and dgrad2's epilogue's."""
+    if INTERP:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    return tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+
+
+@triton.jit
+def _dgrad2_epilogue(z, wp, gu_t, dgu_t, h_t, dwp_t, col, rows_valid, F, n_parts, part,
+                     BM: tl.constexpr, BH: tl.constexpr, EMIT_H: tl.constexpr, INTERP: tl.constexpr):
+    """One BH-column slice of a dgrad2 tile: z [BM, BH] fp32 (= dy_rows W2[e]^T at F-columns col..col+BH),
+    wp [BM] the rows' gate weights; gu_t / dgu_t / h_t / dwp_t the tile's first row of gu [., 2F], dgu [., 2F],
+    h [., F], dwp [., n_parts] (int64 scalar offsets; int32 inside the tile: no per-element 64-bit index).
+    Loads g | u, stores the gate partial ``part`` = sum over the slice of z * h, [dg | du] bf16 and (EMIT_H)
+    h = silu(g) u bf16 -- bitwise swiglu_h's (the same arithmetic: _torch_sigmoid, (g * s) * u)."""
+    i = tl.arange(0, BM)
+    c = tl.arange(0, BH)
+    rm = i < rows_valid
+    mask = rm[:, None] & ((col + c) < F)[None, :]
+    o2 = i[:, None] * (2 * F) + (col + c)[None, :]
+    g = tl.load(gu_t + o2, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_t + F + o2, mask=mask, other=0.0).to(tl.float32)
+    s = _torch_sigmoid(g, INTERP)
+    silu = g * s
+    h = silu * u
+    if EMIT_H:
+        tl.store(h_t + (i[:, None] * F + (col + c)[None, :]), _to_out(h, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dwp_t + i * n_parts + part, tl.sum(z * h, 1), mask=rm)
+    dh = z * wp[:, None]
+    dg = dh * u * (s + silu * (1.0 - s))
+    du = dh * silu
+    tl.store(dgu_t + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dgu_t + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
+
+
+@triton.jit
+def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, h_ptr, H, F,
                           n_mtiles, ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          DOT_FP32: tl.constexpr, TMA: tl.constexpr = False):
+                          DOT_FP32: tl.constexpr, TMA: tl.constexpr = False, SPLIT: tl.constexpr = True,
+                          EMIT_H: tl.constexpr = False):
     """One (expert, m-tile, F-tile) of item 2 of the module docstring. The m-tiles of all experts are numbered
-    consecutively (an expert's first m-tile from the exclusive cumsum of ceil(counts / BM))."""
+    consecutively (an expert's first m-tile from the exclusive cumsum of ceil(counts / BM)). SPLIT: the
+    epilogue in two BN/2-column halves, one after the other (the accumulator split in registers), so that
+    g, u and the fp32 temporaries of half a tile are alive at a time (BN = 128 without spills); a gate
+    partial per half (dwp [R, 2 * ceil(F / BN)]). EMIT_H: h = silu(g) u (bf16) stored too (for wgrad2)."""
     pid = tl.program_id(0)
     n_f = tl.cdiv(F, BN)
     gm = pid // n_f
@@ -276,9 +332,9 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     ck = tl.arange(0, BK)
     w2e = w2_ptr + e.to(tl.int64) * F * H
+    first = tl.load(offs_ptr + e).to(tl.int64)
+    lm0 = (gm - tl.load(n_mtiles + e)) * BM
     if TMA:  # per-expert descriptors: W2[e] [F, H] and A's rows clipped at the expert's end (zeros past them)
-        first = tl.load(offs_ptr + e).to(tl.int64)
-        lm0 = (gm - tl.load(n_mtiles + e)) * BM
         a_desc = tl.make_tensor_descriptor(dyr_ptr + first * H, shape=[tl.load(counts_ptr + e), H],
                                            strides=[H, 1], block_shape=[BM, BK])
         b_desc = tl.make_tensor_descriptor(w2e, shape=[F, H], strides=[H, 1], block_shape=[BN, BK])
@@ -300,26 +356,38 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
-    mask = rm[:, None] & fm[None, :]
-    g = tl.load(gu_ptr + rr[:, None] * (2 * F) + cf[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + rr[:, None] * (2 * F) + F + cf[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    silu = g * s
-    h = silu * u
-    tl.store(dwp_ptr + rr * tl.cdiv(F, BN) + nf, tl.sum(acc * h, 1), mask=rm)
-    dh = acc * tl.load(wp_ptr + rr, mask=rm, other=0.0)[:, None]
-    dg = dh * u * (s + g * s * (1.0 - s))
-    du = dh * silu
-    tl.store(dgu_ptr + rr[:, None] * (2 * F) + cf[None, :], dg.to(tl.bfloat16), mask=mask)
-    tl.store(dgu_ptr + rr[:, None] * (2 * F) + F + cf[None, :], du.to(tl.bfloat16), mask=mask)
+    row0 = first + lm0  # the tile's first row (int64)
+    rows_valid = tl.load(counts_ptr + e) - lm0
+    wp = tl.load(wp_ptr + rr, mask=rm, other=0.0)
+    gu_t = gu_ptr + row0 * (2 * F)
+    dgu_t = dgu_ptr + row0 * (2 * F)
+    h_t = h_ptr + row0 * F
+    if SPLIT:
+        n_parts = 2 * n_f
+        dwp_t = dwp_ptr + row0 * n_parts
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        _dgrad2_epilogue(lo, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN, rows_valid, F, n_parts, 2 * nf, BM, BN // 2,
+                         EMIT_H, DOT_FP32)
+        _dgrad2_epilogue(hi, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN + BN // 2, rows_valid, F, n_parts, 2 * nf + 1,
+                         BM, BN // 2, EMIT_H, DOT_FP32)
+    else:
+        dwp_t = dwp_ptr + row0 * n_f
+        _dgrad2_epilogue(acc, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN, rows_valid, F, n_f, nf, BM, BN, EMIT_H,
+                         DOT_FP32)
+
+
+DGRAD2_TILES = (128, 128, 64, 8, 3)  # GPU (BM, BN, BK, warps, stages); the epilogue in two 64-column halves
+DGRAD2_SPLIT = True  # False: the epilogue on the whole BN-wide tile at once (at 128 x 128: spills, see docstring)
 
 
 def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor, w_pair: torch.Tensor,
-                         counts: torch.Tensor):
+                         counts: torch.Tensor, *, emit_h: bool = False, tiles=None):
     """Item 2 of the module docstring for expert-sorted rows: dy_rows [R, H] bf16 (each row's token gradient),
     gu [R, 2F] bf16 (the forward's g | u), w2 [E, F, H] bf16, w_pair [R] fp32 (each row's gate weight), counts
     [E] (rows per expert, consecutive). Returns (dgu [R, 2F] bf16 = [dg | du], dw_rows [R] fp32 = <dy_t, o_p>,
-    the F-tile partials summed in order). Rows past sum(counts) are left unspecified (moe_backward has none)."""
+    the gate partials summed in order) and, with ``emit_h``, h = silu(g) u [R, F] bf16 from the same epilogue
+    (bitwise swiglu_h(gu, F): the same arithmetic) as a third. Rows past sum(counts) are left unspecified
+    (moe_backward has none). ``tiles``: (BM, BN, BK, warps, stages) instead of DGRAD2_TILES (GPU)."""
     r_all, h = dy_rows.shape
     e, f, h2 = w2.shape
     if h2 != h or gu.shape != (r_all, 2 * f) or w_pair.shape != (r_all,) or counts.shape != (e,):
@@ -327,21 +395,25 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
                          f"{tuple(w2.shape)}, w_pair {tuple(w_pair.shape)}, counts {tuple(counts.shape)}")
     if planning.interpreting():
         bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
-    else:  # 128 x 64 (unmeasured): at 128 x 128 the epilogue's fp32 temporaries spill 916 B (255 regs,
-        bm, bn, bk, warps, stages = 128, 64, 64, 8, 3  # local Triton 3.9 sm_90a); 128 x 64: 238 regs, none
+    else:  # 128 x 64 (session 10, 244 regs) measured 2.19 ms, 0.38x torch's GEMM alone; 128 x 128 split: unmeasured
+        bm, bn, bk, warps, stages = tiles or DGRAD2_TILES
+    split = DGRAD2_SPLIT and bn >= 16
     counts32, offs, first_pad, elp2, n_m = _mtile_plan(counts, r_all, bm)  # n_m: a static m-tile bound
     n_f = -(-f // bn)
     dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
-    dwp = torch.empty((r_all, n_f), dtype=torch.float32, device=dy_rows.device)
+    dwp = torch.empty((r_all, 2 * n_f if split else n_f), dtype=torch.float32, device=dy_rows.device)
+    hb = torch.empty((r_all, f) if emit_h else (1,), dtype=torch.bfloat16, device=dy_rows.device)
     tma = h % 8 == 0 and dy_rows.is_contiguous() and w2.is_contiguous() and \
         all(t.data_ptr() % 16 == 0 for t in (dy_rows, w2))
     if tma:
         from .. import runtime
         runtime.ensure_triton_allocator()
-    _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu, w2, w_pair.float().contiguous(), offs, counts32, dgu, dwp,
-                                          h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
-                                          DOT_FP32=planning.interpreting(), TMA=tma, num_warps=warps,
-                                          num_stages=stages)
+    _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu.contiguous(), w2, w_pair.float().contiguous(), offs, counts32,
+                                          dgu, dwp, hb, h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
+                                          DOT_FP32=planning.interpreting(), TMA=tma, SPLIT=split, EMIT_H=emit_h,
+                                          num_warps=warps, num_stages=stages)
+    if emit_h:
+        return dgu, sum_partials(dwp), hb
     return dgu, sum_partials(dwp)
 
 
