@@ -133,6 +133,8 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                x_rows, gu, counts, out_dtype=torch.float32))),
            ("moe_bwd dgrad2_swiglu", _compile_among(mb, "_dgrad2_swiglu_kernel",
                                               lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts))),
+           ("moe_bwd dgrad2_swiglu+h", _compile_among(mb, "_dgrad2_swiglu_kernel", lambda: mb.expert_dgrad2_swiglu(
+               dy_rows, gu, w2, w_pair, counts, emit_h=True))),
            ("moe_bwd dgrad1", _compile_among(mb, "_dgrad1_kernel", lambda: mb.expert_dgrad1(gu, w13, counts)))]
     tok = torch.zeros(rows, dtype=torch.int64, device=dev)
     out += [("moe_bwd sum_partials", _compile_among(mb, "_sum_partials_kernel", lambda: mb.sum_partials(

@@ -31,8 +31,11 @@ hiding the host's enqueue, median of --iters; p20/p80 and the host's enqueue tim
     sort             the pairs sorted by expert, counts per expert                      torch
     permute          x_rows, dy_rows, w_pair gathered in expert order                    torch
     gemm1_recompute  [g | u] = x_rows @ W13[e] (the forward's GEMM1 again)               torch._grouped_mm
-    dgrad2_swiglu    z = dy_rows W2^T, SwiGLU backward, gate grads (+ one partial-sum)  kosmos Triton
+    dgrad2_swiglu    z = dy_rows W2^T, SwiGLU backward, gate grads (+ one partial-sum),  kosmos Triton
+                     and h = silu(g) u -> bf16 from its epilogue (moe_backward.dgrad2_emits_h(); the stage
+                     row's ``h_bitwise_swiglu_h``: that h against swiglu_h's, bit for bit)
     h_recompute      h = silu(g) u -> bf16 (for wgrad2; one pass, torch's sigmoid formula)  kosmos Triton
+                     -- nothing (a ~0 ms row) when dgrad2 emitted h
     do_rows          w * dy[tok] -> bf16 (for wgrad2; one pass, no fp32 temporary)        kosmos Triton
     wgrad2           dW2[e] = h^T do, bf16 out (the parameters' dtype; fp32 accumulation) kosmos Triton
     wgrad1           dW13[e] = x_rows^T [dg | du], bf16 out                              kosmos Triton
@@ -251,12 +254,18 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     def gemm1(s):
         return {"gu": mb._expert_gemm1(s["x_rows"], w13, s["counts"])}
 
+    emits_h = mb.dgrad2_emits_h()  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
+
     def dgrad2(s):
+        if emits_h:
+            dgu, dw_rows, h = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"],
+                                                      emit_h=True)
+            return {"dgu": dgu, "dw_rows": dw_rows, "h": h}
         dgu, dw_rows = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"])
         return {"dgu": dgu, "dw_rows": dw_rows}
 
-    def h_recompute(s):
-        return {"h": mb.swiglu_h(s["gu"], f)}
+    def h_recompute(s):  # nothing left to do when dgrad2 emitted h (the row stays: a ~0 ms stage)
+        return {} if emits_h else {"h": mb.swiglu_h(s["gu"], f)}
 
     def do_rows(s):
         return {"do_rows": mb.do_rows_of(dy, s["tok"], s["dy_rows"], s["w_pair"], 1)}
@@ -309,7 +318,9 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
               ("dy_rows", "gu", "w_pair", "counts"), dgrad2,
               Gemm(lambda r, h, ff: 2 * r * h * ff, lambda s, o: gm(s["dy_rows"], w2t, o),
                    "_grouped_mm(dy_rows, W2^T) bf16 out (no epilogue)", None)),
-        Stage("h_recompute", "kosmos triton", "h = silu(g) * u from [g|u] -> bf16 (one pass)", ("gu",), h_recompute),
+        Stage("h_recompute", "none (h from dgrad2's epilogue)" if emits_h else "kosmos triton",
+              "h = silu(g) * u from [g|u] -> bf16: " + ("emitted by dgrad2_swiglu, nothing here" if emits_h
+                                                         else "one pass"), ("gu",), h_recompute),
         Stage("do_rows", "kosmos triton", "do = w_pair * dy[tok] -> bf16 (one pass)", ("w_pair", "dy_rows", "tok"),
               do_rows),
         Stage("wgrad2", "kosmos triton", "dW2[e] = h^T do, bf16 out (TMA, fp32 accumulation)",
@@ -563,6 +574,9 @@ def run(args) -> list[dict]:
             else:
                 row.update(status="skipped", reason="deadline (the outputs were still computed)")
             row.update(probe.profile(lambda: st.fn(s), device))
+            if st.name == "dgrad2_swiglu" and "h" in new:  # dgrad2's h against the pass it replaces, bitwise
+                from kosmos.kernels.moe_backward import swiglu_h
+                row["h_bitwise_swiglu_h"] = bool(torch.equal(new["h"], swiglu_h(s["gu"], ff)))
             if st.gemm is not None:
                 g = st.gemm
                 flops = g.flops(n_rows, h, ff)
@@ -635,7 +649,10 @@ def run(args) -> list[dict]:
                        at_torch - next(r["ref_time_ms"] for r in st_rows if r["stage"] == "gemm1_recompute"))
                    if at_torch else None,
                    bitwise_equal=equal, composed_equals_moe_backward_w1=len(equal) == len(GRAD_NAMES) and
-                   all(equal.values()), elapsed_s=round(time.monotonic() - START, 1))
+                   all(equal.values()),
+                   h_bitwise_swiglu_h=next((r.get("h_bitwise_swiglu_h") for r in st_rows
+                                            if r["stage"] == "dgrad2_swiglu"), None),
+                   elapsed_s=round(time.monotonic() - START, 1))
     probe.emit(summary)
     if probe.out:
         probe.out.close()
@@ -693,7 +710,8 @@ def table(rows) -> str:
                  f"{_fmt(summ.get('sum_stages_at_torch_gemms_ms'), '.4f')} ms, and without the GEMM1 recompute "
                  f"{_fmt(summ.get('sum_stages_at_torch_gemms_without_gemm1_ms'), '.4f')} ms")
     lines.append(f"  stages composed == moe_backward_w1 (bitwise): {summ.get('composed_equals_moe_backward_w1')} "
-                 f"{summ.get('bitwise_equal')}")
+                 f"{summ.get('bitwise_equal')}; dgrad2's h == swiglu_h (bitwise): "
+                 f"{summ.get('h_bitwise_swiglu_h', 'n/a')}")
     for impl in ("kosmos", "nccl-a2a"):
         ks = tot.get(impl, {}).get("kernels") or []
         if ks:

@@ -174,6 +174,32 @@ def test_swiglu_h_bitwise_torch_gpu():
     assert torch.equal(swiglu_h(gu, 1536).view(torch.int16), _h_torch(gu, 1536).view(torch.int16))
 
 
+def _check_dgrad2_emitted_h(counts, h, f, device):
+    """dgrad2's epilogue h (emit_h) is bitwise swiglu_h's and its other outputs are unchanged by emitting it."""
+    from kosmos.kernels.moe_backward import expert_dgrad2_swiglu, swiglu_h
+    dy_rows, gu, w2, w_pair, cnt = _dgrad2_inputs(counts, h, f, device)
+    gu = _gu(gu.shape[0], f).to(device)  # exp(-g) past fp32's range, g = 0, |g| up to ~16
+    dgu, dw, hb = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt, emit_h=True)
+    assert hb.dtype == torch.bfloat16 and hb.shape == (gu.shape[0], f)
+    assert torch.equal(hb.view(torch.int16), swiglu_h(gu, f).view(torch.int16))
+    dgu0, dw0 = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt)
+    assert torch.equal(dgu, dgu0) and torch.equal(dw, dw0)
+    return hb, gu
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([0, 33, 0], 48, 12)])
+def test_dgrad2_emitted_h_interpreter(counts, h, f):
+    _check_dgrad2_emitted_h(counts, h, f, "cpu")
+
+
+@pytest.mark.gpu
+def test_dgrad2_emitted_h_bitwise_gpu():
+    """On the GPU dgrad2's h is bitwise swiglu_h's and torch's line (if not: DGRAD2_EMITS_H = False)."""
+    hb, gu = _check_dgrad2_emitted_h([300, 0, 7, 129, 1, 0, 64, 500, 2048], 256, 1536, "cuda")
+    assert torch.equal(hb.view(torch.int16), _h_torch(gu, 1536).view(torch.int16))
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("counts,h", [([3, 0, 5], 24), ([0, 0, 4], 1030)])
 def test_scaled_rows_and_unpermute_sum_bitwise_torch(counts, h):

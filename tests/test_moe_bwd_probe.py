@@ -37,6 +37,7 @@ def _check_rows(rows):
     assert summary["type"] == "summary"
     assert summary["bitwise_equal"] == {n: True for n in probe.GRAD_NAMES}
     assert summary["composed_equals_moe_backward_w1"] is True
+    assert summary["h_bitwise_swiglu_h"] is True  # dgrad2's epilogue h (the default) == swiglu_h's
     return stages, totals, summary
 
 

@@ -110,6 +110,14 @@ Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev
   (next item); the dg / du values move by rounding only (tests: relative error vs the fp64 reference).
   PREDICTION (unmeasured): the same A-tile reuse as dgrad1's 128 x 128 (404 TF/s) with a heavier epilogue
   that one resident program per SM cannot hide: dgrad2_swiglu 2.19 -> ~1.2 ms (~340 TF/s, ~0.7x torch).
+* h = silu(g) u (bf16) stored by dgrad2's epilogue (``emit_h``; ``DGRAD2_EMITS_H``, moe_backward and the
+  probe's stages via ``dgrad2_emits_h()``), so the swiglu_h pass goes (its probe row stays, ~0 ms). The same
+  arithmetic as swiglu_h -- _torch_sigmoid, (g * s) * u, one rounding -- hence bitwise swiglu_h's, hence torch's
+  line on the GPU (swiglu_h's GPU test passed in session 10): checked under the interpreter, and on the GPU by
+  test_dgrad2_emitted_h_bitwise_gpu and the probe's ``h_bitwise_swiglu_h``. In both kernels' PTX (local
+  Triton 3.9) 1 + expf(-g) is contracted into fma(ex2 result, 2^i, 1): exact, the scale being a power of two,
+  so the contraction cannot move a bit. sm_90a: 229 registers, no spills, 96 KiB. PREDICTION (unmeasured):
+  h_recompute 0.09 -> 0 ms, dgrad2 +~0.03 ms (100 MB more stores at qwen3): ~0.06 ms saved, one launch fewer.
 """
 from __future__ import annotations
 
@@ -549,11 +557,7 @@ def _swiglu_h_kernel(gu_ptr, h_ptr, F, BF: tl.constexpr, INTERP: tl.constexpr):
     m = c < F
     g = tl.load(gu_ptr + r * (2 * F) + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + r * (2 * F) + F + c, mask=m, other=0.0).to(tl.float32)
-    if INTERP:
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)
-    s = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+    s = _torch_sigmoid(g, INTERP)
     tl.store(h_ptr + r * F + c, _to_out((g * s) * u, tl.bfloat16, INTERP), mask=m)
 
 
@@ -575,6 +579,14 @@ def swiglu_h(gu: torch.Tensor, f: int) -> torch.Tensor:
 
 
 SWIGLU_H_TORCH = False  # True: h through the torch line (the fallback if the GPU test finds a bit differing)
+DGRAD2_EMITS_H = True  # h from dgrad2's epilogue (no swiglu_h pass); False: swiglu_h's pass (the fallback if
+#                        tests/test_moe_backward.py::test_dgrad2_emitted_h_bitwise_gpu finds a bit differing)
+
+
+def dgrad2_emits_h() -> bool:
+    """Whether moe_backward (and the probe's stages) take h from dgrad2's epilogue: DGRAD2_EMITS_H, unless h
+    goes through the torch line (SWIGLU_H_TORCH)."""
+    return DGRAD2_EMITS_H and not SWIGLU_H_TORCH
 
 
 @triton.jit
@@ -674,7 +686,8 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
       (dist.all_to_all_single, split sizes read on the host: one sync), regrouped by local expert (stable:
       source rank, then pair order);
       [g | u] recomputed (GEMM1 again: nothing of the forward's expert state is kept);
-      dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu); dW2 = h^T (w dy) and
+      dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu; h = silu(g) u from its epilogue too,
+      or swiglu_h: dgrad2_emits_h()); dW2 = h^T (w dy) and
       dW13 = x_rows^T [dg | du] (expert_weight_grads); dx_rows = [dg | du] W13^T (expert_dgrad1);
       W > 1: dx_rows and the gate gradients back to the tokens' ranks;
       dispatch backward (slot order), router backward in fp32 (logits recomputed), dx = dx_experts + dx_router.
@@ -717,9 +730,12 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         send_splits = recv_splits = by_expert = None
         counts = per_expert
     gu = _expert_gemm1(x_rows, w13, counts)
-    dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
     f = w2.shape[1]
-    h = swiglu_h(gu, f)
+    if dgrad2_emits_h():  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
+        dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True)
+    else:
+        dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
+        h = swiglu_h(gu, f)
     do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
     dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt)
