@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python -m dev.moe_bwd_probe --json $OUT/moe-bwd-probe.jsonl          # on the device (one H200)
         [--model qwen3-235b] [--tokens 4096] [--routing uniform] [--experts-scale 1] [--iters 20] [--warmup 5]
-        [--decision kosmos|route] [--no-profile] [--max-seconds 130] [--seed 0]
+        [--decision kosmos|route] [--no-profile] [--max-seconds 130] [--seed 0] [--wgrad-kernel persistent|tiles]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m dev.moe_bwd_probe --cpu-smoke [--model deepseek-v3]  # CPU, no timing
     PYTHONPATH=. python -m dev.moe_bwd_probe --table FILE.jsonl                  # re-print a finished run's table
 
@@ -98,7 +98,7 @@ SMOKE_MODELS = {
     "sigmoid-grouped": dict(hidden=32, expert_ffn=32, experts=8, top_k=3, n_group=4, topk_group=2),
 }
 SMOKE_TOKENS = 32
-GEMM_KERNEL_HINTS = ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "grouped", "_expert_wgrad_kernel",
+GEMM_KERNEL_HINTS = ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "grouped", "_expert_wgrad_",
                      "_dgrad2_swiglu_kernel", "_dgrad1_kernel", "matmul")
 
 
@@ -448,6 +448,7 @@ def _timing_fields(t: dict, prefix: str = "") -> dict:
 
 
 def run(args) -> list[dict]:
+    from kosmos.kernels import moe_backward as mb
     from kosmos_bench import moe as bm
     from kosmos_bench.environment import environment
     smoke = args.cpu_smoke
@@ -492,12 +493,14 @@ def run(args) -> list[dict]:
                rows_per_expert_max=int(counts.max()), redrawn_tokens=pt.redrawn, decision=decision,
                decision_error=decision_error,
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
+               wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
                build_s=round(build_s, 1))
     probe.emit(env)
     print(f"moe bwd probe: {m.name} tokens={tokens} {args.routing} EP=1 rows={n_rows} (per expert "
           f"{int(counts.min())}..{int(counts.max())}), decision={decision}, "
           f"{'cpu smoke (nothing timed)' if smoke else f'iters {args.iters} warmup {args.warmup}'}; "
-          f"wgrad reference out {env['wgrad_ref_out_dtype']}; inputs {build_s:.0f} s", flush=True)
+          f"wgrad reference out {env['wgrad_ref_out_dtype']}; wgrad kernel {mb.WGRAD_KERNEL}; inputs {build_s:.0f} s",
+          flush=True)
 
     def base(kind, **kv):
         return {"type": kind, "model": m.name, "tokens": tokens, "routing": args.routing, "ep": 1, **kv}
@@ -680,7 +683,8 @@ def table(rows) -> str:
     summ = next((r for r in rows if r.get("type") == "summary"), {})
     whole = tot.get("kosmos", {}).get("time_ms")
     lines = [f"== moe backward stages: {env.get('model')} tokens={env.get('tokens')} {env.get('routing')} EP=1, "
-             f"rows {env.get('rows')}, wgrad reference out {env.get('wgrad_ref_out_dtype')}"
+             f"rows {env.get('rows')}, wgrad reference out {env.get('wgrad_ref_out_dtype')}, wgrad kernel "
+             f"{env.get('wgrad_kernel', 'tiles')}"
              + (" (cpu smoke: nothing timed)" if env.get("cpu_smoke") else ""),
              f"  {'stage':<16} {'time_ms':>8} {'share':>6} {'TFLOP/s':>8} {'torch_ms':>8} {'torch TF/s':>10} "
              f"{'kosmos/torch':>12} {'err_vs_torch':>12} {'launches':>8} {'kernel_ms':>9} {'host_ms':>8}  status"]
@@ -735,6 +739,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the JSONL rows here (one per line as each is done)")
     ap.add_argument("--max-seconds", type=float, default=130.0, help="start no new measurement past this many "
                     "seconds after start-up (0: no limit)")
+    ap.add_argument("--wgrad-kernel", choices=("persistent", "tiles"), default=None,
+                    help="the weight-gradient kernel of moe_backward (whole call and stages alike; default: "
+                         "kosmos.kernels.moe_backward.WGRAD_KERNEL): the persistent grid or one program per tile")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, nothing timed")
     ap.add_argument("--table", default=None, metavar="JSONL", help="only print the table of a finished run")
     args = ap.parse_args(argv)
@@ -745,7 +752,14 @@ def main(argv=None) -> int:
         return 0
     if args.cpu_smoke:
         args.iters, args.warmup = 1, 0
-    rows = run(args)
+    from kosmos.kernels import moe_backward as mb
+    default_wgrad = mb.WGRAD_KERNEL
+    if args.wgrad_kernel:  # moe_backward's module default, for this run only
+        mb.WGRAD_KERNEL = args.wgrad_kernel
+    try:
+        rows = run(args)
+    finally:
+        mb.WGRAD_KERNEL = default_wgrad
     print(table(rows), flush=True)
     stages = [r for r in rows if r["type"] == "stage"]
     return 0 if stages and all(r["status"] in ("ok", "skipped") for r in stages) else 1

@@ -26,10 +26,12 @@ def _inputs(counts, ka, kb, device, seed=0, spare=3):
     return a.to(device), b.to(device), torch.tensor(counts, dtype=torch.int32, device=device)
 
 
-def _check(a, b, counts):
+def _check(a, b, counts, kernel=None):
     """fp32 out against the fp64 reference; the default bf16 out is the fp32 result rounded to nearest even, bit
-    for bit (one accumulator, rounded once); experts without rows: zeros; deterministic."""
-    got = expert_weight_grads(a, b, counts, out_dtype=torch.float32)
+    for bit (one accumulator, rounded once); experts without rows: zeros; deterministic; ``kernel`` (None: the
+    default) gives the same bits as the other kernel."""
+    kw = {} if kernel is None else dict(kernel=kernel)
+    got = expert_weight_grads(a, b, counts, out_dtype=torch.float32, **kw)
     ref = expert_weight_grads_ref(a.cpu(), b.cpu(), counts.cpu())
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert not torch.isnan(got).any()
@@ -40,22 +42,29 @@ def _check(a, b, counts):
     for e, n in enumerate(counts.tolist()):
         if n == 0:
             assert torch.equal(got[e].cpu(), torch.zeros_like(ref[e])), f"expert {e} without rows is not zero"
-    assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32), got)  # deterministic
-    bf = expert_weight_grads(a, b, counts)
+    assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32, **kw), got)  # deterministic
+    bf = expert_weight_grads(a, b, counts, **kw)
     assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16), got.to(torch.bfloat16).view(torch.int16))
-    assert torch.equal(expert_weight_grads(a, b, counts), bf)
+    assert torch.equal(expert_weight_grads(a, b, counts, **kw), bf)
+    if kernel is not None:  # the persistent grid and one program per tile: the same per-tile sums, the same bits
+        other = "tiles" if kernel == "persistent" else "persistent"
+        assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32, kernel=other), got)
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("counts,ka,kb", CASES)
-def test_expert_weight_grads_interpreter(counts, ka, kb):
-    _check(*_inputs(counts, ka, kb, "cpu"))
+@pytest.mark.parametrize("kernel", ["persistent", "tiles"])
+@pytest.mark.parametrize("counts,ka,kb", CASES + [pytest.param([3, 0, 0, 40, 9, 0, 1], 32, 48,
+                                                                id="persistent-3-programs-over-many-experts")])
+def test_expert_weight_grads_interpreter(counts, ka, kb, kernel):
+    _check(*_inputs(counts, ka, kb, "cpu"), kernel=kernel)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts,ka,kb", [([300, 0, 7, 129, 1, 0, 64, 500], 256, 200), ([4096], 2048, 512)])
-def test_expert_weight_grads_gpu(no_tf32, counts, ka, kb):
-    _check(*_inputs(counts, ka, kb, "cuda", seed=1))
+@pytest.mark.parametrize("kernel", ["persistent", "tiles"])
+@pytest.mark.parametrize("counts,ka,kb", [([300, 0, 7, 129, 1, 0, 64, 500], 256, 200), ([4096], 2048, 512),
+                                          ([0, 250, 260, 0, 3, 512], 1536, 4096)])
+def test_expert_weight_grads_gpu(no_tf32, counts, ka, kb, kernel):
+    _check(*_inputs(counts, ka, kb, "cuda", seed=1), kernel=kernel)
 
 
 def test_expert_weight_grads_errors():
@@ -68,6 +77,8 @@ def test_expert_weight_grads_errors():
         expert_weight_grads(a, a, torch.tensor([[4]], dtype=torch.int32))
     with pytest.raises(ValueError, match="out_dtype"):
         expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), kernel="wide")
 
 
 def _dgrad2_inputs(counts, h, f, device, seed=3):

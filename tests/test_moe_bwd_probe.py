@@ -71,8 +71,14 @@ def test_summary_arithmetic_with_a_stand_in_timer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(probe.Probe, "timed", fake_timed)
     out = tmp_path / "probe.jsonl"
-    assert probe.main(["--cpu-smoke", "--model", "qwen3-235b", "--routing", "zipf:1.2", "--json", str(out)]) == 0
-    stages, totals, summary = _check_rows(_rows(out))
+    from kosmos.kernels import moe_backward as mb
+    default = mb.WGRAD_KERNEL
+    assert probe.main(["--cpu-smoke", "--model", "qwen3-235b", "--routing", "zipf:1.2", "--wgrad-kernel", "tiles",
+                       "--json", str(out)]) == 0
+    assert mb.WGRAD_KERNEL == default  # the option holds for its run only
+    rows = _rows(out)
+    assert rows[0]["wgrad_kernel"] == "tiles"
+    stages, totals, summary = _check_rows(rows)
     assert summary["sum_stages_ms"] == pytest.approx(sum(r["time_ms"] for r in stages))
     assert summary["speedup_vs_a2a"] == pytest.approx(totals["nccl-a2a"]["time_ms"] / totals["kosmos"]["time_ms"])
     assert summary["sum_over_whole"] == pytest.approx(summary["sum_stages_ms"] / totals["kosmos"]["time_ms"])

@@ -118,6 +118,22 @@ Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev
   Triton 3.9) 1 + expf(-g) is contracted into fma(ex2 result, 2^i, 1): exact, the scale being a power of two,
   so the contraction cannot move a bit. sm_90a: 229 registers, no spills, 96 KiB. PREDICTION (unmeasured):
   h_recompute 0.09 -> 0 ms, dgrad2 +~0.03 ms (100 MB more stores at qwen3): ~0.06 ms saved, one launch fewer.
+* wgrad on a persistent grid (``_expert_wgrad_persistent_kernel``, ``WGRAD_KERNEL = "persistent"``; "tiles",
+  session 10's kernel, stays selectable: ``expert_weight_grads(..., kernel=)``, the probe's ``--wgrad-kernel``):
+  2 programs per SM, global tile g = e * n_tiles + t owned by program g % GRID, every program walking the
+  experts in order (the resident programs share one expert's rows in L2, as the one-program-per-tile grid's
+  did) and building its two per-expert TMA descriptors once per expert, not once per tile; each tile the same
+  sum as before (bitwise the "tiles" kernel's, tested). Why: at qwen3 an expert has ~256 rows, 4 row steps per
+  128 x 128 tile (~1.1 us of tensor work at the SM's peak), and session 10 measured ~6.9 us per tile and
+  program slot -- fixed per-tile costs dominate: program start, the device-side descriptors (~2 us per
+  program at a call's start in common.host_descriptors' measurement), the pipeline fill, the epilogue.
+  Tried for sm_90a (local Triton 3.9; no spills in any): 128x128x64 3 stages 105 registers 96 KiB (kept: two
+  per SM); 128x256x64 2 stages 157 / 3 stages 177 registers (96 / 144 KiB, one per SM by registers);
+  256x128x64 3 stages 162; 128x128x128 2 stages 92 (128 KiB, one per SM by shared memory). Not done: the
+  pipeline carried across tiles (Triton pipelines the row loop only), TMA stores of the output.
+  PREDICTION (unmeasured; the descriptor cost at this shape is the unknown): wgrad1 2.58 -> ~2.1 ms (768
+  tiles per expert: ~2.9 per program and expert, descriptors 3x fewer), wgrad2 1.30 -> ~1.2 ms (384 tiles per
+  expert: ~1.5 per program). If the persistent grid is not faster, WGRAD_KERNEL = "tiles".
 """
 from __future__ import annotations
 
@@ -210,16 +226,68 @@ def _expert_wgrad_ptr_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB
              mask=(ci < KA)[:, None] & (cj < KB)[None, :])
 
 
+@triton.jit
+def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB, E,
+                                    BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
+                                    DOT_FP32: tl.constexpr):
+    """_expert_wgrad_kernel's tiles on a persistent grid of GRID programs: global tile g = e * n_tiles + t
+    (t = ti * n_j + tj, the tiles of one expert consecutive) is program g % GRID's, and every program walks
+    the experts in order, so the programs resident at a time work on one expert's tiles (its rows stay in L2)
+    and each program builds its two TMA descriptors (its expert's rows, as _expert_wgrad_kernel's) once per
+    expert instead of once per tile (~n_tiles / GRID tiles per expert and program), with no program launch
+    per tile. Each tile as in _expert_wgrad_kernel: one program, the rows in ascending order, BR per step,
+    fp32 accumulation rounded once -- bitwise its result."""
+    pid = tl.program_id(0)
+    n_i = tl.cdiv(KA, BI)
+    n_j = tl.cdiv(KB, BJ)
+    n_t = n_i * n_j
+    ci0 = tl.arange(0, BI)
+    cj0 = tl.arange(0, BJ)
+    for e in range(0, E):
+        first = tl.load(offs_ptr + e).to(tl.int64)
+        rows = tl.load(counts_ptr + e)
+        t0 = (pid + GRID - (e * n_t) % GRID) % GRID  # this program's first tile of expert e
+        a_desc = tl.make_tensor_descriptor(a_ptr + first * KA, shape=[rows, KA], strides=[KA, 1],
+                                           block_shape=[BR, BI])
+        b_desc = tl.make_tensor_descriptor(b_ptr + first * KB, shape=[rows, KB], strides=[KB, 1],
+                                           block_shape=[BR, BJ])
+        out = out_ptr + tl.cast(e, tl.int64) * KA * KB
+        for t in range(t0, n_t, GRID):
+            ti = t // n_j
+            tj = t % n_j
+            acc = tl.zeros((BI, BJ), dtype=tl.float32)
+            for r0 in range(0, rows, BR):
+                a = a_desc.load([r0, ti * BI])
+                b = b_desc.load([r0, tj * BJ])
+                if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+                    acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(tl.trans(a), b, acc)
+            ci = ti * BI + ci0
+            cj = tj * BJ + cj0
+            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+
+
 WGRAD_TILES = (128, 128, 64, 8, 3)  # GPU (BI, BJ, BR, warps, stages): see the module docstring's figures
+WGRAD_PERSISTENT_TILES = (128, 128, 64, 8, 3)  # the same for the persistent kernel (2 programs per SM)
+WGRAD_PROGRAMS_PER_SM = 2  # 96 KiB shared, ~90 registers x 256 threads: two fit an SM
+WGRAD_KERNEL = "persistent"  # expert_weight_grads' default: "persistent" or "tiles" (session 10's measured one)
+WGRAD_KERNELS = ("persistent", "tiles")
 
 
 def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None) -> torch.Tensor:
     """dW [E, KA, KB] in ``out_dtype`` (bf16, the parameters' dtype, by default; or fp32) with dW[e] =
     a[rows of e]^T @ b[rows of e], accumulated in fp32 and rounded once (the bf16 result is the fp32 one rounded
     to nearest even, bitwise); a [R, KA], b [R, KB] bf16 on one device, the rows of expert e the next counts[e]
     after those of experts < e (sum(counts) <= R). Deterministic (the module docstring). CUDA, or the CPU under
-    TRITON_INTERPRET=1."""
+    TRITON_INTERPRET=1. ``kernel``: "persistent" (_expert_wgrad_persistent_kernel) or "tiles" (one program per
+    output tile, _expert_wgrad_kernel); None: WGRAD_KERNEL. Both give the same bits (the same per-tile sums);
+    rows not 16-byte aligned take the masked-pointer kernel either way."""
+    kernel = WGRAD_KERNEL if kernel is None else kernel
+    if kernel not in WGRAD_KERNELS:
+        raise ValueError(f"kernel must be one of {WGRAD_KERNELS}, got {kernel!r}")
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
             raise ValueError(f"{name} must be a 2-D torch.bfloat16 tensor, got "
@@ -240,18 +308,31 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
         return out
     counts32 = counts.to(torch.int32)
     offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32  # exclusive: no host synchronisation
+    persistent = kernel == "persistent"
     if planning.interpreting():
         bi, bj, br, warps, stages = 16, 16, 16, 4, 1
     else:
-        bi, bj, br, warps, stages = WGRAD_TILES
-    grid = (n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj),)
+        bi, bj, br, warps, stages = WGRAD_PERSISTENT_TILES if persistent else WGRAD_TILES
+    n_tiles = n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj)
+    grid = (n_tiles,)
     aligned = ka % 8 == 0 and kb % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a, b, out))
     if aligned:
         from .. import runtime
         runtime.ensure_triton_allocator()
-    kernel = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
-    kernel[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br, DOT_FP32=planning.interpreting(),
-                 num_warps=warps, num_stages=stages)
+    if aligned and persistent:
+        if a.is_cuda:
+            from .. import runtime
+            programs = WGRAD_PROGRAMS_PER_SM * runtime.num_sms(a.device)
+        else:  # the CPU interpreter (a few programs, several tiles and experts each); compile-only: an H200's
+            programs = 3 if planning.interpreting() else WGRAD_PROGRAMS_PER_SM * 132
+        programs = max(1, min(programs, n_tiles))
+        _expert_wgrad_persistent_kernel[(programs,)](a, b, offs, counts32, out, ka, kb, n_exp, BI=bi, BJ=bj, BR=br,
+                                                     GRID=programs, DOT_FP32=planning.interpreting(),
+                                                     num_warps=warps, num_stages=stages)
+        return out
+    fn = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
+    fn[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br, DOT_FP32=planning.interpreting(),
+             num_warps=warps, num_stages=stages)
     return out
 
 
