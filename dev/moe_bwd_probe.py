@@ -3,6 +3,7 @@
     PYTHONPATH=. python -m dev.moe_bwd_probe --json $OUT/moe-bwd-probe.jsonl          # on the device (one H200)
         [--model qwen3-235b] [--tokens 4096] [--routing uniform] [--experts-scale 1] [--iters 20] [--warmup 5]
         [--decision kosmos|route] [--no-profile] [--max-seconds 130] [--seed 0] [--wgrad-kernel persistent|tiles]
+        [--wgrad-tiles 128,128,64,8,3]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m dev.moe_bwd_probe --cpu-smoke [--model deepseek-v3]  # CPU, no timing
     PYTHONPATH=. python -m dev.moe_bwd_probe --table FILE.jsonl                  # re-print a finished run's table
 
@@ -494,6 +495,7 @@ def run(args) -> list[dict]:
                decision_error=decision_error,
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
                wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
+               wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
                build_s=round(build_s, 1))
     probe.emit(env)
     print(f"moe bwd probe: {m.name} tokens={tokens} {args.routing} EP=1 rows={n_rows} (per expert "
@@ -684,7 +686,7 @@ def table(rows) -> str:
     whole = tot.get("kosmos", {}).get("time_ms")
     lines = [f"== moe backward stages: {env.get('model')} tokens={env.get('tokens')} {env.get('routing')} EP=1, "
              f"rows {env.get('rows')}, wgrad reference out {env.get('wgrad_ref_out_dtype')}, wgrad kernel "
-             f"{env.get('wgrad_kernel', 'tiles')}"
+             f"{env.get('wgrad_kernel', 'tiles')} {env.get('wgrad_tiles', '')}"
              + (" (cpu smoke: nothing timed)" if env.get("cpu_smoke") else ""),
              f"  {'stage':<16} {'time_ms':>8} {'share':>6} {'TFLOP/s':>8} {'torch_ms':>8} {'torch TF/s':>10} "
              f"{'kosmos/torch':>12} {'err_vs_torch':>12} {'launches':>8} {'kernel_ms':>9} {'host_ms':>8}  status"]
@@ -742,6 +744,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wgrad-kernel", choices=("persistent", "tiles"), default=None,
                     help="the weight-gradient kernel of moe_backward (whole call and stages alike; default: "
                          "kosmos.kernels.moe_backward.WGRAD_KERNEL): the persistent grid or one program per tile")
+    ap.add_argument("--wgrad-tiles", default=None, metavar="BI,BJ,BR,WARPS,STAGES",
+                    help="the wgrad kernel's GPU tiles for this run (default: WGRAD_PERSISTENT_TILES / WGRAD_TILES, "
+                         "128,128,64,8,3), e.g. 128,256,64,8,2")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, nothing timed")
     ap.add_argument("--table", default=None, metavar="JSONL", help="only print the table of a finished run")
     args = ap.parse_args(argv)
@@ -753,13 +758,19 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         args.iters, args.warmup = 1, 0
     from kosmos.kernels import moe_backward as mb
-    default_wgrad = mb.WGRAD_KERNEL
-    if args.wgrad_kernel:  # moe_backward's module default, for this run only
+    saved = {n: getattr(mb, n) for n in ("WGRAD_KERNEL", "WGRAD_TILES", "WGRAD_PERSISTENT_TILES")}
+    if args.wgrad_kernel:  # moe_backward's module defaults, for this run only
         mb.WGRAD_KERNEL = args.wgrad_kernel
+    if args.wgrad_tiles:
+        t = tuple(int(v) for v in args.wgrad_tiles.split(","))
+        if len(t) != 5:
+            raise SystemExit(f"--wgrad-tiles {args.wgrad_tiles}: five integers BI,BJ,BR,WARPS,STAGES")
+        mb.WGRAD_TILES = mb.WGRAD_PERSISTENT_TILES = t
     try:
         rows = run(args)
     finally:
-        mb.WGRAD_KERNEL = default_wgrad
+        for n, v in saved.items():
+            setattr(mb, n, v)
     print(table(rows), flush=True)
     stages = [r for r in rows if r["type"] == "stage"]
     return 0 if stages and all(r["status"] in ("ok", "skipped") for r in stages) else 1

@@ -72,12 +72,12 @@ def test_summary_arithmetic_with_a_stand_in_timer(tmp_path, monkeypatch):
     monkeypatch.setattr(probe.Probe, "timed", fake_timed)
     out = tmp_path / "probe.jsonl"
     from kosmos.kernels import moe_backward as mb
-    default = mb.WGRAD_KERNEL
+    default = mb.WGRAD_KERNEL, mb.WGRAD_TILES
     assert probe.main(["--cpu-smoke", "--model", "qwen3-235b", "--routing", "zipf:1.2", "--wgrad-kernel", "tiles",
-                       "--json", str(out)]) == 0
-    assert mb.WGRAD_KERNEL == default  # the option holds for its run only
+                       "--wgrad-tiles", "128,256,64,8,2", "--json", str(out)]) == 0
+    assert (mb.WGRAD_KERNEL, mb.WGRAD_TILES) == default  # the options hold for their run only
     rows = _rows(out)
-    assert rows[0]["wgrad_kernel"] == "tiles"
+    assert rows[0]["wgrad_kernel"] == "tiles" and rows[0]["wgrad_tiles"] == [128, 256, 64, 8, 2]
     stages, totals, summary = _check_rows(rows)
     assert summary["sum_stages_ms"] == pytest.approx(sum(r["time_ms"] for r in stages))
     assert summary["speedup_vs_a2a"] == pytest.approx(totals["nccl-a2a"]["time_ms"] / totals["kosmos"]["time_ms"])

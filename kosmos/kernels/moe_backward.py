@@ -134,6 +134,21 @@ Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev
   PREDICTION (unmeasured; the descriptor cost at this shape is the unknown): wgrad1 2.58 -> ~2.1 ms (768
   tiles per expert: ~2.9 per program and expert, descriptors 3x fewer), wgrad2 1.30 -> ~1.2 ms (384 tiles per
   expert: ~1.5 per program). If the persistent grid is not faster, WGRAD_KERNEL = "tiles".
+* not built: g | u saved by the forward, so that the backward skips the GEMM1 recompute (1.63 ms of 11.36 at
+  qwen3). It is not a hot-loop change, but it is one to the forward kernel: ``moe_forward(..., save_gu=True)``
+  (nn.MoE likewise) would pass one more local buffer gu [W*T*min(k, El), 2F] bf16 beside hb (the SwiGLU
+  output, same rows) and moe_forward._gemm1_tile would store acc_g and acc_u rounded to bf16 (store_rows at
+  columns n*BNH and F + n*BNH, before h; GEMM1's output bytes x3) -- a new kernel argument, workspace and
+  launch-plan entry, and GPU-only validation. Memory, kept from forward to backward: R x 2F bf16 per rank,
+  qwen3-235b 4096 tokens 32768 x 3072 x 2 B = 192 MiB, deepseek-v3 256 MiB. The forward places an expert's
+  rows by atomics (xe_meta's (source, token, slot) order), so the backward would gather the saved rows into
+  its own stable order through xe_meta (one R x 2F bf16 gather, ~0.1 ms at qwen3) or adopt the forward's
+  layout (the one-launch plan above). Values: the forward's fp32 accumulators rounded once -- deterministic
+  (one dot product per element), not bitwise torch._grouped_mm's recompute (another summation order): the
+  gradients move by rounding.
+PREDICTION of the whole W=1 backward at qwen3 (unmeasured): 11.36 - 0.99 (dgrad2) - 0.06 (h) - 0.48
+(wgrad1) - 0.10 (wgrad2) = ~9.7 ms, about nccl-a2a's 9.70: the 1.3x bar (<= 7.46 ms) still needs the GEMM1
+recompute gone (~8.2 ms then) and the GEMM kernels at torch's rate.
 """
 from __future__ import annotations
 
@@ -271,20 +286,22 @@ def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr,
 
 WGRAD_TILES = (128, 128, 64, 8, 3)  # GPU (BI, BJ, BR, warps, stages): see the module docstring's figures
 WGRAD_PERSISTENT_TILES = (128, 128, 64, 8, 3)  # the same for the persistent kernel (2 programs per SM)
-WGRAD_PROGRAMS_PER_SM = 2  # 96 KiB shared, ~90 registers x 256 threads: two fit an SM
+WGRAD_PROGRAMS_PER_SM = 2  # 128 x 128, <= 96 KiB shared, ~105 registers x 256 threads: two fit an SM (else one)
 WGRAD_KERNEL = "persistent"  # expert_weight_grads' default: "persistent" or "tiles" (session 10's measured one)
 WGRAD_KERNELS = ("persistent", "tiles")
 
 
 def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
+                        tiles=None) -> torch.Tensor:
     """dW [E, KA, KB] in ``out_dtype`` (bf16, the parameters' dtype, by default; or fp32) with dW[e] =
     a[rows of e]^T @ b[rows of e], accumulated in fp32 and rounded once (the bf16 result is the fp32 one rounded
     to nearest even, bitwise); a [R, KA], b [R, KB] bf16 on one device, the rows of expert e the next counts[e]
     after those of experts < e (sum(counts) <= R). Deterministic (the module docstring). CUDA, or the CPU under
     TRITON_INTERPRET=1. ``kernel``: "persistent" (_expert_wgrad_persistent_kernel) or "tiles" (one program per
     output tile, _expert_wgrad_kernel); None: WGRAD_KERNEL. Both give the same bits (the same per-tile sums);
-    rows not 16-byte aligned take the masked-pointer kernel either way."""
+    rows not 16-byte aligned take the masked-pointer kernel either way. ``tiles``: (BI, BJ, BR, warps, stages)
+    on the GPU instead of WGRAD_PERSISTENT_TILES / WGRAD_TILES (the probe's --wgrad-tiles)."""
     kernel = WGRAD_KERNEL if kernel is None else kernel
     if kernel not in WGRAD_KERNELS:
         raise ValueError(f"kernel must be one of {WGRAD_KERNELS}, got {kernel!r}")
@@ -312,7 +329,7 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     if planning.interpreting():
         bi, bj, br, warps, stages = 16, 16, 16, 4, 1
     else:
-        bi, bj, br, warps, stages = WGRAD_PERSISTENT_TILES if persistent else WGRAD_TILES
+        bi, bj, br, warps, stages = tiles or (WGRAD_PERSISTENT_TILES if persistent else WGRAD_TILES)
     n_tiles = n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj)
     grid = (n_tiles,)
     aligned = ka % 8 == 0 and kb % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a, b, out))
@@ -320,11 +337,12 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
         from .. import runtime
         runtime.ensure_triton_allocator()
     if aligned and persistent:
+        per_sm = WGRAD_PROGRAMS_PER_SM if (bi, bj) == (128, 128) and stages * br * (bi + bj) * 2 <= 96 * 1024 else 1
         if a.is_cuda:
             from .. import runtime
-            programs = WGRAD_PROGRAMS_PER_SM * runtime.num_sms(a.device)
+            programs = per_sm * runtime.num_sms(a.device)
         else:  # the CPU interpreter (a few programs, several tiles and experts each); compile-only: an H200's
-            programs = 3 if planning.interpreting() else WGRAD_PROGRAMS_PER_SM * 132
+            programs = 3 if planning.interpreting() else per_sm * 132
         programs = max(1, min(programs, n_tiles))
         _expert_wgrad_persistent_kernel[(programs,)](a, b, offs, counts32, out, ka, kb, n_exp, BI=bi, BJ=bj, BR=br,
                                                      GRID=programs, DOT_FP32=planning.interpreting(),
