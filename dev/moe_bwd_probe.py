@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python -m dev.moe_bwd_probe --json $OUT/moe-bwd-probe.jsonl          # on the device (one H200)
         [--model qwen3-235b] [--tokens 4096] [--routing uniform] [--experts-scale 1] [--iters 20] [--warmup 5]
-        [--decision kosmos|route] [--no-profile] [--max-seconds 130] [--seed 0]
+        [--decision kosmos|route] [--no-profile] [--max-seconds 130] [--seed 0] [--wgrad-kernel persistent|tiles]
+        [--wgrad-tiles 128,128,64,8,3]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m dev.moe_bwd_probe --cpu-smoke [--model deepseek-v3]  # CPU, no timing
     PYTHONPATH=. python -m dev.moe_bwd_probe --table FILE.jsonl                  # re-print a finished run's table
 
@@ -31,8 +32,11 @@ hiding the host's enqueue, median of --iters; p20/p80 and the host's enqueue tim
     sort             the pairs sorted by expert, counts per expert                      torch
     permute          x_rows, dy_rows, w_pair gathered in expert order                    torch
     gemm1_recompute  [g | u] = x_rows @ W13[e] (the forward's GEMM1 again)               torch._grouped_mm
-    dgrad2_swiglu    z = dy_rows W2^T, SwiGLU backward, gate grads (+ one partial-sum)  kosmos Triton
+    dgrad2_swiglu    z = dy_rows W2^T, SwiGLU backward, gate grads (+ one partial-sum),  kosmos Triton
+                     and h = silu(g) u -> bf16 from its epilogue (moe_backward.dgrad2_emits_h(); the stage
+                     row's ``h_bitwise_swiglu_h``: that h against swiglu_h's, bit for bit)
     h_recompute      h = silu(g) u -> bf16 (for wgrad2; one pass, torch's sigmoid formula)  kosmos Triton
+                     -- nothing (a ~0 ms row) when dgrad2 emitted h
     do_rows          w * dy[tok] -> bf16 (for wgrad2; one pass, no fp32 temporary)        kosmos Triton
     wgrad2           dW2[e] = h^T do, bf16 out (the parameters' dtype; fp32 accumulation) kosmos Triton
     wgrad1           dW13[e] = x_rows^T [dg | du], bf16 out                              kosmos Triton
@@ -95,7 +99,7 @@ SMOKE_MODELS = {
     "sigmoid-grouped": dict(hidden=32, expert_ffn=32, experts=8, top_k=3, n_group=4, topk_group=2),
 }
 SMOKE_TOKENS = 32
-GEMM_KERNEL_HINTS = ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "grouped", "_expert_wgrad_kernel",
+GEMM_KERNEL_HINTS = ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "grouped", "_expert_wgrad_",
                      "_dgrad2_swiglu_kernel", "_dgrad1_kernel", "matmul")
 
 
@@ -251,12 +255,18 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     def gemm1(s):
         return {"gu": mb._expert_gemm1(s["x_rows"], w13, s["counts"])}
 
+    emits_h = mb.dgrad2_emits_h()  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
+
     def dgrad2(s):
+        if emits_h:
+            dgu, dw_rows, h = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"],
+                                                      emit_h=True)
+            return {"dgu": dgu, "dw_rows": dw_rows, "h": h}
         dgu, dw_rows = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"])
         return {"dgu": dgu, "dw_rows": dw_rows}
 
-    def h_recompute(s):
-        return {"h": mb.swiglu_h(s["gu"], f)}
+    def h_recompute(s):  # nothing left to do when dgrad2 emitted h (the row stays: a ~0 ms stage)
+        return {} if emits_h else {"h": mb.swiglu_h(s["gu"], f)}
 
     def do_rows(s):
         return {"do_rows": mb.do_rows_of(dy, s["tok"], s["dy_rows"], s["w_pair"], 1)}
@@ -309,7 +319,9 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
               ("dy_rows", "gu", "w_pair", "counts"), dgrad2,
               Gemm(lambda r, h, ff: 2 * r * h * ff, lambda s, o: gm(s["dy_rows"], w2t, o),
                    "_grouped_mm(dy_rows, W2^T) bf16 out (no epilogue)", None)),
-        Stage("h_recompute", "kosmos triton", "h = silu(g) * u from [g|u] -> bf16 (one pass)", ("gu",), h_recompute),
+        Stage("h_recompute", "none (h from dgrad2's epilogue)" if emits_h else "kosmos triton",
+              "h = silu(g) * u from [g|u] -> bf16: " + ("emitted by dgrad2_swiglu, nothing here" if emits_h
+                                                         else "one pass"), ("gu",), h_recompute),
         Stage("do_rows", "kosmos triton", "do = w_pair * dy[tok] -> bf16 (one pass)", ("w_pair", "dy_rows", "tok"),
               do_rows),
         Stage("wgrad2", "kosmos triton", "dW2[e] = h^T do, bf16 out (TMA, fp32 accumulation)",
@@ -437,6 +449,7 @@ def _timing_fields(t: dict, prefix: str = "") -> dict:
 
 
 def run(args) -> list[dict]:
+    from kosmos.kernels import moe_backward as mb
     from kosmos_bench import moe as bm
     from kosmos_bench.environment import environment
     smoke = args.cpu_smoke
@@ -481,12 +494,15 @@ def run(args) -> list[dict]:
                rows_per_expert_max=int(counts.max()), redrawn_tokens=pt.redrawn, decision=decision,
                decision_error=decision_error,
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
+               wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
+               wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
                build_s=round(build_s, 1))
     probe.emit(env)
     print(f"moe bwd probe: {m.name} tokens={tokens} {args.routing} EP=1 rows={n_rows} (per expert "
           f"{int(counts.min())}..{int(counts.max())}), decision={decision}, "
           f"{'cpu smoke (nothing timed)' if smoke else f'iters {args.iters} warmup {args.warmup}'}; "
-          f"wgrad reference out {env['wgrad_ref_out_dtype']}; inputs {build_s:.0f} s", flush=True)
+          f"wgrad reference out {env['wgrad_ref_out_dtype']}; wgrad kernel {mb.WGRAD_KERNEL}; inputs {build_s:.0f} s",
+          flush=True)
 
     def base(kind, **kv):
         return {"type": kind, "model": m.name, "tokens": tokens, "routing": args.routing, "ep": 1, **kv}
@@ -563,6 +579,9 @@ def run(args) -> list[dict]:
             else:
                 row.update(status="skipped", reason="deadline (the outputs were still computed)")
             row.update(probe.profile(lambda: st.fn(s), device))
+            if st.name == "dgrad2_swiglu" and "h" in new:  # dgrad2's h against the pass it replaces, bitwise
+                from kosmos.kernels.moe_backward import swiglu_h
+                row["h_bitwise_swiglu_h"] = bool(torch.equal(new["h"], swiglu_h(s["gu"], ff)))
             if st.gemm is not None:
                 g = st.gemm
                 flops = g.flops(n_rows, h, ff)
@@ -635,7 +654,10 @@ def run(args) -> list[dict]:
                        at_torch - next(r["ref_time_ms"] for r in st_rows if r["stage"] == "gemm1_recompute"))
                    if at_torch else None,
                    bitwise_equal=equal, composed_equals_moe_backward_w1=len(equal) == len(GRAD_NAMES) and
-                   all(equal.values()), elapsed_s=round(time.monotonic() - START, 1))
+                   all(equal.values()),
+                   h_bitwise_swiglu_h=next((r.get("h_bitwise_swiglu_h") for r in st_rows
+                                            if r["stage"] == "dgrad2_swiglu"), None),
+                   elapsed_s=round(time.monotonic() - START, 1))
     probe.emit(summary)
     if probe.out:
         probe.out.close()
@@ -663,7 +685,8 @@ def table(rows) -> str:
     summ = next((r for r in rows if r.get("type") == "summary"), {})
     whole = tot.get("kosmos", {}).get("time_ms")
     lines = [f"== moe backward stages: {env.get('model')} tokens={env.get('tokens')} {env.get('routing')} EP=1, "
-             f"rows {env.get('rows')}, wgrad reference out {env.get('wgrad_ref_out_dtype')}"
+             f"rows {env.get('rows')}, wgrad reference out {env.get('wgrad_ref_out_dtype')}, wgrad kernel "
+             f"{env.get('wgrad_kernel', 'tiles')} {env.get('wgrad_tiles', '')}"
              + (" (cpu smoke: nothing timed)" if env.get("cpu_smoke") else ""),
              f"  {'stage':<16} {'time_ms':>8} {'share':>6} {'TFLOP/s':>8} {'torch_ms':>8} {'torch TF/s':>10} "
              f"{'kosmos/torch':>12} {'err_vs_torch':>12} {'launches':>8} {'kernel_ms':>9} {'host_ms':>8}  status"]
@@ -693,7 +716,8 @@ def table(rows) -> str:
                  f"{_fmt(summ.get('sum_stages_at_torch_gemms_ms'), '.4f')} ms, and without the GEMM1 recompute "
                  f"{_fmt(summ.get('sum_stages_at_torch_gemms_without_gemm1_ms'), '.4f')} ms")
     lines.append(f"  stages composed == moe_backward_w1 (bitwise): {summ.get('composed_equals_moe_backward_w1')} "
-                 f"{summ.get('bitwise_equal')}")
+                 f"{summ.get('bitwise_equal')}; dgrad2's h == swiglu_h (bitwise): "
+                 f"{summ.get('h_bitwise_swiglu_h', 'n/a')}")
     for impl in ("kosmos", "nccl-a2a"):
         ks = tot.get(impl, {}).get("kernels") or []
         if ks:
@@ -719,6 +743,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the JSONL rows here (one per line as each is done)")
     ap.add_argument("--max-seconds", type=float, default=130.0, help="start no new measurement past this many "
                     "seconds after start-up (0: no limit)")
+    ap.add_argument("--wgrad-kernel", choices=("persistent", "tiles"), default=None,
+                    help="the weight-gradient kernel of moe_backward (whole call and stages alike; default: "
+                         "kosmos.kernels.moe_backward.WGRAD_KERNEL): the persistent grid or one program per tile")
+    ap.add_argument("--wgrad-tiles", default=None, metavar="BI,BJ,BR,WARPS,STAGES",
+                    help="the wgrad kernel's GPU tiles for this run (default: WGRAD_PERSISTENT_TILES / WGRAD_TILES, "
+                         "128,128,64,8,3), e.g. 128,256,64,8,2")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, nothing timed")
     ap.add_argument("--table", default=None, metavar="JSONL", help="only print the table of a finished run")
     args = ap.parse_args(argv)
@@ -727,9 +757,22 @@ def main(argv=None) -> int:
         with open(args.table) as f:
             print(table([json.loads(line) for line in f if line.strip()]))
         return 0
-    if args.cpu_smoke:
-        args.iters, args.warmup = 1, 0
-    rows = run(args)
+    if args.cpu_smoke:  # nothing timed, so no deadline either (START is the module's import: in a test session
+        args.iters, args.warmup, args.max_seconds = 1, 0, 0  # it can be minutes before this call)
+    from kosmos.kernels import moe_backward as mb
+    saved = {n: getattr(mb, n) for n in ("WGRAD_KERNEL", "WGRAD_TILES", "WGRAD_PERSISTENT_TILES")}
+    if args.wgrad_kernel:  # moe_backward's module defaults, for this run only
+        mb.WGRAD_KERNEL = args.wgrad_kernel
+    if args.wgrad_tiles:
+        t = tuple(int(v) for v in args.wgrad_tiles.split(","))
+        if len(t) != 5:
+            raise SystemExit(f"--wgrad-tiles {args.wgrad_tiles}: five integers BI,BJ,BR,WARPS,STAGES")
+        mb.WGRAD_TILES = mb.WGRAD_PERSISTENT_TILES = t
+    try:
+        rows = run(args)
+    finally:
+        for n, v in saved.items():
+            setattr(mb, n, v)
     print(table(rows), flush=True)
     stages = [r for r in rows if r["type"] == "stage"]
     return 0 if stages and all(r["status"] in ("ok", "skipped") for r in stages) else 1

@@ -26,10 +26,12 @@ def _inputs(counts, ka, kb, device, seed=0, spare=3):
     return a.to(device), b.to(device), torch.tensor(counts, dtype=torch.int32, device=device)
 
 
-def _check(a, b, counts):
+def _check(a, b, counts, kernel=None):
     """fp32 out against the fp64 reference; the default bf16 out is the fp32 result rounded to nearest even, bit
-    for bit (one accumulator, rounded once); experts without rows: zeros; deterministic."""
-    got = expert_weight_grads(a, b, counts, out_dtype=torch.float32)
+    for bit (one accumulator, rounded once); experts without rows: zeros; deterministic; ``kernel`` (None: the
+    default) gives the same bits as the other kernel."""
+    kw = {} if kernel is None else dict(kernel=kernel)
+    got = expert_weight_grads(a, b, counts, out_dtype=torch.float32, **kw)
     ref = expert_weight_grads_ref(a.cpu(), b.cpu(), counts.cpu())
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert not torch.isnan(got).any()
@@ -40,22 +42,29 @@ def _check(a, b, counts):
     for e, n in enumerate(counts.tolist()):
         if n == 0:
             assert torch.equal(got[e].cpu(), torch.zeros_like(ref[e])), f"expert {e} without rows is not zero"
-    assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32), got)  # deterministic
-    bf = expert_weight_grads(a, b, counts)
+    assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32, **kw), got)  # deterministic
+    bf = expert_weight_grads(a, b, counts, **kw)
     assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16), got.to(torch.bfloat16).view(torch.int16))
-    assert torch.equal(expert_weight_grads(a, b, counts), bf)
+    assert torch.equal(expert_weight_grads(a, b, counts, **kw), bf)
+    if kernel is not None:  # the persistent grid and one program per tile: the same per-tile sums, the same bits
+        other = "tiles" if kernel == "persistent" else "persistent"
+        assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32, kernel=other), got)
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("counts,ka,kb", CASES)
-def test_expert_weight_grads_interpreter(counts, ka, kb):
-    _check(*_inputs(counts, ka, kb, "cpu"))
+@pytest.mark.parametrize("kernel", ["persistent", "tiles"])
+@pytest.mark.parametrize("counts,ka,kb", CASES + [pytest.param([3, 0, 0, 40, 9, 0, 1], 32, 48,
+                                                                id="persistent-3-programs-over-many-experts")])
+def test_expert_weight_grads_interpreter(counts, ka, kb, kernel):
+    _check(*_inputs(counts, ka, kb, "cpu"), kernel=kernel)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("counts,ka,kb", [([300, 0, 7, 129, 1, 0, 64, 500], 256, 200), ([4096], 2048, 512)])
-def test_expert_weight_grads_gpu(no_tf32, counts, ka, kb):
-    _check(*_inputs(counts, ka, kb, "cuda", seed=1))
+@pytest.mark.parametrize("kernel", ["persistent", "tiles"])
+@pytest.mark.parametrize("counts,ka,kb", [([300, 0, 7, 129, 1, 0, 64, 500], 256, 200), ([4096], 2048, 512),
+                                          ([0, 250, 260, 0, 3, 512], 1536, 4096)])
+def test_expert_weight_grads_gpu(no_tf32, counts, ka, kb, kernel):
+    _check(*_inputs(counts, ka, kb, "cuda", seed=1), kernel=kernel)
 
 
 def test_expert_weight_grads_errors():
@@ -68,6 +77,8 @@ def test_expert_weight_grads_errors():
         expert_weight_grads(a, a, torch.tensor([[4]], dtype=torch.int32))
     with pytest.raises(ValueError, match="out_dtype"):
         expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), kernel="wide")
 
 
 def _dgrad2_inputs(counts, h, f, device, seed=3):
@@ -96,12 +107,16 @@ def _dgrad2_ref(dy_rows, gu, w2, w_pair, counts):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("split", [True, False], ids=["split-epilogue", "whole-epilogue"])
 @pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([40], 48, 16), ([0, 3], 16, 40),
-                                         ([17, 0, 3, 0], 20, 24), ([0, 33, 0], 48, 8)])
-def test_expert_dgrad2_swiglu_interpreter(counts, h, f):  # H = 20: the pointer fallback (rows not 16-B aligned)
+                                         ([17, 0, 3, 0], 20, 24), ([0, 33, 0], 48, 8), ([9, 0, 14], 32, 12)])
+def test_expert_dgrad2_swiglu_interpreter(counts, h, f, split, monkeypatch):  # H = 20: the pointer fallback
     """GEMM2's data gradient with the SwiGLU backward and the gate gradient in the epilogue, against the
-    references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic."""
+    references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic. ``split``: the epilogue
+    in two half-width slices (the GPU's 128 x 128 tile) or on the whole tile; F = 12: a half past F."""
+    from kosmos.kernels import moe_backward as mb
     from kosmos.kernels.moe_backward import expert_dgrad2_swiglu
+    monkeypatch.setattr(mb, "DGRAD2_SPLIT", split)
     args = _dgrad2_inputs(counts, h, f, "cpu")
     dgu, dw = expert_dgrad2_swiglu(*args)
     want_dgu, want_dw = _dgrad2_ref(*[a.cpu() for a in args])
@@ -168,6 +183,32 @@ def test_swiglu_h_bitwise_torch_gpu():
     from kosmos.kernels.moe_backward import swiglu_h
     gu = _gu(4096, 1536).cuda()
     assert torch.equal(swiglu_h(gu, 1536).view(torch.int16), _h_torch(gu, 1536).view(torch.int16))
+
+
+def _check_dgrad2_emitted_h(counts, h, f, device):
+    """dgrad2's epilogue h (emit_h) is bitwise swiglu_h's and its other outputs are unchanged by emitting it."""
+    from kosmos.kernels.moe_backward import expert_dgrad2_swiglu, swiglu_h
+    dy_rows, gu, w2, w_pair, cnt = _dgrad2_inputs(counts, h, f, device)
+    gu = _gu(gu.shape[0], f).to(device)  # exp(-g) past fp32's range, g = 0, |g| up to ~16
+    dgu, dw, hb = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt, emit_h=True)
+    assert hb.dtype == torch.bfloat16 and hb.shape == (gu.shape[0], f)
+    assert torch.equal(hb.view(torch.int16), swiglu_h(gu, f).view(torch.int16))
+    dgu0, dw0 = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt)
+    assert torch.equal(dgu, dgu0) and torch.equal(dw, dw0)
+    return hb, gu
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([0, 33, 0], 48, 12)])
+def test_dgrad2_emitted_h_interpreter(counts, h, f):
+    _check_dgrad2_emitted_h(counts, h, f, "cpu")
+
+
+@pytest.mark.gpu
+def test_dgrad2_emitted_h_bitwise_gpu():
+    """On the GPU dgrad2's h is bitwise swiglu_h's and torch's line (if not: DGRAD2_EMITS_H = False)."""
+    hb, gu = _check_dgrad2_emitted_h([300, 0, 7, 129, 1, 0, 64, 500, 2048], 256, 1536, "cuda")
+    assert torch.equal(hb.view(torch.int16), _h_torch(gu, 1536).view(torch.int16))
 
 
 @pytest.mark.interpreter

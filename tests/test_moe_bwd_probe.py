@@ -37,6 +37,7 @@ def _check_rows(rows):
     assert summary["type"] == "summary"
     assert summary["bitwise_equal"] == {n: True for n in probe.GRAD_NAMES}
     assert summary["composed_equals_moe_backward_w1"] is True
+    assert summary["h_bitwise_swiglu_h"] is True  # dgrad2's epilogue h (the default) == swiglu_h's
     return stages, totals, summary
 
 
@@ -74,8 +75,14 @@ def test_summary_arithmetic_with_a_stand_in_timer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(probe.Probe, "timed", fake_timed)
     out = tmp_path / "probe.jsonl"
-    assert probe.main(["--cpu-smoke", "--model", "qwen3-235b", "--routing", "zipf:1.2", "--json", str(out)]) == 0
-    stages, totals, summary = _check_rows(_rows(out))
+    from kosmos.kernels import moe_backward as mb
+    default = mb.WGRAD_KERNEL, mb.WGRAD_TILES
+    assert probe.main(["--cpu-smoke", "--model", "qwen3-235b", "--routing", "zipf:1.2", "--wgrad-kernel", "tiles",
+                       "--wgrad-tiles", "128,256,64,8,2", "--json", str(out)]) == 0
+    assert (mb.WGRAD_KERNEL, mb.WGRAD_TILES) == default  # the options hold for their run only
+    rows = _rows(out)
+    assert rows[0]["wgrad_kernel"] == "tiles" and rows[0]["wgrad_tiles"] == [128, 256, 64, 8, 2]
+    stages, totals, summary = _check_rows(rows)
     assert summary["sum_stages_ms"] == pytest.approx(sum(r["time_ms"] for r in stages))
     assert summary["speedup_vs_a2a"] == pytest.approx(totals["nccl-a2a"]["time_ms"] / totals["kosmos"]["time_ms"])
     assert summary["sum_over_whole"] == pytest.approx(summary["sum_stages_ms"] / totals["kosmos"]["time_ms"])

@@ -25,8 +25,9 @@ the next expert's rows are never read, so they cannot be summed in), columns pas
    p (token t, slot j, weight w_p; rows expert-sorted, dy_rows[p] = dy[t]):
        z_p  = dy_rows[p] @ W2[e]^T                        [R, F]  (fp32 accumulation; W2[e] read as its rows)
        h_p  = silu(g_p) * u_p                             recomputed from the saved g | u
-       dwp[p, n] = sum over the tile's columns of z_p * h_p   the gate gradient <dy, o_p> = <z_p, h_p>, one
-                                                          partial per F-tile n, summed in order by the caller
+       dwp[p, n] = sum over the slice's columns of z_p * h_p   the gate gradient <dy, o_p> = <z_p, h_p>, one
+                                                          partial per epilogue slice n (half an F-tile),
+                                                          summed in order by the caller
        dh_p = w_p z_p;  dg = dh u silu'(g);  du = dh silu(g)  stored bf16 as [dg | du] [R, 2F]
    (moe_reference.gate_grad_from_h_ref, gemm2_backward_ref, swiglu_backward_ref.)
 3. GEMM1's data gradient: dx_rows[p] = [dg | du]_p @ W13[e]^T   [R, H] (W13[e] [H, 2F] read as its rows).
@@ -97,6 +98,57 @@ sm_90a (local Triton 3.9, ptxas; ``python -m dev.kernel_resources --world 1 --ke
 dgrad2 128x64x64 (8 warps, 3 stages): 244 registers, no spills, 72 KiB; dgrad1 128x128x64 (8 warps, 3 stages):
 109 registers, no spills, 96 KiB; sum_partials 40, scaled_rows 24, swiglu_h 40, unpermute_sum 38 registers,
 no spills. The three GEMM kernels run wgmma on TMA loads (wgmma.mma_async, cp.async.bulk.tensor in their PTX).
+
+Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev/moe_bwd_probe.py decides):
+* dgrad2_swiglu at 128 x 128 x 64 (8 warps, 3 stages; ``DGRAD2_TILES``): the epilogue runs on two 64-column
+  halves one after the other (``DGRAD2_SPLIT``; the accumulator split in registers by reshape / permute /
+  split, as common.store_tile does), each loading its g, u slice and storing its [dg | du] and its own gate
+  partial (dwp [R, 2 * F / 128], summed left to right by sum_partials as before), with int32 offsets inside
+  the tile (no per-element 64-bit index). sm_90a: 225 registers, no spills, 96 KiB shared (the whole-tile
+  epilogue at 128 x 128: 255 registers, 956 B spilled). sigmoid(g) there is now torch's formula
+  (``_torch_sigmoid``: libdevice expf, IEEE division -- swiglu_h's), so that h can come from this epilogue
+  (next item); the dg / du values move by rounding only (tests: relative error vs the fp64 reference).
+  PREDICTION (unmeasured): the same A-tile reuse as dgrad1's 128 x 128 (404 TF/s) with a heavier epilogue
+  that one resident program per SM cannot hide: dgrad2_swiglu 2.19 -> ~1.2 ms (~340 TF/s, ~0.7x torch).
+* h = silu(g) u (bf16) stored by dgrad2's epilogue (``emit_h``; ``DGRAD2_EMITS_H``, moe_backward and the
+  probe's stages via ``dgrad2_emits_h()``), so the swiglu_h pass goes (its probe row stays, ~0 ms). The same
+  arithmetic as swiglu_h -- _torch_sigmoid, (g * s) * u, one rounding -- hence bitwise swiglu_h's, hence torch's
+  line on the GPU (swiglu_h's GPU test passed in session 10): checked under the interpreter, and on the GPU by
+  test_dgrad2_emitted_h_bitwise_gpu and the probe's ``h_bitwise_swiglu_h``. In both kernels' PTX (local
+  Triton 3.9) 1 + expf(-g) is contracted into fma(ex2 result, 2^i, 1): exact, the scale being a power of two,
+  so the contraction cannot move a bit. sm_90a: 229 registers, no spills, 96 KiB. PREDICTION (unmeasured):
+  h_recompute 0.09 -> 0 ms, dgrad2 +~0.03 ms (100 MB more stores at qwen3): ~0.06 ms saved, one launch fewer.
+* wgrad on a persistent grid (``_expert_wgrad_persistent_kernel``, ``WGRAD_KERNEL = "persistent"``; "tiles",
+  session 10's kernel, stays selectable: ``expert_weight_grads(..., kernel=)``, the probe's ``--wgrad-kernel``):
+  2 programs per SM, global tile g = e * n_tiles + t owned by program g % GRID, every program walking the
+  experts in order (the resident programs share one expert's rows in L2, as the one-program-per-tile grid's
+  did) and building its two per-expert TMA descriptors once per expert, not once per tile; each tile the same
+  sum as before (bitwise the "tiles" kernel's, tested). Why: at qwen3 an expert has ~256 rows, 4 row steps per
+  128 x 128 tile (~1.1 us of tensor work at the SM's peak), and session 10 measured ~6.9 us per tile and
+  program slot -- fixed per-tile costs dominate: program start, the device-side descriptors (~2 us per
+  program at a call's start in common.host_descriptors' measurement), the pipeline fill, the epilogue.
+  Tried for sm_90a (local Triton 3.9; no spills in any): 128x128x64 3 stages 105 registers 96 KiB (kept: two
+  per SM); 128x256x64 2 stages 157 / 3 stages 177 registers (96 / 144 KiB, one per SM by registers);
+  256x128x64 3 stages 162; 128x128x128 2 stages 92 (128 KiB, one per SM by shared memory). Not done: the
+  pipeline carried across tiles (Triton pipelines the row loop only), TMA stores of the output.
+  PREDICTION (unmeasured; the descriptor cost at this shape is the unknown): wgrad1 2.58 -> ~2.1 ms (768
+  tiles per expert: ~2.9 per program and expert, descriptors 3x fewer), wgrad2 1.30 -> ~1.2 ms (384 tiles per
+  expert: ~1.5 per program). If the persistent grid is not faster, WGRAD_KERNEL = "tiles".
+* not built: g | u saved by the forward, so that the backward skips the GEMM1 recompute (1.63 ms of 11.36 at
+  qwen3). It is not a hot-loop change, but it is one to the forward kernel: ``moe_forward(..., save_gu=True)``
+  (nn.MoE likewise) would pass one more local buffer gu [W*T*min(k, El), 2F] bf16 beside hb (the SwiGLU
+  output, same rows) and moe_forward._gemm1_tile would store acc_g and acc_u rounded to bf16 (store_rows at
+  columns n*BNH and F + n*BNH, before h; GEMM1's output bytes x3) -- a new kernel argument, workspace and
+  launch-plan entry, and GPU-only validation. Memory, kept from forward to backward: R x 2F bf16 per rank,
+  qwen3-235b 4096 tokens 32768 x 3072 x 2 B = 192 MiB, deepseek-v3 256 MiB. The forward places an expert's
+  rows by atomics (xe_meta's (source, token, slot) order), so the backward would gather the saved rows into
+  its own stable order through xe_meta (one R x 2F bf16 gather, ~0.1 ms at qwen3) or adopt the forward's
+  layout (the one-launch plan above). Values: the forward's fp32 accumulators rounded once -- deterministic
+  (one dot product per element), not bitwise torch._grouped_mm's recompute (another summation order): the
+  gradients move by rounding.
+PREDICTION of the whole W=1 backward at qwen3 (unmeasured): 11.36 - 0.99 (dgrad2) - 0.06 (h) - 0.48
+(wgrad1) - 0.10 (wgrad2) = ~9.7 ms, about nccl-a2a's 9.70: the 1.3x bar (<= 7.46 ms) still needs the GEMM1
+recompute gone (~8.2 ms then) and the GEMM kernels at torch's rate.
 """
 from __future__ import annotations
 
@@ -189,16 +241,70 @@ def _expert_wgrad_ptr_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB
              mask=(ci < KA)[:, None] & (cj < KB)[None, :])
 
 
+@triton.jit
+def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB, E,
+                                    BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
+                                    DOT_FP32: tl.constexpr):
+    """_expert_wgrad_kernel's tiles on a persistent grid of GRID programs: global tile g = e * n_tiles + t
+    (t = ti * n_j + tj, the tiles of one expert consecutive) is program g % GRID's, and every program walks
+    the experts in order, so the programs resident at a time work on one expert's tiles (its rows stay in L2)
+    and each program builds its two TMA descriptors (its expert's rows, as _expert_wgrad_kernel's) once per
+    expert instead of once per tile (~n_tiles / GRID tiles per expert and program), with no program launch
+    per tile. Each tile as in _expert_wgrad_kernel: one program, the rows in ascending order, BR per step,
+    fp32 accumulation rounded once -- bitwise its result."""
+    pid = tl.program_id(0)
+    n_i = tl.cdiv(KA, BI)
+    n_j = tl.cdiv(KB, BJ)
+    n_t = n_i * n_j
+    ci0 = tl.arange(0, BI)
+    cj0 = tl.arange(0, BJ)
+    for e in range(0, E):
+        first = tl.load(offs_ptr + e).to(tl.int64)
+        rows = tl.load(counts_ptr + e)
+        t0 = (pid + GRID - (e * n_t) % GRID) % GRID  # this program's first tile of expert e
+        a_desc = tl.make_tensor_descriptor(a_ptr + first * KA, shape=[rows, KA], strides=[KA, 1],
+                                           block_shape=[BR, BI])
+        b_desc = tl.make_tensor_descriptor(b_ptr + first * KB, shape=[rows, KB], strides=[KB, 1],
+                                           block_shape=[BR, BJ])
+        out = out_ptr + tl.cast(e, tl.int64) * KA * KB
+        for t in range(t0, n_t, GRID):
+            ti = t // n_j
+            tj = t % n_j
+            acc = tl.zeros((BI, BJ), dtype=tl.float32)
+            for r0 in range(0, rows, BR):
+                a = a_desc.load([r0, ti * BI])
+                b = b_desc.load([r0, tj * BJ])
+                if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+                    acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(tl.trans(a), b, acc)
+            ci = ti * BI + ci0
+            cj = tj * BJ + cj0
+            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+
+
 WGRAD_TILES = (128, 128, 64, 8, 3)  # GPU (BI, BJ, BR, warps, stages): see the module docstring's figures
+WGRAD_PERSISTENT_TILES = (128, 128, 64, 8, 3)  # the same for the persistent kernel (2 programs per SM)
+WGRAD_PROGRAMS_PER_SM = 2  # 128 x 128, <= 96 KiB shared, ~105 registers x 256 threads: two fit an SM (else one)
+WGRAD_KERNEL = "persistent"  # expert_weight_grads' default: "persistent" or "tiles" (session 10's measured one)
+WGRAD_KERNELS = ("persistent", "tiles")
 
 
 def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
+                        tiles=None) -> torch.Tensor:
     """dW [E, KA, KB] in ``out_dtype`` (bf16, the parameters' dtype, by default; or fp32) with dW[e] =
     a[rows of e]^T @ b[rows of e], accumulated in fp32 and rounded once (the bf16 result is the fp32 one rounded
     to nearest even, bitwise); a [R, KA], b [R, KB] bf16 on one device, the rows of expert e the next counts[e]
     after those of experts < e (sum(counts) <= R). Deterministic (the module docstring). CUDA, or the CPU under
-    TRITON_INTERPRET=1."""
+    TRITON_INTERPRET=1. ``kernel``: "persistent" (_expert_wgrad_persistent_kernel) or "tiles" (one program per
+    output tile, _expert_wgrad_kernel); None: WGRAD_KERNEL. Both give the same bits (the same per-tile sums);
+    rows not 16-byte aligned take the masked-pointer kernel either way. ``tiles``: (BI, BJ, BR, warps, stages)
+    on the GPU instead of WGRAD_PERSISTENT_TILES / WGRAD_TILES (the probe's --wgrad-tiles)."""
+    kernel = WGRAD_KERNEL if kernel is None else kernel
+    if kernel not in WGRAD_KERNELS:
+        raise ValueError(f"kernel must be one of {WGRAD_KERNELS}, got {kernel!r}")
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
             raise ValueError(f"{name} must be a 2-D torch.bfloat16 tensor, got "
@@ -219,18 +325,32 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
         return out
     counts32 = counts.to(torch.int32)
     offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32  # exclusive: no host synchronisation
+    persistent = kernel == "persistent"
     if planning.interpreting():
         bi, bj, br, warps, stages = 16, 16, 16, 4, 1
     else:
-        bi, bj, br, warps, stages = WGRAD_TILES
-    grid = (n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj),)
+        bi, bj, br, warps, stages = tiles or (WGRAD_PERSISTENT_TILES if persistent else WGRAD_TILES)
+    n_tiles = n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj)
+    grid = (n_tiles,)
     aligned = ka % 8 == 0 and kb % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a, b, out))
     if aligned:
         from .. import runtime
         runtime.ensure_triton_allocator()
-    kernel = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
-    kernel[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br, DOT_FP32=planning.interpreting(),
-                 num_warps=warps, num_stages=stages)
+    if aligned and persistent:
+        per_sm = WGRAD_PROGRAMS_PER_SM if (bi, bj) == (128, 128) and stages * br * (bi + bj) * 2 <= 96 * 1024 else 1
+        if a.is_cuda:
+            from .. import runtime
+            programs = per_sm * runtime.num_sms(a.device)
+        else:  # the CPU interpreter (a few programs, several tiles and experts each); compile-only: an H200's
+            programs = 3 if planning.interpreting() else per_sm * 132
+        programs = max(1, min(programs, n_tiles))
+        _expert_wgrad_persistent_kernel[(programs,)](a, b, offs, counts32, out, ka, kb, n_exp, BI=bi, BJ=bj, BR=br,
+                                                     GRID=programs, DOT_FP32=planning.interpreting(),
+                                                     num_warps=warps, num_stages=stages)
+        return out
+    fn = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
+    fn[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br, DOT_FP32=planning.interpreting(),
+             num_warps=warps, num_stages=stages)
     return out
 
 
@@ -259,11 +379,54 @@ def _mtile_plan(counts: torch.Tensor, rows: int, bm: int):
 
 
 @triton.jit
-def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, H, F,
+def _torch_sigmoid(g, INTERP: tl.constexpr):
+    """sigmoid(g) = 1 / (1 + exp(-g)) in fp32 as torch's CUDA kernel computes it: libdevice expf (CUDA's expf)
+    and an IEEE division (the interpreter: numpy's exp). swiglu_h's and dgrad2's epilogue's."""
+    if INTERP:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    return tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+
+
+@triton.jit
+def _dgrad2_epilogue(z, wp, gu_t, dgu_t, h_t, dwp_t, col, rows_valid, F, n_parts, part,
+                     BM: tl.constexpr, BH: tl.constexpr, EMIT_H: tl.constexpr, INTERP: tl.constexpr):
+    """One BH-column slice of a dgrad2 tile: z [BM, BH] fp32 (= dy_rows W2[e]^T at F-columns col..col+BH),
+    wp [BM] the rows' gate weights; gu_t / dgu_t / h_t / dwp_t the tile's first row of gu [., 2F], dgu [., 2F],
+    h [., F], dwp [., n_parts] (int64 scalar offsets; int32 inside the tile: no per-element 64-bit index).
+    Loads g | u, stores the gate partial ``part`` = sum over the slice of z * h, [dg | du] bf16 and (EMIT_H)
+    h = silu(g) u bf16 -- bitwise swiglu_h's (the same arithmetic: _torch_sigmoid, (g * s) * u)."""
+    i = tl.arange(0, BM)
+    c = tl.arange(0, BH)
+    rm = i < rows_valid
+    mask = rm[:, None] & ((col + c) < F)[None, :]
+    o2 = i[:, None] * (2 * F) + (col + c)[None, :]
+    g = tl.load(gu_t + o2, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_t + F + o2, mask=mask, other=0.0).to(tl.float32)
+    s = _torch_sigmoid(g, INTERP)
+    silu = g * s
+    h = silu * u
+    if EMIT_H:
+        tl.store(h_t + (i[:, None] * F + (col + c)[None, :]), _to_out(h, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dwp_t + i * n_parts + part, tl.sum(z * h, 1), mask=rm)
+    dh = z * wp[:, None]
+    dg = dh * u * (s + silu * (1.0 - s))
+    du = dh * silu
+    tl.store(dgu_t + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dgu_t + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
+
+
+@triton.jit
+def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, h_ptr, H, F,
                           n_mtiles, ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          DOT_FP32: tl.constexpr, TMA: tl.constexpr = False):
+                          DOT_FP32: tl.constexpr, TMA: tl.constexpr = False, SPLIT: tl.constexpr = True,
+                          EMIT_H: tl.constexpr = False):
     """One (expert, m-tile, F-tile) of item 2 of the module docstring. The m-tiles of all experts are numbered
-    consecutively (an expert's first m-tile from the exclusive cumsum of ceil(counts / BM))."""
+    consecutively (an expert's first m-tile from the exclusive cumsum of ceil(counts / BM)). SPLIT: the
+    epilogue in two BN/2-column halves, one after the other (the accumulator split in registers), so that
+    g, u and the fp32 temporaries of half a tile are alive at a time (BN = 128 without spills); a gate
+    partial per half (dwp [R, 2 * ceil(F / BN)]). EMIT_H: h = silu(g) u (bf16) stored too (for wgrad2)."""
     pid = tl.program_id(0)
     n_f = tl.cdiv(F, BN)
     gm = pid // n_f
@@ -276,9 +439,9 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     ck = tl.arange(0, BK)
     w2e = w2_ptr + e.to(tl.int64) * F * H
+    first = tl.load(offs_ptr + e).to(tl.int64)
+    lm0 = (gm - tl.load(n_mtiles + e)) * BM
     if TMA:  # per-expert descriptors: W2[e] [F, H] and A's rows clipped at the expert's end (zeros past them)
-        first = tl.load(offs_ptr + e).to(tl.int64)
-        lm0 = (gm - tl.load(n_mtiles + e)) * BM
         a_desc = tl.make_tensor_descriptor(dyr_ptr + first * H, shape=[tl.load(counts_ptr + e), H],
                                            strides=[H, 1], block_shape=[BM, BK])
         b_desc = tl.make_tensor_descriptor(w2e, shape=[F, H], strides=[H, 1], block_shape=[BN, BK])
@@ -300,26 +463,38 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
-    mask = rm[:, None] & fm[None, :]
-    g = tl.load(gu_ptr + rr[:, None] * (2 * F) + cf[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + rr[:, None] * (2 * F) + F + cf[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    silu = g * s
-    h = silu * u
-    tl.store(dwp_ptr + rr * tl.cdiv(F, BN) + nf, tl.sum(acc * h, 1), mask=rm)
-    dh = acc * tl.load(wp_ptr + rr, mask=rm, other=0.0)[:, None]
-    dg = dh * u * (s + g * s * (1.0 - s))
-    du = dh * silu
-    tl.store(dgu_ptr + rr[:, None] * (2 * F) + cf[None, :], dg.to(tl.bfloat16), mask=mask)
-    tl.store(dgu_ptr + rr[:, None] * (2 * F) + F + cf[None, :], du.to(tl.bfloat16), mask=mask)
+    row0 = first + lm0  # the tile's first row (int64)
+    rows_valid = tl.load(counts_ptr + e) - lm0
+    wp = tl.load(wp_ptr + rr, mask=rm, other=0.0)
+    gu_t = gu_ptr + row0 * (2 * F)
+    dgu_t = dgu_ptr + row0 * (2 * F)
+    h_t = h_ptr + row0 * F
+    if SPLIT:
+        n_parts = 2 * n_f
+        dwp_t = dwp_ptr + row0 * n_parts
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        _dgrad2_epilogue(lo, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN, rows_valid, F, n_parts, 2 * nf, BM, BN // 2,
+                         EMIT_H, DOT_FP32)
+        _dgrad2_epilogue(hi, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN + BN // 2, rows_valid, F, n_parts, 2 * nf + 1,
+                         BM, BN // 2, EMIT_H, DOT_FP32)
+    else:
+        dwp_t = dwp_ptr + row0 * n_f
+        _dgrad2_epilogue(acc, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN, rows_valid, F, n_f, nf, BM, BN, EMIT_H,
+                         DOT_FP32)
+
+
+DGRAD2_TILES = (128, 128, 64, 8, 3)  # GPU (BM, BN, BK, warps, stages); the epilogue in two 64-column halves
+DGRAD2_SPLIT = True  # False: the epilogue on the whole BN-wide tile at once (at 128 x 128: spills, see docstring)
 
 
 def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor, w_pair: torch.Tensor,
-                         counts: torch.Tensor):
+                         counts: torch.Tensor, *, emit_h: bool = False, tiles=None):
     """Item 2 of the module docstring for expert-sorted rows: dy_rows [R, H] bf16 (each row's token gradient),
     gu [R, 2F] bf16 (the forward's g | u), w2 [E, F, H] bf16, w_pair [R] fp32 (each row's gate weight), counts
     [E] (rows per expert, consecutive). Returns (dgu [R, 2F] bf16 = [dg | du], dw_rows [R] fp32 = <dy_t, o_p>,
-    the F-tile partials summed in order). Rows past sum(counts) are left unspecified (moe_backward has none)."""
+    the gate partials summed in order) and, with ``emit_h``, h = silu(g) u [R, F] bf16 from the same epilogue
+    (bitwise swiglu_h(gu, F): the same arithmetic) as a third. Rows past sum(counts) are left unspecified
+    (moe_backward has none). ``tiles``: (BM, BN, BK, warps, stages) instead of DGRAD2_TILES (GPU)."""
     r_all, h = dy_rows.shape
     e, f, h2 = w2.shape
     if h2 != h or gu.shape != (r_all, 2 * f) or w_pair.shape != (r_all,) or counts.shape != (e,):
@@ -327,21 +502,25 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
                          f"{tuple(w2.shape)}, w_pair {tuple(w_pair.shape)}, counts {tuple(counts.shape)}")
     if planning.interpreting():
         bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
-    else:  # 128 x 64 (unmeasured): at 128 x 128 the epilogue's fp32 temporaries spill 916 B (255 regs,
-        bm, bn, bk, warps, stages = 128, 64, 64, 8, 3  # local Triton 3.9 sm_90a); 128 x 64: 238 regs, none
+    else:  # 128 x 64 (session 10, 244 regs) measured 2.19 ms, 0.38x torch's GEMM alone; 128 x 128 split: unmeasured
+        bm, bn, bk, warps, stages = tiles or DGRAD2_TILES
+    split = DGRAD2_SPLIT and bn >= 16
     counts32, offs, first_pad, elp2, n_m = _mtile_plan(counts, r_all, bm)  # n_m: a static m-tile bound
     n_f = -(-f // bn)
     dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
-    dwp = torch.empty((r_all, n_f), dtype=torch.float32, device=dy_rows.device)
+    dwp = torch.empty((r_all, 2 * n_f if split else n_f), dtype=torch.float32, device=dy_rows.device)
+    hb = torch.empty((r_all, f) if emit_h else (1,), dtype=torch.bfloat16, device=dy_rows.device)
     tma = h % 8 == 0 and dy_rows.is_contiguous() and w2.is_contiguous() and \
         all(t.data_ptr() % 16 == 0 for t in (dy_rows, w2))
     if tma:
         from .. import runtime
         runtime.ensure_triton_allocator()
-    _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu, w2, w_pair.float().contiguous(), offs, counts32, dgu, dwp,
-                                          h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
-                                          DOT_FP32=planning.interpreting(), TMA=tma, num_warps=warps,
-                                          num_stages=stages)
+    _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu.contiguous(), w2, w_pair.float().contiguous(), offs, counts32,
+                                          dgu, dwp, hb, h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
+                                          DOT_FP32=planning.interpreting(), TMA=tma, SPLIT=split, EMIT_H=emit_h,
+                                          num_warps=warps, num_stages=stages)
+    if emit_h:
+        return dgu, sum_partials(dwp), hb
     return dgu, sum_partials(dwp)
 
 
@@ -477,11 +656,7 @@ def _swiglu_h_kernel(gu_ptr, h_ptr, F, BF: tl.constexpr, INTERP: tl.constexpr):
     m = c < F
     g = tl.load(gu_ptr + r * (2 * F) + c, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + r * (2 * F) + F + c, mask=m, other=0.0).to(tl.float32)
-    if INTERP:
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)
-    s = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+    s = _torch_sigmoid(g, INTERP)
     tl.store(h_ptr + r * F + c, _to_out((g * s) * u, tl.bfloat16, INTERP), mask=m)
 
 
@@ -503,6 +678,14 @@ def swiglu_h(gu: torch.Tensor, f: int) -> torch.Tensor:
 
 
 SWIGLU_H_TORCH = False  # True: h through the torch line (the fallback if the GPU test finds a bit differing)
+DGRAD2_EMITS_H = True  # h from dgrad2's epilogue (no swiglu_h pass); False: swiglu_h's pass (the fallback if
+#                        tests/test_moe_backward.py::test_dgrad2_emitted_h_bitwise_gpu finds a bit differing)
+
+
+def dgrad2_emits_h() -> bool:
+    """Whether moe_backward (and the probe's stages) take h from dgrad2's epilogue: DGRAD2_EMITS_H, unless h
+    goes through the torch line (SWIGLU_H_TORCH)."""
+    return DGRAD2_EMITS_H and not SWIGLU_H_TORCH
 
 
 @triton.jit
@@ -602,7 +785,8 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
       (dist.all_to_all_single, split sizes read on the host: one sync), regrouped by local expert (stable:
       source rank, then pair order);
       [g | u] recomputed (GEMM1 again: nothing of the forward's expert state is kept);
-      dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu); dW2 = h^T (w dy) and
+      dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu; h = silu(g) u from its epilogue too,
+      or swiglu_h: dgrad2_emits_h()); dW2 = h^T (w dy) and
       dW13 = x_rows^T [dg | du] (expert_weight_grads); dx_rows = [dg | du] W13^T (expert_dgrad1);
       W > 1: dx_rows and the gate gradients back to the tokens' ranks;
       dispatch backward (slot order), router backward in fp32 (logits recomputed), dx = dx_experts + dx_router.
@@ -645,9 +829,12 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         send_splits = recv_splits = by_expert = None
         counts = per_expert
     gu = _expert_gemm1(x_rows, w13, counts)
-    dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
     f = w2.shape[1]
-    h = swiglu_h(gu, f)
+    if dgrad2_emits_h():  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
+        dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True)
+    else:
+        dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
+        h = swiglu_h(gu, f)
     do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
     dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt)
