@@ -27,7 +27,9 @@ from collections import defaultdict
 
 def _load(paths):
     """(rows, source_shas): the ok rows by point and the set of env headers' source_sha over the files."""
-    rows = defaultdict(list)  # (op, model, layer, seq + routing for MoE points, impl) -> [(time_ms, t_gemm_ms)]
+    # (op, model, layer, seq + routing for MoE points, M x N x K, impl) -> [(time_ms, t_gemm_ms)]: a custom grid's
+    # shapes share model and layer ("custom") and often M, so the GEMM shape is part of the key
+    rows = defaultdict(list)
     shas = set()
     for p in paths:
         if not os.path.exists(p):
@@ -38,7 +40,8 @@ def _load(paths):
                 shas.add(r.get("source_sha"))
             if r.get("type") == "result" and r.get("status") == "ok":
                 seq = r["seq"] if r.get("routing") is None else f"{r['seq']}/{r['routing']}"
-                rows[(r["op"], r["model"], r["layer"], seq, r["impl"])].append(
+                shape = "x".join(str(r.get(d, "-")) for d in ("m", "n", "k"))
+                rows[(r["op"], r["model"], r["layer"], seq, shape, r["impl"])].append(
                     (r["time_ms"], r.get("t_gemm_ms") or float("nan")))
     return rows, shas
 
@@ -62,8 +65,8 @@ def main(argv=None):
               file=sys.stderr)
         return 2
     print(f"base source {min(base_src)[:12]}, new source {min(new_src)[:12]}")
-    keys = sorted({k[:4] for k in base if k[4] == args.impl} & {k[:4] for k in new if k[4] == args.impl})
-    print(f"{'model':<11} {'layer':<9} {'seq':>6} {'base ms':>9} {'new ms':>9} {'new/base':>9} "
+    keys = sorted({k[:5] for k in base if k[5] == args.impl} & {k[:5] for k in new if k[5] == args.impl})
+    print(f"{'op':<8} {'model':<11} {'layer':<9} {'seq':>6} {'MxNxK':>17} {'base ms':>9} {'new ms':>9} {'new/base':>9} "
           f"{'gemm/base':>10} {'gemm/new':>9}")
     logs = {"new/base": [], "gemm/base": [], "gemm/new": []}
     for k in keys:
@@ -74,7 +77,7 @@ def main(argv=None):
         for name, v in (("new/base", n / b), ("gemm/base", gb / b), ("gemm/new", gn / n)):
             if v == v:
                 logs[name].append(math.log(v))
-        print(f"{k[1]:<11} {k[2]:<9} {k[3]:>6} {b:>9.4f} {n:>9.4f} {n / b:>9.3f} {gb / b:>10.3f} {gn / n:>9.3f}")
+        print(f"{k[0]:<8} {k[1]:<11} {k[2]:<9} {k[3]:>6} {k[4]:>17} {b:>9.4f} {n:>9.4f} {n / b:>9.3f} {gb / b:>10.3f} {gn / n:>9.3f}")
     for name, vals in logs.items():
         if vals:
             print(f"geomean {name} over {len(vals)} shapes: {math.exp(sum(vals) / len(vals)):.3f}")

@@ -215,6 +215,11 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     out.append(("moe_forward" + (" mx" if mx else ""), _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
         x, wr, bias, w13, w2, y, bufs, cfg=mcfg, top_k=top_k, routing="sigmoid-grouped", n_group=8,
         topk_group=4, routed_scaling=2.5, x_mx=x_mx, **common))))
+    if not mx:  # the training forward: g | u stored for the backward too (moe_forward's save_gu)
+        gu = torch.empty(128, 2 * f, **bf)
+        out.append(("moe_forward save_gu", _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
+            x, wr, bias, w13, w2, y, bufs, cfg=mcfg, top_k=top_k, routing="sigmoid-grouped", n_group=8,
+            topk_group=4, routed_scaling=2.5, gu=gu, **common))))
     return out
 
 

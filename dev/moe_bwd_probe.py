@@ -32,6 +32,10 @@ hiding the host's enqueue, median of --iters; p20/p80 and the host's enqueue tim
     sort             the pairs sorted by expert, counts per expert                      torch
     permute          x_rows, dy_rows, w_pair gathered in expert order                    torch
     gemm1_recompute  [g | u] = x_rows @ W13[e] (the forward's GEMM1 again)               torch._grouped_mm
+                     -- timed always; with the forward's g | u (decision "kosmos": moe_forward save_gu, as
+                     the bench and kosmos.nn.MoE at EP=1) moe_backward does not run it (not in the stage sum)
+    gu_saved         [g | u] the backward uses: the forward's, gathered into its order   torch
+                     (``rel_err_vs_recompute``), or the recompute's (decision "route")
     dgrad2_swiglu    z = dy_rows W2^T, SwiGLU backward, gate grads (+ one partial-sum),  kosmos Triton
                      and h = silu(g) u -> bf16 from its epilogue (moe_backward.dgrad2_emits_h(); the stage
                      row's ``h_bitwise_swiglu_h``: that h against swiglu_h's, bit for bit)
@@ -114,6 +118,7 @@ class Point:
     decision: str
     config: object
     redrawn: int
+    saved: object = None  # the forward's g | u (moe_forward.SavedGateUp) when the decision is the kosmos forward's
 
 
 def point_model(name: str, experts_scale: int = 1, smoke: bool = False):
@@ -151,13 +156,14 @@ def build_point(m, tokens: int, routing: str, *, seed: int = 0, device="cpu", de
     inp = bm.MoEInputs(m, x, wr, bias, w13, w2, "bf16", direction=bm.BWD, dy=dy)
     if config is None:
         config = bm.MoESettings(direction=bm.BWD, seed=seed).config("moe_fwd")
+    saved = None
     if decision == "kosmos":
-        weights, experts = bm._kosmos_backward(inp, {}, config).setup()
+        weights, experts, saved = bm._kosmos_backward(inp, {}, config).setup()
     elif decision == "route":
         weights, experts = route(x, wr, m.top_k, **inp.route_kw())
     else:
         raise ValueError(f"decision {decision!r}: 'kosmos' or 'route'")
-    return Point(inp, weights, experts, decision, config, redrawn)
+    return Point(inp, weights, experts, decision, config, redrawn, saved)
 
 
 def whole_backward(pt: Point):
@@ -171,10 +177,10 @@ def whole_backward(pt: Point):
     inp = pt.inp
 
     def backward(state):
-        weights, experts = state
+        weights, experts, saved = state
         return (*moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, weights, experts,
-                                 **inp.backward_kw()), experts)
-    return timing.Split(lambda: (pt.weights, pt.experts), backward)
+                                 saved_gu=saved, **inp.backward_kw()), experts)
+    return timing.Split(lambda: (pt.weights, pt.experts, None), backward)
 
 
 # ----------------------------------------------------------------------------------------------- the stages
@@ -252,8 +258,13 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         return {"x_rows": x[tok].contiguous(), "dy_rows": dy.to(torch.bfloat16)[tok].contiguous(),
                 "w_pair": s["weights"].reshape(-1).float()[order].contiguous()}
 
-    def gemm1(s):
-        return {"gu": mb._expert_gemm1(s["x_rows"], w13, s["counts"])}
+    def gemm1(s):  # timed either way: what keeping g | u saves (or costs, when the decision is route's)
+        return {"gu_recomputed": mb._expert_gemm1(s["x_rows"], w13, s["counts"])}
+
+    def gu_saved(s):  # moe_backward's g | u: the forward's, gathered into the backward's order, or the recompute
+        if pt.saved is None:
+            return {"gu": s["gu_recomputed"]}
+        return {"gu": pt.saved.in_backward_order(s["counts"], s["x_rows"].shape[0])}
 
     emits_h = mb.dgrad2_emits_h()  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
 
@@ -313,7 +324,10 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         Stage("gemm1_recompute", "torch._grouped_mm", "[g|u] = x_rows @ W13[e] (forward GEMM1 again)",
               ("x_rows", "counts"), gemm1,
               Gemm(lambda r, h, ff: 2 * r * h * 2 * ff, lambda s, o: gm(s["x_rows"], w13, o),
-                   "_grouped_mm(x_rows, W13) bf16 out", "gu")),
+                   "_grouped_mm(x_rows, W13) bf16 out", "gu_recomputed")),
+        Stage("gu_saved", "torch gather" if pt.saved is not None else "-",
+              "[g|u]: the forward's (moe_forward save_gu) in the backward's order; without it, the recompute",
+              ("gu_recomputed", "counts", "x_rows"), gu_saved),
         Stage("dgrad2_swiglu", "kosmos triton (+ torch glue)",
               "z = dy_rows W2^T; SwiGLU bwd -> [dg|du] bf16; gate grads (F-tile partials summed in one launch)",
               ("dy_rows", "gu", "w_pair", "counts"), dgrad2,
@@ -351,8 +365,8 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     ]
 
 
-STAGE_NAMES = ("sort", "permute", "gemm1_recompute", "dgrad2_swiglu", "h_recompute", "do_rows", "wgrad2", "wgrad1",
-               "dgrad1", "unpermute_dx", "router_logits", "router_bwd", "dx_sum")
+STAGE_NAMES = ("sort", "permute", "gemm1_recompute", "gu_saved", "dgrad2_swiglu", "h_recompute", "do_rows",
+               "wgrad2", "wgrad1", "dgrad1", "unpermute_dx", "router_logits", "router_bwd", "dx_sum")
 GEMM_STAGES = ("gemm1_recompute", "dgrad2_swiglu", "wgrad2", "wgrad1", "dgrad1")
 
 
@@ -545,7 +559,7 @@ def run(args) -> list[dict]:
         row.update(status="skipped", reason="deadline")
     _release(device)
     try:
-        want = dict(zip(GRAD_NAMES, whole.run((pt.weights, pt.experts))[:len(GRAD_NAMES)]))
+        want = dict(zip(GRAD_NAMES, whole.run((pt.weights, pt.experts, pt.saved))[:len(GRAD_NAMES)]))
     except Exception as e:  # noqa: BLE001 -- no bitwise check then (the summary's bitwise_equal stays empty)
         want = {}
         row["reason"] = (row.get("reason") or "") + f"; the check's call failed: {type(e).__name__}: {str(e)[:200]}"
@@ -579,6 +593,8 @@ def run(args) -> list[dict]:
             else:
                 row.update(status="skipped", reason="deadline (the outputs were still computed)")
             row.update(probe.profile(lambda: st.fn(s), device))
+            if st.name == "gu_saved" and pt.saved is not None:  # the forward's g | u against torch's recompute
+                row["rel_err_vs_recompute"] = rel_err(new["gu"], s["gu_recomputed"])
             if st.name == "dgrad2_swiglu" and "h" in new:  # dgrad2's h against the pass it replaces, bitwise
                 from kosmos.kernels.moe_backward import swiglu_h
                 row["h_bitwise_swiglu_h"] = bool(torch.equal(new["h"], swiglu_h(s["gu"], ff)))
@@ -636,11 +652,13 @@ def run(args) -> list[dict]:
     st_rows = [r for r in probe.rows if r["type"] == "stage"]
     times = [r.get("time_ms") for r in st_rows]
     full = len(st_rows) == len(STAGE_NAMES) and all(t is not None for t in times)
-    sum_ms = sum(times) if full else None
+    # with the forward's g | u, moe_backward runs no recompute: its stage row is what keeping g | u saves
+    in_whole = [r for r in st_rows if not (pt.saved is not None and r["stage"] == "gemm1_recompute")]
+    sum_ms = sum(r["time_ms"] for r in in_whole) if full else None
     k_ms, a_ms = totals["kosmos"].get("time_ms"), totals["nccl-a2a"].get("time_ms")
     at_torch = None
     if full and all(r.get("ref_time_ms") for r in st_rows if r["stage"] in GEMM_STAGES):
-        at_torch = sum(r["ref_time_ms"] if r["stage"] in GEMM_STAGES else r["time_ms"] for r in st_rows)
+        at_torch = sum(r["ref_time_ms"] if r["stage"] in GEMM_STAGES else r["time_ms"] for r in in_whole)
     ratios = {r["stage"]: r.get("ratio_tflops") for r in st_rows if r["stage"] in GEMM_STAGES}
     kosmos_gemm = {k: v for k, v in ratios.items() if k != "gemm1_recompute"}
     summary = base("summary", sum_stages_ms=sum_ms, kosmos_ms=k_ms, nccl_a2a_ms=a_ms,
@@ -651,8 +669,9 @@ def run(args) -> list[dict]:
                    gemm_ratio_min=min(kosmos_gemm.values()) if kosmos_gemm and all(kosmos_gemm.values()) else None,
                    bar_gemm_ratio=BAR_GEMM, sum_stages_at_torch_gemms_ms=at_torch,
                    sum_stages_at_torch_gemms_without_gemm1_ms=(
-                       at_torch - next(r["ref_time_ms"] for r in st_rows if r["stage"] == "gemm1_recompute"))
-                   if at_torch else None,
+                       at_torch - (0.0 if pt.saved is not None else
+                                   next(r["ref_time_ms"] for r in st_rows if r["stage"] == "gemm1_recompute")))
+                   if at_torch else None, gu_saved=pt.saved is not None,
                    bitwise_equal=equal, composed_equals_moe_backward_w1=len(equal) == len(GRAD_NAMES) and
                    all(equal.values()),
                    h_bitwise_swiglu_h=next((r.get("h_bitwise_swiglu_h") for r in st_rows
@@ -695,7 +714,7 @@ def table(rows) -> str:
         lines.append(f"  {r['stage']:<16} {_fmt(r.get('time_ms'), '.4f'):>8} {_fmt(share, '.1%'):>6} "
                      f"{_fmt(r.get('tflops'), '.0f'):>8} {_fmt(r.get('ref_time_ms'), '.4f'):>8} "
                      f"{_fmt(r.get('ref_tflops'), '.0f'):>10} {_fmt(r.get('ratio_tflops'), '.3f'):>12} "
-                     f"{_fmt(r.get('rel_err_vs_ref'), '.1e'):>12} {_fmt(r.get('launches'), 'd'):>8} "
+                     f"{_fmt(r.get('rel_err_vs_ref', r.get('rel_err_vs_recompute')), '.1e'):>12} {_fmt(r.get('launches'), 'd'):>8} "
                      f"{_fmt(r.get('kernel_ms'), '.4f'):>9} "
                      f"{_fmt(r.get('host_ms'), '.3f'):>8}  {r['status']}"
                      + (f" ({r['reason']})" if r.get("reason") else "")

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -298,5 +298,28 @@ PYEOF
     done; keep
     python -m dev.ab_compare "$out/grid-main.jsonl" --vs "$out/grid-splitk.jsonl" | tail -3
     for t in main bwd2; do sed -n '/kosmos whole/,/composed/p' "$out/bwd-$t.log" | sed "s/^/$t: /"; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a" >&2; exit 2 ;;
+  s11b)  # session 11, second call (<= 560 s; tarball $OUT/s11b.tar.gz): g | u saved by the forward (save_gu).
+         # 1. Triton 3.6 registers of moe_forward (+ save_gu) and the moe_backward kernels (background, CPU);
+         # 2. the GPU tests of the MoE forward / backward / plans / graphs;
+         # 3. the MoE backward probe at qwen3 4k (the whole backward on the forward's g | u);
+         # 4. the backward GEMMs' tile variants and the forward with / without save_gu (dev/moe_bwd_tiles).
+    real_out=$out; export OUT=/tmp/s11o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s11b.tar.gz"; }
+    ( timeout 200 python dev/kernel_resources.py --world 1,2,8 --kernels moe_forward,moe_backward \
+        --json "$out/regs-moe.json" > "$out/regs-moe.txt" 2>&1 ) &
+    regs_pid=$!
+    timeout 200 python -m pytest -q -p no:cacheprovider --timeout 60 -m "gpu or ranks or gpu_optional" \
+      tests/test_moe_backward.py tests/test_moe_forward.py tests/test_launch_plan.py tests/test_cuda_graphs.py \
+      tests/test_bench_moe.py > "$out/gpu-tests-moe.log" 2>&1; echo "gpu tests rc=$?"; tail -1 "$out/gpu-tests-moe.log"
+    grep -E "^(FAILED|ERROR)" "$out/gpu-tests-moe.log" | head -8; keep
+    timeout 120 python -m dev.moe_bwd_probe --json "$out/bwd-probe.jsonl" > "$out/bwd-probe.log" 2>&1
+    echo "bwd probe rc=$?"; keep
+    left=$((540 - SECONDS)); [ $left -gt 200 ] && left=200
+    [ $left -gt 30 ] && timeout $left python -m dev.moe_bwd_tiles --max-seconds $((left - 25)) \
+      --json "$out/bwd-tiles.jsonl" > "$out/bwd-tiles.log" 2>&1; echo "tiles rc=$?"
+    wait $regs_pid; keep
+    sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log"; grep -E "gemm1_recompute|gu_saved" "$out/bwd-probe.log" | tail -2
+    sed -n '/== best/,$p' "$out/bwd-tiles.log"; grep forward "$out/bwd-tiles.log" | head -4
+    grep -E "moe_forward|dgrad|wgrad" "$out/regs-moe.txt" | head -14 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b" >&2; exit 2 ;;
 esac

@@ -28,7 +28,10 @@ expert-parallel size: the backward is ``kernels.moe_backward.moe_backward`` (eve
 routing decision, several launches, with NCCL all-to-alls between them at W > 1; the one-launch backward with its
 communication in the launch is future work -- in MXFP8 a forward that needs gradients raises instead of silently
 dropping them).
-The forward keeps x, the parameters and the routing (weights, experts: T*k each); the backward recomputes GEMM1.
+The forward keeps x, the parameters and the routing (weights, experts: T*k each), and by default at one rank
+GEMM1's g | u (T*k x 2F bf16 and the rows' (source, token, slot); ``save_gate_up``): the backward skips
+recomputing GEMM1 (1.63 ms of the qwen3-235b 4k backward, session 10). At W > 1, and with
+``save_gate_up=False``, the backward recomputes GEMM1 instead.
 Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``.
 """
 from __future__ import annotations
@@ -233,9 +236,11 @@ class MoEFn(torch.autograd.Function):
     tokens' part (all-reduce it over the data-parallel ranks like any replicated parameter's gradient)."""
 
     @staticmethod
-    def forward(ctx, x, router_weight, w13, w2, bias, top_k, routing, route_kw, group=None):
-        y, weights, experts = moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias,
-                                          group=group, return_routing=True, **route_kw)
+    def forward(ctx, x, router_weight, w13, w2, bias, top_k, routing, route_kw, group=None, save_gate_up=False):
+        out = moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias, group=group,
+                          return_routing=True, save_gu=save_gate_up, **route_kw)
+        y, weights, experts = out[:3]
+        ctx.saved_gu = out[3] if save_gate_up else None  # kept until the backward (the graph's lifetime)
         ctx.save_for_backward(x, router_weight, w13, w2, weights, experts)
         ctx.routing = routing
         ctx.route_kw = route_kw
@@ -247,8 +252,9 @@ class MoEFn(torch.autograd.Function):
         x, router_weight, w13, w2, weights, experts = ctx.saved_tensors
         kw = {k: v for k, v in ctx.route_kw.items() if k in ("renormalize", "routed_scaling")}
         dx, d_router, dw13, dw2 = moe_backward(x, router_weight, w13, w2, dy.contiguous(), weights, experts,
-                                               group=ctx.group, routing=ctx.routing, **kw)
-        return dx, d_router, dw13, dw2, None, None, None, None, None
+                                               group=ctx.group, routing=ctx.routing, saved_gu=ctx.saved_gu, **kw)
+        ctx.saved_gu = None
+        return dx, d_router, dw13, dw2, None, None, None, None, None, None
 
 
 class MoE(torch.nn.Module):
@@ -257,7 +263,7 @@ class MoE(torch.nn.Module):
 
     def __init__(self, hidden: int, expert_ffn: int, experts: int, top_k: int, *, routing: str = "softmax",
                  renormalize: bool = True, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
-                 group=None, device=None, dtype=torch.bfloat16):
+                 group=None, device=None, dtype=torch.bfloat16, save_gate_up: bool | None = None):
         super().__init__()
         if routing not in ROUTINGS:
             raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
@@ -274,6 +280,10 @@ class MoE(torch.nn.Module):
         if experts % world:
             raise ValueError(f"{experts} experts do not split evenly over {world} ranks")
         local = experts // world
+        # training: keep GEMM1's g | u from the forward for the backward (no GEMM1 recompute) -- by default at
+        # one rank, where it is exactly T*k rows x 2F bf16; at W > 1 the forward cannot know its row count
+        # and would keep the worst case (W*T*min(k, E/W) rows), so the backward recomputes there
+        self.save_gate_up = (world == 1) if save_gate_up is None else bool(save_gate_up)
         self.group, self.top_k, self.routing = group, top_k, routing
         self.route_kw = dict(renormalize=renormalize, routed_scaling=routed_scaling)
         if routing == "sigmoid-grouped":
@@ -300,7 +310,7 @@ class MoE(torch.nn.Module):
                                    "nothing yet): run this under torch.no_grad() / inference_mode, or freeze its "
                                    "parameters")
             return MoEFn.apply(x, self.router_weight, self.w13, self.w2, self.bias, self.top_k, self.routing,
-                               dict(self.route_kw), self.group)
+                               dict(self.route_kw), self.group, self.save_gate_up)
         w13, w2 = self.w13, self.w2
         if self.precision == "mxfp8":  # the experts' MX values, cached until a parameter changes
             key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))

@@ -48,9 +48,10 @@ row's ``direction`` says which; rows without it are fwd):
   fwd      the forward, as above.
   bwd      the backward alone: each timed call is a ``timing.Split`` -- the forward runs untimed before the L2 flush
            and the barrier (collective-safe: every rank runs it in step), then only the backward is timed.
-           kosmos: ``moe_forward(..., return_routing=True)`` untimed, then on its decision
-           ``kosmos.kernels.moe_backward.moe_backward_w1`` (W = 1) or ``moe_backward`` over the EP group (W > 1:
-           all-to-alls between its launches) timed; bf16 only ("unavailable" at mxfp8). nccl-a2a: autograd
+           kosmos: ``moe_forward(..., return_routing=True)`` untimed (at W = 1 with ``save_gu=True``, as
+           kosmos.nn.MoE trains: GEMM1's g | u kept), then on its decision
+           ``kosmos.kernels.moe_backward.moe_backward_w1`` (W = 1, on the saved g | u) or ``moe_backward`` over
+           the EP group (W > 1: GEMM1 recomputed, all-to-alls between its launches) timed; bf16 only ("unavailable" at mxfp8). nccl-a2a: autograd
            through ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad (torch._grouped_mm has
            a derivative; the row exchanges are moe_reference.AllToAllRows at W > 1), the forward (its graph)
            untimed, ``torch.autograd.grad`` timed; bf16 only. deepep, fixed-role, fixed-role-best: "unavailable".
@@ -389,16 +390,18 @@ def _kosmos_backward(inp: MoEInputs, params: dict, config):
     """bwd: moe_forward(return_routing=True) untimed, moe_backward_w1 (W = 1) or moe_backward over the default
     group (W > 1) on its decision timed; fwd+bwd: both."""
     multi = dist.is_initialized() and dist.get_world_size() > 1
+    save = not multi  # as kosmos.nn.MoE trains by default: g | u kept from the forward at one rank
+
     def forward():
-        _, weights, experts = moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k,
-                                          **inp.route_kw(), group=None, config=config, return_routing=True,
-                                          **policy_kwargs(params))
-        return weights, experts
+        out = moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(),
+                          group=None, config=config, return_routing=True, save_gu=save, **policy_kwargs(params))
+        return out[1], out[2], (out[3] if save else None)
 
     def backward(state):
-        weights, experts = state
+        weights, experts, saved = state
         grads = (moe_backward if multi else moe_backward_w1)(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy,
-                                                             weights, experts, **inp.backward_kw())
+                                                             weights, experts, saved_gu=saved,
+                                                             **inp.backward_kw())
         return (*grads, experts)
 
     return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))

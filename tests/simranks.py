@@ -406,3 +406,14 @@ class MoERanks:
             assert done == [epoch if self.world > 1 else 0] * self.world, f"rank {r}: done flags {done}"
 
 
+def placed_gate_up(x, w13, experts, top_k, gen=None):
+    """A stand-in forward's g | u as ``moe_forward(save_gu=True)`` keeps it at W = 1 (for CPU tests that fake the
+    forward): rows expert-major, shuffled inside each expert as the kernel's atomics may place them, in fp32
+    then rounded to bf16 once; a moe_forward.SavedGateUp."""
+    flat = experts.reshape(-1)
+    placed = torch.cat([torch.nonzero(flat == e, as_tuple=True)[0][torch.randperm(int((flat == e).sum()),
+                                                                                    generator=gen)]
+                        for e in range(w13.shape[0])])
+    gu = torch.stack([x[p // top_k].float() @ w13[flat[p]].float() for p in placed.tolist()]).to(torch.bfloat16)
+    meta = torch.stack([torch.zeros_like(placed), placed // top_k, placed % top_k], 1).to(torch.int32)
+    return mf.SavedGateUp(gu, meta, x.shape[0], top_k, 1)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from multiproc import spawn_gloo
+from simranks import placed_gate_up
 
 from kosmos.config import MoEForwardConfig, config_dict
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
@@ -686,11 +687,15 @@ def test_moe_probe_runs_each_tree_in_a_subprocess(tmp_path, monkeypatch):
 
 
 def _fake_moe_forward_routing(x, router_weight, w13, w2, *, top_k, routing, renormalize, bias, n_group, topk_group,
-                              routed_scaling, group, config, policy, comm_programs, return_routing=False):
-    """kosmos.moe_forward's return_routing on the CPU (the op needs CUDA): the reference's routing decision."""
+                              routed_scaling, group, config, policy, comm_programs, return_routing=False,
+                              save_gu=False):
+    """kosmos.moe_forward's return_routing on the CPU (the op needs CUDA): the reference's routing decision, and
+    with save_gu (the bench's W = 1 backward) g | u placed as the kernel would (simranks.placed_gate_up)."""
     assert return_routing and policy == "self"
     weights, experts = route(x, router_weight, top_k, routing, renormalize=renormalize, bias=bias, n_group=n_group,
                              topk_group=topk_group, routed_scaling=routed_scaling)
+    if save_gu:
+        return None, weights, experts, placed_gate_up(x, w13, experts, top_k)
     return None, weights, experts
 
 

@@ -342,3 +342,40 @@ def test_moe_backward_over_two_ranks_vs_reference(routing):
         assert rel < 2e-2, (name, rel)
     assert torch.equal(dw13[3], torch.zeros_like(dw13[3])) and torch.equal(dw2[3], torch.zeros_like(dw2[3]))
     assert all(got[r][1] for r in range(world))  # bitwise the same twice
+
+
+@pytest.mark.gpu
+def test_moe_backward_on_the_forwards_gate_up_gpu():
+    """moe_forward(save_gu=True) on the GPU: y unchanged by saving; g | u in the backward's order against torch's
+    GEMM1 recompute; moe_backward_w1 on it against the fp32 reference (and the recompute path); a second forward
+    (other atomics, other row placement) gives bitwise the same gradients."""
+    import kosmos
+    from kosmos import moe_reference as mr
+    from kosmos.kernels.moe_backward import _expert_gemm1, moe_backward_w1
+    g = torch.Generator().manual_seed(31)
+    t, h, f, e, k = 777, 256, 192, 16, 4  # F = 192: g's second column tile overhangs into u's columns
+    dev = "cuda"
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16).to(dev)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).to(dev)
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).to(dev)
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    y, weights, experts, saved = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=True)
+    y_plain, w_plain, e_plain = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True)
+    assert torch.equal(y, y_plain) and torch.equal(experts, e_plain)
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=e)
+    gu = saved.in_backward_order(counts, t * k)
+    want = _expert_gemm1(x[order // k].contiguous(), w13, counts)
+    assert not torch.isnan(gu).any()
+    assert ((gu.float() - want.float()).norm() / want.float().norm()).item() < 5e-3
+    got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved)
+    recomputed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts)
+    ref = mr.moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=experts)
+    for name, a, b, r in zip(("dx", "d_router", "dw13", "dw2"), got, recomputed, ref):
+        assert ((a.float() - r.float()).norm() / r.float().norm()).item() < 2e-2, name
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2, name
+    _, w_again, e_again, saved_again = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=True)
+    again = moe_backward_w1(x, wr, w13, w2, dy, w_again, e_again, saved_gu=saved_again)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))

@@ -24,6 +24,7 @@ import torch
 import opcases
 from multiproc import Checks, spawn_gloo, stall_peer
 from opcases import INTERP_GRID, INTERP_TIMEOUT_NS, TOL
+import simranks
 from simranks import MoERanks, rand
 
 from kosmos import moe_reference, planning
@@ -159,6 +160,39 @@ def test_moe_fixed_role_policy_and_determinism():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("world,tokens,hidden,ffn,experts,top_k", [
+    pytest.param(1, 21, 32, 24, 6, 2, id="w1"),   # F = 24: g's last column tile overhangs into u's columns
+    pytest.param(2, 13, 32, 24, 8, 3, id="w2"),   # rows from both sources inside each expert
+])
+def test_saved_gate_up_in_backward_order(world, tokens, hidden, ffn, experts, top_k):
+    """moe_forward's save_gu: GEMM1's epilogue stores g | u beside h (SAVE_GU), and SavedGateUp puts the rows
+    into the backward's order (local expert, then source rank, then p = token*k + slot) -- compared with
+    x_source[token] @ W13[expert] in fp32 for every row, in that order (poisoned buffer: no row unwritten)."""
+    m = MoERanks(world, tokens, hidden, ffn, experts, top_k, seed=5 + world)
+    gus = [torch.full((m.lay.max_rows, 2 * ffn), float("nan"), dtype=torch.bfloat16) for _ in range(world)]
+    m.new_inputs()
+    for stages in ((mf.ALL_STAGES,) if world == 1 else (simranks.ROUTE_ONLY, simranks.MIDDLE, simranks.FOLD_ONLY)):
+        for r in range(world):
+            m.launch(r, 1, stages, gu=gus[r])
+    m.check(1)
+    decisions = [m.routing(r)[1] for r in range(world)]
+    for r in range(world):
+        rows, counts = [], torch.zeros(m.el, dtype=torch.int64)
+        for le in range(m.el):
+            for s in range(world):
+                e_s = decisions[s].reshape(-1)
+                for p in (e_s == r * m.el + le).nonzero(as_tuple=True)[0].tolist():
+                    rows.append(m.xs[s][p // top_k].float() @ m.w13[r][le].float())
+                    counts[le] += 1
+        want = torch.stack(rows)
+        saved = mf.SavedGateUp(gus[r], m.local[r]["xe_meta"].view(-1, 3).clone(), tokens, top_k, world)
+        got = saved.in_backward_order(counts, len(rows))
+        assert not torch.isnan(got).any(), f"rank {r}: rows of g | u left unwritten"
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err < INTERP_TOL, (r, err)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("half_tail", [
     True,   # last m-tiles of <= BM/2 rows run as half-height tiles
     False,  # every m-tile full height
@@ -288,11 +322,16 @@ def test_nn_moe_trains_at_one_rank(monkeypatch):
     import kosmos.nn as knn
     from kosmos import moe_reference as mr
 
+    saves = []
+
     def fake_forward(x, router_weight, w13, w2, *, top_k, routing, bias=None, group=None, return_routing=False,
-                     **kw):
+                     save_gu=False, **kw):
         weights, experts = mr.route(x, router_weight, top_k, routing, bias=bias, **kw)
         y = mr.apply_routing_ref(x, weights, experts, w13, w2).to(torch.bfloat16)
-        return (y, weights, experts) if return_routing else y
+        if not save_gu:
+            return (y, weights, experts) if return_routing else y
+        saves.append(1)
+        return y, weights, experts, simranks.placed_gate_up(x, w13, experts, top_k, g)
     monkeypatch.setattr(knn, "moe_forward", fake_forward)
     g = torch.Generator().manual_seed(2)
     m = knn.MoE(32, 16, 8, 2)
@@ -308,6 +347,7 @@ def test_nn_moe_trains_at_one_rank(monkeypatch):
             acc += r
     for p, r in zip((m.router_weight, m.w13, m.w2), want):
         assert ((p.grad.float() - r).norm() / r.norm()).item() < 3e-2
+    assert m.save_gate_up and len(saves) == 2  # W = 1: the backward ran on the forward's g | u
 
 
 def _shape_rank(rank, world, port, q, tokens):

@@ -164,6 +164,17 @@ def store_rows(ptr, val, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.const
 
 
 @triton.jit
+def store_block(ptr, val, row, col, rows_valid, cols_valid, N, BM: tl.constexpr, BN: tl.constexpr):
+    """store_rows with its own column bound: val[BM, BN] at ptr[row + i, col + j] (row stride N) for
+    i < rows_valid, j < cols_valid -- a tile that is one of several column blocks of a row (gate | up)."""
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    base = ptr + (tl.cast(row, tl.int64) * N + col)
+    mask = (offs_m[:, None] < rows_valid) & (offs_n[None, :] < cols_valid)
+    tl.store(base + (offs_m[:, None] * N + offs_n[None, :]), val, mask=mask)
+
+
+@triton.jit
 def copy_flat(src_ptr, dst_ptr, n_elems, BLOCK: tl.constexpr):
     """dst[:n_elems] = src[:n_elems] for contiguous buffers (whole rows of a row-major matrix are one
     contiguous run), BLOCK elements at a time: fully coalesced 16-byte accesses. One program's rate grows

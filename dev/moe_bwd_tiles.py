@@ -1,0 +1,157 @@
+"""Tile variants of the MoE backward's expert GEMM kernels, and the forward with and without save_gu, timed on
+one GPU in one process (a developer probe; issue 15).
+
+    python -m dev.moe_bwd_tiles [--model qwen3-235b] [--tokens 4096] [--json OUT.jsonl] [--only dgrad2,wgrad1]
+
+The rows are a uniform top-k assignment of ``--tokens`` tokens (each token's k experts drawn without
+replacement), the operands N(0, 1) bf16 (weights scaled by 1/sqrt(fan-in)), fresh per run; every variant is
+timed with kosmos_bench.timing.time_op (L2 flushed, median of --iters) and checked against the default variant's
+output (relative Frobenius error; the default itself against torch._grouped_mm on the same rows). Kernels:
+
+  dgrad2   expert_dgrad2_swiglu(dy_rows, gu, W2, w, counts, emit_h=True)    vs grouped_mm(dy_rows, W2^T)
+  wgrad2   expert_weight_grads(h, do, counts)                               vs grouped_mm(h^T, do)
+  wgrad1   expert_weight_grads(x_rows, dgu, counts)                         vs grouped_mm(x_rows^T, dgu)
+  dgrad1   expert_dgrad1(dgu, W13, counts)                                  vs grouped_mm(dgu, W13^T)
+  forward  kosmos.moe_forward(return_routing=True) with save_gu False / True (the training forward's cost)
+
+A variant that fails to compile or run is a row with its error; the sweep goes on. Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+DGRAD2 = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 2), (64, 128, 64, 4, 4),
+          (128, 64, 64, 8, 3), (128, 256, 64, 8, 3)]
+WGRAD = [("persistent", (128, 128, 64, 8, 3)), ("persistent", (128, 128, 64, 8, 4)),
+         ("persistent", (128, 256, 64, 8, 3)), ("persistent", (256, 128, 64, 8, 3)),
+         ("persistent", (128, 128, 128, 8, 2)), ("tiles", (128, 128, 64, 8, 3))]
+DGRAD1 = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+          (128, 128, 128, 8, 2), (64, 256, 64, 8, 3)]
+KERNELS = ("dgrad2", "wgrad2", "wgrad1", "dgrad1", "forward")
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-235b")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default=",".join(KERNELS), help="comma-separated subset of " + ", ".join(KERNELS))
+    ap.add_argument("--max-seconds", type=float, default=240.0, help="start no new variant past this")
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_bwd_tiles times GPU kernels: no CUDA device here")
+    import kosmos
+    from kosmos.kernels import moe_backward as mb
+    from kosmos.models import MOE_MODELS
+    from kosmos_bench import timing
+    only = set(args.only.split(","))
+    m = MOE_MODELS[args.model]
+    t, h, f, e, k = args.tokens, m.hidden, m.expert_ffn, m.experts, m.top_k
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=dev) * scale).to(torch.bfloat16)  # noqa: E731
+    experts = torch.rand(t, e, generator=g, device=dev).topk(k, dim=1).indices
+    counts = torch.bincount(experts.reshape(-1), minlength=e)
+    r = t * k
+    offs = torch.cumsum(counts.to(torch.int32), 0, dtype=torch.int32)
+    w13, w2 = rn(e, h, 2 * f, scale=h ** -0.5), rn(e, f, h, scale=f ** -0.5)
+    x_rows, dy_rows, gu, dgu, hh, do = rn(r, h), rn(r, h), rn(r, 2 * f), rn(r, 2 * f), rn(r, f), rn(r, h)
+    w_pair = torch.rand(r, generator=g, device=dev)
+    out = open(args.json, "w") if args.json else None
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+        print(f"  {row['kernel']:<8} {row['variant']:<28} {row['status']:<7} "
+              f"{row.get('time_ms') or float('nan'):8.4f} ms  {row.get('tflops') or float('nan'):5.0f} TF/s  "
+              f"vs torch {row.get('vs_torch') or float('nan'):5.3f}  err {row.get('rel_err') or float('nan'):.1e}"
+              + (f"  {row.get('reason')}" if row.get("reason") else ""), flush=True)
+
+    def sweep(kernel, variants, fn, ref_fn, flops, pick=lambda o: o):
+        if kernel not in only:
+            return
+        ref_t = timing.time_op(ref_fn, iters=args.iters, warmup=args.warmup)["time_ms"]
+        ref_out = ref_fn()
+        default_out = None
+        for i, v in enumerate(variants):
+            row = dict(type="variant", kernel=kernel, variant=str(v), default=i == 0, model=m.name, tokens=t,
+                       rows=r, status="ok", torch_ms=ref_t)
+            if time.monotonic() - start > args.max_seconds:
+                row.update(status="skipped", reason="deadline")
+                emit(row)
+                continue
+            try:
+                o = pick(fn(v))
+                torch.cuda.synchronize()
+                row["rel_err"] = rel(o, ref_out if default_out is None else default_out)
+                row["rel_err_vs"] = "torch" if default_out is None else "default variant"
+                if default_out is None:
+                    default_out = o
+                if not torch.isfinite(o.float()).all():
+                    row.update(status="failed", reason="non-finite output")
+                tm = timing.time_op(lambda: fn(v), iters=args.iters, warmup=args.warmup)
+                row.update(time_ms=tm["time_ms"], p20_ms=tm["p20_ms"], p80_ms=tm["p80_ms"])
+                row["tflops"] = flops / (tm["time_ms"] * 1e-3) / 1e12
+                row["vs_torch"] = ref_t / tm["time_ms"]
+            except Exception as err:  # noqa: BLE001 -- a variant that does not compile is a finding
+                row.update(status="failed", reason=f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}")
+            emit(row)
+        del ref_out, default_out
+        torch.cuda.empty_cache()
+
+    gm = torch._grouped_mm
+    print(f"moe_bwd_tiles: {m.name} T={t} H={h} F={f} E={e} k={k} rows={r} (per expert {int(counts.min())}.."
+          f"{int(counts.max())})", flush=True)
+    sweep("dgrad2", DGRAD2, lambda v: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True, tiles=v),
+          lambda: gm(dy_rows, w2.transpose(1, 2), offs=offs), 2 * r * h * f, pick=lambda o: o[0])
+    sweep("wgrad2", WGRAD, lambda v: mb.expert_weight_grads(hh, do, counts, kernel=v[0], tiles=v[1]),
+          lambda: gm(hh.t(), do, offs=offs), 2 * r * h * f)
+    sweep("wgrad1", WGRAD, lambda v: mb.expert_weight_grads(x_rows, dgu, counts, kernel=v[0], tiles=v[1]),
+          lambda: gm(x_rows.t(), dgu, offs=offs), 4 * r * h * f)
+    sweep("dgrad1", DGRAD1, lambda v: mb.expert_dgrad1(dgu, w13, counts, tiles=v),
+          lambda: gm(dgu, w13.transpose(1, 2), offs=offs), 4 * r * h * f)
+    if "forward" in only:
+        x, wr = rn(t, h), rn(e, h, scale=h ** -0.5)
+        for save in (False, True, False, True):  # interleaved twice
+            row = dict(type="variant", kernel="forward", variant=f"save_gu={save}", model=m.name, tokens=t, rows=r,
+                       status="ok")
+            try:
+                call = lambda: kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True,  # noqa: E731
+                                                  save_gu=save)
+                call()
+                tm = timing.time_op(call, iters=args.iters, warmup=args.warmup)
+                row.update(time_ms=tm["time_ms"], p20_ms=tm["p20_ms"], p80_ms=tm["p80_ms"],
+                           tflops=6 * r * h * f / (tm["time_ms"] * 1e-3) / 1e12)
+            except Exception as err:  # noqa: BLE001
+                row.update(status="failed", reason=f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}")
+            emit(row)
+    if out:
+        out.close()
+    print("\n== best per kernel (time_ms; the default first)")
+    for kern in KERNELS:
+        ok = [x for x in rows if x["kernel"] == kern and x["status"] == "ok" and x.get("time_ms")]
+        if ok:
+            best = min(ok, key=lambda x: x["time_ms"])
+            print(f"  {kern:<8} default {ok[0]['time_ms']:.4f}  best {best['time_ms']:.4f} {best['variant']}"
+                  f"  torch {ok[0].get('torch_ms') or float('nan'):.4f}  geo-check {math.isfinite(best['time_ms'])}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
