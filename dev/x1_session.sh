@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -321,5 +321,26 @@ PYEOF
     sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log"; grep -E "gemm1_recompute|gu_saved" "$out/bwd-probe.log" | tail -2
     sed -n '/== best/,$p' "$out/bwd-tiles.log"; grep forward "$out/bwd-tiles.log" | head -4
     grep -E "moe_forward|dgrad|wgrad" "$out/regs-moe.txt" | head -14 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b" >&2; exit 2 ;;
+  s11c)  # session 11, last call (<= 540 s; tarball $OUT/s11c.tar.gz): save_gu's GPU tests, the bench's MoE backward
+         # rows at qwen3 4k (issue 15's committed result), the backward GEMM tiles again (dgrad2 fixed, dgrad1's
+         # new default), the probe's stages with what time is left.
+    real_out=$out; export OUT=/tmp/s11o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s11c.tar.gz"; }
+    timeout 150 python -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or ranks or gpu_optional" \
+      tests/test_moe_backward.py tests/test_launch_plan.py > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; tail -1 "$out/gpu-tests-bwd.log"
+    timeout 60 python -m pytest -v -p no:cacheprovider --timeout 40 -m gpu tests/test_moe_forward.py -k "w1" \
+      > "$out/gpu-tests-fwd.log" 2>&1; echo "gpu tests fwd rc=$?"; tail -1 "$out/gpu-tests-fwd.log"
+    grep -hE "(FAILED|ERROR)" "$out"/gpu-tests-*.log | head -8; keep
+    timeout 200 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1.jsonl" > "$out/bench-moe-bwd.log" 2>&1
+    echo "bench rc=$?"; keep
+    timeout 70 python -m dev.moe_bwd_tiles --only dgrad2,dgrad1 --max-seconds 55 --json "$out/bwd-tiles.jsonl" \
+      > "$out/bwd-tiles.log" 2>&1; echo "tiles rc=$?"; keep
+    left=$((535 - SECONDS))
+    [ $left -gt 40 ] && timeout $left python -m dev.moe_bwd_probe --max-seconds $((left - 20)) --json \
+      "$out/bwd-probe.jsonl" > "$out/bwd-probe.log" 2>&1; echo "bwd probe rc=$?"; keep
+    grep -v "^{" "$out/bench-moe-bwd.log" | tail -14
+    sed -n '/== best/,$p' "$out/bwd-tiles.log"; sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c" >&2; exit 2 ;;
 esac

@@ -667,3 +667,21 @@ def test_w1_nn_moe_backward_gpu(no_tf32):
                                   **{k: v for k, v in kw.items() if k != "n_group" and k != "topk_group"})
         for got, want in zip((x.grad, m.router_weight.grad, m.w13.grad, m.w2.grad), ref):
             assert ((got.float().cpu() - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_saved_gate_up_scatter_equals_the_sort():
+    """SavedGateUp.in_backward_order at W = 1: the scatter through the backward's own sort (``order``) and the
+    general argsort give the same rows, and both are x[token] @ W13[expert] in the backward's pair order."""
+    g = torch.Generator().manual_seed(0)
+    t, h, f, e, k = 37, 16, 8, 6, 3
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    w13 = torch.randn(e, h, 2 * f, generator=g).to(torch.bfloat16)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    saved = simranks.placed_gate_up(x, w13, experts, k, g)
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=e)
+    by_sort = saved.in_backward_order(counts, t * k)
+    want = torch.stack([x[p // k].float() @ w13[flat[p]].float() for p in order.tolist()]).to(torch.bfloat16)
+    assert torch.equal(by_sort, want)
+    assert torch.equal(saved.in_backward_order(counts, t * k, order=order), want)

@@ -568,7 +568,11 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
     tl.store(dx_ptr + rr[:, None] * H + ch[None, :], acc.to(tl.bfloat16), mask=rm[:, None] & hm[None, :])
 
 
-DGRAD1_TILES = (128, 128, 64, 8, 3)  # GPU (BM, BN, BK, warps, stages)
+# GPU (BM, BN, BK, warps, stages). Session 11, one H200, qwen3-235b 4k rows (dev/moe_bwd_tiles, results/h200x1/s11):
+# 128x128x64 w8 s3 2.017 ms (409 TF/s, 0.80x torch._grouped_mm), s4 2.167, 128x256x64 w8 s3 1.641 (502 TF/s,
+# 0.99x; kept), 256x128x64 2.430, 128x128x128 s2 2.964, 64x256x64 2.266 -- the wider H tile halves the
+# re-reads of each [dg | du] row block (K = 2F = 3072)
+DGRAD1_TILES = (128, 256, 64, 8, 3)
 
 
 def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *, tiles=None) -> torch.Tensor:
@@ -838,7 +842,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
             raise ValueError(f"saved_gu (rows of width {saved_gu.gu.shape[1]}, world {saved_gu.world}, top_k "
                              f"{saved_gu.top_k}) is not this layer's forward (2F={w13.shape[2]}, world {world}, "
                              f"top_k {k})")
-        gu = saved_gu.in_backward_order(counts, x_rows.shape[0])
+        gu = saved_gu.in_backward_order(counts, x_rows.shape[0], order=order if world == 1 else None)
     else:
         gu = _expert_gemm1(x_rows, w13, counts)
     f = w2.shape[1]

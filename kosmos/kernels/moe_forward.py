@@ -944,13 +944,21 @@ class SavedGateUp:
     def __init__(self, gu: torch.Tensor, meta: torch.Tensor, tokens: int, top_k: int, world: int):
         self.gu, self.meta, self.tokens, self.top_k, self.world = gu, meta, tokens, top_k, world
 
-    def in_backward_order(self, counts: torch.Tensor, rows: int) -> torch.Tensor:
+    def in_backward_order(self, counts: torch.Tensor, rows: int, order: torch.Tensor | None = None) -> torch.Tensor:
         """gu's first ``rows`` rows (= sum(counts), this rank's expert rows; host-known: T*k at W = 1) in the
-        backward's order; ``counts`` [E/W] rows per local expert (on the device; no host synchronisation)."""
+        backward's order; ``counts`` [E/W] rows per local expert (on the device; no host synchronisation).
+        ``order`` (W = 1 only): the backward's own stable sort of the pairs by expert (row i <- pair order[i]),
+        so that each row is scattered straight to its place (no sort here)."""
         if rows == 0:
             return self.gu[:0]
         meta = self.meta[:rows].long()
         dev_ = self.gu.device
+        if order is not None and self.world == 1:
+            place = torch.empty_like(order)
+            place[order] = torch.arange(order.numel(), device=order.device)
+            out = torch.empty((rows, self.gu.shape[1]), dtype=self.gu.dtype, device=dev_)
+            out[place[meta[:, 1] * self.top_k + meta[:, 2]]] = self.gu[:rows]
+            return out
         ends = torch.cumsum(counts.to(device=dev_, dtype=torch.int64), 0)
         le = torch.searchsorted(ends, torch.arange(rows, device=dev_), right=True)
         per_rank = self.tokens * self.top_k
