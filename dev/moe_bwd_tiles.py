@@ -80,7 +80,8 @@ def main(argv=None):
             out.flush()
         print(f"  {row['kernel']:<8} {row['variant']:<28} {row['status']:<7} "
               f"{row.get('time_ms') or float('nan'):8.4f} ms  {row.get('tflops') or float('nan'):5.0f} TF/s  "
-              f"vs torch {row.get('vs_torch') or float('nan'):5.3f}  err {row.get('rel_err') or float('nan'):.1e}"
+              f"vs torch {row.get('vs_torch') or float('nan'):5.3f}  "
+              f"err {float('nan') if row.get('rel_err') is None else row['rel_err']:.1e}"
               + (f"  {row.get('reason')}" if row.get("reason") else ""), flush=True)
 
     def sweep(kernel, variants, fn, ref_fn, flops, pick=lambda o: o, comparable=True):

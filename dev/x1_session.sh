@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -342,5 +342,21 @@ PYEOF
       "$out/bwd-probe.jsonl" > "$out/bwd-probe.log" 2>&1; echo "bwd probe rc=$?"; keep
     grep -v "^{" "$out/bench-moe-bwd.log" | tail -14
     sed -n '/== best/,$p' "$out/bwd-tiles.log"; sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c" >&2; exit 2 ;;
+  s11d)  # session 11, fourth call (<= 330 s; tarball $OUT/s11d.tar.gz): the forward's GPU tests that s11c's 60 s
+         # cut short (nn.MoE's backward on the saved g | u among them), the bench's MoE backward rows at the final
+         # tiles (issue 15's committed result), the probe with what is left.
+    real_out=$out; export OUT=/tmp/s11o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s11d.tar.gz"; }
+    timeout 110 python -m pytest -v -p no:cacheprovider --timeout 80 -m gpu tests/test_moe_forward.py \
+      -k "w1_nn_moe_backward or w1_fixed_role or w1_expert_gemms" > "$out/gpu-tests-fwd.log" 2>&1
+    echo "gpu tests fwd rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-fwd.log" | sed 's/ *\[.*//'; keep
+    timeout 110 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1.jsonl" > "$out/bench-moe-bwd.log" 2>&1
+    echo "bench rc=$?"; keep
+    left=$((320 - SECONDS))
+    [ $left -gt 40 ] && timeout $left python -m dev.moe_bwd_probe --no-profile --max-seconds $((left - 20)) \
+      --json "$out/bwd-probe.jsonl" > "$out/bwd-probe.log" 2>&1; echo "bwd probe rc=$?"; keep
+    grep -v "^{" "$out/bench-moe-bwd.log" | grep -A6 "direction bwd" | head -8
+    sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d" >&2; exit 2 ;;
 esac

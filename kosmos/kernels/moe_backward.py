@@ -483,7 +483,11 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
                          DOT_FP32)
 
 
-DGRAD2_TILES = (128, 128, 64, 8, 3)  # GPU (BM, BN, BK, warps, stages); the epilogue in two 64-column halves
+# GPU (BM, BN, BK, warps, stages); the epilogue in two BN/2-column halves. Session 11 (one H200, qwen3-235b 4k
+# rows, dev/moe_bwd_tiles, call c; all variants bitwise the default's): 128x128x64 w8 s3 1.391 ms (296 TF/s,
+# 0.59x torch._grouped_mm's GEMM alone), s4 1.241 (332 TF/s, 0.66x; kept), 128x256x64 s3 1.278, 64x128x64 w4
+# s4 1.361, 128x64x64 s3 1.697, 64x256x64 s3 1.316
+DGRAD2_TILES = (128, 128, 64, 8, 4)
 DGRAD2_SPLIT = True  # False: the epilogue on the whole BN-wide tile at once (at 128 x 128: spills, see docstring)
 
 
@@ -569,10 +573,11 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
 
 
 # GPU (BM, BN, BK, warps, stages). Session 11, one H200, qwen3-235b 4k rows (dev/moe_bwd_tiles, results/h200x1/s11):
-# 128x128x64 w8 s3 2.017 ms (409 TF/s, 0.80x torch._grouped_mm), s4 2.167, 128x256x64 w8 s3 1.641 (502 TF/s,
-# 0.99x; kept), 256x128x64 2.430, 128x128x128 s2 2.964, 64x256x64 2.266 -- the wider H tile halves the
+# call b: 128x128x64 w8 s3 2.017 ms (409 TF/s, 0.80x torch._grouped_mm), s4 2.167, 128x256x64 w8 s3 1.641 (502
+# TF/s, 0.99x), 256x128x64 2.430, 128x128x128 s2 2.964, 64x256x64 2.266; call c: 128x256x64 w8 s3 1.650, s4
+# 1.573 (524 TF/s, 1.03x; kept), w4 s3 9.449 (spills), 256x256x64 s2 10.356 -- the wider H tile halves the
 # re-reads of each [dg | du] row block (K = 2F = 3072)
-DGRAD1_TILES = (128, 256, 64, 8, 3)
+DGRAD1_TILES = (128, 256, 64, 8, 4)
 
 
 def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *, tiles=None) -> torch.Tensor:
