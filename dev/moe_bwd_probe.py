@@ -9,7 +9,7 @@
 
 Issue 15's bar: the kosmos MoE backward (``kosmos.kernels.moe_backward.moe_backward_w1``) >= 1.3x faster than the
 nccl-a2a baseline's autograd backward at EP=1, and its expert GEMMs >= 80% of torch._grouped_mm's TFLOP/s. On one
-H200 at qwen3-235b, 4096 tokens, the backward took 1.6x nccl-a2a's (results/h200x1/moe-bwd-ep1.jsonl: 15.4 vs
+H200 at qwen3-235b, 4096 tokens, the backward took 1.6x nccl-a2a's (results/h200x1/history/s9-moe-bwd-ep1-d76938f.jsonl: 15.4 vs
 9.7 ms, uniform). This probe splits the backward into the stages ``moe_backward`` runs at W=1 and times each one
 alone.
 

@@ -116,6 +116,13 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
     0.97x, none under 0.90x); the llama3-70b TP=2 per-rank GEMMs keep 128x256 (0.985x of cuBLAS, min 0.949).
     Left for split-K / stream-K: shapes under a wave even in 64x64 tiles, and
     the per-tile overhead that holds short-K shapes (K = 1024: 0.84-0.90x) below cuBLAS.
+    Tried and lost (session 11, branch ``split-k``, ca6252c, not merged): split-K at W=1 for both ops, S tasks
+    per output tile with fp32 partials summed in order by the last split, chosen by this wave model extended to
+    split tasks (it split 3 grid shapes). Measured on one H200 against this rule (results/h200x1/s11/a):
+    512x1536x7168 0.584 -> 0.659x of cuBLAS (predicted ~1.15x), 256x4096x4096 0.714 -> 0.768x (predicted
+    ~1.15x), 512x5120x5120 0.712 -> 0.553x (predicted ~0.84x); the other 93 points unchanged (1.001). The model's
+    per-SM rate for a split tile is wrong by ~2x: these few-tile shapes are held by something a K split does not
+    remove (the per-tile fixed cost, the last split's serial sum, or both -- not yet traced).
 
     ``mx``: the MXFP8 paths keep 128x256 (their DEQ plan was measured only with it; the small tiles are not
     yet compiled or timed there). The rows <= 64 case falls out of the model (a 128-row tile costs its full

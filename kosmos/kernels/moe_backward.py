@@ -134,21 +134,32 @@ Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev
   PREDICTION (unmeasured; the descriptor cost at this shape is the unknown): wgrad1 2.58 -> ~2.1 ms (768
   tiles per expert: ~2.9 per program and expert, descriptors 3x fewer), wgrad2 1.30 -> ~1.2 ms (384 tiles per
   expert: ~1.5 per program). If the persistent grid is not faster, WGRAD_KERNEL = "tiles".
-* not built: g | u saved by the forward, so that the backward skips the GEMM1 recompute (1.63 ms of 11.36 at
-  qwen3). It is not a hot-loop change, but it is one to the forward kernel: ``moe_forward(..., save_gu=True)``
-  (nn.MoE likewise) would pass one more local buffer gu [W*T*min(k, El), 2F] bf16 beside hb (the SwiGLU
-  output, same rows) and moe_forward._gemm1_tile would store acc_g and acc_u rounded to bf16 (store_rows at
-  columns n*BNH and F + n*BNH, before h; GEMM1's output bytes x3) -- a new kernel argument, workspace and
-  launch-plan entry, and GPU-only validation. Memory, kept from forward to backward: R x 2F bf16 per rank,
-  qwen3-235b 4096 tokens 32768 x 3072 x 2 B = 192 MiB, deepseek-v3 256 MiB. The forward places an expert's
-  rows by atomics (xe_meta's (source, token, slot) order), so the backward would gather the saved rows into
-  its own stable order through xe_meta (one R x 2F bf16 gather, ~0.1 ms at qwen3) or adopt the forward's
-  layout (the one-launch plan above). Values: the forward's fp32 accumulators rounded once -- deterministic
-  (one dot product per element), not bitwise torch._grouped_mm's recompute (another summation order): the
-  gradients move by rounding.
-PREDICTION of the whole W=1 backward at qwen3 (unmeasured): 11.36 - 0.99 (dgrad2) - 0.06 (h) - 0.48
-(wgrad1) - 0.10 (wgrad2) = ~9.7 ms, about nccl-a2a's 9.70: the 1.3x bar (<= 7.46 ms) still needs the GEMM1
-recompute gone (~8.2 ms then) and the GEMM kernels at torch's rate.
+* g | u saved by the forward (session 11; built after the branch): ``moe_forward(..., save_gu=True)`` stores
+  GEMM1's g and u (bf16, the fp32 accumulators rounded once) beside h in its epilogue, into a fresh [W*T*min(k,
+  E/W), 2F] tensor per call, with a copy of the rows' (source, token, slot); ``moe_backward(saved_gu=)`` gathers
+  them into its own order (moe_forward.SavedGateUp.in_backward_order: by local expert, source rank, pair -- a
+  unique key, so the forward's atomics-dependent placement cannot change a bit of the gradients; tested on the
+  GPU with two forwards). nn.MoE keeps them by default at one rank (``save_gate_up``; exactly T*k rows there);
+  at W > 1 the forward cannot know its row count and would keep the worst case, so the backward recomputes.
+  Values: the forward kernel's dot products, not torch._grouped_mm's recompute (bitwise equal in the probe's
+  err_vs_torch at qwen3, 0.0; not guaranteed in general).
+MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1; results/h200x1/s11):
+* the branch (dgrad2 128x128 halves, h from dgrad2, persistent wgrad), interleaved against main: whole backward
+  11.30 -> 10.06 ms (predicted ~9.7); dgrad2 2.19 -> 1.39 ms (0.60x torch), wgrad2 1.23, wgrad1 2.15.
+* g | u saved: 10.06 -> 8.92 ms (predicted ~8.5); the forward 2.91 -> 2.98 ms with save_gu (+2%); moe_forward's
+  spills at W = 1/2/8 156/104/604 -> 184/116/604 B with SAVE_GU (Triton 3.6), unchanged without.
+* tile sweep (dev/moe_bwd_tiles; every variant's output bitwise the default's): DGRAD1_TILES and DGRAD2_TILES
+  (their comments hold the tables); the wgrad variants (4 stages, 128x256, 256x128, BR = 128, the per-tile
+  kernel) all lost to 128x128x64 at 3 stages.
+* final (136b0f2, ``kosmos bench moe --ep 1 --model qwen3-235b --tokens 4096 --direction fwd,bwd,fwd+bwd``,
+  results/h200x1/moe-bwd-ep1.*): backward 8.37 / 8.86 ms against nccl-a2a's autograd 9.72 / 10.42 (uniform /
+  zipf:1.2): 1.161x / 1.176x (bar 1.3x: missed); fwd+bwd 1.31x / 1.34x. Stages (probe): dgrad2 1.244 ms (0.66x
+  torch._grouped_mm's GEMM alone), wgrad2 1.238 (0.79x), wgrad1 2.149 (0.87x), dgrad1 1.589 (1.03x); the glue
+  (sort, permute, gather of g | u, do, unpermute, router, dx sum: ~1.8 ms) and ~0.3 ms of gaps between the ~110 launches.
+  Host time inside one backward call: ~5 ms (nccl-a2a's autograd ~2 ms) -- hidden in the bench by its spin,
+  not in a host-bound loop.
+NEXT (unmeasured): dgrad2's epilogue (0.42 ms over torch's bare GEMM), the wgrad kernels' per-tile cost at ~256
+rows per expert (0.79-0.87x), the torch glue and launches (the one-launch backward removes both).
 """
 from __future__ import annotations
 
