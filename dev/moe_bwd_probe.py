@@ -251,7 +251,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         flat = experts.reshape(-1)
         order = torch.sort(flat, stable=True).indices
         return {"experts_l": experts, "order": order, "tok": order // k,
-                "counts": torch.bincount(flat, minlength=n_exp)}
+                "counts": mb.expert_counts(flat, n_exp)}
 
     def permute(s):
         tok, order = s["tok"], s["order"]

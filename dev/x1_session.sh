@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -358,5 +358,19 @@ PYEOF
       --json "$out/bwd-probe.jsonl" > "$out/bwd-probe.log" 2>&1; echo "bwd probe rc=$?"; keep
     grep -v "^{" "$out/bench-moe-bwd.log" | grep -A6 "direction bwd" | head -8
     sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d" >&2; exit 2 ;;
+  s12a)  # written in session 11 for the next one-GPU session's first call (<= 420 s; tarball $OUT/s12a.tar.gz):
+         # what session 11 changed after its last device call, and the checks it could not run.
+    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12a.tar.gz"; }
+    timeout 120 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "never_syncs or forwards_gate_up" > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'; keep
+    timeout 150 python -m pytest -v -p no:cacheprovider --timeout 80 -m "gpu or ranks" tests/test_cuda_graphs.py \
+      -k "moe or capture or stalled" > "$out/gpu-tests-graphs.log" 2>&1
+    echo "gpu tests graphs rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-graphs.log" | sed 's/ *\[.*//'; keep
+    left=$((400 - SECONDS))
+    [ $left -gt 60 ] && timeout $left python -m dev.moe_bwd_probe --max-seconds $((left - 20)) \
+      --json "$out/bwd-probe.jsonl" > "$out/bwd-probe.log" 2>&1; echo "bwd probe rc=$?"; keep
+    grep -E "^  (sort|gu_saved) " "$out/bwd-probe.log" | tail -2; sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a" >&2; exit 2 ;;
 esac

@@ -379,3 +379,41 @@ def test_moe_backward_on_the_forwards_gate_up_gpu():
     _, w_again, e_again, saved_again = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=True)
     again = moe_backward_w1(x, wr, w13, w2, dy, w_again, e_again, saved_gu=saved_again)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.parametrize("n_experts", [1, 5, 64])
+def test_expert_counts_equals_bincount(n_experts):
+    """expert_counts (a sync-free scatter-add) counts exactly what torch.bincount does, empty experts included."""
+    from kosmos.kernels.moe_backward import expert_counts
+    g = torch.Generator().manual_seed(n_experts)
+    flat = torch.randint(0, max(1, n_experts - 1), (3, 7), generator=g)  # the last expert never drawn
+    got = expert_counts(flat, n_experts)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.bincount(flat.reshape(-1), minlength=n_experts))
+    assert torch.equal(expert_counts(flat[:0], n_experts), torch.zeros(n_experts, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved", [False, True])
+def test_moe_backward_w1_never_syncs_gpu(saved):
+    """The W = 1 backward enqueues everything without waiting for the GPU (a host sync there would stall the
+    training loop's run-ahead and cost the backward's host time in the GPU's idle gaps): no synchronising call
+    under torch.cuda.set_sync_debug_mode("error"), on the forward's g | u and on the recompute."""
+    import kosmos
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    g = torch.Generator().manual_seed(5)
+    t, h, f, e, k = 300, 256, 128, 16, 4
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16).cuda()
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
+    weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
+    moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu)  # compiles, allocates
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(t_.float()).all() for t_ in grads)

@@ -769,6 +769,15 @@ def _expert_gemm1(x_rows: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor)
     return out
 
 
+def expert_counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Pairs per expert, int64 [n_experts], with no host synchronisation: torch.bincount on CUDA reads its
+    input's max back to the host to size the output (minlength or not), which stalled every backward call on
+    the GPU (session 11: 2.2 ms of host time in the probe's sort stage, all of it waiting). An integer
+    scatter-add is exact in any order, so the counts stay deterministic."""
+    flat = flat.reshape(-1).long()
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def _exchange(t: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
     """The rows of ``t`` to their ranks (moe_reference.all_to_all_rows; split sizes on the host)."""
     from ..moe_reference import all_to_all_rows
@@ -807,7 +816,8 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
       pairs sorted by expert (stable: ascending p = t*k + j inside an expert), hence by destination rank;
       W > 1: the expert rows x_rows, dy_rows and the pairs' gate weights to the experts' ranks
       (dist.all_to_all_single, split sizes read on the host: one sync), regrouped by local expert (stable:
-      source rank, then pair order);
+      source rank, then pair order); at W = 1 nothing synchronises with the host (counts by expert_counts,
+      not torch.bincount; test_moe_backward_w1_never_syncs_gpu, written in session 11, not yet run);
       [g | u]: the forward's (``saved_gu``, a moe_forward.SavedGateUp from ``moe_forward(..., save_gu=True)``,
       gathered into this order) or recomputed (GEMM1 again, torch._grouped_mm);
       dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu; h = silu(g) u from its epilogue too,
@@ -837,7 +847,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     x_rows = x[tok].contiguous()
     dy_rows = dy.to(torch.bfloat16)[tok].contiguous()
     w_pair = weights.reshape(-1).float()[order].contiguous()
-    per_expert = torch.bincount(flat, minlength=n_exp)
+    per_expert = expert_counts(flat, n_exp)  # no host sync (torch.bincount syncs on CUDA)
     if world > 1:
         send = per_expert.view(world, local)                         # [dest rank, local expert]
         recv = torch.empty_like(send)                                # [source rank, local expert]
