@@ -268,9 +268,30 @@ def test_moe_backward_w1_vs_reference(routing):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
-def _ep_backward_rank(rank, world, port, q, routing):
+def _placed_gate_up_at_rank(full, rank, world, seed=0):
+    """This rank's g | u as moe_forward(save_gu=True) would keep it at W > 1: for each local expert, the rows of
+    every source rank in rank order, shuffled inside a source (the forward's atomics), with their (source,
+    token, slot); the token stride is the largest rank's token count."""
+    from kosmos.kernels.moe_forward import SavedGateUp
+    g = torch.Generator().manual_seed(seed + rank)
+    local = full["w13"].shape[0] // world
+    k = full["experts"][0].shape[1]
+    rows, meta = [], []
+    for le in range(local):
+        ex = rank * local + le
+        for s in range(world):
+            pairs = (full["experts"][s].reshape(-1) == ex).nonzero(as_tuple=True)[0]
+            for p in pairs[torch.randperm(pairs.numel(), generator=g)].tolist():
+                rows.append(full["x"][s][p // k].float() @ full["w13"][ex].float())
+                meta.append((s, p // k, p % k))
+    gu = torch.stack(rows).to(torch.bfloat16) if rows else torch.zeros((0, full["w13"].shape[2]), dtype=torch.bfloat16)
+    return SavedGateUp(gu, torch.tensor(meta, dtype=torch.int32).reshape(-1, 3),
+                       max(x.shape[0] for x in full["x"]), k, world)
+
+
+def _ep_backward_rank(rank, world, port, q, routing, saved=False):
     """One rank of the EP backward test: this rank's tokens, dy and decision, its experts; moe_backward over a
-    gloo group (the kernels under the interpreter)."""
+    gloo group (the kernels under the interpreter); ``saved``: on a stand-in of the forward's g | u."""
     import os
     import torch.distributed as dist
     from kosmos.kernels.moe_backward import moe_backward
@@ -281,10 +302,11 @@ def _ep_backward_rank(rank, world, port, q, routing):
         x, dy, experts, weights = (full[n][rank] for n in ("x", "dy", "experts", "weights"))
         local = full["w13"].shape[0] // world
         w13, w2 = (full[n][rank * local:(rank + 1) * local] for n in ("w13", "w2"))
+        saved_gu = _placed_gate_up_at_rank(full, rank, world) if saved else None
         got = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
-                           **full["rkw"])
+                           saved_gu=saved_gu, **full["rkw"])
         again = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
-                             **full["rkw"])
+                             saved_gu=saved_gu, **full["rkw"])
         same = all(torch.equal(a, b) for a, b in zip(got, again))
         # by value (numpy; bf16 exactly as fp32): a tensor on the queue would live in this process's shared memory
         q.put((rank, ([t.float().numpy() for t in got], same)))
@@ -319,16 +341,18 @@ def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("routing", ["softmax", "sigmoid-grouped"])
-def test_moe_backward_over_two_ranks_vs_reference(routing):
+@pytest.mark.parametrize("routing,saved", [("softmax", False), ("sigmoid-grouped", False), ("softmax", True)])
+def test_moe_backward_over_two_ranks_vs_reference(routing, saved):
     """moe_backward at W=2 over gloo (all-to-alls between the kernels) against moe_backward_ref on every rank's
     tokens with every expert in one process: dx of each rank's tokens, d(router weight) summed over the ranks,
-    dW13 / dW2 of each rank's experts (an expert without rows: zeros); deterministic per rank."""
+    dW13 / dW2 of each rank's experts (an expert without rows: zeros); deterministic per rank. ``saved``: on each
+    rank's g | u as the forward keeps them (rows shuffled inside each source), gathered into the backward's
+    order after the exchange."""
     from kosmos import moe_reference as mr
     from multiproc import spawn_gloo
     world = 2
     full = _ep_inputs(routing, world)
-    got = spawn_gloo(_ep_backward_rank, world, routing)
+    got = spawn_gloo(_ep_backward_rank, world, routing, saved)
     x_all, dy_all = torch.cat(full["x"]), torch.cat(full["dy"])
     want = mr.moe_backward_ref(x_all, full["wr"], full["w13"], full["w2"], dy_all, top_k=2,
                                experts=torch.cat(full["experts"]), **full["kw"])
