@@ -259,7 +259,9 @@ class MoEFn(torch.autograd.Function):
 
 class MoE(torch.nn.Module):
     """This rank's share of an expert-parallel MoE layer: router weight [E, H] (replicated), w13 [E/W, H, 2F]
-    (gate | up) and w2 [E/W, F, H] for the experts g with g // (E/W) == rank. ``forward(x [T, H]) -> [T, H]``."""
+    (gate | up) and w2 [E/W, F, H] for the experts g with g // (E/W) == rank. ``forward(x [T, H]) -> [T, H]``.
+    ``save_gate_up``: keep GEMM1's g | u from the forward for the backward (None: at one rank only; the module
+    docstring says why and what it costs)."""
 
     def __init__(self, hidden: int, expert_ffn: int, experts: int, top_k: int, *, routing: str = "softmax",
                  renormalize: bool = True, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,

@@ -135,8 +135,9 @@ MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comm
 MOE_DIRECTION_OPTION = typer.Option(None, "--direction", help="fwd (the layer's forward, the default), bwd (its "
                                     "backward alone: an untimed forward before each timed backward) or fwd+bwd, or "
                                     "a comma list (every point runs in each, rows carry their direction). The "
-                                    "bench's backward rows run at one rank (--ep 1) and bf16: kosmos (moe_backward_w1) "
-                                    "and nccl-a2a (autograd), checked against the fp32 gradients.")
+                                    "backward rows run in bf16: kosmos (at --ep 1 moe_backward_w1 on the forward's "
+                                    "kept g | u; at --ep > 1 moe_backward, GEMM1 recomputed) and nccl-a2a "
+                                    "(autograd), checked against the fp32 gradients.")
 ITERS_OPTION = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported).")
 WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.")
 CUDA_GRAPH_OPTION = typer.Option(False, "--cuda-graph", help="Capture one call of each implementation (after "
