@@ -9,9 +9,10 @@
 
 Issue 15's bar: the kosmos MoE backward (``kosmos.kernels.moe_backward.moe_backward_w1``) >= 1.3x faster than the
 nccl-a2a baseline's autograd backward at EP=1, and its expert GEMMs >= 80% of torch._grouped_mm's TFLOP/s. On one
-H200 at qwen3-235b, 4096 tokens, the backward took 1.6x nccl-a2a's (results/h200x1/history/s9-moe-bwd-ep1-d76938f.jsonl: 15.4 vs
-9.7 ms, uniform). This probe splits the backward into the stages ``moe_backward`` runs at W=1 and times each one
-alone.
+H200 at qwen3-235b, 4096 tokens, the backward took 1.6x nccl-a2a's in session 9
+(results/h200x1/history/s9-moe-bwd-ep1-d76938f.jsonl: 15.4 vs 9.7 ms, uniform); in session 11, 8.27 vs 9.70 ms
+(results/h200x1/s11/d). This probe splits the backward into the stages ``moe_backward`` runs at W=1 and times
+each one alone.
 
 One EP=1 point, built by the MoE bench's own builders (kosmos_bench/moe.py: ``make_router_inputs``,
 ``make_expert_weights``, ``MoEInputs``, the output gradient dy drawn as ``run_case`` draws it; seed 0, rank 0 by
@@ -714,7 +715,8 @@ def table(rows) -> str:
         lines.append(f"  {r['stage']:<16} {_fmt(r.get('time_ms'), '.4f'):>8} {_fmt(share, '.1%'):>6} "
                      f"{_fmt(r.get('tflops'), '.0f'):>8} {_fmt(r.get('ref_time_ms'), '.4f'):>8} "
                      f"{_fmt(r.get('ref_tflops'), '.0f'):>10} {_fmt(r.get('ratio_tflops'), '.3f'):>12} "
-                     f"{_fmt(r.get('rel_err_vs_ref', r.get('rel_err_vs_recompute')), '.1e'):>12} {_fmt(r.get('launches'), 'd'):>8} "
+                     f"{_fmt(r.get('rel_err_vs_ref', r.get('rel_err_vs_recompute')), '.1e'):>12} "
+                     f"{_fmt(r.get('launches'), 'd'):>8} "
                      f"{_fmt(r.get('kernel_ms'), '.4f'):>9} "
                      f"{_fmt(r.get('host_ms'), '.3f'):>8}  {r['status']}"
                      + (f" ({r['reason']})" if r.get("reason") else "")

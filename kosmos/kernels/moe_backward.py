@@ -144,8 +144,8 @@ Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev
   Values: the forward kernel's dot products, not torch._grouped_mm's recompute (bitwise equal in the probe's
   err_vs_torch at qwen3, 0.0; not guaranteed in general).
 MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1; results/h200x1/s11):
-* the branch (dgrad2 128x128 halves, h from dgrad2, persistent wgrad), interleaved against main: whole backward
-  11.30 -> 10.06 ms (predicted ~9.7); dgrad2 2.19 -> 1.39 ms (0.60x torch), wgrad2 1.23, wgrad1 2.15.
+* the branch (dgrad2 128x128 halves, h from dgrad2, persistent wgrad) against main, one after the other in one
+  call (not interleaved): whole backward 11.30 -> 10.06 ms (predicted ~9.7); dgrad2 2.19 -> 1.39 ms (0.60x torch), wgrad2 1.23, wgrad1 2.15.
 * g | u saved: 10.06 -> 8.92 ms (predicted ~8.5); the forward 2.91 -> 2.98 ms with save_gu (+2%); moe_forward's
   spills at W = 1/2/8 156/104/604 -> 184/116/604 B with SAVE_GU (Triton 3.6), unchanged without.
 * tile sweep (dev/moe_bwd_tiles; every variant's output bitwise the default's): DGRAD1_TILES and DGRAD2_TILES
@@ -155,7 +155,8 @@ MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1
   results/h200x1/moe-bwd-ep1.*): backward 8.37 / 8.86 ms against nccl-a2a's autograd 9.72 / 10.42 (uniform /
   zipf:1.2): 1.161x / 1.176x (bar 1.3x: missed); fwd+bwd 1.31x / 1.34x. Stages (probe): dgrad2 1.244 ms (0.66x
   torch._grouped_mm's GEMM alone), wgrad2 1.238 (0.79x), wgrad1 2.149 (0.87x), dgrad1 1.589 (1.03x); the glue
-  (sort, permute, gather of g | u, do, unpermute, router, dx sum: ~1.8 ms) and ~0.3 ms of gaps between the ~110 launches.
+  (sort, permute, gather of g | u, do, unpermute, router, dx sum: ~1.8 ms) and ~0.3 ms of gaps between the
+  ~110 launches.
   Host time inside one backward call: ~5 ms (nccl-a2a's autograd ~2 ms) -- hidden in the bench by its spin,
   not in a host-bound loop.
 NEXT (unmeasured): dgrad2's epilogue (0.42 ms over torch's bare GEMM), the wgrad kernels' per-tile cost at ~256
