@@ -190,6 +190,22 @@ def _to_out(acc, out_ty: tl.constexpr, RNE_BITS: tl.constexpr):
 
 
 @triton.jit
+def _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr,
+                    DOT_FP32: tl.constexpr):
+    """The fp32 sum A[rows, ti-tile]^T B[rows, tj-tile] over an expert's rows in ascending order, BR per step,
+    through its TMA descriptors (one tile of both TMA wgrad kernels: the same sum, hence the same bits)."""
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    for r0 in range(0, rows, BR):
+        a = a_desc.load([r0, ti * BI])
+        b = b_desc.load([r0, tj * BJ])
+        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+    return acc
+
+
+@triton.jit
 def _expert_wgrad_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
                          BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, DOT_FP32: tl.constexpr):
     """One output tile (e, i, j) of dW[e] = A[rows of e]^T B[rows of e], the operands through TMA: each program's
@@ -207,14 +223,7 @@ def _expert_wgrad_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
     rows = tl.load(counts_ptr + e)
     a_desc = tl.make_tensor_descriptor(a_ptr + first * KA, shape=[rows, KA], strides=[KA, 1], block_shape=[BR, BI])
     b_desc = tl.make_tensor_descriptor(b_ptr + first * KB, shape=[rows, KB], strides=[KB, 1], block_shape=[BR, BJ])
-    acc = tl.zeros((BI, BJ), dtype=tl.float32)
-    for r0 in range(0, rows, BR):
-        a = a_desc.load([r0, ti * BI])
-        b = b_desc.load([r0, tj * BJ])
-        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
-            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(tl.trans(a), b, acc)
+    acc = _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI, BJ, BR, DOT_FP32)
     ci = ti * BI + tl.arange(0, BI)
     cj = tj * BJ + tl.arange(0, BJ)
     out = out_ptr + e.to(tl.int64) * KA * KB
@@ -282,14 +291,7 @@ def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr,
         for t in range(t0, n_t, GRID):
             ti = t // n_j
             tj = t % n_j
-            acc = tl.zeros((BI, BJ), dtype=tl.float32)
-            for r0 in range(0, rows, BR):
-                a = a_desc.load([r0, ti * BI])
-                b = b_desc.load([r0, tj * BJ])
-                if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
-                    acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
-                else:
-                    acc = tl.dot(tl.trans(a), b, acc)
+            acc = _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI, BJ, BR, DOT_FP32)
             ci = ti * BI + ci0
             cj = tj * BJ + cj0
             tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
