@@ -265,7 +265,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     def gu_saved(s):  # moe_backward's g | u: the forward's, gathered into the backward's order, or the recompute
         if pt.saved is None:
             return {"gu": s["gu_recomputed"]}
-        return {"gu": pt.saved.in_backward_order(s["counts"], s["x_rows"].shape[0], order=s["order"])}
+        return {"gu": pt.saved.in_backward_order(s["counts"], s["x_rows"].shape[0])}
 
     emits_h = mb.dgrad2_emits_h()  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
 
@@ -328,7 +328,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
                    "_grouped_mm(x_rows, W13) bf16 out", "gu_recomputed")),
         Stage("gu_saved", "torch gather" if pt.saved is not None else "-",
               "[g|u]: the forward's (moe_forward save_gu) in the backward's order; without it, the recompute",
-              ("gu_recomputed", "counts", "x_rows", "order"), gu_saved),
+              ("gu_recomputed", "counts", "x_rows"), gu_saved),
         Stage("dgrad2_swiglu", "kosmos triton (+ torch glue)",
               "z = dy_rows W2^T; SwiGLU bwd -> [dg|du] bf16; gate grads (F-tile partials summed in one launch)",
               ("dy_rows", "gu", "w_pair", "counts"), dgrad2,

@@ -871,7 +871,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
             raise ValueError(f"saved_gu (rows of width {saved_gu.gu.shape[1]}, world {saved_gu.world}, top_k "
                              f"{saved_gu.top_k}) is not this layer's forward (2F={w13.shape[2]}, world {world}, "
                              f"top_k {k})")
-        gu = saved_gu.in_backward_order(counts, x_rows.shape[0], order=order if world == 1 else None)
+        gu = saved_gu.in_backward_order(counts, x_rows.shape[0])
     else:
         gu = _expert_gemm1(x_rows, w13, counts)
     f = w2.shape[1]
