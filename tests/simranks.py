@@ -406,14 +406,21 @@ class MoERanks:
             assert done == [epoch if self.world > 1 else 0] * self.world, f"rank {r}: done flags {done}"
 
 
-def placed_gate_up(x, w13, experts, top_k, gen=None):
-    """A stand-in forward's g | u as ``moe_forward(save_gu=True)`` keeps it at W = 1 (for CPU tests that fake the
-    forward): rows expert-major, shuffled inside each expert as the kernel's atomics may place them, in fp32
-    then rounded to bf16 once; a moe_forward.SavedGateUp."""
-    flat = experts.reshape(-1)
-    placed = torch.cat([torch.nonzero(flat == e, as_tuple=True)[0][torch.randperm(int((flat == e).sum()),
-                                                                                    generator=gen)]
-                        for e in range(w13.shape[0])])
-    gu = torch.stack([x[p // top_k].float() @ w13[flat[p]].float() for p in placed.tolist()]).to(torch.bfloat16)
-    meta = torch.stack([torch.zeros_like(placed), placed // top_k, placed % top_k], 1).to(torch.int32)
-    return mf.SavedGateUp(gu, meta, x.shape[0], top_k, 1)
+def placed_gate_up(xs, w13, experts, top_k, gen=None, rank=0, world=1):
+    """A stand-in forward's g | u as ``moe_forward(save_gu=True)`` keeps it on ``rank`` (for CPU tests that fake
+    the forward): for each of the rank's local experts, every source rank's rows in rank order, shuffled inside a
+    source as the kernel's atomics may place them, in fp32 then rounded to bf16 once; a moe_forward.SavedGateUp.
+    ``xs`` / ``experts``: every rank's tokens and decisions (a tensor each at W = 1); ``w13`` all E experts; the
+    token stride is the largest rank's token count."""
+    xs, experts = ([xs], [experts]) if world == 1 and torch.is_tensor(xs) else (xs, experts)
+    local = w13.shape[0] // world
+    rows, meta = [], []
+    for ex in range(rank * local, (rank + 1) * local):
+        for s in range(world):
+            pairs = (experts[s].reshape(-1) == ex).nonzero(as_tuple=True)[0]
+            for p in pairs[torch.randperm(pairs.numel(), generator=gen)].tolist():
+                rows.append(xs[s][p // top_k].float() @ w13[ex].float())
+                meta.append((s, p // top_k, p % top_k))
+    gu = torch.stack(rows).to(torch.bfloat16) if rows else torch.zeros((0, w13.shape[2]), dtype=torch.bfloat16)
+    return mf.SavedGateUp(gu, torch.tensor(meta, dtype=torch.int32).reshape(-1, 3), max(x.shape[0] for x in xs),
+                          top_k, world)

@@ -268,27 +268,6 @@ def test_moe_backward_w1_vs_reference(routing):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
-def _placed_gate_up_at_rank(full, rank, world, seed=0):
-    """This rank's g | u as moe_forward(save_gu=True) would keep it at W > 1: for each local expert, the rows of
-    every source rank in rank order, shuffled inside a source (the forward's atomics), with their (source,
-    token, slot); the token stride is the largest rank's token count."""
-    from kosmos.kernels.moe_forward import SavedGateUp
-    g = torch.Generator().manual_seed(seed + rank)
-    local = full["w13"].shape[0] // world
-    k = full["experts"][0].shape[1]
-    rows, meta = [], []
-    for le in range(local):
-        ex = rank * local + le
-        for s in range(world):
-            pairs = (full["experts"][s].reshape(-1) == ex).nonzero(as_tuple=True)[0]
-            for p in pairs[torch.randperm(pairs.numel(), generator=g)].tolist():
-                rows.append(full["x"][s][p // k].float() @ full["w13"][ex].float())
-                meta.append((s, p // k, p % k))
-    gu = torch.stack(rows).to(torch.bfloat16) if rows else torch.zeros((0, full["w13"].shape[2]), dtype=torch.bfloat16)
-    return SavedGateUp(gu, torch.tensor(meta, dtype=torch.int32).reshape(-1, 3),
-                       max(x.shape[0] for x in full["x"]), k, world)
-
-
 def _ep_backward_rank(rank, world, port, q, routing, saved=False):
     """One rank of the EP backward test: this rank's tokens, dy and decision, its experts; moe_backward over a
     gloo group (the kernels under the interpreter); ``saved``: on a stand-in of the forward's g | u."""
@@ -302,7 +281,9 @@ def _ep_backward_rank(rank, world, port, q, routing, saved=False):
         x, dy, experts, weights = (full[n][rank] for n in ("x", "dy", "experts", "weights"))
         local = full["w13"].shape[0] // world
         w13, w2 = (full[n][rank * local:(rank + 1) * local] for n in ("w13", "w2"))
-        saved_gu = _placed_gate_up_at_rank(full, rank, world) if saved else None
+        from simranks import placed_gate_up
+        saved_gu = (placed_gate_up(full["x"], full["w13"], full["experts"], full["experts"][0].shape[1],
+                                   torch.Generator().manual_seed(rank), rank, world) if saved else None)
         got = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
                            saved_gu=saved_gu, **full["rkw"])
         again = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
