@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -372,5 +372,30 @@ PYEOF
     [ $left -gt 60 ] && timeout $left python -m dev.moe_bwd_probe --max-seconds $((left - 20)) \
       --json "$out/bwd-probe.jsonl" > "$out/bwd-probe.log" 2>&1; echo "bwd probe rc=$?"; keep
     grep -E "^  (sort|gu_saved) " "$out/bwd-probe.log" | tail -2; sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a" >&2; exit 2 ;;
+  s12b)  # session 12, second call (<= 560 s; tarball $OUT/s12b.tar.gz): dgrad2 unfused (the dgrad1 GEMM for z, then
+         # the SwiGLU-backward pass) against the fused epilogue, wgrad's TMA stores; the backward's whole call
+         # with dgrad2 unfused; Triton 3.6 registers; the changed kernels' GPU tests; deepseek-v3's probe.
+    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12b.tar.gz"; }
+    ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward \
+        --json "$out/regs-bwd.json" > "$out/regs-bwd.txt" 2>&1 ) &
+    regs_pid=$!
+    timeout 100 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "weight_grads or dgrad" > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//' | grep -v PASSED
+    tail -1 "$out/gpu-tests-bwd.log"; keep
+    timeout 170 python -m dev.moe_bwd_tiles --only dgrad2,wgrad2,wgrad1 --max-seconds 150 \
+      --json "$out/bwd-tiles.jsonl" > "$out/bwd-tiles.log" 2>&1; echo "tiles rc=$?"; keep
+    timeout 110 python -m dev.moe_bwd_probe --dgrad2 unfused --max-seconds 90 --json "$out/bwd-probe-unfused.jsonl" \
+      > "$out/bwd-probe-unfused.log" 2>&1; echo "bwd probe unfused rc=$?"; keep
+    wait $regs_pid; keep
+    left=$((540 - SECONDS))
+    [ $left -gt 60 ] && timeout $left python -m dev.moe_bwd_probe --model deepseek-v3 --no-profile \
+      --max-seconds $((left - 25)) --json "$out/bwd-probe-dsv3.jsonl" > "$out/bwd-probe-dsv3.log" 2>&1
+    echo "bwd probe dsv3 rc=$?"; keep
+    grep -E "^  (dgrad2|wgrad)" "$out/bwd-tiles.log"
+    sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-unfused.log"; grep -E "^  dgrad2_swiglu " "$out/bwd-probe-unfused.log"
+    grep -E "wgrad|dgrad|swiglu_backward" "$out/regs-bwd.txt"
+    sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3.log"; tail -3 "$out/bwd-probe-dsv3.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b" >&2; exit 2 ;;
 esac

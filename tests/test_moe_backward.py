@@ -49,6 +49,10 @@ def _check(a, b, counts, kernel=None):
     if kernel is not None:  # the persistent grid and one program per tile: the same per-tile sums, the same bits
         other = "tiles" if kernel == "persistent" else "persistent"
         assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32, kernel=other), got)
+    if kernel == "persistent":  # its TMA stores: the same per-tile sums, the same bits (fp32 and bf16 out)
+        kw2 = dict(kernel="persistent", tma_store=True)
+        assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32, **kw2), got)
+        assert torch.equal(expert_weight_grads(a, b, counts, **kw2).view(torch.int16), bf.view(torch.int16))
 
 
 @pytest.mark.interpreter
@@ -107,33 +111,43 @@ def _dgrad2_ref(dy_rows, gu, w2, w_pair, counts):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("split", [True, False], ids=["split-epilogue", "whole-epilogue"])
+@pytest.mark.parametrize("mode", ["split", "whole", "unfused"],
+                         ids=["split-epilogue", "whole-epilogue", "unfused-gemm-then-pass"])
 @pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([40], 48, 16), ([0, 3], 16, 40),
                                          ([17, 0, 3, 0], 20, 24), ([0, 33, 0], 48, 8), ([9, 0, 14], 32, 12)])
-def test_expert_dgrad2_swiglu_interpreter(counts, h, f, split, monkeypatch):  # H = 20: the pointer fallback
+def test_expert_dgrad2_swiglu_interpreter(counts, h, f, mode, monkeypatch):  # H = 20: the pointer fallback
     """GEMM2's data gradient with the SwiGLU backward and the gate gradient in the epilogue, against the
-    references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic. ``split``: the epilogue
-    in two half-width slices (the GPU's 128 x 128 tile) or on the whole tile; F = 12: a half past F."""
+    references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic. ``mode``: the epilogue
+    in two half-width slices (the GPU's 128 x 128 tile) or on the whole tile (F = 12: a half past F); or
+    unfused (z rounded to bf16 by the GEMM, then the pass: dw at bf16 level); h bitwise swiglu_h's in each."""
     from kosmos.kernels import moe_backward as mb
     from kosmos.kernels.moe_backward import expert_dgrad2_swiglu
-    monkeypatch.setattr(mb, "DGRAD2_SPLIT", split)
+    monkeypatch.setattr(mb, "DGRAD2_SPLIT", mode == "split")
+    monkeypatch.setattr(mb, "DGRAD2_FUSED", mode != "unfused")
     args = _dgrad2_inputs(counts, h, f, "cpu")
     dgu, dw = expert_dgrad2_swiglu(*args)
     want_dgu, want_dw = _dgrad2_ref(*[a.cpu() for a in args])
     rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp(min=1e-30)).item()  # noqa: E731
-    assert rel(dgu, want_dgu) < 1e-2 and rel(dw, want_dw) < 1e-5
+    assert rel(dgu, want_dgu) < 1e-2 and rel(dw, want_dw) < (1e-2 if mode == "unfused" else 1e-5)
     again = expert_dgrad2_swiglu(*args)
     assert torch.equal(again[0], dgu) and torch.equal(again[1], dw)
+    dgu_h, dw_h, h_rows = expert_dgrad2_swiglu(*args, emit_h=True)
+    assert torch.equal(dgu_h, dgu) and torch.equal(dw_h, dw)
+    assert torch.equal(h_rows.view(torch.int16), mb.swiglu_h(args[1], f).view(torch.int16))
 
 
 @pytest.mark.gpu
-def test_expert_dgrad2_swiglu_gpu(no_tf32):
-    from kosmos.kernels.moe_backward import expert_dgrad2_swiglu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-epilogue", "unfused"])
+def test_expert_dgrad2_swiglu_gpu(no_tf32, fused):
+    from kosmos.kernels import moe_backward as mb
     args = _dgrad2_inputs([300, 0, 7, 129, 1, 0, 64, 500], 256, 200, "cuda")
-    dgu, dw = expert_dgrad2_swiglu(*args)
+    dgu, dw, h_rows = mb.expert_dgrad2_swiglu(*args, emit_h=True, fused=fused)
     want_dgu, want_dw = _dgrad2_ref(*[a.cpu() for a in args])
     assert ((dgu.cpu().double() - want_dgu).norm() / want_dgu.norm()).item() < 1e-2
-    assert ((dw.cpu().double() - want_dw).norm() / want_dw.norm()).item() < 1e-4
+    assert ((dw.cpu().double() - want_dw).norm() / want_dw.norm()).item() < (1e-4 if fused else 1e-2)
+    assert torch.equal(h_rows.view(torch.int16), mb.swiglu_h(args[1], args[2].shape[1]).view(torch.int16))
+    again = mb.expert_dgrad2_swiglu(*args, emit_h=True, fused=fused)
+    assert all(torch.equal(x, y) for x, y in zip(again, (dgu, dw, h_rows)))
 
 
 @pytest.mark.interpreter

@@ -265,14 +265,18 @@ def _expert_wgrad_ptr_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB
 @triton.jit
 def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB, E,
                                     BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
-                                    DOT_FP32: tl.constexpr):
+                                    DOT_FP32: tl.constexpr, TMA_STORE: tl.constexpr = False):
     """_expert_wgrad_kernel's tiles on a persistent grid of GRID programs: global tile g = e * n_tiles + t
     (t = ti * n_j + tj, the tiles of one expert consecutive) is program g % GRID's, and every program walks
     the experts in order, so the programs resident at a time work on one expert's tiles (its rows stay in L2)
     and each program builds its two TMA descriptors (its expert's rows, as _expert_wgrad_kernel's) once per
     expert instead of once per tile (~n_tiles / GRID tiles per expert and program), with no program launch
     per tile. Each tile as in _expert_wgrad_kernel: one program, the rows in ascending order, BR per step,
-    fp32 accumulation rounded once -- bitwise its result."""
+    fp32 accumulation rounded once -- bitwise its result. TMA_STORE: the tile stored through a per-expert TMA
+    descriptor of dW[e] (asynchronous: the program moves on while the store drains) instead of masked pointer
+    stores. (Fusing the tile and row loops into one pipelined loop, tl.range(flatten=True), does nothing here:
+    Triton fuses only a loop nest at the kernel's top level, not one inside the expert loop -- seen in the
+    TTGIR, Triton 3.9, session 12.)"""
     pid = tl.program_id(0)
     n_i = tl.cdiv(KA, BI)
     n_j = tl.cdiv(KB, BJ)
@@ -288,14 +292,19 @@ def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr,
         b_desc = tl.make_tensor_descriptor(b_ptr + first * KB, shape=[rows, KB], strides=[KB, 1],
                                            block_shape=[BR, BJ])
         out = out_ptr + tl.cast(e, tl.int64) * KA * KB
+        if TMA_STORE:
+            o_desc = tl.make_tensor_descriptor(out, shape=[KA, KB], strides=[KB, 1], block_shape=[BI, BJ])
         for t in range(t0, n_t, GRID):
             ti = t // n_j
             tj = t % n_j
             acc = _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI, BJ, BR, DOT_FP32)
-            ci = ti * BI + ci0
-            cj = tj * BJ + cj0
-            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
-                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+            if TMA_STORE:
+                o_desc.store([ti * BI, tj * BJ], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32))
+            else:
+                ci = ti * BI + ci0
+                cj = tj * BJ + cj0
+                tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                         mask=(ci < KA)[:, None] & (cj < KB)[None, :])
 
 
 WGRAD_TILES = (128, 128, 64, 8, 3)  # GPU (BI, BJ, BR, warps, stages): see the module docstring's figures
@@ -303,11 +312,12 @@ WGRAD_PERSISTENT_TILES = (128, 128, 64, 8, 3)  # the same for the persistent ker
 WGRAD_PROGRAMS_PER_SM = 2  # 128 x 128, <= 96 KiB shared, ~105 registers x 256 threads: two fit an SM (else one)
 WGRAD_KERNEL = "persistent"  # expert_weight_grads' default: "persistent" or "tiles" (session 10's measured one)
 WGRAD_KERNELS = ("persistent", "tiles")
+WGRAD_TMA_STORE = False  # persistent kernel: tiles stored through a TMA descriptor (session 12: probe)
 
 
 def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
                         out_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
-                        tiles=None) -> torch.Tensor:
+                        tiles=None, tma_store: bool | None = None) -> torch.Tensor:
     """dW [E, KA, KB] in ``out_dtype`` (bf16, the parameters' dtype, by default; or fp32) with dW[e] =
     a[rows of e]^T @ b[rows of e], accumulated in fp32 and rounded once (the bf16 result is the fp32 one rounded
     to nearest even, bitwise); a [R, KA], b [R, KB] bf16 on one device, the rows of expert e the next counts[e]
@@ -315,8 +325,10 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     TRITON_INTERPRET=1. ``kernel``: "persistent" (_expert_wgrad_persistent_kernel) or "tiles" (one program per
     output tile, _expert_wgrad_kernel); None: WGRAD_KERNEL. Both give the same bits (the same per-tile sums);
     rows not 16-byte aligned take the masked-pointer kernel either way. ``tiles``: (BI, BJ, BR, warps, stages)
-    on the GPU instead of WGRAD_PERSISTENT_TILES / WGRAD_TILES (the probe's --wgrad-tiles)."""
+    on the GPU instead of WGRAD_PERSISTENT_TILES / WGRAD_TILES (the probe's --wgrad-tiles). ``tma_store``: the
+    persistent kernel's TMA_STORE (None: WGRAD_TMA_STORE); the same bits either way."""
     kernel = WGRAD_KERNEL if kernel is None else kernel
+    tma_store = WGRAD_TMA_STORE if tma_store is None else tma_store
     if kernel not in WGRAD_KERNELS:
         raise ValueError(f"kernel must be one of {WGRAD_KERNELS}, got {kernel!r}")
     for name, t in (("a", a), ("b", b)):
@@ -351,7 +363,8 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
         from .. import runtime
         runtime.ensure_triton_allocator()
     if aligned and persistent:
-        per_sm = WGRAD_PROGRAMS_PER_SM if (bi, bj) == (128, 128) and stages * br * (bi + bj) * 2 <= 96 * 1024 else 1
+        smem = stages * br * (bi + bj) * 2 + (bi * bj * out.element_size() if tma_store else 0)
+        per_sm = WGRAD_PROGRAMS_PER_SM if (bi, bj) == (128, 128) and smem <= 96 * 1024 else 1
         if a.is_cuda:
             from .. import runtime
             programs = per_sm * runtime.num_sms(a.device)
@@ -360,6 +373,7 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
         programs = max(1, min(programs, n_tiles))
         _expert_wgrad_persistent_kernel[(programs,)](a, b, offs, counts32, out, ka, kb, n_exp, BI=bi, BJ=bj, BR=br,
                                                      GRID=programs, DOT_FP32=planning.interpreting(),
+                                                     TMA_STORE=tma_store,
                                                      num_warps=warps, num_stages=stages)
         return out
     fn = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
@@ -497,27 +511,73 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
                          DOT_FP32)
 
 
+@triton.jit
+def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, R, F, BR: tl.constexpr,
+                            BF: tl.constexpr, EMIT_H: tl.constexpr, INTERP: tl.constexpr):
+    """The dgrad2 epilogue's arithmetic as a pass of its own over BR rows (the unfused dgrad2): z [R, F] bf16
+    (= dy_rows W2[e]^T from the GEMM), g | u, w -> [dg | du] bf16, h bf16 (EMIT_H) and the gate gradient dw[r]
+    = sum over F of z * h, summed in BF-column steps left to right in fp32 (deterministic)."""
+    i = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = i < R
+    i64 = i.to(tl.int64)
+    wp = tl.load(wp_ptr + i, mask=rm, other=0.0)
+    dw = tl.zeros((BR,), dtype=tl.float32)
+    c0 = tl.arange(0, BF)
+    for col in range(0, F, BF):
+        c = col + c0
+        mask = rm[:, None] & (c < F)[None, :]
+        o2 = i64[:, None] * (2 * F) + c[None, :]
+        z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
+        s = _torch_sigmoid(g, INTERP)
+        silu = g * s
+        h = silu * u
+        if EMIT_H:
+            tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
+        dw += tl.sum(z * h, 1)
+        dh = z * wp[:, None]
+        tl.store(dgu_ptr + o2, _to_out(dh * u * (s + silu * (1.0 - s)), tl.bfloat16, INTERP), mask=mask)
+        tl.store(dgu_ptr + F + o2, _to_out(dh * silu, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dw_ptr + i, dw, mask=rm)
+
+
 # GPU (BM, BN, BK, warps, stages); the epilogue in two BN/2-column halves. Session 11 (one H200, qwen3-235b 4k
 # rows, dev/moe_bwd_tiles, call c; all variants bitwise the default's): 128x128x64 w8 s3 1.391 ms (296 TF/s,
 # 0.59x torch._grouped_mm's GEMM alone), s4 1.241 (332 TF/s, 0.66x; kept), 128x256x64 s3 1.278, 64x128x64 w4
 # s4 1.361, 128x64x64 s3 1.697, 64x256x64 s3 1.316
 DGRAD2_TILES = (128, 128, 64, 8, 4)
 DGRAD2_SPLIT = True  # False: the epilogue on the whole BN-wide tile at once (at 128 x 128: spills, see docstring)
+DGRAD2_FUSED = True  # False: z = dy_rows W2[e]^T by the dgrad1 GEMM kernel (bf16), then _swiglu_backward_kernel
 
 
 def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor, w_pair: torch.Tensor,
-                         counts: torch.Tensor, *, emit_h: bool = False, tiles=None):
+                         counts: torch.Tensor, *, emit_h: bool = False, tiles=None, fused: bool | None = None):
     """Item 2 of the module docstring for expert-sorted rows: dy_rows [R, H] bf16 (each row's token gradient),
     gu [R, 2F] bf16 (the forward's g | u), w2 [E, F, H] bf16, w_pair [R] fp32 (each row's gate weight), counts
     [E] (rows per expert, consecutive). Returns (dgu [R, 2F] bf16 = [dg | du], dw_rows [R] fp32 = <dy_t, o_p>,
     the gate partials summed in order) and, with ``emit_h``, h = silu(g) u [R, F] bf16 from the same epilogue
     (bitwise swiglu_h(gu, F): the same arithmetic) as a third. Rows past sum(counts) are left unspecified
-    (moe_backward has none). ``tiles``: (BM, BN, BK, warps, stages) instead of DGRAD2_TILES (GPU)."""
+    (moe_backward has none). ``tiles``: (BM, BN, BK, warps, stages) instead of DGRAD2_TILES (GPU). ``fused``
+    (None: DGRAD2_FUSED): False computes z = dy_rows W2[e]^T with the dgrad1 GEMM kernel (``tiles`` its tile,
+    default DGRAD1_TILES), rounded to bf16 as autograd's GEMM output is, then the epilogue's arithmetic in a pass
+    of its own (_swiglu_backward_kernel): the same outputs up to that rounding of z."""
     r_all, h = dy_rows.shape
     e, f, h2 = w2.shape
     if h2 != h or gu.shape != (r_all, 2 * f) or w_pair.shape != (r_all,) or counts.shape != (e,):
         raise ValueError(f"shapes disagree: dy_rows {tuple(dy_rows.shape)}, gu {tuple(gu.shape)}, w2 "
                          f"{tuple(w2.shape)}, w_pair {tuple(w_pair.shape)}, counts {tuple(counts.shape)}")
+    if not (DGRAD2_FUSED if fused is None else fused):
+        z = expert_dgrad1(dy_rows, w2, counts, tiles=tiles)
+        dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
+        dw_rows = torch.empty((r_all,), dtype=torch.float32, device=dy_rows.device)
+        hb = torch.empty((r_all, f) if emit_h else (1,), dtype=torch.bfloat16, device=dy_rows.device)
+        if r_all and f:
+            br, bf = (4, 16) if planning.interpreting() else (8, min(256, triton.next_power_of_2(f)))
+            _swiglu_backward_kernel[(triton.cdiv(r_all, br),)](z, gu.contiguous(), w_pair.float().contiguous(), dgu,
+                                                               hb, dw_rows, r_all, f, BR=br, BF=bf, EMIT_H=emit_h,
+                                                               INTERP=planning.interpreting(), num_warps=8)
+        return (dgu, dw_rows, hb) if emit_h else (dgu, dw_rows)
     if planning.interpreting():
         bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
     else:  # 128 x 64 (session 10, 244 regs) measured 2.19 ms, 0.38x torch's GEMM alone; 128 x 128 split: unmeasured
@@ -543,10 +603,11 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
 
 
 @triton.jit
-def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, F,
+def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K,
                    ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
                    TMA: tl.constexpr = False):
-    """One (expert, m-tile, H-tile) of item 3: dx_rows = [dg | du] @ W13[e]^T, K = 2F."""
+    """One (expert, m-tile, H-tile) of item 3: dx_rows = [dg | du] @ W13[e]^T, K = 2F (W13 [E, H, K]); any
+    rows [R, K] @ W[e]^T with W [E, H, K] likewise (GEMM2's data gradient unfused: dy_rows W2[e]^T, K = H)."""
     pid = tl.program_id(0)
     n_h = tl.cdiv(H, BN)
     gm = pid // n_h
@@ -557,15 +618,15 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
     ch = nh * BN + tl.arange(0, BN)
     hm = ch < H
     ck = tl.arange(0, BK)
-    w13e = w13_ptr + e.to(tl.int64) * H * (2 * F)
+    w13e = w13_ptr + e.to(tl.int64) * H * K
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if TMA:  # the W13 tile within W13[e] (shape [H, 2F]); A's rows clipped at the expert's end
         first = tl.load(offs_ptr + e).to(tl.int64)
         lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
-        a_desc = tl.make_tensor_descriptor(dgu_ptr + first * (2 * F), shape=[tl.load(counts_ptr + e), 2 * F],
-                                           strides=[2 * F, 1], block_shape=[BM, BK])
-        b_desc = tl.make_tensor_descriptor(w13e, shape=[H, 2 * F], strides=[2 * F, 1], block_shape=[BN, BK])
-        for k0 in range(0, 2 * F, BK):
+        a_desc = tl.make_tensor_descriptor(dgu_ptr + first * K, shape=[tl.load(counts_ptr + e), K],
+                                           strides=[K, 1], block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(w13e, shape=[H, K], strides=[K, 1], block_shape=[BN, BK])
+        for k0 in range(0, K, BK):
             a = a_desc.load([lm0, k0])
             b = b_desc.load([nh * BN, k0])
             if DOT_FP32:
@@ -573,11 +634,11 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
     else:
-        for k0 in range(0, 2 * F, BK):
-            km = (k0 + ck) < 2 * F
-            a = tl.load(dgu_ptr + rr[:, None] * (2 * F) + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :],
+        for k0 in range(0, K, BK):
+            km = (k0 + ck) < K
+            a = tl.load(dgu_ptr + rr[:, None] * K + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :],
                         other=0.0)
-            b = tl.load(w13e + ch[None, :].to(tl.int64) * (2 * F) + (k0 + ck)[:, None],
+            b = tl.load(w13e + ch[None, :].to(tl.int64) * K + (k0 + ck)[:, None],
                         mask=km[:, None] & hm[None, :], other=0.0)
             if DOT_FP32:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
@@ -614,7 +675,7 @@ def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *,
     if tma:
         from .. import runtime
         runtime.ensure_triton_allocator()
-    _dgrad1_kernel[(n_m * -(-h // bn),)](dgu, w13, offs, counts32, first_mtile, dx, h, f2 // 2, ELP2=elp2, BM=bm,
+    _dgrad1_kernel[(n_m * -(-h // bn),)](dgu, w13, offs, counts32, first_mtile, dx, h, f2, ELP2=elp2, BM=bm,
                                          BN=bn, BK=bk, DOT_FP32=planning.interpreting(), TMA=tma, num_warps=warps,
                                          num_stages=stages)
     return dx
