@@ -47,8 +47,8 @@ hiding the host's enqueue, median of --iters; p20/p80 and the host's enqueue tim
     wgrad1           dW13[e] = x_rows^T [dg | du], bf16 out                              kosmos Triton
     dgrad1           dx_rows = [dg | du] W13^T                                           kosmos Triton
     unpermute_dx     dx_rows gathered per token, fp32 slot-order sum (one launch)        kosmos Triton
-    router_logits    gate grads to pair order, logits recomputed (fp32 GEMM), weights    torch
-    router_bwd       dq, dlogits, dWr = dl^T x, dx_r = dl Wr (fp32 GEMMs)                torch
+    router_logits    gate grads to pair order, logits recomputed (bf16 tensor cores, fp32 acc), weights  torch
+    router_bwd       dq, dlogits, dWr = dl^T x, dx_r = dl Wr (hi + lo bf16 GEMMs, fp32 acc) torch
     dx_sum           dx = dx_e + dx_r -> bf16                                            torch
   and, for every expert-GEMM stage, the same GEMM on the same row counts through torch._grouped_mm (bf16 in,
   fp32 accumulation; the weight gradients as torch's autograd computes them, ``_grouped_mm(a.t(), b, offs)``
@@ -299,7 +299,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         dw_rows = s["dw_rows"]
         dweights = torch.empty_like(dw_rows)
         dweights[s["order"]] = dw_rows
-        logits = x.float() @ router_weight.float().t()
+        logits = mb.bf16_mm_fp32(x, router_weight.t())
         w_re, full, denom = mr.routing_weights_ref(logits, s["experts_l"], routing, renormalize=renormalize,
                                                    routed_scaling=routed_scaling)
         return {"dweights": dweights, "w_re": w_re, "full": full, "denom": denom}
@@ -308,7 +308,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         dq = mr.router_weights_backward_ref(s["dweights"].view(n_tok, k), s["w_re"], s["denom"],
                                             routed_scaling=routed_scaling)
         dlogits = mr.router_logits_backward_ref(dq, s["full"], s["experts_l"], routing)
-        d_router, dx_r = mr.router_gemm_backward_ref(dlogits, x.float(), router_weight.float())
+        d_router, dx_r = mb.router_gemm_backward(dlogits, x, router_weight)
         return {"d_router": d_router, "dx_r": dx_r}
 
     def dx_sum(s):
@@ -358,9 +358,9 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
                    "_grouped_mm(dgu, W13^T) bf16 out", "dx_rows")),
         Stage("unpermute_dx", "kosmos triton", "dx_rows gathered per token (inverse order), fp32 slot-order sum",
               ("dx_rows", "order"), unpermute),
-        Stage("router_logits", "torch", "gate grads to pair order; logits x Wr^T (fp32 GEMM); routing weights",
+        Stage("router_logits", "torch", "gate grads to pair order; logits x Wr^T (bf16 tensor cores, fp32 acc); routing weights",
               ("dw_rows", "order", "experts_l"), router_logits),
-        Stage("router_bwd", "torch", "dq, dlogits; dWr = dl^T x, dx_r = dl Wr (fp32 GEMMs)",
+        Stage("router_bwd", "torch", "dq, dlogits; dWr = dl^T x, dx_r = dl Wr (hi + lo bf16 GEMMs)",
               ("dweights", "w_re", "denom", "full", "experts_l"), router_bwd),
         Stage("dx_sum", "torch", "dx = dx_e + dx_r -> bf16", ("dx_e", "dx_r"), dx_sum),
     ]

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -397,5 +397,32 @@ PYEOF
     sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-unfused.log"; grep -E "^  dgrad2_swiglu " "$out/bwd-probe-unfused.log"
     grep -E "wgrad|dgrad|swiglu_backward" "$out/regs-bwd.txt"
     sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3.log"; tail -3 "$out/bwd-probe-dsv3.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b" >&2; exit 2 ;;
+  s12c)  # session 12, third call (<= 560 s; tarball $OUT/s12c.tar.gz): the router's GEMMs on tensor cores and dgrad2
+         # unfused (the new defaults) in the probe at qwen3 and deepseek-v3 4k; wgrad with more, smaller programs
+         # per SM at both; the MX MoE kernel's Triton 3.6 registers on main and on moe-mx-halves (.base).
+    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12c.tar.gz"; }
+    here=$PWD
+    ( for t in main:. mxh:.base; do (cd "${t#*:}" && timeout 200 python dev/kernel_resources.py --world 1,2,8 \
+        --kernels moe_forward --mx > "$out/regs-mx-${t%%:*}.txt" 2>&1); done ) &
+    regs_pid=$!
+    timeout 100 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "router or dgrad2 or never_syncs or forwards_gate_up" > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-bwd.log"; keep
+    timeout 100 python -m dev.moe_bwd_probe --no-profile --max-seconds 80 --json "$out/bwd-probe-qwen3.jsonl" \
+      > "$out/bwd-probe-qwen3.log" 2>&1; echo "bwd probe qwen3 rc=$?"; keep
+    timeout 150 python -m dev.moe_bwd_probe --model deepseek-v3 --no-profile --max-seconds 130 \
+      --json "$out/bwd-probe-dsv3.jsonl" > "$out/bwd-probe-dsv3.log" 2>&1; echo "bwd probe dsv3 rc=$?"; keep
+    timeout 150 python -m dev.moe_bwd_tiles --model deepseek-v3 --only wgrad2,wgrad1,dgrad2 --max-seconds 130 \
+      --json "$out/bwd-tiles-dsv3.jsonl" > "$out/bwd-tiles-dsv3.log" 2>&1; echo "tiles dsv3 rc=$?"; keep
+    left=$((530 - SECONDS)); [ $left -gt 110 ] && left=110
+    [ $left -gt 30 ] && timeout $left python -m dev.moe_bwd_tiles --only wgrad2,wgrad1 --max-seconds $((left - 15)) \
+      --json "$out/bwd-tiles-qwen3.jsonl" > "$out/bwd-tiles-qwen3.log" 2>&1; echo "tiles qwen3 rc=$?"
+    wait $regs_pid; keep
+    for m in qwen3 dsv3; do sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-$m.log" | head -3; \
+      grep -E "^  (dgrad2_swiglu|router_logits|router_bwd|wgrad1|wgrad2) " "$out/bwd-probe-$m.log"; done
+    for m in dsv3 qwen3; do echo "tiles $m"; grep -E "^  (dgrad2|wgrad)" "$out/bwd-tiles-$m.log"; done
+    for t in main mxh; do echo "regs $t"; grep -E "moe" "$out/regs-mx-$t.txt"; done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c" >&2; exit 2 ;;
 esac

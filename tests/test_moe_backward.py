@@ -436,3 +436,38 @@ def test_moe_backward_w1_never_syncs_gpu(saved):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(t_.float()).all() for t_ in grads)
+
+
+@pytest.mark.gpu
+def test_router_gemms_on_tensor_cores_are_fp32_level_gpu():
+    """The router's GEMMs of moe_backward on bf16 tensor cores (bf16_mm_fp32: bf16 values, fp32 accumulation;
+    router_gemm_backward: fp32 dl split into hi + lo bf16) against fp64: fp32-level, far below bf16's 4e-3;
+    the fp32 path (ROUTER_GEMMS = "fp32") as the yardstick."""
+    from kosmos.kernels import moe_backward as mb
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4096, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    wr = (torch.randn(64, 2048, generator=g, device="cuda") / 45).to(torch.bfloat16)
+    dl = torch.randn(4096, 64, generator=g, device="cuda") * 1e-3
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    ref_logits = x.double() @ wr.double().t()
+    ref_dwr, ref_dx = dl.double().t() @ x.double(), dl.double() @ wr.double()
+    logits = mb.bf16_mm_fp32(x, wr.t())
+    d_router, dx_r = mb.router_gemm_backward(dl, x, wr)
+    assert logits.dtype == d_router.dtype == dx_r.dtype == torch.float32
+    assert rel(logits, ref_logits) < 1e-6
+    assert rel(d_router, ref_dwr) < 2e-5 and rel(dx_r, ref_dx) < 2e-5
+    assert rel(mb.fp32_mm_bf16_pair(dl, wr), ref_dx) < 2e-5
+
+
+def test_router_gemms_cpu_are_the_fp32_reference():
+    """Off CUDA the router GEMMs are the fp32 reference's formulas (moe_reference.router_gemm_backward_ref)."""
+    from kosmos.kernels import moe_backward as mb
+    from kosmos.moe_reference import router_gemm_backward_ref
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(32, 16, generator=g).to(torch.bfloat16)
+    wr = torch.randn(8, 16, generator=g).to(torch.bfloat16)
+    dl = torch.randn(32, 8, generator=g)
+    assert torch.equal(mb.bf16_mm_fp32(x, wr.t()), x.float() @ wr.float().t())
+    want = router_gemm_backward_ref(dl, x.float(), wr.float())
+    got = mb.router_gemm_backward(dl, x, wr)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

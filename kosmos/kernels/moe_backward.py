@@ -324,9 +324,10 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     after those of experts < e (sum(counts) <= R). Deterministic (the module docstring). CUDA, or the CPU under
     TRITON_INTERPRET=1. ``kernel``: "persistent" (_expert_wgrad_persistent_kernel) or "tiles" (one program per
     output tile, _expert_wgrad_kernel); None: WGRAD_KERNEL. Both give the same bits (the same per-tile sums);
-    rows not 16-byte aligned take the masked-pointer kernel either way. ``tiles``: (BI, BJ, BR, warps, stages)
-    on the GPU instead of WGRAD_PERSISTENT_TILES / WGRAD_TILES (the probe's --wgrad-tiles). ``tma_store``: the
-    persistent kernel's TMA_STORE (None: WGRAD_TMA_STORE); the same bits either way."""
+    rows not 16-byte aligned take the masked-pointer kernel either way. ``tiles``: (BI, BJ, BR, warps, stages[,
+    programs per SM of the persistent grid]) on the GPU instead of WGRAD_PERSISTENT_TILES / WGRAD_TILES (the
+    probe's --wgrad-tiles). ``tma_store``: the persistent kernel's TMA_STORE (None: WGRAD_TMA_STORE); the same
+    bits either way."""
     kernel = WGRAD_KERNEL if kernel is None else kernel
     tma_store = WGRAD_TMA_STORE if tma_store is None else tma_store
     if kernel not in WGRAD_KERNELS:
@@ -352,10 +353,11 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     counts32 = counts.to(torch.int32)
     offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32  # exclusive: no host synchronisation
     persistent = kernel == "persistent"
+    per_sm_given = []
     if planning.interpreting():
         bi, bj, br, warps, stages = 16, 16, 16, 4, 1
     else:
-        bi, bj, br, warps, stages = tiles or (WGRAD_PERSISTENT_TILES if persistent else WGRAD_TILES)
+        bi, bj, br, warps, stages, *per_sm_given = tiles or (WGRAD_PERSISTENT_TILES if persistent else WGRAD_TILES)
     n_tiles = n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj)
     grid = (n_tiles,)
     aligned = ka % 8 == 0 and kb % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a, b, out))
@@ -365,6 +367,8 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     if aligned and persistent:
         smem = stages * br * (bi + bj) * 2 + (bi * bj * out.element_size() if tma_store else 0)
         per_sm = WGRAD_PROGRAMS_PER_SM if (bi, bj) == (128, 128) and smem <= 96 * 1024 else 1
+        if per_sm_given:  # a sixth entry of ``tiles``: the persistent grid's programs per SM
+            per_sm = per_sm_given[0]
         if a.is_cuda:
             from .. import runtime
             programs = per_sm * runtime.num_sms(a.device)
@@ -548,7 +552,10 @@ def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, R, F,
 # s4 1.361, 128x64x64 s3 1.697, 64x256x64 s3 1.316
 DGRAD2_TILES = (128, 128, 64, 8, 4)
 DGRAD2_SPLIT = True  # False: the epilogue on the whole BN-wide tile at once (at 128 x 128: spills, see docstring)
-DGRAD2_FUSED = True  # False: z = dy_rows W2[e]^T by the dgrad1 GEMM kernel (bf16), then _swiglu_backward_kernel
+# False: z = dy_rows W2[e]^T by the dgrad1 GEMM kernel (bf16), then _swiglu_backward_kernel. Session 12 (qwen3 4k,
+# dev/moe_bwd_tiles, results/h200x1/s12/b): fused 1.244 ms (0.67x torch's GEMM alone), the GEMM alone 0.797
+# (1.04x), unfused 0.947 (0.88x; the pass 0.15 ms); the whole backward 7.57 -> 7.38 ms
+DGRAD2_FUSED = False
 
 
 def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor, w_pair: torch.Tensor,
@@ -842,6 +849,38 @@ def expert_counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
     return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+ROUTER_GEMMS = "tensor-cores"  # or "fp32": moe_backward's router GEMMs (see bf16_mm_fp32, router_gemm_backward)
+
+
+def bf16_mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 for a, b whose values are bf16: the products are exact in fp32 (8-bit significands), so a
+    bf16 tensor-core GEMM with fp32 accumulation (torch.mm(..., out_dtype=torch.float32) on CUDA) is the fp32
+    GEMM up to the summation order -- ~10x the fp32 SIMT GEMM's rate. The router's logits, as moe_forward's
+    router computes them (tensor cores, fp32 accumulation). ROUTER_GEMMS = "fp32" or a CPU tensor: a.float() @
+    b.float()."""
+    if a.is_cuda and ROUTER_GEMMS == "tensor-cores":
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def fp32_mm_bf16_pair(a32: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a32 @ b for fp32 a32 and bf16-valued b, on bf16 tensor cores: a32 = hi + lo + r with hi = bf16(a32),
+    lo = bf16(a32 - hi) (|r| <= 2^-18 |a32|), so hi @ b + lo @ b (fp32 accumulation, products exact) is the fp32
+    GEMM to ~2^-17 relative -- two bf16 GEMMs instead of one fp32 SIMT GEMM."""
+    if not (a32.is_cuda and ROUTER_GEMMS == "tensor-cores"):
+        return a32.float() @ b.float()
+    hi = a32.to(torch.bfloat16)
+    lo = (a32 - hi.float()).to(torch.bfloat16)
+    return bf16_mm_fp32(hi, b) + bf16_mm_fp32(lo, b)
+
+
+def router_gemm_backward(dlogits: torch.Tensor, x: torch.Tensor, router_weight: torch.Tensor):
+    """moe_reference.router_gemm_backward_ref (d(router weight) = dl^T x [E, H], the router's part of dx = dl Wr)
+    for bf16 x, Wr and fp32 dl through fp32_mm_bf16_pair: fp32-level results from bf16 tensor cores (at
+    deepseek-v3 4k tokens the two fp32 GEMMs are 2 x 15 GFLOP on the SIMT pipes)."""
+    return fp32_mm_bf16_pair(dlogits.t(), x), fp32_mm_bf16_pair(dlogits, router_weight)
+
+
 def _exchange(t: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
     """The rows of ``t`` to their ranks (moe_reference.all_to_all_rows; split sizes on the host)."""
     from ..moe_reference import all_to_all_rows
@@ -954,12 +993,12 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     dx_e = unpermute_sum(dx_rows, order, k)                          # pair order p = t*k + j; slot order, fp32
     dweights = torch.empty_like(dw_rows)
     dweights[order] = dw_rows
-    logits = x.float() @ router_weight.float().t()
+    logits = bf16_mm_fp32(x, router_weight.t())
     w_re, full, denom = mr.routing_weights_ref(logits, experts, routing, renormalize=renormalize,
                                                routed_scaling=routed_scaling)
     dq = mr.router_weights_backward_ref(dweights.view(n_tok, k), w_re, denom, routed_scaling=routed_scaling)
     dlogits = mr.router_logits_backward_ref(dq, full, experts, routing)
-    d_router, dx_r = mr.router_gemm_backward_ref(dlogits, x.float(), router_weight.float())
+    d_router, dx_r = router_gemm_backward(dlogits, x, router_weight)
     return (dx_e + dx_r).to(torch.bfloat16), d_router, dw13, dw2
 
 
