@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -424,5 +424,16 @@ PYEOF
       grep -E "^  (dgrad2_swiglu|router_logits|router_bwd|wgrad1|wgrad2) " "$out/bwd-probe-$m.log"; done
     for m in dsv3 qwen3; do echo "tiles $m"; grep -E "^  (dgrad2|wgrad)" "$out/bwd-tiles-$m.log"; done
     for t in main mxh; do echo "regs $t"; grep -E "moe" "$out/regs-mx-$t.txt"; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c" >&2; exit 2 ;;
+  s12d)  # session 12, fourth call (<= 330 s; tarball $OUT/s12d.tar.gz): deepseek-v3 4k tiles (~128 rows per expert):
+         # 64-row m-tiles for dgrad1 / dgrad2's GEMM, the wgrad variants (wgrad1 OOMed in call c: fp32 copies in
+         # rel), and the router test with its thresholds from call c.
+    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12d.tar.gz"; }
+    timeout 60 python -m pytest -v -s -p no:cacheprovider --timeout 40 -m gpu tests/test_moe_backward.py \
+      -k "router" > "$out/gpu-tests-router.log" 2>&1
+    echo "gpu tests router rc=$?"; grep -E "PASSED|FAILED|errors vs" "$out/gpu-tests-router.log" | cut -c1-200; keep
+    timeout 250 python -m dev.moe_bwd_tiles --model deepseek-v3 --only dgrad1,dgrad2,wgrad2,wgrad1 --max-seconds 230 \
+      --json "$out/bwd-tiles-dsv3.jsonl" > "$out/bwd-tiles-dsv3.log" 2>&1; echo "tiles dsv3 rc=$?"; keep
+    grep -E "^  (dgrad|wgrad)" "$out/bwd-tiles-dsv3.log" | cut -c1-150 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d" >&2; exit 2 ;;
 esac
