@@ -462,10 +462,9 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
         if top_k > 1 and (experts.sort(-1).values.diff(dim=-1) == 0).any():
             raise ValueError("a token's experts must be distinct")
     acc = _acc_dtype(x, router_weight, w13, w2, dy)
-    # the expert weights stay in their dtype and are upcast one expert at a time (w13a[e].to(acc) in the stage
+    # the expert weights stay in their dtype and are upcast one expert at a time (w13[e].to(acc) in the stage
     # references): a whole fp32 copy of DeepSeek-V3's 256 experts is 42 GiB, and ran the bench out of memory
     xa, wra, dya = (t.to(acc) for t in (x, router_weight, dy))
-    w13a, w2a = w13, w2
 
     logits = xa @ wra.t()
     weights, full, denom = routing_weights_ref(logits, experts, routing, renormalize=renormalize,

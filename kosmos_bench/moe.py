@@ -60,7 +60,8 @@ row's ``direction`` says which; rows without it are fwd):
   Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against an fp32 reference, relative Frobenius
   error; the row's rel_err is the largest (tolerance GRAD_TOLERANCE, 3e-2: bf16 through several GEMMs), each in
   ``rel_err_grads``. W = 1: ``moe_reference.moe_backward_ref`` (explicit formulas) for the implementation's own
-  routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a makes). W > 1: autograd
+  routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a makes), a chunk of experts
+  at a time, each chunk's weight gradients compared as they come (memory: grad_reference). W > 1: autograd
   through ``moe_forward_a2a(fp32=True)`` over the group on fp32 copies of the inputs, for the decision of
   ``route`` (fp32 logits), computed once per point before any implementation runs (it is collective: inside an
   implementation's check a failing rank would leave its peers waiting); an implementation whose decision differs
