@@ -387,7 +387,8 @@ def router_gemm_backward_ref(dlogits, x, router_weight):
 
 def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str = "softmax",
                      renormalize: bool = True, bias=None, n_group: int = 1, topk_group: int = 1,
-                     routed_scaling: float = 1.0, experts=None, return_stages: bool = False):
+                     routed_scaling: float = 1.0, experts=None, return_stages: bool = False,
+                     expert_chunk: int | None = None, on_weight_grads=None):
     """Gradients of the MoE layer y = moe(x) (``route`` + ``apply_routing_ref`` over ALL experts, one process) for
     the output gradient dy [T, H]: (dx [T, H], d_router_weight [E, H], dw13 [E, H, 2F], dw2 [E, F, H]), plus a
     dict of every stage's tensors when ``return_stages``. Arguments as ``route`` takes them (x [T, H],
@@ -409,6 +410,14 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
                               dWr = dl^T x;  dx_r = dl @ Wr                                router_gemm_backward_ref
       7. dx = dx_e + dx_r.
     Stage 6 needs only stage 1's dw (and the routing tensors), so a kernel may run it beside stages 2-5.
+    Stages 1-4 run a run of ``expert_chunk`` experts at a time (None: all E at once), on those experts' pairs
+    alone (``_expert_rows_backward_ref``): per expert the same GEMMs on the same values whatever the chunk, so
+    every gradient is the same (on the CPU up to the last bit of the elementwise sigmoid, whose vector lanes and
+    scalar tail round apart; tested) and the per-pair tensors are chunk-sized, but for
+    dx_pair [T*k, H], kept whole in pair order so that stage 5 sums the slots in order. ``on_weight_grads``:
+    called as on_weight_grads(e0, dw13[e0:e1], dw2[e0:e1]) with each chunk's weight gradients (then dropped),
+    which come back as None: for a caller that compares them chunk by chunk and cannot hold them whole
+    (deepseek-v3's fp32 weight gradients are 42 GiB; kosmos_bench.moe.grad_reference).
     Math in fp64 when any input is fp64, else fp32 (bf16 inputs are upcast); the gradients come back in that
     dtype. Deterministic: no index_add; per expert its pairs in ascending p = t*k + j inside one GEMM (a kernel's
     wgrad tile owner sums its row tiles in a fixed order), per token its slots in order j = 0..k-1.
@@ -453,21 +462,45 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
         if top_k > 1 and (experts.sort(-1).values.diff(dim=-1) == 0).any():
             raise ValueError("a token's experts must be distinct")
     acc = _acc_dtype(x, router_weight, w13, w2, dy)
-    # the expert weights stay in their dtype and are upcast one expert at a time (w13a[e].to(acc) in the stage
+    # the expert weights stay in their dtype and are upcast one expert at a time (w13[e].to(acc) in the stage
     # references): a whole fp32 copy of DeepSeek-V3's 256 experts is 42 GiB, and ran the bench out of memory
     xa, wra, dya = (t.to(acc) for t in (x, router_weight, dy))
-    w13a, w2a = w13, w2
 
     logits = xa @ wra.t()
     weights, full, denom = routing_weights_ref(logits, experts, routing, renormalize=renormalize,
                                                routed_scaling=routed_scaling)
     groups = _pairs_by_expert(experts, n_experts)
-    g, u, h, o = expert_pairs_forward_ref(xa, experts, w13a, w2a, groups)
-
-    do, dweights = combine_backward_ref(dya, weights, o)                       # 1
-    dh, dw2 = gemm2_backward_ref(do, h, w2a, groups)                           # 2
-    dg, du = swiglu_backward_ref(dh, g, u)                                     # 3
-    dx_pair, dw13 = gemm1_backward_ref(dg, du, xa, experts, w13a, groups)      # 4
+    chunk = n_experts if expert_chunk is None else expert_chunk
+    if chunk < 1:
+        raise ValueError(f"expert_chunk must be >= 1, got {expert_chunk}")
+    n_pairs = n_tok * top_k
+    # stages 1-4 a run of ``chunk`` experts at a time; dx_pair and the gate gradient in pair order (dx_pair
+    # whole, so that stage 5 sums every token's slots in order j = 0..k-1 whatever the chunks)
+    dx_pair = xa.new_empty((n_pairs, hidden))
+    dweights = xa.new_empty(n_pairs)
+    dw13 = dw2 = None
+    if on_weight_grads is None:
+        dw13 = xa.new_empty(w13.shape) if chunk < n_experts else None
+        dw2 = xa.new_empty(w2.shape) if chunk < n_experts else None
+    kept = {}  # return_stages: the per-pair stage tensors, in pair order
+    for e0 in range(0, n_experts, chunk):
+        e1 = min(e0 + chunk, n_experts)
+        pairs, rows, dw13_c, dw2_c = _expert_rows_backward_ref(
+            xa, dya, weights, w13[e0:e1], w2[e0:e1], [(e, p) for e, p in groups if e0 <= e < e1], e0, top_k)
+        dx_pair[pairs], dweights[pairs] = rows.pop("dx_pair"), rows.pop("dweights")
+        if on_weight_grads is not None:
+            on_weight_grads(e0, dw13_c, dw2_c)
+        elif chunk < n_experts:
+            dw13[e0:e1], dw2[e0:e1] = dw13_c, dw2_c
+        else:
+            dw13, dw2 = dw13_c, dw2_c
+        if return_stages:
+            for name, t in rows.items():
+                if name not in kept:
+                    kept[name] = t.new_zeros((n_pairs,) + tuple(t.shape[1:]))
+                kept[name][pairs] = t
+        del pairs, rows, dw13_c, dw2_c
+    dweights = dweights.view(n_tok, top_k)
     dx_experts = dispatch_backward_ref(dx_pair, top_k)                         # 5
     dq = router_weights_backward_ref(dweights, weights, denom, routed_scaling=routed_scaling)  # 6
     dlogits = router_logits_backward_ref(dq, full, experts, routing)
@@ -475,10 +508,34 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
     dx = dx_experts + dx_router                                                # 7
     if not return_stages:
         return dx, d_router_weight, dw13, dw2
-    stages = dict(experts=experts, logits=logits, weights=weights, full=full, denom=denom, g=g, u=u, h=h, o=o,
-                  do=do, dweights=dweights, dh=dh, dg=dg, du=du, dx_pair=dx_pair, dx_experts=dx_experts, dq=dq,
-                  dlogits=dlogits, dx_router=dx_router)
+    stages = dict(experts=experts, logits=logits, weights=weights, full=full, denom=denom, **kept,
+                  dweights=dweights, dx_pair=dx_pair, dx_experts=dx_experts, dq=dq, dlogits=dlogits,
+                  dx_router=dx_router)
     return dx, d_router_weight, dw13, dw2, stages
+
+
+def _expert_rows_backward_ref(xa, dya, weights, w13, w2, groups, e0: int, top_k: int):
+    """Stages 1-4 of ``moe_backward_ref`` for the pairs of one run of experts: ``groups`` (from
+    ``_pairs_by_expert``) those of experts e0 .. e0 + len(w13) - 1, w13 / w2 their slices. The run's pairs become
+    rows in expert order (ascending p inside an expert), row i the one token of a top-1 layer (x_rows[i] =
+    x[t(p_i)], dy_rows[i] = dy[t(p_i)], its gate weight w_p), so that the stage references run on these rows
+    alone: per expert the same GEMMs on the same values as on every pair at once, and the per-pair tensors
+    [rows, ...] instead of [T*k, ...]. Returns (pairs [rows] -- row i is pair pairs[i] --, {stage: [rows, ...]}
+    (g, u, h, o, do, dh, dg, du, dx_pair, dweights), dw13 [len(w13), H, 2F], dw2 [len(w2), F, H])."""
+    pairs = torch.cat([p for _, p in groups]) if groups else torch.zeros(0, dtype=torch.long, device=xa.device)
+    local, start = [], 0
+    for e, p in groups:
+        local.append((e - e0, torch.arange(start, start + p.numel(), device=xa.device)))
+        start += p.numel()
+    x_rows, dy_rows = xa[pairs // top_k], dya[pairs // top_k]
+    one = torch.zeros((pairs.numel(), 1), dtype=torch.long, device=xa.device)  # the rows' [rows, 1] decision
+    g, u, h, o = expert_pairs_forward_ref(x_rows, one, w13, w2, local)
+    do, dweights = combine_backward_ref(dy_rows, weights.reshape(-1)[pairs].view(-1, 1), o)   # 1
+    dh, dw2 = gemm2_backward_ref(do, h, w2, local)                                             # 2
+    dg, du = swiglu_backward_ref(dh, g, u)                                                     # 3
+    dx_rows, dw13 = gemm1_backward_ref(dg, du, x_rows, one, w13, local)                        # 4
+    rows = dict(g=g, u=u, h=h, o=o, do=do, dh=dh, dg=dg, du=du, dx_pair=dx_rows, dweights=dweights.view(-1))
+    return pairs, rows, dw13, dw2
 
 
 def backward_saved_bytes(tokens: int, hidden: int, ffn: int, top_k: int, n_experts: int, rows: int | None = None):

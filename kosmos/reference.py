@@ -7,6 +7,8 @@ rank's inputs in one process (CPU tests, single-process checks).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -55,9 +57,37 @@ def matmul_reduce_scatter_ref_local(a_list, b_list):
 
 def rel_err(out, ref) -> float:
     """Relative Frobenius error; NaN/inf anywhere in out or ref gives inf (never passes)."""
-    out = out.float()
-    ref = ref.float()
-    if not torch.isfinite(out).all() or not torch.isfinite(ref).all():
-        return float("inf")
-    denom = ref.norm().item()
-    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+    return FrobeniusError().add(out, ref).value()
+
+
+class FrobeniusError:
+    """``rel_err`` of a tensor compared piece by piece: ``add(out_piece, ref_piece)`` for each piece (any split of
+    the elements), then ``value()`` = ||out - ref||_F / ||ref||_F from the pieces' squared norms summed in fp64 --
+    the one-piece value is rel_err's, bitwise (sqrt of a double's square is that double), and a split changes it
+    only by the order the squared norms are summed in. So that a reference too large to hold whole is compared
+    as it is computed (the MoE backward's fp32 weight gradients at deepseek-v3: 42 GiB, kosmos_bench.moe's
+    grad_reference). Each piece in fp32 (out.float() - ref.float(), norms in fp32, as rel_err always took them);
+    NaN/inf in any piece makes the value inf."""
+
+    def __init__(self):
+        self.diff_sq = 0.0
+        self.ref_sq = 0.0
+        self.finite = True
+
+    def add(self, out, ref) -> "FrobeniusError":
+        if tuple(out.shape) != tuple(ref.shape):
+            raise ValueError(f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+        out = out.float()
+        ref = ref.float()
+        if not torch.isfinite(out).all() or not torch.isfinite(ref).all():
+            self.finite = False
+        if self.finite:
+            self.ref_sq += ref.norm().item() ** 2
+            self.diff_sq += (out - ref).norm().item() ** 2
+        return self
+
+    def value(self) -> float:
+        if not self.finite:
+            return float("inf")
+        denom = math.sqrt(self.ref_sq)
+        return math.sqrt(self.diff_sq) / (denom if denom > 0 else 1.0)

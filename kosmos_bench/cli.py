@@ -233,6 +233,14 @@ def _print_plan(title: str, facts: list[tuple[str, str]], header: tuple, points:
     raise typer.Exit(0)
 
 
+def _backward_check_memory(cases) -> str:
+    """The dry run's estimate of the peak GPU memory while an EP=1 backward is checked, per (model, tokens)
+    (kosmos_bench.moe.backward_check_bytes: balanced load, KOSMOS's workspace not counted)."""
+    from .moe import GiB, backward_check_bytes, case_model
+    peaks = {(c.model, c.tokens): backward_check_bytes(case_model(c), c.tokens)["peak"] for c in cases}
+    return ", ".join(f"{m} {t}: ~{b / GiB:.0f} GiB" for (m, t), b in peaks.items()) + " (estimate, EP=1)"
+
+
 def _configs_text(configs: dict) -> str:
     from kosmos.config import config_dict
     return "; ".join(f"{op} " + ", ".join(f"{k}={v}" for k, v in config_dict(c).items()) for op, c in configs.items())
@@ -602,7 +610,9 @@ def bench_moe(
                         f"{list(cfg.fixed_sweep)}" + (", CUDA graph replays" if cuda_graph else "")),
              ("seed", str(cfg.seed)),
              ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
-             *([("traces", trace_dir)] if trace_dir else [])],
+             *([("traces", trace_dir)] if trace_dir else []),
+             *([("backward check memory", _backward_check_memory(cases))]
+               if world == 1 and set(cfg.direction) - {"fwd"} else [])],
             ("model", "tokens/rank", "routing", "E", "E/rank", "top_k", "H", "F", "router"), points,
             [(", ".join([f] + [{"dtype": d, "direction": g}[w] for w in several]),
               _planned_availability(f, i, world, d, g)) for d, g, f, i in plan])

@@ -22,6 +22,7 @@ that passes (``best_fixed_split``); ``fixed="default"`` (fixed-role) runs at S =
 from __future__ import annotations
 
 import math
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,7 +52,10 @@ class Reference:
     ``parts`` (names): the output is a tuple whose first len(parts) items are checked each against the same item
     of ``ref`` (a tuple); rel_err is the largest of their errors (NaN if any is NaN) and every part's error is
     recorded in the row under ``parts_key`` ({name: error}; the MoE backward's gradients). ``ref`` may be a
-    callable of the output (what it depends on, e.g. the implementation's own routing decision, travels in it)."""
+    callable of the output (what it depends on, e.g. the implementation's own routing decision, travels in it);
+    with ``parts`` it may return the parts' errors themselves ({name: rel_err}) instead of their references: a
+    reference too large to hold whole, compared piece by piece as it is computed (kosmos.reference.FrobeniusError;
+    the MoE backward's weight gradients at deepseek-v3, kosmos_bench.moe.grad_reference)."""
     ref: object
     tol: float
     also: dict = field(default_factory=dict)
@@ -65,7 +69,8 @@ class Reference:
             return rel_err(out, ref), {}
         if not isinstance(out, (tuple, list)) or len(out) < len(self.parts):
             raise TypeError(f"output is a {type(out).__name__}, expected a tuple of {', '.join(self.parts)}")
-        errs = {name: rel_err(o, r) for name, o, r in zip(self.parts, out, ref)}
+        errs = ref if isinstance(ref, dict) else {name: rel_err(o, r) for name, o, r in zip(self.parts, out, ref)}
+        errs = {name: errs[name] for name in self.parts}
         worst = math.nan if any(math.isnan(e) for e in errs.values()) else max(errs.values())
         return worst, errs
 
@@ -110,7 +115,18 @@ def _gather(obj) -> list:
 
 
 def error_reason(e: BaseException) -> str:
-    """One line of at most 300 characters saying what went wrong (a row's ``reason``)."""
+    """One line of at most 300 characters saying what went wrong (a row's ``reason``); running out of GPU memory
+    reads "out of memory: needs X GiB more with Y GiB in use of Z GiB" (torch's message names the allocation
+    that failed, and what the device holds, over several sentences)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        want = re.search(r"Tried to allocate ([\d.]+ \w+)", str(e))
+        what = f"needs {want.group(1)} more" if want else "an allocation failed"
+        if torch.cuda.is_available():
+            device = torch.cuda.current_device()
+            used = torch.cuda.memory_allocated(device) / 2**30
+            total = torch.cuda.get_device_properties(device).total_memory / 2**30
+            what += f" with {used:.1f} GiB in use of {total:.1f} GiB"
+        return f"out of memory: {what}"
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
@@ -179,6 +195,8 @@ def recover(device="cuda", cleanup=()) -> None:
     kosmos.reset_workspaces()
     for fn in cleanup:
         fn()
+    if torch.device(device).type == "cuda":  # what a failed call (out of memory, say) left cached goes back
+        torch.cuda.empty_cache()
     if dist.is_initialized():
         dist.barrier()
 
@@ -228,12 +246,18 @@ class Result:
         return self.timing["time_ms"] if self.timing else None
 
 
-def rel_err(out, ref) -> float:
-    from kosmos.reference import rel_err as _rel_err
+def check_output(out, shape) -> None:
+    """TypeError unless ``out`` is a tensor, ValueError unless of ``shape`` (an output checked piece by piece is
+    checked whole first)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"output is a {type(out).__name__}, expected a tensor")
-    if tuple(out.shape) != tuple(ref.shape):
-        raise ValueError(f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"output shape {tuple(out.shape)}, expected {tuple(shape)}")
+
+
+def rel_err(out, ref) -> float:
+    from kosmos.reference import rel_err as _rel_err
+    check_output(out, ref.shape)
     return _rel_err(out, ref)
 
 

@@ -60,7 +60,8 @@ row's ``direction`` says which; rows without it are fwd):
   Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against an fp32 reference, relative Frobenius
   error; the row's rel_err is the largest (tolerance GRAD_TOLERANCE, 3e-2: bf16 through several GEMMs), each in
   ``rel_err_grads``. W = 1: ``moe_reference.moe_backward_ref`` (explicit formulas) for the implementation's own
-  routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a makes). W > 1: autograd
+  routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a makes), a chunk of experts
+  at a time, each chunk's weight gradients compared as they come (memory: grad_reference). W > 1: autograd
   through ``moe_forward_a2a(fp32=True)`` over the group on fp32 copies of the inputs, for the decision of
   ``route`` (fp32 logits), computed once per point before any implementation runs (it is collective: inside an
   implementation's check a failing rank would leave its peers waiting); an implementation whose decision differs
@@ -109,6 +110,7 @@ from kosmos.kernels.moe_backward import moe_backward, moe_backward_w1  # (moe_ba
 from kosmos.kernels.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_backward_ref, moe_forward_a2a, route
+from kosmos.reference import FrobeniusError
 
 from . import harness, moe_mx, registry, timing
 from .harness import Settings, policy_kwargs, world_info
@@ -434,19 +436,85 @@ def _nccl_a2a(inp: MoEInputs, params: dict, config):
                                     **inp.route_kw())), 0
 
 
+GRAD_REF_CHUNK_BYTES = 1 << 30  # fp32 weight gradients of one chunk of experts in the W = 1 check (deepseek-v3: 6)
+
+
+def grad_reference_chunk(m: MoEModel) -> int:
+    """Experts per chunk of the W = 1 gradient check: GRAD_REF_CHUNK_BYTES of their fp32 dw13 + dw2, at least one."""
+    return max(1, GRAD_REF_CHUNK_BYTES // (3 * m.hidden * m.expert_ffn * 4))
+
+
+GiB = 1 << 30
+
+
+def backward_check_bytes(m: MoEModel, tokens: int) -> dict:
+    """Bytes of what is live while one implementation's backward is checked at W = 1 (grad_reference), balanced
+    load (R = tokens * top_k expert rows): the point's inputs, the implementation's output, and then the larger of
+    its own working set inside the call (kosmos moe_backward_w1: the x / dy / do / dx rows [R, H], g | u saved and
+    gathered and [dg | du] [R, 2F], h [R, F], bf16; nccl-a2a's autograd holds about as much) and the reference's
+    (grad_reference's docstring); ``peak`` sums them. Not counted: KOSMOS's forward workspace, torch's own
+    workspaces, the allocator's fragmentation (each row's peak_mem_bytes is the measured one)."""
+    t, h, f, e, k = tokens, m.hidden, m.expert_ffn, m.experts, m.top_k
+    r, c = t * k, min(grad_reference_chunk(m), e)
+    out = {
+        "weights (w13, w2 bf16)": e * 3 * h * f * 2,
+        "x, dy, router weight (bf16)": 2 * t * h * 2 + e * h * 2,
+        "output: dw13, dw2 (bf16)": e * 3 * h * f * 2,
+        "output: dx (bf16), d_router (fp32)": t * h * 2 + e * h * 4,
+        "implementation's working set": 4 * r * h * 2 + 3 * r * 2 * f * 2 + r * f * 2,
+        "reference: x, dy (fp32)": 2 * t * h * 4,
+        "reference: dx_pair [T*k, H] (fp32)": r * h * 4,
+        "reference: dx_experts, dx_router, dx (fp32)": 3 * t * h * 4,
+        "reference: one chunk's dw13, dw2 (fp32)": c * 3 * h * f * 4,
+        "reference: the chunk's comparison (fp32 out, difference)": 2 * c * 2 * h * f * 4,
+        "reference: one expert's weights upcast (fp32)": 3 * h * f * 4,
+        "reference: the chunk's per-row tensors (fp32)": -(-r * c // e) * (5 * h + 8 * f) * 4,
+    }
+    ref = sum(v for key, v in out.items() if key.startswith("reference"))
+    own = out["implementation's working set"]
+    out["peak"] = sum(v for key, v in out.items() if not key.startswith("reference")) - own + max(own, ref)
+    return out
+
+
 def grad_reference(inp: MoEInputs, world: int = 1) -> harness.Reference:
     """The check of a backward's output (dx, d_router, dw13, dw2, experts): each gradient against an fp32
     reference within GRAD_TOLERANCE; rel_err is the largest of the four, each in the row's ``rel_err_grads``.
     W = 1: moe_reference.moe_backward_ref for the implementation's own decision ``experts`` (every expert local).
-    W > 1: grad_reference_distributed (collective: every rank calls this in step, before any implementation)."""
+    W > 1: grad_reference_distributed (collective: every rank calls this in step, before any implementation).
+
+    Memory at W = 1: the reference runs ``grad_reference_chunk`` experts at a time (moe_backward_ref's
+    expert_chunk; 6 at deepseek-v3) and compares each chunk's fp32 dw13 / dw2 with the same experts' slice of
+    the implementation's gradients as it comes (kosmos.reference.FrobeniusError: the squared norms of the
+    differences and of the reference summed over the chunks), then drops it; dx and d_router whole, in fp32.
+    The same rel_err as comparing the whole tensors, up to the order the squared norms are summed in
+    (tests/test_bench_moe.py). The implementation's gradients are checked and dropped before the next
+    implementation runs (harness.check_and_time keeps only the errors). Unchunked, the reference held 42 GiB of
+    fp32 weight gradients at deepseek-v3 (and ~5 / ~9 GiB of [T*k, ...] fp32 stage tensors at 4k / 8k tokens
+    while it ran), and rel_err then made two more fp32 copies of dw13 (56 GiB): ~140 GiB at peak, past an H200's
+    139 GiB. Now (``backward_check_bytes``, balanced load, EP = 1): deepseek-v3 at 4k tokens ~46 GiB (weights 21,
+    the implementation's gradients 21, the reference 4.0), at 8k ~48 GiB (the reference 5.6, the implementation's
+    own working set 5.3); qwen3-235b 4k ~13 GiB."""
     if world > 1 and inp.dtype == MX:  # no implementation has an MXFP8 backward: nothing to check, nothing to pay
         return harness.Reference(_no_mx_backward_reference, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
     if world > 1:
         return grad_reference_distributed(inp)
+    chunk = grad_reference_chunk(inp.model)
 
     def ref(out):
-        return moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, top_k=inp.model.top_k,
-                                **inp.route_kw(), experts=out[len(GRADS)])
+        for o, like in zip(out, (inp.x, inp.router_weight, inp.w13, inp.w2)):
+            harness.check_output(o, like.shape)
+        errs = {name: FrobeniusError() for name in GRADS}
+
+        def compare(e0, dw13, dw2):  # one chunk of experts' fp32 weight gradients, dropped after this
+            errs["dw13"].add(out[2][e0:e0 + dw13.shape[0]], dw13)
+            errs["dw2"].add(out[3][e0:e0 + dw2.shape[0]], dw2)
+
+        dx, d_router, _, _ = moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy,
+                                              top_k=inp.model.top_k, **inp.route_kw(), experts=out[len(GRADS)],
+                                              expert_chunk=chunk, on_weight_grads=compare)
+        errs["dx"].add(out[0], dx)
+        errs["d_router"].add(out[1], d_router)
+        return {name: e.value() for name, e in errs.items()}
     return harness.Reference(ref, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
 
 

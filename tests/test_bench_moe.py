@@ -804,3 +804,91 @@ def test_trace_of_one_kosmos_forward(monkeypatch, tmp_path, tiny_models):
     st_mx = moe.MoESettings(impls=("nccl-a2a",), expert_gemms=False, trace_dir=str(tmp_path / "tr2"))
     moe.run_case(moe.MoECase("tiny-softmax", 32, "uniform"), st_mx, device="cpu")
     assert not (tmp_path / "tr2").exists()
+
+
+# --------------------------------------------------------------------------- the W=1 gradient check, chunked
+
+
+def _grad_inputs(name="tiny-grouped", tokens=64):
+    m = TINY[name]
+    x, wr, bias, _ = moe.make_router_inputs(m, tokens, "uniform", 0, 0)
+    w13, w2 = moe.make_expert_weights(m, 1, 0, 0)
+    dy = torch.randn(tokens, m.hidden, generator=torch.Generator().manual_seed(5), dtype=torch.bfloat16)
+    return moe.MoEInputs(m, x, wr, bias, w13, w2, direction="bwd", dy=dy)
+
+
+def _whole_errors(inp, out):
+    """The unchunked check: moe_backward_ref's whole fp32 gradients, each compared whole (harness.rel_err)."""
+    from kosmos.moe_reference import moe_backward_ref
+    from kosmos_bench import harness
+    ref = moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, top_k=inp.model.top_k,
+                           **inp.route_kw(), experts=out[len(moe.GRADS)])
+    return {name: harness.rel_err(o, r) for name, o, r in zip(moe.GRADS, out, ref)}
+
+
+def test_grad_reference_chunked_equals_whole(monkeypatch, tiny_models):
+    """grad_reference at W=1 compares the weight gradients a chunk of experts at a time (3 here: 16 experts in
+    6 chunks, the last short) and gives every gradient's rel_err of the whole-tensor comparison within 1e-6,
+    for nccl-a2a's bf16 autograd gradients; deepseek-v3's chunk is 6 experts (1 GiB of fp32 dw13 + dw2)."""
+    assert moe.grad_reference_chunk(MOE_MODELS["deepseek-v3"]) == 6
+    inp = _grad_inputs()
+    m = inp.model
+    monkeypatch.setattr(moe, "GRAD_REF_CHUNK_BYTES", 3 * (3 * m.hidden * m.expert_ffn * 4))
+    assert moe.grad_reference_chunk(m) == 3
+    out = moe.a2a_backward(inp)()
+    chunks = []
+    real = moe.moe_backward_ref
+    monkeypatch.setattr(moe, "moe_backward_ref", lambda *a, **kw: chunks.append(kw["expert_chunk"]) or real(*a, **kw))
+    err, errs = moe.grad_reference(inp).errors(out)
+    whole = _whole_errors(inp, out)
+    assert chunks == [3]
+    assert set(errs) == set(moe.GRADS) and err == max(errs.values())
+    for name in moe.GRADS:
+        assert 0 < errs[name] < moe.GRAD_TOLERANCE and errs[name] == pytest.approx(whole[name], rel=1e-6), name
+
+
+def test_grad_reference_chunked_catches_corruption(monkeypatch, tiny_models):
+    """The chunked check sees a wrong expert in any chunk: with the fp32 reference itself as the output every
+    error is 0; one expert's dw2 (in the last, short chunk) scaled by 1.01 gives exactly that expert's share
+    (0.01 ||dw2[e]|| / ||dw2||), by 1.5 it fails the tolerance, and one NaN in dw13 gives inf (never passes)."""
+    inp = _grad_inputs()
+    m = inp.model
+    monkeypatch.setattr(moe, "GRAD_REF_CHUNK_BYTES", 3 * (3 * m.hidden * m.expert_ffn * 4))
+    _, experts = route(inp.x, inp.router_weight, m.top_k, **inp.route_kw())
+    ref = moe.grad_reference(inp)
+    want = moe.moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, top_k=m.top_k,
+                                **inp.route_kw(), experts=experts)
+    exact = (*want, experts)
+    err, errs = ref.errors(exact)
+    assert err == 0 and all(e == 0 for e in errs.values())
+    e = 13 + int(torch.bincount(experts.reshape(-1), minlength=m.experts)[13:].argmax())  # experts 12-15: last chunk
+    for scale, fails in ((1.01, False), (1.5, True)):
+        dw2 = want[3].clone()
+        dw2[e] *= scale
+        err, errs = ref.errors((*want[:3], dw2, experts))
+        share = (scale - 1) * want[3][e].norm().item() / want[3].norm().item()
+        assert errs["dw2"] == pytest.approx(share, rel=1e-5) and errs["dw13"] == 0 and err == errs["dw2"]
+        assert (not err <= moe.GRAD_TOLERANCE) == fails
+    dw13 = want[2].clone()
+    dw13[e, 1, 2] = float("nan")
+    err, errs = ref.errors((want[0], want[1], dw13, want[3], experts))
+    assert math.isinf(errs["dw13"]) and not err <= moe.GRAD_TOLERANCE
+
+
+def test_backward_check_fits_an_h200_at_deepseek_v3():
+    """backward_check_bytes at EP=1: deepseek-v3 at 4k and 8k tokens peaks well under ~130 GiB, the reference's
+    own part a few GiB (no whole fp32 weight gradients)."""
+    m = MOE_MODELS["deepseek-v3"]
+    for tokens in (4096, 8192):
+        b = moe.backward_check_bytes(m, tokens)
+        ref = sum(v for k, v in b.items() if k.startswith("reference"))
+        assert b["peak"] < 60 * moe.GiB and ref < 8 * moe.GiB, (tokens, b)
+        assert b["weights (w13, w2 bf16)"] == 256 * 3 * 7168 * 2048 * 2
+
+
+def test_out_of_memory_reason_is_one_line():
+    from kosmos_bench.harness import error_reason
+    e = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 28.00 GiB. GPU 0 has a total capacity "
+                                    "of 139.80 GiB of which 3.1 GiB is free.\nOf the allocated memory ...")
+    reason = error_reason(e)
+    assert reason.startswith("out of memory: needs 28.00 GiB more") and "\n" not in reason

@@ -358,3 +358,32 @@ def test_mxfp8_reference_against_explicit_quantization():
     assert torch.allclose(y_mx, want, rtol=1e-4, atol=1e-5)
     rel = ((y_mx - y_bf).norm() / y_bf.norm()).item()
     assert 1e-4 < rel < 0.1, rel  # MX rounding is visible, and bounded (~2**-4 per element, averaged)
+
+
+@pytest.mark.parametrize("case", ["softmax-renorm", "sigmoid-grouped"])
+def test_backward_in_expert_chunks(case):
+    """moe_backward_ref a chunk of experts at a time (expert_chunk 1, 3: the last short) gives the gradients and
+    the stage tensors of all experts at once (fp64: to rounding; the CPU's elementwise ops round a vector lane
+    and the scalar tail apart); ``on_weight_grads`` gets each chunk's dw13 / dw2 once, in expert order, and the
+    call returns None for them."""
+    k, kw = BWD_ROUTINGS[case]
+    x, wr, w13, w2, dy = _bwd_inputs(13)
+    *whole, st = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, return_stages=True, **kw)
+    for chunk in (1, 3):
+        *got, st_c = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, return_stages=True, expert_chunk=chunk, **kw)
+        for a, b in zip(got, whole):
+            _rel_ok(a, b, tol=1e-13)
+        assert set(st_c) == set(st)
+        for name in st:
+            if st[name] is not None:
+                _rel_ok(st_c[name].double(), st[name].double(), tol=1e-13)
+        seen = []
+        dx, dwr, dw13, dw2 = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, expert_chunk=chunk,
+                                              on_weight_grads=lambda e0, a, b: seen.append((e0, a, b)), **kw)
+        assert dw13 is None and dw2 is None
+        assert [e0 for e0, _, _ in seen] == list(range(0, 8, chunk))
+        _rel_ok(torch.cat([a for _, a, _ in seen]), whole[2], tol=1e-13)
+        _rel_ok(torch.cat([b for _, _, b in seen]), whole[3], tol=1e-13)
+        _rel_ok(dx, whole[0], tol=1e-13)
+    with pytest.raises(ValueError, match="expert_chunk"):
+        moe_backward_ref(x, wr, w13, w2, dy, top_k=k, expert_chunk=0, **kw)

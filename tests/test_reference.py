@@ -104,3 +104,24 @@ def test_rel_err_non_finite_is_inf(bad):
     assert reference.rel_err(out, ref) == math.inf
     assert reference.rel_err(out.bfloat16(), ref) == math.inf
     assert not reference.rel_err(out, ref) < 1e-2  # never passes a tolerance check
+
+
+def test_frobenius_error_in_pieces_is_rel_err():
+    """FrobeniusError: one piece is rel_err bitwise; any split of the elements the same up to the summation order
+    of the pieces' squared norms; a NaN or inf in any piece gives inf."""
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(7, 5, 6, generator=g)
+    out = (ref + 1e-3 * torch.randn(7, 5, 6, generator=g)).bfloat16()
+    whole = reference.rel_err(out, ref)
+    assert reference.FrobeniusError().add(out, ref).value() == whole
+    for step in (1, 2, 3, 7):
+        acc = reference.FrobeniusError()
+        for i in range(0, 7, step):
+            acc.add(out[i:i + step], ref[i:i + step])
+        assert acc.value() == pytest.approx(whole, rel=1e-6)
+    bad = out.clone()
+    bad[4, 1, 1] = float("nan")
+    acc = reference.FrobeniusError().add(bad[:4], ref[:4]).add(bad[4:], ref[4:])
+    assert acc.value() == float("inf")
+    with pytest.raises(ValueError, match="shape"):
+        reference.FrobeniusError().add(out[:2], ref[:3])
