@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -435,5 +435,22 @@ PYEOF
     timeout 250 python -m dev.moe_bwd_tiles --model deepseek-v3 --only dgrad1,dgrad2,wgrad2,wgrad1 --max-seconds 230 \
       --json "$out/bwd-tiles-dsv3.jsonl" > "$out/bwd-tiles-dsv3.log" 2>&1; echo "tiles dsv3 rc=$?"; keep
     grep -E "^  (dgrad|wgrad)" "$out/bwd-tiles-dsv3.log" | cut -c1-150 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d" >&2; exit 2 ;;
+  s12e)  # session 12, last call (<= 580 s; tarball $OUT/s12e.tar.gz): issue 15's committed results -- the MoE
+         # backward bench at EP=1, qwen3-235b and deepseek-v3 (chunked fp32 gradient check), 4k and 8k tokens --
+         # and the changed backward's GPU tests.
+    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12e.tar.gz"; }
+    timeout 80 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "weight_grads or dgrad2 or never_syncs or w1" > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-bwd.log"; keep
+    timeout 200 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1.jsonl" > "$out/bench-qwen3.log" 2>&1
+    echo "bench qwen3 rc=$?"; keep
+    left=$((570 - SECONDS))
+    timeout $left python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
+    echo "bench dsv3 rc=$?"; keep
+    for m in qwen3 dsv3; do grep -v "^{" "$out/bench-$m.log" | grep -iE "bwd|error|fail" | head -12; done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e" >&2; exit 2 ;;
 esac

@@ -312,7 +312,22 @@ WGRAD_PERSISTENT_TILES = (128, 128, 64, 8, 3)  # the same for the persistent ker
 WGRAD_PROGRAMS_PER_SM = 2  # 128 x 128, <= 96 KiB shared, ~105 registers x 256 threads: two fit an SM (else one)
 WGRAD_KERNEL = "persistent"  # expert_weight_grads' default: "persistent" or "tiles" (session 10's measured one)
 WGRAD_KERNELS = ("persistent", "tiles")
-WGRAD_TMA_STORE = False  # persistent kernel: tiles stored through a TMA descriptor (session 12: probe)
+WGRAD_TMA_STORE = False  # persistent kernel: tiles stored through a TMA descriptor (session 12 call b: lost,
+#                          wgrad2 1.24 -> 1.33 / 1.50 ms at 2 / 3 stages, wgrad1 2.14 -> 2.49 / 2.87, qwen3 4k)
+# moe_backward's GEMM2 weight gradient where the experts average <= 160 rows (the row mean known on the host:
+# rows / experts, no sync): 4 warps, 2 stages, 2 programs per SM. Session 12 calls c, d (one H200): deepseek-v3 4k
+# (~128 rows per expert) 4.09 -> 3.75 ms; at qwen3 4k (~256 rows) it ties on wgrad2 (1.237) and loses on
+# wgrad1 (2.44 vs 2.10), so it is not the default there; wgrad1 at ~128 rows not measured with it (the probe
+# ran out of memory), so wgrad1 keeps the default tiles everywhere.
+WGRAD2_FEW_ROWS_PER_EXPERT = 160
+WGRAD2_FEW_ROWS_TILES = (128, 128, 64, 4, 2, 2)
+
+
+def wgrad2_tiles(h: torch.Tensor, counts: torch.Tensor):
+    """The tiles of GEMM2's weight gradient for h's rows over counts' experts: WGRAD2_FEW_ROWS_TILES where the
+    experts average <= WGRAD2_FEW_ROWS_PER_EXPERT rows (on the GPU), else None (expert_weight_grads' default)."""
+    few = h.is_cuda and h.shape[0] <= WGRAD2_FEW_ROWS_PER_EXPERT * max(1, counts.shape[0])
+    return WGRAD2_FEW_ROWS_TILES if few else None
 
 
 def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
@@ -982,7 +997,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         h = swiglu_h(gu, f)
     do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
-    dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt)
+    dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt, tiles=wgrad2_tiles(h, counts))
     dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wdt)
     dx_rows = expert_dgrad1(dgu, w13, counts)
     if by_expert is not None:  # back to the received order, then to the tokens' ranks
