@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -452,5 +452,20 @@ PYEOF
       --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
     echo "bench dsv3 rc=$?"; keep
     for m in qwen3 dsv3; do grep -v "^{" "$out/bench-$m.log" | grep -iE "bwd|error|fail" | head -12; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e" >&2; exit 2 ;;
+  s12f)  # session 12, closing call (<= 330 s; tarball $OUT/s12f.tar.gz): deepseek-v3 8k zipf:1.2 alone (the point
+         # s12e's sweep lost to out-of-memory; gc.collect() per point since), then issue 14's MX MoE A/B:
+         # moe-mx-halves (.base) and main, interleaved twice, qwen3-235b 4k fwd, bf16 + mxfp8, each from its tree.
+    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12f.tar.gz"; }
+    timeout 130 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 8192 --routing zipf:1.2 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3-8k-zipf.jsonl" > "$out/bench-dsv3-8k.log" 2>&1
+    echo "bench dsv3 8k zipf rc=$?"; keep
+    for pass in 1 2; do for t in mxh:.base main:.; do
+      left=$((320 - SECONDS)); [ $left -lt 30 ] && break 2
+      (cd "${t#*:}" && timeout $left python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096 \
+        --dtype bf16,mxfp8 --out "$out/mx-ab-${t%%:*}-$pass.jsonl" > "$out/mx-ab-${t%%:*}-$pass.log" 2>&1)
+      echo "mx ab ${t%%:*} pass $pass rc=$?"; keep
+    done; done
+    grep -v "^{" "$out/bench-dsv3-8k.log" | tail -12 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f" >&2; exit 2 ;;
 esac

@@ -96,6 +96,7 @@ any rank received (the time is the slowest rank's, normally the busiest).
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import math
 from dataclasses import asdict, dataclass, replace
@@ -770,6 +771,10 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
         # carried 2.3 GiB of symmetric workspace and deepseek-sized local buffers). Collective: every rank runs
         # the same points.
         kosmos.reset_workspaces()
+        # and without an earlier point's tensors that only a reference cycle still holds (closures of its
+        # timed calls): session 12's deepseek-v3 sweep grew from 48 GiB at its first backward point to an out-of-
+        # memory at its fourth (the same point alone is predicted to fit); collected here, not at Python's leisure
+        gc.collect()
         torch.cuda.empty_cache()
         torch.backends.cuda.matmul.allow_tf32 = False
         # allocate time_op's L2-flush buffer now (keyed like time_op keys it), so no impl's peak includes it
