@@ -431,11 +431,25 @@ def _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, gu_ptr, H, F, B
         store_block(gu_ptr, acc_u.to(tl.bfloat16), first + m * BM, F + n * BNH, rows - m * BM, F - n * BNH, 2 * F,
                     BM, BNH)
     h = (acc_g * tl.sigmoid(acc_g) * acc_u).to(tl.bfloat16)
-    if A_MX:  # GEMM2 multiplies h's MX values (blocks of 32 along F; a tile holds BNH / 32 whole blocks)
-        hb = tl.reshape(h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, (BM, BNH // 32, 32))
-        r = tl.reshape(mx_round_bf16_bits(hb), (BM, BNH))
-        h = tl.where(r >= 32768, r - 65536, r).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    store_rows(hb_ptr, h, first + m * BM, n * BNH, rows - m * BM, F, BM, BNH)
+    if A_MX and BNH >= 64:  # GEMM2 multiplies h's MX values (blocks of 32 along F), rounded and stored one
+        # column half at a time (BNH / 64 whole blocks each): fewer int32 temporaries live at once
+        lo, hi = tl.split(tl.permute(tl.reshape(h, (BM, 2, BNH // 2)), (0, 2, 1)))
+        store_rows(hb_ptr, _mx_values_bf16(lo, BM, BNH // 2), first + m * BM, n * BNH, rows - m * BM, F, BM,
+                   BNH // 2)
+        store_rows(hb_ptr, _mx_values_bf16(hi, BM, BNH // 2), first + m * BM, n * BNH + BNH // 2, rows - m * BM,
+                   F, BM, BNH // 2)
+    elif A_MX:  # one MX block per row (the interpreter's 32-column tiles)
+        store_rows(hb_ptr, _mx_values_bf16(h, BM, BNH), first + m * BM, n * BNH, rows - m * BM, F, BM, BNH)
+    else:
+        store_rows(hb_ptr, h, first + m * BM, n * BNH, rows - m * BM, F, BM, BNH)
+
+
+@triton.jit
+def _mx_values_bf16(h, BM: tl.constexpr, BN: tl.constexpr):
+    """The MX values (bf16) of a [BM, BN] bf16 tile, blocks of 32 along its columns (quant.mx_round_bf16_bits)."""
+    hb = tl.reshape(h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, (BM, BN // 32, 32))
+    r = tl.reshape(mx_round_bf16_bits(hb), (BM, BN))
+    return tl.where(r >= 32768, r - 65536, r).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
