@@ -269,14 +269,17 @@ def _dispatch_block(b, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta
             at_d = tl.sum(tl.where(dcols == dd, slots, 0), 1)
             dst = dev.peer_region(peer_data, dd, off_recv, tl.bfloat16) + at_d * H
             tl.store(dst[:, None] + c[None, :], v, mask=(at_d >= 0)[:, None] & cm)
-    if A_MX:
+    if A_MX:  # int32 offsets from scalar bases (moe_forward checks W*T*KB < 2**31): the [RB, KBP2] block of
+        # 64-bit pointers spilled (local Triton 3.9, W = 1/2/8: 316/296/264 -> 248/164/188 B in the whole kernel;
+        # the same copy in 64-column steps: 256/212/1908 B)
         sc = tl.arange(0, KBP2)
         scm = (sc < KB)[None, :]
-        vs = tl.load(xs_ptr + rows.to(tl.int64)[:, None] * KB + sc[None, :], mask=tmask[:, None] & scm)
+        vs = tl.load(xs_ptr + ((rows * KB)[:, None] + sc[None, :]), mask=tmask[:, None] & scm)
         for dd in range(WORLD):
             at_d = tl.sum(tl.where(dcols == dd, slots, 0), 1)
-            dst = dev.peer_region(peer_data, dd, off_rscale, tl.uint8) + at_d * KB
-            tl.store(dst[:, None] + sc[None, :], vs, mask=(at_d >= 0)[:, None] & scm)
+            base = dev.peer_region(peer_data, dd, off_rscale, tl.uint8)
+            tl.store(base + ((at_d.to(tl.int32) * KB)[:, None] + sc[None, :]), vs,
+                     mask=(at_d >= 0)[:, None] & scm)
 
 
 @triton.jit
@@ -917,6 +920,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     mx = precision == "mxfp8"
     if mx and (h % 32 or f % 32):
         raise ValueError(f"precision='mxfp8' needs H={h} and F={f} to be multiples of 32 (MX blocks)")
+    if mx and w * t_ * (h // 32) >= 2**31:  # the dispatch's scale offsets are int32
+        raise ValueError(f"precision='mxfp8': {w} ranks x {t_} tokens x {h // 32} scale bytes per row exceed the "
+                         f"2**31-byte scale region the dispatch addresses; use fewer tokens per call")
     cfg = planning.moe_config(config, mx=mx)
     lay = Layout(w, t_, h, f, top_k, el, cfg)
     _check_same_shape_on_every_rank(ws, (t_, h, f, e, top_k, ROUTINGS.index(routing)))
