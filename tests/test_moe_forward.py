@@ -95,6 +95,27 @@ def test_moe_forward_mxfp8_vs_reference(world, tokens, hidden, ffn, experts, top
 
 
 @pytest.mark.interpreter
+def test_moe_forward_mxfp8_rounds_h_in_column_halves(monkeypatch):
+    """GEMM1's MX rounding of h one column half at a time (BNH >= 64, the GPU's path; the interpreter's own
+    tiles have BNH = 32): forced here with BNH = 64 and F = 96 (the second tile's upper half past F). y is
+    bitwise the whole-block path's (BNH = 32: every element the same dot product and the same MX blocks), and
+    within the MX reference's tolerance (3e-2 here: the interpreter truncates to bf16, 0.0205 on this draw)."""
+    import dataclasses
+    whole = MoERanks(1, 19, 64, 96, 4, 2, seed=77, route_kw=SOFTMAX, mx=True, tol=3e-2)
+    whole.new_inputs()
+    whole.call(1)
+    real = planning.moe_config
+    monkeypatch.setattr(planning, "moe_config", lambda config=None, mx=False: dataclasses.replace(
+        real(config, mx=mx), BNH=64) if mx else real(config, mx=mx))
+    halves = MoERanks(1, 19, 64, 96, 4, 2, seed=77, route_kw=SOFTMAX, mx=True, tol=3e-2)
+    assert halves.cfg.BNH == 64 and whole.cfg.BNH == 32
+    halves.new_inputs()
+    halves.call(1)
+    halves.check(1)
+    assert torch.equal(halves.ys[0], whole.ys[0])
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [1, 2])
 def test_moe_forward_device_epoch(world):
     """No epoch from the host: every launch reads its rank's slot; at W = 2 the three stage launches of a call

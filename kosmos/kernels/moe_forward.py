@@ -269,14 +269,17 @@ def _dispatch_block(b, sel_e, x_ptr, peer_data, scratch_ptr, off_recv, off_rmeta
             at_d = tl.sum(tl.where(dcols == dd, slots, 0), 1)
             dst = dev.peer_region(peer_data, dd, off_recv, tl.bfloat16) + at_d * H
             tl.store(dst[:, None] + c[None, :], v, mask=(at_d >= 0)[:, None] & cm)
-    if A_MX:
+    if A_MX:  # int32 offsets from scalar bases (moe_forward checks W*T*KB < 2**31): the [RB, KBP2] block of
+        # 64-bit pointers spilled (local Triton 3.9, W = 1/2/8: 316/296/264 -> 248/164/188 B in the whole kernel;
+        # the same copy in 64-column steps: 256/212/1908 B)
         sc = tl.arange(0, KBP2)
         scm = (sc < KB)[None, :]
-        vs = tl.load(xs_ptr + rows.to(tl.int64)[:, None] * KB + sc[None, :], mask=tmask[:, None] & scm)
+        vs = tl.load(xs_ptr + ((rows * KB)[:, None] + sc[None, :]), mask=tmask[:, None] & scm)
         for dd in range(WORLD):
             at_d = tl.sum(tl.where(dcols == dd, slots, 0), 1)
-            dst = dev.peer_region(peer_data, dd, off_rscale, tl.uint8) + at_d * KB
-            tl.store(dst[:, None] + sc[None, :], vs, mask=(at_d >= 0)[:, None] & scm)
+            base = dev.peer_region(peer_data, dd, off_rscale, tl.uint8)
+            tl.store(base + ((at_d.to(tl.int32) * KB)[:, None] + sc[None, :]), vs,
+                     mask=(at_d >= 0)[:, None] & scm)
 
 
 @triton.jit
@@ -431,11 +434,25 @@ def _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, gu_ptr, H, F, B
         store_block(gu_ptr, acc_u.to(tl.bfloat16), first + m * BM, F + n * BNH, rows - m * BM, F - n * BNH, 2 * F,
                     BM, BNH)
     h = (acc_g * tl.sigmoid(acc_g) * acc_u).to(tl.bfloat16)
-    if A_MX:  # GEMM2 multiplies h's MX values (blocks of 32 along F; a tile holds BNH / 32 whole blocks)
-        hb = tl.reshape(h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, (BM, BNH // 32, 32))
-        r = tl.reshape(mx_round_bf16_bits(hb), (BM, BNH))
-        h = tl.where(r >= 32768, r - 65536, r).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    store_rows(hb_ptr, h, first + m * BM, n * BNH, rows - m * BM, F, BM, BNH)
+    if A_MX and BNH >= 64:  # GEMM2 multiplies h's MX values (blocks of 32 along F), rounded and stored one
+        # column half at a time (BNH / 64 whole blocks each): fewer int32 temporaries live at once
+        lo, hi = tl.split(tl.permute(tl.reshape(h, (BM, 2, BNH // 2)), (0, 2, 1)))
+        store_rows(hb_ptr, _mx_values_bf16(lo, BM, BNH // 2), first + m * BM, n * BNH, rows - m * BM, F, BM,
+                   BNH // 2)
+        store_rows(hb_ptr, _mx_values_bf16(hi, BM, BNH // 2), first + m * BM, n * BNH + BNH // 2, rows - m * BM,
+                   F, BM, BNH // 2)
+    elif A_MX:  # one MX block per row (the interpreter's 32-column tiles)
+        store_rows(hb_ptr, _mx_values_bf16(h, BM, BNH), first + m * BM, n * BNH, rows - m * BM, F, BM, BNH)
+    else:
+        store_rows(hb_ptr, h, first + m * BM, n * BNH, rows - m * BM, F, BM, BNH)
+
+
+@triton.jit
+def _mx_values_bf16(h, BM: tl.constexpr, BN: tl.constexpr):
+    """The MX values (bf16) of a [BM, BN] bf16 tile, blocks of 32 along its columns (quant.mx_round_bf16_bits)."""
+    hb = tl.reshape(h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, (BM, BN // 32, 32))
+    r = tl.reshape(mx_round_bf16_bits(hb), (BM, BN))
+    return tl.where(r >= 32768, r - 65536, r).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -903,6 +920,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     mx = precision == "mxfp8"
     if mx and (h % 32 or f % 32):
         raise ValueError(f"precision='mxfp8' needs H={h} and F={f} to be multiples of 32 (MX blocks)")
+    if mx and w * t_ * (h // 32) >= 2**31:  # the dispatch's scale offsets are int32
+        raise ValueError(f"precision='mxfp8': {w} ranks x {t_} tokens x {h // 32} scale bytes per row exceed the "
+                         f"2**31-byte scale region the dispatch addresses; use fewer tokens per call")
     cfg = planning.moe_config(config, mx=mx)
     lay = Layout(w, t_, h, f, top_k, el, cfg)
     _check_same_shape_on_every_rank(ws, (t_, h, f, e, top_k, ROUTINGS.index(routing)))
