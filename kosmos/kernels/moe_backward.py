@@ -159,8 +159,30 @@ MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1
   ~110 launches.
   Host time inside one backward call: ~5 ms (nccl-a2a's autograd ~2 ms) -- hidden in the bench by its spin,
   not in a host-bound loop.
-NEXT (unmeasured): dgrad2's epilogue (0.42 ms over torch's bare GEMM), the wgrad kernels' per-tile cost at ~256
-rows per expert (0.79-0.87x), the torch glue and launches (the one-launch backward removes both).
+Third speed pass (session 12, one H200, Triton 3.6; results/h200x1/s12, calls a-f):
+* dgrad2 unfused (``DGRAD2_FUSED = False``): z = dy_rows W2[e]^T by the dgrad1 GEMM kernel (128 x 256, bf16 out,
+  as autograd's GEMM rounds it), then ``_swiglu_backward_kernel`` (the epilogue's arithmetic over 8-row blocks,
+  the gate gradient summed left to right over F: deterministic; 64 registers). qwen3 4k: fused 1.244 ms, the
+  GEMM alone 0.797 (1.04x torch), unfused 0.947 (predicted ~0.97); deepseek-v3 4k: 3.44 -> 2.54 ms (1.31x
+  torch). The fused epilogue cost 0.45 ms over its GEMM: one resident program per SM cannot hide g | u loads
+  and four stores. dw_rows' error moves to bf16 level (z rounded), as nccl-a2a's autograd has it.
+* the router's GEMMs on bf16 tensor cores (``bf16_mm_fp32``, ``router_gemm_backward``: dl = hi + lo in bf16, two
+  GEMMs, fp32 accumulation; errors vs fp64 2-3e-6, GPU-tested): deepseek-v3 router 1.27 -> 0.37 ms, qwen3
+  0.51 -> 0.25 ms.
+* wgrad2 where experts average <= 160 rows (``wgrad2_tiles``): 128x128x64, 4 warps, 2 stages, 2 programs per SM;
+  deepseek-v3 4k 4.09 -> 3.75 ms. Lost or tied: TMA stores (2 and 3 stages), 128x64 / 64x128 at 3-4 programs
+  per SM, 128x128x32 (wins qwen3 wgrad2 1.203 vs 1.237, loses wgrad1), 64-row m-tiles for dgrad1 (5.18 ->
+  6.62-7.73 ms at deepseek) and dgrad2. tl.range(flatten=True) cannot fuse the persistent wgrad's tile and row
+  loops (inside the expert loop; Triton fuses a top-level nest only): cross-tile pipelining needs a row layout
+  padded per expert to BR (zero rows), so that one host descriptor can serve all experts -- not built.
+* bench (results/h200x1/moe-bwd-ep1*.md, d78133d): backward vs nccl-a2a's autograd qwen3 4k 1.365 / 1.371x, 8k
+  1.488 / 1.435x (uniform / zipf:1.2); deepseek-v3 4k 1.273 / 1.229x, 8k 1.227 / 1.210x (the bar, 1.3x, met at
+  qwen3, not at deepseek-v3). Expert GEMMs vs torch (probe, qwen3 4k): wgrad2 0.78, wgrad1 0.88, dgrad2 0.87,
+  dgrad1 1.02; deepseek-v3 (probe, call c): wgrad2 0.80 (0.875 on the few-rows tiles in call d's tiles probe),
+  wgrad1 0.88, dgrad2 1.31, dgrad1 1.26.
+NEXT (unmeasured): deepseek-v3's weight gradients (11.2 of 21.5 ms; 22.5 GB of bf16 output at ~2 TB/s, MMA and
+stores serialised at ~128 rows per expert): the padded row layout + a flattened persistent wgrad loop; ~1 ms
+between the stages at deepseek-v3 (allocations of the 15 GB dW13?); the one-launch backward.
 """
 from __future__ import annotations
 
