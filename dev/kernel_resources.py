@@ -135,15 +135,18 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent")))),
            ("moe_bwd wgrad-pers fp32", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
                mb.expert_weight_grads(x_rows, gu, counts, out_dtype=torch.float32, kernel="persistent")))),
+           ("moe_bwd wgrad-pers few-rows", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
+               mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent", tiles=mb.WGRAD2_FEW_ROWS_TILES)))),
            ("moe_bwd wgrad-pers tmastore s2", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
                mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent", tma_store=True,
                                       tiles=(128, 128, 64, 8, 2))))),
            ("moe_bwd wgrad-pers tmastore s3", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
                mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent", tma_store=True)))),
            ("moe_bwd dgrad2_swiglu", _compile_among(mb, "_dgrad2_swiglu_kernel",
-                                              lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts))),
+                                              lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts,
+                                                                              fused=True))),
            ("moe_bwd dgrad2_swiglu+h", _compile_among(mb, "_dgrad2_swiglu_kernel", lambda: mb.expert_dgrad2_swiglu(
-               dy_rows, gu, w2, w_pair, counts, emit_h=True))),
+               dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=True))),
            ("moe_bwd dgrad1", _compile_among(mb, "_dgrad1_kernel", lambda: mb.expert_dgrad1(gu, w13, counts))),
            ("moe_bwd swiglu_backward+h", _compile_among(mb, "_swiglu_backward_kernel", lambda: mb.expert_dgrad2_swiglu(
                dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=False)))]

@@ -459,6 +459,18 @@ def _torch_sigmoid(g, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_backward_values(z, wp, g, u, INTERP: tl.constexpr):
+    """(h, dg, du) in fp32 from z = dy_rows W2[e]^T, the rows' gate weights wp [BM] and g, u (fp32): h = silu(g) u
+    (swiglu_h's arithmetic: _torch_sigmoid, (g * s) * u), dh = w z, dg = dh u silu'(g), du = dh silu(g). The
+    fused epilogue's and the unfused pass's one formula."""
+    s = _torch_sigmoid(g, INTERP)
+    silu = g * s
+    h = silu * u
+    dh = z * wp[:, None]
+    return h, dh * u * (s + silu * (1.0 - s)), dh * silu
+
+
+@triton.jit
 def _dgrad2_epilogue(z, wp, gu_t, dgu_t, h_t, dwp_t, col, rows_valid, F, n_parts, part,
                      BM: tl.constexpr, BH: tl.constexpr, EMIT_H: tl.constexpr, INTERP: tl.constexpr):
     """One BH-column slice of a dgrad2 tile: z [BM, BH] fp32 (= dy_rows W2[e]^T at F-columns col..col+BH),
@@ -473,15 +485,10 @@ def _dgrad2_epilogue(z, wp, gu_t, dgu_t, h_t, dwp_t, col, rows_valid, F, n_parts
     o2 = i[:, None] * (2 * F) + (col + c)[None, :]
     g = tl.load(gu_t + o2, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_t + F + o2, mask=mask, other=0.0).to(tl.float32)
-    s = _torch_sigmoid(g, INTERP)
-    silu = g * s
-    h = silu * u
+    h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
     if EMIT_H:
         tl.store(h_t + (i[:, None] * F + (col + c)[None, :]), _to_out(h, tl.bfloat16, INTERP), mask=mask)
     tl.store(dwp_t + i * n_parts + part, tl.sum(z * h, 1), mask=rm)
-    dh = z * wp[:, None]
-    dg = dh * u * (s + silu * (1.0 - s))
-    du = dh * silu
     tl.store(dgu_t + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
     tl.store(dgu_t + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
 
@@ -571,15 +578,12 @@ def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, R, F,
         z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=mask, other=0.0).to(tl.float32)
         g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
-        s = _torch_sigmoid(g, INTERP)
-        silu = g * s
-        h = silu * u
+        h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
         if EMIT_H:
             tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
         dw += tl.sum(z * h, 1)
-        dh = z * wp[:, None]
-        tl.store(dgu_ptr + o2, _to_out(dh * u * (s + silu * (1.0 - s)), tl.bfloat16, INTERP), mask=mask)
-        tl.store(dgu_ptr + F + o2, _to_out(dh * silu, tl.bfloat16, INTERP), mask=mask)
+        tl.store(dgu_ptr + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
+        tl.store(dgu_ptr + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
     tl.store(dw_ptr + i, dw, mask=rm)
 
 
