@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -467,5 +467,19 @@ PYEOF
       echo "mx ab ${t%%:*} pass $pass rc=$?"; keep
     done; done
     grep -v "^{" "$out/bench-dsv3-8k.log" | tail -12 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f" >&2; exit 2 ;;
+  s12g)  # session 12, spare minutes (<= 200 s; tarball $OUT/s12g.tar.gz): the merged MX halves tree and the shared
+         # SwiGLU-backward formula on the GPU: their tests and Triton 3.6 registers.
+    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12g.tar.gz"; }
+    ( timeout 150 python dev/kernel_resources.py --world 1,2,8 --kernels moe_forward --mx > "$out/regs-mx.txt" 2>&1 ) &
+    regs_pid=$!
+    timeout 80 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "dgrad2 or w1" > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-bwd.log"
+    timeout 90 python -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or ranks" tests/test_moe_forward.py \
+      -k "mx" > "$out/gpu-tests-fwd-mx.log" 2>&1
+    echo "gpu tests fwd mx rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-fwd-mx.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-fwd-mx.log"; keep
+    wait $regs_pid; grep moe "$out/regs-mx.txt"; keep ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g" >&2; exit 2 ;;
 esac
