@@ -79,7 +79,7 @@ dispatch's scale bytes by int32 offsets (branch moe-mx-halves, merged after the 
 564/584/568 -> 288/96/236 B; qwen3-235b 4k EP=1, interleaved twice, each tree from its own directory: mxfp8
 kosmos 3.38-3.39 / 3.57-3.60 -> 3.32 / 3.48 ms (uniform / zipf:1.2), bf16 unchanged (2.92 / 3.08), outputs
 bitwise the same; mxfp8 / bf16 1.16 -> 1.13-1.14 (issue 14's bar 1.05; predicted ~1.05 -- the spills are not
-the MX cost). The merged tree (with SAVE_GU) has not run on the GPU.
+the MX cost). The merged tree (with SAVE_GU): MX GPU tests pass, the same spills (call g); not timed.
 
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, "moe v0.1"-"moe v0.3"):
   Suite, 2x H200 (EP=2), 1b61db4 run with the copy step (BH; config copy_cols) at 512, today's default,
