@@ -6,7 +6,8 @@ ptxas need no GPU: a stand-in driver reports an sm_90 target):
 
 Each kernel is compiled (``JITFunction.warmup``) exactly as its ``launch`` would launch it for rank 0 of a
 llama3-70b-like TP shape (AllGather+GEMM qkv, GEMM+RS attn-out) or a deepseek-v3-like MoE layer, with the
-default configs, self policy; the figures are ptxas's (``cuobjdump --dump-resource-usage`` of the cubin).
+default configs, self policy; the figures are ptxas's (``cuobjdump --dump-resource-usage`` of the cubin);
+``loops``: the scf.for ops in the TTGIR (a flattened loop nest is one).
 Spills in the fused kernels cost GEMM speed, so check them here before timing a change.
 """
 from __future__ import annotations
@@ -82,7 +83,8 @@ def _resources(compiled) -> dict:
     text = run.stderr + run.stdout
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else None  # noqa: E731
     return {"regs": num(r"Used (\d+) registers"), "spill_bytes": num(r"(\d+) bytes spill stores"),
-            "stack_bytes": num(r"(\d+) bytes stack frame"), "shared_kib": round(compiled.metadata.shared / 1024, 1)}
+            "stack_bytes": num(r"(\d+) bytes stack frame"), "shared_kib": round(compiled.metadata.shared / 1024, 1),
+            "ttgir_loops": len(re.findall(r"\bscf\.for\b", compiled.asm.get("ttgir", "")))}
 
 
 def _compile(module, kernel_name: str, call) -> dict:
@@ -127,6 +129,9 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
     x_rows, dy_rows, gu = torch.empty(rows, h, **bf), torch.empty(rows, h, **bf), torch.empty(rows, 2 * f, **bf)
     w13, w2 = torch.empty(e, h, 2 * f, **bf), torch.empty(e, f, h, **bf)
     w_pair = torch.empty(rows, dtype=torch.float32, device=dev)
+    rows_pad = mb.padded_rows_bound(rows, e)  # the flat wgrad's padded row layout (expert_weight_grads_padded)
+    x_pad, gu_pad = torch.empty(rows_pad, h, **bf), torch.empty(rows_pad, 2 * f, **bf)
+    pad_offs = mb.padded_row_offsets(counts)
     out = [("moe_bwd wgrad bf16", _compile_among(mb, "_expert_wgrad_kernel",
                                            lambda: mb.expert_weight_grads(x_rows, gu, counts, kernel="tiles"))),
            ("moe_bwd wgrad fp32", _compile_among(mb, "_expert_wgrad_kernel", lambda: mb.expert_weight_grads(
@@ -142,6 +147,12 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                                       tiles=(128, 128, 64, 8, 2))))),
            ("moe_bwd wgrad-pers tmastore s3", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
                mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent", tma_store=True)))),
+           *[(f"moe_bwd wgrad-flat {name}", _compile_among(mb, "_expert_wgrad_flat_kernel", lambda t=t, dt=dt: (
+               mb.expert_weight_grads_padded(x_pad, gu_pad, counts, pad_offs, out_dtype=dt, tiles=t))))
+             for name, t, dt in (("bf16", None, torch.bfloat16), ("fp32", None, torch.float32),
+                                 ("s3", (128, 128, 64, 8, 3), torch.bfloat16),
+                                 ("4w s2", (128, 128, 64, 4, 2), torch.bfloat16),
+                                 ("128x256 s3", (128, 256, 64, 8, 3), torch.bfloat16))],
            ("moe_bwd dgrad2_swiglu", _compile_among(mb, "_dgrad2_swiglu_kernel",
                                               lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts,
                                                                               fused=True))),
@@ -252,7 +263,7 @@ def main(argv=None):
     import triton
     rows = []
     print(f"triton {triton.__version__}, sm_90a, grid {grid}")
-    print(f"{'kernel':<24} {'W':>2} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared KiB':>11}")
+    print(f"{'kernel':<24} {'W':>2} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared KiB':>11} {'loops':>5}")
     from kosmos import planning
     tiles = [None]
     if args.tiles:
@@ -267,7 +278,7 @@ def main(argv=None):
                     name = f"{name} {tile.BM}x{tile.BN}w{tile.num_warps}s{tile.num_stages}"
                 rows.append(dict(kernel=name, world=world, triton=triton.__version__, **r))
                 print(f"{name:<26} {world:>2} {r['regs']:>5} {str(r['spill_bytes']):>8} {r['stack_bytes']:>8} "
-                      f"{r['shared_kib']:>11}", flush=True)
+                      f"{r['shared_kib']:>11} {r['ttgir_loops']:>5}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

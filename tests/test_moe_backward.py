@@ -4,7 +4,8 @@ Markers as in conftest.py: ``interpreter`` on the CPU, ``gpu`` on one GPU."""
 import pytest
 import torch
 
-from kosmos.kernels.moe_backward import expert_weight_grads, expert_weight_grads_ref
+from kosmos.kernels.moe_backward import (expert_weight_grads, expert_weight_grads_padded, expert_weight_grads_ref,
+                                         pad_expert_rows, padded_row_offsets, padded_rows_bound)
 
 CASES = [  # counts per expert (zeros allowed), KA, KB: ragged rows, a KA/KB not a multiple of the tile
     pytest.param([5, 0, 17, 1], 24, 40, id="ragged-with-empty"),
@@ -83,6 +84,112 @@ def test_expert_weight_grads_errors():
         expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), out_dtype=torch.float16)
     with pytest.raises(ValueError, match="kernel must be one of"):
         expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), kernel="wide")
+
+
+PADDED_CASES = [c for c in CASES if "pointer-fallback" not in c.id] + [
+    pytest.param([3, 0, 0, 40, 9, 0, 1], 32, 48, id="3-programs-over-many-experts"),
+    pytest.param([64, 0, 65, 128], 16, 24, id="at-and-one-past-the-pad")]
+INTERP_BR = 16  # expert_weight_grads_padded's row step under the interpreter
+
+
+def _gap_and_tail(counts, pad, padded_rows):
+    """Masks over the padded rows: the gap rows (after an expert's last row, up to the next multiple of pad)
+    and the rows of no expert past the last expert's padded end."""
+    gap = torch.zeros(padded_rows, dtype=torch.bool)
+    start = 0
+    for n in counts:
+        end = start + -(-n // pad) * pad
+        gap[start + n:end] = True
+        start = end
+    tail = torch.zeros(padded_rows, dtype=torch.bool)
+    tail[start:] = True
+    return gap, tail
+
+
+def _check_padded(a, b, counts, pad, device="cpu"):
+    """(a) the padded layout: each expert's rows from a multiple of pad, all other rows zero; (b) the flat kernel
+    on it gives bitwise expert_weight_grads' dW on the unpadded rows (fp32 and bf16 out; ragged counts, zeros
+    included), rows of no expert never read (NaN there); (c) finite nonzero garbage in the gap rows of ONE
+    operand changes no bit (the other's zeros make the partial step exact), and garbage in both does change
+    the result wherever a tile has a partial step -- so (b) would catch a kernel that read past an expert's
+    rows without the zeros."""
+    c = torch.tensor(counts, dtype=torch.int32, device=device)
+    ref32 = expert_weight_grads(a, b, c, out_dtype=torch.float32)
+    ref = expert_weight_grads(a, b, c)
+    po = padded_row_offsets(c, pad)
+    rp = padded_rows_bound(a.shape[0], len(counts), pad)
+    starts = [0]
+    for n in counts[:-1]:
+        starts.append(starts[-1] + -(-n // pad) * pad)
+    assert po.dtype == torch.int32 and po.cpu().tolist() == starts[:len(counts)]
+    assert all(s_ % pad == 0 for s_ in starts)
+    ap, bp = pad_expert_rows(a, c, po, rp), pad_expert_rows(b, c, po, rp)
+    assert ap.shape == (rp, a.shape[1]) and bp.shape == (rp, b.shape[1])
+    exp_a = torch.zeros_like(ap)
+    src = 0
+    for s_, n in zip(starts, counts):
+        exp_a[s_:s_ + n] = a[src:src + n]
+        src += n
+    assert torch.equal(ap.view(torch.int16), exp_a.view(torch.int16))
+    gap, tail = _gap_and_tail(counts, pad, rp)
+    gap, tail = gap.to(device), tail.to(device)
+    for t in (ap, bp):  # rows of no expert: never read
+        t[tail] = float("nan")
+
+    def flat(x, y, dt=torch.float32):
+        return expert_weight_grads_padded(x, y, c, po, out_dtype=dt, pad=pad)
+
+    got32 = flat(ap, bp)
+    assert torch.equal(got32.view(torch.int32), ref32.view(torch.int32))
+    assert torch.equal(flat(ap, bp, torch.bfloat16).view(torch.int16), ref.view(torch.int16))
+    g = torch.Generator().manual_seed(11)
+    a_g, b_g = ap.clone(), bp.clone()
+    for t in (a_g, b_g):  # finite, nonzero, both signs
+        t[gap] = (torch.randn(int(gap.sum()), t.shape[1], generator=g) + 0.5).to(t.dtype).to(device)
+    assert torch.equal(flat(a_g, bp).view(torch.int32), ref32.view(torch.int32)), "zeros in b_pad alone"
+    assert torch.equal(flat(ap, b_g).view(torch.int32), ref32.view(torch.int32)), "zeros in a_pad alone"
+    if any(n % INTERP_BR for n in counts) and ref32.numel():  # a partial step reads gap rows
+        assert not torch.equal(flat(a_g, b_g), ref32), "the gap rows are read: garbage in both must show"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("pad", [16, 64])
+@pytest.mark.parametrize("counts,ka,kb", PADDED_CASES)
+def test_expert_weight_grads_padded_interpreter(counts, ka, kb, pad):
+    a, b, _ = _inputs(counts, ka, kb, "cpu")
+    _check_padded(a, b, counts, pad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [None, (128, 128, 64, 8, 3), (128, 128, 64, 4, 2), (128, 256, 64, 8, 3)])
+def test_expert_weight_grads_padded_gpu(no_tf32, tiles):
+    """On the GPU: bitwise the default (persistent) kernel's dW on the unpadded rows, for every tile variant
+    of the probe's sweep."""
+    counts, ka, kb = [300, 0, 7, 129, 1, 0, 64, 500], 256, 200
+    a, b, c = _inputs(counts, ka, kb, "cuda", seed=1)
+    po = padded_row_offsets(c)
+    rp = padded_rows_bound(a.shape[0], len(counts))
+    ap, bp = pad_expert_rows(a, c, po, rp), pad_expert_rows(b, c, po, rp)
+    for dt in (torch.float32, torch.bfloat16):
+        ref = expert_weight_grads(a, b, c, out_dtype=dt, kernel="persistent")
+        got = expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+def test_expert_weight_grads_padded_errors():
+    a = torch.zeros(64, 8, dtype=torch.bfloat16)
+    c = torch.tensor([4], dtype=torch.int32)
+    po = padded_row_offsets(c)
+    with pytest.raises(ValueError, match="rows but b_pad has"):
+        expert_weight_grads_padded(a, torch.zeros(65, 8, dtype=torch.bfloat16), c, po)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        expert_weight_grads_padded(torch.zeros(64, 12, dtype=torch.bfloat16), a, c, po)
+    with pytest.raises(ValueError, match="pad_offs"):
+        expert_weight_grads_padded(a, a, c, po[:0])
+    with pytest.raises(ValueError, match="must divide"):
+        expert_weight_grads_padded(a, a, c, po, pad=8, tiles=(128, 128, 64, 8, 2))
+    assert padded_rows_bound(100, 3, 64) == 100 + 3 * 63
+    assert padded_row_offsets(torch.tensor([0, 1, 64, 65, 0, 3]), 64).tolist() == [0, 0, 64, 128, 256, 256]
 
 
 def _dgrad2_inputs(counts, h, f, device, seed=3):

@@ -183,6 +183,29 @@ Third speed pass (session 12, one H200, Triton 3.6; results/h200x1/s12, calls a-
 NEXT (unmeasured): deepseek-v3's weight gradients (11.2 of 21.5 ms; 22.5 GB of bf16 output at ~2 TB/s, MMA and
 stores serialised at ~128 rows per expert): the padded row layout + a flattened persistent wgrad loop; ~1 ms
 between the stages at deepseek-v3 (allocations of the 15 GB dW13?); the one-launch backward.
+Flat wgrad loop on a padded row layout (session 13; built and tested under the interpreter, NOT timed, not wired
+into moe_backward -- its defaults and layout unchanged): ``expert_weight_grads_padded`` /
+``_expert_wgrad_flat_kernel``. The layout (``padded_row_offsets``, ``padded_rows_bound``, ``pad_expert_rows``):
+expert e's rows from pad_offs[e] = the exclusive cumsum of ceil(counts / 64) * 64 (device-side, no sync), R_pad
+<= R + E * 63 rows (host-known), the gap rows zero in at least one operand (the other finite). One TMA descriptor
+per operand over the whole padded array (made once per program) then serves every expert, so the persistent
+grid's tile and row loops become ONE loop over the program's row steps of all its tiles (tile advance and
+epilogue in ``if``s at the step counter's wrap), which Triton software-pipelines across tiles: the next tile's
+TMA loads fly during this tile's epilogue. tl.range(flatten=True) cannot build it: FuseNestedLoops fuses an inner
+loop only if its bounds are invariant to the outer loop, and counts[e] is a load per tile (TTGIR, Triton 3.9:
+with a kernel-argument bound the nest fuses, with counts[e] it stays two loops); the hand-flattened loop is one
+scf.for, descriptor loads 1-2 steps ahead, wgmma async. Per tile the same ascending BR-row steps and fp32 chain
+as the other wgrad kernels: bitwise their dW (interpreter-tested, incl. garbage in one operand's gaps; GPU test
+written). sm_90a (local Triton 3.9, qwen3-like shapes): 128x128x64 8 warps 2 stages (WGRAD_FLAT_TILES) 107
+registers, 96 KiB (two per SM); 3 stages 94 regs, 128 KiB (one per SM: the epilogue's 32 KiB layout-conversion
+buffer is live beside the pipeline's now); 4 warps 2 stages 176 regs, 72 KiB; 128x256x64 3 stages 165 regs, 176
+KiB; fp32 out 108 regs, 128 KiB; no spills in any. PREDICTION (unmeasured): deepseek-v3 4k, ~128 rows per expert
+(2 row steps per tile, ~5200 tiles per SM over both wgrads, 2.15 us each measured): the loads leave the critical
+path, the stores (22.5 GB, ~6.8 ms at ~3.3 TB/s) become it: both wgrads 11.2 -> ~8.5 ms (7.5-10); qwen3 (4 steps
+per tile) ~5% at best. The padding copy is not in that figure: pad_expert_rows (torch gathers, ~3.5 GB of traffic
+for wgrad1's operands) ~1.2 + ~1.0 ms, a fused copy ~0.5 + 0.45 ms, 0 if the producers (the dispatch's row
+gather, dgrad2's epilogue, scaled_rows) write the padded layout directly -- the next step if the kernel wins
+(dev/moe_bwd_tiles --model deepseek-v3 --only wgrad2,wgrad1: its "flat" rows and the "-pad" rows).
 """
 from __future__ import annotations
 
@@ -420,6 +443,182 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     fn = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
     fn[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br, DOT_FP32=planning.interpreting(),
              num_warps=warps, num_stages=stages)
+    return out
+
+
+# ---- the flat wgrad loop on a padded row layout (session 13; not timed; not wired into moe_backward) ----------
+WGRAD_PAD_ROWS = 64  # the padded layout's granularity: each expert's rows start at a multiple of it (the GPU's BR)
+WGRAD_FLAT_TILES = (128, 128, 64, 8, 2)  # (BI, BJ, BR, warps, stages[, programs per SM]): 96 KiB, 2 per SM
+WGRAD_FLAT_SMEM_PER_SM = 2 * 112 * 1024  # programs per SM by the shared estimate (an H200 SM: 228 KiB, 1 KiB each)
+
+
+def padded_rows_bound(rows: int, n_experts: int, pad: int = WGRAD_PAD_ROWS) -> int:
+    """A host-known bound on the padded layout's rows: sum over e of ceil(counts[e] / pad) * pad <= rows +
+    n_experts * (pad - 1) for any counts summing to <= rows (no host synchronisation)."""
+    return rows + n_experts * (pad - 1)
+
+
+def padded_row_offsets(counts: torch.Tensor, pad: int = WGRAD_PAD_ROWS) -> torch.Tensor:
+    """First padded row of each expert (int32, on counts' device, no host synchronisation): the exclusive cumsum
+    of ceil(counts[e] / pad) * pad -- every expert's rows start at a multiple of ``pad``."""
+    c = counts.to(torch.int32)
+    padded = (c + pad - 1) // pad * pad
+    return torch.cumsum(padded, 0, dtype=torch.int32) - padded
+
+
+def pad_expert_rows(x: torch.Tensor, counts: torch.Tensor, pad_offs: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """x [R, K] with expert e's counts[e] rows consecutive (experts in order) -> [padded_rows, K] in the padded
+    layout: expert e's rows at pad_offs[e] onwards, every other row zero (the gaps and the tail past the last
+    expert). A gather per padded row (device-side, no host synchronisation, deterministic): reads the rows once,
+    writes the padded array twice (index_select, then zeros over the gap rows). A stand-in for producers that
+    write the padded layout directly (the dispatch, dgrad2's epilogue: the next step)."""
+    e = counts.shape[0]
+    if e == 0 or x.shape[0] == 0:
+        return x.new_zeros(padded_rows, x.shape[1])
+    c = counts.to(torch.int32)
+    offs = torch.cumsum(c, 0, dtype=torch.int32) - c
+    po = pad_offs.to(torch.int32).contiguous()
+    q = torch.arange(padded_rows, device=x.device, dtype=torch.int32)
+    eq = (torch.searchsorted(po, q, right=True) - 1).clamp(0, e - 1)  # the last expert starting at or before q
+    within = q - po[eq]  # an expert without rows shares its successor's start and loses the tie
+    valid = (within >= 0) & (within < c[eq])
+    src = (within + offs[eq]).clamp(0, x.shape[0] - 1)
+    out = x.index_select(0, src.long())
+    return out.masked_fill_(~valid[:, None], 0)
+
+
+@triton.jit
+def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
+                              BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
+                              ELP2: tl.constexpr, DOT_FP32: tl.constexpr):
+    """_expert_wgrad_persistent_kernel's tiles (global tile g = e * n_tiles + t, program g % GRID's) as ONE
+    software-pipelined loop over this program's row steps, all its tiles' in a row, so the TMA loads of the next
+    tile are in flight during this tile's epilogue (the persistent kernel's pipeline drains at every tile).
+
+    The operands are in the padded layout (padded_row_offsets): expert e's rows from pad_offs[e], the rows
+    after its last up to the next multiple of BR zero in at least ONE operand (the other finite there: 0 * x
+    = 0), so one descriptor per operand over the whole [R_PAD, K] array (built once) serves every expert and
+    the last, partial step of a tile sums exactly what the clipped per-expert descriptors' zeros gave. A tile
+    of an expert with counts[e] rows takes max(1, cdiv(counts[e], BR)) steps; an expert without rows takes
+    one step at row R_PAD (past the array: TMA reads zeros) and stores zeros. Per tile: the same rows in the
+    same ascending BR-row steps, fp32 accumulation rounded once -- bitwise the other kernels' result.
+
+    Why not tl.range(flatten=True) over a tile loop with the row loop nested: Triton's FuseNestedLoops fuses
+    an inner loop only if its bounds are invariant to the outer loop (its isOuterLoopInvariant; the bound here
+    is counts[e], a load per tile), so it leaves such a nest alone (TTGIR, Triton 3.9); this is the nest
+    flattened by hand (the pre-flatten persistent-matmul tutorial's form: the tile advance and its scalar loads
+    in an ``if`` at the step counter's wrap, the epilogue in an ``if`` at the tile's last step), which the
+    pipeliner pipelines (one scf.for, the descriptor loads num_stages - 1 steps ahead). The loop's trip count, this
+    program's total steps, comes from counts in one vector reduction first."""
+    pid = tl.program_id(0)
+    n_j = tl.cdiv(KB, BJ)
+    n_t = tl.cdiv(KA, BI) * n_j
+    # this program's steps: over experts x, (its tiles of x) * max(1, cdiv(counts[x], BR))
+    x = tl.arange(0, ELP2)
+    cnt = tl.load(counts_ptr + x, mask=x < E, other=0)
+    lo = x * n_t
+    first_g = lo + (pid - lo % GRID + GRID) % GRID  # this program's first global tile >= lo
+    mine = tl.where((x < E) & (first_g < lo + n_t), (lo + n_t - first_g + GRID - 1) // GRID, 0)
+    total = tl.sum(mine * tl.maximum(tl.cdiv(cnt, BR), 1), 0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R_PAD, KA], strides=[KA, 1], block_shape=[BR, BI])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[R_PAD, KB], strides=[KB, 1], block_shape=[BR, BJ])
+    g = pid - GRID
+    ki = -1
+    steps = 0
+    e = 0
+    ti = 0
+    tj = 0
+    row0 = 0
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    for _ in range(0, total):
+        ki = tl.where(ki == steps - 1, 0, ki + 1)
+        if ki == 0:  # the next tile of this program
+            g += GRID
+            e = g // n_t
+            t = g % n_t
+            ti = t // n_j
+            tj = t % n_j
+            rows = tl.load(counts_ptr + e)
+            steps = tl.maximum(tl.cdiv(rows, BR), 1)
+            row0 = tl.where(rows > 0, tl.load(pad_offs_ptr + e), R_PAD)
+        r = row0 + ki * BR
+        a = a_desc.load([r, ti * BI])
+        b = b_desc.load([r, tj * BJ])
+        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+        if ki == steps - 1:  # the tile's last step: store it, start the next from zero
+            ci = ti * BI + tl.arange(0, BI)
+            cj = tj * BJ + tl.arange(0, BJ)
+            out = out_ptr + e.to(tl.int64) * KA * KB
+            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+            acc = tl.zeros((BI, BJ), dtype=tl.float32)
+
+
+def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts: torch.Tensor,
+                               pad_offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
+                               pad: int = WGRAD_PAD_ROWS, tiles=None) -> torch.Tensor:
+    """expert_weight_grads on operands ALREADY in the padded row layout, through _expert_wgrad_flat_kernel:
+    dW [E, KA, KB] with dW[e] = a_pad[pad_offs[e] : +counts[e]]^T @ b_pad[the same rows], bitwise
+    expert_weight_grads' result on the unpadded rows (fp32 accumulation rounded once; bf16 or fp32 out).
+
+    a_pad [R_pad, KA], b_pad [R_pad, KB] bf16, contiguous, KA and KB multiples of 8 (TMA only: no pointer
+    fallback); pad_offs = padded_row_offsets(counts, pad) (each expert's first row a multiple of ``pad``) and
+    R_pad >= the last expert's padded end (padded_rows_bound(R, E, pad) always is); pad_expert_rows builds the
+    layout. Contract on the gap rows (after an expert's last row, up to the next multiple of ``pad``): zero in
+    at least one of a_pad, b_pad, and finite in the other (the kernel sums 0 * x there) -- both zero is what
+    pad_expert_rows gives. Rows of no expert are never read. ``tiles``: (BI, BJ, BR, warps, stages[, programs per
+    SM]) on the GPU (WGRAD_FLAT_TILES); BR must divide ``pad``. CUDA, or the CPU under TRITON_INTERPRET=1."""
+    for name, t in (("a_pad", a_pad), ("b_pad", b_pad)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be a 2-D torch.bfloat16 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if a_pad.shape[0] != b_pad.shape[0]:
+        raise ValueError(f"a_pad has {a_pad.shape[0]} rows but b_pad has {b_pad.shape[0]}: one padded layout")
+    if len({a_pad.device, b_pad.device, counts.device, pad_offs.device}) != 1:
+        raise ValueError("a_pad, b_pad, counts and pad_offs must be on one device")
+    if counts.dim() != 1 or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"counts must be a 1-D int32/int64 tensor, got {counts.dtype} {tuple(counts.shape)}")
+    if pad_offs.shape != counts.shape or pad_offs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pad_offs must be an int32/int64 tensor shaped like counts, got {pad_offs.dtype} "
+                         f"{tuple(pad_offs.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    n_exp, ka, kb = counts.shape[0], a_pad.shape[1], b_pad.shape[1]
+    if ka % 8 or kb % 8:
+        raise ValueError(f"KA = {ka} and KB = {kb} must be multiples of 8 (TMA rows 16-byte aligned)")
+    per_sm_given = []
+    if planning.interpreting():
+        bi, bj, br, warps, stages = 16, 16, 16, 4, 1
+    else:
+        bi, bj, br, warps, stages, *per_sm_given = tiles or WGRAD_FLAT_TILES
+    if pad % br:
+        raise ValueError(f"the row step BR = {br} must divide the layout's pad = {pad}")
+    out = torch.empty((n_exp, ka, kb), dtype=out_dtype, device=a_pad.device)
+    if n_exp == 0 or out.numel() == 0:
+        return out
+    if any(t.data_ptr() % 16 for t in (a_pad, b_pad)):
+        raise ValueError("a_pad and b_pad must be 16-byte aligned (TMA)")
+    from .. import runtime
+    runtime.ensure_triton_allocator()
+    n_tiles = n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj)
+    # shared: the pipeline's stages plus the epilogue's layout conversion (live together in the flat loop)
+    smem = stages * br * (bi + bj) * 2 + bi * bj * out.element_size()
+    per_sm = per_sm_given[0] if per_sm_given else max(1, WGRAD_FLAT_SMEM_PER_SM // smem) if smem else 1
+    per_sm = min(per_sm, 2)
+    if a_pad.is_cuda:
+        programs = per_sm * runtime.num_sms(a_pad.device)
+    else:  # the CPU interpreter (a few programs, several tiles and experts each); compile-only: an H200's
+        programs = 3 if planning.interpreting() else per_sm * 132
+    programs = max(1, min(programs, n_tiles))
+    _expert_wgrad_flat_kernel[(programs,)](a_pad, b_pad, pad_offs.to(torch.int32), counts.to(torch.int32), out,
+                                           ka, kb, n_exp, a_pad.shape[0], BI=bi, BJ=bj, BR=br, GRID=programs,
+                                           ELP2=triton.next_power_of_2(n_exp), DOT_FP32=planning.interpreting(),
+                                           num_warps=warps, num_stages=stages)
     return out
 
 
