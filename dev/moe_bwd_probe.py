@@ -512,7 +512,7 @@ def run(args) -> list[dict]:
                decision_error=decision_error,
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
                wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
-               dgrad2_fused=mb.DGRAD2_FUSED, wgrad_tma_store=mb.WGRAD_TMA_STORE,
+               dgrad2_fused=mb.DGRAD2_FUSED,
                wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
                build_s=round(build_s, 1))
     probe.emit(env)
@@ -773,8 +773,6 @@ def main(argv=None) -> int:
     ap.add_argument("--wgrad-tiles", default=None, metavar="BI,BJ,BR,WARPS,STAGES",
                     help="the wgrad kernel's GPU tiles for this run (default: WGRAD_PERSISTENT_TILES / WGRAD_TILES, "
                          "128,128,64,8,3), e.g. 128,256,64,8,2")
-    ap.add_argument("--wgrad-tma-store", choices=("on", "off"), default=None,
-                    help="the persistent wgrad kernel's TMA stores (default: WGRAD_TMA_STORE)")
     ap.add_argument("--dgrad2", choices=("fused", "unfused"), default=None,
                     help="GEMM2's data gradient with the SwiGLU backward in its epilogue, or the GEMM (bf16 z) and "
                          "a pass after it (default: DGRAD2_FUSED)")
@@ -789,7 +787,7 @@ def main(argv=None) -> int:
     if args.cpu_smoke:  # nothing timed, so no deadline either (START is the module's import: in a test session
         args.iters, args.warmup, args.max_seconds = 1, 0, 0  # it can be minutes before this call)
     from kosmos.kernels import moe_backward as mb
-    saved = {n: getattr(mb, n) for n in ("WGRAD_KERNEL", "WGRAD_TILES", "WGRAD_PERSISTENT_TILES", "WGRAD_TMA_STORE",
+    saved = {n: getattr(mb, n) for n in ("WGRAD_KERNEL", "WGRAD_TILES", "WGRAD_PERSISTENT_TILES",
                                          "DGRAD2_FUSED")}
     if args.wgrad_kernel:  # moe_backward's module defaults, for this run only
         mb.WGRAD_KERNEL = args.wgrad_kernel
@@ -798,8 +796,6 @@ def main(argv=None) -> int:
         if len(t) != 5:
             raise SystemExit(f"--wgrad-tiles {args.wgrad_tiles}: five integers BI,BJ,BR,WARPS,STAGES")
         mb.WGRAD_TILES = mb.WGRAD_PERSISTENT_TILES = t
-    if args.wgrad_tma_store:
-        mb.WGRAD_TMA_STORE = args.wgrad_tma_store == "on"
     if args.dgrad2:
         mb.DGRAD2_FUSED = args.dgrad2 == "fused"
     try:

@@ -145,7 +145,8 @@ Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev
   err_vs_torch at qwen3, 0.0; not guaranteed in general).
 MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1; results/h200x1/s11):
 * the branch (dgrad2 128x128 halves, h from dgrad2, persistent wgrad) against main, one after the other in one
-  call (not interleaved): whole backward 11.30 -> 10.06 ms (predicted ~9.7); dgrad2 2.19 -> 1.39 ms (0.60x torch), wgrad2 1.23, wgrad1 2.15.
+  call (not interleaved): whole backward 11.30 -> 10.06 ms (predicted ~9.7); dgrad2 2.19 -> 1.39 ms (0.60x
+  torch), wgrad2 1.23, wgrad1 2.15.
 * g | u saved: 10.06 -> 8.92 ms (predicted ~8.5); the forward 2.91 -> 2.98 ms with save_gu (+2%); moe_forward's
   spills at W = 1/2/8 156/104/604 -> 184/116/604 B with SAVE_GU (Triton 3.6), unchanged without.
 * tile sweep (dev/moe_bwd_tiles; every variant's output bitwise the default's): DGRAD1_TILES and DGRAD2_TILES
@@ -183,9 +184,9 @@ Third speed pass (session 12, one H200, Triton 3.6; results/h200x1/s12, calls a-
 NEXT (unmeasured): deepseek-v3's weight gradients (11.2 of 21.5 ms; 22.5 GB of bf16 output at ~2 TB/s, MMA and
 stores serialised at ~128 rows per expert): the padded row layout + a flattened persistent wgrad loop; ~1 ms
 between the stages at deepseek-v3 (allocations of the 15 GB dW13?); the one-launch backward.
-Flat wgrad loop on a padded row layout (session 13; built and tested under the interpreter, NOT timed, not wired
-into moe_backward -- its defaults and layout unchanged): ``expert_weight_grads_padded`` /
-``_expert_wgrad_flat_kernel``. The layout (``padded_row_offsets``, ``padded_rows_bound``, ``pad_expert_rows``):
+Flat wgrad loop on a padded row layout (session 12, after its last GPU call; built and tested under the
+interpreter, NOT timed, not wired into moe_backward -- its defaults and layout unchanged):
+``expert_weight_grads_padded`` / ``_expert_wgrad_flat_kernel``. The layout (``padded_row_offsets``, ``padded_rows_bound``, ``pad_expert_rows``):
 expert e's rows from pad_offs[e] = the exclusive cumsum of ceil(counts / 64) * 64 (device-side, no sync), R_pad
 <= R + E * 63 rows (host-known), the gap rows zero in at least one operand (the other finite). One TMA descriptor
 per operand over the whole padded array (made once per program) then serves every expert, so the persistent
@@ -310,18 +311,18 @@ def _expert_wgrad_ptr_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB
 @triton.jit
 def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB, E,
                                     BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
-                                    DOT_FP32: tl.constexpr, TMA_STORE: tl.constexpr = False):
+                                    DOT_FP32: tl.constexpr):
     """_expert_wgrad_kernel's tiles on a persistent grid of GRID programs: global tile g = e * n_tiles + t
     (t = ti * n_j + tj, the tiles of one expert consecutive) is program g % GRID's, and every program walks
     the experts in order, so the programs resident at a time work on one expert's tiles (its rows stay in L2)
     and each program builds its two TMA descriptors (its expert's rows, as _expert_wgrad_kernel's) once per
     expert instead of once per tile (~n_tiles / GRID tiles per expert and program), with no program launch
     per tile. Each tile as in _expert_wgrad_kernel: one program, the rows in ascending order, BR per step,
-    fp32 accumulation rounded once -- bitwise its result. TMA_STORE: the tile stored through a per-expert TMA
-    descriptor of dW[e] (asynchronous: the program moves on while the store drains) instead of masked pointer
-    stores. (Fusing the tile and row loops into one pipelined loop, tl.range(flatten=True), does nothing here:
-    Triton fuses only a loop nest at the kernel's top level, not one inside the expert loop -- seen in the
-    TTGIR, Triton 3.9, session 12.)"""
+    fp32 accumulation rounded once -- bitwise its result. (Tried and removed, session 12 call b: the tile stored
+    through a per-expert TMA descriptor instead of masked pointer stores, at qwen3 4k wgrad2 1.24 -> 1.33 / 1.50
+    ms at 2 / 3 stages, wgrad1 2.14 -> 2.49 / 2.87.) tl.range(flatten=True) cannot fuse the tile and row loops
+    here: Triton fused neither this nest inside the expert loop nor one whose row bound is loaded per tile
+    (TTGIR, Triton 3.9, session 12); _expert_wgrad_flat_kernel flattens it by hand."""
     pid = tl.program_id(0)
     n_i = tl.cdiv(KA, BI)
     n_j = tl.cdiv(KB, BJ)
@@ -337,19 +338,14 @@ def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr,
         b_desc = tl.make_tensor_descriptor(b_ptr + first * KB, shape=[rows, KB], strides=[KB, 1],
                                            block_shape=[BR, BJ])
         out = out_ptr + tl.cast(e, tl.int64) * KA * KB
-        if TMA_STORE:
-            o_desc = tl.make_tensor_descriptor(out, shape=[KA, KB], strides=[KB, 1], block_shape=[BI, BJ])
         for t in range(t0, n_t, GRID):
             ti = t // n_j
             tj = t % n_j
             acc = _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI, BJ, BR, DOT_FP32)
-            if TMA_STORE:
-                o_desc.store([ti * BI, tj * BJ], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32))
-            else:
-                ci = ti * BI + ci0
-                cj = tj * BJ + cj0
-                tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
-                         mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+            ci = ti * BI + ci0
+            cj = tj * BJ + cj0
+            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
 
 
 WGRAD_TILES = (128, 128, 64, 8, 3)  # GPU (BI, BJ, BR, warps, stages): see the module docstring's figures
@@ -357,8 +353,6 @@ WGRAD_PERSISTENT_TILES = (128, 128, 64, 8, 3)  # the same for the persistent ker
 WGRAD_PROGRAMS_PER_SM = 2  # 128 x 128, <= 96 KiB shared, ~105 registers x 256 threads: two fit an SM (else one)
 WGRAD_KERNEL = "persistent"  # expert_weight_grads' default: "persistent" or "tiles" (session 10's measured one)
 WGRAD_KERNELS = ("persistent", "tiles")
-WGRAD_TMA_STORE = False  # persistent kernel: tiles stored through a TMA descriptor (session 12 call b: lost,
-#                          wgrad2 1.24 -> 1.33 / 1.50 ms at 2 / 3 stages, wgrad1 2.14 -> 2.49 / 2.87, qwen3 4k)
 # moe_backward's GEMM2 weight gradient where the experts average <= 160 rows (the row mean known on the host:
 # rows / experts, no sync): 4 warps, 2 stages, 2 programs per SM. Session 12 calls c, d (one H200): deepseek-v3 4k
 # (~128 rows per expert) 4.09 -> 3.75 ms; at qwen3 4k (~256 rows) it ties on wgrad2 (1.237) and loses on
@@ -377,7 +371,7 @@ def wgrad2_tiles(h: torch.Tensor, counts: torch.Tensor):
 
 def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
                         out_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
-                        tiles=None, tma_store: bool | None = None) -> torch.Tensor:
+                        tiles=None) -> torch.Tensor:
     """dW [E, KA, KB] in ``out_dtype`` (bf16, the parameters' dtype, by default; or fp32) with dW[e] =
     a[rows of e]^T @ b[rows of e], accumulated in fp32 and rounded once (the bf16 result is the fp32 one rounded
     to nearest even, bitwise); a [R, KA], b [R, KB] bf16 on one device, the rows of expert e the next counts[e]
@@ -386,10 +380,8 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     output tile, _expert_wgrad_kernel); None: WGRAD_KERNEL. Both give the same bits (the same per-tile sums);
     rows not 16-byte aligned take the masked-pointer kernel either way. ``tiles``: (BI, BJ, BR, warps, stages[,
     programs per SM of the persistent grid]) on the GPU instead of WGRAD_PERSISTENT_TILES / WGRAD_TILES (the
-    probe's --wgrad-tiles). ``tma_store``: the persistent kernel's TMA_STORE (None: WGRAD_TMA_STORE); the same
-    bits either way."""
+    probe's --wgrad-tiles)."""
     kernel = WGRAD_KERNEL if kernel is None else kernel
-    tma_store = WGRAD_TMA_STORE if tma_store is None else tma_store
     if kernel not in WGRAD_KERNELS:
         raise ValueError(f"kernel must be one of {WGRAD_KERNELS}, got {kernel!r}")
     for name, t in (("a", a), ("b", b)):
@@ -425,7 +417,7 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
         from .. import runtime
         runtime.ensure_triton_allocator()
     if aligned and persistent:
-        smem = stages * br * (bi + bj) * 2 + (bi * bj * out.element_size() if tma_store else 0)
+        smem = stages * br * (bi + bj) * 2
         per_sm = WGRAD_PROGRAMS_PER_SM if (bi, bj) == (128, 128) and smem <= 96 * 1024 else 1
         if per_sm_given:  # a sixth entry of ``tiles``: the persistent grid's programs per SM
             per_sm = per_sm_given[0]
@@ -437,7 +429,6 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
         programs = max(1, min(programs, n_tiles))
         _expert_wgrad_persistent_kernel[(programs,)](a, b, offs, counts32, out, ka, kb, n_exp, BI=bi, BJ=bj, BR=br,
                                                      GRID=programs, DOT_FP32=planning.interpreting(),
-                                                     TMA_STORE=tma_store,
                                                      num_warps=warps, num_stages=stages)
         return out
     fn = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
@@ -446,7 +437,7 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     return out
 
 
-# ---- the flat wgrad loop on a padded row layout (session 13; not timed; not wired into moe_backward) ----------
+# ---- the flat wgrad loop on a padded row layout (session 12; not timed; not wired into moe_backward) ----------
 WGRAD_PAD_ROWS = 64  # the padded layout's granularity: each expert's rows start at a multiple of it (the GPU's BR)
 WGRAD_FLAT_TILES = (128, 128, 64, 8, 2)  # (BI, BJ, BR, warps, stages[, programs per SM]): 96 KiB, 2 per SM
 WGRAD_FLAT_SMEM_PER_SM = 2 * 112 * 1024  # programs per SM by the shared estimate (an H200 SM: 228 KiB, 1 KiB each)
