@@ -1094,22 +1094,18 @@ def bf16_mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def fp32_mm_bf16_pair(a32: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a32 @ b for fp32 a32 and bf16-valued b, on bf16 tensor cores: a32 = hi + lo + r with hi = bf16(a32),
-    lo = bf16(a32 - hi) (|r| <= 2^-18 |a32|), so hi @ b + lo @ b (fp32 accumulation, products exact) is the fp32
-    GEMM to ~2^-17 relative -- two bf16 GEMMs instead of one fp32 SIMT GEMM."""
-    if not (a32.is_cuda and ROUTER_GEMMS == "tensor-cores"):
-        return a32.float() @ b.float()
-    hi = a32.to(torch.bfloat16)
-    lo = (a32 - hi.float()).to(torch.bfloat16)
-    return bf16_mm_fp32(hi, b) + bf16_mm_fp32(lo, b)
-
-
 def router_gemm_backward(dlogits: torch.Tensor, x: torch.Tensor, router_weight: torch.Tensor):
     """moe_reference.router_gemm_backward_ref (d(router weight) = dl^T x [E, H], the router's part of dx = dl Wr)
-    for bf16 x, Wr and fp32 dl through fp32_mm_bf16_pair: fp32-level results from bf16 tensor cores (at
-    deepseek-v3 4k tokens the two fp32 GEMMs are 2 x 15 GFLOP on the SIMT pipes)."""
-    return fp32_mm_bf16_pair(dlogits.t(), x), fp32_mm_bf16_pair(dlogits, router_weight)
+    for bf16 x, Wr and fp32 dl on bf16 tensor cores: dl = hi + lo + r with hi = bf16(dl), lo = bf16(dl - hi)
+    (|r| <= 2^-18 |dl|), split once for both GEMMs, so hi @ b + lo @ b (fp32 accumulation, products exact) is
+    the fp32 GEMM to ~2^-17 relative -- two bf16 GEMMs instead of one fp32 SIMT GEMM each (at deepseek-v3 4k
+    tokens 2 x 15 GFLOP). ROUTER_GEMMS = "fp32" or CPU tensors: the reference's fp32 formulas."""
+    if not (dlogits.is_cuda and ROUTER_GEMMS == "tensor-cores"):
+        return dlogits.t() @ x.float(), dlogits @ router_weight.float()
+    hi = dlogits.to(torch.bfloat16)
+    lo = (dlogits - hi.float()).to(torch.bfloat16)
+    pair = lambda a, b: bf16_mm_fp32(a[0], b) + bf16_mm_fp32(a[1], b)  # noqa: E731
+    return pair((hi.t(), lo.t()), x), pair((hi, lo), router_weight)
 
 
 def _exchange(t: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
