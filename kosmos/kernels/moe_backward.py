@@ -186,7 +186,8 @@ stores serialised at ~128 rows per expert): the padded row layout + a flattened 
 between the stages at deepseek-v3 (allocations of the 15 GB dW13?); the one-launch backward.
 Flat wgrad loop on a padded row layout (session 12, after its last GPU call; built and tested under the
 interpreter, NOT timed, not wired into moe_backward -- its defaults and layout unchanged):
-``expert_weight_grads_padded`` / ``_expert_wgrad_flat_kernel``. The layout (``padded_row_offsets``, ``padded_rows_bound``, ``pad_expert_rows``):
+``expert_weight_grads_padded`` / ``_expert_wgrad_flat_kernel``. The layout (``padded_row_offsets``,
+``padded_rows_bound``, ``pad_expert_rows``):
 expert e's rows from pad_offs[e] = the exclusive cumsum of ceil(counts / 64) * 64 (device-side, no sync), R_pad
 <= R + E * 63 rows (host-known), the gap rows zero in at least one operand (the other finite). One TMA descriptor
 per operand over the whole padded array (made once per program) then serves every expert, so the persistent
@@ -242,13 +243,18 @@ def _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI: tl.constexpr, BJ: tl.const
     through its TMA descriptors (one tile of both TMA wgrad kernels: the same sum, hence the same bits)."""
     acc = tl.zeros((BI, BJ), dtype=tl.float32)
     for r0 in range(0, rows, BR):
-        a = a_desc.load([r0, ti * BI])
-        b = b_desc.load([r0, tj * BJ])
-        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
-            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(tl.trans(a), b, acc)
+        acc = _wgrad_step(a_desc, b_desc, r0, ti, tj, acc, BI, BJ, DOT_FP32)
     return acc
+
+
+@triton.jit
+def _wgrad_step(a_desc, b_desc, r, ti, tj, acc, BI: tl.constexpr, BJ: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + A[r:r+BR, ti-tile]^T B[r:r+BR, tj-tile] (fp32): one row step of every TMA wgrad kernel."""
+    a = a_desc.load([r, ti * BI])
+    b = b_desc.load([r, tj * BJ])
+    if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+        return tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+    return tl.dot(tl.trans(a), b, acc)
 
 
 @triton.jit
@@ -369,6 +375,39 @@ def wgrad2_tiles(h: torch.Tensor, counts: torch.Tensor):
     return WGRAD2_FEW_ROWS_TILES if few else None
 
 
+def _check_wgrad_operands(a, b, counts, out_dtype, names=("a", "b"), extra=()) -> None:
+    """expert_weight_grads' (and its padded twin's) argument checks: 2-D contiguous bf16 operands with one row
+    each per (token, expert) pair, counts 1-D int32/int64, everything (and ``extra``) on one device, bf16 or
+    fp32 out."""
+    for name, t in zip(names, (a, b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be a 2-D torch.bfloat16 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"{names[0]} has {a.shape[0]} rows but {names[1]} has {b.shape[0]}: one row per (token, "
+                         f"expert) pair each")
+    devices = [t.device for t in (a, b, counts, *extra)]
+    if len(set(devices)) != 1:
+        raise ValueError(f"{', '.join(names)} and counts must be on one device (got {', '.join(map(str, devices))})")
+    if counts.dim() != 1 or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"counts must be a 1-D int32/int64 tensor, got {counts.dtype} {tuple(counts.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+
+
+def _persistent_programs(per_sm: int, t: torch.Tensor, n_tiles: int) -> int:
+    """A persistent wgrad grid: per_sm programs per SM of t's GPU (the CPU interpreter: 3, a few programs with
+    several tiles and experts each; compile-only: an H200's 132 SMs), at most one per tile."""
+    if t.is_cuda:
+        from .. import runtime
+        programs = per_sm * runtime.num_sms(t.device)
+    else:
+        programs = 3 if planning.interpreting() else per_sm * 132
+    return max(1, min(programs, n_tiles))
+
+
 def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
                         out_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
                         tiles=None) -> torch.Tensor:
@@ -384,20 +423,7 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
     kernel = WGRAD_KERNEL if kernel is None else kernel
     if kernel not in WGRAD_KERNELS:
         raise ValueError(f"kernel must be one of {WGRAD_KERNELS}, got {kernel!r}")
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be a 2-D torch.bfloat16 tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if a.shape[0] != b.shape[0]:
-        raise ValueError(f"a has {a.shape[0]} rows but b has {b.shape[0]}: one row per (token, expert) pair each")
-    if a.device != b.device or counts.device != a.device:
-        raise ValueError(f"a, b and counts must be on one device (got {a.device}, {b.device}, {counts.device})")
-    if counts.dim() != 1 or counts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"counts must be a 1-D int32/int64 tensor, got {counts.dtype} {tuple(counts.shape)}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    _check_wgrad_operands(a, b, counts, out_dtype)
     n_exp, ka, kb = counts.shape[0], a.shape[1], b.shape[1]
     out = torch.empty((n_exp, ka, kb), dtype=out_dtype, device=a.device)
     if n_exp == 0 or out.numel() == 0:
@@ -421,12 +447,7 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
         per_sm = WGRAD_PROGRAMS_PER_SM if (bi, bj) == (128, 128) and smem <= 96 * 1024 else 1
         if per_sm_given:  # a sixth entry of ``tiles``: the persistent grid's programs per SM
             per_sm = per_sm_given[0]
-        if a.is_cuda:
-            from .. import runtime
-            programs = per_sm * runtime.num_sms(a.device)
-        else:  # the CPU interpreter (a few programs, several tiles and experts each); compile-only: an H200's
-            programs = 3 if planning.interpreting() else per_sm * 132
-        programs = max(1, min(programs, n_tiles))
+        programs = _persistent_programs(per_sm, a, n_tiles)
         _expert_wgrad_persistent_kernel[(programs,)](a, b, offs, counts32, out, ka, kb, n_exp, BI=bi, BJ=bj, BR=br,
                                                      GRID=programs, DOT_FP32=planning.interpreting(),
                                                      num_warps=warps, num_stages=stages)
@@ -532,13 +553,7 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
             rows = tl.load(counts_ptr + e)
             steps = tl.maximum(tl.cdiv(rows, BR), 1)
             row0 = tl.where(rows > 0, tl.load(pad_offs_ptr + e), R_PAD)
-        r = row0 + ki * BR
-        a = a_desc.load([r, ti * BI])
-        b = b_desc.load([r, tj * BJ])
-        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
-            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(tl.trans(a), b, acc)
+        acc = _wgrad_step(a_desc, b_desc, row0 + ki * BR, ti, tj, acc, BI, BJ, DOT_FP32)
         if ki == steps - 1:  # the tile's last step: store it, start the next from zero
             ci = ti * BI + tl.arange(0, BI)
             cj = tj * BJ + tl.arange(0, BJ)
@@ -562,23 +577,10 @@ def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts:
     at least one of a_pad, b_pad, and finite in the other (the kernel sums 0 * x there) -- both zero is what
     pad_expert_rows gives. Rows of no expert are never read. ``tiles``: (BI, BJ, BR, warps, stages[, programs per
     SM]) on the GPU (WGRAD_FLAT_TILES); BR must divide ``pad``. CUDA, or the CPU under TRITON_INTERPRET=1."""
-    for name, t in (("a_pad", a_pad), ("b_pad", b_pad)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be a 2-D torch.bfloat16 tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    if a_pad.shape[0] != b_pad.shape[0]:
-        raise ValueError(f"a_pad has {a_pad.shape[0]} rows but b_pad has {b_pad.shape[0]}: one padded layout")
-    if len({a_pad.device, b_pad.device, counts.device, pad_offs.device}) != 1:
-        raise ValueError("a_pad, b_pad, counts and pad_offs must be on one device")
-    if counts.dim() != 1 or counts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"counts must be a 1-D int32/int64 tensor, got {counts.dtype} {tuple(counts.shape)}")
+    _check_wgrad_operands(a_pad, b_pad, counts, out_dtype, names=("a_pad", "b_pad"), extra=(pad_offs,))
     if pad_offs.shape != counts.shape or pad_offs.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"pad_offs must be an int32/int64 tensor shaped like counts, got {pad_offs.dtype} "
                          f"{tuple(pad_offs.shape)}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     n_exp, ka, kb = counts.shape[0], a_pad.shape[1], b_pad.shape[1]
     if ka % 8 or kb % 8:
         raise ValueError(f"KA = {ka} and KB = {kb} must be multiples of 8 (TMA rows 16-byte aligned)")
@@ -601,11 +603,7 @@ def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts:
     smem = stages * br * (bi + bj) * 2 + bi * bj * out.element_size()
     per_sm = per_sm_given[0] if per_sm_given else max(1, WGRAD_FLAT_SMEM_PER_SM // smem) if smem else 1
     per_sm = min(per_sm, 2)
-    if a_pad.is_cuda:
-        programs = per_sm * runtime.num_sms(a_pad.device)
-    else:  # the CPU interpreter (a few programs, several tiles and experts each); compile-only: an H200's
-        programs = 3 if planning.interpreting() else per_sm * 132
-    programs = max(1, min(programs, n_tiles))
+    programs = _persistent_programs(per_sm, a_pad, n_tiles)
     _expert_wgrad_flat_kernel[(programs,)](a_pad, b_pad, pad_offs.to(torch.int32), counts.to(torch.int32), out,
                                            ka, kb, n_exp, a_pad.shape[0], BI=bi, BJ=bj, BR=br, GRID=programs,
                                            ELP2=triton.next_power_of_2(n_exp), DOT_FP32=planning.interpreting(),
