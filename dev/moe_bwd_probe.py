@@ -94,6 +94,8 @@ from typing import Callable
 
 import torch
 
+from dev.rows import Rows
+
 START = time.monotonic()  # reset by main(): deadlines count from the run, not from the import
 GRAD_NAMES = ("dx", "d_router", "dw13", "dw2")  # moe_backward_w1's outputs, in its order
 BAR_SPEEDUP = 1.3   # issue 15: nccl-a2a backward time / kosmos backward time >= 1.3
@@ -423,14 +425,8 @@ class Probe:
     def __init__(self, args):
         self.args = args
         self.smoke = args.cpu_smoke
-        self.rows = []
-        self.out = open(args.json, "w") if args.json else None
-
-    def emit(self, row):
-        self.rows.append(row)
-        if self.out:
-            self.out.write(json.dumps(row) + "\n")
-            self.out.flush()
+        self.rows = Rows(args.json)
+        self.emit = self.rows.emit
 
     def left(self) -> bool:
         m = self.args.max_seconds
@@ -682,8 +678,7 @@ def run(args) -> list[dict]:
                                             if r["stage"] == "dgrad2_swiglu"), None),
                    elapsed_s=round(time.monotonic() - START, 1))
     probe.emit(summary)
-    if probe.out:
-        probe.out.close()
+    probe.rows.close()
     return probe.rows
 
 

@@ -21,11 +21,12 @@ A variant that fails to compile or run is a row with its error; the sweep goes o
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
 import torch
+
+from dev.rows import Rows
 
 # dgrad2: (mode, tiles). "fused": expert_dgrad2_swiglu's epilogue kernel; "unfused": the dgrad1 GEMM kernel for
 # z (bf16) then the SwiGLU-backward pass; "gemm-only": that GEMM alone (what the fused epilogue costs on top)
@@ -93,14 +94,10 @@ def main(argv=None):
     w13, w2 = rn(e, h, 2 * f, scale=h ** -0.5), rn(e, f, h, scale=f ** -0.5)
     x_rows, dy_rows, gu, dgu, hh, do = rn(r, h), rn(r, h), rn(r, 2 * f), rn(r, 2 * f), rn(r, f), rn(r, h)
     w_pair = torch.rand(r, generator=g, device=dev)
-    out = open(args.json, "w") if args.json else None
-    rows = []
+    rows = Rows(args.json)
 
     def emit(row):
-        rows.append(row)
-        if out:
-            out.write(json.dumps(row) + "\n")
-            out.flush()
+        rows.emit(row)
         print(f"  {row['kernel']:<8} {row['variant']:<28} {row['status']:<7} "
               f"{row.get('time_ms') or float('nan'):8.4f} ms  {row.get('tflops') or float('nan'):5.0f} TF/s  "
               f"vs torch {row.get('vs_torch') or float('nan'):5.3f}  "
@@ -211,8 +208,7 @@ def main(argv=None):
             except Exception as err:  # noqa: BLE001
                 row.update(status="failed", reason=f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}")
             emit(row)
-    if out:
-        out.close()
+    rows.close()
     print("\n== best per kernel (time_ms; the default first)")
     for kern in KERNELS:
         ok = [x for x in rows if x["kernel"] == kern and x["status"] == "ok" and x.get("time_ms")]

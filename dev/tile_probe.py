@@ -87,6 +87,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dev.rows import Rows
+
 START = time.monotonic()  # reset by main(): deadlines count from the run, not from the import
 GRID_SUITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "suites", "tp-grid.yaml")
 OPS = ("ag_gemm", "gemm_rs")
@@ -268,14 +270,8 @@ def run(args) -> list[dict]:
     if not check_only:
         from kosmos_bench import timing
     bufs = Buffers(device)
-    out = open(args.json, "w") if args.json else None
-    rows = []
-
-    def emit(row):
-        rows.append(row)
-        if out:
-            out.write(json.dumps(row) + "\n")
-            out.flush()
+    rows = Rows(args.json)
+    emit = rows.emit
 
     n_items = len(shapes) * len(ops) * len(cands)
     import triton
@@ -358,8 +354,7 @@ def run(args) -> list[dict]:
         del a, b, ref, c
         if stopped or fatal:
             break
-    if out:
-        out.close()
+    rows.close()
     slow = [r["check_s"] for r in rows if (r.get("check_s") or 0) > 1.0]
     print(f"checked calls over 1 s (compiles, mostly): {len(slow)}, {sum(slow):.0f} s in all", flush=True)
     print(f"done {done} of {n_items} items in {time.monotonic() - START:.0f} s"
