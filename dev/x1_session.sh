@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -481,5 +481,25 @@ PYEOF
     echo "gpu tests fwd mx rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-fwd-mx.log" | sed 's/ *\[.*//'
     tail -1 "$out/gpu-tests-fwd-mx.log"; keep
     wait $regs_pid; grep moe "$out/regs-mx.txt"; keep ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g" >&2; exit 2 ;;
+  s13a)  # session 13, first call (<= 480 s; tarball $OUT/s13a.tar.gz): the flat wgrad on the padded row layout
+         # (built in session 12, never on a GPU): its GPU test, Triton 3.6 registers, then the tiles probe's wgrad
+         # variants at deepseek-v3 4k (wgrad2 and wgrad1 separately: memory) and qwen3 4k.
+    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13a.tar.gz"; }
+    ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
+    regs_pid=$!
+    timeout 90 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "padded" > "$out/gpu-tests-padded.log" 2>&1
+    echo "gpu tests padded rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-padded.log" | sed 's/ *\[.*//'; keep
+    for k in wgrad2 wgrad1; do
+      timeout 120 python -m dev.moe_bwd_tiles --model deepseek-v3 --only $k --max-seconds 100 \
+        --json "$out/tiles-dsv3-$k.jsonl" > "$out/tiles-dsv3-$k.log" 2>&1; echo "tiles dsv3 $k rc=$?"; keep
+    done
+    left=$((470 - SECONDS)); [ $left -gt 120 ] && left=120
+    [ $left -gt 30 ] && timeout $left python -m dev.moe_bwd_tiles --only wgrad2,wgrad1 --max-seconds $((left - 15)) \
+      --json "$out/tiles-qwen3.jsonl" > "$out/tiles-qwen3.log" 2>&1; echo "tiles qwen3 rc=$?"
+    wait $regs_pid; keep
+    grep -E "wgrad" "$out/regs-bwd.txt"
+    for f in tiles-dsv3-wgrad2 tiles-dsv3-wgrad1 tiles-qwen3; do echo "$f"; grep -E "^  (wgrad)" "$out/$f.log" | cut -c1-150; done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a" >&2; exit 2 ;;
 esac
