@@ -197,6 +197,8 @@ class Gemm:
     out: str | None
     alt: Callable | None = None  # tried when ``ref`` raises (the weight gradients: a contiguous transposed copy)
     alt_desc: str | None = None
+    row_operands: tuple = ()  # the state's row tensors ``ref`` reads: packed (untimed) when the stages are padded
+    rows_out: bool = False    # ``out`` has a row per expert row (padded like the stages' rows)
 
 
 @dataclass(frozen=True)
@@ -248,33 +250,47 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     k = pt.experts.shape[1]
     f = w2.shape[1]
     wdt = mb._wgrad_dtype(w13, None)  # moe_backward's default: the parameters' dtype
+    padded = rows_padded(pt)  # moe_backward's row layout (its rule)
+    dy_b = dy.to(torch.bfloat16)
 
     def sort(s):
         experts = s["experts"].long()
         flat = experts.reshape(-1)
         order = torch.sort(flat, stable=True).indices
-        return {"experts_l": experts, "order": order, "tok": order // k,
-                "counts": mb.expert_counts(flat, n_exp)}
+        out = {"experts_l": experts, "order": order, "tok": order // k, "counts": mb.expert_counts(flat, n_exp)}
+        if padded:  # the padded layout's bookkeeping (index tensors only), as moe_backward does it
+            pad_offs, row_of, real_of = mb.padded_layout(out["counts"], order.shape[0])
+            valid, real = real_of >= 0, real_of.clamp(min=0)
+            out.update(pad_offs=pad_offs, row_of=row_of, valid=valid, real=real,
+                       src_idx=torch.where(valid, out["tok"][real], -1))
+        return out
 
     def permute(s):
         tok, order = s["tok"], s["order"]
-        return {"x_rows": x[tok].contiguous(), "dy_rows": dy.to(torch.bfloat16)[tok].contiguous(),
-                "w_pair": s["weights"].reshape(-1).float()[order].contiguous()}
+        w_pair = s["weights"].reshape(-1).float()[order].contiguous()
+        if padded:
+            return {"x_rows": mb.gather_rows(x, s["src_idx"]), "dy_rows": mb.gather_rows(dy_b, s["src_idx"]),
+                    "w_pair": torch.where(s["valid"], w_pair[s["real"]], 0.0)}
+        return {"x_rows": x[tok].contiguous(), "dy_rows": dy_b[tok].contiguous(), "w_pair": w_pair}
 
     def gemm1(s):  # timed either way: what keeping g | u saves (or costs, when the decision is route's)
-        return {"gu_recomputed": mb._expert_gemm1(s["x_rows"], w13, s["counts"])}
+        return {"gu_recomputed": mb._expert_gemm1(s["x_rows"], w13, s["counts"], s.get("pad_offs"))}
 
     def gu_saved(s):  # moe_backward's g | u: the forward's, gathered into the backward's order, or the recompute
         if pt.saved is None:
             return {"gu": s["gu_recomputed"]}
+        if padded:
+            idx = pt.saved.backward_order_index(s["counts"], s["order"].shape[0])
+            return {"gu": mb.gather_rows(pt.saved.gu, torch.where(s["valid"], idx[s["real"]], -1))}
         return {"gu": pt.saved.in_backward_order(s["counts"], s["x_rows"].shape[0])}
 
-    emits_h = mb.dgrad2_emits_h()  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
+    emits_h = mb.dgrad2_emits_h() or padded  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
 
     def dgrad2(s):
         if emits_h:
             dgu, dw_rows, h = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"],
-                                                      emit_h=True)
+                                                      emit_h=True, fused=False if padded else None,
+                                                      offs=s.get("pad_offs"))
             return {"dgu": dgu, "dw_rows": dw_rows, "h": h}
         dgu, dw_rows = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"])
         return {"dgu": dgu, "dw_rows": dw_rows}
@@ -283,23 +299,31 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         return {} if emits_h else {"h": mb.swiglu_h(s["gu"], f)}
 
     def do_rows(s):
+        if padded:
+            return {"do_rows": mb.scaled_rows(dy_b, s["src_idx"], s["w_pair"])}
         return {"do_rows": mb.do_rows_of(dy, s["tok"], s["dy_rows"], s["w_pair"], 1)}
 
     def wgrad2(s):
+        if padded:
+            return {"dw2": mb.expert_weight_grads_padded(s["h"], s["do_rows"], s["counts"], s["pad_offs"],
+                                                         out_dtype=wdt)}
         return {"dw2": mb.expert_weight_grads(s["h"], s["do_rows"], s["counts"], out_dtype=wdt,
                                               tiles=mb.wgrad2_tiles(s["h"], s["counts"]))}
 
     def wgrad1(s):
+        if padded:
+            return {"dw13": mb.expert_weight_grads_padded(s["x_rows"], s["dgu"], s["counts"], s["pad_offs"],
+                                                          out_dtype=wdt)}
         return {"dw13": mb.expert_weight_grads(s["x_rows"], s["dgu"], s["counts"], out_dtype=wdt)}
 
     def dgrad1(s):
-        return {"dx_rows": mb.expert_dgrad1(s["dgu"], w13, s["counts"])}
+        return {"dx_rows": mb.expert_dgrad1(s["dgu"], w13, s["counts"], offs=s.get("pad_offs"))}
 
     def unpermute(s):
-        return {"dx_e": mb.unpermute_sum(s["dx_rows"], s["order"], k)}
+        return {"dx_e": mb.unpermute_sum(s["dx_rows"], s["order"], k, row_of=s.get("row_of"))}
 
     def router_logits(s):
-        dw_rows = s["dw_rows"]
+        dw_rows = s["dw_rows"] if not padded else s["dw_rows"][s["row_of"]]
         dweights = torch.empty_like(dw_rows)
         dweights[s["order"]] = dw_rows
         logits = mb.bf16_mm_fp32(x, router_weight.t())
@@ -323,47 +347,49 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     wd = "fp32" if wgrad_dtype == torch.float32 else "bf16"
     return [
         Stage("sort", "torch", "pairs sorted by expert (stable), counts per expert", ("experts",), sort),
-        Stage("permute", "torch", "x_rows, dy_rows, w_pair gathered in expert order",
-              ("tok", "order", "weights"), permute),
+        Stage("permute", "kosmos triton" if padded else "torch",
+              "x_rows, dy_rows, w_pair gathered in expert order" + (" (padded layout)" if padded else ""),
+              ("tok", "order", "weights", "src_idx", "valid", "real"), permute),
         Stage("gemm1_recompute", "torch._grouped_mm", "[g|u] = x_rows @ W13[e] (forward GEMM1 again)",
-              ("x_rows", "counts"), gemm1,
+              ("x_rows", "counts", "pad_offs"), gemm1,
               Gemm(lambda r, h, ff: 2 * r * h * 2 * ff, lambda s, o: gm(s["x_rows"], w13, o),
-                   "_grouped_mm(x_rows, W13) bf16 out", "gu_recomputed")),
+                   "_grouped_mm(x_rows, W13) bf16 out", "gu_recomputed", row_operands=("x_rows",),
+                   rows_out=True)),
         Stage("gu_saved", "torch gather" if pt.saved is not None else "-",
               "[g|u]: the forward's (moe_forward save_gu) in the backward's order; without it, the recompute",
-              ("gu_recomputed", "counts", "x_rows"), gu_saved),
+              ("gu_recomputed", "counts", "x_rows", "order", "valid", "real"), gu_saved),
         Stage("dgrad2_swiglu", "kosmos triton (+ torch glue)",
               "z = dy_rows W2^T; SwiGLU bwd -> [dg|du] bf16; gate grads (F-tile partials summed in one launch)",
-              ("dy_rows", "gu", "w_pair", "counts"), dgrad2,
+              ("dy_rows", "gu", "w_pair", "counts", "pad_offs"), dgrad2,
               Gemm(lambda r, h, ff: 2 * r * h * ff, lambda s, o: gm(s["dy_rows"], w2t, o),
-                   "_grouped_mm(dy_rows, W2^T) bf16 out (no epilogue)", None)),
+                   "_grouped_mm(dy_rows, W2^T) bf16 out (no epilogue)", None, row_operands=("dy_rows",))),
         Stage("h_recompute", "none (h from dgrad2's epilogue)" if emits_h else "kosmos triton",
               "h = silu(g) * u from [g|u] -> bf16: " + ("emitted by dgrad2_swiglu, nothing here" if emits_h
                                                          else "one pass"), ("gu",), h_recompute),
-        Stage("do_rows", "kosmos triton", "do = w_pair * dy[tok] -> bf16 (one pass)", ("w_pair", "dy_rows", "tok"),
-              do_rows),
+        Stage("do_rows", "kosmos triton", "do = w_pair * dy[tok] -> bf16 (one pass)",
+              ("w_pair", "dy_rows", "tok", "src_idx"), do_rows),
         Stage("wgrad2", "kosmos triton", "dW2[e] = h^T do, bf16 out (TMA, fp32 accumulation)",
-              ("h", "do_rows", "counts"), wgrad2,
+              ("h", "do_rows", "counts", "pad_offs"), wgrad2,
               Gemm(lambda r, h, ff: 2 * r * ff * h,
                    lambda s, o: _wgrad_ref(s["h"], s["do_rows"], o, wgrad_dtype),
                    f"_grouped_mm(h.t(), do, offs) {wd} out (torch autograd's wgrad)", "dw2",
                    lambda s, o: _wgrad_ref(s["h"], s["do_rows"], o, wgrad_dtype, copy=True),
-                   "_grouped_mm(h.t().contiguous(), do, offs), the copy included")),
+                   "_grouped_mm(h.t().contiguous(), do, offs), the copy included", ("h", "do_rows"))),
         Stage("wgrad1", "kosmos triton", "dW13[e] = x_rows^T [dg|du], bf16 out (TMA, fp32 accumulation)",
-              ("x_rows", "dgu", "counts"), wgrad1,
+              ("x_rows", "dgu", "counts", "pad_offs"), wgrad1,
               Gemm(lambda r, h, ff: 2 * r * h * 2 * ff,
                    lambda s, o: _wgrad_ref(s["x_rows"], s["dgu"], o, wgrad_dtype),
                    f"_grouped_mm(x_rows.t(), dgu, offs) {wd} out (torch autograd's wgrad)", "dw13",
                    lambda s, o: _wgrad_ref(s["x_rows"], s["dgu"], o, wgrad_dtype, copy=True),
-                   "_grouped_mm(x_rows.t().contiguous(), dgu, offs), the copy included")),
-        Stage("dgrad1", "kosmos triton", "dx_rows = [dg|du] W13^T, bf16 out", ("dgu", "counts"), dgrad1,
+                   "_grouped_mm(x_rows.t().contiguous(), dgu, offs), the copy included", ("x_rows", "dgu"))),
+        Stage("dgrad1", "kosmos triton", "dx_rows = [dg|du] W13^T, bf16 out", ("dgu", "counts", "pad_offs"), dgrad1,
               Gemm(lambda r, h, ff: 2 * r * 2 * ff * h, lambda s, o: gm(s["dgu"], w13t, o),
-                   "_grouped_mm(dgu, W13^T) bf16 out", "dx_rows")),
+                   "_grouped_mm(dgu, W13^T) bf16 out", "dx_rows", row_operands=("dgu",), rows_out=True)),
         Stage("unpermute_dx", "kosmos triton", "dx_rows gathered per token (inverse order), fp32 slot-order sum",
-              ("dx_rows", "order"), unpermute),
+              ("dx_rows", "order", "row_of"), unpermute),
         Stage("router_logits", "torch",
               "gate grads to pair order; logits x Wr^T (bf16 tensor cores, fp32 acc); routing weights",
-              ("dw_rows", "order", "experts_l"), router_logits),
+              ("dw_rows", "order", "experts_l", "row_of"), router_logits),
         Stage("router_bwd", "torch", "dq, dlogits; dWr = dl^T x, dx_r = dl Wr (hi + lo bf16 GEMMs)",
               ("dweights", "w_re", "denom", "full", "experts_l"), router_bwd),
         Stage("dx_sum", "torch", "dx = dx_e + dx_r -> bf16", ("dx_e", "dx_r"), dx_sum),
@@ -373,6 +399,13 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
 STAGE_NAMES = ("sort", "permute", "gemm1_recompute", "gu_saved", "dgrad2_swiglu", "h_recompute", "do_rows",
                "wgrad2", "wgrad1", "dgrad1", "unpermute_dx", "router_logits", "router_bwd", "dx_sum")
 GEMM_STAGES = ("gemm1_recompute", "dgrad2_swiglu", "wgrad2", "wgrad1", "dgrad1")
+
+
+def rows_padded(pt: Point) -> bool:
+    """Whether moe_backward runs this point's expert rows in the padded layout (its own rule)."""
+    from kosmos.kernels import moe_backward as mb
+    return bool(mb.PADDED_ROWS and mb._triton_runs(pt.inp.x) and pt.inp.x.shape[1] % 8 == 0
+                and pt.inp.w2.shape[1] % 8 == 0)
 
 
 def initial_state(pt: Point) -> dict:
@@ -508,14 +541,14 @@ def run(args) -> list[dict]:
                decision_error=decision_error,
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
                wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
-               dgrad2_fused=mb.DGRAD2_FUSED,
+               dgrad2_fused=mb.DGRAD2_FUSED, rows_padded=rows_padded(pt), wgrad_flat_tiles=list(mb.WGRAD_FLAT_TILES),
                wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
                build_s=round(build_s, 1))
     probe.emit(env)
     print(f"moe bwd probe: {m.name} tokens={tokens} {args.routing} EP=1 rows={n_rows} (per expert "
           f"{int(counts.min())}..{int(counts.max())}), decision={decision}, "
           f"{'cpu smoke (nothing timed)' if smoke else f'iters {args.iters} warmup {args.warmup}'}; "
-          f"wgrad reference out {env['wgrad_ref_out_dtype']}; wgrad kernel {mb.WGRAD_KERNEL}; inputs {build_s:.0f} s",
+          f"wgrad reference out {env['wgrad_ref_out_dtype']}; wgrad kernel {'flat' if env['rows_padded'] else mb.WGRAD_KERNEL}; inputs {build_s:.0f} s",
           flush=True)
 
     def base(kind, **kv):
@@ -605,21 +638,26 @@ def run(args) -> list[dict]:
                 t = row.get("time_ms")
                 row["tflops"] = flops / (t * 1e-3) / 1e12 if t else None
                 ref = g.ref
+                rs = s  # the reference's state: the row operands packed (an untimed copy) when the rows are padded
+                if "row_of" in s and g.row_operands:
+                    rs = dict(s, **{key: s[key][s["row_of"]] for key in g.row_operands})
                 try:
                     try:
-                        ref_out = ref(s, offs)
+                        ref_out = ref(rs, offs)
                     except Exception as e:  # noqa: BLE001 -- e.g. a layout this torch's kernel refuses
                         if g.alt is None:
                             raise
                         row["ref_note"] = (f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}; timed "
                                            f"instead: {g.alt_desc}")
                         ref = g.alt
-                        ref_out = ref(s, offs)
+                        ref_out = ref(rs, offs)
                     row["ref_out_dtype"] = str(ref_out.dtype).replace("torch.", "")
                     if g.out is not None:
-                        row["rel_err_vs_ref"] = rel_err(new[g.out], ref_out)
+                        mine = new[g.out][s["row_of"]] if g.rows_out and "row_of" in s else new[g.out]
+                        row["rel_err_vs_ref"] = rel_err(mine, ref_out)
+                        del mine
                     del ref_out
-                    rt = probe.timed(lambda: ref(s, offs)) if probe.left() else None
+                    rt = probe.timed(lambda: ref(rs, offs)) if probe.left() else None
                     if rt:
                         row.update(_timing_fields(rt, "ref_"))
                         if rt["time_ms"]:
@@ -704,7 +742,8 @@ def table(rows) -> str:
     whole = tot.get("kosmos", {}).get("time_ms")
     lines = [f"== moe backward stages: {env.get('model')} tokens={env.get('tokens')} {env.get('routing')} EP=1, "
              f"rows {env.get('rows')}, wgrad reference out {env.get('wgrad_ref_out_dtype')}, wgrad kernel "
-             f"{env.get('wgrad_kernel', 'tiles')} {env.get('wgrad_tiles', '')}"
+             + (f"flat (padded rows) {env.get('wgrad_flat_tiles')}" if env.get("rows_padded") else
+                f"{env.get('wgrad_kernel', 'tiles')} {env.get('wgrad_tiles', '')}")
              + (" (cpu smoke: nothing timed)" if env.get("cpu_smoke") else ""),
              f"  {'stage':<16} {'time_ms':>8} {'share':>6} {'TFLOP/s':>8} {'torch_ms':>8} {'torch TF/s':>10} "
              f"{'kosmos/torch':>12} {'err_vs_torch':>12} {'launches':>8} {'kernel_ms':>9} {'host_ms':>8}  status"]
@@ -771,6 +810,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dgrad2", choices=("fused", "unfused"), default=None,
                     help="GEMM2's data gradient with the SwiGLU backward in its epilogue, or the GEMM (bf16 z) and "
                          "a pass after it (default: DGRAD2_FUSED)")
+    ap.add_argument("--rows", choices=("padded", "packed"), default=None,
+                    help="moe_backward's expert-row layout (whole call and stages alike; default: PADDED_ROWS): "
+                         "padded per expert for the flat wgrad loop, or packed for the persistent wgrad kernel")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, nothing timed")
     ap.add_argument("--table", default=None, metavar="JSONL", help="only print the table of a finished run")
     args = ap.parse_args(argv)
@@ -783,7 +825,7 @@ def main(argv=None) -> int:
         args.iters, args.warmup, args.max_seconds = 1, 0, 0  # it can be minutes before this call)
     from kosmos.kernels import moe_backward as mb
     saved = {n: getattr(mb, n) for n in ("WGRAD_KERNEL", "WGRAD_TILES", "WGRAD_PERSISTENT_TILES",
-                                         "DGRAD2_FUSED")}
+                                         "DGRAD2_FUSED", "PADDED_ROWS")}
     if args.wgrad_kernel:  # moe_backward's module defaults, for this run only
         mb.WGRAD_KERNEL = args.wgrad_kernel
     if args.wgrad_tiles:
@@ -793,6 +835,8 @@ def main(argv=None) -> int:
         mb.WGRAD_TILES = mb.WGRAD_PERSISTENT_TILES = t
     if args.dgrad2:
         mb.DGRAD2_FUSED = args.dgrad2 == "fused"
+    if args.rows:
+        mb.PADDED_ROWS = args.rows == "padded"
     try:
         rows = run(args)
     finally:

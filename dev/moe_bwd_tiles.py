@@ -125,12 +125,14 @@ def main(argv=None):
                     row["rel_err"], row["rel_err_vs"] = rel(o, default_out), "default variant"
                     if o.dtype == default_out.dtype and o.element_size() == 2:
                         row["bitwise_default"] = bool(torch.equal(o.view(torch.int16), default_out.view(torch.int16)))
-                elif (comparable or default_out is not None) and o.shape == ref_out.shape:
+                elif ref_out is not None and (comparable or default_out is not None) and o.shape == ref_out.shape:
                     # dgrad2's outputs are its epilogue's, not the GEMM's; its gemm-only rows are the GEMM's
                     row["rel_err"], row["rel_err_vs"] = rel(o, ref_out), "torch"
                 if default_out is None:
                     default_out = o
-                if not torch.isfinite(o.float()).all():
+                    if o.numel() * o.element_size() > 2 ** 32:  # deepseek-v3's dW13 (15 GB): compare the rest
+                        ref_out = None                          # with the default only, or it runs out of memory
+                if not all(torch.isfinite(c.float()).all() for c in o.reshape(-1).split(1 << 28)):
                     row.update(status="failed", reason="non-finite output")
                 tm = timing.time_op(lambda: fn(v), iters=args.iters, warmup=args.warmup)
                 row.update(time_ms=tm["time_ms"], p20_ms=tm["p20_ms"], p80_ms=tm["p80_ms"])
@@ -138,6 +140,7 @@ def main(argv=None):
                 row["vs_torch"] = ref_t / tm["time_ms"]
             except Exception as err:  # noqa: BLE001 -- a variant that does not compile is a finding
                 row.update(status="failed", reason=f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}")
+            o = None  # before the next variant's output is allocated
             emit(row)
         del ref_out, default_out
         torch.cuda.empty_cache()

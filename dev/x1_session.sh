@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -501,5 +501,31 @@ PYEOF
     wait $regs_pid; keep
     grep -E "wgrad" "$out/regs-bwd.txt"
     for f in tiles-dsv3-wgrad2 tiles-dsv3-wgrad1 tiles-qwen3; do echo "$f"; grep -E "^  (wgrad)" "$out/$f.log" | cut -c1-150; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a" >&2; exit 2 ;;
+  s13b)  # session 13, second call (<= 560 s; tarball $OUT/s13b.tar.gz): moe_backward on the padded row layout
+         # (gathers straight into it, the flat wgrad, dgrads on padded offsets): its GPU tests, Triton 3.6 registers,
+         # the layouts' A/B in one process (bitwise + interleaved timing) at deepseek-v3 and qwen3 4k, the tiles
+         # probe's wgrad1 at deepseek-v3 (OOMed in s13a: the finite check's fp32 copy), the stage probe at dsv3.
+    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13b.tar.gz"; }
+    ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
+    regs_pid=$!
+    timeout 120 python -m pytest -v -p no:cacheprovider --timeout 80 -m gpu tests/test_moe_backward.py \
+      -k "padded or never_syncs or forwards_gate_up or dgrad" > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-bwd.log"; keep
+    for m in deepseek-v3 qwen3-235b; do
+      timeout 110 python -m dev.moe_bwd_layout_ab --model $m --json "$out/layout-ab-$m.jsonl" \
+        > "$out/layout-ab-$m.log" 2>&1; echo "layout ab $m rc=$?"; keep
+    done
+    timeout 110 python -m dev.moe_bwd_tiles --model deepseek-v3 --only wgrad1 --max-seconds 90 \
+      --json "$out/tiles-dsv3-wgrad1.jsonl" > "$out/tiles-dsv3-wgrad1.log" 2>&1; echo "tiles dsv3 wgrad1 rc=$?"; keep
+    left=$((545 - SECONDS)); [ $left -gt 150 ] && left=150
+    [ $left -gt 60 ] && timeout $left python -m dev.moe_bwd_probe --model deepseek-v3 --no-profile \
+      --max-seconds $((left - 25)) --json "$out/bwd-probe-dsv3.jsonl" > "$out/bwd-probe-dsv3.log" 2>&1
+    echo "bwd probe dsv3 rc=$?"; wait $regs_pid; keep
+    grep -E "wgrad-flat|gather|scaled" "$out/regs-bwd.txt"
+    for m in deepseek-v3 qwen3-235b; do grep -v "^{" "$out/layout-ab-$m.log" | tail -8; done
+    grep -E "^  wgrad1" "$out/tiles-dsv3-wgrad1.log" | cut -c1-150
+    sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3.log"; tail -4 "$out/bwd-probe-dsv3.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b" >&2; exit 2 ;;
 esac

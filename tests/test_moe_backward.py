@@ -168,6 +168,10 @@ def test_expert_weight_grads_padded_gpu(no_tf32, tiles):
     ap, bp = pad_expert_rows(a, c, po, rp), pad_expert_rows(b, c, po, rp)
     for dt in (torch.float32, torch.bfloat16):
         ref = expert_weight_grads(a, b, c, out_dtype=dt, kernel="persistent")
+        if dt == torch.float32 and tiles is not None and tiles[1] == 256:  # 272 KiB of shared: refused
+            with pytest.raises(ValueError, match="shared memory"):
+                expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles)
+            continue
         got = expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles)
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
@@ -353,6 +357,57 @@ def test_scaled_rows_and_unpermute_sum_bitwise_torch(counts, h):
 
 
 @pytest.mark.interpreter
+def test_gather_rows_and_padded_layout():
+    """gather_rows: src[idx] with zero rows where idx < 0 (the kernel and its torch twin), scaled_rows likewise;
+    padded_layout: every sorted row lands at its expert's padded start + its rank inside the expert, real_of is
+    row_of's inverse and -1 elsewhere."""
+    import kosmos.kernels.moe_backward as mb
+    g = torch.Generator().manual_seed(4)
+    src = torch.randn(7, 24, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([3, -1, 0, 6, -1, 3])
+    want = src[idx.clamp(min=0)].masked_fill((idx < 0)[:, None], 0)
+    assert torch.equal(mb.gather_rows(src, idx), want)
+    w = torch.rand(6, generator=g)
+    assert torch.equal(mb.scaled_rows(src, idx, w), (w[:, None] * want.float()).to(torch.bfloat16))
+    counts = torch.tensor([3, 0, 70, 1, 0])
+    pad_offs, row_of, real_of = mb.padded_layout(counts, int(counts.sum()))
+    assert pad_offs.tolist() == [0, 64, 64, 192, 256]
+    assert row_of.tolist() == [0, 1, 2] + list(range(64, 134)) + [192]
+    assert real_of.shape[0] == mb.padded_rows_bound(74, 5)
+    assert torch.equal(real_of[row_of], torch.arange(74)) and int((real_of >= 0).sum()) == 74
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("routing,saved", [("softmax", False), ("sigmoid-grouped", True)])
+def test_moe_backward_padded_rows_bitwise_packed(routing, saved):
+    """moe_backward_w1 with the expert rows in the padded layout (the default: gathers into it, the flat wgrad,
+    the dgrads on padded offsets) gives bitwise the packed layout's gradients: one expert without rows, one with
+    more than a pad's worth; on the recomputed and on a saved g | u."""
+    from kosmos import moe_reference as mr
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    from simranks import placed_gate_up
+    g = torch.Generator().manual_seed(12)
+    t, h, f, e, k = 45, 32, 16, 6, 2
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    # expert 0 in every token (45 rows: > 16, the interpreter's row step), expert 3 in none
+    others = torch.tensor([1, 2, 4, 5])[torch.randint(0, 4, (t,), generator=g)]
+    experts = torch.stack([torch.zeros(t, dtype=torch.long), others], 1)
+    kw = dict(routing=routing) if routing == "softmax" else dict(routing=routing, routed_scaling=2.5)
+    weights, _, _ = mr.routing_weights_ref(x.float() @ wr.float().t(), experts, routing,
+                                           routed_scaling=kw.get("routed_scaling", 1.0))
+    saved_gu = placed_gate_up(x, w13, experts, k, torch.Generator().manual_seed(1)) if saved else None
+    packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=False, **kw)
+    padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=True, **kw)
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), padded, packed):
+        assert torch.equal(a, b), name
+    assert torch.equal(padded[2][3], torch.zeros_like(padded[2][3]))
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("routing", ["softmax", "sigmoid-grouped"])
 def test_moe_backward_w1_vs_reference(routing):
     """The whole W=1 backward (the pieces + torch glue) against moe_reference.moe_backward_ref (fp32, explicit
@@ -385,7 +440,7 @@ def test_moe_backward_w1_vs_reference(routing):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
-def _ep_backward_rank(rank, world, port, q, routing, saved=False):
+def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None):
     """One rank of the EP backward test: this rank's tokens, dy and decision, its experts; moe_backward over a
     gloo group (the kernels under the interpreter); ``saved``: on a stand-in of the forward's g | u."""
     import os
@@ -402,9 +457,9 @@ def _ep_backward_rank(rank, world, port, q, routing, saved=False):
         saved_gu = (placed_gate_up(full["x"], full["w13"], full["experts"], full["experts"][0].shape[1],
                                    torch.Generator().manual_seed(rank), rank, world) if saved else None)
         got = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
-                           saved_gu=saved_gu, **full["rkw"])
+                           saved_gu=saved_gu, padded=padded, **full["rkw"])
         again = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
-                             saved_gu=saved_gu, **full["rkw"])
+                             saved_gu=saved_gu, padded=padded, **full["rkw"])
         same = all(torch.equal(a, b) for a, b in zip(got, again))
         # by value (numpy; bf16 exactly as fp32): a tensor on the queue would live in this process's shared memory
         q.put((rank, ([t.float().numpy() for t in got], same)))
@@ -439,18 +494,19 @@ def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("routing,saved", [("softmax", False), ("sigmoid-grouped", False), ("softmax", True)])
-def test_moe_backward_over_two_ranks_vs_reference(routing, saved):
+@pytest.mark.parametrize("routing,saved,padded", [("softmax", False, True), ("sigmoid-grouped", False, True),
+                                                  ("softmax", True, True), ("softmax", True, False)])
+def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded):
     """moe_backward at W=2 over gloo (all-to-alls between the kernels) against moe_backward_ref on every rank's
     tokens with every expert in one process: dx of each rank's tokens, d(router weight) summed over the ranks,
     dW13 / dW2 of each rank's experts (an expert without rows: zeros); deterministic per rank. ``saved``: on each
     rank's g | u as the forward keeps them (rows shuffled inside each source), gathered into the backward's
-    order after the exchange."""
+    order after the exchange. ``padded``: the expert rows in the padded layout after the exchange, or packed."""
     from kosmos import moe_reference as mr
     from multiproc import spawn_gloo
     world = 2
     full = _ep_inputs(routing, world)
-    got = spawn_gloo(_ep_backward_rank, world, routing, saved)
+    got = spawn_gloo(_ep_backward_rank, world, routing, saved, padded)
     x_all, dy_all = torch.cat(full["x"]), torch.cat(full["dy"])
     want = mr.moe_backward_ref(x_all, full["wr"], full["w13"], full["w2"], dy_all, top_k=2,
                                experts=torch.cat(full["experts"]), **full["kw"])
@@ -539,6 +595,35 @@ def test_moe_backward_w1_never_syncs_gpu(saved):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(t_.float()).all() for t_ in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved", [False, True])
+def test_moe_backward_padded_rows_bitwise_packed_gpu(no_tf32, saved):
+    """On the GPU: the padded layout's backward (the default) gives bitwise the packed layout's gradients, on a
+    skewed routing with an empty expert and T not a multiple of any tile, bf16 and fp32 weight gradients."""
+    import kosmos
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    g = torch.Generator().manual_seed(8)
+    t, h, f, e, k = 1001, 256, 192, 16, 4
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
+    wr[3] -= 8.0  # expert 3: never among the top k
+    wr[0] += 0.5  # expert 0: most tokens
+    wr = wr.cuda()
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
+    weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
+    assert not (experts == 3).any()
+    for wdt in (None, torch.float32):
+        packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=False,
+                                 wgrad_dtype=wdt)
+        padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=True,
+                                 wgrad_dtype=wdt)
+        for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), padded, packed):
+            assert torch.isfinite(a.float()).all() and torch.equal(a, b), (name, wdt)
 
 
 @pytest.mark.gpu

@@ -460,7 +460,13 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
 
 # ---- the flat wgrad loop on a padded row layout (session 12; not timed; not wired into moe_backward) ----------
 WGRAD_PAD_ROWS = 64  # the padded layout's granularity: each expert's rows start at a multiple of it (the GPU's BR)
-WGRAD_FLAT_TILES = (128, 128, 64, 8, 2)  # (BI, BJ, BR, warps, stages[, programs per SM]): 96 KiB, 2 per SM
+# (BI, BJ, BR, warps, stages[, programs per SM]). Session 13 (one H200, dev/moe_bwd_tiles, results/h200x1/s13/a;
+# every variant bitwise the persistent kernel's dW): qwen3 4k wgrad2 / wgrad1 128x256x64 s3 0.916 / 1.824 ms (1.07x
+# / 1.02x torch._grouped_mm; kept), 128x128x64 w8 s2 1.003 / 2.072, w4 s2 0.994 / 2.080, w8 s3 1.153 / 2.336;
+# deepseek-v3 4k wgrad2 128x256 s3 2.973, 128x128 w4 s2 2.964, w8 s2 3.007, w8 s3 3.826 (persistent: 3.743)
+WGRAD_FLAT_TILES = (128, 256, 64, 8, 3)  # 208 KiB of shared with a bf16 output: one per SM
+WGRAD_FLAT_TILES_FP32 = (128, 128, 64, 8, 2)  # fp32 output: 128x256 would need 272 KiB
+WGRAD_FLAT_SMEM_LIMIT = 232448  # an H200 SM's shared memory per block (227 KiB)
 WGRAD_FLAT_SMEM_PER_SM = 2 * 112 * 1024  # programs per SM by the shared estimate (an H200 SM: 228 KiB, 1 KiB each)
 
 
@@ -497,6 +503,23 @@ def pad_expert_rows(x: torch.Tensor, counts: torch.Tensor, pad_offs: torch.Tenso
     src = (within + offs[eq]).clamp(0, x.shape[0] - 1)
     out = x.index_select(0, src.long())
     return out.masked_fill_(~valid[:, None], 0)
+
+
+def padded_layout(counts: torch.Tensor, rows: int, pad: int = WGRAD_PAD_ROWS):
+    """The padded row layout of ``rows`` expert-sorted rows (counts [E] per expert, in order), on the device
+    with no host synchronisation: (pad_offs [E] int32 = padded_row_offsets, row_of [rows] int64 -- sorted row
+    i's padded row --, real_of [padded_rows_bound(rows, E)] int64 -- each padded row's sorted row, -1 for the
+    gap rows and the tail). moe_backward gathers its expert rows through real_of (gather_rows: -1 gives zeros)
+    and reads them back through row_of."""
+    e = counts.shape[0]
+    dev_ = counts.device
+    c = counts.to(torch.int64)
+    pad_offs = padded_row_offsets(counts, pad)
+    expert_of = torch.repeat_interleave(torch.arange(e, device=dev_), c, output_size=rows)
+    row_of = torch.arange(rows, device=dev_) + (pad_offs.to(torch.int64) - (torch.cumsum(c, 0) - c))[expert_of]
+    real_of = torch.full((padded_rows_bound(rows, e, pad),), -1, dtype=torch.int64, device=dev_)
+    real_of[row_of] = torch.arange(rows, device=dev_)
+    return pad_offs, row_of, real_of
 
 
 @triton.jit
@@ -588,7 +611,8 @@ def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts:
     if planning.interpreting():
         bi, bj, br, warps, stages = 16, 16, 16, 4, 1
     else:
-        bi, bj, br, warps, stages, *per_sm_given = tiles or WGRAD_FLAT_TILES
+        bi, bj, br, warps, stages, *per_sm_given = tiles or (
+            WGRAD_FLAT_TILES_FP32 if out_dtype == torch.float32 else WGRAD_FLAT_TILES)
     if pad % br:
         raise ValueError(f"the row step BR = {br} must divide the layout's pad = {pad}")
     out = torch.empty((n_exp, ka, kb), dtype=out_dtype, device=a_pad.device)
@@ -601,6 +625,9 @@ def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts:
     n_tiles = n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj)
     # shared: the pipeline's stages plus the epilogue's layout conversion (live together in the flat loop)
     smem = stages * br * (bi + bj) * 2 + bi * bj * out.element_size()
+    if smem > WGRAD_FLAT_SMEM_LIMIT and not planning.interpreting():
+        raise ValueError(f"wgrad tiles {bi}x{bj}x{br} with {stages} stages and a {out.dtype} output need "
+                         f"{smem} B of shared memory, over the SM's {WGRAD_FLAT_SMEM_LIMIT} B")
     per_sm = per_sm_given[0] if per_sm_given else max(1, WGRAD_FLAT_SMEM_PER_SM // smem) if smem else 1
     per_sm = min(per_sm, 2)
     programs = _persistent_programs(per_sm, a_pad, n_tiles)
@@ -622,12 +649,18 @@ def _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2: tl.constexpr, B
     return e, (tl.load(offs_ptr + e) + r).to(tl.int64), r < tl.load(counts_ptr + e)
 
 
-def _mtile_plan(counts: torch.Tensor, rows: int, bm: int):
+def _mtile_plan(counts: torch.Tensor, rows: int, bm: int, offs=None):
     """(counts int32, first row per expert, first m-tile per expert padded to a power of two, static m-tile
-    bound) -- all on the device, no host synchronisation."""
+    bound) -- all on the device, no host synchronisation. ``offs``: each expert's first row (the padded layout's
+    padded_row_offsets) instead of the rows packed in expert order."""
     e = counts.shape[0]
     counts32 = counts.to(torch.int32)
-    offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32
+    if offs is None:
+        offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32
+    elif offs.shape != counts.shape:
+        raise ValueError(f"offs {tuple(offs.shape)} must be shaped like counts {tuple(counts.shape)}")
+    else:
+        offs = offs.to(torch.int32).contiguous()
     mtiles = (counts32 + bm - 1) // bm
     elp2 = triton.next_power_of_2(max(e, 1))
     first_mtile = torch.full((elp2,), 2**30, dtype=torch.int32, device=counts.device)
@@ -788,7 +821,8 @@ DGRAD2_FUSED = False
 
 
 def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor, w_pair: torch.Tensor,
-                         counts: torch.Tensor, *, emit_h: bool = False, tiles=None, fused: bool | None = None):
+                         counts: torch.Tensor, *, emit_h: bool = False, tiles=None, fused: bool | None = None,
+                         offs=None):
     """Item 2 of the module docstring for expert-sorted rows: dy_rows [R, H] bf16 (each row's token gradient),
     gu [R, 2F] bf16 (the forward's g | u), w2 [E, F, H] bf16, w_pair [R] fp32 (each row's gate weight), counts
     [E] (rows per expert, consecutive). Returns (dgu [R, 2F] bf16 = [dg | du], dw_rows [R] fp32 = <dy_t, o_p>,
@@ -797,14 +831,16 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
     (moe_backward has none). ``tiles``: (BM, BN, BK, warps, stages) instead of DGRAD2_TILES (GPU). ``fused``
     (None: DGRAD2_FUSED): False computes z = dy_rows W2[e]^T with the dgrad1 GEMM kernel (``tiles`` its tile,
     default DGRAD1_TILES), rounded to bf16 as autograd's GEMM output is, then the epilogue's arithmetic in a pass
-    of its own (_swiglu_backward_kernel): the same outputs up to that rounding of z."""
+    of its own (_swiglu_backward_kernel): the same outputs up to that rounding of z. ``offs`` (unfused only):
+    each expert's first row in the padded layout (padded_row_offsets; the gap rows of dy_rows, gu zero, of
+    w_pair finite), whose gap rows then come out zero in dgu and h (z's gap rows are zero-filled)."""
     r_all, h = dy_rows.shape
     e, f, h2 = w2.shape
     if h2 != h or gu.shape != (r_all, 2 * f) or w_pair.shape != (r_all,) or counts.shape != (e,):
         raise ValueError(f"shapes disagree: dy_rows {tuple(dy_rows.shape)}, gu {tuple(gu.shape)}, w2 "
                          f"{tuple(w2.shape)}, w_pair {tuple(w_pair.shape)}, counts {tuple(counts.shape)}")
     if not (DGRAD2_FUSED if fused is None else fused):
-        z = expert_dgrad1(dy_rows, w2, counts, tiles=tiles)
+        z = expert_dgrad1(dy_rows, w2, counts, tiles=tiles, offs=offs, zero_gaps=offs is not None)
         dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
         dw_rows = torch.empty((r_all,), dtype=torch.float32, device=dy_rows.device)
         hb = torch.empty((r_all, f) if emit_h else (1,), dtype=torch.bfloat16, device=dy_rows.device)
@@ -814,6 +850,8 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
                                                                hb, dw_rows, r_all, f, BR=br, BF=bf, EMIT_H=emit_h,
                                                                INTERP=planning.interpreting(), num_warps=8)
         return (dgu, dw_rows, hb) if emit_h else (dgu, dw_rows)
+    if offs is not None:
+        raise ValueError("expert_dgrad2_swiglu: the padded layout (offs=) runs unfused only")
     if planning.interpreting():
         bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
     else:  # 128 x 64 (session 10, 244 regs) measured 2.19 ms, 0.38x torch's GEMM alone; 128 x 128 split: unmeasured
@@ -891,10 +929,12 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
 DGRAD1_TILES = (128, 256, 64, 8, 4)
 
 
-def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *, tiles=None) -> torch.Tensor:
+def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *, tiles=None, offs=None,
+                  zero_gaps: bool = False) -> torch.Tensor:
     """Item 3 of the module docstring: dgu [R, 2F] bf16, w13 [E, H, 2F] bf16, counts [E] -> dx_rows [R, H] bf16
-    (rows past sum(counts): unspecified; moe_backward has none). ``tiles``: (BM, BN, BK, warps, stages) instead
-    of DGRAD1_TILES (GPU)."""
+    (rows of no expert: unspecified, or zeros with ``zero_gaps``). ``tiles``: (BM, BN, BK, warps, stages)
+    instead of DGRAD1_TILES (GPU). ``offs``: each expert's first row (the padded layout's padded_row_offsets)
+    instead of the rows packed in expert order."""
     r_all = dgu.shape[0]
     e, h, f2 = w13.shape
     if dgu.shape[1] != f2 or counts.shape != (e,):
@@ -904,8 +944,8 @@ def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *,
         bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
     else:  # session 10: 2.04 ms at qwen3-235b 4k (404 TF/s, 0.82x torch._grouped_mm)
         bm, bn, bk, warps, stages = tiles or DGRAD1_TILES
-    counts32, offs, first_mtile, elp2, n_m = _mtile_plan(counts, r_all, bm)
-    dx = torch.empty((r_all, h), dtype=torch.bfloat16, device=dgu.device)
+    counts32, offs, first_mtile, elp2, n_m = _mtile_plan(counts, r_all, bm, offs)
+    dx = (torch.zeros if zero_gaps else torch.empty)((r_all, h), dtype=torch.bfloat16, device=dgu.device)
     tma = f2 % 8 == 0 and dgu.is_contiguous() and w13.is_contiguous() and \
         all(t.data_ptr() % 16 == 0 for t in (dgu, w13))
     if tma:
@@ -949,26 +989,45 @@ def sum_partials(p: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _scale_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, H, BH: tl.constexpr, RNE_BITS: tl.constexpr):
-    """out[i] = bf16(w[i] * fp32(src[idx[i]])): one fp32 product per element, rounded to nearest even."""
+def _gather_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, H, BH: tl.constexpr, SCALE: tl.constexpr,
+                        RNE_BITS: tl.constexpr):
+    """out[i] = src[idx[i]] (SCALE: bf16(w[i] * fp32(src[idx[i]])), one fp32 product rounded to nearest even);
+    a row with idx[i] < 0 is zeros (the padded row layout's gap rows)."""
     i = tl.program_id(0)
     c = tl.program_id(1) * BH + tl.arange(0, BH)
-    m = c < H
     row = tl.load(idx_ptr + i).to(tl.int64)
-    v = tl.load(src_ptr + row * H + c, mask=m, other=0.0).to(tl.float32) * tl.load(w_ptr + i)
-    tl.store(out_ptr + i.to(tl.int64) * H + c, _to_out(v, tl.bfloat16, RNE_BITS), mask=m)
+    m = c < H
+    v = tl.load(src_ptr + tl.maximum(row, 0) * H + c, mask=c < tl.where(row >= 0, H, 0), other=0.0)
+    if SCALE:
+        v = _to_out(v.to(tl.float32) * tl.load(w_ptr + i), tl.bfloat16, RNE_BITS)
+    tl.store(out_ptr + i.to(tl.int64) * H + c, v, mask=m)
+
+
+def _launch_gather_rows(src: torch.Tensor, idx: torch.Tensor, w, out_dtype: torch.dtype) -> torch.Tensor:
+    r, h = idx.shape[0], src.shape[1]
+    out = torch.empty((r, h), dtype=out_dtype, device=src.device)
+    if r and h:
+        bh = min(1024, triton.next_power_of_2(h))
+        _gather_rows_kernel[(r, triton.cdiv(h, bh))](src.contiguous(), idx.contiguous(),
+                                                     src if w is None else w.float().contiguous(), out, h, BH=bh,
+                                                     SCALE=w is not None, RNE_BITS=planning.interpreting(),
+                                                     num_warps=4)
+    return out
 
 
 def scaled_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """(w[:, None] * src[idx].float()).to(bf16) -- bitwise -- in one pass: src [T, H] bf16, idx [R] int, w [R]
-    fp32 -> [R, H] bf16 (no gathered copy, no fp32 temporary)."""
-    r, h = idx.shape[0], src.shape[1]
-    out = torch.empty((r, h), dtype=torch.bfloat16, device=src.device)
-    if r and h:
-        bh = min(1024, triton.next_power_of_2(h))
-        _scale_rows_kernel[(r, triton.cdiv(h, bh))](src.contiguous(), idx.contiguous(), w.float().contiguous(),
-                                                    out, h, BH=bh, RNE_BITS=planning.interpreting(), num_warps=4)
-    return out
+    fp32 -> [R, H] bf16 (no gathered copy, no fp32 temporary); rows with idx < 0 are zeros."""
+    return _launch_gather_rows(src, idx, w, torch.bfloat16)
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """src[idx] with zero rows where idx < 0 (the padded layout's gap rows), in one pass: src [T, H], idx [R]
+    int -> [R, H] in src's dtype; torch where Triton cannot run."""
+    if not _triton_runs(src):
+        out = src[idx.clamp(min=0).long()]
+        return out.masked_fill_((idx < 0)[:, None], 0)
+    return _launch_gather_rows(src, idx, None, src.dtype)
 
 
 @triton.jit
@@ -1025,19 +1084,21 @@ def _unpermute_sum_kernel(rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, BH: tl
     tl.store(out_ptr + t.to(tl.int64) * H + c, acc, mask=m)
 
 
-def unpermute_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+def unpermute_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int, row_of=None) -> torch.Tensor:
     """The dispatch backward from expert-sorted rows: rows [P, H] (row i is pair order[i], p = t*k + j) ->
     dx_e [T, H] fp32, dx_e[t] = sum_j rows of (t, j) in slot order j = 0..k-1 -- bitwise
     moe_reference.dispatch_backward_ref of the rows put back in pair order, without the [P, H] pair-order and
-    fp32 copies (one gather-sum launch; the torch path where Triton cannot run)."""
+    fp32 copies (one gather-sum launch; the torch path where Triton cannot run). ``row_of`` [P]: rows in a
+    padded layout, sorted pair i at rows[row_of[i]] (rows then has more rows than pairs)."""
     from .. import moe_reference as mr
-    p, h = rows.shape
+    p, h = order.shape[0], rows.shape[1]
     if not _triton_runs(rows):
-        pair = torch.empty_like(rows)
-        pair[order] = rows
+        pair = torch.empty((p, h), dtype=rows.dtype, device=rows.device)
+        pair[order] = rows if row_of is None else rows[row_of]
         return mr.dispatch_backward_ref(pair.float(), top_k)
     inv = torch.empty_like(order)
-    inv[order] = torch.arange(p, dtype=order.dtype, device=order.device)
+    inv[order] = torch.arange(p, dtype=order.dtype, device=order.device) if row_of is None else \
+        row_of.to(order.dtype)
     out = torch.empty((p // top_k, h), dtype=torch.float32, device=rows.device)
     if p and h:
         bh = min(1024, triton.next_power_of_2(h))
@@ -1056,16 +1117,21 @@ def expert_weight_grads_ref(a: torch.Tensor, b: torch.Tensor, counts) -> torch.T
 
 
 # ----------------------------------------------------------------------------------- the whole backward at W=1
-def _expert_gemm1(x_rows: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _expert_gemm1(x_rows: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, pad_offs=None) -> torch.Tensor:
     """[g | u] = x_rows @ W13[e] per expert (the forward's GEMM1, recomputed): torch._grouped_mm on CUDA (bf16
-    out, fp32 accumulation), one expert at a time elsewhere."""
+    out, fp32 accumulation), one expert at a time elsewhere. ``pad_offs``: x_rows in the padded layout
+    (padded_row_offsets): each expert's group runs to its padded end, so its zero gap rows give zero rows."""
+    c32 = counts.to(torch.int32)
+    if pad_offs is None:
+        starts, lens = torch.cumsum(c32, 0, dtype=torch.int32) - c32, c32
+    else:
+        starts, lens = pad_offs.to(torch.int32), (c32 + WGRAD_PAD_ROWS - 1) // WGRAD_PAD_ROWS * WGRAD_PAD_ROWS
     if x_rows.is_cuda and hasattr(torch, "_grouped_mm") and x_rows.shape[0] > 0:
-        return torch._grouped_mm(x_rows, w13, offs=torch.cumsum(counts.to(torch.int32), 0, dtype=torch.int32))
-    out, start = torch.zeros((x_rows.shape[0], w13.shape[2]), dtype=torch.bfloat16, device=x_rows.device), 0
-    for e, n in enumerate(counts.tolist()):
+        return torch._grouped_mm(x_rows, w13, offs=starts + lens)
+    out = torch.zeros((x_rows.shape[0], w13.shape[2]), dtype=torch.bfloat16, device=x_rows.device)
+    for e, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
         if n:
             out[start:start + n] = (x_rows[start:start + n].float() @ w13[e].float()).to(torch.bfloat16)
-        start += n
     return out
 
 
@@ -1130,8 +1196,15 @@ def do_rows_of(dy, tok, dy_rows, w_pair, world: int) -> torch.Tensor:
     return scaled_rows(dy_rows, torch.arange(dy_rows.shape[0], device=dy_rows.device), w_pair)
 
 
+# moe_backward's expert rows in the padded layout (padded_layout) by default, for the flat wgrad loop (session 13,
+# one H200, dev/moe_bwd_tiles, results/h200x1/s13/a: deepseek-v3 4k wgrad2 3.74 -> 2.97 ms, qwen3 4k wgrad2 1.23
+# -> 0.92, wgrad1 2.16 -> 1.82); False: the rows packed, the persistent wgrad kernel
+PADDED_ROWS = True
+
+
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
-                 renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None):
+                 renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
+                 padded: bool | None = None):
     """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
     output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
     fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
@@ -1157,7 +1230,13 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     Several launches and, at W > 1, NCCL (or gloo) all-to-alls between them: the one-launch backward, with its
     communication in the launch, is the next step; this is its correctness twin and the EP backward the
     training proxy runs until then. Deterministic (no atomics anywhere; stable sorts; fixed summation orders;
-    the all-to-alls only move rows)."""
+    the all-to-alls only move rows).
+
+    ``padded`` (None: PADDED_ROWS; only where Triton runs and H, F are multiples of 8): the expert rows (x_rows,
+    dy_rows, g | u, do, h, [dg | du], dx_rows) in the padded layout -- each expert's rows from a multiple of
+    WGRAD_PAD_ROWS, the gap rows zero, written so by the row gathers themselves -- and both weight gradients
+    by the flat wgrad loop (expert_weight_grads_padded). Every row's arithmetic is the packed layout's and the
+    gap rows add exact zeros: the same bits (tested)."""
     from .. import moe_reference as mr
     from ..runtime import world_size
     import torch.distributed as dist
@@ -1172,11 +1251,11 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     flat = experts.reshape(-1)
     order = torch.sort(flat, stable=True).indices                    # expert-sorted pair i <- pair order[i]
     tok = order // k
-    x_rows = x[tok].contiguous()
-    dy_rows = dy.to(torch.bfloat16)[tok].contiguous()
+    dy_b = dy.to(torch.bfloat16)
     w_pair = weights.reshape(-1).float()[order].contiguous()
     per_expert = expert_counts(flat, n_exp)  # no host sync (torch.bincount syncs on CUDA)
     if world > 1:
+        x_rows, dy_rows = x[tok].contiguous(), dy_b[tok].contiguous()
         send = per_expert.view(world, local)                         # [dest rank, local expert]
         recv = torch.empty_like(send)                                # [source rank, local expert]
         dist.all_to_all_single(recv, send, group=group)
@@ -1186,38 +1265,69 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         chunk_expert = torch.arange(local, device=x.device).repeat(world)
         src_expert = torch.repeat_interleave(chunk_expert, recv.reshape(-1).to(x.device), output_size=x_rows.shape[0])
         by_expert = torch.sort(src_expert, stable=True).indices
-        x_rows, dy_rows, w_pair = (t[by_expert].contiguous() for t in (x_rows, dy_rows, w_pair))
+        src_x, src_dy, src_idx = x_rows, dy_rows, by_expert          # sorted row i = src[src_idx[i]]
+        w_pair = w_pair[by_expert].contiguous()
         counts = recv.sum(0)
     else:
         send_splits = recv_splits = by_expert = None
+        src_x, src_dy, src_idx = x, dy_b, tok
         counts = per_expert
+    rows = src_idx.shape[0]
+    f = w2.shape[1]
+    if padded is None:
+        padded = PADDED_ROWS
+    padded = padded and _triton_runs(x) and hidden % 8 == 0 and f % 8 == 0
+    if padded:  # every expert row gathered straight into the padded layout (gap rows: index -1, zeros)
+        pad_offs, row_of, real_of = padded_layout(counts, rows)
+        valid, real = real_of >= 0, real_of.clamp(min=0)
+        into_padded = lambda idx: torch.where(valid, idx[real], -1)  # noqa: E731 -- a gather index, padded
+        src_idx = into_padded(src_idx)
+        x_rows, dy_rows = gather_rows(src_x, src_idx), gather_rows(src_dy, src_idx)
+        w_pair = torch.where(valid, w_pair[real], 0.0)
+    else:
+        pad_offs = row_of = None
+        if world == 1:
+            x_rows, dy_rows = x[tok].contiguous(), dy_b[tok].contiguous()
+        else:
+            x_rows, dy_rows = x_rows[by_expert].contiguous(), dy_rows[by_expert].contiguous()
     if saved_gu is not None:
         if saved_gu.gu.shape[1] != w13.shape[2] or saved_gu.world != world or saved_gu.top_k != k:
             raise ValueError(f"saved_gu (rows of width {saved_gu.gu.shape[1]}, world {saved_gu.world}, top_k "
                              f"{saved_gu.top_k}) is not this layer's forward (2F={w13.shape[2]}, world {world}, "
                              f"top_k {k})")
-        gu = saved_gu.in_backward_order(counts, x_rows.shape[0])
+        if padded:
+            gu = gather_rows(saved_gu.gu, into_padded(saved_gu.backward_order_index(counts, rows)))
+        else:
+            gu = saved_gu.in_backward_order(counts, rows)
     else:
-        gu = _expert_gemm1(x_rows, w13, counts)
-    f = w2.shape[1]
-    if dgrad2_emits_h():  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
-        dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True)
+        gu = _expert_gemm1(x_rows, w13, counts, pad_offs)
+    if dgrad2_emits_h() or padded:  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
+        dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True,
+                                               fused=False if padded else None, offs=pad_offs)
     else:
         dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
         h = swiglu_h(gu, f)
-    do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
-    dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt, tiles=wgrad2_tiles(h, counts))
-    dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wdt)
-    dx_rows = expert_dgrad1(dgu, w13, counts)
+    if padded:  # do = w * dy gathered into the padded layout (gap rows zero: w 0 there, the index -1)
+        do_rows = scaled_rows(src_dy, src_idx, w_pair)
+        dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt)
+        dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt)
+        dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
+    else:
+        do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
+        dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt, tiles=wgrad2_tiles(h, counts))
+        dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wdt)
+        dx_rows = expert_dgrad1(dgu, w13, counts)
     if by_expert is not None:  # back to the received order, then to the tokens' ranks
+        if row_of is not None:  # out of the padded layout first
+            dx_rows, dw_rows, row_of = dx_rows[row_of], dw_rows[row_of], None
         dx_back, dw_back = torch.empty_like(dx_rows), torch.empty_like(dw_rows)
         dx_back[by_expert], dw_back[by_expert] = dx_rows, dw_rows
         dx_rows = _exchange(dx_back, recv_splits, send_splits, group)
         dw_rows = _exchange(dw_back, recv_splits, send_splits, group)
-    dx_e = unpermute_sum(dx_rows, order, k)                          # pair order p = t*k + j; slot order, fp32
-    dweights = torch.empty_like(dw_rows)
-    dweights[order] = dw_rows
+    dx_e = unpermute_sum(dx_rows, order, k, row_of=row_of)          # pair order p = t*k + j; slot order, fp32
+    dweights = torch.empty((order.shape[0],), dtype=dw_rows.dtype, device=dw_rows.device)
+    dweights[order] = dw_rows if row_of is None else dw_rows[row_of]
     logits = bf16_mm_fp32(x, router_weight.t())
     w_re, full, denom = mr.routing_weights_ref(logits, experts, routing, renormalize=renormalize,
                                                routed_scaling=routed_scaling)
@@ -1228,8 +1338,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
 
 
 def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
-                    renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None):
+                    renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
+                    padded: bool | None = None):
     """``moe_backward`` at one rank (all E experts local)."""
     return moe_backward(x, router_weight, w13, w2, dy, weights, experts, group=None, routing=routing,
                         renormalize=renormalize, routed_scaling=routed_scaling, wgrad_dtype=wgrad_dtype,
-                        saved_gu=saved_gu)
+                        saved_gu=saved_gu, padded=padded)

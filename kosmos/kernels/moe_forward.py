@@ -983,13 +983,18 @@ class SavedGateUp:
         200 MB) measured 0.48 ms."""
         if rows == 0:
             return self.gu[:0]
+        return self.gu[self.backward_order_index(counts, rows)]
+
+    def backward_order_index(self, counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """The gather index of ``in_backward_order`` (int64 [rows]: backward row i is gu[index[i]]), for callers
+        that gather into another layout (moe_backward's padded rows)."""
         meta = self.meta[:rows].long()
         dev_ = self.gu.device
         ends = torch.cumsum(counts.to(device=dev_, dtype=torch.int64), 0)
         le = torch.searchsorted(ends, torch.arange(rows, device=dev_), right=True)
         per_rank = self.tokens * self.top_k
         key = (le * self.world + meta[:, 0]) * per_rank + meta[:, 1] * self.top_k + meta[:, 2]
-        return self.gu[torch.argsort(key)]
+        return torch.argsort(key)
 
 
 def _moe_result(y, bufs, t_, top_k, return_routing, gu=None, world=1):

@@ -1,0 +1,89 @@
+"""The MoE backward's two expert-row layouts, A/B in one process (issue 15; a developer probe, not product code).
+
+    PYTHONPATH=. python -m dev.moe_bwd_layout_ab --model deepseek-v3 --json $OUT/layout-ab.jsonl   # one H200
+        [--tokens 4096] [--routing uniform] [--passes 3] [--iters 20] [--warmup 5]
+
+``moe_backward_w1(padded=False)`` (the rows packed by expert, the persistent wgrad kernel) against
+``padded=True`` (each expert's rows from a multiple of 64, zero gap rows, the flat wgrad loop) on one point of
+the MoE bench (dev.moe_bwd_probe.build_point: the bench's inputs, the kosmos forward's decision and its saved
+g | u), interleaved ``--passes`` times, each call timed as the bench times the backward (kosmos_bench.timing,
+L2 flushed, median of --iters). The two layouts' gradients are compared bit for bit once, one tensor at a time
+(deepseek-v3's dW13 is 15 GB). The same tree and process for both: the layout is a call argument.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from dev.rows import Rows
+
+LAYOUTS = ("packed", "padded")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-235b")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--routing", default="uniform")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_bwd_layout_ab: needs a CUDA device")
+    from dev.moe_bwd_probe import GRAD_NAMES, build_point, point_model
+    from kosmos import runtime
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos_bench import timing
+    from kosmos_bench.environment import environment
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runtime.ensure_triton_allocator()
+    rows = Rows(args.json)
+    m = point_model(args.model)
+    pt = build_point(m, args.tokens, args.routing, device="cuda", decision="kosmos")
+    inp = pt.inp
+    env = environment(argv=["python", "-m", "dev.moe_bwd_layout_ab"] + list(sys.argv[1:] if argv is None else argv),
+                      bench="moe", suite={"probe": "moe_bwd_layout_ab", **vars(args)})
+    env.update(probe="moe_bwd_layout_ab", model=m.name, tokens=args.tokens, routing=args.routing,
+               rows=int(pt.experts.numel()), gu_saved=pt.saved is not None)
+    rows.emit(env)
+
+    def call(layout):
+        return moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
+                               saved_gu=pt.saved, padded=layout == "padded", **inp.backward_kw())
+
+    # bitwise, one gradient at a time (each call recomputes all four; only one pair is kept)
+    same = {}
+    for i, name in enumerate(GRAD_NAMES):
+        a = call("packed")[i]
+        b = call("padded")[i]
+        same[name] = bool(torch.equal(a, b))
+        del a, b
+        torch.cuda.empty_cache()
+    rows.emit({"type": "bitwise", "model": m.name, "tokens": args.tokens, "routing": args.routing, **same})
+    print(f"{m.name} {args.tokens} {args.routing}: padded bitwise packed: {same}", flush=True)
+    times = {lay: [] for lay in LAYOUTS}
+    for p in range(args.passes):
+        for lay in LAYOUTS:
+            t0 = time.monotonic()
+            tm = timing.time_op(lambda: call(lay), iters=args.iters, warmup=args.warmup)
+            torch.cuda.empty_cache()
+            peak = torch.cuda.max_memory_allocated() / 2 ** 30
+            rows.emit({"type": "time", "model": m.name, "tokens": args.tokens, "routing": args.routing, "pass": p,
+                       "layout": lay, **tm, "peak_gib": round(peak, 1), "wall_s": round(time.monotonic() - t0, 1)})
+            times[lay].append(tm["time_ms"])
+            print(f"  pass {p} {lay:<7} {tm['time_ms']:.3f} ms (p20 {tm['p20_ms']:.3f}, p80 {tm['p80_ms']:.3f}, "
+                  f"host {tm['host_ms']:.2f})", flush=True)
+    med = {lay: sorted(v)[len(v) // 2] for lay, v in times.items()}
+    print(f"{m.name} {args.tokens} {args.routing}: packed {med['packed']:.3f} ms, padded {med['padded']:.3f} ms "
+          f"(median of {args.passes} passes; padded/packed {med['padded'] / med['packed']:.3f})", flush=True)
+    rows.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
