@@ -1,7 +1,7 @@
 """The MoE backward's two expert-row layouts, A/B in one process (issue 15; a developer probe, not product code).
 
     PYTHONPATH=. python -m dev.moe_bwd_layout_ab --model deepseek-v3 --json $OUT/layout-ab.jsonl   # one H200
-        [--tokens 4096] [--routing uniform] [--passes 3] [--iters 20] [--warmup 5]
+        [--tokens 4096] [--routing uniform] [--passes 3] [--iters 20] [--warmup 5] [--host-profile N]
 
 ``moe_backward_w1(padded=False)`` (the rows packed by expert, the persistent wgrad kernel) against
 ``padded=True`` (each expert's rows from a multiple of 64, zero gap rows, the flat wgrad loop) on one point of
@@ -9,6 +9,8 @@ the MoE bench (dev.moe_bwd_probe.build_point: the bench's inputs, the kosmos for
 g | u), interleaved ``--passes`` times, each call timed as the bench times the backward (kosmos_bench.timing,
 L2 flushed, median of --iters). The two layouts' gradients are compared bit for bit once, one tensor at a time
 (deepseek-v3's dW13 is 15 GB). The same tree and process for both: the layout is a call argument.
+``--host-profile N``: then cProfile over N back-to-back calls of the default layout (where the ~3-5 ms of host
+time per backward call go), the top functions by own time printed and kept as a row.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_bwd_layout_ab: needs a CUDA device")
@@ -78,9 +81,32 @@ def main(argv=None) -> int:
             times[lay].append(tm["time_ms"])
             print(f"  pass {p} {lay:<7} {tm['time_ms']:.3f} ms (p20 {tm['p20_ms']:.3f}, p80 {tm['p80_ms']:.3f}, "
                   f"host {tm['host_ms']:.2f})", flush=True)
-    med = {lay: sorted(v)[len(v) // 2] for lay, v in times.items()}
-    print(f"{m.name} {args.tokens} {args.routing}: packed {med['packed']:.3f} ms, padded {med['padded']:.3f} ms "
-          f"(median of {args.passes} passes; padded/packed {med['padded'] / med['packed']:.3f})", flush=True)
+    med = {lay: sorted(v)[len(v) // 2] for lay, v in times.items()} if args.passes else {}
+    if med:
+        print(f"{m.name} {args.tokens} {args.routing}: packed {med['packed']:.3f} ms, padded {med['padded']:.3f} "
+              f"ms (median of {args.passes} passes; padded/packed {med['padded'] / med['packed']:.3f})", flush=True)
+    if args.host_profile:
+        import cProfile
+        import io
+        import pstats
+        moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
+                        saved_gu=pt.saved, **inp.backward_kw())
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(args.host_profile):
+            moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
+                            saved_gu=pt.saved, **inp.backward_kw())
+        prof.disable()
+        host_ms = (time.perf_counter() - t0) * 1e3 / args.host_profile
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        rows.emit({"type": "host_profile", "model": m.name, "tokens": args.tokens, "calls": args.host_profile,
+                   "host_ms_per_call_profiled": host_ms, "top_by_tottime": text.getvalue()[-12000:]})
+        print(f"host profile ({args.host_profile} calls, {host_ms:.2f} ms each under cProfile):", flush=True)
+        print("\n".join(text.getvalue().splitlines()[:45]), flush=True)
     rows.close()
     return 0
 

@@ -251,6 +251,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     f = w2.shape[1]
     wdt = mb._wgrad_dtype(w13, None)  # moe_backward's default: the parameters' dtype
     padded = rows_padded(pt)  # moe_backward's row layout (its rule)
+    flat_tiles = mb.wgrad_flat_tiles(pt.experts.numel(), n_exp, wdt)
     dy_b = dy.to(torch.bfloat16)
 
     def sort(s):
@@ -306,14 +307,14 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     def wgrad2(s):
         if padded:
             return {"dw2": mb.expert_weight_grads_padded(s["h"], s["do_rows"], s["counts"], s["pad_offs"],
-                                                         out_dtype=wdt)}
+                                                         out_dtype=wdt, tiles=flat_tiles)}
         return {"dw2": mb.expert_weight_grads(s["h"], s["do_rows"], s["counts"], out_dtype=wdt,
                                               tiles=mb.wgrad2_tiles(s["h"], s["counts"]))}
 
     def wgrad1(s):
         if padded:
             return {"dw13": mb.expert_weight_grads_padded(s["x_rows"], s["dgu"], s["counts"], s["pad_offs"],
-                                                          out_dtype=wdt)}
+                                                          out_dtype=wdt, tiles=flat_tiles)}
         return {"dw13": mb.expert_weight_grads(s["x_rows"], s["dgu"], s["counts"], out_dtype=wdt)}
 
     def dgrad1(s):
@@ -541,7 +542,8 @@ def run(args) -> list[dict]:
                decision_error=decision_error,
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
                wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
-               dgrad2_fused=mb.DGRAD2_FUSED, rows_padded=rows_padded(pt), wgrad_flat_tiles=list(mb.WGRAD_FLAT_TILES),
+               dgrad2_fused=mb.DGRAD2_FUSED, rows_padded=rows_padded(pt),
+               wgrad_flat_tiles=list(mb.wgrad_flat_tiles(n_rows, m.experts, mb._wgrad_dtype(pt.inp.w13, None))),
                wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
                build_s=round(build_s, 1))
     probe.emit(env)

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -527,5 +527,21 @@ PYEOF
     for m in deepseek-v3 qwen3-235b; do grep -v "^{" "$out/layout-ab-$m.log" | tail -8; done
     grep -E "^  wgrad1" "$out/tiles-dsv3-wgrad1.log" | cut -c1-150
     sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3.log"; tail -4 "$out/bwd-probe-dsv3.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b" >&2; exit 2 ;;
+  s13c)  # session 13, third call (<= 560 s; tarball $OUT/s13c.tar.gz): the padded backward's fixed GPU test and the
+         # few-rows flat tiles; where the backward's host time goes (cProfile, qwen3 4k); issue 15's committed
+         # qwen3-235b bench (4k, 8k; fwd, bwd, fwd+bwd).
+    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13c.tar.gz"; }
+    timeout 90 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "padded" > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-bwd.log"; keep
+    timeout 80 python -m dev.moe_bwd_layout_ab --model qwen3-235b --passes 1 --host-profile 10 \
+      --json "$out/host-profile-qwen3.jsonl" > "$out/host-profile-qwen3.log" 2>&1; echo "host profile rc=$?"; keep
+    timeout 300 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1.jsonl" > "$out/bench-qwen3.log" 2>&1
+    echo "bench qwen3 rc=$?"; keep
+    grep -v "^{" "$out/host-profile-qwen3.log" | head -40 | cut -c1-160
+    grep -v "^{" "$out/bench-qwen3.log" | grep -iE "bwd|error|fail|peak" | head -14 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c" >&2; exit 2 ;;
 esac

@@ -606,11 +606,12 @@ def test_moe_backward_padded_rows_bitwise_packed_gpu(no_tf32, saved):
     from kosmos.kernels.moe_backward import moe_backward_w1
     g = torch.Generator().manual_seed(8)
     t, h, f, e, k = 1001, 256, 192, 16, 4
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
-    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
-    wr[3] -= 8.0  # expert 3: never among the top k
-    wr[0] += 0.5  # expert 0: most tokens
-    wr = wr.cuda()
+    x = torch.randn(t, h, generator=g)
+    x[:, 0] = 4.0  # one feature every token has: through it the router pushes expert 3 out and pulls expert 0 in
+    x = x.to(torch.bfloat16).cuda()
+    wr = torch.randn(e, h, generator=g) * 0.5
+    wr[3, 0], wr[0, 0] = -10.0, 1.0  # expert 3's logit ~ -40 +- 8: never among the top k; expert 0: most tokens
+    wr = wr.to(torch.bfloat16).cuda()
     w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
     dy = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()

@@ -470,6 +470,23 @@ WGRAD_FLAT_SMEM_LIMIT = 232448  # an H200 SM's shared memory per block (227 KiB)
 WGRAD_FLAT_SMEM_PER_SM = 2 * 112 * 1024  # programs per SM by the shared estimate (an H200 SM: 228 KiB, 1 KiB each)
 
 
+# at <= 160 rows per expert on average (deepseek-v3 4k: ~128) 4 warps, 2 stages, 2 programs per SM: session 13 call b
+# wgrad1 5.98 ms vs 6.15 at 128x256 s3, wgrad2 2.964 vs 2.973; at ~256 rows (qwen3 4k) 128x256 s3 wins (0.916 /
+# 1.824 vs 0.994 / 2.080)
+WGRAD_FLAT_FEW_ROWS_TILES = (128, 128, 64, 4, 2)
+
+
+def wgrad_flat_tiles(rows: int, n_experts: int, out_dtype: torch.dtype):
+    """The flat wgrad's tiles for ``rows`` real expert rows over ``n_experts`` (host-known): fp32 output
+    WGRAD_FLAT_TILES_FP32; experts averaging <= WGRAD2_FEW_ROWS_PER_EXPERT rows WGRAD_FLAT_FEW_ROWS_TILES; else
+    WGRAD_FLAT_TILES."""
+    if out_dtype == torch.float32:
+        return WGRAD_FLAT_TILES_FP32
+    if rows <= WGRAD2_FEW_ROWS_PER_EXPERT * max(1, n_experts):
+        return WGRAD_FLAT_FEW_ROWS_TILES
+    return WGRAD_FLAT_TILES
+
+
 def padded_rows_bound(rows: int, n_experts: int, pad: int = WGRAD_PAD_ROWS) -> int:
     """A host-known bound on the padded layout's rows: sum over e of ceil(counts[e] / pad) * pad <= rows +
     n_experts * (pad - 1) for any counts summing to <= rows (no host synchronisation)."""
@@ -1310,8 +1327,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     wdt = _wgrad_dtype(w13, wgrad_dtype)
     if padded:  # do = w * dy gathered into the padded layout (gap rows zero: w 0 there, the index -1)
         do_rows = scaled_rows(src_dy, src_idx, w_pair)
-        dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt)
-        dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt)
+        tiles = wgrad_flat_tiles(rows, local, wdt)
+        dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt, tiles=tiles)
+        dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt, tiles=tiles)
         dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
     else:
         do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
