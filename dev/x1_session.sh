@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -543,5 +543,22 @@ PYEOF
     echo "bench qwen3 rc=$?"; keep
     grep -v "^{" "$out/host-profile-qwen3.log" | head -40 | cut -c1-160
     grep -v "^{" "$out/bench-qwen3.log" | grep -iE "bwd|error|fail|peak" | head -14 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c" >&2; exit 2 ;;
+  s13d)  # session 13, fourth call (<= 560 s; tarball $OUT/s13d.tar.gz): issue 15's committed deepseek-v3 bench (4k,
+         # 8k; fwd, bwd, fwd+bwd) on the padded backward, and each point's peak memory (the sweep's growth in s12e).
+    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13d.tar.gz"; }
+    timeout 540 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
+    echo "bench dsv3 rc=$?"; keep
+    python - "$out/moe-bwd-ep1-deepseek-v3.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("impl") in ("kosmos", "nccl-a2a") and r.get("direction") in ("bwd", "fwd+bwd"):
+        print(r["impl"], r["direction"], r.get("tokens"), r.get("routing"), r.get("status"),
+              round(r.get("time_ms") or 0, 3), "peak GiB", round((r.get("peak_mem_bytes") or 0) / 2**30, 1),
+              (r.get("reason") or "")[:80])
+PY
+    grep -v "^{" "$out/bench-dsv3.log" | grep -iE "bwd|error|fail" | head -12 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d" >&2; exit 2 ;;
 esac
