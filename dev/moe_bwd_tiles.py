@@ -68,6 +68,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-235b")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--routing", default=None, help="the bench's routing (uniform | zipf:S) through the model's "
+                    "router (moe_reference.route on the bench's inputs); default: a random top-k per token")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None)
@@ -87,7 +89,12 @@ def main(argv=None):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     rn = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=dev) * scale).to(torch.bfloat16)  # noqa: E731
-    experts = torch.rand(t, e, generator=g, device=dev).topk(k, dim=1).indices
+    if args.routing:  # the bench's decision for this point (its router inputs and weights, then dropped)
+        from dev.moe_bwd_probe import build_point, point_model
+        experts = build_point(point_model(args.model), t, args.routing, device=dev, decision="route").experts
+        torch.cuda.empty_cache()
+    else:
+        experts = torch.rand(t, e, generator=g, device=dev).topk(k, dim=1).indices
     counts = torch.bincount(experts.reshape(-1), minlength=e)
     r = t * k
     offs = torch.cumsum(counts.to(torch.int32), 0, dtype=torch.int32)
@@ -146,7 +153,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
 
     gm = torch._grouped_mm
-    print(f"moe_bwd_tiles: {m.name} T={t} H={h} F={f} E={e} k={k} rows={r} (per expert {int(counts.min())}.."
+    print(f"moe_bwd_tiles: {m.name} {args.routing or 'random top-k'} T={t} H={h} F={f} E={e} k={k} rows={r} (per expert {int(counts.min())}.."
           f"{int(counts.max())})", flush=True)
     def dgrad2(v):
         mode, tiles = v

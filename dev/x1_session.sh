@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -560,5 +560,23 @@ for line in open(sys.argv[1]):
               (r.get("reason") or "")[:80])
 PY
     grep -v "^{" "$out/bench-dsv3.log" | grep -iE "bwd|error|fail" | head -12 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d" >&2; exit 2 ;;
+  s13e)  # session 13, fifth call (<= 560 s; tarball $OUT/s13e.tar.gz): deepseek-v3 4k zipf:1.2, where the padded
+         # backward lost (s13d: 21.97 -> 23.53 ms): the layouts' A/B there, the wgrad tiles on its row counts, and
+         # the stage probe (padded).
+    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13e.tar.gz"; }
+    timeout 120 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --routing zipf:1.2 --passes 2 \
+      --json "$out/layout-ab-dsv3-zipf.jsonl" > "$out/layout-ab-dsv3-zipf.log" 2>&1; echo "layout ab rc=$?"; keep
+    for k in wgrad2 wgrad1; do
+      timeout 130 python -m dev.moe_bwd_tiles --model deepseek-v3 --routing zipf:1.2 --only $k --max-seconds 110 \
+        --json "$out/tiles-dsv3-zipf-$k.jsonl" > "$out/tiles-dsv3-zipf-$k.log" 2>&1; echo "tiles $k rc=$?"; keep
+    done
+    left=$((545 - SECONDS)); [ $left -gt 160 ] && left=160
+    [ $left -gt 60 ] && timeout $left python -m dev.moe_bwd_probe --model deepseek-v3 --routing zipf:1.2 --no-profile \
+      --max-seconds $((left - 25)) --json "$out/bwd-probe-dsv3-zipf.jsonl" > "$out/bwd-probe-dsv3-zipf.log" 2>&1
+    echo "bwd probe rc=$?"; keep
+    grep -v "^{" "$out/layout-ab-dsv3-zipf.log" | tail -6
+    for k in wgrad2 wgrad1; do head -1 "$out/tiles-dsv3-zipf-$k.log"; grep -E "^  wgrad" "$out/tiles-dsv3-zipf-$k.log" | cut -c1-130; done
+    grep -E "^  stage" "$out/bwd-probe-dsv3-zipf.log" | cut -c1-90; sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3-zipf.log" | head -3 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e" >&2; exit 2 ;;
 esac
