@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -578,5 +578,28 @@ PY
     grep -v "^{" "$out/layout-ab-dsv3-zipf.log" | tail -6
     for k in wgrad2 wgrad1; do head -1 "$out/tiles-dsv3-zipf-$k.log"; grep -E "^  wgrad" "$out/tiles-dsv3-zipf-$k.log" | cut -c1-130; done
     grep -E "^  stage" "$out/bwd-probe-dsv3-zipf.log" | cut -c1-90; sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3-zipf.log" | head -3 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e" >&2; exit 2 ;;
+  s13f)  # session 13, sixth call (<= 560 s; tarball $OUT/s13f.tar.gz): the flat wgrad on 128x256 s3 at every row count
+         # (the few-rows tile lost 3 ms at deepseek-v3 4k zipf in s13e): issue 15's committed deepseek-v3 bench again,
+         # then the stage probe at deepseek-v3 8k zipf:1.2 (the point furthest from the bar in s13d).
+    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13f.tar.gz"; }
+    timeout 400 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
+    echo "bench dsv3 rc=$?"; keep
+    left=$((545 - SECONDS)); [ $left -gt 170 ] && left=170
+    [ $left -gt 60 ] && timeout $left python -m dev.moe_bwd_probe --model deepseek-v3 --tokens 8192 --routing zipf:1.2 \
+      --max-seconds $((left - 25)) --json "$out/bwd-probe-dsv3-8k-zipf.jsonl" > "$out/bwd-probe-dsv3-8k-zipf.log" 2>&1
+    echo "bwd probe rc=$?"; keep
+    python - "$out/moe-bwd-ep1-deepseek-v3.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("impl") in ("kosmos", "nccl-a2a") and r.get("direction") in ("bwd", "fwd+bwd"):
+        print(r["impl"], r["direction"], r.get("tokens"), r.get("routing"), r.get("status"),
+              round(r.get("time_ms") or 0, 3), "peak GiB", round((r.get("peak_mem_bytes") or 0) / 2**30, 1),
+              (r.get("reason") or "")[:80])
+PY
+    grep -E "^  stage" "$out/bwd-probe-dsv3-8k-zipf.log" | cut -c1-90
+    sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3-8k-zipf.log" | head -3 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f" >&2; exit 2 ;;
 esac

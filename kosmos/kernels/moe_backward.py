@@ -470,21 +470,16 @@ WGRAD_FLAT_SMEM_LIMIT = 232448  # an H200 SM's shared memory per block (227 KiB)
 WGRAD_FLAT_SMEM_PER_SM = 2 * 112 * 1024  # programs per SM by the shared estimate (an H200 SM: 228 KiB, 1 KiB each)
 
 
-# at <= 160 rows per expert on average (deepseek-v3 4k: ~128) 4 warps, 2 stages, 2 programs per SM: session 13 call b
-# wgrad1 5.98 ms vs 6.15 at 128x256 s3, wgrad2 2.964 vs 2.973; at ~256 rows (qwen3 4k) 128x256 s3 wins (0.916 /
-# 1.824 vs 0.994 / 2.080)
-WGRAD_FLAT_FEW_ROWS_TILES = (128, 128, 64, 4, 2)
+# No few-rows tile: at deepseek-v3 4k uniform (~128 rows per expert) 128x128x64 4 warps 2 stages won by a hair
+# (s13 call b: wgrad1 5.98 vs 6.15 ms, wgrad2 2.964 vs 2.973) and lost by 3 ms at zipf:1.2 (the same mean, 0..4026
+# rows per expert; call e: wgrad1 9.08 vs 6.79, wgrad2 4.65 vs 3.94): a rule from the mean rows (all the host knows
+# without a sync) cannot tell the two apart. 128x256 s3 at 4k zipf: wgrad1 1.006x, wgrad2 0.909x of torch.
 
 
 def wgrad_flat_tiles(rows: int, n_experts: int, out_dtype: torch.dtype):
-    """The flat wgrad's tiles for ``rows`` real expert rows over ``n_experts`` (host-known): fp32 output
-    WGRAD_FLAT_TILES_FP32; experts averaging <= WGRAD2_FEW_ROWS_PER_EXPERT rows WGRAD_FLAT_FEW_ROWS_TILES; else
-    WGRAD_FLAT_TILES."""
-    if out_dtype == torch.float32:
-        return WGRAD_FLAT_TILES_FP32
-    if rows <= WGRAD2_FEW_ROWS_PER_EXPERT * max(1, n_experts):
-        return WGRAD_FLAT_FEW_ROWS_TILES
-    return WGRAD_FLAT_TILES
+    """The flat wgrad's tiles (``rows`` real expert rows over ``n_experts``: kept for a rule that needs them):
+    WGRAD_FLAT_TILES_FP32 for an fp32 output, else WGRAD_FLAT_TILES."""
+    return WGRAD_FLAT_TILES_FP32 if out_dtype == torch.float32 else WGRAD_FLAT_TILES
 
 
 def padded_rows_bound(rows: int, n_experts: int, pad: int = WGRAD_PAD_ROWS) -> int:
