@@ -43,7 +43,10 @@ WGRAD = [("persistent", (128, 128, 64, 8, 3)), ("persistent", (128, 128, 64, 4, 
          # the flat loop on the padded row layout (expert_weight_grads_padded; session 12, not timed yet): the
          # operands padded once outside the timed call (pad_expert_rows; its cost is the "<kernel>-pad" row)
          ("flat", (128, 128, 64, 8, 2)), ("flat", (128, 128, 64, 8, 3)),
-         ("flat", (128, 128, 64, 4, 2)), ("flat", (128, 256, 64, 8, 3))]
+         ("flat", (128, 128, 64, 4, 2)), ("flat", (128, 256, 64, 8, 3)),
+         # session 13: deepseek-v3 8k zipf:1.2's wgrad2 at 0.82x torch on 128x256 s3 (call f): the transposed tile,
+         # fewer stages, a shorter row step with more
+         ("flat", (256, 128, 64, 8, 3)), ("flat", (128, 256, 64, 8, 2)), ("flat", (128, 256, 32, 8, 4))]
 # Session 12 call c: at deepseek-v3 4k (~128 rows per expert) wgrad2 128x128x64 with 4 warps, 2 stages, 2 per SM
 # 3.76 ms vs 4.09 (8 warps, 3 stages); 128x64 / 64x128 at 3-4 per SM 4.41-4.72; at qwen3 4k (~256 rows) the
 # 4-warp tile ties on wgrad2 (1.237) and loses on wgrad1 (2.44 vs 2.10); 128x128x32 s4 wins wgrad2 (1.203),

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -601,5 +601,15 @@ for line in open(sys.argv[1]):
 PY
     grep -E "^  stage" "$out/bwd-probe-dsv3-8k-zipf.log" | cut -c1-90
     sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3-8k-zipf.log" | head -3 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f" >&2; exit 2 ;;
+  s13g)  # session 13, seventh call (<= 400 s; tarball $OUT/s13g.tar.gz): the flat wgrad's tiles at deepseek-v3 8k
+         # zipf:1.2 (wgrad2 0.82x torch there in s13f), wgrad2 and wgrad1 separately (memory).
+    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13g.tar.gz"; }
+    for k in wgrad2 wgrad1; do
+      timeout 170 python -m dev.moe_bwd_tiles --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --only $k \
+        --max-seconds 150 --json "$out/tiles-dsv3-8k-zipf-$k.jsonl" > "$out/tiles-dsv3-8k-zipf-$k.log" 2>&1
+      echo "tiles $k rc=$?"; keep
+    done
+    for k in wgrad2 wgrad1; do head -1 "$out/tiles-dsv3-8k-zipf-$k.log"; grep -E "^  wgrad" "$out/tiles-dsv3-8k-zipf-$k.log" | cut -c1-130; done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g" >&2; exit 2 ;;
 esac
