@@ -147,7 +147,8 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
              for name, t, dt in (("bf16", None, torch.bfloat16), ("fp32", None, torch.float32),
                                  ("s3", (128, 128, 64, 8, 3), torch.bfloat16),
                                  ("4w s2", (128, 128, 64, 4, 2), torch.bfloat16),
-                                 ("128x128 s2", (128, 128, 64, 8, 2), torch.bfloat16))],
+                                 ("128x128 s2", (128, 128, 64, 8, 2), torch.bfloat16),
+                                 ("256x128 s3", mb.WGRAD_FLAT_TILES_TALL, torch.bfloat16))],
            ("moe_bwd dgrad2_swiglu", _compile_among(mb, "_dgrad2_swiglu_kernel",
                                               lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts,
                                                                               fused=True))),
@@ -163,6 +164,8 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                                              lambda: mb.scaled_rows(dy_rows[:rows // 8], tok, w_pair))),
             ("moe_bwd gather_rows", _compile_among(mb, "_gather_rows_kernel",
                                              lambda: mb.gather_rows(dy_rows[:rows // 8], tok))),
+            ("moe_bwd gather+scaled", _compile_among(mb, "_gather_rows_kernel",
+                                               lambda: mb.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair))),
             ("moe_bwd swiglu_h", _compile_among(mb, "_swiglu_h_kernel", lambda: mb.swiglu_h(gu, f))),
             ("moe_bwd unpermute_sum", _compile_among(mb, "_unpermute_sum_kernel",
                                                lambda: mb.unpermute_sum(x_rows, torch.arange(rows, device=dev), 8)))]

@@ -251,7 +251,8 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     f = w2.shape[1]
     wdt = mb._wgrad_dtype(w13, None)  # moe_backward's default: the parameters' dtype
     padded = rows_padded(pt)  # moe_backward's row layout (its rule)
-    flat_tiles = mb.wgrad_flat_tiles(pt.experts.numel(), n_exp, wdt)
+    hid = x.shape[1]
+    flat_tiles = [mb.wgrad_flat_tiles(pt.experts.numel(), n_exp, wdt, ka, kb) for ka, kb in ((f, hid), (hid, 2 * f))]
     dy_b = dy.to(torch.bfloat16)
 
     def sort(s):
@@ -269,9 +270,10 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     def permute(s):
         tok, order = s["tok"], s["order"]
         w_pair = s["weights"].reshape(-1).float()[order].contiguous()
-        if padded:
-            return {"x_rows": mb.gather_rows(x, s["src_idx"]), "dy_rows": mb.gather_rows(dy_b, s["src_idx"]),
-                    "w_pair": torch.where(s["valid"], w_pair[s["real"]], 0.0)}
+        if padded:  # do = w * dy from the same read of dy's rows (the do_rows stage then has nothing to do)
+            w_pair = torch.where(s["valid"], w_pair[s["real"]], 0.0)
+            dy_rows, do = mb.gather_rows_and_scaled(dy_b, s["src_idx"], w_pair)
+            return {"x_rows": mb.gather_rows(x, s["src_idx"]), "dy_rows": dy_rows, "do_rows": do, "w_pair": w_pair}
         return {"x_rows": x[tok].contiguous(), "dy_rows": dy_b[tok].contiguous(), "w_pair": w_pair}
 
     def gemm1(s):  # timed either way: what keeping g | u saves (or costs, when the decision is route's)
@@ -300,21 +302,21 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         return {} if emits_h else {"h": mb.swiglu_h(s["gu"], f)}
 
     def do_rows(s):
-        if padded:
-            return {"do_rows": mb.scaled_rows(dy_b, s["src_idx"], s["w_pair"])}
+        if padded:  # gathered with dy_rows in permute
+            return {}
         return {"do_rows": mb.do_rows_of(dy, s["tok"], s["dy_rows"], s["w_pair"], 1)}
 
     def wgrad2(s):
         if padded:
             return {"dw2": mb.expert_weight_grads_padded(s["h"], s["do_rows"], s["counts"], s["pad_offs"],
-                                                         out_dtype=wdt, tiles=flat_tiles)}
+                                                         out_dtype=wdt, tiles=flat_tiles[0])}
         return {"dw2": mb.expert_weight_grads(s["h"], s["do_rows"], s["counts"], out_dtype=wdt,
                                               tiles=mb.wgrad2_tiles(s["h"], s["counts"]))}
 
     def wgrad1(s):
         if padded:
             return {"dw13": mb.expert_weight_grads_padded(s["x_rows"], s["dgu"], s["counts"], s["pad_offs"],
-                                                          out_dtype=wdt, tiles=flat_tiles)}
+                                                          out_dtype=wdt, tiles=flat_tiles[1])}
         return {"dw13": mb.expert_weight_grads(s["x_rows"], s["dgu"], s["counts"], out_dtype=wdt)}
 
     def dgrad1(s):
@@ -367,7 +369,8 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         Stage("h_recompute", "none (h from dgrad2's epilogue)" if emits_h else "kosmos triton",
               "h = silu(g) * u from [g|u] -> bf16: " + ("emitted by dgrad2_swiglu, nothing here" if emits_h
                                                          else "one pass"), ("gu",), h_recompute),
-        Stage("do_rows", "kosmos triton", "do = w_pair * dy[tok] -> bf16 (one pass)",
+        Stage("do_rows", "none (gathered with dy_rows in permute)" if padded else "kosmos triton",
+              "do = w_pair * dy[tok] -> bf16 (one pass)" + (": nothing here" if padded else ""),
               ("w_pair", "dy_rows", "tok", "src_idx"), do_rows),
         Stage("wgrad2", "kosmos triton", "dW2[e] = h^T do, bf16 out (TMA, fp32 accumulation)",
               ("h", "do_rows", "counts", "pad_offs"), wgrad2,
@@ -543,7 +546,8 @@ def run(args) -> list[dict]:
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
                wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
                dgrad2_fused=mb.DGRAD2_FUSED, rows_padded=rows_padded(pt),
-               wgrad_flat_tiles=list(mb.wgrad_flat_tiles(n_rows, m.experts, mb._wgrad_dtype(pt.inp.w13, None))),
+               wgrad_flat_tiles=[list(mb.wgrad_flat_tiles(n_rows, m.experts, mb._wgrad_dtype(pt.inp.w13, None), ka, kb))
+                                 for ka, kb in ((m.expert_ffn, m.hidden), (m.hidden, 2 * m.expert_ffn))],
                wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
                build_s=round(build_s, 1))
     probe.emit(env)

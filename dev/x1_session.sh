@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -611,5 +611,39 @@ PY
       echo "tiles $k rc=$?"; keep
     done
     for k in wgrad2 wgrad1; do head -1 "$out/tiles-dsv3-8k-zipf-$k.log"; grep -E "^  wgrad" "$out/tiles-dsv3-8k-zipf-$k.log" | cut -c1-130; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g" >&2; exit 2 ;;
+  s13h)  # session 13, last call (<= 590 s; tarball $OUT/s13h.tar.gz): dy_rows and do from one gather, the flat wgrad's
+         # 256x128 tile where dW's first dimension is the shorter (wgrad2): the GPU tests, Triton 3.6 registers, the
+         # wgrad2 tiles at qwen3 4k and deepseek-v3 4k (does 256x128 win there too?), then issue 15's committed
+         # benches (qwen3-235b, deepseek-v3; 4k, 8k; fwd, bwd, fwd+bwd).
+    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13h.tar.gz"; }
+    ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
+    regs_pid=$!
+    timeout 100 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "padded or never_syncs or forwards_gate_up" > "$out/gpu-tests-bwd.log" 2>&1
+    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-bwd.log"; keep
+    for m in qwen3-235b deepseek-v3; do
+      timeout 80 python -m dev.moe_bwd_tiles --model $m --only wgrad2 --max-seconds 65 \
+        --json "$out/tiles-$m-wgrad2.jsonl" > "$out/tiles-$m-wgrad2.log" 2>&1; echo "tiles $m rc=$?"; keep
+    done
+    timeout 170 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1.jsonl" > "$out/bench-qwen3.log" 2>&1
+    echo "bench qwen3 rc=$?"; keep
+    left=$((580 - SECONDS))
+    timeout $left python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
+    echo "bench dsv3 rc=$?"; wait $regs_pid; keep
+    grep -E "wgrad-flat|gather|scaled" "$out/regs-bwd.txt"
+    for m in qwen3-235b deepseek-v3; do grep -E "flat|default" "$out/tiles-$m-wgrad2.log" | cut -c1-120; done
+    for f in moe-bwd-ep1 moe-bwd-ep1-deepseek-v3; do python - "$out/$f.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("impl") in ("kosmos", "nccl-a2a") and r.get("direction") == "bwd":
+        print(r["impl"], r.get("model"), r.get("tokens"), r.get("routing"), r.get("status"),
+              round(r.get("time_ms") or 0, 3), "peak GiB", round((r.get("peak_mem_bytes") or 0) / 2**30, 1))
+PY
+    done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h" >&2; exit 2 ;;
 esac

@@ -369,6 +369,8 @@ def test_gather_rows_and_padded_layout():
     assert torch.equal(mb.gather_rows(src, idx), want)
     w = torch.rand(6, generator=g)
     assert torch.equal(mb.scaled_rows(src, idx, w), (w[:, None] * want.float()).to(torch.bfloat16))
+    both = mb.gather_rows_and_scaled(src, idx, w)
+    assert torch.equal(both[0], want) and torch.equal(both[1], mb.scaled_rows(src, idx, w))
     counts = torch.tensor([3, 0, 70, 1, 0])
     pad_offs, row_of, real_of = mb.padded_layout(counts, int(counts.sum()))
     assert pad_offs.tolist() == [0, 64, 64, 192, 256]

@@ -476,10 +476,20 @@ WGRAD_FLAT_SMEM_PER_SM = 2 * 112 * 1024  # programs per SM by the shared estimat
 # without a sync) cannot tell the two apart. 128x256 s3 at 4k zipf: wgrad1 1.006x, wgrad2 0.909x of torch.
 
 
-def wgrad_flat_tiles(rows: int, n_experts: int, out_dtype: torch.dtype):
-    """The flat wgrad's tiles (``rows`` real expert rows over ``n_experts``: kept for a rule that needs them):
-    WGRAD_FLAT_TILES_FP32 for an fp32 output, else WGRAD_FLAT_TILES."""
-    return WGRAD_FLAT_TILES_FP32 if out_dtype == torch.float32 else WGRAD_FLAT_TILES
+# The 256-wide side of the tile on the shorter of dW's two dimensions: session 13 call g, deepseek-v3 8k zipf:1.2,
+# wgrad2 (KA = F = 2048 < KB = H = 7168) 256x128 s3 5.55 ms vs 128x256 6.00 (torch 5.00); wgrad1 (KA = H = 7168 >
+# KB = 2F = 4096) 128x256 10.10 vs 256x128 10.51 (torch 9.87)
+WGRAD_FLAT_TILES_TALL = (256, 128, 64, 8, 3)
+
+
+def wgrad_flat_tiles(rows: int, n_experts: int, out_dtype: torch.dtype, ka: int | None = None,
+                     kb: int | None = None):
+    """The flat wgrad's tiles for dW [E, ka, kb] (``rows`` real expert rows over ``n_experts``: kept for a rule
+    that needs them): WGRAD_FLAT_TILES_FP32 for an fp32 output; else the 256-wide side on the shorter dimension,
+    WGRAD_FLAT_TILES_TALL where ka < kb, WGRAD_FLAT_TILES otherwise."""
+    if out_dtype == torch.float32:
+        return WGRAD_FLAT_TILES_FP32
+    return WGRAD_FLAT_TILES_TALL if ka is not None and kb is not None and ka < kb else WGRAD_FLAT_TILES
 
 
 def padded_rows_bound(rows: int, n_experts: int, pad: int = WGRAD_PAD_ROWS) -> int:
@@ -1001,36 +1011,48 @@ def sum_partials(p: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, H, BH: tl.constexpr, SCALE: tl.constexpr,
-                        RNE_BITS: tl.constexpr):
-    """out[i] = src[idx[i]] (SCALE: bf16(w[i] * fp32(src[idx[i]])), one fp32 product rounded to nearest even);
-    a row with idx[i] < 0 is zeros (the padded row layout's gap rows)."""
+def _gather_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, scaled_ptr, H, BH: tl.constexpr, PLAIN: tl.constexpr,
+                        SCALED: tl.constexpr, RNE_BITS: tl.constexpr):
+    """From one read of src[idx[i]]: out[i] = src[idx[i]] (PLAIN) and scaled[i] = bf16(w[i] * fp32(src[idx[i]]))
+    (SCALED: one fp32 product rounded to nearest even); a row with idx[i] < 0 is zeros (the padded row layout's
+    gap rows)."""
     i = tl.program_id(0)
     c = tl.program_id(1) * BH + tl.arange(0, BH)
     row = tl.load(idx_ptr + i).to(tl.int64)
     m = c < H
     v = tl.load(src_ptr + tl.maximum(row, 0) * H + c, mask=c < tl.where(row >= 0, H, 0), other=0.0)
-    if SCALE:
-        v = _to_out(v.to(tl.float32) * tl.load(w_ptr + i), tl.bfloat16, RNE_BITS)
-    tl.store(out_ptr + i.to(tl.int64) * H + c, v, mask=m)
+    if PLAIN:
+        tl.store(out_ptr + i.to(tl.int64) * H + c, v, mask=m)
+    if SCALED:
+        tl.store(scaled_ptr + i.to(tl.int64) * H + c,
+                 _to_out(v.to(tl.float32) * tl.load(w_ptr + i), tl.bfloat16, RNE_BITS), mask=m)
 
 
-def _launch_gather_rows(src: torch.Tensor, idx: torch.Tensor, w, out_dtype: torch.dtype) -> torch.Tensor:
+def _launch_gather_rows(src: torch.Tensor, idx: torch.Tensor, w, plain: bool):
+    """(src[idx] or None, bf16(w * src[idx]) or None) by _gather_rows_kernel (``w`` None: no scaled rows)."""
     r, h = idx.shape[0], src.shape[1]
-    out = torch.empty((r, h), dtype=out_dtype, device=src.device)
+    out = torch.empty((r, h), dtype=src.dtype, device=src.device) if plain else None
+    scaled = torch.empty((r, h), dtype=torch.bfloat16, device=src.device) if w is not None else None
     if r and h:
         bh = min(1024, triton.next_power_of_2(h))
         _gather_rows_kernel[(r, triton.cdiv(h, bh))](src.contiguous(), idx.contiguous(),
-                                                     src if w is None else w.float().contiguous(), out, h, BH=bh,
-                                                     SCALE=w is not None, RNE_BITS=planning.interpreting(),
-                                                     num_warps=4)
-    return out
+                                                     src if w is None else w.float().contiguous(),
+                                                     src if out is None else out, src if scaled is None else scaled,
+                                                     h, BH=bh, PLAIN=plain, SCALED=w is not None,
+                                                     RNE_BITS=planning.interpreting(), num_warps=4)
+    return out, scaled
 
 
 def scaled_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """(w[:, None] * src[idx].float()).to(bf16) -- bitwise -- in one pass: src [T, H] bf16, idx [R] int, w [R]
     fp32 -> [R, H] bf16 (no gathered copy, no fp32 temporary); rows with idx < 0 are zeros."""
-    return _launch_gather_rows(src, idx, w, torch.bfloat16)
+    return _launch_gather_rows(src, idx, w, plain=False)[1]
+
+
+def gather_rows_and_scaled(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+    """(gather_rows(src, idx), scaled_rows(src, idx, w)) from one read of the rows (bitwise the two calls'):
+    moe_backward's dy_rows for GEMM2's data gradient and do = w * dy_rows for its weight gradient."""
+    return _launch_gather_rows(src, idx, w, plain=True)
 
 
 def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -1039,7 +1061,7 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     if not _triton_runs(src):
         out = src[idx.clamp(min=0).long()]
         return out.masked_fill_((idx < 0)[:, None], 0)
-    return _launch_gather_rows(src, idx, None, src.dtype)
+    return _launch_gather_rows(src, idx, None, plain=True)[0]
 
 
 @triton.jit
@@ -1294,8 +1316,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         valid, real = real_of >= 0, real_of.clamp(min=0)
         into_padded = lambda idx: torch.where(valid, idx[real], -1)  # noqa: E731 -- a gather index, padded
         src_idx = into_padded(src_idx)
-        x_rows, dy_rows = gather_rows(src_x, src_idx), gather_rows(src_dy, src_idx)
         w_pair = torch.where(valid, w_pair[real], 0.0)
+        x_rows = gather_rows(src_x, src_idx)
+        dy_rows, do_rows = gather_rows_and_scaled(src_dy, src_idx, w_pair)  # do = w * dy: one read of dy's rows
     else:
         pad_offs = row_of = None
         if world == 1:
@@ -1320,11 +1343,11 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
         h = swiglu_h(gu, f)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
-    if padded:  # do = w * dy gathered into the padded layout (gap rows zero: w 0 there, the index -1)
-        do_rows = scaled_rows(src_dy, src_idx, w_pair)
-        tiles = wgrad_flat_tiles(rows, local, wdt)
-        dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt, tiles=tiles)
-        dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt, tiles=tiles)
+    if padded:  # do (gathered with dy_rows above; gap rows zero) and both weight gradients on the flat loop
+        dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt,
+                                         tiles=wgrad_flat_tiles(rows, local, wdt, f, hidden))
+        dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt,
+                                          tiles=wgrad_flat_tiles(rows, local, wdt, hidden, 2 * f))
         dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
     else:
         do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
