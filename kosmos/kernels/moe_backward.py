@@ -153,7 +153,7 @@ MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1
   (their comments hold the tables); the wgrad variants (4 stages, 128x256, 256x128, BR = 128, the per-tile
   kernel) all lost to 128x128x64 at 3 stages.
 * final (136b0f2, ``kosmos bench moe --ep 1 --model qwen3-235b --tokens 4096 --direction fwd,bwd,fwd+bwd``,
-  results/h200x1/moe-bwd-ep1.*): backward 8.37 / 8.86 ms against nccl-a2a's autograd 9.72 / 10.42 (uniform /
+  results/h200x1/history/s11-moe-bwd-ep1-136b0f2.*): backward 8.37 / 8.86 ms against nccl-a2a's autograd 9.72 / 10.42 (uniform /
   zipf:1.2): 1.161x / 1.176x (bar 1.3x: missed); fwd+bwd 1.31x / 1.34x. Stages (probe): dgrad2 1.244 ms (0.66x
   torch._grouped_mm's GEMM alone), wgrad2 1.238 (0.79x), wgrad1 2.149 (0.87x), dgrad1 1.589 (1.03x); the glue
   (sort, permute, gather of g | u, do, unpermute, router, dx sum: ~1.8 ms) and ~0.3 ms of gaps between the
@@ -176,18 +176,14 @@ Third speed pass (session 12, one H200, Triton 3.6; results/h200x1/s12, calls a-
   6.62-7.73 ms at deepseek) and dgrad2. tl.range(flatten=True) cannot fuse the persistent wgrad's tile and row
   loops (inside the expert loop; Triton fuses a top-level nest only): cross-tile pipelining needs a row layout
   padded per expert to BR (zero rows), so that one host descriptor can serve all experts -- not built.
-* bench (results/h200x1/moe-bwd-ep1*.md, d78133d): backward vs nccl-a2a's autograd qwen3 4k 1.365 / 1.371x, 8k
+* bench (results/h200x1/history/s12-moe-bwd-ep1*.md, d78133d): backward vs nccl-a2a's autograd qwen3 4k 1.365 / 1.371x, 8k
   1.488 / 1.435x (uniform / zipf:1.2); deepseek-v3 4k 1.273 / 1.229x, 8k 1.227 / 1.210x (the bar, 1.3x, met at
   qwen3, not at deepseek-v3). Expert GEMMs vs torch (probe, qwen3 4k): wgrad2 0.78, wgrad1 0.88, dgrad2 0.87,
   dgrad1 1.02; deepseek-v3 (probe, call c): wgrad2 0.80 (0.875 on the few-rows tiles in call d's tiles probe),
   wgrad1 0.88, dgrad2 1.31, dgrad1 1.26.
-NEXT (unmeasured): deepseek-v3's weight gradients (11.2 of 21.5 ms; 22.5 GB of bf16 output at ~2 TB/s, MMA and
-stores serialised at ~128 rows per expert): the padded row layout + a flattened persistent wgrad loop; ~1 ms
-between the stages at deepseek-v3 (allocations of the 15 GB dW13?); the one-launch backward.
-Flat wgrad loop on a padded row layout (session 12, after its last GPU call; built and tested under the
-interpreter, NOT timed, not wired into moe_backward -- its defaults and layout unchanged):
+Flat wgrad loop on a padded row layout (built in session 12; measured and made the default in session 13):
 ``expert_weight_grads_padded`` / ``_expert_wgrad_flat_kernel``. The layout (``padded_row_offsets``,
-``padded_rows_bound``, ``pad_expert_rows``):
+``padded_rows_bound``, ``padded_layout``; ``pad_expert_rows`` is the stand-alone copy the probe times):
 expert e's rows from pad_offs[e] = the exclusive cumsum of ceil(counts / 64) * 64 (device-side, no sync), R_pad
 <= R + E * 63 rows (host-known), the gap rows zero in at least one operand (the other finite). One TMA descriptor
 per operand over the whole padded array (made once per program) then serves every expert, so the persistent
@@ -208,6 +204,31 @@ per tile) ~5% at best. The padding copy is not in that figure: pad_expert_rows (
 for wgrad1's operands) ~1.2 + ~1.0 ms, a fused copy ~0.5 + 0.45 ms, 0 if the producers (the dispatch's row
 gather, dgrad2's epilogue, scaled_rows) write the padded layout directly -- the next step if the kernel wins
 (dev/moe_bwd_tiles --model deepseek-v3 --only wgrad2,wgrad1: its "flat" rows and the "-pad" rows).
+MEASURED (session 13, one H200, Triton 3.6; results/h200x1/s13, calls a-h):
+* the flat loop against the persistent kernel (tiles probe, every variant bitwise): deepseek-v3 4k wgrad2 3.74 ->
+  2.97 ms, wgrad1 7.31 -> 6.15 (both 11.05 -> 9.12, predicted ~8.5); qwen3 4k wgrad2 1.23 -> 0.92 (1.06x torch),
+  wgrad1 2.16 -> 1.82 (1.02x); deepseek-v3 8k zipf:1.2 wgrad2 6.37 -> 5.55 (256x128), wgrad1 12.64 -> 10.10.
+  pad_expert_rows as a separate copy costs 1.7 + 2.1 ms at deepseek-v3 4k: more than the loop saves.
+* so moe_backward writes the layout where its rows are made (``PADDED_ROWS``, the default; ``padded=False``
+  the packed twin): ``padded_layout`` gives the sorted rows' padded places (index tensors, no host sync);
+  ``gather_rows`` / ``gather_rows_and_scaled`` gather x_rows, dy_rows and do = w * dy (one read of dy's rows)
+  straight into it with zero gap rows (index -1), the saved g | u likewise; dgrad2's GEMM and dgrad1 take the
+  padded offsets (z zero-filled so that the SwiGLU pass makes zero gap rows of [dg | du] and h); the dispatch
+  backward and the gate gradients read the rows back through ``row_of``. Every row's arithmetic is the packed
+  path's, so the gradients are bitwise the packed path's (interpreter tests at W = 1 and 2, GPU test, and the
+  layout A/B at both models). Whole backward, interleaved in one process (dev/moe_bwd_layout_ab): qwen3 4k 6.97
+  -> 6.53 ms, deepseek-v3 4k 20.95 -> 20.04.
+* tiles: 128x256x64 s3 (WGRAD_FLAT_TILES, one program per SM, 181 registers, 176 KiB), with the 256-wide side on
+  dW's shorter dimension (wgrad2: WGRAD_FLAT_TILES_TALL, 170 registers); fp32 output 128x128 s2. Lost: a tile
+  picked from the mean rows per expert (128x128 4 warps at <= 160: -0.17 ms at deepseek-v3 4k uniform, +3 ms
+  at zipf:1.2 with the same mean); 128x256 with 2 stages; 128x256x32 with 4 stages (0.1-0.3 ms behind).
+* bench (results/h200x1/moe-bwd-ep1*.md, 188a3a4): backward vs nccl-a2a's autograd, uniform / zipf:1.2, qwen3
+  4k 1.458 / 1.441x, 8k 1.548 / 1.529x; deepseek-v3 4k 1.339 / 1.297x, 8k 1.315 / 1.296x (bar 1.3x: two
+  deepseek zipf points 0.3% short); 48-53 GiB per deepseek-v3 point.
+* deepseek-v3 8k zipf:1.2 by stages (probe, call f): dgrad2 4.19, wgrad2 6.11, wgrad1 10.03, dgrad1 8.68, the
+  row gathers ~1.8, the rest ~1.3 ms; 161 launches (nccl-a2a 44); the stages sum to 32.2 against 33.4 for the
+  whole call. Host time ~3.5-5 ms per call (cProfile: many small torch ops, ~0.9 ms of Triton launches).
+NEXT: the one-launch backward (the plan above); the row-bookkeeping torch ops into one kernel (launch count).
 """
 from __future__ import annotations
 
