@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 case $stage in
@@ -652,5 +652,20 @@ PY
     timeout 230 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096,8192 --dtype bf16,mxfp8 \
       --out "$out/moe-mxfp8-ep1-qwen3.jsonl" > "$out/bench-mx.log" 2>&1; echo "bench mx rc=$?"; keep
     grep -v "^{" "$out/bench-mx.log" | grep -iE "mxfp8|ratio|kosmos" | head -16 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i" >&2; exit 2 ;;
+  s13j)  # session 13, last minutes (<= 200 s; tarball $OUT/s13j.tar.gz): the flat wgrad with a TMA-store epilogue
+         # (one [E, KA, KB] descriptor): its GPU test, then wgrad2 / wgrad1 at deepseek-v3 8k zipf:1.2 (the point
+         # furthest behind torch), the first five variants of each.
+    real_out=$out; export OUT=/tmp/s13j; out=$OUT; mkdir -p "$out"
+    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13j.tar.gz"; }
+    timeout 60 python -m pytest -v -p no:cacheprovider --timeout 50 -m gpu tests/test_moe_backward.py \
+      -k "padded_gpu" > "$out/gpu-tests-padded.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-padded.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-padded.log"; keep
+    for k in wgrad2 wgrad1; do
+      timeout 65 python -m dev.moe_bwd_tiles --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --only $k \
+        --max-seconds 50 --json "$out/tiles-dsv3-8k-zipf-$k.jsonl" > "$out/tiles-dsv3-8k-zipf-$k.log" 2>&1
+      echo "tiles $k rc=$?"; keep
+    done
+    for k in wgrad2 wgrad1; do grep -E "^  wgrad" "$out/tiles-dsv3-8k-zipf-$k.log" | head -6 | cut -c1-120; done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j" >&2; exit 2 ;;
 esac

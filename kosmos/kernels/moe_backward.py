@@ -153,8 +153,8 @@ MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1
   (their comments hold the tables); the wgrad variants (4 stages, 128x256, 256x128, BR = 128, the per-tile
   kernel) all lost to 128x128x64 at 3 stages.
 * final (136b0f2, ``kosmos bench moe --ep 1 --model qwen3-235b --tokens 4096 --direction fwd,bwd,fwd+bwd``,
-  results/h200x1/history/s11-moe-bwd-ep1-136b0f2.*): backward 8.37 / 8.86 ms against nccl-a2a's autograd 9.72 / 10.42 (uniform /
-  zipf:1.2): 1.161x / 1.176x (bar 1.3x: missed); fwd+bwd 1.31x / 1.34x. Stages (probe): dgrad2 1.244 ms (0.66x
+  results/h200x1/history/s11-moe-bwd-ep1-136b0f2.*): backward 8.37 / 8.86 ms against nccl-a2a's autograd 9.72 /
+  10.42 (uniform / zipf:1.2): 1.161x / 1.176x (bar 1.3x: missed); fwd+bwd 1.31x / 1.34x. Stages (probe): dgrad2 1.244 ms (0.66x
   torch._grouped_mm's GEMM alone), wgrad2 1.238 (0.79x), wgrad1 2.149 (0.87x), dgrad1 1.589 (1.03x); the glue
   (sort, permute, gather of g | u, do, unpermute, router, dx sum: ~1.8 ms) and ~0.3 ms of gaps between the
   ~110 launches.
@@ -176,7 +176,8 @@ Third speed pass (session 12, one H200, Triton 3.6; results/h200x1/s12, calls a-
   6.62-7.73 ms at deepseek) and dgrad2. tl.range(flatten=True) cannot fuse the persistent wgrad's tile and row
   loops (inside the expert loop; Triton fuses a top-level nest only): cross-tile pipelining needs a row layout
   padded per expert to BR (zero rows), so that one host descriptor can serve all experts -- not built.
-* bench (results/h200x1/history/s12-moe-bwd-ep1*.md, d78133d): backward vs nccl-a2a's autograd qwen3 4k 1.365 / 1.371x, 8k
+* bench (results/h200x1/history/s12-moe-bwd-ep1*.md, d78133d): backward vs nccl-a2a's autograd qwen3 4k 1.365 /
+  1.371x, 8k
   1.488 / 1.435x (uniform / zipf:1.2); deepseek-v3 4k 1.273 / 1.229x, 8k 1.227 / 1.210x (the bar, 1.3x, met at
   qwen3, not at deepseek-v3). Expert GEMMs vs torch (probe, qwen3 4k): wgrad2 0.78, wgrad1 0.88, dgrad2 0.87,
   dgrad1 1.02; deepseek-v3 (probe, call c): wgrad2 0.80 (0.875 on the few-rows tiles in call d's tiles probe),
@@ -568,7 +569,7 @@ def padded_layout(counts: torch.Tensor, rows: int, pad: int = WGRAD_PAD_ROWS):
 @triton.jit
 def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
                               BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
-                              ELP2: tl.constexpr, DOT_FP32: tl.constexpr):
+                              ELP2: tl.constexpr, DOT_FP32: tl.constexpr, TMA_STORE: tl.constexpr = False):
     """_expert_wgrad_persistent_kernel's tiles (global tile g = e * n_tiles + t, program g % GRID's) as ONE
     software-pipelined loop over this program's row steps, all its tiles' in a row, so the TMA loads of the next
     tile are in flight during this tile's epilogue (the persistent kernel's pipeline drains at every tile).
@@ -600,6 +601,9 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
     total = tl.sum(mine * tl.maximum(tl.cdiv(cnt, BR), 1), 0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R_PAD, KA], strides=[KA, 1], block_shape=[BR, BI])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[R_PAD, KB], strides=[KB, 1], block_shape=[BR, BJ])
+    if TMA_STORE:  # one descriptor of the whole dW [E, KA, KB]: each tile clipped at its own expert's edges
+        o_desc = tl.make_tensor_descriptor(out_ptr, shape=[E, KA, KB], strides=[KA * KB, KB, 1],
+                                           block_shape=[1, BI, BJ])
     g = pid - GRID
     ki = -1
     steps = 0
@@ -621,17 +625,21 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
             row0 = tl.where(rows > 0, tl.load(pad_offs_ptr + e), R_PAD)
         acc = _wgrad_step(a_desc, b_desc, row0 + ki * BR, ti, tj, acc, BI, BJ, DOT_FP32)
         if ki == steps - 1:  # the tile's last step: store it, start the next from zero
-            ci = ti * BI + tl.arange(0, BI)
-            cj = tj * BJ + tl.arange(0, BJ)
-            out = out_ptr + e.to(tl.int64) * KA * KB
-            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
-                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+            if TMA_STORE:  # asynchronous: the loop goes on while the store drains
+                o_desc.store([e, ti * BI, tj * BJ],
+                             tl.reshape(_to_out(acc, out_ptr.dtype.element_ty, DOT_FP32), [1, BI, BJ]))
+            else:
+                ci = ti * BI + tl.arange(0, BI)
+                cj = tj * BJ + tl.arange(0, BJ)
+                out = out_ptr + e.to(tl.int64) * KA * KB
+                tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                         mask=(ci < KA)[:, None] & (cj < KB)[None, :])
             acc = tl.zeros((BI, BJ), dtype=tl.float32)
 
 
 def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts: torch.Tensor,
                                pad_offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
-                               pad: int = WGRAD_PAD_ROWS, tiles=None) -> torch.Tensor:
+                               pad: int = WGRAD_PAD_ROWS, tiles=None, tma_store: bool = False) -> torch.Tensor:
     """expert_weight_grads on operands ALREADY in the padded row layout, through _expert_wgrad_flat_kernel:
     dW [E, KA, KB] with dW[e] = a_pad[pad_offs[e] : +counts[e]]^T @ b_pad[the same rows], bitwise
     expert_weight_grads' result on the unpadded rows (fp32 accumulation rounded once; bf16 or fp32 out).
@@ -642,7 +650,9 @@ def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts:
     layout. Contract on the gap rows (after an expert's last row, up to the next multiple of ``pad``): zero in
     at least one of a_pad, b_pad, and finite in the other (the kernel sums 0 * x there) -- both zero is what
     pad_expert_rows gives. Rows of no expert are never read. ``tiles``: (BI, BJ, BR, warps, stages[, programs per
-    SM]) on the GPU (WGRAD_FLAT_TILES); BR must divide ``pad``. CUDA, or the CPU under TRITON_INTERPRET=1."""
+    SM]) on the GPU (WGRAD_FLAT_TILES); BR must divide ``pad``. ``tma_store``: each tile stored through one TMA
+    descriptor of dW (asynchronous) instead of masked pointer stores; the same bits (session 13: an experiment,
+    see WGRAD_FLAT_TMA_STORE). CUDA, or the CPU under TRITON_INTERPRET=1."""
     _check_wgrad_operands(a_pad, b_pad, counts, out_dtype, names=("a_pad", "b_pad"), extra=(pad_offs,))
     if pad_offs.shape != counts.shape or pad_offs.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"pad_offs must be an int32/int64 tensor shaped like counts, got {pad_offs.dtype} "
@@ -677,7 +687,7 @@ def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts:
     _expert_wgrad_flat_kernel[(programs,)](a_pad, b_pad, pad_offs.to(torch.int32), counts.to(torch.int32), out,
                                            ka, kb, n_exp, a_pad.shape[0], BI=bi, BJ=bj, BR=br, GRID=programs,
                                            ELP2=triton.next_power_of_2(n_exp), DOT_FP32=planning.interpreting(),
-                                           num_warps=warps, num_stages=stages)
+                                           TMA_STORE=tma_store, num_warps=warps, num_stages=stages)
     return out
 
 
