@@ -142,15 +142,13 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                mb.expert_weight_grads(x_rows, gu, counts, out_dtype=torch.float32, kernel="persistent")))),
            ("moe_bwd wgrad-pers few-rows", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
                mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent", tiles=mb.WGRAD2_FEW_ROWS_TILES)))),
-           *[(f"moe_bwd wgrad-flat {name}", _compile_among(mb, "_expert_wgrad_flat_kernel", lambda t=t, dt=dt, ts=ts: (
-               mb.expert_weight_grads_padded(x_pad, gu_pad, counts, pad_offs, out_dtype=dt, tiles=t, tma_store=ts))))
-             for name, t, dt, ts in (("bf16", None, torch.bfloat16, False), ("fp32", None, torch.float32, False),
-                                     ("s3", (128, 128, 64, 8, 3), torch.bfloat16, False),
-                                     ("4w s2", (128, 128, 64, 4, 2), torch.bfloat16, False),
-                                     ("128x128 s2", (128, 128, 64, 8, 2), torch.bfloat16, False),
-                                     ("256x128 s3", mb.WGRAD_FLAT_TILES_TALL, torch.bfloat16, False),
-                                     ("tma 128x256 s3", None, torch.bfloat16, True),
-                                     ("tma 256x128 s3", mb.WGRAD_FLAT_TILES_TALL, torch.bfloat16, True))],
+           *[(f"moe_bwd wgrad-flat {name}", _compile_among(mb, "_expert_wgrad_flat_kernel", lambda t=t, dt=dt: (
+               mb.expert_weight_grads_padded(x_pad, gu_pad, counts, pad_offs, out_dtype=dt, tiles=t))))
+             for name, t, dt in (("bf16", None, torch.bfloat16), ("fp32", None, torch.float32),
+                                 ("s3", (128, 128, 64, 8, 3), torch.bfloat16),
+                                 ("4w s2", (128, 128, 64, 4, 2), torch.bfloat16),
+                                 ("128x128 s2", (128, 128, 64, 8, 2), torch.bfloat16),
+                                 ("256x128 s3", mb.WGRAD_FLAT_TILES_TALL, torch.bfloat16))],
            ("moe_bwd dgrad2_swiglu", _compile_among(mb, "_dgrad2_swiglu_kernel",
                                               lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts,
                                                                               fused=True))),

@@ -554,7 +554,8 @@ def run(args) -> list[dict]:
     print(f"moe bwd probe: {m.name} tokens={tokens} {args.routing} EP=1 rows={n_rows} (per expert "
           f"{int(counts.min())}..{int(counts.max())}), decision={decision}, "
           f"{'cpu smoke (nothing timed)' if smoke else f'iters {args.iters} warmup {args.warmup}'}; "
-          f"wgrad reference out {env['wgrad_ref_out_dtype']}; wgrad kernel {'flat' if env['rows_padded'] else mb.WGRAD_KERNEL}; inputs {build_s:.0f} s",
+          f"wgrad reference out {env['wgrad_ref_out_dtype']}; "
+          f"wgrad kernel {'flat' if env['rows_padded'] else mb.WGRAD_KERNEL}; inputs {build_s:.0f} s",
           flush=True)
 
     def base(kind, **kv):

@@ -156,26 +156,10 @@ def test_expert_weight_grads_padded_interpreter(counts, ka, kb, pad):
     _check_padded(a, b, counts, pad)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("counts,ka,kb", [([3, 0, 40, 17], 24, 40), ([70], 16, 8)])
-def test_expert_weight_grads_padded_tma_store_interpreter(counts, ka, kb):
-    """The TMA-store epilogue (one [E, KA, KB] descriptor, each tile clipped at its expert's edges): bitwise the
-    pointer stores', fp32 and bf16, KA / KB not multiples of the tile."""
-    a, b, c = _inputs(counts, ka, kb, "cpu")
-    po = padded_row_offsets(c)
-    rp = padded_rows_bound(a.shape[0], len(counts))
-    ap, bp = pad_expert_rows(a, c, po, rp), pad_expert_rows(b, c, po, rp)
-    for dt in (torch.float32, torch.bfloat16):
-        want = expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt)
-        got = expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tma_store=True)
-        assert torch.equal(got, want), dt
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma_store", [False, True], ids=["pointer-stores", "tma-store"])
 @pytest.mark.parametrize("tiles", [None, (128, 128, 64, 8, 3), (128, 128, 64, 4, 2), (128, 256, 64, 8, 3),
                                    (256, 128, 64, 8, 3)])
-def test_expert_weight_grads_padded_gpu(no_tf32, tiles, tma_store):
+def test_expert_weight_grads_padded_gpu(no_tf32, tiles):
     """On the GPU: bitwise the default (persistent) kernel's dW on the unpadded rows, for every tile variant
     of the probe's sweep."""
     counts, ka, kb = [300, 0, 7, 129, 1, 0, 64, 500], 256, 200
@@ -187,9 +171,9 @@ def test_expert_weight_grads_padded_gpu(no_tf32, tiles, tma_store):
         ref = expert_weight_grads(a, b, c, out_dtype=dt, kernel="persistent")
         if dt == torch.float32 and tiles is not None and 256 in tiles[:2]:  # 272 KiB of shared: refused
             with pytest.raises(ValueError, match="shared memory"):
-                expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles, tma_store=tma_store)
+                expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles)
             continue
-        got = expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles, tma_store=tma_store)
+        got = expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles)
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
 

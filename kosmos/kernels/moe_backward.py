@@ -154,10 +154,10 @@ MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1
   kernel) all lost to 128x128x64 at 3 stages.
 * final (136b0f2, ``kosmos bench moe --ep 1 --model qwen3-235b --tokens 4096 --direction fwd,bwd,fwd+bwd``,
   results/h200x1/history/s11-moe-bwd-ep1-136b0f2.*): backward 8.37 / 8.86 ms against nccl-a2a's autograd 9.72 /
-  10.42 (uniform / zipf:1.2): 1.161x / 1.176x (bar 1.3x: missed); fwd+bwd 1.31x / 1.34x. Stages (probe): dgrad2 1.244 ms (0.66x
-  torch._grouped_mm's GEMM alone), wgrad2 1.238 (0.79x), wgrad1 2.149 (0.87x), dgrad1 1.589 (1.03x); the glue
-  (sort, permute, gather of g | u, do, unpermute, router, dx sum: ~1.8 ms) and ~0.3 ms of gaps between the
-  ~110 launches.
+  10.42 (uniform / zipf:1.2): 1.161x / 1.176x (bar 1.3x: missed); fwd+bwd 1.31x / 1.34x. Stages (probe): dgrad2
+  1.244 ms (0.66x torch._grouped_mm's GEMM alone), wgrad2 1.238 (0.79x), wgrad1 2.149 (0.87x), dgrad1 1.589
+  (1.03x); the glue (sort, permute, gather of g | u, do, unpermute, router, dx sum: ~1.8 ms) and ~0.3 ms of gaps
+  between the ~110 launches.
   Host time inside one backward call: ~5 ms (nccl-a2a's autograd ~2 ms) -- hidden in the bench by its spin,
   not in a host-bound loop.
 Third speed pass (session 12, one H200, Triton 3.6; results/h200x1/s12, calls a-f):
@@ -177,11 +177,10 @@ Third speed pass (session 12, one H200, Triton 3.6; results/h200x1/s12, calls a-
   loops (inside the expert loop; Triton fuses a top-level nest only): cross-tile pipelining needs a row layout
   padded per expert to BR (zero rows), so that one host descriptor can serve all experts -- not built.
 * bench (results/h200x1/history/s12-moe-bwd-ep1*.md, d78133d): backward vs nccl-a2a's autograd qwen3 4k 1.365 /
-  1.371x, 8k
-  1.488 / 1.435x (uniform / zipf:1.2); deepseek-v3 4k 1.273 / 1.229x, 8k 1.227 / 1.210x (the bar, 1.3x, met at
-  qwen3, not at deepseek-v3). Expert GEMMs vs torch (probe, qwen3 4k): wgrad2 0.78, wgrad1 0.88, dgrad2 0.87,
-  dgrad1 1.02; deepseek-v3 (probe, call c): wgrad2 0.80 (0.875 on the few-rows tiles in call d's tiles probe),
-  wgrad1 0.88, dgrad2 1.31, dgrad1 1.26.
+  1.371x, 8k 1.488 / 1.435x (uniform / zipf:1.2); deepseek-v3 4k 1.273 / 1.229x, 8k 1.227 / 1.210x (the bar,
+  1.3x, met at qwen3, not at deepseek-v3). Expert GEMMs vs torch (probe, qwen3 4k): wgrad2 0.78, wgrad1 0.88,
+  dgrad2 0.87, dgrad1 1.02; deepseek-v3 (probe, call c): wgrad2 0.80 (0.875 on the few-rows tiles in call d's
+  tiles probe), wgrad1 0.88, dgrad2 1.31, dgrad1 1.26.
 Flat wgrad loop on a padded row layout (built in session 12; measured and made the default in session 13):
 ``expert_weight_grads_padded`` / ``_expert_wgrad_flat_kernel``. The layout (``padded_row_offsets``,
 ``padded_rows_bound``, ``padded_layout``; ``pad_expert_rows`` is the stand-alone copy the probe times):
@@ -222,7 +221,10 @@ MEASURED (session 13, one H200, Triton 3.6; results/h200x1/s13, calls a-h):
 * tiles: 128x256x64 s3 (WGRAD_FLAT_TILES, one program per SM, 181 registers, 176 KiB), with the 256-wide side on
   dW's shorter dimension (wgrad2: WGRAD_FLAT_TILES_TALL, 170 registers); fp32 output 128x128 s2. Lost: a tile
   picked from the mean rows per expert (128x128 4 warps at <= 160: -0.17 ms at deepseek-v3 4k uniform, +3 ms
-  at zipf:1.2 with the same mean); 128x256 with 2 stages; 128x256x32 with 4 stages (0.1-0.3 ms behind).
+  at zipf:1.2 with the same mean); 128x256 with 2 stages; 128x256x32 with 4 stages (0.1-0.3 ms behind); a
+  TMA-store epilogue through one [E, KA, KB] descriptor (asynchronous; bitwise the pointer stores; removed after
+  call j): deepseek-v3 8k zipf wgrad2 256x128 5.52 -> 5.67 ms, wgrad1 128x256 9.85 -> 10.45 (154-156 registers
+  and 208 KiB on local Triton 3.9 against 160-165 and 176 KiB).
 * bench (results/h200x1/moe-bwd-ep1*.md, 188a3a4): backward vs nccl-a2a's autograd, uniform / zipf:1.2, qwen3
   4k 1.458 / 1.441x, 8k 1.548 / 1.529x; deepseek-v3 4k 1.339 / 1.297x, 8k 1.315 / 1.296x (bar 1.3x: two
   deepseek zipf points 0.3% short); 48-53 GiB per deepseek-v3 point.
@@ -569,7 +571,7 @@ def padded_layout(counts: torch.Tensor, rows: int, pad: int = WGRAD_PAD_ROWS):
 @triton.jit
 def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
                               BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
-                              ELP2: tl.constexpr, DOT_FP32: tl.constexpr, TMA_STORE: tl.constexpr = False):
+                              ELP2: tl.constexpr, DOT_FP32: tl.constexpr):
     """_expert_wgrad_persistent_kernel's tiles (global tile g = e * n_tiles + t, program g % GRID's) as ONE
     software-pipelined loop over this program's row steps, all its tiles' in a row, so the TMA loads of the next
     tile are in flight during this tile's epilogue (the persistent kernel's pipeline drains at every tile).
@@ -601,9 +603,6 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
     total = tl.sum(mine * tl.maximum(tl.cdiv(cnt, BR), 1), 0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R_PAD, KA], strides=[KA, 1], block_shape=[BR, BI])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[R_PAD, KB], strides=[KB, 1], block_shape=[BR, BJ])
-    if TMA_STORE:  # one descriptor of the whole dW [E, KA, KB]: each tile clipped at its own expert's edges
-        o_desc = tl.make_tensor_descriptor(out_ptr, shape=[E, KA, KB], strides=[KA * KB, KB, 1],
-                                           block_shape=[1, BI, BJ])
     g = pid - GRID
     ki = -1
     steps = 0
@@ -625,21 +624,17 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
             row0 = tl.where(rows > 0, tl.load(pad_offs_ptr + e), R_PAD)
         acc = _wgrad_step(a_desc, b_desc, row0 + ki * BR, ti, tj, acc, BI, BJ, DOT_FP32)
         if ki == steps - 1:  # the tile's last step: store it, start the next from zero
-            if TMA_STORE:  # asynchronous: the loop goes on while the store drains
-                o_desc.store([e, ti * BI, tj * BJ],
-                             tl.reshape(_to_out(acc, out_ptr.dtype.element_ty, DOT_FP32), [1, BI, BJ]))
-            else:
-                ci = ti * BI + tl.arange(0, BI)
-                cj = tj * BJ + tl.arange(0, BJ)
-                out = out_ptr + e.to(tl.int64) * KA * KB
-                tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
-                         mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+            ci = ti * BI + tl.arange(0, BI)
+            cj = tj * BJ + tl.arange(0, BJ)
+            out = out_ptr + e.to(tl.int64) * KA * KB
+            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
             acc = tl.zeros((BI, BJ), dtype=tl.float32)
 
 
 def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts: torch.Tensor,
                                pad_offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
-                               pad: int = WGRAD_PAD_ROWS, tiles=None, tma_store: bool = False) -> torch.Tensor:
+                               pad: int = WGRAD_PAD_ROWS, tiles=None) -> torch.Tensor:
     """expert_weight_grads on operands ALREADY in the padded row layout, through _expert_wgrad_flat_kernel:
     dW [E, KA, KB] with dW[e] = a_pad[pad_offs[e] : +counts[e]]^T @ b_pad[the same rows], bitwise
     expert_weight_grads' result on the unpadded rows (fp32 accumulation rounded once; bf16 or fp32 out).
@@ -650,9 +645,7 @@ def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts:
     layout. Contract on the gap rows (after an expert's last row, up to the next multiple of ``pad``): zero in
     at least one of a_pad, b_pad, and finite in the other (the kernel sums 0 * x there) -- both zero is what
     pad_expert_rows gives. Rows of no expert are never read. ``tiles``: (BI, BJ, BR, warps, stages[, programs per
-    SM]) on the GPU (WGRAD_FLAT_TILES); BR must divide ``pad``. ``tma_store``: each tile stored through one TMA
-    descriptor of dW (asynchronous) instead of masked pointer stores; the same bits (session 13: an experiment,
-    see WGRAD_FLAT_TMA_STORE). CUDA, or the CPU under TRITON_INTERPRET=1."""
+    SM]) on the GPU (WGRAD_FLAT_TILES); BR must divide ``pad``. CUDA, or the CPU under TRITON_INTERPRET=1."""
     _check_wgrad_operands(a_pad, b_pad, counts, out_dtype, names=("a_pad", "b_pad"), extra=(pad_offs,))
     if pad_offs.shape != counts.shape or pad_offs.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"pad_offs must be an int32/int64 tensor shaped like counts, got {pad_offs.dtype} "
@@ -687,7 +680,7 @@ def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts:
     _expert_wgrad_flat_kernel[(programs,)](a_pad, b_pad, pad_offs.to(torch.int32), counts.to(torch.int32), out,
                                            ka, kb, n_exp, a_pad.shape[0], BI=bi, BJ=bj, BR=br, GRID=programs,
                                            ELP2=triton.next_power_of_2(n_exp), DOT_FP32=planning.interpreting(),
-                                           TMA_STORE=tma_store, num_warps=warps, num_stages=stages)
+                                           num_warps=warps, num_stages=stages)
     return out
 
 
