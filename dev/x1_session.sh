@@ -12,6 +12,24 @@ set -u
 stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
+# A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
+# would return the earlier calls' files again); keep() packs that dir into $OUT/<stage>.tar.gz, the one file that
+# comes back, and is called after each step so that a timeout still returns what was done.
+begin_stage() {
+  real_out=$out; tarball=$1; export OUT=/tmp/$1-out; out=$OUT; rm -rf "$out"; mkdir -p "$out"
+}
+keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/$tarball.tar.gz"; }
+bwd_rows() {  # the MoE bench's kosmos / nccl-a2a bwd and fwd+bwd rows of a JSONL file: time and peak memory
+  python - "$1" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("impl") in ("kosmos", "nccl-a2a") and r.get("direction") in ("bwd", "fwd+bwd"):
+        print(r["impl"], r.get("model"), r["direction"], r.get("tokens"), r.get("routing"), r.get("status"),
+              round(r.get("time_ms") or 0, 3), "peak GiB", round((r.get("peak_mem_bytes") or 0) / 2**30, 1),
+              (r.get("reason") or "")[:80])
+PY
+}
 case $stage in
   check)
     timeout 120 python -m pytest -q -p no:cacheprovider -m "gpu or gpu_optional" tests/test_quant.py \
@@ -127,8 +145,7 @@ EOF
          # 1. the branch's GPU tests while Triton 3.6 compiles the register tables (HEAD bf16 + mx, branch bf16);
          # 2. with the CPU quiet: the MX run difference (mxfp8 kosmos: .base, ., .var/tma), then the bf16 A/B
          #    (TP W=1: old, head, cg, head, cg; MoE EP=1: head, cg), each tree run from its own directory.
-    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10a.tar.gz"; }
+    begin_stage s10a
     in_tree() { local root=$1; shift; ( cd "$root" && PYTHONPATH=. "$@" ); }
     own_regs() { in_tree "$1" timeout 280 python dev/kernel_resources.py --world 1,2,8 $3 --json "$2"; }
     ( own_regs . "$out/regs-head-bf16.json" "" > "$out/regs-head-bf16.txt" 2>&1 &
@@ -170,8 +187,7 @@ EOF
          # round in the other order (cg, head), the tile probe for what time allows (gemm_rs and ag_gemm, shape
          # by shape), then the branch's GPU tests that s10a's 230 s did not reach (dev/cg-done.txt: node ids
          # that ran; each test limited to 60 s so a hang names itself).
-    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10b.tar.gz"; }
+    begin_stage s10b
     in_tree() { local root=$1; shift; ( cd "$root" && PYTHONPATH=. "$@" ); }
     for tree in cg:.var/cg head:.; do
       t0=$SECONDS
@@ -193,8 +209,7 @@ EOF
   s10c)  # session 10's third call (<= 330 s; tarball $OUT/s10c.tar.gz): CUDA graphs in the bench (issue 13 part 2:
          # eager vs replayed, TP and MoE, one file each), the MoE backward's stage costs (dev/moe_bwd_probe),
          # the MXFP8 training proxy (issue 16), then the host-cost profile (dev/fixed_cost) with what is left.
-    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10c.tar.gz"; }
+    begin_stage s10c
     for g in eager graph; do
       flag=""; [ $g = graph ] && flag=--cuda-graph
       timeout 50 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b --seq 4096 \
@@ -229,8 +244,7 @@ PYEOF
          #    swiglu_h bitwise vs torch), the TP ops together; each test limited to 60 s;
          # 2. host time per eager call with plans, fast launch on and off (dev/fixed_cost --plans);
          # 3. the MoE backward's stages after the speed pass (dev/moe_bwd_probe).
-    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10d.tar.gz"; }
+    begin_stage s10d
     timeout 110 python -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or ranks or gpu_optional" \
       tests/test_cuda_graphs.py tests/test_moe_backward.py tests/test_moe_forward.py tests/test_tp_ops_together.py \
       > "$out/gpu-tests-d.log" 2>&1
@@ -247,8 +261,7 @@ PYEOF
          # 2. the default suite's llama3-70b TP=2 per-rank GEMMs at W=1 (the rule keeps their tile: no worse);
          # 3. host time per eager call with plans after the hook fix (dev/fixed_cost --plans);
          # 4. GPU tests of the TP op files (new tiles at W=1 and on simulated ranks, plans) with the time left.
-    real_out=$out; export OUT=/tmp/s10o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s10e.tar.gz"; }
+    begin_stage s10e
     timeout 140 python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
       --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "grid rc=$? $SECONDS s"
     echo "grid rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
@@ -271,8 +284,7 @@ PYEOF
          # 2. A/Bs, each tree from its own directory: the grid (main vs split-k, both ops) and the MoE backward
          #    probe (main vs moe-bwd-2, qwen3 4k);
          # 3. the branches' GPU tests with what time is left.
-    real_out=$out; export OUT=/tmp/s11o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s11a.tar.gz"; }
+    begin_stage s11a
     in_tree() { local root=$1; shift; ( cd "$root" && PYTHONPATH=. "$@" ); }
     timeout 60 python -m pytest -q -p no:cacheprovider -m gpu tests/test_all_gather_matmul.py \
       tests/test_matmul_reduce_scatter.py -k trace > "$out/trace-tests.log" 2>&1; echo "trace tests rc=$?"
@@ -303,8 +315,7 @@ PYEOF
          # 2. the GPU tests of the MoE forward / backward / plans / graphs;
          # 3. the MoE backward probe at qwen3 4k (the whole backward on the forward's g | u);
          # 4. the backward GEMMs' tile variants and the forward with / without save_gu (dev/moe_bwd_tiles).
-    real_out=$out; export OUT=/tmp/s11o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s11b.tar.gz"; }
+    begin_stage s11b
     ( timeout 200 python dev/kernel_resources.py --world 1,2,8 --kernels moe_forward,moe_backward \
         --json "$out/regs-moe.json" > "$out/regs-moe.txt" 2>&1 ) &
     regs_pid=$!
@@ -324,8 +335,7 @@ PYEOF
   s11c)  # session 11, last call (<= 540 s; tarball $OUT/s11c.tar.gz): save_gu's GPU tests, the bench's MoE backward
          # rows at qwen3 4k (issue 15's committed result), the backward GEMM tiles again (dgrad2 fixed, dgrad1's
          # new default), the probe's stages with what time is left.
-    real_out=$out; export OUT=/tmp/s11o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s11c.tar.gz"; }
+    begin_stage s11c
     timeout 150 python -m pytest -v -p no:cacheprovider --timeout 60 -m "gpu or ranks or gpu_optional" \
       tests/test_moe_backward.py tests/test_launch_plan.py > "$out/gpu-tests-bwd.log" 2>&1
     echo "gpu tests bwd rc=$?"; tail -1 "$out/gpu-tests-bwd.log"
@@ -345,8 +355,7 @@ PYEOF
   s11d)  # session 11, fourth call (<= 330 s; tarball $OUT/s11d.tar.gz): the forward's GPU tests that s11c's 60 s
          # cut short (nn.MoE's backward on the saved g | u among them), the bench's MoE backward rows at the final
          # tiles (issue 15's committed result), the probe with what is left.
-    real_out=$out; export OUT=/tmp/s11o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s11d.tar.gz"; }
+    begin_stage s11d
     timeout 110 python -m pytest -v -p no:cacheprovider --timeout 80 -m gpu tests/test_moe_forward.py \
       -k "w1_nn_moe_backward or w1_fixed_role or w1_expert_gemms" > "$out/gpu-tests-fwd.log" 2>&1
     echo "gpu tests fwd rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-fwd.log" | sed 's/ *\[.*//'; keep
@@ -360,8 +369,7 @@ PYEOF
     sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe.log" ;;
   s12a)  # written in session 11 for the next one-GPU session's first call (<= 420 s; tarball $OUT/s12a.tar.gz):
          # what session 11 changed after its last device call, and the checks it could not run.
-    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12a.tar.gz"; }
+    begin_stage s12a
     timeout 120 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
       -k "never_syncs or forwards_gate_up" > "$out/gpu-tests-bwd.log" 2>&1
     echo "gpu tests bwd rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'; keep
@@ -375,8 +383,7 @@ PYEOF
   s12b)  # session 12, second call (<= 560 s; tarball $OUT/s12b.tar.gz): dgrad2 unfused (the dgrad1 GEMM for z, then
          # the SwiGLU-backward pass) against the fused epilogue, wgrad's TMA stores; the backward's whole call
          # with dgrad2 unfused; Triton 3.6 registers; the changed kernels' GPU tests; deepseek-v3's probe.
-    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12b.tar.gz"; }
+    begin_stage s12b
     ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward \
         --json "$out/regs-bwd.json" > "$out/regs-bwd.txt" 2>&1 ) &
     regs_pid=$!
@@ -400,8 +407,7 @@ PYEOF
   s12c)  # session 12, third call (<= 560 s; tarball $OUT/s12c.tar.gz): the router's GEMMs on tensor cores and dgrad2
          # unfused (the new defaults) in the probe at qwen3 and deepseek-v3 4k; wgrad with more, smaller programs
          # per SM at both; the MX MoE kernel's Triton 3.6 registers on main and on moe-mx-halves (.base).
-    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12c.tar.gz"; }
+    begin_stage s12c
     here=$PWD
     ( for t in main:. mxh:.base; do (cd "${t#*:}" && timeout 200 python dev/kernel_resources.py --world 1,2,8 \
         --kernels moe_forward --mx > "$out/regs-mx-${t%%:*}.txt" 2>&1); done ) &
@@ -427,8 +433,7 @@ PYEOF
   s12d)  # session 12, fourth call (<= 330 s; tarball $OUT/s12d.tar.gz): deepseek-v3 4k tiles (~128 rows per expert):
          # 64-row m-tiles for dgrad1 / dgrad2's GEMM, the wgrad variants (wgrad1 OOMed in call c: fp32 copies in
          # rel), and the router test with its thresholds from call c.
-    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12d.tar.gz"; }
+    begin_stage s12d
     timeout 60 python -m pytest -v -s -p no:cacheprovider --timeout 40 -m gpu tests/test_moe_backward.py \
       -k "router" > "$out/gpu-tests-router.log" 2>&1
     echo "gpu tests router rc=$?"; grep -E "PASSED|FAILED|errors vs" "$out/gpu-tests-router.log" | cut -c1-200; keep
@@ -438,8 +443,7 @@ PYEOF
   s12e)  # session 12, last call (<= 580 s; tarball $OUT/s12e.tar.gz): issue 15's committed results -- the MoE
          # backward bench at EP=1, qwen3-235b and deepseek-v3 (chunked fp32 gradient check), 4k and 8k tokens --
          # and the changed backward's GPU tests.
-    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12e.tar.gz"; }
+    begin_stage s12e
     timeout 80 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
       -k "weight_grads or dgrad2 or never_syncs or w1" > "$out/gpu-tests-bwd.log" 2>&1
     echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
@@ -455,8 +459,7 @@ PYEOF
   s12f)  # session 12, closing call (<= 330 s; tarball $OUT/s12f.tar.gz): deepseek-v3 8k zipf:1.2 alone (the point
          # s12e's sweep lost to out-of-memory; gc.collect() per point since), then issue 14's MX MoE A/B:
          # moe-mx-halves (.base) and main, interleaved twice, qwen3-235b 4k fwd, bf16 + mxfp8, each from its tree.
-    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12f.tar.gz"; }
+    begin_stage s12f
     timeout 130 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 8192 --routing zipf:1.2 \
       --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3-8k-zipf.jsonl" > "$out/bench-dsv3-8k.log" 2>&1
     echo "bench dsv3 8k zipf rc=$?"; keep
@@ -469,8 +472,7 @@ PYEOF
     grep -v "^{" "$out/bench-dsv3-8k.log" | tail -12 ;;
   s12g)  # session 12, spare minutes (<= 200 s; tarball $OUT/s12g.tar.gz): the merged MX halves tree and the shared
          # SwiGLU-backward formula on the GPU: their tests and Triton 3.6 registers.
-    real_out=$out; export OUT=/tmp/s12o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s12g.tar.gz"; }
+    begin_stage s12g
     ( timeout 150 python dev/kernel_resources.py --world 1,2,8 --kernels moe_forward --mx > "$out/regs-mx.txt" 2>&1 ) &
     regs_pid=$!
     timeout 80 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
@@ -484,8 +486,7 @@ PYEOF
   s13a)  # session 13, first call (<= 480 s; tarball $OUT/s13a.tar.gz): the flat wgrad on the padded row layout
          # (built in session 12, never on a GPU): its GPU test, Triton 3.6 registers, then the tiles probe's wgrad
          # variants at deepseek-v3 4k (wgrad2 and wgrad1 separately: memory) and qwen3 4k.
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13a.tar.gz"; }
+    begin_stage s13a
     ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
     regs_pid=$!
     timeout 90 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
@@ -505,8 +506,7 @@ PYEOF
          # (gathers straight into it, the flat wgrad, dgrads on padded offsets): its GPU tests, Triton 3.6 registers,
          # the layouts' A/B in one process (bitwise + interleaved timing) at deepseek-v3 and qwen3 4k, the tiles
          # probe's wgrad1 at deepseek-v3 (OOMed in s13a: the finite check's fp32 copy), the stage probe at dsv3.
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13b.tar.gz"; }
+    begin_stage s13b
     ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
     regs_pid=$!
     timeout 120 python -m pytest -v -p no:cacheprovider --timeout 80 -m gpu tests/test_moe_backward.py \
@@ -530,8 +530,7 @@ PYEOF
   s13c)  # session 13, third call (<= 560 s; tarball $OUT/s13c.tar.gz): the padded backward's fixed GPU test and the
          # few-rows flat tiles; where the backward's host time goes (cProfile, qwen3 4k); issue 15's committed
          # qwen3-235b bench (4k, 8k; fwd, bwd, fwd+bwd).
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13c.tar.gz"; }
+    begin_stage s13c
     timeout 90 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
       -k "padded" > "$out/gpu-tests-bwd.log" 2>&1
     echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
@@ -545,26 +544,16 @@ PYEOF
     grep -v "^{" "$out/bench-qwen3.log" | grep -iE "bwd|error|fail|peak" | head -14 ;;
   s13d)  # session 13, fourth call (<= 560 s; tarball $OUT/s13d.tar.gz): issue 15's committed deepseek-v3 bench (4k,
          # 8k; fwd, bwd, fwd+bwd) on the padded backward, and each point's peak memory (the sweep's growth in s12e).
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13d.tar.gz"; }
+    begin_stage s13d
     timeout 540 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 \
       --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
     echo "bench dsv3 rc=$?"; keep
-    python - "$out/moe-bwd-ep1-deepseek-v3.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("impl") in ("kosmos", "nccl-a2a") and r.get("direction") in ("bwd", "fwd+bwd"):
-        print(r["impl"], r["direction"], r.get("tokens"), r.get("routing"), r.get("status"),
-              round(r.get("time_ms") or 0, 3), "peak GiB", round((r.get("peak_mem_bytes") or 0) / 2**30, 1),
-              (r.get("reason") or "")[:80])
-PY
+    bwd_rows "$out/moe-bwd-ep1-deepseek-v3.jsonl"
     grep -v "^{" "$out/bench-dsv3.log" | grep -iE "bwd|error|fail" | head -12 ;;
   s13e)  # session 13, fifth call (<= 560 s; tarball $OUT/s13e.tar.gz): deepseek-v3 4k zipf:1.2, where the padded
          # backward lost (s13d: 21.97 -> 23.53 ms): the layouts' A/B there, the wgrad tiles on its row counts, and
          # the stage probe (padded).
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13e.tar.gz"; }
+    begin_stage s13e
     timeout 120 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --routing zipf:1.2 --passes 2 \
       --json "$out/layout-ab-dsv3-zipf.jsonl" > "$out/layout-ab-dsv3-zipf.log" 2>&1; echo "layout ab rc=$?"; keep
     for k in wgrad2 wgrad1; do
@@ -581,8 +570,7 @@ PY
   s13f)  # session 13, sixth call (<= 560 s; tarball $OUT/s13f.tar.gz): the flat wgrad on 128x256 s3 at every row count
          # (the few-rows tile lost 3 ms at deepseek-v3 4k zipf in s13e): issue 15's committed deepseek-v3 bench again,
          # then the stage probe at deepseek-v3 8k zipf:1.2 (the point furthest from the bar in s13d).
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13f.tar.gz"; }
+    begin_stage s13f
     timeout 400 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 \
       --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
     echo "bench dsv3 rc=$?"; keep
@@ -590,21 +578,12 @@ PY
     [ $left -gt 60 ] && timeout $left python -m dev.moe_bwd_probe --model deepseek-v3 --tokens 8192 --routing zipf:1.2 \
       --max-seconds $((left - 25)) --json "$out/bwd-probe-dsv3-8k-zipf.jsonl" > "$out/bwd-probe-dsv3-8k-zipf.log" 2>&1
     echo "bwd probe rc=$?"; keep
-    python - "$out/moe-bwd-ep1-deepseek-v3.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("impl") in ("kosmos", "nccl-a2a") and r.get("direction") in ("bwd", "fwd+bwd"):
-        print(r["impl"], r["direction"], r.get("tokens"), r.get("routing"), r.get("status"),
-              round(r.get("time_ms") or 0, 3), "peak GiB", round((r.get("peak_mem_bytes") or 0) / 2**30, 1),
-              (r.get("reason") or "")[:80])
-PY
+    bwd_rows "$out/moe-bwd-ep1-deepseek-v3.jsonl"
     grep -E "^  stage" "$out/bwd-probe-dsv3-8k-zipf.log" | cut -c1-90
     sed -n '/kosmos whole/,/composed/p' "$out/bwd-probe-dsv3-8k-zipf.log" | head -3 ;;
   s13g)  # session 13, seventh call (<= 400 s; tarball $OUT/s13g.tar.gz): the flat wgrad's tiles at deepseek-v3 8k
          # zipf:1.2 (wgrad2 0.82x torch there in s13f), wgrad2 and wgrad1 separately (memory).
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13g.tar.gz"; }
+    begin_stage s13g
     for k in wgrad2 wgrad1; do
       timeout 170 python -m dev.moe_bwd_tiles --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --only $k \
         --max-seconds 150 --json "$out/tiles-dsv3-8k-zipf-$k.jsonl" > "$out/tiles-dsv3-8k-zipf-$k.log" 2>&1
@@ -615,8 +594,7 @@ PY
          # 256x128 tile where dW's first dimension is the shorter (wgrad2): the GPU tests, Triton 3.6 registers, the
          # wgrad2 tiles at qwen3 4k and deepseek-v3 4k (does 256x128 win there too?), then issue 15's committed
          # benches (qwen3-235b, deepseek-v3; 4k, 8k; fwd, bwd, fwd+bwd).
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13h.tar.gz"; }
+    begin_stage s13h
     ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
     regs_pid=$!
     timeout 100 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
@@ -636,27 +614,17 @@ PY
     echo "bench dsv3 rc=$?"; wait $regs_pid; keep
     grep -E "wgrad-flat|gather|scaled" "$out/regs-bwd.txt"
     for m in qwen3-235b deepseek-v3; do grep -E "flat|default" "$out/tiles-$m-wgrad2.log" | cut -c1-120; done
-    for f in moe-bwd-ep1 moe-bwd-ep1-deepseek-v3; do python - "$out/$f.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("impl") in ("kosmos", "nccl-a2a") and r.get("direction") == "bwd":
-        print(r["impl"], r.get("model"), r.get("tokens"), r.get("routing"), r.get("status"),
-              round(r.get("time_ms") or 0, 3), "peak GiB", round((r.get("peak_mem_bytes") or 0) / 2**30, 1))
-PY
-    done ;;
+    for f in moe-bwd-ep1 moe-bwd-ep1-deepseek-v3; do bwd_rows "$out/$f.jsonl"; done ;;
   s13i)  # session 13, spare minutes (<= 240 s; tarball $OUT/s13i.tar.gz): issue 14's MX MoE forward on the merged
          # halves tree (never timed since the merge): qwen3-235b 4k, 8k, bf16 + mxfp8 in one sweep.
-    real_out=$out; export OUT=/tmp/s13o; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13i.tar.gz"; }
+    begin_stage s13i
     timeout 230 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096,8192 --dtype bf16,mxfp8 \
       --out "$out/moe-mxfp8-ep1-qwen3.jsonl" > "$out/bench-mx.log" 2>&1; echo "bench mx rc=$?"; keep
     grep -v "^{" "$out/bench-mx.log" | grep -iE "mxfp8|ratio|kosmos" | head -16 ;;
   s13j)  # session 13, last minutes (<= 200 s; tarball $OUT/s13j.tar.gz): the flat wgrad with a TMA-store epilogue
          # (one [E, KA, KB] descriptor): its GPU test, then wgrad2 / wgrad1 at deepseek-v3 8k zipf:1.2 (the point
          # furthest behind torch), the first five variants of each.
-    real_out=$out; export OUT=/tmp/s13j; out=$OUT; mkdir -p "$out"
-    keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/s13j.tar.gz"; }
+    begin_stage s13j
     timeout 60 python -m pytest -v -p no:cacheprovider --timeout 50 -m gpu tests/test_moe_backward.py \
       -k "padded_gpu" > "$out/gpu-tests-padded.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-padded.log" | sed 's/ *\[.*//'

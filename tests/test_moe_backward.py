@@ -357,6 +357,17 @@ def test_scaled_rows_and_unpermute_sum_bitwise_torch(counts, h):
     assert torch.equal(sum_partials(parts), want)
 
 
+def _moe_layer(g, t, h, f, e):
+    """A bf16 MoE layer's tensors from generator g, in this order: x [t, h], router [e, h], w13 [e, h, 2f],
+    w2 [e, f, h], dy [t, h]."""
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    return x, wr, w13, w2, dy
+
+
 @pytest.mark.interpreter
 def test_gather_rows_and_padded_layout():
     """gather_rows: src[idx] with zero rows where idx < 0 (the kernel and its torch twin), scaled_rows likewise;
@@ -391,11 +402,7 @@ def test_moe_backward_padded_rows_bitwise_packed(routing, saved):
     from simranks import placed_gate_up
     g = torch.Generator().manual_seed(12)
     t, h, f, e, k = 45, 32, 16, 6, 2
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
-    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16)
-    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
     # expert 0 in every token (45 rows: > 16, the interpreter's row step), expert 3 in none
     others = torch.tensor([1, 2, 4, 5])[torch.randint(0, 4, (t,), generator=g)]
     experts = torch.stack([torch.zeros(t, dtype=torch.long), others], 1)
@@ -419,11 +426,7 @@ def test_moe_backward_w1_vs_reference(routing):
     from kosmos.kernels.moe_backward import moe_backward_w1
     g = torch.Generator().manual_seed(11)
     t, h, f, e, k = 19, 32, 24, 8, 2
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
-    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16)
-    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
     kw = dict(routing="softmax") if routing == "softmax" else dict(routing="sigmoid-grouped", n_group=4,
                                                                    topk_group=2, routed_scaling=2.5)
     # each token's two distinct experts, never expert 5 (it gets no rows); the decision is given, not routed
