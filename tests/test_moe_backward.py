@@ -418,6 +418,19 @@ def test_moe_backward_padded_rows_bitwise_packed(routing, saved):
 
 
 @pytest.mark.interpreter
+def test_moe_backward_padded_rows_without_tokens():
+    """No tokens at all (a rank with nothing routed to it): the padded layout's gathers have nothing to read, and
+    the gradients are the packed path's -- empty dx, zero weight gradients."""
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(2), 0, 32, 16, 4)
+    experts, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+    packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, padded=False)
+    padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, padded=True)
+    assert padded[0].shape == (0, 32) and not padded[2].any() and not padded[3].any()
+    assert all(torch.equal(a, b) for a, b in zip(padded, packed))
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("routing", ["softmax", "sigmoid-grouped"])
 def test_moe_backward_w1_vs_reference(routing):
     """The whole W=1 backward (the pieces + torch glue) against moe_reference.moe_backward_ref (fp32, explicit
@@ -446,7 +459,7 @@ def test_moe_backward_w1_vs_reference(routing):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
-def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None):
+def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None, empty_rank=False):
     """One rank of the EP backward test: this rank's tokens, dy and decision, its experts; moe_backward over a
     gloo group (the kernels under the interpreter); ``saved``: on a stand-in of the forward's g | u."""
     import os
@@ -455,7 +468,7 @@ def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        full = _ep_inputs(routing, world)
+        full = _ep_inputs(routing, world, empty_rank=empty_rank)
         x, dy, experts, weights = (full[n][rank] for n in ("x", "dy", "experts", "weights"))
         local = full["w13"].shape[0] // world
         w13, w2 = (full[n][rank * local:(rank + 1) * local] for n in ("w13", "w2"))
@@ -474,9 +487,10 @@ def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None):
         finish_gloo()
 
 
-def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2):
+def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2, empty_rank=False):
     """Every rank's tokens (rank 1: none routed to expert block 0's last expert; rank 0: a token count not a
-    multiple of anything) and the whole layer, from one seed."""
+    multiple of anything) and the whole layer, from one seed. ``empty_rank``: every token to experts 0-3 only, so
+    the last rank's experts receive no rows at all."""
     from kosmos import moe_reference as mr
     g = torch.Generator().manual_seed(23)
     wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
@@ -486,11 +500,13 @@ def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2):
                                                                    topk_group=2, routed_scaling=2.5)
     rkw = {kk: v for kk, v in kw.items() if kk in ("routing", "routed_scaling")}
     allowed = torch.tensor([0, 1, 2, 4, 5, 6, 7])  # expert 3 gets no rows from any rank
+    if empty_rank:
+        allowed = torch.arange(e // world)
     xs, dys, exps, ws = [], [], [], []
     for r in range(world):
         n = t + 5 * r
         x = torch.randn(n, h, generator=g).to(torch.bfloat16)
-        experts = allowed[torch.stack([torch.randperm(7, generator=g)[:k] for _ in range(n)])]
+        experts = allowed[torch.stack([torch.randperm(len(allowed), generator=g)[:k] for _ in range(n)])]
         logits = x.float() @ wr.float().t()
         weights, _, _ = mr.routing_weights_ref(logits, experts, kw["routing"],
                                                routed_scaling=kw.get("routed_scaling", 1.0))
@@ -500,19 +516,21 @@ def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("routing,saved,padded", [("softmax", False, True), ("sigmoid-grouped", False, True),
-                                                  ("softmax", True, True), ("softmax", True, False)])
-def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded):
+@pytest.mark.parametrize("routing,saved,padded,empty_rank", [
+    ("softmax", False, True, False), ("sigmoid-grouped", False, True, False), ("softmax", True, True, False),
+    ("softmax", True, False, False), ("softmax", False, True, True)])
+def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded, empty_rank):
     """moe_backward at W=2 over gloo (all-to-alls between the kernels) against moe_backward_ref on every rank's
     tokens with every expert in one process: dx of each rank's tokens, d(router weight) summed over the ranks,
     dW13 / dW2 of each rank's experts (an expert without rows: zeros); deterministic per rank. ``saved``: on each
     rank's g | u as the forward keeps them (rows shuffled inside each source), gathered into the backward's
-    order after the exchange. ``padded``: the expert rows in the padded layout after the exchange, or packed."""
+    order after the exchange. ``padded``: the expert rows in the padded layout after the exchange, or packed.
+    ``empty_rank``: rank 1's experts receive no rows (its weight gradients: zeros)."""
     from kosmos import moe_reference as mr
     from multiproc import spawn_gloo
     world = 2
-    full = _ep_inputs(routing, world)
-    got = spawn_gloo(_ep_backward_rank, world, routing, saved, padded)
+    full = _ep_inputs(routing, world, empty_rank=empty_rank)
+    got = spawn_gloo(_ep_backward_rank, world, routing, saved, padded, empty_rank)
     x_all, dy_all = torch.cat(full["x"]), torch.cat(full["dy"])
     want = mr.moe_backward_ref(x_all, full["wr"], full["w13"], full["w2"], dy_all, top_k=2,
                                experts=torch.cat(full["experts"]), **full["kw"])
@@ -524,7 +542,8 @@ def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded):
     for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), (dx, d_router, dw13, dw2), want):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
         assert rel < 2e-2, (name, rel)
-    assert torch.equal(dw13[3], torch.zeros_like(dw13[3])) and torch.equal(dw2[3], torch.zeros_like(dw2[3]))
+    without_rows = slice(4, 8) if empty_rank else slice(3, 4)
+    assert not dw13[without_rows].any() and not dw2[without_rows].any()
     assert all(got[r][1] for r in range(world))  # bitwise the same twice
 
 

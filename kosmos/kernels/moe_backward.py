@@ -1055,6 +1055,9 @@ def _gather_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, scaled_ptr, H, BH: tl.
 def _launch_gather_rows(src: torch.Tensor, idx: torch.Tensor, w, plain: bool):
     """(src[idx] or None, bf16(w * src[idx]) or None) by _gather_rows_kernel (``w`` None: no scaled rows)."""
     r, h = idx.shape[0], src.shape[1]
+    if src.shape[0] == 0:  # no rows to read: every index is -1, every row zero (and no launch on an empty src)
+        return (src.new_zeros((r, h)) if plain else None,
+                torch.zeros((r, h), dtype=torch.bfloat16, device=src.device) if w is not None else None)
     out = torch.empty((r, h), dtype=src.dtype, device=src.device) if plain else None
     scaled = torch.empty((r, h), dtype=torch.bfloat16, device=src.device) if w is not None else None
     if r and h:
@@ -1338,9 +1341,10 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     if padded:  # every expert row gathered straight into the padded layout (gap rows: index -1, zeros)
         pad_offs, row_of, real_of = padded_layout(counts, rows)
         valid, real = real_of >= 0, real_of.clamp(min=0)
-        into_padded = lambda idx: torch.where(valid, idx[real], -1)  # noqa: E731 -- a gather index, padded
+        def into_padded(idx):  # a gather index of the sorted rows -> of the padded ones (-1: a zero row)
+            return torch.where(valid, idx[real], -1) if rows else torch.full_like(real_of, -1)
         src_idx = into_padded(src_idx)
-        w_pair = torch.where(valid, w_pair[real], 0.0)
+        w_pair = torch.where(valid, w_pair[real], 0.0) if rows else torch.zeros(real_of.shape, device=x.device)
         x_rows = gather_rows(src_x, src_idx)
         dy_rows, do_rows = gather_rows_and_scaled(src_dy, src_idx, w_pair)  # do = w * dy: one read of dy's rows
     else:
