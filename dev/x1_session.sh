@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -635,5 +635,22 @@ PYEOF
       echo "tiles $k rc=$?"; keep
     done
     for k in wgrad2 wgrad1; do grep -E "^  wgrad" "$out/tiles-dsv3-8k-zipf-$k.log" | head -6 | cut -c1-120; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j" >&2; exit 2 ;;
+  s14a)  # written in session 13 for the next one-GPU session (<= 560 s; tarball $OUT/s14a.tar.gz): branch
+         # dgrad2-valid-rows (.base: `git archive dgrad2-valid-rows kosmos kosmos_bench suites tests dev pyproject.toml
+         # | tar -x -C .snap/.base`) against main: the SwiGLU pass reads z's gap rows as zeros (no z memset) and the
+         # row gathers skip the rows past the last expert. Its GPU tests, then the deepseek-v3 backward bench
+         # interleaved twice, each tree from its own directory; then dev.ab_compare.
+    begin_stage s14a
+    (cd .base && timeout 90 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
+      -k "padded or never_syncs or forwards_gate_up or dgrad2" > "$out/gpu-tests-branch.log" 2>&1)
+    echo "gpu tests branch rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-branch.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-branch.log"; keep
+    for pass in 1 2; do for t in valid:.base main:.; do
+      left=$((545 - SECONDS)); [ $left -lt 60 ] && break 2
+      (cd "${t#*:}" && timeout $left python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 \
+        --tokens 4096,8192 --direction bwd --out "$out/ab-${t%%:*}-$pass.jsonl" > "$out/ab-${t%%:*}-$pass.log" 2>&1)
+      echo "ab ${t%%:*} pass $pass rc=$?"; keep
+    done; done
+    python -m dev.ab_compare "$out"/ab-main-*.jsonl --vs "$out"/ab-valid-*.jsonl --impl kosmos 2>&1 | tail -12 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a" >&2; exit 2 ;;
 esac
