@@ -48,6 +48,20 @@ TFLOP): measure both.
 In the one-launch backward these tiles become a stage whose tasks wait for the rows' dgrad flags, as the
 forward's GEMM2 waits for GEMM1's tiles.
 
+What session 13's measurements say about that plan (results/h200x1/s13; not built):
+* at W = 1 the launches already leave the GPU no idle time: at deepseek-v3 8k zipf the kernels' sum is the whole
+  call (33.4 ms over 161 launches, probe profile), so one launch can win there only what it fuses, not what it
+  overlaps. What it must not lose: the flat wgrad's cross-tile pipeline (a task queue drains the pipeline at
+  every tile, as the persistent kernel did: deepseek-v3 4k wgrad1 7.31 ms against the flat loop's 6.15). So a
+  WGRAD task should be a run of one program's flat loop (all its tiles of one expert, or of a group of
+  experts whose rows are ready), not one tile; its readiness is per expert (every m-tile of the expert through
+  the SwiGLU pass).
+* the padded layout serves the one launch as it is: one descriptor per operand for all experts, m-tiles and
+  wgrad steps that never straddle two experts, gap rows that are zero by construction.
+* the win is at W > 1, where the all-to-alls (dy rows to the experts' ranks, dx rows back) can hide under the
+  GEMMs, as the forward's dispatch and combine do (1.61x over NCCL at EP=2). Registers: the largest stage sets
+  the kernel's (dgrad1 199, flat wgrad 181 at 128x256, Triton 3.6), one 8-warp program per SM as today.
+
 Issue 15 speed pass (session 10, after dev/moe_bwd_probe's first H200 run, results/h200x1/s10/c: whole backward
 15.5 ms vs nccl-a2a 9.7 ms at qwen3-235b, 4096 tokens, EP=1):
 * weight gradients in bf16 (the parameters' dtype; ``out_dtype=torch.float32`` / ``moe_backward(...,
