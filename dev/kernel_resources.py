@@ -214,8 +214,8 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     elif "matmul_reduce_scatter" in only:
         out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
             a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
-    if "moe_backward" in only and world == 1:
-        out += moe_backward_kernels(dev)
+    if "moe_backward" in only:  # the same kernels at every EP size, on E / W local experts (ELP2 follows E / W)
+        out += moe_backward_kernels(dev, e=128 // world)
     if "moe_forward" not in only:
         return out
     # deepseek-v3-like MoE layer: H 7168, F 2048, 256 experts, top-8, sigmoid-grouped routing

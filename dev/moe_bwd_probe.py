@@ -252,7 +252,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
     wdt = mb._wgrad_dtype(w13, None)  # moe_backward's default: the parameters' dtype
     padded = rows_padded(pt)  # moe_backward's row layout (its rule)
     hid = x.shape[1]
-    flat_tiles = [mb.wgrad_flat_tiles(pt.experts.numel(), n_exp, wdt, ka, kb) for ka, kb in ((f, hid), (hid, 2 * f))]
+    flat_tiles = [mb.wgrad_flat_tiles(wdt, ka, kb) for ka, kb in ((f, hid), (hid, 2 * f))]
     dy_b = dy.to(torch.bfloat16)
 
     def sort(s):
@@ -546,7 +546,7 @@ def run(args) -> list[dict]:
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
                wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
                dgrad2_fused=mb.DGRAD2_FUSED, rows_padded=rows_padded(pt),
-               wgrad_flat_tiles=[list(mb.wgrad_flat_tiles(n_rows, m.experts, mb._wgrad_dtype(pt.inp.w13, None), ka, kb))
+               wgrad_flat_tiles=[list(mb.wgrad_flat_tiles(mb._wgrad_dtype(pt.inp.w13, None), ka, kb))
                                  for ka, kb in ((m.expert_ffn, m.hidden), (m.hidden, 2 * m.expert_ffn))],
                wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
                build_s=round(build_s, 1))

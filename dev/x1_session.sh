@@ -19,6 +19,12 @@ begin_stage() {
   real_out=$out; tarball=$1; export OUT=/tmp/$1-out; out=$OUT; rm -rf "$out"; mkdir -p "$out"
 }
 keep() { tar czf "$real_out/part.tgz" -C "$out" . && mv "$real_out/part.tgz" "$real_out/$tarball.tar.gz"; }
+gpu_tests() {  # LOGNAME SECONDS SELECTION FILE...: the GPU tests of a -k selection, failures and the summary line
+  local log=$1 secs=$2 sel=$3; shift 3
+  timeout "$secs" python -m pytest -v -p no:cacheprovider --timeout $((secs - 20)) -m gpu "$@" -k "$sel" \
+    > "$out/$log.log" 2>&1
+  echo "$log rc=$?"; grep -E "FAILED|ERROR" "$out/$log.log" | sed 's/ *\[.*//'; tail -1 "$out/$log.log"; keep
+}
 bwd_rows() {  # the MoE bench's kosmos / nccl-a2a bwd and fwd+bwd rows of a JSONL file: time and peak memory
   python - "$1" <<'PY'
 import json, sys
@@ -489,9 +495,7 @@ PYEOF
     begin_stage s13a
     ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
     regs_pid=$!
-    timeout 90 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
-      -k "padded" > "$out/gpu-tests-padded.log" 2>&1
-    echo "gpu tests padded rc=$?"; grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-padded.log" | sed 's/ *\[.*//'; keep
+    gpu_tests gpu-tests-padded 90 "padded" tests/test_moe_backward.py
     for k in wgrad2 wgrad1; do
       timeout 120 python -m dev.moe_bwd_tiles --model deepseek-v3 --only $k --max-seconds 100 \
         --json "$out/tiles-dsv3-$k.jsonl" > "$out/tiles-dsv3-$k.log" 2>&1; echo "tiles dsv3 $k rc=$?"; keep
@@ -509,10 +513,7 @@ PYEOF
     begin_stage s13b
     ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
     regs_pid=$!
-    timeout 120 python -m pytest -v -p no:cacheprovider --timeout 80 -m gpu tests/test_moe_backward.py \
-      -k "padded or never_syncs or forwards_gate_up or dgrad" > "$out/gpu-tests-bwd.log" 2>&1
-    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
-    tail -1 "$out/gpu-tests-bwd.log"; keep
+    gpu_tests gpu-tests-bwd 120 "padded or never_syncs or forwards_gate_up or dgrad" tests/test_moe_backward.py
     for m in deepseek-v3 qwen3-235b; do
       timeout 110 python -m dev.moe_bwd_layout_ab --model $m --json "$out/layout-ab-$m.jsonl" \
         > "$out/layout-ab-$m.log" 2>&1; echo "layout ab $m rc=$?"; keep
@@ -531,10 +532,7 @@ PYEOF
          # few-rows flat tiles; where the backward's host time goes (cProfile, qwen3 4k); issue 15's committed
          # qwen3-235b bench (4k, 8k; fwd, bwd, fwd+bwd).
     begin_stage s13c
-    timeout 90 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
-      -k "padded" > "$out/gpu-tests-bwd.log" 2>&1
-    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
-    tail -1 "$out/gpu-tests-bwd.log"; keep
+    gpu_tests gpu-tests-bwd 90 "padded" tests/test_moe_backward.py
     timeout 80 python -m dev.moe_bwd_layout_ab --model qwen3-235b --passes 1 --host-profile 10 \
       --json "$out/host-profile-qwen3.jsonl" > "$out/host-profile-qwen3.log" 2>&1; echo "host profile rc=$?"; keep
     timeout 300 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096,8192 \
@@ -597,10 +595,7 @@ PYEOF
     begin_stage s13h
     ( timeout 200 python dev/kernel_resources.py --world 1 --kernels moe_backward > "$out/regs-bwd.txt" 2>&1 ) &
     regs_pid=$!
-    timeout 100 python -m pytest -v -p no:cacheprovider --timeout 60 -m gpu tests/test_moe_backward.py \
-      -k "padded or never_syncs or forwards_gate_up" > "$out/gpu-tests-bwd.log" 2>&1
-    echo "gpu tests bwd rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-bwd.log" | sed 's/ *\[.*//'
-    tail -1 "$out/gpu-tests-bwd.log"; keep
+    gpu_tests gpu-tests-bwd 100 "padded or never_syncs or forwards_gate_up" tests/test_moe_backward.py
     for m in qwen3-235b deepseek-v3; do
       timeout 80 python -m dev.moe_bwd_tiles --model $m --only wgrad2 --max-seconds 65 \
         --json "$out/tiles-$m-wgrad2.jsonl" > "$out/tiles-$m-wgrad2.log" 2>&1; echo "tiles $m rc=$?"; keep
@@ -625,10 +620,7 @@ PYEOF
          # (one [E, KA, KB] descriptor): its GPU test, then wgrad2 / wgrad1 at deepseek-v3 8k zipf:1.2 (the point
          # furthest behind torch), the first five variants of each.
     begin_stage s13j
-    timeout 60 python -m pytest -v -p no:cacheprovider --timeout 50 -m gpu tests/test_moe_backward.py \
-      -k "padded_gpu" > "$out/gpu-tests-padded.log" 2>&1
-    echo "gpu tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-padded.log" | sed 's/ *\[.*//'
-    tail -1 "$out/gpu-tests-padded.log"; keep
+    gpu_tests gpu-tests-padded 60 "padded_gpu" tests/test_moe_backward.py
     for k in wgrad2 wgrad1; do
       timeout 65 python -m dev.moe_bwd_tiles --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --only $k \
         --max-seconds 50 --json "$out/tiles-dsv3-8k-zipf-$k.jsonl" > "$out/tiles-dsv3-8k-zipf-$k.log" 2>&1

@@ -520,14 +520,12 @@ WGRAD_FLAT_SMEM_PER_SM = 2 * 112 * 1024  # programs per SM by the shared estimat
 WGRAD_FLAT_TILES_TALL = (256, 128, 64, 8, 3)
 
 
-def wgrad_flat_tiles(rows: int, n_experts: int, out_dtype: torch.dtype, ka: int | None = None,
-                     kb: int | None = None):
-    """The flat wgrad's tiles for dW [E, ka, kb] (``rows`` real expert rows over ``n_experts``: kept for a rule
-    that needs them): WGRAD_FLAT_TILES_FP32 for an fp32 output; else the 256-wide side on the shorter dimension,
-    WGRAD_FLAT_TILES_TALL where ka < kb, WGRAD_FLAT_TILES otherwise."""
+def wgrad_flat_tiles(out_dtype: torch.dtype, ka: int, kb: int):
+    """The flat wgrad's tiles for dW [E, ka, kb]: WGRAD_FLAT_TILES_FP32 for an fp32 output; else the 256-wide
+    side on the shorter dimension, WGRAD_FLAT_TILES_TALL where ka < kb, WGRAD_FLAT_TILES otherwise."""
     if out_dtype == torch.float32:
         return WGRAD_FLAT_TILES_FP32
-    return WGRAD_FLAT_TILES_TALL if ka is not None and kb is not None and ka < kb else WGRAD_FLAT_TILES
+    return WGRAD_FLAT_TILES_TALL if ka < kb else WGRAD_FLAT_TILES
 
 
 def padded_rows_bound(rows: int, n_experts: int, pad: int = WGRAD_PAD_ROWS) -> int:
@@ -1387,9 +1385,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     wdt = _wgrad_dtype(w13, wgrad_dtype)
     if padded:  # do (gathered with dy_rows above; gap rows zero) and both weight gradients on the flat loop
         dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt,
-                                         tiles=wgrad_flat_tiles(rows, local, wdt, f, hidden))
+                                         tiles=wgrad_flat_tiles(wdt, f, hidden))
         dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt,
-                                          tiles=wgrad_flat_tiles(rows, local, wdt, hidden, 2 * f))
+                                          tiles=wgrad_flat_tiles(wdt, hidden, 2 * f))
         dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
     else:
         do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
