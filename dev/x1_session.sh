@@ -639,7 +639,8 @@ PYEOF
     tail -1 "$out/gpu-tests-branch.log"; keep
     for pass in 1 2 3; do for t in valid:.base main:.; do
       left=$((545 - SECONDS)); [ $left -lt 60 ] && break 2
-      (cd "${t#*:}" && timeout $left python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 \
+      commit=$KOSMOS_GIT_COMMIT; [ "${t#*:}" = .base ] && commit=${BASE_COMMIT:-unknown}  # each tree its own sha
+      (cd "${t#*:}" && KOSMOS_GIT_COMMIT=$commit timeout $left python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 \
         --tokens 4096,8192 --direction bwd --impl kosmos --no-expert-gemms \
         --out "$out/ab-${t%%:*}-$pass.jsonl" > "$out/ab-${t%%:*}-$pass.log" 2>&1)
       echo "ab ${t%%:*} pass $pass rc=$?"; keep
@@ -657,7 +658,8 @@ PYEOF
     tail -1 "$out/gpu-tests-mx.log"; keep
     for pass in 1 2 3; do for v in values payload; do
       left=$((545 - SECONDS)); [ $left -lt 60 ] && break 2
-      (cd .base && timeout $left python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096,8192 \
+      (cd .base && KOSMOS_GIT_COMMIT=${BASE_COMMIT:-unknown} timeout $left python -m kosmos_bench.cli bench moe --ep 1 \
+        --model qwen3-235b --tokens 4096,8192 \
         --dtype bf16,mxfp8 --impl kosmos --no-expert-gemms --config moe_fwd.mx_w1_rows=$v --out "$out/mx-$v-$pass.jsonl" > "$out/mx-$v-$pass.log" 2>&1)
       echo "mx $v pass $pass rc=$?"; keep
     done; done
