@@ -9,6 +9,8 @@ event; GPU clocks of two ranks are not aligned) and the busy time summed over pr
 A traced call is made (and compiled) before the timed calls, so the trace has no compile skew.
 ``--config KEY=V,...`` (repeatable) runs the whole probe once per ``kosmos.MoEForwardConfig`` (fields as in
 ``kosmos bench moe --config``, e.g. ``copy_cols=256,half_tail=false``), in one call;
+``--dtype bf16,mxfp8`` runs it once per precision (mxfp8: x quantized inside the call, the experts' MX weight
+values made once, as ``kosmos bench moe --dtype mxfp8`` times it), so the MX layer's extra time shows per task kind;
 ``--tree DIR`` (repeatable) once per source tree (e.g. a branch checked out with git archive), in a subprocess.
 Writes DIR/trace-moe-<model>-<tokens>-<routing>-w<W>.json (render: ``kosmos report --timeline FILE``).
 """
@@ -30,11 +32,12 @@ def probe_configs(texts) -> list:
 
 
 def _rank_main(rank, world, args):
-    for i, (variant, config) in enumerate(probe_configs(args.configs)):
-        _probe(rank, world, args, variant, config, i)
+    runs = [(d, c) for d in args.dtypes for c in probe_configs(args.configs)]
+    for i, (dtype, (variant, config)) in enumerate(runs):
+        _probe(rank, world, args, variant, config, i if len(runs) > 1 else None, dtype)
 
 
-def _probe(rank, world, args, variant: str, config, index: int):
+def _probe(rank, world, args, variant: str, config, index, dtype: str = "bf16"):
     import kosmos
     from kosmos import runtime
     from kosmos.config import config_dict
@@ -47,6 +50,10 @@ def _probe(rank, world, args, variant: str, config, index: int):
     x, wr, bias, _ = bm.make_router_inputs(m, args.tokens, args.routing, rank, 0, device=dev)
     w13, w2 = bm.make_expert_weights(m, world, rank, 0, device=dev)
     kw = bm.route_kwargs(m, bias)
+    if dtype == "mxfp8":  # as the bench times it: x quantized in the call, the weights' MX values made once
+        from kosmos_bench.moe_mx import mx_expert_weights
+        w13, w2 = mx_expert_weights(w13, w2)
+        kw["precision"] = "mxfp8"
     policy = dict(policy="fixed", comm_programs=args.fixed) if args.fixed else {}
     grid = runtime.num_sms(dev)
     buf = torch.zeros((grid, TRACE_EVENTS, 4), dtype=torch.int64, device=dev)
@@ -80,7 +87,7 @@ def _probe(rank, world, args, variant: str, config, index: int):
         gathered = [(events, sorted(times)[len(times) // 2])]
     if rank != 0:
         return
-    print(f"{args.model} tokens={args.tokens} routing={args.routing} W={world} policy={policy or 'self'} "
+    print(f"{args.model} tokens={args.tokens} routing={args.routing} W={world} {dtype} policy={policy or 'self'} "
           f"config=[{variant or 'defaults'}]: median call {max(t for _, t in gathered):.3f} ms (max over ranks)")
     print(f"{'rank':>4} {'kind':>8} {'tasks':>6} {'first_us':>9} {'last_us':>9} {'busy_us/prog':>13}")
     for r, (evs, _) in enumerate(gathered):
@@ -94,11 +101,11 @@ def _probe(rank, world, args, variant: str, config, index: int):
                   f"{busy:>13.1f}")
     os.makedirs(args.out, exist_ok=True)
     doc = {"type": "trace", "op": "moe", "model": args.model, "tokens": args.tokens, "routing": args.routing,
-           "world": world, "impl": "kosmos", "variant": variant,
+           "world": world, "impl": "kosmos", "variant": variant, "dtype": dtype,
            "config": config_dict(config),
            "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
            "ranks": [{"rank": r, "events": evs} for r, (evs, _) in enumerate(gathered)]}
-    suffix = f"-v{index}" if args.configs else ""
+    suffix = f"-v{index}" if index is not None else ""
     name = f"trace-moe-{args.model}-{args.tokens}-{args.routing.replace(':', '')}-w{world}{suffix}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(doc, f)
@@ -113,6 +120,8 @@ def main(argv=None):
     p.add_argument("--routing", default="uniform")
     p.add_argument("--world", type=int, default=None)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--dtype", dest="dtypes", type=lambda v: v.split(","), default=["bf16"],
+                   help="bf16, mxfp8 or bf16,mxfp8 (one run each, in this order)")
     p.add_argument("--fixed", type=int, default=0, help="fixed-role policy with this many data-moving programs")
     p.add_argument("--config", dest="configs", action="append", default=None,
                    help="a MoEForwardConfig for one run, e.g. half_tail=false,copy_cols=128 (keys as in `kosmos "
@@ -128,6 +137,8 @@ def main(argv=None):
         probe_configs(args.configs)  # a bad key fails here, before anything spawns
     except ValueError as e:
         p.error(str(e))
+    if bad := [d for d in args.dtypes if d not in ("bf16", "mxfp8")]:
+        p.error(f"--dtype: {bad[0]!r} is not bf16 or mxfp8")
     if args.trees:
         return _run_trees(args, argv if argv is not None else sys.argv[1:])
     spawn(_rank_main, check_world(args.world), args, timeout_s=600)

@@ -892,3 +892,11 @@ def test_out_of_memory_reason_is_one_line():
                                     "of 139.80 GiB of which 3.1 GiB is free.\nOf the allocated memory ...")
     reason = error_reason(e)
     assert reason.startswith("out of memory: needs 28.00 GiB more") and "\n" not in reason
+
+
+def test_moe_probe_dtype_refused_before_anything_runs(capsys):
+    """moe_probe --dtype: bf16 and/or mxfp8; anything else is refused by name before a rank spawns."""
+    from dev import moe_probe
+    with pytest.raises(SystemExit):
+        moe_probe.main(["--out", "o", "--dtype", "bf16,fp4"])
+    assert "--dtype: 'fp4' is not bf16 or mxfp8" in capsys.readouterr().err
