@@ -156,7 +156,11 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=True))),
            ("moe_bwd dgrad1", _compile_among(mb, "_dgrad1_kernel", lambda: mb.expert_dgrad1(gu, w13, counts))),
            ("moe_bwd swiglu_backward+h", _compile_among(mb, "_swiglu_backward_kernel", lambda: mb.expert_dgrad2_swiglu(
-               dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=False)))]
+               dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=False))),
+           ("moe_bwd swiglu_backward padded", _compile_among(mb, "_swiglu_backward_kernel", lambda: (
+               mb.expert_dgrad2_swiglu(x_pad, gu_pad, w2, torch.empty(rows_pad, device=dev), counts, emit_h=True,
+                                       fused=False, offs=pad_offs,
+                                       valid=torch.ones(rows_pad, dtype=torch.bool, device=dev)))))]
     tok = torch.zeros(rows, dtype=torch.int64, device=dev)
     out += [("moe_bwd sum_partials", _compile_among(mb, "_sum_partials_kernel", lambda: mb.sum_partials(
                 torch.empty(rows, f // 64, dtype=torch.float32, device=dev)))),

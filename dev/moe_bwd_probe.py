@@ -293,7 +293,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         if emits_h:
             dgu, dw_rows, h = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"],
                                                       emit_h=True, fused=False if padded else None,
-                                                      offs=s.get("pad_offs"))
+                                                      offs=s.get("pad_offs"), valid=s.get("valid"))
             return {"dgu": dgu, "dw_rows": dw_rows, "h": h}
         dgu, dw_rows = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"])
         return {"dgu": dgu, "dw_rows": dw_rows}
@@ -360,10 +360,10 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
                    rows_out=True)),
         Stage("gu_saved", "torch gather" if pt.saved is not None else "-",
               "[g|u]: the forward's (moe_forward save_gu) in the backward's order; without it, the recompute",
-              ("gu_recomputed", "counts", "x_rows", "order", "valid", "real"), gu_saved),
+              ("gu_recomputed", "counts", "x_rows", "order", "real"), gu_saved),
         Stage("dgrad2_swiglu", "kosmos triton (+ torch glue)",
               "z = dy_rows W2^T; SwiGLU bwd -> [dg|du] bf16; gate grads (F-tile partials summed in one launch)",
-              ("dy_rows", "gu", "w_pair", "counts", "pad_offs"), dgrad2,
+              ("dy_rows", "gu", "w_pair", "counts", "pad_offs", "valid"), dgrad2,
               Gemm(lambda r, h, ff: 2 * r * h * ff, lambda s, o: gm(s["dy_rows"], w2t, o),
                    "_grouped_mm(dy_rows, W2^T) bf16 out (no epilogue)", None, row_operands=("dy_rows",))),
         Stage("h_recompute", "none (h from dgrad2's epilogue)" if emits_h else "kosmos triton",

@@ -244,6 +244,35 @@ def test_expert_dgrad2_swiglu_interpreter(counts, h, f, mode, monkeypatch):  # H
     assert torch.equal(h_rows.view(torch.int16), mb.swiglu_h(args[1], f).view(torch.int16))
 
 
+@pytest.mark.interpreter
+def test_expert_dgrad2_swiglu_padded_ignores_unwritten_gap_rows(monkeypatch):
+    """The padded layout's dgrad2: the GEMM leaves z's gap rows unwritten (here: NaN), and the SwiGLU pass reads
+    them as zeros through ``valid`` -- dgu, h and the gate gradient are zero there, and the rows of the experts
+    are bitwise the packed layout's."""
+    from kosmos.kernels import moe_backward as mb
+    counts, h, f = [5, 0, 21, 1], 32, 24
+    dy_rows, gu, w2, w_pair, cnt = _dgrad2_inputs(counts, h, f, "cpu")
+    pad_offs, row_of, real_of = mb.padded_layout(cnt, int(cnt.sum()))
+    valid, real = real_of >= 0, real_of.clamp(min=0)
+    idx = torch.where(valid, real, -1)
+    dy_p, gu_p = mb.gather_rows(dy_rows, idx), mb.gather_rows(gu, idx)
+    w_p = torch.where(valid, w_pair[real], 0.0)
+    real_dgrad1 = mb.expert_dgrad1
+
+    def dgrad1_with_nan_gaps(*args, **kw):
+        z = real_dgrad1(*args, **kw)
+        return z.masked_fill(~valid[:, None], float("nan"))
+
+    want = mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt, emit_h=True, fused=False)  # packed
+    monkeypatch.setattr(mb, "expert_dgrad1", dgrad1_with_nan_gaps)
+    dgu, dw, hh = mb.expert_dgrad2_swiglu(dy_p, gu_p, w2, w_p, cnt, emit_h=True, fused=False, offs=pad_offs,
+                                          valid=valid)
+    for got, ref in zip((dgu, dw, hh), want):
+        assert not got[~valid].any() and torch.equal(got[row_of], ref)
+    with pytest.raises(ValueError, match="come together"):
+        mb.expert_dgrad2_swiglu(dy_p, gu_p, w2, w_p, cnt, fused=False, offs=pad_offs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-epilogue", "unfused"])
 def test_expert_dgrad2_swiglu_gpu(no_tf32, fused):

@@ -227,7 +227,8 @@ MEASURED (session 13, one H200, Triton 3.6; results/h200x1/s13, calls a-h):
   the packed twin): ``padded_layout`` gives the sorted rows' padded places (index tensors, no host sync);
   ``gather_rows`` / ``gather_rows_and_scaled`` gather x_rows, dy_rows and do = w * dy (one read of dy's rows)
   straight into it with zero gap rows (index -1), the saved g | u likewise; dgrad2's GEMM and dgrad1 take the
-  padded offsets (z zero-filled so that the SwiGLU pass makes zero gap rows of [dg | du] and h); the dispatch
+  padded offsets (the SwiGLU pass reads z's unwritten gap rows as zeros, through the rows' validity, so [dg |
+  du], h and the gate gradients are zero there; session 13 first zero-filled z, R_pad x F bf16); the dispatch
   backward and the gate gradients read the rows back through ``row_of``. Every row's arithmetic is the packed
   path's, so the gradients are bitwise the packed path's (interpreter tests at W = 1 and 2, GPU test, and the
   layout A/B at both models). Whole backward, interleaved in one process (dev/moe_bwd_layout_ab): qwen3 4k 6.97
@@ -839,13 +840,17 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
 
 
 @triton.jit
-def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, R, F, BR: tl.constexpr,
-                            BF: tl.constexpr, EMIT_H: tl.constexpr, INTERP: tl.constexpr):
+def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, R, F, BR: tl.constexpr,
+                            BF: tl.constexpr, EMIT_H: tl.constexpr, INTERP: tl.constexpr, HAS_VALID: tl.constexpr):
     """The dgrad2 epilogue's arithmetic as a pass of its own over BR rows (the unfused dgrad2): z [R, F] bf16
     (= dy_rows W2[e]^T from the GEMM), g | u, w -> [dg | du] bf16, h bf16 (EMIT_H) and the gate gradient dw[r]
-    = sum over F of z * h, summed in BF-column steps left to right in fp32 (deterministic)."""
+    = sum over F of z * h, summed in BF-column steps left to right in fp32 (deterministic). HAS_VALID: z's rows
+    with valid[r] == 0 (the padded layout's gap rows, which the GEMM does not write) read as zeros."""
     i = tl.program_id(0) * BR + tl.arange(0, BR)
     rm = i < R
+    zm = rm
+    if HAS_VALID:
+        zm = rm & (tl.load(valid_ptr + i, mask=rm, other=0) != 0)
     i64 = i.to(tl.int64)
     wp = tl.load(wp_ptr + i, mask=rm, other=0.0)
     dw = tl.zeros((BR,), dtype=tl.float32)
@@ -854,7 +859,8 @@ def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, R, F,
         c = col + c0
         mask = rm[:, None] & (c < F)[None, :]
         o2 = i64[:, None] * (2 * F) + c[None, :]
-        z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=zm[:, None] & (c < F)[None, :],
+                    other=0.0).to(tl.float32)
         g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
         h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
@@ -880,7 +886,7 @@ DGRAD2_FUSED = False
 
 def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor, w_pair: torch.Tensor,
                          counts: torch.Tensor, *, emit_h: bool = False, tiles=None, fused: bool | None = None,
-                         offs=None):
+                         offs=None, valid=None):
     """Item 2 of the module docstring for expert-sorted rows: dy_rows [R, H] bf16 (each row's token gradient),
     gu [R, 2F] bf16 (the forward's g | u), w2 [E, F, H] bf16, w_pair [R] fp32 (each row's gate weight), counts
     [E] (rows per expert, consecutive). Returns (dgu [R, 2F] bf16 = [dg | du], dw_rows [R] fp32 = <dy_t, o_p>,
@@ -890,23 +896,30 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
     (None: DGRAD2_FUSED): False computes z = dy_rows W2[e]^T with the dgrad1 GEMM kernel (``tiles`` its tile,
     default DGRAD1_TILES), rounded to bf16 as autograd's GEMM output is, then the epilogue's arithmetic in a pass
     of its own (_swiglu_backward_kernel): the same outputs up to that rounding of z. ``offs`` (unfused only):
-    each expert's first row in the padded layout (padded_row_offsets; the gap rows of dy_rows, gu zero, of
-    w_pair finite), whose gap rows then come out zero in dgu and h (z's gap rows are zero-filled)."""
+    each expert's first row in the padded layout (padded_row_offsets; the gap rows of gu zero, of w_pair finite)
+    with ``valid`` [R] (bool: the rows of some expert, padded_layout's real_of >= 0), whose other rows then come
+    out zero in dgu, h and dw_rows: the SwiGLU pass reads z there as zeros (the GEMM leaves them unwritten)."""
     r_all, h = dy_rows.shape
     e, f, h2 = w2.shape
     if h2 != h or gu.shape != (r_all, 2 * f) or w_pair.shape != (r_all,) or counts.shape != (e,):
         raise ValueError(f"shapes disagree: dy_rows {tuple(dy_rows.shape)}, gu {tuple(gu.shape)}, w2 "
                          f"{tuple(w2.shape)}, w_pair {tuple(w_pair.shape)}, counts {tuple(counts.shape)}")
+    if (offs is None) != (valid is None) or (valid is not None and valid.shape != (r_all,)):
+        raise ValueError(f"offs and valid come together (the padded layout), valid shaped [{r_all}]")
     if not (DGRAD2_FUSED if fused is None else fused):
-        z = expert_dgrad1(dy_rows, w2, counts, tiles=tiles, offs=offs, zero_gaps=offs is not None)
+        z = expert_dgrad1(dy_rows, w2, counts, tiles=tiles, offs=offs)
         dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
         dw_rows = torch.empty((r_all,), dtype=torch.float32, device=dy_rows.device)
         hb = torch.empty((r_all, f) if emit_h else (1,), dtype=torch.bfloat16, device=dy_rows.device)
         if r_all and f:
             br, bf = (4, 16) if planning.interpreting() else (8, min(256, triton.next_power_of_2(f)))
+            has_valid = valid is not None
             _swiglu_backward_kernel[(triton.cdiv(r_all, br),)](z, gu.contiguous(), w_pair.float().contiguous(), dgu,
-                                                               hb, dw_rows, r_all, f, BR=br, BF=bf, EMIT_H=emit_h,
-                                                               INTERP=planning.interpreting(), num_warps=8)
+                                                               hb, dw_rows,
+                                                               valid.contiguous().view(torch.uint8) if has_valid
+                                                               else dw_rows, r_all, f, BR=br, BF=bf, EMIT_H=emit_h,
+                                                               INTERP=planning.interpreting(), HAS_VALID=has_valid,
+                                                               num_warps=8)
         return (dgu, dw_rows, hb) if emit_h else (dgu, dw_rows)
     if offs is not None:
         raise ValueError("expert_dgrad2_swiglu: the padded layout (offs=) runs unfused only")
@@ -987,10 +1000,10 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
 DGRAD1_TILES = (128, 256, 64, 8, 4)
 
 
-def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *, tiles=None, offs=None,
-                  zero_gaps: bool = False) -> torch.Tensor:
+def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *, tiles=None,
+                  offs=None) -> torch.Tensor:
     """Item 3 of the module docstring: dgu [R, 2F] bf16, w13 [E, H, 2F] bf16, counts [E] -> dx_rows [R, H] bf16
-    (rows of no expert: unspecified, or zeros with ``zero_gaps``). ``tiles``: (BM, BN, BK, warps, stages)
+    (rows of no expert: unspecified). ``tiles``: (BM, BN, BK, warps, stages)
     instead of DGRAD1_TILES (GPU). ``offs``: each expert's first row (the padded layout's padded_row_offsets)
     instead of the rows packed in expert order."""
     r_all = dgu.shape[0]
@@ -1003,7 +1016,7 @@ def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *,
     else:  # session 10: 2.04 ms at qwen3-235b 4k (404 TF/s, 0.82x torch._grouped_mm)
         bm, bn, bk, warps, stages = tiles or DGRAD1_TILES
     counts32, offs, first_mtile, elp2, n_m = _mtile_plan(counts, r_all, bm, offs)
-    dx = (torch.zeros if zero_gaps else torch.empty)((r_all, h), dtype=torch.bfloat16, device=dgu.device)
+    dx = torch.empty((r_all, h), dtype=torch.bfloat16, device=dgu.device)
     tma = f2 % 8 == 0 and dgu.is_contiguous() and w13.is_contiguous() and \
         all(t.data_ptr() % 16 == 0 for t in (dgu, w13))
     if tma:
@@ -1378,7 +1391,8 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         gu = _expert_gemm1(x_rows, w13, counts, pad_offs)
     if dgrad2_emits_h() or padded:  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
         dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True,
-                                               fused=False if padded else None, offs=pad_offs)
+                                               fused=False if padded else None, offs=pad_offs,
+                                               valid=valid if padded else None)
     else:
         dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
         h = swiglu_h(gu, f)
