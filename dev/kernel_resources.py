@@ -170,6 +170,9 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                                              lambda: mb.gather_rows(dy_rows[:rows // 8], tok))),
             ("moe_bwd gather+scaled", _compile_among(mb, "_gather_rows_kernel",
                                                lambda: mb.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair))),
+            ("moe_bwd gather+scaled limit", _compile_among(mb, "_gather_rows_kernel", lambda: (
+                mb.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair,
+                                          torch.zeros(1, dtype=torch.int32, device=dev))))),
             ("moe_bwd swiglu_h", _compile_among(mb, "_swiglu_h_kernel", lambda: mb.swiglu_h(gu, f))),
             ("moe_bwd unpermute_sum", _compile_among(mb, "_unpermute_sum_kernel",
                                                lambda: mb.unpermute_sum(x_rows, torch.arange(rows, device=dev), 8)))]

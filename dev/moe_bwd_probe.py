@@ -261,9 +261,9 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         order = torch.sort(flat, stable=True).indices
         out = {"experts_l": experts, "order": order, "tok": order // k, "counts": mb.expert_counts(flat, n_exp)}
         if padded:  # the padded layout's bookkeeping (index tensors only), as moe_backward does it
-            pad_offs, row_of, real_of = mb.padded_layout(out["counts"], order.shape[0])
+            pad_offs, row_of, real_of, end = mb.padded_layout(out["counts"], order.shape[0])
             valid, real = real_of >= 0, real_of.clamp(min=0)
-            out.update(pad_offs=pad_offs, row_of=row_of, valid=valid, real=real,
+            out.update(pad_offs=pad_offs, row_of=row_of, valid=valid, real=real, end=end,
                        src_idx=torch.where(valid, out["tok"][real], -1))
         return out
 
@@ -272,8 +272,9 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         w_pair = s["weights"].reshape(-1).float()[order].contiguous()
         if padded:  # do = w * dy from the same read of dy's rows (the do_rows stage then has nothing to do)
             w_pair = torch.where(s["valid"], w_pair[s["real"]], 0.0)
-            dy_rows, do = mb.gather_rows_and_scaled(dy_b, s["src_idx"], w_pair)
-            return {"x_rows": mb.gather_rows(x, s["src_idx"]), "dy_rows": dy_rows, "do_rows": do, "w_pair": w_pair}
+            dy_rows, do = mb.gather_rows_and_scaled(dy_b, s["src_idx"], w_pair, s["end"])
+            return {"x_rows": mb.gather_rows(x, s["src_idx"], s["end"]), "dy_rows": dy_rows, "do_rows": do,
+                    "w_pair": w_pair}
         return {"x_rows": x[tok].contiguous(), "dy_rows": dy_b[tok].contiguous(), "w_pair": w_pair}
 
     def gemm1(s):  # timed either way: what keeping g | u saves (or costs, when the decision is route's)
@@ -284,7 +285,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
             return {"gu": s["gu_recomputed"]}
         if padded:
             idx = pt.saved.backward_order_index(s["counts"], s["order"].shape[0])
-            return {"gu": mb.gather_rows(pt.saved.gu, torch.where(s["valid"], idx[s["real"]], -1))}
+            return {"gu": mb.gather_rows(pt.saved.gu, torch.where(s["valid"], idx[s["real"]], -1), s["end"])}
         return {"gu": pt.saved.in_backward_order(s["counts"], s["x_rows"].shape[0])}
 
     emits_h = mb.dgrad2_emits_h() or padded  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
@@ -352,7 +353,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         Stage("sort", "torch", "pairs sorted by expert (stable), counts per expert", ("experts",), sort),
         Stage("permute", "kosmos triton" if padded else "torch",
               "x_rows, dy_rows, w_pair gathered in expert order" + (" (padded layout)" if padded else ""),
-              ("tok", "order", "weights", "src_idx", "valid", "real"), permute),
+              ("tok", "order", "weights", "src_idx", "valid", "real", "end"), permute),
         Stage("gemm1_recompute", "torch._grouped_mm", "[g|u] = x_rows @ W13[e] (forward GEMM1 again)",
               ("x_rows", "counts", "pad_offs"), gemm1,
               Gemm(lambda r, h, ff: 2 * r * h * 2 * ff, lambda s, o: gm(s["x_rows"], w13, o),
@@ -360,7 +361,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
                    rows_out=True)),
         Stage("gu_saved", "torch gather" if pt.saved is not None else "-",
               "[g|u]: the forward's (moe_forward save_gu) in the backward's order; without it, the recompute",
-              ("gu_recomputed", "counts", "x_rows", "order", "real"), gu_saved),
+              ("gu_recomputed", "counts", "x_rows", "order", "real", "end"), gu_saved),
         Stage("dgrad2_swiglu", "kosmos triton (+ torch glue)",
               "z = dy_rows W2^T; SwiGLU bwd -> [dg|du] bf16; gate grads (F-tile partials summed in one launch)",
               ("dy_rows", "gu", "w_pair", "counts", "pad_offs", "valid"), dgrad2,

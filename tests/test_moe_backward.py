@@ -252,7 +252,7 @@ def test_expert_dgrad2_swiglu_padded_ignores_unwritten_gap_rows(monkeypatch):
     from kosmos.kernels import moe_backward as mb
     counts, h, f = [5, 0, 21, 1], 32, 24
     dy_rows, gu, w2, w_pair, cnt = _dgrad2_inputs(counts, h, f, "cpu")
-    pad_offs, row_of, real_of = mb.padded_layout(cnt, int(cnt.sum()))
+    pad_offs, row_of, real_of, _ = mb.padded_layout(cnt, int(cnt.sum()))
     valid, real = real_of >= 0, real_of.clamp(min=0)
     idx = torch.where(valid, real, -1)
     dy_p, gu_p = mb.gather_rows(dy_rows, idx), mb.gather_rows(gu, idx)
@@ -413,8 +413,11 @@ def test_gather_rows_and_padded_layout():
     both = mb.gather_rows_and_scaled(src, idx, w)
     assert torch.equal(both[0], want) and torch.equal(both[1], mb.scaled_rows(src, idx, w))
     counts = torch.tensor([3, 0, 70, 1, 0])
-    pad_offs, row_of, real_of = mb.padded_layout(counts, int(counts.sum()))
-    assert pad_offs.tolist() == [0, 64, 64, 192, 256]
+    pad_offs, row_of, real_of, end = mb.padded_layout(counts, int(counts.sum()))
+    assert pad_offs.tolist() == [0, 64, 64, 192, 256] and end.tolist() == [256]
+    assert mb.padded_layout(torch.tensor([3, 70, 0]), 73)[3].tolist() == [192]
+    limited = mb.gather_rows(src, idx, torch.tensor([4], dtype=torch.int32))
+    assert torch.equal(limited[:4], want[:4])  # rows from the limit on: not written
     assert row_of.tolist() == [0, 1, 2] + list(range(64, 134)) + [192]
     assert real_of.shape[0] == mb.padded_rows_bound(74, 5)
     assert torch.equal(real_of[row_of], torch.arange(74)) and int((real_of >= 0).sum()) == 74

@@ -568,8 +568,9 @@ def padded_layout(counts: torch.Tensor, rows: int, pad: int = WGRAD_PAD_ROWS):
     """The padded row layout of ``rows`` expert-sorted rows (counts [E] per expert, in order), on the device
     with no host synchronisation: (pad_offs [E] int32 = padded_row_offsets, row_of [rows] int64 -- sorted row
     i's padded row --, real_of [padded_rows_bound(rows, E)] int64 -- each padded row's sorted row, -1 for the
-    gap rows and the tail). moe_backward gathers its expert rows through real_of (gather_rows: -1 gives zeros)
-    and reads them back through row_of."""
+    gap rows and the tail), end [1] int32 -- the last expert's padded end: rows from it on are read by no one).
+    moe_backward gathers its expert rows through real_of (gather_rows: -1 gives zeros; none past ``end``) and
+    reads them back through row_of."""
     e = counts.shape[0]
     dev_ = counts.device
     c = counts.to(torch.int64)
@@ -578,7 +579,8 @@ def padded_layout(counts: torch.Tensor, rows: int, pad: int = WGRAD_PAD_ROWS):
     row_of = torch.arange(rows, device=dev_) + (pad_offs.to(torch.int64) - (torch.cumsum(c, 0) - c))[expert_of]
     real_of = torch.full((padded_rows_bound(rows, e, pad),), -1, dtype=torch.int64, device=dev_)
     real_of[row_of] = torch.arange(rows, device=dev_)
-    return pad_offs, row_of, real_of
+    end = (pad_offs[-1:] + (c[-1:].to(torch.int32) + pad - 1) // pad * pad) if e else pad_offs.new_zeros(1)
+    return pad_offs, row_of, real_of, end
 
 
 @triton.jit
@@ -1060,12 +1062,16 @@ def sum_partials(p: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, scaled_ptr, H, BH: tl.constexpr, PLAIN: tl.constexpr,
-                        SCALED: tl.constexpr, RNE_BITS: tl.constexpr):
+def _gather_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, scaled_ptr, limit_ptr, H, BH: tl.constexpr,
+                        PLAIN: tl.constexpr, SCALED: tl.constexpr, RNE_BITS: tl.constexpr, HAS_LIMIT: tl.constexpr):
     """From one read of src[idx[i]]: out[i] = src[idx[i]] (PLAIN) and scaled[i] = bf16(w[i] * fp32(src[idx[i]]))
     (SCALED: one fp32 product rounded to nearest even); a row with idx[i] < 0 is zeros (the padded row layout's
-    gap rows)."""
+    gap rows). HAS_LIMIT: rows i >= limit[0] (past the padded layout's last expert: read by no one) are not
+    written at all."""
     i = tl.program_id(0)
+    if HAS_LIMIT:
+        if i >= tl.load(limit_ptr):
+            return
     c = tl.program_id(1) * BH + tl.arange(0, BH)
     row = tl.load(idx_ptr + i).to(tl.int64)
     m = c < H
@@ -1077,8 +1083,9 @@ def _gather_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, scaled_ptr, H, BH: tl.
                  _to_out(v.to(tl.float32) * tl.load(w_ptr + i), tl.bfloat16, RNE_BITS), mask=m)
 
 
-def _launch_gather_rows(src: torch.Tensor, idx: torch.Tensor, w, plain: bool):
-    """(src[idx] or None, bf16(w * src[idx]) or None) by _gather_rows_kernel (``w`` None: no scaled rows)."""
+def _launch_gather_rows(src: torch.Tensor, idx: torch.Tensor, w, plain: bool, limit=None):
+    """(src[idx] or None, bf16(w * src[idx]) or None) by _gather_rows_kernel (``w`` None: no scaled rows;
+    ``limit``: a 1-element int tensor, rows from it on left unwritten)."""
     r, h = idx.shape[0], src.shape[1]
     if src.shape[0] == 0:  # no rows to read: every index is -1, every row zero (and no launch on an empty src)
         return (src.new_zeros((r, h)) if plain else None,
@@ -1090,8 +1097,9 @@ def _launch_gather_rows(src: torch.Tensor, idx: torch.Tensor, w, plain: bool):
         _gather_rows_kernel[(r, triton.cdiv(h, bh))](src.contiguous(), idx.contiguous(),
                                                      src if w is None else w.float().contiguous(),
                                                      src if out is None else out, src if scaled is None else scaled,
-                                                     h, BH=bh, PLAIN=plain, SCALED=w is not None,
-                                                     RNE_BITS=planning.interpreting(), num_warps=4)
+                                                     idx if limit is None else limit, h, BH=bh, PLAIN=plain,
+                                                     SCALED=w is not None, RNE_BITS=planning.interpreting(),
+                                                     HAS_LIMIT=limit is not None, num_warps=4)
     return out, scaled
 
 
@@ -1101,19 +1109,21 @@ def scaled_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.
     return _launch_gather_rows(src, idx, w, plain=False)[1]
 
 
-def gather_rows_and_scaled(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+def gather_rows_and_scaled(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit=None):
     """(gather_rows(src, idx), scaled_rows(src, idx, w)) from one read of the rows (bitwise the two calls'):
-    moe_backward's dy_rows for GEMM2's data gradient and do = w * dy_rows for its weight gradient."""
-    return _launch_gather_rows(src, idx, w, plain=True)
+    moe_backward's dy_rows for GEMM2's data gradient and do = w * dy_rows for its weight gradient. ``limit``:
+    as gather_rows'."""
+    return _launch_gather_rows(src, idx, w, plain=True, limit=limit)
 
 
-def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, limit=None) -> torch.Tensor:
     """src[idx] with zero rows where idx < 0 (the padded layout's gap rows), in one pass: src [T, H], idx [R]
-    int -> [R, H] in src's dtype; torch where Triton cannot run."""
+    int -> [R, H] in src's dtype; torch where Triton cannot run. ``limit`` (a 1-element int tensor on the
+    device, e.g. padded_layout's end): rows from limit[0] on are left unwritten (unspecified)."""
     if not _triton_runs(src):
         out = src[idx.clamp(min=0).long()]
         return out.masked_fill_((idx < 0)[:, None], 0)
-    return _launch_gather_rows(src, idx, None, plain=True)[0]
+    return _launch_gather_rows(src, idx, None, plain=True, limit=limit)[0]
 
 
 @triton.jit
@@ -1364,14 +1374,14 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         padded = PADDED_ROWS
     padded = padded and _triton_runs(x) and hidden % 8 == 0 and f % 8 == 0
     if padded:  # every expert row gathered straight into the padded layout (gap rows: index -1, zeros)
-        pad_offs, row_of, real_of = padded_layout(counts, rows)
+        pad_offs, row_of, real_of, end = padded_layout(counts, rows)
         valid, real = real_of >= 0, real_of.clamp(min=0)
         def into_padded(idx):  # a gather index of the sorted rows -> of the padded ones (-1: a zero row)
             return torch.where(valid, idx[real], -1) if rows else torch.full_like(real_of, -1)
         src_idx = into_padded(src_idx)
         w_pair = torch.where(valid, w_pair[real], 0.0) if rows else torch.zeros(real_of.shape, device=x.device)
-        x_rows = gather_rows(src_x, src_idx)
-        dy_rows, do_rows = gather_rows_and_scaled(src_dy, src_idx, w_pair)  # do = w * dy: one read of dy's rows
+        x_rows = gather_rows(src_x, src_idx, end)  # rows past ``end``: left unwritten (read by no one)
+        dy_rows, do_rows = gather_rows_and_scaled(src_dy, src_idx, w_pair, end)  # do = w * dy: one read of dy
     else:
         pad_offs = row_of = None
         if world == 1:
@@ -1384,7 +1394,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
                              f"{saved_gu.top_k}) is not this layer's forward (2F={w13.shape[2]}, world {world}, "
                              f"top_k {k})")
         if padded:
-            gu = gather_rows(saved_gu.gu, into_padded(saved_gu.backward_order_index(counts, rows)))
+            gu = gather_rows(saved_gu.gu, into_padded(saved_gu.backward_order_index(counts, rows)), end)
         else:
             gu = saved_gu.in_backward_order(counts, rows)
     else:
