@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -664,5 +664,18 @@ PYEOF
       echo "mx $v pass $pass rc=$?"; keep
     done; done
     for f in "$out"/mx-*-*.log; do echo "$f"; sed -n '/mxfp8 \/ bf16/,/^$/p' "$f" | head -9; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b" >&2; exit 2 ;;
+  s14c)  # session 14 (<= 400 s; tarball $OUT/s14c.tar.gz): issue 14's MX forward by task kind (moe_probe --dtype
+         # bf16,mxfp8, qwen3-235b and deepseek-v3 4k: where mxfp8's extra 15% goes), then issue 15's dgrad tiles
+         # at deepseek-v3 8k zipf:1.2 (0.96x torch there, 1.25x at 4k).
+    begin_stage s14c
+    for m in qwen3-235b deepseek-v3; do
+      timeout 120 python -m dev.moe_probe --model $m --tokens 4096 --dtype bf16,mxfp8 --out "$out/probe-$m" \
+        > "$out/probe-$m.log" 2>&1; echo "probe $m rc=$?"; keep
+    done
+    timeout 130 python -m dev.moe_bwd_tiles --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --only dgrad1,dgrad2 \
+      --max-seconds 100 --json "$out/tiles-dsv3-8k-zipf-dgrad.jsonl" > "$out/tiles-dsv3-8k-zipf-dgrad.log" 2>&1
+    echo "tiles dgrad rc=$?"; keep
+    for m in qwen3-235b deepseek-v3; do grep -vE "^\s*$" "$out/probe-$m.log" | grep -v Warning | tail -24; done
+    grep -E "^  dgrad" "$out/tiles-dsv3-8k-zipf-dgrad.log" | cut -c1-120 | head -20 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c" >&2; exit 2 ;;
 esac
