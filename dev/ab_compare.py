@@ -27,7 +27,8 @@ from collections import defaultdict
 
 def _load(paths):
     """(rows, source_shas): the ok rows by point and the set of env headers' source_sha over the files."""
-    # (op, model, layer, seq + routing for MoE points, M x N x K, impl) -> [(time_ms, t_gemm_ms)]: a custom grid's
+    # (op, model, layer [/dtype][/direction], seq + routing for MoE points, M x N x K, impl) -> [(time_ms,
+    # t_gemm_ms)]: a custom grid's
     # shapes share model and layer ("custom") and often M, so the GEMM shape is part of the key
     rows = defaultdict(list)
     shas = set()
@@ -41,7 +42,10 @@ def _load(paths):
             if r.get("type") == "result" and r.get("status") == "ok":
                 seq = r["seq"] if r.get("routing") is None else f"{r['seq']}/{r['routing']}"
                 shape = "x".join(str(r.get(d, "-")) for d in ("m", "n", "k"))
-                rows[(r["op"], r["model"], r["layer"], seq, shape, r["impl"])].append(
+                # rows of one point at another precision or direction are other points (bench --dtype bf16,mxfp8)
+                layer = "/".join([r["layer"]] + [v for v in (r.get("dtype"), r.get("direction"))
+                                                 if v not in (None, "bf16", "fwd")])
+                rows[(r["op"], r["model"], layer, seq, shape, r["impl"])].append(
                     (r["time_ms"], r.get("t_gemm_ms") or float("nan")))
     return rows, shas
 
@@ -66,7 +70,7 @@ def main(argv=None):
         return 2
     print(f"base source {min(base_src)[:12]}, new source {min(new_src)[:12]}")
     keys = sorted({k[:5] for k in base if k[5] == args.impl} & {k[:5] for k in new if k[5] == args.impl})
-    print(f"{'op':<8} {'model':<11} {'layer':<9} {'seq':>6} {'MxNxK':>17} {'base ms':>9} {'new ms':>9} {'new/base':>9} "
+    print(f"{'op':<8} {'model':<11} {'layer':<15} {'seq':>6} {'MxNxK':>17} {'base ms':>9} {'new ms':>9} {'new/base':>9} "
           f"{'gemm/base':>10} {'gemm/new':>9}")
     logs = {"new/base": [], "gemm/base": [], "gemm/new": []}
     for k in keys:
@@ -77,7 +81,7 @@ def main(argv=None):
         for name, v in (("new/base", n / b), ("gemm/base", gb / b), ("gemm/new", gn / n)):
             if v == v:
                 logs[name].append(math.log(v))
-        print(f"{k[0]:<8} {k[1]:<11} {k[2]:<9} {k[3]:>6} {k[4]:>17} {b:>9.4f} {n:>9.4f} {n / b:>9.3f} {gb / b:>10.3f} {gn / n:>9.3f}")
+        print(f"{k[0]:<8} {k[1]:<11} {k[2]:<15} {k[3]:>6} {k[4]:>17} {b:>9.4f} {n:>9.4f} {n / b:>9.3f} {gb / b:>10.3f} {gn / n:>9.3f}")
     for name, vals in logs.items():
         if vals:
             print(f"geomean {name} over {len(vals)} shapes: {math.exp(sum(vals) / len(vals)):.3f}")

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -677,5 +677,33 @@ PYEOF
     echo "tiles dgrad rc=$?"; keep
     for m in qwen3-235b deepseek-v3; do grep -vE "^\s*$" "$out/probe-$m.log" | grep -v Warning | tail -24; done
     grep -E "^  dgrad" "$out/tiles-dsv3-8k-zipf-dgrad.log" | cut -c1-120 | head -20 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c" >&2; exit 2 ;;
+  s14d)  # session 14 (<= 420 s; tarball $OUT/s14d.tar.gz): branch mx-round-float (.base: `git archive mx-round-float
+         # kosmos kosmos_bench suites tests dev pyproject.toml | tar -x -C .snap/.base`) against main: h's MX rounding
+         # in GEMM1's epilogue on the floating-point path. Its GPU tests, then qwen3-235b 4k/8k bf16 + mxfp8
+         # (kosmos only) interleaved twice, each tree from its own directory; the branch's MX forward by task
+         # kind; deepseek-v3 4k/8k on the branch if time is left.
+    begin_stage s14d
+    (cd .base && timeout 150 python -m pytest -v -p no:cacheprovider --timeout 120 -m "gpu or ranks" \
+      tests/test_quant.py tests/test_moe_forward.py -k "in_register or kernel_matches or mxfp8" \
+      > "$out/gpu-tests-branch.log" 2>&1)
+    echo "gpu tests branch rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-branch.log" | sed 's/ *\[.*//'
+    tail -1 "$out/gpu-tests-branch.log"; keep
+    for pass in 1 2; do for t in float:.base main:.; do
+      left=$((380 - SECONDS)); [ $left -lt 40 ] && break 2
+      commit=$KOSMOS_GIT_COMMIT; [ "${t#*:}" = .base ] && commit=${BASE_COMMIT:-unknown}
+      (cd "${t#*:}" && KOSMOS_GIT_COMMIT=$commit timeout $left python -m kosmos_bench.cli bench moe --ep 1 \
+        --model qwen3-235b --tokens 4096,8192 --dtype bf16,mxfp8 --impl kosmos --no-expert-gemms \
+        --out "$out/ab-${t%%:*}-$pass.jsonl" > "$out/ab-${t%%:*}-$pass.log" 2>&1)
+      echo "ab ${t%%:*} pass $pass rc=$?"; keep
+    done; done
+    (cd .base && timeout 90 python -m dev.moe_probe --model qwen3-235b --tokens 4096 --dtype mxfp8 \
+      --out "$out/probe-branch" > "$out/probe-branch.log" 2>&1); echo "probe branch rc=$?"; keep
+    left=$((560 - SECONDS))
+    [ $left -gt 60 ] && (cd .base && KOSMOS_GIT_COMMIT=${BASE_COMMIT:-unknown} timeout $left python -m kosmos_bench.cli \
+      bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 --dtype bf16,mxfp8 --impl kosmos --no-expert-gemms \
+      --out "$out/dsv3-float.jsonl" > "$out/dsv3-float.log" 2>&1; echo "dsv3 branch rc=$?"); keep
+    python -m dev.ab_compare "$out"/ab-main-*.jsonl --vs "$out"/ab-float-*.jsonl --impl kosmos 2>&1 | tail -12
+    grep -E "gemm1|gemm2|median" "$out/probe-branch.log"
+    [ -f "$out/dsv3-float.log" ] && sed -n '/mxfp8 \/ bf16/,/^$/p' "$out/dsv3-float.log" | head -9 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d" >&2; exit 2 ;;
 esac

@@ -66,10 +66,12 @@ def test_tile_probe_candidates_parse():
         tile_probe.parse_candidate("128x128")
 
 
-def _ab_file(path, source_sha, time_ms):
+def _ab_file(path, source_sha, time_ms, mx_ms=None):
     rows = [{"type": "env", "source_sha": source_sha},
             {"type": "result", "status": "ok", "op": "ag_gemm", "model": "m", "layer": "qkv", "seq": 4096,
              "impl": "kosmos", "time_ms": time_ms, "t_gemm_ms": 1.0}]
+    if mx_ms is not None:  # the same point at mxfp8 (a bench --dtype bf16,mxfp8 file)
+        rows.append(dict(rows[1], dtype="mxfp8", time_ms=mx_ms))
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -86,3 +88,10 @@ def test_ab_compare_refuses_a_tree_against_itself(tmp_path, capsys):
     assert "geomean new/base over 1 shapes: 0.500" in out
     mixed = [old, _ab_file(tmp_path / "old2.jsonl", "c" * 40, 2.0)]
     assert ab_compare.main(mixed + ["--vs", new]) == 2
+    capsys.readouterr()
+    # one point at two precisions: two rows, each its own ratio (not one median over both dtypes)
+    both_old = _ab_file(tmp_path / "both-old.jsonl", "a" * 40, 2.0, mx_ms=4.0)
+    both_new = _ab_file(tmp_path / "both-new.jsonl", "b" * 40, 2.0, mx_ms=3.0)
+    assert ab_compare.main([both_old, "--vs", both_new]) == 0
+    out = capsys.readouterr().out
+    assert "qkv/mxfp8" in out and "0.750" in out and "1.000" in out
