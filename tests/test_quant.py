@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kosmos import planning
 from kosmos.quant import (_e4m3_encode, dequantize_mx, dequantize_mx_ref, e4m3_round_ref, e4m3_value_ref,
-                          quantize_mx, quantize_mx_ref, rceil_exponent_ref)
+                          mx_round_bf16, quantize_mx, quantize_mx_ref, rceil_exponent_ref)
 
 PLATFORMS = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
              pytest.param("cuda", marks=pytest.mark.gpu, id="gpu")]
@@ -383,6 +383,35 @@ def test_element_converter_saturates_and_rounds(device):
     assert torch.equal(out[:-3], e4m3_round_ref(scaled).to(torch.float8_e4m3fn).view(torch.uint8))
     over = scaled.abs() > 448
     assert over.sum() >= 20 and torch.equal(out[:-3][over], torch.where(scaled[over] > 0, 0x7E, 0xFE).to(torch.uint8))
+
+
+@triton.jit
+def _mx_round_tile(x_ptr, out_ptr, R: tl.constexpr, K: tl.constexpr):
+    offs = tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :]
+    h = tl.reshape(tl.load(x_ptr + offs), (R, K // 32, 32))
+    tl.store(out_ptr + offs, tl.reshape(mx_round_bf16(h), (R, K)))
+
+
+@pytest.mark.parametrize("device", PLATFORMS)
+def test_in_register_mx_rounding_is_the_round_trip(device):
+    """mx_round_bf16 (the in-register rounding GEMM1's epilogue applies to h) is bit for bit
+    dequantize_mx_ref(*quantize_mx_ref(x)): random blocks over the whole scale range (bf16 subnormals, E4M3
+    subnormals, flushes, ties, raw bit patterns with NaN / Inf), the hand vectors of the subnormal and
+    top-of-range tests (tiny blocks scaled by 2**127, the 2**128 overflow to inf), zeros and -0."""
+    tiny = 2.0 ** -133
+    hand = torch.cat([torch.full((1, 32), tiny, dtype=torch.bfloat16),
+                      torch.full((1, 32), -127 * tiny, dtype=torch.bfloat16),
+                      row(2.0 ** -100, tiny), row(2.0 ** -120, 3 * tiny, -tiny, 5 * tiny),
+                      bf16_from_bits(torch.tensor([[0x7F60, 0x7F7F] + [0x8000] * 30])),
+                      row(448, 452, 464, 17, 19, 1.0625, -2.0 ** -10 * 448, 3 * 2.0 ** -10 * 448),
+                      row(2.0 ** 100, 2.0 ** 91, 2.0 ** 90, 1.0), row(2.0 ** -80, 2.0 ** -89, 2.0 ** -93, tiny)], dim=1)
+    x = torch.cat([random_bf16(15, 256, seed=11), torch.nn.functional.pad(hand, (0, 0))[:, :256]], dim=0)
+    assert x.shape == (16, 256)
+    out = torch.empty_like(x, device=device)
+    _mx_round_tile[(1,)](x.to(device), out, R=16, K=256)
+    want = dequantize_mx_ref(*quantize_mx_ref(x))
+    same_bits(out.cpu(), want)
+    assert want.isnan().any() and (want == float("inf")).any() and (want.view(torch.int16) == -32768).any()
 
 
 @pytest.mark.parametrize("device", PLATFORMS)

@@ -123,7 +123,7 @@ from ..moe_reference import ROUTINGS
 from .. import schedule as sched
 from ..codes import (EV_COMM, EV_PERMUTE, EV_ROUTE, EV_WAIT, OP_MOE_FORWARD, WAIT_MOE_COMBINE,
                      WAIT_MOE_DISPATCH, WAIT_MOE_GEMM1, WAIT_MOE_PERMUTE, WAIT_MOE_PLAN)
-from ..quant import mx_round_bf16_bits, mx_scale_f32, quantize_mx
+from ..quant import mx_round_bf16, mx_scale_f32, quantize_mx
 from .common import POLICIES, check_launch, policy_args, store_block, store_rows
 
 OP_CODE = OP_MOE_FORWARD.value
@@ -455,10 +455,8 @@ def _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, gu_ptr, H, F, B
 
 @triton.jit
 def _mx_values_bf16(h, BM: tl.constexpr, BN: tl.constexpr):
-    """The MX values (bf16) of a [BM, BN] bf16 tile, blocks of 32 along its columns (quant.mx_round_bf16_bits)."""
-    hb = tl.reshape(h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, (BM, BN // 32, 32))
-    r = tl.reshape(mx_round_bf16_bits(hb), (BM, BN))
-    return tl.where(r >= 32768, r - 65536, r).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    """The MX values (bf16) of a [BM, BN] bf16 tile, blocks of 32 along its columns (quant.mx_round_bf16)."""
+    return tl.reshape(mx_round_bf16(tl.reshape(h, (BM, BN // 32, 32))), (BM, BN))
 
 
 @triton.jit
