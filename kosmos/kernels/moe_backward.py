@@ -246,6 +246,15 @@ MEASURED (session 13, one H200, Triton 3.6; results/h200x1/s13, calls a-h):
 * deepseek-v3 8k zipf:1.2 by stages (probe, call f): dgrad2 4.19, wgrad2 6.11, wgrad1 10.03, dgrad1 8.68, the
   row gathers ~1.8, the rest ~1.3 ms; 161 launches (nccl-a2a 44); the stages sum to 32.2 against 33.4 for the
   whole call. Host time ~3.5-5 ms per call (cProfile: many small torch ops, ~0.9 ms of Triton launches).
+Session 14 (one H200, Triton 3.6; results/h200x1/s14, calls a and c):
+* z's gap rows read as zeros through the rows' validity (``_swiglu_backward_kernel`` HAS_VALID; no R_pad x F
+  memset of z) and the row gathers stop at the last expert's padded end (``padded_layout``'s end, ``limit=``):
+  deepseek-v3 backward, kosmos rows, interleaved 3x, each tree from its own directory: 4k 19.91-20.26 ->
+  19.82-20.07 ms (uniform), 20.26-20.37 -> 20.18-20.68 (zipf:1.2); 8k 30.16-30.33 -> 29.89-30.11, 31.57-31.89
+  -> 31.42-31.54 (faster in every pair at 8k; 4k inside the spread); geomean 1.000 over the four points
+  (predicted -0.1 to -0.25 ms). Same gradient errors to the last digit. Merged (not slower, one memset fewer).
+* dgrad tiles at deepseek-v3 8k zipf:1.2 (dev/moe_bwd_tiles, call c): the defaults stay best -- dgrad2
+  128x256x64 s4 3.95 ms (0.98x torch), dgrad1 8.42 ms (0.97x); 64-row m-tiles 0.73-0.80x, 128x128 0.77x.
 NEXT: the one-launch backward (the plan above); the row-bookkeeping torch ops into one kernel (launch count).
 """
 from __future__ import annotations

@@ -80,6 +80,18 @@ dispatch's scale bytes by int32 offsets (branch moe-mx-halves, merged after the 
 kosmos 3.38-3.39 / 3.57-3.60 -> 3.32 / 3.48 ms (uniform / zipf:1.2), bf16 unchanged (2.92 / 3.08), outputs
 bitwise the same; mxfp8 / bf16 1.16 -> 1.13-1.14 (issue 14's bar 1.05; predicted ~1.05 -- the spills are not
 the MX cost). The merged tree (with SAVE_GU): MX GPU tests pass, the same spills (call g); not timed.
+Session 14 (one H200, Triton 3.6, results/h200x1/s14): the MX cost was h's rounding in GEMM1's epilogue.
+  moe_probe --dtype bf16,mxfp8 (call c, qwen3-235b 4k): GEMM1 busy 1468 -> 1868 us per program at mxfp8, GEMM2
+  858 -> 905, PERMUTE (the dequantize) unchanged; deepseek-v3 4k GEMM1 4333 -> 4843. The integer rounding
+  (_e4m3_encode then _mx_magnitude_bits, ~60 integer operations per element) was ALU-bound: ~14 us per
+  128 x 128 h tile. quant.mx_round_bf16 rounds on the floating-point path (~15 operations; bitwise the
+  round trip, GPU-tested): A/B interleaved twice, each tree from its own directory (call d), mxfp8 qwen3 4k
+  3.331 -> 2.919 ms (uniform), 3.496 -> 3.099 (zipf:1.2), 8k 5.877 -> 5.148 / 6.146 -> 5.464 (predicted
+  ~3.07 at 4k uniform); bf16 rows unchanged (0.998-1.000); GEMM1 busy 1462 us, bf16's. mxfp8 / bf16 now
+  1.009-1.019 at qwen3 4k/8k and 0.992-1.015 at deepseek-v3 4k/8k (issue 14's MoE bar, 1.05: met at all
+  eight points, kosmos rows only). Spills at W = 1/2/8 (local Triton 3.9) 240/152/240 -> 228/116/228 B.
+  Lost (call b): at W = 1, dispatching x's MX values as bf16 rows instead of the payload (branch moe-mx-w1,
+  MoEForwardConfig.mx_w1_rows, not merged): 0.2-0.3% slower at every qwen3 point, 3 passes interleaved.
 
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, "moe v0.1"-"moe v0.3"):
   Suite, 2x H200 (EP=2), 1b61db4 run with the copy step (BH; config copy_cols) at 512, today's default,
