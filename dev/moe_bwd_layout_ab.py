@@ -1,14 +1,18 @@
-"""The MoE backward's two expert-row layouts, A/B in one process (issue 15; a developer probe, not product code).
+"""The MoE backward's variants (expert-row layouts, the one launch), A/B in one process (issue 15; a developer
+probe, not product code).
 
     PYTHONPATH=. python -m dev.moe_bwd_layout_ab --model deepseek-v3 --json $OUT/layout-ab.jsonl   # one H200
         [--tokens 4096] [--routing uniform] [--passes 3] [--iters 20] [--warmup 5] [--host-profile N]
+        [--variants packed,padded]      # or padded,one-launch: the one launch against the launches it replaces
 
 ``moe_backward_w1(padded=False)`` (the rows packed by expert, the persistent wgrad kernel) against
 ``padded=True`` (each expert's rows from a multiple of 64, zero gap rows, the flat wgrad loop) on one point of
 the MoE bench (dev.moe_bwd_probe.build_point: the bench's inputs, the kosmos forward's decision and its saved
 g | u), interleaved ``--passes`` times, each call timed as the bench times the backward (kosmos_bench.timing,
 L2 flushed, median of --iters). The two layouts' gradients are compared bit for bit once, one tensor at a time
-(deepseek-v3's dW13 is 15 GB). The same tree and process for both: the layout is a call argument.
+(deepseek-v3's dW13 is 15 GB). The same tree and process for both: the layout is a call argument. ``--variants`` names what is compared, the
+first being the base of the bitwise check and of the ratios: ``packed``, ``padded`` or ``one-launch`` (the padded
+layout with the expert part in one persistent launch, ``one_launch=True``).
 ``--host-profile N``: then cProfile over N back-to-back calls of the default layout (where the ~3-5 ms of host
 time per backward call go), the top functions by own time printed and kept as a row.
 """
@@ -22,7 +26,18 @@ import torch
 
 from dev.rows import Rows
 
-LAYOUTS = ("packed", "padded")
+VARIANTS = {"packed": dict(padded=False), "padded": dict(padded=True),
+            "one-launch": dict(padded=True, one_launch=True)}
+
+
+def parse_variants(text: str) -> list[str]:
+    """--variants: two or more names of VARIANTS, comma-separated, no repeats; SystemExit naming a bad one."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if bad := [v for v in names if v not in VARIANTS]:
+        raise SystemExit(f"moe_bwd_layout_ab: unknown variant {bad[0]!r}; known: {', '.join(VARIANTS)}")
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise SystemExit(f"moe_bwd_layout_ab: --variants needs two or more different names, got {text!r}")
+    return names
 
 
 def main(argv=None) -> int:
@@ -35,7 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--host-profile", type=int, default=0, metavar="N")
+    ap.add_argument("--variants", default="packed,padded", help=f"comma-separated, the first the base: {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
+    variants = parse_variants(args.variants)
     if not torch.cuda.is_available():
         raise SystemExit("moe_bwd_layout_ab: needs a CUDA device")
     from dev.moe_bwd_probe import GRAD_NAMES, build_point, point_model
@@ -55,36 +72,39 @@ def main(argv=None) -> int:
                rows=int(pt.experts.numel()), gu_saved=pt.saved is not None)
     rows.emit(env)
 
-    def call(layout):
+    def call(variant):
         return moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
-                               saved_gu=pt.saved, padded=layout == "padded", **inp.backward_kw())
+                               saved_gu=pt.saved, **VARIANTS[variant], **inp.backward_kw())
 
-    # bitwise, one gradient at a time (each call recomputes all four; only one pair is kept)
-    same = {}
-    for i, name in enumerate(GRAD_NAMES):
-        a = call("packed")[i]
-        b = call("padded")[i]
-        same[name] = bool(torch.equal(a, b))
-        del a, b
-        torch.cuda.empty_cache()
-    rows.emit({"type": "bitwise", "model": m.name, "tokens": args.tokens, "routing": args.routing, **same})
-    print(f"{m.name} {args.tokens} {args.routing}: padded bitwise packed: {same}", flush=True)
-    times = {lay: [] for lay in LAYOUTS}
+    # bitwise against the base, one gradient at a time (each call recomputes all four; one pair is kept)
+    base = variants[0]
+    for other in variants[1:]:
+        same = {}
+        for i, name in enumerate(GRAD_NAMES):
+            a = call(base)[i]
+            b = call(other)[i]
+            same[name] = bool(torch.equal(a, b))
+            del a, b
+            torch.cuda.empty_cache()
+        rows.emit({"type": "bitwise", "model": m.name, "tokens": args.tokens, "routing": args.routing,
+                   "base": base, "variant": other, **same})
+        print(f"{m.name} {args.tokens} {args.routing}: {other} bitwise {base}: {same}", flush=True)
+    times = {lay: [] for lay in variants}
     for p in range(args.passes):
-        for lay in LAYOUTS:
+        for lay in variants:
             t0 = time.monotonic()
             tm = timing.time_op(lambda: call(lay), iters=args.iters, warmup=args.warmup)
             torch.cuda.empty_cache()
             peak = torch.cuda.max_memory_allocated() / 2 ** 30
             rows.emit({"type": "time", "model": m.name, "tokens": args.tokens, "routing": args.routing, "pass": p,
-                       "layout": lay, **tm, "peak_gib": round(peak, 1), "wall_s": round(time.monotonic() - t0, 1)})
+                       "variant": lay, **tm, "peak_gib": round(peak, 1), "wall_s": round(time.monotonic() - t0, 1)})
             times[lay].append(tm["time_ms"])
-            print(f"  pass {p} {lay:<7} {tm['time_ms']:.3f} ms (p20 {tm['p20_ms']:.3f}, p80 {tm['p80_ms']:.3f}, "
+            print(f"  pass {p} {lay:<10} {tm['time_ms']:.3f} ms (p20 {tm['p20_ms']:.3f}, p80 {tm['p80_ms']:.3f}, "
                   f"host {tm['host_ms']:.2f})", flush=True)
     med = {lay: sorted(v)[len(v) // 2] for lay, v in times.items()} if args.passes else {}
     if med:
-        print(f"{m.name} {args.tokens} {args.routing}: packed {med['packed']:.3f} ms, padded {med['padded']:.3f} "
-              f"ms (median of {args.passes} passes; padded/packed {med['padded'] / med['packed']:.3f})", flush=True)
+        print(f"{m.name} {args.tokens} {args.routing}, median of {args.passes} passes: "
+              + ", ".join(f"{v} {med[v]:.3f} ms ({med[v] / med[base]:.3f}x {base})" for v in variants), flush=True)
     if args.host_profile:
         import cProfile
         import io

@@ -95,3 +95,16 @@ def test_ab_compare_refuses_a_tree_against_itself(tmp_path, capsys):
     assert ab_compare.main([both_old, "--vs", both_new]) == 0
     out = capsys.readouterr().out
     assert "qkv/mxfp8" in out and "0.750" in out and "1.000" in out
+
+
+def test_moe_bwd_layout_ab_variants():
+    """moe_bwd_layout_ab --variants: known names only, two or more, no repeats; each maps to moe_backward_w1's
+    keyword arguments (the one launch is the padded layout with one_launch=True)."""
+    from dev import moe_bwd_layout_ab as ab
+    assert ab.parse_variants("packed,padded") == ["packed", "padded"]
+    assert ab.parse_variants("padded, one-launch") == ["padded", "one-launch"]
+    assert ab.VARIANTS["one-launch"] == dict(padded=True, one_launch=True)
+    for bad, msg in (("padded,fused", "unknown variant 'fused'"), ("padded", "two or more"),
+                     ("padded,padded", "two or more")):
+        with pytest.raises(SystemExit, match=msg):
+            ab.parse_variants(bad)
