@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -705,5 +705,39 @@ PYEOF
     python -m dev.ab_compare "$out"/ab-main-*.jsonl --vs "$out"/ab-float-*.jsonl --impl kosmos 2>&1 | tail -12
     grep -E "gemm1|gemm2|median" "$out/probe-branch.log"
     [ -f "$out/dsv3-float.log" ] && sed -n '/mxfp8 \/ bf16/,/^$/p' "$out/dsv3-float.log" | head -9 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d" >&2; exit 2 ;;
+  s14e)  # session 14's last call (<= 470 s; tarball $OUT/s14e.tar.gz). Trees: .base = branch mx-quantize-float
+         # (quantize_mx on the floating-point path), .ol = branch moe-bwd-one-launch (the backward's expert part in
+         # one persistent launch), . = main. 1. quantize: its GPU tests, quantize_mx alone in both trees (the
+         # branch's probe script over main's package for main), interleaved twice. 2. the one launch: its GPU
+         # tests, then dev.moe_bwd_layout_ab --variants padded,one-launch at qwen3-235b and deepseek-v3 4k (one
+         # process each, bitwise first). 3. if time is left: issue 14's committed MoE run (bf16 + mxfp8, both
+         # models, kosmos + nccl-a2a) from .base.
+    begin_stage s14e
+    (cd .base && timeout 70 python -m pytest -q -p no:cacheprovider --timeout 60 -m gpu tests/test_quant.py \
+      > "$out/gpu-tests-quant.log" 2>&1); echo "gpu tests quant rc=$?"; tail -1 "$out/gpu-tests-quant.log"
+    grep -E "^FAILED" "$out/gpu-tests-quant.log" | head -5
+    for pass in 1 2; do
+      (cd .base && timeout 40 python dev/mx_probe.py --quantize-only --json "$out/quant-float-$pass.jsonl" \
+        > "$out/quant-float-$pass.log" 2>&1); echo "quant float $pass rc=$?"
+      timeout 40 python .base/dev/mx_probe.py --quantize-only --json "$out/quant-main-$pass.jsonl" \
+        > "$out/quant-main-$pass.log" 2>&1; echo "quant main $pass rc=$?"
+    done; keep
+    (cd .ol && timeout 150 python -m pytest -v -p no:cacheprovider --timeout 130 -m gpu tests/test_moe_backward.py \
+      -k "one_launch" > "$out/gpu-tests-one-launch.log" 2>&1); echo "gpu tests one launch rc=$?"
+    grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-one-launch.log" | sed 's/ *\[.*//' | cut -c1-150
+    tail -1 "$out/gpu-tests-one-launch.log"; keep
+    for m in qwen3-235b deepseek-v3; do
+      left=$((400 - SECONDS)); [ $left -lt 40 ] && break
+      (cd .ol && timeout $left python -m dev.moe_bwd_layout_ab --model $m --variants padded,one-launch --passes 2 \
+        --iters 10 --warmup 3 --json "$out/one-launch-ab-$m.jsonl" > "$out/one-launch-ab-$m.log" 2>&1)
+      echo "one launch ab $m rc=$?"; keep
+    done
+    left=$((455 - SECONDS))
+    [ $left -gt 150 ] && (cd .base && KOSMOS_GIT_COMMIT=${BASE_COMMIT:-unknown} timeout $left python -m kosmos_bench.cli \
+      bench moe --ep 1 --dtype bf16,mxfp8 --tokens 4096,8192 --impl kosmos,nccl-a2a --no-expert-gemms \
+      --out "$out/moe-mxfp8-ep1.jsonl" > "$out/bench-moe-mxfp8.log" 2>&1; echo "moe mxfp8 rc=$?"); keep
+    for f in "$out"/quant-*-*.log; do echo "${f##*/}"; grep "quantize_mx" "$f"; done
+    for m in qwen3-235b deepseek-v3; do grep -E "bitwise|median of" "$out/one-launch-ab-$m.log" 2>/dev/null; done
+    [ -f "$out/bench-moe-mxfp8.log" ] && sed -n '/mxfp8 \/ bf16/,/^$/p' "$out/bench-moe-mxfp8.log" | head -14 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e" >&2; exit 2 ;;
 esac
