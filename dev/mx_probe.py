@@ -1,6 +1,7 @@
 """MXFP8 on one H200: which compute path, and what the pieces cost (a developer probe; not product code).
 
     PYTHONPATH=. python -m dev.mx_probe [--seqs 4096,8192] [--json OUT.jsonl]
+    PYTHONPATH=. python -m dev.mx_probe --quantize-only [--json OUT.jsonl]   # quantize_mx alone, a quick A/B
 
 Per llama3-70b TP=2 per-rank GEMM at W=1 (device time, L2 flushed, kosmos_bench.timing): torch.matmul bf16,
 the kosmos bf16 op, the kosmos op with an MX A operand expanded in the GEMM's load path (scale bytes loaded
@@ -51,13 +52,39 @@ def quant_tiles(x, a_mx):
     return res
 
 
+QUANTIZE_SHAPES = ((4096, 8192), (8192, 8192), (4096, 4096), (8192, 7168), (4096, 28672))
+
+
+def quantize_only(args) -> int:
+    """quantize_mx's device time (L2 flushed) per shape, its traffic rate, and a bitwise check of its output."""
+    out = open(args.json, "a") if args.json else None
+    for rows, k in QUANTIZE_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(rows + k)
+        x = (torch.randn(rows, k, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+        p, s = quant.quantize_mx(x)
+        rp, rs = quant.quantize_mx_ref(x)
+        same = torch.equal(p.view(torch.uint8), rp.view(torch.uint8).cuda()) and torch.equal(s, rs.cuda())
+        ms = time_op(lambda: quant.quantize_mx(x), iters=args.iters, warmup=3)["time_ms"]
+        tbs = rows * k * (2 + 1 + 1 / 32) / ms / 1e9
+        print(f"quantize_mx [{rows}, {k}]: {ms:.4f} ms, {tbs:.2f} TB/s, bitwise the reference: {same}")
+        if out:
+            out.write(json.dumps({"probe": "quantize_mx", "rows": rows, "k": k, "time_ms": ms, "tb_s": tbs,
+                                  "bitwise": same}) + "\n")
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="4096,8192")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quantize-only", action="store_true",
+                    help="time quantize_mx alone on the llama3-70b and MoE activation shapes (checked bit for bit "
+                         "against quantize_mx_ref) and stop")
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.quantize_only:
+        return quantize_only(args)
     rows = []
     out = open(args.json, "a") if args.json else None
     for seq in [int(s) for s in args.seqs.split(",")]:

@@ -27,9 +27,9 @@ silent value change of the block's largest element, the one that matters most, a
 recipe the hardware and NVIDIA's libraries implement. X lies in [-127, 120] for finite bf16/fp32 input
 (120 only when amax > 1.75 * 2**127), so the scale byte is X + 127 in [0, 247].
 
-Elements: ``P = E4M3(v / 2**X)``, round to nearest, ties to even, saturating to +-448 (with RCEIL no finite
-element of a block exceeds 448 after scaling, so the saturation is defensive: the element converter has it,
-and the tests drive the converter past 448 directly). Division by 2**X is exact (a power of two).
+Elements: ``P = E4M3(v / 2**X)``, round to nearest, ties to even. With RCEIL no finite element of a block
+exceeds 448 after scaling, nor after rounding (448 is on the grid), so nothing saturates: the reference clamps
+at +-448 defensively, the kernels need no clamp. Division by 2**X is exact (a power of two).
 
 Special cases (quantize_mx and quantize_mx_ref agree bit for bit on each):
 
@@ -69,11 +69,13 @@ Kernels, and what the Triton interpreter could do with fp8
 ----------------------------------------------------------
 Two Triton kernels, one program per (BLOCK_R rows) x (BLOCK_NB MX blocks along K) tile, tiles held as
 [BLOCK_R, BLOCK_NB, 32] so the block amax is one reduction over the last axis. Neither uses a floating-point
-cast or fp8 type: both work on the bit patterns with integer arithmetic (bf16 read as int16, E4M3 written as
-uint8), so the same code gives the same bits under TRITON_INTERPRET=1 and on sm_90, and does not depend on a
-flush-to-zero mode (subnormal inputs matter here: they are scaled up by as much as 2**127). The one
-floating-point operation is an int32 -> fp32 conversion of a subnormal's mantissa (exact, result normal) to
-find its leading bit. What Triton 3.9's interpreter did with tl.float8e4nv (checked on this CPU):
+cast or fp8 type: bf16 is read as int16 and E4M3 written as uint8, so the same code gives the same bits under
+TRITON_INTERPRET=1 and on sm_90. The dequantize kernel works on the bit patterns with integer arithmetic. The
+quantize kernel rounds on the floating-point path of mx_round_bf16 (_mx_round_scaled: exact fp32 adds and
+multiplies by powers of two; subnormal inputs are pre-scaled by 2**64 and need a GPU that does not flush fp32
+subnormals, which its GPU tests check) and takes the byte from the scaled value's fp32 bits (exponent field and
+top 3 fraction bits; a subnormal m * 2**-9 through m * 2**-9 + 2**-6). What Triton 3.9's interpreter did with
+tl.float8e4nv (checked on this CPU):
 
 * fp32/bf16 -> float8e4nv casts run but are wrong for this purpose: a tie rounds up, not to even
   (1.0625 -> 1.125, 17 -> 18), subnormal results are truncated (3 * 2**-10 -> 2**-9, 15 * 2**-10 ->
@@ -83,19 +85,21 @@ find its leading bit. What Triton 3.9's interpreter did with tl.float8e4nv (chec
 * bitcasts between float8e4nv and uint8 are exact.
 
 On sm_90 Triton's fp32 -> e4m3 cast is understood to lower to cvt.rn.satfinite (RNE, saturating), which
-would suit (not checked here); the integer path is used there too, so that one code path is tested.
+would suit (not checked here); the bit-level paths are used there too, so that one code path is tested.
 
 On a GPU (one H200, Triton 3.6, 2026-12-01, session 8): tests/test_quant.py's gpu tests pass (32, bit for bit
 against the references). Speed (dev/mx_probe.py, results/h200x1/s8/mx-probe*.jsonl): quantize_mx of
 [4096, 8192] bf16 0.069 ms (~1.4 TB/s of traffic), dequantize_mx 0.086 ms (~1.2 TB/s); the tile (8x8 up to
 64x8 rows x blocks, 4 or 8 warps) changes nothing or is slower -- the integer arithmetic, not the tile, bounds
-them. A floating-point path on the GPU (hardware E4M3 conversions) is the next step.
+them (session 8's quantize kernel: integer rounding, _e4m3_encode, ~30 operations per element).
 
 The in-register rounding (mx_round_bf16, for h in the MoE layer's GEMM1 epilogue) takes the floating-point
 path instead: rounding to the quantum by one fp32 add and subtract of a power of two, exact and the same under
 the interpreter (numpy's round to nearest even) and on sm_90 (no flush to zero of fp32 subnormals: its GPU test,
 with bf16 subnormal inputs, passed on one H200, Triton 3.6, session 14). It cut the MX MoE forward's cost over
-bf16 from ~15% to ~1% (moe_forward's docstring). The two quantize / dequantize kernels keep the integer path.
+bf16 from ~15% to ~1% (moe_forward's docstring). The quantize kernel shares it since (branch mx-quantize-float,
+session 14; its speed: NOT measured yet -- PREDICTION: quantize_mx of [4096, 8192] 0.069 -> ~0.04 ms, about 20
+operations per element instead of ~35, the kernel then near its ~3 TB/s of traffic).
 
 The pure-torch references (quantize_mx_ref, dequantize_mx_ref) are written from the definitions instead: the
 exponent from log2 with an exact correction step, rounding as ``round(|v| / quantum)`` in fp64 (torch.round
@@ -304,29 +308,6 @@ def _rceil_exponent(amax):
 
 
 @triton.jit
-def _e4m3_encode(a, x):
-    """E4M3 byte (sign bit 0) of |v| / 2**x, rounded to nearest even and saturated at 448: ``a`` holds the fp32
-    bits of |v| (int32), ``x`` the block exponent (int32, broadcastable). Non-finite a gives 0x7F (NaN)."""
-    e = a >> 23
-    m = a & 0x7FFFFF
-    # a subnormal's mantissa converts exactly to a normal fp32; its exponent field locates the leading bit
-    mb = m.to(tl.float32).to(tl.int32, bitcast=True)
-    sub = e == 0
-    e = tl.where(sub, (mb >> 23) - 149, e)
-    sig = tl.where(sub, mb & 0x7FFFFF, m) | 0x800000      # |v| = sig * 2**(e - 150), sig in [2**23, 2**24)
-    fl = e - 127 - x                                       # floor(log2(|v| / 2**x))
-    binade = tl.maximum(fl, -6)                            # E4M3's binade (subnormals share -6's spacing)
-    sh = tl.minimum(binade - fl + 20, 30)                  # keep the top 4 bits (fewer below 2**-6); >= 20
-    n = sig >> sh
-    rem = sig & ((1 << sh) - 1)
-    half = 1 << (sh - 1)
-    n += ((rem > half) | ((rem == half) & ((n & 1) == 1))).to(tl.int32)
-    enc = tl.minimum((binade + 6) * 8 + n, _E4M3_MAXENC)   # n = 16 carries into the next binade by itself
-    enc = tl.where(a == 0, 0, enc)
-    return tl.where(a >= _F32_INF, 0x7F, enc)
-
-
-@triton.jit
 def _tile_offsets(rows, nb, BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr):
     """This program's element offsets [BLOCK_R, BLOCK_NB, 32] and scale offsets [BLOCK_R, BLOCK_NB] in
     row-major [rows, nb * 32] / [rows, nb] tensors, with their masks."""
@@ -349,7 +330,14 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, nb, BLOCK_R: tl.constexpr, BLOCK
     amax = tl.max(a, axis=2)
     nonfinite = amax >= _F32_INF               # some element is NaN or +-Inf
     xexp = _rceil_exponent(amax)
-    byte = _e4m3_encode(a, xexp[:, :, None]) | (sign << 7)
+    r, shift = _mx_round_scaled(a, xexp)
+    # |v| / 2**X on the E4M3 grid (0 or [2**-9, 448]), exact: r times a normal power of two
+    p = r * ((127 - xexp - shift) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    # its byte from its fp32 bits: exponent field e - 120 and the top 3 fraction bits for a normal (p >= 2**-6);
+    # a subnormal m * 2**-9 plus 2**-6 is the normal (1 + m/8) * 2**-6, whose fields give m
+    sub = p < 0.015625
+    pb = tl.where(sub, p + 0.015625, p).to(tl.int32, bitcast=True)
+    byte = ((pb >> 20) - tl.where(sub, 968, 960)) | (sign << 7)
     byte = tl.where(nonfinite[:, :, None], 0x7F, byte)
     tl.store(q_ptr + offs, byte.to(tl.uint8), mask=mask)
     tl.store(s_ptr + soffs, tl.where(nonfinite, 255, xexp + 127).to(tl.uint8), mask=smask)
@@ -404,6 +392,20 @@ def mx_scale_f32(sb):
 
 
 @triton.jit
+def _mx_round_scaled(a, xexp):
+    """The rounding step of the floating-point path (mx_round_bf16's docstring): ``a`` the fp32 bits of |v|
+    (int32 [R, NB, 32], finite or not), ``xexp`` the blocks' exponents X [R, NB]. Returns (r, shift): r (fp32)
+    the MX magnitude of |v| times 2**shift, exact, where shift [R, NB] is 64 for blocks with X < -90, -64 for
+    X > 90 and 0 otherwise (so that the rounding constant C stays a normal fp32)."""
+    shift = tl.where(xexp < -90, 64, tl.where(xexp > 90, -64, 0))
+    m = a.to(tl.float32, bitcast=True) * ((127 + shift) << 23).to(tl.float32, bitcast=True)[:, :, None]
+    ef = m.to(tl.int32, bitcast=True) >> 23                           # its biased exponent (0: zero, subnormal)
+    cb = tl.maximum(ef, (xexp + shift + 121)[:, :, None]) + 20        # C's biased exponent field, in [78, 254]
+    c = (cb << 23).to(tl.float32, bitcast=True)
+    return (m + c) - c, shift
+
+
+@triton.jit
 def mx_round_bf16(h):
     """The MX values of a tile of bf16 values, bit for bit as dequantize_mx(*quantize_mx(.)) gives them: ``h``
     is a bf16 [R, NB, 32] tile whose last axis is one MX block; returns its MX values (bf16; a block with a NaN
@@ -416,7 +418,7 @@ def mx_round_bf16(h):
     subtraction round to that quantum exactly (|v| < C, and |v| + C lies in [C, 2C), whose ulp is the quantum;
     round to nearest even is the IEEE default on the GPU and in numpy). Blocks with X beyond +-90 are scaled by
     2**-+64 first (exact: a power of two) so that C stays a normal fp32, and back after. ~15 operations per
-    element against ~60 for the integer twin (_e4m3_encode then _mx_magnitude_bits), which GEMM1's epilogue
+    element against ~60 for the integer one it replaced (_e4m3_encode then _mx_magnitude_bits), which GEMM1's epilogue
     paid per element (session 14's trace: qwen3-235b 4k, GEMM1 busy 1468 -> 1868 us per program at mxfp8).
     Subnormal inputs (bf16 subnormals only occur in blocks with X < -90, where they matter) rely on the GPU
     not flushing fp32 subnormals (Triton's default: no ftz; tests/test_quant.py's gpu test passed); the
@@ -425,15 +427,8 @@ def mx_round_bf16(h):
     a = bits & 0x7FFFFFFF                                             # -> fp32 cast loses subnormals)
     amax = tl.max(a, axis=2)
     nonfinite = (amax >= _F32_INF)[:, :, None]
-    xexp = _rceil_exponent(amax)                                       # [-127, 120] for finite blocks
-    shift = tl.where(xexp < -90, 64, tl.where(xexp > 90, -64, 0))
-    pre = ((127 + shift) << 23).to(tl.float32, bitcast=True)[:, :, None]    # 2**shift
-    post = ((127 - shift) << 23).to(tl.float32, bitcast=True)[:, :, None]   # 2**-shift
-    m = a.to(tl.float32, bitcast=True) * pre                          # |v| * 2**shift, exact
-    ef = m.to(tl.int32, bitcast=True) >> 23                           # its biased exponent (0: zero, subnormal)
-    cb = tl.maximum(ef, (xexp + shift + 121)[:, :, None]) + 20        # C's biased exponent field, in [78, 254]
-    c = (cb << 23).to(tl.float32, bitcast=True)
-    q = ((m + c) - c) * post                                          # the exact MX magnitude (fp32)
+    r, shift = _mx_round_scaled(a, _rceil_exponent(amax))
+    q = r * ((127 - shift) << 23).to(tl.float32, bitcast=True)[:, :, None]   # the exact MX magnitude (fp32)
     qb = q.to(tl.int32, bitcast=True)
     r = (qb + 0x7FFF + ((qb >> 16) & 1)) >> 16                        # to bf16, nearest even (only subnormals move)
     r = tl.where(nonfinite, _BF16_QNAN, r | ((bits >> 31) & 1) << 15)
