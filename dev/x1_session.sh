@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -739,5 +739,14 @@ PYEOF
     for f in "$out"/quant-*-*.log; do echo "${f##*/}"; grep "quantize_mx" "$f"; done
     for m in qwen3-235b deepseek-v3; do grep -E "bitwise|median of" "$out/one-launch-ab-$m.log" 2>/dev/null; done
     [ -f "$out/bench-moe-mxfp8.log" ] && sed -n '/mxfp8 \/ bf16/,/^$/p' "$out/bench-moe-mxfp8.log" | head -14 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e" >&2; exit 2 ;;
+  s14f)  # session 14, the last minutes (<= 160 s; tarball $OUT/s14f.tar.gz), on branch moe-bwd-one-launch rebased
+         # on main: the one launch's GPU tests at that code (the timeout test for both SWIGLU forms), then the TP
+         # ops in MXFP8 with the floating-point quantize_mx (kosmos rows, llama3-70b TP=2 per-rank GEMMs).
+    begin_stage s14f
+    gpu_tests gpu-tests-one-launch 75 "one_launch" tests/test_moe_backward.py
+    timeout $((150 - SECONDS)) python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b \
+      --dtype bf16,mxfp8 --impl kosmos --out "$out/tp-mxfp8-kosmos.jsonl" > "$out/bench-tp-mx.log" 2>&1
+    echo "tp mx rc=$?"; keep
+    sed -n '/mxfp8 \/ bf16/,/^$/p' "$out/bench-tp-mx.log" | head -18 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f" >&2; exit 2 ;;
 esac
