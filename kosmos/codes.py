@@ -8,8 +8,9 @@ import triton.language as tl
 OP_ALL_GATHER_MATMUL: tl.constexpr = tl.constexpr(1)
 OP_MATMUL_REDUCE_SCATTER: tl.constexpr = tl.constexpr(2)
 OP_MOE_FORWARD: tl.constexpr = tl.constexpr(4)
+OP_MOE_BACKWARD: tl.constexpr = tl.constexpr(8)  # the one-launch backward's expert part (moe_backward(one_launch=True))
 OP_NAMES = {OP_ALL_GATHER_MATMUL.value: "all_gather_matmul", OP_MATMUL_REDUCE_SCATTER.value: "matmul_reduce_scatter",
-            OP_MOE_FORWARD.value: "moe_forward"}
+            OP_MOE_FORWARD.value: "moe_forward", OP_MOE_BACKWARD.value: "moe_backward"}
 
 # ------------------------------------------------------------------------------------------- wait tags
 # What a bounded wait was waiting for; a timed-out wait records its tag and an index (the record's
@@ -26,6 +27,9 @@ WAIT_MOE_PERMUTE: tl.constexpr = tl.constexpr(6)   # index: the local expert
 WAIT_MOE_GEMM1: tl.constexpr = tl.constexpr(7)     # index: the expert m-tile
 WAIT_MOE_COMBINE: tl.constexpr = tl.constexpr(8)   # index: the fold block
 WAIT_MX_ROWS: tl.constexpr = tl.constexpr(9)       # index: the signal slot of (source rank, chunk, part)
+WAIT_BWD_DGRAD2: tl.constexpr = tl.constexpr(10)   # index: the expert m-tile
+WAIT_BWD_SWIGLU: tl.constexpr = tl.constexpr(11)   # index: the expert m-tile (-1: all of them)
+WAIT_BWD_DGRAD1: tl.constexpr = tl.constexpr(12)   # index: unused (-1: every tile)
 WAIT_TEXT = {
     WAIT_PEERS_DONE.value: "rank {index} to finish the previous call (done flag)",
     WAIT_AG_ROWS.value: "rows pushed by a peer (signal slot {index})",
@@ -36,6 +40,9 @@ WAIT_TEXT = {
     WAIT_MOE_GEMM1.value: "the GEMM1 column tiles of expert m-tile {index}",
     WAIT_MOE_COMBINE.value: "the expert outputs of fold block {index} (combine from every rank)",
     WAIT_MX_ROWS.value: "MXFP8 rows to be dequantized by another program of the launch (signal slot {index})",
+    WAIT_BWD_DGRAD2.value: "the dgrad2 column tiles of expert m-tile {index} (z = dy_rows W2^T)",
+    WAIT_BWD_SWIGLU.value: "the SwiGLU backward of expert m-tile {index} (-1: of every m-tile)",
+    WAIT_BWD_DGRAD1.value: "every dgrad1 tile (dx_rows) of the launch",
 }
 
 # ------------------------------------------------------------------------------------------- trace kinds

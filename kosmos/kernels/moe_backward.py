@@ -615,7 +615,17 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
     in an ``if`` at the step counter's wrap, the epilogue in an ``if`` at the tile's last step), which the
     pipeliner pipelines (one scf.for, the descriptor loads num_stages - 1 steps ahead). The loop's trip count, this
     program's total steps, comes from counts in one vector reduction first."""
-    pid = tl.program_id(0)
+    _wgrad_flat_run(tl.program_id(0), a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD, BI, BJ, BR,
+                    GRID, ELP2, DOT_FP32)
+
+
+@triton.jit
+def _wgrad_flat_run(pid, a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
+                    BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr, ELP2: tl.constexpr,
+                    DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr = None):
+    """Program ``pid``'s whole share of _expert_wgrad_flat_kernel (its docstring): the standalone kernel's body and
+    the one-launch backward's WGRAD stage. LOOP_STAGES: the flat loop's pipeline depth where it differs from the
+    launch's num_stages (the one launch: its GEMM stages' depth)."""
     n_j = tl.cdiv(KB, BJ)
     n_t = tl.cdiv(KA, BI) * n_j
     # this program's steps: over experts x, (its tiles of x) * max(1, cdiv(counts[x], BR))
@@ -635,7 +645,7 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
     tj = 0
     row0 = 0
     acc = tl.zeros((BI, BJ), dtype=tl.float32)
-    for _ in range(0, total):
+    for _ in tl.range(0, total, num_stages=LOOP_STAGES):
         ki = tl.where(ki == steps - 1, 0, ki + 1)
         if ki == 0:  # the next tile of this program
             g += GRID
@@ -858,13 +868,21 @@ def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid
     = sum over F of z * h, summed in BF-column steps left to right in fp32 (deterministic). HAS_VALID: z's rows
     with valid[r] == 0 (the padded layout's gap rows, which the GEMM does not write) read as zeros."""
     i = tl.program_id(0) * BR + tl.arange(0, BR)
-    rm = i < R
+    _swiglu_backward_rows(i, i < R, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, BF, EMIT_H, INTERP,
+                          HAS_VALID)
+
+
+@triton.jit
+def _swiglu_backward_rows(i, rm, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, BF: tl.constexpr,
+                          EMIT_H: tl.constexpr, INTERP: tl.constexpr, HAS_VALID: tl.constexpr):
+    """_swiglu_backward_kernel's rows i (int32 [BR], those with rm): the standalone pass's program and a block of
+    the one-launch backward's SWIGLU task. Every row's arithmetic depends on that row alone (and BF)."""
     zm = rm
     if HAS_VALID:
         zm = rm & (tl.load(valid_ptr + i, mask=rm, other=0) != 0)
     i64 = i.to(tl.int64)
     wp = tl.load(wp_ptr + i, mask=rm, other=0.0)
-    dw = tl.zeros((BR,), dtype=tl.float32)
+    dw = tl.zeros(i.shape, dtype=tl.float32)
     c0 = tl.arange(0, BF)
     for col in range(0, F, BF):
         c = col + c0
@@ -966,41 +984,49 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
     rows [R, K] @ W[e]^T with W [E, H, K] likewise (GEMM2's data gradient unfused: dy_rows W2[e]^T, K = H)."""
     pid = tl.program_id(0)
     n_h = tl.cdiv(H, BN)
-    gm = pid // n_h
-    nh = pid % n_h
+    _dgrad1_tile(pid // n_h, pid % n_h, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K, ELP2,
+                 BM, BN, BK, DOT_FP32, TMA)
+
+
+@triton.jit
+def _dgrad1_tile(gm, nh, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K,
+                 ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+                 TMA: tl.constexpr, LOOP_STAGES: tl.constexpr = None):
+    """Global m-tile gm, H-tile nh of _dgrad1_kernel (the standalone kernel's program and the one-launch
+    backward's DGRAD2 / DGRAD1 task): rows [R, K] @ W[e]^T into dx (bf16), rows of no expert not stored; an
+    m-tile past the last expert's rows stores nothing. LOOP_STAGES: as _wgrad_flat_run's."""
     e, rr, rm = _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2, BM)
-    if tl.sum(rm.to(tl.int32), 0) == 0:  # past the last expert's rows: nothing to do
-        return
-    ch = nh * BN + tl.arange(0, BN)
-    hm = ch < H
-    ck = tl.arange(0, BK)
-    w13e = w13_ptr + e.to(tl.int64) * H * K
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if TMA:  # the W13 tile within W13[e] (shape [H, 2F]); A's rows clipped at the expert's end
-        first = tl.load(offs_ptr + e).to(tl.int64)
-        lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
-        a_desc = tl.make_tensor_descriptor(dgu_ptr + first * K, shape=[tl.load(counts_ptr + e), K],
-                                           strides=[K, 1], block_shape=[BM, BK])
-        b_desc = tl.make_tensor_descriptor(w13e, shape=[H, K], strides=[K, 1], block_shape=[BN, BK])
-        for k0 in range(0, K, BK):
-            a = a_desc.load([lm0, k0])
-            b = b_desc.load([nh * BN, k0])
-            if DOT_FP32:
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
-    else:
-        for k0 in range(0, K, BK):
-            km = (k0 + ck) < K
-            a = tl.load(dgu_ptr + rr[:, None] * K + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :],
-                        other=0.0)
-            b = tl.load(w13e + ch[None, :].to(tl.int64) * K + (k0 + ck)[:, None],
-                        mask=km[:, None] & hm[None, :], other=0.0)
-            if DOT_FP32:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
-    tl.store(dx_ptr + rr[:, None] * H + ch[None, :], acc.to(tl.bfloat16), mask=rm[:, None] & hm[None, :])
+    if tl.sum(rm.to(tl.int32), 0) > 0:  # else past the last expert's rows: nothing to do
+        ch = nh * BN + tl.arange(0, BN)
+        hm = ch < H
+        ck = tl.arange(0, BK)
+        w13e = w13_ptr + e.to(tl.int64) * H * K
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if TMA:  # the W13 tile within W13[e] (shape [H, 2F]); A's rows clipped at the expert's end
+            first = tl.load(offs_ptr + e).to(tl.int64)
+            lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
+            a_desc = tl.make_tensor_descriptor(dgu_ptr + first * K, shape=[tl.load(counts_ptr + e), K],
+                                               strides=[K, 1], block_shape=[BM, BK])
+            b_desc = tl.make_tensor_descriptor(w13e, shape=[H, K], strides=[K, 1], block_shape=[BN, BK])
+            for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
+                a = a_desc.load([lm0, k0])
+                b = b_desc.load([nh * BN, k0])
+                if DOT_FP32:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
+                km = (k0 + ck) < K
+                a = tl.load(dgu_ptr + rr[:, None] * K + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :],
+                            other=0.0)
+                b = tl.load(w13e + ch[None, :].to(tl.int64) * K + (k0 + ck)[:, None],
+                            mask=km[:, None] & hm[None, :], other=0.0)
+                if DOT_FP32:
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(a, b, acc)
+        tl.store(dx_ptr + rr[:, None] * H + ch[None, :], acc.to(tl.bfloat16), mask=rm[:, None] & hm[None, :])
 
 
 # GPU (BM, BN, BK, warps, stages). Session 11, one H200, qwen3-235b 4k rows (dev/moe_bwd_tiles, results/h200x1/s11):
@@ -1181,7 +1207,13 @@ def _unpermute_sum_kernel(rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, BH: tl
     """out[t] = ((rows[inv[t*K]] + rows[inv[t*K+1]]) + ...) in fp32, slot order."""
     t = tl.program_id(0)
     c = tl.program_id(1) * BH + tl.arange(0, BH)
-    m = c < H
+    _unpermute_sum_cols(t, c, c < H, rows_ptr, inv_ptr, out_ptr, H, K)
+
+
+@triton.jit
+def _unpermute_sum_cols(t, c, m, rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr):
+    """Token t's columns c (those with m) of _unpermute_sum_kernel: its program, and one piece of the one-launch
+    backward's UNPERMUTE task (element-wise fp32 adds in slot order: the bits do not depend on the blocking)."""
     acc = tl.load(rows_ptr + tl.load(inv_ptr + t * K).to(tl.int64) * H + c, mask=m, other=0.0).to(tl.float32)
     for j in range(1, K):
         row = tl.load(inv_ptr + t * K + j).to(tl.int64)
