@@ -176,6 +176,14 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
             ("moe_bwd swiglu_h", _compile_among(mb, "_swiglu_h_kernel", lambda: mb.swiglu_h(gu, f))),
             ("moe_bwd unpermute_sum", _compile_among(mb, "_unpermute_sum_kernel",
                                                lambda: mb.unpermute_sum(x_rows, torch.arange(rows, device=dev), 8)))]
+    # the one launch (expert_backward_one_launch): every stage in one kernel, on the padded rows, bf16 and fp32 wgrad
+    dy_pad, w_pad = torch.empty(rows_pad, h, **bf), torch.empty(rows_pad, dtype=torch.float32, device=dev)
+    valid = torch.ones(rows_pad, dtype=torch.bool, device=dev)
+    inv = torch.zeros(rows, dtype=torch.int64, device=dev)
+    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        out.append((f"moe_bwd one_launch {name}", _compile_among(mb, "_moe_backward_experts_kernel", lambda dt=dt: (
+            mb.expert_backward_one_launch(dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv,
+                                          rows // 8, 8, dt)))))
     return out
 
 

@@ -718,3 +718,175 @@ def test_router_gemms_cpu_are_the_fp32_reference():
     want = router_gemm_backward_ref(dl, x.float(), wr.float())
     got = mb.router_gemm_backward(dl, x, wr)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------ the expert part in one launch (W = 1)
+def _poisoned_empty(real_empty):
+    """torch.empty whose floating tensors come back NaN and integer ones -12345: an output element the one launch
+    leaves unwritten (or a gap row it reads as data) shows in the gradients."""
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -12345)
+    return empty
+
+
+def _one_launch_case(case, seed=12):
+    """(layer tensors, weights, experts, routing kwargs) of an interpreter case: ``skewed`` -- expert 0 in every token
+    (45 rows: three of the interpreter's 16-row m-tiles), expert 3 in none, T = 45; ``one-expert`` -- top-1, every
+    token to expert 2 of 4 (37 rows; three experts without rows); ``sigmoid`` -- sigmoid-grouped routing with a
+    routed scaling, top-4 of 7 distinct experts (expert 5 in none; 4 slots: the dispatch backward's slot order
+    shows in fp32), T = 19."""
+    from kosmos import moe_reference as mr
+    g = torch.Generator().manual_seed(seed)
+    if case == "skewed":
+        t, h, f, e, k = 45, 32, 16, 6, 2
+        x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+        others = torch.tensor([1, 2, 4, 5])[torch.randint(0, 4, (t,), generator=g)]
+        experts = torch.stack([torch.zeros(t, dtype=torch.long), others], 1)
+        kw = dict(routing="softmax")
+    elif case == "one-expert":
+        t, h, f, e = 37, 48, 24, 4
+        x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+        experts = torch.full((t, 1), 2, dtype=torch.long)
+        kw = dict(routing="softmax")
+    else:
+        t, h, f, e, k = 19, 32, 24, 8, 4
+        x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+        allowed = torch.tensor([0, 1, 2, 3, 4, 6, 7])
+        experts = allowed[torch.stack([torch.randperm(7, generator=g)[:k] for _ in range(t)])]
+        kw = dict(routing="sigmoid-grouped", routed_scaling=2.5)
+    weights, _, _ = mr.routing_weights_ref(x.float() @ wr.float().t(), experts, kw["routing"],
+                                           routed_scaling=kw.get("routed_scaling", 1.0))
+    return (x, wr, w13, w2, dy), weights, experts, kw
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case,programs,saved,wgrad_dtype", [
+    ("skewed", 3, False, None), ("skewed", 2, True, None), ("one-expert", 4, False, None),
+    ("sigmoid", 2, False, None), ("sigmoid", 4, True, torch.float32)])
+def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dtype, monkeypatch):
+    """moe_backward_w1(one_launch=True) -- dgrad2, the SwiGLU backward, dgrad1, both flat wgrad loops and the
+    dispatch backward as stages of one persistent launch of 2-4 programs -- gives bitwise the default multi-launch
+    path's dx, d_router, dw13 and dw2, with every buffer the launch allocates poisoned (NaN / -12345): an empty
+    expert, one expert with all tokens, T not a multiple of any tile, softmax and sigmoid-grouped routing, the
+    recomputed and a saved g | u, bf16 and fp32 weight gradients; deterministic."""
+    from kosmos.kernels import moe_backward as mb
+    from simranks import placed_gate_up
+    layer, weights, experts, kw = _one_launch_case(case)
+    saved_gu = placed_gate_up(layer[0], layer[2], experts, experts.shape[1],
+                              torch.Generator().manual_seed(1)) if saved else None
+    kw.update(saved_gu=saved_gu, wgrad_dtype=wgrad_dtype)
+    want = mb.moe_backward_w1(*layer, weights, experts, **kw)
+    calls = []
+    real = mb.expert_backward_one_launch
+
+    def poisoned(*a, **k):
+        calls.append(k.get("programs"))
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", _poisoned_empty(torch.empty))
+            return real(*a, **k)
+
+    monkeypatch.setattr(mb, "expert_backward_one_launch", poisoned)
+    got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    assert calls == [programs]
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for e in set(range(layer[2].shape[0])) - set(experts.unique().tolist()):  # experts without rows: zeros
+        assert not got[2][e].any() and not got[3][e].any()
+    again = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(again, got))
+
+
+@pytest.mark.interpreter
+def test_moe_backward_one_launch_without_tokens():
+    """No tokens at all: nothing to claim in any queue, the flat wgrad stores zeros, dx is empty."""
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(2), 0, 32, 16, 4)
+    experts, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+    got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, one_launch=True, programs=2)
+    want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts)
+    assert got[0].shape == (0, 32) and not got[2].any() and not got[3].any()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("left_out,waits_for", [
+    ("DGRAD2", "the dgrad2 column tiles of expert m-tile 0"), ("SWIGLU", "the SwiGLU backward of expert m-tile 0"),
+    ("DGRAD1", "every dgrad1 tile")])
+def test_moe_backward_one_launch_bounded_waits(left_out, waits_for, monkeypatch):
+    """A stage left out of the launch (the ``stages`` mask): its consumers' bounded waits time out instead of
+    hanging, the first one's record names the op and what it waited for, and the launch still ends (every program
+    drains); KosmosTimeoutError on the CPU right after the launch."""
+    from kosmos import runtime
+    from kosmos.kernels import moe_backward as mb
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    real = mb.expert_backward_one_launch
+    stage = getattr(mb, f"BWD_{left_out}")
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(
+        *a, **k, stages=mb.BWD_ALL_STAGES & ~(1 << stage), timeout_ns=50_000))
+    with pytest.raises(runtime.KosmosTimeoutError) as err:
+        mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=3, **kw)
+    msg = str(err.value)
+    assert msg.startswith("moe_backward: rank 0") and waits_for in msg, msg
+
+
+def test_moe_backward_one_launch_refuses_the_packed_layout():
+    """one_launch=True where it is not built: a one-line ValueError, no silent fallback (W > 1: the two-rank test)."""
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    with pytest.raises(ValueError, match="padded row layout"):
+        moe_backward_w1(*layer, weights, experts, one_launch=True, padded=False, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved", [False, True])
+@pytest.mark.parametrize("programs", [None, 7])
+def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs):
+    """On the GPU, at the real tiles (dgrad 128x256x64, the flat wgrad's 128x256 / 256x128, 8 warps): the one
+    launch gives bitwise the default multi-launch path's gradients, on a skewed routing with an empty expert, T
+    not a multiple of any tile, bf16 and fp32 weight gradients, on all SMs and on 7 programs; twice the same."""
+    import kosmos
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    g = torch.Generator().manual_seed(8)
+    t, h, f, e, k = 3001, 1024, 768, 32, 8
+    x = torch.randn(t, h, generator=g)
+    x[:, 0] = 4.0
+    x = x.to(torch.bfloat16).cuda()
+    wr = torch.randn(e, h, generator=g) * 0.5
+    wr[3, 0], wr[0, 0] = -10.0, 1.0  # expert 3 never chosen, expert 0 by most tokens
+    wr = wr.to(torch.bfloat16).cuda()
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
+    weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
+    assert not (experts == 3).any()
+    for wdt in (None, torch.float32):
+        want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt)
+        got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
+                              one_launch=True, programs=programs)
+        again = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
+                                one_launch=True, programs=programs)
+        kosmos.check_errors()
+        for name, a, b, c in zip(("dx", "d_router", "dw13", "dw2"), got, want, again):
+            assert torch.isfinite(a.float()).all() and torch.equal(a, b) and torch.equal(a, c), (name, wdt)
+
+
+@pytest.mark.gpu
+def test_moe_backward_one_launch_bounded_wait_gpu(monkeypatch):
+    """On the GPU: with DGRAD2 left out, SWIGLU's waits time out (bounded), the launch ends, and the next
+    check_errors() raises KosmosTimeoutError naming the wait; the workspace is reset afterwards."""
+    import kosmos
+    from kosmos import runtime
+    from kosmos.kernels import moe_backward as mb
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    layer = [t_.cuda() for t_ in layer]
+    real = mb.expert_backward_one_launch
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(
+        *a, **k, stages=mb.BWD_ALL_STAGES & ~(1 << mb.BWD_DGRAD2), timeout_ns=20_000_000))
+    try:
+        mb.moe_backward_w1(*layer, weights.cuda(), experts.cuda(), one_launch=True, **kw)
+        with pytest.raises(runtime.KosmosTimeoutError, match="dgrad2 column tiles of expert m-tile"):
+            kosmos.check_errors()
+    finally:
+        kosmos.reset_workspaces()

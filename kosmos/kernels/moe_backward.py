@@ -263,7 +263,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import device as dev
 from .. import planning
+from .. import schedule as sched
+from ..codes import OP_MOE_BACKWARD, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_SWIGLU
 
 try:  # libdevice's expf for swiglu_h (Triton >= 3.0 spells it this way)
     from triton.language.extra import libdevice
@@ -1218,7 +1221,7 @@ def _unpermute_sum_cols(t, c, m, rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr)
     for j in range(1, K):
         row = tl.load(inv_ptr + t * K + j).to(tl.int64)
         acc += tl.load(rows_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * H + c, acc, mask=m)
+    tl.store(out_ptr + tl.cast(t, tl.int64) * H + c, acc, mask=m)
 
 
 def unpermute_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int, row_of=None) -> torch.Tensor:
@@ -1233,9 +1236,7 @@ def unpermute_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int, row_of=No
         pair = torch.empty((p, h), dtype=rows.dtype, device=rows.device)
         pair[order] = rows if row_of is None else rows[row_of]
         return mr.dispatch_backward_ref(pair.float(), top_k)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(p, dtype=order.dtype, device=order.device) if row_of is None else \
-        row_of.to(order.dtype)
+    inv = _pair_rows(order, row_of)
     out = torch.empty((p // top_k, h), dtype=torch.float32, device=rows.device)
     if p and h:
         bh = min(1024, triton.next_power_of_2(h))
@@ -1333,15 +1334,221 @@ def do_rows_of(dy, tok, dy_rows, w_pair, world: int) -> torch.Tensor:
     return scaled_rows(dy_rows, torch.arange(dy_rows.shape[0], device=dy_rows.device), w_pair)
 
 
+# ------------------------------------------------------------- the backward's expert part in one launch (W = 1)
+# the stages, in schedule.py's drain order (stage s's queue head is scratch[s]; WGRAD has none: statically owned)
+BWD_DGRAD2, BWD_SWIGLU, BWD_DGRAD1, BWD_WGRAD, BWD_UNPERMUTE = 0, 1, 2, 3, 4
+BWD_ALL_STAGES = 0b11111
+STAGE_BWD_DGRAD2: tl.constexpr = tl.constexpr(BWD_DGRAD2)
+STAGE_BWD_SWIGLU: tl.constexpr = tl.constexpr(BWD_SWIGLU)
+STAGE_BWD_DGRAD1: tl.constexpr = tl.constexpr(BWD_DGRAD1)
+STAGE_BWD_WGRAD: tl.constexpr = tl.constexpr(BWD_WGRAD)
+STAGE_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(BWD_UNPERMUTE)
+# local scratch (int32, zeroed by the last program out): [0, 5) queue heads, the exit counter, SwiGLU m-tiles
+# done, dgrad1 tiles done, then finished dgrad2 column tiles per m-tile [max m-tiles] and SwiGLU-done flags per
+# m-tile [max m-tiles]
+SCB_EXIT: tl.constexpr = tl.constexpr(5)
+SCB_SWIGLU_DONE: tl.constexpr = tl.constexpr(6)
+SCB_DGRAD1_DONE: tl.constexpr = tl.constexpr(7)
+SCB_MTILES: tl.constexpr = tl.constexpr(8)
+BWD_ZERO_BLOCK: tl.constexpr = tl.constexpr(1024)  # scratch entries the last program out zeroes per step
+BWD_UNPERMUTE_TOKENS = 8  # tokens per UNPERMUTE task (GPU; each summed over H in 1024-column pieces)
+BWD_INTERP_PROGRAMS = 3  # the CPU interpreter's default grid (programs run one after another there)
+
+
+@triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages"])
+def _moe_backward_experts_kernel(
+        dy_rows_ptr, do_rows_ptr, x_rows_ptr, gu_ptr, wp_ptr, valid_ptr, w13_ptr, w2_ptr,
+        pad_offs_ptr, counts_ptr, first_mtile_ptr, inv_ptr,
+        z_ptr, dgu_ptr, h_ptr, dw_rows_ptr, dx_rows_ptr, dw13_ptr, dw2_ptr, dx_e_ptr,
+        scratch_ptr, scratch_n, max_mtiles, err_ptr, epoch_ptr, timeout_us, stages,
+        T, H, F, E, R_PAD,
+        TOPK: tl.constexpr, ELP2: tl.constexpr, PAD: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEMM_STAGES: tl.constexpr,
+        TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
+        W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
+        WGRAD_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
+        DOT_FP32: tl.constexpr):
+    """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
+    launch"): the stages DGRAD2, SWIGLU, DGRAD1 (shared atomic heads), WGRAD (each program's own share of both
+    flat wgrad loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function.
+    ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out)."""
+    pid = tl.program_id(0)
+    timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
+    epoch = dev.call_epoch(epoch_ptr)
+    x = tl.arange(0, ELP2)
+    n_mt = tl.sum(tl.cdiv(tl.load(counts_ptr + x, mask=x < E, other=0), BM), 0)  # the m-tiles of all experts
+    n_f = tl.cdiv(F, BN)
+    n_h = tl.cdiv(H, BN)
+    dgrad2_ctr = scratch_ptr + SCB_MTILES
+    swiglu_ctr = dgrad2_ctr + max_mtiles
+    ok = 1
+    if sched.has_stage(stages, STAGE_BWD_DGRAD2):  # z = dy_rows W2[e]^T per (m-tile, F-tile), m-tile-major
+        t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
+        while t < n_mt * n_f:
+            gm = t // n_f
+            _dgrad1_tile(gm, t % n_f, dy_rows_ptr, w2_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, z_ptr, F, H,
+                         ELP2, BM, BN, BK, DOT_FP32, TMA2, GEMM_STAGES)
+            tl.debug_barrier()
+            tl.atomic_add(dgrad2_ctr + gm, 1, sem="release", scope="gpu")
+            t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
+    if sched.has_stage(stages, STAGE_BWD_SWIGLU):  # per m-tile, once its n_f dgrad2 tiles are stored
+        t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
+        while (t < n_mt) & (ok != 0):
+            ok = dev.wait_geq(dgrad2_ctr + t, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t, t)
+            if ok != 0:
+                e = tl.sum((tl.load(first_mtile_ptr + x) <= t).to(tl.int32), 0) - 1
+                lm0 = (t - tl.load(first_mtile_ptr + e)) * BM
+                row0 = tl.load(pad_offs_ptr + e) + lm0
+                # the m-tile's rows up to the expert's padded end: its gap rows get zeros (the flat wgrad reads
+                # them), the next expert's rows are another m-tile's
+                cnt_e = tl.load(counts_ptr + e)
+                n_rows = tl.minimum(tl.cdiv(cnt_e, PAD) * PAD - lm0, BM)
+                for r0 in range(0, n_rows, SW_BR):
+                    r = r0 + tl.arange(0, SW_BR)
+                    _swiglu_backward_rows(row0 + r, r < n_rows, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_rows_ptr,
+                                          valid_ptr, F, SW_BF, True, DOT_FP32, True)
+                tl.debug_barrier()
+                tl.atomic_add(swiglu_ctr + t, 1, sem="release", scope="gpu")
+                tl.atomic_add(scratch_ptr + SCB_SWIGLU_DONE, 1, sem="release", scope="gpu")
+            t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
+    if sched.has_stage(stages, STAGE_BWD_DGRAD1) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m-tile, H-tile)
+        t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
+        while (t < n_mt * n_h) & (ok != 0):
+            gm = t // n_h
+            ok = dev.wait_geq(swiglu_ctr + gm, 1, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, t, gm)
+            if ok != 0:
+                _dgrad1_tile(gm, t % n_h, dgu_ptr, w13_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, dx_rows_ptr,
+                             H, 2 * F, ELP2, BM, BN, BK, DOT_FP32, TMA1, GEMM_STAGES)
+                tl.debug_barrier()
+                tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, 1, sem="release", scope="gpu")
+            t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
+    if sched.has_stage(stages, STAGE_BWD_WGRAD) & (ok != 0):  # this program's share of both flat loops
+        ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, n_mt, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                          WAIT_BWD_SWIGLU, 0, -1, -1)
+        if ok != 0:
+            _wgrad_flat_run(pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
+                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, WGRAD_STAGES)
+            _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
+                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, WGRAD_STAGES)
+    if sched.has_stage(stages, STAGE_BWD_UNPERMUTE) & (ok != 0):  # each token's k rows summed in slot order
+        t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
+        waited = 0
+        while (t < tl.cdiv(T, UT)) & (ok != 0):
+            if waited == 0:  # one wait per program: the counter only grows, the acquire covers what follows
+                ok = dev.wait_geq(scratch_ptr + SCB_DGRAD1_DONE, n_mt * n_h, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                                  WAIT_BWD_DGRAD1, 0, t, -1)
+                waited = 1
+            if ok != 0:
+                for tok in range(t * UT, tl.minimum(t * UT + UT, T)):
+                    for c0 in range(0, H, UBH):
+                        c = c0 + tl.arange(0, UBH)
+                        _unpermute_sum_cols(tok, c, c < H, dx_rows_ptr, inv_ptr, dx_e_ptr, H, TOPK)
+            t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
+    dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
+                             BWD_ZERO_BLOCK)
+
+
+def _pair_rows(order: torch.Tensor, row_of=None) -> torch.Tensor:
+    """Each pair p = t*k + j's expert row (inv[order[i]] = i, or row_of[i] in the padded layout): the dispatch
+    backward's gather index (unpermute_sum and the one launch)."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.shape[0], dtype=order.dtype, device=order.device) if row_of is None else \
+        row_of.to(order.dtype)
+    return inv
+
+
+def _bwd_tiles(out_dtype: torch.dtype, h: int, f: int):
+    """The one launch's tiles: ((BM, BN, BK, stages) of both dgrads, (SwiGLU rows, columns), wgrad2's and wgrad1's
+    (BI, BJ, BR, stages), (UNPERMUTE tokens, columns), warps) -- today's kernels' (the interpreter's small ones)."""
+    if planning.interpreting():
+        return (16, 16, 16, 1), (4, 16), (16, 16, 16, 1), (16, 16, 16, 1), (2, 16), 4
+    bm, bn, bk, warps, stages = DGRAD1_TILES
+    w2 = wgrad_flat_tiles(out_dtype, f, h)
+    w1 = wgrad_flat_tiles(out_dtype, h, 2 * f)
+    if not warps == w2[3] == w1[3] == 8 or w2[2] != w1[2]:  # one kernel: one warp count, one row step
+        raise ValueError(f"the one launch needs one warp count and one wgrad row step: dgrad {DGRAD1_TILES}, "
+                         f"wgrad2 {w2}, wgrad1 {w1}")
+    return ((bm, bn, bk, stages), (8, min(256, triton.next_power_of_2(f))), (*w2[:3], w2[4]), (*w1[:3], w1[4]),
+            (BWD_UNPERMUTE_TOKENS, min(1024, triton.next_power_of_2(h))), warps)
+
+
+def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, inv,
+                               n_tok: int, top_k: int, out_dtype: torch.dtype = torch.bfloat16, *,
+                               programs: int | None = None, stages: int = BWD_ALL_STAGES, timeout_ns=None):
+    """moe_backward's expert part at W = 1 in ONE launch (_moe_backward_experts_kernel) on rows in the padded
+    layout: dy_rows, do_rows (= w * dy_rows), x_rows [R_pad, H], gu [R_pad, 2F] bf16, w_pair [R_pad] fp32, valid
+    [R_pad] bool (padded_layout's real_of >= 0; gap rows zero in dy_rows, do_rows, x_rows, gu, w_pair), w13
+    [E, H, 2F], w2 [E, F, H] bf16, counts [E], pad_offs [E] (padded_row_offsets), inv [T*k] (each pair's padded
+    row, _pair_rows). Returns (dx_e [T, H] fp32: the dispatch backward's rows summed in slot order, dw_rows
+    [R_pad] fp32: the gate gradients <dy_t, o_p> of the rows -- gap rows unspecified --, dw13, dw2 in
+    ``out_dtype``), bitwise what the multi-launch path computes (the same tile functions, tiles and orders).
+    ``programs``: the grid (None: one per SM; the interpreter: BWD_INTERP_PROGRAMS). ``stages`` and ``timeout_ns``
+    (None: the workspace's) for tests. On CUDA a timed-out wait raises KosmosTimeoutError at the next KOSMOS call
+    or kosmos.check_errors() (the workspace's error record); on the CPU right away. CUDA, or the CPU under
+    TRITON_INTERPRET=1."""
+    from .. import runtime
+    r_pad, h = dy_rows.shape
+    n_exp, f, _ = w2.shape
+    (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f)
+    if WGRAD_PAD_ROWS % w2t[2] or bm % w2t[2]:
+        raise ValueError(f"the wgrad row step {w2t[2]} must divide the pad {WGRAD_PAD_ROWS} and the m-tile {bm}")
+    dev_ = dy_rows.device
+    counts32, offs, first_mtile, elp2, max_mt = _mtile_plan(counts, r_pad, bm, pad_offs)
+    bf = dict(dtype=torch.bfloat16, device=dev_)
+    z, dgu, hb, dx_rows = (torch.empty((r_pad, n), **bf) for n in (f, 2 * f, f, h))
+    dw_rows = torch.empty((r_pad,), dtype=torch.float32, device=dev_)
+    dw13 = torch.empty((n_exp, h, 2 * f), dtype=out_dtype, device=dev_)
+    dw2 = torch.empty((n_exp, f, h), dtype=out_dtype, device=dev_)
+    dx_e = torch.empty((n_tok, h), dtype=torch.float32, device=dev_)
+    scratch_n = int(SCB_MTILES.value) + 2 * max_mt
+    if dev_.type == "cuda":
+        ws = runtime.get_workspace(None, dev_)
+        ws.ensure(1, 0)  # the error record with its host mirror (at W = 1 no peer: a plain 1 MiB buffer)
+        scratch = ws.local("moe_bwd.scratch", scratch_n, torch.int32)
+        epoch_slot = ws.local("moe_bwd.epoch", 1, torch.int32)  # its own: nothing else keeps step with it
+        errors = ws.errors
+        grid = programs or runtime.num_sms(dev_)
+        timeout_ns = ws.timeout_ns() if timeout_ns is None else timeout_ns
+        ws.before_launch()
+    else:  # the interpreter (or dev/kernel_resources' compile-only run): fresh buffers
+        ws = None
+        scratch = torch.zeros(scratch_n, dtype=torch.int32)
+        epoch_slot = torch.zeros(1, dtype=torch.int32)
+        errors = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64)
+        grid = programs or (BWD_INTERP_PROGRAMS if planning.interpreting() else 132)
+        timeout_ns = int(runtime.DEFAULT_TIMEOUT_S * 1e9) if timeout_ns is None else timeout_ns
+    runtime.ensure_triton_allocator()
+    aligned = lambda k, w: k % 8 == 0 and w.is_contiguous() and w.data_ptr() % 16 == 0  # noqa: E731 (expert_dgrad1's)
+    _moe_backward_experts_kernel[(grid,)](
+        dy_rows, do_rows, x_rows, gu.contiguous(), w_pair.float().contiguous(), valid.contiguous().view(torch.uint8),
+        w13, w2, offs, counts32, first_mtile, inv,
+        z, dgu, hb, dw_rows, dx_rows, dw13, dw2, dx_e,
+        scratch, scratch_n, max_mt, errors, epoch_slot, max(1, timeout_ns // 1000), stages,
+        n_tok, h, f, n_exp, r_pad,
+        TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
+        TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
+        SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
+        WGRAD_STAGES=w2t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(), num_warps=warps,
+        num_stages=gemm_stages)
+    if ws is not None:
+        ws.after_launch()
+    elif int(errors[0]):
+        raise runtime.KosmosTimeoutError(runtime.decode_error(errors.tolist()))
+    return dx_e, dw_rows, dw13, dw2
+
+
 # moe_backward's expert rows in the padded layout (padded_layout) by default, for the flat wgrad loop (session 13,
 # one H200, dev/moe_bwd_tiles, results/h200x1/s13/a: deepseek-v3 4k wgrad2 3.74 -> 2.97 ms, qwen3 4k wgrad2 1.23
 # -> 0.92, wgrad1 2.16 -> 1.82); False: the rows packed, the persistent wgrad kernel
 PADDED_ROWS = True
+# moe_backward's default for one_launch (where supported: W = 1, the padded layout): False until the one launch is
+# timed against the multi-launch path on a GPU (nothing of it has run on one)
+ONE_LAUNCH = False
 
 
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
                  renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
-                 padded: bool | None = None):
+                 padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None):
     """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
     output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
     fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
@@ -1373,7 +1580,13 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     dy_rows, g | u, do, h, [dg | du], dx_rows) in the padded layout -- each expert's rows from a multiple of
     WGRAD_PAD_ROWS, the gap rows zero, written so by the row gathers themselves -- and both weight gradients
     by the flat wgrad loop (expert_weight_grads_padded). Every row's arithmetic is the packed layout's and the
-    gap rows add exact zeros: the same bits (tested)."""
+    gap rows add exact zeros: the same bits (tested).
+
+    ``one_launch`` (None: ONE_LAUNCH where it is supported): the expert part -- dgrad2, the SwiGLU backward,
+    dgrad1, both weight gradients and the dispatch backward -- in ONE persistent launch
+    (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout only
+    (True elsewhere: ValueError); the same tile arithmetic and orders, so the same bits (tested). ``programs``:
+    its grid (None: one program per SM)."""
     from .. import moe_reference as mr
     from ..runtime import world_size
     import torch.distributed as dist
@@ -1383,6 +1596,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
     if local * world != n_exp:
         raise ValueError(f"w13 holds {local} experts per rank: {local} x {world} ranks != {n_exp} router experts")
+    if one_launch and world > 1:  # before any exchange: every rank raises at the same point
+        raise ValueError(f"moe_backward(one_launch=True) runs at one rank only (world {world}: the all-to-alls as "
+                         f"stages of the launch are not built)")
     k = experts.shape[1]
     experts = experts.long()
     flat = experts.reshape(-1)
@@ -1414,6 +1630,11 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     if padded is None:
         padded = PADDED_ROWS
     padded = padded and _triton_runs(x) and hidden % 8 == 0 and f % 8 == 0
+    if one_launch is None:
+        one_launch = ONE_LAUNCH and world == 1 and padded
+    elif one_launch and not padded:
+        raise ValueError(f"moe_backward(one_launch=True) needs the padded row layout (padded=False was given, or "
+                         f"H={hidden} / F={f} are not multiples of 8, or Triton cannot run on {x.device})")
     if padded:  # every expert row gathered straight into the padded layout (gap rows: index -1, zeros)
         pad_offs, row_of, real_of, end = padded_layout(counts, rows)
         valid, real = real_of >= 0, real_of.clamp(min=0)
@@ -1440,33 +1661,38 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
             gu = saved_gu.in_backward_order(counts, rows)
     else:
         gu = _expert_gemm1(x_rows, w13, counts, pad_offs)
-    if dgrad2_emits_h() or padded:  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
-        dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True,
-                                               fused=False if padded else None, offs=pad_offs,
-                                               valid=valid if padded else None)
-    else:
-        dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
-        h = swiglu_h(gu, f)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
-    if padded:  # do (gathered with dy_rows above; gap rows zero) and both weight gradients on the flat loop
-        dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt,
-                                         tiles=wgrad_flat_tiles(wdt, f, hidden))
-        dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt,
-                                          tiles=wgrad_flat_tiles(wdt, hidden, 2 * f))
-        dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
+    if one_launch:  # the expert part in one launch (W = 1, padded); the router backward below as on the other path
+        dx_e, dw_rows, dw13, dw2 = expert_backward_one_launch(
+            dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, _pair_rows(order, row_of), n_tok,
+            k, wdt, programs=programs)
     else:
-        do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
-        dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt, tiles=wgrad2_tiles(h, counts))
-        dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wdt)
-        dx_rows = expert_dgrad1(dgu, w13, counts)
-    if by_expert is not None:  # back to the received order, then to the tokens' ranks
-        if row_of is not None:  # out of the padded layout first
-            dx_rows, dw_rows, row_of = dx_rows[row_of], dw_rows[row_of], None
-        dx_back, dw_back = torch.empty_like(dx_rows), torch.empty_like(dw_rows)
-        dx_back[by_expert], dw_back[by_expert] = dx_rows, dw_rows
-        dx_rows = _exchange(dx_back, recv_splits, send_splits, group)
-        dw_rows = _exchange(dw_back, recv_splits, send_splits, group)
-    dx_e = unpermute_sum(dx_rows, order, k, row_of=row_of)          # pair order p = t*k + j; slot order, fp32
+        if dgrad2_emits_h() or padded:  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
+            dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True,
+                                                   fused=False if padded else None, offs=pad_offs,
+                                                   valid=valid if padded else None)
+        else:
+            dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
+            h = swiglu_h(gu, f)
+        if padded:  # do (gathered with dy_rows above; gap rows zero) and both weight gradients on the flat loop
+            dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt,
+                                             tiles=wgrad_flat_tiles(wdt, f, hidden))
+            dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt,
+                                              tiles=wgrad_flat_tiles(wdt, hidden, 2 * f))
+            dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
+        else:
+            do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
+            dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt, tiles=wgrad2_tiles(h, counts))
+            dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wdt)
+            dx_rows = expert_dgrad1(dgu, w13, counts)
+        if by_expert is not None:  # back to the received order, then to the tokens' ranks
+            if row_of is not None:  # out of the padded layout first
+                dx_rows, dw_rows, row_of = dx_rows[row_of], dw_rows[row_of], None
+            dx_back, dw_back = torch.empty_like(dx_rows), torch.empty_like(dw_rows)
+            dx_back[by_expert], dw_back[by_expert] = dx_rows, dw_rows
+            dx_rows = _exchange(dx_back, recv_splits, send_splits, group)
+            dw_rows = _exchange(dw_back, recv_splits, send_splits, group)
+        dx_e = unpermute_sum(dx_rows, order, k, row_of=row_of)          # pair order p = t*k + j; slot order, fp32
     dweights = torch.empty((order.shape[0],), dtype=dw_rows.dtype, device=dw_rows.device)
     dweights[order] = dw_rows if row_of is None else dw_rows[row_of]
     logits = bf16_mm_fp32(x, router_weight.t())
@@ -1480,8 +1706,8 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
 
 def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
                     renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
-                    padded: bool | None = None):
+                    padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None):
     """``moe_backward`` at one rank (all E experts local)."""
     return moe_backward(x, router_weight, w13, w2, dy, weights, experts, group=None, routing=routing,
                         renormalize=renormalize, routed_scaling=routed_scaling, wgrad_dtype=wgrad_dtype,
-                        saved_gu=saved_gu, padded=padded)
+                        saved_gu=saved_gu, padded=padded, one_launch=one_launch, programs=programs)
