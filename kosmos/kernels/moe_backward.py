@@ -34,7 +34,7 @@ the next expert's rows are never read, so they cannot be summed in), columns pas
 
 4. ``moe_backward_w1``: the whole backward at one rank from these kernels and torch (see its docstring).
 
-Plan for the one launch (not built): the forward's own layout (its expert rows, their (source, token, slot)
+Plan for the one launch (built at W = 1 without the exchanges, session 14: "The one launch" below): the forward's own layout (its expert rows, their (source, token, slot)
 and the device-side plan) kept for the backward instead of a re-sort; stages in demand order, each a queue of
 tiles with readiness counters as in moe_forward.py: COMBINE-BWD (dy rows to the experts' ranks, once per
 destination, with the gate weights: the mirror of combine) -> DGRAD2 (item 2; counts finished F-tiles per
@@ -256,6 +256,82 @@ Session 14 (one H200, Triton 3.6; results/h200x1/s14, calls a and c):
 * dgrad tiles at deepseek-v3 8k zipf:1.2 (dev/moe_bwd_tiles, call c): the defaults stay best -- dgrad2
   128x256x64 s4 3.95 ms (0.98x torch), dgrad1 8.42 ms (0.97x); 64-row m-tiles 0.73-0.80x, 128x128 0.77x.
 NEXT: the one-launch backward (the plan above); the row-bookkeeping torch ops into one kernel (launch count).
+
+The one launch (session 14; built and interpreter-tested, NOT run on a GPU: nothing below is measured).
+``moe_backward(..., one_launch=True)`` at W = 1 on the padded layout (``ONE_LAUNCH = False`` until timed; True
+where unsupported -- W > 1 (raised before any exchange), the packed layout -- is a ValueError, no fallback) runs
+the expert part as ONE persistent launch (``expert_backward_one_launch``, ``_moe_backward_experts_kernel``; GRID
+programs, one per SM, ``programs=`` for tests) after the same row gathers and [g | u] (saved or recomputed) as
+the multi-launch path, and before the same torch router backward. Stages, in schedule.py's drain order (each a
+queue with one atomic head in local scratch, except WGRAD):
+  DGRAD2(gm, n)   z = dy_rows W2[e]^T, global m-tile gm (m-tiles numbered over experts as _mtile_plan's, on the
+                  padded offsets), F-tile n: _dgrad1_tile, today's unfused dgrad2 GEMM (DGRAD1_TILES, bf16 z);
+                  then +1 on dgrad2_done[gm] (release). Task t = gm * ceil(F/BN) + n: m-tile-major, so the first
+                  m-tiles complete first.
+  SWIGLU(gm)      waits dgrad2_done[gm] >= ceil(F/BN); _swiglu_backward_rows over the m-tile's rows in 8-row
+                  blocks (BF as today's pass), up to the expert's padded end (its gap rows get zeros: the flat
+                  wgrad reads them; the next expert's rows are another m-tile's), z's gap rows read as zeros
+                  through valid; [dg | du], h, dw_rows; then swiglu_done[gm] = 1 and +1 on swiglu_count.
+  DGRAD1(gm, n)   waits swiglu_done[gm]; dx_rows = [dg | du] W13[e]^T (_dgrad1_tile); +1 on dgrad1_count.
+  WGRAD           no queue: each program waits swiglu_count >= the m-tiles of all experts, then runs its own
+                  share of both flat loops (_wgrad_flat_run: dW2 = h^T do, then dW13 = x_rows^T [dg | du]; tile g
+                  is program g % GRID's, as in the standalone kernel), so Triton pipelines across its tiles as
+                  there (session 13: a per-tile queue drained the pipeline at every tile, 7.31 vs 6.15 ms).
+                  Nothing waits on WGRAD.
+  UNPERMUTE(b)    waits (once per program) dgrad1_count >= every DGRAD1 tile; tokens [8b, 8b + 8), each token's k
+                  rows summed in slot order in fp32 (_unpermute_sum_cols, unpermute_sum's arithmetic) into dx_e.
+The m-tile count is computed on the device (sum of ceil(counts / BM)); the scratch (heads, exit counter, the two
+counts, dgrad2_done and swiglu_done per m-tile up to the static bound) is zeroed by the last program out
+(device.exit_program_zeroing; its own epoch slot), so no call needs a reset launch or a host sync.
+Deadlock-freedom (schedule.py's rule): a task waits only on tasks of earlier stages, all claimed from shared
+heads by programs already running them before any program gets past that stage; WGRAD is statically owned, but
+nothing waits on it and its inputs come from a shared-head stage. So the launch needs no co-residency and runs
+under TRITON_INTERPRET=1, where programs run one after another: program 0 drains DGRAD2, SWIGLU and DGRAD1 alone,
+finds every wait satisfied, and the others find the queues empty. Every wait is device.wait_geq (bounded: a
+stage left out of the ``stages`` mask times out with the op, task and m-tile in the error record -- tested).
+UNPERMUTE is last, after WGRAD: by the time a program has run its wgrad share, DGRAD1 is done, so it does not
+idle on the global count.
+Bits: every task runs the standalone kernel's tile function (_dgrad1_tile, _swiglu_backward_rows,
+_wgrad_flat_run, _unpermute_sum_cols) at the same tiles, and every sum is per output tile or per row in a fixed
+order independent of which program runs it or how many there are: dx, d_router, dW13, dW2 are bitwise the
+multi-launch path's (interpreter tests with every buffer of the launch poisoned, 2-4 programs; GPU twin written).
+(Caveat for the GPU: the SwiGLU pass's row sum is a tl.sum over [8, BF] with 8 warps as in its own kernel; the
+same shape and warps should give the same reduction layout, which the GPU test checks.) Rows the multi-launch
+SwiGLU pass computes and no one reads -- the rows past the last expert's padded end (up to E * 63), whose g | u
+the gathers leave unwritten (the interpreter's exp overflow warnings there) -- are not computed here.
+What is saved / recomputed: nothing new -- z [R_pad, F] bf16 still goes through HBM between DGRAD2 and SWIGLU (the
+unfused dgrad2 measured faster than the fused epilogue, session 12), h is stored for WGRAD2, g | u saved or
+recomputed before the launch as before. Launches: the six of dgrad2 GEMM, SwiGLU pass, both wgrads, dgrad1 and
+unpermute become one (plus the host tables' few torch ops).
+sm_90a (local Triton 3.9, ``python -m dev.kernel_resources --world 1 --kernels moe_backward``, qwen3-like shapes):
+250 registers (252 with the fp32 wgrad), no spills, 192 KiB shared -- one 8-warp program per SM; the largest
+stage sets it: compiled with one stage at a time (a constexpr mask, diagnostic only) DGRAD2 250, SWIGLU 80 (8 B
+of stack: the noinline error path), DGRAD1 252, WGRAD 179 registers / 176 KiB, UNPERMUTE 32, against 199 / 192
+KiB for the standalone dgrad1 kernel and 165 / 176 KiB for the flat wgrad: the persistent loop around the same
+tile costs ~50 registers, not a tile, no spills. No stage runs a smaller tile than today. All four GEMM loops are
+software-pipelined TMA loops in the TTGIR (28 async TMA copies: 2 x (3 + 1) x 2 for the 4-stage dgrads, 2 x (2 +
+1) x 2 for the 3-stage wgrads; per-loop depths by tl.range(num_stages=)).
+PREDICTION (unmeasured): at W = 1 the GPU already has no idle time between these launches (session 13), so the
+one launch should take the sum of today's six kernels, minus five launch gaps (~10-20 us), minus the SwiGLU
+pass's time where it runs beside DGRAD2 / DGRAD1 tensor work on other SMs (up to its 0.15 ms at qwen3 4k),
+plus WGRAD's start skew (a program starts its share when the DGRAD1 queue is drained, up to one dgrad1 tile
+later than another: ~10-20 us) plus whatever the SwiGLU pass loses on one resident 8-warp program per SM against
+its own kernel's many small programs (memory-latency bound: unknown, 0-0.2 ms). qwen3 4k: today's stages ~5.4 ms
+(dgrad2 0.95, wgrad2 0.92, wgrad1 1.82, dgrad1 1.59, unpermute 0.10) -> ~5.3 ms (5.1-5.6); deepseek-v3 8k zipf:1.2
+29.1 (4.19 + 6.11 + 10.03 + 8.68 + ~0.1) -> ~29.0: no win worth a default at W = 1, as session 13 expected; the
+point is W > 1.
+W > 1 (not built; the design keeps room for it): COMBINE-BWD becomes a first stage (dy rows and the gate weights
+pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
+flags and counts; the destination's plan -- counts, padded offsets, first m-tiles -- built on the device by one
+elected program as moe_forward._ensure_plan does, and a PERMUTE-like stage gathering the rows into the padded
+layout; DGRAD2 tasks wait per expert as the forward's GEMM1 waits on PERMUTE). DISPATCH-BWD moves into DGRAD1's
+epilogue (each row, with its gate gradient, stored straight into its token's rank's [t, slot] buffer and +1 on
+that rank's per-token-block counter, as the forward's GEMM2 combine epilogue), and UNPERMUTE becomes the
+forward's FOLD: per token block, wait for k * ceil(H/BN) pieces, sum in slot order -- the global dgrad1_count
+wait becomes that per-block counter. Refinements left: WGRAD readiness per expert (a shared head over groups of
+experts whose m-tiles are through SWIGLU, one flat-loop run per group: one pipeline drain per group instead of
+per tile), SWIGLU run by the program whose DGRAD2 tile completes the m-tile (no queue, z still in L2), the row
+gathers and [g | u]'s gather as a first stage, the router backward.
 """
 from __future__ import annotations
 
