@@ -3,7 +3,7 @@
     PYTHONPATH=. python -m dev.moe_bwd_probe --json $OUT/moe-bwd-probe.jsonl          # on the device (one H200)
         [--model qwen3-235b] [--tokens 4096] [--routing uniform] [--experts-scale 1] [--iters 20] [--warmup 5]
         [--decision kosmos|route] [--no-profile] [--max-seconds 130] [--seed 0] [--wgrad-kernel persistent|tiles]
-        [--wgrad-tiles 128,128,64,8,3]
+        [--wgrad-tiles 128,128,64,8,3] [--one-launch]
     TRITON_INTERPRET=1 PYTHONPATH=. python -m dev.moe_bwd_probe --cpu-smoke [--model deepseek-v3]  # CPU, no timing
     PYTHONPATH=. python -m dev.moe_bwd_probe --table FILE.jsonl                  # re-print a finished run's table
 
@@ -547,6 +547,7 @@ def run(args) -> list[dict]:
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
                wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
                dgrad2_fused=mb.DGRAD2_FUSED, rows_padded=rows_padded(pt),
+               one_launch=mb.ONE_LAUNCH and rows_padded(pt),  # the whole call's expert part (the stages: launches)
                wgrad_flat_tiles=[list(mb.wgrad_flat_tiles(mb._wgrad_dtype(pt.inp.w13, None), ka, kb))
                                  for ka, kb in ((m.expert_ffn, m.hidden), (m.hidden, 2 * m.expert_ffn))],
                wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
@@ -752,6 +753,8 @@ def table(rows) -> str:
              f"rows {env.get('rows')}, wgrad reference out {env.get('wgrad_ref_out_dtype')}, wgrad kernel "
              + (f"flat (padded rows) {env.get('wgrad_flat_tiles')}" if env.get("rows_padded") else
                 f"{env.get('wgrad_kernel', 'tiles')} {env.get('wgrad_tiles', '')}")
+             + ("; the whole call's expert part in ONE launch (the stages: the launches it replaces)"
+                if env.get("one_launch") else "")
              + (" (cpu smoke: nothing timed)" if env.get("cpu_smoke") else ""),
              f"  {'stage':<16} {'time_ms':>8} {'share':>6} {'TFLOP/s':>8} {'torch_ms':>8} {'torch TF/s':>10} "
              f"{'kosmos/torch':>12} {'err_vs_torch':>12} {'launches':>8} {'kernel_ms':>9} {'host_ms':>8}  status"]
@@ -821,6 +824,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", choices=("padded", "packed"), default=None,
                     help="moe_backward's expert-row layout (whole call and stages alike; default: PADDED_ROWS): "
                          "padded per expert for the flat wgrad loop, or packed for the persistent wgrad kernel")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="the whole call with moe_backward's expert part in one launch (ONE_LAUNCH = True; the "
+                         "stages stay the multi-launch ones: the summary's bitwise check and sum_over_whole are "
+                         "then the one launch against the launches it replaces)")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, nothing timed")
     ap.add_argument("--table", default=None, metavar="JSONL", help="only print the table of a finished run")
     args = ap.parse_args(argv)
@@ -833,7 +840,7 @@ def main(argv=None) -> int:
         args.iters, args.warmup, args.max_seconds = 1, 0, 0  # it can be minutes before this call)
     from kosmos.kernels import moe_backward as mb
     saved = {n: getattr(mb, n) for n in ("WGRAD_KERNEL", "WGRAD_TILES", "WGRAD_PERSISTENT_TILES",
-                                         "DGRAD2_FUSED", "PADDED_ROWS")}
+                                         "DGRAD2_FUSED", "PADDED_ROWS", "ONE_LAUNCH")}
     if args.wgrad_kernel:  # moe_backward's module defaults, for this run only
         mb.WGRAD_KERNEL = args.wgrad_kernel
     if args.wgrad_tiles:
@@ -845,6 +852,8 @@ def main(argv=None) -> int:
         mb.DGRAD2_FUSED = args.dgrad2 == "fused"
     if args.rows:
         mb.PADDED_ROWS = args.rows == "padded"
+    if args.one_launch:
+        mb.ONE_LAUNCH = True
     try:
         rows = run(args)
     finally:

@@ -132,3 +132,19 @@ def test_point_model_shrinks_experts_and_picks_smoke_stand_ins():
     for name in ("qwen3-235b", "deepseek-v3"):
         tiny = probe.point_model(name, smoke=True)
         assert tiny.routing == probe.point_model(name).routing and tiny.hidden == 32
+
+
+@pytest.mark.interpreter
+def test_cpu_smoke_one_launch_whole_call(tmp_path, monkeypatch):
+    """--one-launch: the whole call runs moe_backward's expert part in one launch, the stages stay the launches it
+    replaces, and the summary's bitwise check holds between the two (qwen3's stand-in: softmax routing)."""
+    from kosmos.kernels import moe_backward as mb
+    calls = []
+    real = mb.expert_backward_one_launch
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "probe.jsonl"
+    assert probe.main(["--cpu-smoke", "--one-launch", "--json", str(out)]) == 0
+    rows = _rows(out)
+    _check_rows(rows)
+    assert rows[0]["one_launch"] is True and mb.ONE_LAUNCH is False  # restored after the run
+    assert calls  # the whole call took the one launch
