@@ -55,9 +55,17 @@ EV_PERMUTE: tl.constexpr = tl.constexpr(5)
 EV_GEMM1: tl.constexpr = tl.constexpr(6)
 EV_GEMM2: tl.constexpr = tl.constexpr(7)
 EV_FOLD: tl.constexpr = tl.constexpr(8)
+EV_BWD_DGRAD2: tl.constexpr = tl.constexpr(9)  # the one-launch MoE backward's stages (moe_backward.py)
+EV_BWD_SWIGLU: tl.constexpr = tl.constexpr(10)
+EV_BWD_DGRAD1: tl.constexpr = tl.constexpr(11)
+EV_BWD_WGRAD2: tl.constexpr = tl.constexpr(12)
+EV_BWD_WGRAD1: tl.constexpr = tl.constexpr(13)
+EV_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(14)
 TRACE_KINDS = {EV_IDLE.value: "idle", EV_COMM.value: "comm", EV_COMPUTE.value: "compute", EV_WAIT.value: "wait",
                EV_ROUTE.value: "route", EV_PERMUTE.value: "permute", EV_GEMM1.value: "gemm1",
-               EV_GEMM2.value: "gemm2", EV_FOLD.value: "fold"}
+               EV_GEMM2.value: "gemm2", EV_FOLD.value: "fold", EV_BWD_DGRAD2.value: "dgrad2",
+               EV_BWD_SWIGLU.value: "swiglu-bwd", EV_BWD_DGRAD1.value: "dgrad1", EV_BWD_WGRAD2.value: "wgrad2",
+               EV_BWD_WGRAD1.value: "wgrad1", EV_BWD_UNPERMUTE.value: "unpermute"}
 TRACE_EVENTS: tl.constexpr = tl.constexpr(1024)  # events per program in a trace buffer [grid, TRACE_EVENTS, 4]
 
 # ------------------------------------------------------------------------------------------- error record

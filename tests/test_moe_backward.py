@@ -897,3 +897,44 @@ def test_moe_backward_one_launch_bounded_wait_gpu(monkeypatch):
             kosmos.check_errors()
     finally:
         kosmos.reset_workspaces()
+
+
+@pytest.mark.interpreter
+def test_moe_backward_one_launch_trace_records_every_task_once(monkeypatch):
+    """The trace of the one launch: every DGRAD2, SWIGLU, DGRAD1 and UNPERMUTE task exactly once over the programs
+    (the shared heads hand each out once), one WGRAD2 and one WGRAD1 run per program, each task's wait before it;
+    the gradients unchanged by tracing."""
+    from kosmos import codes
+    from kosmos.kernels import moe_backward as mb
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    programs = 3
+    trace = torch.zeros((programs, codes.TRACE_EVENTS.value, 4), dtype=torch.int64)
+    real = mb.expert_backward_one_launch
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(*a, **k, trace=trace))
+    got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    monkeypatch.setattr(mb, "expert_backward_one_launch", real)
+    assert all(torch.equal(a, b) for a, b in zip(got, mb.moe_backward_w1(*layer, weights, experts, **kw)))
+    counts = torch.bincount(experts.reshape(-1), minlength=layer[2].shape[0])
+    bm = 16  # the interpreter's m-tile
+    n_mt = int(((counts + bm - 1) // bm).sum())
+    t, h, f = layer[0].shape[0], layer[0].shape[1], layer[3].shape[1]
+    want = {codes.EV_BWD_DGRAD2.value: n_mt * -(-f // bm), codes.EV_BWD_SWIGLU.value: n_mt,
+            codes.EV_BWD_DGRAD1.value: n_mt * -(-h // bm), codes.EV_BWD_UNPERMUTE.value: -(-t // 2)}
+    ev = trace.view(-1, 4)
+    ev = ev[ev[:, 0] != 0]
+    for kind, n in want.items():
+        assert sorted(ev[ev[:, 0] == kind][:, 1].tolist()) == list(range(n)), codes.TRACE_KINDS[kind]
+    for kind in (codes.EV_BWD_WGRAD2.value, codes.EV_BWD_WGRAD1.value):
+        assert [int((trace[p, :, 0] == kind).sum()) for p in range(programs)] == [1] * programs
+    # a wait before each SWIGLU and DGRAD1 task, one before each program's WGRAD (task -1), one per program in
+    # UNPERMUTE
+    waits = ev[ev[:, 0] == codes.EV_WAIT.value][:, 1]
+    in_unpermute = sum(int((trace[p, :, 0] == codes.EV_BWD_UNPERMUTE.value).any()) for p in range(programs))
+    assert int((waits == -1).sum()) == programs
+    assert waits.numel() == n_mt + n_mt * -(-h // bm) + programs + in_unpermute
+    with pytest.raises(ValueError, match="trace must be"):
+        mb.expert_backward_one_launch(
+            layer[3].new_zeros(64, h), layer[3].new_zeros(64, h), layer[3].new_zeros(64, h),
+            layer[3].new_zeros(64, 2 * f), torch.zeros(64), torch.zeros(64, dtype=torch.bool), layer[2], layer[3],
+            torch.zeros(layer[2].shape[0], dtype=torch.int32), torch.zeros(layer[2].shape[0], dtype=torch.int32),
+            torch.zeros(0, dtype=torch.long), 0, 2, programs=2, trace=torch.zeros(1, dtype=torch.int64))

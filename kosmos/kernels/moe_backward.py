@@ -299,6 +299,9 @@ multi-launch path's (interpreter tests with every buffer of the launch poisoned,
 same shape and warps should give the same reduction layout, which the GPU test checks.) Rows the multi-launch
 SwiGLU pass computes and no one reads -- the rows past the last expert's padded end (up to E * 63), whose g | u
 the gathers leave unwritten (the interpreter's exp overflow warnings there) -- are not computed here.
+Trace: ``expert_backward_one_launch(trace=)`` records every task and wait (codes.EV_BWD_*, EV_WAIT; device.trace,
+compiled out without it: 250 -> 252 registers with it, no spills) -- the first thing to look at on the GPU
+(do SWIGLU tasks run beside DGRAD2 tiles, how long WGRAD's start skew is, whether any wait is long).
 What is saved / recomputed: nothing new -- z [R_pad, F] bf16 still goes through HBM between DGRAD2 and SWIGLU (the
 unfused dgrad2 measured faster than the fused epilogue, session 12), h is stored for WGRAD2, g | u saved or
 recomputed before the launch as before. Launches: the six of dgrad2 GEMM, SwiGLU pass, both wgrads, dgrad1 and
@@ -342,7 +345,8 @@ import triton.language as tl
 from .. import device as dev
 from .. import planning
 from .. import schedule as sched
-from ..codes import OP_MOE_BACKWARD, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_SWIGLU
+from ..codes import (EV_BWD_DGRAD1, EV_BWD_DGRAD2, EV_BWD_SWIGLU, EV_BWD_UNPERMUTE, EV_BWD_WGRAD1, EV_BWD_WGRAD2,
+                     EV_WAIT, OP_MOE_BACKWARD, TRACE_EVENTS, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_SWIGLU)
 
 try:  # libdevice's expf for swiglu_h (Triton >= 3.0 spells it this way)
     from triton.language.extra import libdevice
@@ -1431,23 +1435,34 @@ BWD_UNPERMUTE_TOKENS = 8  # tokens per UNPERMUTE task (GPU; each summed over H i
 BWD_INTERP_PROGRAMS = 3  # the CPU interpreter's default grid (programs run one after another there)
 
 
+@triton.jit
+def _trace_clock(TRACE: tl.constexpr):
+    """The global timer where the launch is traced, else 0 (no timer read at all)."""
+    if TRACE:
+        return dev.now_ns()
+    else:
+        return tl.full([], 0, tl.int64)
+
+
 @triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages"])
 def _moe_backward_experts_kernel(
         dy_rows_ptr, do_rows_ptr, x_rows_ptr, gu_ptr, wp_ptr, valid_ptr, w13_ptr, w2_ptr,
         pad_offs_ptr, counts_ptr, first_mtile_ptr, inv_ptr,
         z_ptr, dgu_ptr, h_ptr, dw_rows_ptr, dx_rows_ptr, dw13_ptr, dw2_ptr, dx_e_ptr,
-        scratch_ptr, scratch_n, max_mtiles, err_ptr, epoch_ptr, timeout_us, stages,
+        scratch_ptr, scratch_n, max_mtiles, err_ptr, epoch_ptr, timeout_us, stages, trace_ptr,
         T, H, F, E, R_PAD,
         TOPK: tl.constexpr, ELP2: tl.constexpr, PAD: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEMM_STAGES: tl.constexpr,
         TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
         WGRAD_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
-        DOT_FP32: tl.constexpr):
+        DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
     """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
     launch"): the stages DGRAD2, SWIGLU, DGRAD1 (shared atomic heads), WGRAD (each program's own share of both
     flat wgrad loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function.
-    ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out)."""
+    ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out).
+    TRACE: every task and wait as a (kind, task, t0, t1) event of trace_ptr [GRID, TRACE_EVENTS, 4] (codes.EV_*;
+    WGRAD one event per flat loop, task -1)."""
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     epoch = dev.call_epoch(epoch_ptr)
@@ -1458,19 +1473,25 @@ def _moe_backward_experts_kernel(
     dgrad2_ctr = scratch_ptr + SCB_MTILES
     swiglu_ctr = dgrad2_ctr + max_mtiles
     ok = 1
+    n_ev = 0
     if sched.has_stage(stages, STAGE_BWD_DGRAD2):  # z = dy_rows W2[e]^T per (m-tile, F-tile), m-tile-major
         t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
         while t < n_mt * n_f:
+            t0 = _trace_clock(TRACE)
             gm = t // n_f
             _dgrad1_tile(gm, t % n_f, dy_rows_ptr, w2_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, z_ptr, F, H,
                          ELP2, BM, BN, BK, DOT_FP32, TMA2, GEMM_STAGES)
             tl.debug_barrier()
             tl.atomic_add(dgrad2_ctr + gm, 1, sem="release", scope="gpu")
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD2, t, t0, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
     if sched.has_stage(stages, STAGE_BWD_SWIGLU):  # per m-tile, once its n_f dgrad2 tiles are stored
         t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
         while (t < n_mt) & (ok != 0):
+            t0 = _trace_clock(TRACE)
             ok = dev.wait_geq(dgrad2_ctr + t, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t, t)
+            t1 = _trace_clock(TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
             if ok != 0:
                 e = tl.sum((tl.load(first_mtile_ptr + x) <= t).to(tl.int32), 0) - 1
                 lm0 = (t - tl.load(first_mtile_ptr + e)) * BM
@@ -1486,39 +1507,55 @@ def _moe_backward_experts_kernel(
                 tl.debug_barrier()
                 tl.atomic_add(swiglu_ctr + t, 1, sem="release", scope="gpu")
                 tl.atomic_add(scratch_ptr + SCB_SWIGLU_DONE, 1, sem="release", scope="gpu")
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
     if sched.has_stage(stages, STAGE_BWD_DGRAD1) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m-tile, H-tile)
         t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
         while (t < n_mt * n_h) & (ok != 0):
+            t0 = _trace_clock(TRACE)
             gm = t // n_h
             ok = dev.wait_geq(swiglu_ctr + gm, 1, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, t, gm)
+            t1 = _trace_clock(TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
             if ok != 0:
                 _dgrad1_tile(gm, t % n_h, dgu_ptr, w13_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, dx_rows_ptr,
                              H, 2 * F, ELP2, BM, BN, BK, DOT_FP32, TMA1, GEMM_STAGES)
                 tl.debug_barrier()
                 tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, 1, sem="release", scope="gpu")
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD1, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
     if sched.has_stage(stages, STAGE_BWD_WGRAD) & (ok != 0):  # this program's share of both flat loops
+        t0 = _trace_clock(TRACE)
         ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, n_mt, timeout_ns, err_ptr, OP_MOE_BACKWARD,
                           WAIT_BWD_SWIGLU, 0, -1, -1)
+        t1 = _trace_clock(TRACE)
+        n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, t1, TRACE)
         if ok != 0:
             _wgrad_flat_run(pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
                             W2_BJ, W_BR, GRID, ELP2, DOT_FP32, WGRAD_STAGES)
+            t0 = _trace_clock(TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD2, -1, t1, t0, TRACE)
             _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
                             W1_BJ, W_BR, GRID, ELP2, DOT_FP32, WGRAD_STAGES)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
     if sched.has_stage(stages, STAGE_BWD_UNPERMUTE) & (ok != 0):  # each token's k rows summed in slot order
         t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
         waited = 0
         while (t < tl.cdiv(T, UT)) & (ok != 0):
+            t0 = _trace_clock(TRACE)
             if waited == 0:  # one wait per program: the counter only grows, the acquire covers what follows
                 ok = dev.wait_geq(scratch_ptr + SCB_DGRAD1_DONE, n_mt * n_h, timeout_ns, err_ptr, OP_MOE_BACKWARD,
                                   WAIT_BWD_DGRAD1, 0, t, -1)
                 waited = 1
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                t0 = t1
             if ok != 0:
                 for tok in range(t * UT, tl.minimum(t * UT + UT, T)):
                     for c0 in range(0, H, UBH):
                         c = c0 + tl.arange(0, UBH)
                         _unpermute_sum_cols(tok, c, c < H, dx_rows_ptr, inv_ptr, dx_e_ptr, H, TOPK)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_UNPERMUTE, t, t0, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
     dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
                              BWD_ZERO_BLOCK)
@@ -1550,7 +1587,8 @@ def _bwd_tiles(out_dtype: torch.dtype, h: int, f: int):
 
 def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, inv,
                                n_tok: int, top_k: int, out_dtype: torch.dtype = torch.bfloat16, *,
-                               programs: int | None = None, stages: int = BWD_ALL_STAGES, timeout_ns=None):
+                               programs: int | None = None, stages: int = BWD_ALL_STAGES, timeout_ns=None,
+                               trace: torch.Tensor | None = None):
     """moe_backward's expert part at W = 1 in ONE launch (_moe_backward_experts_kernel) on rows in the padded
     layout: dy_rows, do_rows (= w * dy_rows), x_rows [R_pad, H], gu [R_pad, 2F] bf16, w_pair [R_pad] fp32, valid
     [R_pad] bool (padded_layout's real_of >= 0; gap rows zero in dy_rows, do_rows, x_rows, gu, w_pair), w13
@@ -1559,7 +1597,8 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     [R_pad] fp32: the gate gradients <dy_t, o_p> of the rows -- gap rows unspecified --, dw13, dw2 in
     ``out_dtype``), bitwise what the multi-launch path computes (the same tile functions, tiles and orders).
     ``programs``: the grid (None: one per SM; the interpreter: BWD_INTERP_PROGRAMS). ``stages`` and ``timeout_ns``
-    (None: the workspace's) for tests. On CUDA a timed-out wait raises KosmosTimeoutError at the next KOSMOS call
+    (None: the workspace's) for tests. ``trace`` (int64 [grid, codes.TRACE_EVENTS, 4], zeroed): each program's
+    tasks and waits as (kind, task, t0, t1) events (runtime.TRACE_KINDS), for the timeline. On CUDA a timed-out wait raises KosmosTimeoutError at the next KOSMOS call
     or kosmos.check_errors() (the workspace's error record); on the CPU right away. CUDA, or the CPU under
     TRITON_INTERPRET=1."""
     from .. import runtime
@@ -1593,6 +1632,10 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         errors = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64)
         grid = programs or (BWD_INTERP_PROGRAMS if planning.interpreting() else 132)
         timeout_ns = int(runtime.DEFAULT_TIMEOUT_S * 1e9) if timeout_ns is None else timeout_ns
+    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (grid, TRACE_EVENTS.value, 4)
+                              or trace.device != dev_):
+        raise ValueError(f"trace must be an int64 [{grid}, {TRACE_EVENTS.value}, 4] tensor on {dev_}, got "
+                         f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")
     runtime.ensure_triton_allocator()
     aligned = lambda k, w: k % 8 == 0 and w.is_contiguous() and w.data_ptr() % 16 == 0  # noqa: E731 (expert_dgrad1's)
     _moe_backward_experts_kernel[(grid,)](
@@ -1600,12 +1643,12 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         w13, w2, offs, counts32, first_mtile, inv,
         z, dgu, hb, dw_rows, dx_rows, dw13, dw2, dx_e,
         scratch, scratch_n, max_mt, errors, epoch_slot, max(1, timeout_ns // 1000), stages,
-        n_tok, h, f, n_exp, r_pad,
+        errors if trace is None else trace, n_tok, h, f, n_exp, r_pad,
         TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
         TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
-        WGRAD_STAGES=w2t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(), num_warps=warps,
-        num_stages=gemm_stages)
+        WGRAD_STAGES=w2t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(), TRACE=trace is not None,
+        num_warps=warps, num_stages=gemm_stages)
     if ws is not None:
         ws.after_launch()
     elif int(errors[0]):
