@@ -729,11 +729,13 @@ def test_router_gemms_cpu_are_the_fp32_reference():
 
 # ------------------------------------------------------------------ the expert part in one launch (W = 1)
 def _poisoned_empty(real_empty):
-    """torch.empty whose floating tensors come back NaN and integer ones -12345: an output element the one launch
-    leaves unwritten (or a gap row it reads as data) shows in the gradients."""
+    """torch.empty whose floating tensors come back NaN (integers: their largest value, bool: True): an output
+    element the one launch leaves unwritten (or a gap row it reads as data) shows in the gradients."""
     def empty(*shape, **kw):
         t = real_empty(*shape, **kw)
-        return t.fill_(float("nan") if t.is_floating_point() else -12345)
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
     return empty
 
 
@@ -848,11 +850,13 @@ def test_moe_backward_one_launch_refuses_the_packed_layout():
 @pytest.mark.gpu
 @pytest.mark.parametrize("saved", [False, True])
 @pytest.mark.parametrize("programs", [None, 7])
-def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs):
+def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, monkeypatch):
     """On the GPU, at the real tiles (dgrad 128x256x64, the flat wgrad's 128x256 / 256x128, 8 warps): the one
-    launch gives bitwise the default multi-launch path's gradients, on a skewed routing with an empty expert, T
-    not a multiple of any tile, bf16 and fp32 weight gradients, on all SMs and on 7 programs; twice the same."""
+    launch (every buffer it allocates poisoned) gives bitwise the default multi-launch path's gradients, on a
+    skewed routing with an empty expert, T not a multiple of any tile, bf16 and fp32 weight gradients, on all SMs
+    and on 7 programs; twice the same."""
     import kosmos
+    from kosmos.kernels import moe_backward as mb
     from kosmos.kernels.moe_backward import moe_backward_w1
     g = torch.Generator().manual_seed(8)
     t, h, f, e, k = 3001, 1024, 768, 32, 8
@@ -860,7 +864,8 @@ def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs):
     x[:, 0] = 4.0
     x = x.to(torch.bfloat16).cuda()
     wr = torch.randn(e, h, generator=g) * 0.5
-    wr[3, 0], wr[0, 0] = -10.0, 1.0  # expert 3 never chosen, expert 0 by most tokens
+    # expert 3's logit ~ -160 +- 16 (the other logits ~ 0 +- 16): never among the top 8; expert 0 pulled in
+    wr[3, 0], wr[0, 0] = -40.0, 4.0
     wr = wr.to(torch.bfloat16).cuda()
     w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
@@ -868,6 +873,14 @@ def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs):
     out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
     weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
     assert not (experts == 3).any()
+    real = mb.expert_backward_one_launch
+
+    def poisoned(*a, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", _poisoned_empty(torch.empty))
+            return real(*a, **kw)
+
+    monkeypatch.setattr(mb, "expert_backward_one_launch", poisoned)
     for wdt in (None, torch.float32):
         want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt)
         got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
