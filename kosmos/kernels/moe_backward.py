@@ -34,16 +34,16 @@ the next expert's rows are never read, so they cannot be summed in), columns pas
 
 4. ``moe_backward_w1``: the whole backward at one rank from these kernels and torch (see its docstring).
 
-Plan for the one launch (built at W = 1 without the exchanges, session 14: "The one launch" below): the forward's own layout (its expert rows, their (source, token, slot)
-and the device-side plan) kept for the backward instead of a re-sort; stages in demand order, each a queue of
-tiles with readiness counters as in moe_forward.py: COMBINE-BWD (dy rows to the experts' ranks, once per
-destination, with the gate weights: the mirror of combine) -> DGRAD2 (item 2; counts finished F-tiles per
-m-tile) -> WGRAD2 (item 1 on h and w*dy; waits for nothing new) -> DGRAD1 (item 3; waits for its m-tile's
-DGRAD2 tiles) -> WGRAD1 (item 1 on the rows and [dg | du]; waits for the expert's DGRAD2 tiles) ->
-DISPATCH-BWD (each token's rows back to its rank, summed in slot order; waits for DGRAD1) -> ROUTER-BWD (the
-gate gradients' F-tile partials summed in order, then dq, dl, dWr, dx_r). g | u either saved by the forward's
-GEMM1 epilogue (R x 2F bf16: 256 MiB per rank at deepseek-v3 4k tokens) or recomputed (GEMM1 again, 1.92
-TFLOP): measure both.
+Plan for the one launch (built at W = 1 without the exchanges, session 14: "The one launch" below): the forward's
+own layout (its expert rows, their (source, token, slot) and the device-side plan) kept for the backward instead of
+a re-sort; stages in demand order, each a queue of tiles with readiness counters as in moe_forward.py: COMBINE-BWD
+(dy rows to the experts' ranks, once per destination, with the gate weights: the mirror of combine) -> DGRAD2 (item
+2; counts finished F-tiles per m-tile) -> WGRAD2 (item 1 on h and w*dy; waits for nothing new) -> DGRAD1 (item 3;
+waits for its m-tile's DGRAD2 tiles) -> WGRAD1 (item 1 on the rows and [dg | du]; waits for the expert's DGRAD2
+tiles) -> DISPATCH-BWD (each token's rows back to its rank, summed in slot order; waits for DGRAD1) -> ROUTER-BWD
+(the gate gradients' F-tile partials summed in order, then dq, dl, dWr, dx_r). g | u either saved by the forward's
+GEMM1 epilogue (R x 2F bf16: 256 MiB per rank at deepseek-v3 4k tokens) or recomputed (GEMM1 again, 1.92 TFLOP):
+measure both.
 
 In the one-launch backward these tiles become a stage whose tasks wait for the rows' dgrad flags, as the
 forward's GEMM2 waits for GEMM1's tiles.
@@ -1455,7 +1455,7 @@ def _moe_backward_experts_kernel(
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEMM_STAGES: tl.constexpr,
         TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
-        WGRAD_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
+        W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
     """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
     launch"): the stages DGRAD2, SWIGLU, DGRAD1 (shared atomic heads), WGRAD (each program's own share of both
@@ -1532,11 +1532,11 @@ def _moe_backward_experts_kernel(
         n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, t1, TRACE)
         if ok != 0:
             _wgrad_flat_run(pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
-                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, WGRAD_STAGES)
+                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, W2_STAGES)
             t0 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD2, -1, t1, t0, TRACE)
             _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
-                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, WGRAD_STAGES)
+                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
     if sched.has_stage(stages, STAGE_BWD_UNPERMUTE) & (ok != 0):  # each token's k rows summed in slot order
         t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
@@ -1598,9 +1598,9 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     ``out_dtype``), bitwise what the multi-launch path computes (the same tile functions, tiles and orders).
     ``programs``: the grid (None: one per SM; the interpreter: BWD_INTERP_PROGRAMS). ``stages`` and ``timeout_ns``
     (None: the workspace's) for tests. ``trace`` (int64 [grid, codes.TRACE_EVENTS, 4], zeroed): each program's
-    tasks and waits as (kind, task, t0, t1) events (runtime.TRACE_KINDS), for the timeline. On CUDA a timed-out wait raises KosmosTimeoutError at the next KOSMOS call
-    or kosmos.check_errors() (the workspace's error record); on the CPU right away. CUDA, or the CPU under
-    TRITON_INTERPRET=1."""
+    tasks and waits as (kind, task, t0, t1) events (runtime.TRACE_KINDS), for the timeline. On CUDA a timed-out
+    wait raises KosmosTimeoutError at the next KOSMOS call or kosmos.check_errors() (the workspace's error record);
+    on the CPU right away. CUDA, or the CPU under TRITON_INTERPRET=1."""
     from .. import runtime
     r_pad, h = dy_rows.shape
     n_exp, f, _ = w2.shape
@@ -1647,8 +1647,8 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
         TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
-        WGRAD_STAGES=w2t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(), TRACE=trace is not None,
-        num_warps=warps, num_stages=gemm_stages)
+        W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
+        TRACE=trace is not None, num_warps=warps, num_stages=gemm_stages)
     if ws is not None:
         ws.after_launch()
     elif int(errors[0]):
