@@ -180,10 +180,19 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
     dy_pad, w_pad = torch.empty(rows_pad, h, **bf), torch.empty(rows_pad, dtype=torch.float32, device=dev)
     valid = torch.ones(rows_pad, dtype=torch.bool, device=dev)
     inv = torch.zeros(rows, dtype=torch.int64, device=dev)
-    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        out.append((f"moe_bwd one_launch {name}", _compile_among(mb, "_moe_backward_experts_kernel", lambda dt=dt: (
-            mb.expert_backward_one_launch(dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv,
-                                          rows // 8, 8, dt)))))
+    on_completion = mb.BWD_SWIGLU_ON_COMPLETION
+    for name, dt, swiglu_on_completion, trace in (
+            ("bf16", torch.bfloat16, on_completion, None), ("fp32", torch.float32, on_completion, None),
+            ("queued-swiglu", torch.bfloat16, not on_completion, None),
+            ("traced", torch.bfloat16, on_completion, torch.zeros((132, 1024, 4), dtype=torch.int64, device=dev))):
+        mb.BWD_SWIGLU_ON_COMPLETION = swiglu_on_completion
+        try:
+            out.append((f"moe_bwd one_launch {name}", _compile_among(
+                mb, "_moe_backward_experts_kernel", lambda dt=dt, trace=trace: mb.expert_backward_one_launch(
+                    dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv, rows // 8, 8, dt,
+                    programs=132, trace=trace))))
+        finally:
+            mb.BWD_SWIGLU_ON_COMPLETION = on_completion
     return out
 
 

@@ -770,17 +770,20 @@ def _one_launch_case(case, seed=12):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case,programs,saved,wgrad_dtype", [
-    ("skewed", 3, False, None), ("skewed", 2, True, None), ("one-expert", 4, False, None),
-    ("sigmoid", 2, False, None), ("sigmoid", 4, True, torch.float32)])
-def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dtype, monkeypatch):
+@pytest.mark.parametrize("case,programs,saved,wgrad_dtype,on_completion", [
+    ("skewed", 3, False, None, True), ("skewed", 2, True, None, False), ("one-expert", 4, False, None, True),
+    ("one-expert", 2, False, None, False), ("sigmoid", 2, False, None, True),
+    ("sigmoid", 4, True, torch.float32, False)])
+def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dtype, on_completion, monkeypatch):
     """moe_backward_w1(one_launch=True) -- dgrad2, the SwiGLU backward, dgrad1, both flat wgrad loops and the
     dispatch backward as stages of one persistent launch of 2-4 programs -- gives bitwise the default multi-launch
-    path's dx, d_router, dw13 and dw2, with every buffer the launch allocates poisoned (NaN / -12345): an empty
-    expert, one expert with all tokens, T not a multiple of any tile, softmax and sigmoid-grouped routing, the
-    recomputed and a saved g | u, bf16 and fp32 weight gradients; deterministic."""
+    path's dx, d_router, dw13 and dw2, with every buffer the launch allocates poisoned (NaN / the largest integer):
+    an empty expert, one expert with all tokens, T not a multiple of any tile, softmax and sigmoid-grouped
+    routing, the recomputed and a saved g | u, bf16 and fp32 weight gradients, SWIGLU run by each m-tile's last
+    dgrad2 tile or as its own queue (BWD_SWIGLU_ON_COMPLETION); deterministic."""
     from kosmos.kernels import moe_backward as mb
     from simranks import placed_gate_up
+    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
     layer, weights, experts, kw = _one_launch_case(case)
     saved_gu = placed_gate_up(layer[0], layer[2], experts, experts.shape[1],
                               torch.Generator().manual_seed(1)) if saved else None
@@ -819,15 +822,19 @@ def test_moe_backward_one_launch_without_tokens():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("left_out,waits_for", [
-    ("DGRAD2", "the dgrad2 column tiles of expert m-tile 0"), ("SWIGLU", "the SwiGLU backward of expert m-tile 0"),
-    ("DGRAD1", "every dgrad1 tile")])
-def test_moe_backward_one_launch_bounded_waits(left_out, waits_for, monkeypatch):
+@pytest.mark.parametrize("left_out,on_completion,waits_for", [
+    ("DGRAD2", False, "the dgrad2 column tiles of expert m-tile 0"),
+    ("DGRAD2", True, "the SwiGLU backward of expert m-tile 0"),  # no dgrad2 tile: nobody runs SWIGLU
+    ("SWIGLU", False, "the SwiGLU backward of expert m-tile 0"),
+    ("SWIGLU", True, "the SwiGLU backward of expert m-tile 0"),
+    ("DGRAD1", True, "every dgrad1 tile")])
+def test_moe_backward_one_launch_bounded_waits(left_out, on_completion, waits_for, monkeypatch):
     """A stage left out of the launch (the ``stages`` mask): its consumers' bounded waits time out instead of
     hanging, the first one's record names the op and what it waited for, and the launch still ends (every program
     drains); KosmosTimeoutError on the CPU right after the launch."""
     from kosmos import runtime
     from kosmos.kernels import moe_backward as mb
+    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
     layer, weights, experts, kw = _one_launch_case("skewed")
     real = mb.expert_backward_one_launch
     stage = getattr(mb, f"BWD_{left_out}")
@@ -913,12 +920,14 @@ def test_moe_backward_one_launch_bounded_wait_gpu(monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_moe_backward_one_launch_trace_records_every_task_once(monkeypatch):
+@pytest.mark.parametrize("on_completion", [True, False])
+def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, monkeypatch):
     """The trace of the one launch: every DGRAD2, SWIGLU, DGRAD1 and UNPERMUTE task exactly once over the programs
-    (the shared heads hand each out once), one WGRAD2 and one WGRAD1 run per program, each task's wait before it;
-    the gradients unchanged by tracing."""
+    (the shared heads hand each out once; SWIGLU by each m-tile's last dgrad2 tile or from its own queue), one
+    WGRAD2 and one WGRAD1 run per program, the waits before the tasks; the gradients unchanged by tracing."""
     from kosmos import codes
     from kosmos.kernels import moe_backward as mb
+    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
     layer, weights, experts, kw = _one_launch_case("skewed")
     programs = 3
     trace = torch.zeros((programs, codes.TRACE_EVENTS.value, 4), dtype=torch.int64)
@@ -939,12 +948,12 @@ def test_moe_backward_one_launch_trace_records_every_task_once(monkeypatch):
         assert sorted(ev[ev[:, 0] == kind][:, 1].tolist()) == list(range(n)), codes.TRACE_KINDS[kind]
     for kind in (codes.EV_BWD_WGRAD2.value, codes.EV_BWD_WGRAD1.value):
         assert [int((trace[p, :, 0] == kind).sum()) for p in range(programs)] == [1] * programs
-    # a wait before each SWIGLU and DGRAD1 task, one before each program's WGRAD (task -1), one per program in
-    # UNPERMUTE
+    # a wait before each DGRAD1 task (and each queued SWIGLU task), one before each program's WGRAD (task -1), one
+    # per program in UNPERMUTE
     waits = ev[ev[:, 0] == codes.EV_WAIT.value][:, 1]
     in_unpermute = sum(int((trace[p, :, 0] == codes.EV_BWD_UNPERMUTE.value).any()) for p in range(programs))
     assert int((waits == -1).sum()) == programs
-    assert waits.numel() == n_mt + n_mt * -(-h // bm) + programs + in_unpermute
+    assert waits.numel() == (0 if on_completion else n_mt) + n_mt * -(-h // bm) + programs + in_unpermute
     with pytest.raises(ValueError, match="trace must be"):
         mb.expert_backward_one_launch(
             layer[3].new_zeros(64, h), layer[3].new_zeros(64, h), layer[3].new_zeros(64, h),

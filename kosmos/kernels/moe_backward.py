@@ -266,63 +266,75 @@ the multi-launch path, and before the same torch router backward. Stages, in sch
 queue with one atomic head in local scratch, except WGRAD):
   DGRAD2(gm, n)   z = dy_rows W2[e]^T, global m-tile gm (m-tiles numbered over experts as _mtile_plan's, on the
                   padded offsets), F-tile n: _dgrad1_tile, today's unfused dgrad2 GEMM (DGRAD1_TILES, bf16 z);
-                  then +1 on dgrad2_done[gm] (release). Task t = gm * ceil(F/BN) + n: m-tile-major, so the first
+                  then +1 on dgrad2_done[gm] (acq_rel). Task t = gm * ceil(F/BN) + n: m-tile-major, so the first
                   m-tiles complete first.
-  SWIGLU(gm)      waits dgrad2_done[gm] >= ceil(F/BN); _swiglu_backward_rows over the m-tile's rows in 8-row
-                  blocks (BF as today's pass), up to the expert's padded end (its gap rows get zeros: the flat
-                  wgrad reads them; the next expert's rows are another m-tile's), z's gap rows read as zeros
-                  through valid; [dg | du], h, dw_rows; then swiglu_done[gm] = 1 and +1 on swiglu_count.
+  SWIGLU(gm)      once dgrad2_done[gm] = ceil(F/BN): _bwd_swiglu_mtile -- _swiglu_backward_rows over the
+                  m-tile's rows in 8-row blocks (BF as today's pass) up to the expert's padded end (its gap rows
+                  get zeros: the flat wgrad reads them; the next expert's rows are another m-tile's), z's gap rows
+                  read as zeros through valid; [dg | du], h, dw_rows; then swiglu_done[gm] = 1 and +1 on
+                  swiglu_count (release). ``BWD_SWIGLU_ON_COMPLETION = True``: run by the program whose dgrad2 tile
+                  completes the m-tile (its atomic returns ceil(F/BN) - 1), right there, so the memory-bound pass
+                  runs beside the other programs' GEMM tiles with z still in L2 and nothing waits; False: its own
+                  queue after DGRAD2's, each task waiting (bounded) for its m-tile's tiles -- which starts only
+                  once every dgrad2 tile is claimed, leaving the pass alone on the GPU (both tested bitwise).
   DGRAD1(gm, n)   waits swiglu_done[gm]; dx_rows = [dg | du] W13[e]^T (_dgrad1_tile); +1 on dgrad1_count.
   WGRAD           no queue: each program waits swiglu_count >= the m-tiles of all experts, then runs its own
                   share of both flat loops (_wgrad_flat_run: dW2 = h^T do, then dW13 = x_rows^T [dg | du]; tile g
                   is program g % GRID's, as in the standalone kernel), so Triton pipelines across its tiles as
                   there (session 13: a per-tile queue drained the pipeline at every tile, 7.31 vs 6.15 ms).
                   Nothing waits on WGRAD.
-  UNPERMUTE(b)    waits (once per program) dgrad1_count >= every DGRAD1 tile; tokens [8b, 8b + 8), each token's k
-                  rows summed in slot order in fp32 (_unpermute_sum_cols, unpermute_sum's arithmetic) into dx_e.
+  UNPERMUTE(b)    waits (once per program) dgrad1_count >= every DGRAD1 tile; tokens [8b, 8b + 8) in [8, 256]
+                  blocks, each token's k rows summed in slot order in fp32 (_unpermute_sum_cols, unpermute_sum's
+                  arithmetic, the slot loop unrolled so a block's k loads are in flight together: one program per
+                  SM has no other memory-level parallelism) into dx_e.
 The m-tile count is computed on the device (sum of ceil(counts / BM)); the scratch (heads, exit counter, the two
 counts, dgrad2_done and swiglu_done per m-tile up to the static bound) is zeroed by the last program out
 (device.exit_program_zeroing; its own epoch slot), so no call needs a reset launch or a host sync.
 Deadlock-freedom (schedule.py's rule): a task waits only on tasks of earlier stages, all claimed from shared
-heads by programs already running them before any program gets past that stage; WGRAD is statically owned, but
-nothing waits on it and its inputs come from a shared-head stage. So the launch needs no co-residency and runs
-under TRITON_INTERPRET=1, where programs run one after another: program 0 drains DGRAD2, SWIGLU and DGRAD1 alone,
-finds every wait satisfied, and the others find the queues empty. Every wait is device.wait_geq (bounded: a
-stage left out of the ``stages`` mask times out with the op, task and m-tile in the error record -- tested).
-UNPERMUTE is last, after WGRAD: by the time a program has run its wgrad share, DGRAD1 is done, so it does not
-idle on the global count.
+heads by programs already running them before any program gets past that stage (SWIGLU on completion: inside
+a claimed DGRAD2 task, waiting for nothing); WGRAD is statically owned, but nothing waits on it and its inputs
+come from shared-head stages. So the launch needs no co-residency and runs under TRITON_INTERPRET=1, where
+programs run one after another: program 0 drains DGRAD2 (with SWIGLU) and DGRAD1 alone, finds every wait
+satisfied, and the others find the queues empty -- there a wait that spins is a bug, bounded at 1000 spins
+(BWD_INTERP_TIMEOUT_NS). Every wait is device.wait_geq (bounded: a stage left out of the ``stages`` mask times
+out with the op, task and m-tile in the error record -- tested). UNPERMUTE is last, after WGRAD: by the time a
+program has run its wgrad share, DGRAD1 is done, so it does not idle on the global count.
 Bits: every task runs the standalone kernel's tile function (_dgrad1_tile, _swiglu_backward_rows,
 _wgrad_flat_run, _unpermute_sum_cols) at the same tiles, and every sum is per output tile or per row in a fixed
 order independent of which program runs it or how many there are: dx, d_router, dW13, dW2 are bitwise the
-multi-launch path's (interpreter tests with every buffer of the launch poisoned, 2-4 programs; GPU twin written).
-(Caveat for the GPU: the SwiGLU pass's row sum is a tl.sum over [8, BF] with 8 warps as in its own kernel; the
-same shape and warps should give the same reduction layout, which the GPU test checks.) Rows the multi-launch
-SwiGLU pass computes and no one reads -- the rows past the last expert's padded end (up to E * 63), whose g | u
-the gathers leave unwritten (the interpreter's exp overflow warnings there) -- are not computed here.
+multi-launch path's (interpreter tests with every buffer of the launch poisoned, 2-4 programs, both SWIGLU
+forms; GPU twin written). (Caveat for the GPU: the SwiGLU pass's row sum is a tl.sum over [8, BF] with 8 warps
+as in its own kernel; the same shape and warps should give the same reduction layout, which the GPU test
+checks.) Rows the multi-launch SwiGLU pass computes and no one reads -- the rows past the last expert's padded
+end (up to E * 63), whose g | u the gathers leave unwritten (the interpreter's exp overflow warnings there) --
+are not computed here.
 Trace: ``expert_backward_one_launch(trace=)`` records every task and wait (codes.EV_BWD_*, EV_WAIT; device.trace,
-compiled out without it: 250 -> 252 registers with it, no spills) -- the first thing to look at on the GPU
-(do SWIGLU tasks run beside DGRAD2 tiles, how long WGRAD's start skew is, whether any wait is long).
+compiled out without it) -- the first thing to look at on the GPU (do SWIGLU passes run beside DGRAD2 tiles, how
+long WGRAD's start skew is, whether any wait is long).
 What is saved / recomputed: nothing new -- z [R_pad, F] bf16 still goes through HBM between DGRAD2 and SWIGLU (the
-unfused dgrad2 measured faster than the fused epilogue, session 12), h is stored for WGRAD2, g | u saved or
-recomputed before the launch as before. Launches: the six of dgrad2 GEMM, SwiGLU pass, both wgrads, dgrad1 and
-unpermute become one (plus the host tables' few torch ops).
+unfused dgrad2 measured faster than the fused epilogue, session 12; on completion it is read back while in L2),
+h is stored for WGRAD2, g | u saved or recomputed before the launch as before. Launches: the six of dgrad2 GEMM,
+SwiGLU pass, both wgrads, dgrad1 and unpermute become one (plus the host tables' few torch ops).
 sm_90a (local Triton 3.9, ``python -m dev.kernel_resources --world 1 --kernels moe_backward``, qwen3-like shapes):
-250 registers (252 with the fp32 wgrad), no spills, 192 KiB shared -- one 8-warp program per SM; the largest
-stage sets it: compiled with one stage at a time (a constexpr mask, diagnostic only) DGRAD2 250, SWIGLU 80 (8 B
-of stack: the noinline error path), DGRAD1 252, WGRAD 179 registers / 176 KiB, UNPERMUTE 32, against 199 / 192
-KiB for the standalone dgrad1 kernel and 165 / 176 KiB for the flat wgrad: the persistent loop around the same
-tile costs ~50 registers, not a tile, no spills. No stage runs a smaller tile than today. All four GEMM loops are
-software-pipelined TMA loops in the TTGIR (28 async TMA copies: 2 x (3 + 1) x 2 for the 4-stage dgrads, 2 x (2 +
-1) x 2 for the 3-stage wgrads; per-loop depths by tl.range(num_stages=)).
+250 registers (bf16 or fp32 wgrad, either SWIGLU form; 254 traced), no spills, 192 KiB shared -- one 8-warp
+program per SM; at deepseek-v3-like shapes (E = 256) 255, no spills: no headroom left. The largest stage sets
+it: compiled with one stage at a time (a constexpr mask, diagnostic only) DGRAD2 250, SWIGLU 80 (8 B of stack:
+the noinline error path), DGRAD1 252, WGRAD 179 registers / 176 KiB, UNPERMUTE 32, against 199 / 192 KiB for the
+standalone dgrad1 kernel and 165 / 176 KiB for the flat wgrad; DGRAD2 with one task instead of the claim loop
+190: the persistent loop around the same tile costs ~60 registers, not a tile and no spills. No stage runs a
+smaller tile than today. All four GEMM loops are software-pipelined TMA loops in the TTGIR (28 async TMA copies:
+2 in each loop body, 2 x 6 in the 4-stage dgrads' prologues, 2 x 4 in the 3-stage wgrads'; per-loop depths by
+tl.range(num_stages=)); the SwiGLU and unpermute loops are plain loads (no cp.async pipelining).
 PREDICTION (unmeasured): at W = 1 the GPU already has no idle time between these launches (session 13), so the
-one launch should take the sum of today's six kernels, minus five launch gaps (~10-20 us), minus the SwiGLU
-pass's time where it runs beside DGRAD2 / DGRAD1 tensor work on other SMs (up to its 0.15 ms at qwen3 4k),
-plus WGRAD's start skew (a program starts its share when the DGRAD1 queue is drained, up to one dgrad1 tile
-later than another: ~10-20 us) plus whatever the SwiGLU pass loses on one resident 8-warp program per SM against
-its own kernel's many small programs (memory-latency bound: unknown, 0-0.2 ms). qwen3 4k: today's stages ~5.4 ms
-(dgrad2 0.95, wgrad2 0.92, wgrad1 1.82, dgrad1 1.59, unpermute 0.10) -> ~5.3 ms (5.1-5.6); deepseek-v3 8k zipf:1.2
-29.1 (4.19 + 6.11 + 10.03 + 8.68 + ~0.1) -> ~29.0: no win worth a default at W = 1, as session 13 expected; the
-point is W > 1.
+one launch should take the sum of today's six kernels, minus five launch gaps (~10-20 us), minus most of the
+SwiGLU pass (on completion it runs beside DGRAD2's tensor work on other SMs: its 0.15 ms at qwen3 4k, ~0.3-0.4 at
+deepseek-v3 8k), plus WGRAD's start skew (a program starts its share when the DGRAD1 queue is drained, up to one
+dgrad1 tile later than another: ~10-20 us), plus UNPERMUTE on one 8-warp program per SM against its own kernel's
+many small programs (~0-0.1 ms). qwen3 4k: today's stages ~5.4 ms (dgrad2 0.95 with its pass, wgrad2 0.92,
+wgrad1 1.82, dgrad1 1.59, unpermute 0.10) -> ~5.25 ms (5.1-5.5); deepseek-v3 8k zipf:1.2 29.1 (4.19 + 6.11 +
+10.03 + 8.68 + ~0.1) -> ~28.8: 1-3%, as session 13 expected (a win there only from what runs beside a GEMM);
+with BWD_SWIGLU_ON_COMPLETION = False the pass is exposed again and slower than its own kernel (one 8-warp
+program per SM, 8-row blocks: ~1.5x), ~+0.1 ms over today. The point is W > 1.
 W > 1 (not built; the design keeps room for it): COMBINE-BWD becomes a first stage (dy rows and the gate weights
 pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
 flags and counts; the destination's plan -- counts, padded offsets, first m-tiles -- built on the device by one
@@ -333,8 +345,8 @@ that rank's per-token-block counter, as the forward's GEMM2 combine epilogue), a
 forward's FOLD: per token block, wait for k * ceil(H/BN) pieces, sum in slot order -- the global dgrad1_count
 wait becomes that per-block counter. Refinements left: WGRAD readiness per expert (a shared head over groups of
 experts whose m-tiles are through SWIGLU, one flat-loop run per group: one pipeline drain per group instead of
-per tile), SWIGLU run by the program whose DGRAD2 tile completes the m-tile (no queue, z still in L2), the row
-gathers and [g | u]'s gather as a first stage, the router backward.
+per tile), the row gathers and [g | u]'s gather as a first stage (per m-tile, in 2-D blocks for memory-level
+parallelism; with the recompute, x_rows must exist before the launch for torch's GEMM1), the router backward.
 """
 from __future__ import annotations
 
@@ -1294,13 +1306,21 @@ def _unpermute_sum_kernel(rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, BH: tl
 
 
 @triton.jit
-def _unpermute_sum_cols(t, c, m, rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr):
-    """Token t's columns c (those with m) of _unpermute_sum_kernel: its program, and one piece of the one-launch
-    backward's UNPERMUTE task (element-wise fp32 adds in slot order: the bits do not depend on the blocking)."""
+def _unpermute_sum_cols(t, c, m, rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, UNROLL: tl.constexpr = False):
+    """Token t's columns c (those with m) of _unpermute_sum_kernel: its program (t a scalar), and a block of the
+    one-launch backward's UNPERMUTE task (t [UT, 1] valid token indices, c [1, BH], m [UT, BH]). Element-wise
+    fp32 adds in slot order: the bits depend on neither the blocking nor UNROLL (the slot loop unrolled, so the
+    K loads of a block are in flight together -- one persistent program per SM has no other memory-level
+    parallelism; the adds stay in slot order)."""
     acc = tl.load(rows_ptr + tl.load(inv_ptr + t * K).to(tl.int64) * H + c, mask=m, other=0.0).to(tl.float32)
-    for j in range(1, K):
-        row = tl.load(inv_ptr + t * K + j).to(tl.int64)
-        acc += tl.load(rows_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
+    if UNROLL:
+        for j in tl.static_range(1, K):
+            row = tl.load(inv_ptr + t * K + j).to(tl.int64)
+            acc += tl.load(rows_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
+    else:
+        for j in range(1, K):
+            row = tl.load(inv_ptr + t * K + j).to(tl.int64)
+            acc += tl.load(rows_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + tl.cast(t, tl.int64) * H + c, acc, mask=m)
 
 
@@ -1431,8 +1451,14 @@ SCB_SWIGLU_DONE: tl.constexpr = tl.constexpr(6)
 SCB_DGRAD1_DONE: tl.constexpr = tl.constexpr(7)
 SCB_MTILES: tl.constexpr = tl.constexpr(8)
 BWD_ZERO_BLOCK: tl.constexpr = tl.constexpr(1024)  # scratch entries the last program out zeroes per step
-BWD_UNPERMUTE_TOKENS = 8  # tokens per UNPERMUTE task (GPU; each summed over H in 1024-column pieces)
+BWD_UNPERMUTE_TOKENS = 8  # tokens per UNPERMUTE task (GPU): [8, 256] blocks, the k slots' loads in flight together
 BWD_INTERP_PROGRAMS = 3  # the CPU interpreter's default grid (programs run one after another there)
+BWD_INTERP_TIMEOUT_NS = 1_000_000  # its waits' bound: 1000 spins (each wait is satisfied at once there, or a bug)
+# SWIGLU(gm) run by the program whose dgrad2 tile completes m-tile gm (its counter's atomic returns n_f - 1), so
+# the memory-bound pass runs beside the other programs' dgrad2 GEMMs with z still in L2; False: SWIGLU as its own
+# queue after DGRAD2's (each task waiting for its m-tile's tiles), which only starts once every dgrad2 tile is
+# claimed. Unmeasured: the lead's A/B (both tested bitwise).
+BWD_SWIGLU_ON_COMPLETION = True
 
 
 @triton.jit
@@ -1442,6 +1468,26 @@ def _trace_clock(TRACE: tl.constexpr):
         return dev.now_ns()
     else:
         return tl.full([], 0, tl.int64)
+
+
+@triton.jit
+def _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr,
+                      valid_ptr, swiglu_ctr, swiglu_done_ptr, F, BM: tl.constexpr, PAD: tl.constexpr,
+                      SW_BR: tl.constexpr, SW_BF: tl.constexpr, INTERP: tl.constexpr):
+    """The one launch's SWIGLU task of m-tile gm (its dgrad2 tiles stored and acquired): _swiglu_backward_rows over
+    the m-tile's rows in SW_BR-row blocks up to the expert's padded end -- its gap rows get zeros (the flat wgrad
+    reads them), the next expert's rows are another m-tile's --, then swiglu_done[gm] and the count (release)."""
+    e = tl.sum((tl.load(first_mtile_ptr + x) <= gm).to(tl.int32), 0) - 1
+    lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
+    row0 = tl.load(pad_offs_ptr + e) + lm0
+    n_rows = tl.minimum(tl.cdiv(tl.load(counts_ptr + e), PAD) * PAD - lm0, BM)
+    for r0 in range(0, n_rows, SW_BR):
+        r = r0 + tl.arange(0, SW_BR)
+        _swiglu_backward_rows(row0 + r, r < n_rows, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, SW_BF,
+                              True, INTERP, True)
+    tl.debug_barrier()
+    tl.atomic_add(swiglu_ctr + gm, 1, sem="release", scope="gpu")
+    tl.atomic_add(swiglu_done_ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages"])
@@ -1456,7 +1502,7 @@ def _moe_backward_experts_kernel(
         TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
-        DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
+        SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
     """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
     launch"): the stages DGRAD2, SWIGLU, DGRAD1 (shared atomic heads), WGRAD (each program's own share of both
     flat wgrad loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function.
@@ -1482,31 +1528,31 @@ def _moe_backward_experts_kernel(
             _dgrad1_tile(gm, t % n_f, dy_rows_ptr, w2_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, z_ptr, F, H,
                          ELP2, BM, BN, BK, DOT_FP32, TMA2, GEMM_STAGES)
             tl.debug_barrier()
-            tl.atomic_add(dgrad2_ctr + gm, 1, sem="release", scope="gpu")
-            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD2, t, t0, _trace_clock(TRACE), TRACE)
+            done = tl.atomic_add(dgrad2_ctr + gm, 1, sem="acq_rel", scope="gpu")
+            t1 = _trace_clock(TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD2, t, t0, t1, TRACE)
+            if SWIGLU_ON_COMPLETION:
+                # the m-tile's last dgrad2 tile: its SwiGLU pass here, beside the other programs' GEMMs (the wait
+                # is satisfied at once: it is the acquire -- and proxy -- fence of every thread)
+                if (done == n_f - 1) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
+                    dev.wait_geq(dgrad2_ctr + gm, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t,
+                                 gm)
+                    _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr,
+                                      dgu_ptr, h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr,
+                                      scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD, SW_BR, SW_BF, DOT_FP32)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, gm, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
-    if sched.has_stage(stages, STAGE_BWD_SWIGLU):  # per m-tile, once its n_f dgrad2 tiles are stored
+    if not SWIGLU_ON_COMPLETION:  # SWIGLU as its own queue: per m-tile, waiting for its dgrad2 tiles
         t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
-        while (t < n_mt) & (ok != 0):
+        while (t < n_mt) & (ok != 0) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
             t0 = _trace_clock(TRACE)
             ok = dev.wait_geq(dgrad2_ctr + t, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t, t)
             t1 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
             if ok != 0:
-                e = tl.sum((tl.load(first_mtile_ptr + x) <= t).to(tl.int32), 0) - 1
-                lm0 = (t - tl.load(first_mtile_ptr + e)) * BM
-                row0 = tl.load(pad_offs_ptr + e) + lm0
-                # the m-tile's rows up to the expert's padded end: its gap rows get zeros (the flat wgrad reads
-                # them), the next expert's rows are another m-tile's
-                cnt_e = tl.load(counts_ptr + e)
-                n_rows = tl.minimum(tl.cdiv(cnt_e, PAD) * PAD - lm0, BM)
-                for r0 in range(0, n_rows, SW_BR):
-                    r = r0 + tl.arange(0, SW_BR)
-                    _swiglu_backward_rows(row0 + r, r < n_rows, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_rows_ptr,
-                                          valid_ptr, F, SW_BF, True, DOT_FP32, True)
-                tl.debug_barrier()
-                tl.atomic_add(swiglu_ctr + t, 1, sem="release", scope="gpu")
-                tl.atomic_add(scratch_ptr + SCB_SWIGLU_DONE, 1, sem="release", scope="gpu")
+                _bwd_swiglu_mtile(t, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr,
+                                  h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr, scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD,
+                                  SW_BR, SW_BF, DOT_FP32)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
     if sched.has_stage(stages, STAGE_BWD_DGRAD1) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m-tile, H-tile)
@@ -1551,10 +1597,13 @@ def _moe_backward_experts_kernel(
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
                 t0 = t1
             if ok != 0:
-                for tok in range(t * UT, tl.minimum(t * UT + UT, T)):
-                    for c0 in range(0, H, UBH):
-                        c = c0 + tl.arange(0, UBH)
-                        _unpermute_sum_cols(tok, c, c < H, dx_rows_ptr, inv_ptr, dx_e_ptr, H, TOPK)
+                tok = t * UT + tl.arange(0, UT)
+                tm = tok < T
+                tok = tl.minimum(tok, T - 1)[:, None]  # past T: a valid index, nothing stored
+                for c0 in range(0, H, UBH):
+                    c = c0 + tl.arange(0, UBH)
+                    _unpermute_sum_cols(tok, c[None, :], tm[:, None] & (c < H)[None, :], dx_rows_ptr, inv_ptr,
+                                        dx_e_ptr, H, TOPK, True)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_UNPERMUTE, t, t0, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
     dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
@@ -1582,7 +1631,7 @@ def _bwd_tiles(out_dtype: torch.dtype, h: int, f: int):
         raise ValueError(f"the one launch needs one warp count and one wgrad row step: dgrad {DGRAD1_TILES}, "
                          f"wgrad2 {w2}, wgrad1 {w1}")
     return ((bm, bn, bk, stages), (8, min(256, triton.next_power_of_2(f))), (*w2[:3], w2[4]), (*w1[:3], w1[4]),
-            (BWD_UNPERMUTE_TOKENS, min(1024, triton.next_power_of_2(h))), warps)
+            (BWD_UNPERMUTE_TOKENS, min(256, triton.next_power_of_2(h))), warps)
 
 
 def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, inv,
@@ -1631,7 +1680,8 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         epoch_slot = torch.zeros(1, dtype=torch.int32)
         errors = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64)
         grid = programs or (BWD_INTERP_PROGRAMS if planning.interpreting() else 132)
-        timeout_ns = int(runtime.DEFAULT_TIMEOUT_S * 1e9) if timeout_ns is None else timeout_ns
+        if timeout_ns is None:  # the interpreter runs programs one after another: a correct launch never spins
+            timeout_ns = BWD_INTERP_TIMEOUT_NS if planning.interpreting() else int(runtime.DEFAULT_TIMEOUT_S * 1e9)
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (grid, TRACE_EVENTS.value, 4)
                               or trace.device != dev_):
         raise ValueError(f"trace must be an int64 [{grid}, {TRACE_EVENTS.value}, 4] tensor on {dev_}, got "
@@ -1648,7 +1698,8 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
-        TRACE=trace is not None, num_warps=warps, num_stages=gemm_stages)
+        SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, num_warps=warps,
+        num_stages=gemm_stages)
     if ws is not None:
         ws.after_launch()
     elif int(errors[0]):
