@@ -1504,8 +1504,9 @@ def _moe_backward_experts_kernel(
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
     """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
-    launch"): the stages DGRAD2, SWIGLU, DGRAD1 (shared atomic heads), WGRAD (each program's own share of both
-    flat wgrad loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function.
+    launch"): the stages DGRAD2, SWIGLU (SWIGLU_ON_COMPLETION: run inside the DGRAD2 task that completes the
+    m-tile; else its own queue), DGRAD1 (shared atomic heads), WGRAD (each program's own share of both flat wgrad
+    loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function.
     ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out).
     TRACE: every task and wait as a (kind, task, t0, t1) event of trace_ptr [GRID, TRACE_EVENTS, 4] (codes.EV_*;
     WGRAD one event per flat loop, task -1)."""
