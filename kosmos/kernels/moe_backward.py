@@ -321,7 +321,9 @@ program per SM; at deepseek-v3-like shapes (E = 256) 255, no spills: no headroom
 it: compiled with one stage at a time (a constexpr mask, diagnostic only) DGRAD2 250, SWIGLU 80 (8 B of stack:
 the noinline error path), DGRAD1 252, WGRAD 179 registers / 176 KiB, UNPERMUTE 32, against 199 / 192 KiB for the
 standalone dgrad1 kernel and 165 / 176 KiB for the flat wgrad; DGRAD2 with one task instead of the claim loop
-190: the persistent loop around the same tile costs ~60 registers, not a tile and no spills. No stage runs a
+190. These are what ptxas chose under its cap (255 at 256 threads), not a floor: the tile's store through
+int32 offsets (common.store_rows) took DGRAD2 alone 250 -> 220 and the standalone dgrad kernel 199 -> 158, yet
+left the whole launch at ~250 -- so not kept; spills are the measure, and there are none. No stage runs a
 smaller tile than today. All four GEMM loops are software-pipelined TMA loops in the TTGIR (28 async TMA copies:
 2 in each loop body, 2 x 6 in the 4-stage dgrads' prologues, 2 x 4 in the 3-stage wgrads'; per-loop depths by
 tl.range(num_stages=)); the SwiGLU and unpermute loops are plain loads (no cp.async pipelining).
