@@ -318,8 +318,8 @@ SwiGLU pass, both wgrads, dgrad1 and unpermute become one (plus the host tables'
 sm_90a (local Triton 3.9, ``python -m dev.kernel_resources --world 1 --kernels moe_backward``, qwen3-like shapes):
 250 registers (bf16 or fp32 wgrad, either SWIGLU form; 254 traced), no spills, 192 KiB shared -- one 8-warp
 program per SM; at deepseek-v3-like shapes (E = 256) 255, no spills: no headroom left. The largest stage sets
-it: compiled with one stage at a time (a constexpr mask, diagnostic only) DGRAD2 250, SWIGLU 80 (8 B of stack:
-the noinline error path), DGRAD1 252, WGRAD 179 registers / 176 KiB, UNPERMUTE 32, against 199 / 192 KiB for the
+it: compiled with one stage at a time (a constexpr mask, diagnostic only) DGRAD2 250 (228 with SWIGLU on
+completion inside it), DGRAD1 252, WGRAD 179 registers / 176 KiB, UNPERMUTE 48 / 8 KiB, against 199 / 192 KiB for the
 standalone dgrad1 kernel and 165 / 176 KiB for the flat wgrad; DGRAD2 with one task instead of the claim loop
 190. These are what ptxas chose under its cap (255 at 256 threads), not a floor: the tile's store through
 int32 offsets (common.store_rows) took DGRAD2 alone 250 -> 220 and the standalone dgrad kernel 199 -> 158, yet
