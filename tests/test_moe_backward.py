@@ -900,20 +900,29 @@ def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, m
 
 
 @pytest.mark.gpu
-def test_moe_backward_one_launch_bounded_wait_gpu(monkeypatch):
-    """On the GPU: with DGRAD2 left out, SWIGLU's waits time out (bounded), the launch ends, and the next
-    check_errors() raises KosmosTimeoutError naming the wait; the workspace is reset afterwards."""
+@pytest.mark.parametrize("on_completion,waits_for", [(True, "the SwiGLU backward of expert m-tile"),
+                                                     (False, "the dgrad2 column tiles of expert m-tile")])
+def test_moe_backward_one_launch_bounded_wait_gpu(on_completion, waits_for, monkeypatch):
+    """On the GPU: with DGRAD2 left out, the waits on it (the queued SWIGLU's) or on what it would have triggered
+    (SWIGLU on completion: DGRAD1's) time out, bounded; the launch ends, and the next check_errors() raises
+    KosmosTimeoutError naming the wait; the workspace is reset afterwards."""
     import kosmos
     from kosmos import runtime
     from kosmos.kernels import moe_backward as mb
-    layer, weights, experts, kw = _one_launch_case("skewed")
-    layer = [t_.cuda() for t_ in layer]
+    from kosmos import moe_reference as mr
+    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
+    g = torch.Generator().manual_seed(14)
+    t, h, f, e, k = 301, 256, 192, 8, 2  # GPU-sized, as the other GPU tests' layers
+    layer = [t_.cuda() for t_ in _moe_layer(g, t, h, f, e)]
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights, _, _ = mr.routing_weights_ref(layer[0].cpu().float() @ layer[1].cpu().float().t(), experts, "softmax")
+    kw = dict(routing="softmax")
     real = mb.expert_backward_one_launch
-    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(
-        *a, **k, stages=mb.BWD_ALL_STAGES & ~(1 << mb.BWD_DGRAD2), timeout_ns=20_000_000))
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **kw_: real(
+        *a, **kw_, stages=mb.BWD_ALL_STAGES & ~(1 << mb.BWD_DGRAD2), timeout_ns=20_000_000))
     try:
         mb.moe_backward_w1(*layer, weights.cuda(), experts.cuda(), one_launch=True, **kw)
-        with pytest.raises(runtime.KosmosTimeoutError, match="dgrad2 column tiles of expert m-tile"):
+        with pytest.raises(runtime.KosmosTimeoutError, match=waits_for):
             kosmos.check_errors()
     finally:
         kosmos.reset_workspaces()
