@@ -19,6 +19,7 @@ time per backward call go), the top functions by own time printed and kept as a 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
             times[lay].append(tm["time_ms"])
             print(f"  pass {p} {lay:<10} {tm['time_ms']:.3f} ms (p20 {tm['p20_ms']:.3f}, p80 {tm['p80_ms']:.3f}, "
                   f"host {tm['host_ms']:.2f})", flush=True)
-    med = {lay: sorted(v)[len(v) // 2] for lay, v in times.items()} if args.passes else {}
+    med = {lay: statistics.median(v) for lay, v in times.items()} if args.passes else {}  # (2 passes: the mean)
     if med:
         print(f"{m.name} {args.tokens} {args.routing}, median of {args.passes} passes: "
               + ", ".join(f"{v} {med[v]:.3f} ms ({med[v] / med[base]:.3f}x {base})" for v in variants), flush=True)

@@ -97,9 +97,12 @@ The in-register rounding (mx_round_bf16, for h in the MoE layer's GEMM1 epilogue
 path instead: rounding to the quantum by one fp32 add and subtract of a power of two, exact and the same under
 the interpreter (numpy's round to nearest even) and on sm_90 (no flush to zero of fp32 subnormals: its GPU test,
 with bf16 subnormal inputs, passed on one H200, Triton 3.6, session 14). It cut the MX MoE forward's cost over
-bf16 from ~15% to ~1% (moe_forward's docstring). The quantize kernel shares it since (branch mx-quantize-float,
-session 14; its speed: NOT measured yet -- PREDICTION: quantize_mx of [4096, 8192] 0.069 -> ~0.04 ms, about 20
-operations per element instead of ~35, the kernel then near its ~3 TB/s of traffic).
+bf16 from ~15% to ~1% (moe_forward's docstring). The quantize kernel shares it since session 14 (GPU tests
+bitwise; dev/mx_probe --quantize-only, one H200, interleaved 2x, results/h200x1/s14/e): [4096, 8192] 0.069 ->
+0.0435 ms (1.47 -> 2.33 TB/s of traffic; predicted ~0.04), [8192, 8192] 0.135 -> 0.082, [4096, 4096] 0.037 ->
+0.025, [8192, 7168] 0.118 -> 0.072, [4096, 28672] 0.231 -> 0.142. The TP ops' MXFP8 rows (they quantize in the
+timed call) are at 1.239 / 1.270x of cuBLAS bf16 at qkv / attention-out 4k (s14/f), against 1.285 / 1.289x in
+session 8's committed run (two runs, not an interleaved A/B).
 
 The pure-torch references (quantize_mx_ref, dequantize_mx_ref) are written from the definitions instead: the
 exponent from log2 with an exact correction step, rounding as ``round(|v| / quantum)`` in fp64 (torch.round

@@ -257,8 +257,8 @@ Session 14 (one H200, Triton 3.6; results/h200x1/s14, calls a and c):
   128x256x64 s4 3.95 ms (0.98x torch), dgrad1 8.42 ms (0.97x); 64-row m-tiles 0.73-0.80x, 128x128 0.77x.
 NEXT: the one-launch backward (the plan above); the row-bookkeeping torch ops into one kernel (launch count).
 
-The one launch (session 14; built and interpreter-tested, NOT run on a GPU: nothing below is measured).
-``moe_backward(..., one_launch=True)`` at W = 1 on the padded layout (``ONE_LAUNCH = False`` until timed; True
+The one launch (session 14; built by a helper and interpreter-tested, then run on the GPU: MEASURED at the end).
+``moe_backward(..., one_launch=True)`` at W = 1 on the padded layout (``ONE_LAUNCH = False``: measured below; True
 where unsupported -- W > 1 (raised before any exchange), the packed layout -- is a ValueError, no fallback) runs
 the expert part as ONE persistent launch (``expert_backward_one_launch``, ``_moe_backward_experts_kernel``; GRID
 programs, one per SM, ``programs=`` for tests) after the same row gathers and [g | u] (saved or recomputed) as
@@ -337,6 +337,14 @@ wgrad1 1.82, dgrad1 1.59, unpermute 0.10) -> ~5.25 ms (5.1-5.5); deepseek-v3 8k 
 10.03 + 8.68 + ~0.1) -> ~28.8: 1-3%, as session 13 expected (a win there only from what runs beside a GEMM);
 with BWD_SWIGLU_ON_COMPLETION = False the pass is exposed again and slower than its own kernel (one 8-warp
 program per SM, 8-row blocks: ~1.5x), ~+0.1 ms over today. The point is W > 1.
+MEASURED (session 14, one H200, Triton 3.6; results/h200x1/s14/e and /f): the GPU tests pass at the merged code
+(bitwise the multi-launch gradients at T = 3001 on all SMs and on 7 programs; the stalled-stage timeout raised,
+naming its wait, for both SWIGLU forms). Whole backward, padded multi-launch vs one launch, one process,
+interleaved 2x (dev.moe_bwd_layout_ab --variants padded,one-launch, 10 timed calls each), gradients bitwise
+equal first: qwen3-235b 4k uniform 6.734 / 6.471 -> 6.612 / 6.626 ms (pass 0 / 1: inside the pass-to-pass
+spread); deepseek-v3 4k uniform 20.289 / 20.554 -> 20.682 / 21.237 (+2-3%, slower in both passes). So
+ONE_LAUNCH stays False. Not yet looked at: the trace (where deepseek-v3 loses 0.4-0.7 ms: SWIGLU beside the
+dgrads, WGRAD's start skew, or the 255-register kernel's dgrad tiles), and 8k / zipf.
 W > 1 (not built; the design keeps room for it): COMBINE-BWD becomes a first stage (dy rows and the gate weights
 pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
 flags and counts; the destination's plan -- counts, padded offsets, first m-tiles -- built on the device by one
@@ -1714,8 +1722,8 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
 # one H200, dev/moe_bwd_tiles, results/h200x1/s13/a: deepseek-v3 4k wgrad2 3.74 -> 2.97 ms, qwen3 4k wgrad2 1.23
 # -> 0.92, wgrad1 2.16 -> 1.82); False: the rows packed, the persistent wgrad kernel
 PADDED_ROWS = True
-# moe_backward's default for one_launch (where supported: W = 1, the padded layout): False until the one launch is
-# timed against the multi-launch path on a GPU (nothing of it has run on one)
+# moe_backward's default for one_launch (where supported: W = 1, the padded layout): False -- bitwise the
+# multi-launch path on the GPU, but no faster at W = 1 (session 14: qwen3 4k within the spread, deepseek-v3 4k +2-3%)
 ONE_LAUNCH = False
 
 
