@@ -661,20 +661,17 @@ def test_moe_backward_w1_never_syncs_gpu(saved):
     assert all(torch.isfinite(t_.float()).all() for t_ in grads)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("saved", [False, True])
-def test_moe_backward_padded_rows_bitwise_packed_gpu(no_tf32, saved):
-    """On the GPU: the padded layout's backward (the default) gives bitwise the packed layout's gradients, on a
-    skewed routing with an empty expert and T not a multiple of any tile, bf16 and fp32 weight gradients."""
+def _gpu_skewed_layer(t, h, f, e, k, saved, *, push, pull):
+    """A CUDA layer (x, router, w13, w2, dy) and the kosmos forward's routing on it, skewed through one feature
+    every token has (x[:, 0] = 4): router column 0 pushes expert 3 out (``push``: it must never be chosen, checked)
+    and pulls expert 0 in (``pull``). Returns the layer, dy, weights, experts and the saved g | u (or None)."""
     import kosmos
-    from kosmos.kernels.moe_backward import moe_backward_w1
     g = torch.Generator().manual_seed(8)
-    t, h, f, e, k = 1001, 256, 192, 16, 4
     x = torch.randn(t, h, generator=g)
-    x[:, 0] = 4.0  # one feature every token has: through it the router pushes expert 3 out and pulls expert 0 in
+    x[:, 0] = 4.0
     x = x.to(torch.bfloat16).cuda()
     wr = torch.randn(e, h, generator=g) * 0.5
-    wr[3, 0], wr[0, 0] = -10.0, 1.0  # expert 3's logit ~ -40 +- 8: never among the top k; expert 0: most tokens
+    wr[3, 0], wr[0, 0] = push, pull
     wr = wr.to(torch.bfloat16).cuda()
     w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
@@ -682,6 +679,18 @@ def test_moe_backward_padded_rows_bitwise_packed_gpu(no_tf32, saved):
     out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
     weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
     assert not (experts == 3).any()
+    return x, wr, w13, w2, dy, weights, experts, saved_gu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved", [False, True])
+def test_moe_backward_padded_rows_bitwise_packed_gpu(no_tf32, saved):
+    """On the GPU: the padded layout's backward (the default) gives bitwise the packed layout's gradients, on a
+    skewed routing with an empty expert and T not a multiple of any tile, bf16 and fp32 weight gradients."""
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    # expert 3's logit ~ -40 +- 8: never among the top k; expert 0: most tokens
+    x, wr, w13, w2, dy, weights, experts, saved_gu = _gpu_skewed_layer(1001, 256, 192, 16, 4, saved, push=-10.0,
+                                                                       pull=1.0)
     for wdt in (None, torch.float32):
         packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=False,
                                  wgrad_dtype=wdt)
@@ -865,21 +874,9 @@ def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, m
     import kosmos
     from kosmos.kernels import moe_backward as mb
     from kosmos.kernels.moe_backward import moe_backward_w1
-    g = torch.Generator().manual_seed(8)
-    t, h, f, e, k = 3001, 1024, 768, 32, 8
-    x = torch.randn(t, h, generator=g)
-    x[:, 0] = 4.0
-    x = x.to(torch.bfloat16).cuda()
-    wr = torch.randn(e, h, generator=g) * 0.5
     # expert 3's logit ~ -160 +- 16 (the other logits ~ 0 +- 16): never among the top 8; expert 0 pulled in
-    wr[3, 0], wr[0, 0] = -40.0, 4.0
-    wr = wr.to(torch.bfloat16).cuda()
-    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
-    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
-    dy = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
-    out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
-    weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
-    assert not (experts == 3).any()
+    x, wr, w13, w2, dy, weights, experts, saved_gu = _gpu_skewed_layer(3001, 1024, 768, 32, 8, saved, push=-40.0,
+                                                                       pull=4.0)
     real = mb.expert_backward_one_launch
 
     def poisoned(*a, **kw):
