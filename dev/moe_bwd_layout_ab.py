@@ -4,6 +4,7 @@ probe, not product code).
     PYTHONPATH=. python -m dev.moe_bwd_layout_ab --model deepseek-v3 --json $OUT/layout-ab.jsonl   # one H200
         [--tokens 4096] [--routing uniform] [--passes 3] [--iters 20] [--warmup 5] [--host-profile N]
         [--variants packed,padded]      # or padded,one-launch: the one launch against the launches it replaces
+        [--trace DIR]                   # then one traced call of the one launch: per-stage table, timeline JSON
 
 ``moe_backward_w1(padded=False)`` (the rows packed by expert, the persistent wgrad kernel) against
 ``padded=True`` (each expert's rows from a multiple of 64, zero gap rows, the flat wgrad loop) on one point of
@@ -13,6 +14,10 @@ L2 flushed, median of --iters). The two layouts' gradients are compared bit for 
 (deepseek-v3's dW13 is 15 GB). The same tree and process for both: the layout is a call argument. ``--variants`` names what is compared, the
 first being the base of the bitwise check and of the ratios: ``packed``, ``padded`` or ``one-launch`` (the padded
 layout with the expert part in one persistent launch, ``one_launch=True``).
+``--trace DIR``: after the passes, one call of the one launch with its trace buffer (expert_backward_one_launch's
+``trace=``): per task kind (dgrad2, swiglu-bwd, dgrad1, wgrad2, wgrad1, unpermute, wait) the task count, first
+start, last end and busy time per program, printed and kept as a row; the timeline JSON goes to DIR (draw it
+with ``kosmos report --timeline FILE``).
 ``--host-profile N``: then cProfile over N back-to-back calls of the default layout (where the ~3-5 ms of host
 time per backward call go), the top functions by own time printed and kept as a row.
 """
@@ -41,6 +46,41 @@ def parse_variants(text: str) -> list[str]:
     return names
 
 
+def traced_one_launch(call, model: str, args, rows) -> None:
+    """One call of the one launch with a trace buffer (expert_backward_one_launch(trace=) through a wrapper: the
+    public call has no trace argument); its per-kind table printed and emitted, its timeline JSON written."""
+    import json
+    import os
+    from dev.moe_probe import kind_table, trace_events
+    from kosmos import runtime
+    from kosmos.codes import TRACE_EVENTS
+    from kosmos.kernels import moe_backward as mb
+    grid = runtime.num_sms(torch.device("cuda", torch.cuda.current_device()))
+    buf = torch.zeros((grid, TRACE_EVENTS.value, 4), dtype=torch.int64, device="cuda")
+    real = mb.expert_backward_one_launch
+    mb.expert_backward_one_launch = lambda *a, **k: real(*a, **k, trace=buf)
+    try:
+        call("one-launch")  # compiles the traced variant
+        buf.zero_()
+        torch.cuda.synchronize()
+        call("one-launch")
+        torch.cuda.synchronize()
+        runtime.check_errors()
+    finally:
+        mb.expert_backward_one_launch = real
+    events = trace_events(buf)
+    text = kind_table([events], grid)
+    print(f"{model} {args.tokens} {args.routing}: the one launch traced ({len(events)} events)\n{text}", flush=True)
+    rows.emit({"type": "trace_table", "model": model, "tokens": args.tokens, "routing": args.routing, "table": text})
+    os.makedirs(args.trace, exist_ok=True)
+    doc = {"type": "trace", "op": "moe_bwd", "model": model, "tokens": args.tokens, "routing": args.routing,
+           "world": 1, "impl": "kosmos-one-launch", "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
+           "ranks": [{"rank": 0, "events": events}]}
+    name = f"trace-moe-bwd-one-launch-{model}-{args.tokens}-{args.routing.replace(':', '')}.json"
+    with open(os.path.join(args.trace, name), "w") as f:
+        json.dump(doc, f)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-235b")
@@ -51,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--host-profile", type=int, default=0, metavar="N")
+    ap.add_argument("--trace", default=None, metavar="DIR")
     ap.add_argument("--variants", default="packed,padded", help=f"comma-separated, the first the base: {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
     variants = parse_variants(args.variants)
@@ -106,6 +147,8 @@ def main(argv=None) -> int:
     if med:
         print(f"{m.name} {args.tokens} {args.routing}, median of {args.passes} passes: "
               + ", ".join(f"{v} {med[v]:.3f} ms ({med[v] / med[base]:.3f}x {base})" for v in variants), flush=True)
+    if args.trace:
+        traced_one_launch(call, m.name, args, rows)
     if args.host_profile:
         import cProfile
         import io

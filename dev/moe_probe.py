@@ -31,6 +31,30 @@ def probe_configs(texts) -> list:
     return [(v, parse_config([v], CONFIG_TYPES["moe"])["moe_fwd"]) for v in (texts or [""])]
 
 
+def trace_events(buf: torch.Tensor) -> list[list[int]]:
+    """The recorded events of a trace buffer [grid, TRACE_EVENTS, 4] as [program, kind, task, t0, t1] lists."""
+    host = buf.cpu()
+    return [[p, int(e[0]), int(e[1]), int(e[2]), int(e[3])] for p in range(host.shape[0]) for e in host[p]
+            if int(e[3]) > 0]
+
+
+def kind_table(ranks_events, grid: int) -> str:
+    """Per rank and task kind: how many tasks ran, when the first started and the last ended (us from the rank's
+    first event) and the busy time summed over programs (us per program); a 'span' line per rank first."""
+    from kosmos import runtime
+    lines = [f"{'rank':>4} {'kind':>10} {'tasks':>6} {'first_us':>9} {'last_us':>9} {'busy_us/prog':>13}"]
+    for r, evs in enumerate(ranks_events):
+        t_min = min(ev[3] for ev in evs)
+        lines.append(f"{r:>4} {'span':>10} {'':>6} {0.0:>9.1f} {(max(ev[4] for ev in evs) - t_min) / 1e3:>9.1f}")
+        for kind in sorted({ev[1] for ev in evs}):
+            sel = [ev for ev in evs if ev[1] == kind]
+            busy = sum(ev[4] - ev[3] for ev in sel) / 1e3 / grid
+            lines.append(f"{r:>4} {runtime.TRACE_KINDS.get(kind, kind):>10} {len(sel):>6} "
+                         f"{(min(ev[3] for ev in sel) - t_min) / 1e3:>9.1f} "
+                         f"{(max(ev[4] for ev in sel) - t_min) / 1e3:>9.1f} {busy:>13.1f}")
+    return "\n".join(lines)
+
+
 def _rank_main(rank, world, args):
     runs = [(d, c) for d in args.dtypes for c in probe_configs(args.configs)]
     for i, (dtype, (variant, config)) in enumerate(runs):
@@ -78,8 +102,7 @@ def _probe(rank, world, args, variant: str, config, index, dtype: str = "bf16"):
     timing.barrier()
     call(trace=buf)
     runtime.check_errors()
-    host = buf.cpu()
-    events = [[p, int(e[0]), int(e[1]), int(e[2]), int(e[3])] for p in range(grid) for e in host[p] if int(e[3]) > 0]
+    events = trace_events(buf)
     gathered = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(gathered, (events, sorted(times)[len(times) // 2]))
@@ -89,16 +112,7 @@ def _probe(rank, world, args, variant: str, config, index, dtype: str = "bf16"):
         return
     print(f"{args.model} tokens={args.tokens} routing={args.routing} W={world} {dtype} policy={policy or 'self'} "
           f"config=[{variant or 'defaults'}]: median call {max(t for _, t in gathered):.3f} ms (max over ranks)")
-    print(f"{'rank':>4} {'kind':>8} {'tasks':>6} {'first_us':>9} {'last_us':>9} {'busy_us/prog':>13}")
-    for r, (evs, _) in enumerate(gathered):
-        t_min = min(ev[3] for ev in evs)
-        print(f"{r:>4} {'span':>8} {'':>6} {0.0:>9.1f} {(max(ev[4] for ev in evs) - t_min) / 1e3:>9.1f}")
-        for kind in sorted({ev[1] for ev in evs}):
-            sel = [ev for ev in evs if ev[1] == kind]
-            busy = sum(ev[4] - ev[3] for ev in sel) / 1e3 / grid
-            print(f"{r:>4} {runtime.TRACE_KINDS.get(kind, kind):>8} {len(sel):>6} "
-                  f"{(min(ev[3] for ev in sel) - t_min) / 1e3:>9.1f} {(max(ev[4] for ev in sel) - t_min) / 1e3:>9.1f} "
-                  f"{busy:>13.1f}")
+    print(kind_table([evs for evs, _ in gathered], grid))
     os.makedirs(args.out, exist_ok=True)
     doc = {"type": "trace", "op": "moe", "model": args.model, "tokens": args.tokens, "routing": args.routing,
            "world": world, "impl": "kosmos", "variant": variant, "dtype": dtype,

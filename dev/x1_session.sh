@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -748,5 +748,17 @@ PYEOF
       --dtype bf16,mxfp8 --impl kosmos --out "$out/tp-mxfp8-kosmos.jsonl" > "$out/bench-tp-mx.log" 2>&1
     echo "tp mx rc=$?"; keep
     sed -n '/mxfp8 \/ bf16/,/^$/p' "$out/bench-tp-mx.log" | head -18 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f" >&2; exit 2 ;;
+  s15a)  # written in session 14 for the next one-GPU session (<= 400 s; tarball $OUT/s15a.tar.gz): the one launch
+         # against the multi-launch backward at deepseek-v3 4k uniform and 8k zipf:1.2 (one process each, bitwise
+         # first, interleaved 3x), each with one traced call of the one launch (per-stage table; timeline JSON).
+    begin_stage s15a
+    for pt in "4096 uniform" "8192 zipf:1.2"; do set -- $pt
+      left=$((390 - SECONDS)); [ $left -lt 60 ] && break
+      timeout $left python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens $1 --routing $2 \
+        --variants padded,one-launch --passes 3 --iters 10 --warmup 3 --trace "$out/traces" \
+        --json "$out/one-launch-ab-dsv3-$1.jsonl" > "$out/one-launch-ab-dsv3-$1.log" 2>&1
+      echo "one launch ab dsv3 $1 rc=$?"; keep
+      grep -vE "Warning|warn" "$out/one-launch-ab-dsv3-$1.log" | tail -14
+    done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a" >&2; exit 2 ;;
 esac

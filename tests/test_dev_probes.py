@@ -108,3 +108,22 @@ def test_moe_bwd_layout_ab_variants():
                      ("padded,padded", "two or more")):
         with pytest.raises(SystemExit, match=msg):
             ab.parse_variants(bad)
+
+
+def test_trace_table_from_a_trace_buffer():
+    """dev.moe_probe.trace_events / kind_table (moe_probe's and moe_bwd_layout_ab --trace's per-kind table):
+    only recorded events (t1 > 0) count; tasks, first start, last end and busy us per program per kind."""
+    import torch
+    from dev.moe_probe import kind_table, trace_events
+    from kosmos.codes import EV_BWD_DGRAD1, EV_BWD_DGRAD2, TRACE_EVENTS
+    buf = torch.zeros((2, TRACE_EVENTS.value, 4), dtype=torch.int64)
+    buf[0, 0] = torch.tensor([EV_BWD_DGRAD2.value, 0, 1_000, 3_000])
+    buf[0, 1] = torch.tensor([EV_BWD_DGRAD1.value, 5, 3_000, 9_000])
+    buf[1, 0] = torch.tensor([EV_BWD_DGRAD2.value, 1, 2_000, 4_000])
+    events = trace_events(buf)
+    assert events == [[0, EV_BWD_DGRAD2.value, 0, 1000, 3000], [0, EV_BWD_DGRAD1.value, 5, 3000, 9000],
+                      [1, EV_BWD_DGRAD2.value, 1, 2000, 4000]]
+    lines = kind_table([events], grid=2).splitlines()
+    assert lines[1].split() == ["0", "span", "0.0", "8.0"]
+    assert lines[2].split() == ["0", "dgrad2", "2", "0.0", "3.0", "2.0"]   # (2 + 2) us over 2 programs
+    assert lines[3].split() == ["0", "dgrad1", "1", "2.0", "8.0", "3.0"]
