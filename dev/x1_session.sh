@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -760,5 +760,23 @@ PYEOF
       echo "one launch ab dsv3 $1 rc=$?"; keep
       grep -vE "Warning|warn" "$out/one-launch-ab-dsv3-$1.log" | tail -14
     done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a" >&2; exit 2 ;;
+  s15b)  # written in session 14 for the next one-GPU session (<= 400 s; tarball $OUT/s15b.tar.gz): branch host-enqueue
+         # (helper, issue 13's host cost; .base: `git archive host-enqueue kosmos kosmos_bench suites tests dev
+         # pyproject.toml | tar -x -C .snap/.base`) against main: its GPU tests (plans, runtime, CUDA graphs,
+         # both TP ops), then host us per eager call in each tree (dev.fixed_cost --plans), interleaved twice, and
+         # the branch's host_probe --cuda (the GPU host's own cost of the pieces the CPU harness stood in for).
+    begin_stage s15b
+    gpu_tests gpu-tests-main-graphs 90 "plan or graph or capture" tests/test_launch_plan.py tests/test_cuda_graphs.py
+    (cd .base && gpu_tests gpu-tests-branch 150 "plan or graph or capture or error or timeout or workspace" \
+      tests/test_launch_plan.py tests/test_runtime.py tests/test_cuda_graphs.py tests/test_all_gather_matmul.py \
+      tests/test_matmul_reduce_scatter.py)
+    for pass in 1 2; do for t in host:.base main:.; do
+      left=$((380 - SECONDS)); [ $left -lt 40 ] && break 2
+      (cd "${t#*:}" && timeout $((left < 60 ? left : 60)) python -m dev.fixed_cost --plans \
+        > "$out/fixed-cost-${t%%:*}-$pass.log" 2>&1); echo "fixed cost ${t%%:*} pass $pass rc=$?"; keep
+    done; done
+    (cd .base && timeout 60 python -m dev.host_probe --cuda > "$out/host-probe.log" 2>&1); echo "host probe rc=$?"; keep
+    for f in "$out"/fixed-cost-*.log; do echo "${f##*/}"; grep -iE "us per call|median|fast" "$f" | head -8; done
+    tail -20 "$out/host-probe.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b" >&2; exit 2 ;;
 esac
