@@ -751,12 +751,15 @@ PYEOF
   s15a)  # written in session 14 for the next one-GPU session (<= 400 s; tarball $OUT/s15a.tar.gz): the one launch
          # against the multi-launch backward at deepseek-v3 4k uniform and 8k zipf:1.2 (one process each, bitwise
          # first, interleaved 3x), each with one traced call of the one launch (per-stage table; timeline JSON).
+         # With a .base tree (e.g. `git archive one-launch-gathers ... | tar -x -C .snap/.base`) it runs there, with
+         # VARIANTS (default padded,one-launch; that branch: padded,one-launch,one-launch-gathers).
     begin_stage s15a
+    tree=.; [ -d .base ] && tree=.base
     for pt in "4096 uniform" "8192 zipf:1.2"; do set -- $pt
       left=$((390 - SECONDS)); [ $left -lt 60 ] && break
-      timeout $left python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens $1 --routing $2 \
-        --variants padded,one-launch --passes 3 --iters 10 --warmup 3 --trace "$out/traces" \
-        --json "$out/one-launch-ab-dsv3-$1.jsonl" > "$out/one-launch-ab-dsv3-$1.log" 2>&1
+      (cd $tree && timeout $left python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens $1 --routing $2 \
+        --variants ${VARIANTS:-padded,one-launch} --passes 3 --iters 10 --warmup 3 --trace "$out/traces" \
+        --json "$out/one-launch-ab-dsv3-$1.jsonl" > "$out/one-launch-ab-dsv3-$1.log" 2>&1)
       echo "one launch ab dsv3 $1 rc=$?"; keep
       grep -vE "Warning|warn" "$out/one-launch-ab-dsv3-$1.log" | tail -14
     done ;;
