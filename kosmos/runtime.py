@@ -137,7 +137,8 @@ def decode_error(err) -> str:
     where = "" if task < 0 else f" (task {task})"
     return (f"{op}: rank {int(err[2])}{where} timed out after {int(err[7]) / 1e6:.1f} ms waiting for {what}: "
             f"expected >= {int(err[5])}, observed {int(err[6])}. "
-            "A peer stalled, crashed, or did not make the same call.")
+            "A peer stalled, crashed, or did not make the same call (at one rank: the task it waited for never "
+            "ran -- a kernel bug; please report it).")
 
 
 @dataclass

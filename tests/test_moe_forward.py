@@ -116,6 +116,21 @@ def test_moe_forward_mxfp8_rounds_h_in_column_halves(monkeypatch):
 
 
 @pytest.mark.interpreter
+def test_expert_gemms_timeout_is_raised(monkeypatch):
+    """expert_gemms (the bench's GEMMs-alone row) reports a timed-out wait instead of returning garbage: with
+    GEMM1 left out of the launch, GEMM2's waits on its tiles time out and the call raises KosmosTimeoutError
+    naming the wait (it kept a private error buffer nobody read before session 14)."""
+    from kosmos import runtime
+    real = mf.launch
+    monkeypatch.setattr(mf, "launch", lambda *a, **k: real(*a, **dict(k, stages=1 << mf.GEMM2, timeout_ns=50_000)))
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.tensor([5, 19], dtype=torch.int32)
+    x = rand(24, 40, gen=gen)
+    with pytest.raises(runtime.KosmosTimeoutError, match="moe_forward: rank 0"):
+        mf.expert_gemms(x, counts, rand(2, 40, 48, gen=gen), rand(2, 24, 40, gen=gen))
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [1, 2])
 def test_moe_forward_device_epoch(world):
     """No epoch from the host: every launch reads its rank's slot; at W = 2 the three stage launches of a call

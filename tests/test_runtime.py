@@ -21,6 +21,8 @@ def test_decode_error():
     msg = runtime.decode_error([1, 2 | codes.WAIT_PEERS_DONE.value << 8, 3, -1, 1, 7, 6, 0])
     assert msg.startswith("matmul_reduce_scatter: rank 3 timed out") and "rank 1 to finish the previous call" in msg
     assert runtime.decode_error([1, 9, 0, 0, 0, 0, 0, 0]).startswith("op9:")
+    assert msg.endswith("A peer stalled, crashed, or did not make the same call (at one rank: the task it waited "
+                        "for never ran -- a kernel bug; please report it).")  # says what a W = 1 timeout means
 
 
 @pytest.mark.parametrize("tag", sorted(__import__("kosmos.codes").codes.WAIT_TEXT))
