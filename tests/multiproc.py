@@ -6,6 +6,7 @@ records failed checks and keeps going, so that all ranks make the same collectiv
 ``<tmp>/rank<r>.txt`` and raises (spawn turns that into a LaunchError carrying the rank's traceback).
 ``stall_peer`` -- the stalled-peer scenario every fused op's GPU tests run.
 """
+import os
 import socket
 from pathlib import Path
 
@@ -19,14 +20,24 @@ def free_port() -> int:
 
 
 def finish_gloo():
-    """The end of a gloo rank: a barrier (no rank tears its group down while a peer still talks to it: a
-    rank whose peer had gone aborted with "terminate called without an active exception" in CI), then
-    destroy_process_group."""
+    """The end of a gloo rank (the last statement of every rank function; its results are already on the queue):
+    a barrier, so that no rank leaves while a peer still talks to it, then the process ends at once with
+    os._exit -- 0 after the barrier, 1 if the barrier failed. Why not destroy_process_group and a normal exit:
+    gloo's teardown aborted a rank ("terminate called without an active exception", exit -6) in CI twice, first
+    with no barrier (the peer had gone), then (session 14, test_async_tp_functions_over_gloo_with_torch_fallbacks)
+    with the barrier and destroy_process_group, after both ranks had put their results. A SimpleQueue's put has
+    written its bytes before it returns, so nothing is lost by skipping the interpreter's shutdown."""
+    import sys
+
     import torch.distributed as dist
+    code = 1
     try:
         dist.barrier()
+        code = 0
     finally:
-        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def spawn_gloo(target, world, *args, timeout_s=180):
