@@ -141,6 +141,25 @@ def decode_error(err) -> str:
             "ran -- a kernel bug; please report it).")
 
 
+def one_rank_errors(ws, device: torch.device) -> torch.Tensor:
+    """The error record a launch at one rank (no peer) writes into: on CUDA the workspace's, made if needed and
+    with the earlier calls' timeouts raised first (``before_launch``); elsewhere (the interpreter, a compile-only
+    run) a fresh zeroed one. Pair it with ``after_one_rank_launch``."""
+    if device.type == "cuda":
+        ws.ensure(1, 0)
+        ws.before_launch()
+        return ws.errors
+    return torch.zeros(ERR_SLOTS, dtype=torch.int64)
+
+
+def after_one_rank_launch(ws, device: torch.device, errors: torch.Tensor) -> None:
+    """After a one-rank launch: on CUDA the workspace's error event (a timeout raises at the next call or
+    kosmos.check_errors()); elsewhere the launch has run, so its record is read now (KosmosTimeoutError)."""
+    if device.type == "cuda":
+        ws.after_launch()
+    elif int(errors[0]):
+        raise KosmosTimeoutError(decode_error(errors.tolist()))
+
 @dataclass
 class Workspace:
     world: World

@@ -1676,20 +1676,16 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     dw2 = torch.empty((n_exp, f, h), dtype=out_dtype, device=dev_)
     dx_e = torch.empty((n_tok, h), dtype=torch.float32, device=dev_)
     scratch_n = int(SCB_MTILES.value) + 2 * max_mt
+    ws = runtime.get_workspace(None, dev_) if dev_.type == "cuda" else None
+    errors = runtime.one_rank_errors(ws, dev_)  # (at W = 1 no peer: the workspace is a plain 1 MiB buffer)
     if dev_.type == "cuda":
-        ws = runtime.get_workspace(None, dev_)
-        ws.ensure(1, 0)  # the error record with its host mirror (at W = 1 no peer: a plain 1 MiB buffer)
         scratch = ws.local("moe_bwd.scratch", scratch_n, torch.int32)
         epoch_slot = ws.local("moe_bwd.epoch", 1, torch.int32)  # its own: nothing else keeps step with it
-        errors = ws.errors
         grid = programs or runtime.num_sms(dev_)
         timeout_ns = ws.timeout_ns() if timeout_ns is None else timeout_ns
-        ws.before_launch()
     else:  # the interpreter (or dev/kernel_resources' compile-only run): fresh buffers
-        ws = None
         scratch = torch.zeros(scratch_n, dtype=torch.int32)
         epoch_slot = torch.zeros(1, dtype=torch.int32)
-        errors = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64)
         grid = programs or (BWD_INTERP_PROGRAMS if planning.interpreting() else 132)
         if timeout_ns is None:  # the interpreter runs programs one after another: a correct launch never spins
             timeout_ns = BWD_INTERP_TIMEOUT_NS if planning.interpreting() else int(runtime.DEFAULT_TIMEOUT_S * 1e9)
@@ -1711,10 +1707,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
         SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, num_warps=warps,
         num_stages=gemm_stages)
-    if ws is not None:
-        ws.after_launch()
-    elif int(errors[0]):
-        raise runtime.KosmosTimeoutError(runtime.decode_error(errors.tolist()))
+    runtime.after_one_rank_launch(ws, dev_, errors)
     return dx_e, dw_rows, dw13, dw2
 
 

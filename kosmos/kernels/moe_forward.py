@@ -1079,19 +1079,11 @@ def expert_gemms(x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
         return y
     # a timed-out wait (GEMM2 on a GEMM1 tile) goes where every op's does: the workspace's error record on CUDA,
     # raised by the next call or kosmos.check_errors(); on the CPU (the interpreter) right after the launch
-    if x_sorted.is_cuda:
-        ws.ensure(1, 0)
-        bufs["errors"] = ws.errors
-        ws.before_launch()
-    else:
-        bufs["errors"] = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64)
+    bufs["errors"] = runtime.one_rank_errors(ws, x_sorted.device)
     router = ws.local("moe.gemms_router", el * h, torch.bfloat16)[:el * h].view(el, h)  # unused by the GEMMs
     # its own epoch slot: these launches are not calls of the workspace's group (no peer keeps step with them)
     launch(x_sorted[:1], router, None, w13, w2, y, bufs, rank=0, world=1,
            epoch_slot=ws.local("moe.gemms_epoch", 1, torch.int32), timeout_ns=ws.timeout_ns(),
            grid=grid, cfg=cfg, top_k=1, stages=(1 << GEMM1) | (1 << GEMM2), gemms_only=True)
-    if x_sorted.is_cuda:
-        ws.after_launch()
-    elif int(bufs["errors"][0]):
-        raise runtime.KosmosTimeoutError(runtime.decode_error(bufs["errors"].tolist()))
+    runtime.after_one_rank_launch(ws, x_sorted.device, bufs["errors"])
     return y
