@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python -m dev.fixed_cost
     PYTHONPATH=. python -m dev.fixed_cost --plans   # host us per eager call, fast launch on / off
+    PYTHONPATH=. python -m dev.fixed_cost --parts   # host ns of each piece an eager call's hit path runs
 
 ``--plans``: host time per eager call (median of 200 back-to-back calls, time.perf_counter around each call, no
 synchronisation inside the loop) of all_gather_matmul, matmul_reduce_scatter (bf16 and MXFP8) and the MoE layer
@@ -204,6 +205,110 @@ def plans():
     _host_profile(lambda: kosmos.matmul_reduce_scatter(a, b))
 
 
+def _median_ns(fn, n=2000):
+    import statistics
+    import time
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def parts():
+    """Host ns of each piece a hit (an eager call that finds its plan) runs, one at a time, on this machine's
+    host: what the <= 30 us budget (issue 13) can be spent on. Also prints Triton's launcher source (the fast
+    path's convention is version-specific: kosmos/launch_plan.py)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    import inspect
+    import triton
+    from triton.runtime.driver import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from kosmos import launch_plan
+    import triton.backends.nvidia.driver as nvd
+    print(f"triton {triton.__version__} torch {torch.__version__}")
+    try:
+        print(inspect.getsource(nvd.CudaLauncher))
+        print(inspect.getsource(nvd.make_tensordesc_arg))
+        import triton.backends.driver as bd
+        print(inspect.getsource(bd))
+    except (OSError, TypeError, AttributeError) as e:
+        print("source not available:", e)
+    runtime.ensure_triton_allocator()
+    dev = torch.device("cuda", 0)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    a, b = torch.randn(128, 256, **bf), torch.randn(256, 256, **bf)
+    x = torch.zeros(4096, **bf)
+    ev = torch.cuda.Event()
+    pinned = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    ws = runtime.get_workspace(None, dev)
+    rows = []
+
+    def piece(name, fn):
+        rows.append((name, _median_ns(fn)))
+
+    piece("torch.empty(128, 256) bf16 cuda", lambda: torch.empty((128, 256), **bf))
+    piece("torch.empty(128, 256) bf16 cuda, shape tuple + dtype + device", lambda: torch.empty(
+        (128, 256), dtype=torch.bfloat16, device=dev))
+    piece("torch.cuda.is_available()", torch.cuda.is_available)
+    piece("torch.cuda.is_current_stream_capturing()", torch.cuda.is_current_stream_capturing)
+    piece("runtime.capturing()", runtime.capturing)
+    piece("Event.record()", ev.record)
+    piece("Event.query()", ev.query)
+    piece("int(pinned[0])", lambda: int(pinned[0]))
+    piece("runtime.ensure_triton_allocator()", runtime.ensure_triton_allocator)
+    piece("driver.active.get_current_device()", driver.active.get_current_device)
+    piece("driver.active.get_current_stream(0)", lambda: driver.active.get_current_stream(0))
+    piece("torch.cuda.current_device()", torch.cuda.current_device)
+    piece("runtime.World.of(None, None)", lambda: runtime.World.of(None, None))
+    piece("runtime.get_workspace(None, dev)", lambda: runtime.get_workspace(None, dev))
+    piece("launch_plan.input_key(a)", lambda: launch_plan.input_key(a))
+    piece("launch_plan.hooks_active()", launch_plan.hooks_active)
+    piece("ws.before_launch()", ws.before_launch)
+    piece("ws.after_launch()", ws.after_launch)
+    piece("b.t()", b.t)
+    # Triton launches: the normal path, the compiled launcher (the plans' fast path), with 0 and 3 descriptors
+    k0 = _empty[(132,)](x)
+    piece("empty kernel, kernel[grid](x)", lambda: _empty[(132,)](x))
+    stream = driver.active.get_current_stream(0)
+    piece("empty kernel, compiled.run", lambda: k0.run(132, 1, 1, stream, k0.function, k0.packed_metadata,
+                                                        None, None, None, x))
+    c = torch.empty(132 * 128, 256, **bf)
+    aa, heads = torch.randn(132 * 128, 64, **bf), torch.zeros(4, device=dev, dtype=torch.int32)
+    table = torch.arange(132, device=dev, dtype=torch.int32)
+    ad, bd_ = TensorDescriptor.from_tensor(aa, [128, 64]), TensorDescriptor.from_tensor(b[:64], [64, 256])
+    cd = TensorDescriptor.from_tensor(c, [128, 256])
+    kw = dict(GRID=132, CLAIM=False, EXIT=False)
+    k3 = _one_tile_host_desc[(132,)](ad, bd_, cd, heads, table, **kw, num_warps=8)
+    piece("3-descriptor kernel, kernel[grid](...)", lambda: _one_tile_host_desc[(132,)](
+        ad, bd_, cd, heads, table, **kw, num_warps=8))
+    tail = (132, False, False)
+    piece("3-descriptor kernel, compiled.run", lambda: k3.run(132, 1, 1, stream, k3.function, k3.packed_metadata,
+                                                               None, None, None, ad, bd_, cd, heads, table, *tail))
+    tmpl = launch_plan.descriptor_template(aa, [128, 64])
+    piece("launch_plan.descriptor(template, t)", lambda: launch_plan.descriptor(tmpl, aa))
+    meta = getattr(k3.metadata, "tensordesc_meta", None)
+    if meta:
+        piece("make_tensordesc_arg (CUtensorMap encode)", lambda: nvd.make_tensordesc_arg(ad, meta[0], None))
+    cases = [("kosmos.all_gather_matmul 128x256x256 (hit)", lambda: kosmos.all_gather_matmul(a, b)),
+             ("kosmos.matmul_reduce_scatter 128x256x256 (hit)", lambda: kosmos.matmul_reduce_scatter(a, b)),
+             ("torch.matmul 128x256x256", lambda: a @ b)]
+    for name, fn in cases:
+        piece(name, fn)
+    kosmos.check_errors()
+    print(f"{'piece':<64} {'host ns':>9}")
+    for name, ns in rows:
+        print(f"{name:<64} {ns:9.0f}")
+
+
 if __name__ == "__main__":
     import sys
-    plans() if "--plans" in sys.argv[1:] else main()
+    if "--parts" in sys.argv[1:]:
+        parts()
+    else:
+        plans() if "--plans" in sys.argv[1:] else main()

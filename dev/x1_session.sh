@@ -748,38 +748,30 @@ PYEOF
       --dtype bf16,mxfp8 --impl kosmos --out "$out/tp-mxfp8-kosmos.jsonl" > "$out/bench-tp-mx.log" 2>&1
     echo "tp mx rc=$?"; keep
     sed -n '/mxfp8 \/ bf16/,/^$/p' "$out/bench-tp-mx.log" | head -18 ;;
-  s15a)  # written in session 14 for the next one-GPU session (<= 400 s; tarball $OUT/s15a.tar.gz): the one launch
-         # against the multi-launch backward at deepseek-v3 4k uniform and 8k zipf:1.2 (one process each, bitwise
-         # first, interleaved 3x), each with one traced call of the one launch (per-stage table; timeline JSON).
-         # With a .base tree (e.g. `git archive one-launch-gathers ... | tar -x -C .snap/.base`) it runs there, with
-         # VARIANTS (default padded,one-launch; that branch: padded,one-launch,one-launch-gathers).
+  s15a)  # session 15, first call (<= 420 s; tarball $OUT/s15a.tar.gz): what main has not run on a GPU (expert_gemms'
+         # error path, the refactored skewed-layer tests), the host cost of each piece of an eager call's hit path
+         # (issue 13: dev.fixed_cost --parts, then --plans), and the one launch against the multi-launch backward
+         # at deepseek-v3 4k uniform with one traced call (per-stage table; where its +2-3% goes).
     begin_stage s15a
-    tree=.; [ -d .base ] && tree=.base
-    for pt in "4096 uniform" "8192 zipf:1.2"; do set -- $pt
-      left=$((390 - SECONDS)); [ $left -lt 60 ] && break
-      (cd $tree && timeout $left python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens $1 --routing $2 \
-        --variants ${VARIANTS:-padded,one-launch} --passes 3 --iters 10 --warmup 3 --trace "$out/traces" \
-        --json "$out/one-launch-ab-dsv3-$1.jsonl" > "$out/one-launch-ab-dsv3-$1.log" 2>&1)
-      echo "one launch ab dsv3 $1 rc=$?"; keep
-      grep -vE "Warning|warn" "$out/one-launch-ab-dsv3-$1.log" | tail -14
-    done ;;
-  s15b)  # written in session 14 for the next one-GPU session (<= 400 s; tarball $OUT/s15b.tar.gz): branch host-enqueue
-         # (helper, issue 13's host cost; .base: `git archive host-enqueue kosmos kosmos_bench suites tests dev
-         # pyproject.toml | tar -x -C .snap/.base`) against main: its GPU tests (plans, runtime, CUDA graphs,
-         # both TP ops), then host us per eager call in each tree (dev.fixed_cost --plans), interleaved twice, and
-         # the branch's host_probe --cuda (the GPU host's own cost of the pieces the CPU harness stood in for).
+    gpu_tests gpu-tests-main 120 "expert_gemms or padded_rows_bitwise_packed_gpu or one_launch_bitwise_default_gpu" \
+      tests/test_moe_forward.py tests/test_moe_backward.py
+    timeout 60 python -m dev.fixed_cost --parts > "$out/fixed-cost-parts.log" 2>&1; echo "parts rc=$?"; keep
+    timeout 70 python -m dev.fixed_cost --plans > "$out/fixed-cost-plans.log" 2>&1; echo "plans rc=$?"; keep
+    left=$((400 - SECONDS)); [ $left -gt 200 ] && left=200
+    timeout $left python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing uniform \
+      --variants padded,one-launch --passes 2 --iters 10 --warmup 3 --trace "$out/traces" \
+      --json "$out/one-launch-ab-dsv3-4096.jsonl" > "$out/one-launch-ab-dsv3-4096.log" 2>&1
+    echo "one launch ab rc=$?"; keep
+    sed -n '/^piece/,$p' "$out/fixed-cost-parts.log"
+    grep -E "^(all_gather|matmul_reduce|moe_forward|torch)" "$out/fixed-cost-plans.log" | head -14
+    grep -vE "Warning|warn" "$out/one-launch-ab-dsv3-4096.log" | tail -16 ;;
+  s15b)  # session 15 (<= 560 s; tarball $OUT/s15b.tar.gz): issue 15's committed deepseek-v3 bench (4k, 8k; fwd,
+         # bwd, fwd+bwd) at the current code (valid-rows dgrad2 since the committed 188a3a4 run).
     begin_stage s15b
-    gpu_tests gpu-tests-main-graphs 90 "plan or graph or capture" tests/test_launch_plan.py tests/test_cuda_graphs.py
-    (cd .base && gpu_tests gpu-tests-branch 150 "plan or graph or capture or error or timeout or workspace" \
-      tests/test_launch_plan.py tests/test_runtime.py tests/test_cuda_graphs.py tests/test_all_gather_matmul.py \
-      tests/test_matmul_reduce_scatter.py)
-    for pass in 1 2; do for t in host:.base main:.; do
-      left=$((380 - SECONDS)); [ $left -lt 40 ] && break 2
-      (cd "${t#*:}" && timeout $((left < 60 ? left : 60)) python -m dev.fixed_cost --plans \
-        > "$out/fixed-cost-${t%%:*}-$pass.log" 2>&1); echo "fixed cost ${t%%:*} pass $pass rc=$?"; keep
-    done; done
-    (cd .base && timeout 60 python -m dev.host_probe --cuda > "$out/host-probe.log" 2>&1); echo "host probe rc=$?"; keep
-    for f in "$out"/fixed-cost-*.log; do echo "${f##*/}"; grep -iE "us per call|median|fast" "$f" | head -8; done
-    tail -20 "$out/host-probe.log" ;;
+    timeout 545 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
+    echo "bench dsv3 rc=$?"; keep
+    bwd_rows "$out/moe-bwd-ep1-deepseek-v3.jsonl"
+    grep -v "^{" "$out/bench-dsv3.log" | grep -iE "bwd|error|fail" | head -12 ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b" >&2; exit 2 ;;
 esac
