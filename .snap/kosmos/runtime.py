@@ -47,20 +47,26 @@ capture. At W > 1 every rank must capture the same calls and replay its graphs i
 peers (each replay is one call per op captured, as eagerly). Once a call was captured the workspace's buffers
 may not grow any more (the graphs hold them): an eager call that would need more raises a KosmosError, so the
 largest shapes go first; ``reset_workspaces()`` drops the buffers and with them every graph that used them.
-Under capture no error event is recorded (an event captured in a graph cannot be queried after a replay);
-``check_errors()`` after replays synchronises the device and then reads the pinned mirror, raising
-``KosmosTimeoutError`` exactly as after eager calls; the next eager call also sees a replay's error (it reads
-the mirror once its predecessor's event has completed).
+A replay's kernels write the same pinned mirror as eager launches: ``check_errors()`` after replays
+synchronises the device and then reads it, raising ``KosmosTimeoutError`` exactly as after eager calls; the
+next eager call also sees a replay's error once its flag word has landed.
 
 Errors are checked without stalling the stream: the program that records an error also writes the record
 into pinned, host-mapped memory (a healthy call moves nothing: a per-call device-to-host copy measured ~5 us
-per call on H200); an event is recorded after each launch, and the next call (or
-``check_errors()``) reads the mirror once the event has completed and raises
-``KosmosTimeoutError`` naming op, rank, task and counter. After a timeout the workspace is poisoned (peers may
-still write into it) and every further call raises until ``reset_workspaces()``.
+per call on H200), its flag word last. Every call first reads that word (a plain host load, ~0.1 us); once
+it is set -- by any earlier launch on this workspace, eager or replayed -- the call synchronises the device (so
+the whole record has landed), decodes it and raises ``KosmosTimeoutError`` naming op, rank, task and counter.
+``check_errors()`` synchronises the device first, then reads it: after it returns, every launch made before
+is accounted for. After a timeout the workspace is poisoned (peers may still write into it) and every further
+call raises until ``reset_workspaces()``. (Until session 15 each launch recorded a CUDA event and the next
+call queried it before reading the mirror: ~8-9 us of host time per call on H200's host, torch's
+``Event.record`` resolving the current stream in Python. The event told only that a zero word was final;
+a set word is final either way, and a call that finds it zero while the previous launch still runs lets the
+next call or ``check_errors()`` raise -- as a query of an unfinished event did.)
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -153,8 +159,8 @@ def one_rank_errors(ws, device: torch.device) -> torch.Tensor:
 
 
 def after_one_rank_launch(ws, device: torch.device, errors: torch.Tensor) -> None:
-    """After a one-rank launch: on CUDA the workspace's error event (a timeout raises at the next call or
-    kosmos.check_errors()); elsewhere the launch has run, so its record is read now (KosmosTimeoutError)."""
+    """After a one-rank launch: on CUDA nothing to do here (a timeout raises at the next call or
+    kosmos.check_errors(), from the workspace's mirror); elsewhere the launch has run, so its record is read now (KosmosTimeoutError)."""
     if device.type == "cuda":
         ws.after_launch()
     elif int(errors[0]):
@@ -176,11 +182,9 @@ class Workspace:
     _handles: list = field(default_factory=list)
     _local: dict = field(default_factory=dict)
     agreed_shapes: set = field(default_factory=set)  # call signatures every rank was checked to share
-    _err_host: torch.Tensor | None = None
-    _err_event: object = None
+    _err_host: torch.Tensor | None = None      # pinned int64 [ERR_RECORD]: the kernels' host mirror of the record
     _capturing: bool = False  # the current call is being captured into a CUDA graph (before_launch)
-    _captured: bool = False   # some call was: check_errors() synchronises the device (replays record no event),
-                              # and the buffers may no longer grow (_may_grow)
+    _captured: bool = False   # some call was: the buffers may no longer grow (_may_grow)
     timeout_s: float = DEFAULT_TIMEOUT_S
     _plans: dict = field(default_factory=dict)  # the ops' launch plans on these buffers (kosmos/launch_plan.py)
 
@@ -296,27 +300,33 @@ class Workspace:
         return t, list(handle.buffer_ptrs)
 
     def before_launch(self) -> None:
-        """Every op calls this right before its launch: raise a timeout an earlier call recorded (a look at the
-        last launch's event, never a wait), and note whether this call is being captured into a CUDA graph (then
-        nothing is queried: an event query is illegal during a capture). The epoch is not the host's business:
-        the launch reads and advances the device slot itself."""
+        """Every op calls this right before its launch: raise a timeout an earlier launch recorded (a look at the
+        mirror's flag word, never a wait), and note whether this call is being captured into a CUDA graph. The
+        epoch is not the host's business: the launch reads and advances the device slot itself."""
         self._capturing = capturing()
-        if self._capturing:
-            if self.poisoned:
-                raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
-        else:
-            self.check_errors(block=False)
+        if self.poisoned:
+            raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        if not self._capturing and self._recorded():
+            self._raise_recorded()
 
     def after_launch(self) -> None:
-        """Record the event behind which the host mirror of the error record is complete (the kernel writes
-        the mirror only on error); it is read by the next call or check_errors(). Not while capturing: an event
-        recorded into a graph cannot be queried after a replay; check_errors() then synchronises instead."""
+        """After the launch: a captured one means a graph now holds this workspace's buffers (they may no longer
+        grow). Nothing is recorded: the next call reads the mirror (module docstring)."""
         if self._capturing:
-            self._captured = True  # a graph now holds a launch on this workspace's buffers
-            return
-        if self._err_event is None:
-            self._err_event = torch.cuda.Event()
-        self._err_event.record()
+            self._captured = True
+
+    def _recorded(self) -> bool:
+        """Whether a launch has set the mirror's flag word (a host load from pinned memory, no CUDA call)."""
+        h = self._err_host
+        return h is not None and ctypes.c_int64.from_address(h.data_ptr()).value != 0
+
+    def _raise_recorded(self) -> None:
+        """The flag word is set: wait for the device (the rest of the record lands before the launch ends),
+        poison the workspace and raise its timeout."""
+        if torch.cuda.is_available() and self.world.device.type == "cuda":
+            torch.cuda.synchronize(self.world.device)
+        self.poisoned = decode_error(self._err_host.tolist())
+        raise KosmosTimeoutError(self.poisoned)
 
     def device_epoch(self) -> int:
         """The device epoch (calls completed on this workspace since it was made or last grew): a
@@ -324,32 +334,40 @@ class Workspace:
         return 0 if self.epoch_slot is None else int(self.epoch_slot.item())
 
     def check_errors(self, block: bool = True) -> None:
+        """Raise the timeout of any launch on this workspace made before this call; ``block``: synchronise the
+        device first, so every such launch is accounted for (else only what has landed). Inside a capture
+        nothing can be waited for: replays are checked after it."""
         if self.poisoned:
             raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
-        if capturing():  # nothing can be waited for or queried inside a capture; replays are checked after it
+        if self._err_host is None or capturing():
             return
-        if block and self._captured:  # a replayed graph records no event: wait for everything on the device
+        if block and torch.cuda.is_available() and self.world.device.type == "cuda":
             torch.cuda.synchronize(self.world.device)
-        elif self._err_event is None:
-            return
-        elif block:
-            self._err_event.synchronize()
-        elif not self._err_event.query():
-            return
-        if self._err_host is not None and int(self._err_host[0]) != 0:
-            self.poisoned = decode_error(self._err_host.tolist())
-            raise KosmosTimeoutError(self.poisoned)
+        if self._recorded():
+            self._raise_recorded()
 
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
 
 
 _WORKSPACES: dict = {}
+_BY_CALL: dict = {}  # (group as passed, device as passed, dist initialised) -> workspace: get_workspace's hit path
+
+
+_CUDA = {}  # "available": torch.cuda.is_available(), asked once (it goes through NVML / device_count each time)
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), cached for the process (the ops' hit path asks it on every call)."""
+    got = _CUDA.get("available")
+    if got is None:
+        got = _CUDA["available"] = torch.cuda.is_available()
+    return got
 
 
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return cuda_available() and torch.cuda.is_current_stream_capturing()
 
 
 def capture_refusal(what: str) -> None:
@@ -364,12 +382,19 @@ def capture_refusal(what: str) -> None:
 def get_workspace(group=None, device=None) -> Workspace:
     """The workspace of ``group`` on ``device``, created on first use (nothing is allocated until an op
     calls ``ensure``); every op takes it before it launches."""
+    if device is not None:  # the ops' hit path: one dict lookup instead of World.of's process-group queries
+        fast_key = (group, device, dist.is_available() and dist.is_initialized())
+        ws = _BY_CALL.get(fast_key)
+        if ws is not None:
+            return ws
     world = World.of(group, device)
     key = (id(world.group), world.device.index)
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = Workspace(world)
         _WORKSPACES[key] = ws
+    if device is not None:
+        _BY_CALL[fast_key] = ws
     return ws
 
 
@@ -395,6 +420,7 @@ def set_timeout(seconds: float, group=None, device=None) -> None:
 def reset_workspaces() -> None:
     """Drop every workspace (after a timeout). Collective: all ranks must call it."""
     _WORKSPACES.clear()
+    _BY_CALL.clear()
 
 
 def workspace_bytes(group=None) -> int:

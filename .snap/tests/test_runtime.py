@@ -63,7 +63,7 @@ def test_poisoned_workspace_raises():
 
 
 def _fake_capture(monkeypatch, on: bool):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(runtime._CUDA, "available", True)  # runtime.cuda_available()'s cached answer
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: on)
 
 
@@ -102,48 +102,47 @@ def test_workspace_does_not_grow_under_captured_graphs(monkeypatch):
         assert "\n" not in str(e.value) and "reset_workspaces" in str(e.value)
 
 
-class _Event:
-    """Stands in for torch.cuda.Event: records what was asked of it."""
-    def __init__(self, log):
-        self.log = log
-
-    def record(self):
-        self.log.append("record")
-
-    def query(self):
-        self.log.append("query")
-        return True
-
-    def synchronize(self):
-        self.log.append("synchronize")
-
-
-def test_capture_records_no_event_and_check_errors_waits_for_replays(monkeypatch):
-    """While capturing, a call neither queries nor records the error event (both illegal or useless in a
-    graph); after a capture, check_errors() synchronises the device -- a replay records no event -- and then
-    raises the timeout a replay wrote into the pinned mirror."""
+def test_error_mirror_is_read_without_events_and_check_errors_waits(monkeypatch):
+    """No CUDA event per launch: a call reads the pinned mirror's flag word (a host load) and, once it is set,
+    raises the decoded record; while capturing nothing is read or waited for; check_errors() synchronises the
+    device first (eager launches and replays alike), then reads the mirror; a raised timeout poisons."""
     from kosmos import codes
-    ws = runtime.Workspace(runtime.World(None, 0, 1, torch.device("cpu")))
-    log, synced = [], []
-    ws._err_event = _Event(log)
-    ws._err_host = torch.zeros(codes.ERR_RECORD, dtype=torch.int64)
+    ws = runtime.Workspace(runtime.World(None, 0, 1, torch.device("cuda", 0)))
+    ws._err_host = torch.zeros(codes.ERR_RECORD, dtype=torch.int64)  # a host tensor stands in for the pinned one
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
     _fake_capture(monkeypatch, True)
     ws.before_launch()
     ws.after_launch()
     ws.check_errors()  # inside the capture: nothing to wait for
-    assert log == []
+    assert synced == [] and ws._captured
     _fake_capture(monkeypatch, False)
-    ws.before_launch()  # an eager call looks at the last eager launch's event, without waiting
-    assert log == ["query"]
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    ws.before_launch()  # a clean word: no wait, no raise
+    assert synced == []
     ws.check_errors()
-    assert synced == [ws.world.device] and log == ["query"]
-    ws._err_host.copy_(torch.tensor([1, 1 | codes.WAIT_AG_ROWS.value << 8, 0, 5, runtime.FLAG_BASE + 3, 9, 8,
-                                     50_000_000]))  # what a timed-out replay's kernel writes
+    assert synced == [ws.world.device]
+    record = [1, 1 | codes.WAIT_AG_ROWS.value << 8, 0, 5, runtime.FLAG_BASE + 3, 9, 8, 50_000_000]
+    ws._err_host.copy_(torch.tensor(record))  # what a timed-out kernel (eager or replayed) writes
     with pytest.raises(runtime.KosmosTimeoutError, match="expected >= 9, observed 8"):
-        ws.check_errors()
+        ws.before_launch()  # the next call sees it without check_errors(), after waiting for the record
+    assert synced == [ws.world.device] * 2
     with pytest.raises(runtime.KosmosTimeoutError, match="reset_workspaces"):  # poisoned
         ws.before_launch()
+    with pytest.raises(runtime.KosmosTimeoutError, match="reset_workspaces"):
+        ws.check_errors()
+    fresh = runtime.Workspace(runtime.World(None, 0, 1, torch.device("cuda", 0)))
+    fresh._err_host = torch.tensor(record)
+    with pytest.raises(runtime.KosmosTimeoutError, match="rank 0 .task 5. timed out"):
+        fresh.check_errors()
+
+
+def test_cuda_available_is_asked_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(runtime, "_CUDA", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: calls.append(1) or False)
+    assert not runtime.cuda_available() and not runtime.cuda_available() and not runtime.capturing()
+    assert calls == [1]
 
 
 def test_set_timeout_rejects_non_positive():

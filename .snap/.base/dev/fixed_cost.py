@@ -1,0 +1,314 @@
+"""Fixed cost per call, one GPU (a developer's device script):
+
+    PYTHONPATH=. python -m dev.fixed_cost
+    PYTHONPATH=. python -m dev.fixed_cost --plans   # host us per eager call, fast launch on / off
+    PYTHONPATH=. python -m dev.fixed_cost --parts   # host ns of each piece an eager call's hit path runs
+
+``--plans``: host time per eager call (median of 200 back-to-back calls, time.perf_counter around each call, no
+synchronisation inside the loop) of all_gather_matmul, matmul_reduce_scatter (bf16 and MXFP8) and the MoE layer
+at W=1 on a small shape, with the launch plans' fast path on and off (kosmos.launch_plan.set_fast_launch), and
+the plan-cache hit rate and launch counters of each run. Issue 13's bar: <= 30 us per call.
+
+Times, with the bench's own timing (kosmos_bench.timing.time_op), an empty 132-program Triton launch, one
+device-side descriptor per program, and torch.matmul / kosmos's two TP ops at W=1 on a one-tile shape and on
+a 4096x2048x4096 GEMM; then lists the GPU work one kosmos call enqueues (torch profiler) and where its host
+time goes (cProfile). The gap between a one-tile kosmos call and the empty launch is what every call pays
+besides its tiles. Session 4 found a
+device-to-host copy of the error record after every launch this way (~5 us per call; removed).
+"""
+import torch
+import triton
+import triton.language as tl
+
+import kosmos
+from kosmos import runtime
+from kosmos_bench import timing
+
+
+@triton.jit
+def _empty(x_ptr):
+    pass
+
+
+@triton.jit
+def _one_desc(x_ptr, N: tl.constexpr):
+    d = tl.make_tensor_descriptor(x_ptr, shape=[N, N], strides=[N, 1], block_shape=[64, 64])
+    if tl.program_id(0) == 100000:  # never true: the descriptor is built, nothing is stored
+        d.store([0, 0], tl.zeros([64, 64], tl.bfloat16))
+
+
+@triton.jit
+def _one_tile(a_desc, b_desc, c_desc, heads_ptr, table_ptr, GRID: tl.constexpr, CLAIM: tl.constexpr,
+              EXIT: tl.constexpr):
+    """Program p: C[p*128:+128, :256] = A[p*128:+128, :64] @ B[:64, :256] -- one K step, the least a TMA GEMM
+    tile can do -- optionally behind a queue claim + table load, and followed by kosmos's exit protocol."""
+    pid = tl.program_id(0)
+    row = pid * 128
+    if CLAIM:
+        t = tl.atomic_add(heads_ptr + 1, 1, sem="relaxed", scope="gpu")
+        row = tl.load(table_ptr + t) * 128
+    acc = tl.dot(a_desc.load([row, 0]), b_desc.load([0, 0]))
+    c_desc.store([row, 0], acc.to(tl.bfloat16))
+    if EXIT:
+        n_out = tl.atomic_add(heads_ptr + 2, 1, sem="acq_rel", scope="gpu")
+        if n_out == GRID - 1:
+            for h in tl.static_range(4):
+                tl.store(heads_ptr + h, 0)
+
+
+@triton.jit
+def _one_tile_device_desc(a_ptr, b_ptr, c_ptr, heads_ptr, table_ptr, M, GRID: tl.constexpr,
+                          CLAIM: tl.constexpr, EXIT: tl.constexpr):
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, 64], strides=[64, 1], block_shape=[128, 64])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[64, 256], strides=[256, 1], block_shape=[64, 256])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, 256], strides=[256, 1], block_shape=[128, 256])
+    _one_tile(a_desc, b_desc, c_desc, heads_ptr, table_ptr, GRID, CLAIM, EXIT)
+
+
+@triton.jit
+def _one_tile_host_desc(a_desc, b_desc, c_desc, heads_ptr, table_ptr, GRID: tl.constexpr, CLAIM: tl.constexpr,
+                        EXIT: tl.constexpr):
+    _one_tile(a_desc, b_desc, c_desc, heads_ptr, table_ptr, GRID, CLAIM, EXIT)
+
+
+def _tile_probes(timed):
+    """Where a kosmos call's fixed cost goes: one 128x64x256 TMA tile per program, 132 programs, with device-
+    or host-built descriptors, a queue claim + table load in front, kosmos's exit counter behind."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    grid = 132
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    a, b, c = torch.randn(grid * 128, 64, **bf), torch.randn(64, 256, **bf), torch.empty(grid * 128, 256, **bf)
+    heads = torch.zeros(4, device="cuda", dtype=torch.int32)
+    table = torch.arange(grid, device="cuda", dtype=torch.int32)
+    ad, bd = TensorDescriptor.from_tensor(a, [128, 64]), TensorDescriptor.from_tensor(b, [64, 256])
+    cd = TensorDescriptor.from_tensor(c, [128, 256])
+    for claim, ex in [(False, False), (False, True), (True, True)]:
+        tag = ("claim+" if claim else "") + ("exit" if ex else "bare")
+        timed(f"132 one-K-step tiles, device descriptors, {tag}", lambda: _one_tile_device_desc[(grid,)](
+            a, b, c, heads, table, grid * 128, GRID=grid, CLAIM=claim, EXIT=ex, num_warps=8))
+        timed(f"132 one-K-step tiles, host descriptors, {tag}", lambda: _one_tile_host_desc[(grid,)](
+            ad, bd, cd, heads, table, GRID=grid, CLAIM=claim, EXIT=ex, num_warps=8))
+
+
+def main():
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runtime.ensure_triton_allocator()
+    x = torch.zeros(4096, device="cuda", dtype=torch.bfloat16)
+    xb = torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16)
+    rows = []
+
+    def timed(name, fn):
+        r = timing.time_op(fn, iters=50, warmup=10)
+        rows.append((name, r["time_ms"] * 1e3, r["host_ms"] * 1e3))
+
+    timed("empty triton kernel, 132 programs", lambda: _empty[(132,)](x))
+    timed("one device descriptor per program, 132", lambda: _one_desc[(132,)](xb, N=256))
+    _tile_probes(timed)
+    for (m, k, n) in [(128, 64, 256), (4096, 2048, 4096)]:
+        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+        timed(f"torch.matmul {m}x{k}x{n}", lambda: a @ b)
+        timed(f"kosmos.all_gather_matmul {m}x{k}x{n}", lambda: kosmos.all_gather_matmul(a, b)[1])
+        timed(f"kosmos.matmul_reduce_scatter {m}x{k}x{n}", lambda: kosmos.matmul_reduce_scatter(a, b))
+    from torch.profiler import ProfilerActivity, profile
+    kosmos.matmul_reduce_scatter(a, b)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            kosmos.matmul_reduce_scatter(a, b)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+    _host_profile(lambda: kosmos.matmul_reduce_scatter(a, b))
+    print(f"{'what':<50} {'gpu us':>8} {'host us':>8}")
+    for name, g, h in rows:
+        print(f"{name:<50} {g:8.1f} {h:8.1f}")
+
+
+def _host_profile(call, n=200):
+    """Where a call's host time goes: cProfile over n calls (the GPU is kept busy by the calls themselves;
+    host time per call = the profile's total / n), the 15 costliest functions by cumulative time."""
+    import cProfile
+    import pstats
+    import time
+    call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"host time per call, unprofiled: {host_us:.1f} us (enqueue only; n={n})")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
+
+
+def _median_host_us(call, n=200):
+    import statistics
+    import time
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def plans():
+    """Host us per eager call with the launch plans, fast launch on and off (module docstring)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    import triton
+    from kosmos import launch_plan, quant
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = "cuda"
+    a = torch.randn(128, 256, device=dev).to(torch.bfloat16)
+    b = torch.randn(256, 256, device=dev).to(torch.bfloat16)
+    a_mx = quant.quantize_mx(a)
+    t_, h, f, e, k = 128, 256, 256, 8, 2
+    x = torch.randn(t_, h, device=dev).to(torch.bfloat16)
+    router = torch.randn(e, h, device=dev).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, device=dev) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, device=dev) * 0.05).to(torch.bfloat16)
+    cases = [
+        ("all_gather_matmul 128x256x256", lambda: kosmos.all_gather_matmul(a, b)),
+        ("matmul_reduce_scatter 128x256x256", lambda: kosmos.matmul_reduce_scatter(a, b)),
+        ("all_gather_matmul mxfp8", lambda: kosmos.all_gather_matmul(a_mx, b)),
+        ("matmul_reduce_scatter mxfp8", lambda: kosmos.matmul_reduce_scatter(a_mx, b)),
+        ("moe_forward T128 H256 F256 E8 k2", lambda: kosmos.moe_forward(x, router, w13, w2, top_k=k)),
+        ("moe_forward mxfp8", lambda: kosmos.moe_forward(x, router, quant.mx_values(w13, dim=1),
+                                                         quant.mx_values(w2, dim=1), top_k=k, precision="mxfp8")),
+        ("torch.matmul 128x256x256", lambda: a @ b),
+    ]
+    print(f"triton {triton.__version__}, fast launch supported: {launch_plan.fast_launch_supported()}")
+    print(f"{'what':<36} {'fast':>5} {'host us':>8} {'hit rate':>8} {'fast/normal launches':>21} {'off':>4}")
+    for fast in (True, False):
+        launch_plan.set_fast_launch(fast)
+        for name, call in cases:
+            launch_plan.reset_plan_stats()
+            us = _median_host_us(call)
+            s = launch_plan.plan_stats()
+            print(f"{name:<36} {str(fast):>5} {us:8.1f} {s['hit_rate']:8.3f} "
+                  f"{s['fast_launches']:>10}/{s['normal_launches']:<10} {s['fast_disabled']:>4}")
+    launch_plan.set_fast_launch(True)
+    kosmos.check_errors()
+    _host_profile(lambda: kosmos.matmul_reduce_scatter(a, b))
+
+
+def _median_ns(fn, n=2000):
+    import statistics
+    import time
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def parts():
+    """Host ns of each piece a hit (an eager call that finds its plan) runs, one at a time, on this machine's
+    host: what the <= 30 us budget (issue 13) can be spent on. Also prints Triton's launcher source (the fast
+    path's convention is version-specific: kosmos/launch_plan.py)."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    import inspect
+    import triton
+    from triton.runtime.driver import driver
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from kosmos import launch_plan
+    import triton.backends.nvidia.driver as nvd
+    print(f"triton {triton.__version__} torch {torch.__version__}")
+    try:
+        print(inspect.getsource(nvd.CudaLauncher))
+        print(inspect.getsource(nvd.make_tensordesc_arg))
+        import triton.backends.driver as bd
+        print(inspect.getsource(bd))
+    except (OSError, TypeError, AttributeError) as e:
+        print("source not available:", e)
+    runtime.ensure_triton_allocator()
+    dev = torch.device("cuda", 0)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    a, b = torch.randn(128, 256, **bf), torch.randn(256, 256, **bf)
+    x = torch.zeros(4096, **bf)
+    ev = torch.cuda.Event()
+    pinned = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    ws = runtime.get_workspace(None, dev)
+    rows = []
+
+    def piece(name, fn):
+        rows.append((name, _median_ns(fn)))
+
+    piece("torch.empty(128, 256) bf16 cuda", lambda: torch.empty((128, 256), **bf))
+    piece("torch.empty(128, 256) bf16 cuda, shape tuple + dtype + device", lambda: torch.empty(
+        (128, 256), dtype=torch.bfloat16, device=dev))
+    piece("torch.cuda.is_available()", torch.cuda.is_available)
+    piece("torch.cuda.is_current_stream_capturing()", torch.cuda.is_current_stream_capturing)
+    piece("runtime.capturing()", runtime.capturing)
+    piece("Event.record()", ev.record)
+    piece("Event.query()", ev.query)
+    piece("int(pinned[0])", lambda: int(pinned[0]))
+    piece("runtime.ensure_triton_allocator()", runtime.ensure_triton_allocator)
+    piece("driver.active.get_current_device()", driver.active.get_current_device)
+    piece("driver.active.get_current_stream(0)", lambda: driver.active.get_current_stream(0))
+    piece("torch.cuda.current_device()", torch.cuda.current_device)
+    piece("runtime.World.of(None, None)", lambda: runtime.World.of(None, None))
+    piece("runtime.get_workspace(None, dev)", lambda: runtime.get_workspace(None, dev))
+    piece("launch_plan.input_key(a)", lambda: launch_plan.input_key(a))
+    piece("launch_plan.hooks_active()", launch_plan.hooks_active)
+    piece("ws.before_launch()", ws.before_launch)
+    piece("ws.after_launch()", ws.after_launch)
+    piece("b.t()", b.t)
+    # Triton launches: the normal path, the compiled launcher (the plans' fast path), with 0 and 3 descriptors
+    k0 = _empty[(132,)](x)
+    piece("empty kernel, kernel[grid](x)", lambda: _empty[(132,)](x))
+    stream = driver.active.get_current_stream(0)
+    piece("empty kernel, compiled.run", lambda: k0.run(132, 1, 1, stream, k0.function, k0.packed_metadata,
+                                                        None, None, None, x))
+    c = torch.empty(132 * 128, 256, **bf)
+    aa, heads = torch.randn(132 * 128, 64, **bf), torch.zeros(4, device=dev, dtype=torch.int32)
+    table = torch.arange(132, device=dev, dtype=torch.int32)
+    ad, bd_ = TensorDescriptor.from_tensor(aa, [128, 64]), TensorDescriptor.from_tensor(b[:64], [64, 256])
+    cd = TensorDescriptor.from_tensor(c, [128, 256])
+    kw = dict(GRID=132, CLAIM=False, EXIT=False)
+    k3 = _one_tile_host_desc[(132,)](ad, bd_, cd, heads, table, **kw, num_warps=8)
+    piece("3-descriptor kernel, kernel[grid](...)", lambda: _one_tile_host_desc[(132,)](
+        ad, bd_, cd, heads, table, **kw, num_warps=8))
+    tail = (132, False, False)
+    piece("3-descriptor kernel, compiled.run", lambda: k3.run(132, 1, 1, stream, k3.function, k3.packed_metadata,
+                                                               None, None, None, ad, bd_, cd, heads, table, *tail))
+    tmpl = launch_plan.descriptor_template(aa, [128, 64])
+    piece("launch_plan.descriptor(template, t)", lambda: launch_plan.descriptor(tmpl, aa))
+    meta = getattr(k3.metadata, "tensordesc_meta", None)
+    if meta:
+        piece("make_tensordesc_arg (CUtensorMap encode)", lambda: nvd.make_tensordesc_arg(ad, meta[0], None))
+    cases = [("kosmos.all_gather_matmul 128x256x256 (hit)", lambda: kosmos.all_gather_matmul(a, b)),
+             ("kosmos.matmul_reduce_scatter 128x256x256 (hit)", lambda: kosmos.matmul_reduce_scatter(a, b)),
+             ("torch.matmul 128x256x256", lambda: a @ b)]
+    for name, fn in cases:
+        piece(name, fn)
+    kosmos.check_errors()
+    print(f"{'piece':<64} {'host ns':>9}")
+    for name, ns in rows:
+        print(f"{name:<64} {ns:9.0f}")
+
+
+if __name__ == "__main__":
+    import sys
+    if "--parts" in sys.argv[1:]:
+        parts()
+    else:
+        plans() if "--plans" in sys.argv[1:] else main()

@@ -1,0 +1,313 @@
+"""Registers, spills and shared memory of the fused kernels as Triton compiles them for sm_90a (a developer
+script; nothing runs). Works on the GPU box (Triton 3.6 there) and on a CPU-only machine (Triton's compiler and
+ptxas need no GPU: a stand-in driver reports an sm_90 target):
+
+    PYTHONPATH=. python -m dev.kernel_resources [--world 1,2,8] [--json OUT.json]
+
+Each kernel is compiled (``JITFunction.warmup``) exactly as its ``launch`` would launch it for rank 0 of a
+llama3-70b-like TP shape (AllGather+GEMM qkv, GEMM+RS attn-out) or a deepseek-v3-like MoE layer, with the
+default configs, self policy; the figures are ptxas's (``cuobjdump --dump-resource-usage`` of the cubin);
+``loops``: the scf.for ops in the TTGIR (a flattened loop nest is one).
+Spills in the fused kernels cost GEMM speed, so check them here before timing a change.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+def _use_stand_in_driver() -> None:
+    """Let Triton compile for sm_90a where no GPU is visible (CPU tensors stand in for device ones)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Sm90:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        def is_active(self):
+            return True
+
+    driver.set_active(_Sm90())
+
+
+class _CompileOnly:
+    """Stands in for a @triton.jit kernel inside a module's ``launch``: ``kernel[grid](...)`` compiles."""
+
+    def __init__(self, fn):
+        self.fn, self.compiled = fn, None
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.compiled = self.fn.warmup(*args, grid=grid, **kw)
+        return run
+
+
+def _resources(compiled) -> dict:
+    """regs / spill bytes / stack / shared KiB, from ptxas -v on the kernel's PTX (no device needed)."""
+    import triton
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    tools = [t for t in (shutil.which("ptxas"), os.path.join(bundled, "ptxas-blackwell"),
+                         os.path.join(bundled, "ptxas")) if t and os.path.exists(t)]
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        for tool in tools:  # the first ptxas that knows this PTX version
+            run = subprocess.run([tool, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(d, "k.cubin")],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"no ptxas among {tools} assembles this PTX: {run.stderr.strip()[:200]}")
+    text = run.stderr + run.stdout
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else None  # noqa: E731
+    return {"regs": num(r"Used (\d+) registers"), "spill_bytes": num(r"(\d+) bytes spill stores"),
+            "stack_bytes": num(r"(\d+) bytes stack frame"), "shared_kib": round(compiled.metadata.shared / 1024, 1),
+            "ttgir_loops": len(re.findall(r"\bscf\.for\b", compiled.asm.get("ttgir", "")))}
+
+
+def _compile(module, kernel_name: str, call) -> dict:
+    original = getattr(module, kernel_name)
+    stub = _CompileOnly(original)
+    setattr(module, kernel_name, stub)
+    try:
+        call()
+    finally:
+        setattr(module, kernel_name, original)
+    return _resources(stub.compiled)
+
+
+KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "moe_forward", "moe_backward")
+
+
+def _compile_among(module, kernel_name: str, call) -> dict:
+    """``_compile`` where ``call`` launches several of the module's kernels: every one of them compiles only."""
+    import triton
+    names = [n for n, v in vars(module).items() if isinstance(v, triton.runtime.JITFunction) and n.endswith("_kernel")]
+    originals = {n: getattr(module, n) for n in names}
+    module.COMPILE_ONLY = True
+    stubs = {n: _CompileOnly(f) for n, f in originals.items()}
+    for n, st in stubs.items():
+        setattr(module, n, st)
+    try:
+        call()
+    finally:
+        module.COMPILE_ONLY = False
+        for n, f in originals.items():
+            setattr(module, n, f)
+    return _resources(stubs[kernel_name].compiled)
+
+
+def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: int = 32768) -> list:
+    """(name, resources) of the W=1 MoE backward's Triton kernels (kosmos/kernels/moe_backward.py) at their GPU
+    tiles, on a qwen3-235b-like layer (H 4096, F 1536, 128 experts, 4096 tokens x top-8 rows), each compiled as
+    its launcher launches it."""
+    from kosmos.kernels import moe_backward as mb
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    counts = torch.full((e,), rows // e, dtype=torch.int32, device=dev)
+    x_rows, dy_rows, gu = torch.empty(rows, h, **bf), torch.empty(rows, h, **bf), torch.empty(rows, 2 * f, **bf)
+    w13, w2 = torch.empty(e, h, 2 * f, **bf), torch.empty(e, f, h, **bf)
+    w_pair = torch.empty(rows, dtype=torch.float32, device=dev)
+    rows_pad = mb.padded_rows_bound(rows, e)  # the flat wgrad's padded row layout (expert_weight_grads_padded)
+    x_pad, gu_pad = torch.empty(rows_pad, h, **bf), torch.empty(rows_pad, 2 * f, **bf)
+    pad_offs = mb.padded_row_offsets(counts)
+    out = [("moe_bwd wgrad bf16", _compile_among(mb, "_expert_wgrad_kernel",
+                                           lambda: mb.expert_weight_grads(x_rows, gu, counts, kernel="tiles"))),
+           ("moe_bwd wgrad fp32", _compile_among(mb, "_expert_wgrad_kernel", lambda: mb.expert_weight_grads(
+               x_rows, gu, counts, out_dtype=torch.float32, kernel="tiles"))),
+           ("moe_bwd wgrad-pers bf16", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
+               mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent")))),
+           ("moe_bwd wgrad-pers fp32", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
+               mb.expert_weight_grads(x_rows, gu, counts, out_dtype=torch.float32, kernel="persistent")))),
+           ("moe_bwd wgrad-pers few-rows", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
+               mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent", tiles=mb.WGRAD2_FEW_ROWS_TILES)))),
+           *[(f"moe_bwd wgrad-flat {name}", _compile_among(mb, "_expert_wgrad_flat_kernel", lambda t=t, dt=dt: (
+               mb.expert_weight_grads_padded(x_pad, gu_pad, counts, pad_offs, out_dtype=dt, tiles=t))))
+             for name, t, dt in (("bf16", None, torch.bfloat16), ("fp32", None, torch.float32),
+                                 ("s3", (128, 128, 64, 8, 3), torch.bfloat16),
+                                 ("4w s2", (128, 128, 64, 4, 2), torch.bfloat16),
+                                 ("128x128 s2", (128, 128, 64, 8, 2), torch.bfloat16),
+                                 ("256x128 s3", mb.WGRAD_FLAT_TILES_TALL, torch.bfloat16))],
+           ("moe_bwd dgrad2_swiglu", _compile_among(mb, "_dgrad2_swiglu_kernel",
+                                              lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts,
+                                                                              fused=True))),
+           ("moe_bwd dgrad2_swiglu+h", _compile_among(mb, "_dgrad2_swiglu_kernel", lambda: mb.expert_dgrad2_swiglu(
+               dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=True))),
+           ("moe_bwd dgrad1", _compile_among(mb, "_dgrad1_kernel", lambda: mb.expert_dgrad1(gu, w13, counts))),
+           ("moe_bwd swiglu_backward+h", _compile_among(mb, "_swiglu_backward_kernel", lambda: mb.expert_dgrad2_swiglu(
+               dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=False))),
+           ("moe_bwd swiglu_backward padded", _compile_among(mb, "_swiglu_backward_kernel", lambda: (
+               mb.expert_dgrad2_swiglu(x_pad, gu_pad, w2, torch.empty(rows_pad, device=dev), counts, emit_h=True,
+                                       fused=False, offs=pad_offs,
+                                       valid=torch.ones(rows_pad, dtype=torch.bool, device=dev)))))]
+    tok = torch.zeros(rows, dtype=torch.int64, device=dev)
+    out += [("moe_bwd sum_partials", _compile_among(mb, "_sum_partials_kernel", lambda: mb.sum_partials(
+                torch.empty(rows, f // 64, dtype=torch.float32, device=dev)))),
+            ("moe_bwd scaled_rows", _compile_among(mb, "_gather_rows_kernel",
+                                             lambda: mb.scaled_rows(dy_rows[:rows // 8], tok, w_pair))),
+            ("moe_bwd gather_rows", _compile_among(mb, "_gather_rows_kernel",
+                                             lambda: mb.gather_rows(dy_rows[:rows // 8], tok))),
+            ("moe_bwd gather+scaled", _compile_among(mb, "_gather_rows_kernel",
+                                               lambda: mb.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair))),
+            ("moe_bwd gather+scaled limit", _compile_among(mb, "_gather_rows_kernel", lambda: (
+                mb.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair,
+                                          torch.zeros(1, dtype=torch.int32, device=dev))))),
+            ("moe_bwd swiglu_h", _compile_among(mb, "_swiglu_h_kernel", lambda: mb.swiglu_h(gu, f))),
+            ("moe_bwd unpermute_sum", _compile_among(mb, "_unpermute_sum_kernel",
+                                               lambda: mb.unpermute_sum(x_rows, torch.arange(rows, device=dev), 8)))]
+    # the one launch (expert_backward_one_launch): every stage in one kernel, on the padded rows, bf16 and fp32 wgrad
+    dy_pad, w_pad = torch.empty(rows_pad, h, **bf), torch.empty(rows_pad, dtype=torch.float32, device=dev)
+    valid = torch.ones(rows_pad, dtype=torch.bool, device=dev)
+    inv = torch.zeros(rows, dtype=torch.int64, device=dev)
+    on_completion = mb.BWD_SWIGLU_ON_COMPLETION
+    for name, dt, swiglu_on_completion, trace in (
+            ("bf16", torch.bfloat16, on_completion, None), ("fp32", torch.float32, on_completion, None),
+            ("queued-swiglu", torch.bfloat16, not on_completion, None),
+            ("traced", torch.bfloat16, on_completion, torch.zeros((132, 1024, 4), dtype=torch.int64, device=dev))):
+        mb.BWD_SWIGLU_ON_COMPLETION = swiglu_on_completion
+        try:
+            out.append((f"moe_bwd one_launch {name}", _compile_among(
+                mb, "_moe_backward_experts_kernel", lambda dt=dt, trace=trace: mb.expert_backward_one_launch(
+                    dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv, rows // 8, 8, dt,
+                    programs=132, trace=trace))))
+        finally:
+            mb.BWD_SWIGLU_ON_COMPLETION = on_completion
+    return out
+
+
+def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: int = 5120, only=KERNELS,
+            mx: bool = False, tile=None):
+    """(name, resources) of the fused kernels in ``only`` at ``world`` (rank 0, self policy, default configs);
+    ``mx``: their MXFP8 variants (MX activation, dequantize on arrival; the MoE layer's MX dispatch); ``tile``
+    (a planning.TileConfig): the TP kernels with that tile instead of tile_config's choice for the shape."""
+    from kosmos import planning, runtime
+    from kosmos.kernels import all_gather_matmul as ag
+    from kosmos.kernels import matmul_reduce_scatter as rs
+    from kosmos.kernels import moe_forward as mf
+    runtime.ensure_triton_allocator()
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    peers = torch.zeros(world, dtype=torch.int64, device=dev)
+    sig = torch.zeros(runtime.FLAG_BASE + 4096, dtype=torch.int32, device=dev)
+    heads = torch.zeros(runtime.NUM_HEADS, dtype=torch.int32, device=dev)
+    errs = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=dev)
+    common = dict(rank=0, world=world, epoch_slot=torch.zeros(1, dtype=torch.int32, device=dev), timeout_ns=10**9,
+                  grid=grid)
+    a_shard, b = torch.empty(ms, k, **bf), torch.empty(k, n, **bf)
+    gather, c = torch.empty(ms * world, k, **bf), torch.empty(ms * world, n, **bf)
+    cfg = tile or planning.tile_config(ms, n, k, world=world, programs=grid, mx=mx)
+    out = []
+    f8 = dict(dtype=torch.float8_e4m3fn, device=dev)
+    u8 = dict(dtype=torch.uint8, device=dev)
+    if "all_gather_matmul" in only and mx:
+        out.append(("all_gather_matmul mx", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
+            torch.empty(ms, k, **f8), b, False, c, torch.empty(ms * world, k, **f8), peers, peers, sig, heads, errs,
+            cfg=cfg, a_scales=torch.empty(ms, k // 32, **u8), gather_scales=torch.empty(ms * world, k // 32, **u8),
+            scale_offset=ms * world * k, dequantized=gather, **common))))
+    elif "all_gather_matmul" in only:
+        out.append(("all_gather_matmul", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
+            a_shard, b, False, c, gather, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+    k_rs, n_rs = 8192 // world, 8192  # attention-out: K = heads*head_dim / W
+    a_rs, b_rs = torch.empty(ms * world, k_rs, **bf), torch.empty(k_rs, n_rs, **bf)
+    stage, c_rs = torch.empty(ms * world, n_rs, **bf), torch.empty(ms, n_rs, **bf)
+    cfg = tile or planning.tile_config(ms, n_rs, k_rs, world=world, programs=grid, mx=mx)
+    if "matmul_reduce_scatter" in only and mx:
+        out.append(("matmul_reduce_scatter mx", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
+            torch.empty(ms * world, k_rs, **f8), b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg,
+            a_scales=torch.empty(ms * world, k_rs // 32, **u8), dequantized=a_rs, **common))))
+    elif "matmul_reduce_scatter" in only:
+        out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
+            a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+    if "moe_backward" in only:  # the same kernels at every EP size, on E / W local experts (ELP2 follows E / W)
+        out += moe_backward_kernels(dev, e=128 // world)
+    if "moe_forward" not in only:
+        return out
+    # deepseek-v3-like MoE layer: H 7168, F 2048, 256 experts, top-8, sigmoid-grouped routing
+    t_, h, f, e, top_k = 256, 7168, 2048, 256, 8
+    el = e // world
+    mcfg = planning.moe_config(mx=mx)
+    lay = mf.Layout(world, t_, h, f, top_k, el, mcfg)
+    small = lambda n_, dt=torch.int32: torch.zeros(max(1, n_), dtype=dt, device=dev)  # noqa: E731
+    bufs = dict(data=small(lay.data_bytes if mx else 1024, torch.uint8), sig=sig, ctr=small(4096), peer_data=peers, peer_sig=peers,
+                peer_ctr=peers, topk_w=small(16, torch.float32), topk_e=small(16), xe=torch.empty(128, h, **bf),
+                xe_meta=small(16), hb=torch.empty(128, f, **bf), plan=small(lay.plan_n),
+                scratch=small(lay.scratch_n), errors=errs, layout=lay)
+    x, wr = torch.empty(t_, h, **bf), torch.empty(e, h, **bf)
+    w13, w2, y = torch.empty(el, h, 2 * f, **bf), torch.empty(el, f, h, **bf), torch.empty(t_, h, **bf)
+    bias = torch.zeros(e, dtype=torch.float32, device=dev)
+    from kosmos.quant import MXTensor
+    x_mx = MXTensor(torch.empty(t_, h, **f8), torch.empty(t_, h // 32, **u8)) if mx else None
+    out.append(("moe_forward" + (" mx" if mx else ""), _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
+        x, wr, bias, w13, w2, y, bufs, cfg=mcfg, top_k=top_k, routing="sigmoid-grouped", n_group=8,
+        topk_group=4, routed_scaling=2.5, x_mx=x_mx, **common))))
+    if not mx:  # the training forward: g | u stored for the backward too (moe_forward's save_gu)
+        gu = torch.empty(128, 2 * f, **bf)
+        out.append(("moe_forward save_gu", _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
+            x, wr, bias, w13, w2, y, bufs, cfg=mcfg, top_k=top_k, routing="sigmoid-grouped", n_group=8,
+            topk_group=4, routed_scaling=2.5, gu=gu, **common))))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", default="1,2,8", help="world sizes the kernels are compiled for (comma-separated)")
+    ap.add_argument("--json", default=None, help="also write the table as JSON here")
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="which kernels (comma-separated)")
+    ap.add_argument("--mx", action="store_true", help="the MXFP8 variants instead of the bf16 ones")
+    ap.add_argument("--tiles", action="store_true", help="the TP kernels once per tile of planning.TILE_CANDIDATES "
+                    "(what tile_config may pick on some shape) instead of the one picked for the default shape")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    if torch.cuda.is_available():
+        dev, grid = torch.device("cuda"), torch.cuda.get_device_properties(0).multi_processor_count
+    else:
+        _use_stand_in_driver()
+        dev, grid = torch.device("cpu"), 132
+    import triton
+    rows = []
+    print(f"triton {triton.__version__}, sm_90a, grid {grid}")
+    print(f"{'kernel':<24} {'W':>2} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared KiB':>11} {'loops':>5}")
+    from kosmos import planning
+    tiles = [None]
+    if args.tiles:
+        tiles = [planning.TileConfig(bm, bn, 64, w, s) for bm, bn, w, s, _ in planning.TILE_CANDIDATES]
+    only = args.kernels.split(",")
+    if args.tiles:
+        only = [k for k in only if k != "moe_forward"]
+    for world in [int(w) for w in args.world.split(",")]:
+        for tile in tiles:
+            for name, r in kernels(world, dev, grid, only=only, mx=args.mx, tile=tile):
+                if tile is not None:
+                    name = f"{name} {tile.BM}x{tile.BN}w{tile.num_warps}s{tile.num_stages}"
+                rows.append(dict(kernel=name, world=world, triton=triton.__version__, **r))
+                print(f"{name:<26} {world:>2} {r['regs']:>5} {str(r['spill_bytes']):>8} {r['stack_bytes']:>8} "
+                      f"{r['shared_kib']:>11} {r['ttgir_loops']:>5}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Device-side primitives shared by every KOSMOS kernel.
+
+Everything a kernel needs to talk to other ranks lives here, and nowhere else:
+
+* ``peer_ptr``   -- translate a rank index into that rank's symmetric-buffer base (pointer table lookup);
+                    ``peer_region`` adds a byte offset (one region of a buffer carved into several).
+* ``notify``     -- publish a flag value to a (possibly remote) signal slot: ``atomic_xchg`` with
+                    ``sem="release", scope="sys"``. Every store the *whole program* made before the call is
+                    visible to whoever acquires the flag (a CTA barrier precedes the release, so the
+                    other threads' stores are ordered too). The value is the call's epoch.
+* ``call_epoch`` -- the call's epoch, read from the workspace's device slot at the start of every program
+                    (slot + 1); ``exit_program`` advances the slot. No epoch is a launch argument, so a CUDA
+                    graph replaying a captured call runs each replay at the next epoch (runtime.py).
+* ``load_uniform`` -- read shared state so that all threads of a program agree (one broadcast atomic);
+                    every branch on a flag or queue head uses it.
+* ``wait_geq``   -- bounded spin until a local signal slot holds a value >= target. Polls with volatile loads
+                    (measured 5.5 us round trip vs 36 us for acquire-atomic polling on 2x H200), decides with
+                    one uniform read, then issues one
+                    acquire fence (``fence.acq_rel.sys``) and a generic->async proxy fence, because the data
+                    it guards is read next by TMA. On timeout it records (op, rank, task, index, expected,
+                    observed, elapsed, wait tag: codes.WAIT_*) in the error buffer, raises the abort flag and
+                    returns; it never hangs.
+* ``aborted``    -- whether some program of this launch has timed out (every loop checks it and drains).
+* ``trace``      -- record one (kind, task, t_start, t_end) event for the timeline; compiled out when off.
+Queue claims and the role decision are the scheduling policy's: schedule.py.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests) inline PTX cannot run: the timer becomes a spin counter (1 spin
+counts as 1 us) and the fences become a relaxed no-op / an acquire atomic. Ordering does not matter there
+because the interpreter runs programs one after another.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+# the error record's layout, wait tags, op codes and trace kinds are named in codes.py (host and device)
+from .codes import (ERR_COUNTER, ERR_ELAPSED, ERR_EXPECTED, ERR_FLAG, ERR_MIRROR, ERR_OBSERVED, ERR_OP,  # noqa: E402
+                    ERR_RANK, ERR_TASK, TRACE_EVENTS, WAIT_PEERS_DONE, WAIT_SHIFT)
+
+
+@triton.jit
+def now_ns():
+    """GPU global timer in ns (0 under the interpreter)."""
+    if INTERPRET:
+        return tl.full([], 0, tl.int64)
+    else:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+
+@triton.jit
+def _acquire_fence(flag_ptr):
+    if INTERPRET:
+        tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    else:
+        # acquire for the generic proxy, then make the acquired data visible to TMA (async proxy) loads.
+        tl.inline_asm_elementwise("fence.acq_rel.sys; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def peer_ptr(table_ptr, rank, DTYPE: tl.constexpr):
+    """Base pointer of ``rank``'s symmetric buffer, typed as DTYPE (table holds int64 addresses)."""
+    addr = tl.load(table_ptr + rank)
+    return addr.to(tl.pointer_type(DTYPE), bitcast=True)
+
+
+@triton.jit
+def peer_region(table_ptr, rank, byte_offset, DTYPE: tl.constexpr):
+    """Pointer to ``byte_offset`` inside ``rank``'s symmetric buffer, typed as DTYPE. ``rank`` may be a tensor
+    (one peer per row, e.g. the combine epilogue scattering rows back to their tokens' ranks)."""
+    addr = tl.load(table_ptr + rank) + byte_offset
+    return addr.to(tl.pointer_type(DTYPE), bitcast=True)
+
+
+@triton.jit
+def notify(flag_ptr, value):
+    """Release-publish ``value`` at ``flag_ptr`` (local or peer memory) after all prior stores of the program."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def load_uniform(ptr):
+    """Read a flag/counter so that every thread of the program gets the same value (one atomic, whose
+    result Triton broadcasts). Every *decision* taken on shared state must use this: a plain volatile load
+    is executed by each thread separately, threads may see different values, branch apart, and then meet
+    different barriers -- a hang, seen on H200 in the first version of the reduce-scatter policy."""
+    return tl.atomic_add(ptr, tl.zeros([], ptr.dtype.element_ty), sem="relaxed", scope="sys")
+
+
+@triton.jit
+def aborted(err_ptr):
+    return load_uniform(err_ptr + ERR_FLAG) != 0
+
+
+@triton.jit
+def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index):
+    """Spin until ``*flag_ptr >= target`` (bounded). Returns 1 if satisfied, 0 on timeout/abort. OP and WAIT
+    (codes.OP_*, codes.WAIT_*) and ``index`` say in the error record what was awaited.
+
+    Each thread polls with volatile loads (cheap; no barrier inside the loop, so threads may leave it at
+    different times), then one uniform read decides for the whole program."""
+    v = load_uniform(flag_ptr)
+    ok = 1
+    if v < target:
+        t0 = now_ns()
+        spins = 0
+        seen = tl.load(flag_ptr, volatile=True)
+        elapsed = tl.zeros([], tl.int64)
+        while (seen < target) & (elapsed <= timeout_ns):
+            seen = tl.load(flag_ptr, volatile=True)
+            spins += 1
+            if INTERPRET:
+                elapsed = tl.cast(spins, tl.int64) * 1000
+            else:
+                elapsed = now_ns() - t0
+            if tl.load(err_ptr + ERR_FLAG, volatile=True) != 0:  # someone else timed out: drain
+                elapsed = tl.cast(timeout_ns, tl.int64) + 1
+        v = load_uniform(flag_ptr)
+        if v < target:
+            ok = 0
+            # first program to time out records the details; the others just drain.
+            if tl.atomic_cas(err_ptr + ERR_FLAG, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
+                             scope="gpu") == 0:
+                _record_error(err_ptr, OP, WAIT, rank, task, index, target, v, now_ns() - t0)
+    _acquire_fence(flag_ptr)
+    return ok
+
+
+@triton.jit
+def _store_record(ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, target, observed, elapsed):
+    tl.store(ptr + ERR_OP, OP | (WAIT << WAIT_SHIFT))  # one constant: the tag costs no store of its own
+    tl.store(ptr + ERR_RANK, tl.cast(rank, tl.int64))
+    tl.store(ptr + ERR_TASK, tl.cast(task, tl.int64))
+    tl.store(ptr + ERR_COUNTER, tl.cast(index, tl.int64))
+    tl.store(ptr + ERR_EXPECTED, tl.cast(target, tl.int64))
+    tl.store(ptr + ERR_OBSERVED, tl.cast(observed, tl.int64))
+    tl.store(ptr + ERR_ELAPSED, elapsed)
+
+
+# The cold path as a call: inlined at every wait, it cost GEMM+RS 56 B of spills at W=2 and the MoE kernel 8 B
+# at W=1 (Triton 3.6, session 7); as a call, both are back at f5456a4's figures (250 registers / 160 B).
+@triton.jit(noinline=True)
+def _record_error(err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index, target, observed, elapsed):
+    """Fill slots 1..ERR_ELAPSED of the record (the caller has set the flag) and write the whole record to the
+    host-mapped mirror whose address is slot 8, if any: the host reads the mirror once the launch has ended,
+    so a healthy call moves nothing and no program has to look at the record on its way out."""
+    _store_record(err_ptr, OP, WAIT, rank, task, index, target, observed, elapsed)
+    addr = tl.load(err_ptr + ERR_MIRROR)
+    if addr != 0:
+        mirror = addr.to(tl.pointer_type(tl.int64), bitcast=True)
+        _store_record(mirror, OP, WAIT, rank, task, index, target, observed, elapsed)
+        tl.store(mirror + ERR_FLAG, tl.cast(1, tl.int64))
+
+
+@triton.jit
+def call_epoch(epoch_ptr):
+    """This launch's epoch: ``*epoch_ptr + 1`` (the slot holds the last completed call's epoch). One uniform
+    read per program, at its start, kept in a register for the whole launch; ``exit_program`` of the last
+    program out stores the new value (why no program can read the bumped value: there)."""
+    return load_uniform(epoch_ptr) + 1
+
+
+@triton.jit
+def _signal_done(peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch):
+    """done[rank] = epoch on every rank. At W = 1 nobody reads it (``wait_peers_done`` returns at once): the
+    system-scope release it would cost (~1.5 us per call, measured) is skipped."""
+    if WORLD > 1:
+        for p in tl.static_range(WORLD):
+            sig = peer_ptr(peer_sig_table, p, tl.int32)
+            tl.atomic_xchg(sig + DONE_BASE + rank, epoch, sem="release", scope="sys")
+
+
+# Advancing the device epoch (``_advance_epoch``, run by the last program out of a launch).
+# Every program reads the slot once, in ``call_epoch`` at its start: one thread's atomic, broadcast to the
+# others through shared memory behind a CTA barrier, so the read precedes, in that program, everything after
+# it -- in particular its exit ``atomic_add`` on the exit counter (acq_rel). The last program out is the one
+# whose exit atomic returned GRID - 1: every other program's exit atomic came before it in the counter's
+# modification order, and acquiring it makes each of those programs' earlier actions -- their slot reads among
+# them -- happen before the last program's store to the slot. A read that happens before a write cannot see it
+# (read-write coherence), so every program of the launch saw the same, old value; and the launch cannot have a
+# program still to start, since all GRID have already counted themselves out. The next launch on the stream
+# (or the next replay) starts after this one has ended and reads the new value. Launches that are not the
+# last of their call -- the CPU tests' phase launches: the MoE layer's with FINAL off, the TP ops' with
+# ADVANCE off -- do not advance it.
+@triton.jit
+def _advance_epoch(epoch_ptr, epoch):
+    tl.store(epoch_ptr, epoch)
+
+
+@triton.jit
+def exit_program(heads_ptr, EXIT_SLOT: tl.constexpr, NUM_HEADS: tl.constexpr, GRID: tl.constexpr,
+                 peer_sig_table, DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, epoch_ptr,
+                 ADVANCE: tl.constexpr):
+    """Last program out resets the queue heads (so the next launch starts at 0 without a reset kernel), tells
+    every peer that this rank is done with the call's buffers (flag DONE_BASE + rank = epoch) and, with
+    ADVANCE (always, but in the CPU tests' launches that are a first part of one call), advances the device
+    epoch (slot = epoch: the next launch runs at epoch + 1; see the comment above)."""
+    n_out = tl.atomic_add(heads_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
+    if n_out == GRID - 1:
+        for h in tl.static_range(NUM_HEADS):
+            tl.store(heads_ptr + h, 0)
+        _signal_done(peer_sig_table, DONE_BASE, rank, WORLD, epoch)
+        if ADVANCE:
+            _advance_epoch(epoch_ptr, epoch)
+
+
+@triton.jit
+def exit_program_zeroing(scratch_ptr, n_zero, EXIT_SLOT: tl.constexpr, GRID: tl.constexpr, peer_sig_table,
+                         DONE_BASE: tl.constexpr, rank, WORLD: tl.constexpr, epoch, epoch_ptr, BLOCK: tl.constexpr):
+    """``exit_program`` for kernels whose local scratch (heads, exit counter, readiness counters) is one int32
+    array: the last program out zeroes its first ``n_zero`` entries, signals done to every peer and advances
+    the device epoch."""
+    n_out = tl.atomic_add(scratch_ptr + EXIT_SLOT, 1, sem="acq_rel", scope="gpu")
+    if n_out == GRID - 1:
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, n_zero, BLOCK):
+            tl.store(scratch_ptr + start + offs, tl.zeros([BLOCK], tl.int32), mask=start + offs < n_zero)
+        tl.debug_barrier()
+        _signal_done(peer_sig_table, DONE_BASE, rank, WORLD, epoch)
+        _advance_epoch(epoch_ptr, epoch)
+
+
+@triton.jit
+def wait_peers_done(sig_ptr, DONE_BASE: tl.constexpr, WORLD: tl.constexpr, epoch, timeout_ns, err_ptr,
+                    OP: tl.constexpr, rank):
+    """Wait until every peer finished the previous call (its reads of / writes into our shared buffers). At
+    W = 1 there is no peer: this rank's own previous launch ended before this one started (stream order)."""
+    ok = 1
+    if WORLD > 1:
+        for p in tl.static_range(WORLD):
+            ok = ok & wait_geq(sig_ptr + DONE_BASE + p, epoch - 1, timeout_ns, err_ptr, OP, WAIT_PEERS_DONE, rank,
+                               -1, p)
+    return ok
+
+
+@triton.jit
+def trace(trace_ptr, pid, n_events, kind, task, t0, t1, TRACE: tl.constexpr):
+    """Append one event (kind: codes.EV_*) to this program's row of the trace buffer [grid, TRACE_EVENTS, 4];
+    returns the new event count."""
+    if TRACE:
+        if n_events < TRACE_EVENTS:
+            base = trace_ptr + (pid * TRACE_EVENTS + n_events) * 4
+            tl.store(base + 0, tl.cast(kind, tl.int64))
+            tl.store(base + 1, tl.cast(task, tl.int64))
+            tl.store(base + 2, t0)
+            tl.store(base + 3, t1)
+        n_events += 1
+    return n_events

@@ -1,0 +1,300 @@
+"""Tile-level building blocks shared by the fused-op kernels (GEMM mainloop, output stores, row copies),
+plus the host-side input checks every op runs before it launches.
+
+Measured / tried and parked: the GEMM mainloop (tile_matmul) and the epilogue stores in kosmos/planning.py's
+module docstring; the row copies (copy_flat: copy step, int32 pointer advance, TMA copies) in
+all_gather_matmul.py's; store_rows' int64 tile start + int32 offsets (bbf1f19) in moe_forward.py's."""
+import torch
+import triton
+import triton.language as tl
+
+from ..codes import TRACE_EVENTS as _TRACE_EVENTS
+from .. import device as dev
+from ..quant import mx_scale_f32
+from ..schedule import POLICIES
+
+TRACE_EVENTS = _TRACE_EVENTS.value  # events per program of a trace buffer
+
+
+@triton.jit
+def tile_matmul(a_desc, b_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc[BM, BN] = A[row:row+BM, :K] @ B[:K, col:col+BN] in fp32 (TMA loads; OOB rows/cols read as 0).
+    B_KMAJOR: B is stored [N, K] (a transposed weight view) instead of [K, N]."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BK)):
+        a = a_desc.load([row, kk * BK])
+        if B_KMAJOR:
+            b = b_desc.load([col, kk * BK]).T
+        else:
+            b = b_desc.load([kk * BK, col])
+        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+# ------------------------------------------------------------------------------- MXFP8: dequantize on arrival
+# The MX operand of a TP op is expanded to bf16 rows by DEQ tasks (a stage of the op's queue, in demand order;
+# each task one run of DEQ_ROWS rows, flagged when written), and the GEMM tiles, after waiting for the flags
+# of their rows, run the bf16 mainloop above unchanged. Why not expand inside the GEMM's load path: measured
+# 1.36-2.5x slower (kernels/all_gather_matmul.py's docstring, "Tried and parked").
+DEQ_COLS: tl.constexpr = tl.constexpr(16)  # MX blocks (of 32 elements) per step of a DEQ task's row loop
+
+
+@triton.jit
+def mx_dequant_rows(q_ptr, s_ptr, out_ptr, rows, K, ROWS: tl.constexpr, NB: tl.constexpr):
+    """out[:rows, :K] (bf16) = the MX values of q (E4M3 [rows, K], row-major) with scales s (E8M0 [rows, K/32]);
+    rows <= ROWS. Exact (kosmos/quant.py: every finite MX value below 2**128 whose lowest bit is >= 2**-133 is a
+    bf16; others round to nearest even as dequantize_mx does). The scale 2**(S-127) is built from its fp32
+    bits (S = 0: the subnormal 2**-127; 0xFF: NaN); the E4M3 -> fp32 conversion and the product are exact.
+    Steps of [ROWS, NB, 32] elements; the offsets inside a step are int32 and computed once (ROWS * K fits),
+    only the base offsets advance. Measured (one H200, session 8, dev/mx_probe.py): per-element int64 offsets
+    and these int32 ones gave the same W=1 MX op time (1.152x cuBLAS bf16 over the 8 llama3-70b per-rank GEMMs
+    of seq 4k/8k), i.e. the DEQ tasks cost ~70 us at qkv-4k (32M elements: ~1.4 TB/s, ~11 GB/s per program).
+    A 2-D [ROWS, 512] variant loading each element's scale byte (the same address 32 times) plus GPU-scope
+    reads in the DEQ checks measured 1.34x (and ran the first two bench runs by mistake: results/h200x1/s8/).
+    Alone (dev/deq_probe.py, session 9): 2.4 TB/s with 132 programs, 27 GB/s per program with 8; more bytes
+    in flight per program (two steps, larger steps, TMA boxes pipelined over 3 stages) reach at most 45 GB/s,
+    and an integer expansion without conversion instructions is slower (20 GB/s): the expansion is bound by
+    instruction issue, not memory latency. Inside the op the faster variants changed nothing (the AG op's
+    docstring)."""
+    KB = K // 32
+    r = tl.arange(0, ROWS)
+    b = tl.arange(0, NB)
+    j = tl.arange(0, 32)
+    soffs = r[:, None] * KB + b[None, :]
+    offs = soffs[:, :, None] * 32 + j[None, None, :]
+    rmask = (r < rows)[:, None]
+    for b0 in range(0, KB, NB):
+        smask = rmask & (b[None, :] < KB - b0)
+        scale = mx_scale_f32(tl.load(s_ptr + b0 + soffs, mask=smask, other=127).to(tl.int32))
+        q = tl.load(q_ptr + b0 * 32 + offs, mask=smask[:, :, None], other=0.0)
+        tl.store(out_ptr + b0 * 32 + offs, (q.to(tl.float32) * scale[:, :, None]).to(tl.bfloat16),
+                 mask=smask[:, :, None])
+
+
+@triton.jit
+def deq_needed(p, n_comp, n_chunks, n_tn, WORLD: tl.constexpr, PARTS: tl.constexpr, GROUP_M: tl.constexpr,
+               RS_ORDER: tl.constexpr):
+    """How many DEQ tasks (from the front of the DEQ table) the first ``p`` tiles of the compute table need.
+    Both tables follow planning.py's orders: AllGather+GEMM slot by slot, each slot in GROUP_M-row bands
+    (the DEQ table: slot by slot, chunks ascending); GEMM+ReduceScatter band by band, owners innermost (the
+    DEQ table: chunks ascending, owners innermost). A band's tiles need all its chunks."""
+    q = tl.minimum(tl.maximum(p, 1), n_comp) - 1  # the last tile counted
+    if RS_ORDER:
+        band = (q // WORLD) // (GROUP_M * n_tn)
+        return tl.minimum(n_chunks, (band + 1) * GROUP_M) * WORLD * PARTS
+    else:
+        per_slot = n_chunks * n_tn
+        band = (q % per_slot) // (GROUP_M * n_tn)
+        return (q // per_slot) * n_chunks * PARTS + tl.minimum(n_chunks, (band + 1) * GROUP_M) * PARTS
+
+
+@triton.jit
+def deq_lagging(deq_head, tile_head, n_deq, n_comp, GRID: tl.constexpr, n_chunks, n_tn, WORLD: tl.constexpr,
+                PARTS: tl.constexpr, GROUP_M: tl.constexpr, RS_ORDER: tl.constexpr):
+    """Whether the DEQ queue is behind what the tiles claimed so far plus one more wave (GRID tiles) will
+    need: then a program about to claim a tile takes a DEQ task instead. So the rows are expanded about one
+    wave ahead of the tiles, by few programs at a time, while the others compute (instead of a serial pass
+    over all rows before the first tile)."""
+    hd = dev.load_uniform(deq_head)
+    lag = 0
+    if hd < n_deq:
+        ht = dev.load_uniform(tile_head)
+        lag = (hd < deq_needed(ht + GRID, n_comp, n_chunks, n_tn, WORLD, PARTS, GROUP_M, RS_ORDER)).to(tl.int32)
+    return lag
+
+
+@triton.jit
+def deq_should_help(deq_head, need, flag_ptr, epoch, PARTS: tl.constexpr):
+    """A tile waiting for its rows runs a DEQ task itself while its rows are not all expanded and DEQ tasks it
+    needs (positions < need) are still unclaimed."""
+    hd = dev.load_uniform(deq_head)
+    do_help = 0
+    if hd < need:
+        ready = 1
+        for i in tl.static_range(PARTS):
+            ready = ready & (dev.load_uniform(flag_ptr + i) >= epoch).to(tl.int32)
+        do_help = 1 - ready
+    return do_help
+
+
+@triton.jit
+def wait_rows_dequantized(flag_ptr, PARTS: tl.constexpr, epoch, timeout_ns, err_ptr, OP: tl.constexpr,
+                          WAIT: tl.constexpr, rank, task, index):
+    """Wait (bounded) until the PARTS DEQ flags of one tile's rows, flag_ptr[0 .. PARTS), reach epoch."""
+    ok = 1
+    for i in tl.static_range(PARTS):
+        if ok != 0:
+            ok = dev.wait_geq(flag_ptr + i, epoch, timeout_ns, err_ptr, OP, WAIT, rank, task, index + i)
+    return ok
+
+
+@triton.jit
+def load_task(table, t):
+    """Fields 0..2 of row t of an int32 [n, 4] task table (planning.py)."""
+    return tl.load(table + t * 4), tl.load(table + t * 4 + 1), tl.load(table + t * 4 + 2)
+
+
+@triton.jit
+def store_tile(c_desc, c_ptr, acc, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Store acc (fp32) as bf16 at C[row:row+rows_valid, col:col+BN]: TMA (two half-width stores) for a full
+    tile, masked pointer stores when the tile ends inside the rows (a shard boundary)."""
+    if rows_valid >= BM:
+        acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+        lo, hi = tl.split(acc3)
+        c_desc.store([row, col], lo.to(tl.bfloat16))
+        c_desc.store([row, col + BN // 2], hi.to(tl.bfloat16))
+    else:
+        store_rows(c_ptr, acc.to(tl.bfloat16), row, col, rows_valid, N, BM, BN)
+
+
+@triton.jit
+def store_rows(ptr, val, row, col, rows_valid, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Masked pointer store of val[BM, BN] at ptr[row + i, col + j] for i < rows_valid, col + j < N. The
+    tile's start is one int64 scalar and the offsets inside it int32 (a tile spans far fewer than 2**31
+    elements), so no per-element 64-bit index is ever formed."""
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    base = ptr + (tl.cast(row, tl.int64) * N + col)
+    mask = (offs_m[:, None] < rows_valid) & (offs_n[None, :] < N - col)
+    tl.store(base + (offs_m[:, None] * N + offs_n[None, :]), val, mask=mask)
+
+
+@triton.jit
+def store_block(ptr, val, row, col, rows_valid, cols_valid, N, BM: tl.constexpr, BN: tl.constexpr):
+    """store_rows with its own column bound: val[BM, BN] at ptr[row + i, col + j] (row stride N) for
+    i < rows_valid, j < cols_valid -- a tile that is one of several column blocks of a row (gate | up)."""
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    base = ptr + (tl.cast(row, tl.int64) * N + col)
+    mask = (offs_m[:, None] < rows_valid) & (offs_n[None, :] < cols_valid)
+    tl.store(base + (offs_m[:, None] * N + offs_n[None, :]), val, mask=mask)
+
+
+@triton.jit
+def copy_flat(src_ptr, dst_ptr, n_elems, BLOCK: tl.constexpr):
+    """dst[:n_elems] = src[:n_elems] for contiguous buffers (whole rows of a row-major matrix are one
+    contiguous run), BLOCK elements at a time: fully coalesced 16-byte accesses. One program's rate grows
+    with the bytes in flight per step (one H200, read + write, 8 programs: 33 GB/s each at 4096 bf16, 83 at
+    16384; `kosmos_bench.copy_probe`). Advancing pointers with int32 offsets measured the same speed and
+    took more registers in the AllGather+GEMM kernel (Triton 3.6), so the indices stay int64."""
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n_elems, BLOCK):
+        idx = tl.cast(start, tl.int64) + offs
+        mask = idx < n_elems
+        tl.store(dst_ptr + idx, tl.load(src_ptr + idx, mask=mask), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+def host_descriptors(a, b_store, b_kmajor: bool, c, cfg):
+    """TMA descriptors of A [rows, K] (tiles [BM, BK]), B ([K, N] tiles [BK, BN], or [N, K] tiles [BN, BK] when
+    k-major) and C [rows, N] (half-width [BM, BN/2] store tiles), built on the host: they reach the kernel as
+    launch parameters. Building them on the device cost every program ~2 us at the start of a call (one H200,
+    132 one-tile programs: 10.8 vs 8.6 us, `kosmos_bench.fixed_cost`)."""
+    b_block = [cfg.BN, cfg.BK] if b_kmajor else [cfg.BK, cfg.BN]
+    return (tma_descriptor(a, [cfg.BM, cfg.BK]), tma_descriptor(b_store, b_block),
+            tma_descriptor(c, [cfg.BM, cfg.BN // 2]))
+
+
+_DESCRIPTOR_TEMPLATES: dict = {}
+
+
+def tma_descriptor(t, block_shape):
+    """A host-built TMA descriptor of the 2-D row-major tensor ``t`` with tiles of ``block_shape``.
+
+    Triton validates a new ``TensorDescriptor`` in Python (~9 us on the CPU of the dev box, three or four per
+    call); the fields depend only on the layout and the base, so each layout is validated once and later
+    calls copy that template and set ``base``. ``t`` itself passed ``check_matrix`` (16-byte aligned) or is
+    a fresh allocation. The template keeps no tensor alive."""
+    key = (tuple(t.shape), tuple(t.stride()), t.dtype, tuple(block_shape))
+    tmpl = _DESCRIPTOR_TEMPLATES.get(key)
+    if tmpl is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        tmpl = TensorDescriptor.from_tensor(t, list(block_shape))  # validated here, once per layout
+        tmpl.base = None
+        if len(_DESCRIPTOR_TEMPLATES) > 4096:  # many one-off shapes: start over rather than grow
+            _DESCRIPTOR_TEMPLATES.clear()
+        _DESCRIPTOR_TEMPLATES[key] = tmpl
+    desc = object.__new__(type(tmpl))
+    desc.__dict__.update(tmpl.__dict__)
+    desc.base = t
+    return desc
+
+
+def check_matrix(name: str, t, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{name} must be torch.bfloat16, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must start at a 16-byte aligned address (TMA); got a view at storage offset "
+                         f"{t.storage_offset()} -- .clone() it")
+
+
+def b_layout(b: torch.Tensor):
+    """Return (b_storage, kmajor): a row-major [K, N] b, or a transposed view of a row-major [N, K] weight."""
+    if b.is_contiguous():
+        return b, False
+    if b.t().is_contiguous():
+        return b.t(), True
+    raise ValueError(f"b must be row-major [K, N] or the transpose of a row-major [N, K] tensor; got strides "
+                     f"{b.stride()} for shape {tuple(b.shape)}")
+
+
+def check_operands(a_name: str, a, b, policy: str):
+    """Every check that needs no process group, in one place: returns (rows, K, N, b_store, b_kmajor).
+    ``a`` is a bf16 matrix or an MXFP8 one (a ``kosmos.quant.MXTensor``; b stays bf16: quant.mx_round)."""
+    if isinstance(a, tuple):
+        from ..quant import check_mx
+        check_mx(a_name, a)
+        a = a[0]
+    else:
+        check_matrix(a_name, a)
+    check_matrix("b", b)
+    if a.device.type != "cuda":
+        raise ValueError(f"{a_name} must be a CUDA tensor, got {a.device}")
+    if b.device != a.device:
+        raise ValueError(f"b is on {b.device} but {a_name} is on {a.device}")
+    if not a.is_contiguous():
+        raise ValueError(f"{a_name} must be contiguous")
+    rows, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"{a_name} is [{rows}, {k}] but b is {list(b.shape)}: b must have K={k} rows")
+    n = b.shape[1]
+    check_tma_dims(K=k, N=n)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+    return (rows, k, n) + b_layout(b)
+
+
+def check_launch(policy: str, comm_programs, trace, grid: int) -> None:
+    """Checks that depend on the grid (the device's SM count)."""
+    policy_args(policy, comm_programs, grid)
+    if trace is not None and tuple(trace.shape) != (grid, TRACE_EVENTS, 4):
+        raise ValueError(f"trace buffer must be int64 [{grid}, {TRACE_EVENTS}, 4]")
+
+
+def check_tma_dims(**dims) -> None:
+    for name, v in dims.items():
+        if v % 8:
+            raise ValueError(f"{name}={v} must be a multiple of 8 (rows of 16 bytes are needed by TMA)")
+
+
+def policy_args(policy: str, comm_programs, grid: int, lo: int = 1):
+    """(POLICY constexpr, S). Public ops need 1 <= S < grid; CPU tests use S = 0 / grid (one role only)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+    if policy == "fixed":
+        if comm_programs is None or not lo <= comm_programs <= grid - lo:
+            raise ValueError(f"fixed-role policy needs {lo} <= comm_programs <= {grid - lo}, got {comm_programs}")
+        return POLICIES[policy], int(comm_programs)
+    return POLICIES[policy], 0

@@ -1,0 +1,1887 @@
+"""The MoE layer's backward: its pieces, on the way to one launch (issue: the MoE backward in one launch).
+
+So far, as tile functions with standalone launchers (to become stages of the one launch):
+
+1. The per-expert weight gradient, the one GEMM shape of the backward the forward kernel has no twin of.
+
+    dW[e] = A[rows of e]^T @ B[rows of e]            A [R, KA], B [R, KB] bf16, rows of expert e consecutive
+                                                      (counts[e] of them, zero allowed), dW [E, KA, KB] bf16
+                                                      (fp32 accumulation, rounded once; out_dtype=fp32 too)
+It is GEMM2's weight gradient (A = h [R, F], B = do [R, H]: dW2[e] = h^T do) and GEMM1's (A = the expert rows
+x_rows [R, H], B = [dg | du] [R, 2F]: dW13[e] = x_rows^T [dg | du]) -- moe_reference.gemm2_backward_ref and
+gemm1_backward_ref.
+
+Determinism: one program owns each output tile (e, i, j) and sums the expert's rows in ascending order, BR
+rows per step, with fp32 accumulation: no atomics, the result does not depend on the schedule (bitwise
+reproducible). The grid is static -- E * ceil(KA/BI) * ceil(KB/BJ) tiles whatever the counts -- and the
+expert row offsets are an exclusive cumsum of counts on the device, so nothing synchronises with the host.
+An expert without rows gets zeros.
+
+Math per tile: acc[BI, BJ] += A[r0:r0+BR, i*BI:+BI]^T @ B[r0:r0+BR, j*BJ:+BJ] (tl.dot of the transposed A
+tile); rows past the expert's end load as zeros (TMA descriptors whose shape ends at the expert's last row:
+the next expert's rows are never read, so they cannot be summed in), columns past KA / KB likewise.
+
+2. GEMM2's data gradient with the SwiGLU backward and the gate-weight gradient in its epilogue, per expert row
+   p (token t, slot j, weight w_p; rows expert-sorted, dy_rows[p] = dy[t]):
+       z_p  = dy_rows[p] @ W2[e]^T                        [R, F]  (fp32 accumulation; W2[e] read as its rows)
+       h_p  = silu(g_p) * u_p                             recomputed from the saved g | u
+       dwp[p, n] = sum over the slice's columns of z_p * h_p   the gate gradient <dy, o_p> = <z_p, h_p>, one
+                                                          partial per epilogue slice n (half an F-tile),
+                                                          summed in order by the caller
+       dh_p = w_p z_p;  dg = dh u silu'(g);  du = dh silu(g)  stored bf16 as [dg | du] [R, 2F]
+   (moe_reference.gate_grad_from_h_ref, gemm2_backward_ref, swiglu_backward_ref.)
+3. GEMM1's data gradient: dx_rows[p] = [dg | du]_p @ W13[e]^T   [R, H] (W13[e] [H, 2F] read as its rows).
+
+4. ``moe_backward_w1``: the whole backward at one rank from these kernels and torch (see its docstring).
+
+Plan for the one launch (built at W = 1 without the exchanges, session 14: "The one launch" below): the forward's
+own layout (its expert rows, their (source, token, slot) and the device-side plan) kept for the backward instead of
+a re-sort; stages in demand order, each a queue of tiles with readiness counters as in moe_forward.py: COMBINE-BWD
+(dy rows to the experts' ranks, once per destination, with the gate weights: the mirror of combine) -> DGRAD2 (item
+2; counts finished F-tiles per m-tile) -> WGRAD2 (item 1 on h and w*dy; waits for nothing new) -> DGRAD1 (item 3;
+waits for its m-tile's DGRAD2 tiles) -> WGRAD1 (item 1 on the rows and [dg | du]; waits for the expert's DGRAD2
+tiles) -> DISPATCH-BWD (each token's rows back to its rank, summed in slot order; waits for DGRAD1) -> ROUTER-BWD
+(the gate gradients' F-tile partials summed in order, then dq, dl, dWr, dx_r). g | u either saved by the forward's
+GEMM1 epilogue (R x 2F bf16: 256 MiB per rank at deepseek-v3 4k tokens) or recomputed (GEMM1 again, 1.92 TFLOP):
+measure both.
+
+In the one-launch backward these tiles become a stage whose tasks wait for the rows' dgrad flags, as the
+forward's GEMM2 waits for GEMM1's tiles.
+
+What session 13's measurements say about that plan (results/h200x1/s13; not built):
+* at W = 1 the launches already leave the GPU no idle time: at deepseek-v3 8k zipf the kernels' sum is the whole
+  call (33.4 ms over 161 launches, probe profile), so one launch can win there only what it fuses, not what it
+  overlaps. What it must not lose: the flat wgrad's cross-tile pipeline (a task queue drains the pipeline at
+  every tile, as the persistent kernel did: deepseek-v3 4k wgrad1 7.31 ms against the flat loop's 6.15). So a
+  WGRAD task should be a run of one program's flat loop (all its tiles of one expert, or of a group of
+  experts whose rows are ready), not one tile; its readiness is per expert (every m-tile of the expert through
+  the SwiGLU pass).
+* the padded layout serves the one launch as it is: one descriptor per operand for all experts, m-tiles and
+  wgrad steps that never straddle two experts, gap rows that are zero by construction.
+* the win is at W > 1, where the all-to-alls (dy rows to the experts' ranks, dx rows back) can hide under the
+  GEMMs, as the forward's dispatch and combine do (1.61x over NCCL at EP=2). Registers: the largest stage sets
+  the kernel's (dgrad1 199, flat wgrad 181 at 128x256, Triton 3.6), one 8-warp program per SM as today.
+
+Issue 15 speed pass (session 10, after dev/moe_bwd_probe's first H200 run, results/h200x1/s10/c: whole backward
+15.5 ms vs nccl-a2a 9.7 ms at qwen3-235b, 4096 tokens, EP=1):
+* weight gradients in bf16 (the parameters' dtype; ``out_dtype=torch.float32`` / ``moe_backward(...,
+  wgrad_dtype=torch.float32)`` for fp32): one fp32 accumulator rounded to nearest even once, so the bf16 result
+  is bitwise the old fp32 one rounded -- what autograd's cast to the bf16 parameters made of it anyway (nn.MoE's
+  .grad unchanged). Halves the 9.6 GB of weight-gradient writes at qwen3.
+* the wgrad kernel on TMA: both operands through per-program tensor descriptors clipped at the expert's rows
+  (TMA -> shared -> wgmma, A's transpose a shared-memory view, the row loop pipelined over 3 stages); the
+  masked-pointer kernel kept as the fallback where KA or KB is not a multiple of 8 (rows not 16-byte aligned).
+  Still one program per (e, i, j) tile, rows summed in ascending order: determinism unchanged. No persistent
+  grid (96 KiB shared: two programs per SM, one's epilogue overlapping the other's loads); the tile stored
+  through masked pointers (a TMA store would be a third in-kernel descriptor per program, on a loop of ~4 row
+  steps: not tried).
+* dgrad2 / dgrad1 on TMA as well (per-program descriptors: the expert's rows -- zeros past its end -- and its
+  weight matrix W2[e] [F, H] / W13[e] [H, 2F], read transposed as a shared-memory view; the pointer loops kept
+  for rows not 16-byte aligned); m-tiles past the last expert's rows (the static grid bound, ~E of
+  ceil(R/BM) + E) exit before their K loop; dgu / dx / the gate partials allocated with torch.empty (no zero
+  fill: every row < sum(counts) is written); the gate gradient's F-tile partials summed by one launch
+  (``sum_partials``, left to right: bitwise the per-partial torch adds it replaces).
+* do = w * dy_rows in one Triton pass straight from dy's token rows (``scaled_rows``: one fp32 product, bf16,
+  bitwise the torch line); the dispatch backward (``unpermute_sum``) a gather-sum over each token's k rows in
+  slot order in fp32 (bitwise dispatch_backward_ref of the rows put in pair order, without the [P, H] pair-order
+  and fp32 copies).
+* h = silu(g) u for wgrad2 in one pass (``swiglu_h``: no fp32 copies of g, u), torch's formula 1 / (1 + expf(-g))
+  with libdevice's expf and an IEEE division, so that it is meant to be bitwise the torch line it replaces --
+  unverified until tests/test_moe_backward.py::test_swiglu_h_bitwise_torch_gpu runs on the GPU (the
+  interpreter's exp is numpy's: within one bf16 rounding there); ``SWIGLU_H_TORCH = True`` restores the torch
+  line. Either way moe_backward and the probe's stages run the same code (bitwise composition kept).
+* not done: a persistent wgrad grid, TMA stores in the epilogues, re-tuned tiles (nothing here was timed),
+  h from dgrad2's epilogue (which has it in fp32 already).
+PREDICTION (unmeasured; for the lead to time with dev/moe_bwd_probe.py on the H200): wgrad1 3.23 -> ~2.0 ms,
+wgrad2 1.63 -> ~1.0 ms (bf16 writes and TMA loads: ~410 TF/s, ~0.95x torch._grouped_mm's bf16-out wgrad),
+dgrad2_swiglu 2.37 -> ~1.3 ms, dgrad1 2.24 -> ~1.75 ms (TMA loads, the ~20% empty m-tiles gone, one launch for
+the gate partials instead of F/BN), h_recompute 0.78 -> ~0.1 ms, do_rows 0.95 -> ~0.1 ms, unpermute_dx 1.44 ->
+~0.15 ms, the rest unchanged: whole backward 15.5 -> ~9.3 ms (nccl-a2a 9.7 ms: the issue's 1.3x bar needs the
+GEMM1 recompute and the router's fp32 torch work next).
+MEASURED (session 10, one H200, Triton 3.6, dev/moe_bwd_probe.py, qwen3-235b 4096 tokens uniform, EP=1;
+results/h200x1/s10/c and /d, before -> after, ms; TF/s and the ratio to torch._grouped_mm on the same rows):
+wgrad1 3.23 -> 2.58 (320 TF/s, 0.72x), wgrad2 1.63 -> 1.30 (317, 0.76x), dgrad2_swiglu 2.37 -> 2.19 (189,
+0.38x: the narrow 128x64 tile and its epilogue), dgrad1 2.24 -> 2.04 (404, 0.82x), h_recompute 0.78 -> 0.09,
+do_rows 0.95 -> 0.10, unpermute_dx 1.44 -> 0.10; GEMM1 recompute (torch) 1.63 unchanged; whole backward
+15.50 -> 11.36 ms (prediction 9.3), 109 launches (was 149); nccl-a2a's autograd 9.70: kosmos is 0.854x of it
+(bar >= 1.3x faster). The GEMM kernels came in short of the prediction (wgrad 0.72-0.76x of torch, not
+0.95x); with torch's GEMM times the stages would sum to 8.29 ms, 6.66 without the recompute.
+test_swiglu_h_bitwise_torch_gpu passed on the GPU (swiglu_h is bitwise torch's line there).
+sm_90a (local Triton 3.9, ptxas; ``python -m dev.kernel_resources --world 1 --kernels moe_backward``): wgrad
+128x128 tiles, 64-row steps, 8 warps, 3 stages: 90 registers, no spills, 96 KiB shared (bf16 or fp32 out);
+dgrad2 128x64x64 (8 warps, 3 stages): 244 registers, no spills, 72 KiB; dgrad1 128x128x64 (8 warps, 3 stages):
+109 registers, no spills, 96 KiB; sum_partials 40, scaled_rows 24, swiglu_h 40, unpermute_sum 38 registers,
+no spills. The three GEMM kernels run wgmma on TMA loads (wgmma.mma_async, cp.async.bulk.tensor in their PTX).
+
+Second speed pass (session 11; nothing here timed yet -- the lead's A/B with dev/moe_bwd_probe.py decides):
+* dgrad2_swiglu at 128 x 128 x 64 (8 warps, 3 stages; ``DGRAD2_TILES``): the epilogue runs on two 64-column
+  halves one after the other (``DGRAD2_SPLIT``; the accumulator split in registers by reshape / permute /
+  split, as common.store_tile does), each loading its g, u slice and storing its [dg | du] and its own gate
+  partial (dwp [R, 2 * F / 128], summed left to right by sum_partials as before), with int32 offsets inside
+  the tile (no per-element 64-bit index). sm_90a: 225 registers, no spills, 96 KiB shared (the whole-tile
+  epilogue at 128 x 128: 255 registers, 956 B spilled). sigmoid(g) there is now torch's formula
+  (``_torch_sigmoid``: libdevice expf, IEEE division -- swiglu_h's), so that h can come from this epilogue
+  (next item); the dg / du values move by rounding only (tests: relative error vs the fp64 reference).
+  PREDICTION (unmeasured): the same A-tile reuse as dgrad1's 128 x 128 (404 TF/s) with a heavier epilogue
+  that one resident program per SM cannot hide: dgrad2_swiglu 2.19 -> ~1.2 ms (~340 TF/s, ~0.7x torch).
+* h = silu(g) u (bf16) stored by dgrad2's epilogue (``emit_h``; ``DGRAD2_EMITS_H``, moe_backward and the
+  probe's stages via ``dgrad2_emits_h()``), so the swiglu_h pass goes (its probe row stays, ~0 ms). The same
+  arithmetic as swiglu_h -- _torch_sigmoid, (g * s) * u, one rounding -- hence bitwise swiglu_h's, hence torch's
+  line on the GPU (swiglu_h's GPU test passed in session 10): checked under the interpreter, and on the GPU by
+  test_dgrad2_emitted_h_bitwise_gpu and the probe's ``h_bitwise_swiglu_h``. In both kernels' PTX (local
+  Triton 3.9) 1 + expf(-g) is contracted into fma(ex2 result, 2^i, 1): exact, the scale being a power of two,
+  so the contraction cannot move a bit. sm_90a: 229 registers, no spills, 96 KiB. PREDICTION (unmeasured):
+  h_recompute 0.09 -> 0 ms, dgrad2 +~0.03 ms (100 MB more stores at qwen3): ~0.06 ms saved, one launch fewer.
+* wgrad on a persistent grid (``_expert_wgrad_persistent_kernel``, ``WGRAD_KERNEL = "persistent"``; "tiles",
+  session 10's kernel, stays selectable: ``expert_weight_grads(..., kernel=)``, the probe's ``--wgrad-kernel``):
+  2 programs per SM, global tile g = e * n_tiles + t owned by program g % GRID, every program walking the
+  experts in order (the resident programs share one expert's rows in L2, as the one-program-per-tile grid's
+  did) and building its two per-expert TMA descriptors once per expert, not once per tile; each tile the same
+  sum as before (bitwise the "tiles" kernel's, tested). Why: at qwen3 an expert has ~256 rows, 4 row steps per
+  128 x 128 tile (~1.1 us of tensor work at the SM's peak), and session 10 measured ~6.9 us per tile and
+  program slot -- fixed per-tile costs dominate: program start, the device-side descriptors (~2 us per
+  program at a call's start in common.host_descriptors' measurement), the pipeline fill, the epilogue.
+  Tried for sm_90a (local Triton 3.9; no spills in any): 128x128x64 3 stages 105 registers 96 KiB (kept: two
+  per SM); 128x256x64 2 stages 157 / 3 stages 177 registers (96 / 144 KiB, one per SM by registers);
+  256x128x64 3 stages 162; 128x128x128 2 stages 92 (128 KiB, one per SM by shared memory). Not done: the
+  pipeline carried across tiles (Triton pipelines the row loop only), TMA stores of the output.
+  PREDICTION (unmeasured; the descriptor cost at this shape is the unknown): wgrad1 2.58 -> ~2.1 ms (768
+  tiles per expert: ~2.9 per program and expert, descriptors 3x fewer), wgrad2 1.30 -> ~1.2 ms (384 tiles per
+  expert: ~1.5 per program). If the persistent grid is not faster, WGRAD_KERNEL = "tiles".
+* g | u saved by the forward (session 11; built after the branch): ``moe_forward(..., save_gu=True)`` stores
+  GEMM1's g and u (bf16, the fp32 accumulators rounded once) beside h in its epilogue, into a fresh [W*T*min(k,
+  E/W), 2F] tensor per call, with a copy of the rows' (source, token, slot); ``moe_backward(saved_gu=)`` gathers
+  them into its own order (moe_forward.SavedGateUp.in_backward_order: by local expert, source rank, pair -- a
+  unique key, so the forward's atomics-dependent placement cannot change a bit of the gradients; tested on the
+  GPU with two forwards). nn.MoE keeps them by default at one rank (``save_gate_up``; exactly T*k rows there);
+  at W > 1 the forward cannot know its row count and would keep the worst case, so the backward recomputes.
+  Values: the forward kernel's dot products, not torch._grouped_mm's recompute (bitwise equal in the probe's
+  err_vs_torch at qwen3, 0.0; not guaranteed in general).
+MEASURED (session 11, one H200, Triton 3.6, qwen3-235b 4096 tokens uniform, EP=1; results/h200x1/s11):
+* the branch (dgrad2 128x128 halves, h from dgrad2, persistent wgrad) against main, one after the other in one
+  call (not interleaved): whole backward 11.30 -> 10.06 ms (predicted ~9.7); dgrad2 2.19 -> 1.39 ms (0.60x
+  torch), wgrad2 1.23, wgrad1 2.15.
+* g | u saved: 10.06 -> 8.92 ms (predicted ~8.5); the forward 2.91 -> 2.98 ms with save_gu (+2%); moe_forward's
+  spills at W = 1/2/8 156/104/604 -> 184/116/604 B with SAVE_GU (Triton 3.6), unchanged without.
+* tile sweep (dev/moe_bwd_tiles; every variant's output bitwise the default's): DGRAD1_TILES and DGRAD2_TILES
+  (their comments hold the tables); the wgrad variants (4 stages, 128x256, 256x128, BR = 128, the per-tile
+  kernel) all lost to 128x128x64 at 3 stages.
+* final (136b0f2, ``kosmos bench moe --ep 1 --model qwen3-235b --tokens 4096 --direction fwd,bwd,fwd+bwd``,
+  results/h200x1/history/s11-moe-bwd-ep1-136b0f2.*): backward 8.37 / 8.86 ms against nccl-a2a's autograd 9.72 /
+  10.42 (uniform / zipf:1.2): 1.161x / 1.176x (bar 1.3x: missed); fwd+bwd 1.31x / 1.34x. Stages (probe): dgrad2
+  1.244 ms (0.66x torch._grouped_mm's GEMM alone), wgrad2 1.238 (0.79x), wgrad1 2.149 (0.87x), dgrad1 1.589
+  (1.03x); the glue (sort, permute, gather of g | u, do, unpermute, router, dx sum: ~1.8 ms) and ~0.3 ms of gaps
+  between the ~110 launches.
+  Host time inside one backward call: ~5 ms (nccl-a2a's autograd ~2 ms) -- hidden in the bench by its spin,
+  not in a host-bound loop.
+Third speed pass (session 12, one H200, Triton 3.6; results/h200x1/s12, calls a-f):
+* dgrad2 unfused (``DGRAD2_FUSED = False``): z = dy_rows W2[e]^T by the dgrad1 GEMM kernel (128 x 256, bf16 out,
+  as autograd's GEMM rounds it), then ``_swiglu_backward_kernel`` (the epilogue's arithmetic over 8-row blocks,
+  the gate gradient summed left to right over F: deterministic; 64 registers). qwen3 4k: fused 1.244 ms, the
+  GEMM alone 0.797 (1.04x torch), unfused 0.947 (predicted ~0.97); deepseek-v3 4k: 3.44 -> 2.54 ms (1.31x
+  torch). The fused epilogue cost 0.45 ms over its GEMM: one resident program per SM cannot hide g | u loads
+  and four stores. dw_rows' error moves to bf16 level (z rounded), as nccl-a2a's autograd has it.
+* the router's GEMMs on bf16 tensor cores (``bf16_mm_fp32``, ``router_gemm_backward``: dl = hi + lo in bf16, two
+  GEMMs, fp32 accumulation; errors vs fp64 2-3e-6, GPU-tested): deepseek-v3 router 1.27 -> 0.37 ms, qwen3
+  0.51 -> 0.25 ms.
+* wgrad2 where experts average <= 160 rows (``wgrad2_tiles``): 128x128x64, 4 warps, 2 stages, 2 programs per SM;
+  deepseek-v3 4k 4.09 -> 3.75 ms. Lost or tied: TMA stores (2 and 3 stages), 128x64 / 64x128 at 3-4 programs
+  per SM, 128x128x32 (wins qwen3 wgrad2 1.203 vs 1.237, loses wgrad1), 64-row m-tiles for dgrad1 (5.18 ->
+  6.62-7.73 ms at deepseek) and dgrad2. tl.range(flatten=True) cannot fuse the persistent wgrad's tile and row
+  loops (inside the expert loop; Triton fuses a top-level nest only): cross-tile pipelining needs a row layout
+  padded per expert to BR (zero rows), so that one host descriptor can serve all experts -- not built.
+* bench (results/h200x1/history/s12-moe-bwd-ep1*.md, d78133d): backward vs nccl-a2a's autograd qwen3 4k 1.365 /
+  1.371x, 8k 1.488 / 1.435x (uniform / zipf:1.2); deepseek-v3 4k 1.273 / 1.229x, 8k 1.227 / 1.210x (the bar,
+  1.3x, met at qwen3, not at deepseek-v3). Expert GEMMs vs torch (probe, qwen3 4k): wgrad2 0.78, wgrad1 0.88,
+  dgrad2 0.87, dgrad1 1.02; deepseek-v3 (probe, call c): wgrad2 0.80 (0.875 on the few-rows tiles in call d's
+  tiles probe), wgrad1 0.88, dgrad2 1.31, dgrad1 1.26.
+Flat wgrad loop on a padded row layout (built in session 12; measured and made the default in session 13):
+``expert_weight_grads_padded`` / ``_expert_wgrad_flat_kernel``. The layout (``padded_row_offsets``,
+``padded_rows_bound``, ``padded_layout``; ``pad_expert_rows`` is the stand-alone copy the probe times):
+expert e's rows from pad_offs[e] = the exclusive cumsum of ceil(counts / 64) * 64 (device-side, no sync), R_pad
+<= R + E * 63 rows (host-known), the gap rows zero in at least one operand (the other finite). One TMA descriptor
+per operand over the whole padded array (made once per program) then serves every expert, so the persistent
+grid's tile and row loops become ONE loop over the program's row steps of all its tiles (tile advance and
+epilogue in ``if``s at the step counter's wrap), which Triton software-pipelines across tiles: the next tile's
+TMA loads fly during this tile's epilogue. tl.range(flatten=True) cannot build it: FuseNestedLoops fuses an inner
+loop only if its bounds are invariant to the outer loop, and counts[e] is a load per tile (TTGIR, Triton 3.9:
+with a kernel-argument bound the nest fuses, with counts[e] it stays two loops); the hand-flattened loop is one
+scf.for, descriptor loads 1-2 steps ahead, wgmma async. Per tile the same ascending BR-row steps and fp32 chain
+as the other wgrad kernels: bitwise their dW (interpreter-tested, incl. garbage in one operand's gaps; GPU test
+written). sm_90a (local Triton 3.9, qwen3-like shapes): 128x128x64 8 warps 2 stages (WGRAD_FLAT_TILES) 107
+registers, 96 KiB (two per SM); 3 stages 94 regs, 128 KiB (one per SM: the epilogue's 32 KiB layout-conversion
+buffer is live beside the pipeline's now); 4 warps 2 stages 176 regs, 72 KiB; 128x256x64 3 stages 165 regs, 176
+KiB; fp32 out 108 regs, 128 KiB; no spills in any. PREDICTION (unmeasured): deepseek-v3 4k, ~128 rows per expert
+(2 row steps per tile, ~5200 tiles per SM over both wgrads, 2.15 us each measured): the loads leave the critical
+path, the stores (22.5 GB, ~6.8 ms at ~3.3 TB/s) become it: both wgrads 11.2 -> ~8.5 ms (7.5-10); qwen3 (4 steps
+per tile) ~5% at best. The padding copy is not in that figure: pad_expert_rows (torch gathers, ~3.5 GB of traffic
+for wgrad1's operands) ~1.2 + ~1.0 ms, a fused copy ~0.5 + 0.45 ms, 0 if the producers (the dispatch's row
+gather, dgrad2's epilogue, scaled_rows) write the padded layout directly -- the next step if the kernel wins
+(dev/moe_bwd_tiles --model deepseek-v3 --only wgrad2,wgrad1: its "flat" rows and the "-pad" rows).
+MEASURED (session 13, one H200, Triton 3.6; results/h200x1/s13, calls a-h):
+* the flat loop against the persistent kernel (tiles probe, every variant bitwise): deepseek-v3 4k wgrad2 3.74 ->
+  2.97 ms, wgrad1 7.31 -> 6.15 (both 11.05 -> 9.12, predicted ~8.5); qwen3 4k wgrad2 1.23 -> 0.92 (1.06x torch),
+  wgrad1 2.16 -> 1.82 (1.02x); deepseek-v3 8k zipf:1.2 wgrad2 6.37 -> 5.55 (256x128), wgrad1 12.64 -> 10.10.
+  pad_expert_rows as a separate copy costs 1.7 + 2.1 ms at deepseek-v3 4k: more than the loop saves.
+* so moe_backward writes the layout where its rows are made (``PADDED_ROWS``, the default; ``padded=False``
+  the packed twin): ``padded_layout`` gives the sorted rows' padded places (index tensors, no host sync);
+  ``gather_rows`` / ``gather_rows_and_scaled`` gather x_rows, dy_rows and do = w * dy (one read of dy's rows)
+  straight into it with zero gap rows (index -1), the saved g | u likewise; dgrad2's GEMM and dgrad1 take the
+  padded offsets (the SwiGLU pass reads z's unwritten gap rows as zeros, through the rows' validity, so [dg |
+  du], h and the gate gradients are zero there; session 13 first zero-filled z, R_pad x F bf16); the dispatch
+  backward and the gate gradients read the rows back through ``row_of``. Every row's arithmetic is the packed
+  path's, so the gradients are bitwise the packed path's (interpreter tests at W = 1 and 2, GPU test, and the
+  layout A/B at both models). Whole backward, interleaved in one process (dev/moe_bwd_layout_ab): qwen3 4k 6.97
+  -> 6.53 ms, deepseek-v3 4k 20.95 -> 20.04.
+* tiles: 128x256x64 s3 (WGRAD_FLAT_TILES, one program per SM, 181 registers, 176 KiB), with the 256-wide side on
+  dW's shorter dimension (wgrad2: WGRAD_FLAT_TILES_TALL, 170 registers); fp32 output 128x128 s2. Lost: a tile
+  picked from the mean rows per expert (128x128 4 warps at <= 160: -0.17 ms at deepseek-v3 4k uniform, +3 ms
+  at zipf:1.2 with the same mean); 128x256 with 2 stages; 128x256x32 with 4 stages (0.1-0.3 ms behind); a
+  TMA-store epilogue through one [E, KA, KB] descriptor (asynchronous; bitwise the pointer stores; removed after
+  call j): deepseek-v3 8k zipf wgrad2 256x128 5.52 -> 5.67 ms, wgrad1 128x256 9.85 -> 10.45 (154-156 registers
+  and 208 KiB on local Triton 3.9 against 160-165 and 176 KiB).
+* bench (results/h200x1/moe-bwd-ep1*.md, 188a3a4): backward vs nccl-a2a's autograd, uniform / zipf:1.2, qwen3
+  4k 1.458 / 1.441x, 8k 1.548 / 1.529x; deepseek-v3 4k 1.339 / 1.297x, 8k 1.315 / 1.296x (bar 1.3x: two
+  deepseek zipf points 0.3% short); 48-53 GiB per deepseek-v3 point.
+* deepseek-v3 8k zipf:1.2 by stages (probe, call f): dgrad2 4.19, wgrad2 6.11, wgrad1 10.03, dgrad1 8.68, the
+  row gathers ~1.8, the rest ~1.3 ms; 161 launches (nccl-a2a 44); the stages sum to 32.2 against 33.4 for the
+  whole call. Host time ~3.5-5 ms per call (cProfile: many small torch ops, ~0.9 ms of Triton launches).
+Session 14 (one H200, Triton 3.6; results/h200x1/s14, calls a and c):
+* z's gap rows read as zeros through the rows' validity (``_swiglu_backward_kernel`` HAS_VALID; no R_pad x F
+  memset of z) and the row gathers stop at the last expert's padded end (``padded_layout``'s end, ``limit=``):
+  deepseek-v3 backward, kosmos rows, interleaved 3x, each tree from its own directory: 4k 19.91-20.26 ->
+  19.82-20.07 ms (uniform), 20.26-20.37 -> 20.18-20.68 (zipf:1.2); 8k 30.16-30.33 -> 29.89-30.11, 31.57-31.89
+  -> 31.42-31.54 (faster in every pair at 8k; 4k inside the spread); geomean 1.000 over the four points
+  (predicted -0.1 to -0.25 ms). Same gradient errors to the last digit. Merged (not slower, one memset fewer).
+* dgrad tiles at deepseek-v3 8k zipf:1.2 (dev/moe_bwd_tiles, call c): the defaults stay best -- dgrad2
+  128x256x64 s4 3.95 ms (0.98x torch), dgrad1 8.42 ms (0.97x); 64-row m-tiles 0.73-0.80x, 128x128 0.77x.
+NEXT: the one-launch backward (the plan above); the row-bookkeeping torch ops into one kernel (launch count).
+
+The one launch (session 14; built by a helper and interpreter-tested, then run on the GPU: MEASURED at the end).
+``moe_backward(..., one_launch=True)`` at W = 1 on the padded layout (``ONE_LAUNCH = False``: measured below; True
+where unsupported -- W > 1 (raised before any exchange), the packed layout -- is a ValueError, no fallback) runs
+the expert part as ONE persistent launch (``expert_backward_one_launch``, ``_moe_backward_experts_kernel``; GRID
+programs, one per SM, ``programs=`` for tests) after the same row gathers and [g | u] (saved or recomputed) as
+the multi-launch path, and before the same torch router backward. Stages, in schedule.py's drain order (each a
+queue with one atomic head in local scratch, except WGRAD):
+  DGRAD2(gm, n)   z = dy_rows W2[e]^T, global m-tile gm (m-tiles numbered over experts as _mtile_plan's, on the
+                  padded offsets), F-tile n: _dgrad1_tile, today's unfused dgrad2 GEMM (DGRAD1_TILES, bf16 z);
+                  then +1 on dgrad2_done[gm] (acq_rel). Task t = gm * ceil(F/BN) + n: m-tile-major, so the first
+                  m-tiles complete first.
+  SWIGLU(gm)      once dgrad2_done[gm] = ceil(F/BN): _bwd_swiglu_mtile -- _swiglu_backward_rows over the
+                  m-tile's rows in 8-row blocks (BF as today's pass) up to the expert's padded end (its gap rows
+                  get zeros: the flat wgrad reads them; the next expert's rows are another m-tile's), z's gap rows
+                  read as zeros through valid; [dg | du], h, dw_rows; then swiglu_done[gm] = 1 and +1 on
+                  swiglu_count (release). ``BWD_SWIGLU_ON_COMPLETION = True``: run by the program whose dgrad2 tile
+                  completes the m-tile (its atomic returns ceil(F/BN) - 1), right there, so the memory-bound pass
+                  runs beside the other programs' GEMM tiles with z still in L2 and nothing waits; False: its own
+                  queue after DGRAD2's, each task waiting (bounded) for its m-tile's tiles -- which starts only
+                  once every dgrad2 tile is claimed, leaving the pass alone on the GPU (both tested bitwise).
+  DGRAD1(gm, n)   waits swiglu_done[gm]; dx_rows = [dg | du] W13[e]^T (_dgrad1_tile); +1 on dgrad1_count.
+  WGRAD           no queue: each program waits swiglu_count >= the m-tiles of all experts, then runs its own
+                  share of both flat loops (_wgrad_flat_run: dW2 = h^T do, then dW13 = x_rows^T [dg | du]; tile g
+                  is program g % GRID's, as in the standalone kernel), so Triton pipelines across its tiles as
+                  there (session 13: a per-tile queue drained the pipeline at every tile, 7.31 vs 6.15 ms).
+                  Nothing waits on WGRAD.
+  UNPERMUTE(b)    waits (once per program) dgrad1_count >= every DGRAD1 tile; tokens [8b, 8b + 8) in [8, 256]
+                  blocks, each token's k rows summed in slot order in fp32 (_unpermute_sum_cols, unpermute_sum's
+                  arithmetic, the slot loop unrolled so a block's k loads are in flight together: one program per
+                  SM has no other memory-level parallelism) into dx_e.
+The m-tile count is computed on the device (sum of ceil(counts / BM)); the scratch (heads, exit counter, the two
+counts, dgrad2_done and swiglu_done per m-tile up to the static bound) is zeroed by the last program out
+(device.exit_program_zeroing; its own epoch slot), so no call needs a reset launch or a host sync.
+Deadlock-freedom (schedule.py's rule): a task waits only on tasks of earlier stages, all claimed from shared
+heads by programs already running them before any program gets past that stage (SWIGLU on completion: inside
+a claimed DGRAD2 task, waiting for nothing); WGRAD is statically owned, but nothing waits on it and its inputs
+come from shared-head stages. So the launch needs no co-residency and runs under TRITON_INTERPRET=1, where
+programs run one after another: program 0 drains DGRAD2 (with SWIGLU) and DGRAD1 alone, finds every wait
+satisfied, and the others find the queues empty -- there a wait that spins is a bug, bounded at 1000 spins
+(BWD_INTERP_TIMEOUT_NS). Every wait is device.wait_geq (bounded: a stage left out of the ``stages`` mask times
+out with the op, task and m-tile in the error record -- tested). UNPERMUTE is last, after WGRAD: by the time a
+program has run its wgrad share, DGRAD1 is done, so it does not idle on the global count.
+Bits: every task runs the standalone kernel's tile function (_dgrad1_tile, _swiglu_backward_rows,
+_wgrad_flat_run, _unpermute_sum_cols) at the same tiles, and every sum is per output tile or per row in a fixed
+order independent of which program runs it or how many there are: dx, d_router, dW13, dW2 are bitwise the
+multi-launch path's (interpreter tests with every buffer of the launch poisoned, 2-4 programs, both SWIGLU
+forms; GPU twin written). (Caveat for the GPU: the SwiGLU pass's row sum is a tl.sum over [8, BF] with 8 warps
+as in its own kernel; the same shape and warps should give the same reduction layout, which the GPU test
+checks.) Rows the multi-launch SwiGLU pass computes and no one reads -- the rows past the last expert's padded
+end (up to E * 63), whose g | u the gathers leave unwritten (the interpreter's exp overflow warnings there) --
+are not computed here.
+Trace: ``expert_backward_one_launch(trace=)`` records every task and wait (codes.EV_BWD_*, EV_WAIT; device.trace,
+compiled out without it) -- the first thing to look at on the GPU (do SWIGLU passes run beside DGRAD2 tiles, how
+long WGRAD's start skew is, whether any wait is long).
+What is saved / recomputed: nothing new -- z [R_pad, F] bf16 still goes through HBM between DGRAD2 and SWIGLU (the
+unfused dgrad2 measured faster than the fused epilogue, session 12; on completion it is read back while in L2),
+h is stored for WGRAD2, g | u saved or recomputed before the launch as before. Launches: the six of dgrad2 GEMM,
+SwiGLU pass, both wgrads, dgrad1 and unpermute become one (plus the host tables' few torch ops).
+sm_90a (local Triton 3.9, ``python -m dev.kernel_resources --world 1 --kernels moe_backward``, qwen3-like shapes):
+250 registers (bf16 or fp32 wgrad, either SWIGLU form; 254 traced), no spills, 192 KiB shared -- one 8-warp
+program per SM; at deepseek-v3-like shapes (E = 256) 255, no spills: no headroom left. The largest stage sets
+it: compiled with one stage at a time (a constexpr mask, diagnostic only) DGRAD2 250 (228 with SWIGLU on
+completion inside it), DGRAD1 252, WGRAD 179 registers / 176 KiB, UNPERMUTE 48 / 8 KiB, against 199 / 192 KiB for the
+standalone dgrad1 kernel and 165 / 176 KiB for the flat wgrad; DGRAD2 with one task instead of the claim loop
+190. These are what ptxas chose under its cap (255 at 256 threads), not a floor: the tile's store through
+int32 offsets (common.store_rows) took DGRAD2 alone 250 -> 220 and the standalone dgrad kernel 199 -> 158, yet
+left the whole launch at ~250 -- so not kept; spills are the measure, and there are none. No stage runs a
+smaller tile than today. All four GEMM loops are software-pipelined TMA loops in the TTGIR (28 async TMA copies:
+2 in each loop body, 2 x 6 in the 4-stage dgrads' prologues, 2 x 4 in the 3-stage wgrads'; per-loop depths by
+tl.range(num_stages=)); the SwiGLU and unpermute loops are plain loads (no cp.async pipelining).
+PREDICTION (unmeasured): at W = 1 the GPU already has no idle time between these launches (session 13), so the
+one launch should take the sum of today's six kernels, minus five launch gaps (~10-20 us), minus most of the
+SwiGLU pass (on completion it runs beside DGRAD2's tensor work on other SMs: its 0.15 ms at qwen3 4k, ~0.3-0.4 at
+deepseek-v3 8k), plus WGRAD's start skew (a program starts its share when the DGRAD1 queue is drained, up to one
+dgrad1 tile later than another: ~10-20 us), plus UNPERMUTE on one 8-warp program per SM against its own kernel's
+many small programs (~0-0.1 ms). qwen3 4k: today's stages ~5.4 ms (dgrad2 0.95 with its pass, wgrad2 0.92,
+wgrad1 1.82, dgrad1 1.59, unpermute 0.10) -> ~5.25 ms (5.1-5.5); deepseek-v3 8k zipf:1.2 29.1 (4.19 + 6.11 +
+10.03 + 8.68 + ~0.1) -> ~28.8: 1-3%, as session 13 expected (a win there only from what runs beside a GEMM);
+with BWD_SWIGLU_ON_COMPLETION = False the pass is exposed again and slower than its own kernel (one 8-warp
+program per SM, 8-row blocks: ~1.5x), ~+0.1 ms over today. The point is W > 1.
+MEASURED (session 14, one H200, Triton 3.6; results/h200x1/s14/e and /f): the GPU tests pass at the merged code
+(bitwise the multi-launch gradients at T = 3001 on all SMs and on 7 programs; the stalled-stage timeout raised,
+naming its wait, for both SWIGLU forms). Whole backward, padded multi-launch vs one launch, one process,
+interleaved 2x (dev.moe_bwd_layout_ab --variants padded,one-launch, 10 timed calls each), gradients bitwise
+equal first: qwen3-235b 4k uniform 6.734 / 6.471 -> 6.612 / 6.626 ms (pass 0 / 1: inside the pass-to-pass
+spread); deepseek-v3 4k uniform 20.289 / 20.554 -> 20.682 / 21.237 (+2-3%, slower in both passes). So
+ONE_LAUNCH stays False. Not yet looked at: the trace (where deepseek-v3 loses 0.4-0.7 ms: SWIGLU beside the
+dgrads, WGRAD's start skew, or the 255-register kernel's dgrad tiles), and 8k / zipf.
+W > 1 (not built; the design keeps room for it): COMBINE-BWD becomes a first stage (dy rows and the gate weights
+pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
+flags and counts; the destination's plan -- counts, padded offsets, first m-tiles -- built on the device by one
+elected program as moe_forward._ensure_plan does, and a PERMUTE-like stage gathering the rows into the padded
+layout; DGRAD2 tasks wait per expert as the forward's GEMM1 waits on PERMUTE). DISPATCH-BWD moves into DGRAD1's
+epilogue (each row, with its gate gradient, stored straight into its token's rank's [t, slot] buffer and +1 on
+that rank's per-token-block counter, as the forward's GEMM2 combine epilogue), and UNPERMUTE becomes the
+forward's FOLD: per token block, wait for k * ceil(H/BN) pieces, sum in slot order -- the global dgrad1_count
+wait becomes that per-block counter. Refinements left: WGRAD readiness per expert (a shared head over groups of
+experts whose m-tiles are through SWIGLU, one flat-loop run per group: one pipeline drain per group instead of
+per tile), the row gathers and [g | u]'s gather as a first stage (per m-tile, in 2-D blocks for memory-level
+parallelism; with the recompute, x_rows must exist before the launch for torch's GEMM1), the router backward.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import device as dev
+from .. import planning
+from .. import schedule as sched
+from ..codes import (EV_BWD_DGRAD1, EV_BWD_DGRAD2, EV_BWD_SWIGLU, EV_BWD_UNPERMUTE, EV_BWD_WGRAD1, EV_BWD_WGRAD2,
+                     EV_WAIT, OP_MOE_BACKWARD, TRACE_EVENTS, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_SWIGLU)
+
+try:  # libdevice's expf for swiglu_h (Triton >= 3.0 spells it this way)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    from triton.language.extra.cuda import libdevice
+
+
+@triton.jit
+def _to_out(acc, out_ty: tl.constexpr, RNE_BITS: tl.constexpr):
+    """acc (fp32) in out_ty, rounded to nearest even. RNE_BITS (the CPU interpreter, whose fp32 -> bf16 cast
+    truncates): the rounding done on the bits, so the interpreter's bf16 equals torch's .to(torch.bfloat16) as
+    the GPU's cvt.rn.bf16.f32 does (finite values)."""
+    if out_ty == tl.bfloat16 and RNE_BITS:
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(out_ty)
+
+
+@triton.jit
+def _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr,
+                    DOT_FP32: tl.constexpr):
+    """The fp32 sum A[rows, ti-tile]^T B[rows, tj-tile] over an expert's rows in ascending order, BR per step,
+    through its TMA descriptors (one tile of both TMA wgrad kernels: the same sum, hence the same bits)."""
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    for r0 in range(0, rows, BR):
+        acc = _wgrad_step(a_desc, b_desc, r0, ti, tj, acc, BI, BJ, DOT_FP32)
+    return acc
+
+
+@triton.jit
+def _wgrad_step(a_desc, b_desc, r, ti, tj, acc, BI: tl.constexpr, BJ: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + A[r:r+BR, ti-tile]^T B[r:r+BR, tj-tile] (fp32): one row step of every TMA wgrad kernel."""
+    a = a_desc.load([r, ti * BI])
+    b = b_desc.load([r, tj * BJ])
+    if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+        return tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+    return tl.dot(tl.trans(a), b, acc)
+
+
+@triton.jit
+def _expert_wgrad_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
+                         BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One output tile (e, i, j) of dW[e] = A[rows of e]^T B[rows of e], the operands through TMA: each program's
+    descriptors cover its expert's rows alone (base = the expert's first row, shape [counts[e], K]), so a row
+    step past the expert's end reads zeros -- never the next expert's rows -- and the loop (pipelined by
+    num_stages) runs TMA -> shared memory -> wgmma with A's transpose a shared-memory view. Out in out_ptr's dtype
+    (bf16 or fp32) from the fp32 accumulator, through a masked store."""
+    pid = tl.program_id(0)
+    n_i = tl.cdiv(KA, BI)
+    n_j = tl.cdiv(KB, BJ)
+    e = pid // (n_i * n_j)
+    ti = (pid // n_j) % n_i
+    tj = pid % n_j
+    first = tl.load(offs_ptr + e).to(tl.int64)
+    rows = tl.load(counts_ptr + e)
+    a_desc = tl.make_tensor_descriptor(a_ptr + first * KA, shape=[rows, KA], strides=[KA, 1], block_shape=[BR, BI])
+    b_desc = tl.make_tensor_descriptor(b_ptr + first * KB, shape=[rows, KB], strides=[KB, 1], block_shape=[BR, BJ])
+    acc = _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI, BJ, BR, DOT_FP32)
+    ci = ti * BI + tl.arange(0, BI)
+    cj = tj * BJ + tl.arange(0, BJ)
+    out = out_ptr + e.to(tl.int64) * KA * KB
+    tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+             mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+
+
+@triton.jit
+def _expert_wgrad_ptr_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB,
+                             BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The same with masked pointer loads and stores: the fallback where a TMA descriptor cannot describe the
+    operands (KA or KB not a multiple of 8 bf16 elements: row strides not 16-byte aligned)."""
+    pid = tl.program_id(0)
+    n_i = tl.cdiv(KA, BI)
+    n_j = tl.cdiv(KB, BJ)
+    e = pid // (n_i * n_j)
+    ti = (pid // n_j) % n_i
+    tj = pid % n_j
+    first = tl.load(offs_ptr + e)
+    rows = tl.load(counts_ptr + e)
+    ci = ti * BI + tl.arange(0, BI)
+    cj = tj * BJ + tl.arange(0, BJ)
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    r = tl.arange(0, BR)
+    for r0 in range(0, rows, BR):
+        rr = (first + r0 + r).to(tl.int64)
+        rm = (r0 + r) < rows
+        a = tl.load(a_ptr + rr[:, None] * KA + ci[None, :], mask=rm[:, None] & (ci < KA)[None, :], other=0.0)
+        b = tl.load(b_ptr + rr[:, None] * KB + cj[None, :], mask=rm[:, None] & (cj < KB)[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+    out = out_ptr + e.to(tl.int64) * KA * KB
+    tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+             mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+
+
+@triton.jit
+def _expert_wgrad_persistent_kernel(a_ptr, b_ptr, offs_ptr, counts_ptr, out_ptr, KA, KB, E,
+                                    BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
+                                    DOT_FP32: tl.constexpr):
+    """_expert_wgrad_kernel's tiles on a persistent grid of GRID programs: global tile g = e * n_tiles + t
+    (t = ti * n_j + tj, the tiles of one expert consecutive) is program g % GRID's, and every program walks
+    the experts in order, so the programs resident at a time work on one expert's tiles (its rows stay in L2)
+    and each program builds its two TMA descriptors (its expert's rows, as _expert_wgrad_kernel's) once per
+    expert instead of once per tile (~n_tiles / GRID tiles per expert and program), with no program launch
+    per tile. Each tile as in _expert_wgrad_kernel: one program, the rows in ascending order, BR per step,
+    fp32 accumulation rounded once -- bitwise its result. (Tried and removed, session 12 call b: the tile stored
+    through a per-expert TMA descriptor instead of masked pointer stores, at qwen3 4k wgrad2 1.24 -> 1.33 / 1.50
+    ms at 2 / 3 stages, wgrad1 2.14 -> 2.49 / 2.87.) tl.range(flatten=True) cannot fuse the tile and row loops
+    here: Triton fused neither this nest inside the expert loop nor one whose row bound is loaded per tile
+    (TTGIR, Triton 3.9, session 12); _expert_wgrad_flat_kernel flattens it by hand."""
+    pid = tl.program_id(0)
+    n_i = tl.cdiv(KA, BI)
+    n_j = tl.cdiv(KB, BJ)
+    n_t = n_i * n_j
+    ci0 = tl.arange(0, BI)
+    cj0 = tl.arange(0, BJ)
+    for e in range(0, E):
+        first = tl.load(offs_ptr + e).to(tl.int64)
+        rows = tl.load(counts_ptr + e)
+        t0 = (pid + GRID - (e * n_t) % GRID) % GRID  # this program's first tile of expert e
+        a_desc = tl.make_tensor_descriptor(a_ptr + first * KA, shape=[rows, KA], strides=[KA, 1],
+                                           block_shape=[BR, BI])
+        b_desc = tl.make_tensor_descriptor(b_ptr + first * KB, shape=[rows, KB], strides=[KB, 1],
+                                           block_shape=[BR, BJ])
+        out = out_ptr + tl.cast(e, tl.int64) * KA * KB
+        for t in range(t0, n_t, GRID):
+            ti = t // n_j
+            tj = t % n_j
+            acc = _wgrad_tile_tma(a_desc, b_desc, rows, ti, tj, BI, BJ, BR, DOT_FP32)
+            ci = ti * BI + ci0
+            cj = tj * BJ + cj0
+            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+
+
+WGRAD_TILES = (128, 128, 64, 8, 3)  # GPU (BI, BJ, BR, warps, stages): see the module docstring's figures
+WGRAD_PERSISTENT_TILES = (128, 128, 64, 8, 3)  # the same for the persistent kernel (2 programs per SM)
+WGRAD_PROGRAMS_PER_SM = 2  # 128 x 128, <= 96 KiB shared, ~105 registers x 256 threads: two fit an SM (else one)
+WGRAD_KERNEL = "persistent"  # expert_weight_grads' default: "persistent" or "tiles" (session 10's measured one)
+WGRAD_KERNELS = ("persistent", "tiles")
+# moe_backward's GEMM2 weight gradient where the experts average <= 160 rows (the row mean known on the host:
+# rows / experts, no sync): 4 warps, 2 stages, 2 programs per SM. Session 12 calls c, d (one H200): deepseek-v3 4k
+# (~128 rows per expert) 4.09 -> 3.75 ms; at qwen3 4k (~256 rows) it ties on wgrad2 (1.237) and loses on
+# wgrad1 (2.44 vs 2.10), so it is not the default there; wgrad1 at ~128 rows not measured with it (the probe
+# ran out of memory), so wgrad1 keeps the default tiles everywhere.
+WGRAD2_FEW_ROWS_PER_EXPERT = 160
+WGRAD2_FEW_ROWS_TILES = (128, 128, 64, 4, 2, 2)
+
+
+def wgrad2_tiles(h: torch.Tensor, counts: torch.Tensor):
+    """The tiles of GEMM2's weight gradient for h's rows over counts' experts: WGRAD2_FEW_ROWS_TILES where the
+    experts average <= WGRAD2_FEW_ROWS_PER_EXPERT rows (on the GPU), else None (expert_weight_grads' default)."""
+    few = h.is_cuda and h.shape[0] <= WGRAD2_FEW_ROWS_PER_EXPERT * max(1, counts.shape[0])
+    return WGRAD2_FEW_ROWS_TILES if few else None
+
+
+def _check_wgrad_operands(a, b, counts, out_dtype, names=("a", "b"), extra=()) -> None:
+    """expert_weight_grads' (and its padded twin's) argument checks: 2-D contiguous bf16 operands with one row
+    each per (token, expert) pair, counts 1-D int32/int64, everything (and ``extra``) on one device, bf16 or
+    fp32 out."""
+    for name, t in zip(names, (a, b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be a 2-D torch.bfloat16 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"{names[0]} has {a.shape[0]} rows but {names[1]} has {b.shape[0]}: one row per (token, "
+                         f"expert) pair each")
+    devices = [t.device for t in (a, b, counts, *extra)]
+    if len(set(devices)) != 1:
+        raise ValueError(f"{', '.join(names)} and counts must be on one device (got {', '.join(map(str, devices))})")
+    if counts.dim() != 1 or counts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"counts must be a 1-D int32/int64 tensor, got {counts.dtype} {tuple(counts.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+
+
+def _persistent_programs(per_sm: int, t: torch.Tensor, n_tiles: int) -> int:
+    """A persistent wgrad grid: per_sm programs per SM of t's GPU (the CPU interpreter: 3, a few programs with
+    several tiles and experts each; compile-only: an H200's 132 SMs), at most one per tile."""
+    if t.is_cuda:
+        from .. import runtime
+        programs = per_sm * runtime.num_sms(t.device)
+    else:
+        programs = 3 if planning.interpreting() else per_sm * 132
+    return max(1, min(programs, n_tiles))
+
+
+def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16, kernel: str | None = None,
+                        tiles=None) -> torch.Tensor:
+    """dW [E, KA, KB] in ``out_dtype`` (bf16, the parameters' dtype, by default; or fp32) with dW[e] =
+    a[rows of e]^T @ b[rows of e], accumulated in fp32 and rounded once (the bf16 result is the fp32 one rounded
+    to nearest even, bitwise); a [R, KA], b [R, KB] bf16 on one device, the rows of expert e the next counts[e]
+    after those of experts < e (sum(counts) <= R). Deterministic (the module docstring). CUDA, or the CPU under
+    TRITON_INTERPRET=1. ``kernel``: "persistent" (_expert_wgrad_persistent_kernel) or "tiles" (one program per
+    output tile, _expert_wgrad_kernel); None: WGRAD_KERNEL. Both give the same bits (the same per-tile sums);
+    rows not 16-byte aligned take the masked-pointer kernel either way. ``tiles``: (BI, BJ, BR, warps, stages[,
+    programs per SM of the persistent grid]) on the GPU instead of WGRAD_PERSISTENT_TILES / WGRAD_TILES (the
+    probe's --wgrad-tiles)."""
+    kernel = WGRAD_KERNEL if kernel is None else kernel
+    if kernel not in WGRAD_KERNELS:
+        raise ValueError(f"kernel must be one of {WGRAD_KERNELS}, got {kernel!r}")
+    _check_wgrad_operands(a, b, counts, out_dtype)
+    n_exp, ka, kb = counts.shape[0], a.shape[1], b.shape[1]
+    out = torch.empty((n_exp, ka, kb), dtype=out_dtype, device=a.device)
+    if n_exp == 0 or out.numel() == 0:
+        return out
+    counts32 = counts.to(torch.int32)
+    offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32  # exclusive: no host synchronisation
+    persistent = kernel == "persistent"
+    per_sm_given = []
+    if planning.interpreting():
+        bi, bj, br, warps, stages = 16, 16, 16, 4, 1
+    else:
+        bi, bj, br, warps, stages, *per_sm_given = tiles or (WGRAD_PERSISTENT_TILES if persistent else WGRAD_TILES)
+    n_tiles = n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj)
+    grid = (n_tiles,)
+    aligned = ka % 8 == 0 and kb % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (a, b, out))
+    if aligned:
+        from .. import runtime
+        runtime.ensure_triton_allocator()
+    if aligned and persistent:
+        smem = stages * br * (bi + bj) * 2
+        per_sm = WGRAD_PROGRAMS_PER_SM if (bi, bj) == (128, 128) and smem <= 96 * 1024 else 1
+        if per_sm_given:  # a sixth entry of ``tiles``: the persistent grid's programs per SM
+            per_sm = per_sm_given[0]
+        programs = _persistent_programs(per_sm, a, n_tiles)
+        _expert_wgrad_persistent_kernel[(programs,)](a, b, offs, counts32, out, ka, kb, n_exp, BI=bi, BJ=bj, BR=br,
+                                                     GRID=programs, DOT_FP32=planning.interpreting(),
+                                                     num_warps=warps, num_stages=stages)
+        return out
+    fn = _expert_wgrad_kernel if aligned else _expert_wgrad_ptr_kernel
+    fn[grid](a, b, offs, counts32, out, ka, kb, BI=bi, BJ=bj, BR=br, DOT_FP32=planning.interpreting(),
+             num_warps=warps, num_stages=stages)
+    return out
+
+
+# ---- the flat wgrad loop on a padded row layout (session 12; not timed; not wired into moe_backward) ----------
+WGRAD_PAD_ROWS = 64  # the padded layout's granularity: each expert's rows start at a multiple of it (the GPU's BR)
+# (BI, BJ, BR, warps, stages[, programs per SM]). Session 13 (one H200, dev/moe_bwd_tiles, results/h200x1/s13/a;
+# every variant bitwise the persistent kernel's dW): qwen3 4k wgrad2 / wgrad1 128x256x64 s3 0.916 / 1.824 ms (1.07x
+# / 1.02x torch._grouped_mm; kept), 128x128x64 w8 s2 1.003 / 2.072, w4 s2 0.994 / 2.080, w8 s3 1.153 / 2.336;
+# deepseek-v3 4k wgrad2 128x256 s3 2.973, 128x128 w4 s2 2.964, w8 s2 3.007, w8 s3 3.826 (persistent: 3.743)
+WGRAD_FLAT_TILES = (128, 256, 64, 8, 3)  # 208 KiB of shared with a bf16 output: one per SM
+WGRAD_FLAT_TILES_FP32 = (128, 128, 64, 8, 2)  # fp32 output: 128x256 would need 272 KiB
+WGRAD_FLAT_SMEM_LIMIT = 232448  # an H200 SM's shared memory per block (227 KiB)
+WGRAD_FLAT_SMEM_PER_SM = 2 * 112 * 1024  # programs per SM by the shared estimate (an H200 SM: 228 KiB, 1 KiB each)
+
+
+# No few-rows tile: at deepseek-v3 4k uniform (~128 rows per expert) 128x128x64 4 warps 2 stages won by a hair
+# (s13 call b: wgrad1 5.98 vs 6.15 ms, wgrad2 2.964 vs 2.973) and lost by 3 ms at zipf:1.2 (the same mean, 0..4026
+# rows per expert; call e: wgrad1 9.08 vs 6.79, wgrad2 4.65 vs 3.94): a rule from the mean rows (all the host knows
+# without a sync) cannot tell the two apart. 128x256 s3 at 4k zipf: wgrad1 1.006x, wgrad2 0.909x of torch.
+
+
+# The 256-wide side of the tile on the shorter of dW's two dimensions: session 13 call g, deepseek-v3 8k zipf:1.2,
+# wgrad2 (KA = F = 2048 < KB = H = 7168) 256x128 s3 5.55 ms vs 128x256 6.00 (torch 5.00); wgrad1 (KA = H = 7168 >
+# KB = 2F = 4096) 128x256 10.10 vs 256x128 10.51 (torch 9.87)
+WGRAD_FLAT_TILES_TALL = (256, 128, 64, 8, 3)
+
+
+def wgrad_flat_tiles(out_dtype: torch.dtype, ka: int, kb: int):
+    """The flat wgrad's tiles for dW [E, ka, kb]: WGRAD_FLAT_TILES_FP32 for an fp32 output; else the 256-wide
+    side on the shorter dimension, WGRAD_FLAT_TILES_TALL where ka < kb, WGRAD_FLAT_TILES otherwise."""
+    if out_dtype == torch.float32:
+        return WGRAD_FLAT_TILES_FP32
+    return WGRAD_FLAT_TILES_TALL if ka < kb else WGRAD_FLAT_TILES
+
+
+def padded_rows_bound(rows: int, n_experts: int, pad: int = WGRAD_PAD_ROWS) -> int:
+    """A host-known bound on the padded layout's rows: sum over e of ceil(counts[e] / pad) * pad <= rows +
+    n_experts * (pad - 1) for any counts summing to <= rows (no host synchronisation)."""
+    return rows + n_experts * (pad - 1)
+
+
+def padded_row_offsets(counts: torch.Tensor, pad: int = WGRAD_PAD_ROWS) -> torch.Tensor:
+    """First padded row of each expert (int32, on counts' device, no host synchronisation): the exclusive cumsum
+    of ceil(counts[e] / pad) * pad -- every expert's rows start at a multiple of ``pad``."""
+    c = counts.to(torch.int32)
+    padded = (c + pad - 1) // pad * pad
+    return torch.cumsum(padded, 0, dtype=torch.int32) - padded
+
+
+def pad_expert_rows(x: torch.Tensor, counts: torch.Tensor, pad_offs: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """x [R, K] with expert e's counts[e] rows consecutive (experts in order) -> [padded_rows, K] in the padded
+    layout: expert e's rows at pad_offs[e] onwards, every other row zero (the gaps and the tail past the last
+    expert). A gather per padded row (device-side, no host synchronisation, deterministic): reads the rows once,
+    writes the padded array twice (index_select, then zeros over the gap rows). A stand-in for producers that
+    write the padded layout directly (the dispatch, dgrad2's epilogue: the next step)."""
+    e = counts.shape[0]
+    if e == 0 or x.shape[0] == 0:
+        return x.new_zeros(padded_rows, x.shape[1])
+    c = counts.to(torch.int32)
+    offs = torch.cumsum(c, 0, dtype=torch.int32) - c
+    po = pad_offs.to(torch.int32).contiguous()
+    q = torch.arange(padded_rows, device=x.device, dtype=torch.int32)
+    eq = (torch.searchsorted(po, q, right=True) - 1).clamp(0, e - 1)  # the last expert starting at or before q
+    within = q - po[eq]  # an expert without rows shares its successor's start and loses the tie
+    valid = (within >= 0) & (within < c[eq])
+    src = (within + offs[eq]).clamp(0, x.shape[0] - 1)
+    out = x.index_select(0, src.long())
+    return out.masked_fill_(~valid[:, None], 0)
+
+
+def padded_layout(counts: torch.Tensor, rows: int, pad: int = WGRAD_PAD_ROWS):
+    """The padded row layout of ``rows`` expert-sorted rows (counts [E] per expert, in order), on the device
+    with no host synchronisation: (pad_offs [E] int32 = padded_row_offsets, row_of [rows] int64 -- sorted row
+    i's padded row --, real_of [padded_rows_bound(rows, E)] int64 -- each padded row's sorted row, -1 for the
+    gap rows and the tail), end [1] int32 -- the last expert's padded end: rows from it on are read by no one).
+    moe_backward gathers its expert rows through real_of (gather_rows: -1 gives zeros; none past ``end``) and
+    reads them back through row_of."""
+    e = counts.shape[0]
+    dev_ = counts.device
+    c = counts.to(torch.int64)
+    pad_offs = padded_row_offsets(counts, pad)
+    expert_of = torch.repeat_interleave(torch.arange(e, device=dev_), c, output_size=rows)
+    row_of = torch.arange(rows, device=dev_) + (pad_offs.to(torch.int64) - (torch.cumsum(c, 0) - c))[expert_of]
+    real_of = torch.full((padded_rows_bound(rows, e, pad),), -1, dtype=torch.int64, device=dev_)
+    real_of[row_of] = torch.arange(rows, device=dev_)
+    end = (pad_offs[-1:] + (c[-1:].to(torch.int32) + pad - 1) // pad * pad) if e else pad_offs.new_zeros(1)
+    return pad_offs, row_of, real_of, end
+
+
+@triton.jit
+def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
+                              BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr,
+                              ELP2: tl.constexpr, DOT_FP32: tl.constexpr):
+    """_expert_wgrad_persistent_kernel's tiles (global tile g = e * n_tiles + t, program g % GRID's) as ONE
+    software-pipelined loop over this program's row steps, all its tiles' in a row, so the TMA loads of the next
+    tile are in flight during this tile's epilogue (the persistent kernel's pipeline drains at every tile).
+
+    The operands are in the padded layout (padded_row_offsets): expert e's rows from pad_offs[e], the rows
+    after its last up to the next multiple of BR zero in at least ONE operand (the other finite there: 0 * x
+    = 0), so one descriptor per operand over the whole [R_PAD, K] array (built once) serves every expert and
+    the last, partial step of a tile sums exactly what the clipped per-expert descriptors' zeros gave. A tile
+    of an expert with counts[e] rows takes max(1, cdiv(counts[e], BR)) steps; an expert without rows takes
+    one step at row R_PAD (past the array: TMA reads zeros) and stores zeros. Per tile: the same rows in the
+    same ascending BR-row steps, fp32 accumulation rounded once -- bitwise the other kernels' result.
+
+    Why not tl.range(flatten=True) over a tile loop with the row loop nested: Triton's FuseNestedLoops fuses
+    an inner loop only if its bounds are invariant to the outer loop (its isOuterLoopInvariant; the bound here
+    is counts[e], a load per tile), so it leaves such a nest alone (TTGIR, Triton 3.9); this is the nest
+    flattened by hand (the pre-flatten persistent-matmul tutorial's form: the tile advance and its scalar loads
+    in an ``if`` at the step counter's wrap, the epilogue in an ``if`` at the tile's last step), which the
+    pipeliner pipelines (one scf.for, the descriptor loads num_stages - 1 steps ahead). The loop's trip count, this
+    program's total steps, comes from counts in one vector reduction first."""
+    _wgrad_flat_run(tl.program_id(0), a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD, BI, BJ, BR,
+                    GRID, ELP2, DOT_FP32)
+
+
+@triton.jit
+def _wgrad_flat_run(pid, a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
+                    BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr, ELP2: tl.constexpr,
+                    DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr = None):
+    """Program ``pid``'s whole share of _expert_wgrad_flat_kernel (its docstring): the standalone kernel's body and
+    the one-launch backward's WGRAD stage. LOOP_STAGES: the flat loop's pipeline depth where it differs from the
+    launch's num_stages (the one launch: its GEMM stages' depth)."""
+    n_j = tl.cdiv(KB, BJ)
+    n_t = tl.cdiv(KA, BI) * n_j
+    # this program's steps: over experts x, (its tiles of x) * max(1, cdiv(counts[x], BR))
+    x = tl.arange(0, ELP2)
+    cnt = tl.load(counts_ptr + x, mask=x < E, other=0)
+    lo = x * n_t
+    first_g = lo + (pid - lo % GRID + GRID) % GRID  # this program's first global tile >= lo
+    mine = tl.where((x < E) & (first_g < lo + n_t), (lo + n_t - first_g + GRID - 1) // GRID, 0)
+    total = tl.sum(mine * tl.maximum(tl.cdiv(cnt, BR), 1), 0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R_PAD, KA], strides=[KA, 1], block_shape=[BR, BI])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[R_PAD, KB], strides=[KB, 1], block_shape=[BR, BJ])
+    g = pid - GRID
+    ki = -1
+    steps = 0
+    e = 0
+    ti = 0
+    tj = 0
+    row0 = 0
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    for _ in tl.range(0, total, num_stages=LOOP_STAGES):
+        ki = tl.where(ki == steps - 1, 0, ki + 1)
+        if ki == 0:  # the next tile of this program
+            g += GRID
+            e = g // n_t
+            t = g % n_t
+            ti = t // n_j
+            tj = t % n_j
+            rows = tl.load(counts_ptr + e)
+            steps = tl.maximum(tl.cdiv(rows, BR), 1)
+            row0 = tl.where(rows > 0, tl.load(pad_offs_ptr + e), R_PAD)
+        acc = _wgrad_step(a_desc, b_desc, row0 + ki * BR, ti, tj, acc, BI, BJ, DOT_FP32)
+        if ki == steps - 1:  # the tile's last step: store it, start the next from zero
+            ci = ti * BI + tl.arange(0, BI)
+            cj = tj * BJ + tl.arange(0, BJ)
+            out = out_ptr + e.to(tl.int64) * KA * KB
+            tl.store(out + ci[:, None] * KB + cj[None, :], _to_out(acc, out_ptr.dtype.element_ty, DOT_FP32),
+                     mask=(ci < KA)[:, None] & (cj < KB)[None, :])
+            acc = tl.zeros((BI, BJ), dtype=tl.float32)
+
+
+def expert_weight_grads_padded(a_pad: torch.Tensor, b_pad: torch.Tensor, counts: torch.Tensor,
+                               pad_offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, *,
+                               pad: int = WGRAD_PAD_ROWS, tiles=None) -> torch.Tensor:
+    """expert_weight_grads on operands ALREADY in the padded row layout, through _expert_wgrad_flat_kernel:
+    dW [E, KA, KB] with dW[e] = a_pad[pad_offs[e] : +counts[e]]^T @ b_pad[the same rows], bitwise
+    expert_weight_grads' result on the unpadded rows (fp32 accumulation rounded once; bf16 or fp32 out).
+
+    a_pad [R_pad, KA], b_pad [R_pad, KB] bf16, contiguous, KA and KB multiples of 8 (TMA only: no pointer
+    fallback); pad_offs = padded_row_offsets(counts, pad) (each expert's first row a multiple of ``pad``) and
+    R_pad >= the last expert's padded end (padded_rows_bound(R, E, pad) always is); pad_expert_rows builds the
+    layout. Contract on the gap rows (after an expert's last row, up to the next multiple of ``pad``): zero in
+    at least one of a_pad, b_pad, and finite in the other (the kernel sums 0 * x there) -- both zero is what
+    pad_expert_rows gives. Rows of no expert are never read. ``tiles``: (BI, BJ, BR, warps, stages[, programs per
+    SM]) on the GPU (WGRAD_FLAT_TILES); BR must divide ``pad``. CUDA, or the CPU under TRITON_INTERPRET=1."""
+    _check_wgrad_operands(a_pad, b_pad, counts, out_dtype, names=("a_pad", "b_pad"), extra=(pad_offs,))
+    if pad_offs.shape != counts.shape or pad_offs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pad_offs must be an int32/int64 tensor shaped like counts, got {pad_offs.dtype} "
+                         f"{tuple(pad_offs.shape)}")
+    n_exp, ka, kb = counts.shape[0], a_pad.shape[1], b_pad.shape[1]
+    if ka % 8 or kb % 8:
+        raise ValueError(f"KA = {ka} and KB = {kb} must be multiples of 8 (TMA rows 16-byte aligned)")
+    per_sm_given = []
+    if planning.interpreting():
+        bi, bj, br, warps, stages = 16, 16, 16, 4, 1
+    else:
+        bi, bj, br, warps, stages, *per_sm_given = tiles or (
+            WGRAD_FLAT_TILES_FP32 if out_dtype == torch.float32 else WGRAD_FLAT_TILES)
+    if pad % br:
+        raise ValueError(f"the row step BR = {br} must divide the layout's pad = {pad}")
+    out = torch.empty((n_exp, ka, kb), dtype=out_dtype, device=a_pad.device)
+    if n_exp == 0 or out.numel() == 0:
+        return out
+    if any(t.data_ptr() % 16 for t in (a_pad, b_pad)):
+        raise ValueError("a_pad and b_pad must be 16-byte aligned (TMA)")
+    from .. import runtime
+    runtime.ensure_triton_allocator()
+    n_tiles = n_exp * triton.cdiv(ka, bi) * triton.cdiv(kb, bj)
+    # shared: the pipeline's stages plus the epilogue's layout conversion (live together in the flat loop)
+    smem = stages * br * (bi + bj) * 2 + bi * bj * out.element_size()
+    if smem > WGRAD_FLAT_SMEM_LIMIT and not planning.interpreting():
+        raise ValueError(f"wgrad tiles {bi}x{bj}x{br} with {stages} stages and a {out.dtype} output need "
+                         f"{smem} B of shared memory, over the SM's {WGRAD_FLAT_SMEM_LIMIT} B")
+    per_sm = per_sm_given[0] if per_sm_given else max(1, WGRAD_FLAT_SMEM_PER_SM // smem) if smem else 1
+    per_sm = min(per_sm, 2)
+    programs = _persistent_programs(per_sm, a_pad, n_tiles)
+    _expert_wgrad_flat_kernel[(programs,)](a_pad, b_pad, pad_offs.to(torch.int32), counts.to(torch.int32), out,
+                                           ka, kb, n_exp, a_pad.shape[0], BI=bi, BJ=bj, BR=br, GRID=programs,
+                                           ELP2=triton.next_power_of_2(n_exp), DOT_FP32=planning.interpreting(),
+                                           num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit
+def _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2: tl.constexpr, BM: tl.constexpr):
+    """(expert e, its rows' int64 indices [BM], their mask) of global m-tile gm. e is the last expert whose
+    first m-tile is <= gm (an exclusive cumsum padded with 2**30 to ELP2 entries; an expert without rows shares
+    its successor's first tile and loses the tie); tiles past an expert's rows are masked off entirely."""
+    mt = tl.load(first_mtile_ptr + tl.arange(0, ELP2))
+    e = tl.sum((mt <= gm).to(tl.int32), 0) - 1
+    r = (gm - tl.load(first_mtile_ptr + e)) * BM + tl.arange(0, BM)
+    return e, (tl.load(offs_ptr + e) + r).to(tl.int64), r < tl.load(counts_ptr + e)
+
+
+def _mtile_plan(counts: torch.Tensor, rows: int, bm: int, offs=None):
+    """(counts int32, first row per expert, first m-tile per expert padded to a power of two, static m-tile
+    bound) -- all on the device, no host synchronisation. ``offs``: each expert's first row (the padded layout's
+    padded_row_offsets) instead of the rows packed in expert order."""
+    e = counts.shape[0]
+    counts32 = counts.to(torch.int32)
+    if offs is None:
+        offs = torch.cumsum(counts32, 0, dtype=torch.int32) - counts32
+    elif offs.shape != counts.shape:
+        raise ValueError(f"offs {tuple(offs.shape)} must be shaped like counts {tuple(counts.shape)}")
+    else:
+        offs = offs.to(torch.int32).contiguous()
+    mtiles = (counts32 + bm - 1) // bm
+    elp2 = triton.next_power_of_2(max(e, 1))
+    first_mtile = torch.full((elp2,), 2**30, dtype=torch.int32, device=counts.device)
+    first_mtile[:e] = torch.cumsum(mtiles, 0, dtype=torch.int32) - mtiles
+    return counts32, offs, first_mtile, elp2, -(-rows // bm) + e
+
+
+@triton.jit
+def _torch_sigmoid(g, INTERP: tl.constexpr):
+    """sigmoid(g) = 1 / (1 + exp(-g)) in fp32 as torch's CUDA kernel computes it: libdevice expf (CUDA's expf)
+    and an IEEE division (the interpreter: numpy's exp). swiglu_h's and dgrad2's epilogue's."""
+    if INTERP:
+        e = tl.exp(-g)
+    else:
+        e = libdevice.exp(-g)
+    return tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + e)
+
+
+@triton.jit
+def _swiglu_backward_values(z, wp, g, u, INTERP: tl.constexpr):
+    """(h, dg, du) in fp32 from z = dy_rows W2[e]^T, the rows' gate weights wp [BM] and g, u (fp32): h = silu(g) u
+    (swiglu_h's arithmetic: _torch_sigmoid, (g * s) * u), dh = w z, dg = dh u silu'(g), du = dh silu(g). The
+    fused epilogue's and the unfused pass's one formula."""
+    s = _torch_sigmoid(g, INTERP)
+    silu = g * s
+    h = silu * u
+    dh = z * wp[:, None]
+    return h, dh * u * (s + silu * (1.0 - s)), dh * silu
+
+
+@triton.jit
+def _dgrad2_epilogue(z, wp, gu_t, dgu_t, h_t, dwp_t, col, rows_valid, F, n_parts, part,
+                     BM: tl.constexpr, BH: tl.constexpr, EMIT_H: tl.constexpr, INTERP: tl.constexpr):
+    """One BH-column slice of a dgrad2 tile: z [BM, BH] fp32 (= dy_rows W2[e]^T at F-columns col..col+BH),
+    wp [BM] the rows' gate weights; gu_t / dgu_t / h_t / dwp_t the tile's first row of gu [., 2F], dgu [., 2F],
+    h [., F], dwp [., n_parts] (int64 scalar offsets; int32 inside the tile: no per-element 64-bit index).
+    Loads g | u, stores the gate partial ``part`` = sum over the slice of z * h, [dg | du] bf16 and (EMIT_H)
+    h = silu(g) u bf16 -- bitwise swiglu_h's (the same arithmetic: _torch_sigmoid, (g * s) * u)."""
+    i = tl.arange(0, BM)
+    c = tl.arange(0, BH)
+    rm = i < rows_valid
+    mask = rm[:, None] & ((col + c) < F)[None, :]
+    o2 = i[:, None] * (2 * F) + (col + c)[None, :]
+    g = tl.load(gu_t + o2, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_t + F + o2, mask=mask, other=0.0).to(tl.float32)
+    h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
+    if EMIT_H:
+        tl.store(h_t + (i[:, None] * F + (col + c)[None, :]), _to_out(h, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dwp_t + i * n_parts + part, tl.sum(z * h, 1), mask=rm)
+    tl.store(dgu_t + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dgu_t + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
+
+
+@triton.jit
+def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, h_ptr, H, F,
+                          n_mtiles, ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          DOT_FP32: tl.constexpr, TMA: tl.constexpr = False, SPLIT: tl.constexpr = True,
+                          EMIT_H: tl.constexpr = False):
+    """One (expert, m-tile, F-tile) of item 2 of the module docstring. The m-tiles of all experts are numbered
+    consecutively (an expert's first m-tile from the exclusive cumsum of ceil(counts / BM)). SPLIT: the
+    epilogue in two BN/2-column halves, one after the other (the accumulator split in registers), so that
+    g, u and the fp32 temporaries of half a tile are alive at a time (BN = 128 without spills); a gate
+    partial per half (dwp [R, 2 * ceil(F / BN)]). EMIT_H: h = silu(g) u (bf16) stored too (for wgrad2)."""
+    pid = tl.program_id(0)
+    n_f = tl.cdiv(F, BN)
+    gm = pid // n_f
+    nf = pid % n_f
+    e, rr, rm = _mtile_rows(n_mtiles, offs_ptr, counts_ptr, gm, ELP2, BM)
+    if tl.sum(rm.to(tl.int32), 0) == 0:  # past the last expert's rows (the static grid bound): nothing to do
+        return
+    cf = nf * BN + tl.arange(0, BN)
+    fm = cf < F
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    ck = tl.arange(0, BK)
+    w2e = w2_ptr + e.to(tl.int64) * F * H
+    first = tl.load(offs_ptr + e).to(tl.int64)
+    lm0 = (gm - tl.load(n_mtiles + e)) * BM
+    if TMA:  # per-expert descriptors: W2[e] [F, H] and A's rows clipped at the expert's end (zeros past them)
+        a_desc = tl.make_tensor_descriptor(dyr_ptr + first * H, shape=[tl.load(counts_ptr + e), H],
+                                           strides=[H, 1], block_shape=[BM, BK])
+        b_desc = tl.make_tensor_descriptor(w2e, shape=[F, H], strides=[H, 1], block_shape=[BN, BK])
+        for k0 in range(0, H, BK):
+            a = a_desc.load([lm0, k0])
+            b = b_desc.load([nf * BN, k0])
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+    else:
+        for k0 in range(0, H, BK):
+            km = (k0 + ck) < H
+            a = tl.load(dyr_ptr + rr[:, None] * H + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            # B[k, n] = W2[e][n, k]: rows of W2[e] (F of them, H long), read transposed
+            b = tl.load(w2e + cf[None, :].to(tl.int64) * H + (k0 + ck)[:, None], mask=km[:, None] & fm[None, :],
+                        other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
+    row0 = first + lm0  # the tile's first row (int64)
+    rows_valid = tl.load(counts_ptr + e) - lm0
+    wp = tl.load(wp_ptr + rr, mask=rm, other=0.0)
+    gu_t = gu_ptr + row0 * (2 * F)
+    dgu_t = dgu_ptr + row0 * (2 * F)
+    h_t = h_ptr + row0 * F
+    if SPLIT:
+        n_parts = 2 * n_f
+        dwp_t = dwp_ptr + row0 * n_parts
+        lo, hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        _dgrad2_epilogue(lo, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN, rows_valid, F, n_parts, 2 * nf, BM, BN // 2,
+                         EMIT_H, DOT_FP32)
+        _dgrad2_epilogue(hi, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN + BN // 2, rows_valid, F, n_parts, 2 * nf + 1,
+                         BM, BN // 2, EMIT_H, DOT_FP32)
+    else:
+        dwp_t = dwp_ptr + row0 * n_f
+        _dgrad2_epilogue(acc, wp, gu_t, dgu_t, h_t, dwp_t, nf * BN, rows_valid, F, n_f, nf, BM, BN, EMIT_H,
+                         DOT_FP32)
+
+
+@triton.jit
+def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, R, F, BR: tl.constexpr,
+                            BF: tl.constexpr, EMIT_H: tl.constexpr, INTERP: tl.constexpr, HAS_VALID: tl.constexpr):
+    """The dgrad2 epilogue's arithmetic as a pass of its own over BR rows (the unfused dgrad2): z [R, F] bf16
+    (= dy_rows W2[e]^T from the GEMM), g | u, w -> [dg | du] bf16, h bf16 (EMIT_H) and the gate gradient dw[r]
+    = sum over F of z * h, summed in BF-column steps left to right in fp32 (deterministic). HAS_VALID: z's rows
+    with valid[r] == 0 (the padded layout's gap rows, which the GEMM does not write) read as zeros."""
+    i = tl.program_id(0) * BR + tl.arange(0, BR)
+    _swiglu_backward_rows(i, i < R, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, BF, EMIT_H, INTERP,
+                          HAS_VALID)
+
+
+@triton.jit
+def _swiglu_backward_rows(i, rm, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, BF: tl.constexpr,
+                          EMIT_H: tl.constexpr, INTERP: tl.constexpr, HAS_VALID: tl.constexpr):
+    """_swiglu_backward_kernel's rows i (int32 [BR], those with rm): the standalone pass's program and a block of
+    the one-launch backward's SWIGLU task. Every row's arithmetic depends on that row alone (and BF)."""
+    zm = rm
+    if HAS_VALID:
+        zm = rm & (tl.load(valid_ptr + i, mask=rm, other=0) != 0)
+    i64 = i.to(tl.int64)
+    wp = tl.load(wp_ptr + i, mask=rm, other=0.0)
+    dw = tl.zeros(i.shape, dtype=tl.float32)
+    c0 = tl.arange(0, BF)
+    for col in range(0, F, BF):
+        c = col + c0
+        mask = rm[:, None] & (c < F)[None, :]
+        o2 = i64[:, None] * (2 * F) + c[None, :]
+        z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=zm[:, None] & (c < F)[None, :],
+                    other=0.0).to(tl.float32)
+        g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
+        h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
+        if EMIT_H:
+            tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
+        dw += tl.sum(z * h, 1)
+        tl.store(dgu_ptr + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
+        tl.store(dgu_ptr + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dw_ptr + i, dw, mask=rm)
+
+
+# GPU (BM, BN, BK, warps, stages); the epilogue in two BN/2-column halves. Session 11 (one H200, qwen3-235b 4k
+# rows, dev/moe_bwd_tiles, call c; all variants bitwise the default's): 128x128x64 w8 s3 1.391 ms (296 TF/s,
+# 0.59x torch._grouped_mm's GEMM alone), s4 1.241 (332 TF/s, 0.66x; kept), 128x256x64 s3 1.278, 64x128x64 w4
+# s4 1.361, 128x64x64 s3 1.697, 64x256x64 s3 1.316
+DGRAD2_TILES = (128, 128, 64, 8, 4)
+DGRAD2_SPLIT = True  # False: the epilogue on the whole BN-wide tile at once (at 128 x 128: spills, see docstring)
+# False: z = dy_rows W2[e]^T by the dgrad1 GEMM kernel (bf16), then _swiglu_backward_kernel. Session 12 (qwen3 4k,
+# dev/moe_bwd_tiles, results/h200x1/s12/b): fused 1.244 ms (0.67x torch's GEMM alone), the GEMM alone 0.797
+# (1.04x), unfused 0.947 (0.88x; the pass 0.15 ms); the whole backward 7.57 -> 7.38 ms
+DGRAD2_FUSED = False
+
+
+def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tensor, w_pair: torch.Tensor,
+                         counts: torch.Tensor, *, emit_h: bool = False, tiles=None, fused: bool | None = None,
+                         offs=None, valid=None):
+    """Item 2 of the module docstring for expert-sorted rows: dy_rows [R, H] bf16 (each row's token gradient),
+    gu [R, 2F] bf16 (the forward's g | u), w2 [E, F, H] bf16, w_pair [R] fp32 (each row's gate weight), counts
+    [E] (rows per expert, consecutive). Returns (dgu [R, 2F] bf16 = [dg | du], dw_rows [R] fp32 = <dy_t, o_p>,
+    the gate partials summed in order) and, with ``emit_h``, h = silu(g) u [R, F] bf16 from the same epilogue
+    (bitwise swiglu_h(gu, F): the same arithmetic) as a third. Rows past sum(counts) are left unspecified
+    (moe_backward has none). ``tiles``: (BM, BN, BK, warps, stages) instead of DGRAD2_TILES (GPU). ``fused``
+    (None: DGRAD2_FUSED): False computes z = dy_rows W2[e]^T with the dgrad1 GEMM kernel (``tiles`` its tile,
+    default DGRAD1_TILES), rounded to bf16 as autograd's GEMM output is, then the epilogue's arithmetic in a pass
+    of its own (_swiglu_backward_kernel): the same outputs up to that rounding of z. ``offs`` (unfused only):
+    each expert's first row in the padded layout (padded_row_offsets; the gap rows of gu zero, of w_pair finite)
+    with ``valid`` [R] (bool: the rows of some expert, padded_layout's real_of >= 0), whose other rows then come
+    out zero in dgu, h and dw_rows: the SwiGLU pass reads z there as zeros (the GEMM leaves them unwritten)."""
+    r_all, h = dy_rows.shape
+    e, f, h2 = w2.shape
+    if h2 != h or gu.shape != (r_all, 2 * f) or w_pair.shape != (r_all,) or counts.shape != (e,):
+        raise ValueError(f"shapes disagree: dy_rows {tuple(dy_rows.shape)}, gu {tuple(gu.shape)}, w2 "
+                         f"{tuple(w2.shape)}, w_pair {tuple(w_pair.shape)}, counts {tuple(counts.shape)}")
+    if (offs is None) != (valid is None) or (valid is not None and valid.shape != (r_all,)):
+        raise ValueError(f"offs and valid come together (the padded layout), valid shaped [{r_all}]")
+    if not (DGRAD2_FUSED if fused is None else fused):
+        z = expert_dgrad1(dy_rows, w2, counts, tiles=tiles, offs=offs)
+        dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
+        dw_rows = torch.empty((r_all,), dtype=torch.float32, device=dy_rows.device)
+        hb = torch.empty((r_all, f) if emit_h else (1,), dtype=torch.bfloat16, device=dy_rows.device)
+        if r_all and f:
+            br, bf = (4, 16) if planning.interpreting() else (8, min(256, triton.next_power_of_2(f)))
+            has_valid = valid is not None
+            _swiglu_backward_kernel[(triton.cdiv(r_all, br),)](z, gu.contiguous(), w_pair.float().contiguous(), dgu,
+                                                               hb, dw_rows,
+                                                               valid.contiguous().view(torch.uint8) if has_valid
+                                                               else dw_rows, r_all, f, BR=br, BF=bf, EMIT_H=emit_h,
+                                                               INTERP=planning.interpreting(), HAS_VALID=has_valid,
+                                                               num_warps=8)
+        return (dgu, dw_rows, hb) if emit_h else (dgu, dw_rows)
+    if offs is not None:
+        raise ValueError("expert_dgrad2_swiglu: the padded layout (offs=) runs unfused only")
+    if planning.interpreting():
+        bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
+    else:  # 128 x 64 (session 10, 244 regs) measured 2.19 ms, 0.38x torch's GEMM alone; 128 x 128 split: unmeasured
+        bm, bn, bk, warps, stages = tiles or DGRAD2_TILES
+    split = DGRAD2_SPLIT and bn >= 16
+    counts32, offs, first_pad, elp2, n_m = _mtile_plan(counts, r_all, bm)  # n_m: a static m-tile bound
+    n_f = -(-f // bn)
+    dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
+    dwp = torch.empty((r_all, 2 * n_f if split else n_f), dtype=torch.float32, device=dy_rows.device)
+    hb = torch.empty((r_all, f) if emit_h else (1,), dtype=torch.bfloat16, device=dy_rows.device)
+    tma = h % 8 == 0 and dy_rows.is_contiguous() and w2.is_contiguous() and \
+        all(t.data_ptr() % 16 == 0 for t in (dy_rows, w2))
+    if tma:
+        from .. import runtime
+        runtime.ensure_triton_allocator()
+    _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu.contiguous(), w2, w_pair.float().contiguous(), offs, counts32,
+                                          dgu, dwp, hb, h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
+                                          DOT_FP32=planning.interpreting(), TMA=tma, SPLIT=split, EMIT_H=emit_h,
+                                          num_warps=warps, num_stages=stages)
+    if emit_h:
+        return dgu, sum_partials(dwp), hb
+    return dgu, sum_partials(dwp)
+
+
+@triton.jit
+def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K,
+                   ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+                   TMA: tl.constexpr = False):
+    """One (expert, m-tile, H-tile) of item 3: dx_rows = [dg | du] @ W13[e]^T, K = 2F (W13 [E, H, K]); any
+    rows [R, K] @ W[e]^T with W [E, H, K] likewise (GEMM2's data gradient unfused: dy_rows W2[e]^T, K = H)."""
+    pid = tl.program_id(0)
+    n_h = tl.cdiv(H, BN)
+    _dgrad1_tile(pid // n_h, pid % n_h, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K, ELP2,
+                 BM, BN, BK, DOT_FP32, TMA)
+
+
+@triton.jit
+def _dgrad1_tile(gm, nh, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K,
+                 ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
+                 TMA: tl.constexpr, LOOP_STAGES: tl.constexpr = None):
+    """Global m-tile gm, H-tile nh of _dgrad1_kernel (the standalone kernel's program and the one-launch
+    backward's DGRAD2 / DGRAD1 task): rows [R, K] @ W[e]^T into dx (bf16), rows of no expert not stored; an
+    m-tile past the last expert's rows stores nothing. LOOP_STAGES: as _wgrad_flat_run's."""
+    e, rr, rm = _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2, BM)
+    if tl.sum(rm.to(tl.int32), 0) > 0:  # else past the last expert's rows: nothing to do
+        ch = nh * BN + tl.arange(0, BN)
+        hm = ch < H
+        ck = tl.arange(0, BK)
+        w13e = w13_ptr + e.to(tl.int64) * H * K
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if TMA:  # the W13 tile within W13[e] (shape [H, 2F]); A's rows clipped at the expert's end
+            first = tl.load(offs_ptr + e).to(tl.int64)
+            lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
+            a_desc = tl.make_tensor_descriptor(dgu_ptr + first * K, shape=[tl.load(counts_ptr + e), K],
+                                               strides=[K, 1], block_shape=[BM, BK])
+            b_desc = tl.make_tensor_descriptor(w13e, shape=[H, K], strides=[K, 1], block_shape=[BN, BK])
+            for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
+                a = a_desc.load([lm0, k0])
+                b = b_desc.load([nh * BN, k0])
+                if DOT_FP32:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
+                km = (k0 + ck) < K
+                a = tl.load(dgu_ptr + rr[:, None] * K + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :],
+                            other=0.0)
+                b = tl.load(w13e + ch[None, :].to(tl.int64) * K + (k0 + ck)[:, None],
+                            mask=km[:, None] & hm[None, :], other=0.0)
+                if DOT_FP32:
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(a, b, acc)
+        tl.store(dx_ptr + rr[:, None] * H + ch[None, :], acc.to(tl.bfloat16), mask=rm[:, None] & hm[None, :])
+
+
+# GPU (BM, BN, BK, warps, stages). Session 11, one H200, qwen3-235b 4k rows (dev/moe_bwd_tiles, results/h200x1/s11):
+# call b: 128x128x64 w8 s3 2.017 ms (409 TF/s, 0.80x torch._grouped_mm), s4 2.167, 128x256x64 w8 s3 1.641 (502
+# TF/s, 0.99x), 256x128x64 2.430, 128x128x128 s2 2.964, 64x256x64 2.266; call c: 128x256x64 w8 s3 1.650, s4
+# 1.573 (524 TF/s, 1.03x; kept), w4 s3 9.449 (spills), 256x256x64 s2 10.356 -- the wider H tile halves the
+# re-reads of each [dg | du] row block (K = 2F = 3072)
+DGRAD1_TILES = (128, 256, 64, 8, 4)
+
+
+def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *, tiles=None,
+                  offs=None) -> torch.Tensor:
+    """Item 3 of the module docstring: dgu [R, 2F] bf16, w13 [E, H, 2F] bf16, counts [E] -> dx_rows [R, H] bf16
+    (rows of no expert: unspecified). ``tiles``: (BM, BN, BK, warps, stages)
+    instead of DGRAD1_TILES (GPU). ``offs``: each expert's first row (the padded layout's padded_row_offsets)
+    instead of the rows packed in expert order."""
+    r_all = dgu.shape[0]
+    e, h, f2 = w13.shape
+    if dgu.shape[1] != f2 or counts.shape != (e,):
+        raise ValueError(f"shapes disagree: dgu {tuple(dgu.shape)}, w13 {tuple(w13.shape)}, "
+                         f"counts {tuple(counts.shape)}")
+    if planning.interpreting():
+        bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
+    else:  # session 10: 2.04 ms at qwen3-235b 4k (404 TF/s, 0.82x torch._grouped_mm)
+        bm, bn, bk, warps, stages = tiles or DGRAD1_TILES
+    counts32, offs, first_mtile, elp2, n_m = _mtile_plan(counts, r_all, bm, offs)
+    dx = torch.empty((r_all, h), dtype=torch.bfloat16, device=dgu.device)
+    tma = f2 % 8 == 0 and dgu.is_contiguous() and w13.is_contiguous() and \
+        all(t.data_ptr() % 16 == 0 for t in (dgu, w13))
+    if tma:
+        from .. import runtime
+        runtime.ensure_triton_allocator()
+    _dgrad1_kernel[(n_m * -(-h // bn),)](dgu, w13, offs, counts32, first_mtile, dx, h, f2, ELP2=elp2, BM=bm,
+                                         BN=bn, BK=bk, DOT_FP32=planning.interpreting(), TMA=tma, num_warps=warps,
+                                         num_stages=stages)
+    return dx
+
+
+COMPILE_ONLY = False  # dev/kernel_resources.py: CPU tensors stand in for CUDA ones (sm_90a compiles, nothing runs)
+
+
+def _triton_runs(t: torch.Tensor) -> bool:
+    """Whether the small gather kernels run for tensors like t (else their torch twins): CUDA or the interpreter."""
+    return t.is_cuda or planning.interpreting() or COMPILE_ONLY
+
+
+@triton.jit
+def _sum_partials_kernel(p_ptr, out_ptr, R, NP, BLOCK: tl.constexpr):
+    """out[r] = ((p[r, 0] + p[r, 1]) + p[r, 2]) + ... in fp32, left to right: the order of the per-partial
+    torch adds it replaces (bitwise the same)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = r < R
+    rp = p_ptr + r.to(tl.int64) * NP
+    acc = tl.load(rp, mask=m, other=0.0)
+    for i in range(1, NP):
+        acc += tl.load(rp + i, mask=m, other=0.0)
+    tl.store(out_ptr + r, acc, mask=m)
+
+
+def sum_partials(p: torch.Tensor) -> torch.Tensor:
+    """[R, N] fp32 -> [R]: each row's N partials summed left to right in fp32 (one launch)."""
+    out = torch.empty(p.shape[0], dtype=torch.float32, device=p.device)
+    if p.shape[0]:
+        block = 1024
+        _sum_partials_kernel[(triton.cdiv(p.shape[0], block),)](p, out, p.shape[0], p.shape[1], BLOCK=block,
+                                                                 num_warps=4)
+    return out
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, scaled_ptr, limit_ptr, H, BH: tl.constexpr,
+                        PLAIN: tl.constexpr, SCALED: tl.constexpr, RNE_BITS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """From one read of src[idx[i]]: out[i] = src[idx[i]] (PLAIN) and scaled[i] = bf16(w[i] * fp32(src[idx[i]]))
+    (SCALED: one fp32 product rounded to nearest even); a row with idx[i] < 0 is zeros (the padded row layout's
+    gap rows). HAS_LIMIT: rows i >= limit[0] (past the padded layout's last expert: read by no one) are not
+    written at all."""
+    i = tl.program_id(0)
+    if HAS_LIMIT:
+        if i >= tl.load(limit_ptr):
+            return
+    c = tl.program_id(1) * BH + tl.arange(0, BH)
+    row = tl.load(idx_ptr + i).to(tl.int64)
+    m = c < H
+    v = tl.load(src_ptr + tl.maximum(row, 0) * H + c, mask=c < tl.where(row >= 0, H, 0), other=0.0)
+    if PLAIN:
+        tl.store(out_ptr + i.to(tl.int64) * H + c, v, mask=m)
+    if SCALED:
+        tl.store(scaled_ptr + i.to(tl.int64) * H + c,
+                 _to_out(v.to(tl.float32) * tl.load(w_ptr + i), tl.bfloat16, RNE_BITS), mask=m)
+
+
+def _launch_gather_rows(src: torch.Tensor, idx: torch.Tensor, w, plain: bool, limit=None):
+    """(src[idx] or None, bf16(w * src[idx]) or None) by _gather_rows_kernel (``w`` None: no scaled rows;
+    ``limit``: a 1-element int tensor, rows from it on left unwritten)."""
+    r, h = idx.shape[0], src.shape[1]
+    if src.shape[0] == 0:  # no rows to read: every index is -1, every row zero (and no launch on an empty src)
+        return (src.new_zeros((r, h)) if plain else None,
+                torch.zeros((r, h), dtype=torch.bfloat16, device=src.device) if w is not None else None)
+    out = torch.empty((r, h), dtype=src.dtype, device=src.device) if plain else None
+    scaled = torch.empty((r, h), dtype=torch.bfloat16, device=src.device) if w is not None else None
+    if r and h:
+        bh = min(1024, triton.next_power_of_2(h))
+        _gather_rows_kernel[(r, triton.cdiv(h, bh))](src.contiguous(), idx.contiguous(),
+                                                     src if w is None else w.float().contiguous(),
+                                                     src if out is None else out, src if scaled is None else scaled,
+                                                     idx if limit is None else limit, h, BH=bh, PLAIN=plain,
+                                                     SCALED=w is not None, RNE_BITS=planning.interpreting(),
+                                                     HAS_LIMIT=limit is not None, num_warps=4)
+    return out, scaled
+
+
+def scaled_rows(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(w[:, None] * src[idx].float()).to(bf16) -- bitwise -- in one pass: src [T, H] bf16, idx [R] int, w [R]
+    fp32 -> [R, H] bf16 (no gathered copy, no fp32 temporary); rows with idx < 0 are zeros."""
+    return _launch_gather_rows(src, idx, w, plain=False)[1]
+
+
+def gather_rows_and_scaled(src: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, limit=None):
+    """(gather_rows(src, idx), scaled_rows(src, idx, w)) from one read of the rows (bitwise the two calls'):
+    moe_backward's dy_rows for GEMM2's data gradient and do = w * dy_rows for its weight gradient. ``limit``:
+    as gather_rows'."""
+    return _launch_gather_rows(src, idx, w, plain=True, limit=limit)
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor, limit=None) -> torch.Tensor:
+    """src[idx] with zero rows where idx < 0 (the padded layout's gap rows), in one pass: src [T, H], idx [R]
+    int -> [R, H] in src's dtype; torch where Triton cannot run. ``limit`` (a 1-element int tensor on the
+    device, e.g. padded_layout's end): rows from limit[0] on are left unwritten (unspecified)."""
+    if not _triton_runs(src):
+        out = src[idx.clamp(min=0).long()]
+        return out.masked_fill_((idx < 0)[:, None], 0)
+    return _launch_gather_rows(src, idx, None, plain=True, limit=limit)[0]
+
+
+@triton.jit
+def _swiglu_h_kernel(gu_ptr, h_ptr, F, BF: tl.constexpr, INTERP: tl.constexpr):
+    """h[r] = bf16((g * sigmoid(g)) * u), g | u = gu[r] in fp32, sigmoid(g) = 1 / (1 + exp(-g)) as torch's CUDA
+    kernel computes it: libdevice expf (CUDA's expf) and an IEEE division (the interpreter: numpy's exp)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BF + tl.arange(0, BF)
+    m = c < F
+    g = tl.load(gu_ptr + r * (2 * F) + c, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + r * (2 * F) + F + c, mask=m, other=0.0).to(tl.float32)
+    s = _torch_sigmoid(g, INTERP)
+    tl.store(h_ptr + r * F + c, _to_out((g * s) * u, tl.bfloat16, INTERP), mask=m)
+
+
+def swiglu_h(gu: torch.Tensor, f: int) -> torch.Tensor:
+    """h = silu(g) * u -> bf16 from gu = [g | u] [R, 2F] bf16 in one pass (no fp32 copies of g, u): meant to be
+    bitwise ``(g * torch.sigmoid(g) * u).to(bf16)`` of the fp32 g, u (torch's CUDA sigmoid is 1 / (1 + expf(-x))
+    with an IEEE division; checked by tests/test_moe_backward.py's GPU test); torch where Triton cannot run, or
+    with ``SWIGLU_H_TORCH = True``."""
+    if SWIGLU_H_TORCH or not _triton_runs(gu):
+        g, u = gu[:, :f].float(), gu[:, f:].float()
+        return (g * torch.sigmoid(g) * u).to(torch.bfloat16).contiguous()
+    r = gu.shape[0]
+    h = torch.empty((r, f), dtype=torch.bfloat16, device=gu.device)
+    if r and f:
+        bf = min(1024, triton.next_power_of_2(f))
+        _swiglu_h_kernel[(r, triton.cdiv(f, bf))](gu.contiguous(), h, f, BF=bf, INTERP=planning.interpreting(),
+                                                  num_warps=4)
+    return h
+
+
+SWIGLU_H_TORCH = False  # True: h through the torch line (the fallback if the GPU test finds a bit differing)
+DGRAD2_EMITS_H = True  # h from dgrad2's epilogue (no swiglu_h pass); False: swiglu_h's pass (the fallback if
+#                        tests/test_moe_backward.py::test_dgrad2_emitted_h_bitwise_gpu finds a bit differing)
+
+
+def dgrad2_emits_h() -> bool:
+    """Whether moe_backward (and the probe's stages) take h from dgrad2's epilogue: DGRAD2_EMITS_H, unless h
+    goes through the torch line (SWIGLU_H_TORCH)."""
+    return DGRAD2_EMITS_H and not SWIGLU_H_TORCH
+
+
+@triton.jit
+def _unpermute_sum_kernel(rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, BH: tl.constexpr):
+    """out[t] = ((rows[inv[t*K]] + rows[inv[t*K+1]]) + ...) in fp32, slot order."""
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BH + tl.arange(0, BH)
+    _unpermute_sum_cols(t, c, c < H, rows_ptr, inv_ptr, out_ptr, H, K)
+
+
+@triton.jit
+def _unpermute_sum_cols(t, c, m, rows_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, UNROLL: tl.constexpr = False):
+    """Token t's columns c (those with m) of _unpermute_sum_kernel: its program (t a scalar), and a block of the
+    one-launch backward's UNPERMUTE task (t [UT, 1] valid token indices, c [1, BH], m [UT, BH]). Element-wise
+    fp32 adds in slot order: the bits depend on neither the blocking nor UNROLL (the slot loop unrolled, so the
+    K loads of a block are in flight together -- one persistent program per SM has no other memory-level
+    parallelism; the adds stay in slot order)."""
+    acc = tl.load(rows_ptr + tl.load(inv_ptr + t * K).to(tl.int64) * H + c, mask=m, other=0.0).to(tl.float32)
+    if UNROLL:
+        for j in tl.static_range(1, K):
+            row = tl.load(inv_ptr + t * K + j).to(tl.int64)
+            acc += tl.load(rows_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
+    else:
+        for j in range(1, K):
+            row = tl.load(inv_ptr + t * K + j).to(tl.int64)
+            acc += tl.load(rows_ptr + row * H + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.cast(t, tl.int64) * H + c, acc, mask=m)
+
+
+def unpermute_sum(rows: torch.Tensor, order: torch.Tensor, top_k: int, row_of=None) -> torch.Tensor:
+    """The dispatch backward from expert-sorted rows: rows [P, H] (row i is pair order[i], p = t*k + j) ->
+    dx_e [T, H] fp32, dx_e[t] = sum_j rows of (t, j) in slot order j = 0..k-1 -- bitwise
+    moe_reference.dispatch_backward_ref of the rows put back in pair order, without the [P, H] pair-order and
+    fp32 copies (one gather-sum launch; the torch path where Triton cannot run). ``row_of`` [P]: rows in a
+    padded layout, sorted pair i at rows[row_of[i]] (rows then has more rows than pairs)."""
+    from .. import moe_reference as mr
+    p, h = order.shape[0], rows.shape[1]
+    if not _triton_runs(rows):
+        pair = torch.empty((p, h), dtype=rows.dtype, device=rows.device)
+        pair[order] = rows if row_of is None else rows[row_of]
+        return mr.dispatch_backward_ref(pair.float(), top_k)
+    inv = _pair_rows(order, row_of)
+    out = torch.empty((p // top_k, h), dtype=torch.float32, device=rows.device)
+    if p and h:
+        bh = min(1024, triton.next_power_of_2(h))
+        _unpermute_sum_kernel[(p // top_k, triton.cdiv(h, bh))](rows.contiguous(), inv, out, h, K=top_k, BH=bh,
+                                                                num_warps=4)
+    return out
+
+
+def expert_weight_grads_ref(a: torch.Tensor, b: torch.Tensor, counts) -> torch.Tensor:
+    """The same in fp64 (then fp32), one expert at a time (any device)."""
+    out, start = [], 0
+    for n in [int(c) for c in counts.tolist()]:
+        out.append(a[start:start + n].double().t() @ b[start:start + n].double())
+        start += n
+    return torch.stack(out).float() if out else torch.empty((0, a.shape[1], b.shape[1]))
+
+
+# ----------------------------------------------------------------------------------- the whole backward at W=1
+def _expert_gemm1(x_rows: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, pad_offs=None) -> torch.Tensor:
+    """[g | u] = x_rows @ W13[e] per expert (the forward's GEMM1, recomputed): torch._grouped_mm on CUDA (bf16
+    out, fp32 accumulation), one expert at a time elsewhere. ``pad_offs``: x_rows in the padded layout
+    (padded_row_offsets): each expert's group runs to its padded end, so its zero gap rows give zero rows."""
+    c32 = counts.to(torch.int32)
+    if pad_offs is None:
+        starts, lens = torch.cumsum(c32, 0, dtype=torch.int32) - c32, c32
+    else:
+        starts, lens = pad_offs.to(torch.int32), (c32 + WGRAD_PAD_ROWS - 1) // WGRAD_PAD_ROWS * WGRAD_PAD_ROWS
+    if x_rows.is_cuda and hasattr(torch, "_grouped_mm") and x_rows.shape[0] > 0:
+        return torch._grouped_mm(x_rows, w13, offs=starts + lens)
+    out = torch.zeros((x_rows.shape[0], w13.shape[2]), dtype=torch.bfloat16, device=x_rows.device)
+    for e, (start, n) in enumerate(zip(starts.tolist(), counts.tolist())):
+        if n:
+            out[start:start + n] = (x_rows[start:start + n].float() @ w13[e].float()).to(torch.bfloat16)
+    return out
+
+
+def expert_counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Pairs per expert, int64 [n_experts], with no host synchronisation: torch.bincount on CUDA reads its
+    input's max back to the host to size the output (minlength or not), which stalled every backward call on
+    the GPU (session 11: 2.2 ms of host time in the probe's sort stage, all of it waiting). An integer
+    scatter-add is exact in any order, so the counts stay deterministic."""
+    flat = flat.reshape(-1).long()
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+ROUTER_GEMMS = "tensor-cores"  # or "fp32": moe_backward's router GEMMs (see bf16_mm_fp32, router_gemm_backward)
+
+
+def bf16_mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 for a, b whose values are bf16: the products are exact in fp32 (8-bit significands), so a
+    bf16 tensor-core GEMM with fp32 accumulation (torch.mm(..., out_dtype=torch.float32) on CUDA) is the fp32
+    GEMM up to the summation order -- ~10x the fp32 SIMT GEMM's rate. The router's logits, as moe_forward's
+    router computes them (tensor cores, fp32 accumulation). ROUTER_GEMMS = "fp32" or a CPU tensor: a.float() @
+    b.float()."""
+    if a.is_cuda and ROUTER_GEMMS == "tensor-cores":
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16), out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def router_gemm_backward(dlogits: torch.Tensor, x: torch.Tensor, router_weight: torch.Tensor):
+    """moe_reference.router_gemm_backward_ref (d(router weight) = dl^T x [E, H], the router's part of dx = dl Wr)
+    for bf16 x, Wr and fp32 dl on bf16 tensor cores: dl = hi + lo + r with hi = bf16(dl), lo = bf16(dl - hi)
+    (|r| <= 2^-18 |dl|), split once for both GEMMs, so hi @ b + lo @ b (fp32 accumulation, products exact) is
+    the fp32 GEMM to ~2^-17 relative -- two bf16 GEMMs instead of one fp32 SIMT GEMM each (at deepseek-v3 4k
+    tokens 2 x 15 GFLOP). ROUTER_GEMMS = "fp32" or CPU tensors: the reference's fp32 formulas."""
+    if not (dlogits.is_cuda and ROUTER_GEMMS == "tensor-cores"):
+        return dlogits.t() @ x.float(), dlogits @ router_weight.float()
+    hi = dlogits.to(torch.bfloat16)
+    lo = (dlogits - hi.float()).to(torch.bfloat16)
+    pair = lambda a, b: bf16_mm_fp32(a[0], b) + bf16_mm_fp32(a[1], b)  # noqa: E731
+    return pair((hi.t(), lo.t()), x), pair((hi, lo), router_weight)
+
+
+def _exchange(t: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
+    """The rows of ``t`` to their ranks (moe_reference.all_to_all_rows; split sizes on the host)."""
+    from ..moe_reference import all_to_all_rows
+    return all_to_all_rows(t, recv_splits, send_splits, group)
+
+
+def _wgrad_dtype(w13: torch.Tensor, wgrad_dtype) -> torch.dtype:
+    """The weight gradients' dtype: ``wgrad_dtype`` if given, else the parameters' (bf16; fp32 parameters: fp32)."""
+    if wgrad_dtype is not None:
+        return wgrad_dtype
+    return torch.float32 if w13.dtype == torch.float32 else torch.bfloat16
+
+
+def do_rows_of(dy, tok, dy_rows, w_pair, world: int) -> torch.Tensor:
+    """GEMM2's weight-gradient operand do = w_pair * dy_rows (bf16, one fp32 product per element; bitwise
+    ``(w_pair[:, None] * dy_rows.float()).to(bf16)``): at W=1 straight from dy's token rows (dy_rows[i] =
+    dy[tok[i]]), at W > 1 from the received dy_rows; torch where Triton cannot run."""
+    if not _triton_runs(dy_rows):
+        return (w_pair[:, None] * dy_rows.float()).to(torch.bfloat16).contiguous()
+    if world == 1:
+        return scaled_rows(dy.to(torch.bfloat16), tok, w_pair)
+    return scaled_rows(dy_rows, torch.arange(dy_rows.shape[0], device=dy_rows.device), w_pair)
+
+
+# ------------------------------------------------------------- the backward's expert part in one launch (W = 1)
+# the stages, in schedule.py's drain order (stage s's queue head is scratch[s]; WGRAD has none: statically owned)
+BWD_DGRAD2, BWD_SWIGLU, BWD_DGRAD1, BWD_WGRAD, BWD_UNPERMUTE = 0, 1, 2, 3, 4
+BWD_ALL_STAGES = 0b11111
+STAGE_BWD_DGRAD2: tl.constexpr = tl.constexpr(BWD_DGRAD2)
+STAGE_BWD_SWIGLU: tl.constexpr = tl.constexpr(BWD_SWIGLU)
+STAGE_BWD_DGRAD1: tl.constexpr = tl.constexpr(BWD_DGRAD1)
+STAGE_BWD_WGRAD: tl.constexpr = tl.constexpr(BWD_WGRAD)
+STAGE_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(BWD_UNPERMUTE)
+# local scratch (int32, zeroed by the last program out): [0, 5) queue heads, the exit counter, SwiGLU m-tiles
+# done, dgrad1 tiles done, then finished dgrad2 column tiles per m-tile [max m-tiles] and SwiGLU-done flags per
+# m-tile [max m-tiles]
+SCB_EXIT: tl.constexpr = tl.constexpr(5)
+SCB_SWIGLU_DONE: tl.constexpr = tl.constexpr(6)
+SCB_DGRAD1_DONE: tl.constexpr = tl.constexpr(7)
+SCB_MTILES: tl.constexpr = tl.constexpr(8)
+BWD_ZERO_BLOCK: tl.constexpr = tl.constexpr(1024)  # scratch entries the last program out zeroes per step
+BWD_UNPERMUTE_TOKENS = 8  # tokens per UNPERMUTE task (GPU): [8, 256] blocks, the k slots' loads in flight together
+BWD_INTERP_PROGRAMS = 3  # the CPU interpreter's default grid (programs run one after another there)
+BWD_INTERP_TIMEOUT_NS = 1_000_000  # its waits' bound: 1000 spins (each wait is satisfied at once there, or a bug)
+# SWIGLU(gm) run by the program whose dgrad2 tile completes m-tile gm (its counter's atomic returns n_f - 1), so
+# the memory-bound pass runs beside the other programs' dgrad2 GEMMs with z still in L2; False: SWIGLU as its own
+# queue after DGRAD2's (each task waiting for its m-tile's tiles), which only starts once every dgrad2 tile is
+# claimed. Unmeasured: the lead's A/B (both tested bitwise).
+BWD_SWIGLU_ON_COMPLETION = True
+
+
+@triton.jit
+def _trace_clock(TRACE: tl.constexpr):
+    """The global timer where the launch is traced, else 0 (no timer read at all)."""
+    if TRACE:
+        return dev.now_ns()
+    else:
+        return tl.full([], 0, tl.int64)
+
+
+@triton.jit
+def _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr,
+                      valid_ptr, swiglu_ctr, swiglu_done_ptr, F, BM: tl.constexpr, PAD: tl.constexpr,
+                      SW_BR: tl.constexpr, SW_BF: tl.constexpr, INTERP: tl.constexpr):
+    """The one launch's SWIGLU task of m-tile gm (its dgrad2 tiles stored and acquired): _swiglu_backward_rows over
+    the m-tile's rows in SW_BR-row blocks up to the expert's padded end -- its gap rows get zeros (the flat wgrad
+    reads them), the next expert's rows are another m-tile's --, then swiglu_done[gm] and the count (release)."""
+    e = tl.sum((tl.load(first_mtile_ptr + x) <= gm).to(tl.int32), 0) - 1
+    lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
+    row0 = tl.load(pad_offs_ptr + e) + lm0
+    n_rows = tl.minimum(tl.cdiv(tl.load(counts_ptr + e), PAD) * PAD - lm0, BM)
+    for r0 in range(0, n_rows, SW_BR):
+        r = r0 + tl.arange(0, SW_BR)
+        _swiglu_backward_rows(row0 + r, r < n_rows, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, SW_BF,
+                              True, INTERP, True)
+    tl.debug_barrier()
+    tl.atomic_add(swiglu_ctr + gm, 1, sem="release", scope="gpu")
+    tl.atomic_add(swiglu_done_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages"])
+def _moe_backward_experts_kernel(
+        dy_rows_ptr, do_rows_ptr, x_rows_ptr, gu_ptr, wp_ptr, valid_ptr, w13_ptr, w2_ptr,
+        pad_offs_ptr, counts_ptr, first_mtile_ptr, inv_ptr,
+        z_ptr, dgu_ptr, h_ptr, dw_rows_ptr, dx_rows_ptr, dw13_ptr, dw2_ptr, dx_e_ptr,
+        scratch_ptr, scratch_n, max_mtiles, err_ptr, epoch_ptr, timeout_us, stages, trace_ptr,
+        T, H, F, E, R_PAD,
+        TOPK: tl.constexpr, ELP2: tl.constexpr, PAD: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEMM_STAGES: tl.constexpr,
+        TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
+        W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
+        W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
+        SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
+    """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
+    launch"): the stages DGRAD2, SWIGLU (SWIGLU_ON_COMPLETION: run inside the DGRAD2 task that completes the
+    m-tile; else its own queue), DGRAD1 (shared atomic heads), WGRAD (each program's own share of both flat wgrad
+    loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function.
+    ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out).
+    TRACE: every task and wait as a (kind, task, t0, t1) event of trace_ptr [GRID, TRACE_EVENTS, 4] (codes.EV_*;
+    WGRAD one event per flat loop, task -1)."""
+    pid = tl.program_id(0)
+    timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
+    epoch = dev.call_epoch(epoch_ptr)
+    x = tl.arange(0, ELP2)
+    n_mt = tl.sum(tl.cdiv(tl.load(counts_ptr + x, mask=x < E, other=0), BM), 0)  # the m-tiles of all experts
+    n_f = tl.cdiv(F, BN)
+    n_h = tl.cdiv(H, BN)
+    dgrad2_ctr = scratch_ptr + SCB_MTILES
+    swiglu_ctr = dgrad2_ctr + max_mtiles
+    ok = 1
+    n_ev = 0
+    if sched.has_stage(stages, STAGE_BWD_DGRAD2):  # z = dy_rows W2[e]^T per (m-tile, F-tile), m-tile-major
+        t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
+        while t < n_mt * n_f:
+            t0 = _trace_clock(TRACE)
+            gm = t // n_f
+            _dgrad1_tile(gm, t % n_f, dy_rows_ptr, w2_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, z_ptr, F, H,
+                         ELP2, BM, BN, BK, DOT_FP32, TMA2, GEMM_STAGES)
+            tl.debug_barrier()
+            done = tl.atomic_add(dgrad2_ctr + gm, 1, sem="acq_rel", scope="gpu")
+            t1 = _trace_clock(TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD2, t, t0, t1, TRACE)
+            if SWIGLU_ON_COMPLETION:
+                # the m-tile's last dgrad2 tile: its SwiGLU pass here, beside the other programs' GEMMs (the wait
+                # is satisfied at once: it is the acquire -- and proxy -- fence of every thread)
+                if (done == n_f - 1) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
+                    dev.wait_geq(dgrad2_ctr + gm, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t,
+                                 gm)
+                    _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr,
+                                      dgu_ptr, h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr,
+                                      scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD, SW_BR, SW_BF, DOT_FP32)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, gm, t1, _trace_clock(TRACE), TRACE)
+            t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
+    if not SWIGLU_ON_COMPLETION:  # SWIGLU as its own queue: per m-tile, waiting for its dgrad2 tiles
+        t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
+        while (t < n_mt) & (ok != 0) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
+            t0 = _trace_clock(TRACE)
+            ok = dev.wait_geq(dgrad2_ctr + t, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t, t)
+            t1 = _trace_clock(TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+            if ok != 0:
+                _bwd_swiglu_mtile(t, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr,
+                                  h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr, scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD,
+                                  SW_BR, SW_BF, DOT_FP32)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, t, t1, _trace_clock(TRACE), TRACE)
+            t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
+    if sched.has_stage(stages, STAGE_BWD_DGRAD1) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m-tile, H-tile)
+        t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
+        while (t < n_mt * n_h) & (ok != 0):
+            t0 = _trace_clock(TRACE)
+            gm = t // n_h
+            ok = dev.wait_geq(swiglu_ctr + gm, 1, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, t, gm)
+            t1 = _trace_clock(TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+            if ok != 0:
+                _dgrad1_tile(gm, t % n_h, dgu_ptr, w13_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, dx_rows_ptr,
+                             H, 2 * F, ELP2, BM, BN, BK, DOT_FP32, TMA1, GEMM_STAGES)
+                tl.debug_barrier()
+                tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, 1, sem="release", scope="gpu")
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD1, t, t1, _trace_clock(TRACE), TRACE)
+            t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
+    if sched.has_stage(stages, STAGE_BWD_WGRAD) & (ok != 0):  # this program's share of both flat loops
+        t0 = _trace_clock(TRACE)
+        ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, n_mt, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                          WAIT_BWD_SWIGLU, 0, -1, -1)
+        t1 = _trace_clock(TRACE)
+        n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, t1, TRACE)
+        if ok != 0:
+            _wgrad_flat_run(pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
+                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, W2_STAGES)
+            t0 = _trace_clock(TRACE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD2, -1, t1, t0, TRACE)
+            _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
+                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
+    if sched.has_stage(stages, STAGE_BWD_UNPERMUTE) & (ok != 0):  # each token's k rows summed in slot order
+        t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
+        waited = 0
+        while (t < tl.cdiv(T, UT)) & (ok != 0):
+            t0 = _trace_clock(TRACE)
+            if waited == 0:  # one wait per program: the counter only grows, the acquire covers what follows
+                ok = dev.wait_geq(scratch_ptr + SCB_DGRAD1_DONE, n_mt * n_h, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                                  WAIT_BWD_DGRAD1, 0, t, -1)
+                waited = 1
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                t0 = t1
+            if ok != 0:
+                tok = t * UT + tl.arange(0, UT)
+                tm = tok < T
+                tok = tl.minimum(tok, T - 1)[:, None]  # past T: a valid index, nothing stored
+                for c0 in range(0, H, UBH):
+                    c = c0 + tl.arange(0, UBH)
+                    _unpermute_sum_cols(tok, c[None, :], tm[:, None] & (c < H)[None, :], dx_rows_ptr, inv_ptr,
+                                        dx_e_ptr, H, TOPK, True)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_UNPERMUTE, t, t0, _trace_clock(TRACE), TRACE)
+            t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
+    dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
+                             BWD_ZERO_BLOCK)
+
+
+def _pair_rows(order: torch.Tensor, row_of=None) -> torch.Tensor:
+    """Each pair p = t*k + j's expert row (inv[order[i]] = i, or row_of[i] in the padded layout): the dispatch
+    backward's gather index (unpermute_sum and the one launch)."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.shape[0], dtype=order.dtype, device=order.device) if row_of is None else \
+        row_of.to(order.dtype)
+    return inv
+
+
+def _bwd_tiles(out_dtype: torch.dtype, h: int, f: int):
+    """The one launch's tiles: ((BM, BN, BK, stages) of both dgrads, (SwiGLU rows, columns), wgrad2's and wgrad1's
+    (BI, BJ, BR, stages), (UNPERMUTE tokens, columns), warps) -- today's kernels' (the interpreter's small ones)."""
+    if planning.interpreting():
+        return (16, 16, 16, 1), (4, 16), (16, 16, 16, 1), (16, 16, 16, 1), (2, 16), 4
+    bm, bn, bk, warps, stages = DGRAD1_TILES
+    w2 = wgrad_flat_tiles(out_dtype, f, h)
+    w1 = wgrad_flat_tiles(out_dtype, h, 2 * f)
+    if not warps == w2[3] == w1[3] == 8 or w2[2] != w1[2]:  # one kernel: one warp count, one row step
+        raise ValueError(f"the one launch needs one warp count and one wgrad row step: dgrad {DGRAD1_TILES}, "
+                         f"wgrad2 {w2}, wgrad1 {w1}")
+    return ((bm, bn, bk, stages), (8, min(256, triton.next_power_of_2(f))), (*w2[:3], w2[4]), (*w1[:3], w1[4]),
+            (BWD_UNPERMUTE_TOKENS, min(256, triton.next_power_of_2(h))), warps)
+
+
+def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, inv,
+                               n_tok: int, top_k: int, out_dtype: torch.dtype = torch.bfloat16, *,
+                               programs: int | None = None, stages: int = BWD_ALL_STAGES, timeout_ns=None,
+                               trace: torch.Tensor | None = None):
+    """moe_backward's expert part at W = 1 in ONE launch (_moe_backward_experts_kernel) on rows in the padded
+    layout: dy_rows, do_rows (= w * dy_rows), x_rows [R_pad, H], gu [R_pad, 2F] bf16, w_pair [R_pad] fp32, valid
+    [R_pad] bool (padded_layout's real_of >= 0; gap rows zero in dy_rows, do_rows, x_rows, gu, w_pair), w13
+    [E, H, 2F], w2 [E, F, H] bf16, counts [E], pad_offs [E] (padded_row_offsets), inv [T*k] (each pair's padded
+    row, _pair_rows). Returns (dx_e [T, H] fp32: the dispatch backward's rows summed in slot order, dw_rows
+    [R_pad] fp32: the gate gradients <dy_t, o_p> of the rows -- gap rows unspecified --, dw13, dw2 in
+    ``out_dtype``), bitwise what the multi-launch path computes (the same tile functions, tiles and orders).
+    ``programs``: the grid (None: one per SM; the interpreter: BWD_INTERP_PROGRAMS). ``stages`` and ``timeout_ns``
+    (None: the workspace's) for tests. ``trace`` (int64 [grid, codes.TRACE_EVENTS, 4], zeroed): each program's
+    tasks and waits as (kind, task, t0, t1) events (runtime.TRACE_KINDS), for the timeline. On CUDA a timed-out
+    wait raises KosmosTimeoutError at the next KOSMOS call or kosmos.check_errors() (the workspace's error record);
+    on the CPU right away. CUDA, or the CPU under TRITON_INTERPRET=1."""
+    from .. import runtime
+    r_pad, h = dy_rows.shape
+    n_exp, f, _ = w2.shape
+    (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f)
+    if WGRAD_PAD_ROWS % w2t[2] or bm % w2t[2]:
+        raise ValueError(f"the wgrad row step {w2t[2]} must divide the pad {WGRAD_PAD_ROWS} and the m-tile {bm}")
+    dev_ = dy_rows.device
+    counts32, offs, first_mtile, elp2, max_mt = _mtile_plan(counts, r_pad, bm, pad_offs)
+    bf = dict(dtype=torch.bfloat16, device=dev_)
+    z, dgu, hb, dx_rows = (torch.empty((r_pad, n), **bf) for n in (f, 2 * f, f, h))
+    dw_rows = torch.empty((r_pad,), dtype=torch.float32, device=dev_)
+    dw13 = torch.empty((n_exp, h, 2 * f), dtype=out_dtype, device=dev_)
+    dw2 = torch.empty((n_exp, f, h), dtype=out_dtype, device=dev_)
+    dx_e = torch.empty((n_tok, h), dtype=torch.float32, device=dev_)
+    scratch_n = int(SCB_MTILES.value) + 2 * max_mt
+    ws = runtime.get_workspace(None, dev_) if dev_.type == "cuda" else None
+    errors = runtime.one_rank_errors(ws, dev_)  # (at W = 1 no peer: the workspace is a plain 1 MiB buffer)
+    if dev_.type == "cuda":
+        scratch = ws.local("moe_bwd.scratch", scratch_n, torch.int32)
+        epoch_slot = ws.local("moe_bwd.epoch", 1, torch.int32)  # its own: nothing else keeps step with it
+        grid = programs or runtime.num_sms(dev_)
+        timeout_ns = ws.timeout_ns() if timeout_ns is None else timeout_ns
+    else:  # the interpreter (or dev/kernel_resources' compile-only run): fresh buffers
+        scratch = torch.zeros(scratch_n, dtype=torch.int32)
+        epoch_slot = torch.zeros(1, dtype=torch.int32)
+        grid = programs or (BWD_INTERP_PROGRAMS if planning.interpreting() else 132)
+        if timeout_ns is None:  # the interpreter runs programs one after another: a correct launch never spins
+            timeout_ns = BWD_INTERP_TIMEOUT_NS if planning.interpreting() else int(runtime.DEFAULT_TIMEOUT_S * 1e9)
+    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (grid, TRACE_EVENTS.value, 4)
+                              or trace.device != dev_):
+        raise ValueError(f"trace must be an int64 [{grid}, {TRACE_EVENTS.value}, 4] tensor on {dev_}, got "
+                         f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")
+    runtime.ensure_triton_allocator()
+    aligned = lambda k, w: k % 8 == 0 and w.is_contiguous() and w.data_ptr() % 16 == 0  # noqa: E731 (expert_dgrad1's)
+    _moe_backward_experts_kernel[(grid,)](
+        dy_rows, do_rows, x_rows, gu.contiguous(), w_pair.float().contiguous(), valid.contiguous().view(torch.uint8),
+        w13, w2, offs, counts32, first_mtile, inv,
+        z, dgu, hb, dw_rows, dx_rows, dw13, dw2, dx_e,
+        scratch, scratch_n, max_mt, errors, epoch_slot, max(1, timeout_ns // 1000), stages,
+        errors if trace is None else trace, n_tok, h, f, n_exp, r_pad,
+        TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
+        TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
+        SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
+        W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
+        SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, num_warps=warps,
+        num_stages=gemm_stages)
+    runtime.after_one_rank_launch(ws, dev_, errors)
+    return dx_e, dw_rows, dw13, dw2
+
+
+# moe_backward's expert rows in the padded layout (padded_layout) by default, for the flat wgrad loop (session 13,
+# one H200, dev/moe_bwd_tiles, results/h200x1/s13/a: deepseek-v3 4k wgrad2 3.74 -> 2.97 ms, qwen3 4k wgrad2 1.23
+# -> 0.92, wgrad1 2.16 -> 1.82); False: the rows packed, the persistent wgrad kernel
+PADDED_ROWS = True
+# moe_backward's default for one_launch (where supported: W = 1, the padded layout): False -- bitwise the
+# multi-launch path on the GPU, but no faster at W = 1 (session 14: qwen3 4k within the spread, deepseek-v3 4k +2-3%)
+ONE_LAUNCH = False
+
+
+def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
+                 renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
+                 padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None):
+    """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
+    output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
+    fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
+    w13 [E/W, H, 2F] / w2 [E/W, F, H] this rank's experts: (dx [T, H] bf16, d_router_weight [E, H] fp32 -- this
+    rank's tokens' part, to be all-reduced like any replicated parameter's gradient --, dw13 [E/W, H, 2F] and
+    dw2 [E/W, F, H] in the parameters' dtype (bf16: fp32 accumulation, rounded once; ``wgrad_dtype=torch.float32``
+    for the fp32 accumulators), from every rank's tokens) -- moe_reference.moe_backward_ref's stages, with the three
+    expert GEMM shapes on this module's kernels and the rest in torch:
+
+      pairs sorted by expert (stable: ascending p = t*k + j inside an expert), hence by destination rank;
+      W > 1: the expert rows x_rows, dy_rows and the pairs' gate weights to the experts' ranks
+      (dist.all_to_all_single, split sizes read on the host: one sync), regrouped by local expert (stable:
+      source rank, then pair order); at W = 1 nothing synchronises with the host (counts by expert_counts,
+      not torch.bincount; test_moe_backward_w1_never_syncs_gpu, written in session 11, not yet run);
+      [g | u]: the forward's (``saved_gu``, a moe_forward.SavedGateUp from ``moe_forward(..., save_gu=True)``,
+      gathered into this order) or recomputed (GEMM1 again, torch._grouped_mm);
+      dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu; h = silu(g) u from its epilogue too,
+      or swiglu_h: dgrad2_emits_h()); dW2 = h^T (w dy) and
+      dW13 = x_rows^T [dg | du] (expert_weight_grads); dx_rows = [dg | du] W13^T (expert_dgrad1);
+      W > 1: dx_rows and the gate gradients back to the tokens' ranks;
+      dispatch backward (slot order), router backward in fp32 (logits recomputed), dx = dx_experts + dx_router.
+
+    Several launches and, at W > 1, NCCL (or gloo) all-to-alls between them: the one-launch backward, with its
+    communication in the launch, is the next step; this is its correctness twin and the EP backward the
+    training proxy runs until then. Deterministic (no atomics anywhere; stable sorts; fixed summation orders;
+    the all-to-alls only move rows).
+
+    ``padded`` (None: PADDED_ROWS; only where Triton runs and H, F are multiples of 8): the expert rows (x_rows,
+    dy_rows, g | u, do, h, [dg | du], dx_rows) in the padded layout -- each expert's rows from a multiple of
+    WGRAD_PAD_ROWS, the gap rows zero, written so by the row gathers themselves -- and both weight gradients
+    by the flat wgrad loop (expert_weight_grads_padded). Every row's arithmetic is the packed layout's and the
+    gap rows add exact zeros: the same bits (tested).
+
+    ``one_launch`` (None: ONE_LAUNCH where it is supported): the expert part -- dgrad2, the SwiGLU backward,
+    dgrad1, both weight gradients and the dispatch backward -- in ONE persistent launch
+    (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout only
+    (True elsewhere: ValueError); the same tile arithmetic and orders, so the same bits (tested). ``programs``:
+    its grid (None: one program per SM)."""
+    from .. import moe_reference as mr
+    from ..runtime import world_size
+    import torch.distributed as dist
+    n_tok, hidden = x.shape
+    n_exp = router_weight.shape[0]
+    local = w13.shape[0]
+    world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
+    if local * world != n_exp:
+        raise ValueError(f"w13 holds {local} experts per rank: {local} x {world} ranks != {n_exp} router experts")
+    if one_launch and world > 1:  # before any exchange: every rank raises at the same point
+        raise ValueError(f"moe_backward(one_launch=True) runs at one rank only (world {world}: the all-to-alls as "
+                         f"stages of the launch are not built)")
+    k = experts.shape[1]
+    experts = experts.long()
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices                    # expert-sorted pair i <- pair order[i]
+    tok = order // k
+    dy_b = dy.to(torch.bfloat16)
+    w_pair = weights.reshape(-1).float()[order].contiguous()
+    per_expert = expert_counts(flat, n_exp)  # no host sync (torch.bincount syncs on CUDA)
+    if world > 1:
+        x_rows, dy_rows = x[tok].contiguous(), dy_b[tok].contiguous()
+        send = per_expert.view(world, local)                         # [dest rank, local expert]
+        recv = torch.empty_like(send)                                # [source rank, local expert]
+        dist.all_to_all_single(recv, send, group=group)
+        send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
+        x_rows, dy_rows, w_pair = (_exchange(t, send_splits, recv_splits, group) for t in (x_rows, dy_rows, w_pair))
+        # per source rank, rows sorted by local expert: regroup by local expert (stable: source rank order)
+        chunk_expert = torch.arange(local, device=x.device).repeat(world)
+        src_expert = torch.repeat_interleave(chunk_expert, recv.reshape(-1).to(x.device), output_size=x_rows.shape[0])
+        by_expert = torch.sort(src_expert, stable=True).indices
+        src_x, src_dy, src_idx = x_rows, dy_rows, by_expert          # sorted row i = src[src_idx[i]]
+        w_pair = w_pair[by_expert].contiguous()
+        counts = recv.sum(0)
+    else:
+        send_splits = recv_splits = by_expert = None
+        src_x, src_dy, src_idx = x, dy_b, tok
+        counts = per_expert
+    rows = src_idx.shape[0]
+    f = w2.shape[1]
+    if padded is None:
+        padded = PADDED_ROWS
+    padded = padded and _triton_runs(x) and hidden % 8 == 0 and f % 8 == 0
+    if one_launch is None:
+        one_launch = ONE_LAUNCH and world == 1 and padded
+    elif one_launch and not padded:
+        raise ValueError(f"moe_backward(one_launch=True) needs the padded row layout (padded=False was given, or "
+                         f"H={hidden} / F={f} are not multiples of 8, or Triton cannot run on {x.device})")
+    if padded:  # every expert row gathered straight into the padded layout (gap rows: index -1, zeros)
+        pad_offs, row_of, real_of, end = padded_layout(counts, rows)
+        valid, real = real_of >= 0, real_of.clamp(min=0)
+        def into_padded(idx):  # a gather index of the sorted rows -> of the padded ones (-1: a zero row)
+            return torch.where(valid, idx[real], -1) if rows else torch.full_like(real_of, -1)
+        src_idx = into_padded(src_idx)
+        w_pair = torch.where(valid, w_pair[real], 0.0) if rows else torch.zeros(real_of.shape, device=x.device)
+        x_rows = gather_rows(src_x, src_idx, end)  # rows past ``end``: left unwritten (read by no one)
+        dy_rows, do_rows = gather_rows_and_scaled(src_dy, src_idx, w_pair, end)  # do = w * dy: one read of dy
+    else:
+        pad_offs = row_of = None
+        if world == 1:
+            x_rows, dy_rows = x[tok].contiguous(), dy_b[tok].contiguous()
+        else:
+            x_rows, dy_rows = x_rows[by_expert].contiguous(), dy_rows[by_expert].contiguous()
+    if saved_gu is not None:
+        if saved_gu.gu.shape[1] != w13.shape[2] or saved_gu.world != world or saved_gu.top_k != k:
+            raise ValueError(f"saved_gu (rows of width {saved_gu.gu.shape[1]}, world {saved_gu.world}, top_k "
+                             f"{saved_gu.top_k}) is not this layer's forward (2F={w13.shape[2]}, world {world}, "
+                             f"top_k {k})")
+        if padded:
+            gu = gather_rows(saved_gu.gu, into_padded(saved_gu.backward_order_index(counts, rows)), end)
+        else:
+            gu = saved_gu.in_backward_order(counts, rows)
+    else:
+        gu = _expert_gemm1(x_rows, w13, counts, pad_offs)
+    wdt = _wgrad_dtype(w13, wgrad_dtype)
+    if one_launch:  # the expert part in one launch (W = 1, padded); the router backward below as on the other path
+        dx_e, dw_rows, dw13, dw2 = expert_backward_one_launch(
+            dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, _pair_rows(order, row_of), n_tok,
+            k, wdt, programs=programs)
+    else:
+        if dgrad2_emits_h() or padded:  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
+            dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True,
+                                                   fused=False if padded else None, offs=pad_offs,
+                                                   valid=valid if padded else None)
+        else:
+            dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
+            h = swiglu_h(gu, f)
+        if padded:  # do (gathered with dy_rows above; gap rows zero) and both weight gradients on the flat loop
+            dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt,
+                                             tiles=wgrad_flat_tiles(wdt, f, hidden))
+            dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt,
+                                              tiles=wgrad_flat_tiles(wdt, hidden, 2 * f))
+            dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
+        else:
+            do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
+            dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt, tiles=wgrad2_tiles(h, counts))
+            dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wdt)
+            dx_rows = expert_dgrad1(dgu, w13, counts)
+        if by_expert is not None:  # back to the received order, then to the tokens' ranks
+            if row_of is not None:  # out of the padded layout first
+                dx_rows, dw_rows, row_of = dx_rows[row_of], dw_rows[row_of], None
+            dx_back, dw_back = torch.empty_like(dx_rows), torch.empty_like(dw_rows)
+            dx_back[by_expert], dw_back[by_expert] = dx_rows, dw_rows
+            dx_rows = _exchange(dx_back, recv_splits, send_splits, group)
+            dw_rows = _exchange(dw_back, recv_splits, send_splits, group)
+        dx_e = unpermute_sum(dx_rows, order, k, row_of=row_of)          # pair order p = t*k + j; slot order, fp32
+    dweights = torch.empty((order.shape[0],), dtype=dw_rows.dtype, device=dw_rows.device)
+    dweights[order] = dw_rows if row_of is None else dw_rows[row_of]
+    logits = bf16_mm_fp32(x, router_weight.t())
+    w_re, full, denom = mr.routing_weights_ref(logits, experts, routing, renormalize=renormalize,
+                                               routed_scaling=routed_scaling)
+    dq = mr.router_weights_backward_ref(dweights.view(n_tok, k), w_re, denom, routed_scaling=routed_scaling)
+    dlogits = mr.router_logits_backward_ref(dq, full, experts, routing)
+    d_router, dx_r = router_gemm_backward(dlogits, x, router_weight)
+    return (dx_e + dx_r).to(torch.bfloat16), d_router, dw13, dw2
+
+
+def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
+                    renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
+                    padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None):
+    """``moe_backward`` at one rank (all E experts local)."""
+    return moe_backward(x, router_weight, w13, w2, dy, weights, experts, group=None, routing=routing,
+                        renormalize=renormalize, routed_scaling=routed_scaling, wgrad_dtype=wgrad_dtype,
+                        saved_gu=saved_gu, padded=padded, one_launch=one_launch, programs=programs)

@@ -1,0 +1,324 @@
+"""Drop-in modules and autograd functions over the fused ops.
+
+Tensor + sequence parallelism (Megatron's layout: activations sharded along the sequence, dim 0, between the
+parallel regions; weights in ``nn.Linear``'s [out, in] layout):
+
+``ColumnParallelLinear``  y [s, ..., out/W] = allgather_s(x [s/W, ..., in]) @ W_local^T   (QKV, FC1)
+    forward  all_gather_matmul(x_shard, W_local^T)
+    backward dx_shard = reduce_scatter(dy @ W_local)       -> matmul_reduce_scatter(dy, W_local)
+             dW_local = dy^T @ allgather(x_shard)           (x re-gathered with NCCL, not kept: activation memory)
+``RowParallelLinear``     y [s/W, ..., out] = reduce_scatter_s(x [s, ..., in/W] @ W_local^T)  (attn-out, FC2)
+    forward  matmul_reduce_scatter(x, W_local^T)
+    backward dx = allgather(dy_shard) @ W_local            -> all_gather_matmul(dy_shard, W_local)
+             dW_local = allgather(dy_shard)^T @ x           (the gathered dy comes out of the same launch)
+so every collective of the layer, forward and backward, runs fused with a GEMM. No bias (add it outside: with
+sequence parallelism a bias belongs after the reduce-scatter, on the sharded output).
+
+Precision: ``dtype=torch.bfloat16`` (default) or ``dtype="mxfp8"``. MXFP8 keeps the parameter in bf16 (the
+master weight) and computes the forward on MX values: the activation is quantized per call (``quant.to_mx``,
+what the AllGather moves), the weight's MX values (``quant.mx_round``, blocks along ``in``) are cached until the
+parameter changes (its ``_version``). The backward uses the forward's MX operands with the incoming gradient in
+bf16 -- dx = dy @ W_mx (fused as above), dW = dy^T @ x_mx (x_mx's payload and scales are kept, 1.03 bytes per
+element; a column layer re-gathers them with NCCL, 0.52x of the bf16 bytes) -- and passes the gradients
+straight through the quantizers to x and the master weight (the MX training recipes do the same; dy itself
+is not quantized here).
+
+``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains in bf16 at any
+expert-parallel size: the backward is ``kernels.moe_backward.moe_backward`` (every gradient from the forward's
+routing decision, several launches, with NCCL all-to-alls between them at W > 1; the one-launch backward with its
+communication in the launch is future work -- in MXFP8 a forward that needs gradients raises instead of silently
+dropping them).
+The forward keeps x, the parameters and the routing (weights, experts: T*k each), and by default at one rank
+GEMM1's g | u (T*k x 2F bf16 and the rows' (source, token, slot); ``save_gate_up``): the backward skips
+recomputing GEMM1 (1.63 ms of the qwen3-235b 4k backward, session 10). At W > 1, and with
+``save_gate_up=False``, the backward recomputes GEMM1 instead.
+Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import quant
+from .kernels.all_gather_matmul import all_gather_matmul
+from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
+from .kernels.moe_backward import moe_backward
+from .kernels.moe_forward import moe_forward
+from .moe_reference import ROUTINGS
+from .runtime import world_size
+
+
+def _all_gather_rows(x_shard: torch.Tensor, group) -> torch.Tensor:
+    w = world_size(group)
+    if w == 1:
+        return x_shard
+    out = x_shard.new_empty((x_shard.shape[0] * w,) + tuple(x_shard.shape[1:]))
+    dist.all_gather_into_tensor(out, x_shard.contiguous(), group=group)
+    return out
+
+
+def _all_gather_mx(x, group) -> torch.Tensor:
+    """The dequantized MX values of allgather(x) for an MXTensor x (payload and scales gathered with NCCL)."""
+    payload, scales = x
+    if world_size(group) == 1:
+        return quant.from_mx(x)
+    p = _all_gather_rows(payload.view(torch.uint8), group).view(payload.dtype)
+    return quant.from_mx(quant.MXTensor(p, _all_gather_rows(scales, group)))
+
+
+class AllGatherMatmulMXFn(torch.autograd.Function):
+    """MXFP8 c = allgather(mx(a_shard)) @ b_mx: ``b`` is the bf16 weight view (gets the gradient), ``b_mx`` its
+    MX values (what is multiplied). Backward: module docstring."""
+
+    @staticmethod
+    def forward(ctx, a_shard, b, b_mx, group=None):
+        a_mx = quant.to_mx(a_shard)
+        _, c = all_gather_matmul(a_mx, b_mx, group)
+        ctx.save_for_backward(a_mx.payload, a_mx.scales, b_mx)
+        ctx.group = group
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        payload, scales, b_mx = ctx.saved_tensors
+        dc = dc.contiguous()
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = matmul_reduce_scatter(dc, b_mx.t(), ctx.group)
+        if ctx.needs_input_grad[1]:
+            db = _all_gather_mx(quant.MXTensor(payload, scales), ctx.group).t() @ dc
+        return da, db, None, None
+
+
+class MatmulReduceScatterMXFn(torch.autograd.Function):
+    """MXFP8 c_shard = reduce_scatter(mx(a) @ b_mx); ``b`` gets the gradient, ``b_mx`` is multiplied."""
+
+    @staticmethod
+    def forward(ctx, a, b, b_mx, group=None):
+        a_mx = quant.to_mx(a)
+        ctx.save_for_backward(a_mx.payload, a_mx.scales, b_mx)
+        ctx.group = group
+        return matmul_reduce_scatter(a_mx, b_mx, group)
+
+    @staticmethod
+    def backward(ctx, dc_shard):
+        payload, scales, b_mx = ctx.saved_tensors
+        dc_full, da = all_gather_matmul(dc_shard.contiguous(), b_mx.t(), ctx.group)
+        db = (quant.from_mx(quant.MXTensor(payload, scales)).t() @ dc_full
+              if ctx.needs_input_grad[1] else None)  # dc_full: valid until the next KOSMOS call
+        return (da if ctx.needs_input_grad[0] else None), db, None, None
+
+
+class AllGatherMatmulFn(torch.autograd.Function):
+    """c = allgather(a_shard) @ b with the backward also fused (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, a_shard, b, group=None):
+        _, c = all_gather_matmul(a_shard, b, group)
+        ctx.save_for_backward(a_shard, b)
+        ctx.group = group
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        a_shard, b = ctx.saved_tensors
+        dc = dc.contiguous()
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = matmul_reduce_scatter(dc, b.t(), ctx.group)
+        if ctx.needs_input_grad[1]:
+            db = _all_gather_rows(a_shard, ctx.group).t() @ dc
+        return da, db, None
+
+
+class MatmulReduceScatterFn(torch.autograd.Function):
+    """c_shard = reduce_scatter(a @ b) with the backward also fused (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, a, b, group=None):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        return matmul_reduce_scatter(a, b, group)
+
+    @staticmethod
+    def backward(ctx, dc_shard):
+        a, b = ctx.saved_tensors
+        dc_full, da = all_gather_matmul(dc_shard.contiguous(), b.t(), ctx.group)
+        db = a.t() @ dc_full if ctx.needs_input_grad[1] else None  # dc_full: valid until the next KOSMOS call
+        return (da if ctx.needs_input_grad[0] else None), db, None
+
+
+PRECISIONS = ("bf16", "mxfp8")
+
+
+class _ParallelLinear(torch.nn.Module):
+    def __init__(self, in_features: int, out_features: int, *, shard_out: bool, group=None, device=None,
+                 dtype=torch.bfloat16):
+        super().__init__()
+        if isinstance(dtype, str):
+            if dtype not in PRECISIONS:
+                raise ValueError(f"dtype {dtype!r}: choose torch.bfloat16 or one of {', '.join(PRECISIONS)}")
+            self.precision = dtype
+            dtype = torch.bfloat16  # the master weight
+        else:
+            self.precision = "bf16"
+        if self.precision == "mxfp8" and in_features % (32 * (1 if shard_out else world_size(group))):
+            raise ValueError(f"dtype='mxfp8' needs the GEMM's K ({'in' if shard_out else 'in/W'}) to be a multiple "
+                             f"of 32 (MX blocks); in_features={in_features}")
+        self._mx_cache = None
+        w = world_size(group)
+        sharded = out_features if shard_out else in_features
+        if sharded % w:
+            raise ValueError(f"{'out' if shard_out else 'in'}_features={sharded} does not divide by the "
+                             f"tensor-parallel size {w}")
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        shape = (out_features // w, in_features) if shard_out else (out_features, in_features // w)
+        self.weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        with torch.no_grad():
+            self.weight.normal_(0.0, 1.0 / math.sqrt(in_features))
+
+    def _mx_weight_t(self) -> torch.Tensor:
+        """The weight's MX values, transposed to [in, out] (cached until the parameter changes)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._mx_cache is None or self._mx_cache[0] != key:
+            with torch.no_grad():
+                self._mx_cache = (key, quant.mx_round(self.weight.detach()).t())
+        return self._mx_cache[1]
+
+    def _flat(self, x: torch.Tensor, features: int) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[-1] != features:
+            raise ValueError(f"expected input [..., {features}], got {tuple(x.shape)}")
+        return x.reshape(-1, features)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Column-parallel linear with sequence parallelism: x [s/W, ..., in] (this rank's sequence chunk) ->
+    y [s, ..., out/W]; weight [out/W, in]. AllGather+GEMM forward, GEMM+ReduceScatter backward."""
+
+    def __init__(self, in_features: int, out_features: int, group=None, device=None, dtype=torch.bfloat16):
+        super().__init__(in_features, out_features, shard_out=True, group=group, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = world_size(self.group)
+        if self.precision == "mxfp8":
+            y = AllGatherMatmulMXFn.apply(self._flat(x, self.in_features), self.weight.t(), self._mx_weight_t(),
+                                          self.group)
+        else:
+            y = AllGatherMatmulFn.apply(self._flat(x, self.in_features), self.weight.t(), self.group)
+        return y.view((x.shape[0] * w,) + tuple(x.shape[1:-1]) + (self.weight.shape[0],))
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Row-parallel linear with sequence parallelism: x [s, ..., in/W] -> y [s/W, ..., out] (this rank's
+    sequence chunk, summed over ranks in rank order); weight [out, in/W]. GEMM+ReduceScatter forward,
+    AllGather+GEMM backward."""
+
+    def __init__(self, in_features: int, out_features: int, group=None, device=None, dtype=torch.bfloat16):
+        super().__init__(in_features, out_features, shard_out=False, group=group, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = world_size(self.group)
+        if x.shape[0] % w:
+            raise ValueError(f"the sequence dimension {x.shape[0]} does not divide by the tensor-parallel size {w}")
+        if self.precision == "mxfp8":
+            y = MatmulReduceScatterMXFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(),
+                                              self._mx_weight_t(), self.group)
+        else:
+            y = MatmulReduceScatterFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(), self.group)
+        return y.view((x.shape[0] // w,) + tuple(x.shape[1:-1]) + (self.out_features,))
+
+
+class MoEFn(torch.autograd.Function):
+    """y = moe_forward(x, ...) over the EP group with its backward (kernels.moe_backward.moe_backward: several
+    launches, all-to-alls between them at W > 1); the bias gets no gradient; d(router weight) is this rank's
+    tokens' part (all-reduce it over the data-parallel ranks like any replicated parameter's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, router_weight, w13, w2, bias, top_k, routing, route_kw, group=None, save_gate_up=False):
+        out = moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias, group=group,
+                          return_routing=True, save_gu=save_gate_up, **route_kw)
+        y, weights, experts = out[:3]
+        ctx.saved_gu = out[3] if save_gate_up else None  # kept until the backward (the graph's lifetime)
+        ctx.save_for_backward(x, router_weight, w13, w2, weights, experts)
+        ctx.routing = routing
+        ctx.route_kw = route_kw
+        ctx.group = group
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, router_weight, w13, w2, weights, experts = ctx.saved_tensors
+        kw = {k: v for k, v in ctx.route_kw.items() if k in ("renormalize", "routed_scaling")}
+        dx, d_router, dw13, dw2 = moe_backward(x, router_weight, w13, w2, dy.contiguous(), weights, experts,
+                                               group=ctx.group, routing=ctx.routing, saved_gu=ctx.saved_gu, **kw)
+        ctx.saved_gu = None
+        return dx, d_router, dw13, dw2, None, None, None, None, None, None
+
+
+class MoE(torch.nn.Module):
+    """This rank's share of an expert-parallel MoE layer: router weight [E, H] (replicated), w13 [E/W, H, 2F]
+    (gate | up) and w2 [E/W, F, H] for the experts g with g // (E/W) == rank. ``forward(x [T, H]) -> [T, H]``.
+    ``save_gate_up``: keep GEMM1's g | u from the forward for the backward (None: at one rank only; the module
+    docstring says why and what it costs)."""
+
+    def __init__(self, hidden: int, expert_ffn: int, experts: int, top_k: int, *, routing: str = "softmax",
+                 renormalize: bool = True, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
+                 group=None, device=None, dtype=torch.bfloat16, save_gate_up: bool | None = None):
+        super().__init__()
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+        self.precision = "bf16"
+        if isinstance(dtype, str):  # "mxfp8": bf16 parameters, the MXFP8 layer (moe_forward's precision)
+            if dtype not in PRECISIONS:
+                raise ValueError(f"dtype {dtype!r}: choose torch.bfloat16 or one of {', '.join(PRECISIONS)}")
+            if dtype == "mxfp8" and (hidden % 32 or expert_ffn % 32):
+                raise ValueError(f"dtype='mxfp8' needs hidden={hidden} and expert_ffn={expert_ffn} to be multiples "
+                                 f"of 32 (MX blocks)")
+            self.precision, dtype = dtype, torch.bfloat16
+        self._mx_cache = None
+        world = world_size(group)
+        if experts % world:
+            raise ValueError(f"{experts} experts do not split evenly over {world} ranks")
+        local = experts // world
+        # training: keep GEMM1's g | u from the forward for the backward (no GEMM1 recompute) -- by default at
+        # one rank, where it is exactly T*k rows x 2F bf16; at W > 1 the forward cannot know its row count
+        # and would keep the worst case (W*T*min(k, E/W) rows), so the backward recomputes there
+        self.save_gate_up = (world == 1) if save_gate_up is None else bool(save_gate_up)
+        self.group, self.top_k, self.routing = group, top_k, routing
+        self.route_kw = dict(renormalize=renormalize, routed_scaling=routed_scaling)
+        if routing == "sigmoid-grouped":
+            self.route_kw.update(n_group=n_group, topk_group=topk_group)
+        kw = dict(device=device, dtype=dtype)
+        self.router_weight = torch.nn.Parameter(torch.empty(experts, hidden, **kw))
+        self.w13 = torch.nn.Parameter(torch.empty(local, hidden, 2 * expert_ffn, **kw))
+        self.w2 = torch.nn.Parameter(torch.empty(local, expert_ffn, hidden, **kw))
+        self.bias = (torch.nn.Parameter(torch.zeros(experts, device=device, dtype=torch.float32), requires_grad=False)
+                     if routing == "sigmoid-grouped" else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for p in (self.router_weight, self.w13):
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-2] if p.dim() == 3 else p.shape[-1]))
+            self.w2.normal_(0.0, 1.0 / math.sqrt(self.w2.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in
+                                                                (self.router_weight, self.w13, self.w2))):
+            if self.precision != "bf16":
+                raise RuntimeError("kosmos.nn.MoE's backward runs in bf16 only so far (dtype='mxfp8' trains "
+                                   "nothing yet): run this under torch.no_grad() / inference_mode, or freeze its "
+                                   "parameters")
+            return MoEFn.apply(x, self.router_weight, self.w13, self.w2, self.bias, self.top_k, self.routing,
+                               dict(self.route_kw), self.group, self.save_gate_up)
+        w13, w2 = self.w13, self.w2
+        if self.precision == "mxfp8":  # the experts' MX values, cached until a parameter changes
+            key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))
+            if self._mx_cache is None or self._mx_cache[0] != key:
+                self._mx_cache = (key, quant.mx_values(self.w13.detach(), dim=1),
+                                  quant.mx_values(self.w2.detach(), dim=1))
+            w13, w2 = self._mx_cache[1], self._mx_cache[2]
+        return moe_forward(x, self.router_weight, w13, w2, top_k=self.top_k, routing=self.routing,
+                           bias=self.bias, group=self.group, precision=self.precision, **self.route_kw)

@@ -1,0 +1,308 @@
+"""Host-side planners: tile shapes and the demand-ordered task tables of each fused op.
+
+A task table is an int32 ``[n, 4]`` tensor; a launch claims its rows in order with one atomic head. The
+order is the whole scheduling policy's input: the kernel never reorders, it only decides *which queue* to
+take from next.
+
+AllGather+GEMM (rank r, world W, shard rows Ms = M/W, chunks of BM rows):
+  comm table     rows (PUSH, peer, chunk, 1) for peers r+1, r+2, ... (staggered, so no two ranks push to the
+                 same peer at once), chunks ascending -- the order in which that peer consumes them; then
+                 (COPY, r, chunk, 1): this rank's own rows into its slot of the gathered buffer (only needed
+                 for the returned ``a_full``, so last; the self policy runs them after the compute tiles,
+                 see the kernel's docstring). With p chunks per task (developer knob) a row is (kind, peer, i,
+                 count): chunks i, i + stride, ... with stride = ceil(chunks / p).
+  compute table  rows (slot, m_tile, n_tile, 0): own slot first (ready at once), then slots r-1, r-2, ...
+                 in the order their pushes arrive; inside a slot, GROUP_M m-tiles share each n-tile (L2).
+
+GEMM+ReduceScatter (rank r): the output rows of owner p are rows [p*Ms, (p+1)*Ms) of A @ B.
+  compute table  rows (owner, m_tile, n_tile, 0): tile i of every owner before tile i+1, owners staggered
+                 r+1, r+2, ..., r, so each owner receives tile i from all ranks at about the same time.
+  reduce table   rows (m_tile, n_tile, 0, 0) of this rank's own tiles, in the same tile order: reduce tile i
+                 becomes ready once every rank has produced its partial of tile i.
+
+Measured (dated) -- the GEMM core both TP ops share: the tile rule (tile_config) and the TMA mainloop
+(kernels/common.tile_matmul); detail: docs/archive/session-diary-1-6.md, the session named:
+  Rule 128x256x64, 3 stages, 8 warps, one program per SM. Its original "86-102% of cuBLAS" predates the diary
+  (DESIGN.md, not in this checkout). W=1 kosmos / cuBLAS TFLOP/s since, on one GPU of the 2x H200 machine:
+  v0.1 (6ccc827) 0.88-1.01, v0.2 (c47c5e6, seq 8k/16k) 0.92-1.05, geomean 0.99; on 1x H200 at 909b6c9
+  (session 6, Triton 3.6), against torch.matmul alone (t_gemm_ms / time_ms): llama3-70b TP=2 per-rank GEMMs
+  0.903-1.025 (geomean 0.979; 11 of 12 at >= 0.95, qkv-16k 0.903), TP=1 0.967-1.019 (0.993), llama3-8b
+  per-rank 0.919-0.982 (short-K attn_out lowest). (Session 6 stated 0.952-1.046, geomean 1.005, against the
+  nccl+cublas row, which at W=1 still copies for the all-gather; the AG rows' cuBLAS time multiplied an uninitialised buffer (fixed in session 7, 1e83152; not re-measured).)
+  Inside a tile it is at full rate (attn_out-70b-4k: 43.6 us per tile, 811 TFLOP/s against cuBLAS's 790 for
+  the shape; llama3-8b attn_out 4k: 23.8 us per 128x256x2048 tile, 745 TFLOP/s over 132 SMs). The loss is at
+  the edges: the gap between two tiles (0.99 us session 4, 0.83 us session 5, 0.9% of program time after
+  3667b58), the last partial wave (3.1% at attn_out-70b-4k, 7.76 tiles per program: half or quarter tiles round
+  up the same way, only a stream-K split of K would help), and ~9 us of launch, prologue and exit per call
+  (one-tile call 9.4 us with host descriptors, 82006a1; torch.matmul 4.8, an empty launch 2.9).
+  cuBLAS moved 2-3% between machines of one kind, and ~6% run to run at fc1-16k (ratio 1.063 vs 0.999):
+  compare ratios inside one run.
+Tried and parked (W=1, 1x H200, session 4, the 12 llama3-70b TP=2 per-rank GEMMs, geomean time vs default):
+  4 stages (192 KiB shared memory, no spills; predicted 2-4% faster at long K): 1.000, knob removed.
+  Warp-specialised K loop (tl.range(..., warp_specialize=True)): 1.002, removed.
+  One full-width [128, 256] epilogue store instead of two halves: 0.999, removed.
+  Claim-ahead of the next tile (session 6): 1.012 over the 24 per-rank GEMMs (the ops' records). No error-flag
+  atomic between tasks (86d5acd, session 5): 1.001, kept as simpler.
+  128x128 / 256x128 tiles for few-wave shapes (proposed at v0.1) and a pointer-load mainloop: not measured in
+  sessions 1-6.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .config import AllGatherMatmulConfig, MoEForwardConfig, check_config
+
+PUSH, COPY = 0, 1
+GROUP_M = 8
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2_at_least(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, 1 << max(0, math.ceil(math.log2(max(1, x))))))
+
+
+# The tile candidates of tile_config, largest first: (BM, BN, num_warps, num_stages, throughput). Throughput is
+# each tile's TFLOP/s relative to 128x256 when the grid has many waves of tiles: the geomean over the 20
+# GEMMs of suites/tp-grid.yaml with >= 5 waves of 128x256 tiles, both TP ops at W=1, in the session-10 tile
+# probe on one H200 (results/h200x1/s10/b/tile-probe.jsonl, Triton 3.6): against cuBLAS 128x256 0.93x,
+# 128x128 (one warpgroup, 4 stages) 0.84x, 64x128 0.53x, 64x64 0.40x; relative 1, 0.896, 0.566, 0.426.
+TILE_CANDIDATES = (
+    (128, 256, 8, 3, 1.00),
+    (128, 128, 4, 4, 0.90),
+    (64, 128, 4, 4, 0.57),
+    (64, 64, 4, 6, 0.43),
+)
+
+
+def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 132,
+                mx: bool = False) -> TileConfig:
+    """The one tile rule (no autotuning, no per-shape table): the candidate of TILE_CANDIDATES whose grid of
+    tiles finishes first on ``programs`` persistent programs, by a wave model.
+
+    Each rank computes the whole [rows * world, n] output in tiles (AG: the gathered rows; RS: all rows before
+    the reduction), so a candidate (BM, BN) makes T = ceil(rows*world / BM) * ceil(n / BN) tiles, run in
+    ceil(T / programs) waves; one tile of it takes (BM*BN)/(128*256) / throughput of a 128x256 tile's time. The
+    predicted time is the product; the smallest wins, a larger tile on a tie within 1%. What it does: shapes
+    with many waves keep 128x256x64 (8 warps, 3 stages: 86-102% of cuBLAS on H200 with TMA); a grid under half
+    a wave takes smaller tiles until it fills the SMs (256x1536x1024: 12 tiles of 128x256 -> 96 of 64x64); a
+    wave count just over an integer (192 tiles = 1.45 waves) takes 128x128 (384 tiles, 2.9 waves, less idle
+    tail). K does not enter: the probe found no K where another BK won (128x256x128 lost everywhere, 0.70x of
+    the rule).
+
+    Measured (session 10, one H200, W=1, both TP ops, the 48 GEMMs of suites/tp-grid.yaml, t_gemm/time):
+    the rule picks the fastest of the probe's 8 candidates on 91 of the 96 (shape, op) points and is within
+    1.2% of it on the other 5 (the 8-warp 128x128 or a 64x256 tile won there by a hair); predicted geomean
+    0.875x (RS) / 0.869x (AG) of cuBLAS against 0.825x / 0.819x for 128x256 everywhere; worst shape
+    512x1536x7168 0.35x -> 0.59x. That was in-sample (the throughputs come from the same probe); the grid
+    bench with the rule (results/h200x1/tp-grid-w1.*, same session, 3922e32) measured 0.865x (AG) / 0.871x
+    (RS) geomean, worst 0.588x / 0.589x at 512x1536x7168, 24 / 25 of 48 shapes under 0.90x (issue 13's bar:
+    0.97x, none under 0.90x); the llama3-70b TP=2 per-rank GEMMs keep 128x256 (0.985x of cuBLAS, min 0.949).
+    Left for split-K / stream-K: shapes under a wave even in 64x64 tiles, and
+    the per-tile overhead that holds short-K shapes (K = 1024: 0.84-0.90x) below cuBLAS.
+    Tried and lost (session 11, branch ``split-k``, ca6252c, not merged): split-K at W=1 for both ops, S tasks
+    per output tile with fp32 partials summed in order by the last split, chosen by this wave model extended to
+    split tasks (it split 3 grid shapes). Measured on one H200 against this rule (results/h200x1/s11/a):
+    512x1536x7168 0.584 -> 0.659x of cuBLAS (predicted ~1.15x), 256x4096x4096 0.714 -> 0.768x (predicted
+    ~1.15x), 512x5120x5120 0.712 -> 0.553x (predicted ~0.84x); the other 93 points unchanged (1.001). The model's
+    per-SM rate for a split tile is wrong by ~2x: these few-tile shapes are held by something a K split does not
+    remove (the per-tile fixed cost, the last split's serial sum, or both -- not yet traced).
+
+    ``mx``: the MXFP8 paths keep 128x256 (their DEQ plan was measured only with it; the small tiles are not
+    yet compiled or timed there). The rows <= 64 case falls out of the model (a 128-row tile costs its full
+    time however few rows it holds). At W > 1 the same rule applies and the communication chunks are BM rows.
+    Tiny tiles under the CPU interpreter."""
+    if interpreting():
+        return TileConfig(16, _pow2_at_least(n, 16, 32), 16, 4, 1)
+    bn_cap = _pow2_at_least(n, 64, 256)
+    if mx:
+        return TileConfig(128 if rows > 64 else 64, bn_cap, 64, 8, 3)
+    m_total = rows * max(1, world)
+    best = None
+    for bm, bn, warps, stages, throughput in TILE_CANDIDATES:
+        bn = min(bn, bn_cap)
+        tiles = -(-m_total // bm) * -(-n // bn)
+        cost = -(-tiles // max(1, programs)) * (bm * bn) / (128 * 256) / throughput
+        if best is None or cost < best[0] * 0.99:
+            best = (cost, TileConfig(bm, bn, 64, warps, stages))
+    return best[1]
+
+
+def _grouped(m_tiles: int, n_tiles: int):
+    """(m, n) pairs of a grid in GROUP_M-grouped order."""
+    order = []
+    for m0 in range(0, m_tiles, GROUP_M):
+        group = range(m0, min(m0 + GROUP_M, m_tiles))
+        for n in range(n_tiles):
+            for m in group:
+                order.append((m, n))
+    return order
+
+
+def _table(rows, device) -> torch.Tensor:
+    t = torch.tensor(rows if rows else [[0, 0, 0, 0]], dtype=torch.int32)
+    if not rows:
+        t = t[:0]
+    return t.to(device)
+
+
+AG_TARGET_PUSHERS = 16  # push_chunks="auto": about this many push tasks per rank (all peers)
+
+
+def ag_comm_config(world: int, ms: int, bm: int, config=None) -> tuple[int, int]:
+    """(chunks per comm task, elements per copy step) of AllGather+GEMM for a shard of ``ms`` rows in chunks of
+    ``bm``, from ``config`` (a ``kosmos.AllGatherMatmulConfig``; None = defaults 1 and 16384). One program
+    copies 2.5x faster with 16384 bf16 in flight per step than with 4096 (one H200, `dev.copy_probe`), and the
+    kernel stays spill-free (Triton 3.6, sm_90: 181 registers; `dev.kernel_resources`). push_chunks="auto":
+    about AG_TARGET_PUSHERS push tasks in all, however long the shard (fewer, larger comm tasks would take the
+    same NVLink bandwidth from fewer SMs; its two-GPU A/B is still to run)."""
+    config = check_config(AllGatherMatmulConfig, config)  # an isinstance check; None: the default instance
+    if config.push_chunks == "auto":
+        chunks = math.ceil(ms / bm) * max(1, world - 1)
+        per_task = max(1, math.ceil(chunks / AG_TARGET_PUSHERS))
+    else:
+        per_task = config.push_chunks
+    return per_task, config.copy_block
+
+
+def ag_comm_stride(ms: int, bm: int, per_task: int) -> int:
+    """Comm tasks per destination; task i moves chunks i, i + stride, i + 2*stride, ... (so the first chunks
+    of every task land first: the peer consumes chunks in ascending order)."""
+    return math.ceil(math.ceil(ms / bm) / per_task)
+
+
+def ag_push_tasks(world: int, ms: int, bm: int, per_task: int) -> int:
+    """Number of PUSH rows at the front of the comm table (the COPY rows follow)."""
+    return (world - 1) * ag_comm_stride(ms, bm, per_task)
+
+
+@lru_cache(maxsize=256)
+def _ag_rows(rank: int, world: int, ms: int, n: int, bm: int, bn: int, per_task: int = 1):
+    chunks = math.ceil(ms / bm)
+    stride = ag_comm_stride(ms, bm, per_task)
+    groups = [(i, len(range(i, chunks, stride))) for i in range(stride)]
+    comm = [(PUSH, (rank + d) % world, i, cnt) for d in range(1, world) for i, cnt in groups]
+    if world > 1:
+        comm += [(COPY, rank, i, cnt) for i, cnt in groups]
+    tiles = _grouped(chunks, math.ceil(n / bn))
+    compute = [((rank - d) % world, m, nt, 0) for d in range(world) for (m, nt) in tiles]
+    return tuple(comm), tuple(compute)
+
+
+def plan_all_gather_matmul(rank: int, world: int, ms: int, n: int, cfg: TileConfig, device, per_task: int = 1):
+    """Returns (comm_table, compute_table, flag_slots) for one rank; flags are (src, chunk). A comm row is
+    (PUSH or COPY, peer, first chunk, chunks): ``per_task`` chunks per task, strided by ``ag_comm_stride``."""
+    comm, compute = _ag_rows(rank, world, ms, n, cfg.BM, cfg.BN, per_task)
+    flag_slots = world * math.ceil(ms / cfg.BM)
+    return _table(list(comm), device), _table(list(compute), device), flag_slots
+
+
+@lru_cache(maxsize=256)
+def _rs_rows(rank: int, world: int, ms: int, n: int, bm: int, bn: int):
+    tiles = _grouped(math.ceil(ms / bm), math.ceil(n / bn))
+    compute = [((rank + d) % world, m, nt, 0) for (m, nt) in tiles for d in range(1, world + 1)]
+    reduce_ = [(m, nt, 0, 0) for (m, nt) in tiles] if world > 1 else []
+    return tuple(compute), tuple(reduce_)
+
+
+def plan_matmul_reduce_scatter(rank: int, world: int, ms: int, n: int, cfg: TileConfig, device):
+    """Returns (compute_table, reduce_table, flag_slots) for one rank; flags are (src, tile-of-owner)."""
+    compute, reduce_ = _rs_rows(rank, world, ms, n, cfg.BM, cfg.BN)
+    tiles_per_owner = math.ceil(ms / cfg.BM) * math.ceil(n / cfg.BN)
+    return _table(list(compute), device), _table(list(reduce_), device), world * tiles_per_owner
+
+
+_DEVICE_TABLES: dict = {}
+
+
+def cached_tables(key, build):
+    """Keep device copies of task tables so that steady-state calls allocate and copy nothing (and a CUDA-graph
+    capture finds them: building one is a host-to-device copy, refused while capturing)."""
+    t = _DEVICE_TABLES.get(key)
+    if t is None:
+        from .runtime import capture_refusal
+        capture_refusal(f"its task tables for {key[0]} at this shape are not built yet")
+        t = build()
+        _DEVICE_TABLES[key] = t
+    return t
+
+
+# ----------------------------------------------------------------------------------------------- MXFP8
+@dataclass(frozen=True)
+class DequantPlan:
+    """MXFP8 dequantize-on-arrival tasks of a TP op: each DEQ task expands ROWS rows of one BM-row chunk
+    (PARTS = BM / ROWS tasks per chunk, one flag each), NB MX blocks (32 elements) per step of its row loop."""
+    ROWS: int
+    PARTS: int
+    NB: int
+
+
+def dequant_plan(cfg: TileConfig, k: int) -> DequantPlan:
+    """32 rows per DEQ task (4 per 128-row chunk: ~1 MB of traffic at K = 8192, so the first chunks -- which
+    the first tiles wait for -- are spread over 4 programs), 16 MX blocks (512 columns) per step: 16 KB of
+    payload in flight per program. Tiny under the CPU interpreter."""
+    rows = max(1, cfg.BM // 4) if not interpreting() else max(1, cfg.BM // 2)
+    nb_cap = 16 if not interpreting() else 2
+    return DequantPlan(rows, cfg.BM // rows, min(nb_cap, _pow2_at_least(k // 32, 1, nb_cap)))
+
+
+@lru_cache(maxsize=256)
+def _deq_rows(rank: int, world: int, ms: int, bm: int, parts: int, op: str):
+    chunks = math.ceil(ms / bm)
+    if op == "ag":  # the compute table's slot order: own slot first, then slots r-1, r-2, ... as they arrive
+        order = [((rank - d) % world, m) for d in range(world) for m in range(chunks)]
+    else:  # gemm_rs: m-tile major, owners staggered r+1, ..., r (the compute table's order)
+        order = [((rank + d) % world, m) for m in range(chunks) for d in range(1, world + 1)]
+    return tuple((slot, m, p, 0) for slot, m in order for p in range(parts))
+
+
+def plan_dequant(rank: int, world: int, ms: int, cfg: TileConfig, plan: DequantPlan, op: str, device):
+    """The DEQ task table (slot, chunk, part, 0) in the order the op's tiles need the rows."""
+    return _table(list(_deq_rows(rank, world, ms, cfg.BM, plan.PARTS, op)), device)
+
+
+# ------------------------------------------------------------------------------------------------------ MoE
+@dataclass(frozen=True)
+class MoETiles:
+    """Block sizes of the one-launch MoE layer (kernels/moe_forward.py). Its task lists are built on the
+    device (the per-expert row counts exist only there), so this is the whole host-side plan."""
+    RB: int    # tokens per router/dispatch task
+    PB: int    # received rows per permute task
+    FB: int    # tokens per fold task
+    BH: int    # columns per copy step (dispatch, permute, fold)
+    BM: int    # expert GEMM tile rows
+    BK: int
+    BNH: int   # GEMM1 tile: BNH gate columns + the matching BNH up columns
+    BN: int    # GEMM2 tile columns
+    num_warps: int
+    num_stages: int
+    half_tail: bool = True     # an expert's last m-tile with <= BM/2 rows runs as a BM/2-row tile
+
+
+def moe_config(config=None, mx: bool = False) -> MoETiles:
+    """The one rule: GEMM tiles as the TP kernels (128 rows, 64-deep K steps, 3 stages, 8 warps; GEMM1 computes
+    128 gate + 128 up columns so that SwiGLU fuses into its epilogue); 32-token blocks for the data movers so
+    that a 4k-token batch makes ~one task per SM; the copy step and the half-height tail tile from ``config``
+    (a ``kosmos.MoEForwardConfig``, whose docstring has the measurements). Tiny blocks under the CPU interpreter (the copy step capped at 32)."""
+    config = check_config(MoEForwardConfig, config)  # an isinstance check; None: the default instance
+    if interpreting():  # (MXFP8: GEMM1's epilogue rounds whole 32-column MX blocks, so BNH >= 32)
+        return MoETiles(RB=16, PB=16, FB=16, BH=min(32, config.copy_cols), BM=16, BK=16, BNH=32 if mx else 16,
+                         BN=32, num_warps=4, num_stages=1, half_tail=config.half_tail)
+    return MoETiles(RB=32, PB=32, FB=32, BH=config.copy_cols, BM=128, BK=64, BNH=128, BN=256, num_warps=8,
+                     num_stages=3, half_tail=config.half_tail)

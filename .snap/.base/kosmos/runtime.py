@@ -1,0 +1,417 @@
+"""Runtime: the world a kernel runs in, and the symmetric workspace it communicates through.
+
+One ``Workspace`` per process group, created on first use and reused by every call:
+
+* ``data``   -- a symmetric byte buffer (torch symmetric memory), the same size on every rank, grown when a
+                larger shape arrives. AllGather+GEMM uses it as the gathered input ``[W * M/W, K]``;
+                GEMM+ReduceScatter as the staging of this rank's partial products ``[M, N]``. Peers read or
+                write it through ``peer_data`` (int64 device tensor of every rank's base address).
+* ``signals``-- a symmetric int32 buffer of flags, reached through ``peer_signals``. Slots
+                ``[DONE_BASE, DONE_BASE + 64)`` hold "rank p finished call e" (written by p); the slots from
+                ``FLAG_BASE`` hold per-chunk / per-tile readiness flags of the current op.
+* ``counters``-- a symmetric int32 buffer of *counters* (peers add to them; the consumer resets each one to 0
+                after reading it), reached through ``peer_counters``. Kept apart from ``signals`` because
+                epoch-valued flags of other ops must never land in a counter.
+* ``heads``  -- local int32 queue heads (+ an exit counter); the last program of a launch zeroes them.
+* ``epoch_slot`` -- local int32[1]: the device epoch, the number of calls this workspace has completed (below).
+* ``local(name, numel, dtype)`` -- plain (non-symmetric) device buffers an op keeps between calls (grown on
+                demand; created zeroed).
+* ``errors`` -- local int64[ERR_SLOTS] error record written by a timed-out wait (see device.py); its last slot
+                holds the address of a pinned host mirror of the record.
+
+Epochs: every call gets the next value of a per-workspace counter; flags are written with it and waited on
+with ``>= epoch``, so back-to-back calls need no reset kernel and no host synchronisation. A call's first
+write into shared buffers waits until every peer has published ``done >= epoch - 1`` (at W = 1 there is no
+peer: neither the wait nor the done flag happens). The counter lives on the device, in ``epoch_slot``, and the
+launch itself advances it: every program reads ``epoch = slot + 1`` once at its start and the last program
+to exit stores ``slot = epoch`` (device.call_epoch / device.exit_program). The host never passes an epoch, so
+a CUDA graph that captured a call replays it with the next epoch each time and never reads stale peer data.
+Every op of a workspace (both TP ops and the MoE layer) shares its slot, like the done flags they share; the
+ranks' slots advance in lockstep because every rank makes the same sequence of calls. A workspace growth
+(fresh zeroed signals) sets the slot back to 0. ``Workspace.device_epoch()`` reads it (a host sync: tests).
+Measured (session 10, one H200, Triton 3.6, interleaved A/B against the host-epoch tree, W=1, each tree
+from its own directory): TP 0.998x the time (12 llama3-70b TP=2 per-rank GEMMs, 2 rounds), MoE 1.007x (12
+EP=1 points, 2 rounds in both orders: deepseek-v3 0.991-1.009, qwen3-235b 1.007-1.022 -- a real 1-2% on the
+qwen3 points, from the MoE kernel's register allocation as far as can be told: spills 156/104/604 B at
+W = 1/2/8 against 160/112/604). A replayed graph: the same device time as eager, 7-11 us of host time per
+call (results/h200x1/s10/c).
+
+CUDA graphs: the ops may be captured (``torch.cuda.graph``) once one eager call of the same shapes, dtypes,
+config and group has run: that call creates what a capture must not create -- the symmetric workspace and the
+local buffers large enough for the shape, the cached task tables, the compiled kernel, the MoE layer's
+cross-rank shape check. A capture that would need any of them raises a one-line ``KosmosError`` saying so
+(``capture_refusal``) instead of allocating, synchronising or talking to peers. A capture keeps fixed what any
+CUDA graph does: the shapes, the input tensors' addresses (copy new data into them), the output tensors of
+the captured call (every replay writes the same ones), the policy and config, and the timeout in force at
+capture. At W > 1 every rank must capture the same calls and replay its graphs in the same order as its
+peers (each replay is one call per op captured, as eagerly). Once a call was captured the workspace's buffers
+may not grow any more (the graphs hold them): an eager call that would need more raises a KosmosError, so the
+largest shapes go first; ``reset_workspaces()`` drops the buffers and with them every graph that used them.
+Under capture no error event is recorded (an event captured in a graph cannot be queried after a replay);
+``check_errors()`` after replays synchronises the device and then reads the pinned mirror, raising
+``KosmosTimeoutError`` exactly as after eager calls; the next eager call also sees a replay's error (it reads
+the mirror once its predecessor's event has completed).
+
+Errors are checked without stalling the stream: the program that records an error also writes the record
+into pinned, host-mapped memory (a healthy call moves nothing: a per-call device-to-host copy measured ~5 us
+per call on H200); an event is recorded after each launch, and the next call (or
+``check_errors()``) reads the mirror once the event has completed and raises
+``KosmosTimeoutError`` naming op, rank, task and counter. After a timeout the workspace is poisoned (peers may
+still write into it) and every further call raises until ``reset_workspaces()``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from .codes import ERR_RECORD, ERR_SLOTS, OP_NAMES, TRACE_KINDS, WAIT_TEXT, op_code, wait_tag  # noqa: F401
+
+DONE_BASE = 0
+FLAG_BASE = 64
+MAX_WORLD = 8
+NUM_HEADS = 5  # [0, 4): one queue head per stage of a TP op (schedule.py), [4]: the exit counter
+EXIT_SLOT = 4
+DEFAULT_TIMEOUT_S = float(os.environ.get("KOSMOS_TIMEOUT_S", "5.0"))
+
+
+class KosmosError(RuntimeError):
+    """Base class of runtime errors raised by KOSMOS."""
+
+
+class KosmosTimeoutError(KosmosError):
+    """A bounded wait inside a kernel expired (a peer stalled, crashed, or never launched)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The process group a fused op runs over."""
+    group: object
+    rank: int
+    size: int
+    device: torch.device
+
+    @staticmethod
+    def of(group=None, device=None) -> "World":
+        if dist.is_available() and dist.is_initialized():
+            g = group if group is not None else dist.group.WORLD
+            rank, size = dist.get_rank(g), dist.get_world_size(g)
+        else:
+            if group is not None:
+                raise ValueError("a process group was given but torch.distributed is not initialised")
+            g, rank, size = None, 0, 1
+        if size > MAX_WORLD:
+            raise ValueError(f"world size {size} > {MAX_WORLD}: KOSMOS targets one NVLink node")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return World(g, rank, size, device)
+
+
+def world_size(group=None) -> int:
+    """Ranks in ``group`` (1 without an initialised process group)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+@lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device) -> int:
+    """SM count of ``device`` (read from the device, cached): the persistent grid size."""
+    return _num_sms(torch.device(device).index if torch.device(device).index is not None
+                    else torch.cuda.current_device())
+
+
+def decode_error(err) -> str:
+    """One sentence from an error record (codes.py's layout): which op, rank and task timed out, and what it
+    was waiting for, in words."""
+    op = OP_NAMES.get(op_code(err), f"op{op_code(err)}")
+    wait = wait_tag(err)
+    task = int(err[3])
+    index = int(err[4])
+    what = WAIT_TEXT.get(wait, f"signal {index}").format(index=index)
+    where = "" if task < 0 else f" (task {task})"
+    return (f"{op}: rank {int(err[2])}{where} timed out after {int(err[7]) / 1e6:.1f} ms waiting for {what}: "
+            f"expected >= {int(err[5])}, observed {int(err[6])}. "
+            "A peer stalled, crashed, or did not make the same call (at one rank: the task it waited for never "
+            "ran -- a kernel bug; please report it).")
+
+
+def one_rank_errors(ws, device: torch.device) -> torch.Tensor:
+    """The error record a launch at one rank (no peer) writes into: on CUDA the workspace's, made if needed and
+    with the earlier calls' timeouts raised first (``before_launch``); elsewhere (the interpreter, a compile-only
+    run) a fresh zeroed one. Pair it with ``after_one_rank_launch``."""
+    if device.type == "cuda":
+        ws.ensure(1, 0)
+        ws.before_launch()
+        return ws.errors
+    return torch.zeros(ERR_SLOTS, dtype=torch.int64)
+
+
+def after_one_rank_launch(ws, device: torch.device, errors: torch.Tensor) -> None:
+    """After a one-rank launch: on CUDA the workspace's error event (a timeout raises at the next call or
+    kosmos.check_errors()); elsewhere the launch has run, so its record is read now (KosmosTimeoutError)."""
+    if device.type == "cuda":
+        ws.after_launch()
+    elif int(errors[0]):
+        raise KosmosTimeoutError(decode_error(errors.tolist()))
+
+@dataclass
+class Workspace:
+    world: World
+    data: torch.Tensor | None = None          # local view of the symmetric data buffer (uint8)
+    signals: torch.Tensor | None = None       # int32
+    peer_data: torch.Tensor | None = None     # int64 [W]
+    peer_signals: torch.Tensor | None = None  # int64 [W]
+    counters: torch.Tensor | None = None      # int32, symmetric, always left at zero between calls
+    peer_counters: torch.Tensor | None = None  # int64 [W]
+    heads: torch.Tensor | None = None
+    epoch_slot: torch.Tensor | None = None    # int32 [1], local: the device epoch (module docstring)
+    errors: torch.Tensor | None = None
+    poisoned: str | None = None
+    _handles: list = field(default_factory=list)
+    _local: dict = field(default_factory=dict)
+    agreed_shapes: set = field(default_factory=set)  # call signatures every rank was checked to share
+    _err_host: torch.Tensor | None = None
+    _err_event: object = None
+    _capturing: bool = False  # the current call is being captured into a CUDA graph (before_launch)
+    _captured: bool = False   # some call was: check_errors() synchronises the device (replays record no event),
+                              # and the buffers may no longer grow (_may_grow)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    _plans: dict = field(default_factory=dict)  # the ops' launch plans on these buffers (kosmos/launch_plan.py)
+
+    @property
+    def data_bytes(self) -> int:
+        return 0 if self.data is None else self.data.numel()
+
+    @property
+    def signal_slots(self) -> int:
+        return 0 if self.signals is None else self.signals.numel()
+
+    def ensure(self, data_bytes: int, flag_slots: int) -> None:
+        """Make sure the buffers hold ``data_bytes`` and ``FLAG_BASE + flag_slots`` flags (collective when it
+        grows: every rank makes the same call with the same shapes)."""
+        if self.poisoned:
+            raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        need_sig = FLAG_BASE + flag_slots
+        if self.data is not None and self.data_bytes >= data_bytes and self.signal_slots >= need_sig:
+            return
+        self._may_grow(f"its symmetric workspace must grow to {data_bytes} bytes and {need_sig} signal slots")
+        dev = self.world.device
+        if self.data is not None:  # growing: let every peer finish with the old buffers first
+            torch.cuda.synchronize(dev)
+            if self.world.size > 1:
+                dist.barrier(group=self.world.group)
+        data_bytes = max(data_bytes, self.data_bytes, 1 << 20)
+        data_bytes = (data_bytes + (1 << 20) - 1) // (1 << 20) << 20
+        need_sig = max(need_sig, self.signal_slots, 4096)
+        try:
+            self.data, data_ptrs = self._symmetric(data_bytes, torch.uint8)
+            self.signals, sig_ptrs = self._symmetric(need_sig, torch.int32)
+        except torch.OutOfMemoryError as e:
+            raise KosmosError(f"cannot allocate a {data_bytes / 2**20:.0f} MiB symmetric workspace on "
+                              f"{dev}: {e}") from e
+        self.signals.zero_()
+        self.peer_data = torch.tensor(data_ptrs, dtype=torch.int64, device=dev)
+        self.peer_signals = torch.tensor(sig_ptrs, dtype=torch.int64, device=dev)
+        if self.heads is None:
+            self.heads = torch.zeros(NUM_HEADS, dtype=torch.int32, device=dev)
+            self.epoch_slot = torch.zeros(1, dtype=torch.int32, device=dev)
+            self._err_host = torch.zeros(ERR_RECORD, dtype=torch.int64, pin_memory=True)
+            # pinned memory is mapped into the device's address space at the same address (UVA)
+            self.errors = torch.tensor([0] * ERR_RECORD + [self._err_host.data_ptr()], dtype=torch.int64, device=dev)
+        self.epoch_slot.zero_()  # fresh zeroed signals: epochs restart (on every rank: growth is collective)
+        self._grew()
+        torch.cuda.synchronize(dev)
+        if self.world.size > 1:
+            dist.barrier(group=self.world.group)
+
+    def ensure_counters(self, slots: int) -> None:
+        """Make sure the symmetric counter buffer holds ``slots`` int32 (collective when it grows)."""
+        if self.poisoned:
+            raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        have = 0 if self.counters is None else self.counters.numel()
+        if have >= slots:
+            return
+        self._may_grow(f"its symmetric counter buffer must grow to {slots} slots")
+        dev = self.world.device
+        if self.counters is not None:
+            torch.cuda.synchronize(dev)
+            if self.world.size > 1:
+                dist.barrier(group=self.world.group)
+        slots = max(slots, 2 * have, 4096)
+        self.counters, ptrs = self._symmetric(slots, torch.int32)
+        self.counters.zero_()
+        self.peer_counters = torch.tensor(ptrs, dtype=torch.int64, device=dev)
+        self._grew()
+        torch.cuda.synchronize(dev)
+        if self.world.size > 1:
+            dist.barrier(group=self.world.group)
+
+    def local(self, name: str, numel: int, dtype, init=None) -> torch.Tensor:
+        """A local device buffer of at least ``numel`` elements kept for later calls (zeroed when created, then
+        ``init(t)`` if given). Growing one is safe without a barrier: only this rank's kernels touch it, in
+        stream order."""
+        t = self._local.get(name)
+        if t is None or t.numel() < numel or t.dtype != dtype:
+            self._may_grow(f"its local buffer {name!r} must grow to {numel} elements")
+            t = torch.zeros(max(numel, 1), dtype=dtype, device=self.world.device)
+            if init is not None:
+                init(t)
+            self._local[name] = t
+            self._grew()
+        return t
+
+    def _grew(self) -> None:
+        """A buffer was made or replaced: the launch plans that viewed the old ones are dropped (they would keep
+        freed buffers alive and point the next launch at them)."""
+        self._plans.clear()
+
+    def local_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._local.values())
+
+    def _may_grow(self, what: str) -> None:
+        """Before a buffer is made or grown: not inside a capture (``capture_refusal``), and not once a CUDA graph
+        holds calls on this workspace -- the graph keeps using the old buffers, which growing would free (and
+        its epochs would restart under the graph)."""
+        capture_refusal(what)
+        if self._captured:
+            raise KosmosError(f"a KOSMOS workspace cannot grow once CUDA graphs have captured calls on it ({what}): "
+                              f"the graphs keep using its buffers. Make the eager call with the largest shapes "
+                              f"before capturing, or call kosmos.reset_workspaces() (which invalidates those "
+                              f"graphs) and capture again")
+
+    def _symmetric(self, numel: int, dtype):
+        if self.world.size == 1:
+            t = torch.empty(numel, dtype=dtype, device=self.world.device)
+            return t, [t.data_ptr()]
+        import torch.distributed._symmetric_memory as symm_mem
+        t = symm_mem.empty(numel, dtype=dtype, device=self.world.device)
+        handle = symm_mem.rendezvous(t, group=self.world.group)
+        self._handles.append(handle)
+        return t, list(handle.buffer_ptrs)
+
+    def before_launch(self) -> None:
+        """Every op calls this right before its launch: raise a timeout an earlier call recorded (a look at the
+        last launch's event, never a wait), and note whether this call is being captured into a CUDA graph (then
+        nothing is queried: an event query is illegal during a capture). The epoch is not the host's business:
+        the launch reads and advances the device slot itself."""
+        self._capturing = capturing()
+        if self._capturing:
+            if self.poisoned:
+                raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        else:
+            self.check_errors(block=False)
+
+    def after_launch(self) -> None:
+        """Record the event behind which the host mirror of the error record is complete (the kernel writes
+        the mirror only on error); it is read by the next call or check_errors(). Not while capturing: an event
+        recorded into a graph cannot be queried after a replay; check_errors() then synchronises instead."""
+        if self._capturing:
+            self._captured = True  # a graph now holds a launch on this workspace's buffers
+            return
+        if self._err_event is None:
+            self._err_event = torch.cuda.Event()
+        self._err_event.record()
+
+    def device_epoch(self) -> int:
+        """The device epoch (calls completed on this workspace since it was made or last grew): a
+        device-to-host copy, so a synchronisation -- for tests and error reports, never on the hot path."""
+        return 0 if self.epoch_slot is None else int(self.epoch_slot.item())
+
+    def check_errors(self, block: bool = True) -> None:
+        if self.poisoned:
+            raise KosmosTimeoutError(self.poisoned + " (workspace poisoned; call kosmos.reset_workspaces())")
+        if capturing():  # nothing can be waited for or queried inside a capture; replays are checked after it
+            return
+        if block and self._captured:  # a replayed graph records no event: wait for everything on the device
+            torch.cuda.synchronize(self.world.device)
+        elif self._err_event is None:
+            return
+        elif block:
+            self._err_event.synchronize()
+        elif not self._err_event.query():
+            return
+        if self._err_host is not None and int(self._err_host[0]) != 0:
+            self.poisoned = decode_error(self._err_host.tolist())
+            raise KosmosTimeoutError(self.poisoned)
+
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+
+_WORKSPACES: dict = {}
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capture_refusal(what: str) -> None:
+    """Raise a one-line KosmosError if the current stream is capturing a CUDA graph: a call of an op that
+    still has to do ``what`` (allocate, build tables, synchronise, talk to peers) cannot be captured. Only
+    the slow paths call it (a first call of a shape), so the steady state pays nothing."""
+    if capturing():
+        raise KosmosError(f"a KOSMOS op cannot be captured in a CUDA graph here: {what}, which a capture "
+                          f"cannot do -- run one eager call with the same shapes (and config, group) first")
+
+
+def get_workspace(group=None, device=None) -> Workspace:
+    """The workspace of ``group`` on ``device``, created on first use (nothing is allocated until an op
+    calls ``ensure``); every op takes it before it launches."""
+    world = World.of(group, device)
+    key = (id(world.group), world.device.index)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = Workspace(world)
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def check_errors(group=None) -> None:
+    """Wait for the last KOSMOS launch on ``group`` (after CUDA-graph replays: for the whole device) and raise
+    if any bounded wait timed out."""
+    for ws in list(_WORKSPACES.values()):
+        if group is None or ws.world.group is group:
+            ws.check_errors(block=True)
+
+
+def set_timeout(seconds: float, group=None, device=None) -> None:
+    """Bound every in-kernel wait of ``group``'s workspace on ``device`` (default: the current CUDA device)
+    to ``seconds`` (default KOSMOS_TIMEOUT_S or 5 s)."""
+    if not 0 < seconds <= 2000:
+        raise ValueError(f"timeout must be positive and at most 2000 s, got {seconds}")
+    if device is None and not torch.cuda.is_available():  # else torch's bare AssertionError (current_device)
+        raise KosmosError("kosmos.set_timeout: no CUDA device is available (the timeout belongs to a GPU's "
+                          "workspace; torch sees no GPU here)")
+    get_workspace(group, torch.device(device) if device is not None else None).timeout_s = float(seconds)
+
+
+def reset_workspaces() -> None:
+    """Drop every workspace (after a timeout). Collective: all ranks must call it."""
+    _WORKSPACES.clear()
+
+
+def workspace_bytes(group=None) -> int:
+    """Bytes of this rank's symmetric workspace (data + signals + counters); the ops' local buffers, which the
+    caching allocator counts, are ``get_workspace(group).local_bytes()``."""
+    ws = get_workspace(group)
+    ctr = 0 if ws.counters is None else 4 * ws.counters.numel()
+    return ws.data_bytes + 4 * ws.signal_slots + ctr
+
+
+def _triton_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.int8)
+
+
+def ensure_triton_allocator() -> None:
+    """Device-side tensor descriptors need scratch memory: give Triton a torch-backed allocator. Triton keeps
+    it in a context variable, which a new thread does not inherit (autograd runs backward on its own
+    thread), so this is set before every launch: one context-variable write."""
+    import triton
+    triton.set_allocator(_triton_scratch)

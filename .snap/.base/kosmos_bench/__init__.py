@@ -1,0 +1,1 @@
+"""KOSMOS benchmark suite: CLI, launcher, timing, baselines, suites, results and reports."""

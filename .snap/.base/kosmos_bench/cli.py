@@ -1,0 +1,716 @@
+"""The ``kosmos`` command line: ``kosmos bench tp``, ``kosmos bench moe``, ``kosmos report``."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=(
+    "KOSMOS: self-scheduling fused communication+GEMM kernels for tensor/sequence and expert parallelism, "
+    "and the benchmark that compares them with what you run today.\n\n"
+    "  kosmos bench tp                      # default TP suite on all visible GPUs\n\n"
+    "  kosmos bench tp --model llama3-70b --seq 4096,8192 --tp 2\n\n"
+    "  kosmos bench moe --model deepseek-v3 --tokens 4096 --routing uniform,zipf:1.2\n\n"
+    "  kosmos bench tp --shape 8192x1024x8192 --op ag_gemm --dry-run\n\n"
+    "  kosmos report results/h200x2/tp-bf16.jsonl --format md\n\n"
+    "  kosmos env                           # what a bug report needs"))
+bench_app = typer.Typer(no_args_is_help=True, help="Check and time fused ops against baselines on this node's GPUs.")
+app.add_typer(bench_app, name="bench")
+console = Console(stderr=True)
+
+
+def _version(value: bool):
+    if value:
+        from .envinfo import version_line
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the versions of kosmos, torch and triton, and exit.")):
+    pass
+
+
+CAST_WORDS = {int: "an integer", float: "a number"}
+
+
+def _split(values: Optional[List[str]], cast=str, option: str = ""):
+    """Repeated and comma-separated option values -> a tuple (None when not given); a value ``cast`` rejects is
+    a one-line error naming ``option``."""
+    if not values:
+        return None
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            part = part.strip()
+            if part:
+                try:
+                    out.append(cast(part))
+                except ValueError:
+                    _fail(f"{option}: {part!r} is not {CAST_WORDS.get(cast, 'a valid ' + cast.__name__)}")
+    return tuple(out)
+
+
+def _dtypes(values: Optional[str]) -> tuple | None:
+    """``--dtype`` (a comma list, e.g. bf16,mxfp8) -> a tuple without repeats (None when not given); an unknown
+    name is a one-line error."""
+    from .suites import DTYPES
+    names = _split([values] if values else None)
+    if names is None:
+        return None
+    if not names:
+        _fail(f"--dtype: give {', '.join(DTYPES)} or a comma list of them, e.g. --dtype bf16,mxfp8")
+    bad = [n for n in names if n not in DTYPES]
+    if bad:
+        _fail(f"--dtype: unknown {', '.join(map(repr, bad))}; choose from {', '.join(DTYPES)} (comma-separated, "
+              f"e.g. --dtype bf16,mxfp8)")
+    return tuple(dict.fromkeys(names))
+
+
+def _directions(values: Optional[str]) -> tuple | None:
+    """``--direction`` (a comma list of fwd, bwd, fwd+bwd) -> a tuple without repeats (None when not given); an
+    unknown name is a one-line error."""
+    from .moe import DIRECTIONS
+    names = _split([values] if values else None)
+    if names is None:
+        return None
+    bad = [n for n in names if n not in DIRECTIONS]
+    if not names or bad:
+        _fail(f"--direction: {'unknown ' + ', '.join(map(repr, bad)) + '; ' if bad else ''}choose from "
+              f"{', '.join(DIRECTIONS)} (comma-separated, e.g. --direction fwd,bwd)")
+    return tuple(dict.fromkeys(names))
+
+
+def _world(asked, flag: str, dry_run: bool) -> tuple[int, str]:
+    """(world size, how it was chosen). A real run needs the GPUs (one-line error otherwise); a dry run plans for
+    ``asked`` ranks, else for every visible GPU, else for 1 rank, and touches no GPU."""
+    from . import launcher
+    if not dry_run:
+        try:
+            world = launcher.check_world(asked)
+        except launcher.LaunchError as e:
+            _fail(str(e))
+        return world, f"{flag} {asked}" if asked is not None else "every visible GPU"
+    if asked is not None:
+        return asked, f"{flag} {asked}"
+    n = launcher.visible_gpus()
+    if n:
+        return n, f"every visible GPU ({n})"
+    return 1, f"no CUDA GPU visible here; {flag} N plans for N"
+
+
+def _configs(bench: str, items):
+    """``--config`` values -> {op: config} for ``bench`` (ValueError with one line naming a bad key or value)."""
+    from .registry import CONFIG_TYPES, parse_config
+    return parse_config(_split(items), CONFIG_TYPES[bench])
+
+
+CONFIG_HELP = ("Set a field of an op's config for the KOSMOS implementations ({impls}): KEY=VALUE, repeated or "
+               "comma-separated. KEY is OP.FIELD ({keys}) or FIELD alone when one op has it. Every row records "
+               "the config it ran with. E.g. --config {example}")
+
+
+def _fail(msg: str, code: int = 2):
+    """``error: msg`` on stderr (one line: not wrapped at the terminal width), then exit ``code``."""
+    from rich.markup import escape
+    console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+# the options both benches take (help texts naming the bench's own defaults)
+TP_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comma-separated (bf16,mxfp8: every "
+                               "shape runs at each, rows in one file, each with its dtype). mxfp8: the bf16 "
+                               "activation is MXFP8-quantized in the timed call, the weight's MX form made once; "
+                               "adds the triton-dot-scaled and fp8-rowwise baselines. Default bf16.")
+MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comma-separated (bf16,mxfp8: every "
+                                "point runs at each, rows in one file, each with its dtype). mxfp8: x is MXFP8-"
+                                "quantized in the timed call, the expert weights' MX values made once; the expert "
+                                "GEMMs alone (kosmos-expert-gemms vs grouped-mm) run at bf16 only.")
+MOE_DIRECTION_OPTION = typer.Option(None, "--direction", help="fwd (the layer's forward, the default), bwd (its "
+                                    "backward alone: an untimed forward before each timed backward) or fwd+bwd, or "
+                                    "a comma list (every point runs in each, rows carry their direction). The "
+                                    "backward rows run in bf16: kosmos (at --ep 1 moe_backward_w1 on the forward's "
+                                    "kept g | u; at --ep > 1 moe_backward, GEMM1 recomputed) and nccl-a2a "
+                                    "(autograd), checked against the fp32 gradients.")
+ITERS_OPTION = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported).")
+WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.")
+CUDA_GRAPH_OPTION = typer.Option(False, "--cuda-graph", help="Capture one call of each implementation (after "
+                                 "warm-up) into a CUDA graph and time its replay; rows carry cuda_graph: true, and "
+                                 "one whose capture fails is recorded as failed with the reason.")
+
+
+def _suite_option(bench: str):
+    return typer.Option(None, "--suite", help=f"YAML suite file, or the name of a packaged suite (e.g. "
+                        f"{bench}-default: the default, suites/{bench}-default.yaml in a checkout).")
+
+
+def _load_suite(suite: Optional[Path], bench: str):
+    """The suite of ``--suite`` (a file, or a packaged suite's name: what an installed package has without the
+    repository's suites/), else the bench's default suite."""
+    from .package_data import SUITES_DIR
+    from .suites import SuiteError, default_moe_suite, default_suite, load_suite
+    if suite is None:
+        return default_suite() if bench == "tp" else default_moe_suite()
+    packaged = SUITES_DIR / f"{suite}.yaml"
+    if not suite.exists() and suite.parent == Path(".") and not suite.suffix and packaged.is_file():
+        suite = packaged
+    try:
+        return load_suite(suite, bench=bench)
+    except SuiteError as e:
+        if suite.exists():
+            raise
+        names = ", ".join(sorted(p.stem for p in SUITES_DIR.glob("*.yaml")))
+        raise SuiteError(f"{e} (packaged suites, by name: {names})") from None
+
+
+def _out_option(bench: str):
+    return typer.Option(None, "--out", "-o", help=f"JSONL file to append to (default: "
+                        f"results/{bench}-<dtype>-<timestamp>.jsonl).")
+
+
+def _impl_option(names: str):
+    return typer.Option(None, "--impl", help=f"{names} (comma-separated).")
+
+
+def _config_option(impls: str, keys: str, example: str):
+    return typer.Option(None, "--config", "-c", help=CONFIG_HELP.format(impls=impls, keys=keys, example=example))
+
+
+DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Print the planned points and implementations (with "
+                              "what can be known of their availability without a GPU) and exit: no GPU is "
+                              "touched, nothing is launched or written. Works on a machine without GPUs.")
+
+
+def _out_path(out: Optional[Path], bench: str, dtype: str, create: bool = True) -> Path:
+    out = out or Path("results") / f"{bench}-{dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    if create:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _planned_availability(family: str, impls, world: int, dtype: str | None = None,
+                          direction: str | None = None) -> list[tuple[str, str]]:
+    """[(impl, availability)] of ``impls`` of ``family`` as the registry's predicates judge them at ``world``
+    ranks (a package, the torch build, the world size) and precision ``dtype`` (those without a row at it
+    are left out), in this process: nothing launches. What needs the GPU itself (Hopper, memory) is not known
+    here."""
+    from . import moe, registry, tp  # noqa: F401 (importing the bench modules registers their implementations)
+    base = registry.baseline(family)
+    out = []
+    for name in impls:
+        if dtype is not None and not registry.get(family, name).runs_at(dtype, direction):
+            continue
+        try:
+            ok, why = registry.get(family, name).availability(world, dtype, direction)
+        except Exception as e:  # a predicate that cannot decide here
+            ok, why = None, f"not known without running ({type(e).__name__}: {e})"
+        word = "available" if ok else ("unavailable: " if ok is False else "") + (why or "")
+        out.append((name + (" (baseline)" if name == base else ""), word))
+    return out
+
+
+def _print_plan(title: str, facts: list[tuple[str, str]], header: tuple, points: list[tuple],
+                impls: list[tuple[str, list[tuple[str, str]]]]) -> None:
+    """The dry run's report (stdout): the facts of the run, the points as a table, each family's implementations
+    with their availability; then exit 0."""
+    lines = [title] + [f"  {k}: {v}" for k, v in facts]
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *points)]
+    lines.append(f"points ({len(points)}):")
+    for row in (header, *points):
+        lines.append("  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    for family, rows in impls:
+        lines.append(f"implementations ({family}):")
+        width = max(len(n) for n, _ in rows)
+        lines += [f"  {n.ljust(width)}  {a}" for n, a in rows]
+    lines.append("dry run: nothing was launched or written; GPU-side checks (Hopper, memory) happen at run time.")
+    typer.echo("\n".join(lines))
+    raise typer.Exit(0)
+
+
+def _backward_check_memory(cases) -> str:
+    """The dry run's estimate of the peak GPU memory while an EP=1 backward is checked, per (model, tokens)
+    (kosmos_bench.moe.backward_check_bytes: balanced load, KOSMOS's workspace not counted)."""
+    from .moe import GiB, backward_check_bytes, case_model
+    peaks = {(c.model, c.tokens): backward_check_bytes(case_model(c), c.tokens)["peak"] for c in cases}
+    return ", ".join(f"{m} {t}: ~{b / GiB:.0f} GiB" for (m, t), b in peaks.items()) + " (estimate, EP=1)"
+
+
+def _configs_text(configs: dict) -> str:
+    from kosmos.config import config_dict
+    return "; ".join(f"{op} " + ", ".join(f"{k}={v}" for k, v in config_dict(c).items()) for op, c in configs.items())
+
+
+def _launch(rank_fn, world: int, out: Path, *args):
+    """Run ``rank_fn(rank, world, *args)`` on every rank, then show the table of ``out`` (rank 0)."""
+    from . import launcher
+    try:
+        launcher.spawn(rank_fn, world, *args)
+    except launcher.LaunchError as e:
+        _fail(f"{e}\npartial results (if any) are in {out}", code=1)
+    if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
+        return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
+    from .report import build_table, load_results, print_terminal
+    print_terminal(build_table(load_results([out])[1]), console=Console())
+    console.print(f"results: {out}  (render again with `kosmos report {out}`)")
+
+
+SHAPE_HELP = ("A custom GEMM MxNxK instead of the models' shapes (repeated or comma-separated; needs --op ag_gemm "
+              "or gemm_rs; rows get model and layer 'custom'). M, N, K as in the result rows: ag_gemm C[M,N] = "
+              "allgather(A[M/W,K]) @ B[K,N], M the gathered rows, N already per rank; gemm_rs C_shard[M/W,N] = "
+              "RS(A[M,K] @ B[K,N]), K already per rank. M must divide by the world size W, N and K be multiples "
+              "of 8. E.g. --shape 8192x1024x8192 --op ag_gemm.")
+TP_OP_LAYERS = {"ag_gemm": ("qkv", "fc1"), "gemm_rs": ("attn_out", "fc2")}
+
+
+def _tp_layers(ops) -> tuple | None:
+    """``--op`` values (ops or layer names) -> the layers of the models' shapes."""
+    from kosmos.models import TP_LAYERS
+    if not ops:
+        return None
+    layers = tuple(dict.fromkeys(l for n in ops for l in TP_OP_LAYERS.get(n, (n,))))
+    bad = [l for l in layers if l not in TP_LAYERS]
+    if bad:
+        _fail(f"unknown --op {bad}; use ag_gemm, gemm_rs or {', '.join(TP_LAYERS)}")
+    return layers
+
+
+def _custom_shapes(shapes, ops, tp, **excluded) -> list[tuple[str, str, tuple]] | None:
+    """``--shape`` values -> [(op, text, (M, N, K))] for every op of ``--op`` (None without --shape), checked
+    before any GPU is looked for (at ``--tp``'s world size when given; _tp_cases checks M again at the real one).
+    The options that pick a model's shapes (``excluded``: option -> value) cannot be combined with it."""
+    from kosmos.models import TP_OPS, CustomShapeError, custom_tp_gemm, parse_shape
+    texts = _split(shapes)
+    if not texts:
+        return None
+    given = [opt for opt, v in excluded.items() if v not in (None, [], ())]
+    if given:
+        _fail(f"--shape gives the GEMM's M, N, K itself: drop {', '.join(given)}")
+    if not ops:
+        _fail(f"--shape needs --op {' or --op '.join(TP_OPS)} (the op the M, N, K belong to)")
+    bad = [o for o in ops if o not in TP_OPS]
+    if bad:
+        _fail(f"--op {','.join(bad)}: with --shape, --op is {' or '.join(TP_OPS)} (a layer name picks a model's "
+              f"shape)")
+    out = []
+    for text in texts:
+        try:
+            mnk = parse_shape(text)
+            for o in dict.fromkeys(ops):
+                custom_tp_gemm(o, *mnk, tp if isinstance(tp, int) and tp > 0 else 1)
+                out.append((o, text, mnk))
+        except CustomShapeError as e:
+            _fail(f"--shape {text}: {e}")
+    return out
+
+
+def _suite_shapes(cfg, ops, **excluded) -> list[tuple[str, str, tuple]]:
+    """The GEMMs of a suite with ``shapes`` in ``_custom_shapes``' form, those of ``--op``'s ops when given
+    (ag_gemm, gemm_rs). The options that pick a model's shapes (``excluded``) cannot be combined with it."""
+    from kosmos.models import TP_OPS
+    given = [opt for opt, v in excluded.items() if v not in (None, [], ())]
+    if given:
+        _fail(f"suite {cfg.name} lists its GEMMs (shapes): drop {', '.join(given)}, or give --shape")
+    bad = [o for o in ops or () if o not in TP_OPS]
+    if bad:
+        _fail(f"--op {','.join(bad)}: suite {cfg.name} lists its GEMMs (shapes): --op is {' or '.join(TP_OPS)}")
+    out = [(o, f"{m}x{n}x{k} of suite {cfg.name}", (m, n, k)) for o, m, n, k in cfg.shapes if not ops or o in ops]
+    if not out:
+        _fail(f"suite {cfg.name} has no shapes of --op {','.join(ops)}")
+    return out
+
+
+def _tp_cases(cfg, custom, world: int) -> list:
+    """The GEMMs of the run: the custom shapes, or every (model, seq, layer) of the suite."""
+    from kosmos.models import CustomShapeError, custom_tp_gemm, tp_gemms
+    if custom is not None:
+        cases = []
+        for o, text, (m, n, k) in custom:
+            try:
+                cases.append(custom_tp_gemm(o, m, n, k, world))
+            except CustomShapeError as e:
+                _fail(f"--shape {text}: {e}")
+        return list(dict.fromkeys(cases))
+    try:
+        shard = cfg.shapes_tp or world
+        cases = [g for m in cfg.models for s in cfg.seq for g in tp_gemms(m, s, shard, cfg.layers)]
+        if shard != world:  # the sequence is split over the real world (SP), the weight over ``shard``
+            bad = sorted({g.seq for g in cases if g.seq % world})
+            if bad:
+                raise ValueError(f"seq {bad} must divide by the world size {world}")
+    except ValueError as e:
+        _fail(str(e))
+    return cases
+
+
+@bench_app.command("tp")
+def bench_tp(
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="Model(s), comma-separated or repeated: "
+                                              "llama3-8b, llama3-70b, llama3-405b, gpt3-175b."),
+    seq: Optional[List[str]] = typer.Option(None, "--seq", "-s", help="Token counts per layer (M), e.g. 4096,8192."),
+    shape: Optional[List[str]] = typer.Option(None, "--shape", help=SHAPE_HELP),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (default: all visible GPUs)."),
+    shapes_tp: Optional[int] = typer.Option(None, "--shapes-tp", help="Size the GEMMs as at TP=N (each rank's "
+                                            "weight shard) whatever --tp is: `--tp 1 --shapes-tp 2` times the "
+                                            "kernels with communication off on the per-rank GEMMs of a TP=2 run."),
+    dtype: Optional[str] = TP_DTYPE_OPTION,
+    op: Optional[List[str]] = typer.Option(None, "--op", help="ag_gemm, gemm_rs, or layer names qkv,fc1,attn_out,fc2 "
+                                           "(with --shape: ag_gemm and/or gemm_rs)."),
+    impl: Optional[List[str]] = _impl_option("kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best; "
+                                             "at mxfp8 also triton-dot-scaled, fp8-rowwise"),
+    suite: Optional[Path] = _suite_option("tp"),
+    iters: Optional[int] = ITERS_OPTION,
+    warmup: Optional[int] = WARMUP_OPTION,
+    out: Optional[Path] = _out_option("tp"),
+    trace: bool = typer.Option(False, "--trace", help="Record a per-program task timeline of each kosmos run "
+                               "(JSON next to --out; draw with `kosmos report --timeline FILE`)."),
+    cuda_graph: bool = CUDA_GRAPH_OPTION,
+    config: Optional[List[str]] = _config_option(
+        "kosmos, fixed-role, fixed-role-best", "ag_gemm.push_chunks (an integer >= 1 or auto), ag_gemm.copy_block, "
+        "gemm_rs.push_partials (true/false)", "push_chunks=auto --config push_partials=true"),
+    dry_run: bool = DRY_RUN_OPTION,
+):
+    """Check every implementation against the fp32 reference, then time them side by side.
+
+    Each (model, layer, seq) shape -- or each --shape -- runs every implementation on the same random inputs; a
+    failing one is recorded as failed with its reason and the sweep goes on. Rows are appended to --out as they
+    finish.
+
+    Example (an A/B of a config field, one file each): kosmos bench tp --model llama3-70b --op ag_gemm
+    --impl kosmos,nccl+cublas --config ag_gemm.push_chunks=auto --out results/ag-auto.jsonl
+
+    Example (a custom point, planned only): kosmos bench tp --shape 8192x1024x8192,16384x1024x8192 --op ag_gemm
+    --tp 8 --dry-run
+
+    Example (MXFP8 against bf16, one file): kosmos bench tp --model llama3-70b --dtype bf16,mxfp8 -- every shape
+    at both precisions; mxfp8 rows are checked against the fp32 product of the MX values and also record
+    rel_err_bf16; `kosmos report` shows an "mxfp8 / bf16" section.
+    """
+    from kosmos.models import CUSTOM
+
+    from .suites import SuiteError, TPSuite
+
+    ops = _split(op)
+    custom = _custom_shapes(shape, ops, tp, **{"--model": model, "--seq": seq, "--shapes-tp": shapes_tp})
+    try:
+        base = _load_suite(suite, "tp")
+        cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int, "--seq"), dtype=_dtypes(dtype),
+                                     layers=None if custom else _tp_layers(ops), impls=_split(impl), iters=iters,
+                                     warmup=warmup, tp=tp, shapes_tp=shapes_tp)
+        configs = _configs("tp", config)
+    except (SuiteError, ValueError) as e:
+        _fail(str(e))
+    if custom is None and cfg.shapes:  # a suite that lists its GEMMs (suites/tp-grid.yaml): as its --shapes
+        custom = _suite_shapes(cfg, ops, **{"--model": model, "--seq": seq, "--shapes-tp": shapes_tp})
+    from .tp import impls_at
+    empty = [d for d in cfg.dtype if not impls_at(cfg.impls, d)]
+    if empty:
+        _fail(f"--impl {','.join(cfg.impls)}: none of them runs at {', '.join(empty)} (triton-dot-scaled and "
+              f"fp8-rowwise are mxfp8 baselines)")
+    world, how = _world(cfg.tp, "--tp", dry_run)
+    cases = _tp_cases(cfg, custom, world)
+    if "mxfp8" in cfg.dtype:  # MX blocks are 32 elements along each GEMM's K (per rank for gemm_rs)
+        bad = [g for g in cases if g.k % 32]
+        if bad:
+            _fail(f"--dtype mxfp8 needs each GEMM's K to be a multiple of 32 (MX blocks of 32 along K); "
+                  f"{bad[0].op} {bad[0].model} {bad[0].layer} {bad[0].m}x{bad[0].n}x{bad[0].k} has K={bad[0].k}")
+    suite_dict = cfg.to_dict()
+    if custom is not None:  # the suite as run: the custom shapes instead of the suite's models
+        suite_dict.update(models=[CUSTOM], layers=[CUSTOM], seq=sorted({g.seq for g in cases}),
+                          shapes=[{"op": g.op, "m": g.m, "n": g.n, "k": g.k} for g in cases])
+    if cuda_graph:  # the suite as run (the env line) says so; bench_rank reads it
+        suite_dict["cuda_graph"] = True
+    out = _out_path(out, "tp", "-".join(cfg.dtype), create=not dry_run)
+    trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
+    n_impls = sum(len(impls_at(cfg.impls, d)) for d in cfg.dtype)
+    if dry_run:
+        _print_plan(
+            f"kosmos bench tp --dry-run: {len(cases)} GEMMs x {n_impls} implementations"
+            + (f" over {len(cfg.dtype)} dtypes" if len(cfg.dtype) > 1 else ""),
+            [("world", f"{world} rank(s) ({how})"), ("dtype", ", ".join(cfg.dtype)),
+             ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
+                        f"{list(cfg.fixed_sweep)}" + (", CUDA graph replays" if cuda_graph else "")),
+             ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
+             *([("traces", trace_dir)] if trace_dir else [])],
+            ("op", "model", "layer", "seq", "M", "N", "K"),
+            [(g.op, g.model, g.layer, g.seq, g.m, g.n, g.k) for g in cases],
+            [(f"tp, {d}", _planned_availability("tp", cfg.impls, world, d)) for d in cfg.dtype])
+    shard_note = f" (GEMMs sized as at TP={cfg.shapes_tp})" if cfg.shapes_tp and cfg.shapes_tp != world else ""
+    console.print(f"[bold]kosmos bench tp[/]: {len(cases)} shapes x {n_impls} implementations "
+                  f"({', '.join(cfg.dtype)}) on {world} GPU(s){shard_note} -> {out}")
+    from .tp import bench_rank
+    _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), trace_dir, sys.argv, configs)
+
+
+MOE_HELP = "\n\n".join([
+    "Check every MoE implementation against the fp32 reference, then time them side by side.",
+    "A proxy of one model's MoE layer (its hidden size, expert FFN size, experts, top-k and router; experts split "
+    "evenly over the EP ranks) runs with each implementation on the same inputs: kosmos (the one-launch fused "
+    "layer), nccl-a2a (Megatron-style all-to-all + torch._grouped_mm, the speedup baseline), deepep (DeepEP "
+    "dispatch/combine around the same GEMMs, when deep_ep is installed), fixed-role (16 programs dedicated to "
+    "communication) and fixed-role-best (best split of a sweep). Each point also times the expert GEMMs alone: "
+    "kosmos-expert-gemms vs grouped-mm (torch._grouped_mm) on the row counts each rank receives.",
+    "Routing: uniform (random inputs and router) or zipf:S (expert popularity ~ rank^-S, S > 0, made through the "
+    "router itself; which experts are popular is a seeded shuffle). A failing implementation is recorded as "
+    "failed with its reason and the sweep goes on; rows are appended to --out as they are measured.",
+    "Examples:",
+    "  kosmos bench moe                # suites/moe-default.yaml on all visible GPUs",
+    "  kosmos bench moe --model qwen3-235b --tokens 4096,8192 --routing uniform,zipf:1.2 --ep 2",
+    "  kosmos bench moe --model deepseek-v3 --impl kosmos,nccl-a2a --iters 50 --out results/moe.jsonl",
+    "  kosmos bench moe --model deepseek-v3 --impl kosmos,nccl-a2a --config copy_cols=256,half_tail=false",
+    "  kosmos bench moe --hidden 4096 --ffn 1024 --experts 64 --top-k 6 --tokens 8192 --ep 8 --dry-run",
+    "  kosmos report results/moe.jsonl --format md",
+    "A custom model (named 'custom' in the rows): --hidden, --ffn, --experts and --top-k together, optionally "
+    "with --routing-kind sigmoid-grouped --n-group G --topk-group K, --routed-scaling and --no-renormalize; "
+    "checked as kosmos.moe_forward checks its inputs (H and F multiples of 8, E <= 256 and divisible by the EP "
+    "size, top_k <= min(E, 16), ...).",
+])
+
+# a custom MoE model's options: CustomShapeError field -> option
+MOE_CUSTOM_OPTIONS = {"hidden": "--hidden", "ffn": "--ffn", "experts": "--experts", "top_k": "--top-k",
+                      "routing": "--routing-kind", "n_group": "--n-group", "topk_group": "--topk-group",
+                      "routed_scaling": "--routed-scaling", "renormalize": "--renormalize", "ep": "--ep"}
+MOE_CUSTOM_REQUIRED = ("hidden", "ffn", "experts", "top_k")
+
+
+def _custom_moe(model, ep, given: dict):
+    """The custom MoEModel of the options in ``given`` (field -> value or None), None when none is given; a
+    missing or bad value is a one-line error naming its option."""
+    from kosmos.models import CustomShapeError, custom_moe_model
+    set_ = [f for f, v in given.items() if v is not None]
+    if not set_:
+        return None
+    shape = [f for f in set_ if f in MOE_CUSTOM_REQUIRED]
+    opts = "/".join(MOE_CUSTOM_OPTIONS[f] for f in MOE_CUSTOM_REQUIRED)
+    if not shape:
+        _fail(f"{', '.join(MOE_CUSTOM_OPTIONS[f] for f in set_)}: router options of a custom model ({opts})")
+    missing = [MOE_CUSTOM_OPTIONS[f] for f in MOE_CUSTOM_REQUIRED if given[f] is None]
+    if missing:
+        _fail(f"a custom model needs {', '.join(MOE_CUSTOM_OPTIONS[f] for f in MOE_CUSTOM_REQUIRED)} together; "
+              f"missing {', '.join(missing)}")
+    if model:
+        _fail(f"--model and a custom model ({opts}) exclude each other: give one")
+    kw = {f: v for f, v in given.items() if v is not None}
+    kw["routing"] = kw.pop("routing", "softmax")
+    try:
+        return custom_moe_model(**kw, ep=ep)
+    except CustomShapeError as e:
+        _fail(f"{MOE_CUSTOM_OPTIONS.get(e.field, e.field)}: {e}")
+
+
+@bench_app.command("moe", help=MOE_HELP)
+def bench_moe(
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="MoE model(s), comma-separated or "
+                                              "repeated: deepseek-v3, qwen3-235b, mixtral-8x7b, qwen2-57b."),
+    tokens: Optional[List[str]] = typer.Option(None, "--tokens", "-t", help="Tokens per rank, e.g. 4096,8192."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size (default: all visible GPUs)."),
+    routing: Optional[List[str]] = typer.Option(None, "--routing", "-r", help="uniform and/or zipf:S (S > 0), "
+                                                "e.g. uniform,zipf:1.2."),
+    dtype: Optional[str] = MOE_DTYPE_OPTION,
+    direction: Optional[str] = MOE_DIRECTION_OPTION,
+    impl: Optional[List[str]] = _impl_option("kosmos, nccl-a2a, deepep, fixed-role, fixed-role-best"),
+    suite: Optional[Path] = _suite_option("moe"),
+    iters: Optional[int] = ITERS_OPTION,
+    warmup: Optional[int] = WARMUP_OPTION,
+    out: Optional[Path] = _out_option("moe"),
+    trace: bool = typer.Option(False, "--trace", help="Record a per-program task timeline of one kosmos forward "
+                               "per point (bf16; JSON next to --out; draw with `kosmos report --timeline FILE`)."),
+    expert_gemms: Optional[bool] = typer.Option(None, "--expert-gemms/--no-expert-gemms", help="Also time the "
+                                                "expert GEMMs alone (kosmos-expert-gemms vs grouped-mm); default on."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the inputs, weights and popularity shuffle."),
+    cuda_graph: bool = CUDA_GRAPH_OPTION,
+    config: Optional[List[str]] = _config_option(
+        "kosmos, fixed-role, fixed-role-best, kosmos-expert-gemms", "moe_fwd.copy_cols (a power of two >= 16), "
+        "moe_fwd.half_tail (true/false)", "copy_cols=256 --config half_tail=false"),
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Custom model: hidden size H (a multiple of 8)."),
+    ffn: Optional[int] = typer.Option(None, "--ffn", help="Custom model: expert FFN size F (a multiple of 8)."),
+    experts: Optional[int] = typer.Option(None, "--experts", help="Custom model: routed experts E (<= 256, "
+                                          "divisible by the EP size)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Custom model: experts per token (<= min(E, 16))."),
+    routing_kind: Optional[str] = typer.Option(None, "--routing-kind", help="Custom model's router: softmax "
+                                               "(default) or sigmoid-grouped (DeepSeek-V3 style, with --n-group "
+                                               "and --topk-group)."),
+    n_group: Optional[int] = typer.Option(None, "--n-group", help="Custom model, sigmoid-grouped: expert groups "
+                                          "(E divisible by it)."),
+    topk_group: Optional[int] = typer.Option(None, "--topk-group", help="Custom model, sigmoid-grouped: groups "
+                                             "kept per token (<= --n-group)."),
+    routed_scaling: Optional[float] = typer.Option(None, "--routed-scaling", help="Custom model: factor on the "
+                                                   "routed experts' output (default 1)."),
+    renormalize: Optional[bool] = typer.Option(None, "--renormalize/--no-renormalize", help="Custom model: "
+                                               "renormalise the top-k gate weights (default on)."),
+    dry_run: bool = DRY_RUN_OPTION,
+):
+    from .moe import EXPERT_IMPLS, case_model, moe_cases
+    from .suites import MoESuite, SuiteError
+
+    try:
+        base = _load_suite(suite, "moe")
+    except SuiteError as e:
+        _fail(str(e))
+    custom = _custom_moe(model, ep if ep is not None else base.ep, dict(
+        hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, routing=routing_kind, n_group=n_group,
+        topk_group=topk_group, routed_scaling=routed_scaling, renormalize=renormalize))
+    try:
+        # a custom model's EP is checked against its own experts (the suite checks its models')
+        cfg: MoESuite = base.override(models=_split(model), tokens=_split(tokens, int, "--tokens"),
+                                      routing=_split(routing), dtype=_dtypes(dtype),
+                                      direction=_directions(direction), impls=_split(impl), iters=iters,
+                                      warmup=warmup, ep=None if custom else ep, expert_gemms=expert_gemms, seed=seed)
+        configs = _configs("moe", config)
+    except (SuiteError, ValueError) as e:
+        _fail(str(e))
+    world, how = _world(ep if custom and ep is not None else cfg.ep, "--ep", dry_run)
+    try:
+        cases = moe_cases([custom] if custom else cfg.models, cfg.tokens, cfg.routing, world)
+    except ValueError as e:
+        _fail(str(e))
+    if "mxfp8" in cfg.dtype:
+        for c in cases:
+            m = case_model(c)
+            if m.hidden % 32 or m.expert_ffn % 32:
+                _fail(f"--dtype mxfp8 needs hidden and ffn to be multiples of 32 (MX blocks); {m.name} has "
+                      f"hidden={m.hidden}, ffn={m.expert_ffn}")
+    suite_dict = cfg.to_dict()
+    if custom:  # the suite as run: the custom model instead of the suite's models
+        from dataclasses import asdict
+        suite_dict.update(models=[custom.name], custom_model=asdict(custom), ep=world)
+    if cuda_graph:
+        suite_dict["cuda_graph"] = True
+    out = _out_path(out, "moe", "-".join(cfg.dtype), create=not dry_run)
+    trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
+    from .registry import impls_at
+    # per (dtype, direction): (family, its implementations with a row there); the expert GEMMs alone run at bf16
+    # and fwd only
+    plan = [(d, g, f, impls_at(f, names, d, g)) for d in cfg.dtype for g in cfg.direction
+            for f, names in ([("moe_experts", EXPERT_IMPLS)] if cfg.expert_gemms else []) + [("moe_fwd", cfg.impls)]]
+    plan = [p for p in plan if p[3]]
+    n_impls = sum(len(i) for _, _, f, i in plan if f == "moe_fwd")
+    several = [what for what, values in (("dtype", cfg.dtype), ("direction", cfg.direction)) if len(values) > 1]
+    if dry_run:
+        ops = " + ".join(dict.fromkeys(f for _, _, f, _ in plan))
+        points = []
+        for c in cases:
+            m = case_model(c)
+            router = m.routing + (f" {m.n_group}/{m.topk_group} groups" if m.routing == "sigmoid-grouped" else "")
+            points.append((m.name, c.tokens, c.routing, m.experts, m.experts // world, m.top_k, m.hidden,
+                           m.expert_ffn, router))
+        _print_plan(
+            f"kosmos bench moe --dry-run: {len(cases)} points ({ops}) x "
+            f"{sum(len(i) for _, _, _, i in plan)} implementations"
+            + (f" over {len(cfg.dtype)} dtypes" if len(cfg.dtype) > 1 else "")
+            + (f" over {len(cfg.direction)} directions" if len(cfg.direction) > 1 else ""),
+            [("world", f"EP={world} rank(s) ({how})"), ("dtype", ", ".join(cfg.dtype)),
+             ("direction", ", ".join(cfg.direction)),
+             ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
+                        f"{list(cfg.fixed_sweep)}" + (", CUDA graph replays" if cuda_graph else "")),
+             ("seed", str(cfg.seed)),
+             ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
+             *([("traces", trace_dir)] if trace_dir else []),
+             *([("backward check memory", _backward_check_memory(cases))]
+               if world == 1 and set(cfg.direction) - {"fwd"} else [])],
+            ("model", "tokens/rank", "routing", "E", "E/rank", "top_k", "H", "F", "router"), points,
+            [(", ".join([f] + [{"dtype": d, "direction": g}[w] for w in several]),
+              _planned_availability(f, i, world, d, g)) for d, g, f, i in plan])
+    console.print(f"[bold]kosmos bench moe[/]: {len(cases)} points x {n_impls} implementations "
+                  f"({', '.join(cfg.dtype)}; {', '.join(cfg.direction)}) on {world} GPU(s) (EP={world}) -> {out}")
+    from .moe import bench_rank
+    _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), sys.argv, configs, trace_dir)
+
+
+from .train import bench_train as _bench_train  # noqa: E402
+
+
+@bench_app.command("train")
+def bench_train(
+    model: str = typer.Option("llama3-8b", "--model", "-m", help="Dense (llama3-*) or MoE (deepseek-v3, qwen3-235b) "
+                              "model."),
+    layers: int = typer.Option(2, "--layers", help="Transformer blocks."),
+    seq: int = typer.Option(4096, "--seq", "-s", help="Tokens per sequence (all ranks)."),
+    batch: int = typer.Option(1, "--batch", "-b", help="Sequences per step."),
+    steps: int = typer.Option(20, "--steps", help="Recorded (timed) steps."),
+    warmup: int = typer.Option(3, "--warmup", help="Unrecorded warm-up steps."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or mxfp8."),
+    impl: Optional[str] = typer.Option(None, "--impl", help="Dense: nccl+cublas (the baseline), torch-async-tp, kosmos; MoE: nccl-a2a (the baseline), deepep, "
+                                     "kosmos. Default: all of the model's kind (unavailable ones get a row saying why)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Ranks: the TP size (dense) or the EP size (MoE, attention data-parallel); default: "
+                                   "all visible GPUs (MoE 1). KOSMOS_RANKS_ON_ONE_GPU=1 puts every rank on one GPU "
+                                   "(gloo; a correctness run, not a timing)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSONL file to append to."),
+    dry_run: bool = DRY_RUN_OPTION,
+    hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the model to this hidden size."),
+    scale: Optional[float] = typer.Option(None, "--scale", help="Scale hidden/ffn/heads, e.g. 0.0625."),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Override head_dim."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights and data."),
+):
+    """Train the end-to-end proxy with each implementation: step time, tokens/s per GPU, peak memory and
+    every step's loss, which must agree with the baseline's within 2e-2 (kosmos_bench/train.py).
+
+    Example: kosmos bench train --model llama3-8b --layers 2 --seq 4096 --tp 1 --steps 20
+    """
+    _bench_train(model=model, layers=layers, seq=seq, batch=batch, steps=steps, warmup=warmup, dtype=dtype,
+                 impl=impl, tp=tp, out=out, dry_run=dry_run, hidden=hidden, scale=scale, head_dim=head_dim, seed=seed)
+
+
+@app.command("env")
+def env():
+    """Print what a bug report needs (versions, GPUs, topology).
+
+    kosmos (version, git commit), Python, torch, CUDA, triton, NCCL, the driver, every GPU (name, memory, SMs),
+    their peer access and `nvidia-smi topo -m`, and the NCCL_/KOSMOS_/... environment variables that are set.
+    Without a GPU it says "no CUDA GPU" and exits 0.
+    """
+    from .envinfo import env_report
+    typer.echo(env_report())
+
+
+@app.command("report")
+def report(
+    files: List[Path] = typer.Argument(..., help="Result JSONL file(s); several are shown side by side. With "
+                                       "--timeline: one trace JSON file."),
+    format: str = typer.Option("text", "--format", "-f", help="text (terminal tables), md, csv or html."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to this file instead of the terminal."),
+    chart: Optional[Path] = typer.Option(None, "--chart", help="Also draw a speedup bar chart (PNG; needs "
+                                         "matplotlib)."),
+    timeline: bool = typer.Option(False, "--timeline", help="FILES is a trace from `bench --trace`: draw the "
+                                  "per-program roles over time as a PNG Gantt chart (to --out)."),
+    wide: bool = typer.Option(False, "--wide", help="Text format: every column, the full reasons and every "
+                              "section, as md and html have them (default: a compact view for 100 columns)."),
+):
+    """Render benchmark results anywhere, GPU or not.
+
+    The headline first: the geometric means per implementation, the suite's targets judged, kosmos against
+    the fastest other implementation. On the terminal (compact view) a line per shape: each implementation's
+    time in ms and speedup over the baseline (nccl+cublas; MoE nccl-a2a, the expert GEMMs grouped-mm).
+    --wide, md and html: per shape also TFLOP/s (per GPU), overlap efficiency (max(t_gemm, t_comm) / t),
+    the NCCL collective's algorithm and bus bandwidth (nccl-tests' definitions), relative error and status.
+    `--format csv` is the machine-readable contract: one row per (op, model, shape, impl). Folders of
+    --out and --chart are created; messages go to stderr.
+    """
+    from .report import RENDER_FORMATS, ReportError, report_main
+    if format not in RENDER_FORMATS:
+        _fail(f"unknown --format {format!r}; choose from {', '.join(RENDER_FORMATS)}")
+    try:
+        if timeline:
+            if len(files) != 1:
+                _fail("--timeline takes exactly one trace file")
+            code = report_main([str(files[0])], fmt=format, out=str(out) if out else None,
+                               timeline=str(files[0]), status=console)
+        else:
+            code = report_main([str(f) for f in files], fmt=format, out=str(out) if out else None,
+                               chart=str(chart) if chart else None, wide=wide, status=console)
+    except ReportError as e:
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
+def main():  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,917 @@
+"""The MoE benchmark (``kosmos bench moe``): a proxy of one model's MoE layer -- its hidden size, expert FFN
+size, number of experts, top-k and routing (``kosmos.models.MOE_MODELS``), experts split evenly over the EP
+ranks -- run by every implementation on the same inputs, checked against the fp32 reference, then timed side
+by side in the collective-safe loop of ``timing.py``. Runs inside one process per rank (``launcher.spawn``),
+like the TP benchmark, through the same harness (harness.py: check -> agree across ranks -> time -> row; a
+failing implementation is recorded and the sweep goes on); rows are JSON lines after an env line (SCHEMA.md).
+
+Implementations of the layer (registry family "moe_fwd"; y [T, H] bf16 from x [T, H] bf16 of this rank):
+  kosmos           kosmos.moe_forward(..., policy="self", config=the moe_fwd config of ``--config``): the
+                   one-launch fused layer.
+  nccl-a2a         kosmos.moe_reference.moe_forward_a2a(fp32=False): Megatron's all-to-all dispatcher with
+                   torch._grouped_mm (the baseline of the speedup column).
+  deepep           DeepEP V1's intranode Buffer dispatch/combine around the same grouped GEMMs, at DeepEP's own
+                   recommended configs and SM count (``deepep_callable``); "unavailable" when ``import deep_ep``
+                   fails, at W not 2, 4 or 8, or for shapes its kernels refuse. Written against the sources of the
+                   wheel in ../shared/wheels (commit 567632d) and run on the CPU against a stand-in Buffer; not yet
+                   run on a GPU (tests/test_deepep.py, ``dev/x1_session.sh deepep``).
+  fixed-role       kosmos.moe_forward(..., policy="fixed", comm_programs=S) at S = 16.
+  fixed-role-best  the same at the best S of ``fixed_sweep`` (the tuned oracle a fixed-role library needs;
+                   harness.best_fixed_split, shared with the TP bench).
+Precisions (``--dtype bf16,mxfp8``: every point runs at each, bf16 first; each row's ``dtype`` says which). At
+mxfp8 every implementation starts from the same bf16 x; the experts' weights' MX values (``quant.mx_values``,
+blocks along H for W13, along F for W2) are made once, outside the timed call, like a cached weight:
+  kosmos           kosmos.moe_forward(x, ..., w13_mx, w2_mx, precision="mxfp8"): the op quantizes x inside the call;
+                   fixed-role and fixed-role-best the same with policy "fixed". A kosmos without ``precision``
+                   gives a failed row (TypeError) and the sweep goes on.
+  nccl-a2a         moe_mx.moe_forward_a2a_mx(fp32=False): quantize x, all-to-all of the payload (as uint8) and the
+                   scales, dequantize, torch._grouped_mm with the MX weight values, SwiGLU, h -> its MX values,
+                   GEMM2, bf16 combine, fold (moe_mx.py's docstring).
+  deepep           unavailable ("no MXFP8 path in the deepep baseline yet").
+  The expert GEMMs alone (moe_experts) have no rows at mxfp8; the moe_fwd rows' t_gemm_ms is grouped-mm at bf16
+  on the same rows at both dtypes (timed without a row at mxfp8).
+The check at mxfp8 (harness.Reference): the MX layer's fp32 math (moe_reference's ``mx=True``, distributed:
+moe_mx.moe_forward_a2a_mx(fp32=True)) within TOLERANCE["mxfp8"] (1e-2); nccl-a2a against the same with GEMM1's
+output rounded to bf16 (its own rounding; row ``note``). Every mxfp8 row also records ``rel_err_bf16`` (against the
+bf16 layer's fp32 reference). Every moe_fwd row records ``wire_bytes`` (moe_mx.wire_bytes: dispatch payload +
+scales at mxfp8, H*(1 + 1/32) bytes a row, and the bf16 combine, 2H; SCHEMA.md).
+Expert GEMMs alone (family and op ``moe_experts``, on exactly the per-local-expert row counts this rank
+receives):
+  grouped-mm           torch._grouped_mm x2 with the SwiGLU between (moe_reference._experts_forward, the GEMMs
+                       of nccl-a2a); its time is the t_gemm_ms of the moe_fwd rows.
+  kosmos-expert-gemms  kosmos.kernels.moe_forward.expert_gemms: the fused kernel's GEMM1+SwiGLU+GEMM2 alone
+                       (with the moe_fwd config).
+  The issue's bar: kosmos-expert-gemms reaches >= 80% of grouped-mm's TFLOP/s (report: speedup >= 0.8).
+
+Directions (``--direction fwd,bwd,fwd+bwd``, suite key ``direction``: every point in each, after each dtype; each
+row's ``direction`` says which; rows without it are fwd):
+  fwd      the forward, as above.
+  bwd      the backward alone: each timed call is a ``timing.Split`` -- the forward runs untimed before the L2 flush
+           and the barrier (collective-safe: every rank runs it in step), then only the backward is timed.
+           kosmos: ``moe_forward(..., return_routing=True)`` untimed (at W = 1 with ``save_gu=True``, as
+           kosmos.nn.MoE trains: GEMM1's g | u kept), then on its decision
+           ``kosmos.kernels.moe_backward.moe_backward_w1`` (W = 1, on the saved g | u) or ``moe_backward`` over
+           the EP group (W > 1: GEMM1 recomputed, all-to-alls between its launches) timed; bf16 only ("unavailable" at mxfp8). nccl-a2a: autograd
+           through ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad (torch._grouped_mm has
+           a derivative; the row exchanges are moe_reference.AllToAllRows at W > 1), the forward (its graph)
+           untimed, ``torch.autograd.grad`` timed; bf16 only. deepep, fixed-role, fixed-role-best: "unavailable".
+           The output gradient dy ~ N(0, 1) bf16, this rank's.
+  fwd+bwd  both in one timed call.
+  Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against an fp32 reference, relative Frobenius
+  error; the row's rel_err is the largest (tolerance GRAD_TOLERANCE, 3e-2: bf16 through several GEMMs), each in
+  ``rel_err_grads``. W = 1: ``moe_reference.moe_backward_ref`` (explicit formulas) for the implementation's own
+  routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a makes), a chunk of experts
+  at a time, each chunk's weight gradients compared as they come (memory: grad_reference). W > 1: autograd
+  through ``moe_forward_a2a(fp32=True)`` over the group on fp32 copies of the inputs, for the decision of
+  ``route`` (fp32 logits), computed once per point before any implementation runs (it is collective: inside an
+  implementation's check a failing rank would leave its peers waiting); an implementation whose decision differs
+  fails with that reason (the inputs are redrawn away from routing ties, so a correct one agrees). What it
+  gives per rank: dx of this rank's tokens, d_router from this rank's tokens (replicated: to be all-reduced, as
+  moe_backward returns it), dw13 / dw2 of this rank's experts from every rank's tokens. FLOPs: 2x the forward's at bwd, 3x at fwd+bwd. The expert GEMMs
+  alone, t_gemm_ms and t_comm_ms are the forward's: no moe_experts rows and null there at bwd and fwd+bwd.
+
+Inputs (``make_router_inputs``, ``make_expert_weights``): x ~ N(0, 1) bf16 (different on every rank), router
+weight ~ N(0, 1/H) bf16 (logits ~ N(0, 1), replicated), w13 ~ N(0, 1/H), w2 ~ N(0, 1/F) bf16 (each rank its own
+experts); DeepSeek-V3's score-correction bias ~ N(0, 0.002^2), rounded to bf16 values, passed as fp32 [E] (it moves
+some choices but keeps "uniform" near-uniform: max/mean expert load 1.4 vs 1.3 from sampling alone, 2k tokens).
+  uniform  nothing else: every expert is equally popular in expectation (random inputs and router, as in
+           DeepEP's tests -- which draw random scores -- but through the op's own router).
+  zipf:S   skewed popularity through a constant input feature: x[:, 0] = c (c = 1) and router_weight[e, 0] =
+           offset_e / c with offset_e = -S * ln(rank_e), where rank_e in 1..E is expert e's popularity rank
+           from a seeded permutation (so the popular experts are spread over the EP ranks). The op's own router
+           then sees logit_e + offset_e: for softmax routing p_e is multiplied by rank_e^-S (Zipf with exponent
+           S); for sigmoid routing the popular experts' scores rise the same way. S > 0.
+Well-separated routing: two correct implementations can disagree on an expert choice when a token's k-th and
+(k+1)-th candidates are closer than their rounding difference (router logits are fp32 everywhere, but summed in
+different orders: ~1e-6 apart). Such a flip changes that token's output completely, so the generator redraws
+every token whose routing margin (``routing_margin``: the gap at the top-k boundary, and for group-limited
+routing also at the top-groups boundary, computed in fp64 on the actual bf16 inputs) is below
+ROUTING_MARGIN (1e-3 in logit units for softmax, 0.25e-3 in sigmoid-score units, i.e. >= 250x the rounding
+difference). About 1-3% of tokens are redrawn (``redrawn_tokens`` in each row's extra); the comparison then
+covers every token with the strict tolerance (bf16: relative Frobenius error <= 1e-2; NaN never passes).
+
+FLOPs: a rank's tokens make T*k (token, expert) pairs, each 2*H*2F (GEMM1) + 2*F*H (GEMM2) = 6*H*F, so
+tflops = 6*T*k*H*F / time per GPU for moe_fwd. For moe_experts, 6*R*H*F / time with R the largest number of rows
+any rank received (the time is the slowest rank's, normally the busiest).
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+import kosmos
+from kosmos import moe_forward
+from kosmos.config import config_dict
+from kosmos.kernels.moe_backward import moe_backward, moe_backward_w1  # (moe_backward_w1: one rank)
+from kosmos.kernels.moe_forward import expert_gemms
+from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
+from kosmos.moe_reference import _experts_forward, moe_backward_ref, moe_forward_a2a, route
+from kosmos.reference import FrobeniusError
+
+from . import harness, moe_mx, registry, timing
+from .harness import Settings, policy_kwargs, world_info
+from .registry import names, register
+
+MX = "mxfp8"
+MOE_DTYPES = ("bf16", MX)
+FWD, BWD, FWD_BWD = "fwd", "bwd", "fwd+bwd"
+DIRECTIONS = (FWD, BWD, FWD_BWD)  # --direction: what is timed (module docstring)
+GRADS = ("dx", "d_router", "dw13", "dw2")  # the backward's outputs, in moe_backward_w1's order
+GRAD_TOLERANCE = 3e-2  # bf16 gradients through several GEMMs (dgrad2, SwiGLU backward, dgrad1, wgrads)
+# the FLOPs of each direction in units of the forward's expert GEMMs (6*T*k*H*F): the backward is a data and a
+# weight gradient per GEMM (the kosmos backward's GEMM1 recompute is not counted: not useful work)
+DIRECTION_FLOPS = {FWD: 1.0, BWD: 2.0, FWD_BWD: 3.0}
+
+ROUTING_MARGIN = 1e-3       # logit units; sigmoid scores use SIGMOID_SLOPE_MAX * ROUTING_MARGIN
+SIGMOID_SLOPE_MAX = 0.25
+SOFTMAX_UNDERFLOW = 80.0    # logits this far below a token's top one have fp32 probability ~0 (ties)
+MAX_REDRAW_ROUNDS = 30
+ZIPF_FEATURE = 1.0          # c: the constant input feature x[:, 0] of zipf routing
+BIAS_STD = 0.002            # DeepSeek-V3 score-correction bias (sigmoid-grouped); larger skews "uniform"
+
+
+# --------------------------------------------------------------------------- models, routing specs, cases
+
+
+def moe_model(name: str) -> MoEModel:
+    try:
+        return MOE_MODELS[name]
+    except KeyError:
+        raise UnknownModelError(f"unknown MoE model {name!r}; known: {', '.join(MOE_MODELS)}") from None
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    kind: str               # "uniform" | "zipf"
+    s: float | None = None  # zipf exponent
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "uniform" else f"zipf:{self.s:g}"
+
+
+def parse_routing(text) -> RoutingSpec:
+    """'uniform' or 'zipf:S' (S > 0, finite) -> RoutingSpec; ValueError with the accepted forms otherwise."""
+    if not isinstance(text, str):
+        raise ValueError(f"routing must be a string like 'uniform' or 'zipf:1.2', got {text!r}")
+    t = text.strip().lower()
+    if t == "uniform":
+        return RoutingSpec("uniform")
+    if t == "zipf" or t.startswith("zipf:"):
+        _, _, arg = t.partition(":")
+        if not arg:
+            raise ValueError(f"routing {text!r}: zipf needs an exponent, e.g. 'zipf:1.2'")
+        try:
+            s = float(arg)
+        except ValueError:
+            raise ValueError(f"routing {text!r}: the zipf exponent {arg!r} is not a number; use e.g. 'zipf:1.2'") \
+                from None
+        if not math.isfinite(s) or s <= 0:
+            raise ValueError(f"routing {text!r}: the zipf exponent must be a finite number > 0")
+        return RoutingSpec("zipf", s)
+    raise ValueError(f"unknown routing {text!r}; use 'uniform' or 'zipf:S' with S > 0 (e.g. 'zipf:1.2')")
+
+
+@dataclass(frozen=True)
+class MoECase:
+    model: str
+    tokens: int   # per rank
+    routing: str  # canonical RoutingSpec string
+    custom: dict | None = None  # a custom model's MoEModel fields (kosmos.models.custom_moe_model); None: named
+
+
+def case_model(case: MoECase) -> MoEModel:
+    """The MoEModel of ``case``: its custom fields, else the named model."""
+    return MoEModel(**case.custom) if case.custom else moe_model(case.model)
+
+
+def moe_cases(models, tokens, routings, ep: int) -> list[MoECase]:
+    """Every (model, tokens, routing) point; ``models`` are names or MoEModel objects (a custom model: its fields
+    travel with each case). ValueError if a model's experts do not split evenly over ep."""
+    out = []
+    for model in models:
+        m = model if isinstance(model, MoEModel) else moe_model(model)
+        custom = asdict(m) if isinstance(model, MoEModel) else None
+        if ep < 1 or m.experts % ep:
+            raise ValueError(f"{m.name} has {m.experts} experts: they do not split evenly over --ep {ep}")
+        for t in tokens:
+            if not isinstance(t, int) or t <= 0:
+                raise ValueError(f"tokens must be positive integers, got {t!r}")
+            for r in routings:
+                out.append(MoECase(m.name, t, str(parse_routing(r)), custom))
+    return out
+
+
+def route_kwargs(m: MoEModel, bias) -> dict:
+    """Routing keyword arguments of ``route`` / ``moe_forward`` for model ``m`` (without top_k)."""
+    return dict(routing=m.routing, renormalize=m.renormalize, bias=bias, n_group=m.n_group,
+                topk_group=m.topk_group, routed_scaling=m.routed_scaling)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def routing_margin(x, router_weight, m: MoEModel, bias=None):
+    """Per token [T] fp64: how far its expert choice is from flipping, in the units the choice is made in
+    (softmax: logits; sigmoid-grouped: score + bias, divided by SIGMOID_SLOPE_MAX so that both compare with
+    ROUTING_MARGIN). Softmax: gap between the k-th and (k+1)-th logit. Sigmoid-grouped: the smaller of the gap
+    between the topk_group-th and next group score and the gap between the k-th and (k+1)-th candidate of the
+    kept groups. Computed in fp64 on the given (bf16) tensors: the exact router of those inputs. A softmax
+    token whose k-th logit is > SOFTMAX_UNDERFLOW below its top one gets margin 0 (fp32 probabilities tie)."""
+    k, n_exp = m.top_k, m.experts
+    logits = x.double() @ router_weight.double().t()
+    inf = torch.full((x.shape[0],), math.inf, dtype=torch.float64, device=x.device)
+    if m.routing == "softmax":
+        if k >= n_exp:
+            return inf
+        top = logits.topk(k + 1, dim=-1).values
+        margin = top[:, k - 1] - top[:, k]
+        # fp32 softmax underflows to 0 below ~exp(-87): a k-th choice that far below the top one ties with
+        # every other underflowed expert in the probabilities (whatever its logit margin)
+        return margin.masked_fill(top[:, 0] - top[:, k - 1] > SOFTMAX_UNDERFLOW, 0.0)
+    choice = torch.sigmoid(logits) + (bias.double() if bias is not None else 0.0)
+    per_group = n_exp // m.n_group
+    group_score = choice.view(-1, m.n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+    margin = inf.clone()
+    if m.topk_group < m.n_group:
+        g = group_score.topk(m.topk_group + 1, dim=-1).values
+        margin = torch.minimum(margin, g[:, m.topk_group - 1] - g[:, m.topk_group])
+    keep = torch.zeros_like(group_score, dtype=torch.bool)
+    keep.scatter_(1, group_score.topk(m.topk_group, dim=-1).indices, True)
+    masked = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), -math.inf)
+    if k < m.topk_group * per_group:
+        c = masked.topk(k + 1, dim=-1).values
+        margin = torch.minimum(margin, c[:, k - 1] - c[:, k])
+    return margin / SIGMOID_SLOPE_MAX
+
+
+def zipf_offsets(n_experts: int, s: float, gen) -> torch.Tensor:
+    """fp32 [E]: offset_e = -s * ln(rank_e), rank_e = 1 + position of e in a seeded permutation."""
+    perm = torch.randperm(n_experts, generator=gen, device=gen.device)
+    rank = torch.empty(n_experts, dtype=torch.float32, device=gen.device)
+    rank[perm] = torch.arange(1, n_experts + 1, dtype=torch.float32, device=gen.device)
+    return -s * torch.log(rank)
+
+
+def _gen(device, seed: int):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def make_router_inputs(m: MoEModel, tokens: int, routing, rank: int, seed: int, device="cpu"):
+    """(x [T, H] bf16 this rank's, router_weight [E, H] bf16 replicated, bias fp32 [E] or None, redrawn) for
+    ``routing`` ('uniform' | 'zipf:S' | RoutingSpec). Deterministic per (seed, rank); the router weight, bias
+    and popularity permutation depend on the seed only (the same on every rank). Every token's routing margin
+    is >= ROUTING_MARGIN (fragile tokens are redrawn; ``redrawn`` counts them)."""
+    spec = routing if isinstance(routing, RoutingSpec) else parse_routing(routing)
+    device = torch.device(device)
+    shared = _gen(device, 1_000_003 * seed + 17)
+    wr = torch.randn(m.experts, m.hidden, generator=shared, device=device) / math.sqrt(m.hidden)
+    bias = None
+    if m.routing == "sigmoid-grouped":
+        bias = (torch.randn(m.experts, generator=shared, device=device) * BIAS_STD).to(torch.bfloat16).float()
+    if spec.kind == "zipf":
+        wr[:, 0] = zipf_offsets(m.experts, spec.s, shared) / ZIPF_FEATURE
+    wr = wr.to(torch.bfloat16)
+    own = _gen(device, 1_000_003 * seed + 7919 * (rank + 1) + tokens)
+
+    def draw(n):
+        rows = torch.randn(n, m.hidden, generator=own, device=device, dtype=torch.bfloat16)
+        if spec.kind == "zipf":
+            rows[:, 0] = ZIPF_FEATURE
+        return rows
+
+    x = draw(tokens)
+    redrawn = 0
+    for _ in range(MAX_REDRAW_ROUNDS):
+        bad = (routing_margin(x, wr, m, bias) < ROUTING_MARGIN).nonzero(as_tuple=True)[0]
+        if bad.numel() == 0:
+            return x, wr, bias, redrawn
+        redrawn += bad.numel()
+        x[bad] = draw(bad.numel())
+    raise ValueError(f"{m.name} routing {spec}: {bad.numel()} of {tokens} tokens still have a routing margin "
+                     f"< {ROUTING_MARGIN:g} after {MAX_REDRAW_ROUNDS} redraws (ties in the router: a zipf exponent "
+                     f"this large saturates it); use a smaller S")
+
+
+def make_expert_weights(m: MoEModel, world: int, rank: int, seed: int, device="cpu"):
+    """This rank's experts (global experts rank*E/W .. (rank+1)*E/W - 1): w13 [E/W, H, 2F] (gate | up) and
+    w2 [E/W, F, H], bf16, drawn directly in bf16 (no fp32 temporaries of the full weights)."""
+    local = m.experts // world
+    gen = _gen(torch.device(device), 1_000_003 * seed + 104_729 * (rank + 1) + 5)
+    w13 = torch.randn(local, m.hidden, 2 * m.expert_ffn, generator=gen, device=device, dtype=torch.bfloat16)
+    w13.mul_(1 / math.sqrt(m.hidden))
+    w2 = torch.randn(local, m.expert_ffn, m.hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    w2.mul_(1 / math.sqrt(m.expert_ffn))
+    return w13, w2
+
+
+def expert_load(experts, n_experts: int):
+    """int64 [E]: how many (token, slot) pairs chose each expert."""
+    return torch.bincount(experts.reshape(-1), minlength=n_experts)
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+@dataclass
+class MoEInputs:
+    model: MoEModel
+    x: torch.Tensor
+    router_weight: torch.Tensor
+    bias: torch.Tensor | None
+    w13: torch.Tensor
+    w2: torch.Tensor
+    dtype: str = "bf16"
+    w13_mx: torch.Tensor | None = None  # mxfp8: the expert weights' MX values (moe_mx.mx_expert_weights), made once
+    w2_mx: torch.Tensor | None = None
+    direction: str = FWD
+    dy: torch.Tensor | None = None  # bwd, fwd+bwd: the output gradient [T, H] bf16 (N(0, 1), this rank's)
+
+    def route_kw(self) -> dict:
+        return route_kwargs(self.model, self.bias)
+
+    def backward_kw(self) -> dict:
+        """moe_backward_w1's routing arguments."""
+        m = self.model
+        return dict(routing=m.routing, renormalize=m.renormalize, routed_scaling=m.routed_scaling)
+
+
+@dataclass
+class ExpertInputs:
+    """The expert GEMMs' inputs: rows sorted by local expert [R, H], rows per local expert (int32), weights."""
+    x_sorted: torch.Tensor
+    counts: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+# each maker: (inputs, params, config or None) -> (callable returning y of this rank, workspace bytes or None)
+
+
+def _kosmos_backward_available(world: int, dtype) -> tuple[bool, str | None]:
+    if dtype == MX:
+        return False, "no MXFP8 backward yet"
+    return True, None
+
+
+def _a2a_backward_available(world: int, dtype) -> tuple[bool, str | None]:
+    if dtype == MX:
+        return False, "no MXFP8 backward in the nccl-a2a baseline yet"
+    return True, None
+
+
+KOSMOS_DIRECTIONS = {FWD: None, BWD: _kosmos_backward_available, FWD_BWD: _kosmos_backward_available}
+A2A_DIRECTIONS = {FWD: None, BWD: _a2a_backward_available, FWD_BWD: _a2a_backward_available}
+FIXED_BACKWARD = ("no fixed-role MoE backward (the kosmos backward has no comm/compute roles yet: its all-to-alls "
+                  "run between launches)")
+FIXED_DIRECTIONS = {FWD: None, BWD: FIXED_BACKWARD, FWD_BWD: FIXED_BACKWARD}
+DEEPEP_BACKWARD = "no backward in the deepep baseline yet"
+
+
+# each maker: (inputs, params, config or None) -> (callable returning y of this rank, workspace bytes or None);
+# at bwd the callable is a timing.Split (the forward untimed, the backward timed) and at fwd+bwd a plain callable,
+# both returning (dx, d_router, dw13, dw2, experts): the gradients and the routing decision they are for
+
+
+@register("moe_fwd", "kosmos", kosmos=True, directions=KOSMOS_DIRECTIONS)
+def _kosmos_layer(inp: MoEInputs, params: dict, config):
+    if inp.direction != FWD:
+        return _kosmos_backward(inp, params, config), None
+    if inp.dtype == MX:  # x in bf16 (the op quantizes it inside the call), the weights' MX values made once
+        return (lambda: moe_forward(inp.x, inp.router_weight, inp.w13_mx, inp.w2_mx, top_k=inp.model.top_k,
+                                    **inp.route_kw(), group=None, config=config, precision=MX,
+                                    **policy_kwargs(params))), None
+    return (lambda: moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(),
+                                group=None, config=config, **policy_kwargs(params))), None
+
+
+def _kosmos_backward(inp: MoEInputs, params: dict, config):
+    """bwd: moe_forward(return_routing=True) untimed, moe_backward_w1 (W = 1) or moe_backward over the default
+    group (W > 1) on its decision timed; fwd+bwd: both."""
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    save = not multi  # as kosmos.nn.MoE trains by default: g | u kept from the forward at one rank
+
+    def forward():
+        out = moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(),
+                          group=None, config=config, return_routing=True, save_gu=save, **policy_kwargs(params))
+        return out[1], out[2], (out[3] if save else None)
+
+    def backward(state):
+        weights, experts, saved = state
+        grads = (moe_backward if multi else moe_backward_w1)(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy,
+                                                             weights, experts, saved_gu=saved,
+                                                             **inp.backward_kw())
+        return (*grads, experts)
+
+    return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))
+
+
+def a2a_backward(inp: MoEInputs):
+    """nccl-a2a's backward: autograd through ``moe_forward_a2a(fp32=False)`` (torch._grouped_mm has a derivative)
+    with x and the parameters requiring grad; bwd: the forward (its graph) untimed, ``torch.autograd.grad`` timed;
+    fwd+bwd: both. The routing decision is ``route`` on the same inputs, the call moe_forward_a2a makes itself."""
+    leaves = [t.detach().requires_grad_(True) for t in (inp.x, inp.router_weight, inp.w13, inp.w2)]
+    _, experts = route(inp.x, inp.router_weight, inp.model.top_k, **inp.route_kw())
+
+    def forward():
+        return moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=False, **inp.route_kw())
+
+    def backward(y):
+        return (*torch.autograd.grad(y, leaves, inp.dy), experts)
+
+    return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))
+
+
+@register("moe_fwd", "nccl-a2a", baseline=True, directions=A2A_DIRECTIONS)
+def _nccl_a2a(inp: MoEInputs, params: dict, config):
+    if inp.direction != FWD:
+        return a2a_backward(inp), 0
+    if inp.dtype == MX:
+        return (lambda: moe_mx.moe_forward_a2a_mx(inp.x, inp.router_weight, inp.w13_mx, inp.w2_mx,
+                                                  top_k=inp.model.top_k, fp32=False, **inp.route_kw())), 0
+    return (lambda: moe_forward_a2a(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, fp32=False,
+                                    **inp.route_kw())), 0
+
+
+GRAD_REF_CHUNK_BYTES = 1 << 30  # fp32 weight gradients of one chunk of experts in the W = 1 check (deepseek-v3: 6)
+
+
+def grad_reference_chunk(m: MoEModel) -> int:
+    """Experts per chunk of the W = 1 gradient check: GRAD_REF_CHUNK_BYTES of their fp32 dw13 + dw2, at least one."""
+    return max(1, GRAD_REF_CHUNK_BYTES // (3 * m.hidden * m.expert_ffn * 4))
+
+
+GiB = 1 << 30
+
+
+def backward_check_bytes(m: MoEModel, tokens: int) -> dict:
+    """Bytes of what is live while one implementation's backward is checked at W = 1 (grad_reference), balanced
+    load (R = tokens * top_k expert rows): the point's inputs, the implementation's output, and then the larger of
+    its own working set inside the call (kosmos moe_backward_w1: the x / dy / do / dx rows [R, H], g | u saved and
+    gathered and [dg | du] [R, 2F], h [R, F], bf16; nccl-a2a's autograd holds about as much) and the reference's
+    (grad_reference's docstring); ``peak`` sums them. Not counted: KOSMOS's forward workspace, torch's own
+    workspaces, the allocator's fragmentation (each row's peak_mem_bytes is the measured one)."""
+    t, h, f, e, k = tokens, m.hidden, m.expert_ffn, m.experts, m.top_k
+    r, c = t * k, min(grad_reference_chunk(m), e)
+    out = {
+        "weights (w13, w2 bf16)": e * 3 * h * f * 2,
+        "x, dy, router weight (bf16)": 2 * t * h * 2 + e * h * 2,
+        "output: dw13, dw2 (bf16)": e * 3 * h * f * 2,
+        "output: dx (bf16), d_router (fp32)": t * h * 2 + e * h * 4,
+        "implementation's working set": 4 * r * h * 2 + 3 * r * 2 * f * 2 + r * f * 2,
+        "reference: x, dy (fp32)": 2 * t * h * 4,
+        "reference: dx_pair [T*k, H] (fp32)": r * h * 4,
+        "reference: dx_experts, dx_router, dx (fp32)": 3 * t * h * 4,
+        "reference: one chunk's dw13, dw2 (fp32)": c * 3 * h * f * 4,
+        "reference: the chunk's comparison (fp32 out, difference)": 2 * c * 2 * h * f * 4,
+        "reference: one expert's weights upcast (fp32)": 3 * h * f * 4,
+        "reference: the chunk's per-row tensors (fp32)": -(-r * c // e) * (5 * h + 8 * f) * 4,
+    }
+    ref = sum(v for key, v in out.items() if key.startswith("reference"))
+    own = out["implementation's working set"]
+    out["peak"] = sum(v for key, v in out.items() if not key.startswith("reference")) - own + max(own, ref)
+    return out
+
+
+def grad_reference(inp: MoEInputs, world: int = 1) -> harness.Reference:
+    """The check of a backward's output (dx, d_router, dw13, dw2, experts): each gradient against an fp32
+    reference within GRAD_TOLERANCE; rel_err is the largest of the four, each in the row's ``rel_err_grads``.
+    W = 1: moe_reference.moe_backward_ref for the implementation's own decision ``experts`` (every expert local).
+    W > 1: grad_reference_distributed (collective: every rank calls this in step, before any implementation).
+
+    Memory at W = 1: the reference runs ``grad_reference_chunk`` experts at a time (moe_backward_ref's
+    expert_chunk; 6 at deepseek-v3) and compares each chunk's fp32 dw13 / dw2 with the same experts' slice of
+    the implementation's gradients as it comes (kosmos.reference.FrobeniusError: the squared norms of the
+    differences and of the reference summed over the chunks), then drops it; dx and d_router whole, in fp32.
+    The same rel_err as comparing the whole tensors, up to the order the squared norms are summed in
+    (tests/test_bench_moe.py). The implementation's gradients are checked and dropped before the next
+    implementation runs (harness.check_and_time keeps only the errors). Unchunked, the reference held 42 GiB of
+    fp32 weight gradients at deepseek-v3 (and ~5 / ~9 GiB of [T*k, ...] fp32 stage tensors at 4k / 8k tokens
+    while it ran), and rel_err then made two more fp32 copies of dw13 (56 GiB): ~140 GiB at peak, past an H200's
+    139 GiB. Now (``backward_check_bytes``, balanced load, EP = 1): deepseek-v3 at 4k tokens ~46 GiB (weights 21,
+    the implementation's gradients 21, the reference 4.0), at 8k ~48 GiB (the reference 5.6, the implementation's
+    own working set 5.3); qwen3-235b 4k ~13 GiB."""
+    if world > 1 and inp.dtype == MX:  # no implementation has an MXFP8 backward: nothing to check, nothing to pay
+        return harness.Reference(_no_mx_backward_reference, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
+    if world > 1:
+        return grad_reference_distributed(inp)
+    chunk = grad_reference_chunk(inp.model)
+
+    def ref(out):
+        for o, like in zip(out, (inp.x, inp.router_weight, inp.w13, inp.w2)):
+            harness.check_output(o, like.shape)
+        errs = {name: FrobeniusError() for name in GRADS}
+
+        def compare(e0, dw13, dw2):  # one chunk of experts' fp32 weight gradients, dropped after this
+            errs["dw13"].add(out[2][e0:e0 + dw13.shape[0]], dw13)
+            errs["dw2"].add(out[3][e0:e0 + dw2.shape[0]], dw2)
+
+        dx, d_router, _, _ = moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy,
+                                              top_k=inp.model.top_k, **inp.route_kw(), experts=out[len(GRADS)],
+                                              expert_chunk=chunk, on_weight_grads=compare)
+        errs["dx"].add(out[0], dx)
+        errs["d_router"].add(out[1], d_router)
+        return {name: e.value() for name, e in errs.items()}
+    return harness.Reference(ref, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
+
+
+def _no_mx_backward_reference(out):
+    raise ValueError("no MXFP8 backward reference at W > 1 (no implementation has an MXFP8 backward)")
+
+
+def grad_reference_distributed(inp: MoEInputs, group=None) -> harness.Reference:
+    """The W > 1 backward check: autograd through moe_forward_a2a(fp32=True) over ``group`` on fp32 leaf copies of
+    x, the router weight and this rank's experts, for ``route``'s decision (fp32 logits), with this rank's dy;
+    the gradients are computed here, once (the call is collective). The returned Reference checks an output's
+    four gradients against them and first that its decision equals route's (else a one-line ValueError: the
+    implementation routed differently, which on these tie-free inputs is a bug)."""
+    _, decision = route(inp.x, inp.router_weight, inp.model.top_k, **inp.route_kw())
+    leaves = [t.detach().float().requires_grad_(True) for t in (inp.x, inp.router_weight, inp.w13, inp.w2)]
+    y = moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=True, experts=decision, group=group,
+                        **inp.route_kw())
+    grads = tuple(g.detach() for g in torch.autograd.grad(y, leaves, inp.dy.float()))
+    del y, leaves
+
+    def ref(out):
+        got = out[len(GRADS)]
+        if not torch.equal(got.long().to(decision.device), decision):
+            diff = int((got.long().to(decision.device) != decision).any(-1).sum())
+            raise ValueError(f"routing decision differs from route()'s on {diff} of {decision.shape[0]} tokens "
+                             "(the fp32 reference is for route's decision)")
+        return grads
+    return harness.Reference(ref, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
+
+
+def deepep_available(world: int) -> tuple[bool, str | None]:
+    try:
+        importlib.import_module("deep_ep")
+    except Exception as e:  # ImportError, or a broken build failing at import
+        return False, f"deep_ep is not importable ({type(e).__name__}: {e})"
+    if world not in (2, 4, 8):
+        return False, f"DeepEP's intranode kernels run on 2, 4 or 8 ranks, not {world}"
+    return True, None
+
+
+@register("moe_fwd", "deepep", available=deepep_available,
+          dtypes={"bf16": None, MX: "no MXFP8 path in the deepep baseline yet"},
+          directions={FWD: None, BWD: DEEPEP_BACKWARD, FWD_BWD: DEEPEP_BACKWARD})
+def _deepep(inp: MoEInputs, params: dict, config):
+    return deepep_callable(inp)
+
+
+harness.register_fixed("moe_fwd", _kosmos_layer, FIXED_DIRECTIONS)
+
+
+# the expert GEMMs alone are compared at bf16 and in the forward only (no rows at mxfp8 or at bwd, fwd+bwd)
+@register("moe_experts", "grouped-mm", baseline=True, dtypes={"bf16": None}, directions={FWD: None})
+def _grouped_mm(inp: ExpertInputs, params: dict, config):
+    return (lambda: _experts_forward(inp.x_sorted, inp.counts, inp.w13, inp.w2, fp32=False)), 0
+
+
+@register("moe_experts", "kosmos-expert-gemms", kosmos=True, dtypes={"bf16": None}, directions={FWD: None})
+def _kosmos_expert_gemms(inp: ExpertInputs, params: dict, config):
+    return (lambda: expert_gemms(inp.x_sorted, inp.counts, inp.w13, inp.w2, config=config)), None
+
+
+MOE_IMPLS = names("moe_fwd")         # ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best")
+EXPERT_IMPLS = names("moe_experts")  # ("grouped-mm", "kosmos-expert-gemms")
+
+
+_DEEPEP = {}  # this process's DeepEP Buffer ("buffer") and the note of its rows ("note")
+
+# What DeepEP V1's intranode kernels accept (its csrc at commit 567632d): a bf16 token moves as pairs of 16-byte
+# vectors (hidden % 16) and half a token (+ an 8-byte mbarrier) is staged per warp in 8 KiB of shared memory by
+# the SM90 (TMA) dispatch (hidden <= 8176); notify_dispatch gives a local expert one of 128 threads; top-k <= 32;
+# 2, 4 or 8 ranks (deepep_available).
+DEEPEP_HIDDEN_MULTIPLE = 16
+DEEPEP_MAX_HIDDEN = 8176
+DEEPEP_MAX_LOCAL_EXPERTS = 128
+DEEPEP_MAX_TOP_K = 32
+
+
+def deepep_shape_problem(m: MoEModel, world: int) -> str | None:
+    """Why DeepEP's intranode kernels cannot run model ``m`` at ``world`` ranks (None: they can); a device-side
+    assert would trap the CUDA context, so the maker refuses first ("unavailable" row)."""
+    if m.hidden % DEEPEP_HIDDEN_MULTIPLE or m.hidden > DEEPEP_MAX_HIDDEN:
+        return (f"DeepEP's intranode dispatch needs hidden % {DEEPEP_HIDDEN_MULTIPLE} == 0 and hidden <= "
+                f"{DEEPEP_MAX_HIDDEN} (bf16), got {m.hidden}")
+    if m.experts // world > DEEPEP_MAX_LOCAL_EXPERTS:
+        return (f"DeepEP's intranode dispatch takes <= {DEEPEP_MAX_LOCAL_EXPERTS} experts per rank, "
+                f"got {m.experts // world}")
+    if m.top_k > DEEPEP_MAX_TOP_K:
+        return f"DeepEP's intranode kernels take top-k <= {DEEPEP_MAX_TOP_K}, got {m.top_k}"
+    return None
+
+
+def deepep_release(destroy: bool = True) -> None:
+    """Drop this process's DeepEP Buffer. ``destroy``: free it now with ``Buffer.destroy()`` -- a GPU barrier
+    between the ranks, so collective: every rank calls it in step. Without (after a failure, when a peer may be
+    gone or the context broken): the buffer is only dropped (its memory stays until the process ends; DeepEP
+    prints a warning then), rather than risking a barrier no peer joins."""
+    buf = _DEEPEP.pop("buffer", None)
+    _DEEPEP.clear()
+    if buf is not None and destroy:
+        buf.destroy()
+
+
+def _deepep_buffer(deep_ep, world: int, hidden_bytes: int):
+    """The Buffer of DeepEP's own sizing recipe (its README's get_buffer): the NVLink buffer is the larger of the
+    recommended dispatch and combine configs' ``get_nvl_buffer_size_hint(hidden_bytes, world)``; no RDMA buffer
+    (intranode; the wheel, built without NVSHMEM, asserts in get_rdma_buffer_size_hint). Reused while big
+    enough, else destroyed (collective: every rank makes the same callable in step) and made again."""
+    configs = (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
+    nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world) for cfg in configs)
+    buf = _DEEPEP.get("buffer")
+    if buf is None or buf.num_nvl_bytes < nvl_bytes:
+        deepep_release()
+        # explicitly_destroy: freed by deepep_release in step, never by a destructor at exit (whose barrier
+        # would wait for a peer that may have exited already)
+        buf = _DEEPEP["buffer"] = deep_ep.Buffer(dist.group.WORLD, nvl_bytes, 0, explicitly_destroy=True)
+    return buf, configs
+
+
+def deepep_callable(inp: MoEInputs):
+    """The ``deepep`` baseline: DeepEP V1's intranode (NVLink) normal-mode dispatch/combine around nccl-a2a's GEMMs.
+
+    One call: ``route`` (the router nccl-a2a runs, fp32 weights, int64 experts = ``deep_ep.topk_idx_t``) ->
+    ``Buffer.get_dispatch_layout(topk_idx, E)`` (tokens per rank and per expert, int32; is_token_in_rank) ->
+    ``Buffer.dispatch(x, ..., topk_idx, topk_weights)``: every token once per rank holding any of its experts;
+    returns (recv_x, recv_topk_idx local to this rank or -1, recv_topk_weights 0 there, the rows per local
+    expert as a host list, handle, event) -> ``deepep_expert_side``: one row per (token, local expert), the same
+    torch._grouped_mm x2 + SwiGLU as nccl-a2a (``_experts_forward``), gate-weighted sum per received token (one
+    bmm, as nccl-a2a's fold) -> ``Buffer.combine(partial, handle)``: sums the ranks' partials (no weights) back
+    on the token's own rank, bf16. Synchronous (async_finish=False: the current stream waits for DeepEP's
+    communication stream); dispatch waits on the host for the received counts, as nccl-a2a's split sizes do.
+
+    Configuration, DeepEP's own, not tuned down: ``Buffer.get_dispatch_config(W)`` and
+    ``Buffer.get_combine_config(W)`` (its recommended per world size; W = 2: NVL chunks send/recv 24/256 and
+    10/256 tokens) at ``Buffer.num_sms`` = its default, 20 SMs (10 channels); DeepEP's README example and
+    tests/test_intranode.py set 24 (``Buffer.set_num_sms``), which this baseline does not. The Buffer: DeepEP's
+    sizing (``_deepep_buffer``); the row's workspace_bytes is its NVLink buffer.
+
+    What has run: the call sequence and the expert side on the CPU, with a stand-in Buffer that mirrors the
+    wheel's signatures (tests/test_deepep.py); the real kernels on no GPU yet: tests/test_deepep.py's GPU test
+    (two processes on one GPU over gloo, ``launcher.spawn_one_gpu``) and ``dev/x1_session.sh deepep`` are
+    written for that run."""
+    import deep_ep
+    world = world_info()[1]
+    m, x = inp.model, inp.x
+    problem = deepep_shape_problem(m, world)
+    if problem:
+        raise registry.Unavailable(problem)
+    hidden_bytes = x.shape[1] * max(x.element_size(), 2)  # DeepEP's get_hidden_bytes
+    buf, (dispatch_cfg, combine_cfg) = _deepep_buffer(deep_ep, world, hidden_bytes)
+    _DEEPEP["note"] = (f"DeepEP intranode: Buffer.get_dispatch_config({world}) / get_combine_config({world}) "
+                       f"(its recommended), Buffer.num_sms={deep_ep.Buffer.num_sms} (its default)")
+    idx_dtype = deep_ep.topk_idx_t
+    k, local = m.top_k, inp.w13.shape[0]
+
+    def fn():
+        weights, experts = route(x, inp.router_weight, k, **inp.route_kw())
+        topk_idx = experts.to(idx_dtype).contiguous()
+        topk_w = weights.float().contiguous()
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, m.experts)
+        recv_x, recv_idx, recv_w, recv_counts, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w, config=dispatch_cfg)
+        y_part = deepep_expert_side(recv_x, recv_idx, recv_w, recv_counts, inp.w13, inp.w2, local)
+        y, _, _ = buf.combine(y_part, handle, config=combine_cfg)
+        return y
+
+    return fn, buf.num_nvl_bytes
+
+
+def deepep_expert_side(recv_x, recv_idx, recv_w, recv_counts, w13, w2, local: int):
+    """Received tokens [R, H] with their top-k local expert indices [R, k] (-1: not on this rank) and gate
+    weights [R, k] -> this rank's partial output [R, H] (recv_x's dtype) = sum over its local slots of
+    w * expert(x), the experts run as nccl-a2a runs them (``_experts_forward``, bf16 grouped GEMMs on CUDA) and
+    the sum as its fold (one bmm, weights in x's dtype). recv_counts: rows per local expert, a host list (what
+    DeepEP's dispatch returns). Whatever the weights hold at -1 slots is ignored; R = 0 gives [0, H]. Pure
+    torch (CPU-tested)."""
+    n_recv, k = recv_idx.shape
+    hidden = recv_x.shape[1]
+    valid = recv_idx >= 0
+    flat = torch.where(valid, recv_idx, local).reshape(-1)   # invalid slots sort last
+    order = torch.argsort(flat, stable=True)[:sum(recv_counts)]
+    rows = recv_x.index_select(0, order // k)
+    counts = torch.tensor(recv_counts, dtype=torch.int32, device=recv_x.device)
+    out = _experts_forward(rows, counts, w13, w2, fp32=False)
+    pair = recv_x.new_zeros((n_recv * k, hidden))
+    pair.index_copy_(0, order, out)
+    w = torch.where(valid, recv_w, torch.zeros_like(recv_w)).to(recv_x.dtype)
+    return torch.bmm(w.unsqueeze(1), pair.view(n_recv, k, hidden)).squeeze(1)
+
+
+# --------------------------------------------------------------------------- one point
+
+
+@dataclass
+class MoESettings(Settings):
+    impls: tuple = MOE_IMPLS
+    expert_gemms: bool = True
+    trace_dir: str | None = None  # --trace: one traced kosmos forward per point (bf16) written here
+
+
+def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def _all_gather_int(v: int, device) -> list[int]:
+    if not dist.is_initialized():
+        return [v]
+    out = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+    out[dist.get_rank()] = v
+    dist.all_reduce(out)
+    return out.tolist()
+
+
+def _recover(device):
+    """After a failure: drop KOSMOS's (possibly poisoned) workspace and DeepEP's buffer, realign the ranks."""
+    harness.recover(device, cleanup=(lambda: deepep_release(destroy=False),))
+
+
+def base_row(case: MoECase, world: int, dtype: str, op: str = "moe_fwd", direction: str = FWD) -> dict:
+    """The identity keys of a row of ``case`` for ``op`` ("moe_fwd" or "moe_experts") in ``direction``."""
+    m = case_model(case)
+    return {
+        "type": "result", "bench": "moe", "op": op, "layer": "experts" if op == "moe_experts" else "moe",
+        "model": case.model, "seq": case.tokens, "m": case.tokens, "n": m.hidden, "k": m.expert_ffn, "world": world,
+        "ep": world, "dtype": dtype, "direction": direction, "tokens": case.tokens, "experts": m.experts, "top_k": m.top_k,
+        "routing": case.routing, "hidden": m.hidden, "expert_ffn": m.expert_ffn,
+    }
+
+
+def failed_rows(case: MoECase, world: int, st: MoESettings, reason: str) -> list[dict]:
+    """The rows of a point that failed as a whole (one per implementation of either op that runs at
+    ``st.dtype`` and ``st.direction``)."""
+    experts = registry.impls_at("moe_experts", EXPERT_IMPLS, st.dtype, st.direction) if st.expert_gemms else ()
+    ops = [("moe_experts", n) for n in experts] + [("moe_fwd", n) for n in registry.impls_at("moe_fwd", st.impls,
+                                                                                          st.dtype, st.direction)]
+    return [harness.failed_row(base_row(case, world, st.dtype, op, st.direction), op, name, reason,
+                               st.config("moe_fwd")) for op, name in ops]
+
+
+def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[dict]:
+    """Check and time every implementation on one (model, tokens, routing) point; returns the rows (every rank
+    returns the same rows). ``on_row(row)`` is called as each row is ready."""
+    rank, world = world_info()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        # every point starts without KOSMOS buffers sized by an earlier (larger) point, so that the peak memory
+        # recorded here is this point's own (measured otherwise: qwen3-235b 4096 right after deepseek-v3 16384
+        # carried 2.3 GiB of symmetric workspace and deepseek-sized local buffers). Collective: every rank runs
+        # the same points.
+        kosmos.reset_workspaces()
+        # and without an earlier point's tensors that only a reference cycle still holds (closures of its
+        # timed calls): session 12's deepseek-v3 sweep grew from 48 GiB at its first backward point to an out-of-
+        # memory at its fourth (the same point alone is predicted to fit); collected here, not at Python's leisure
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.backends.cuda.matmul.allow_tf32 = False
+        # allocate time_op's L2-flush buffer now (keyed like time_op keys it), so no impl's peak includes it
+        timing.flush_l2(torch.cuda.current_device())
+    m = case_model(case)
+    if m.experts % world:
+        raise ValueError(f"{m.name} has {m.experts} experts: they do not split evenly over {world} ranks")
+    local = m.experts // world
+    x, wr, bias, redrawn = make_router_inputs(m, case.tokens, case.routing, rank, st.seed, device)
+    w13, w2 = make_expert_weights(m, world, rank, st.seed, device)
+    mx = st.dtype == MX
+    fwd = st.direction == FWD
+    # mxfp8: the weights' MX values once, outside every timed call (a cached weight)
+    w_mx = moe_mx.mx_expert_weights(w13, w2) if mx and fwd else (None, None)
+    dy = None if fwd else torch.randn(case.tokens, m.hidden, generator=_gen(device, 1_000_003 * st.seed + 613 * rank
+                                                                            + 11), device=device, dtype=torch.bfloat16)
+    inp = MoEInputs(m, x, wr, bias, w13, w2, st.dtype, *w_mx, direction=st.direction, dy=dy)
+    # bwd, fwd+bwd: every gradient against moe_backward_ref for the implementation's own decision (grad_reference)
+    ref = (moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, fp32=True, **inp.route_kw()) if fwd
+           else grad_reference(inp, world))
+    if mx and fwd:  # checked against the MX layer's fp32 math (nccl-a2a: with its bf16 GEMM1 output, moe_mx's docstring);
+        # the error against the bf16 layer's is recorded
+        also = {"rel_err_bf16": ref}
+        refs = {g: harness.Reference(moe_mx.moe_forward_a2a_mx(x, wr, w13, w2, top_k=m.top_k, fp32=True,
+                                                               gemm1_bf16=g, **inp.route_kw()),
+                                     harness.TOLERANCE[MX], also) for g in (False, True)}
+        ref = lambda name: refs[name == "nccl-a2a"]  # noqa: E731
+
+    _, experts = route(x, wr, m.top_k, **inp.route_kw())
+    load = _sum_over_ranks(expert_load(experts, m.experts))
+    counts = load[rank * local:(rank + 1) * local].to(torch.int32)
+    rows_per_rank = load.view(world, local).sum(1).tolist()
+    redrawn_all = sum(_all_gather_int(redrawn, device))
+    pairs = world * case.tokens * m.top_k
+    extra = {
+        "router": m.routing, "renormalize": m.renormalize, "n_group": m.n_group, "topk_group": m.topk_group,
+        "routed_scaling": m.routed_scaling, "experts_per_rank": local, "seed": st.seed,
+        "routing_margin": ROUTING_MARGIN, "redrawn_tokens": redrawn_all, "rows_per_rank": rows_per_rank,
+        "top_expert_share": load.max().item() / pairs, "load_max_over_mean": load.max().item() * m.experts / pairs,
+        **st.extra,
+    }
+    # the forward's all-to-alls alone and the expert GEMMs alone: measured in the forward direction only
+    comm = moe_mx.a2a_comm_parts(x, experts, local, world, mx) if fwd else None
+    t_comm = (timing.time_op(comm, iters=st.iters, warmup=st.warmup)["time_ms"] if comm else 0.0) if fwd else None
+    wire = moe_mx.wire_bytes(st.dtype, moe_mx.cross_rank_pairs(experts, local, world), m.hidden, world)
+    del experts, comm
+    runner = harness.Runner(st, device, lambda: _recover(device), on_row, extra=extra, mem_delta=True)
+    config = st.config("moe_fwd")  # the expert GEMMs alone run with the layer's config too
+
+    # expert GEMMs alone, on the row counts this rank receives (the rows' values: fresh N(0, 1)); at mxfp8 no rows,
+    # only grouped-mm's bf16 time (the moe_fwd rows' t_gemm_ms: bf16 at every dtype, like the TP bench's cuBLAS)
+    t_gemm = None
+    if st.expert_gemms and fwd:
+        x_sorted = torch.randn(int(counts.sum().item()), m.hidden, generator=_gen(device, 31 * st.seed + rank),
+                               device=device, dtype=torch.bfloat16)
+    if st.expert_gemms and fwd and mx:
+        t_gemm = timing.time_op(lambda: _experts_forward(x_sorted, counts, w13, w2, fp32=False), iters=st.iters,
+                                warmup=st.warmup)["time_ms"]
+        del x_sorted
+    elif st.expert_gemms and fwd:
+        done = runner.run("moe_experts", EXPERT_IMPLS, inputs=ExpertInputs(x_sorted, counts, w13, w2),
+                          ref=_experts_forward(x_sorted, counts, w13, w2, fp32=True),
+                          identity=base_row(case, world, st.dtype, "moe_experts"),
+                          flops=6.0 * max(rows_per_rank) * m.hidden * m.expert_ffn, config=config, t_gemm_ms=None,
+                          t_comm_ms=None)
+        t_gemm = done["grouped-mm"].time_ms  # the t_gemm_ms of the moe_fwd rows
+        del x_sorted
+
+    flops = DIRECTION_FLOPS[st.direction] * 6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn
+    runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype, st.direction), inputs=inp, ref=ref,
+               identity=base_row(case, world, st.dtype, direction=st.direction), flops=flops, config=config, t_gemm_ms=t_gemm, t_comm_ms=t_comm, wire_bytes=wire,
+               impl_fields=lambda name: _impl_fields(name, mx))
+    if st.trace_dir and fwd and not mx and any(r["impl"] == "kosmos" and r["op"] == "moe_fwd" and r["status"] == "ok"
+                                                for r in runner.rows):
+        _write_trace(case, inp, world, config, st.trace_dir)
+    return runner.rows  # the point's tensors go with this frame; bench_rank empties the CUDA cache after it
+
+
+def _write_trace(case: MoECase, inp: MoEInputs, world: int, config, trace_dir: str) -> None:
+    """One kosmos forward of the point with its per-program task timeline (``bench moe --trace``; the MoE kernel's
+    trace kinds: route, dispatch, permute, GEMM1, GEMM2, combine, fold, waits) -> trace-<model>-<tokens>-<routing>
+    -w<W>.json (harness.write_trace; draw with `kosmos report --timeline FILE`). Collective."""
+    from kosmos.kernels.common import TRACE_EVENTS
+    device = inp.x.device
+    grid = kosmos.runtime.num_sms(device) if device.type == "cuda" else 4  # (CPU: the tests' fake forward)
+    buf = torch.zeros((grid, TRACE_EVENTS, 4), dtype=torch.int64, device=device)
+    if device.type == "cuda":
+        timing.barrier()
+    moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(), group=None,
+                config=config, trace=buf)
+    kosmos.runtime.check_errors()
+    m = inp.model
+    routing = case.routing.replace(":", "")
+    harness.write_trace(buf, f"{trace_dir}/trace-{case.model}-{case.tokens}-{routing}-w{world}.json",
+                        {"op": "moe_fwd", "model": case.model, "tokens": case.tokens, "routing": case.routing,
+                         "m": case.tokens, "n": m.hidden, "k": m.expert_ffn, "experts": m.experts, "top_k": m.top_k,
+                         "world": world, "config": config_dict(config)})
+
+
+def _impl_fields(name: str, mx: bool) -> dict:
+    """Row fields of one implementation alone: nccl-a2a's rounding note at mxfp8; deepep's configuration (the
+    note its callable left, taken by this row)."""
+    if name == "deepep":
+        note = _DEEPEP.pop("note", None)
+        return {"note": note} if note else {}
+    return {"note": moe_mx.BASELINE_NOTE} if mx and name == "nccl-a2a" else {}
+
+
+# --------------------------------------------------------------------------- one rank of `kosmos bench moe`
+
+
+def bench_rank(rank, world, suite: dict, cases: list, out: str, argv, configs=None, trace_dir=None):
+    """One rank of `kosmos bench moe` (launcher.spawn); rank 0 writes the env line and every row as it is ready."""
+    from .environment import environment
+    from .sweep import run_sweep
+
+    dtypes = suite["dtype"] if isinstance(suite["dtype"], (list, tuple)) else [suite["dtype"]]
+    directions = suite.get("direction") or [FWD]
+    directions = directions if isinstance(directions, (list, tuple)) else [directions]
+    from .launcher import ranks_on_one_gpu
+    # every rank on one GPU (KOSMOS_RANKS_ON_ONE_GPU, launcher.py): a correctness run; each row says so
+    shared = {"ranks_on_one_gpu": True} if world > 1 and ranks_on_one_gpu() else {}
+    st = MoESettings(impls=tuple(suite["impls"]), iters=suite["iters"], warmup=suite["warmup"],
+                     fixed_sweep=tuple(suite["fixed_sweep"]), dtype=dtypes[0], seed=suite["seed"],
+                     expert_gemms=suite["expert_gemms"], configs=dict(configs or {}), extra=shared,
+                     trace_dir=trace_dir, cuda_graph=bool(suite.get("cuda_graph")))
+    settings = {(d, g): replace(st, dtype=d, direction=g) for d in dtypes for g in directions}
+    device = torch.device("cuda", torch.cuda.current_device())
+    # a case is (point, dtype, direction): each point at every dtype in turn (as the TP bench does), each dtype in
+    # every direction
+    run_sweep(out, environment(argv=argv, suite=suite, bench="moe"), rank,
+              [(MoECase(**c), d, g) for c in cases for d in dtypes for g in directions],
+              describe=lambda case: f"{case[0].model} tokens={case[0].tokens} {case[0].routing} EP={world} "
+                                    f"{case[1]} {case[2]}",
+              run_one=lambda case, write: run_case(case[0], settings[case[1:]], on_row=write, device=device),
+              failed_rows=lambda case, why: failed_rows(case[0], world, settings[case[1:]], why),
+              recover=lambda: _recover(device),
+              key=lambda r: (r["model"], r["tokens"], r["routing"], r["op"], r["dtype"], r.get("direction", FWD),
+                             r["impl"]))
+    deepep_release()  # every rank, after the same sweep: DeepEP's Buffer freed in step (its barrier), not at exit

@@ -1,0 +1,428 @@
+"""The compact terminal view of a results table, the default of ``kosmos report`` and of the table ``kosmos bench``
+prints at the end: made to read at 100 columns. One table per comparison (the TP ops against nccl+cublas, the MoE
+layer against nccl-a2a, the MoE expert GEMMs alone against grouped-mm), one line per shape, a column per
+implementation holding its time in ms and its speedup over the baseline (the baseline's column: its time), the
+fastest time of a line in bold; under each table the geomeans of each column. What is the same on every line of a
+table (model, world, dtype, op) is said once in its title.
+
+A failed or unavailable cell says ``failed[N]`` / ``n/a[N]``; note N under the table gives the reason on one
+line, shortened to the console's width (``--wide`` shows every column and the full reasons). Where an
+implementation ran with several configs in one op (an A/B appended to one file), each config gets its own column,
+``kosmos #1``, ``kosmos #2``, and a legend line says which is which.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .schema import BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, SHAPE_COLUMNS, format_value
+from .tables import config_varies, cublas_summary_table, dtype_table, geomean, host_table, wire_table
+
+WHAT = {"tp": "TP ops", "moe_fwd": "moe_fwd (the MoE layer)", "moe_experts": "moe_experts (the expert GEMMs alone)"}
+CONTEXT_FIELDS = ("model", "world", "dtype", "direction")  # said in the title when one value across a table
+STATUS_WORDS = {"failed": "failed", "unavailable": "n/a"}
+GAP = 2  # the columns between two of a table's columns (collapsed padding and the box's blank rule)
+
+
+def family_of(row: dict) -> tuple[str, str | None]:
+    """The comparison a row belongs to: (bench or MoE op, baseline impl)."""
+    by_op = BASELINE_IMPL_BY_OP.get(row["op"])
+    if by_op:
+        return row["op"], by_op
+    return ("moe_fwd" if row["bench"] == "moe" else row["bench"]), BASELINE_IMPL.get(row["bench"])
+
+
+@dataclass
+class Notes:
+    """The reasons of failed / unavailable cells, numbered in order of first use; one number per
+    (impl, status, reason)."""
+    numbers: dict[tuple, int] = field(default_factory=dict)
+    shapes: dict[tuple, int] = field(default_factory=dict)
+
+    def number(self, impl: str, status: str, reason: str) -> int:
+        key = (impl, status, reason)
+        self.numbers.setdefault(key, len(self.numbers) + 1)
+        self.shapes[key] = self.shapes.get(key, 0) + 1
+        return self.numbers[key]
+
+    def lines(self) -> list[str]:
+        out = []
+        for (impl, status, reason), number in self.numbers.items():
+            count = self.shapes[(impl, status, reason)]
+            where = f" ({count} shapes)" if count > 1 else ""
+            out.append(f"[{number}] {impl} {status}{where}: {reason or 'no reason recorded'}")
+        return out
+
+
+def print_compact(df: pd.DataFrame, console: Console) -> None:
+    """The per-shape part of the compact view: a table per comparison and dtype, the config legend and the notes,
+    then (files with mxfp8 rows) the "mxfp8 / bf16" table and the bytes on the wire."""
+    notes = Notes()
+    records = df.to_dict("records")
+    families: dict[tuple, list[dict]] = {}
+    for row in records:  # a table per comparison, dtype and direction (mxfp8 has baselines of its own)
+        families.setdefault((family_of(row), row.get("dtype"), row.get("direction")), []).append(row)
+    several_sources = df["source"].nunique() > 1
+    # the direction is said where a file has other than forward rows (TP files, older MoE files: not at all)
+    directions = "direction" in df and bool((df["direction"].fillna("fwd") != "fwd").any())
+    for (family, _, _), rows in families.items():
+        title, table, legend = _family_table(family, rows, several_sources, notes, console.width, directions)
+        console.print(Text(title, style="bold"))
+        console.print(table)
+        for line in legend:
+            console.print(Text(line))
+    for line in notes.lines():
+        console.print(Text(" ".join(line.split())), no_wrap=True, overflow="ellipsis", crop=True)
+    print_dtype_compact(df, console)
+
+
+def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
+    """The "mxfp8 / bf16" part of the compact view: a line per shape with kosmos's mxfp8 time against its bf16
+    time and against cuBLAS bf16 alone, and the bytes on the wire per implementation (MiB, ratio to bf16)."""
+    ratios, wires = dtype_table(df), wire_table(df)
+    if ratios.empty and wires.empty:
+        return
+    several_sources = df["source"].nunique() > 1
+    if not ratios.empty:
+        console.print(Text("mxfp8 / bf16: kosmos time at mxfp8 over kosmos at bf16 and over cuBLAS bf16 alone "
+                           "(t_gemm_ms; < 1: mxfp8 faster)", style="bold"))
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+        labels = (["source"] if several_sources else []) + ["op", "layer", "seq"] + \
+            (["routing"] if ratios["routing"].notna().any() else []) + \
+            (["model"] if ratios["model"].nunique() > 1 else []) + (["world"] if ratios["world"].nunique() > 1 else [])
+        for column in labels:
+            table.add_column(column, justify="right" if column == "seq" else "left")
+        for header in ("bf16 ms", "mxfp8 ms", "mx/bf16", "cuBLAS bf16", "mx/cuBLAS"):
+            table.add_column(header, justify="right")
+        for row in ratios.to_dict("records"):
+            cells = [_label_cell(column, row) for column in labels]
+            cells += [_num(row["kosmos_bf16_ms"], _ms), _ms(row["kosmos_mxfp8_ms"]),
+                      _num(row["mxfp8_vs_bf16"], "{:.3f}".format), _num(row["cublas_bf16_ms"], _ms),
+                      _num(row["mxfp8_vs_cublas_bf16"], "{:.3f}".format)]
+            table.add_row(*cells)
+        console.print(table)
+    if not wires.empty:
+        console.print(Text("Bytes on the wire per rank (MiB; x: over bf16)", style="bold"))
+        shape_columns = ["source", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world"]
+        for _, group in wires.groupby(shape_columns, sort=False, dropna=False):
+            first = group.iloc[0]
+            routing = "" if first["routing"] is None or pd.isna(first["routing"]) else f" {first['routing']}"
+            label = f"{first['source'] + ' ' if several_sources else ''}{first['op']} {first['layer']} " \
+                    f"{first['seq']}{routing} W{first['world']}:"
+            parts = []
+            for row in group.to_dict("records"):
+                ratio = "" if pd.isna(row["wire_vs_bf16"]) or row["dtype"] == "bf16" else \
+                    f" ({row['wire_vs_bf16']:.3f}x)"
+                parts.append(f"{row['dtype']} {row['impls']} {row['wire_mib']:.2f}{ratio}")
+            console.print(Text(f"{label} " + "; ".join(parts)), overflow="fold")
+
+
+def _small_table(frame: pd.DataFrame, labels: list[str], cells: list[tuple[str, object]]) -> Table:
+    """A compact table: the label columns (left), then a right-aligned column per (header, row -> text)."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for column in labels:
+        table.add_column(column, justify="left")
+    for header, _ in cells:
+        table.add_column(header, justify="right")
+    for row in frame.to_dict("records"):
+        table.add_row(*[format_value(column, row.get(column)) for column in labels], *[cell(row) for _, cell in cells])
+    return table
+
+
+def _varying(frame: pd.DataFrame, columns) -> list[str]:
+    """The ``columns`` of ``frame`` that vary (the config: where some op ran with several, ``config_varies``)."""
+    return [column for column in columns if column in frame and (
+        config_varies(frame) if column == CONFIG_COLUMN else frame[column].nunique(dropna=False) > 1)]
+
+
+def _cell(column: str, fmt):
+    return lambda row: _num(row[column], fmt)
+
+
+def print_cublas_compact(df: pd.DataFrame, console: Console) -> None:
+    """kosmos against cuBLAS alone at world 1, a line per (source, op, dtype, config): the shapes, the geomean and
+    minimum of t_gemm_ms / time_ms, the worst shape and (with the suite's vs_cublas_floor) the shapes under it."""
+    summary = cublas_summary_table(df)
+    if summary.empty:
+        return
+    console.print(Text("kosmos against cuBLAS alone at world 1 (t_gemm_ms / time_ms: TFLOP/s ratio, > 1 faster)",
+                       style="bold"))
+    labels = _varying(summary, ("source",)) + ["op"] + _varying(summary, ("dtype", CONFIG_COLUMN))
+    cells = [("shapes", _cell("shapes", str)), ("geomean", _cell("geomean_vs_cublas", "{:.3f}x".format)),
+             ("min", _cell("min_vs_cublas", "{:.3f}x".format)), ("at m x n x k", lambda row: row["worst_shape"])]
+    if summary["below_floor"].notna().any():
+        cells.append(("under floor", lambda row: "" if pd.isna(row["below_floor"]) else
+                      f"{int(row['below_floor'])} < {row['floor']:.2f}"))
+    console.print(_small_table(summary, labels, cells))
+
+
+def print_host_compact(df: pd.DataFrame, console: Console) -> None:
+    """The host enqueue time per call: a line per (source, op, dtype, direction, impl, config) with the median,
+    min and max over its ok rows of host_ms, in microseconds."""
+    hosts = host_table(df)
+    if hosts.empty:
+        return
+    console.print(Text("Host enqueue time per call, µs (per row: the median over its timed calls)", style="bold"))
+    labels = _varying(hosts, ("source",)) + ["impl", "op"] + _varying(hosts, ("dtype", "direction", CONFIG_COLUMN))
+    console.print(_small_table(hosts, labels, [
+        ("rows", _cell("rows", str)), ("median", _cell("host_us_median", "{:.1f}".format)),
+        ("min", _cell("host_us_min", "{:.1f}".format)), ("max", _cell("host_us_max", "{:.1f}".format))]))
+
+
+def _num(value, fmt) -> str:
+    return "" if value is None or pd.isna(value) else fmt(value)
+
+
+def _family_table(family: tuple, rows: list[dict], several_sources: bool, notes: Notes,
+                  width: int, directions: bool = False) -> tuple[str, Table, list[str]]:
+    """The title and table of one comparison for a console ``width`` columns wide, and its config legend. The
+    label columns keep their width (rich narrows the implementations' columns, whose cells wrap between time and
+    speedup); the implementations' names break after '-' or '+' where the table would not fit otherwise."""
+    name, baseline = family
+    frame = pd.DataFrame(rows)
+    context = [column for column in CONTEXT_FIELDS if column in frame and frame[column].nunique(dropna=False) <= 1]
+    shown = [column for column in context if column != "direction" or directions]
+    if name == "tp" and frame["op"].nunique() <= 1:
+        context.insert(0, "op")
+    labels = _label_columns(frame, name, context, several_sources)
+    configs = _configs_by_op_impl(rows)
+    columns, legend = _impl_columns(rows, configs, baseline)
+    shapes = _shapes(rows, several_sources)
+
+    title = f"{WHAT.get(name, name)}: time in ms"
+    if baseline:
+        title += f", speedup over {baseline} (> 1 is faster)"
+    title = " | ".join([title, *(_context_text(column, rows[0]) for column in shown if column in context)])
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    cells = []
+    for shape in shapes:
+        cells.append([Text(_label_cell(column, shape[0])) for column in labels] +
+                     _impl_cells(shape, columns, configs, baseline, notes))
+    footer = _geomean_rows(rows, labels, columns, configs, several_sources, baseline)
+    widths = [max(cell.cell_len for cell in column_cells) for column_cells in zip(*(cells + footer))] or \
+        [0] * (len(labels) + len(columns))
+    label_widths = [max(widths[index], len(_label_header(column))) for index, column in enumerate(labels)]
+    impl_widths = widths[len(labels):]
+    headers = _impl_headers(columns, impl_widths, width - sum(label_widths) - GAP * len(labels))
+    for column, label_width in zip(labels, label_widths):
+        table.add_column(_label_header(column), justify="right" if column in ("seq", "tokens") else "left",
+                         width=label_width, overflow="fold")
+    for header in headers:
+        table.add_column(header, justify="right", overflow="fold")
+    for index, row_cells in enumerate(cells):
+        table.add_row(*row_cells, end_section=index == len(cells) - 1 and bool(footer))
+    for row_cells in footer:
+        table.add_row(*row_cells)
+    return title, table, legend
+
+
+def _context_text(column: str, row: dict) -> str:
+    value = format_value(column, row.get(column))
+    return {"world": f"world {value}", "op": f"op {value}", "direction": f"direction {value}"}.get(column, value)
+
+
+def _label_columns(frame: pd.DataFrame, name: str, context: list[str], several_sources: bool) -> list[str]:
+    """The columns that tell a table's shapes apart: source (several files), model, op (TP), layer and seq (TP) or
+    tokens and routing (MoE), world and dtype where they vary, and m x n x k where those do not tell every shape
+    apart or a shape is a custom one."""
+    columns = (["source"] if several_sources else []) + [c for c in ("model", "op") if c not in context]
+    if name != "tp":
+        columns = [c for c in columns if c != "op"]  # one op per MoE table: its title names it
+    columns += ["layer", "seq"] if name == "tp" else ["tokens", "routing"]
+    columns += [c for c in ("world", "dtype", "direction") if c not in context and c in frame]
+    shape_ids = frame[[c for c in SHAPE_COLUMNS if c in frame]].astype(str).drop_duplicates()
+    labelled = frame[columns].astype(str).drop_duplicates()
+    if len(labelled) < len(shape_ids) or (frame["model"] == "custom").any():
+        columns.append("mnk")
+    return columns
+
+
+def _label_header(column: str) -> str:
+    return {"mnk": "m x n x k"}.get(column, column)
+
+
+def _label_cell(column: str, row: dict) -> str:
+    if column == "mnk":
+        return f"{row['m']}x{row['n']}x{row['k']}"
+    if column == "world":
+        return f"W{row['world']}"
+    return format_value(column, row.get(column))
+
+
+def _configs_by_op_impl(rows: list[dict]) -> dict[tuple, list]:
+    """(op, impl) -> the configs it ran with, in order of first appearance."""
+    configs: dict[tuple, list] = {}
+    for row in rows:
+        seen = configs.setdefault((row["op"], row["impl"]), [])
+        if row.get(CONFIG_COLUMN) not in seen:
+            seen.append(row.get(CONFIG_COLUMN))
+    return configs
+
+
+def _impl_columns(rows: list[dict], configs: dict, baseline: str | None) -> tuple[list[tuple[str, int]], list[str]]:
+    """(impl, variant) per column, the baseline first, and the legend lines of the variants. Variant 0: the impl ran
+    with one config in every op; else the number of its config among those it ran with in an op."""
+    with_variants = {impl for (_, impl), seen in configs.items() if len(seen) > 1}
+    impls = list(dict.fromkeys(row["impl"] for row in rows))
+    if baseline in impls:
+        impls.remove(baseline)
+        impls.insert(0, baseline)
+    columns, legend = [], []
+    for impl in impls:
+        if impl not in with_variants:
+            columns.append((impl, 0))
+            continue
+        count = max(len(seen) for (_, name), seen in configs.items() if name == impl)
+        for variant in range(1, count + 1):
+            columns.append((impl, variant))
+            parts = [f"{op} {seen[variant - 1] or 'no config'}" for (op, name), seen in configs.items()
+                     if name == impl and len(seen) >= variant]
+            legend.append(f"{impl} #{variant}: " + "; ".join(parts))
+    return columns, legend
+
+
+def _shapes(rows: list[dict], several_sources: bool) -> list[list[dict]]:
+    """The rows of each shape, shapes in order of first appearance; with several sources, a shape's lines of each
+    source one after the other."""
+    by_shape: dict[tuple, list[dict]] = {}
+    for row in rows:
+        by_shape.setdefault(tuple(str(row.get(c)) for c in SHAPE_COLUMNS), []).append(row)
+    shapes = list(by_shape.values())
+    if several_sources:
+        first = {}
+        for index, shape in enumerate(shapes):
+            first.setdefault(tuple(str(shape[0].get(c)) for c in SHAPE_COLUMNS if c != "source"), index)
+        shapes.sort(key=lambda shape: first[tuple(str(shape[0].get(c)) for c in SHAPE_COLUMNS if c != "source")])
+    return shapes
+
+
+def _column_of(row: dict, columns: list[tuple[str, int]], configs: dict) -> tuple[str, int]:
+    """The (impl, variant) column of ``row``."""
+    if (row["impl"], 0) in columns:
+        return row["impl"], 0
+    return row["impl"], configs[(row["op"], row["impl"])].index(row.get(CONFIG_COLUMN)) + 1
+
+
+def _impl_cells(shape: list[dict], columns: list[tuple[str, int]], configs: dict, baseline: str | None,
+                notes: Notes) -> list[Text]:
+    by_column = {_column_of(row, columns, configs): row for row in shape}
+    times = [row["time_ms"] for row in shape if _time(row) is not None]
+    fastest = min(times) if len(times) > 1 else None
+    cells = []
+    for impl, variant in columns:
+        row = by_column.get((impl, variant))
+        cells.append(Text("") if row is None else _impl_cell(row, impl == baseline, fastest, notes))
+    return cells
+
+
+def _time(row: dict) -> float | None:
+    value = row.get("time_ms")
+    ok = row["status"] == "ok" and value is not None and not pd.isna(value) and value > 0
+    return value if ok else None
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3f}" if value < 10 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
+
+
+def _impl_cell(row: dict, is_baseline: bool, fastest: float | None, notes: Notes) -> Text:
+    time_ms = _time(row)
+    if time_ms is None:
+        status = row["status"] if row["status"] in STATUS_WORDS else "failed"
+        reason = format_value("reason", row.get("reason"))
+        number = notes.number(row["impl"], row["status"], reason)
+        return Text(f"{STATUS_WORDS[status]} [{number}]", style="red" if status == "failed" else "yellow")
+    cell = Text(_ms(time_ms), style="bold" if time_ms == fastest else "")
+    speedup = row.get("speedup")
+    if not is_baseline and speedup is not None and not pd.isna(speedup):
+        cell.append(" ")
+        cell.append(f"{speedup:.3f}x", style="green" if speedup > 1 else "red" if speedup < 1 else "")
+    return cell
+
+
+def _impl_headers(columns: list[tuple[str, int]], cells_widths: list[int], room: int) -> list[str]:
+    """The headers of the implementations' columns for ``room`` columns of console (their cells', their padding's
+    and rules' share): the names whole where they fit; else broken over lines (``_impl_header``) one at a time,
+    those that widen their column most first; else broken at every '-' and '+'."""
+    headers = [impl + (f" #{variant}" if variant else "") for impl, variant in columns]
+
+    def needed() -> int:
+        return sum(max(width, *map(len, header.split("\n"))) for width, header in zip(cells_widths, headers)) + \
+            GAP * (len(headers) - 1)
+
+    by_excess = sorted(range(len(headers)), key=lambda index: len(headers[index]) - cells_widths[index], reverse=True)
+    for index in by_excess:
+        if needed() <= room or len(headers[index]) <= cells_widths[index]:
+            break
+        headers[index] = _impl_header(*columns[index], cells_widths[index])
+    if needed() > room:
+        headers = [_impl_header(impl, variant, 0) for impl, variant in columns]
+    return headers
+
+
+def _impl_header(impl: str, variant: int, width: int) -> str:
+    """The impl's name, broken after '-' or '+' into lines no wider than ``width`` (the column's cells, at least
+    6), so that long names do not widen a column: "fixed-role-best" over "1.071 1.130x" is "fixed-role-" / "best";
+    ``width`` 0 breaks at every '-' and '+'."""
+    name = impl + (f" #{variant}" if variant else "")
+    limit = max(width, 6) if width else 0
+    if len(name) <= limit:
+        return name
+    pieces, piece = [], ""
+    for char in name:
+        piece += char
+        if char in "-+ ":
+            pieces.append(piece)
+            piece = ""
+    pieces.append(piece)
+    lines = [""]
+    for piece in pieces:
+        if lines[-1] and len(lines[-1]) + len(piece.rstrip()) > limit:
+            lines.append("")
+        lines[-1] += piece
+    return "\n".join(line.strip() for line in lines)
+
+
+def _geomean_rows(rows: list[dict], labels: list[str], columns: list[tuple[str, int]], configs: dict,
+                  several_sources: bool, family_baseline: str | None) -> list[list[Text]]:
+    """The footer: per source, the geomean speedup (and overlap efficiency) over each column's ok rows."""
+    sources = list(dict.fromkeys(row["source"] for row in rows))
+    out = []
+    for source in sources:
+        mine = [row for row in rows if row["source"] == source and row["status"] == "ok"]
+        for metric, word, fmt in (("speedup", "speedup", "{:.3f}x"), ("overlap_efficiency", "overlap", "{:.3f}")):
+            values = []
+            for column in columns:
+                if metric == "speedup" and column[0] == family_baseline:
+                    values.append("")  # 1 by definition
+                    continue
+                value = geomean(pd.Series([row[metric] for row in mine if _column_of(row, columns, configs) == column],
+                                          dtype="float64"))
+                values.append("" if math.isnan(value) else fmt.format(value))
+            if not any(values):
+                continue
+            label = _footer_labels(labels, source if several_sources else None, word)
+            out.append([Text(text, style="italic") for text in label] + [Text(value) for value in values])
+    return out
+
+
+def _footer_labels(labels: list[str], source: str | None, word: str) -> list[str]:
+    """The label cells of a geomean line: the source (several files), then "geomean" and the metric, spread over
+    the label columns so that no label column widens much."""
+    cells = [""] * len(labels)
+    start = 0
+    if source is not None:
+        cells[0], start = source, 1
+    free = len(labels) - start
+    if free >= 2:
+        cells[start], cells[start + 1] = "geomean", word
+    elif free == 1:
+        cells[start] = f"geomean {word}"
+    return cells

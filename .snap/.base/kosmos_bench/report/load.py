@@ -1,0 +1,170 @@
+"""Reading the report's inputs: result files (JSON lines: env lines and result lines, see SCHEMA.md) and
+trace files (one JSON object per traced call). Malformed input raises ``ReportError`` naming the file and,
+for JSON lines, the line; unknown keys and line types are ignored. One exception: the last non-blank line of a
+results file that is not valid JSON is taken for a line cut short (a run killed while writing it) and skipped with
+a one-line warning naming the file and line, so that the rows before it are still reported; an invalid line
+anywhere before it is an error."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from .schema import ENV_FIELDS, REQUIRED_RESULT_KEYS, ReportError
+from .targets import run_targets
+
+TRAIN_REQUIRED_KEYS = ("model", "impl", "status", "world", "dtype")  # bench train rows (report/train.py)
+
+
+Warn = Callable[[str], None]
+
+
+def _warn_on_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def load_results(paths: list[str | Path], warn: Warn | None = None) -> tuple[list[dict], list[dict]]:
+    """Read result files; return (env records, result records).
+
+    Every record gets ``source`` (the file stem); result records also get the
+    ENV_FIELDS of the env line with the same run_id in the same file, and ``suite_targets``: the
+    targets of the suite that env line records, over the default suite's (targets.py).
+    A file whose last non-blank line is not valid JSON (cut short) is read without that line: ``warn`` gets one
+    line naming the file and line (default: "warning: ..." on stderr). An invalid line before the last raises
+    ReportError naming the file and line.
+    """
+    if not paths:
+        raise ReportError("no result files given")
+    warn = warn or _warn_on_stderr
+    envs: list[dict] = []
+    results: list[dict] = []
+    for path in map(Path, paths):
+        file_envs, file_results = _read_result_file(path, warn)
+        envs.extend(file_envs)
+        results.extend(file_results)
+    return envs, results
+
+
+def _read_result_file(path: Path, warn: Warn) -> tuple[list[dict], list[dict]]:
+    if not path.is_file():
+        raise ReportError(f"{path}: no such result file")
+    source = path.stem
+    envs: list[dict] = []
+    raw_results: list[dict] = []
+    for line_number, record in _json_lines(path, warn):
+        if record.get("type") == "env":
+            envs.append({**record, "source": source})
+        elif record.get("type") == "result":
+            _check_required_keys(record, path, line_number)
+            raw_results.append(record)
+    if not raw_results:
+        raise ReportError(f"{path}: no result lines")
+    env_by_run = {env.get("run_id"): env for env in envs}
+    results = [_with_env(record, env_by_run.get(record.get("run_id"), {}), source, path) for record in raw_results]
+    return envs, results
+
+
+def _json_lines(path: Path, warn: Warn):
+    """Yield (line number, object) for the non-blank lines of a JSON-lines file; the last of them, when it is not
+    valid JSON, is skipped with a warning (a line cut short), any other invalid line raises ReportError."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise ReportError(f"{path}: not UTF-8 text ({error})") from error
+    except OSError as error:
+        raise ReportError(f"{path}: cannot read ({error.strerror or error})") from None
+    last = max((number for number, line in enumerate(lines, start=1) if line.strip()), default=0)
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if line_number == last:
+                warn(f"{path}:{line_number}: the last line is not valid JSON ({error.msg}), as when a run stops "
+                     "while writing it: skipped, the lines before it are reported")
+                return
+            raise ReportError(f"{path}:{line_number}: invalid JSON: {error.msg}") from error
+        if not isinstance(record, dict):
+            raise ReportError(f"{path}:{line_number}: expected a JSON object")
+        yield line_number, record
+
+
+def _check_required_keys(record: dict, path: Path, line_number: int) -> None:
+    required = TRAIN_REQUIRED_KEYS if record.get("bench") == "train" else REQUIRED_RESULT_KEYS  # no op/m/n/k
+    missing = [key for key in required if record.get(key) is None]
+    if missing:
+        raise ReportError(f"{path}:{line_number}: result line lacks {', '.join(missing)}")
+    if not isinstance(record.get("config"), (dict, type(None))):
+        raise ReportError(f"{path}:{line_number}: a result's config must be an object or null")
+
+
+def _with_env(record: dict, env: dict, source: str, path: Path) -> dict:
+    env_fields = {field: env.get(field) for field in ENV_FIELDS}
+    # developer knobs in effect (KOSMOS_* overrides) as one "K=V K=V" cell; "" when none or not recorded
+    env_fields["knobs"] = " ".join(f"{k}={v}" for k, v in sorted((env.get("knobs") or {}).items()))
+    merged = {**env_fields, **record, "source": source}
+    merged["bench"] = record.get("bench") or env.get("bench") or "tp"
+    merged["suite_targets"] = run_targets(env, merged["bench"], path)
+    return merged
+
+
+# --------------------------------------------------------------------------- traces
+
+
+class Trace(NamedTuple):
+    title: str
+    kind_names: dict[int, str]
+    ranks: list[tuple[int, np.ndarray]]  # (rank, events of shape [E, 5])
+
+
+def load_trace(path: Path) -> Trace:
+    """A trace file: its title (op, model, impl, shape), kind names and each rank's events."""
+    if not path.is_file():
+        raise ReportError(f"{path}: no such trace file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ReportError(f"{path}: invalid trace JSON ({error})") from error
+    except OSError as error:
+        raise ReportError(f"{path}: cannot read ({error.strerror or error})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("ranks"), list) or not data["ranks"]:
+        raise ReportError(f"{path}: a trace needs a non-empty 'ranks' list")
+    title = " ".join(
+        f"{key}={data[key]}" if key in ("m", "n", "k", "world") else str(data[key])
+        for key in ("op", "model", "impl", "m", "n", "k", "world") if key in data
+    )
+    return Trace(title, _trace_kind_names(data.get("kinds", {}), path),
+                 [_trace_rank(rank, index, path) for index, rank in enumerate(data["ranks"])])
+
+
+def _trace_kind_names(kinds, path: Path) -> dict[int, str]:
+    if not isinstance(kinds, dict):
+        raise ReportError(f"{path}: 'kinds' must map kind ids to names")
+    try:
+        return {int(kind): str(name) for kind, name in kinds.items()}
+    except ValueError as error:
+        raise ReportError(f"{path}: kind ids must be integers ({error})") from error
+
+
+def _trace_rank(rank: dict, index: int, path: Path) -> tuple[int, np.ndarray]:
+    if not isinstance(rank, dict) or not isinstance(rank.get("events"), list):
+        raise ReportError(f"{path}: ranks[{index}] needs an 'events' list")
+    try:
+        events = np.asarray(rank["events"], dtype=np.float64).reshape(-1, 5) if rank["events"] else np.empty((0, 5))
+    except (TypeError, ValueError) as error:
+        raise ReportError(
+            f"{path}: ranks[{index}] events must be [program, kind, task_id, t_start_ns, t_end_ns]"
+        ) from error
+    if len(events) != len(rank["events"]) or not np.isfinite(events).all():
+        raise ReportError(f"{path}: ranks[{index}] events must be lists of 5 finite numbers")
+    if (events[:, 4] < events[:, 3]).any():
+        raise ReportError(f"{path}: ranks[{index}] has events that end before they start")
+    rank_id = rank.get("rank", index)
+    if not isinstance(rank_id, int):
+        raise ReportError(f"{path}: ranks[{index}].rank must be an integer")
+    return rank_id, events

@@ -1,0 +1,399 @@
+"""Rendering of KOSMOS benchmark results (JSON lines and traces, see SCHEMA.md): the report as markdown, csv,
+self-contained html or text, rich tables on the terminal, and ``report_main``, the entry point of
+``kosmos report``. Every human-readable format shows the same sections (``_sections``) in the same order, the
+headline first (the geomeans, the target and verdict lines), then the per-shape tables; csv is the
+machine-readable contract: every column of ``build_table``, one row per result identity. On the terminal (and in
+``--format text``) the default is the compact view of compact.py, made for 100 columns; ``wide`` gives the
+sections as md and html have them."""
+
+from __future__ import annotations
+
+import html
+import io
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+from rich.measure import Measurement
+from rich.segment import Segments
+from rich.table import Table
+from rich.text import Text
+
+from .charts import speedup_chart, timeline_chart
+from .compact import print_compact, print_cublas_compact, print_host_compact
+from .lines import bandwidth_line, cublas_line, host_line, summary_lines, versus_line
+from .load import load_results
+from .schema import (
+    BANDWIDTH_COLUMNS, CONFIG_COLUMN, ENV_COLUMNS, MX_DETAIL_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
+    NUMERIC_DISPLAY_COLUMNS, RENDER_FORMATS, SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
+)
+from .tables import (build_table, config_varies, cublas_summary_table, cublas_table, dtype_table,
+                     geomean_by_model_table, geomean_table, host_table, versus_table, wire_table)
+
+ENVIRONMENT, RESULTS = "Environment", "Results per shape"
+CUBLAS_SECTION = ("kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms: the TFLOP/s ratio, > 1: "
+                  "kosmos faster)")
+HOST_SECTION = "Host enqueue time per call, µs (host_ms of the ok rows: median over each row's timed calls)"
+MX_SECTION = "mxfp8 / bf16: kosmos at mxfp8 against kosmos at bf16 and cuBLAS bf16 alone (time ratios, < 1: faster)"
+COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and --wide
+
+
+# --------------------------------------------------------------------------- sections and formatting
+
+
+def _headline(df: pd.DataFrame) -> list[str]:
+    """The verdict lines: workspace, expert GEMMs (MoE), the geomean targets, kosmos against the fastest other,
+    kosmos against cuBLAS alone at world 1, the host enqueue time per call."""
+    versus = versus_table(df)
+    lines = [versus_line(versus, df) if not versus.empty else None, cublas_line(df), host_line(df)]
+    return [*summary_lines(df), *(line for line in lines if line)]
+
+
+def _sections(df: pd.DataFrame):
+    """The report's parts in order: (title, table, columns) for a table, (None, sentence, None) for a line. The
+    headline first (geomeans, verdict lines), then the long per-shape tables."""
+    environment = ["source", *ENV_COLUMNS]
+    yield ENVIRONMENT, df[environment].drop_duplicates().reset_index(drop=True), environment
+    # the direction column where a file has other than forward rows (MoE --direction bwd / fwd+bwd)
+    forward_only = "direction" not in df or bool((df["direction"].fillna("fwd") == "fwd").all())
+    yield "Geomean over ok rows", geomean_table(df), [c for c in GEOMEAN_COLUMNS if c != "direction" or not forward_only]
+    by_model = geomean_by_model_table(df)
+    if not by_model.empty:
+        yield "Geomean per model", by_model, [c for c in MODEL_GEOMEAN_COLUMNS if c != "direction" or not forward_only]
+    for line in _headline(df):
+        yield None, line, None
+    yield RESULTS, df, _display_columns(df)
+    line = bandwidth_line(df)
+    if line:
+        yield None, line, None
+    versus = versus_table(df)
+    if not versus.empty:
+        yield "kosmos against the fastest other implementation", versus, _versus_display(versus)
+    per_shape = cublas_table(df)
+    if not per_shape.empty:
+        summary = cublas_summary_table(df, per_shape)
+        yield CUBLAS_SECTION + ": per op", summary, _summary_display(summary)
+        yield CUBLAS_SECTION + ": per shape", per_shape, _summary_display(per_shape)
+    hosts = host_table(df)
+    if not hosts.empty:
+        yield HOST_SECTION, hosts, _summary_display(hosts)
+    ratios, wires = dtype_table(df), wire_table(df)
+    if not ratios.empty:
+        yield MX_SECTION, ratios, [c for c in ratios.columns if c not in _single_valued(ratios)]
+    if not wires.empty:
+        yield "Bytes on the wire per implementation (per rank)", wires, \
+            [c for c in wires.columns if c not in _single_valued(wires)]
+
+
+def _formatted(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({column: [format_value(column, value) for value in df[column]] for column in columns})
+
+
+def _single_valued(df: pd.DataFrame, columns=("source", "bench")) -> set[str]:
+    """The identity columns a human-readable table can drop: one value across the whole table."""
+    return {column for column in columns if df[column].nunique() <= 1}
+
+
+def _config_varies(df: pd.DataFrame) -> bool:
+    """Whether a human-readable table shows ``config``: when some op holds rows of more than one config (an A/B
+    appended to one file, or files run with other configs side by side). The rule of ``_single_valued`` applied
+    per op rather than across the table: each op has its own fields and the baselines none, so a run of one
+    config per op would otherwise always show it."""
+    return config_varies(df)
+
+
+def _display_columns(df: pd.DataFrame) -> list[str]:
+    """Columns of the human-readable per-shape tables (csv gets every column)."""
+    hidden = {"workspace_bytes"} | _single_valued(df)
+    columns = [column for column in TABLE_COLUMNS if column not in hidden]
+    bandwidths = [column for column in BANDWIDTH_COLUMNS if df[column].notna().any()]
+    columns[columns.index("status"):columns.index("status")] = bandwidths
+    mx = [column for column in MX_DETAIL_COLUMNS if column in df and df[column].notna().any()]
+    columns[columns.index("rel_err") + 1:columns.index("rel_err") + 1] = mx  # mxfp8 rows: rel_err_bf16, wire
+    if "routing" in df:
+        position = columns.index("impl")
+        columns[position:position] = MOE_COLUMNS
+    if "direction" in df and (df["direction"].fillna("fwd") != "fwd").any():  # MoE --direction bwd / fwd+bwd rows
+        columns.insert(columns.index("dtype") + 1, "direction")
+    if _config_varies(df):
+        columns.insert(columns.index("impl") + 1, CONFIG_COLUMN)
+    return columns
+
+
+def _versus_display(versus: pd.DataFrame) -> list[str]:
+    hidden = _single_valued(versus)
+    if not _config_varies(versus):
+        hidden.add(CONFIG_COLUMN)
+    if versus["vs_fixed_role_best"].isna().all():
+        hidden.add("vs_fixed_role_best")
+    if "routing" in versus and versus["routing"].isna().all():
+        hidden.update(MOE_COLUMNS)
+    return [column for column in versus.columns if column not in hidden]
+
+
+def _summary_display(table: pd.DataFrame) -> list[str]:
+    """The columns of the cuBLAS and host sections a human-readable table shows: without the source and bench when
+    single-valued, the config where it does not vary, the direction of forward-only tables, the floor columns
+    without a floor target."""
+    hidden = _single_valued(table)
+    if CONFIG_COLUMN in table and not _config_varies(table):
+        hidden.add(CONFIG_COLUMN)
+    if "direction" in table and (table["direction"].fillna("fwd") == "fwd").all():
+        hidden.add("direction")
+    for column in ("below_floor", "floor"):
+        if column in table and table[column].isna().all():
+            hidden.add(column)
+    return [column for column in table.columns if column not in hidden]
+
+
+def _speedup_style(value) -> str | None:
+    if value is None or pd.isna(value) or value == 1:
+        return None
+    return "green" if value > 1 else "red"
+
+
+def _shape_key(row: dict) -> tuple[str, ...]:
+    """Formatted identity of a row's shape (strings, so missing values compare equal)."""
+    return tuple(format_value(column, row.get(column)) for column in SHAPE_COLUMNS)
+
+
+# --------------------------------------------------------------------------- renderers
+
+
+def render(df: pd.DataFrame, fmt: str, wide: bool = False) -> str:
+    """Render the table as "md", "csv", "html" or "text" (the terminal view: compact at 100 columns, or with
+    ``wide`` every section at 250)."""
+    renderers = {"md": _render_markdown, "csv": _render_csv, "html": _render_html}
+    if fmt == "text":
+        return _render_text(df, wide)
+    if fmt not in renderers:
+        raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
+    return renderers[fmt](df)
+
+
+def _render_csv(df: pd.DataFrame) -> str:
+    return _formatted(df, list(df.columns)).to_csv(index=False, lineterminator="\n")
+
+
+def _markdown_table(frame: pd.DataFrame) -> str:
+    def cells(values) -> str:
+        return "| " + " | ".join(str(value).replace("|", "\\|") for value in values) + " |"
+
+    lines = [cells(frame.columns), cells("---" for _ in frame.columns)]
+    lines += [cells(row) for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _render_markdown(df: pd.DataFrame) -> str:
+    parts = ["# KOSMOS benchmark report"]
+    for title, body, columns in _sections(df):
+        parts += [body] if title is None else [f"## {title}", _markdown_table(_formatted(body, columns))]
+    return "\n\n".join(parts) + "\n"
+
+
+HTML_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; }
+table { border-collapse: collapse; margin-bottom: 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; }
+th { background: #f0f0f0; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.faster { color: #067d17; font-weight: bold; }
+td.slower { color: #b00020; font-weight: bold; }
+tr.failed td, tr.unavailable td { background: #fff3f3; color: #777; }
+"""
+
+
+def _html_table(df: pd.DataFrame, columns: list[str]) -> str:
+    header = "".join(f"<th>{html.escape(column)}</th>" for column in columns)
+    body = []
+    for _, row in df.iterrows():
+        cells = "".join(_html_cell(column, row[column]) for column in columns)
+        status = row.get("status")
+        row_class = f' class="{html.escape(status)}"' if status in ("failed", "unavailable") else ""
+        body.append(f"<tr{row_class}>{cells}</tr>")
+    return f"<table><thead><tr>{header}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _html_cell(column: str, value) -> str:
+    classes = []
+    if column in NUMERIC_DISPLAY_COLUMNS:
+        classes.append("num")
+    if column in SPEEDUP_COLUMNS:
+        style = _speedup_style(value)
+        classes.append({"green": "faster", "red": "slower"}.get(style, ""))
+    class_attribute = f' class="{" ".join(filter(None, classes))}"' if any(classes) else ""
+    return f"<td{class_attribute}>{html.escape(format_value(column, value))}</td>"
+
+
+def _render_html(df: pd.DataFrame) -> str:
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"><title>KOSMOS benchmark report</title>',
+        f"<style>{HTML_STYLE}</style></head><body>",
+        "<h1>KOSMOS benchmark report</h1>",
+    ]
+    for title, body, columns in _sections(df):
+        parts += [f"<p>{html.escape(body)}</p>"] if title is None else \
+            [f"<h2>{html.escape(title)}</h2>", _html_table(body, columns)]
+    return "\n".join([*parts, "</body></html>", ""])
+
+
+def _render_text(df: pd.DataFrame, wide: bool) -> str:
+    buffer = io.StringIO()
+    print_terminal(df, Console(file=buffer, width=WIDE_WIDTH if wide else COMPACT_WIDTH, color_system=None,
+                               force_terminal=False), wide=wide)
+    return buffer.getvalue()
+
+
+# --------------------------------------------------------------------------- terminal
+
+
+def print_terminal(df: pd.DataFrame, console: Console | None = None, wide: bool = False) -> None:
+    """The report on a rich console. By default the compact view (compact.py): the environment, a line per shape
+    with each implementation's time and speedup, the geomeans under each table, then the verdict lines. With
+    ``wide``, every section of md and html (headline first) as rich tables, each as wide as its cells need
+    (wider than the console rather than cutting cells: ``| less -S`` on a narrow terminal)."""
+    console = console or Console()
+    if not wide:
+        environment = df[["source", *ENV_COLUMNS]].drop_duplicates()
+        for line in _environment_lines(environment):
+            console.print(Text(line))
+        print_compact(df, console)
+        print_cublas_compact(df, console)
+        print_host_compact(df, console)
+        for line in _headline(df):
+            console.print(Text(line))
+        console.print(Text("Every column and the full reasons: kosmos report FILE --wide (or --format md, html, csv)",
+                           style="dim"))
+        return
+    for title, body, columns in _sections(df):
+        if title is None:
+            console.print(Text(body))
+        elif title == ENVIRONMENT:
+            for line in _environment_lines(body):
+                console.print(Text(line))
+        elif title == RESULTS:  # the reason is in the status cell; a rule under each shape
+            _print_full_width(console, _rich_table(body, [column for column in columns if column != "reason"], title,
+                                                   shape_sections=True))
+        else:
+            _print_full_width(console, _rich_table(body, columns, title))
+
+
+def _print_full_width(console: Console, table: Table) -> None:
+    """``table`` at the width its cells need, at least the console's."""
+    width = max(console.width, Measurement.get(console, console.options.update(width=10**6), table).maximum)
+    lines = console.render_lines(table, console.options.update(width=width), pad=False, new_lines=True)
+    console.print(Segments([segment for line in lines for segment in line]), crop=False, end="")
+
+
+def _environment_lines(environment: pd.DataFrame) -> list[str]:
+    environment = _formatted(environment, list(environment.columns))
+    return [
+        f"{row.source}: {row.gpu} x{row.gpu_count} | torch {row.torch} | triton {row.triton}"
+        f" | commit {row.git_commit}{' | knobs ' + row.knobs if row.knobs else ''} | {row.timestamp}"
+        for row in environment.itertuples(index=False)
+    ]
+
+
+def _rich_table(frame: pd.DataFrame, columns: list[str], title: str, shape_sections: bool = False) -> Table:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right" if column in NUMERIC_DISPLAY_COLUMNS else "left")
+    records = frame.to_dict("records")
+    for index, row in enumerate(records):
+        is_last_of_shape = shape_sections and (
+            index + 1 == len(records) or _shape_key(records[index + 1]) != _shape_key(row))
+        table.add_row(*(_rich_cell(column, row) for column in columns), end_section=is_last_of_shape)
+    return table
+
+
+def _rich_cell(column: str, row: dict) -> Text:
+    if column == "status":
+        return _rich_status(row)
+    value = row[column]
+    style = _speedup_style(value) if column in SPEEDUP_COLUMNS else None
+    return Text(format_value(column, value), style=style or "")
+
+
+def _rich_status(row: dict) -> Text:
+    status = row["status"]
+    if status == "ok":
+        return Text("ok")
+    reason = format_value("reason", row.get("reason"))
+    label = f"{status}: {reason}" if reason else status
+    return Text(label, style="red" if status == "failed" else "yellow")
+
+
+# --------------------------------------------------------------------------- CLI glue
+
+
+def report_main(
+    files: list[str | Path],
+    fmt: str = "text",
+    out: str | Path | None = None,
+    chart: str | Path | None = None,
+    timeline: str | Path | None = None,
+    console: Console | None = None,
+    wide: bool = False,
+    status: Console | None = None,
+) -> int:
+    """Entry point of `kosmos report`: the report on ``console`` (stdout) or to ``out``; status messages ("...
+    written to ...") and warnings (a results file's last line cut short) on ``status`` (stderr), so that stdout
+    holds the report alone (``--format csv > out.csv``). The folders of ``out``, ``chart`` and the timeline's PNG
+    are created. Raises ReportError (one line, naming the file) for unusable inputs and unwritable outputs."""
+    console = console or Console()
+    status = status or Console(stderr=True)
+
+    def say(message: str, style: str = "") -> None:
+        status.print(Text(message, style=style), soft_wrap=True)
+
+    if timeline is not None:
+        png_path = Path(out) if out is not None else Path(timeline).with_suffix(".png")
+        written = _writing(png_path, lambda: timeline_chart(timeline, png_path))
+        say(f"timeline written to {written}")
+        return 0
+    if fmt not in RENDER_FORMATS:
+        raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
+    _, results = load_results(files, warn=lambda message: say(f"warning: {message}", "yellow"))
+    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
+        from .train import train_report_main
+        return train_report_main(results, fmt, out, chart, console, say)
+    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
+        from .train import train_report_main
+        return train_report_main(results, fmt, out, chart, console, say)
+    df = build_table(results)
+    if chart is not None:
+        _make_folder(Path(chart))  # before the report is shown: a bad path fails first
+    if out is not None:
+        text = render(df, fmt, wide=wide)
+        _writing(Path(out), lambda: Path(out).write_text(text, encoding="utf-8"))
+        say(f"{fmt} report written to {out}")
+    elif fmt == "text":
+        print_terminal(df, console, wide=wide)
+    else:
+        console.out(render(df, fmt), highlight=False, end="")
+    if chart is not None:
+        written = _writing(Path(chart), lambda: speedup_chart(df, chart))
+        say(f"speedup chart written to {chart}" if written else "matplotlib missing: no speedup chart")
+    return 0
+
+
+def _writing(path: Path, write):
+    """``write()`` after creating the folders of ``path``; an OSError of either is a one-line ReportError naming
+    the path."""
+    _make_folder(path)
+    try:
+        return write()
+    except OSError as error:
+        raise ReportError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def _make_folder(path: Path) -> None:
+    """The folders above ``path`` (a one-line ReportError naming it when they cannot be made)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        existing = next((folder for folder in path.parents if folder.exists()), None)
+        why = f"{existing} is not a folder" if existing is not None and not existing.is_dir() else \
+            f"cannot create its folder {path.parent} ({error.strerror or error})"
+        raise ReportError(f"cannot write {path}: {why}") from None

@@ -1,0 +1,130 @@
+"""Collective-safe timing: same iteration count on every rank, L2 flushed and a barrier before each timed
+call, CUDA events around the call, and the op's time per iteration = max over ranks. Reports the median and
+the 20th/80th percentiles.
+
+Device time, not host time: after the barrier the GPU is given ~2 ms of spinning (``torch.cuda._sleep``)
+before the start event, so the host enqueues the call while the GPU is busy -- as it does in a training
+step, where the host runs ahead. Without it, every Python-side cost of an op (argument checks, Triton's
+launcher) would count as GPU time, because the barrier leaves the GPU idle. The host's enqueue time is
+measured separately and reported as ``host_ms`` (median), so it is not hidden from the reader: in the same loop,
+per timed call, the CPU wall time (``time.perf_counter``) from entering the call to its return, taken between
+the start and the end event's records -- no synchronisation in between, so the device timing is unchanged, and the
+GPU is still spinning, so the call never waits on a full launch queue. A call that synchronises inside (a
+``.item()``, a host copy) shows it there as the rest of the ~2 ms spin.
+
+``--cuda-graph`` (``capture_graph``): one call of the implementation, after warm-up, is captured into a
+``torch.cuda.CUDAGraph`` and the timing loop times ``graph.replay()`` instead of the call (same flush,
+barrier, spin and events; ``host_ms`` is then the replay's enqueue time). Every replay writes the captured
+call's outputs.
+
+A ``Split`` (the MoE bench's backward) is timed in two parts: for every iteration, warm-up included, its ``setup``
+(the forward) runs first, untimed, before the L2 flush and the barrier, and only ``run(state)`` is timed. Every rank
+runs the same setups in the same order, so a setup may hold collectives.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+_L2_FLUSH = {}
+
+
+def flush_l2(device) -> None:
+    buf = _L2_FLUSH.get(device)
+    if buf is None:
+        # 4x the L2 of an H100/H200, read from the device so that other parts get their own size
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+        buf = _L2_FLUSH[device] = torch.empty(4 * max(l2, 1 << 20), dtype=torch.uint8, device=device)
+    buf.zero_()
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    torch.cuda.synchronize()
+
+
+# ~2 ms at H100/H200 clocks: more than any implementation's measured enqueue time (kosmos 0.2-0.5 ms,
+# torch async-TP up to 0.84 ms on 2x H200), so no implementation's host time leaks into its GPU time
+HOST_HIDE_CYCLES = 4_000_000
+
+
+@dataclass
+class Split:
+    """A call timed in two parts: ``setup()`` (untimed) -> state, then ``run(state)`` (timed) -> the output.
+    Called as a whole (``split()``: run(setup())) where nothing is timed, e.g. the correctness check."""
+    setup: Callable
+    run: Callable
+
+    def __call__(self):
+        return self.run(self.setup())
+
+
+def capture_graph(fn, warmup: int = 3):
+    """``fn`` captured into a CUDA graph -> the graph's ``replay`` (the graph lives as long as the callable).
+    torch's recipe: ``warmup`` calls on a side stream first (lazy initialisation, compiles, cached plans and
+    workspaces all happen outside the capture), then one call captured. Every rank captures in step (a captured
+    collective runs only at replay). Raises what the capture raised (the caller records it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
+def time_op(fn, *, iters: int = 20, warmup: int = 5, group=None, flush: bool = True,
+            hide_host: bool = True) -> dict:
+    """Median / p20 / p80 in ms of ``fn()`` over ``iters`` timed calls (max over ranks per call), and the
+    median over the same timed calls of the host time inside one call (``host_ms``: from entering ``fn`` to its
+    return, module docstring; max over ranks). ``fn`` a ``Split``: its ``setup()`` before each call, untimed
+    (before the flush and the barrier), and only ``run(state)`` timed, on the device and on the host."""
+    device = torch.cuda.current_device()
+    setup, call = (fn.setup, fn.run) if isinstance(fn, Split) else (None, None)
+    for _ in range(warmup):
+        if setup is not None:
+            call(setup())
+        else:
+            fn()
+    barrier(group)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    host = []
+    for i in range(iters):
+        state = setup() if setup is not None else None  # untimed: every rank, in step, before the barrier
+        if flush:
+            flush_l2(device)
+        barrier(group)
+        if hide_host:
+            torch.cuda._sleep(HOST_HIDE_CYCLES)
+        starts[i].record()
+        t0 = time.perf_counter()
+        if setup is not None:
+            call(state)
+        else:
+            fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        ends[i].record()
+        state = None  # the setup's tensors (a forward's graph) go before the next one is made
+    torch.cuda.synchronize()
+    per_iter = torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)] + [statistics.median(host)],
+                            device="cuda")
+    if dist.is_initialized():
+        dist.all_reduce(per_iter, op=dist.ReduceOp.MAX, group=group)
+    vals = per_iter.tolist()
+    host_ms = vals.pop()
+    ms = sorted(vals)
+    q = statistics.quantiles(ms, n=5) if len(ms) >= 2 else [ms[0]] * 4
+    return {"time_ms": statistics.median(ms), "p20_ms": q[0], "p80_ms": q[3], "samples": len(ms),
+            "host_ms": host_ms}

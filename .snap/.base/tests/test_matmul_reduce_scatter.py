@@ -1,0 +1,198 @@
+"""GEMM+ReduceScatter (kosmos.matmul_reduce_scatter): every platform's cases, by marker (see conftest.py).
+
+* ``interpreter`` -- W simulated ranks in one process under the Triton CPU interpreter, the ranks' phases
+  ordered by hand (``COMPUTE_ONLY`` on every rank, then ``COMM_ONLY``: see test_all_gather_matmul.py); the
+  self-scheduling policy at W=1, and at W=2 with the peer's compute done beforehand; a missing partial times out.
+* ``gpu_optional`` / unmarked -- input checks: a ValueError before anything is launched (opcases.InputChecks).
+* ``gpu`` -- W=1 on one GPU through the public op. References in fp32, TF32 off. (CUDA graphs: test_cuda_graphs.py.)
+* ``ranks`` -- W = 2..8 simulated ranks on one GPU, all launches resident at once (simranks.py).
+* The real multi-GPU cases (W=2) run this op interleaved with AllGather+GEMM: test_tp_ops_together.py.
+"""
+import pytest
+import torch
+
+import opcases
+from opcases import COMM_ONLY, COMPUTE_ONLY, SELF, SHAPES, SHORT_NS, TOL, W1_SHAPES, W1_VARIANTS, WORLDS, randn, \
+    run_device_epochs, run_schedule, weight
+from simranks import RS
+
+from kosmos import codes, runtime
+from kosmos.config import MatmulReduceScatterConfig
+
+
+# ==================================================================================== CPU interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("ms,k,n", SHAPES)
+def test_matmul_reduce_scatter_epochs(world, ms, k, n):
+    t = RS(world, ms, k, n, seed=world * 100 + ms + 1)
+    run_schedule(t, [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(world)])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("ms,k,n", [pytest.param(21, 64, 48, id="ms21-k64-n48"),
+                                    pytest.param(5, 32, 24, id="ms5-k32-n24")])
+def test_matmul_reduce_scatter_mxfp8_epochs(world, ms, k, n):
+    """MXFP8 a (K a multiple of 32): the partials and the reduction as in bf16, against the fp32 product of the
+    dequantized values."""
+    t = RS(world, ms, k, n, seed=world * 100 + ms + 9, mx=True)
+    run_schedule(t, [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(world)])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("ms,k,n", SHAPES)
+def test_matmul_reduce_scatter_self_policy_world1(ms, k, n):
+    run_schedule(RS(1, ms, k, n, seed=17), [(0, SELF)], flags=False)
+
+
+@pytest.mark.interpreter
+def test_matmul_reduce_scatter_self_policy_world2():
+    """Rank 1 computes first; rank 0 runs self-scheduled (its reduce tasks become ready while it computes,
+    and are claimed early); rank 1 reduces last."""
+    run_schedule(RS(2, 21, 40, 48, seed=19), [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world", [
+    2,  # one peer; also the self-scheduled schedule
+    3,  # several source slots per owner
+])
+def test_matmul_reduce_scatter_push_partials(world):
+    """MatmulReduceScatterConfig(push_partials=True): partials pushed into the owners' staging slots, reduced
+    locally; both the phase-ordered and the self-scheduled schedules, several epochs."""
+    config = MatmulReduceScatterConfig(push_partials=True)
+    t = RS(world, 21, 40, 48, seed=23 + world, config=config)
+    run_schedule(t, [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(world)])
+    if world == 2:
+        run_schedule(RS(2, 21, 40, 48, seed=29, config=config), [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)])
+
+
+@pytest.mark.interpreter
+def test_matmul_reduce_scatter_b_kmajor():
+    run_schedule(RS(2, 21, 40, 48, seed=23, b_kmajor=True),
+                 [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(2)])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world,mx,schedule", [
+    pytest.param(1, False, [(0, SELF)], id="w1"),
+    pytest.param(1, True, [(0, SELF)], id="w1-mxfp8"),  # the DEQ flags are local flags of the epoch
+    pytest.param(2, False, [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)], id="w2-self"),
+    pytest.param(3, False, [(r, COMPUTE_ONLY) for r in range(3)] + [(r, COMM_ONLY) for r in range(3)], id="w3"),
+])
+def test_matmul_reduce_scatter_device_epoch(world, mx, schedule):
+    """No epoch from the host (opcases.run_device_epochs): the slot advances by one per call, results right."""
+    t = RS(world, 21, 64 if mx else 40, 48, seed=61 + world, mx=mx)
+    run_device_epochs(t, schedule)
+
+
+@pytest.mark.interpreter
+def test_matmul_reduce_scatter_replay_without_the_peer_waits_for_the_next_epoch():
+    """Rank 0 reducing a further call alone must wait for partial flags of the new epoch, not take the last
+    call's: a timeout recorded with expected 4, observed 3."""
+    t = RS(2, 21, 40, 48, seed=67)
+    run_device_epochs(t, [(1, COMPUTE_ONLY), (0, SELF), (1, COMM_ONLY)], calls=2)
+    t.launch(0, None, timeout_ns=SHORT_NS, **COMM_ONLY)
+    err = t.rk.errors[0].tolist()
+    assert err[0] != 0 and codes.wait_tag(err) == codes.WAIT_RS_PARTIAL.value, runtime.decode_error(err)
+    assert (err[5], err[6]) == (4, 3), runtime.decode_error(err)
+    assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS
+
+
+@pytest.mark.interpreter
+def test_matmul_reduce_scatter_timeout_partials_missing():
+    t = RS(2, 5, 16, 24, seed=31)
+    t.new_epoch_inputs()
+    t.launch(0, 1, timeout_ns=SHORT_NS, **COMM_ONLY)
+    err = t.rk.errors[0].tolist()
+    assert err[0] != 0
+    msg = runtime.decode_error(err)
+    assert "matmul_reduce_scatter" in msg and "rank 0" in msg and "a peer's partial tile" in msg
+    assert codes.wait_tag(err) == codes.WAIT_RS_PARTIAL.value
+    assert err[5] == 1 and err[6] == 0
+    assert t.rk.heads[0].tolist() == [0] * runtime.NUM_HEADS
+
+
+# ======================================================================================= input checks
+class TestInputChecks(opcases.InputChecks):
+    name = "matmul_reduce_scatter"
+
+    @pytest.mark.parametrize("m", [
+        8,   # below a multiple of 3
+        10,  # above a multiple of 3
+        1,   # fewer rows than ranks
+    ])
+    def test_reduce_scatter_m_not_divisible_by_world(self, fake_world, m):
+        fake_world["set_world"](3)
+        opcases.raises_before_launch(fake_world, self.op, opcases.cuda(opcases.bf16(m, 16)),
+                                     opcases.cuda(opcases.bf16(16, 8)), "divide by the world size 3")
+
+    def test_reduce_scatter_m_divisible_by_world_passes(self, fake_world):
+        ws = fake_world["set_world"](3, rank=2)
+        with pytest.raises(opcases.Reached):
+            self.op(opcases.cuda(opcases.bf16(9, 16)), opcases.cuda(opcases.bf16(16, 8)))
+        assert ws.calls == ["ensure"]
+
+
+def test_cpu_tensor_unpatched():
+    """Without any patching the public op rejects CPU tensors (nothing CUDA is touched first)."""
+    import kosmos
+    bf16 = opcases.bf16
+    with pytest.raises(ValueError, match="CUDA"):
+        kosmos.matmul_reduce_scatter(bf16(8, 16), bf16(16, 8))
+    with pytest.raises(ValueError, match="2-D"):
+        kosmos.matmul_reduce_scatter(bf16(8), bf16(8, 8))
+
+
+# ============================================================================================ one GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("ms,k,n", W1_SHAPES)
+@pytest.mark.parametrize("pol,kmajor", W1_VARIANTS)
+def test_w1_matmul_reduce_scatter(no_tf32, ms, k, n, pol, kmajor):
+    import kosmos
+    from kosmos import reference
+    gen = torch.Generator().manual_seed(ms * 7919 + k * 31 + n + 1)
+    a = randn((ms, k), gen, "cuda")
+    b = weight(k, n, gen, "cuda", kmajor)
+    c = kosmos.matmul_reduce_scatter(a, b, **pol)
+    kosmos.check_errors()
+    assert c.dtype == torch.bfloat16 and tuple(c.shape) == (ms, n)
+    (ref,) = reference.matmul_reduce_scatter_ref_local([a], [b])
+    assert reference.rel_err(c, ref) < TOL
+
+
+@pytest.mark.gpu
+def test_w1_trace_records_every_compute_task():
+    opcases.w1_trace_records_every_compute_task("rs")
+
+
+# ============================================================================ simulated ranks, one GPU
+class TestOnRanks(opcases.OnRanksCases):
+    op = "rs"
+
+    @pytest.mark.parametrize("world", [2, 4])
+    def test_rs_push_partials(self, world):
+        """MatmulReduceScatterConfig(push_partials=True): partial tiles stored into the owners' staging slots over
+        the peer mapping, reduced from local memory."""
+        t = opcases.make("rs", world, seed=60 + world, config=MatmulReduceScatterConfig(push_partials=True))
+        for epoch in opcases.EPOCHS:
+            t.new_epoch_inputs()
+            t.launch_all(epoch)
+            opcases.check_call(t, epoch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1000, 512, 640), (256, 8192, 1024), (64, 96, 256)])
+def test_w1_matmul_reduce_scatter_mxfp8(no_tf32, m, k, n):
+    """The public op on an MXTensor at W=1 against the fp32 product of the dequantized values; bitwise repeat."""
+    import kosmos
+    from kosmos import quant, reference
+    gen = torch.Generator().manual_seed(m + k + n + 1)
+    x = randn((m, k), gen, "cuda")
+    b = weight(k, n, gen, "cuda", False)
+    mx = quant.quantize_mx(x)
+    c = kosmos.matmul_reduce_scatter(mx, b)
+    kosmos.check_errors()
+    assert reference.rel_err(c, mx.dequantize(torch.float32) @ b.float()) < TOL
+    assert torch.equal(kosmos.matmul_reduce_scatter(mx, b), c)

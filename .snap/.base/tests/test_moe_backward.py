@@ -1,0 +1,968 @@
+"""The MoE backward's pieces (kosmos/kernels/moe_backward.py): the per-expert weight gradient.
+
+Markers as in conftest.py: ``interpreter`` on the CPU, ``gpu`` on one GPU."""
+import pytest
+import torch
+
+from kosmos.kernels.moe_backward import (expert_weight_grads, expert_weight_grads_padded, expert_weight_grads_ref,
+                                         pad_expert_rows, padded_row_offsets, padded_rows_bound)
+
+CASES = [  # counts per expert (zeros allowed), KA, KB: ragged rows, a KA/KB not a multiple of the tile
+    pytest.param([5, 0, 17, 1], 24, 40, id="ragged-with-empty"),
+    pytest.param([0, 0], 16, 16, id="all-empty"),
+    pytest.param([33], 16, 48, id="one-expert-3-steps"),
+    pytest.param([0, 16, 0, 31, 0], 56, 8, id="empty-first-and-last-rows-at-and-past-the-step"),
+    pytest.param([16, 0, 31], 12, 40, id="ka-not-a-multiple-of-8-pointer-fallback"),
+    pytest.param([7, 9], 40, 20, id="kb-not-a-multiple-of-8-pointer-fallback"),
+]
+
+
+def _inputs(counts, ka, kb, device, seed=0, spare=3):
+    g = torch.Generator().manual_seed(seed)
+    r = sum(counts) + spare  # rows past the last expert's: never read
+    a = torch.randn(r, ka, generator=g).to(torch.bfloat16)
+    b = torch.randn(r, kb, generator=g).to(torch.bfloat16)
+    a[sum(counts):] = float("nan")
+    b[sum(counts):] = float("nan")
+    return a.to(device), b.to(device), torch.tensor(counts, dtype=torch.int32, device=device)
+
+
+def _check(a, b, counts, kernel=None):
+    """fp32 out against the fp64 reference; the default bf16 out is the fp32 result rounded to nearest even, bit
+    for bit (one accumulator, rounded once); experts without rows: zeros; deterministic; ``kernel`` (None: the
+    default) gives the same bits as the other kernel."""
+    kw = {} if kernel is None else dict(kernel=kernel)
+    got = expert_weight_grads(a, b, counts, out_dtype=torch.float32, **kw)
+    ref = expert_weight_grads_ref(a.cpu(), b.cpu(), counts.cpu())
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert not torch.isnan(got).any()
+    err = (got.cpu() - ref).abs().max().item()
+    assert err <= 1e-4 * max(1.0, ref.abs().max().item()), err
+    if ref.numel() and ref.norm() > 0:
+        assert ((got.cpu().double() - ref).norm() / ref.norm()).item() < 1e-5
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            assert torch.equal(got[e].cpu(), torch.zeros_like(ref[e])), f"expert {e} without rows is not zero"
+    assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32, **kw), got)  # deterministic
+    bf = expert_weight_grads(a, b, counts, **kw)
+    assert bf.dtype == torch.bfloat16 and torch.equal(bf.view(torch.int16), got.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(expert_weight_grads(a, b, counts, **kw), bf)
+    if kernel is not None:  # the persistent grid and one program per tile: the same per-tile sums, the same bits
+        other = "tiles" if kernel == "persistent" else "persistent"
+        assert torch.equal(expert_weight_grads(a, b, counts, out_dtype=torch.float32, kernel=other), got)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kernel", ["persistent", "tiles"])
+@pytest.mark.parametrize("counts,ka,kb", CASES + [pytest.param([3, 0, 0, 40, 9, 0, 1], 32, 48,
+                                                                id="persistent-3-programs-over-many-experts")])
+def test_expert_weight_grads_interpreter(counts, ka, kb, kernel):
+    _check(*_inputs(counts, ka, kb, "cpu"), kernel=kernel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["persistent", "tiles"])
+@pytest.mark.parametrize("counts,ka,kb", [([300, 0, 7, 129, 1, 0, 64, 500], 256, 200), ([4096], 2048, 512),
+                                          ([0, 250, 260, 0, 3, 512], 1536, 4096)])
+def test_expert_weight_grads_gpu(no_tf32, counts, ka, kb, kernel):
+    _check(*_inputs(counts, ka, kb, "cuda", seed=1), kernel=kernel)
+
+
+def test_expert_weight_grads_errors():
+    a = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows but b has"):
+        expert_weight_grads(a, torch.zeros(5, 8, dtype=torch.bfloat16), torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="bfloat16"):
+        expert_weight_grads(a.float(), a, torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="counts"):
+        expert_weight_grads(a, a, torch.tensor([[4]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="out_dtype"):
+        expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        expert_weight_grads(a, a, torch.tensor([4], dtype=torch.int32), kernel="wide")
+
+
+PADDED_CASES = [c for c in CASES if "pointer-fallback" not in c.id] + [
+    pytest.param([3, 0, 0, 40, 9, 0, 1], 32, 48, id="3-programs-over-many-experts"),
+    pytest.param([64, 0, 65, 128], 16, 24, id="at-and-one-past-the-pad")]
+INTERP_BR = 16  # expert_weight_grads_padded's row step under the interpreter
+
+
+def _gap_and_tail(counts, pad, padded_rows):
+    """Masks over the padded rows: the gap rows (after an expert's last row, up to the next multiple of pad)
+    and the rows of no expert past the last expert's padded end."""
+    gap = torch.zeros(padded_rows, dtype=torch.bool)
+    start = 0
+    for n in counts:
+        end = start + -(-n // pad) * pad
+        gap[start + n:end] = True
+        start = end
+    tail = torch.zeros(padded_rows, dtype=torch.bool)
+    tail[start:] = True
+    return gap, tail
+
+
+def _check_padded(a, b, counts, pad, device="cpu"):
+    """(a) the padded layout: each expert's rows from a multiple of pad, all other rows zero; (b) the flat kernel
+    on it gives bitwise expert_weight_grads' dW on the unpadded rows (fp32 and bf16 out; ragged counts, zeros
+    included), rows of no expert never read (NaN there); (c) finite nonzero garbage in the gap rows of ONE
+    operand changes no bit (the other's zeros make the partial step exact), and garbage in both does change
+    the result wherever a tile has a partial step -- so (b) would catch a kernel that read past an expert's
+    rows without the zeros."""
+    c = torch.tensor(counts, dtype=torch.int32, device=device)
+    ref32 = expert_weight_grads(a, b, c, out_dtype=torch.float32)
+    ref = expert_weight_grads(a, b, c)
+    po = padded_row_offsets(c, pad)
+    rp = padded_rows_bound(a.shape[0], len(counts), pad)
+    starts = [0]
+    for n in counts[:-1]:
+        starts.append(starts[-1] + -(-n // pad) * pad)
+    assert po.dtype == torch.int32 and po.cpu().tolist() == starts[:len(counts)]
+    assert all(s_ % pad == 0 for s_ in starts)
+    ap, bp = pad_expert_rows(a, c, po, rp), pad_expert_rows(b, c, po, rp)
+    assert ap.shape == (rp, a.shape[1]) and bp.shape == (rp, b.shape[1])
+    exp_a = torch.zeros_like(ap)
+    src = 0
+    for s_, n in zip(starts, counts):
+        exp_a[s_:s_ + n] = a[src:src + n]
+        src += n
+    assert torch.equal(ap.view(torch.int16), exp_a.view(torch.int16))
+    gap, tail = _gap_and_tail(counts, pad, rp)
+    gap, tail = gap.to(device), tail.to(device)
+    for t in (ap, bp):  # rows of no expert: never read
+        t[tail] = float("nan")
+
+    def flat(x, y, dt=torch.float32):
+        return expert_weight_grads_padded(x, y, c, po, out_dtype=dt, pad=pad)
+
+    got32 = flat(ap, bp)
+    assert torch.equal(got32.view(torch.int32), ref32.view(torch.int32))
+    assert torch.equal(flat(ap, bp, torch.bfloat16).view(torch.int16), ref.view(torch.int16))
+    g = torch.Generator().manual_seed(11)
+    a_g, b_g = ap.clone(), bp.clone()
+    for t in (a_g, b_g):  # finite, nonzero, both signs
+        t[gap] = (torch.randn(int(gap.sum()), t.shape[1], generator=g) + 0.5).to(t.dtype).to(device)
+    assert torch.equal(flat(a_g, bp).view(torch.int32), ref32.view(torch.int32)), "zeros in b_pad alone"
+    assert torch.equal(flat(ap, b_g).view(torch.int32), ref32.view(torch.int32)), "zeros in a_pad alone"
+    if any(n % INTERP_BR for n in counts) and ref32.numel():  # a partial step reads gap rows
+        assert not torch.equal(flat(a_g, b_g), ref32), "the gap rows are read: garbage in both must show"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("pad", [16, 64])
+@pytest.mark.parametrize("counts,ka,kb", PADDED_CASES)
+def test_expert_weight_grads_padded_interpreter(counts, ka, kb, pad):
+    a, b, _ = _inputs(counts, ka, kb, "cpu")
+    _check_padded(a, b, counts, pad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [None, (128, 128, 64, 8, 3), (128, 128, 64, 4, 2), (128, 256, 64, 8, 3),
+                                   (256, 128, 64, 8, 3)])
+def test_expert_weight_grads_padded_gpu(no_tf32, tiles):
+    """On the GPU: bitwise the default (persistent) kernel's dW on the unpadded rows, for every tile variant
+    of the probe's sweep."""
+    counts, ka, kb = [300, 0, 7, 129, 1, 0, 64, 500], 256, 200
+    a, b, c = _inputs(counts, ka, kb, "cuda", seed=1)
+    po = padded_row_offsets(c)
+    rp = padded_rows_bound(a.shape[0], len(counts))
+    ap, bp = pad_expert_rows(a, c, po, rp), pad_expert_rows(b, c, po, rp)
+    for dt in (torch.float32, torch.bfloat16):
+        ref = expert_weight_grads(a, b, c, out_dtype=dt, kernel="persistent")
+        if dt == torch.float32 and tiles is not None and 256 in tiles[:2]:  # 272 KiB of shared: refused
+            with pytest.raises(ValueError, match="shared memory"):
+                expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles)
+            continue
+        got = expert_weight_grads_padded(ap, bp, c, po, out_dtype=dt, tiles=tiles)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+def test_expert_weight_grads_padded_errors():
+    a = torch.zeros(64, 8, dtype=torch.bfloat16)
+    c = torch.tensor([4], dtype=torch.int32)
+    po = padded_row_offsets(c)
+    with pytest.raises(ValueError, match="rows but b_pad has"):
+        expert_weight_grads_padded(a, torch.zeros(65, 8, dtype=torch.bfloat16), c, po)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        expert_weight_grads_padded(torch.zeros(64, 12, dtype=torch.bfloat16), a, c, po)
+    with pytest.raises(ValueError, match="pad_offs"):
+        expert_weight_grads_padded(a, a, c, po[:0])
+    with pytest.raises(ValueError, match="must divide"):
+        expert_weight_grads_padded(a, a, c, po, pad=8, tiles=(128, 128, 64, 8, 2))
+    assert padded_rows_bound(100, 3, 64) == 100 + 3 * 63
+    assert padded_row_offsets(torch.tensor([0, 1, 64, 65, 0, 3]), 64).tolist() == [0, 0, 64, 128, 256, 256]
+
+
+def _dgrad2_inputs(counts, h, f, device, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    r, e = sum(counts), len(counts)
+    dy_rows = torch.randn(r, h, generator=g).to(torch.bfloat16)
+    gu = torch.randn(r, 2 * f, generator=g).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w_pair = torch.rand(r, generator=g)
+    cnt = torch.tensor(counts, dtype=torch.int32)
+    return [t.to(device) for t in (dy_rows, gu, w2, w_pair, cnt)]
+
+
+def _dgrad2_ref(dy_rows, gu, w2, w_pair, counts):
+    from kosmos.moe_reference import swiglu_backward_ref
+    f = w2.shape[1]
+    z = torch.zeros(dy_rows.shape[0], f, dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        z[start:start + n] = dy_rows[start:start + n].double() @ w2[e].double().t()
+        start += n
+    g, u = gu[:, :f].double(), gu[:, f:].double()
+    h = g * torch.sigmoid(g) * u
+    dg, du = swiglu_backward_ref(w_pair.double()[:, None] * z, g, u)
+    return torch.cat([dg, du], -1), (z * h).sum(-1)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", ["split", "whole", "unfused"],
+                         ids=["split-epilogue", "whole-epilogue", "unfused-gemm-then-pass"])
+@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([40], 48, 16), ([0, 3], 16, 40),
+                                         ([17, 0, 3, 0], 20, 24), ([0, 33, 0], 48, 8), ([9, 0, 14], 32, 12)])
+def test_expert_dgrad2_swiglu_interpreter(counts, h, f, mode, monkeypatch):  # H = 20: the pointer fallback
+    """GEMM2's data gradient with the SwiGLU backward and the gate gradient in the epilogue, against the
+    references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic. ``mode``: the epilogue
+    in two half-width slices (the GPU's 128 x 128 tile) or on the whole tile (F = 12: a half past F); or
+    unfused (z rounded to bf16 by the GEMM, then the pass: dw at bf16 level); h bitwise swiglu_h's in each."""
+    from kosmos.kernels import moe_backward as mb
+    from kosmos.kernels.moe_backward import expert_dgrad2_swiglu
+    monkeypatch.setattr(mb, "DGRAD2_SPLIT", mode == "split")
+    monkeypatch.setattr(mb, "DGRAD2_FUSED", mode != "unfused")
+    args = _dgrad2_inputs(counts, h, f, "cpu")
+    dgu, dw = expert_dgrad2_swiglu(*args)
+    want_dgu, want_dw = _dgrad2_ref(*[a.cpu() for a in args])
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp(min=1e-30)).item()  # noqa: E731
+    assert rel(dgu, want_dgu) < 1e-2 and rel(dw, want_dw) < (1e-2 if mode == "unfused" else 1e-5)
+    again = expert_dgrad2_swiglu(*args)
+    assert torch.equal(again[0], dgu) and torch.equal(again[1], dw)
+    dgu_h, dw_h, h_rows = expert_dgrad2_swiglu(*args, emit_h=True)
+    assert torch.equal(dgu_h, dgu) and torch.equal(dw_h, dw)
+    assert torch.equal(h_rows.view(torch.int16), mb.swiglu_h(args[1], f).view(torch.int16))
+
+
+@pytest.mark.interpreter
+def test_expert_dgrad2_swiglu_padded_ignores_unwritten_gap_rows(monkeypatch):
+    """The padded layout's dgrad2: the GEMM leaves z's gap rows unwritten (here: NaN), and the SwiGLU pass reads
+    them as zeros through ``valid`` -- dgu, h and the gate gradient are zero there, and the rows of the experts
+    are bitwise the packed layout's."""
+    from kosmos.kernels import moe_backward as mb
+    counts, h, f = [5, 0, 21, 1], 32, 24
+    dy_rows, gu, w2, w_pair, cnt = _dgrad2_inputs(counts, h, f, "cpu")
+    pad_offs, row_of, real_of, _ = mb.padded_layout(cnt, int(cnt.sum()))
+    valid, real = real_of >= 0, real_of.clamp(min=0)
+    idx = torch.where(valid, real, -1)
+    dy_p, gu_p = mb.gather_rows(dy_rows, idx), mb.gather_rows(gu, idx)
+    w_p = torch.where(valid, w_pair[real], 0.0)
+    real_dgrad1 = mb.expert_dgrad1
+
+    def dgrad1_with_nan_gaps(*args, **kw):
+        z = real_dgrad1(*args, **kw)
+        return z.masked_fill(~valid[:, None], float("nan"))
+
+    want = mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt, emit_h=True, fused=False)  # packed
+    monkeypatch.setattr(mb, "expert_dgrad1", dgrad1_with_nan_gaps)
+    dgu, dw, hh = mb.expert_dgrad2_swiglu(dy_p, gu_p, w2, w_p, cnt, emit_h=True, fused=False, offs=pad_offs,
+                                          valid=valid)
+    for got, ref in zip((dgu, dw, hh), want):
+        assert not got[~valid].any() and torch.equal(got[row_of], ref)
+    with pytest.raises(ValueError, match="come together"):
+        mb.expert_dgrad2_swiglu(dy_p, gu_p, w2, w_p, cnt, fused=False, offs=pad_offs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-epilogue", "unfused"])
+def test_expert_dgrad2_swiglu_gpu(no_tf32, fused):
+    from kosmos.kernels import moe_backward as mb
+    args = _dgrad2_inputs([300, 0, 7, 129, 1, 0, 64, 500], 256, 200, "cuda")
+    dgu, dw, h_rows = mb.expert_dgrad2_swiglu(*args, emit_h=True, fused=fused)
+    want_dgu, want_dw = _dgrad2_ref(*[a.cpu() for a in args])
+    assert ((dgu.cpu().double() - want_dgu).norm() / want_dgu.norm()).item() < 1e-2
+    assert ((dw.cpu().double() - want_dw).norm() / want_dw.norm()).item() < (1e-4 if fused else 1e-2)
+    assert torch.equal(h_rows.view(torch.int16), mb.swiglu_h(args[1], args[2].shape[1]).view(torch.int16))
+    again = mb.expert_dgrad2_swiglu(*args, emit_h=True, fused=fused)
+    assert all(torch.equal(x, y) for x, y in zip(again, (dgu, dw, h_rows)))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([0, 40], 48, 16), ([9, 0, 18], 40, 6),
+                                         ([0, 33, 0], 24, 8)])
+def test_expert_dgrad1_interpreter(counts, h, f):  # 2F = 12: the pointer fallback
+    from kosmos.kernels.moe_backward import expert_dgrad1
+    g = torch.Generator().manual_seed(4)
+    r, e = sum(counts), len(counts)
+    dgu = torch.randn(r, 2 * f, generator=g).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
+    cnt = torch.tensor(counts, dtype=torch.int32)
+    dx = expert_dgrad1(dgu, w13, cnt)
+    want, start = torch.zeros(r, h, dtype=torch.float64), 0
+    for i, n in enumerate(counts):
+        want[start:start + n] = dgu[start:start + n].double() @ w13[i].double().t()
+        start += n
+    assert ((dx.double() - want).norm() / want.norm()).item() < 1e-2
+
+
+def _gu(r, f, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(r, 2 * f, generator=g) * 4).to(torch.bfloat16)
+    gu[0, :4] = torch.tensor([-100.0, -90.0, 0.0, 95.0]).to(torch.bfloat16)  # exp(-g) past fp32's range, g = 0
+    return gu
+
+
+def _h_torch(gu, f):  # moe_backward's torch line for h, as it was
+    g, u = gu[:, :f].float(), gu[:, f:].float()
+    return (g * torch.sigmoid(g) * u).to(torch.bfloat16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("r,f", [(5, 24), (3, 1030)])
+def test_swiglu_h_interpreter(r, f):
+    """h = silu(g) u in one pass: within one bf16 rounding of torch's line (the interpreter's exp is numpy's)."""
+    from kosmos.kernels.moe_backward import swiglu_h
+    gu = _gu(r, f)
+    got, want = swiglu_h(gu, f), _h_torch(gu, f)
+    assert got.dtype == torch.bfloat16 and got.shape == (r, f)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-30).all()
+
+
+@pytest.mark.gpu
+def test_swiglu_h_bitwise_torch_gpu():
+    """On the GPU the kernel is bitwise torch's (g * sigmoid(g) * u).to(bf16): libdevice expf, IEEE division."""
+    from kosmos.kernels.moe_backward import swiglu_h
+    gu = _gu(4096, 1536).cuda()
+    assert torch.equal(swiglu_h(gu, 1536).view(torch.int16), _h_torch(gu, 1536).view(torch.int16))
+
+
+def _check_dgrad2_emitted_h(counts, h, f, device):
+    """dgrad2's epilogue h (emit_h) is bitwise swiglu_h's and its other outputs are unchanged by emitting it."""
+    from kosmos.kernels.moe_backward import expert_dgrad2_swiglu, swiglu_h
+    dy_rows, gu, w2, w_pair, cnt = _dgrad2_inputs(counts, h, f, device)
+    gu = _gu(gu.shape[0], f).to(device)  # exp(-g) past fp32's range, g = 0, |g| up to ~16
+    dgu, dw, hb = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt, emit_h=True)
+    assert hb.dtype == torch.bfloat16 and hb.shape == (gu.shape[0], f)
+    assert torch.equal(hb.view(torch.int16), swiglu_h(gu, f).view(torch.int16))
+    dgu0, dw0 = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt)
+    assert torch.equal(dgu, dgu0) and torch.equal(dw, dw0)
+    return hb, gu
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([0, 33, 0], 48, 12)])
+def test_dgrad2_emitted_h_interpreter(counts, h, f):
+    _check_dgrad2_emitted_h(counts, h, f, "cpu")
+
+
+@pytest.mark.gpu
+def test_dgrad2_emitted_h_bitwise_gpu():
+    """On the GPU dgrad2's h is bitwise swiglu_h's and torch's line (if not: DGRAD2_EMITS_H = False)."""
+    hb, gu = _check_dgrad2_emitted_h([300, 0, 7, 129, 1, 0, 64, 500, 2048], 256, 1536, "cuda")
+    assert torch.equal(hb.view(torch.int16), _h_torch(gu, 1536).view(torch.int16))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("counts,h", [([3, 0, 5], 24), ([0, 0, 4], 1030)])
+def test_scaled_rows_and_unpermute_sum_bitwise_torch(counts, h):
+    """do = w * dy[tok] and the dispatch backward's gather-sum: bitwise the torch lines they replace."""
+    from kosmos import moe_reference as mr
+    from kosmos.kernels.moe_backward import scaled_rows, sum_partials, unpermute_sum
+    g = torch.Generator().manual_seed(9)
+    k, t = 2, sum(counts) // 2 + 1
+    p = t * k
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    order = torch.randperm(p, generator=g)
+    tok, w = order // k, torch.rand(p, generator=g)
+    assert torch.equal(scaled_rows(dy, tok, w), (w[:, None] * dy[tok].float()).to(torch.bfloat16))
+    rows = torch.randn(p, h, generator=g).to(torch.bfloat16)
+    pair = torch.empty_like(rows)
+    pair[order] = rows
+    assert torch.equal(unpermute_sum(rows, order, k), mr.dispatch_backward_ref(pair.float(), k))
+    parts = torch.randn(p, 5, generator=g)
+    want = parts[:, 0].clone()
+    for i in range(1, 5):
+        want += parts[:, i]
+    assert torch.equal(sum_partials(parts), want)
+
+
+def _moe_layer(g, t, h, f, e):
+    """A bf16 MoE layer's tensors from generator g, in this order: x [t, h], router [e, h], w13 [e, h, 2f],
+    w2 [e, f, h], dy [t, h]."""
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    return x, wr, w13, w2, dy
+
+
+@pytest.mark.interpreter
+def test_gather_rows_and_padded_layout():
+    """gather_rows: src[idx] with zero rows where idx < 0 (the kernel and its torch twin), scaled_rows likewise;
+    padded_layout: every sorted row lands at its expert's padded start + its rank inside the expert, real_of is
+    row_of's inverse and -1 elsewhere."""
+    import kosmos.kernels.moe_backward as mb
+    g = torch.Generator().manual_seed(4)
+    src = torch.randn(7, 24, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([3, -1, 0, 6, -1, 3])
+    want = src[idx.clamp(min=0)].masked_fill((idx < 0)[:, None], 0)
+    assert torch.equal(mb.gather_rows(src, idx), want)
+    w = torch.rand(6, generator=g)
+    assert torch.equal(mb.scaled_rows(src, idx, w), (w[:, None] * want.float()).to(torch.bfloat16))
+    both = mb.gather_rows_and_scaled(src, idx, w)
+    assert torch.equal(both[0], want) and torch.equal(both[1], mb.scaled_rows(src, idx, w))
+    counts = torch.tensor([3, 0, 70, 1, 0])
+    pad_offs, row_of, real_of, end = mb.padded_layout(counts, int(counts.sum()))
+    assert pad_offs.tolist() == [0, 64, 64, 192, 256] and end.tolist() == [256]
+    assert mb.padded_layout(torch.tensor([3, 70, 0]), 73)[3].tolist() == [192]
+    limited = mb.gather_rows(src, idx, torch.tensor([4], dtype=torch.int32))
+    assert torch.equal(limited[:4], want[:4])  # rows from the limit on: not written
+    assert row_of.tolist() == [0, 1, 2] + list(range(64, 134)) + [192]
+    assert real_of.shape[0] == mb.padded_rows_bound(74, 5)
+    assert torch.equal(real_of[row_of], torch.arange(74)) and int((real_of >= 0).sum()) == 74
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("routing,saved", [("softmax", False), ("sigmoid-grouped", True)])
+def test_moe_backward_padded_rows_bitwise_packed(routing, saved):
+    """moe_backward_w1 with the expert rows in the padded layout (the default: gathers into it, the flat wgrad,
+    the dgrads on padded offsets) gives bitwise the packed layout's gradients: one expert without rows, one with
+    more than a pad's worth; on the recomputed and on a saved g | u."""
+    from kosmos import moe_reference as mr
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    from simranks import placed_gate_up
+    g = torch.Generator().manual_seed(12)
+    t, h, f, e, k = 45, 32, 16, 6, 2
+    x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+    # expert 0 in every token (45 rows: > 16, the interpreter's row step), expert 3 in none
+    others = torch.tensor([1, 2, 4, 5])[torch.randint(0, 4, (t,), generator=g)]
+    experts = torch.stack([torch.zeros(t, dtype=torch.long), others], 1)
+    kw = dict(routing=routing) if routing == "softmax" else dict(routing=routing, routed_scaling=2.5)
+    weights, _, _ = mr.routing_weights_ref(x.float() @ wr.float().t(), experts, routing,
+                                           routed_scaling=kw.get("routed_scaling", 1.0))
+    saved_gu = placed_gate_up(x, w13, experts, k, torch.Generator().manual_seed(1)) if saved else None
+    packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=False, **kw)
+    padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=True, **kw)
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), padded, packed):
+        assert torch.equal(a, b), name
+    assert torch.equal(padded[2][3], torch.zeros_like(padded[2][3]))
+
+
+@pytest.mark.interpreter
+def test_moe_backward_padded_rows_without_tokens():
+    """No tokens at all (a rank with nothing routed to it): the padded layout's gathers have nothing to read, and
+    the gradients are the packed path's -- empty dx, zero weight gradients."""
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(2), 0, 32, 16, 4)
+    experts, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+    packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, padded=False)
+    padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, padded=True)
+    assert padded[0].shape == (0, 32) and not padded[2].any() and not padded[3].any()
+    assert all(torch.equal(a, b) for a, b in zip(padded, packed))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("routing", ["softmax", "sigmoid-grouped"])
+def test_moe_backward_w1_vs_reference(routing):
+    """The whole W=1 backward (the pieces + torch glue) against moe_reference.moe_backward_ref (fp32, explicit
+    formulas): dx, d(router weight), dW13, dW2; one expert left without tokens; deterministic."""
+    from kosmos import moe_reference as mr
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    g = torch.Generator().manual_seed(11)
+    t, h, f, e, k = 19, 32, 24, 8, 2
+    x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+    kw = dict(routing="softmax") if routing == "softmax" else dict(routing="sigmoid-grouped", n_group=4,
+                                                                   topk_group=2, routed_scaling=2.5)
+    # each token's two distinct experts, never expert 5 (it gets no rows); the decision is given, not routed
+    allowed = torch.tensor([0, 1, 2, 3, 4, 6, 7])
+    picks = torch.stack([torch.randperm(7, generator=g)[:k] for _ in range(t)])
+    experts = allowed[picks]
+    rkw = {kk: v for kk, v in kw.items() if kk in ("routing", "routed_scaling")}
+    logits = x.float() @ wr.float().t()
+    weights, _, _ = mr.routing_weights_ref(logits, experts, kw["routing"], routed_scaling=kw.get("routed_scaling", 1.0))
+    got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, **rkw)
+    want = mr.moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=experts, **kw)
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), got, want):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, (name, rel)
+    assert torch.equal(got[2][5], torch.zeros_like(got[2][5])) and torch.equal(got[3][5], torch.zeros_like(got[3][5]))
+    again = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, **rkw)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None, empty_rank=False):
+    """One rank of the EP backward test: this rank's tokens, dy and decision, its experts; moe_backward over a
+    gloo group (the kernels under the interpreter); ``saved``: on a stand-in of the forward's g | u."""
+    import os
+    import torch.distributed as dist
+    from kosmos.kernels.moe_backward import moe_backward
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        full = _ep_inputs(routing, world, empty_rank=empty_rank)
+        x, dy, experts, weights = (full[n][rank] for n in ("x", "dy", "experts", "weights"))
+        local = full["w13"].shape[0] // world
+        w13, w2 = (full[n][rank * local:(rank + 1) * local] for n in ("w13", "w2"))
+        from simranks import placed_gate_up
+        saved_gu = (placed_gate_up(full["x"], full["w13"], full["experts"], full["experts"][0].shape[1],
+                                   torch.Generator().manual_seed(rank), rank, world) if saved else None)
+        got = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
+                           saved_gu=saved_gu, padded=padded, **full["rkw"])
+        again = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
+                             saved_gu=saved_gu, padded=padded, **full["rkw"])
+        same = all(torch.equal(a, b) for a, b in zip(got, again))
+        try:  # the one launch is W = 1 only: refused on every rank before any exchange (no rank left waiting)
+            moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD, one_launch=True,
+                         **full["rkw"])
+            refused = False
+        except ValueError as err:
+            refused = "one rank only" in str(err)
+        # by value (numpy; bf16 exactly as fp32): a tensor on the queue would live in this process's shared memory
+        q.put((rank, ([t.float().numpy() for t in got], same, refused)))
+    finally:
+        from multiproc import finish_gloo
+        finish_gloo()
+
+
+def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2, empty_rank=False):
+    """Every rank's tokens (rank 1: none routed to expert block 0's last expert; rank 0: a token count not a
+    multiple of anything) and the whole layer, from one seed. ``empty_rank``: every token to experts 0-3 only, so
+    the last rank's experts receive no rows at all."""
+    from kosmos import moe_reference as mr
+    g = torch.Generator().manual_seed(23)
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16)
+    kw = dict(routing="softmax") if routing == "softmax" else dict(routing="sigmoid-grouped", n_group=4,
+                                                                   topk_group=2, routed_scaling=2.5)
+    rkw = {kk: v for kk, v in kw.items() if kk in ("routing", "routed_scaling")}
+    allowed = torch.tensor([0, 1, 2, 4, 5, 6, 7])  # expert 3 gets no rows from any rank
+    if empty_rank:
+        allowed = torch.arange(e // world)
+    xs, dys, exps, ws = [], [], [], []
+    for r in range(world):
+        n = t + 5 * r
+        x = torch.randn(n, h, generator=g).to(torch.bfloat16)
+        experts = allowed[torch.stack([torch.randperm(len(allowed), generator=g)[:k] for _ in range(n)])]
+        logits = x.float() @ wr.float().t()
+        weights, _, _ = mr.routing_weights_ref(logits, experts, kw["routing"],
+                                               routed_scaling=kw.get("routed_scaling", 1.0))
+        xs.append(x), dys.append(torch.randn(n, h, generator=g).to(torch.bfloat16)), exps.append(experts)
+        ws.append(weights)
+    return dict(x=xs, dy=dys, experts=exps, weights=ws, wr=wr, w13=w13, w2=w2, kw=kw, rkw=rkw)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("routing,saved,padded,empty_rank", [
+    ("softmax", False, True, False), ("sigmoid-grouped", False, True, False), ("softmax", True, True, False),
+    ("softmax", True, False, False), ("softmax", False, True, True)])
+def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded, empty_rank):
+    """moe_backward at W=2 over gloo (all-to-alls between the kernels) against moe_backward_ref on every rank's
+    tokens with every expert in one process: dx of each rank's tokens, d(router weight) summed over the ranks,
+    dW13 / dW2 of each rank's experts (an expert without rows: zeros); deterministic per rank. ``saved``: on each
+    rank's g | u as the forward keeps them (rows shuffled inside each source), gathered into the backward's
+    order after the exchange. ``padded``: the expert rows in the padded layout after the exchange, or packed.
+    ``empty_rank``: rank 1's experts receive no rows (its weight gradients: zeros)."""
+    from kosmos import moe_reference as mr
+    from multiproc import spawn_gloo
+    world = 2
+    full = _ep_inputs(routing, world, empty_rank=empty_rank)
+    got = spawn_gloo(_ep_backward_rank, world, routing, saved, padded, empty_rank)
+    x_all, dy_all = torch.cat(full["x"]), torch.cat(full["dy"])
+    want = mr.moe_backward_ref(x_all, full["wr"], full["w13"], full["w2"], dy_all, top_k=2,
+                               experts=torch.cat(full["experts"]), **full["kw"])
+    part = lambda r, i: torch.from_numpy(got[r][0][i])  # noqa: E731
+    dx = torch.cat([part(r, 0) for r in range(world)])
+    d_router = sum(part(r, 1) for r in range(world))
+    dw13 = torch.cat([part(r, 2) for r in range(world)])
+    dw2 = torch.cat([part(r, 3) for r in range(world)])
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), (dx, d_router, dw13, dw2), want):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, (name, rel)
+    without_rows = slice(4, 8) if empty_rank else slice(3, 4)
+    assert not dw13[without_rows].any() and not dw2[without_rows].any()
+    assert all(got[r][1] for r in range(world))  # bitwise the same twice
+    assert all(got[r][2] for r in range(world))  # moe_backward(one_launch=True) refused at W = 2
+
+
+@pytest.mark.gpu
+def test_moe_backward_on_the_forwards_gate_up_gpu():
+    """moe_forward(save_gu=True) on the GPU: y unchanged by saving; g | u in the backward's order against torch's
+    GEMM1 recompute; moe_backward_w1 on it against the fp32 reference (and the recompute path); a second forward
+    (other atomics, other row placement) gives bitwise the same gradients."""
+    import kosmos
+    from kosmos import moe_reference as mr
+    from kosmos.kernels.moe_backward import _expert_gemm1, moe_backward_w1
+    g = torch.Generator().manual_seed(31)
+    t, h, f, e, k = 777, 256, 192, 16, 4  # F = 192: g's second column tile overhangs into u's columns
+    dev = "cuda"
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16).to(dev)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).to(dev)
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).to(dev)
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    y, weights, experts, saved = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=True)
+    y_plain, w_plain, e_plain = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True)
+    assert torch.equal(y, y_plain) and torch.equal(experts, e_plain)
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=e)
+    gu = saved.in_backward_order(counts, t * k)
+    want = _expert_gemm1(x[order // k].contiguous(), w13, counts)
+    assert not torch.isnan(gu).any()
+    assert ((gu.float() - want.float()).norm() / want.float().norm()).item() < 5e-3
+    got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved)
+    recomputed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts)
+    ref = mr.moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=experts)
+    for name, a, b, r in zip(("dx", "d_router", "dw13", "dw2"), got, recomputed, ref):
+        assert ((a.float() - r.float()).norm() / r.float().norm()).item() < 2e-2, name
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2, name
+    _, w_again, e_again, saved_again = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=True)
+    again = moe_backward_w1(x, wr, w13, w2, dy, w_again, e_again, saved_gu=saved_again)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.parametrize("n_experts", [1, 5, 64])
+def test_expert_counts_equals_bincount(n_experts):
+    """expert_counts (a sync-free scatter-add) counts exactly what torch.bincount does, empty experts included."""
+    from kosmos.kernels.moe_backward import expert_counts
+    g = torch.Generator().manual_seed(n_experts)
+    flat = torch.randint(0, max(1, n_experts - 1), (3, 7), generator=g)  # the last expert never drawn
+    got = expert_counts(flat, n_experts)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.bincount(flat.reshape(-1), minlength=n_experts))
+    assert torch.equal(expert_counts(flat[:0], n_experts), torch.zeros(n_experts, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved", [False, True])
+def test_moe_backward_w1_never_syncs_gpu(saved):
+    """The W = 1 backward enqueues everything without waiting for the GPU (a host sync there would stall the
+    training loop's run-ahead and cost the backward's host time in the GPU's idle gaps): no synchronising call
+    under torch.cuda.set_sync_debug_mode("error"), on the forward's g | u and on the recompute."""
+    import kosmos
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    g = torch.Generator().manual_seed(5)
+    t, h, f, e, k = 300, 256, 128, 16, 4
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16).cuda()
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
+    weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
+    moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu)  # compiles, allocates
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(t_.float()).all() for t_ in grads)
+
+
+def _gpu_skewed_layer(t, h, f, e, k, saved, *, push, pull):
+    """A CUDA layer (x, router, w13, w2, dy) and the kosmos forward's routing on it, skewed through one feature
+    every token has (x[:, 0] = 4): router column 0 pushes expert 3 out (``push``: it must never be chosen, checked)
+    and pulls expert 0 in (``pull``). Returns the layer, dy, weights, experts and the saved g | u (or None)."""
+    import kosmos
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(t, h, generator=g)
+    x[:, 0] = 4.0
+    x = x.to(torch.bfloat16).cuda()
+    wr = torch.randn(e, h, generator=g) * 0.5
+    wr[3, 0], wr[0, 0] = push, pull
+    wr = wr.to(torch.bfloat16).cuda()
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
+    out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
+    weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
+    assert not (experts == 3).any()
+    return x, wr, w13, w2, dy, weights, experts, saved_gu
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved", [False, True])
+def test_moe_backward_padded_rows_bitwise_packed_gpu(no_tf32, saved):
+    """On the GPU: the padded layout's backward (the default) gives bitwise the packed layout's gradients, on a
+    skewed routing with an empty expert and T not a multiple of any tile, bf16 and fp32 weight gradients."""
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    # expert 3's logit ~ -40 +- 8: never among the top k; expert 0: most tokens
+    x, wr, w13, w2, dy, weights, experts, saved_gu = _gpu_skewed_layer(1001, 256, 192, 16, 4, saved, push=-10.0,
+                                                                       pull=1.0)
+    for wdt in (None, torch.float32):
+        packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=False,
+                                 wgrad_dtype=wdt)
+        padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=True,
+                                 wgrad_dtype=wdt)
+        for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), padded, packed):
+            assert torch.isfinite(a.float()).all() and torch.equal(a, b), (name, wdt)
+
+
+@pytest.mark.gpu
+def test_router_gemms_on_tensor_cores_are_fp32_level_gpu():
+    """The router's GEMMs of moe_backward on bf16 tensor cores (bf16_mm_fp32: bf16 values, fp32 accumulation;
+    router_gemm_backward: fp32 dl split into hi + lo bf16) against fp64: fp32-level, far below bf16's 4e-3
+    (session 12 call c, H200: the logits at K = 2048 2.1e-6 -- the tensor cores' fp32 accumulation is not
+    IEEE's round-to-nearest at each add -- hence 1e-5; the hi + lo products 5e-5)."""
+    from kosmos.kernels import moe_backward as mb
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4096, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    wr = (torch.randn(64, 2048, generator=g, device="cuda") / 45).to(torch.bfloat16)
+    dl = torch.randn(4096, 64, generator=g, device="cuda") * 1e-3
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    ref_logits = x.double() @ wr.double().t()
+    ref_dwr, ref_dx = dl.double().t() @ x.double(), dl.double() @ wr.double()
+    logits = mb.bf16_mm_fp32(x, wr.t())
+    d_router, dx_r = mb.router_gemm_backward(dl, x, wr)
+    assert logits.dtype == d_router.dtype == dx_r.dtype == torch.float32
+    errs = dict(logits=rel(logits, ref_logits), d_router=rel(d_router, ref_dwr), dx_r=rel(dx_r, ref_dx))
+    print("router GEMM errors vs fp64:", errs)
+    assert errs["logits"] < 1e-5 and errs["d_router"] < 5e-5 and errs["dx_r"] < 5e-5, errs
+
+
+def test_router_gemms_cpu_are_the_fp32_reference():
+    """Off CUDA the router GEMMs are the fp32 reference's formulas (moe_reference.router_gemm_backward_ref)."""
+    from kosmos.kernels import moe_backward as mb
+    from kosmos.moe_reference import router_gemm_backward_ref
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(32, 16, generator=g).to(torch.bfloat16)
+    wr = torch.randn(8, 16, generator=g).to(torch.bfloat16)
+    dl = torch.randn(32, 8, generator=g)
+    assert torch.equal(mb.bf16_mm_fp32(x, wr.t()), x.float() @ wr.float().t())
+    want = router_gemm_backward_ref(dl, x.float(), wr.float())
+    got = mb.router_gemm_backward(dl, x, wr)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------ the expert part in one launch (W = 1)
+def _poisoned_empty(real_empty):
+    """torch.empty whose floating tensors come back NaN (integers: their largest value, bool: True): an output
+    element the one launch leaves unwritten (or a gap row it reads as data) shows in the gradients."""
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t.fill_(True if t.dtype == torch.bool else torch.iinfo(t.dtype).max)
+    return empty
+
+
+def _one_launch_case(case, seed=12):
+    """(layer tensors, weights, experts, routing kwargs) of an interpreter case: ``skewed`` -- expert 0 in every token
+    (45 rows: three of the interpreter's 16-row m-tiles), expert 3 in none, T = 45; ``one-expert`` -- top-1, every
+    token to expert 2 of 4 (37 rows; three experts without rows); ``sigmoid`` -- sigmoid-grouped routing with a
+    routed scaling, top-4 of 7 distinct experts (expert 5 in none; 4 slots: the dispatch backward's slot order
+    shows in fp32), T = 19."""
+    from kosmos import moe_reference as mr
+    g = torch.Generator().manual_seed(seed)
+    if case == "skewed":
+        t, h, f, e, k = 45, 32, 16, 6, 2
+        x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+        others = torch.tensor([1, 2, 4, 5])[torch.randint(0, 4, (t,), generator=g)]
+        experts = torch.stack([torch.zeros(t, dtype=torch.long), others], 1)
+        kw = dict(routing="softmax")
+    elif case == "one-expert":
+        t, h, f, e = 37, 48, 24, 4
+        x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+        experts = torch.full((t, 1), 2, dtype=torch.long)
+        kw = dict(routing="softmax")
+    else:
+        t, h, f, e, k = 19, 32, 24, 8, 4
+        x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+        allowed = torch.tensor([0, 1, 2, 3, 4, 6, 7])
+        experts = allowed[torch.stack([torch.randperm(7, generator=g)[:k] for _ in range(t)])]
+        kw = dict(routing="sigmoid-grouped", routed_scaling=2.5)
+    weights, _, _ = mr.routing_weights_ref(x.float() @ wr.float().t(), experts, kw["routing"],
+                                           routed_scaling=kw.get("routed_scaling", 1.0))
+    return (x, wr, w13, w2, dy), weights, experts, kw
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case,programs,saved,wgrad_dtype,on_completion", [
+    ("skewed", 3, False, None, True), ("skewed", 2, True, None, False), ("one-expert", 4, False, None, True),
+    ("one-expert", 2, False, None, False), ("sigmoid", 2, False, None, True),
+    ("sigmoid", 4, True, torch.float32, False)])
+def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dtype, on_completion, monkeypatch):
+    """moe_backward_w1(one_launch=True) -- dgrad2, the SwiGLU backward, dgrad1, both flat wgrad loops and the
+    dispatch backward as stages of one persistent launch of 2-4 programs -- gives bitwise the default multi-launch
+    path's dx, d_router, dw13 and dw2, with every buffer the launch allocates poisoned (NaN / the largest integer):
+    an empty expert, one expert with all tokens, T not a multiple of any tile, softmax and sigmoid-grouped
+    routing, the recomputed and a saved g | u, bf16 and fp32 weight gradients, SWIGLU run by each m-tile's last
+    dgrad2 tile or as its own queue (BWD_SWIGLU_ON_COMPLETION); deterministic."""
+    from kosmos.kernels import moe_backward as mb
+    from simranks import placed_gate_up
+    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
+    layer, weights, experts, kw = _one_launch_case(case)
+    saved_gu = placed_gate_up(layer[0], layer[2], experts, experts.shape[1],
+                              torch.Generator().manual_seed(1)) if saved else None
+    kw.update(saved_gu=saved_gu, wgrad_dtype=wgrad_dtype)
+    want = mb.moe_backward_w1(*layer, weights, experts, **kw)
+    calls = []
+    real = mb.expert_backward_one_launch
+
+    def poisoned(*a, **k):
+        calls.append(k.get("programs"))
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", _poisoned_empty(torch.empty))
+            return real(*a, **k)
+
+    monkeypatch.setattr(mb, "expert_backward_one_launch", poisoned)
+    got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    assert calls == [programs]
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for e in set(range(layer[2].shape[0])) - set(experts.unique().tolist()):  # experts without rows: zeros
+        assert not got[2][e].any() and not got[3][e].any()
+    again = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(again, got))
+
+
+@pytest.mark.interpreter
+def test_moe_backward_one_launch_without_tokens():
+    """No tokens at all: nothing to claim in any queue, the flat wgrad stores zeros, dx is empty."""
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(2), 0, 32, 16, 4)
+    experts, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+    got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, one_launch=True, programs=2)
+    want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts)
+    assert got[0].shape == (0, 32) and not got[2].any() and not got[3].any()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("left_out,on_completion,waits_for", [
+    ("DGRAD2", False, "the dgrad2 column tiles of expert m-tile 0"),
+    ("DGRAD2", True, "the SwiGLU backward of expert m-tile 0"),  # no dgrad2 tile: nobody runs SWIGLU
+    ("SWIGLU", False, "the SwiGLU backward of expert m-tile 0"),
+    ("SWIGLU", True, "the SwiGLU backward of expert m-tile 0"),
+    ("DGRAD1", True, "every dgrad1 tile")])
+def test_moe_backward_one_launch_bounded_waits(left_out, on_completion, waits_for, monkeypatch):
+    """A stage left out of the launch (the ``stages`` mask): its consumers' bounded waits time out instead of
+    hanging, the first one's record names the op and what it waited for, and the launch still ends (every program
+    drains); KosmosTimeoutError on the CPU right after the launch."""
+    from kosmos import runtime
+    from kosmos.kernels import moe_backward as mb
+    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    real = mb.expert_backward_one_launch
+    stage = getattr(mb, f"BWD_{left_out}")
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(
+        *a, **k, stages=mb.BWD_ALL_STAGES & ~(1 << stage), timeout_ns=50_000))
+    with pytest.raises(runtime.KosmosTimeoutError) as err:
+        mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=3, **kw)
+    msg = str(err.value)
+    assert msg.startswith("moe_backward: rank 0") and waits_for in msg, msg
+
+
+def test_moe_backward_one_launch_refuses_the_packed_layout():
+    """one_launch=True where it is not built: a one-line ValueError, no silent fallback (W > 1: the two-rank test)."""
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    with pytest.raises(ValueError, match="padded row layout"):
+        moe_backward_w1(*layer, weights, experts, one_launch=True, padded=False, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved", [False, True])
+@pytest.mark.parametrize("programs", [None, 7])
+def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, monkeypatch):
+    """On the GPU, at the real tiles (dgrad 128x256x64, the flat wgrad's 128x256 / 256x128, 8 warps): the one
+    launch (every buffer it allocates poisoned) gives bitwise the default multi-launch path's gradients, on a
+    skewed routing with an empty expert, T not a multiple of any tile, bf16 and fp32 weight gradients, on all SMs
+    and on 7 programs; twice the same."""
+    import kosmos
+    from kosmos.kernels import moe_backward as mb
+    from kosmos.kernels.moe_backward import moe_backward_w1
+    # expert 3's logit ~ -160 +- 16 (the other logits ~ 0 +- 16): never among the top 8; expert 0 pulled in
+    x, wr, w13, w2, dy, weights, experts, saved_gu = _gpu_skewed_layer(3001, 1024, 768, 32, 8, saved, push=-40.0,
+                                                                       pull=4.0)
+    real = mb.expert_backward_one_launch
+
+    def poisoned(*a, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", _poisoned_empty(torch.empty))
+            return real(*a, **kw)
+
+    monkeypatch.setattr(mb, "expert_backward_one_launch", poisoned)
+    for wdt in (None, torch.float32):
+        want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt)
+        got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
+                              one_launch=True, programs=programs)
+        again = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
+                                one_launch=True, programs=programs)
+        kosmos.check_errors()
+        for name, a, b, c in zip(("dx", "d_router", "dw13", "dw2"), got, want, again):
+            assert torch.isfinite(a.float()).all() and torch.equal(a, b) and torch.equal(a, c), (name, wdt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("on_completion,waits_for", [(True, "the SwiGLU backward of expert m-tile"),
+                                                     (False, "the dgrad2 column tiles of expert m-tile")])
+def test_moe_backward_one_launch_bounded_wait_gpu(on_completion, waits_for, monkeypatch):
+    """On the GPU: with DGRAD2 left out, the waits on it (the queued SWIGLU's) or on what it would have triggered
+    (SWIGLU on completion: DGRAD1's) time out, bounded; the launch ends, and the next check_errors() raises
+    KosmosTimeoutError naming the wait; the workspace is reset afterwards."""
+    import kosmos
+    from kosmos import runtime
+    from kosmos.kernels import moe_backward as mb
+    from kosmos import moe_reference as mr
+    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
+    g = torch.Generator().manual_seed(14)
+    t, h, f, e, k = 301, 256, 192, 8, 2  # GPU-sized, as the other GPU tests' layers
+    layer = [t_.cuda() for t_ in _moe_layer(g, t, h, f, e)]
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights, _, _ = mr.routing_weights_ref(layer[0].cpu().float() @ layer[1].cpu().float().t(), experts, "softmax")
+    kw = dict(routing="softmax")
+    real = mb.expert_backward_one_launch
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **kw_: real(
+        *a, **kw_, stages=mb.BWD_ALL_STAGES & ~(1 << mb.BWD_DGRAD2), timeout_ns=20_000_000))
+    try:
+        mb.moe_backward_w1(*layer, weights.cuda(), experts.cuda(), one_launch=True, **kw)
+        with pytest.raises(runtime.KosmosTimeoutError, match=waits_for):
+            kosmos.check_errors()
+    finally:
+        kosmos.reset_workspaces()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("on_completion", [True, False])
+def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, monkeypatch):
+    """The trace of the one launch: every DGRAD2, SWIGLU, DGRAD1 and UNPERMUTE task exactly once over the programs
+    (the shared heads hand each out once; SWIGLU by each m-tile's last dgrad2 tile or from its own queue), one
+    WGRAD2 and one WGRAD1 run per program, the waits before the tasks; the gradients unchanged by tracing."""
+    from kosmos import codes
+    from kosmos.kernels import moe_backward as mb
+    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    programs = 3
+    trace = torch.zeros((programs, codes.TRACE_EVENTS.value, 4), dtype=torch.int64)
+    real = mb.expert_backward_one_launch
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(*a, **k, trace=trace))
+    got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    monkeypatch.setattr(mb, "expert_backward_one_launch", real)
+    assert all(torch.equal(a, b) for a, b in zip(got, mb.moe_backward_w1(*layer, weights, experts, **kw)))
+    counts = torch.bincount(experts.reshape(-1), minlength=layer[2].shape[0])
+    bm = 16  # the interpreter's m-tile
+    n_mt = int(((counts + bm - 1) // bm).sum())
+    t, h, f = layer[0].shape[0], layer[0].shape[1], layer[3].shape[1]
+    want = {codes.EV_BWD_DGRAD2.value: n_mt * -(-f // bm), codes.EV_BWD_SWIGLU.value: n_mt,
+            codes.EV_BWD_DGRAD1.value: n_mt * -(-h // bm), codes.EV_BWD_UNPERMUTE.value: -(-t // 2)}
+    ev = trace.view(-1, 4)
+    ev = ev[ev[:, 0] != 0]
+    for kind, n in want.items():
+        assert sorted(ev[ev[:, 0] == kind][:, 1].tolist()) == list(range(n)), codes.TRACE_KINDS[kind]
+    for kind in (codes.EV_BWD_WGRAD2.value, codes.EV_BWD_WGRAD1.value):
+        assert [int((trace[p, :, 0] == kind).sum()) for p in range(programs)] == [1] * programs
+    # a wait before each DGRAD1 task (and each queued SWIGLU task), one before each program's WGRAD (task -1), one
+    # per program in UNPERMUTE
+    waits = ev[ev[:, 0] == codes.EV_WAIT.value][:, 1]
+    in_unpermute = sum(int((trace[p, :, 0] == codes.EV_BWD_UNPERMUTE.value).any()) for p in range(programs))
+    assert int((waits == -1).sum()) == programs
+    assert waits.numel() == (0 if on_completion else n_mt) + n_mt * -(-h // bm) + programs + in_unpermute
+    with pytest.raises(ValueError, match="trace must be"):
+        mb.expert_backward_one_launch(
+            layer[3].new_zeros(64, h), layer[3].new_zeros(64, h), layer[3].new_zeros(64, h),
+            layer[3].new_zeros(64, 2 * f), torch.zeros(64), torch.zeros(64, dtype=torch.bool), layer[2], layer[3],
+            torch.zeros(layer[2].shape[0], dtype=torch.int32), torch.zeros(layer[2].shape[0], dtype=torch.int32),
+            torch.zeros(0, dtype=torch.long), 0, 2, programs=2, trace=torch.zeros(1, dtype=torch.int64))
