@@ -204,9 +204,11 @@ def plans(fast_only: bool = False):
             us = _median_host_us(call)
             s = launch_plan.plan_stats()
             print(f"{name:<36} {str(fast):>5} {us:8.1f} {s['hit_rate']:8.3f} "
-                  f"{s['fast_launches']:>10}/{s['normal_launches']:<10} {s['fast_disabled']:>4}")
+                  f"{s['fast_launches']:>10}/{s['normal_launches']:<10} {s['fast_disabled']:>4} "
+                  f"direct {s.get('direct_built', 0)}")
     launch_plan.set_fast_launch(True)
     kosmos.check_errors()
+    print("DirectLaunch refused:", getattr(launch_plan, "DIRECT_REFUSED", "n/a"))
     for ws in runtime._WORKSPACES.values():  # which plans launch through DirectLaunch (launch_plan.py)
         for plan in ws._plans.values():
             fast = plan.launch.fast

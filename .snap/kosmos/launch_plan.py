@@ -269,7 +269,9 @@ def make_plan(kl, sources: dict, ws, info, views=()):
             slots.append((i, name, (type(v), fields)))
         else:
             slots.append((i, name, None))
-    return Plan(kl, slots, info)
+    plan = Plan(kl, slots, info)
+    kl.varying = [i for i, _, _ in slots] + [plan.timeout_slot]
+    return plan
 
 
 class KernelLaunch:
@@ -283,6 +285,7 @@ class KernelLaunch:
         self.kw = dict(kw)
         self._index = {name: i for i, name in enumerate(kernel.arg_names[:len(self.args)])}
         self.state = "new"  # new -> verified (fast path on) | off (normal launches only)
+        self.varying = None  # positions a plan changes per call (make_plan): enables DirectLaunch
         self.fast = None
         self.reason = None
 
@@ -321,7 +324,8 @@ class KernelLaunch:
         STATS["self_checks"] += 1
         snap = [o.clone() for o in outputs]
         try:
-            self.fast = make_fast_launcher(self.kernel, compiled, len(args), self.kw, self.grid[0])
+            self.fast = make_fast_launcher(self.kernel, compiled, len(args), self.kw, self.grid[0],
+                                           varying=self.varying)
             if self.fast is None:
                 self.state = "off"
                 self.reason = "the kernel's arguments do not fit the fast path"
@@ -372,10 +376,12 @@ def _capturing() -> bool:
     return capturing()
 
 
-def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int):
+def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int, varying=None):
     """A callable ``fast(args)`` launching ``compiled`` (what ``kernel[grid](*args, **kw)`` returned) with the
     runtime arguments ``args``, as JITFunction.run's last line does (module docstring); None where the kernel's
-    parameters do not have every constexpr after the runtime arguments."""
+    parameters do not have every constexpr after the runtime arguments. ``varying``: the positions of the
+    arguments that may change between calls (a plan's caller slots and the timeout); given, the launch goes
+    straight to Triton's C launcher where this Triton's convention was read (``DirectLaunch``)."""
     if not fast_launch_supported() or compiled is None:
         return None
     if hasattr(compiled, "result"):  # a future (Triton's asynchronous compile mode)
@@ -394,13 +400,101 @@ def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int):
     get_device, get_stream = driver.active.get_current_device, driver.active.get_current_stream
     device0 = get_device()
     hooks = knobs.runtime
+    direct = [None, varying is not None]  # the DirectLaunch, built from the first call's arguments; still to try
 
     def fast(args):
-        if hooks_active(hooks):  # the normal launch passes the hooks (and their metadata) to the launcher
-            raise UseNormalLaunch
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # hooks_active, inlined (hot path)
+        if (enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)):
+            raise UseNormalLaunch  # the normal launch passes the hooks (and their metadata) to the launcher
         device = get_device()
         if device != device0:
             raise UseNormalLaunch
-        run(grid, 1, 1, get_stream(device), function, meta, None, None, None, *args, *tail)
+        if direct[1]:
+            direct[0], direct[1] = DirectLaunch.build(compiled, args, tail, varying, grid), False
+        if direct[0] is not None:
+            direct[0](args, get_stream(device))
+        else:
+            run(grid, 1, 1, get_stream(device), function, meta, None, None, None, *args, *tail)
 
+    fast.direct = direct
     return fast
+
+
+DIRECT_TRITON = ("3.6",)  # whose launcher internals DirectLaunch replicates (read from the 3.6.0 wheel)
+
+
+class DirectLaunch:
+    """A plan's launch straight through Triton's C launcher, its argument list expanded once.
+
+    Why: on H200's host (session 15, ``dev.fixed_cost --parts``, Triton 3.6) a 3-descriptor kernel costs 15.2 us
+    through ``compiled.run`` -- CudaLauncher.__call__ (two scratch allocations asked for, ~5.6 us) and its
+    descriptor wrapper (``wrap_handle_tensordesc``'s ``inner``: every argument looked at, each host
+    TensorDescriptor encoded into a CUtensorMap by ``make_tensordesc_arg``, 2.2 us each; 9.5 us with the C call)
+    -- of which the C launcher itself is ~3 us. What this replicates (triton/backends/nvidia/driver.py, 3.6.0):
+    ``CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *rest)`` calls ``self.launch(gridX, gridY,
+    gridZ, stream, function, launch_cooperative_grid, launch_pdl, global_scratch, profile_scratch, *rest)``, the
+    scratch buffers None when their sizes are 0; ``self.launch`` is the C ``launch`` or, with descriptor
+    arguments, ``inner``, which keeps the first ``_BASE_ARGS_FORMAT_LEN`` (13: the nine above and the packed
+    metadata, launch metadata and two hooks) and replaces kernel argument i (constexprs counted) by
+    ``make_tensordesc_arg(arg, tensordesc_meta[j])`` -- [CUtensorMap, *shape, *strides] -- for i in
+    ``tensordesc_indices``. Here that expansion is made once from the first call's arguments; per call only the
+    ``varying`` positions are replaced, a descriptor's expansion cached by its tensor's address (a plan fixes
+    shape, strides, dtype and block: the address is all that can change; at most 16 per slot). Taken only for
+    the Triton versions in ``DIRECT_TRITON``, with both scratch sizes 0 and the wrapper's closure exactly as read
+    (its free variables ``launcher``, ``tensordesc_indices``, ``tensordesc_meta``); else None (``compiled.run``
+    as before). The plan's self-check runs it against the normal launch (bitwise outputs) before any call
+    relies on it."""
+
+    def __init__(self, raw, indices, metas, expand, rest, args, tail, varying, grid):
+        self.raw, self.expand, self.rest, self.grid = raw, expand, rest, grid
+        self.flat, where, j = [], [], 0
+        for i, a in enumerate([*args, *tail]):
+            if i in indices:
+                piece = list(expand(a, metas[j]))
+                where.append((len(self.flat), len(piece), metas[j]))
+                j += 1
+                self.flat.extend(piece)
+            else:
+                where.append((len(self.flat), 1, None))
+                self.flat.append(a)
+        varying = sorted(set(varying))
+        self.plain = [(i, where[i][0]) for i in varying if where[i][2] is None]
+        self.descs = [(i, where[i][0], where[i][1], where[i][2], {}) for i in varying if where[i][2] is not None]
+        for i, off in self.plain:
+            self.flat[off] = None  # the template keeps no caller tensor alive
+
+    @classmethod
+    def build(cls, compiled, args, tail, varying, grid):
+        """The DirectLaunch of ``compiled`` for these arguments, or None where this Triton is not the one read."""
+        from triton.backends.nvidia import driver as nvd
+        run = compiled.run
+        if (triton_version() not in DIRECT_TRITON or getattr(nvd, "_BASE_ARGS_FORMAT_LEN", None) != 13
+                or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0):
+            return None
+        launch = run.launch
+        code = getattr(launch, "__code__", None)
+        if code is None:  # the C launcher itself: the kernel has no descriptor arguments
+            raw, indices, metas = launch, frozenset(), []
+        else:
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in (launch.__closure__ or ()))))
+            if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+                return None
+            raw, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+        rest = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+                None, None, None)
+        return cls(raw, indices, metas, nvd.make_tensordesc_arg, rest, args, tail, varying, grid)
+
+    def __call__(self, args, stream) -> None:
+        flat = self.flat.copy()
+        for i, off in self.plain:
+            flat[off] = args[i]
+        for i, off, n, meta, cache in self.descs:
+            d = args[i]
+            ptr = d.base.data_ptr()
+            piece = cache.get(ptr)
+            if piece is None:
+                if len(cache) >= 16:
+                    cache.clear()
+                piece = cache[ptr] = list(self.expand(d, meta))
+            flat[off:off + n] = piece
+        self.raw(self.grid, 1, 1, stream, *self.rest, *flat)

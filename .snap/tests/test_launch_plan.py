@@ -173,7 +173,7 @@ def _fake_fast(monkeypatch, behaviour):
     kernel the normal way, "raise" raises, "nothing" launches nothing."""
     made = []
 
-    def make(kernel, compiled, n_args, kw, grid):
+    def make(kernel, compiled, n_args, kw, grid, varying=None):
         def fast(args):
             made.append(behaviour)
             if behaviour == "raise":
@@ -279,3 +279,67 @@ def test_traced_calls_never_self_check(cpu_ops, monkeypatch, name):
     s = launch_plan.plan_stats()
     assert s["self_checks"] == 0 and s["fast_launches"] == 0 and made == []
     assert torch.equal(out, op(*x))  # the untraced call (its own plan) gives the same product
+
+
+class _Desc:
+    """Stands in for a host TensorDescriptor: only ``base`` is read by DirectLaunch."""
+    def __init__(self, base):
+        self.base = base
+
+
+def test_direct_launch_expands_once_and_replaces_only_what_varies():
+    """DirectLaunch (Triton 3.6's C launcher called with the argument list its descriptor wrapper would build):
+    the first call's arguments are expanded once -- descriptor i becomes expand(desc, meta) in place, constexprs
+    included -- and a later call replaces only the varying positions: a plain argument as is, a descriptor by
+    its cached expansion when its tensor's address is unchanged, a fresh one otherwise; the template keeps no
+    caller tensor."""
+    encoded = []
+
+    def expand(d, meta):
+        encoded.append(d.base.data_ptr())
+        return [("map", d.base.data_ptr(), meta), 64, 1]
+
+    got = []
+    x, y, w, t0 = torch.zeros(4), torch.zeros(4), torch.zeros(8), torch.zeros(2)
+    args = [_Desc(x), w, _Desc(w), t0, 5000]  # caller desc, workspace tensor, workspace desc, caller tensor, timeout
+    d = launch_plan.DirectLaunch(lambda *a: got.append(a), {0, 2}, ["mA", "mW"], expand, ("f", "rest"), args,
+                                 ("CONST",), varying=[0, 3, 4], grid=7)
+    assert d.flat[:3] == [("map", x.data_ptr(), "mA"), 64, 1] and d.flat[-1] == "CONST"
+    assert d.flat[7] is None and d.flat[8] is None  # caller tensor and timeout: blanked in the template
+    assert len(encoded) == 2
+    d(args, stream=11)
+    call = got[-1]
+    assert call[:6] == (7, 1, 1, 11, "f", "rest")
+    assert list(call[6:]) == [("map", x.data_ptr(), "mA"), 64, 1, w, ("map", w.data_ptr(), "mW"), 64, 1, t0, 5000,
+                              "CONST"]
+    assert len(encoded) == 3  # the first call's caller descriptor: encoded again once (cached from now on)
+    t1 = torch.zeros(2)
+    d([_Desc(x), w, _Desc(w), t1, 6000], stream=12)
+    assert len(encoded) == 3 and got[-1][6 + 7] is t1 and got[-1][6 + 8] == 6000
+    d([_Desc(y), w, _Desc(w), t1, 6000], stream=12)
+    assert len(encoded) == 4 and got[-1][6] == ("map", y.data_ptr(), "mA")
+    assert got[-1][6 + 4] == ("map", w.data_ptr(), "mW")  # the workspace's descriptor: never re-encoded
+
+
+def test_direct_launch_only_where_the_launcher_was_read(monkeypatch):
+    """DirectLaunch.build: None for a Triton other than the one whose launcher it replicates, or a launcher that
+    needs scratch memory, or a wrapper whose closure is not the one read."""
+    from types import SimpleNamespace
+    run = SimpleNamespace(global_scratch_size=0, profile_scratch_size=0, launch=print, launch_cooperative_grid=False,
+                          launch_pdl=False)
+    compiled = SimpleNamespace(run=run, function=1, packed_metadata=(4, 1, 0))
+    monkeypatch.setattr(launch_plan, "triton_version", lambda: "3.9")
+    assert launch_plan.DirectLaunch.build(compiled, [], (), [], 1) is None
+    monkeypatch.setattr(launch_plan, "triton_version", lambda: "3.6")
+    from triton.backends.nvidia import driver as nvd
+    monkeypatch.setattr(nvd, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    assert isinstance(launch_plan.DirectLaunch.build(compiled, [], (), [], 1), launch_plan.DirectLaunch)
+    run.global_scratch_size = 64
+    assert launch_plan.DirectLaunch.build(compiled, [], (), [], 1) is None
+    run.global_scratch_size = 0
+    unknown = 3
+
+    def inner(*a):
+        return unknown
+    run.launch = inner
+    assert launch_plan.DirectLaunch.build(compiled, [], (), [], 1) is None
