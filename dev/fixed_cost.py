@@ -199,15 +199,24 @@ def plans(fast_only: bool = False):
     ]
     print(f"triton {triton.__version__}, fast launch supported: {launch_plan.fast_launch_supported()}")
     print(f"{'what':<36} {'fast':>5} {'host us':>8} {'hit rate':>8} {'fast/normal launches':>21} {'off':>4}")
+    import statistics
+    rounds = 3 if fast_only else 1  # --fast-only: every case in turn, three times (the host's speed drifts)
+    seen = {}
     for fast in ((True,) if fast_only else (True, False)):
         launch_plan.set_fast_launch(fast)
-        for name, call in cases:
-            launch_plan.reset_plan_stats()
-            us = _median_host_us(call)
-            s = launch_plan.plan_stats()
-            print(f"{name:<36} {str(fast):>5} {us:8.1f} {s['hit_rate']:8.3f} "
-                  f"{s['fast_launches']:>10}/{s['normal_launches']:<10} {s['fast_disabled']:>4} "
-                  f"direct {s.get('direct_built', 0)}")
+        for _ in range(rounds):
+            for name, call in cases:
+                launch_plan.reset_plan_stats()
+                us = _median_host_us(call)
+                seen.setdefault((name, fast), []).append(us)
+                s = launch_plan.plan_stats()
+                print(f"{name:<36} {str(fast):>5} {us:8.1f} {s['hit_rate']:8.3f} "
+                      f"{s['fast_launches']:>10}/{s['normal_launches']:<10} {s['fast_disabled']:>4} "
+                      f"direct {s.get('direct_built', 0)}")
+    if rounds > 1:
+        print(f"median of {rounds} rounds (host us per call; each round the median of 200 calls):")
+        for (name, fast), us in seen.items():
+            print(f"  {name:<36} {statistics.median(us):8.1f}   rounds {' '.join(f'{u:.1f}' for u in us)}")
     launch_plan.set_fast_launch(True)
     kosmos.check_errors()
     print("DirectLaunch refused:", getattr(launch_plan, "DIRECT_REFUSED", "n/a"))
