@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15h}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -795,5 +795,32 @@ PYEOF
     done
     grep -vE "^(class|def|    |$)" "$out/fixed-cost-parts.log" | grep -E "ns$|closure|raw|:" | head -60
     for f in "$out"/fixed-cost-*-[12].log; do echo "${f##*/}"; grep -E "^(all_gather|matmul_reduce|moe_forward|torch|plan of)" "$f"; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15h" >&2; exit 2 ;;
+  s15c)  # session 15 (<= 560 s; tarball $OUT/s15c.tar.gz): issue 16 at simulated W = 2 -- KOSMOS's own W > 1 ops
+         # with both ranks' processes on this GPU over gloo, their symmetric buffers mapped by CUDA IPC: the ops'
+         # GPU tests (both TP ops bf16 + MXFP8, the MoE layer, vs fp32 references), the train proxies' GPU tests,
+         # then `kosmos bench train` at TP / EP = 2 on one GPU (llama3-8b and deepseek-v3 proxies, 20 steps), each
+         # rendered (md + loss chart); then, if time is left, issue 13's host us per eager call (3 rounds).
+    begin_stage s15c
+    gpu_tests gpu-tests-ipc 200 "one_gpu" tests/test_ranks_one_gpu.py tests/test_bench_train.py
+    for m in "llama3-8b --seq 2048 --scale 0.25" "deepseek-v3 --seq 1024 --scale 0.125"; do set -- $m
+      left=$((470 - SECONDS)); [ $left -lt 60 ] && break; [ $left -gt 150 ] && left=150
+      KOSMOS_RANKS_ON_ONE_GPU=1 timeout $left python -m kosmos_bench.cli bench train --model "$@" --layers 2 --tp 2 \
+        --steps 20 --out "$out/train-$1-w2-onegpu.jsonl" > "$out/train-$1-w2-onegpu.log" 2>&1
+      echo "train $1 w2 one gpu rc=$?"
+      timeout 40 python -m kosmos_bench.cli report "$out/train-$1-w2-onegpu.jsonl" --format md \
+        --out "$out/train-$1-w2-onegpu.md" --chart "$out/train-$1-w2-onegpu-loss.png" >> "$out/train-$1-w2-onegpu.log" 2>&1
+      echo "report $1 rc=$?"; keep
+      python - "$out/train-$1-w2-onegpu.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("type") == "result":
+        print(r["impl"], r["status"], r.get("world"), "loss diff", r.get("loss_max_rel_diff"),
+              "last loss", (r.get("losses") or [None])[-1], (r.get("reason") or "")[:100])
+PY
+    done
+    left=$((550 - SECONDS))
+    [ $left -gt 40 ] && { timeout $left python -m dev.fixed_cost --plans --fast-only > "$out/fixed-cost-new.log" 2>&1;
+      echo "fixed cost rc=$?"; keep; sed -n '/^median of/,$p' "$out/fixed-cost-new.log"; grep -E "DirectLaunch|direct" "$out/fixed-cost-new.log" | tail -3; } ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h" >&2; exit 2 ;;
 esac

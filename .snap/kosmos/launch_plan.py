@@ -75,7 +75,8 @@ VERIFIED_TRITON = ("3.6", "3.9")  # major.minor whose CompiledKernel.run convent
 MAX_PLANS = 512  # per workspace; beyond it the plans start over (one-off shapes must not grow memory)
 
 _STATE = {"fast": True}
-STATS = dict(builds=0, hits=0, misses=0, fast_launches=0, normal_launches=0, self_checks=0, fast_disabled=0)
+STATS = dict(builds=0, hits=0, misses=0, fast_launches=0, normal_launches=0, self_checks=0, fast_disabled=0,
+             direct_built=0)
 
 
 class UseNormalLaunch(Exception):
@@ -421,6 +422,7 @@ def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int, varyi
 
 
 DIRECT_TRITON = ("3.6",)  # whose launcher internals DirectLaunch replicates (read from the 3.6.0 wheel)
+DIRECT_REFUSED: list = []  # (kernel, why) of every DirectLaunch.build that fell back to compiled.run
 
 
 class DirectLaunch:
@@ -437,16 +439,20 @@ class DirectLaunch:
     arguments, ``inner``, which keeps the first ``_BASE_ARGS_FORMAT_LEN`` (13: the nine above and the packed
     metadata, launch metadata and two hooks) and replaces kernel argument i (constexprs counted) by
     ``make_tensordesc_arg(arg, tensordesc_meta[j])`` -- [CUtensorMap, *shape, *strides] -- for i in
-    ``tensordesc_indices``. Here that expansion is made once from the first call's arguments; per call only the
+    ``tensordesc_indices``; a kernel with global scratch (device-built descriptors) gets
+    ``_allocation._allocator.get()(grid * num_ctas * global_scratch_size, global_scratch_align, stream)`` per
+    call, as __call__ allocates it. Here that expansion is made once from the first call's arguments; per call only the
     ``varying`` positions are replaced, a descriptor's expansion cached by its tensor's address (a plan fixes
     shape, strides, dtype and block: the address is all that can change; at most 16 per slot). Taken only for
-    the Triton versions in ``DIRECT_TRITON``, with both scratch sizes 0 and the wrapper's closure exactly as read
+    the Triton versions in ``DIRECT_TRITON``, with no profile scratch and the wrapper's closure exactly as read
     (its free variables ``launcher``, ``tensordesc_indices``, ``tensordesc_meta``); else None (``compiled.run``
     as before). The plan's self-check runs it against the normal launch (bitwise outputs) before any call
     relies on it."""
 
-    def __init__(self, raw, indices, metas, expand, rest, args, tail, varying, grid):
-        self.raw, self.expand, self.rest, self.grid = raw, expand, rest, grid
+    def __init__(self, raw, indices, metas, expand, head, args, tail, varying, grid, scratch=None):
+        self.raw, self.expand, self.grid = raw, expand, grid
+        self.function, self.coop, self.pdl, self.packed = head
+        self.scratch = scratch  # None, or (allocator context variable, bytes, alignment): global scratch per call
         self.flat, where, j = [], [], 0
         for i, a in enumerate([*args, *tail]):
             if i in indices:
@@ -465,24 +471,37 @@ class DirectLaunch:
 
     @classmethod
     def build(cls, compiled, args, tail, varying, grid):
-        """The DirectLaunch of ``compiled`` for these arguments, or None where this Triton is not the one read."""
+        """The DirectLaunch of ``compiled`` for these arguments, or None (why: ``DIRECT_REFUSED``) where this
+        Triton's launcher is not the one read."""
         from triton.backends.nvidia import driver as nvd
+        from triton.runtime import _allocation
         run = compiled.run
-        if (triton_version() not in DIRECT_TRITON or getattr(nvd, "_BASE_ARGS_FORMAT_LEN", None) != 13
-                or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0):
-            return None
-        launch = run.launch
+        why = None
+        if triton_version() not in DIRECT_TRITON:
+            why = f"Triton {triton_version()}"
+        elif getattr(nvd, "_BASE_ARGS_FORMAT_LEN", None) != 13:
+            why = "the launcher's base arguments are not the 13 read"
+        elif getattr(run, "profile_scratch_size", 1) != 0:
+            why = "the kernel asks for profile scratch"
+        launch = getattr(run, "launch", None)
         code = getattr(launch, "__code__", None)
-        if code is None:  # the C launcher itself: the kernel has no descriptor arguments
+        if why is None and code is None:  # the C launcher itself: the kernel has no descriptor arguments
             raw, indices, metas = launch, frozenset(), []
-        else:
+        elif why is None:
             cells = dict(zip(code.co_freevars, (c.cell_contents for c in (launch.__closure__ or ()))))
             if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
-                return None
-            raw, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
-        rest = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
-                None, None, None)
-        return cls(raw, indices, metas, nvd.make_tensordesc_arg, rest, args, tail, varying, grid)
+                why = f"the descriptor wrapper's closure is {sorted(cells)}"
+            else:
+                raw, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+        if why is not None:
+            DIRECT_REFUSED.append((getattr(getattr(compiled, "src", None), "name", "?"), why))
+            return None
+        size = getattr(run, "global_scratch_size", 0)
+        scratch = (_allocation._allocator, grid * getattr(run, "num_ctas", 1) * size,
+                   run.global_scratch_align) if size else None
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata)
+        STATS["direct_built"] += 1
+        return cls(raw, indices, metas, nvd.make_tensordesc_arg, head, args, tail, varying, grid, scratch)
 
     def __call__(self, args, stream) -> None:
         flat = self.flat.copy()
@@ -497,4 +516,9 @@ class DirectLaunch:
                     cache.clear()
                 piece = cache[ptr] = list(self.expand(d, meta))
             flat[off:off + n] = piece
-        self.raw(self.grid, 1, 1, stream, *self.rest, *flat)
+        scratch = None
+        if self.scratch is not None:  # as CudaLauncher.__call__'s allocate_scratch: the allocator set for this call
+            var, size, align = self.scratch
+            scratch = var.get()(size, align, stream)
+        self.raw(self.grid, 1, 1, stream, self.function, self.coop, self.pdl, scratch, None, self.packed, None, None,
+                 None, *flat)

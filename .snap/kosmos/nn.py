@@ -41,7 +41,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import quant
+from . import quant, runtime
 from .kernels.all_gather_matmul import all_gather_matmul
 from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
 from .kernels.moe_backward import moe_backward
@@ -54,7 +54,12 @@ def _all_gather_rows(x_shard: torch.Tensor, group) -> torch.Tensor:
     w = world_size(group)
     if w == 1:
         return x_shard
-    out = x_shard.new_empty((x_shard.shape[0] * w,) + tuple(x_shard.shape[1:]))
+    shape = (x_shard.shape[0] * w,) + tuple(x_shard.shape[1:])
+    if runtime.host_staged(group, x_shard):  # gloo with CUDA tensors (ranks on one GPU)
+        host = torch.empty(shape, dtype=x_shard.dtype)
+        dist.all_gather_into_tensor(host, x_shard.cpu().contiguous(), group=group)
+        return host.to(x_shard.device)
+    out = x_shard.new_empty(shape)
     dist.all_gather_into_tensor(out, x_shard.contiguous(), group=group)
     return out
 

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from . import runtime
+
 
 def _mm(a, b, fp32: bool):
     return a.float() @ b.float() if fp32 else a @ b
@@ -22,7 +24,11 @@ def all_gather_matmul_ref(a_shard, b, group=None, *, fp32: bool = True, a_full=N
     w = dist.get_world_size(group) if dist.is_initialized() else 1
     if a_full is None:
         a_full = torch.empty((a_shard.shape[0] * w, a_shard.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
-    if w > 1:
+    if w > 1 and runtime.host_staged(group, a_shard):  # gloo with CUDA tensors (ranks on one GPU)
+        host = torch.empty(a_full.shape, dtype=a_full.dtype)
+        dist.all_gather_into_tensor(host, a_shard.cpu(), group=group)
+        a_full.copy_(host)
+    elif w > 1:
         dist.all_gather_into_tensor(a_full, a_shard, group=group)
     else:
         a_full.copy_(a_shard)
@@ -35,6 +41,10 @@ def matmul_reduce_scatter_ref(a, b, group=None, *, fp32: bool = True):
     partial = _mm(a, b, fp32)
     if w == 1:
         return partial
+    if runtime.host_staged(group, partial):  # gloo with CUDA tensors (ranks on one GPU)
+        host = torch.empty((a.shape[0] // w, b.shape[1]), dtype=partial.dtype)
+        dist.reduce_scatter_tensor(host, partial.cpu(), group=group)
+        return host.to(a.device)
     out = torch.empty((a.shape[0] // w, b.shape[1]), dtype=partial.dtype, device=a.device)
     dist.reduce_scatter_tensor(out, partial, group=group)
     return out

@@ -2,8 +2,10 @@
 
 One ``Workspace`` per process group, created on first use and reused by every call:
 
-* ``data``   -- a symmetric byte buffer (torch symmetric memory), the same size on every rank, grown when a
-                larger shape arrives. AllGather+GEMM uses it as the gathered input ``[W * M/W, K]``;
+* ``data``   -- a symmetric byte buffer, the same size on every rank, grown when a larger shape arrives: torch
+                symmetric memory over an NCCL group (one GPU per rank); over any other group on CUDA (gloo:
+                every rank's process on one GPU, KOSMOS_RANKS_ON_ONE_GPU) plain allocations mapped into the
+                peers by CUDA IPC (``Workspace._ipc_symmetric``). AllGather+GEMM uses it as the gathered input ``[W * M/W, K]``;
                 GEMM+ReduceScatter as the staging of this rank's partial products ``[M, N]``. Peers read or
                 write it through ``peer_data`` (int64 device tensor of every rank's base address).
 * ``signals``-- a symmetric int32 buffer of flags, reached through ``peer_signals``. Slots
@@ -180,6 +182,7 @@ class Workspace:
     errors: torch.Tensor | None = None
     poisoned: str | None = None
     _handles: list = field(default_factory=list)
+    _ipc: dict = field(default_factory=dict)  # role -> (this rank's buffer, peers' mapped buffers): _ipc_symmetric
     _local: dict = field(default_factory=dict)
     agreed_shapes: set = field(default_factory=set)  # call signatures every rank was checked to share
     _err_host: torch.Tensor | None = None      # pinned int64 [ERR_RECORD]: the kernels' host mirror of the record
@@ -214,8 +217,8 @@ class Workspace:
         data_bytes = (data_bytes + (1 << 20) - 1) // (1 << 20) << 20
         need_sig = max(need_sig, self.signal_slots, 4096)
         try:
-            self.data, data_ptrs = self._symmetric(data_bytes, torch.uint8)
-            self.signals, sig_ptrs = self._symmetric(need_sig, torch.int32)
+            self.data, data_ptrs = self._symmetric(data_bytes, torch.uint8, "data")
+            self.signals, sig_ptrs = self._symmetric(need_sig, torch.int32, "signals")
         except torch.OutOfMemoryError as e:
             raise KosmosError(f"cannot allocate a {data_bytes / 2**20:.0f} MiB symmetric workspace on "
                               f"{dev}: {e}") from e
@@ -248,7 +251,7 @@ class Workspace:
             if self.world.size > 1:
                 dist.barrier(group=self.world.group)
         slots = max(slots, 2 * have, 4096)
-        self.counters, ptrs = self._symmetric(slots, torch.int32)
+        self.counters, ptrs = self._symmetric(slots, torch.int32, "counters")
         self.counters.zero_()
         self.peer_counters = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         self._grew()
@@ -289,15 +292,45 @@ class Workspace:
                               f"before capturing, or call kosmos.reset_workspaces() (which invalidates those "
                               f"graphs) and capture again")
 
-    def _symmetric(self, numel: int, dtype):
+    def _symmetric(self, numel: int, dtype, role: str):
         if self.world.size == 1:
             t = torch.empty(numel, dtype=dtype, device=self.world.device)
             return t, [t.data_ptr()]
+        if uses_ipc(self.world):
+            return self._ipc_symmetric(numel, dtype, role)
         import torch.distributed._symmetric_memory as symm_mem
         t = symm_mem.empty(numel, dtype=dtype, device=self.world.device)
         handle = symm_mem.rendezvous(t, group=self.world.group)
         self._handles.append(handle)
         return t, list(handle.buffer_ptrs)
+
+    def _ipc_symmetric(self, numel: int, dtype, role: str):
+        """The symmetric buffer ``role`` ("data", "signals", "counters") over a group that is not NCCL's, on
+        CUDA: every rank's process on one GPU over gloo (launcher.spawn_one_gpu; tests, ``kosmos bench`` with
+        KOSMOS_RANKS_ON_ONE_GPU=1). Torch symmetric memory needs an NCCL group of one GPU per rank, so each rank
+        allocates a plain buffer, exports it with torch's CUDA-IPC reduction (``reduce_tensor``: the caching
+        allocator block's IPC handle and the offset), the handles go round with one ``all_gather_object``, and
+        each rank maps its peers' buffers (``rebuild``); the pointer table then holds every rank's buffer as
+        mapped in this process, and the kernels reach them with the same peer loads, stores and sys-scope
+        atomics as over NVLink. A correctness mode: the ranks' kernels time-slice the GPU (no two contexts run
+        at once without MPS), so a wait on a peer spins until the peer's context gets the GPU -- bounded by the
+        timeout like any wait -- and timings mean nothing. Memory: this rank's buffer lives in the workspace;
+        the peers' mappings of the previous buffer of the same role are dropped when it is replaced (growth
+        synchronises and barriers first, so no kernel still uses them)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+        t = torch.empty(numel, dtype=dtype, device=self.world.device)
+        got = [None] * self.world.size
+        dist.all_gather_object(got, reduce_tensor(t), group=self.world.group)
+        ptrs, peers = [], []
+        for r, (rebuild, args) in enumerate(got):
+            if r == self.world.rank:  # never map one's own buffer (CUDA IPC refuses it within a process)
+                ptrs.append(t.data_ptr())
+                continue
+            peer = rebuild(*args)
+            peers.append(peer)
+            ptrs.append(peer.data_ptr())
+        self._ipc[role] = (t, peers)
+        return t, ptrs
 
     def before_launch(self) -> None:
         """Every op calls this right before its launch: raise a timeout an earlier launch recorded (a look at the
@@ -352,6 +385,20 @@ class Workspace:
 
 _WORKSPACES: dict = {}
 _BY_CALL: dict = {}  # (group as passed, device as passed, dist initialised) -> workspace: get_workspace's hit path
+
+
+def uses_ipc(world: World) -> bool:
+    """Whether ``world``'s symmetric buffers are CUDA-IPC mappings (a group other than NCCL's on CUDA: ranks
+    sharing one GPU over gloo) rather than torch symmetric memory."""
+    return world.size > 1 and world.device.type == "cuda" and dist.get_backend(world.group) != "nccl"
+
+
+def host_staged(group, t: torch.Tensor) -> bool:
+    """Whether a collective of ``t`` over ``group`` goes through host copies: a CUDA tensor over gloo (ranks
+    sharing one GPU; gloo's CUDA support does not cover every collective, e.g. the tensor forms of all-gather
+    and reduce-scatter). Correctness runs only."""
+    return (t.is_cuda and dist.is_available() and dist.is_initialized()
+            and dist.get_backend(group) == "gloo")
 
 
 _CUDA = {}  # "available": torch.cuda.is_available(), asked once (it goes through NVML / device_count each time)

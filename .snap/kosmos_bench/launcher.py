@@ -8,8 +8,8 @@ if any rank failed, with that rank's traceback.
 Ranks on one GPU (``spawn_one_gpu``, or ``spawn`` with KOSMOS_RANKS_ON_ONE_GPU=1 in the environment, which is how
 ``kosmos bench`` gets it): every rank's process on cuda:0 with a gloo process group (NCCL refuses two ranks on one
 GPU). For correctness runs of process-based baselines (DeepEP's intranode Buffer: two processes on one GPU, the
-IPC handles exchanged over gloo); the ranks share the GPU, so their times are no measurement. KOSMOS's own W > 1
-ops need one GPU per rank (or tests/simranks.py).
+IPC handles exchanged over gloo) and of KOSMOS's own W > 1 ops (their symmetric buffers mapped by CUDA IPC:
+runtime.Workspace._ipc_symmetric); the ranks share the GPU, so their times are no measurement.
 """
 from __future__ import annotations
 

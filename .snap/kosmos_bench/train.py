@@ -38,8 +38,9 @@ here gets an "unavailable" row with the reason -- ``unavailable_reason`` -- and 
                  fused AG+GEMM with W, dW = dy_full^T @ x. Unavailable at W = 1 (nothing to overlap), at mxfp8, on
                  the CPU and over gloo (symmetric memory needs an NCCL group of one GPU per rank). Written against
                  torch 2.11's ops; on the CPU only its Functions' math is tested (torch's fallbacks of the ops).
-  kosmos         kosmos.nn.ColumnParallelLinear / RowParallelLinear (the fused ops, forward and backward);
-                 unavailable at W > 1 on one GPU over gloo (KOSMOS's W > 1 ops need one GPU per rank).
+  kosmos         kosmos.nn.ColumnParallelLinear / RowParallelLinear (the fused ops, forward and backward); at
+                 W > 1 on one GPU over gloo the ops' symmetric buffers are CUDA-IPC mappings
+                 (runtime.Workspace._ipc_symmetric): the real kernels and protocol, time-sliced.
   nccl-a2a       the MoE baseline: an nn.Module around kosmos.moe_reference.moe_forward_a2a (fp32=False, the
                  bench's nccl-a2a) under autograd: its row all-to-alls are differentiable (AllToAllRows: the
                  backward is the reverse all_to_all_single, the split sizes swapped), so it trains at any W.
@@ -50,12 +51,14 @@ here gets an "unavailable" row with the reason -- ``unavailable_reason`` -- and 
                  Buffer is freed after the implementation (in step). Unavailable when deep_ep does not import, at
                  W not 2, 4 or 8 (so at W = 1) and for shapes DeepEP's kernels refuse (moe.deepep_shape_problem).
   kosmos (MoE)   kosmos.nn.MoE (its backward: kernels.moe_backward.moe_backward, all-to-alls between the kernels
-                 at W > 1); at W > 1 it needs one GPU per rank over NCCL (unavailable over gloo, the row says so).
+                 at W > 1); at W > 1 on CUDA ranks (one GPU per rank over NCCL, or every rank on one GPU over
+                 gloo through CUDA IPC); unavailable on CPU ranks (its forward is the one-launch kernel).
 In the MoE proxy the attention's linears are the dense implementation of the same name's family (kosmos ->
 kosmos.nn layers, nccl-a2a and deepep -> the nccl+cublas Functions), at W = 1.
 
 Ranks on one GPU (KOSMOS_RANKS_ON_ONE_GPU=1, launcher.py): every rank on cuda:0 over gloo -- for loss agreement
-of the process-based baselines (nccl-a2a, DeepEP's intranode Buffer) at W > 1 on one GPU; the times are no
+of every implementation but torch-async-tp (KOSMOS through CUDA IPC, DeepEP's intranode Buffer, the collectives
+of the baselines through host copies where gloo lacks the CUDA form) at W > 1 on one GPU; the times are no
 measurement, and every row says so (``extra``: {"ranks_on_one_gpu": true}, as the MoE bench marks its rows).
 
 Weights: every parameter is drawn once from ``seed`` (a CPU generator per parameter, the full unsharded tensor,
@@ -625,23 +628,21 @@ def _backend(group=None) -> str | None:
 def unavailable_reason(shape: ProxyShape, impl: str, world: int, dtype: str = "bf16", *, device="cpu",
                        backend: str | None = None) -> str | None:
     """Why ``impl`` cannot train ``shape`` at ``world`` ranks (None: it can); ``backend``: the group's ("nccl",
-    "gloo"; None at W = 1). On a GPU over gloo (KOSMOS_RANKS_ON_ONE_GPU: every rank on one GPU) KOSMOS's and
-    torch async-TP's W > 1 ops cannot run (they need one GPU per rank); the baselines and DeepEP can."""
+    "gloo"; None at W = 1). On a GPU over gloo (KOSMOS_RANKS_ON_ONE_GPU: every rank on one GPU) torch async-TP's
+    W > 1 ops cannot run (symmetric memory needs one GPU per rank); KOSMOS's run through CUDA IPC (runtime.py),
+    the baselines and DeepEP as they are. On CPU ranks kosmos.nn.MoE cannot run (its one-launch forward)."""
     cuda = torch.device(device).type == "cuda"
-    one_gpu = "every rank on one GPU over gloo" if backend == "gloo" else f"a {backend} group"
     if shape.kind == "moe":
         if dtype != "bf16":
             return "the MoE proxy trains in bf16 only (kosmos.nn.MoE trains in bf16 only)"
-        if impl == "kosmos" and world > 1 and not (cuda and backend == "nccl"):
-            return (f"kosmos.nn.MoE at W > 1 needs one GPU per rank over NCCL (its forward is the one-launch "
-                    f"layer over symmetric memory); here {one_gpu if cuda else 'CPU ranks over ' + backend}")
+        if impl == "kosmos" and world > 1 and not cuda:
+            return (f"kosmos.nn.MoE at W > 1 needs CUDA ranks (its forward is the one-launch layer over symmetric "
+                    f"memory or CUDA IPC); here CPU ranks over {backend}")
         if impl == "deepep":
             return deepep_problem(shape, world)
         return None
     if impl == "torch-async-tp":
         return async_tp_problem(world, dtype, device, backend)
-    if impl == "kosmos" and world > 1 and cuda and backend != "nccl":
-        return f"KOSMOS's fused ops at W > 1 need one GPU per rank over NCCL (symmetric memory); here {one_gpu}"
     return None
 
 

@@ -222,9 +222,13 @@ def test_async_tp_availability():
     assert "a gloo group" in T.async_tp_problem(2, "bf16", "cuda", "gloo")  # every rank on one GPU
     assert T.async_tp_problem(2, "bf16", "cuda", "nccl") is None  # this torch has the fused ops
     assert T.unavailable_reason(sh, "torch-async-tp", 1) == T.async_tp_problem(1)
-    # KOSMOS's own W > 1 ops need one GPU per rank; the baselines run on one GPU over gloo
-    assert "one GPU per rank" in T.unavailable_reason(sh, "kosmos", 2, device="cuda", backend="gloo")
+    # every rank on one GPU over gloo: KOSMOS through CUDA IPC, the baselines as they are; async-TP cannot
+    assert T.unavailable_reason(sh, "kosmos", 2, device="cuda", backend="gloo") is None
     assert T.unavailable_reason(sh, "nccl+cublas", 2, device="cuda", backend="gloo") is None
+    assert "gloo" in T.unavailable_reason(sh, "torch-async-tp", 2, device="cuda", backend="gloo")
+    moe = T.proxy_shape("deepseek-v3", seq=16, batch=1, scale=0.125, tp=2)
+    assert T.unavailable_reason(moe, "kosmos", 2, device="cuda", backend="gloo") is None
+    assert "CPU ranks" in T.unavailable_reason(moe, "kosmos", 2, device="cpu", backend="gloo")
     assert T.unavailable_reason(sh, "kosmos", 2, device="cpu", backend="gloo") is None  # CPU tests: fake ops
 
 
@@ -280,7 +284,10 @@ def test_bench_train_dry_run_ranks_on_one_gpu(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "world: 2 (EP" in text and "hidden: 896" in text and "every rank on cuda:0 over gloo" in text
     assert "  nccl-a2a (baseline)\n" in text  # available
-    assert "kosmos unavailable: kosmos.nn.MoE at W > 1 needs one GPU per rank over NCCL" in text
+    if torch.cuda.is_available():  # CUDA ranks on one GPU: KOSMOS through CUDA IPC (runtime.py)
+        assert "  kosmos\n" in text and "kosmos unavailable" not in text
+    else:  # this machine's ranks would be CPU ones: the one-launch MoE forward cannot run there
+        assert "kosmos unavailable: kosmos.nn.MoE at W > 1 needs CUDA ranks" in text
     assert "deepep" in text
 
 
@@ -407,7 +414,7 @@ def test_moe_world2_nccl_a2a_and_deepep_over_gloo():
         assert status == "ok", status
         assert failures == [], (rank, failures)
         assert [(i, s) for i, s, *_ in rows] == [("nccl-a2a", "ok"), ("deepep", "ok"), ("kosmos", "unavailable")], rows
-        assert "needs one GPU per rank over NCCL" in rows[2][2] and all(r[4] == 2 for r in rows)
+        assert "needs CUDA ranks" in rows[2][2] and all(r[4] == 2 for r in rows)
         assert "cached" in log and log[-1] == "destroy"  # the combine's backward: DeepEP's cached dispatch; freed
     a2a, deepep = got[0][2][0][3], got[0][2][1][3]
     assert a2a == got[1][2][0][3]  # every rank reports the same (summed) losses
@@ -518,17 +525,47 @@ def _gpu_moe_rank(rank, world, out_dir):
             check(by["deepep"]["status"] == "ok", f"deepep: {by['deepep']['reason']}")
         else:
             check(by["deepep"]["status"] == "unavailable", f"deepep: {by['deepep']['status']}")
-        check(by["kosmos"]["status"] == "unavailable", f"kosmos: {by['kosmos']['status']}")
+        k = by["kosmos"]
+        check(k["status"] == "ok", f"kosmos: {k['status']} {k['reason']}")
+        check(k["status"] != "ok" or k["loss_max_rel_diff"] < T.LOSS_RTOL, f"kosmos losses: {k['losses']}")
     finally:
         check.finish(out_dir)
+
+
+def _gpu_llama_rank(rank, world, out_dir):
+    from multiproc import Checks
+    check = Checks(rank)
+    try:
+        sh = T.proxy_shape("llama3-8b", seq=256 * world, batch=2, hidden=256 * world, head_dim=64, tp=world)
+        rows = T.run_train(sh, T.TrainSettings(steps=5, warmup=1), "cuda")
+        by = {r["impl"]: r for r in rows}
+        check(by["nccl+cublas"]["status"] == "ok", f"nccl+cublas: {by['nccl+cublas']['reason']}")
+        k = by["kosmos"]
+        check(k["status"] == "ok", f"kosmos: {k['status']} {k['reason']}")
+        check(k["status"] != "ok" or k["loss_max_rel_diff"] < T.LOSS_RTOL, f"kosmos losses: {k['losses']}")
+        a = by.get("torch-async-tp")
+        check(a is None or a["status"] == "unavailable", f"torch-async-tp over gloo: {a and a['status']}")
+    finally:
+        check.finish(out_dir)
+
+
+def _two_ranks_on_one_gpu(fn, tmp_path):
+    from kosmos_bench import launcher
+    launcher.spawn_one_gpu(fn, 2, str(tmp_path), timeout_s=600)
+    for r in range(2):
+        f = tmp_path / f"rank{r}.txt"
+        assert f.exists() and f.read_text() == "", f.read_text() if f.exists() else f"rank {r} did not finish"
 
 
 @pytest.mark.gpu
 def test_gpu_moe_two_ranks_on_one_gpu(tmp_path):
     """The MoE proxy at W = 2 with both ranks on one GPU over gloo (launcher.spawn_one_gpu): nccl-a2a trains,
-    deepep (when deep_ep imports) agrees with it, kosmos is unavailable."""
-    from kosmos_bench import launcher
-    launcher.spawn_one_gpu(_gpu_moe_rank, 2, str(tmp_path), timeout_s=600)
-    for r in range(2):
-        f = tmp_path / f"rank{r}.txt"
-        assert f.exists() and f.read_text() == "", f.read_text() if f.exists() else f"rank {r} did not finish"
+    deepep (when deep_ep imports) and kosmos (its kernels' symmetric buffers mapped by CUDA IPC) agree with it."""
+    _two_ranks_on_one_gpu(_gpu_moe_rank, tmp_path)
+
+
+@pytest.mark.gpu
+def test_gpu_llama_two_ranks_on_one_gpu(tmp_path):
+    """The llama3 proxy at TP = 2 with both ranks on one GPU over gloo: kosmos (CUDA IPC) trains as nccl+cublas
+    (whose collectives go through host copies over gloo); torch async-TP is unavailable there."""
+    _two_ranks_on_one_gpu(_gpu_llama_rank, tmp_path)

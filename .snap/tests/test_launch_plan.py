@@ -302,21 +302,25 @@ def test_direct_launch_expands_once_and_replaces_only_what_varies():
     got = []
     x, y, w, t0 = torch.zeros(4), torch.zeros(4), torch.zeros(8), torch.zeros(2)
     args = [_Desc(x), w, _Desc(w), t0, 5000]  # caller desc, workspace tensor, workspace desc, caller tensor, timeout
-    d = launch_plan.DirectLaunch(lambda *a: got.append(a), {0, 2}, ["mA", "mW"], expand, ("f", "rest"), args,
-                                 ("CONST",), varying=[0, 3, 4], grid=7)
+    d = launch_plan.DirectLaunch(lambda *a: got.append(a), {0, 2}, ["mA", "mW"], expand, ("f", "coop", "pdl", "meta"),
+                                 args, ("CONST",), varying=[0, 3, 4], grid=7)
     assert d.flat[:3] == [("map", x.data_ptr(), "mA"), 64, 1] and d.flat[-1] == "CONST"
     assert d.flat[7] is None and d.flat[8] is None  # caller tensor and timeout: blanked in the template
     assert len(encoded) == 2
     d(args, stream=11)
     call = got[-1]
-    assert call[:6] == (7, 1, 1, 11, "f", "rest")
+    assert call[:13] == (7, 1, 1, 11, "f", "coop", "pdl", None, None, "meta", None, None, None)
+    got[:] = [c[7:] for c in got]  # from here on: offsets as before the 13 base arguments' last 6
+    call = got[-1]
     assert list(call[6:]) == [("map", x.data_ptr(), "mA"), 64, 1, w, ("map", w.data_ptr(), "mW"), 64, 1, t0, 5000,
                               "CONST"]
     assert len(encoded) == 3  # the first call's caller descriptor: encoded again once (cached from now on)
     t1 = torch.zeros(2)
     d([_Desc(x), w, _Desc(w), t1, 6000], stream=12)
+    got[-1] = got[-1][7:]
     assert len(encoded) == 3 and got[-1][6 + 7] is t1 and got[-1][6 + 8] == 6000
     d([_Desc(y), w, _Desc(w), t1, 6000], stream=12)
+    got[-1] = got[-1][7:]
     assert len(encoded) == 4 and got[-1][6] == ("map", y.data_ptr(), "mA")
     assert got[-1][6 + 4] == ("map", w.data_ptr(), "mW")  # the workspace's descriptor: never re-encoded
 
@@ -334,9 +338,22 @@ def test_direct_launch_only_where_the_launcher_was_read(monkeypatch):
     from triton.backends.nvidia import driver as nvd
     monkeypatch.setattr(nvd, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
     assert isinstance(launch_plan.DirectLaunch.build(compiled, [], (), [], 1), launch_plan.DirectLaunch)
-    run.global_scratch_size = 64
+    run.global_scratch_size, run.global_scratch_align, run.num_ctas = 64, 128, 1  # device descriptors' scratch
+    d = launch_plan.DirectLaunch.build(compiled, [], (), [], 3)
+    asked = []
+    from triton.runtime import _allocation
+    token = _allocation._allocator.set(lambda size, align, stream: asked.append((size, align, stream)) or "buf")
+    try:
+        got = []
+        d.raw = lambda *a: got.append(a)
+        d([], stream=9)
+    finally:
+        _allocation._allocator.reset(token)
+    assert asked == [(3 * 64, 128, 9)] and got[0][7] == "buf"  # per call, as CudaLauncher.__call__ allocates it
+    run.profile_scratch_size = 32
     assert launch_plan.DirectLaunch.build(compiled, [], (), [], 1) is None
-    run.global_scratch_size = 0
+    assert "profile scratch" in launch_plan.DIRECT_REFUSED[-1][1]
+    run.profile_scratch_size = 0
     unknown = 3
 
     def inner(*a):
