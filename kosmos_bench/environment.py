@@ -89,7 +89,7 @@ def environment(argv=None, suite=None, bench="tp") -> dict:
     return {
         "type": "env", "run_id": f"{time.strftime('%Y%m%dT%H%M%S')}-{platform.node()}",
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0) if cuda else None, "gpu_count": world_info()[1],
+        "gpu": torch.cuda.get_device_name(0) if cuda else None, "gpu_count": _gpus_used(),
         "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
         "driver": _driver(), "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
         "kosmos": kosmos.__version__, "git_commit": git_commit(), "git_dirty": git_dirty(),
@@ -104,3 +104,11 @@ if __name__ == "__main__":
         print(source_sha())
     else:
         sys.exit("usage: python -m kosmos_bench.environment --source-sha")
+
+
+def _gpus_used() -> int:
+    """The GPUs the run's ranks use: one per rank, or one for all with KOSMOS_RANKS_ON_ONE_GPU (the header said
+    2 for two ranks sharing one GPU until session 15: results/h200x1/train-*-w2-onegpu.jsonl)."""
+    from .harness import world_info
+    from .launcher import ranks_on_one_gpu
+    return 1 if ranks_on_one_gpu() else world_info()[1]

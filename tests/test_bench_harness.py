@@ -505,3 +505,14 @@ def test_cuda_graph_times_the_replay_and_records_a_failed_capture(family, cpu_ti
     plain = harness.Runner(harness.Settings(), torch.device("cpu"), lambda: None)
     plain.run(family, ("graphable",), inputs=x, ref=2 * x, identity={"op": "toy"}, flops=1.0)
     assert "cuda_graph" not in plain.rows[0]
+
+
+def test_env_header_counts_gpus_not_ranks(monkeypatch):
+    """gpu_count is the GPUs the ranks use: the world size with one GPU per rank, 1 with every rank on one GPU
+    (KOSMOS_RANKS_ON_ONE_GPU; the W = 2 train rows of session 15 were headed "gpu_count": 2)."""
+    from kosmos_bench import environment, launcher
+    monkeypatch.setattr(harness, "world_info", lambda: (0, 2))
+    monkeypatch.delenv(launcher.ONE_GPU_ENV, raising=False)
+    assert environment._gpus_used() == 2
+    monkeypatch.setenv(launcher.ONE_GPU_ENV, "1")
+    assert environment._gpus_used() == 1
