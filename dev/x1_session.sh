@@ -776,7 +776,22 @@ PYEOF
     timeout 30 python -m kosmos_bench.cli report "$out/moe-bwd-ep1-deepseek-v3-zipf.jsonl" --format md \
       --out "$out/moe-bwd-ep1-deepseek-v3-zipf.md" >> "$out/bench-dsv3-zipf.log" 2>&1; keep
     bwd_rows "$out/moe-bwd-ep1-deepseek-v3-zipf.jsonl"
-    grep -v "^{" "$out/bench-dsv3-zipf.log" | grep -iE "bwd|error|fail" | head -12 ;;
+    grep -v "^{" "$out/bench-dsv3-zipf.log" | grep -iE "bwd|error|fail" | head -12
+    # issue 16: the deepseek-v3 proxy at EP = 2 on one GPU with every implementation (deepep from .wheels/)
+    if [ -d .wheels ]; then
+      python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
+      echo "deepep install rc=$?"; export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
+    fi
+    left=$((540 - SECONDS)); [ $left -gt 150 ] && left=150
+    if [ $left -gt 60 ]; then
+      KOSMOS_RANKS_ON_ONE_GPU=1 timeout $left python -m kosmos_bench.cli bench train --model deepseek-v3 --seq 1024 \
+        --scale 0.125 --layers 2 --tp 2 --steps 20 --out "$out/train-deepseek-v3-w2-onegpu.jsonl" \
+        > "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; echo "train dsv3 w2 one gpu rc=$?"
+      timeout 40 python -m kosmos_bench.cli report "$out/train-deepseek-v3-w2-onegpu.jsonl" --format md \
+        --out "$out/train-deepseek-v3-w2-onegpu.md" --chart "$out/train-deepseek-v3-w2-onegpu-loss.png" \
+        >> "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; keep
+      grep "^| " "$out/train-deepseek-v3-w2-onegpu.md" | head -6
+    fi ;;
   s15h)  # session 15 (<= 400 s; tarball $OUT/s15h.tar.gz): issue 13's host cost -- the hit path without the per-call
          # CUDA event (the mirror's flag word read directly), the cached CUDA availability and workspace lookup,
          # and launch_plan.DirectLaunch (Triton 3.6's C launcher with the argument list expanded once): its GPU
