@@ -1,1 +1,0 @@
-"""KOSMOS benchmark suite: CLI, launcher, timing, baselines, suites, results and reports."""
