@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from . import quant, runtime
 from .kernels.all_gather_matmul import all_gather_matmul
@@ -54,14 +53,8 @@ def _all_gather_rows(x_shard: torch.Tensor, group) -> torch.Tensor:
     w = world_size(group)
     if w == 1:
         return x_shard
-    shape = (x_shard.shape[0] * w,) + tuple(x_shard.shape[1:])
-    if runtime.host_staged(group, x_shard):  # gloo with CUDA tensors (ranks on one GPU)
-        host = torch.empty(shape, dtype=x_shard.dtype)
-        dist.all_gather_into_tensor(host, x_shard.cpu().contiguous(), group=group)
-        return host.to(x_shard.device)
-    out = x_shard.new_empty(shape)
-    dist.all_gather_into_tensor(out, x_shard.contiguous(), group=group)
-    return out
+    out = x_shard.new_empty((x_shard.shape[0] * w,) + tuple(x_shard.shape[1:]))
+    return runtime.all_gather_into(out, x_shard, group)
 
 
 def _all_gather_mx(x, group) -> torch.Tensor:

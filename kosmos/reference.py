@@ -24,12 +24,8 @@ def all_gather_matmul_ref(a_shard, b, group=None, *, fp32: bool = True, a_full=N
     w = dist.get_world_size(group) if dist.is_initialized() else 1
     if a_full is None:
         a_full = torch.empty((a_shard.shape[0] * w, a_shard.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
-    if w > 1 and runtime.host_staged(group, a_shard):  # gloo with CUDA tensors (ranks on one GPU)
-        host = torch.empty(a_full.shape, dtype=a_full.dtype)
-        dist.all_gather_into_tensor(host, a_shard.cpu(), group=group)
-        a_full.copy_(host)
-    elif w > 1:
-        dist.all_gather_into_tensor(a_full, a_shard, group=group)
+    if w > 1:
+        runtime.all_gather_into(a_full, a_shard, group)
     else:
         a_full.copy_(a_shard)
     return a_full, _mm(a_full, b, fp32)

@@ -393,12 +393,26 @@ def uses_ipc(world: World) -> bool:
     return world.size > 1 and world.device.type == "cuda" and dist.get_backend(world.group) != "nccl"
 
 
+def gloo_group(group) -> bool:
+    """Whether ``group`` is a gloo process group (ranks sharing one GPU, or CPU ranks)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "gloo"
+
+
 def host_staged(group, t: torch.Tensor) -> bool:
     """Whether a collective of ``t`` over ``group`` goes through host copies: a CUDA tensor over gloo (ranks
-    sharing one GPU; gloo's CUDA support does not cover every collective, e.g. the tensor forms of all-gather
-    and reduce-scatter). Correctness runs only."""
-    return (t.is_cuda and dist.is_available() and dist.is_initialized()
-            and dist.get_backend(group) == "gloo")
+    sharing one GPU; not every collective has a CUDA form in gloo -- the tensor forms of all-gather and
+    reduce-scatter were not checked on a GPU, so they go through the host there). Correctness runs only."""
+    return t.is_cuda and gloo_group(group)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> torch.Tensor:
+    """``dist.all_gather_into_tensor(out, x)``, through host copies where ``host_staged``; returns ``out``."""
+    if host_staged(group, x):
+        host = torch.empty(out.shape, dtype=out.dtype)
+        dist.all_gather_into_tensor(host, x.cpu().contiguous(), group=group)
+        return out.copy_(host)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
 
 
 _CUDA = {}  # "available": torch.cuda.is_available(), asked once (it goes through NVML / device_count each time)

@@ -1027,7 +1027,7 @@ def _check_same_shape_on_every_rank(ws, key: tuple) -> None:
         return
     runtime.capture_refusal("its cross-rank check of this shape (one all-gather) has not run yet")
     import torch.distributed as dist
-    on = "cpu" if dist.get_backend(ws.world.group) == "gloo" else ws.world.device  # gloo: host tensors
+    on = "cpu" if runtime.gloo_group(ws.world.group) else ws.world.device  # gloo: host tensors
     mine = torch.tensor(key[1:], dtype=torch.int64, device=on)
     got = [torch.empty_like(mine) for _ in range(ws.world.size)]
     dist.all_gather(got, mine, group=ws.world.group)
