@@ -3,6 +3,7 @@
     PYTHONPATH=. python -m dev.fixed_cost
     PYTHONPATH=. python -m dev.fixed_cost --plans   # host us per eager call, fast launch on / off
     PYTHONPATH=. python -m dev.fixed_cost --parts   # host ns of each piece an eager call's hit path runs
+    PYTHONPATH=. python -m dev.fixed_cost --profile # cProfile of the calls still over 30 us (MX TP, MoE)
 
 ``--plans``: host time per eager call (median of 200 back-to-back calls, time.perf_counter around each call, no
 synchronisation inside the loop) of all_gather_matmul, matmul_reduce_scatter (bf16 and MXFP8) and the MoE layer
@@ -126,7 +127,7 @@ def main():
         print(f"{name:<50} {g:8.1f} {h:8.1f}")
 
 
-def _host_profile(call, n=200):
+def _host_profile(call, n=200, sort=("cumulative",), limit=15):
     """Where a call's host time goes: cProfile over n calls (the GPU is kept busy by the calls themselves;
     host time per call = the profile's total / n), the 15 costliest functions by cumulative time."""
     import cProfile
@@ -146,7 +147,34 @@ def _host_profile(call, n=200):
     prof.disable()
     torch.cuda.synchronize()
     print(f"host time per call, unprofiled: {host_us:.1f} us (enqueue only; n={n})")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
+    for key in sort:
+        pstats.Stats(prof).sort_stats(key).print_stats(limit)
+
+
+def profile_slow_calls():
+    """cProfile (by own time and by cumulative time) of the eager calls still over issue 13's 30 us at W=1:
+    the MX TP ops and the MoE layer (bf16, MXFP8), on the --plans shapes."""
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    from kosmos import quant
+    dev = "cuda"
+    a = torch.randn(128, 256, device=dev).to(torch.bfloat16)
+    b = torch.randn(256, 256, device=dev).to(torch.bfloat16)
+    a_mx = quant.quantize_mx(a)
+    t_, h, f, e, k = 128, 256, 256, 8, 2
+    x = torch.randn(t_, h, device=dev).to(torch.bfloat16)
+    router = torch.randn(e, h, device=dev).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, device=dev) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, device=dev) * 0.05).to(torch.bfloat16)
+    w13_mx, w2_mx = quant.mx_values(w13, dim=1), quant.mx_values(w2, dim=1)
+    for name, call in [("all_gather_matmul mxfp8", lambda: kosmos.all_gather_matmul(a_mx, b)),
+                       ("quantize_mx 128x256", lambda: quant.quantize_mx(a)),
+                       ("moe_forward bf16", lambda: kosmos.moe_forward(x, router, w13, w2, top_k=k)),
+                       ("moe_forward mxfp8", lambda: kosmos.moe_forward(x, router, w13_mx, w2_mx, top_k=k,
+                                                                        precision="mxfp8"))]:
+        print(f"==== {name}")
+        _host_profile(call, sort=("tottime", "cumulative"), limit=22)
+    kosmos.check_errors()
 
 
 def _median_host_us(call, n=200, warm_s=0.2):
@@ -346,5 +374,7 @@ if __name__ == "__main__":
     import sys
     if "--parts" in sys.argv[1:]:
         parts()
+    elif "--profile" in sys.argv[1:]:
+        profile_slow_calls()
     else:
         plans("--fast-only" in sys.argv[1:]) if "--plans" in sys.argv[1:] else main()

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -841,5 +841,18 @@ PY
     left=$((550 - SECONDS))
     [ $left -gt 40 ] && { timeout $left python -m dev.fixed_cost --plans --fast-only > "$out/fixed-cost-new.log" 2>&1;
       echo "fixed cost rc=$?"; keep; sed -n '/^median of/,$p' "$out/fixed-cost-new.log"; grep -E "DirectLaunch|direct" "$out/fixed-cost-new.log" | tail -3; } ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h" >&2; exit 2 ;;
+  s16a)  # session 16, first call (<= 300 s; tarball $OUT/s16a.tar.gz): issue 16's W=1 bar at the current code (the
+         # committed row was session 9's 2f61068: 0.980x), rendered; then the cProfile of the eager calls still
+         # over issue 13's 30 us (MX TP, MoE).
+    begin_stage s16a
+    timeout 220 python -m kosmos_bench.cli bench train --model llama3-8b --layers 2 --seq 4096 --tp 1 --steps 20 \
+      --out "$out/train-llama3-8b-w1.jsonl" > "$out/train-llama3-8b-w1.log" 2>&1; echo "train rc=$?"
+    timeout 40 python -m kosmos_bench.cli report "$out/train-llama3-8b-w1.jsonl" --format md \
+      --out "$out/train-llama3-8b-w1.md" --chart "$out/train-llama3-8b-w1-loss.png" >> "$out/train-llama3-8b-w1.log" 2>&1
+    echo "report rc=$?"; keep
+    left=$((290 - SECONDS)); [ $left -gt 70 ] && left=70
+    [ $left -gt 20 ] && { timeout $left python -m dev.fixed_cost --profile > "$out/fixed-cost-profile.log" 2>&1;
+      echo "profile rc=$?"; keep; grep -E "^====|host time per call" "$out/fixed-cost-profile.log"; }
+    grep "^| " "$out/train-llama3-8b-w1.md" | head -5 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a" >&2; exit 2 ;;
 esac
