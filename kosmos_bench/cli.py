@@ -454,7 +454,8 @@ MOE_HELP = "\n\n".join([
     "layer), nccl-a2a (Megatron-style all-to-all + torch._grouped_mm, the speedup baseline), deepep (DeepEP "
     "dispatch/combine around the same GEMMs, when deep_ep is installed), fixed-role (16 programs dedicated to "
     "communication) and fixed-role-best (best split of a sweep). Each point also times the expert GEMMs alone: "
-    "kosmos-expert-gemms vs grouped-mm (torch._grouped_mm) on the row counts each rank receives.",
+    "kosmos-expert-gemms vs grouped-mm (torch._grouped_mm) on the row counts each rank receives, in the forward "
+    "and, at --direction bwd, the backward's four expert GEMMs (dgrad and wgrad of both).",
     "Routing: uniform (random inputs and router) or zipf:S (expert popularity ~ rank^-S, S > 0, made through the "
     "router itself; which experts are popular is a seeded shuffle). A failing implementation is recorded as "
     "failed with its reason and the sweep goes on; rows are appended to --out as they are measured.",

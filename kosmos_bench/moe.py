@@ -42,6 +42,14 @@ receives):
   kosmos-expert-gemms  kosmos.kernels.moe_forward.expert_gemms: the fused kernel's GEMM1+SwiGLU+GEMM2 alone
                        (with the moe_fwd config).
   The issue's bar: kosmos-expert-gemms reaches >= 80% of grouped-mm's TFLOP/s (report: speedup >= 0.8).
+  At bwd (bf16; not at fwd+bwd) the same two on the same rows, with a fresh output gradient dy [R, H] ~ N(0, 1)
+  and gate weights w [R] ~ U(0, 1) per row: grouped-mm is autograd through its forward (graph built once,
+  outside the timed call, and kept) for do = w * dy -- dgrad2, wgrad2, the SwiGLU backward, dgrad1, wgrad1;
+  kosmos-expert-gemms is moe_backward's expert part (kernels.moe_backward.expert_backward_gemms: the same four
+  GEMMs with the SwiGLU backward and the gate gradient in dgrad2's epilogue) on its padded row layout and the
+  forward's g | u, both made outside the timed call (expert_backward_operands). Checked (expert_backward_reference)
+  against fp32 formulas: dx_rows, dw13, dw2 (rel_err_grads). FLOPs 2x the forward's; grouped-mm's time is the
+  t_gemm_ms of the bwd moe_fwd rows.
 
 Directions (``--direction fwd,bwd,fwd+bwd``, suite key ``direction``: every point in each, after each dtype; each
 row's ``direction`` says which; rows without it are fwd):
@@ -67,8 +75,9 @@ row's ``direction`` says which; rows without it are fwd):
   implementation's check a failing rank would leave its peers waiting); an implementation whose decision differs
   fails with that reason (the inputs are redrawn away from routing ties, so a correct one agrees). What it
   gives per rank: dx of this rank's tokens, d_router from this rank's tokens (replicated: to be all-reduced, as
-  moe_backward returns it), dw13 / dw2 of this rank's experts from every rank's tokens. FLOPs: 2x the forward's at bwd, 3x at fwd+bwd. The expert GEMMs
-  alone, t_gemm_ms and t_comm_ms are the forward's: no moe_experts rows and null there at bwd and fwd+bwd.
+  moe_backward returns it), dw13 / dw2 of this rank's experts from every rank's tokens. FLOPs: 2x the forward's at bwd, 3x at fwd+bwd. t_comm_ms is the
+  forward's only (null at bwd, fwd+bwd); t_gemm_ms at bwd is grouped-mm's backward expert GEMMs (the moe_experts
+  bwd rows), null at fwd+bwd.
 
 Inputs (``make_router_inputs``, ``make_expert_weights``): x ~ N(0, 1) bf16 (different on every rank), router
 weight ~ N(0, 1/H) bf16 (logits ~ N(0, 1), replicated), w13 ~ N(0, 1/H), w2 ~ N(0, 1/F) bf16 (each rank its own
@@ -107,7 +116,8 @@ import torch.distributed as dist
 import kosmos
 from kosmos import moe_forward
 from kosmos.config import config_dict
-from kosmos.kernels.moe_backward import moe_backward, moe_backward_w1  # (moe_backward_w1: one rank)
+from kosmos.kernels.moe_backward import (expert_backward_gemms, expert_backward_operands, moe_backward,
+                                         moe_backward_w1)  # (moe_backward_w1: one rank)
 from kosmos.kernels.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.moe_reference import _experts_forward, moe_backward_ref, moe_forward_a2a, route
@@ -342,11 +352,15 @@ class MoEInputs:
 
 @dataclass
 class ExpertInputs:
-    """The expert GEMMs' inputs: rows sorted by local expert [R, H], rows per local expert (int32), weights."""
+    """The expert GEMMs' inputs: rows sorted by local expert [R, H], rows per local expert (int32), weights; at
+    bwd also each row's output gradient dy_sorted [R, H] bf16 and gate weight w_sorted [R] fp32."""
     x_sorted: torch.Tensor
     counts: torch.Tensor
     w13: torch.Tensor
     w2: torch.Tensor
+    direction: str = FWD
+    dy_sorted: torch.Tensor | None = None
+    w_sorted: torch.Tensor | None = None
 
 
 # each maker: (inputs, params, config or None) -> (callable returning y of this rank, workspace bytes or None)
@@ -566,15 +580,90 @@ def _deepep(inp: MoEInputs, params: dict, config):
 harness.register_fixed("moe_fwd", _kosmos_layer, FIXED_DIRECTIONS)
 
 
-# the expert GEMMs alone are compared at bf16 and in the forward only (no rows at mxfp8 or at bwd, fwd+bwd)
-@register("moe_experts", "grouped-mm", baseline=True, dtypes={"bf16": None}, directions={FWD: None})
+# the expert GEMMs alone are compared at bf16, in the forward and the backward (no rows at mxfp8 or fwd+bwd);
+# at bwd each returns (dx_rows, dw13, dw2, row_of): row_of maps the packed rows into its own layout (None: packed)
+EXPERT_DIRECTIONS = {FWD: None, BWD: None}
+
+
+@register("moe_experts", "grouped-mm", baseline=True, dtypes={"bf16": None}, directions=EXPERT_DIRECTIONS)
 def _grouped_mm(inp: ExpertInputs, params: dict, config):
+    if inp.direction == BWD:
+        return _grouped_mm_backward(inp), 0
     return (lambda: _experts_forward(inp.x_sorted, inp.counts, inp.w13, inp.w2, fp32=False)), 0
 
 
-@register("moe_experts", "kosmos-expert-gemms", kosmos=True, dtypes={"bf16": None}, directions={FWD: None})
+def _grouped_mm_backward(inp: ExpertInputs):
+    """grouped-mm at bwd: autograd through _experts_forward's torch._grouped_mm GEMMs and SwiGLU (nccl-a2a's
+    expert part), its graph built once outside the timed call and kept (retain_graph), the output gradient
+    do = w * dy; torch.autograd.grad timed: dgrad2, wgrad2, the SwiGLU backward, dgrad1, wgrad1."""
+    leaves = [t.detach().requires_grad_(True) for t in (inp.x_sorted, inp.w13, inp.w2)]
+    y = _experts_forward(leaves[0], inp.counts, leaves[1], leaves[2], fp32=False)
+    do = (inp.w_sorted[:, None] * inp.dy_sorted.float()).to(y.dtype)
+    return lambda: (*torch.autograd.grad(y, leaves, do, retain_graph=True), None)
+
+
+@register("moe_experts", "kosmos-expert-gemms", kosmos=True, dtypes={"bf16": None}, directions=EXPERT_DIRECTIONS)
 def _kosmos_expert_gemms(inp: ExpertInputs, params: dict, config):
+    if inp.direction == BWD:
+        return _kosmos_expert_backward(inp), None
     return (lambda: expert_gemms(inp.x_sorted, inp.counts, inp.w13, inp.w2, config=config)), None
+
+
+def _kosmos_expert_backward(inp: ExpertInputs):
+    """kosmos-expert-gemms at bwd: moe_backward's expert part (expert_backward_gemms: dgrad2 with the SwiGLU
+    backward and the gate gradient in its epilogue, both weight gradients, dgrad1) on its own row layout (padded,
+    as moe_backward gathers them) with g | u from GEMM1, all made outside the timed call
+    (expert_backward_operands). It computes the gate weights' gradients too (grouped-mm has none to make)."""
+    ops = expert_backward_operands(inp.x_sorted, inp.dy_sorted, inp.w_sorted, inp.w13, inp.counts)
+    row_of = ops.pop("row_of")
+    wdt = inp.w13.dtype
+
+    def call():
+        dx_rows, _, dw13, dw2 = expert_backward_gemms(w13=inp.w13, w2=inp.w2, wgrad_dtype=wdt, **ops)
+        return dx_rows, dw13, dw2, row_of
+    return call
+
+
+EXPERT_GRADS = ("dx", "dw13", "dw2")
+
+
+def expert_backward_reference(inp: ExpertInputs, chunk: int) -> harness.Reference:
+    """The check of the expert GEMMs' backward (dx_rows, dw13, dw2, row_of): each against fp32 formulas
+    (moe_reference's stage references: GEMM1 again, SwiGLU, gemm2_backward_ref, swiglu_backward_ref,
+    gemm1_backward_ref; do = w * dy), ``chunk`` experts at a time, compared as they come (FrobeniusError) --
+    grad_reference's memory rule; within GRAD_TOLERANCE."""
+    from kosmos import moe_reference as mr
+
+    def ref(out):
+        dx_rows, dw13, dw2, row_of = out
+        if row_of is not None:
+            dx_rows = dx_rows[row_of]
+        for o, like in zip((dx_rows, dw13, dw2), (inp.x_sorted, inp.w13, inp.w2)):
+            harness.check_output(o, like.shape)
+        errs = {name: FrobeniusError() for name in EXPERT_GRADS}
+        counts = inp.counts.tolist()
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        for e0 in range(0, len(counts), chunk):
+            e1 = min(e0 + chunk, len(counts))
+            r0, r1 = starts[e0], starts[e1]
+            groups = [(e - e0, torch.arange(starts[e] - r0, starts[e + 1] - r0, device=inp.x_sorted.device))
+                      for e in range(e0, e1) if counts[e]]
+            x = inp.x_sorted[r0:r1].float()
+            one = torch.zeros((r1 - r0, 1), dtype=torch.long, device=x.device)
+            w13, w2 = inp.w13[e0:e1].float(), inp.w2[e0:e1].float()
+            g, u, h, _ = mr.expert_pairs_forward_ref(x, one, w13, w2, groups)
+            do = inp.w_sorted[r0:r1, None].float() * inp.dy_sorted[r0:r1].float()
+            dh, dw2_ref = mr.gemm2_backward_ref(do, h, w2, groups)
+            dg, du = mr.swiglu_backward_ref(dh, g, u)
+            dx_ref, dw13_ref = mr.gemm1_backward_ref(dg, du, x, one, w13, groups)
+            errs["dx"].add(dx_rows[r0:r1], dx_ref)
+            errs["dw13"].add(dw13[e0:e1], dw13_ref)
+            errs["dw2"].add(dw2[e0:e1], dw2_ref)
+            del g, u, h, do, dh, dg, du, dx_ref, dw13_ref, dw2_ref
+        return {name: e.value() for name, e in errs.items()}
+    return harness.Reference(ref, GRAD_TOLERANCE, parts=EXPERT_GRADS, parts_key="rel_err_grads")
 
 
 MOE_IMPLS = names("moe_fwd")         # ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best")
@@ -842,6 +931,20 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
                           t_comm_ms=None)
         t_gemm = done["grouped-mm"].time_ms  # the t_gemm_ms of the moe_fwd rows
         del x_sorted
+    elif st.expert_gemms and st.direction == BWD and not mx:  # the backward's expert GEMMs alone (fresh rows)
+        gen = _gen(device, 31 * st.seed + rank)
+        n_rows = int(counts.sum().item())
+        x_sorted, dy_sorted = (torch.randn(n_rows, m.hidden, generator=gen, device=device, dtype=torch.bfloat16)
+                               for _ in range(2))
+        w_sorted = torch.rand(n_rows, generator=gen, device=device)  # the rows' gate weights, in [0, 1)
+        einp = ExpertInputs(x_sorted, counts, w13, w2, BWD, dy_sorted, w_sorted)
+        done = runner.run("moe_experts", EXPERT_IMPLS, inputs=einp,
+                          ref=expert_backward_reference(einp, grad_reference_chunk(m)),
+                          identity=base_row(case, world, st.dtype, "moe_experts", BWD),
+                          flops=DIRECTION_FLOPS[BWD] * 6.0 * max(rows_per_rank) * m.hidden * m.expert_ffn,
+                          config=config, t_gemm_ms=None, t_comm_ms=None)
+        t_gemm = done["grouped-mm"].time_ms  # the t_gemm_ms of the moe_fwd bwd rows
+        del x_sorted, dy_sorted, w_sorted, einp
 
     flops = DIRECTION_FLOPS[st.direction] * 6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn
     runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype, st.direction), inputs=inp, ref=ref,

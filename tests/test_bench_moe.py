@@ -705,14 +705,24 @@ def _fake_moe_forward_routing(x, router_weight, w13, w2, *, top_k, routing, reno
 def test_point_backward_world1(monkeypatch, tiny_models, name, direction):
     """bwd / fwd+bwd rows at W=1 on the CPU: kosmos (moe_backward_w1's kernels under the interpreter, on the
     decision of a stand-in forward) and nccl-a2a (autograd through moe_forward_a2a) checked gradient by gradient
-    against moe_backward_ref; no expert-GEMM rows; the others unavailable with their reasons."""
+    against moe_backward_ref; at bwd (not fwd+bwd) the backward's expert GEMMs alone too (grouped-mm's autograd,
+    kosmos's expert_backward_gemms) against fp32 formulas, grouped-mm's time the layer rows' t_gemm_ms; the others
+    unavailable with their reasons."""
     monkeypatch.setattr(timing, "time_op", _cpu_time_op)
     monkeypatch.setattr(moe, "moe_forward", _fake_moe_forward_routing)
     rows = moe.run_case(moe.MoECase(name, 64, "uniform"), moe.MoESettings(iters=1, warmup=0, direction=direction),
                         device="cpu")
     by = _rows_by_impl(rows)
-    assert list(by) == [("moe_fwd", n) for n in moe.MOE_IMPLS]  # no moe_experts rows outside fwd
+    experts = [("moe_experts", n) for n in moe.EXPERT_IMPLS] if direction == "bwd" else []
+    assert list(by) == experts + [("moe_fwd", n) for n in moe.MOE_IMPLS]
     m = TINY[name]
+    for op, impl in experts:
+        r = by[(op, impl)]
+        assert r["status"] == "ok" and r["direction"] == "bwd", r
+        assert set(r["rel_err_grads"]) == set(moe.EXPERT_GRADS)
+        assert r["rel_err"] == max(r["rel_err_grads"].values()) and 0 < r["rel_err"] < moe.GRAD_TOLERANCE, r
+        rows_max = max(r["extra"]["rows_per_rank"])
+        assert r["tflops"] == pytest.approx(12 * rows_max * m.hidden * m.expert_ffn / (r["time_ms"] * 1e-3) / 1e12)
     for impl in ("kosmos", "nccl-a2a"):
         r = by[("moe_fwd", impl)]
         assert r["status"] == "ok" and r["direction"] == direction, r
@@ -720,7 +730,8 @@ def test_point_backward_world1(monkeypatch, tiny_models, name, direction):
         assert r["rel_err"] == max(r["rel_err_grads"].values()) and 0 < r["rel_err"] < moe.GRAD_TOLERANCE, r
         flops = moe.DIRECTION_FLOPS[direction] * 6 * 64 * m.top_k * m.hidden * m.expert_ffn
         assert r["tflops"] == pytest.approx(flops / (r["time_ms"] * 1e-3) / 1e12)
-        assert r["t_gemm_ms"] is None and r["t_comm_ms"] is None
+        assert r["t_comm_ms"] is None
+        assert r["t_gemm_ms"] == (by[("moe_experts", "grouped-mm")]["time_ms"] if experts else None)
     assert by[("moe_fwd", "deepep")]["status"] == "unavailable"
     assert by[("moe_fwd", "fixed-role")]["reason"] == moe.FIXED_BACKWARD
 
@@ -733,8 +744,59 @@ def test_backward_availability_by_world_and_dtype():
     assert kosmos.availability(1, "mxfp8", "fwd+bwd") == (False, "no MXFP8 backward yet")
     assert registry.get("moe_fwd", "nccl-a2a").availability(2, "bf16", "bwd") == (True, None)
     assert registry.get("moe_fwd", "nccl-a2a").availability(2, "mxfp8", "bwd")[0] is False
-    assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "bwd") == ()
+    assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "bwd") == moe.EXPERT_IMPLS
+    assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "fwd+bwd") == ()
+    assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "mxfp8", "bwd") == ()
     assert registry.impls_at("moe_fwd", moe.MOE_IMPLS, "bf16", "bwd") == moe.MOE_IMPLS
+
+
+def _expert_backward_inputs(rows_per_expert=(5, 0, 9, 3), hidden=32, ffn=16, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(rows_per_expert)
+    bf = dict(generator=g, dtype=torch.float32)
+    x, dy = (torch.randn(n, hidden, **bf).to(torch.bfloat16) for _ in range(2))
+    w13 = (torch.randn(len(rows_per_expert), hidden, 2 * ffn, **bf) / hidden ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(len(rows_per_expert), ffn, hidden, **bf) / ffn ** 0.5).to(torch.bfloat16)
+    counts = torch.tensor(rows_per_expert, dtype=torch.int32)
+    return moe.ExpertInputs(x, counts, w13, w2, moe.BWD, dy, torch.rand(n, generator=g))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_expert_backward_reference_passes_grouped_mm_and_catches_errors(chunk):
+    """The backward's expert-GEMM check: grouped-mm's autograd (bf16) passes at every chunk size (an empty
+    expert included); a gradient with one expert's block scaled, dx rows out of order, or a NaN fails."""
+    from kosmos_bench import registry
+    inp = _expert_backward_inputs()
+    fn, _ = registry.get("moe_experts", "grouped-mm").make(inp, {}, None)
+    out = fn()
+    ref = moe.expert_backward_reference(inp, chunk)
+    err, errs = ref.errors(out)
+    assert set(errs) == set(moe.EXPERT_GRADS) and 0 < err < 1e-2, errs
+    dx, dw13, dw2, row_of = out
+    bad = dw2.clone()
+    bad[2] *= 1.1
+    assert ref.errors((dx, dw13, bad, row_of))[1]["dw2"] > 5e-2
+    assert ref.errors((dx.flip(0), dw13, dw2, row_of))[1]["dx"] > 0.5
+    nan = dw13.clone()
+    nan[0, 0, 0] = float("nan")
+    assert not ref.errors((dx, nan, dw2, row_of))[0] <= moe.GRAD_TOLERANCE
+    perm = torch.randperm(dx.shape[0])  # a layout of the implementation's own: row_of maps the packed rows into it
+    moved = torch.empty_like(dx)
+    moved[perm] = dx
+    assert ref.errors((moved, dw13, dw2, perm))[0] == pytest.approx(err)
+
+
+@pytest.mark.interpreter
+def test_kosmos_expert_backward_matches_moe_backward_stages():
+    """kosmos-expert-gemms at bwd (expert_backward_operands + expert_backward_gemms, the interpreter) passes the
+    fp32 check, on its padded layout where Triton runs."""
+    from kosmos_bench import registry
+    inp = _expert_backward_inputs()
+    fn, _ = registry.get("moe_experts", "kosmos-expert-gemms").make(inp, {}, None)
+    out = fn()
+    err, errs = moe.expert_backward_reference(inp, 2).errors(out)
+    assert 0 < err < 1e-2, errs
+    assert out[3] is not None and out[0].shape[0] > inp.x_sorted.shape[0]  # the padded layout, mapped back
 
 
 def test_split_is_timed_without_its_setup(monkeypatch):
@@ -756,7 +818,7 @@ def test_reference_parts_record_each_error():
 @pytest.mark.gpu
 def test_bench_moe_directions_end_to_end(tmp_path):
     """`kosmos bench moe ... --direction fwd,bwd,fwd+bwd` on one GPU: kosmos and nccl-a2a rows ok in every
-    direction, the backward rows with their four gradient errors."""
+    direction, the backward rows with their four gradient errors; the expert GEMMs alone ok at fwd and bwd."""
     import json
     import subprocess
     out = tmp_path / "moe-dir.jsonl"
@@ -766,6 +828,9 @@ def test_bench_moe_directions_end_to_end(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    experts = [row for row in rows if row["type"] == "result" and row["op"] == "moe_experts"]
+    assert sorted((row["direction"], row["impl"], row["status"]) for row in experts) == sorted(
+        (d, impl, "ok") for d in ("fwd", "bwd") for impl in moe.EXPERT_IMPLS), experts
     rows = [row for row in rows if row["type"] == "result" and row["op"] == "moe_fwd"]
     for direction in ("fwd", "bwd", "fwd+bwd"):
         for impl in ("kosmos", "nccl-a2a"):

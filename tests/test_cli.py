@@ -715,7 +715,8 @@ def test_bench_moe_dry_run_lists_implementations_per_direction():
     r = runner.invoke(app, [*MOE_TINY, "--ep", "1", "--direction", "fwd,bwd,fwd+bwd", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "direction: fwd, bwd, fwd+bwd" in r.output and "over 3 directions" in r.output
-    assert "implementations (moe_experts, fwd):" in r.output and "(moe_experts, bwd)" not in r.output
+    assert "implementations (moe_experts, fwd):" in r.output and "implementations (moe_experts, bwd):" in r.output
+    assert "(moe_experts, fwd+bwd)" not in r.output  # the backward's expert GEMMs alone: at bwd only
     fwd, rest = r.output.split("implementations (moe_fwd, fwd):")[1].split("implementations (moe_fwd, bwd):")
     bwd, both = rest.split("implementations (moe_fwd, fwd+bwd):")
     for part in (bwd, both):

@@ -1244,3 +1244,21 @@ def test_cublas_and_host_sections_in_every_format(tmp_path):
     assert lines[at + 3].split() == ["ag_gemm", "3", "0.785x", "0.500x", "256x512x256", "1", "<", "0.90"]
     assert any(line.split()[:3] == ["kosmos", "ag_gemm", "4"] for line in lines)  # the host table
     assert text.index("kosmos against cuBLAS alone") < text.index("Host enqueue time") < text.index("Workspace")
+
+
+def test_expert_gemm_line_per_direction(tmp_path):
+    """The expert-GEMMs-alone line gives the forward's and the backward's shares apart (bwd rows of
+    `bench moe --direction bwd`), each its own geomean; one direction alone: no label."""
+    from kosmos_bench.report.lines import expert_gemm_line
+
+    def experts(impl, time_ms, direction):
+        return result_line(bench="moe", op="moe_experts", layer="experts", impl=impl, time_ms=time_ms,
+                           direction=direction, tokens=4096, routing="uniform", world=1)
+
+    lines = [experts("grouped-mm", 2.0, "fwd"), experts("kosmos-expert-gemms", 1.6, "fwd"),
+             experts("grouped-mm", 3.0, "bwd"), experts("kosmos-expert-gemms", 4.0, "bwd")]
+    df = build_table(load_results([write_lines(tmp_path / "e.jsonl", lines)])[1])
+    text = expert_gemm_line(df)
+    assert "fwd: 125% of its TFLOP/s" in text and "bwd: 75% of its TFLOP/s" in text, text
+    df = build_table(load_results([write_lines(tmp_path / "f.jsonl", lines[:2])])[1])
+    assert "fwd:" not in expert_gemm_line(df) and "125%" in expert_gemm_line(df)

@@ -1714,6 +1714,65 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
 # moe_backward's expert rows in the padded layout (padded_layout) by default, for the flat wgrad loop (session 13,
 # one H200, dev/moe_bwd_tiles, results/h200x1/s13/a: deepseek-v3 4k wgrad2 3.74 -> 2.97 ms, qwen3 4k wgrad2 1.23
 # -> 0.92, wgrad1 2.16 -> 1.82); False: the rows packed, the persistent wgrad kernel
+def expert_backward_gemms(dy_rows, do_rows, x_rows, gu, w_pair, w13, w2, counts, wgrad_dtype, *, pad_offs=None,
+                          valid=None):
+    """The backward's expert part on rows already grouped by local expert (the multi-launch path of
+    ``moe_backward``; ``kosmos bench moe --direction bwd`` times it alone as kosmos-expert-gemms): dy_rows [R, H]
+    (each row its token's output gradient), do_rows = w_pair * dy_rows, x_rows [R, H], gu [R, 2F] (GEMM1's
+    g | u), w_pair [R] fp32 (the rows' gate weights) ->
+      dgrad2 + SwiGLU backward + gate gradient (expert_dgrad2_swiglu, h = silu(g) u from its epilogue too, or
+      swiglu_h: dgrad2_emits_h()), dW2 = h^T do and dW13 = x_rows^T [dg | du] (expert_weight_grads), dx_rows =
+      [dg | du] W13^T (expert_dgrad1),
+    returned as (dx_rows [R, H], dw_rows [R] fp32 -- the gate weights' gradients --, dw13, dw2 in
+    ``wgrad_dtype``). ``pad_offs`` (padded_layout's): the rows in the padded layout (gap rows zero, ``valid``
+    False there), both weight gradients on the flat loop (expert_weight_grads_padded); None: packed rows."""
+    f, hidden = w2.shape[1], w2.shape[2]
+    padded = pad_offs is not None
+    if dgrad2_emits_h() or padded:  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
+        dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True,
+                                               fused=False if padded else None, offs=pad_offs, valid=valid)
+    else:
+        dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
+        h = swiglu_h(gu, f)
+    if padded:  # do (gathered with dy_rows; gap rows zero) and both weight gradients on the flat loop
+        dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wgrad_dtype,
+                                         tiles=wgrad_flat_tiles(wgrad_dtype, f, hidden))
+        dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wgrad_dtype,
+                                          tiles=wgrad_flat_tiles(wgrad_dtype, hidden, 2 * f))
+        dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
+    else:
+        dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wgrad_dtype, tiles=wgrad2_tiles(h, counts))
+        dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wgrad_dtype)
+        dx_rows = expert_dgrad1(dgu, w13, counts)
+    return dx_rows, dw_rows, dw13, dw2
+
+
+def expert_backward_operands(x_sorted, dy_sorted, w_sorted, w13, counts, *, padded: bool | None = None) -> dict:
+    """``expert_backward_gemms``'s operands (a dict of its arguments but the weights and the wgrad dtype, plus
+    ``row_of``) from rows already sorted by local expert and packed -- x_sorted, dy_sorted [R, H] bf16, w_sorted
+    [R] fp32, counts [E_local] -- in the layout ``moe_backward`` puts them in (padded: PADDED_ROWS where it
+    applies, as there); gu = GEMM1 of x (bf16, torch._grouped_mm: what the forward saves). ``row_of`` [R]: the
+    row of the layout that packed row i is (None: packed). For timing the expert part alone (the bench)."""
+    rows, hidden = x_sorted.shape
+    f = w13.shape[2] // 2
+    if padded is None:
+        padded = PADDED_ROWS
+    padded = padded and _triton_runs(x_sorted) and hidden % 8 == 0 and f % 8 == 0
+    w_sorted = w_sorted.float()
+    if not padded:
+        return dict(dy_rows=dy_sorted, do_rows=(dy_sorted.float() * w_sorted[:, None]).to(dy_sorted.dtype),
+                    x_rows=x_sorted, gu=_expert_gemm1(x_sorted, w13, counts), w_pair=w_sorted, counts=counts,
+                    pad_offs=None, valid=None, row_of=None)
+    pad_offs, row_of, real_of, end = padded_layout(counts, rows)
+    valid, real = real_of >= 0, real_of.clamp(min=0)
+    idx = torch.where(valid, real, -1) if rows else torch.full_like(real_of, -1)
+    w_pair = torch.where(valid, w_sorted[real], 0.0) if rows else torch.zeros(real_of.shape, device=x_sorted.device)
+    x_rows = gather_rows(x_sorted, idx, end)
+    dy_rows, do_rows = gather_rows_and_scaled(dy_sorted, idx, w_pair, end)
+    return dict(dy_rows=dy_rows, do_rows=do_rows, x_rows=x_rows, gu=_expert_gemm1(x_rows, w13, counts, pad_offs),
+                w_pair=w_pair, counts=counts, pad_offs=pad_offs, valid=valid, row_of=row_of)
+
+
 PADDED_ROWS = True
 # moe_backward's default for one_launch (where supported: W = 1, the padded layout): False -- bitwise the
 # multi-launch path on the GPU, but no faster at W = 1 (session 14: qwen3 4k within the spread, deepseek-v3 4k +2-3%)
@@ -1841,24 +1900,10 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
             dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, _pair_rows(order, row_of), n_tok,
             k, wdt, programs=programs)
     else:
-        if dgrad2_emits_h() or padded:  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
-            dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True,
-                                                   fused=False if padded else None, offs=pad_offs,
-                                                   valid=valid if padded else None)
-        else:
-            dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts)
-            h = swiglu_h(gu, f)
-        if padded:  # do (gathered with dy_rows above; gap rows zero) and both weight gradients on the flat loop
-            dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wdt,
-                                             tiles=wgrad_flat_tiles(wdt, f, hidden))
-            dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wdt,
-                                              tiles=wgrad_flat_tiles(wdt, hidden, 2 * f))
-            dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
-        else:
+        if not padded:
             do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
-            dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wdt, tiles=wgrad2_tiles(h, counts))
-            dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wdt)
-            dx_rows = expert_dgrad1(dgu, w13, counts)
+        dx_rows, dw_rows, dw13, dw2 = expert_backward_gemms(dy_rows, do_rows, x_rows, gu, w_pair, w13, w2, counts,
+                                                            wdt, pad_offs=pad_offs, valid=valid if padded else None)
         if by_expert is not None:  # back to the received order, then to the tokens' ranks
             if row_of is not None:  # out of the padded layout first
                 dx_rows, dw_rows, row_of = dx_rows[row_of], dw_rows[row_of], None

@@ -10,7 +10,8 @@ import math
 
 import pandas as pd
 
-from .schema import (BANDWIDTH_COLUMNS, BASELINE_IMPL, CONFIG_COLUMN, EXPERT_GEMM_IMPL, EXPERT_GEMM_OP, MIB, OURS,
+from .schema import (BANDWIDTH_COLUMNS, BASELINE_IMPL, CONFIG_COLUMN, DEFAULT_DIRECTION, DIRECTION, EXPERT_GEMM_IMPL,
+                     EXPERT_GEMM_OP, MIB, OURS,
                      format_value)
 from .tables import config_varies, cublas_summary_table, geomean, geomean_by_model_table, geomean_table
 from .targets import target_of
@@ -39,16 +40,22 @@ def workspace_line(df: pd.DataFrame) -> str:
 
 
 def expert_gemm_line(df: pd.DataFrame) -> str | None:
-    """The MoE expert GEMMs alone, per source: kosmos-expert-gemms TFLOP/s as a share of grouped-mm's (geomean of
-    the speedup over the points where both ran), against target ``expert_gemm_share``; None without such rows."""
+    """The MoE expert GEMMs alone, per source and direction (the forward's GEMMs; at bwd the backward's):
+    kosmos-expert-gemms TFLOP/s as a share of grouped-mm's (geomean of the speedup over the points where both
+    ran), against target ``expert_gemm_share``; None without such rows."""
     rows = df[(df["op"] == EXPERT_GEMM_OP) & (df["impl"] == EXPERT_GEMM_IMPL)]
     if rows.empty:
         return None
     parts = []
-    for (source, bench), group in rows.groupby(["source", "bench"], sort=False):
+    directions = rows[DIRECTION].fillna(DEFAULT_DIRECTION) if DIRECTION in rows else pd.Series(
+        DEFAULT_DIRECTION, index=rows.index)
+    rows = rows.assign(**{DIRECTION: directions})
+    for (source, bench, direction), group in rows.groupby(["source", "bench", DIRECTION], sort=False):
         ok = group["speedup"].dropna()
         share = geomean(ok)
         label = f"{source}: " if df["source"].nunique() > 1 else ""
+        if rows[DIRECTION].nunique() > 1:  # the forward's GEMMs and the backward's apart
+            label += f"{direction}: "
         if math.isnan(share):
             parts.append(f"{label}no point where both ran ({len(group)} rows)")
             continue
