@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -30,7 +30,7 @@ bwd_rows() {  # the MoE bench's kosmos / nccl-a2a bwd and fwd+bwd rows of a JSON
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    if r.get("impl") in ("kosmos", "nccl-a2a") and r.get("direction") in ("bwd", "fwd+bwd"):
+    if r.get("impl") in ("kosmos", "nccl-a2a", "grouped-mm", "kosmos-expert-gemms") and r.get("direction") in ("bwd", "fwd+bwd"):
         print(r["impl"], r.get("model"), r["direction"], r.get("tokens"), r.get("routing"), r.get("status"),
               round(r.get("time_ms") or 0, 3), "peak GiB", round((r.get("peak_mem_bytes") or 0) / 2**30, 1),
               (r.get("reason") or "")[:80])
@@ -854,5 +854,44 @@ PY
     [ $left -gt 20 ] && { timeout $left python -m dev.fixed_cost --profile > "$out/fixed-cost-profile.log" 2>&1;
       echo "profile rc=$?"; keep; grep -E "^====|host time per call" "$out/fixed-cost-profile.log"; }
     grep "^| " "$out/train-llama3-8b-w1.md" | head -5 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a" >&2; exit 2 ;;
+  s16b)  # session 16 (<= 450 s; tarball $OUT/s16b.tar.gz): what main has not run on a GPU -- the one launch with
+         # BWD_SWIGLU_COL_PAIRS (bitwise the multi-launch gradients) and bench moe's backward expert-GEMM rows
+         # (end to end) --, then the one launch's A/B at deepseek-v3 4k zipf:1.2 (padded multi-launch, the one launch,
+         # the one launch with column pairs; one traced call of the last), then issue 16's deepseek-v3 W=1 proxy at
+         # the current code (the committed one is session 9's).
+    begin_stage s16b
+    gpu_tests gpu-tests-s16 230 "one_launch_bitwise_default_gpu or directions_end_to_end" tests/test_moe_backward.py \
+      tests/test_bench_moe.py
+    left=$((400 - SECONDS)); [ $left -gt 170 ] && left=170
+    timeout $left python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing zipf:1.2 \
+      --variants padded,one-launch,one-launch-pairs --passes 2 --iters 10 --warmup 3 --trace "$out/traces" \
+      --json "$out/one-launch-ab-dsv3-4096-zipf.jsonl" > "$out/one-launch-ab-dsv3-4096-zipf.log" 2>&1
+    echo "one launch ab rc=$?"; keep
+    left=$((440 - SECONDS))
+    if [ $left -gt 60 ]; then
+      timeout $left python -m kosmos_bench.cli bench train --model deepseek-v3 --layers 2 --seq 4096 --scale 0.25 \
+        --tp 1 --steps 20 --out "$out/train-deepseek-v3-w1.jsonl" > "$out/train-deepseek-v3-w1.log" 2>&1
+      echo "train dsv3 w1 rc=$?"
+      timeout 30 python -m kosmos_bench.cli report "$out/train-deepseek-v3-w1.jsonl" --format md \
+        --out "$out/train-deepseek-v3-w1.md" --chart "$out/train-deepseek-v3-w1-loss.png" \
+        >> "$out/train-deepseek-v3-w1.log" 2>&1; keep
+      grep "^| " "$out/train-deepseek-v3-w1.md" | head -5
+    fi
+    grep -vE "Warning|warn" "$out/one-launch-ab-dsv3-4096-zipf.log" | tail -18 ;;
+  s16c)  # session 16 (<= 590 s; tarball $OUT/s16c.tar.gz): issue 15's committed bench at one commit -- both models,
+         # 4k and 8k, uniform and zipf:1.2, fwd, bwd, fwd+bwd, with the backward's expert GEMMs alone (new) -- each
+         # rendered.
+    begin_stage s16c
+    for m in qwen3-235b:moe-bwd-ep1:230 deepseek-v3:moe-bwd-ep1-deepseek-v3:570; do
+      IFS=: read -r model name until <<< "$m"
+      left=$((until - SECONDS)); [ $left -lt 60 ] && break
+      timeout $left python -m kosmos_bench.cli bench moe --ep 1 --model $model --tokens 4096,8192 \
+        --direction fwd,bwd,fwd+bwd --out "$out/$name.jsonl" > "$out/bench-$model.log" 2>&1
+      echo "bench $model rc=$?"
+      timeout 20 python -m kosmos_bench.cli report "$out/$name.jsonl" --format md --out "$out/$name.md" \
+        >> "$out/bench-$model.log" 2>&1; keep
+      bwd_rows "$out/$name.jsonl"
+      grep -E "expert GEMMs alone" "$out/$name.md"
+    done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c" >&2; exit 2 ;;
 esac
