@@ -343,7 +343,10 @@ naming its wait, for both SWIGLU forms). Whole backward, padded multi-launch vs 
 interleaved 2x (dev.moe_bwd_layout_ab --variants padded,one-launch, 10 timed calls each), gradients bitwise
 equal first: qwen3-235b 4k uniform 6.734 / 6.471 -> 6.612 / 6.626 ms (pass 0 / 1: inside the pass-to-pass
 spread); deepseek-v3 4k uniform 20.289 / 20.554 -> 20.682 / 21.237 (+2-3%, slower in both passes). So
-ONE_LAUNCH stays False. Not yet looked at: the trace (where deepseek-v3 loses 0.4-0.7 ms: SWIGLU beside the
+ONE_LAUNCH stays False. Session 16 (results/h200x1/s16/b), deepseek-v3 4k zipf:1.2: padded 20.328, one launch
+22.318 ms (1.098x), with BWD_SWIGLU_COL_PAIRS 22.289 (1.096x); traced: dgrad2 1.93 ms busy per program, SwiGLU
+0.39, dgrad1 4.84, wgrad2 3.82, wgrad1 7.74 (its span 8.8 ms), unpermute 0.26, waits 0.14. Not yet looked at
+(session 14's list): the trace (where deepseek-v3 loses 0.4-0.7 ms: SWIGLU beside the
 dgrads, WGRAD's start skew, or the 255-register kernel's dgrad tiles), and 8k / zipf.
 W > 1 (not built; the design keeps room for it): COMBINE-BWD becomes a first stage (dy rows and the gate weights
 pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
@@ -1503,7 +1506,9 @@ BWD_SWIGLU_ON_COMPLETION = True
 # True: the one launch's SwiGLU blocks load two BF-column steps before storing either (_swiglu_backward_rows'
 # COL_PAIRS; the same bits). Session 15's trace: the pass took 0.59 ms per program at deepseek-v3 4k inside the
 # launch vs ~0.25 ms as its own kernel (many programs per SM) -- one 8-warp program with one [8, 256] step's
-# 12 KiB of loads in flight is latency-bound. UNMEASURED (session 16's A/B decides; False until then).
+# 12 KiB of loads in flight is latency-bound. MEASURED (session 16, results/h200x1/s16/b, deepseek-v3 4k zipf:1.2,
+# 2 interleaved passes, bitwise equal): one launch 22.318 -> 22.289 ms (padded multi-launch 20.328): no gain
+# (predicted -0.3 ms); its traced SwiGLU busy time 388 us per program. Kept as an option, off.
 BWD_SWIGLU_COL_PAIRS = False
 
 
