@@ -1,0 +1,189 @@
+"""Does a statically scheduled persistent GEMM with a flattened tile x K loop close issue 13's grid gap at W=1?
+(a developer probe, not product code)
+
+    PYTHONPATH=. python -m dev.flat_probe [--shapes MxNxK,...] [--json OUT.jsonl] [--max-seconds S]
+
+At W=1 the TP ops have nothing to wait for, yet they run the self-scheduled loop: a task claimed from an atomic
+queue, then its whole K loop (a 3-stage TMA pipeline that drains at the end of every tile: nothing is prefetched
+across tiles in a dynamic loop), the epilogue, the next claim. planning.tile_config's docstring puts the loss
+at the edges -- ~1 us between two tiles, the last partial wave, ~9 us of launch / prologue / exit -- and the
+grid's worst shapes are the few-tile and short-K ones (K = 1024: a tile is 16 K steps, its fill and drain a
+large share). Triton's persistent-matmul pattern (``tl.range(pid, tiles, PROGRAMS, flatten=True)`` around the K
+loop) lets the software pipeliner run one loop over (tile, k) pairs, so the next tile's first loads are in
+flight during this tile's epilogue; the tile order is static (program p takes tiles p, p + P, ...), so there is
+no claim, no table and no exit protocol.
+
+Variants, each on the same operands (A [M, K], B [K, N] bf16, row-major, as the TP ops take them), checked
+against torch.matmul in fp32 (relative Frobenius error < 1e-2, output poisoned first), then timed with
+kosmos_bench.timing.time_op (L2 flushed, host hidden), as the grid bench times (t_gemm_ms = torch.matmul):
+  kosmos          kosmos.matmul_reduce_scatter(a, b) at W=1 (today's op: planning.tile_config's tile)
+  flat-rule       the flattened loop at the rule's tile (and warps / stages)
+  flat-128x256    the flattened loop at 128x256x64, 8 warps, 3 stages
+  flat-128x128    the flattened loop at 128x128x64, 8 warps, 4 stages
+  loop-rule       the rule's tile, static schedule, NOT flattened (separates the flattening from the claim)
+Output: one JSONL row per shape x variant (ratio = t_gemm_ms / time_ms), then a table: per variant the geomean
+ratio over the shapes, its minimum, the shapes under 0.90x; per shape the best variant.
+PREDICTION (session 16, before any run): flat-rule >= kosmos on every shape; +5-15% on the K = 1024 shapes
+(6000x1536x1024 0.705x -> ~0.80x), ~0 on the few-tile long-K ones (512x1536x7168 stays ~0.59x: 96 tiles of
+64x128, one wave, nothing to overlap across tiles), ~+1-2% on the big ones; geomean 0.87 -> ~0.89.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from dev.rows import Rows
+
+GROUP_M = 8
+
+
+@triton.jit
+def _tile_of(t, n_m, n_n, GROUP: tl.constexpr):
+    """Tile t's (m, n) in the grouped order of planning._grouped (GROUP m-tiles share each n-tile, for L2)."""
+    per_group = GROUP * n_n
+    g = t // per_group
+    first_m = g * GROUP
+    size = tl.minimum(n_m - first_m, GROUP)
+    return first_m + (t % per_group) % size, (t % per_group) // size
+
+
+@triton.jit
+def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr):
+    """C = A @ B, program p taking tiles p, p + PROGRAMS, ...; FLATTEN: one software-pipelined loop over the
+    (tile, k) pairs (the epilogue's tile id recomputed, as the pipeliner needs it not carried across)."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    k_steps = tl.cdiv(K, BK)
+    tiles = n_m * n_n
+    t_out = pid - PROGRAMS
+    for t in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN, num_stages=STAGES):
+        tm, tn = _tile_of(t, n_m, n_n, 8)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kk in range(k_steps):
+            acc = tl.dot(a_desc.load([tm * BM, kk * BK]), b_desc.load([kk * BK, tn * BN]), acc)
+        t_out += PROGRAMS
+        om, on = _tile_of(t_out, n_m, n_n, 8)
+        halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        c_desc.store([om * BM, on * BN], halves[0].to(tl.bfloat16))
+        c_desc.store([om * BM, on * BN + BN // 2], halves[1].to(tl.bfloat16))
+
+
+def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
+    ad = TensorDescriptor.from_tensor(a, [bm, bk])
+    bd = TensorDescriptor.from_tensor(b, [bk, bn])
+    cd = TensorDescriptor.from_tensor(c, [bm, bn // 2])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = min(programs, tiles)
+
+    def fn():
+        _static_matmul[(grid,)](ad, bd, cd, m, n, k, BM=bm, BN=bn, BK=bk, PROGRAMS=grid, FLATTEN=flatten,
+                                STAGES=stages, num_warps=warps, num_stages=stages)
+        return c
+    return fn
+
+
+DEFAULT_SHAPES = ("512x1536x7168,256x4096x4096,256x1536x1024,512x5120x5120,6000x1536x1024,512x3072x2048,"
+                  "1024x3072x8192,2048x1536x5120,256x8192x2048,256x6144x8192,3000x3072x7168,3000x5120x1024,"
+                  "1024x8192x1024,4096x1536x4096,4096x14336x1024,8192x6144x1024,4096x8192x8192,8192x28672x4096,"
+                  "16384x5120x2048,3000x6912x2880")
+
+
+def geomean(v):
+    v = [x for x in v if x and x > 0]
+    return math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--max-seconds", type=float, default=240.0)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("flat_probe: needs a CUDA GPU")
+    import kosmos
+    from kosmos import planning, runtime
+    from kosmos_bench import timing
+    from kosmos_bench.environment import environment
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runtime.ensure_triton_allocator()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    programs = runtime.num_sms(dev)
+    rows = Rows(args.json)
+    rows.emit(environment(argv=["python", "-m", "dev.flat_probe"] + list(argv or []), bench="tp",
+                          suite={"probe": "flat_probe", **vars(args)}))
+    shapes = [tuple(int(p) for p in s.split("x")) for s in args.shapes.split(",") if s.strip()]
+    t_end = time.monotonic() + args.max_seconds
+    for m, n, k in shapes:
+        if time.monotonic() > t_end:
+            print(f"stopped at {m}x{n}x{k}: --max-seconds", flush=True)
+            break
+        g = torch.Generator(device=dev).manual_seed(m * 7 + n * 13 + k)
+        a = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+        b = torch.randn(k, n, device=dev, generator=g).to(torch.bfloat16)
+        ref = a.float() @ b.float()
+        t_gemm = timing.time_op(lambda: a @ b, iters=args.iters, warmup=args.warmup)["time_ms"]
+        rule = planning.tile_config(m, n, k, world=1, programs=programs)
+        variants = {
+            "kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),
+            "flat-rule": static_matmul(a, b, rule.BM, rule.BN, rule.BK, rule.num_warps, rule.num_stages, True,
+                                       programs),
+            "flat-128x256": static_matmul(a, b, 128, 256, 64, 8, 3, True, programs),
+            "flat-128x128": static_matmul(a, b, 128, 128, 64, 8, 4, True, programs),
+            "loop-rule": static_matmul(a, b, rule.BM, rule.BN, rule.BK, rule.num_warps, rule.num_stages, False,
+                                       programs),
+        }
+        for name, fn in variants.items():
+            row = {"type": "result", "m": m, "n": n, "k": k, "variant": name, "t_gemm_ms": t_gemm,
+                   "rule": f"{rule.BM}x{rule.BN}x{rule.BK}w{rule.num_warps}s{rule.num_stages}"}
+            try:
+                out = fn()
+                out.fill_(float("nan"))
+                out = fn()
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                row["rel_err"] = err
+                if not err < 1e-2:
+                    row.update(status="wrong")
+                else:
+                    tm = timing.time_op(fn, iters=args.iters, warmup=args.warmup)
+                    row.update(status="ok", time_ms=tm["time_ms"], ratio=t_gemm / tm["time_ms"])
+            except Exception as e:  # noqa: BLE001 -- recorded, the probe goes on
+                row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.emit(row)
+            print(f"{m}x{n}x{k} {name:<13} {row['status']:<6} "
+                  f"{row.get('ratio', float('nan')):.3f}x cuBLAS ({row.get('time_ms', float('nan')) * 1e3:.1f} "
+                  f"vs {t_gemm * 1e3:.1f} us) {row.get('reason', '')}", flush=True)
+        del a, b, ref
+    kosmos.check_errors()
+    ok = [r for r in rows if r.get("status") == "ok"]
+    names = list(dict.fromkeys(r["variant"] for r in ok))
+    print(f"\n{'variant':<14} {'geomean':>8} {'min':>7} {'<0.90':>6} {'shapes':>7}")
+    for v in names:
+        rs = [r["ratio"] for r in ok if r["variant"] == v]
+        print(f"{v:<14} {geomean(rs):8.3f} {min(rs):7.3f} {sum(x < 0.9 for x in rs):6d} {len(rs):7d}")
+    best = {}
+    for r in ok:
+        key = (r["m"], r["n"], r["k"])
+        if key not in best or r["ratio"] > best[key]["ratio"]:
+            best[key] = r
+    print("best per shape:", ", ".join(f"{m}x{n}x{k} {r['variant']} {r['ratio']:.3f}" for (m, n, k), r in best.items()))
+    rows.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
