@@ -214,7 +214,7 @@ class Plan:
     def __init__(self, kl, slots, info):
         self.launch = kl
         self.slots = slots
-        self.timeout_slot = kl.slot("timeout_us")
+        self.timeout_slot = kl._index.get("timeout_us")  # None: a kernel without bounded waits (W=1's GEMM)
         self.info = info
 
     def call(self, ws, sources: dict, outputs, traced: bool) -> None:
@@ -235,7 +235,8 @@ class Plan:
         for i, name, tmpl in self.slots:
             t = sources[name]
             args[i] = t if tmpl is None else descriptor(tmpl, t)
-        args[self.timeout_slot] = max(1, timeout_ns // 1000)
+        if self.timeout_slot is not None:
+            args[self.timeout_slot] = max(1, timeout_ns // 1000)
         return args
 
 
@@ -280,7 +281,7 @@ def make_plan(kl, sources: dict, ws, info, views=()):
         else:
             slots.append((i, name, None))
     plan = Plan(kl, slots, info)
-    kl.varying = [i for i, _, _ in slots] + [plan.timeout_slot]
+    kl.varying = [i for i, _, _ in slots] + ([plan.timeout_slot] if plan.timeout_slot is not None else [])
     return plan
 
 

@@ -196,3 +196,66 @@ def test_w1_matmul_reduce_scatter_mxfp8(no_tf32, m, k, n):
     kosmos.check_errors()
     assert reference.rel_err(c, mx.dequantize(torch.float32) @ b.float()) < TOL
     assert torch.equal(kosmos.matmul_reduce_scatter(mx, b), c)
+
+
+# ================================================================== the static GEMM of W = 1 (common.w1_matmul_kernel)
+def _w1_static(a, b_store, kmajor, grid, cfg=None):
+    from kosmos import planning
+    from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel
+    m, k = a.shape
+    n = b_store.shape[0] if kmajor else b_store.shape[1]
+    cfg = cfg or planning.tile_config(m, n, k, world=1, programs=grid)
+    c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=a.device)
+    g, args, kw = w1_matmul_args(a, b_store, kmajor, c, cfg, grid, planning.GROUP_M, planning.interpreting())
+    w1_matmul_kernel[(g,)](*args, **kw)
+    return c, g
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("ms,k,n", SHAPES + [pytest.param(40, 48, 80, id="ms40-k48-n80")])
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("grid", [1, 2, 5])
+def test_w1_static_matmul_is_the_self_scheduled_kernel_bitwise(ms, k, n, kmajor, grid):
+    """The static W=1 GEMM (what a bf16 untraced call at one rank launches) gives bitwise the self-scheduled
+    kernel's output at the same tiles -- ragged M, N and K, b k-major, fewer and more programs than tiles --
+    and every element is written (NaN-poisoned output)."""
+    t = RS(1, ms, k, n, seed=ms * 3 + k + n + grid, b_kmajor=kmajor, grid=grid)
+    t.new_epoch_inputs()
+    t.launch(0, 1)
+    t.rk.check_clean(0)
+    want = t.outputs()[0]
+    got, programs = _w1_static(t.As[0], t.b_store[0], kmajor, grid, t.cfg)
+    assert torch.isfinite(got.float()).all() and torch.equal(got, want), (programs, (got.float() - want.float()).abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(512, 7168, 1536), (6000, 1024, 1536), (3000, 2880, 6912), (100, 256, 128),
+                                   (4096, 4096, 4096)])
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_w1_static_matmul_gpu_bitwise_and_taken(no_tf32, m, k, n, kmajor):
+    """On the GPU at the rule's real tiles: the public op at W=1 (bf16, untraced, policy self) launches the static
+    GEMM -- its plan's kernel is w1_matmul_kernel -- and its output is bitwise the self-scheduled kernel's
+    (policy="fixed" with no communication programs keeps that kernel) and within TOL of the fp32 product;
+    repeated calls (the plan's fast path) are bitwise the first."""
+    import kosmos
+    from kosmos import reference
+    from kosmos.kernels.common import w1_matmul_kernel
+    gen = torch.Generator().manual_seed(m + k + n)
+    a = randn((m, k), gen, "cuda")
+    b = opcases.weight(k, n, gen, "cuda", kmajor)
+    runtime.reset_workspaces()
+    try:
+        c = kosmos.matmul_reduce_scatter(a, b)
+        again = [kosmos.matmul_reduce_scatter(a, b) for _ in range(3)]
+        _, c_ag = kosmos.all_gather_matmul(a, b)
+        old = kosmos.matmul_reduce_scatter(a, b, policy="fixed", comm_programs=1)
+        kosmos.check_errors()
+        ws = runtime.get_workspace(None, a.device)
+        kernels = {p.launch.kernel for p in ws._plans.values()}
+        assert w1_matmul_kernel in kernels, kernels
+        for x in again + [c_ag, old]:
+            assert torch.equal(x, c)
+        (ref,) = reference.matmul_reduce_scatter_ref_local([a], [b])
+        assert reference.rel_err(c, ref) < TOL
+    finally:
+        runtime.reset_workspaces()

@@ -28,7 +28,10 @@ Policy (schedule.py's loop; stages in demand order, one queue head each):
             drained it takes the COPY tasks: nothing in the launch waits for them, so they fill the programs
             that run out of tiles while the last tiles finish (wave-quantisation idle time) instead of
             delaying tiles at the start. How many programs communicate at a given moment follows from how
-            many comm tasks are left: no split parameter. At W = 1 there are no PUSH or COPY stages.
+            many comm tasks are left: no split parameter. At W = 1 there are no PUSH or COPY stages, and a
+            bf16, untraced call launches common.w1_matmul_kernel instead (the same tiles, mainloop and
+            epilogue -- the same bits -- in a static order with the tile x K loop flattened; why and what it
+            measured: planning.tile_config's docstring); MXFP8, traced and fixed-role calls keep this kernel.
   fixed  -- programs pid < S take only PUSH then COPY, the others only TILE: the fixed-role baseline.
 
 Deadlock-freedom: a tile waits only on a push of a peer; pushes are claimed before any compute by every
@@ -114,7 +117,7 @@ from ..config import AllGatherMatmulConfig, check_config
 from ..quant import MXTensor
 from .common import (check_launch, check_operands, copy_flat, deq_lagging, deq_needed, deq_should_help,
                      host_descriptors, load_task, mx_dequant_rows, policy_args, store_tile, tile_matmul,
-                     tma_descriptor, wait_rows_dequantized)
+                     tma_descriptor, w1_matmul_args, w1_matmul_kernel, wait_rows_dequantized)
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
 STAGE_PUSH: tl.constexpr = tl.constexpr(0)
@@ -426,12 +429,17 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
         gather, gather_scales = payload, scales
     dequantized = ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k) if mx else None
     c = torch.empty((m, n), dtype=torch.bfloat16, device=device)
-    args, kw = _launch_args(payload, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals,
-                            ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,
-                            timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config, policy=policy,
-                            comm_programs=comm_programs, trace=trace, a_scales=scales,
-                            gather_scales=gather_scales, scale_offset=scale_off, dequantized=dequantized)
-    kl = launch_plan.KernelLaunch(_all_gather_matmul_kernel, grid, args, kw)
+    if w == 1 and not mx and trace is None and policy == "self":  # nothing to gather or wait for: the static GEMM
+        g, args, kw = w1_matmul_args(payload, b_store, b_kmajor, c, cfg, grid, planning.GROUP_M,
+                                     planning.interpreting())
+        kl = launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
+    else:
+        args, kw = _launch_args(payload, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals,
+                                ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,
+                                timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config, policy=policy,
+                                comm_programs=comm_programs, trace=trace, a_scales=scales,
+                                gather_scales=gather_scales, scale_offset=scale_off, dequantized=dequantized)
+        kl = launch_plan.KernelLaunch(_all_gather_matmul_kernel, grid, args, kw)
     a_full = None if w == 1 else (MXTensor(gather, gather_scales) if mx else gather)
     info = dict(c_shape=(m, n), device=device, mx=mx, b_kmajor=b_kmajor, a_full=a_full,
                 clean=launch_plan.clean_check(ws))

@@ -35,6 +35,50 @@ def tile_matmul(a_desc, b_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr,
     return acc
 
 
+@triton.jit
+def _grouped_tile(t, n_m, n_n, GROUP_M: tl.constexpr):
+    """Tile t's (m, n) in planning._grouped's order (GROUP_M m-tiles share each n-tile, for L2)."""
+    per_group = GROUP_M * n_n
+    first_m = (t // per_group) * GROUP_M
+    size = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (t % per_group) % size, (t % per_group) // size
+
+
+@triton.jit
+def w1_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, B_KMAJOR: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+                     DOT_FP32: tl.constexpr):
+    """C = A @ B at one rank, where a TP op has nothing to wait for: persistent, program p taking tiles p,
+    p + GRID, ... of the grouped order (static: no queue claim, no task table, no exit protocol), and one
+    software-pipelined loop over the (tile, k) pairs (``flatten``), so the next tile's first loads are in flight
+    during this tile's epilogue. Per tile the same mainloop (tile_matmul) and epilogue (store_tile) as the
+    self-scheduled kernels: the same bits. The epilogue's tile is recomputed from its own counter (the
+    pipeliner then carries nothing across the flattened loop). Measurements: planning.tile_config's docstring."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    t_out = pid - grid
+    for t in tl.range(pid, n_m * n_n, grid, flatten=True, num_stages=STAGES):
+        tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+        acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+        t_out += grid
+        om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
+        store_tile(c_desc, c_ptr, acc, om * BM, on * BN, M - om * BM, N, BM, BN)
+
+
+def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, programs: int, group_m: int, dot_fp32: bool):
+    """(grid, runtime arguments, constexpr / option keywords) of w1_matmul_kernel for C [M, N] = A [M, K] @ B
+    (b_store [K, N], or [N, K] when ``b_kmajor``) at tile ``cfg``: min(programs, tiles) programs."""
+    m, k = a.shape
+    n = c.shape[1]
+    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
+    kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
+              DOT_FP32=dot_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return max(1, min(programs, tiles)), (a_desc, b_desc, c_desc, c, m, n, k), kw
+
+
 # ------------------------------------------------------------------------------- MXFP8: dequantize on arrival
 # The MX operand of a TP op is expanded to bf16 rows by DEQ tasks (a stage of the op's queue, in demand order;
 # each task one run of DEQ_ROWS rows, flagged when written), and the GEMM tiles, after waiting for the flags

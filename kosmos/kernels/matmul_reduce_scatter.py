@@ -48,7 +48,10 @@ any program of the launch has recorded one, and a program whose wait gave up lea
 the error flag between tasks (one system-scope atomic per tile), so a program that never waits just
 finishes its compute tiles.
 
-W = 1: the compute tiles store straight into c_shard; there are no reduce tasks.
+W = 1: the compute tiles store straight into c_shard; there are no reduce tasks. A bf16, untraced,
+self-policy call at W = 1 launches common.w1_matmul_kernel instead (the same tiles, mainloop and epilogue --
+the same bits -- in a static order with the tile x K loop flattened; planning.tile_config's docstring has why
+and what it measured); MXFP8, traced and fixed-role calls keep this kernel.
 
 Measured (dated; detail and every earlier figure: docs/archive/session-diary-1-6.md, the session named):
   W=1 (communication off), 1x H200, 909b6c9, Triton 3.6, 2026-12-01 (session 6), against torch.matmul alone
@@ -93,7 +96,7 @@ from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_MATMUL_REDUCE_SCATTER, WAIT
 from ..config import MatmulReduceScatterConfig, check_config, default_config
 from .common import (check_launch, check_operands, deq_lagging, deq_needed, deq_should_help, host_descriptors,
                      load_task, mx_dequant_rows, policy_args, store_rows, store_tile, tile_matmul,
-                     wait_rows_dequantized)
+                     w1_matmul_args, w1_matmul_kernel, wait_rows_dequantized)
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
 STAGE_TILE: tl.constexpr = tl.constexpr(0)
@@ -391,11 +394,15 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     stage = ws.data[:stage_bytes].view(torch.bfloat16).view(m, n) if w > 1 else c
     dequantized = (ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k)
                    if a_scales is not None else None)
-    args, kw = _launch_args(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals, ws.heads,
-                            ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(),
-                            grid=grid, cfg=cfg, config=config, policy=policy, comm_programs=comm_programs,
-                            trace=trace, a_scales=a_scales, dequantized=dequantized)
-    kl = launch_plan.KernelLaunch(_matmul_reduce_scatter_kernel, grid, args, kw)
+    if w == 1 and a_scales is None and trace is None and policy == "self":  # nothing to wait for: the static GEMM
+        g, args, kw = w1_matmul_args(a, b_store, b_kmajor, c, cfg, grid, planning.GROUP_M, planning.interpreting())
+        kl = launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
+    else:
+        args, kw = _launch_args(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals,
+                                ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,
+                                timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config, policy=policy,
+                                comm_programs=comm_programs, trace=trace, a_scales=a_scales, dequantized=dequantized)
+        kl = launch_plan.KernelLaunch(_matmul_reduce_scatter_kernel, grid, args, kw)
     info = dict(c_shape=(ms, n), device=a.device, mx=a_scales is not None, b_kmajor=b_kmajor,
                 clean=launch_plan.clean_check(ws))
     if key is not None:
