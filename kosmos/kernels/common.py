@@ -51,8 +51,8 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BM: tl.constexpr, B
     """C = A @ B at one rank, where a TP op has nothing to wait for: persistent, program p taking tiles p,
     p + GRID, ... of the grouped order (static: no queue claim, no task table, no exit protocol), and one
     software-pipelined loop over the (tile, k) pairs (``flatten``), so the next tile's first loads are in flight
-    during this tile's epilogue. Per tile the same mainloop (tile_matmul) and epilogue (store_tile) as the
-    self-scheduled kernels: the same bits. The epilogue's tile is recomputed from its own counter (the
+    during this tile's epilogue. Per tile the same mainloop (tile_matmul) and epilogue values (store_tile's
+    TMA stores) as the self-scheduled kernels: the same bits. The epilogue's tile is recomputed from its own counter (the
     pipeliner then carries nothing across the flattened loop). Measurements: planning.tile_config's docstring."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
@@ -64,7 +64,9 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BM: tl.constexpr, B
         acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
         t_out += grid
         om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
-        store_tile(c_desc, c_ptr, acc, om * BM, on * BN, M - om * BM, N, BM, BN)
+        # always TMA (C is exactly [M, N]: the descriptor clips a ragged last m-tile): store_tile's runtime
+        # branch inside the flattened loop failed Triton 3.6's pipeliner ('scf.if' region operands, session 16)
+        store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
 
 
 def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, programs: int, group_m: int, dot_fp32: bool):
@@ -187,12 +189,19 @@ def store_tile(c_desc, c_ptr, acc, row, col, rows_valid, N, BM: tl.constexpr, BN
     """Store acc (fp32) as bf16 at C[row:row+rows_valid, col:col+BN]: TMA (two half-width stores) for a full
     tile, masked pointer stores when the tile ends inside the rows (a shard boundary)."""
     if rows_valid >= BM:
-        acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
-        lo, hi = tl.split(acc3)
-        c_desc.store([row, col], lo.to(tl.bfloat16))
-        c_desc.store([row, col + BN // 2], hi.to(tl.bfloat16))
+        store_tile_tma(c_desc, acc, row, col, BM, BN)
     else:
         store_rows(c_ptr, acc.to(tl.bfloat16), row, col, rows_valid, N, BM, BN)
+
+
+@triton.jit
+def store_tile_tma(c_desc, acc, row, col, BM: tl.constexpr, BN: tl.constexpr):
+    """acc (fp32) as bf16 at C[row:row+BM, col:col+BN] by two half-width TMA stores (rows and columns past C's
+    end are clipped by the descriptor)."""
+    acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+    lo, hi = tl.split(acc3)
+    c_desc.store([row, col], lo.to(tl.bfloat16))
+    c_desc.store([row, col + BN // 2], hi.to(tl.bfloat16))
 
 
 @triton.jit
