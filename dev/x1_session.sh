@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -922,5 +922,20 @@ PY
     echo "rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
       "$out/tp-grid-w1.jsonl")"
     sed -n '/^kosmos against cuBLAS alone at world 1/,/^$/p' "$out/tp-grid-w1.txt" | head -14 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e" >&2; exit 2 ;;
+  s16f)  # session 16 (<= 420 s; tarball $OUT/s16f.tar.gz): s16e again after the fix (TMA stores only in the static
+         # W=1 GEMM): its GPU tests, then the public grid (suites/tp-grid.yaml, both TP ops, kosmos rows).
+    begin_stage s16f
+    gpu_tests gpu-tests-w1 130 "w1 or world1 or static or capture" tests/test_matmul_reduce_scatter.py \
+      tests/test_all_gather_matmul.py tests/test_cuda_graphs.py tests/test_nn_tp.py
+    left=$((405 - SECONDS))
+    timeout $left python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
+      --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "grid rc=$?"
+    timeout 10 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" --format md --out "$out/tp-grid-w1.md" \
+      >> "$out/bench-grid.log" 2>&1
+    COLUMNS=100 timeout 10 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" > "$out/tp-grid-w1.txt" \
+      2>> "$out/bench-grid.log"; keep
+    echo "rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
+      "$out/tp-grid-w1.jsonl")"
+    sed -n '/^kosmos against cuBLAS alone at world 1/,/^$/p' "$out/tp-grid-w1.txt" | head -14 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f" >&2; exit 2 ;;
 esac
