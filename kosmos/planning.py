@@ -124,6 +124,19 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
     per-SM rate for a split tile is wrong by ~2x: these few-tile shapes are held by something a K split does not
     remove (the per-tile fixed cost, the last split's serial sum, or both -- not yet traced).
 
+    The static W=1 GEMM (session 16; kernels/common.w1_matmul_kernel, what a bf16 untraced W=1 call of either
+    TP op launches): at W=1 nothing waits, so the self-scheduled loop's claim, task table and exit protocol buy
+    nothing, and its dynamic loop drains the K pipeline at every tile. dev/flat_probe (one H200, Triton 3.6,
+    20 grid shapes, results/h200x1/s16/d): against cuBLAS alone, today's op 0.806 geomean; a static order with
+    the same tiles 0.852 (the claim / exit cost: 256x1536x1024 0.719 -> 0.881); that order with the tile x K
+    loop flattened (tl.range(..., flatten=True): the next tile's loads during this tile's epilogue) 0.873 --
+    short K gains most (6000x1536x1024 0.768 -> 0.880, 8192x6144x1024 0.897 -> 0.965); 128x256 or 128x128
+    everywhere instead of the rule 0.753 / 0.770. PREDICTED before the run: +5-15% at K = 1024, ~0 on the
+    few-tile long-K shapes, geomean 0.87 -> ~0.89 on the grid. MEASURED on the whole grid (suites/tp-grid.yaml,
+    results/h200x1/s16/f, f986b19): ag_gemm 0.865 -> 0.923, gemm_rs 0.871 -> 0.924 geomean (1.062-1.067x the
+    session-10 run, no shape slower by > 1%), worst 0.621 / 0.625 at 512x1536x7168, 14 / 14 of 48 under 0.90.
+    Left: the few-tile long-K shapes (512x1536x7168, 512x5120x5120, 256x4096x4096: 0.62-0.78x), where a K
+    split would have to keep its partial sums' reduction off one program (session 11's split-K lost that way).
     ``mx``: the MXFP8 paths keep 128x256 (their DEQ plan was measured only with it; the small tiles are not
     yet compiled or timed there). The rows <= 64 case falls out of the model (a 128-row tile costs its full
     time however few rows it holds). At W > 1 the same rule applies and the communication chunks are BM rows.

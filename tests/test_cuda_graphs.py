@@ -128,29 +128,31 @@ def test_w1_moe_forward_replays_bitwise_equal_eager(route):
 
 @pytest.mark.gpu
 def test_capture_of_a_first_call_is_refused_and_ends_cleanly():
-    """A capture that would have to grow the workspace, or build the task tables of a new shape, raises a
+    """A capture that would have to grow the workspace, build the task tables of a new shape (the self-scheduled
+    kernel: here policy "fixed"), or plan the static W=1 GEMM of a new shape (the default at W=1), raises a
     one-line KosmosError telling the user to make one eager call first; the capture ends cleanly and the eager
     call (then a capture of it) works."""
     import kosmos
     gen = torch.Generator().manual_seed(12)
     a, b = randn((256, 128), gen, "cuda"), randn((128, 248), gen, "cuda")
-    runtime.reset_workspaces()
-    try:
-        for why in ("symmetric workspace must grow", "task tables"):
-            with pytest.raises(runtime.KosmosError, match=f"{why}.*run one eager call") as e:
-                _capture(lambda: kosmos.matmul_reduce_scatter(a, b))
-            assert "\n" not in str(e.value)
-            if why != "task tables":  # now the workspace exists, the shape's tables do not
-                ws = runtime.get_workspace(None, a.device)
-                ws.ensure(0, 1)
-        c = kosmos.matmul_reduce_scatter(a, b)
-        graph, c2 = _capture(lambda: kosmos.matmul_reduce_scatter(a, b))
-        graph.replay()
-        kosmos.check_errors()
-        assert torch.equal(c, c2)
-    finally:
-        torch.cuda.synchronize()
+    for kw, second in (({}, "static W=1 GEMM"), ({"policy": "fixed", "comm_programs": 1}, "task tables")):
         runtime.reset_workspaces()
+        try:
+            for why in ("symmetric workspace must grow", second):
+                with pytest.raises(runtime.KosmosError, match=f"{why}.*run one eager call") as e:
+                    _capture(lambda: kosmos.matmul_reduce_scatter(a, b, **kw))
+                assert "\n" not in str(e.value)
+                if why != second:  # now the workspace exists, the shape's tables / plan do not
+                    ws = runtime.get_workspace(None, a.device)
+                    ws.ensure(0, 1)
+            c = kosmos.matmul_reduce_scatter(a, b, **kw)
+            graph, c2 = _capture(lambda: kosmos.matmul_reduce_scatter(a, b, **kw))
+            graph.replay()
+            kosmos.check_errors()
+            assert torch.equal(c, c2)
+        finally:
+            torch.cuda.synchronize()
+            runtime.reset_workspaces()
 
 
 @pytest.mark.gpu

@@ -206,8 +206,10 @@ def _w1_static(a, b_store, kmajor, grid, cfg=None):
     n = b_store.shape[0] if kmajor else b_store.shape[1]
     cfg = cfg or planning.tile_config(m, n, k, world=1, programs=grid)
     c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=a.device)
-    g, args, kw = w1_matmul_args(a, b_store, kmajor, c, cfg, grid, planning.GROUP_M, planning.interpreting())
+    epoch = torch.full((1,), 7, dtype=torch.int32, device=a.device)
+    g, args, kw = w1_matmul_args(a, b_store, kmajor, c, cfg, epoch, grid, planning.GROUP_M, planning.interpreting())
     w1_matmul_kernel[(g,)](*args, **kw)
+    assert int(epoch[0]) == 8  # one launch, one epoch
     return c, g
 
 

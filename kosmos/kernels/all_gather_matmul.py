@@ -430,7 +430,8 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     dequantized = ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k) if mx else None
     c = torch.empty((m, n), dtype=torch.bfloat16, device=device)
     if w == 1 and not mx and trace is None and policy == "self":  # nothing to gather or wait for: the static GEMM
-        g, args, kw = w1_matmul_args(payload, b_store, b_kmajor, c, cfg, grid, planning.GROUP_M,
+        runtime.capture_refusal("its static W=1 GEMM for this shape is not planned yet")  # (a first call only)
+        g, args, kw = w1_matmul_args(payload, b_store, b_kmajor, c, cfg, ws.epoch_slot, grid, planning.GROUP_M,
                                      planning.interpreting())
         kl = launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
     else:

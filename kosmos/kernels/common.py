@@ -45,7 +45,7 @@ def _grouped_tile(t, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def w1_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+def w1_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, epoch_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, B_KMAJOR: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
                      DOT_FP32: tl.constexpr):
     """C = A @ B at one rank, where a TP op has nothing to wait for: persistent, program p taking tiles p,
@@ -53,7 +53,10 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BM: tl.constexpr, B
     software-pipelined loop over the (tile, k) pairs (``flatten``), so the next tile's first loads are in flight
     during this tile's epilogue. Per tile the same mainloop (tile_matmul) and epilogue values (store_tile's
     TMA stores) as the self-scheduled kernels: the same bits. The epilogue's tile is recomputed from its own counter (the
-    pipeliner then carries nothing across the flattened loop). Measurements: planning.tile_config's docstring."""
+    pipeliner then carries nothing across the flattened loop). Program 0 advances the workspace's device epoch
+    as every KOSMOS launch does (nothing here reads it: no peers; but the calls of other kernels on the same
+    workspace, and a replayed graph's count, see one epoch per launch). Measurements: planning.tile_config's
+    docstring."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
@@ -67,18 +70,21 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, M, N, K, BM: tl.constexpr, B
         # always TMA (C is exactly [M, N]: the descriptor clips a ragged last m-tile): store_tile's runtime
         # branch inside the flattened loop failed Triton 3.6's pipeliner ('scf.if' region operands, session 16)
         store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
+    if pid == 0:
+        tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
 
 
-def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, programs: int, group_m: int, dot_fp32: bool):
+def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int, group_m: int, dot_fp32: bool):
     """(grid, runtime arguments, constexpr / option keywords) of w1_matmul_kernel for C [M, N] = A [M, K] @ B
-    (b_store [K, N], or [N, K] when ``b_kmajor``) at tile ``cfg``: min(programs, tiles) programs."""
+    (b_store [K, N], or [N, K] when ``b_kmajor``) at tile ``cfg``: min(programs, tiles) programs; ``epoch_slot``
+    the workspace's device epoch (int32 [1]), advanced by the launch."""
     m, k = a.shape
     n = c.shape[1]
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
     kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
               DOT_FP32=dot_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return max(1, min(programs, tiles)), (a_desc, b_desc, c_desc, c, m, n, k), kw
+    return max(1, min(programs, tiles)), (a_desc, b_desc, c_desc, c, epoch_slot, m, n, k), kw
 
 
 # ------------------------------------------------------------------------------- MXFP8: dequantize on arrival

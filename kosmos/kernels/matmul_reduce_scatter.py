@@ -395,7 +395,9 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     dequantized = (ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k)
                    if a_scales is not None else None)
     if w == 1 and a_scales is None and trace is None and policy == "self":  # nothing to wait for: the static GEMM
-        g, args, kw = w1_matmul_args(a, b_store, b_kmajor, c, cfg, grid, planning.GROUP_M, planning.interpreting())
+        runtime.capture_refusal("its static W=1 GEMM for this shape is not planned yet")  # (a first call only)
+        g, args, kw = w1_matmul_args(a, b_store, b_kmajor, c, cfg, ws.epoch_slot, grid, planning.GROUP_M,
+                                     planning.interpreting())
         kl = launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
     else:
         args, kw = _launch_args(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals,
