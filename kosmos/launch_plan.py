@@ -287,11 +287,13 @@ def make_plan(kl, sources: dict, ws, info, views=()):
 
 class KernelLaunch:
     """One kernel's launch with its call-invariant arguments bound: ``args`` (the runtime arguments in the
-    kernel's order; ``slot(name)`` gives a per-call argument's position), ``kw`` (constexprs and options)."""
+    kernel's order; ``slot(name)`` gives a per-call argument's position), ``kw`` (constexprs and options).
+    ``grid``: an int or a tuple of up to 3 (2026-12-02: tuples for quant.py's 2-D grid; unmeasured on a GPU)."""
 
-    def __init__(self, kernel, grid: int, args, kw: dict):
+    def __init__(self, kernel, grid, args, kw: dict, device=None):
         self.kernel = kernel
-        self.grid = (grid,)
+        self.grid = tuple(grid) if isinstance(grid, tuple) else (grid,)
+        self.device = device  # a CUDA device made current around a normal launch (quant.py); None: the current one
         self.args = list(args)
         self.kw = dict(kw)
         self._index = {name: i for i, name in enumerate(kernel.arg_names[:len(self.args)])}
@@ -318,6 +320,13 @@ class KernelLaunch:
                 pass
             except Exception as e:  # noqa: BLE001 -- any failure: the normal launch, fast path off
                 self._disable(f"the fast launch raised {type(e).__name__}: {e}")
+        if self.device is None:
+            self._normal(args, outputs, clean, self_check)
+        else:  # the self-check inside too: the fast launcher is bound to the device current when it is made
+            with torch.cuda.device(self.device):
+                self._normal(args, outputs, clean, self_check)
+
+    def _normal(self, args, outputs, clean, self_check) -> None:
         compiled = self.kernel[self.grid](*args, **self.kw)
         STATS["normal_launches"] += 1
         if (self.state == "new" and self_check and outputs and _STATE["fast"] and fast_launch_supported()
@@ -335,7 +344,8 @@ class KernelLaunch:
         STATS["self_checks"] += 1
         snap = [o.clone() for o in outputs]
         try:
-            self.fast = make_fast_launcher(self.kernel, compiled, len(args), self.kw, self.grid[0],
+            self.fast = make_fast_launcher(self.kernel, compiled, len(args), self.kw,
+                                           self.grid[0] if len(self.grid) == 1 else self.grid,
                                            varying=self.varying)
             if self.fast is None:
                 self.state = "off"
@@ -387,7 +397,12 @@ def _capturing() -> bool:
     return capturing()
 
 
-def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int, varying=None):
+def _grid3(grid) -> tuple:
+    """(x, y, z) of an int or tuple grid."""
+    return (*grid, 1, 1)[:3] if isinstance(grid, tuple) else (grid, 1, 1)
+
+
+def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid, varying=None):
     """A callable ``fast(args)`` launching ``compiled`` (what ``kernel[grid](*args, **kw)`` returned) with the
     runtime arguments ``args``, as JITFunction.run's last line does (module docstring); None where the kernel's
     parameters do not have every constexpr after the runtime arguments. ``varying``: the positions of the
@@ -411,6 +426,7 @@ def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int, varyi
     get_device, get_stream = driver.active.get_current_device, driver.active.get_current_stream
     device0 = get_device()
     hooks = knobs.runtime
+    gx, gy, gz = _grid3(grid)
     direct = [None, varying is not None]  # the DirectLaunch, built from the first call's arguments; still to try
 
     def fast(args):
@@ -425,7 +441,7 @@ def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int, varyi
         if direct[0] is not None:
             direct[0](args, get_stream(device))
         else:
-            run(grid, 1, 1, get_stream(device), function, meta, None, None, None, *args, *tail)
+            run(gx, gy, gz, get_stream(device), function, meta, None, None, None, *args, *tail)
 
     fast.direct = direct
     return fast
@@ -460,7 +476,7 @@ class DirectLaunch:
     relies on it."""
 
     def __init__(self, raw, indices, metas, expand, head, args, tail, varying, grid, scratch=None):
-        self.raw, self.expand, self.grid = raw, expand, grid
+        self.raw, self.expand, self.grid = raw, expand, _grid3(grid)
         self.function, self.coop, self.pdl, self.packed = head
         self.scratch = scratch  # None, or (allocator context variable, bytes, alignment): global scratch per call
         self.flat, where, j = [], [], 0
@@ -507,7 +523,8 @@ class DirectLaunch:
             DIRECT_REFUSED.append((getattr(getattr(compiled, "src", None), "name", "?"), why))
             return None
         size = getattr(run, "global_scratch_size", 0)
-        scratch = (_allocation._allocator, grid * getattr(run, "num_ctas", 1) * size,
+        gx, gy, gz = _grid3(grid)
+        scratch = (_allocation._allocator, gx * gy * gz * getattr(run, "num_ctas", 1) * size,
                    run.global_scratch_align) if size else None
         head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata)
         STATS["direct_built"] += 1
@@ -530,5 +547,5 @@ class DirectLaunch:
         if self.scratch is not None:  # as CudaLauncher.__call__'s allocate_scratch: the allocator set for this call
             var, size, align = self.scratch
             scratch = var.get()(size, align, stream)
-        self.raw(self.grid, 1, 1, stream, self.function, self.coop, self.pdl, scratch, None, self.packed, None, None,
+        self.raw(*self.grid, stream, self.function, self.coop, self.pdl, scratch, None, self.packed, None, None,
                  None, *flat)
