@@ -494,6 +494,18 @@ def quantize_mx(x: torch.Tensor):
     if kl is None or kl.device is None:
         _check_mx_matrix("x", x, (torch.bfloat16,), kernel=True)
         _check_k("x", x.shape[1])
+    return quantize_planned(x, key)
+
+
+def quantize_plan(x: torch.Tensor):
+    """The key of quantize_mx(x)'s plan once it exists (a caller that has validated x itself, e.g. moe_forward's
+    plan, passes it to ``quantize_planned``), else None."""
+    key = _key(_quantize_kernel, x)
+    return key if key is not None and key in _PLANS else None
+
+
+def quantize_planned(x: torch.Tensor, key) -> MXTensor:
+    """quantize_mx(x) without its checks, for an ``x`` that passed them; ``key``: x's plan key (or None)."""
     rows, k = x.shape
     payload = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((rows, k // MX_BLOCK), dtype=torch.uint8, device=x.device)
