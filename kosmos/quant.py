@@ -457,15 +457,17 @@ def _key(kernel, t, *extra):
     return (kernel, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0, *extra)
 
 
-def _launch(kernel, key, ref: torch.Tensor, args: list, outputs, **constexprs) -> None:
+def _launch(kernel, key, ref: torch.Tensor, args: list, outputs, kl=None, **constexprs) -> None:
     """Launch ``kernel`` on ``args`` (its runtime arguments, tensors first, then rows and nb) through the cached
     KernelLaunch of ``key`` (launch_plan.py: after a self-checked first launch, Triton's launcher is called
     directly where launch_plan supports it; the normal ``kernel[grid](...)`` elsewhere, e.g. the interpreter).
 
     2026-12-02: cached launches instead of ``kernel[grid](...)`` per call (JITFunction.run ~16 us on H200's host;
     plus triton.cdiv / next_power_of_2 calls and the torch.cuda.device context, now only around a normal
-    launch). Unmeasured on a GPU until the lead runs ``dev.fixed_cost``."""
-    kl = _PLANS.get(key) if key is not None else None
+    launch). Unmeasured on a GPU until the lead runs ``dev.fixed_cost``. ``kl``: the plan of ``key`` if the
+    caller has looked it up already."""
+    if kl is None and key is not None:
+        kl = _PLANS.get(key)
     if kl is None:
         rows, nb = args[-2], args[-1]
         br, bnb, warps = _tiles(rows, nb)
@@ -494,7 +496,7 @@ def quantize_mx(x: torch.Tensor):
     if kl is None or kl.device is None:
         _check_mx_matrix("x", x, (torch.bfloat16,), kernel=True)
         _check_k("x", x.shape[1])
-    return quantize_planned(x, key)
+    return quantize_planned(x, key, kl)
 
 
 def quantize_plan(x: torch.Tensor):
@@ -504,14 +506,15 @@ def quantize_plan(x: torch.Tensor):
     return key if key is not None and key in _PLANS else None
 
 
-def quantize_planned(x: torch.Tensor, key) -> MXTensor:
-    """quantize_mx(x) without its checks, for an ``x`` that passed them; ``key``: x's plan key (or None)."""
+def quantize_planned(x: torch.Tensor, key, kl=None) -> MXTensor:
+    """quantize_mx(x) without its checks, for an ``x`` that passed them; ``key``: x's plan key (or None), ``kl``
+    its plan if looked up."""
     rows, k = x.shape
     payload = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((rows, k // MX_BLOCK), dtype=torch.uint8, device=x.device)
     if rows and k:
         p8 = payload.view(torch.uint8)
-        _launch(_quantize_kernel, key, x, [x.view(torch.int16), p8, scales, rows, k // MX_BLOCK], (p8, scales))
+        _launch(_quantize_kernel, key, x, [x.view(torch.int16), p8, scales, rows, k // MX_BLOCK], (p8, scales), kl)
     return MXTensor(payload, scales)
 
 
