@@ -133,7 +133,8 @@ class Unkeyable(Exception):
 
 
 def input_key(x):
-    """The properties of an input that every check and the kernel's specialisation depend on."""
+    """The properties of an input that every check and the kernel's specialisation depend on. (2026-12-02: the
+    MX pair without a generator; unmeasured on a GPU until the lead runs ``dev.fixed_cost``.)"""
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
     if isinstance(x, tuple) and len(x) == 2:  # an MXTensor (payload, scales); no generator: a hot path
@@ -225,7 +226,8 @@ class Plan:
     def call(self, ws, sources: dict, outputs, traced: bool) -> None:
         """A hit's launch, the same for every op: the error check of the last call (``before_launch``), the
         launch with this call's tensors (``sources``) and ``outputs``, the error event. A traced call never
-        self-checks (a second launch would overwrite its trace buffer in part)."""
+        self-checks (a second launch would overwrite its trace buffer in part). (2026-12-02: runtime imported at
+        module level, not here; unmeasured on a GPU.)"""
         runtime.ensure_triton_allocator()
         ws.before_launch()
         self.launch.launch(self.args(sources, ws.timeout_ns()), outputs=outputs, clean=self.info["clean"],
@@ -314,7 +316,8 @@ class KernelLaunch:
         the self-check compares; ``clean()``: after a synchronisation, None or what is wrong with the error
         record / queue heads. ``self_check=False``: no self-check, so the plan keeps the normal launch -- the
         ops pass it for a traced call, whose trace buffer a second launch of the self-check would overwrite
-        only in part (the GPU's trace tests caught it, session 10)."""
+        only in part (the GPU's trace tests caught it, session 10). 2026-12-02: with ``self.device`` set, the
+        normal launch and its self-check run with that device current (quant.py; unmeasured on a GPU)."""
         if self.state == "verified" and _STATE["fast"]:
             try:
                 self.fast(args)
@@ -411,7 +414,8 @@ def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid, varying=No
     runtime arguments ``args``, as JITFunction.run's last line does (module docstring); None where the kernel's
     parameters do not have every constexpr after the runtime arguments. ``varying``: the positions of the
     arguments that may change between calls (a plan's caller slots and the timeout); given, the launch goes
-    straight to Triton's C launcher where this Triton's convention was read (``DirectLaunch``)."""
+    straight to Triton's C launcher where this Triton's convention was read (``DirectLaunch``). ``grid``: an int
+    or a tuple of up to 3 (2026-12-02, for quant.py's 2-D grid; unmeasured on a GPU)."""
     if not fast_launch_supported() or compiled is None:
         return None
     if hasattr(compiled, "result"):  # a future (Triton's asynchronous compile mode)
@@ -477,7 +481,8 @@ class DirectLaunch:
     the Triton versions in ``DIRECT_TRITON``, with no profile scratch and the wrapper's closure exactly as read
     (its free variables ``launcher``, ``tensordesc_indices``, ``tensordesc_meta``); else None (``compiled.run``
     as before). The plan's self-check runs it against the normal launch (bitwise outputs) before any call
-    relies on it."""
+    relies on it. 2026-12-02: ``grid`` an int or a tuple of up to 3 (scratch sized for their product, as
+    __call__ does); unmeasured on a GPU until the lead runs ``dev.fixed_cost``."""
 
     def __init__(self, raw, indices, metas, expand, head, args, tail, varying, grid, scratch=None):
         self.raw, self.expand, self.grid = raw, expand, _grid3(grid)
