@@ -383,3 +383,38 @@ def test_direct_launch_2d_grid(monkeypatch):
     finally:
         _allocation._allocator.reset(token)
     assert asked == [6 * 64] and got[0][:4] == (3, 2, 1, 9)
+
+
+def test_direct_launch_scratch_per_stream(monkeypatch):
+    """The global scratch of a DirectLaunch: one allocation per (allocator, stream), reused by later launches on
+    that stream (they cannot overlap there); a fresh one per call under PDL or while a CUDA graph is captured."""
+    from types import SimpleNamespace
+    run = SimpleNamespace(global_scratch_size=64, global_scratch_align=128, num_ctas=1, profile_scratch_size=0,
+                          launch=print, launch_cooperative_grid=False, launch_pdl=False)
+    compiled = SimpleNamespace(run=run, function=1, packed_metadata=(4, 1, 0))
+    monkeypatch.setattr(launch_plan, "triton_version", lambda: "3.6")
+    from triton.backends.nvidia import driver as nvd
+    monkeypatch.setattr(nvd, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    d = launch_plan.DirectLaunch.build(compiled, [], (), [], 2)
+    asked, got = [], []
+    d.raw = lambda *a: got.append(a[7])
+    from triton.runtime import _allocation
+
+    def alloc(size, align, stream):
+        asked.append(stream)
+        return f"buf{len(asked)}"
+    token = _allocation._allocator.set(alloc)
+    try:
+        for stream in (9, 9, 10, 9, 10):
+            d([], stream=stream)
+        assert asked == [9, 10] and got == ["buf1", "buf1", "buf2", "buf1", "buf2"]
+        monkeypatch.setattr(runtime, "capturing", lambda: True)
+        d([], stream=9)
+        d([], stream=9)
+        assert asked == [9, 10, 9, 9] and got[-2:] == ["buf3", "buf4"]  # a graph's scratch: its own, per call
+        monkeypatch.setattr(runtime, "capturing", lambda: False)
+        d.pdl = True
+        d([], stream=9)
+        assert asked[-1] == 9 and got[-1] == "buf5"
+    finally:
+        _allocation._allocator.reset(token)
