@@ -157,16 +157,7 @@ def profile_slow_calls():
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     from kosmos import quant
-    dev = "cuda"
-    a = torch.randn(128, 256, device=dev).to(torch.bfloat16)
-    b = torch.randn(256, 256, device=dev).to(torch.bfloat16)
-    a_mx = quant.quantize_mx(a)
-    t_, h, f, e, k = 128, 256, 256, 8, 2
-    x = torch.randn(t_, h, device=dev).to(torch.bfloat16)
-    router = torch.randn(e, h, device=dev).to(torch.bfloat16)
-    w13 = (torch.randn(e, h, 2 * f, device=dev) * 0.05).to(torch.bfloat16)
-    w2 = (torch.randn(e, f, h, device=dev) * 0.05).to(torch.bfloat16)
-    w13_mx, w2_mx = quant.mx_values(w13, dim=1), quant.mx_values(w2, dim=1)
+    a, b, a_mx, x, router, w13, w2, w13_mx, w2_mx, k = _small_inputs()
     for name, call in [("all_gather_matmul mxfp8", lambda: kosmos.all_gather_matmul(a_mx, b)),
                        ("quantize_mx 128x256", lambda: quant.quantize_mx(a)),
                        ("moe_forward bf16", lambda: kosmos.moe_forward(x, router, w13, w2, top_k=k)),
@@ -175,6 +166,23 @@ def profile_slow_calls():
         print(f"==== {name}")
         _host_profile(call, sort=("tottime", "cumulative"), limit=22)
     kosmos.check_errors()
+
+
+def _small_inputs():
+    """The --plans / --profile shapes: a [128, 256] @ [256, 256] TP GEMM (bf16, a's MX form) and a T=128, H=256,
+    F=256, E=8, k=2 MoE layer, with the experts' MX values made once, as a caller caches them (sessions 10-15
+    made them inside the timed call: the mxfp8 MoE rows' 580-890 us were mostly that)."""
+    from kosmos import quant
+    dev = "cuda"
+    a = torch.randn(128, 256, device=dev).to(torch.bfloat16)
+    b = torch.randn(256, 256, device=dev).to(torch.bfloat16)
+    t_, h, f, e, k = 128, 256, 256, 8, 2
+    x = torch.randn(t_, h, device=dev).to(torch.bfloat16)
+    router = torch.randn(e, h, device=dev).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, device=dev) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, device=dev) * 0.05).to(torch.bfloat16)
+    return (a, b, quant.quantize_mx(a), x, router, w13, w2, quant.mx_values(w13, dim=1),
+            quant.mx_values(w2, dim=1), k)
 
 
 def _median_host_us(call, n=200, warm_s=0.2):
@@ -204,18 +212,7 @@ def plans(fast_only: bool = False):
     import triton
     from kosmos import launch_plan, quant
     torch.backends.cuda.matmul.allow_tf32 = False
-    dev = "cuda"
-    a = torch.randn(128, 256, device=dev).to(torch.bfloat16)
-    b = torch.randn(256, 256, device=dev).to(torch.bfloat16)
-    a_mx = quant.quantize_mx(a)
-    t_, h, f, e, k = 128, 256, 256, 8, 2
-    x = torch.randn(t_, h, device=dev).to(torch.bfloat16)
-    router = torch.randn(e, h, device=dev).to(torch.bfloat16)
-    w13 = (torch.randn(e, h, 2 * f, device=dev) * 0.05).to(torch.bfloat16)
-    w2 = (torch.randn(e, f, h, device=dev) * 0.05).to(torch.bfloat16)
-    # the MX expert weights once, as a caller caches them (sessions 10-15 made them inside the timed call: the
-    # mxfp8 MoE rows' 580-890 us were mostly that)
-    w13_mx, w2_mx = quant.mx_values(w13, dim=1), quant.mx_values(w2, dim=1)
+    a, b, a_mx, x, router, w13, w2, w13_mx, w2_mx, k = _small_inputs()
     cases = [
         ("all_gather_matmul 128x256x256", lambda: kosmos.all_gather_matmul(a, b)),
         ("matmul_reduce_scatter 128x256x256", lambda: kosmos.matmul_reduce_scatter(a, b)),
