@@ -117,7 +117,7 @@ from ..config import AllGatherMatmulConfig, check_config
 from ..quant import MXTensor
 from .common import (check_launch, check_operands, copy_flat, deq_lagging, deq_needed, deq_should_help,
                      host_descriptors, load_task, mx_dequant_rows, policy_args, store_tile, tile_matmul,
-                     tma_descriptor, w1_matmul_args, w1_matmul_kernel, wait_rows_dequantized)
+                     tma_descriptor, w1_matmul_launch, wait_rows_dequantized)
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
 STAGE_PUSH: tl.constexpr = tl.constexpr(0)
@@ -430,10 +430,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     dequantized = ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k) if mx else None
     c = torch.empty((m, n), dtype=torch.bfloat16, device=device)
     if w == 1 and not mx and trace is None and policy == "self":  # nothing to gather or wait for: the static GEMM
-        runtime.capture_refusal("its static W=1 GEMM for this shape is not planned yet")  # (a first call only)
-        g, args, kw = w1_matmul_args(payload, b_store, b_kmajor, c, cfg, ws.epoch_slot, grid, planning.GROUP_M,
-                                     planning.interpreting())
-        kl = launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
+        kl = w1_matmul_launch(payload, b_store, b_kmajor, c, cfg, ws, grid)
     else:
         args, kw = _launch_args(payload, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals,
                                 ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,

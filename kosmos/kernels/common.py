@@ -87,6 +87,16 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
     return max(1, min(programs, tiles)), (a_desc, b_desc, c_desc, c, epoch_slot, m, n, k), kw
 
 
+def w1_matmul_launch(a, b_store, b_kmajor: bool, c, cfg, ws, programs: int):
+    """The KernelLaunch of the static W=1 GEMM for a TP op's first call of a shape (its plan's launch) on
+    workspace ``ws``; refused inside a CUDA-graph capture, like every first call."""
+    from .. import launch_plan, planning, runtime
+    runtime.capture_refusal("its static W=1 GEMM for this shape is not planned yet")
+    g, args, kw = w1_matmul_args(a, b_store, b_kmajor, c, cfg, ws.epoch_slot, programs, planning.GROUP_M,
+                                 planning.interpreting())
+    return launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
+
+
 # ------------------------------------------------------------------------------- MXFP8: dequantize on arrival
 # The MX operand of a TP op is expanded to bf16 rows by DEQ tasks (a stage of the op's queue, in demand order;
 # each task one run of DEQ_ROWS rows, flagged when written), and the GEMM tiles, after waiting for the flags

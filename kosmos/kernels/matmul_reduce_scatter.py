@@ -96,7 +96,7 @@ from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_MATMUL_REDUCE_SCATTER, WAIT
 from ..config import MatmulReduceScatterConfig, check_config, default_config
 from .common import (check_launch, check_operands, deq_lagging, deq_needed, deq_should_help, host_descriptors,
                      load_task, mx_dequant_rows, policy_args, store_rows, store_tile, tile_matmul,
-                     w1_matmul_args, w1_matmul_kernel, wait_rows_dequantized)
+                     w1_matmul_launch, wait_rows_dequantized)
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
 STAGE_TILE: tl.constexpr = tl.constexpr(0)
@@ -395,10 +395,7 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     dequantized = (ws.data[deq_off:deq_off + m * k * 2].view(torch.bfloat16).view(m, k)
                    if a_scales is not None else None)
     if w == 1 and a_scales is None and trace is None and policy == "self":  # nothing to wait for: the static GEMM
-        runtime.capture_refusal("its static W=1 GEMM for this shape is not planned yet")  # (a first call only)
-        g, args, kw = w1_matmul_args(a, b_store, b_kmajor, c, cfg, ws.epoch_slot, grid, planning.GROUP_M,
-                                     planning.interpreting())
-        kl = launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
+        kl = w1_matmul_launch(a, b_store, b_kmajor, c, cfg, ws, grid)
     else:
         args, kw = _launch_args(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals,
                                 ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,
