@@ -111,7 +111,7 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
     1.2% of it on the other 5 (the 8-warp 128x128 or a 64x256 tile won there by a hair); predicted geomean
     0.875x (RS) / 0.869x (AG) of cuBLAS against 0.825x / 0.819x for 128x256 everywhere; worst shape
     512x1536x7168 0.35x -> 0.59x. That was in-sample (the throughputs come from the same probe); the grid
-    bench with the rule (results/h200x1/tp-grid-w1.*, same session, 3922e32) measured 0.865x (AG) / 0.871x
+    bench with the rule (results/h200x1/history/s10-tp-grid-w1-3922e32.*, same session) measured 0.865x (AG) / 0.871x
     (RS) geomean, worst 0.588x / 0.589x at 512x1536x7168, 24 / 25 of 48 shapes under 0.90x (issue 13's bar:
     0.97x, none under 0.90x); the llama3-70b TP=2 per-rank GEMMs keep 128x256 (0.985x of cuBLAS, min 0.949).
     Left for split-K / stream-K: shapes under a wave even in 64x64 tiles, and
@@ -133,7 +133,7 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
     short K gains most (6000x1536x1024 0.768 -> 0.880, 8192x6144x1024 0.897 -> 0.965); 128x256 or 128x128
     everywhere instead of the rule 0.753 / 0.770. PREDICTED before the run: +5-15% at K = 1024, ~0 on the
     few-tile long-K shapes, geomean 0.87 -> ~0.89 on the grid. MEASURED on the whole grid (suites/tp-grid.yaml,
-    results/h200x1/s16/f, f986b19): ag_gemm 0.865 -> 0.923, gemm_rs 0.871 -> 0.924 geomean (1.062-1.067x the
+    results/h200x1/tp-grid-w1.*, f986b19): ag_gemm 0.865 -> 0.923, gemm_rs 0.871 -> 0.924 geomean (1.062-1.067x the
     session-10 run, no shape slower by > 1%), worst 0.621 / 0.625 at 512x1536x7168, 14 / 14 of 48 under 0.90.
     Left: the few-tile long-K shapes (512x1536x7168, 512x5120x5120, 256x4096x4096: 0.62-0.78x), where a K
     split would have to keep its partial sums' reduction off one program (session 11's split-K lost that way).
