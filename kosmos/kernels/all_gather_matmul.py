@@ -446,7 +446,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
                                               s=scales, b=b_store, c=c, trace=trace), ws, info, views=("a16",))
         if plan is not None:
             launch_plan.store(ws, key, plan)
-    kl.launch(list(args), outputs=(c,), clean=info["clean"], self_check=trace is None)
+    kl.launch(list(kl.args), outputs=(c,), clean=info["clean"], self_check=trace is None)
     ws.after_launch()
     if w == 1:
         return a_shard, c

@@ -408,6 +408,6 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
         plan = launch_plan.make_plan(kl, dict(a=a, s=a_scales, b=b_store, c=c, trace=trace), ws, info)
         if plan is not None:
             launch_plan.store(ws, key, plan)
-    kl.launch(list(args), outputs=(c,), clean=info["clean"], self_check=trace is None)
+    kl.launch(list(kl.args), outputs=(c,), clean=info["clean"], self_check=trace is None)
     ws.after_launch()
     return c
