@@ -950,17 +950,23 @@ PY
     [ $left -gt 20 ] && { timeout $left python -m dev.fixed_cost --plans --fast-only > "$out/fixed-cost.log" 2>&1;
       echo "fixed cost rc=$?"; keep; }
     grep -E "^(all_gather|matmul_reduce|moe_forward|torch|quantize)" "$out/fixed-cost.log" 2>/dev/null | head -12 ;;
-  s16h)  # session 16, the very last call (<= 120 s; tarball $OUT/s16h.tar.gz; three refused starts left 270 s): the
-         # CUDA-graph tests (the static W=1 GEMM's epoch and capture mends, quantize inside captures), quant's cached
-         # launches on the GPU, the MoE MX hit, then one host round if time is left.
+  s16h)  # what session 16 left without a GPU run (<= 300 s; tarball $OUT/s16h.tar.gz): at main, the CUDA-graph tests
+         # (the static W=1 GEMM's epoch and capture mends) and the W=1 TP op tests (the w1_matmul_launch refactor);
+         # with .base = branch host-mx rebased on main: its quant / MoE-hit GPU tests and both trees' host us.
     begin_stage s16h
-    gpu_tests gpu-tests-graphs 50 "w1_tp_op_replays or w1_moe_forward_replays or first_call or stalled" \
+    gpu_tests gpu-tests-graphs 80 "w1_tp_op_replays or w1_moe_forward_replays or first_call or stalled" \
       tests/test_cuda_graphs.py
-    gpu_tests gpu-tests-quant 35 "fast_path_bitwise or bad_inputs_raise_after or hit_quantizes" tests/test_quant.py \
-      tests/test_moe_forward.py
-    left=$((115 - SECONDS)); [ $left -gt 30 ] && left=30
-    [ $left -gt 15 ] && { timeout $left python -m dev.fixed_cost --plans --fast-only > "$out/fixed-cost.log" 2>&1;
-      echo "fixed cost rc=$?"; keep; }
-    grep -E "^(all_gather|matmul_reduce|moe_forward|torch|quantize)" "$out/fixed-cost.log" 2>/dev/null | head -12 ;;
+    gpu_tests gpu-tests-tp-w1 80 "w1 or world1 or static" tests/test_matmul_reduce_scatter.py \
+      tests/test_all_gather_matmul.py
+    if [ -d .base ]; then
+      (cd .base && gpu_tests gpu-tests-host-mx 70 "fast_path_bitwise or bad_inputs_raise_after or hit_quantizes" \
+        tests/test_quant.py tests/test_moe_forward.py)
+      for t in main:. host-mx:.base; do
+        (cd "${t#*:}" && timeout 40 python -m dev.fixed_cost --plans --fast-only > "$out/fixed-cost-${t%%:*}.log" 2>&1)
+        echo "fixed cost ${t%%:*} rc=$?"; keep
+      done
+    fi
+    for f in "$out"/fixed-cost-*.log; do [ -f "$f" ] && { echo "${f##*/}";
+      grep -E "^  (all_gather|matmul_reduce|moe_forward|torch|quantize)" "$f" | head -8; }; done ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16g|s16h" >&2; exit 2 ;;
 esac
