@@ -227,7 +227,8 @@ def test_w1_static_matmul_is_the_self_scheduled_kernel_bitwise(ms, k, n, kmajor,
     t.rk.check_clean(0)
     want = t.outputs()[0]
     got, programs = _w1_static(t.As[0], t.b_store[0], kmajor, grid, t.cfg)
-    assert torch.isfinite(got.float()).all() and torch.equal(got, want), (programs, (got.float() - want.float()).abs().max())
+    assert torch.isfinite(got.float()).all(), programs
+    assert torch.equal(got, want), (programs, (got.float() - want.float()).abs().max())
 
 
 @pytest.mark.gpu

@@ -45,17 +45,17 @@ def _grouped_tile(t, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def w1_matmul_kernel(a_desc, b_desc, c_desc, c_ptr, epoch_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, B_KMAJOR: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
                      DOT_FP32: tl.constexpr):
     """C = A @ B at one rank, where a TP op has nothing to wait for: persistent, program p taking tiles p,
     p + GRID, ... of the grouped order (static: no queue claim, no task table, no exit protocol), and one
     software-pipelined loop over the (tile, k) pairs (``flatten``), so the next tile's first loads are in flight
     during this tile's epilogue. Per tile the same mainloop (tile_matmul) and epilogue values (store_tile's
-    TMA stores) as the self-scheduled kernels: the same bits. The epilogue's tile is recomputed from its own counter (the
-    pipeliner then carries nothing across the flattened loop). Program 0 advances the workspace's device epoch
-    as every KOSMOS launch does (nothing here reads it: no peers; but the calls of other kernels on the same
-    workspace, and a replayed graph's count, see one epoch per launch). Measurements: planning.tile_config's
+    TMA stores) as the self-scheduled kernels: the same bits. The epilogue's tile is recomputed from its own
+    counter (the pipeliner then carries nothing across the flattened loop). Program 0 advances the workspace's
+    device epoch as every KOSMOS launch does (nothing here reads it: no peers; but the calls of other kernels on
+    the same workspace, and a replayed graph's count, see one epoch per launch). Measurements: planning.tile_config's
     docstring."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
@@ -84,7 +84,7 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
     a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
     kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
               DOT_FP32=dot_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return max(1, min(programs, tiles)), (a_desc, b_desc, c_desc, c, epoch_slot, m, n, k), kw
+    return max(1, min(programs, tiles)), (a_desc, b_desc, c_desc, epoch_slot, m, n, k), kw
 
 
 def w1_matmul_launch(a, b_store, b_kmajor: bool, c, cfg, ws, programs: int):
