@@ -13,8 +13,7 @@ g | u), interleaved ``--passes`` times, each call timed as the bench times the b
 L2 flushed, median of --iters). The two layouts' gradients are compared bit for bit once, one tensor at a time
 (deepseek-v3's dW13 is 15 GB). The same tree and process for both: the layout is a call argument. ``--variants`` names what is compared, the
 first being the base of the bitwise check and of the ratios: ``packed``, ``padded`` or ``one-launch`` (the padded
-layout with the expert part in one persistent launch, ``one_launch=True``) or ``one-launch-pairs`` (the same with
-moe_backward.BWD_SWIGLU_COL_PAIRS set for its calls).
+layout with the expert part in one persistent launch, ``one_launch=True``).
 ``--trace DIR``: after the passes, one call of the one launch with its trace buffer (expert_backward_one_launch's
 ``trace=``): per task kind (dgrad2, swiglu-bwd, dgrad1, wgrad2, wgrad1, unpermute, wait) the task count, first
 start, last end and busy time per program, printed and kept as a row; the timeline JSON goes to DIR (draw it
@@ -34,9 +33,7 @@ import torch
 from dev.rows import Rows
 
 VARIANTS = {"packed": dict(padded=False), "padded": dict(padded=True),
-            "one-launch": dict(padded=True, one_launch=True),
-            # the one launch with its SwiGLU blocks' column steps two at a time (moe_backward.BWD_SWIGLU_COL_PAIRS)
-            "one-launch-pairs": dict(padded=True, one_launch=True, module=dict(BWD_SWIGLU_COL_PAIRS=True))}
+            "one-launch": dict(padded=True, one_launch=True)}
 
 
 def parse_variants(text: str) -> list[str]:
@@ -49,7 +46,7 @@ def parse_variants(text: str) -> list[str]:
     return names
 
 
-def traced_one_launch(call, model: str, args, rows, variant: str = "one-launch") -> None:
+def traced_one_launch(call, model: str, args, rows) -> None:
     """One call of the one launch with a trace buffer (expert_backward_one_launch(trace=) through a wrapper: the
     public call has no trace argument); its per-kind table printed and emitted, its timeline JSON written."""
     import json
@@ -63,23 +60,23 @@ def traced_one_launch(call, model: str, args, rows, variant: str = "one-launch")
     real = mb.expert_backward_one_launch
     mb.expert_backward_one_launch = lambda *a, **k: real(*a, **k, trace=buf)
     try:
-        call(variant)  # compiles the traced variant
+        call("one-launch")  # compiles the traced variant
         buf.zero_()
         torch.cuda.synchronize()
-        call(variant)
+        call("one-launch")
         torch.cuda.synchronize()
         runtime.check_errors()
     finally:
         mb.expert_backward_one_launch = real
     events = trace_events(buf)
     text = kind_table([events], grid)
-    print(f"{model} {args.tokens} {args.routing}: the one launch ({variant}) traced ({len(events)} events)\n{text}", flush=True)
+    print(f"{model} {args.tokens} {args.routing}: the one launch traced ({len(events)} events)\n{text}", flush=True)
     rows.emit({"type": "trace_table", "model": model, "tokens": args.tokens, "routing": args.routing, "table": text})
     os.makedirs(args.trace, exist_ok=True)
     doc = {"type": "trace", "op": "moe_bwd", "model": model, "tokens": args.tokens, "routing": args.routing,
            "world": 1, "impl": "kosmos-one-launch", "kinds": {str(k): v for k, v in runtime.TRACE_KINDS.items()},
            "ranks": [{"rank": 0, "events": events}]}
-    name = f"trace-moe-bwd-{variant}-{model}-{args.tokens}-{args.routing.replace(':', '')}.json"
+    name = f"trace-moe-bwd-one-launch-{model}-{args.tokens}-{args.routing.replace(':', '')}.json"
     with open(os.path.join(args.trace, name), "w") as f:
         json.dump(doc, f)
 
@@ -117,15 +114,9 @@ def main(argv=None) -> int:
                rows=int(pt.experts.numel()), gu_saved=pt.saved is not None)
     rows.emit(env)
 
-    from kosmos.kernels import moe_backward as mb
-    module_defaults = {k: getattr(mb, k) for v in VARIANTS.values() for k in v.get("module", {})}
-
     def call(variant):
-        kw = dict(VARIANTS[variant])
-        for k, v in {**module_defaults, **kw.pop("module", {})}.items():  # a variant's module knobs, else defaults
-            setattr(mb, k, v)
         return moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
-                               saved_gu=pt.saved, **kw, **inp.backward_kw())
+                               saved_gu=pt.saved, **VARIANTS[variant], **inp.backward_kw())
 
     # bitwise against the base, one gradient at a time (each call recomputes all four; one pair is kept)
     base = variants[0]
@@ -157,8 +148,7 @@ def main(argv=None) -> int:
         print(f"{m.name} {args.tokens} {args.routing}, median of {args.passes} passes: "
               + ", ".join(f"{v} {med[v]:.3f} ms ({med[v] / med[base]:.3f}x {base})" for v in variants), flush=True)
     if args.trace:
-        launches = [v for v in variants if v.startswith("one-launch")] or ["one-launch"]
-        traced_one_launch(call, m.name, args, rows, launches[-1])  # the last one-launch variant named
+        traced_one_launch(call, m.name, args, rows)
     if args.host_profile:
         import cProfile
         import io

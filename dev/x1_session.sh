@@ -856,6 +856,7 @@ PY
     grep "^| " "$out/train-llama3-8b-w1.md" | head -5 ;;
   s16b)  # session 16 (<= 450 s; tarball $OUT/s16b.tar.gz): what main has not run on a GPU -- the one launch with
          # BWD_SWIGLU_COL_PAIRS (bitwise the multi-launch gradients) and bench moe's backward expert-GEMM rows
+         # (the knob and the one-launch-pairs variant were removed after this call: no gain; the stage is a record)
          # (end to end) --, then the one launch's A/B at deepseek-v3 4k zipf:1.2 (padded multi-launch, the one launch,
          # the one launch with column pairs; one traced call of the last), then issue 16's deepseek-v3 W=1 proxy at
          # the current code (the committed one is session 9's).

@@ -104,9 +104,6 @@ def test_moe_bwd_layout_ab_variants():
     assert ab.parse_variants("packed,padded") == ["packed", "padded"]
     assert ab.parse_variants("padded, one-launch") == ["padded", "one-launch"]
     assert ab.VARIANTS["one-launch"] == dict(padded=True, one_launch=True)
-    from kosmos.kernels import moe_backward as mb
-    for knob in ab.VARIANTS["one-launch-pairs"]["module"]:  # a variant's module knobs exist in moe_backward
-        assert hasattr(mb, knob), knob
     for bad, msg in (("padded,fused", "unknown variant 'fused'"), ("padded", "two or more"),
                      ("padded,padded", "two or more")):
         with pytest.raises(SystemExit, match=msg):

@@ -779,23 +779,20 @@ def _one_launch_case(case, seed=12):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case,programs,saved,wgrad_dtype,on_completion,col_pairs", [
-    ("skewed", 3, False, None, True, False), ("skewed", 2, True, None, False, True),
-    ("one-expert", 4, False, None, True, True), ("one-expert", 2, False, None, False, False),
-    ("sigmoid", 2, False, None, True, True), ("sigmoid", 4, True, torch.float32, False, False)])
-def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dtype, on_completion, col_pairs,
-                                                 monkeypatch):
+@pytest.mark.parametrize("case,programs,saved,wgrad_dtype,on_completion", [
+    ("skewed", 3, False, None, True), ("skewed", 2, True, None, False), ("one-expert", 4, False, None, True),
+    ("one-expert", 2, False, None, False), ("sigmoid", 2, False, None, True),
+    ("sigmoid", 4, True, torch.float32, False)])
+def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dtype, on_completion, monkeypatch):
     """moe_backward_w1(one_launch=True) -- dgrad2, the SwiGLU backward, dgrad1, both flat wgrad loops and the
     dispatch backward as stages of one persistent launch of 2-4 programs -- gives bitwise the default multi-launch
     path's dx, d_router, dw13 and dw2, with every buffer the launch allocates poisoned (NaN / the largest integer):
     an empty expert, one expert with all tokens, T not a multiple of any tile, softmax and sigmoid-grouped
     routing, the recomputed and a saved g | u, bf16 and fp32 weight gradients, SWIGLU run by each m-tile's last
-    dgrad2 tile or as its own queue (BWD_SWIGLU_ON_COMPLETION), its blocks one column step at a time or two
-    (BWD_SWIGLU_COL_PAIRS); deterministic."""
+    dgrad2 tile or as its own queue (BWD_SWIGLU_ON_COMPLETION); deterministic."""
     from kosmos.kernels import moe_backward as mb
     from simranks import placed_gate_up
     monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
-    monkeypatch.setattr(mb, "BWD_SWIGLU_COL_PAIRS", col_pairs)
     layer, weights, experts, kw = _one_launch_case(case)
     saved_gu = placed_gate_up(layer[0], layer[2], experts, experts.shape[1],
                               torch.Generator().manual_seed(1)) if saved else None
@@ -868,17 +865,15 @@ def test_moe_backward_one_launch_refuses_the_packed_layout():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("saved", [False, True])
-@pytest.mark.parametrize("programs,col_pairs", [(None, False), (7, False), (None, True), (7, True)])
-def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, col_pairs, monkeypatch):
+@pytest.mark.parametrize("programs", [None, 7])
+def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, monkeypatch):
     """On the GPU, at the real tiles (dgrad 128x256x64, the flat wgrad's 128x256 / 256x128, 8 warps): the one
     launch (every buffer it allocates poisoned) gives bitwise the default multi-launch path's gradients, on a
     skewed routing with an empty expert, T not a multiple of any tile, bf16 and fp32 weight gradients, on all SMs
-    and on 7 programs, with the SwiGLU blocks' column steps one or two at a time (F = 768: three 256-column
-    steps, so the second pair is half masked); twice the same."""
+    and on 7 programs; twice the same."""
     import kosmos
     from kosmos.kernels import moe_backward as mb
     from kosmos.kernels.moe_backward import moe_backward_w1
-    monkeypatch.setattr(mb, "BWD_SWIGLU_COL_PAIRS", col_pairs)
     # expert 3's logit ~ -160 +- 16 (the other logits ~ 0 +- 16): never among the top 8; expert 0 pulled in
     x, wr, w13, w2, dy, weights, experts, saved_gu = _gpu_skewed_layer(3001, 1024, 768, 32, 8, saved, push=-40.0,
                                                                        pull=4.0)

@@ -344,10 +344,11 @@ interleaved 2x (dev.moe_bwd_layout_ab --variants padded,one-launch, 10 timed cal
 equal first: qwen3-235b 4k uniform 6.734 / 6.471 -> 6.612 / 6.626 ms (pass 0 / 1: inside the pass-to-pass
 spread); deepseek-v3 4k uniform 20.289 / 20.554 -> 20.682 / 21.237 (+2-3%, slower in both passes). So
 ONE_LAUNCH stays False. Session 16 (results/h200x1/s16/b), deepseek-v3 4k zipf:1.2: padded 20.328, one launch
-22.318 ms (1.098x), with BWD_SWIGLU_COL_PAIRS 22.289 (1.096x); traced: dgrad2 1.93 ms busy per program, SwiGLU
-0.39, dgrad1 4.84, wgrad2 3.82, wgrad1 7.74 (its span 8.8 ms), unpermute 0.26, waits 0.14. Not yet looked at
-(session 14's list): the trace (where deepseek-v3 loses 0.4-0.7 ms: SWIGLU beside the
-dgrads, WGRAD's start skew, or the 255-register kernel's dgrad tiles), and 8k / zipf.
+22.318 ms (1.098x). Tried and removed: the SwiGLU blocks' two column steps' loads issued before either's
+stores (more bytes in flight for one program per SM; the same bits, GPU-tested; predicted -0.3 ms): 22.289
+(1.096x), no gain. Traced: dgrad2 1.93 ms busy per program, SwiGLU 0.39, dgrad1 4.84, wgrad2 3.82, wgrad1 7.74
+(its span 8.8 ms), unpermute 0.26, waits 0.14. Still open: which of SWIGLU beside the dgrads, WGRAD's start
+skew or the 255-register kernel's dgrad tiles costs the ~2 ms, and 8k.
 W > 1 (not built; the design keeps room for it): COMBINE-BWD becomes a first stage (dy rows and the gate weights
 pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
 flags and counts; the destination's plan -- counts, padded offsets, first m-tiles -- built on the device by one
@@ -981,35 +982,10 @@ def _swiglu_backward_kernel(z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid
 
 
 @triton.jit
-def _swiglu_col_loads(i64, zm, mask, c, z_ptr, gu_ptr, F):
-    """One BF-column step's operands of _swiglu_backward_rows: z, g, u in fp32 (z's masked rows as zeros)."""
-    o2 = i64[:, None] * (2 * F) + c[None, :]
-    z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=zm[:, None] & (c < F)[None, :], other=0.0).to(tl.float32)
-    g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
-    return z, g, u
-
-
-@triton.jit
-def _swiglu_col_stores(i64, mask, c, h, dg, du, dgu_ptr, h_ptr, F, EMIT_H: tl.constexpr, INTERP: tl.constexpr):
-    o2 = i64[:, None] * (2 * F) + c[None, :]
-    if EMIT_H:
-        tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
-    tl.store(dgu_ptr + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
-    tl.store(dgu_ptr + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
-
-
-@triton.jit
 def _swiglu_backward_rows(i, rm, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, BF: tl.constexpr,
-                          EMIT_H: tl.constexpr, INTERP: tl.constexpr, HAS_VALID: tl.constexpr,
-                          COL_PAIRS: tl.constexpr = False):
+                          EMIT_H: tl.constexpr, INTERP: tl.constexpr, HAS_VALID: tl.constexpr):
     """_swiglu_backward_kernel's rows i (int32 [BR], those with rm): the standalone pass's program and a block of
-    the one-launch backward's SWIGLU task. Every row's arithmetic depends on that row alone (and BF).
-    COL_PAIRS: two BF-column steps per iteration, both steps' loads issued before either's stores (a store may
-    alias a later load, so the compiler keeps one step's loads in flight otherwise) -- for one program per SM,
-    which has no other memory-level parallelism. The same values, the same [BR, BF] row sums added to dw in the
-    same left-to-right order (a fully masked step adds +0.0, which leaves dw's bits: dw is never -0.0): the same
-    bits as one step at a time."""
+    the one-launch backward's SWIGLU task. Every row's arithmetic depends on that row alone (and BF)."""
     zm = rm
     if HAS_VALID:
         zm = rm & (tl.load(valid_ptr + i, mask=rm, other=0) != 0)
@@ -1017,26 +993,20 @@ def _swiglu_backward_rows(i, rm, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, 
     wp = tl.load(wp_ptr + i, mask=rm, other=0.0)
     dw = tl.zeros(i.shape, dtype=tl.float32)
     c0 = tl.arange(0, BF)
-    if COL_PAIRS:
-        for col in range(0, F, 2 * BF):
-            ca, cb = col + c0, col + BF + c0
-            ma, mb = rm[:, None] & (ca < F)[None, :], rm[:, None] & (cb < F)[None, :]
-            za, ga, ua = _swiglu_col_loads(i64, zm, ma, ca, z_ptr, gu_ptr, F)
-            zb, gb, ub = _swiglu_col_loads(i64, zm, mb, cb, z_ptr, gu_ptr, F)
-            ha, dga, dua = _swiglu_backward_values(za, wp, ga, ua, INTERP)
-            hb, dgb, dub = _swiglu_backward_values(zb, wp, gb, ub, INTERP)
-            _swiglu_col_stores(i64, ma, ca, ha, dga, dua, dgu_ptr, h_ptr, F, EMIT_H, INTERP)
-            _swiglu_col_stores(i64, mb, cb, hb, dgb, dub, dgu_ptr, h_ptr, F, EMIT_H, INTERP)
-            dw += tl.sum(za * ha, 1)
-            dw += tl.sum(zb * hb, 1)
-    else:
-        for col in range(0, F, BF):
-            c = col + c0
-            mask = rm[:, None] & (c < F)[None, :]
-            z, g, u = _swiglu_col_loads(i64, zm, mask, c, z_ptr, gu_ptr, F)
-            h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
-            _swiglu_col_stores(i64, mask, c, h, dg, du, dgu_ptr, h_ptr, F, EMIT_H, INTERP)
-            dw += tl.sum(z * h, 1)
+    for col in range(0, F, BF):
+        c = col + c0
+        mask = rm[:, None] & (c < F)[None, :]
+        o2 = i64[:, None] * (2 * F) + c[None, :]
+        z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=zm[:, None] & (c < F)[None, :],
+                    other=0.0).to(tl.float32)
+        g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
+        h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
+        if EMIT_H:
+            tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
+        dw += tl.sum(z * h, 1)
+        tl.store(dgu_ptr + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
+        tl.store(dgu_ptr + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
     tl.store(dw_ptr + i, dw, mask=rm)
 
 
@@ -1503,13 +1473,6 @@ BWD_INTERP_TIMEOUT_NS = 1_000_000  # its waits' bound: 1000 spins (each wait is 
 # queue after DGRAD2's (each task waiting for its m-tile's tiles), which only starts once every dgrad2 tile is
 # claimed. Unmeasured: the lead's A/B (both tested bitwise).
 BWD_SWIGLU_ON_COMPLETION = True
-# True: the one launch's SwiGLU blocks load two BF-column steps before storing either (_swiglu_backward_rows'
-# COL_PAIRS; the same bits). Session 15's trace: the pass took 0.59 ms per program at deepseek-v3 4k inside the
-# launch vs ~0.25 ms as its own kernel (many programs per SM) -- one 8-warp program with one [8, 256] step's
-# 12 KiB of loads in flight is latency-bound. MEASURED (session 16, results/h200x1/s16/b, deepseek-v3 4k zipf:1.2,
-# 2 interleaved passes, bitwise equal): one launch 22.318 -> 22.289 ms (padded multi-launch 20.328): no gain
-# (predicted -0.3 ms); its traced SwiGLU busy time 388 us per program. Kept as an option, off.
-BWD_SWIGLU_COL_PAIRS = False
 
 
 @triton.jit
@@ -1524,7 +1487,7 @@ def _trace_clock(TRACE: tl.constexpr):
 @triton.jit
 def _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr,
                       valid_ptr, swiglu_ctr, swiglu_done_ptr, F, BM: tl.constexpr, PAD: tl.constexpr,
-                      SW_BR: tl.constexpr, SW_BF: tl.constexpr, INTERP: tl.constexpr, SW_COL_PAIRS: tl.constexpr):
+                      SW_BR: tl.constexpr, SW_BF: tl.constexpr, INTERP: tl.constexpr):
     """The one launch's SWIGLU task of m-tile gm (its dgrad2 tiles stored and acquired): _swiglu_backward_rows over
     the m-tile's rows in SW_BR-row blocks up to the expert's padded end -- its gap rows get zeros (the flat wgrad
     reads them), the next expert's rows are another m-tile's --, then swiglu_done[gm] and the count (release)."""
@@ -1535,7 +1498,7 @@ def _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, g
     for r0 in range(0, n_rows, SW_BR):
         r = r0 + tl.arange(0, SW_BR)
         _swiglu_backward_rows(row0 + r, r < n_rows, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, SW_BF,
-                              True, INTERP, True, SW_COL_PAIRS)
+                              True, INTERP, True)
     tl.debug_barrier()
     tl.atomic_add(swiglu_ctr + gm, 1, sem="release", scope="gpu")
     tl.atomic_add(swiglu_done_ptr, 1, sem="release", scope="gpu")
@@ -1550,7 +1513,7 @@ def _moe_backward_experts_kernel(
         T, H, F, E, R_PAD,
         TOPK: tl.constexpr, ELP2: tl.constexpr, PAD: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEMM_STAGES: tl.constexpr,
-        TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr, SW_COL_PAIRS: tl.constexpr,
+        TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
@@ -1591,8 +1554,7 @@ def _moe_backward_experts_kernel(
                                  gm)
                     _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr,
                                       dgu_ptr, h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr,
-                                      scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD, SW_BR, SW_BF, DOT_FP32,
-                                      SW_COL_PAIRS)
+                                      scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD, SW_BR, SW_BF, DOT_FP32)
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, gm, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
     if not SWIGLU_ON_COMPLETION:  # SWIGLU as its own queue: per m-tile, waiting for its dgrad2 tiles
@@ -1605,7 +1567,7 @@ def _moe_backward_experts_kernel(
             if ok != 0:
                 _bwd_swiglu_mtile(t, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr,
                                   h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr, scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD,
-                                  SW_BR, SW_BF, DOT_FP32, SW_COL_PAIRS)
+                                  SW_BR, SW_BF, DOT_FP32)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
     if sched.has_stage(stages, STAGE_BWD_DGRAD1) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m-tile, H-tile)
@@ -1745,8 +1707,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         errors if trace is None else trace, n_tok, h, f, n_exp, r_pad,
         TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
         TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
-        SW_BR=sw_br, SW_BF=sw_bf, SW_COL_PAIRS=BWD_SWIGLU_COL_PAIRS, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0],
-        W1_BJ=w1t[1], W_BR=w2t[2],
+        SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
         SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, num_warps=warps,
         num_stages=gemm_stages)
