@@ -38,25 +38,17 @@ import triton
 import triton.language as tl
 
 from dev.rows import Rows
-
-GROUP_M = 8
-
-
-@triton.jit
-def _tile_of(t, n_m, n_n, GROUP: tl.constexpr):
-    """Tile t's (m, n) in the grouped order of planning._grouped (GROUP m-tiles share each n-tile, for L2)."""
-    per_group = GROUP * n_n
-    g = t // per_group
-    first_m = g * GROUP
-    size = tl.minimum(n_m - first_m, GROUP)
-    return first_m + (t % per_group) % size, (t % per_group) // size
+from kosmos.kernels.common import _grouped_tile, store_tile_tma
+from kosmos.planning import GROUP_M
 
 
 @triton.jit
 def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr):
+                   GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr):
     """C = A @ B, program p taking tiles p, p + PROGRAMS, ...; FLATTEN: one software-pipelined loop over the
-    (tile, k) pairs (the epilogue's tile id recomputed, as the pipeliner needs it not carried across)."""
+    (tile, k) pairs (the epilogue's tile id recomputed, as the pipeliner needs it not carried across). The
+    probe's form of kernels/common.w1_matmul_kernel, which it became (session 16), with the grid a constexpr
+    and the flattening a switch."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -64,15 +56,13 @@ def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
     tiles = n_m * n_n
     t_out = pid - PROGRAMS
     for t in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN, num_stages=STAGES):
-        tm, tn = _tile_of(t, n_m, n_n, 8)
+        tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(k_steps):
             acc = tl.dot(a_desc.load([tm * BM, kk * BK]), b_desc.load([kk * BK, tn * BN]), acc)
         t_out += PROGRAMS
-        om, on = _tile_of(t_out, n_m, n_n, 8)
-        halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-        c_desc.store([om * BM, on * BN], halves[0].to(tl.bfloat16))
-        c_desc.store([om * BM, on * BN + BN // 2], halves[1].to(tl.bfloat16))
+        om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
+        store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
 
 
 def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs):
@@ -87,8 +77,8 @@ def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs):
     grid = min(programs, tiles)
 
     def fn():
-        _static_matmul[(grid,)](ad, bd, cd, m, n, k, BM=bm, BN=bn, BK=bk, PROGRAMS=grid, FLATTEN=flatten,
-                                STAGES=stages, num_warps=warps, num_stages=stages)
+        _static_matmul[(grid,)](ad, bd, cd, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=GROUP_M, PROGRAMS=grid,
+                                FLATTEN=flatten, STAGES=stages, num_warps=warps, num_stages=stages)
         return c
     return fn
 

@@ -214,7 +214,7 @@ class Plan:
     def __init__(self, kl, slots, info):
         self.launch = kl
         self.slots = slots
-        self.timeout_slot = kl._index.get("timeout_us")  # None: a kernel without bounded waits (W=1's GEMM)
+        self.timeout_slot = kl.slot("timeout_us", None)  # None: a kernel without bounded waits (W=1's GEMM)
         self.info = info
 
     def call(self, ws, sources: dict, outputs, traced: bool) -> None:
@@ -300,8 +300,9 @@ class KernelLaunch:
         self.fast = None
         self.reason = None
 
-    def slot(self, name: str) -> int:
-        return self._index[name]
+    def slot(self, name: str, *default):
+        """The position of runtime argument ``name``; ``default`` (if given) where the kernel has none."""
+        return self._index.get(name, *default) if default else self._index[name]
 
     def launch(self, args, outputs=(), clean=None, self_check=True):
         """Launch with ``args`` (a full runtime argument list). ``outputs``: the tensors the launch writes that
