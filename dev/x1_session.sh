@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16g|s16h}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -24,6 +24,16 @@ gpu_tests() {  # LOGNAME SECONDS SELECTION FILE...: the GPU tests of a -k select
   timeout "$secs" python -m pytest -v -p no:cacheprovider --timeout $((secs - 20)) -m gpu "$@" -k "$sel" \
     > "$out/$log.log" 2>&1
   echo "$log rc=$?"; grep -E "FAILED|ERROR" "$out/$log.log" | sed 's/ *\[.*//'; tail -1 "$out/$log.log"; keep
+}
+grid_run() {  # SECONDS: the public grid (suites/tp-grid.yaml, both TP ops, kosmos rows) at W=1, rendered (md, text)
+  timeout "$1" python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
+    --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "grid rc=$?"
+  timeout 20 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" --format md --out "$out/tp-grid-w1.md" \
+    >> "$out/bench-grid.log" 2>&1
+  COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" > "$out/tp-grid-w1.txt" \
+    2>> "$out/bench-grid.log"; keep
+  echo "rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
+    "$out/tp-grid-w1.jsonl")"
 }
 bwd_rows() {  # the MoE bench's kosmos / nccl-a2a bwd and fwd+bwd rows of a JSONL file: time and peak memory
   python - "$1" <<'PY'
@@ -910,47 +920,19 @@ PY
     timeout 60 python -m dev.flat_probe --max-seconds 45 --json "$out/flat-probe.jsonl" > "$out/flat-probe.log" 2>&1
     echo "flat probe rc=$?"; keep
     left=$((500 - SECONDS)); [ $left -gt 240 ] && left=240
-    timeout $left python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
-      --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "grid rc=$?"
-    timeout 20 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" --format md --out "$out/tp-grid-w1.md" \
-      >> "$out/bench-grid.log" 2>&1
-    COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" > "$out/tp-grid-w1.txt" \
-      2>> "$out/bench-grid.log"; keep
+    grid_run $left
     left=$((550 - SECONDS))
     [ $left -gt 30 ] && { timeout $left python -m dev.fixed_cost --plans --fast-only > "$out/fixed-cost.log" 2>&1;
       echo "fixed cost rc=$?"; keep; sed -n '/^median of/,$p' "$out/fixed-cost.log" | head -9; }
     grep -vE "Warning|warn" "$out/flat-probe.log" | sed -n '/^variant/,/^best/p'
-    echo "rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
-      "$out/tp-grid-w1.jsonl")"
     sed -n '/^kosmos against cuBLAS alone at world 1/,/^$/p' "$out/tp-grid-w1.txt" | head -14 ;;
   s16f)  # session 16 (<= 420 s; tarball $OUT/s16f.tar.gz): s16e again after the fix (TMA stores only in the static
          # W=1 GEMM): its GPU tests, then the public grid (suites/tp-grid.yaml, both TP ops, kosmos rows).
     begin_stage s16f
     gpu_tests gpu-tests-w1 130 "w1 or world1 or static or capture" tests/test_matmul_reduce_scatter.py \
       tests/test_all_gather_matmul.py tests/test_cuda_graphs.py tests/test_nn_tp.py
-    left=$((405 - SECONDS))
-    timeout $left python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --impl kosmos \
-      --out "$out/tp-grid-w1.jsonl" > "$out/bench-grid.log" 2>&1; echo "grid rc=$?"
-    timeout 10 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" --format md --out "$out/tp-grid-w1.md" \
-      >> "$out/bench-grid.log" 2>&1
-    COLUMNS=100 timeout 10 python -m kosmos_bench.cli report "$out/tp-grid-w1.jsonl" > "$out/tp-grid-w1.txt" \
-      2>> "$out/bench-grid.log"; keep
-    echo "rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
-      "$out/tp-grid-w1.jsonl")"
+    grid_run $((405 - SECONDS))
     sed -n '/^kosmos against cuBLAS alone at world 1/,/^$/p' "$out/tp-grid-w1.txt" | head -14 ;;
-  s16g)  # session 16, last call (<= 200 s; tarball $OUT/s16g.tar.gz; two refused starts left 360 s): main with branch
-         # host-mx (quantize_mx / dequantize_mx through cached launches, DirectLaunch's scratch kept per stream,
-         # leaner plan lookups). 1. GPU tests: the static W=1 GEMM after its epoch / capture mends (TP W=1, CUDA
-         # graphs, plans), quant's cached launches, the MoE MX hit. 2. Host us per eager call (one round).
-    begin_stage s16g
-    gpu_tests gpu-tests-tp 95 "w1 or world1 or static or capture or graph or plan or fast or direct or scratch" \
-      tests/test_matmul_reduce_scatter.py tests/test_all_gather_matmul.py tests/test_cuda_graphs.py \
-      tests/test_launch_plan.py
-    gpu_tests gpu-tests-quant 45 "quant or plan or hit or fast or bad" tests/test_quant.py tests/test_moe_forward.py
-    left=$((195 - SECONDS)); [ $left -gt 45 ] && left=45
-    [ $left -gt 20 ] && { timeout $left python -m dev.fixed_cost --plans --fast-only > "$out/fixed-cost.log" 2>&1;
-      echo "fixed cost rc=$?"; keep; }
-    grep -E "^(all_gather|matmul_reduce|moe_forward|torch|quantize)" "$out/fixed-cost.log" 2>/dev/null | head -12 ;;
   s16h)  # what session 16 left without a GPU run (<= 300 s; tarball $OUT/s16h.tar.gz): at main, the CUDA-graph tests
          # (the static W=1 GEMM's epoch and capture mends) and the W=1 TP op tests (the w1_matmul_launch refactor);
          # with .base = branch host-mx rebased on main: its quant / MoE-hit GPU tests and both trees' host us.
@@ -969,5 +951,5 @@ PY
     fi
     for f in "$out"/fixed-cost-*.log; do [ -f "$f" ] && { echo "${f##*/}";
       grep -E "^  (all_gather|matmul_reduce|moe_forward|torch|quantize)" "$f" | head -8; }; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16g|s16h" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h" >&2; exit 2 ;;
 esac
