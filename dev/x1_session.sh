@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -951,5 +951,13 @@ PY
     fi
     for f in "$out"/fixed-cost-*.log; do [ -f "$f" ] && { echo "${f##*/}";
       grep -E "^  (all_gather|matmul_reduce|moe_forward|torch|quantize)" "$f" | head -8; }; done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h" >&2; exit 2 ;;
+  s17a)  # session 17: the llama3 per-rank TP suite at W=1 (kosmos runs the static W=1 GEMM), against nccl+cublas
+    begin_stage s17a
+    timeout 330 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b,llama3-8b \
+      --impl kosmos,nccl+cublas --out "$out/tp-llama3-w1.jsonl" > "$out/bench-llama3.log" 2>&1; echo "bench rc=$?"
+    timeout 20 python -m kosmos_bench.cli report "$out/tp-llama3-w1.jsonl" --format md --out "$out/tp-llama3-w1.md" \
+      >> "$out/bench-llama3.log" 2>&1
+    COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/tp-llama3-w1.jsonl" > "$out/tp-llama3-w1.txt" \
+      2>> "$out/bench-llama3.log"; keep; tail -25 "$out/tp-llama3-w1.txt" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a" >&2; exit 2 ;;
 esac
