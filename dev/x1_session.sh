@@ -953,7 +953,7 @@ PY
       grep -E "^  (all_gather|matmul_reduce|moe_forward|torch|quantize)" "$f" | head -8; }; done ;;
   s17a)  # session 17: the llama3 per-rank TP suite at W=1 (kosmos runs the static W=1 GEMM), against nccl+cublas
     begin_stage s17a
-    timeout 330 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b,llama3-8b \
+    timeout 270 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b,llama3-8b \
       --impl kosmos,nccl+cublas --out "$out/tp-llama3-w1.jsonl" > "$out/bench-llama3.log" 2>&1; echo "bench rc=$?"
     timeout 20 python -m kosmos_bench.cli report "$out/tp-llama3-w1.jsonl" --format md --out "$out/tp-llama3-w1.md" \
       >> "$out/bench-llama3.log" 2>&1
