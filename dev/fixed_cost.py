@@ -220,7 +220,7 @@ def plans(fast_only: bool = False):
         ("matmul_reduce_scatter mxfp8", lambda: kosmos.matmul_reduce_scatter(a_mx, b)),
         ("moe_forward T128 H256 F256 E8 k2", lambda: kosmos.moe_forward(x, router, w13, w2, top_k=k)),
         ("moe_forward mxfp8", lambda: kosmos.moe_forward(x, router, w13_mx, w2_mx, top_k=k, precision="mxfp8")),
-        ("quantize_mx 128x256", lambda: quant.quantize_mx(a)),  # Triton's normal launch (branch host-mx: cached)
+        ("quantize_mx 128x256", lambda: quant.quantize_mx(a)),  # cached launches since 2026-12-02 (quant._launch)
         ("torch.matmul 128x256x256", lambda: a @ b),
     ]
     print(f"triton {triton.__version__}, fast launch supported: {launch_plan.fast_launch_supported()}")
@@ -252,6 +252,10 @@ def plans(fast_only: bool = False):
             direct = getattr(fast, "direct", [None])[0] if fast is not None else None
             print(f"plan of {plan.launch.kernel.__name__}: state {plan.launch.state}, direct launch "
                   f"{'yes' if direct is not None else 'no'}")
+    for kl in quant._PLANS.values():  # quantize_mx / dequantize_mx's cached launches (quant._launch)
+        direct = getattr(kl.fast, "direct", [None])[0] if kl.fast is not None else None
+        print(f"quant launch {kl.kernel.__name__} grid {kl.grid}: state {kl.state}, direct launch "
+              f"{'yes' if direct is not None else 'no'}{', ' + kl.reason if kl.reason else ''}")
     if not fast_only:
         _host_profile(lambda: kosmos.matmul_reduce_scatter(a, b))
 

@@ -80,6 +80,8 @@ import warnings
 
 import torch
 
+from . import runtime
+
 VERIFIED_TRITON = ("3.6", "3.9")  # major.minor whose CompiledKernel.run convention was read (docstring)
 MAX_PLANS = 512  # per workspace; beyond it the plans start over (one-off shapes must not grow memory)
 
@@ -131,11 +133,13 @@ class Unkeyable(Exception):
 
 
 def input_key(x):
-    """The properties of an input that every check and the kernel's specialisation depend on."""
+    """The properties of an input that every check and the kernel's specialisation depend on. (2026-12-02: the
+    MX pair without a generator; unmeasured on a GPU until the lead runs ``dev.fixed_cost``.)"""
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
-    if isinstance(x, tuple) and len(x) == 2:  # an MXTensor (payload, scales)
-        return tuple(input_key(v) for v in x)
+    if isinstance(x, tuple) and len(x) == 2:  # an MXTensor (payload, scales); no generator: a hot path
+        p, s = x
+        return input_key(p), input_key(s)
     if x is None:
         return None
     raise Unkeyable
@@ -146,13 +150,15 @@ def find(op: str, group, tensors, others, device):
     input_key of each of ``tensors`` (tensors, MX pairs or None) and the hashable ``others`` (config, policy,
     routing arguments...), on the workspace of ``group`` on ``device``; plan None on a miss. (None, None, None)
     when the call cannot key a plan (an input that is not a tensor, an unhashable config): the op then runs
-    its full checks, which say what is wrong."""
+    its full checks, which say what is wrong.
+
+    2026-12-02: map instead of a generator, runtime imported once (a function-level import costs ~0.5 us per
+    call); unmeasured on a GPU until the lead runs ``dev.fixed_cost``."""
     try:
-        key = (op, *(input_key(t) for t in tensors), *others)
+        key = (op, *map(input_key, tensors), *others)
         hash(key)
     except (Unkeyable, TypeError):
         return None, None, None
-    from . import runtime
     ws = runtime.get_workspace(group, device)
     return ws, key, (lookup(ws, key) if hasattr(ws, "_plans") else None)
 
@@ -220,8 +226,8 @@ class Plan:
     def call(self, ws, sources: dict, outputs, traced: bool) -> None:
         """A hit's launch, the same for every op: the error check of the last call (``before_launch``), the
         launch with this call's tensors (``sources``) and ``outputs``, the error event. A traced call never
-        self-checks (a second launch would overwrite its trace buffer in part)."""
-        from . import runtime
+        self-checks (a second launch would overwrite its trace buffer in part). (2026-12-02: runtime imported at
+        module level, not here; unmeasured on a GPU.)"""
         runtime.ensure_triton_allocator()
         ws.before_launch()
         self.launch.launch(self.args(sources, ws.timeout_ns()), outputs=outputs, clean=self.info["clean"],
@@ -287,11 +293,13 @@ def make_plan(kl, sources: dict, ws, info, views=()):
 
 class KernelLaunch:
     """One kernel's launch with its call-invariant arguments bound: ``args`` (the runtime arguments in the
-    kernel's order; ``slot(name)`` gives a per-call argument's position), ``kw`` (constexprs and options)."""
+    kernel's order; ``slot(name)`` gives a per-call argument's position), ``kw`` (constexprs and options).
+    ``grid``: an int or a tuple of up to 3 (2026-12-02: tuples for quant.py's 2-D grid; unmeasured on a GPU)."""
 
-    def __init__(self, kernel, grid: int, args, kw: dict):
+    def __init__(self, kernel, grid, args, kw: dict, device=None):
         self.kernel = kernel
-        self.grid = (grid,)
+        self.grid = tuple(grid) if isinstance(grid, tuple) else (grid,)
+        self.device = device  # a CUDA device made current around a normal launch (quant.py); None: the current one
         self.args = list(args)
         self.kw = dict(kw)
         self._index = {name: i for i, name in enumerate(kernel.arg_names[:len(self.args)])}
@@ -309,7 +317,8 @@ class KernelLaunch:
         the self-check compares; ``clean()``: after a synchronisation, None or what is wrong with the error
         record / queue heads. ``self_check=False``: no self-check, so the plan keeps the normal launch -- the
         ops pass it for a traced call, whose trace buffer a second launch of the self-check would overwrite
-        only in part (the GPU's trace tests caught it, session 10)."""
+        only in part (the GPU's trace tests caught it, session 10). 2026-12-02: with ``self.device`` set, the
+        normal launch and its self-check run with that device current (quant.py; unmeasured on a GPU)."""
         if self.state == "verified" and _STATE["fast"]:
             try:
                 self.fast(args)
@@ -319,6 +328,13 @@ class KernelLaunch:
                 pass
             except Exception as e:  # noqa: BLE001 -- any failure: the normal launch, fast path off
                 self._disable(f"the fast launch raised {type(e).__name__}: {e}")
+        if self.device is None:
+            self._normal(args, outputs, clean, self_check)
+        else:  # the self-check inside too: the fast launcher is bound to the device current when it is made
+            with torch.cuda.device(self.device):
+                self._normal(args, outputs, clean, self_check)
+
+    def _normal(self, args, outputs, clean, self_check) -> None:
         compiled = self.kernel[self.grid](*args, **self.kw)
         STATS["normal_launches"] += 1
         if (self.state == "new" and self_check and outputs and _STATE["fast"] and fast_launch_supported()
@@ -336,7 +352,8 @@ class KernelLaunch:
         STATS["self_checks"] += 1
         snap = [o.clone() for o in outputs]
         try:
-            self.fast = make_fast_launcher(self.kernel, compiled, len(args), self.kw, self.grid[0],
+            self.fast = make_fast_launcher(self.kernel, compiled, len(args), self.kw,
+                                           self.grid[0] if len(self.grid) == 1 else self.grid,
                                            varying=self.varying)
             if self.fast is None:
                 self.state = "off"
@@ -388,12 +405,18 @@ def _capturing() -> bool:
     return capturing()
 
 
-def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int, varying=None):
+def _grid3(grid) -> tuple:
+    """(x, y, z) of an int or tuple grid."""
+    return (*grid, 1, 1)[:3] if isinstance(grid, tuple) else (grid, 1, 1)
+
+
+def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid, varying=None):
     """A callable ``fast(args)`` launching ``compiled`` (what ``kernel[grid](*args, **kw)`` returned) with the
     runtime arguments ``args``, as JITFunction.run's last line does (module docstring); None where the kernel's
     parameters do not have every constexpr after the runtime arguments. ``varying``: the positions of the
     arguments that may change between calls (a plan's caller slots and the timeout); given, the launch goes
-    straight to Triton's C launcher where this Triton's convention was read (``DirectLaunch``)."""
+    straight to Triton's C launcher where this Triton's convention was read (``DirectLaunch``). ``grid``: an int
+    or a tuple of up to 3 (2026-12-02, for quant.py's 2-D grid; unmeasured on a GPU)."""
     if not fast_launch_supported() or compiled is None:
         return None
     if hasattr(compiled, "result"):  # a future (Triton's asynchronous compile mode)
@@ -412,6 +435,7 @@ def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int, varyi
     get_device, get_stream = driver.active.get_current_device, driver.active.get_current_stream
     device0 = get_device()
     hooks = knobs.runtime
+    gx, gy, gz = _grid3(grid)
     direct = [None, varying is not None]  # the DirectLaunch, built from the first call's arguments; still to try
 
     def fast(args):
@@ -426,7 +450,7 @@ def make_fast_launcher(kernel, compiled, n_args: int, kw: dict, grid: int, varyi
         if direct[0] is not None:
             direct[0](args, get_stream(device))
         else:
-            run(grid, 1, 1, get_stream(device), function, meta, None, None, None, *args, *tail)
+            run(gx, gy, gz, get_stream(device), function, meta, None, None, None, *args, *tail)
 
     fast.direct = direct
     return fast
@@ -458,12 +482,17 @@ class DirectLaunch:
     the Triton versions in ``DIRECT_TRITON``, with no profile scratch and the wrapper's closure exactly as read
     (its free variables ``launcher``, ``tensordesc_indices``, ``tensordesc_meta``); else None (``compiled.run``
     as before). The plan's self-check runs it against the normal launch (bitwise outputs) before any call
-    relies on it."""
+    relies on it. 2026-12-02: ``grid`` an int or a tuple of up to 3 (scratch sized for their product, as
+    __call__ does); the global scratch kept per (allocator, stream) instead of one torch.empty per call (~3.4-5.9
+    us on H200's host, session 15), except under PDL or a CUDA-graph capture (then per call, as before): a
+    launch on a stream starts after the previous one there ended, so they cannot overlap on it. Unmeasured on a
+    GPU until the lead runs ``dev.fixed_cost``."""
 
     def __init__(self, raw, indices, metas, expand, head, args, tail, varying, grid, scratch=None):
-        self.raw, self.expand, self.grid = raw, expand, grid
+        self.raw, self.expand, self.grid = raw, expand, _grid3(grid)
         self.function, self.coop, self.pdl, self.packed = head
         self.scratch = scratch  # None, or (allocator context variable, bytes, alignment): global scratch per call
+        self._scratch = {}  # (allocator, stream) -> the global scratch reused by launches on that stream
         self.flat, where, j = [], [], 0
         for i, a in enumerate([*args, *tail]):
             if i in indices:
@@ -508,7 +537,8 @@ class DirectLaunch:
             DIRECT_REFUSED.append((getattr(getattr(compiled, "src", None), "name", "?"), why))
             return None
         size = getattr(run, "global_scratch_size", 0)
-        scratch = (_allocation._allocator, grid * getattr(run, "num_ctas", 1) * size,
+        gx, gy, gz = _grid3(grid)
+        scratch = (_allocation._allocator, gx * gy * gz * getattr(run, "num_ctas", 1) * size,
                    run.global_scratch_align) if size else None
         head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata)
         STATS["direct_built"] += 1
@@ -530,6 +560,15 @@ class DirectLaunch:
         scratch = None
         if self.scratch is not None:  # as CudaLauncher.__call__'s allocate_scratch: the allocator set for this call
             var, size, align = self.scratch
-            scratch = var.get()(size, align, stream)
-        self.raw(self.grid, 1, 1, stream, self.function, self.coop, self.pdl, scratch, None, self.packed, None, None,
+            alloc = var.get()
+            if self.pdl or runtime.capturing():  # launches may overlap / a graph keeps its own: one per call
+                scratch = alloc(size, align, stream)
+            else:  # reused: a launch on this stream starts after the last one on it has ended
+                key = (alloc, stream)
+                scratch = self._scratch.get(key)
+                if scratch is None:
+                    if len(self._scratch) >= 8:
+                        self._scratch.clear()
+                    scratch = self._scratch[key] = alloc(size, align, stream)
+        self.raw(*self.grid, stream, self.function, self.coop, self.pdl, scratch, None, self.packed, None, None,
                  None, *flat)

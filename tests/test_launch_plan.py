@@ -360,3 +360,61 @@ def test_direct_launch_only_where_the_launcher_was_read(monkeypatch):
         return unknown
     run.launch = inner
     assert launch_plan.DirectLaunch.build(compiled, [], (), [], 1) is None
+
+
+def test_direct_launch_2d_grid(monkeypatch):
+    """A 2-D grid (quant.py's kernels): DirectLaunch passes (x, y, 1) to the launcher and sizes global scratch
+    for x * y programs, as CudaLauncher.__call__ does; make_fast_launcher's int grids stay (g, 1, 1)."""
+    from types import SimpleNamespace
+    assert launch_plan._grid3(5) == (5, 1, 1) and launch_plan._grid3((3, 2)) == (3, 2, 1)
+    run = SimpleNamespace(global_scratch_size=64, global_scratch_align=128, num_ctas=1, profile_scratch_size=0,
+                          launch=print, launch_cooperative_grid=False, launch_pdl=False)
+    compiled = SimpleNamespace(run=run, function=1, packed_metadata=(4, 1, 0))
+    monkeypatch.setattr(launch_plan, "triton_version", lambda: "3.6")
+    from triton.backends.nvidia import driver as nvd
+    monkeypatch.setattr(nvd, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    d = launch_plan.DirectLaunch.build(compiled, [], (), [], (3, 2))
+    asked, got = [], []
+    from triton.runtime import _allocation
+    token = _allocation._allocator.set(lambda size, align, stream: asked.append(size) or "buf")
+    try:
+        d.raw = lambda *a: got.append(a)
+        d([], stream=9)
+    finally:
+        _allocation._allocator.reset(token)
+    assert asked == [6 * 64] and got[0][:4] == (3, 2, 1, 9)
+
+
+def test_direct_launch_scratch_per_stream(monkeypatch):
+    """The global scratch of a DirectLaunch: one allocation per (allocator, stream), reused by later launches on
+    that stream (they cannot overlap there); a fresh one per call under PDL or while a CUDA graph is captured."""
+    from types import SimpleNamespace
+    run = SimpleNamespace(global_scratch_size=64, global_scratch_align=128, num_ctas=1, profile_scratch_size=0,
+                          launch=print, launch_cooperative_grid=False, launch_pdl=False)
+    compiled = SimpleNamespace(run=run, function=1, packed_metadata=(4, 1, 0))
+    monkeypatch.setattr(launch_plan, "triton_version", lambda: "3.6")
+    from triton.backends.nvidia import driver as nvd
+    monkeypatch.setattr(nvd, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
+    d = launch_plan.DirectLaunch.build(compiled, [], (), [], 2)
+    asked, got = [], []
+    d.raw = lambda *a: got.append(a[7])
+    from triton.runtime import _allocation
+
+    def alloc(size, align, stream):
+        asked.append(stream)
+        return f"buf{len(asked)}"
+    token = _allocation._allocator.set(alloc)
+    try:
+        for stream in (9, 9, 10, 9, 10):
+            d([], stream=stream)
+        assert asked == [9, 10] and got == ["buf1", "buf1", "buf2", "buf1", "buf2"]
+        monkeypatch.setattr(runtime, "capturing", lambda: True)
+        d([], stream=9)
+        d([], stream=9)
+        assert asked == [9, 10, 9, 9] and got[-2:] == ["buf3", "buf4"]  # a graph's scratch: its own, per call
+        monkeypatch.setattr(runtime, "capturing", lambda: False)
+        d.pdl = True
+        d([], stream=9)
+        assert asked[-1] == 9 and got[-1] == "buf5"
+    finally:
+        _allocation._allocator.reset(token)

@@ -655,6 +655,28 @@ def test_w1_moe_forward_mxfp8_public_op():
         kosmos.moe_forward(x, router, w13m, w2m, top_k=2, precision="fp4")
 
 
+@pytest.mark.gpu
+def test_w1_moe_forward_mxfp8_hit_quantizes_this_calls_x():
+    """A plan hit quantizes this call's x (quant.quantize_planned, no checks): new values through a hit give
+    the bytes a miss (plans dropped: the full path, normal launches) gives, and the reference math."""
+    import kosmos
+    from kosmos import launch_plan, quant, runtime
+    xs, router, w13, w2 = make_case(22, 1, 256, 256, 128, 8, 2)
+    xs2 = make_case(23, 1, 256, 256, 128, 8, 2)[0]
+    x, x2, router = xs[0].cuda(), xs2[0].cuda(), router.cuda()
+    w13m, w2m = quant.mx_values(w13[0].cuda(), dim=1), quant.mx_values(w2[0].cuda(), dim=1)
+    kosmos.moe_forward(x, router, w13m, w2m, top_k=2, precision="mxfp8")
+    launch_plan.reset_plan_stats()
+    y_hit = kosmos.moe_forward(x2, router, w13m, w2m, top_k=2, precision="mxfp8")
+    assert launch_plan.plan_stats()["hits"] == 1
+    runtime.get_workspace(None, x.device)._plans.clear()
+    y_miss = kosmos.moe_forward(x2, router, w13m, w2m, top_k=2, precision="mxfp8")
+    kosmos.check_errors()
+    assert torch.equal(y_hit, y_miss)
+    ref = moe_reference.moe_forward_ref_local([x2], router, [w13m], [w2m], top_k=2, mx=True)[0]
+    assert ((y_hit.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_nn_moe_mxfp8_arguments():
     import kosmos.nn as knn
     with pytest.raises(ValueError, match="multiples of 32"):

@@ -432,3 +432,122 @@ def test_dequantize_bad_inputs():
             dequantize_mx(*args, **kw)
     with pytest.raises(ValueError, match="scales is"):
         dequantize_mx_ref(p.cpu(), torch.zeros(4, 3, dtype=torch.uint8))
+
+
+# ==================================================================================== cached launches
+def _qbytes(x):
+    p, s = quantize_mx(x)
+    return p.view(torch.uint8).cpu(), s.cpu()
+
+
+def _unaligned(x):
+    """A contiguous copy of x whose address is 2 bytes past a 16-byte boundary."""
+    base = torch.empty(x.numel() + 8, dtype=x.dtype, device=x.device)
+    y = base[1:1 + x.numel()].view(x.shape)
+    y.copy_(x)
+    assert y.is_contiguous() and y.data_ptr() % 16 == 2
+    return y
+
+
+def _quant_plan_sequence(device):
+    """quantize_mx / dequantize_mx over signatures that must each get their own plan (a new shape, an input
+    2 bytes off a 16-byte boundary, another output dtype) interleaved with repeats of earlier ones (a hit with
+    new tensors), every result bitwise against the references. Returns the plans built."""
+    from kosmos import quant
+    quant._PLANS.clear()
+    xs = [random_bf16(37, 96, seed=1), random_bf16(37, 96, seed=2), random_bf16(5, 64, seed=3),
+          random_bf16(37, 96, seed=4), random_bf16(128, 4096, seed=5)]
+    keys = []
+    for i, x in enumerate(xs):
+        xd = x.to(device)
+        if i == 3:
+            xd = _unaligned(xd)
+        p, s = _qbytes(xd)
+        pr, sr = quantize_mx_ref(x)
+        assert torch.equal(p, pr.view(torch.uint8)) and torch.equal(s, sr), f"input {i}"
+        keys.append(quant._key(quant._quantize_kernel, xd))
+        for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
+            got = dequantize_mx(p.view(torch.float8_e4m3fn).to(device), s.to(device), dtype).cpu()
+            same_bits(got, dequantize_mx_ref(pr, sr, dtype))
+    assert keys[0] == keys[1] and len(set(keys)) == 4  # the repeat hit; shape, alignment, shape: new plans
+    q = [kl for k, kl in quant._PLANS.items() if k[0] is quant._quantize_kernel]
+    d = [kl for k, kl in quant._PLANS.items() if k[0] is quant._dequantize_kernel]
+    assert len(q) == 4 and len(d) == 3 * 2  # dequantize: 3 payload shapes (fresh payloads: aligned) x 2 dtypes
+    return q + d
+
+
+@pytest.mark.interpreter
+def test_cached_launches_replan_and_match_the_reference():
+    """The cached launch (normal launches under the interpreter): a hit reuses the plan with this call's
+    tensors, every other signature plans anew; all bitwise equal to the references."""
+    _quant_plan_sequence("cpu")
+
+
+@pytest.mark.interpreter
+def test_cached_launches_fast_path_stand_in(monkeypatch):
+    """With the fast path pretended supported (a stand-in launcher that launches normally on the plan's 2-D
+    grid): each plan self-checks once, then every hit goes through the stand-in with this call's tensors."""
+    from kosmos import launch_plan
+    seen = []
+
+    def make(kernel, compiled, n_args, kw, grid, varying=None):
+        assert isinstance(grid, tuple) and len(grid) == 2 and varying == [0, 1, 2]
+
+        def fast(args):
+            seen.append(grid)
+            kernel[grid](*args, **kw)
+        return fast
+
+    monkeypatch.setattr(launch_plan, "fast_launch_supported", lambda: True)
+    monkeypatch.setattr(launch_plan, "make_fast_launcher", make)
+    launch_plan.reset_plan_stats()
+    plans = _quant_plan_sequence("cpu")
+    assert all(kl.state == "verified" for kl in plans)
+    s = launch_plan.plan_stats()
+    assert s["self_checks"] == len(plans) and s["fast_disabled"] == 0
+    assert s["fast_launches"] == len(seen) - len(plans) > 0  # the self-checks' own launches, then the hits
+
+
+@pytest.mark.gpu_optional
+def test_bad_inputs_raise_after_a_plan():
+    """A plan for a good [64, 64] input does not let a same-shape bad one through: the key holds what the
+    checks read (dtype, strides, device)."""
+    dev = _kernel_device()
+    good = torch.zeros(64, 64, dtype=torch.bfloat16, device=dev)
+    quantize_mx(good)
+    quantize_mx(good)
+    for bad, msg in [(good.float(), "torch.bfloat16"), (good.t(), "contiguous"),
+                     (good.to(_other_device()), "x must be a")]:
+        with pytest.raises(ValueError, match=msg):
+            quantize_mx(bad)
+
+
+@pytest.mark.gpu
+def test_fast_path_bitwise_and_plan_hit():
+    """On the GPU: the first call of a signature self-checks the fast launch; from then on calls take it (a hit,
+    no new plan) and give the normal launch's bytes, which are the reference's."""
+    from kosmos import launch_plan, quant
+    quant._PLANS.clear()
+    for rows, k in ((128, 256), (37, 4096)):
+        x = random_bf16(rows, k, seed=rows + k).cuda()
+        pr, sr = quantize_mx_ref(x.cpu())
+        launch_plan.set_fast_launch(False)
+        try:
+            normal = _qbytes(x)
+        finally:
+            launch_plan.set_fast_launch(True)
+        launch_plan.reset_plan_stats()
+        n_plans = len(quant._PLANS)
+        for _ in range(4):
+            p, s = _qbytes(x)
+            assert torch.equal(p, normal[0]) and torch.equal(s, normal[1])
+            assert torch.equal(p, pr.view(torch.uint8)) and torch.equal(s, sr)
+        kl = quant._PLANS[quant._key(quant._quantize_kernel, x)]
+        assert len(quant._PLANS) == n_plans  # every call a hit
+        if launch_plan.fast_launch_supported():
+            assert kl.state == "verified", kl.reason
+            assert launch_plan.plan_stats()["fast_launches"] >= 3
+            if launch_plan.triton_version() in launch_plan.DIRECT_TRITON:
+                assert kl.fast.direct[0] is not None
+        y = dequantize_mx(p.view(torch.float8_e4m3fn).cuda(), s.cuda())
+        same_bits(y.cpu(), dequantize_mx_ref(pr, sr))

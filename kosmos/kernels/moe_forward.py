@@ -135,7 +135,7 @@ from ..moe_reference import ROUTINGS
 from .. import schedule as sched
 from ..codes import (EV_COMM, EV_PERMUTE, EV_ROUTE, EV_WAIT, OP_MOE_FORWARD, WAIT_MOE_COMBINE,
                      WAIT_MOE_DISPATCH, WAIT_MOE_GEMM1, WAIT_MOE_PERMUTE, WAIT_MOE_PLAN)
-from ..quant import mx_round_bf16, mx_scale_f32, quantize_mx
+from ..quant import mx_round_bf16, mx_scale_f32, quantize_mx, quantize_plan, quantize_planned
 from .common import POLICIES, check_launch, policy_args, store_block, store_rows
 
 OP_CODE = OP_MOE_FORWARD.value
@@ -903,6 +903,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     returns (y, weights, experts, SavedGateUp). Memory: a fresh [W*T*min(k, E/W), 2F] bf16 tensor per call
     (the worst case of rows this rank can receive; exactly the T*k rows at W = 1) plus the rows' (source,
     token, slot) [same rows, 3] int32.
+
+    2026-12-02: a hit quantizes x (mxfp8) through the plan's quantize_mx plan without its checks or key
+    (quant.quantize_planned); unmeasured on a GPU until the lead runs ``dev.fixed_cost``.
     """
     if save_gu and (not return_routing or precision != "bf16"):
         raise ValueError("moe_forward: save_gu=True needs return_routing=True and precision='bf16' (the backward's "
@@ -916,7 +919,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
         info = plan.info
         bias32 = bias.float().contiguous() if bias is not None else None
         y = torch.empty(info["y_shape"], dtype=torch.bfloat16, device=x.device)
-        x_mx = quantize_mx(x) if info["mx"] else None
+        x_mx = quantize_planned(x, info["xq_key"]) if info["mx"] else None  # x passed its checks (the key)
         gu = torch.empty(info["gu_shape"], dtype=torch.bfloat16, device=x.device) if save_gu else None
         plan.call(ws, dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace, gu=gu,
                            xq=x_mx.payload.view(torch.bfloat16) if x_mx is not None else None,
@@ -961,7 +964,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
                             trace=trace, x_mx=x_mx, gu=gu)
     kl = launch_plan.KernelLaunch(_moe_forward_kernel, grid, args, kw)
     info = dict(y_shape=(t_, h), gu_shape=(lay.max_rows, 2 * f), world=w, mx=mx, bufs=bufs,
-                clean=launch_plan.clean_check(ws))
+                clean=launch_plan.clean_check(ws), xq_key=quantize_plan(x) if mx else None)
     if key is not None:
         sources = dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace, gu=gu,
                        xq=x_mx.payload.view(torch.bfloat16) if mx else None, xs=x_mx.scales if mx else None)
