@@ -26,6 +26,11 @@ ratio over the shapes, its minimum, the shapes under 0.90x; per shape the best v
 PREDICTION (session 16, before any run): flat-rule >= kosmos on every shape; +5-15% on the K = 1024 shapes
 (6000x1536x1024 0.705x -> ~0.80x), ~0 on the few-tile long-K ones (512x1536x7168 stays ~0.59x: 96 tiles of
 64x128, one wave, nothing to overlap across tiles), ~+1-2% on the big ones; geomean 0.87 -> ~0.89.
+--splits (session 17): the product kernel (w1-unsplit: the rule's tile, no split) against its K splits
+(split-BMxBN-S: S programs per tile, the partial sums reduced by all S). PREDICTION before the run, best split
+against w1-unsplit: 512x1536x7168 0.62x -> ~0.80x of cuBLAS (128x256, S = 5), 256x4096x4096 0.78 -> ~0.88,
+512x5120x5120 0.74 -> ~0.80, 256x6144x8192 0.87 -> ~0.92, 1024x3072x8192 ~+3%; no gain (a loss) at K <= 2048
+and on the many-wave shapes.
 """
 from __future__ import annotations
 
@@ -65,6 +70,37 @@ def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
         store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
 
 
+def product_w1(a, b, cfg, split, programs):
+    """The product kernel (kernels/common.w1_matmul_kernel) at tile ``cfg`` and K split ``split``, launched
+    directly (its own partial buffer and counters)."""
+    from kosmos import codes, planning, runtime
+    from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid
+    m, k = a.shape
+    n = b.shape[1]
+    tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
+    c = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
+    epoch = torch.zeros(1, dtype=torch.int32, device=a.device)
+    extra = {}
+    if split > 1:
+        grid = w1_split_grid(programs, tiles, split)
+        ws = runtime.get_workspace(None, a.device)
+        ws.ensure(0, 0)
+        extra = dict(partials=torch.empty(w1_partial_elems(grid, tiles, split, cfg), device=a.device),
+                     counters=torch.zeros(2 * (grid // split), dtype=torch.int32, device=a.device),
+                     errors=ws.errors, timeout_ns=ws.timeout_ns())
+    g, args, kw = w1_matmul_args(a, b, False, c, cfg, epoch, programs, GROUP_M, False, split=split,
+                                 op=codes.OP_MATMUL_REDUCE_SCATTER.value, **extra)
+
+    def fn():
+        w1_matmul_kernel[(g,)](*args, **kw)
+        return c
+    return fn
+
+
+# --splits: the K-split variants (session 17), tile (BM, BN, warps, stages) x parts
+SPLIT_VARIANTS = [((128, 256, 8, 3), s) for s in (2, 3, 4, 5, 6)] + [((128, 128, 4, 4), s) for s in (2, 3, 4)]
+
+
 def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs):
     from triton.tools.tensor_descriptor import TensorDescriptor
     m, k = a.shape
@@ -101,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=240.0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--splits", action="store_true",
+                    help="time the product kernel unsplit and with the K splits of SPLIT_VARIANTS instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flat_probe: needs a CUDA GPU")
@@ -127,15 +165,26 @@ def main(argv=None) -> int:
         ref = a.float() @ b.float()
         t_gemm = timing.time_op(lambda: a @ b, iters=args.iters, warmup=args.warmup)["time_ms"]
         rule = planning.tile_config(m, n, k, world=1, programs=programs)
-        variants = {
-            "kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),
-            "flat-rule": static_matmul(a, b, rule.BM, rule.BN, rule.BK, rule.num_warps, rule.num_stages, True,
-                                       programs),
-            "flat-128x256": static_matmul(a, b, 128, 256, 64, 8, 3, True, programs),
-            "flat-128x128": static_matmul(a, b, 128, 128, 64, 8, 4, True, programs),
-            "loop-rule": static_matmul(a, b, rule.BM, rule.BN, rule.BK, rule.num_warps, rule.num_stages, False,
-                                       programs),
-        }
+        if args.splits:
+            split_cfg, split = planning.w1_plan(m, n, k, programs=programs)
+            variants = {"kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),
+                        "w1-unsplit": product_w1(a, b, rule, 1, programs)}
+            steps = triton.cdiv(k, 64)
+            for (bm, bn, warps, stages), s in SPLIT_VARIANTS:
+                if steps // s >= 8:
+                    variants[f"split-{bm}x{bn}-{s}"] = product_w1(a, b, planning.TileConfig(bm, bn, 64, warps, stages),
+                                                                  s, programs)
+            print(f"{m}x{n}x{k}: w1_plan {split_cfg.BM}x{split_cfg.BN} split {split}", flush=True)
+        else:
+            variants = {
+                "kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),
+                "flat-rule": static_matmul(a, b, rule.BM, rule.BN, rule.BK, rule.num_warps, rule.num_stages, True,
+                                           programs),
+                "flat-128x256": static_matmul(a, b, 128, 256, 64, 8, 3, True, programs),
+                "flat-128x128": static_matmul(a, b, 128, 128, 64, 8, 4, True, programs),
+                "loop-rule": static_matmul(a, b, rule.BM, rule.BN, rule.BK, rule.num_warps, rule.num_stages, False,
+                                           programs),
+            }
         for name, fn in variants.items():
             row = {"type": "result", "m": m, "n": n, "k": k, "variant": name, "t_gemm_ms": t_gemm,
                    "rule": f"{rule.BM}x{rule.BN}x{rule.BK}w{rule.num_warps}s{rule.num_stages}"}

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -959,5 +959,15 @@ PY
       >> "$out/bench-llama3.log" 2>&1
     COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/tp-llama3-w1.jsonl" > "$out/tp-llama3-w1.txt" \
       2>> "$out/bench-llama3.log"; keep; tail -25 "$out/tp-llama3-w1.txt" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a" >&2; exit 2 ;;
+  s17b)  # session 17: the static W=1 GEMM's K split -- its GPU tests, the split probe (every grid shape of
+         # dev/flat_probe, the product kernel unsplit and at each split), then the grid with planning.w1_plan
+    begin_stage s17b
+    gpu_tests gpu-tests-split 150 "w1 or world1 or static or split" tests/test_matmul_reduce_scatter.py \
+      tests/test_all_gather_matmul.py tests/test_launch_plan.py
+    gpu_tests gpu-tests-graphs 80 "w1_tp_op_replays or first_call or stalled" tests/test_cuda_graphs.py
+    timeout 200 python -m dev.flat_probe --splits --max-seconds 170 --json "$out/split-probe.jsonl" \
+      > "$out/split-probe.log" 2>&1; echo "split probe rc=$?"; keep
+    grep -A12 "^variant" "$out/split-probe.log"
+    grid_run 200 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b" >&2; exit 2 ;;
 esac

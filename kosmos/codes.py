@@ -30,6 +30,7 @@ WAIT_MX_ROWS: tl.constexpr = tl.constexpr(9)       # index: the signal slot of (
 WAIT_BWD_DGRAD2: tl.constexpr = tl.constexpr(10)   # index: the expert m-tile
 WAIT_BWD_SWIGLU: tl.constexpr = tl.constexpr(11)   # index: the expert m-tile (-1: all of them)
 WAIT_BWD_DGRAD1: tl.constexpr = tl.constexpr(12)   # index: unused (-1: every tile)
+WAIT_SPLIT_K: tl.constexpr = tl.constexpr(13)      # index: the split group (the static W=1 GEMM's K split)
 WAIT_TEXT = {
     WAIT_PEERS_DONE.value: "rank {index} to finish the previous call (done flag)",
     WAIT_AG_ROWS.value: "rows pushed by a peer (signal slot {index})",
@@ -43,6 +44,7 @@ WAIT_TEXT = {
     WAIT_BWD_DGRAD2.value: "the dgrad2 column tiles of expert m-tile {index} (z = dy_rows W2^T)",
     WAIT_BWD_SWIGLU.value: "the SwiGLU backward of expert m-tile {index} (-1: of every m-tile)",
     WAIT_BWD_DGRAD1.value: "every dgrad1 tile (dx_rows) of the launch",
+    WAIT_SPLIT_K.value: "the K-split partial sums of split group {index} (other programs of the launch)",
 }
 
 # ------------------------------------------------------------------------------------------- trace kinds

@@ -253,6 +253,8 @@ def clean_check(ws):
             return "the error record is set"
         if ws.heads is not None and bool(ws.heads.any()):
             return f"the queue heads are not zero: {ws.heads.tolist()}"
+        if ws.counters is not None and bool(ws.counters.any()):
+            return "the counters are not zero"
         return None
     return clean
 

@@ -157,6 +157,49 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
     return best[1]
 
 
+# The K split of the static W=1 GEMM (w1_plan): its cost per split task, in K steps of the tile, on top of the
+# task's own steps -- the fp32 partial stored and read back (BM*BN*8 bytes, ~5 steps' worth of operand bytes
+# at 128x256x64), the group's wait and the bf16 store of its share. PREDICTED (session 17), not yet fitted.
+SPLIT_OVERHEAD_STEPS = 8
+SPLIT_MIN_STEPS = 8    # the fewest K steps a split part keeps (its 3-4 stage pipeline fills and drains)
+SPLIT_MAX = 8
+SPLIT_MIN_GAIN = 1.05  # a split must beat the unsplit rule's predicted time by 5%: the model is rough
+
+
+def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> tuple[TileConfig, int]:
+    """(tile, K split) of the static W=1 GEMM (kernels/common.w1_matmul_kernel) for C [rows, n] = A @ B: the
+    unsplit tile_config, unless cutting each tile's K steps into S parts (S programs per tile, fp32 partials
+    summed by the S programs together) is predicted faster by >= SPLIT_MIN_GAIN. The wave model of
+    tile_config, extended: with S parts, programs // S tiles run per round, and a part costs ceil(steps / S) +
+    SPLIT_OVERHEAD_STEPS K steps of its tile (unsplit: steps). What it does: few-tile long-K shapes
+    (512x1536x7168: 24 tiles of 128x256) split; shapes with many waves, or short K, do not."""
+    cfg = tile_config(rows, n, k, world=1, programs=programs)
+    if interpreting() or programs < 2:
+        return cfg, 1
+
+    def cost(bm, bn, throughput, split):
+        tiles = -(-rows // bm) * -(-n // bn)
+        steps = -(-k // 64)
+        per_round = programs // split
+        part = steps if split == 1 else -(-steps // split) + SPLIT_OVERHEAD_STEPS
+        return -(-tiles // per_round) * (bm * bn) / (128 * 256) / throughput * part
+
+    bn_cap = _pow2_at_least(n, 64, 256)
+    thr = {(bm, min(bn, bn_cap)): t for bm, bn, _, _, t in TILE_CANDIDATES}
+    base = cost(cfg.BM, cfg.BN, thr.get((cfg.BM, cfg.BN), 1.0), 1)
+    best = (base / SPLIT_MIN_GAIN, cfg, 1)
+    steps = -(-k // 64)
+    for bm, bn, warps, stages, throughput in TILE_CANDIDATES:
+        bn = min(bn, bn_cap)
+        for split in range(2, SPLIT_MAX + 1):
+            if steps // split < SPLIT_MIN_STEPS or programs // split < 1:
+                break
+            c = cost(bm, bn, throughput, split)
+            if c < best[0] * 0.99:
+                best = (c, TileConfig(bm, bn, 64, warps, stages), split)
+    return best[1], best[2]
+
+
 def _grouped(m_tiles: int, n_tiles: int):
     """(m, n) pairs of a grid in GROUP_M-grouped order."""
     order = []

@@ -241,7 +241,7 @@ def test_w1_static_matmul_gpu_bitwise_and_taken(no_tf32, m, k, n, kmajor):
     (policy="fixed" with no communication programs keeps that kernel) and within TOL of the fp32 product;
     repeated calls (the plan's fast path) are bitwise the first."""
     import kosmos
-    from kosmos import reference
+    from kosmos import planning, reference
     from kosmos.kernels.common import w1_matmul_kernel
     gen = torch.Generator().manual_seed(m + k + n)
     a = randn((m, k), gen, "cuda")
@@ -256,9 +256,68 @@ def test_w1_static_matmul_gpu_bitwise_and_taken(no_tf32, m, k, n, kmajor):
         ws = runtime.get_workspace(None, a.device)
         kernels = {p.launch.kernel for p in ws._plans.values()}
         assert w1_matmul_kernel in kernels, kernels
-        for x in again + [c_ag, old]:
+        _, split = planning.w1_plan(m, n, k, programs=runtime.num_sms(a.device))
+        for x in again + [c_ag] + ([old] if split == 1 else []):  # a K split sums in another order than old
             assert torch.equal(x, c)
         (ref,) = reference.matmul_reduce_scatter_ref_local([a], [b])
         assert reference.rel_err(c, ref) < TOL
+        assert reference.rel_err(old, ref) < TOL
+    finally:
+        runtime.reset_workspaces()
+
+
+def _w1_split(a, b_store, kmajor, programs, cfg, split, ws):
+    from kosmos import planning
+    from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid
+    m, k = a.shape
+    n = b_store.shape[0] if kmajor else b_store.shape[1]
+    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    grid = w1_split_grid(programs, tiles, split)
+    ws.ensure_counters(2 * (grid // split))
+    parts = torch.full((w1_partial_elems(grid, tiles, split, cfg),), float("nan"), device=a.device)
+    c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=a.device)
+    epoch = torch.full((1,), 7, dtype=torch.int32, device=a.device)
+    g, args, kw = w1_matmul_args(a, b_store, kmajor, c, cfg, epoch, programs, planning.GROUP_M, False,
+                                 split=split, partials=parts, counters=ws.counters, errors=ws.errors,
+                                 timeout_ns=ws.timeout_ns(), op=codes.OP_MATMUL_REDUCE_SCATTER.value)
+    assert g == grid
+    w1_matmul_kernel[(g,)](*args, **kw)
+    torch.cuda.synchronize()
+    assert int(epoch[0]) == 8  # one launch, one epoch
+    assert int(ws.errors[0]) == 0 and not bool(ws.counters.any())  # no timeout; every group reset its counters
+    return c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,tile,split,programs", [
+    (512, 7168, 1536, (128, 256, 8, 3), 5, 132),   # one round: 24 tiles, 26 groups
+    (100, 4096, 4096, (128, 128, 4, 4), 2, 132),   # ragged M (one 128-row tile holds 100 rows)
+    (1000, 3000, 700, (128, 256, 8, 3), 3, 132),   # ragged M, N and K (K steps 47 into 3 uneven parts)
+    (512, 5120, 5120, (128, 256, 8, 3), 3, 132),   # two rounds (80 tiles, 44 groups): the parity halves
+    (640, 2048, 1024, (64, 128, 4, 4), 4, 12),     # many rounds on 3 groups
+])
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_w1_split_k_gpu(no_tf32, m, k, n, tile, split, programs, kmajor):
+    """The static GEMM's K split (SPLIT programs per tile, fp32 partials summed by the whole group): within TOL
+    of the fp32 product, every element written (NaN-poisoned output and partials), bitwise the same on a second
+    launch (a fixed summation order), the counters back at zero, one epoch per launch -- one round, two
+    (round-parity halves), many (3 groups, 12 programs), ragged M / N / K, b k-major."""
+    from kosmos import planning, reference
+    bm, bn, warps, stages = tile
+    cfg = planning.TileConfig(bm, bn, 64, warps, stages)
+    gen = torch.Generator().manual_seed(m + k + n + split)
+    a = randn((m, k), gen, "cuda")
+    b = opcases.weight(k, n, gen, "cuda", kmajor)
+    runtime.reset_workspaces()
+    try:
+        ws = runtime.get_workspace(None, a.device)
+        ws.ensure(0, 0)
+        b_store = b.t() if kmajor else b
+        c = _w1_split(a, b_store, kmajor, programs, cfg, split, ws)
+        again = _w1_split(a, b_store, kmajor, programs, cfg, split, ws)
+        (ref,) = reference.matmul_reduce_scatter_ref_local([a], [b])
+        assert torch.isfinite(c.float()).all()
+        assert reference.rel_err(c, ref) < TOL
+        assert torch.equal(again, c)
     finally:
         runtime.reset_workspaces()

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codes import TRACE_EVENTS as _TRACE_EVENTS
+from ..codes import TRACE_EVENTS as _TRACE_EVENTS, WAIT_SPLIT_K
 from .. import device as dev
 from ..quant import mx_scale_f32
 from ..schedule import POLICIES
@@ -21,8 +21,16 @@ def tile_matmul(a_desc, b_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr,
                 B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
     """acc[BM, BN] = A[row:row+BM, :K] @ B[:K, col:col+BN] in fp32 (TMA loads; OOB rows/cols read as 0).
     B_KMAJOR: B is stored [N, K] (a transposed weight view) instead of [K, N]."""
+    return tile_matmul_steps(a_desc, b_desc, row, col, 0, tl.cdiv(K, BK), BM, BN, BK, B_KMAJOR, DOT_FP32)
+
+
+@triton.jit
+def tile_matmul_steps(a_desc, b_desc, row, col, step_lo, step_hi, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """tile_matmul over K steps [step_lo, step_hi) only (columns step_lo*BK .. step_hi*BK of A): one part of a
+    K split."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BK)):
+    for kk in range(step_lo, step_hi):
         a = a_desc.load([row, kk * BK])
         if B_KMAJOR:
             b = b_desc.load([col, kk * BK]).T
@@ -45,9 +53,10 @@ def _grouped_tile(t, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, B_KMAJOR: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
+def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, c_ptr, part_ptr, cnt_ptr, err_ptr, timeout_ns,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr,
+                     GROUP_M: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
+                     RB: tl.constexpr, OP: tl.constexpr):
     """C = A @ B at one rank, where a TP op has nothing to wait for: persistent, program p taking tiles p,
     p + GRID, ... of the grouped order (static: no queue claim, no task table, no exit protocol), and one
     software-pipelined loop over the (tile, k) pairs (``flatten``), so the next tile's first loads are in flight
@@ -56,44 +65,127 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, BM: tl.constexp
     counter (the pipeliner then carries nothing across the flattened loop). Program 0 advances the workspace's
     device epoch as every KOSMOS launch does (nothing here reads it: no peers; but the calls of other kernels on
     the same workspace, and a replayed graph's count, see one epoch per launch). Measurements: planning.tile_config's
-    docstring."""
+    docstring.
+
+    SPLIT > 1 (planning.w1_plan: too few tiles to fill the SMs): the K steps of every tile are cut into SPLIT
+    parts, computed at once by the SPLIT programs of one *split group* (programs g*SPLIT .. g*SPLIT+SPLIT-1; the
+    grid is a whole number of groups). Group g takes tiles g, g + GROUPS, ... in rounds. Per round each member
+    stores its fp32 partial [BM, BN] (buffer half = round parity, so a fast member's next round never overwrites
+    a partial a slower member still reads), counts itself in at the group's counter (release), waits for all
+    SPLIT (bounded: wait_geq), then sums row blocks s, s + SPLIT, ... (RB rows each) of the tile over the parts
+    0 .. SPLIT-1 in that order -- deterministic, and the sum is spread over the whole group rather than left to
+    its last member (session 11's split-K lost that way). Co-residency: the grid is at most one program per SM
+    and a group only waits on its own members in the same round. The last member out resets the group's two
+    counters (arrivals, exits) to 0, the state every launch starts from."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
-    t_out = pid - grid
-    for t in tl.range(pid, n_m * n_n, grid, flatten=True, num_stages=STAGES):
-        tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
-        acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
-        t_out += grid
-        om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
-        # always TMA (C is exactly [M, N]: the descriptor clips a ragged last m-tile): store_tile's runtime
-        # branch inside the flattened loop failed Triton 3.6's pipeliner ('scf.if' region operands, session 16)
-        store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
+    if SPLIT == 1:
+        t_out = pid - grid
+        for t in tl.range(pid, n_m * n_n, grid, flatten=True, num_stages=STAGES):
+            tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+            acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+            t_out += grid
+            om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
+            # always TMA (C is exactly [M, N]: the descriptor clips a ragged last m-tile): store_tile's runtime
+            # branch inside the flattened loop failed Triton 3.6's pipeliner ('scf.if' region operands, session 16)
+            store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
+    else:
+        groups = grid // SPLIT
+        g = pid // SPLIT
+        s = pid % SPLIT
+        k_steps = tl.cdiv(K, BK)
+        lo = s * k_steps // SPLIT
+        hi = (s + 1) * k_steps // SPLIT
+        offs_m = tl.arange(0, BM)
+        offs_r = tl.arange(0, RB)
+        offs_n = tl.arange(0, BN)
+        arrivals = cnt_ptr + g
+        n_tiles = n_m * n_n
+        r = 0
+        for t in range(g, n_tiles, groups):
+            tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+            acc = tile_matmul_steps(a_desc, b_desc, tm * BM, tn * BN, lo, hi, BM, BN, BK, B_KMAJOR, DOT_FP32)
+            half = part_ptr + tl.cast((r % 2) * grid, tl.int64) * (BM * BN)
+            mine = half + pid * (BM * BN)
+            tl.store(mine + (offs_m[:, None] * BN + offs_n[None, :]), acc)
+            tl.debug_barrier()
+            tl.atomic_add(arrivals, 1, sem="release", scope="gpu")
+            r += 1
+            dev.wait_geq(arrivals, r * SPLIT, timeout_ns, err_ptr, OP, WAIT_SPLIT_K, 0, t, g)
+            parts = half + (g * SPLIT) * (BM * BN)
+            for blk in range(s, BM // RB, SPLIT):
+                rows = blk * RB + offs_r
+                idx = rows[:, None] * BN + offs_n[None, :]
+                total = tl.load(parts + idx, cache_modifier=".cg")
+                for j in tl.static_range(1, SPLIT):
+                    total += tl.load(parts + j * (BM * BN) + idx, cache_modifier=".cg")
+                row0 = tm * BM + blk * RB
+                store_block(c_ptr, total.to(tl.bfloat16), row0, tn * BN, M - row0, N - tn * BN, N, RB, BN)
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + groups + g, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            tl.store(arrivals, 0)
+            tl.store(cnt_ptr + groups + g, 0)
     if pid == 0:
         tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)
 
 
-def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int, group_m: int, dot_fp32: bool):
+def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int, group_m: int, dot_fp32: bool,
+                   split: int = 1, partials=None, counters=None, errors=None, timeout_ns: int = 0, op: int = 0):
     """(grid, runtime arguments, constexpr / option keywords) of w1_matmul_kernel for C [M, N] = A [M, K] @ B
     (b_store [K, N], or [N, K] when ``b_kmajor``) at tile ``cfg``: min(programs, tiles) programs; ``epoch_slot``
-    the workspace's device epoch (int32 [1]), advanced by the launch."""
+    the workspace's device epoch (int32 [1]), advanced by the launch. ``split`` > 1: the K split, on
+    w1_split_grid(...) programs, with ``partials`` (fp32, w1_partial_elems(...)), ``counters`` (int32, 2 per
+    split group, zero) and the error record ``errors`` / ``timeout_ns`` of its bounded waits, which name the
+    TP op ``op`` (a codes.OP_* value)."""
     m, k = a.shape
     n = c.shape[1]
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
     kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
-              DOT_FP32=dot_fp32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return max(1, min(programs, tiles)), (a_desc, b_desc, c_desc, epoch_slot, m, n, k), kw
+              DOT_FP32=dot_fp32, SPLIT=split, RB=min(W1_REDUCE_ROWS, cfg.BM), OP=op, num_warps=cfg.num_warps,
+              num_stages=cfg.num_stages)
+    if split == 1:
+        grid = max(1, min(programs, tiles))
+        partials = counters = errors = epoch_slot
+    else:
+        grid = w1_split_grid(programs, tiles, split)
+    return grid, (a_desc, b_desc, c_desc, epoch_slot, m, n, k, c, partials, counters, errors, timeout_ns), kw
 
 
-def w1_matmul_launch(a, b_store, b_kmajor: bool, c, cfg, ws, programs: int):
+W1_REDUCE_ROWS = 16  # rows per block of a split group's sum (a block is RB x BN fp32 per part)
+
+
+def w1_split_grid(programs: int, tiles: int, split: int) -> int:
+    """Programs of a K-split launch: whole split groups, at most ``programs`` and no more groups than tiles."""
+    return max(1, min(programs // split, tiles)) * split
+
+
+def w1_partial_elems(grid: int, tiles: int, split: int, cfg) -> int:
+    """fp32 elements of a K-split launch's partial buffer: one [BM, BN] per program, twice (round parity)
+    when a group takes more than one tile."""
+    rounds = -(-tiles // (grid // split))
+    return (2 if rounds > 1 else 1) * grid * cfg.BM * cfg.BN
+
+
+def w1_matmul_launch(a, b_store, b_kmajor: bool, c, cfg, ws, programs: int, split: int = 1, op: int = 0):
     """The KernelLaunch of the static W=1 GEMM for a TP op's first call of a shape (its plan's launch) on
-    workspace ``ws``; refused inside a CUDA-graph capture, like every first call."""
+    workspace ``ws``; refused inside a CUDA-graph capture, like every first call. ``split``: planning.w1_plan's
+    K split (its partials and counters are workspace buffers); ``op`` the caller's codes.OP_* value."""
     from .. import launch_plan, planning, runtime
     runtime.capture_refusal("its static W=1 GEMM for this shape is not planned yet")
+    extra = {}
+    if split > 1:
+        m, n = a.shape[0], c.shape[1]
+        tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+        grid = w1_split_grid(programs, tiles, split)
+        ws.ensure_counters(2 * (grid // split))
+        extra = dict(partials=ws.local("w1_split_partials", w1_partial_elems(grid, tiles, split, cfg),
+                                       torch.float32),
+                     counters=ws.counters, errors=ws.errors, timeout_ns=ws.timeout_ns())
     g, args, kw = w1_matmul_args(a, b_store, b_kmajor, c, cfg, ws.epoch_slot, programs, planning.GROUP_M,
-                                 planning.interpreting())
+                                 planning.interpreting(), split=split, op=op, **extra)
     return launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
 
 
