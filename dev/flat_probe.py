@@ -70,9 +70,10 @@ def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
         store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
 
 
-def product_w1(a, b, cfg, split, programs):
+def product_w1(a, b, cfg, split, programs, rb=None):
     """The product kernel (kernels/common.w1_matmul_kernel) at tile ``cfg`` and K split ``split``, launched
-    directly (its own partial buffer and counters)."""
+    directly (its own partial buffer and counters); ``rb``: the rows per block of the split's sum instead of
+    common.w1_reduce_rows'."""
     from kosmos import codes, planning, runtime
     from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid
     m, k = a.shape
@@ -90,6 +91,8 @@ def product_w1(a, b, cfg, split, programs):
                      errors=ws.errors, timeout_ns=ws.timeout_ns())
     g, args, kw = w1_matmul_args(a, b, False, c, cfg, epoch, programs, GROUP_M, False, split=split,
                                  op=codes.OP_MATMUL_REDUCE_SCATTER.value, **extra)
+    if rb is not None:
+        kw["RB"] = rb
 
     def fn():
         w1_matmul_kernel[(g,)](*args, **kw)
@@ -174,6 +177,9 @@ def main(argv=None) -> int:
                 if steps // s >= 8:
                     variants[f"split-{bm}x{bn}-{s}"] = product_w1(a, b, planning.TileConfig(bm, bn, 64, warps, stages),
                                                                   s, programs)
+            if steps >= 16:  # the sum in 16-row blocks (session 17's first form) against one block per share
+                variants["split-128x128-2-rb16"] = product_w1(a, b, planning.TileConfig(128, 128, 64, 4, 4), 2,
+                                                              programs, rb=16)
             print(f"{m}x{n}x{k}: w1_plan {split_cfg.BM}x{split_cfg.BN} split {split}", flush=True)
         else:
             variants = {

@@ -51,9 +51,12 @@ def now_ns():
 
 
 @triton.jit
-def _acquire_fence(flag_ptr):
+def _acquire_fence(flag_ptr, GPU_ONLY: tl.constexpr = False):
     if INTERPRET:
         tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    elif GPU_ONLY:  # data from programs of this GPU, read by plain (not TMA) loads: no system scope, no proxy fence
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
     else:
         # acquire for the generic proxy, then make the acquired data visible to TMA (async proxy) loads.
         tl.inline_asm_elementwise("fence.acq_rel.sys; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
@@ -97,9 +100,11 @@ def aborted(err_ptr):
 
 
 @triton.jit
-def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index):
+def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index,
+             GPU_ONLY: tl.constexpr = False):
     """Spin until ``*flag_ptr >= target`` (bounded). Returns 1 if satisfied, 0 on timeout/abort. OP and WAIT
-    (codes.OP_*, codes.WAIT_*) and ``index`` say in the error record what was awaited.
+    (codes.OP_*, codes.WAIT_*) and ``index`` say in the error record what was awaited. GPU_ONLY: the awaited
+    data comes from this GPU's programs and is read by plain loads (a gpu-scope acquire suffices).
 
     Each thread polls with volatile loads (cheap; no barrier inside the loop, so threads may leave it at
     different times), then one uniform read decides for the whole program."""
@@ -126,7 +131,7 @@ def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, WAIT: tl.c
             if tl.atomic_cas(err_ptr + ERR_FLAG, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
                              scope="gpu") == 0:
                 _record_error(err_ptr, OP, WAIT, rank, task, index, target, v, now_ns() - t0)
-    _acquire_fence(flag_ptr)
+    _acquire_fence(flag_ptr, GPU_ONLY)
     return ok
 
 

@@ -157,47 +157,34 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
     return best[1]
 
 
-# The K split of the static W=1 GEMM (w1_plan): its cost per split task, in K steps of the tile, on top of the
-# task's own steps -- the fp32 partial stored and read back (BM*BN*8 bytes, ~5 steps' worth of operand bytes
-# at 128x256x64), the group's wait and the bf16 store of its share. PREDICTED (session 17), not yet fitted.
-SPLIT_OVERHEAD_STEPS = 8
-SPLIT_MIN_STEPS = 8    # the fewest K steps a split part keeps (its 3-4 stage pipeline fills and drains)
-SPLIT_MAX = 8
-SPLIT_MIN_GAIN = 1.05  # a split must beat the unsplit rule's predicted time by 5%: the model is rough
+# The K split of the static W=1 GEMM (w1_plan): 128x128 tiles (one warpgroup, 4 stages), 2 parts.
+SPLIT_TILE = TileConfig(128, 128, 64, 4, 4)
+SPLIT_PARTS = 2
+SPLIT_MIN_STEPS = 64  # K steps (of 64) a tile must have for its split to pay for the partials' round trip
 
 
 def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> tuple[TileConfig, int]:
-    """(tile, K split) of the static W=1 GEMM (kernels/common.w1_matmul_kernel) for C [rows, n] = A @ B: the
-    unsplit tile_config, unless cutting each tile's K steps into S parts (S programs per tile, fp32 partials
-    summed by the S programs together) is predicted faster by >= SPLIT_MIN_GAIN. The wave model of
-    tile_config, extended: with S parts, programs // S tiles run per round, and a part costs ceil(steps / S) +
-    SPLIT_OVERHEAD_STEPS K steps of its tile (unsplit: steps). What it does: few-tile long-K shapes
-    (512x1536x7168: 24 tiles of 128x256) split; shapes with many waves, or short K, do not."""
+    """(tile, K split) of the static W=1 GEMM (kernels/common.w1_matmul_kernel) for C [rows, n] = A @ B:
+    tile_config's tile unsplit, except where even 128x128 tiles fill at most half the SMs and K is long
+    (>= SPLIT_MIN_STEPS steps of 64): there each 128x128 tile's K steps are cut in two halves, two programs
+    per tile, and their fp32 partials summed by both (one round: at most ``programs`` programs).
+
+    Measured (session 17, one H200, Triton 3.6, dev/flat_probe --splits on its 20 grid shapes; results/h200x1/
+    s17/s17b): a split task costs ~12-20 us more than its share of the tile's K steps -- the fp32 partial
+    stored and read back, the group's wait, the sum's store -- so only the few-tile long-K shapes gain:
+    512x1536x7168 0.620 -> 0.792x of cuBLAS (128x128, 2 parts; 128x256 in 4 / 5 parts 0.753 / 0.776, in 6
+    parts two rounds 0.493), 256x4096x4096 0.786 -> 0.813. Every shape with more tiles lost to its unsplit
+    tile: 512x5120x5120 0.747 -> <= 0.648, 1024x3072x8192 0.793 -> <= 0.677, 256x6144x8192 0.859 -> <= 0.820,
+    2048x1536x5120 0.797 -> <= 0.606, 3000x3072x7168 0.827 -> <= 0.713 (split rounds pay the cost per round).
+    The first rule of that session (tile_config's wave model extended to splits, 8 steps of overhead per part)
+    split 5 grid shapes and made the grid's geomean 0.923 -> 0.916: the model's overhead was ~3x too small."""
     cfg = tile_config(rows, n, k, world=1, programs=programs)
-    if interpreting() or programs < 2:
+    if interpreting() or -(-k // 64) < SPLIT_MIN_STEPS:
         return cfg, 1
-
-    def cost(bm, bn, throughput, split):
-        tiles = -(-rows // bm) * -(-n // bn)
-        steps = -(-k // 64)
-        per_round = programs // split
-        part = steps if split == 1 else -(-steps // split) + SPLIT_OVERHEAD_STEPS
-        return -(-tiles // per_round) * (bm * bn) / (128 * 256) / throughput * part
-
-    bn_cap = _pow2_at_least(n, 64, 256)
-    thr = {(bm, min(bn, bn_cap)): t for bm, bn, _, _, t in TILE_CANDIDATES}
-    base = cost(cfg.BM, cfg.BN, thr.get((cfg.BM, cfg.BN), 1.0), 1)
-    best = (base / SPLIT_MIN_GAIN, cfg, 1)
-    steps = -(-k // 64)
-    for bm, bn, warps, stages, throughput in TILE_CANDIDATES:
-        bn = min(bn, bn_cap)
-        for split in range(2, SPLIT_MAX + 1):
-            if steps // split < SPLIT_MIN_STEPS or programs // split < 1:
-                break
-            c = cost(bm, bn, throughput, split)
-            if c < best[0] * 0.99:
-                best = (c, TileConfig(bm, bn, 64, warps, stages), split)
-    return best[1], best[2]
+    tiles = -(-rows // SPLIT_TILE.BM) * -(-n // SPLIT_TILE.BN)
+    if tiles * SPLIT_PARTS > programs:
+        return cfg, 1
+    return SPLIT_TILE, SPLIT_PARTS
 
 
 def _grouped(m_tiles: int, n_tiles: int):

@@ -292,9 +292,11 @@ def _w1_split(a, b_store, kmajor, programs, cfg, split, ws):
 @pytest.mark.parametrize("m,k,n,tile,split,programs", [
     (512, 7168, 1536, (128, 256, 8, 3), 5, 132),   # one round: 24 tiles, 26 groups
     (100, 4096, 4096, (128, 128, 4, 4), 2, 132),   # ragged M (one 128-row tile holds 100 rows)
-    (1000, 3000, 700, (128, 256, 8, 3), 3, 132),   # ragged M, N and K (K steps 47 into 3 uneven parts)
+    (1000, 3000, 712, (128, 256, 8, 3), 3, 132),   # ragged M, N and K (K steps 47 into 3 uneven parts)
     (512, 5120, 5120, (128, 256, 8, 3), 3, 132),   # two rounds (80 tiles, 44 groups): the parity halves
     (640, 2048, 1024, (64, 128, 4, 4), 4, 12),     # many rounds on 3 groups
+    (512, 7168, 1536, (128, 128, 4, 4), 2, 132),   # w1_plan's split (one block per member's share)
+    (1000, 3000, 712, (128, 256, 8, 3), 2, 132),   # 64-row shares of a 128x256 tile, ragged
 ])
 @pytest.mark.parametrize("kmajor", [False, True])
 def test_w1_split_k_gpu(no_tf32, m, k, n, tile, split, programs, kmajor):

@@ -113,7 +113,7 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, c_ptr, part_ptr
             tl.debug_barrier()
             tl.atomic_add(arrivals, 1, sem="release", scope="gpu")
             r += 1
-            dev.wait_geq(arrivals, r * SPLIT, timeout_ns, err_ptr, OP, WAIT_SPLIT_K, 0, t, g)
+            dev.wait_geq(arrivals, r * SPLIT, timeout_ns, err_ptr, OP, WAIT_SPLIT_K, 0, t, g, True)
             parts = half + (g * SPLIT) * (BM * BN)
             for blk in range(s, BM // RB, SPLIT):
                 rows = blk * RB + offs_r
@@ -144,7 +144,7 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
     kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
-              DOT_FP32=dot_fp32, SPLIT=split, RB=min(W1_REDUCE_ROWS, cfg.BM), OP=op, num_warps=cfg.num_warps,
+              DOT_FP32=dot_fp32, SPLIT=split, RB=w1_reduce_rows(cfg.BM, split), OP=op, num_warps=cfg.num_warps,
               num_stages=cfg.num_stages)
     if split == 1:
         grid = max(1, min(programs, tiles))
@@ -154,7 +154,11 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
     return grid, (a_desc, b_desc, c_desc, epoch_slot, m, n, k, c, partials, counters, errors, timeout_ns), kw
 
 
-W1_REDUCE_ROWS = 16  # rows per block of a split group's sum (a block is RB x BN fp32 per part)
+def w1_reduce_rows(bm: int, split: int) -> int:
+    """Rows per block of a split group's sum (RB x BN fp32 loaded per part): the member's whole share, BM /
+    split rows, in one block where that is a power of two (no latency-bound block loop), else 16."""
+    share = bm // split
+    return share if split > 1 and share * split == bm and share & (share - 1) == 0 else min(16, bm)
 
 
 def w1_split_grid(programs: int, tiles: int, split: int) -> int:
