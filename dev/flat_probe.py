@@ -26,8 +26,10 @@ ratio over the shapes, its minimum, the shapes under 0.90x; per shape the best v
 PREDICTION (session 16, before any run): flat-rule >= kosmos on every shape; +5-15% on the K = 1024 shapes
 (6000x1536x1024 0.705x -> ~0.80x), ~0 on the few-tile long-K ones (512x1536x7168 stays ~0.59x: 96 tiles of
 64x128, one wave, nothing to overlap across tiles), ~+1-2% on the big ones; geomean 0.87 -> ~0.89.
---splits (session 17): the product kernel (w1-unsplit: the rule's tile, no split) against its K splits
-(split-BMxBN-S: S programs per tile, the partial sums reduced by all S). PREDICTION before the run, best split
+--splits (session 17): the product kernel (w1-unsplit: the rule's tile, no split) against its K split
+(split-128x128-2: 2 programs per tile, the partial sums reduced by both) and its stream-K schedule
+(sk-128x256, sk-128x128). The first form of this mode (s17b/s17c) timed splits of 2-6 parts at 128x256 and
+128x128 too; their figures are in planning.w1_plan's docstring. PREDICTION before the run, best split
 against w1-unsplit: 512x1536x7168 0.62x -> ~0.80x of cuBLAS (128x256, S = 5), 256x4096x4096 0.78 -> ~0.88,
 512x5120x5120 0.74 -> ~0.80, 256x6144x8192 0.87 -> ~0.92, 1024x3072x8192 ~+3%; no gain (a loss) at K <= 2048
 and on the many-wave shapes.
@@ -70,19 +72,27 @@ def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
         store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
 
 
-def product_w1(a, b, cfg, split, programs, rb=None):
+def product_w1(a, b, cfg, split, programs, rb=None, stream_k=False):
     """The product kernel (kernels/common.w1_matmul_kernel) at tile ``cfg`` and K split ``split``, launched
     directly (its own partial buffer and counters); ``rb``: the rows per block of the split's sum instead of
-    common.w1_reduce_rows'."""
+    common.w1_reduce_rows'; ``stream_k``: the stream-K schedule (``split`` 1)."""
     from kosmos import codes, planning, runtime
-    from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid
+    from kosmos.kernels.common import (w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid,
+                                       w1_stream_k_grid)
     m, k = a.shape
     n = b.shape[1]
     tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
     c = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
     epoch = torch.zeros(1, dtype=torch.int32, device=a.device)
     extra = {}
-    if split > 1:
+    if stream_k:
+        grid = w1_stream_k_grid(programs, tiles, k, cfg)
+        ws = runtime.get_workspace(None, a.device)
+        ws.ensure(0, 0)
+        extra = dict(partials=torch.empty(2 * grid * cfg.BM * cfg.BN, device=a.device),
+                     counters=torch.zeros(tiles, dtype=torch.int32, device=a.device),
+                     errors=ws.errors, timeout_ns=ws.timeout_ns(), stream_k=True)
+    elif split > 1:
         grid = w1_split_grid(programs, tiles, split)
         ws = runtime.get_workspace(None, a.device)
         ws.ensure(0, 0)
@@ -98,10 +108,6 @@ def product_w1(a, b, cfg, split, programs, rb=None):
         w1_matmul_kernel[(g,)](*args, **kw)
         return c
     return fn
-
-
-# --splits: the K-split variants (session 17), tile (BM, BN, warps, stages) x parts
-SPLIT_VARIANTS = [((128, 256, 8, 3), s) for s in (2, 3, 4, 5, 6)] + [((128, 128, 4, 4), s) for s in (2, 3, 4)]
 
 
 def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs):
@@ -141,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--splits", action="store_true",
-                    help="time the product kernel unsplit and with the K splits of SPLIT_VARIANTS instead")
+                    help="time the product kernel unsplit, K-split and stream-K instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flat_probe: needs a CUDA GPU")
@@ -169,18 +175,16 @@ def main(argv=None) -> int:
         t_gemm = timing.time_op(lambda: a @ b, iters=args.iters, warmup=args.warmup)["time_ms"]
         rule = planning.tile_config(m, n, k, world=1, programs=programs)
         if args.splits:
-            split_cfg, split = planning.w1_plan(m, n, k, programs=programs)
+            w1 = planning.w1_plan(m, n, k, programs=programs)
+            t128 = planning.TileConfig(128, 128, 64, 4, 4)
             variants = {"kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),
-                        "w1-unsplit": product_w1(a, b, rule, 1, programs)}
-            steps = triton.cdiv(k, 64)
-            for (bm, bn, warps, stages), s in SPLIT_VARIANTS:
-                if steps // s >= 8:
-                    variants[f"split-{bm}x{bn}-{s}"] = product_w1(a, b, planning.TileConfig(bm, bn, 64, warps, stages),
-                                                                  s, programs)
-            if steps >= 16:  # the sum in 16-row blocks (session 17's first form) against one block per share
-                variants["split-128x128-2-rb16"] = product_w1(a, b, planning.TileConfig(128, 128, 64, 4, 4), 2,
-                                                              programs, rb=16)
-            print(f"{m}x{n}x{k}: w1_plan {split_cfg.BM}x{split_cfg.BN} split {split}", flush=True)
+                        "w1-unsplit": product_w1(a, b, rule, 1, programs),
+                        "sk-128x256": product_w1(a, b, planning.TileConfig(128, 256, 64, 8, 3), 1, programs,
+                                                 stream_k=True),
+                        "sk-128x128": product_w1(a, b, t128, 1, programs, stream_k=True)}
+            if triton.cdiv(k, 64) >= 16:
+                variants["split-128x128-2"] = product_w1(a, b, t128, 2, programs)
+            print(f"{m}x{n}x{k}: w1_plan {w1}", flush=True)
         else:
             variants = {
                 "kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),

@@ -161,10 +161,22 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
 SPLIT_TILE = TileConfig(128, 128, 64, 4, 4)
 SPLIT_PARTS = 2
 SPLIT_MIN_STEPS = 64  # K steps (of 64) a tile must have for its split to pay for the partials' round trip
+# Stream-K (w1_plan): its cost over the even share of K steps, in K steps of its tile (the owner's fixup:
+# one or two fp32 partials read, ~1-2 us). PREDICTED (session 17), not yet fitted.
+STREAM_K_OVERHEAD_STEPS = 8
+STREAM_K_MIN_GAIN = 1.05
 
 
-def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> tuple[TileConfig, int]:
-    """(tile, K split) of the static W=1 GEMM (kernels/common.w1_matmul_kernel) for C [rows, n] = A @ B:
+@dataclass(frozen=True)
+class W1Plan:
+    """How the static W=1 GEMM runs a shape: its tile, and a K split in ``split`` parts or stream-K."""
+    tile: TileConfig
+    split: int = 1
+    stream_k: bool = False
+
+
+def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
+    """(tile, K split, stream-K) of the static W=1 GEMM (kernels/common.w1_matmul_kernel) for C [rows, n] = A @ B:
     tile_config's tile unsplit, except where even 128x128 tiles fill at most half the SMs and K is long
     (>= SPLIT_MIN_STEPS steps of 64): there each 128x128 tile's K steps are cut in two halves, two programs
     per tile, and their fp32 partials summed by both (one round: at most ``programs`` programs).
@@ -177,14 +189,36 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> tuple[TileConf
     tile: 512x5120x5120 0.747 -> <= 0.648, 1024x3072x8192 0.793 -> <= 0.677, 256x6144x8192 0.859 -> <= 0.820,
     2048x1536x5120 0.797 -> <= 0.606, 3000x3072x7168 0.827 -> <= 0.713 (split rounds pay the cost per round).
     The first rule of that session (tile_config's wave model extended to splits, 8 steps of overhead per part)
-    split 5 grid shapes and made the grid's geomean 0.923 -> 0.916: the model's overhead was ~3x too small."""
+    split 5 grid shapes and made the grid's geomean 0.923 -> 0.916: the model's overhead was ~3x too small.
+
+    Stream-K (kernels/common.w1_matmul_kernel's STREAM_K): every tile's K steps laid end to end and cut into
+    ``programs`` equal runs, so no SM idles in a last partial wave. Taken where tile_config's wave model, with
+    a stream-K run costing its even share of the K steps plus STREAM_K_OVERHEAD_STEPS, predicts a gain of at
+    least STREAM_K_MIN_GAIN (128x256 or 128x128, whichever it predicts faster): shapes of one to a few waves
+    with a badly filled last one (512x5120x5120: 80 tiles of 128x256 on 132 SMs), not the many-wave or
+    short-K ones. PREDICTED before its first run (session 17): 512x5120x5120 0.75 -> ~0.90x of cuBLAS,
+    1024x3072x8192 0.79 -> ~0.90, 3000x3072x7168 0.82 -> ~0.90; no shape slower."""
     cfg = tile_config(rows, n, k, world=1, programs=programs)
-    if interpreting() or -(-k // 64) < SPLIT_MIN_STEPS:
-        return cfg, 1
-    tiles = -(-rows // SPLIT_TILE.BM) * -(-n // SPLIT_TILE.BN)
-    if tiles * SPLIT_PARTS > programs:
-        return cfg, 1
-    return SPLIT_TILE, SPLIT_PARTS
+    steps = -(-k // 64)
+    if interpreting() or programs < 2:
+        return W1Plan(cfg)
+    bn_cap = _pow2_at_least(n, 64, 256)
+    weight = {(bm, min(bn, bn_cap)): (bm * bn) / (128 * 256) / thr for bm, bn, _, _, thr in TILE_CANDIDATES}
+    tiles = -(-rows // cfg.BM) * -(-n // cfg.BN)
+    unsplit = -(-tiles // programs) * steps * weight.get((cfg.BM, cfg.BN), 1.0)
+    best = None
+    for bm, bn, warps, stages, _ in TILE_CANDIDATES[:2]:
+        bn = min(bn, bn_cap)
+        t = -(-rows // bm) * -(-n // bn)
+        cost = (-(-t * steps // programs) + STREAM_K_OVERHEAD_STEPS) * weight[(bm, bn)]
+        if best is None or cost < best[0]:
+            best = (cost, TileConfig(bm, bn, 64, warps, stages))
+    if best[0] * STREAM_K_MIN_GAIN <= unsplit:
+        return W1Plan(best[1], stream_k=True)
+    split_tiles = -(-rows // SPLIT_TILE.BM) * -(-n // SPLIT_TILE.BN)
+    if steps >= SPLIT_MIN_STEPS and split_tiles * SPLIT_PARTS <= programs:
+        return W1Plan(SPLIT_TILE, SPLIT_PARTS)
+    return W1Plan(cfg)
 
 
 def _grouped(m_tiles: int, n_tiles: int):

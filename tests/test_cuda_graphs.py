@@ -93,7 +93,8 @@ def _input_sets(shapes, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
-@pytest.mark.parametrize("ms,k,n", [(300, 512, 1000), (37, 136, 264)])
+@pytest.mark.parametrize("ms,k,n", [(300, 512, 1000), (37, 136, 264),
+                                    pytest.param(512, 5120, 5120, id="stream-k")])  # planning.w1_plan's stream-K
 def test_w1_tp_op_replays_bitwise_equal_eager(no_tf32, op, mx, ms, k, n):
     import kosmos
     from kosmos import quant

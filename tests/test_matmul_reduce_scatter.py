@@ -256,8 +256,9 @@ def test_w1_static_matmul_gpu_bitwise_and_taken(no_tf32, m, k, n, kmajor):
         ws = runtime.get_workspace(None, a.device)
         kernels = {p.launch.kernel for p in ws._plans.values()}
         assert w1_matmul_kernel in kernels, kernels
-        _, split = planning.w1_plan(m, n, k, programs=runtime.num_sms(a.device))
-        for x in again + [c_ag] + ([old] if split == 1 else []):  # a K split sums in another order than old
+        w1 = planning.w1_plan(m, n, k, programs=runtime.num_sms(a.device))
+        same_sum = w1.split == 1 and not w1.stream_k  # a K split / stream-K sums in another order than old
+        for x in again + [c_ag] + ([old] if same_sum else []):
             assert torch.equal(x, c)
         (ref,) = reference.matmul_reduce_scatter_ref_local([a], [b])
         assert reference.rel_err(c, ref) < TOL
@@ -266,20 +267,27 @@ def test_w1_static_matmul_gpu_bitwise_and_taken(no_tf32, m, k, n, kmajor):
         runtime.reset_workspaces()
 
 
-def _w1_split(a, b_store, kmajor, programs, cfg, split, ws):
+def _w1_split(a, b_store, kmajor, programs, cfg, split, ws, stream_k=False):
     from kosmos import planning
-    from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid
+    from kosmos.kernels.common import (w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid,
+                                       w1_stream_k_grid)
     m, k = a.shape
     n = b_store.shape[0] if kmajor else b_store.shape[1]
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
-    grid = w1_split_grid(programs, tiles, split)
-    ws.ensure_counters(2 * (grid // split))
-    parts = torch.full((w1_partial_elems(grid, tiles, split, cfg),), float("nan"), device=a.device)
+    if stream_k:
+        grid = w1_stream_k_grid(programs, tiles, k, cfg)
+        ws.ensure_counters(tiles)
+        parts = torch.full((2 * grid * cfg.BM * cfg.BN,), float("nan"), device=a.device)
+    else:
+        grid = w1_split_grid(programs, tiles, split)
+        ws.ensure_counters(2 * (grid // split))
+        parts = torch.full((w1_partial_elems(grid, tiles, split, cfg),), float("nan"), device=a.device)
     c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=a.device)
     epoch = torch.full((1,), 7, dtype=torch.int32, device=a.device)
     g, args, kw = w1_matmul_args(a, b_store, kmajor, c, cfg, epoch, programs, planning.GROUP_M, False,
-                                 split=split, partials=parts, counters=ws.counters, errors=ws.errors,
-                                 timeout_ns=ws.timeout_ns(), op=codes.OP_MATMUL_REDUCE_SCATTER.value)
+                                 split=1 if stream_k else split, partials=parts, counters=ws.counters, errors=ws.errors,
+                                 timeout_ns=ws.timeout_ns(), op=codes.OP_MATMUL_REDUCE_SCATTER.value,
+                                 stream_k=stream_k)
     assert g == grid
     w1_matmul_kernel[(g,)](*args, **kw)
     torch.cuda.synchronize()
@@ -299,11 +307,14 @@ def _w1_split(a, b_store, kmajor, programs, cfg, split, ws):
     (1000, 3000, 712, (128, 256, 8, 3), 2, 132),   # 64-row shares of a 128x256 tile, ragged
 ])
 @pytest.mark.parametrize("kmajor", [False, True])
-def test_w1_split_k_gpu(no_tf32, m, k, n, tile, split, programs, kmajor):
+@pytest.mark.parametrize("stream_k", [False, True], ids=["split", "stream-k"])
+def test_w1_split_k_gpu(no_tf32, m, k, n, tile, split, programs, kmajor, stream_k):
     """The static GEMM's K split (SPLIT programs per tile, fp32 partials summed by the whole group): within TOL
     of the fp32 product, every element written (NaN-poisoned output and partials), bitwise the same on a second
     launch (a fixed summation order), the counters back at zero, one epoch per launch -- one round, two
-    (round-parity halves), many (3 groups, 12 programs), ragged M / N / K, b k-major."""
+    (round-parity halves), many (3 groups, 12 programs), ragged M / N / K, b k-major. ``stream_k``: the same
+    shapes and tiles under the stream-K schedule (``split`` unused) -- runs crossing 2 or more tiles, a tile
+    in 3+ pieces (12 programs on few steps), owners with and without other pieces."""
     from kosmos import planning, reference
     bm, bn, warps, stages = tile
     cfg = planning.TileConfig(bm, bn, 64, warps, stages)
@@ -315,8 +326,8 @@ def test_w1_split_k_gpu(no_tf32, m, k, n, tile, split, programs, kmajor):
         ws = runtime.get_workspace(None, a.device)
         ws.ensure(0, 0)
         b_store = b.t() if kmajor else b
-        c = _w1_split(a, b_store, kmajor, programs, cfg, split, ws)
-        again = _w1_split(a, b_store, kmajor, programs, cfg, split, ws)
+        c = _w1_split(a, b_store, kmajor, programs, cfg, split, ws, stream_k)
+        again = _w1_split(a, b_store, kmajor, programs, cfg, split, ws, stream_k)
         (ref,) = reference.matmul_reduce_scatter_ref_local([a], [b])
         assert torch.isfinite(c.float()).all()
         assert reference.rel_err(c, ref) < TOL

@@ -345,18 +345,22 @@ def test_deq_needed_covers_every_tile(op, rank, world, ms, n, bm, bn, parts):
 
 @pytest.mark.parametrize("m,n,k", [(512, 1536, 7168), (256, 4096, 4096), (8192, 28672, 4096), (6000, 1536, 1024),
                                    (4096, 14336, 1024), (100, 256, 128), (3000, 3072, 7168)])
-def test_w1_plan_splits_only_few_tile_long_k_shapes(monkeypatch, m, n, k):
-    """planning.w1_plan: the unsplit tile_config unless a K split wins by the model's margin; a split part keeps
-    at least SPLIT_MIN_STEPS K steps, and the grid of a split stays whole groups on the SMs."""
+def test_w1_plan_splits_only_badly_filled_long_k_shapes(monkeypatch, m, n, k):
+    """planning.w1_plan: the unsplit tile_config unless stream-K or a K split is predicted faster (few tiles or
+    a badly filled last wave, long K); a split tile keeps at least SPLIT_MIN_STEPS K steps, and the grid of a
+    split stays whole groups on the SMs; many-wave and short-K shapes stay unsplit."""
     from kosmos.kernels.common import w1_split_grid
     monkeypatch.setattr(planning, "interpreting", lambda: False)
-    cfg, split = planning.w1_plan(m, n, k, programs=132)
-    if split == 1:
+    plan = planning.w1_plan(m, n, k, programs=132)
+    cfg, split = plan.tile, plan.split
+    if plan.stream_k:
+        assert split == 1 and (cfg.BM, cfg.BN) in ((128, 256), (128, 128))
+    elif split == 1:
         assert cfg == planning.tile_config(m, n, k, world=1, programs=132)
     else:
         assert -(-k // 64) >= planning.SPLIT_MIN_STEPS
         tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
         grid = w1_split_grid(132, tiles, split)
         assert grid % split == 0 and grid <= 132
-    few_tile_long_k = (m, n, k) in ((512, 1536, 7168), (256, 4096, 4096))
-    assert (split > 1) == few_tile_long_k, (cfg, split)
+    badly_filled_waves = (m, n, k) in ((512, 1536, 7168), (256, 4096, 4096), (3000, 3072, 7168))
+    assert (split > 1 or plan.stream_k) == badly_filled_waves, plan

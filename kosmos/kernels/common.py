@@ -56,7 +56,7 @@ def _grouped_tile(t, n_m, n_n, GROUP_M: tl.constexpr):
 def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, c_ptr, part_ptr, cnt_ptr, err_ptr, timeout_ns,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr,
                      GROUP_M: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
-                     RB: tl.constexpr, OP: tl.constexpr):
+                     RB: tl.constexpr, OP: tl.constexpr, STREAM_K: tl.constexpr = False):
     """C = A @ B at one rank, where a TP op has nothing to wait for: persistent, program p taking tiles p,
     p + GRID, ... of the grouped order (static: no queue claim, no task table, no exit protocol), and one
     software-pipelined loop over the (tile, k) pairs (``flatten``), so the next tile's first loads are in flight
@@ -76,12 +76,67 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, c_ptr, part_ptr
     0 .. SPLIT-1 in that order -- deterministic, and the sum is spread over the whole group rather than left to
     its last member (session 11's split-K lost that way). Co-residency: the grid is at most one program per SM
     and a group only waits on its own members in the same round. The last member out resets the group's two
-    counters (arrivals, exits) to 0, the state every launch starts from."""
+    counters (arrivals, exits) to 0, the state every launch starts from.
+
+    STREAM_K (planning.w1_plan: a last wave of tiles that leaves many SMs idle): the tiles' K steps, laid end to
+    end (tile-major), are cut into GRID equal runs, program p taking steps [p*W/GRID, (p+1)*W/GRID). A run
+    crosses tiles; each piece is one tile_matmul_steps. The piece that holds a tile's first step (its *owner*)
+    finishes the tile: with no other pieces it stores the tile (TMA); else it stores its own fp32 sum, waits
+    for the count of the other pieces at the tile's counter, sums RB-row blocks of its own and their partials
+    in program order (deterministic; adding a loaded partial to the accumulator in registers spilled), stores
+    them in bf16 and resets the counter to 0. Every other piece is the *first* piece
+    of its program's run (a later piece starts at a tile's first step), so each program stores at most one
+    partial (buffer slot = program id), and does so before it waits for anything: no wait can be circular."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
-    if SPLIT == 1:
+    if STREAM_K:
+        k_steps = tl.cdiv(K, BK)
+        work = tl.cast(n_m * n_n, tl.int64) * k_steps
+        pos = (pid * work) // grid
+        end = ((pid + 1) * work) // grid
+        offs_m = tl.arange(0, BM)
+        offs_r = tl.arange(0, RB)
+        offs_n = tl.arange(0, BN)
+        tile_elems = BM * BN
+        while pos < end:
+            t = pos // k_steps
+            lo = pos - t * k_steps
+            hi = tl.minimum(k_steps, end - t * k_steps)
+            tm, tn = _grouped_tile(t.to(tl.int32), n_m, n_n, GROUP_M)
+            acc = tile_matmul_steps(a_desc, b_desc, tm * BM, tn * BN, lo.to(tl.int32), hi.to(tl.int32), BM, BN,
+                                    BK, B_KMAJOR, DOT_FP32)
+            idx = offs_m[:, None] * BN + offs_n[None, :]
+            if lo == 0:
+                # the program holding the tile's last step: the largest p with p*W/GRID <= that step
+                last = ((t * k_steps + k_steps) * grid + work - 1) // work - 1
+                others = (last - pid).to(tl.int32)
+                if others > 0:
+                    # the owner's own sum goes to its second slot (GRID + pid: its first slot may still hold the
+                    # partial of its run's first piece, unread); then row blocks of own + others, in order
+                    own = part_ptr + tl.cast(grid + pid, tl.int64) * tile_elems
+                    tl.store(own + idx, acc)
+                    dev.wait_geq(cnt_ptr + t, others, timeout_ns, err_ptr, OP, WAIT_SPLIT_K, 0, t, t, True)
+                    tl.debug_barrier()  # this program's own stores above, before its threads read them back
+                    for blk in range(0, BM // RB):
+                        rows = blk * RB + offs_r
+                        ridx = rows[:, None] * BN + offs_n[None, :]
+                        total = tl.load(own + ridx, cache_modifier=".cg")
+                        for j in range(1, others + 1):
+                            total += tl.load(part_ptr + tl.cast(pid + j, tl.int64) * tile_elems + ridx,
+                                             cache_modifier=".cg")
+                        row0 = tm * BM + blk * RB
+                        store_block(c_ptr, total.to(tl.bfloat16), row0, tn * BN, M - row0, N - tn * BN, N, RB, BN)
+                    tl.store(cnt_ptr + t, 0)
+                else:
+                    store_tile_tma(c_desc, acc, tm * BM, tn * BN, BM, BN)
+            else:
+                tl.store(part_ptr + tl.cast(pid, tl.int64) * tile_elems + idx, acc)
+                tl.debug_barrier()
+                tl.atomic_add(cnt_ptr + t, 1, sem="release", scope="gpu")
+            pos = t * k_steps + hi
+    elif SPLIT == 1:
         t_out = pid - grid
         for t in tl.range(pid, n_m * n_n, grid, flatten=True, num_stages=STAGES):
             tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
@@ -132,21 +187,26 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, c_ptr, part_ptr
 
 
 def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int, group_m: int, dot_fp32: bool,
-                   split: int = 1, partials=None, counters=None, errors=None, timeout_ns: int = 0, op: int = 0):
+                   split: int = 1, partials=None, counters=None, errors=None, timeout_ns: int = 0, op: int = 0,
+                   stream_k: bool = False):
     """(grid, runtime arguments, constexpr / option keywords) of w1_matmul_kernel for C [M, N] = A [M, K] @ B
     (b_store [K, N], or [N, K] when ``b_kmajor``) at tile ``cfg``: min(programs, tiles) programs; ``epoch_slot``
     the workspace's device epoch (int32 [1]), advanced by the launch. ``split`` > 1: the K split, on
     w1_split_grid(...) programs, with ``partials`` (fp32, w1_partial_elems(...)), ``counters`` (int32, 2 per
     split group, zero) and the error record ``errors`` / ``timeout_ns`` of its bounded waits, which name the
-    TP op ``op`` (a codes.OP_* value)."""
+    TP op ``op`` (a codes.OP_* value). ``stream_k``: the stream-K schedule on min(programs, tiles * steps)
+    programs, with ``partials`` (fp32, two tiles per program), ``counters`` (int32, one per tile, zero)."""
     m, k = a.shape
     n = c.shape[1]
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
     kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
-              DOT_FP32=dot_fp32, SPLIT=split, RB=w1_reduce_rows(cfg.BM, split), OP=op, num_warps=cfg.num_warps,
-              num_stages=cfg.num_stages)
-    if split == 1:
+              DOT_FP32=dot_fp32, SPLIT=split, RB=w1_reduce_rows(cfg.BM, split), OP=op, STREAM_K=stream_k,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if stream_k:
+        grid = w1_stream_k_grid(programs, tiles, k, cfg)
+        kw["RB"] = W1_STREAM_K_ROWS
+    elif split == 1:
         grid = max(1, min(programs, tiles))
         partials = counters = errors = epoch_slot
     else:
@@ -161,6 +221,14 @@ def w1_reduce_rows(bm: int, split: int) -> int:
     return share if split > 1 and share * split == bm and share & (share - 1) == 0 else min(16, bm)
 
 
+W1_STREAM_K_ROWS = 32  # rows per block of a stream-K owner's sum
+
+
+def w1_stream_k_grid(programs: int, tiles: int, k: int, cfg) -> int:
+    """Programs of a stream-K launch: one per SM, but no more than the K steps of all tiles."""
+    return max(1, min(programs, tiles * -(-k // cfg.BK)))
+
+
 def w1_split_grid(programs: int, tiles: int, split: int) -> int:
     """Programs of a K-split launch: whole split groups, at most ``programs`` and no more groups than tiles."""
     return max(1, min(programs // split, tiles)) * split
@@ -173,16 +241,23 @@ def w1_partial_elems(grid: int, tiles: int, split: int, cfg) -> int:
     return (2 if rounds > 1 else 1) * grid * cfg.BM * cfg.BN
 
 
-def w1_matmul_launch(a, b_store, b_kmajor: bool, c, cfg, ws, programs: int, split: int = 1, op: int = 0):
+def w1_matmul_launch(a, b_store, b_kmajor: bool, c, cfg, ws, programs: int, split: int = 1, op: int = 0,
+                     stream_k: bool = False):
     """The KernelLaunch of the static W=1 GEMM for a TP op's first call of a shape (its plan's launch) on
     workspace ``ws``; refused inside a CUDA-graph capture, like every first call. ``split``: planning.w1_plan's
-    K split (its partials and counters are workspace buffers); ``op`` the caller's codes.OP_* value."""
+    K split or ``stream_k`` (their partials and counters are workspace buffers); ``op`` the caller's codes.OP_*
+    value."""
     from .. import launch_plan, planning, runtime
     runtime.capture_refusal("its static W=1 GEMM for this shape is not planned yet")
     extra = {}
-    if split > 1:
-        m, n = a.shape[0], c.shape[1]
-        tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    m, n = a.shape[0], c.shape[1]
+    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    if stream_k:
+        grid = w1_stream_k_grid(programs, tiles, a.shape[1], cfg)
+        ws.ensure_counters(tiles)
+        extra = dict(partials=ws.local("w1_split_partials", 2 * grid * cfg.BM * cfg.BN, torch.float32),
+                     counters=ws.counters, errors=ws.errors, timeout_ns=ws.timeout_ns(), stream_k=True)
+    elif split > 1:
         grid = w1_split_grid(programs, tiles, split)
         ws.ensure_counters(2 * (grid // split))
         extra = dict(partials=ws.local("w1_split_partials", w1_partial_elems(grid, tiles, split, cfg),
