@@ -197,24 +197,17 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     least STREAM_K_MIN_GAIN (128x256 or 128x128, whichever it predicts faster): shapes of one to a few waves
     with a badly filled last one (512x5120x5120: 80 tiles of 128x256 on 132 SMs), not the many-wave or
     short-K ones. PREDICTED before its first run (session 17): 512x5120x5120 0.75 -> ~0.90x of cuBLAS,
-    1024x3072x8192 0.79 -> ~0.90, 3000x3072x7168 0.82 -> ~0.90; no shape slower."""
+    1024x3072x8192 0.79 -> ~0.90, 3000x3072x7168 0.82 -> ~0.90; no shape slower. MEASURED (b3e3bc9,
+    results/h200x1/s17/s17d; correct and GPU-tested, but slow): flat_probe geomean over 20 shapes sk-128x256
+    0.613, sk-128x128 0.615 against 0.868 unsplit (worst 0.196); the grid with it on 17 shapes 0.840 / 0.839
+    (from 0.927 / 0.928), worst 0.495 at 6000x5120x14336. Not traced yet. So w1_plan no longer picks it (the
+    kernel's STREAM_K branch stays for the next attempt; STREAM_K_* are the model it was picked by).
+    Left for that attempt: why a stream-K run costs ~1.5x its steps (unflattened pieces? the owner's blocked
+    fp32 sum?)."""
     cfg = tile_config(rows, n, k, world=1, programs=programs)
     steps = -(-k // 64)
     if interpreting() or programs < 2:
         return W1Plan(cfg)
-    bn_cap = _pow2_at_least(n, 64, 256)
-    weight = {(bm, min(bn, bn_cap)): (bm * bn) / (128 * 256) / thr for bm, bn, _, _, thr in TILE_CANDIDATES}
-    tiles = -(-rows // cfg.BM) * -(-n // cfg.BN)
-    unsplit = -(-tiles // programs) * steps * weight.get((cfg.BM, cfg.BN), 1.0)
-    best = None
-    for bm, bn, warps, stages, _ in TILE_CANDIDATES[:2]:
-        bn = min(bn, bn_cap)
-        t = -(-rows // bm) * -(-n // bn)
-        cost = (-(-t * steps // programs) + STREAM_K_OVERHEAD_STEPS) * weight[(bm, bn)]
-        if best is None or cost < best[0]:
-            best = (cost, TileConfig(bm, bn, 64, warps, stages))
-    if best[0] * STREAM_K_MIN_GAIN <= unsplit:
-        return W1Plan(best[1], stream_k=True)
     split_tiles = -(-rows // SPLIT_TILE.BM) * -(-n // SPLIT_TILE.BN)
     if steps >= SPLIT_MIN_STEPS and split_tiles * SPLIT_PARTS <= programs:
         return W1Plan(SPLIT_TILE, SPLIT_PARTS)

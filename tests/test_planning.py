@@ -353,14 +353,13 @@ def test_w1_plan_splits_only_badly_filled_long_k_shapes(monkeypatch, m, n, k):
     monkeypatch.setattr(planning, "interpreting", lambda: False)
     plan = planning.w1_plan(m, n, k, programs=132)
     cfg, split = plan.tile, plan.split
-    if plan.stream_k:
-        assert split == 1 and (cfg.BM, cfg.BN) in ((128, 256), (128, 128))
-    elif split == 1:
+    assert not plan.stream_k  # measured slower (planning.w1_plan's docstring)
+    if split == 1:
         assert cfg == planning.tile_config(m, n, k, world=1, programs=132)
     else:
         assert -(-k // 64) >= planning.SPLIT_MIN_STEPS
         tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
         grid = w1_split_grid(132, tiles, split)
         assert grid % split == 0 and grid <= 132
-    badly_filled_waves = (m, n, k) in ((512, 1536, 7168), (256, 4096, 4096), (3000, 3072, 7168))
+    badly_filled_waves = (m, n, k) in ((512, 1536, 7168), (256, 4096, 4096))
     assert (split > 1 or plan.stream_k) == badly_filled_waves, plan
