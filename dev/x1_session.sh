@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17c|s17d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -969,17 +969,7 @@ PY
       > "$out/split-probe.log" 2>&1; echo "split probe rc=$?"; keep
     grep -A12 "^variant" "$out/split-probe.log"
     grid_run 200 ;;
-  s17c)  # session 17: s17b after its mends -- w1_plan's measured split rule, one sum block per member's share, a
-         # gpu-scope acquire in the split's wait -- tests, the split probe, the grid, the llama3 W=1 suite
-    begin_stage s17c
-    gpu_tests gpu-tests-split 150 "w1 or world1 or static or split" tests/test_matmul_reduce_scatter.py \
-      tests/test_all_gather_matmul.py tests/test_launch_plan.py
-    timeout 200 python -m dev.flat_probe --splits --max-seconds 170 --json "$out/split-probe.jsonl" \
-      > "$out/split-probe.log" 2>&1; echo "split probe rc=$?"; keep
-    grep -A12 "^variant" "$out/split-probe.log"
-    grid_run 200
-    grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5 ;;
-  s17d)  # session 17: stream-K in the static W=1 GEMM -- tests (split / stream-K kernels, the ops, graph replays),
+  s17d)  # session 17 (also what s17c ran at 13edb16, less its graph tests): stream-K in the static W=1 GEMM -- tests (split / stream-K kernels, the ops, graph replays),
          # the probe (unsplit / split / stream-K on flat_probe's 20 shapes), the grid with w1_plan's rule
     begin_stage s17d
     gpu_tests gpu-tests-split 170 "w1 or world1 or static or split" tests/test_matmul_reduce_scatter.py \
@@ -990,5 +980,5 @@ PY
     grep -A8 "^variant" "$out/split-probe.log"
     grid_run 200
     grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17c|s17d" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d" >&2; exit 2 ;;
 esac
