@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -980,5 +980,16 @@ PY
     grep -A8 "^variant" "$out/split-probe.log"
     grid_run 200
     grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d" >&2; exit 2 ;;
+  s18a)  # session 18: stream-K v2 in the static W=1 GEMM (data-parallel waves, then K-synchronised stream-K runs)
+         # -- tests (split / stream-K kernels, the ops, graph replays), the probe on the shapes w1_plan streams
+    begin_stage s18a
+    gpu_tests gpu-tests-split 150 "w1 or world1 or static or split or stream" tests/test_matmul_reduce_scatter.py \
+      tests/test_all_gather_matmul.py tests/test_launch_plan.py tests/test_planning.py
+    gpu_tests gpu-tests-graphs 80 "w1_tp_op_replays or first_call or stalled" tests/test_cuda_graphs.py
+    timeout 170 python -m dev.flat_probe --splits --max-seconds 150 --json "$out/sk-probe.jsonl" --shapes \
+      512x5120x5120,1024x3072x8192,2048x1536x5120,3000x3072x7168,6000x1536x1024,2048x6912x8192,4096x1536x4096,\
+3000x6144x5120,2048x5120x4096,6000x5120x14336,6000x3072x5120,1024x6144x7168,512x14336x2880,256x28672x5120,\
+4096x6912x7168,512x6912x14336,8192x8192x4096,512x1536x7168 > "$out/sk-probe.log" 2>&1; echo "sk probe rc=$?"; keep
+    grep -A8 "^variant" "$out/sk-probe.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b" >&2; exit 2 ;;
 esac

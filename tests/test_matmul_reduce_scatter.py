@@ -296,6 +296,47 @@ def _w1_split(a, b_store, kmajor, programs, cfg, split, ws, stream_k=False):
     return c
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,k,n,programs", [
+    (80, 96, 96, 3),    # 15 tiles on 3 programs: 4 data-parallel waves, then 3 tiles' steps in 3 runs (no split)
+    (80, 112, 96, 4),   # 15 tiles on 4: 2 waves data-parallel, then 7 tiles of 7 steps in runs of 12.25
+    (40, 160, 40, 7),   # 6 tiles on 7 programs (ragged M, N): runs shorter than a tile, tiles in 2-3 pieces
+    (33, 72, 56, 5),    # ragged M / N / K (K steps of 16: 5, the last one partial)
+])
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_w1_stream_k_schedule(m, k, n, programs, kmajor):
+    """The static GEMM's stream-K schedule (data-parallel waves, then the rest in equal runs of K steps) under
+    the interpreter, with 16x32x16 tiles: within TOL of the fp32 product, every element written (NaN-poisoned
+    output and partials), the same bits on a second launch, the tile counters back at zero, one epoch."""
+    from kosmos import planning, reference
+    from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel, w1_stream_k_grid
+    cfg = planning.TileConfig(16, 32, 16, 4, 1)
+    gen = torch.Generator().manual_seed(m + k + n + programs)
+    a = randn((m, k), gen, "cpu")
+    b = opcases.weight(k, n, gen, "cpu", kmajor)
+    b_store = b.t() if kmajor else b
+    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    outs = []
+    for _ in range(2):
+        grid = w1_stream_k_grid(programs, tiles, k, cfg)
+        parts = torch.full((grid * cfg.BM * cfg.BN,), float("nan"))
+        counters = torch.zeros(tiles, dtype=torch.int32)
+        errors = runtime.one_rank_errors(None, torch.device("cpu"))
+        c = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        epoch = torch.full((1,), 7, dtype=torch.int32)
+        g, args, kw = w1_matmul_args(a, b_store, kmajor, c, cfg, epoch, programs, planning.GROUP_M, True,
+                                     partials=parts, counters=counters, errors=errors, timeout_ns=10**6,
+                                     op=codes.OP_MATMUL_REDUCE_SCATTER.value, stream_k=True)
+        assert g == grid == min(programs, tiles * -(-k // 16))
+        w1_matmul_kernel[(g,)](*args, **kw)
+        assert int(epoch[0]) == 8 and int(errors[0]) == 0 and not bool(counters.any())
+        outs.append(c)
+    (ref,) = reference.matmul_reduce_scatter_ref_local([a], [b])
+    assert torch.isfinite(outs[0].float()).all()
+    assert reference.rel_err(outs[0], ref) < TOL
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,tile,split,programs", [
     (512, 7168, 1536, (128, 256, 8, 3), 5, 132),   # one round: 24 tiles, 26 groups
@@ -305,6 +346,7 @@ def _w1_split(a, b_store, kmajor, programs, cfg, split, ws, stream_k=False):
     (640, 2048, 1024, (64, 128, 4, 4), 4, 12),     # many rounds on 3 groups
     (512, 7168, 1536, (128, 128, 4, 4), 2, 132),   # w1_plan's split (one block per member's share)
     (1000, 3000, 712, (128, 256, 8, 3), 2, 132),   # 64-row shares of a 128x256 tile, ragged
+    (3000, 3072, 7168, (128, 128, 4, 4), 2, 132),  # stream-K: 4 waves data-parallel, then 180 tiles in 132 runs
 ])
 @pytest.mark.parametrize("kmajor", [False, True])
 @pytest.mark.parametrize("stream_k", [False, True], ids=["split", "stream-k"])
@@ -313,8 +355,9 @@ def test_w1_split_k_gpu(no_tf32, m, k, n, tile, split, programs, kmajor, stream_
     of the fp32 product, every element written (NaN-poisoned output and partials), bitwise the same on a second
     launch (a fixed summation order), the counters back at zero, one epoch per launch -- one round, two
     (round-parity halves), many (3 groups, 12 programs), ragged M / N / K, b k-major. ``stream_k``: the same
-    shapes and tiles under the stream-K schedule (``split`` unused) -- runs crossing 2 or more tiles, a tile
-    in 3+ pieces (12 programs on few steps), owners with and without other pieces."""
+    shapes and tiles under the stream-K schedule (``split`` unused) -- data-parallel waves then runs (3000 rows;
+    640 rows on 12 programs), runs crossing 2 or more tiles, tiles in 3+ pieces (fewer tiles than programs),
+    owners with and without other pieces."""
     from kosmos import planning, reference
     bm, bn, warps, stages = tile
     cfg = planning.TileConfig(bm, bn, 64, warps, stages)

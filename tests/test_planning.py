@@ -343,23 +343,30 @@ def test_deq_needed_covers_every_tile(op, rank, world, ms, n, bm, bn, parts):
     assert got[-1] == len(deq)
 
 
-@pytest.mark.parametrize("m,n,k", [(512, 1536, 7168), (256, 4096, 4096), (8192, 28672, 4096), (6000, 1536, 1024),
-                                   (4096, 14336, 1024), (100, 256, 128), (3000, 3072, 7168)])
-def test_w1_plan_splits_only_badly_filled_long_k_shapes(monkeypatch, m, n, k):
-    """planning.w1_plan: the unsplit tile_config unless stream-K or a K split is predicted faster (few tiles or
-    a badly filled last wave, long K); a split tile keeps at least SPLIT_MIN_STEPS K steps, and the grid of a
-    split stays whole groups on the SMs; many-wave and short-K shapes stay unsplit."""
+@pytest.mark.parametrize("m,n,k,expect", [
+    (512, 1536, 7168, "split"), (256, 4096, 4096, "split"),           # under a wave even in 128x128 tiles, long K
+    (3000, 3072, 7168, "stream-k"), (512, 5120, 5120, "stream-k"),    # 4.36 waves of 128x128; 1.2 waves of 128x128
+    (6000, 1536, 1024, "stream-k"),                                   # 4.27 waves of 128x256, short K
+    (8192, 28672, 4096, "unsplit"), (4096, 14336, 1024, "unsplit"),   # many waves: the last one costs < 5%
+    (100, 256, 128, "unsplit"), (256, 1536, 1024, "unsplit"),         # a few tiles, short K: nothing to split
+])
+def test_w1_plan_splits_or_streams_only_badly_filled_waves(monkeypatch, m, n, k, expect):
+    """planning.w1_plan: a K split where even 128x128 tiles leave half the SMs idle and K is long; stream-K
+    where at least one wave of tiles runs and the wave model predicts >= STREAM_K_MIN_GAIN from the last partial
+    wave (runs of at least one tile: tiles >= programs, not a whole number of waves); else tile_config's tile
+    unsplit. A split keeps >= SPLIT_MIN_STEPS K steps per tile and whole groups on the SMs."""
     from kosmos.kernels.common import w1_split_grid
     monkeypatch.setattr(planning, "interpreting", lambda: False)
     plan = planning.w1_plan(m, n, k, programs=132)
     cfg, split = plan.tile, plan.split
-    assert not plan.stream_k  # measured slower (planning.w1_plan's docstring)
-    if split == 1:
+    got = "split" if split > 1 else "stream-k" if plan.stream_k else "unsplit"
+    assert got == expect, plan
+    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    if got == "unsplit":
         assert cfg == planning.tile_config(m, n, k, world=1, programs=132)
-    else:
+    elif got == "split":
         assert -(-k // 64) >= planning.SPLIT_MIN_STEPS
-        tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
         grid = w1_split_grid(132, tiles, split)
         assert grid % split == 0 and grid <= 132
-    badly_filled_waves = (m, n, k) in ((512, 1536, 7168), (256, 4096, 4096))
-    assert (split > 1 or plan.stream_k) == badly_filled_waves, plan
+    else:
+        assert tiles >= 132 and tiles % 132, (tiles, plan)

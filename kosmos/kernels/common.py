@@ -44,6 +44,27 @@ def tile_matmul_steps(a_desc, b_desc, row, col, step_lo, step_hi, BM: tl.constex
 
 
 @triton.jit
+def tile_matmul_cyclic(a_desc, b_desc, row, col, first, count, k_steps, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """tile_matmul over ``count`` <= k_steps K steps first, first + 1, ... taken modulo k_steps (a stream-K
+    piece: its steps may wrap around the tile's end)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for j in range(0, count):
+        kk = first + j
+        kk = tl.where(kk >= k_steps, kk - k_steps, kk)
+        a = a_desc.load([row, kk * BK])
+        if B_KMAJOR:
+            b = b_desc.load([col, kk * BK]).T
+        else:
+            b = b_desc.load([kk * BK, col])
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _grouped_tile(t, n_m, n_n, GROUP_M: tl.constexpr):
     """Tile t's (m, n) in planning._grouped's order (GROUP_M m-tiles share each n-tile, for L2)."""
     per_group = GROUP_M * n_n
@@ -53,7 +74,7 @@ def _grouped_tile(t, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, c_ptr, part_ptr, cnt_ptr, err_ptr, timeout_ns,
+def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, epoch_ptr, M, N, K, c_ptr, part_ptr, cnt_ptr, err_ptr, timeout_ns,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr,
                      GROUP_M: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
                      RB: tl.constexpr, OP: tl.constexpr, STREAM_K: tl.constexpr = False):
@@ -78,64 +99,84 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, epoch_ptr, M, N, K, c_ptr, part_ptr
     and a group only waits on its own members in the same round. The last member out resets the group's two
     counters (arrivals, exits) to 0, the state every launch starts from.
 
-    STREAM_K (planning.w1_plan: a last wave of tiles that leaves many SMs idle): the tiles' K steps, laid end to
-    end (tile-major), are cut into GRID equal runs, program p taking steps [p*W/GRID, (p+1)*W/GRID). A run
-    crosses tiles; each piece is one tile_matmul_steps. The piece that holds a tile's first step (its *owner*)
-    finishes the tile: with no other pieces it stores the tile (TMA); else it stores its own fp32 sum, waits
-    for the count of the other pieces at the tile's counter, sums RB-row blocks of its own and their partials
-    in program order (deterministic; adding a loaded partial to the accumulator in registers spilled), stores
-    them in bf16 and resets the counter to 0. Every other piece is the *first* piece
-    of its program's run (a later piece starts at a tile's first step), so each program stores at most one
-    partial (buffer slot = program id), and does so before it waits for anything: no wait can be circular."""
+    STREAM_K (planning.w1_plan: a last wave of tiles that leaves many SMs idle): data-parallel, then stream-K.
+    With T tiles on GRID programs, the first (T // GRID - 1) * GRID tiles run as SPLIT = 1 does (the flattened
+    loop); the rest -- one wave plus the partial one, or all T when T < GRID -- have their K steps laid end to
+    end (tile-major) and cut into GRID equal runs, program p taking positions [p*W/GRID, (p+1)*W/GRID). A run
+    crosses tiles; each piece is one tile_matmul_cyclic. A piece at positions [i0, i1) of its tile computes K
+    steps [S - i1, S - i0) (S = K steps per tile), and a whole tile inside a run starts at the run's clock
+    modulo S: so every program reads the same K step at the same time except in its run's last piece --
+    session 17's stream-K read positions in order, and the runs' clocks then sat at K offsets spread over the
+    whole K range, the SMs working on distinct K slices: no L2 reuse (measured 0.5x at 6000x5120x14336, where
+    its runs are seven tiles long and nothing waits). The piece holding a tile's first position (its *owner*,
+    the last piece of its program's run) finishes the tile: alone it stores the tile (TMA); else it waits for
+    the count of the other pieces at the tile's counter, adds their fp32 partials to its accumulator in program
+    order, half a tile at a time (TMA loads of the partial buffer as a [GRID*BM, BN] matrix), stores the halves
+    in bf16 and resets the counter to 0. Every other piece is the *first* piece of its program's run, so each
+    program stores at most one partial (slot = program id, pointer stores, released by the counter; the owner's
+    acquire includes the proxy fence its TMA loads need) before it waits for anything: no wait can be
+    circular. Under the interpreter the programs run last first (one valid order of a GPU's)."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     if STREAM_K:
+        if dev.INTERPRET:  # the interpreter runs programs in order: last first, so owners find their parts stored
+            pid = grid - 1 - pid
         k_steps = tl.cdiv(K, BK)
-        work = tl.cast(n_m * n_n, tl.int64) * k_steps
-        pos = (pid * work) // grid
+        n_tiles = n_m * n_n
+        dp_tiles = tl.maximum(n_tiles // grid - 1, 0) * grid
+        t_out = pid - grid
+        for t in tl.range(pid, dp_tiles, grid, flatten=True, num_stages=STAGES):
+            tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+            acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+            t_out += grid
+            om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
+            store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
+        work = tl.cast(n_tiles - dp_tiles, tl.int64) * k_steps
+        start = (pid * work) // grid
         end = ((pid + 1) * work) // grid
         offs_m = tl.arange(0, BM)
-        offs_r = tl.arange(0, RB)
         offs_n = tl.arange(0, BN)
-        tile_elems = BM * BN
+        pos = start
         while pos < end:
-            t = pos // k_steps
-            lo = pos - t * k_steps
-            hi = tl.minimum(k_steps, end - t * k_steps)
-            tm, tn = _grouped_tile(t.to(tl.int32), n_m, n_n, GROUP_M)
-            acc = tile_matmul_steps(a_desc, b_desc, tm * BM, tn * BN, lo.to(tl.int32), hi.to(tl.int32), BM, BN,
-                                    BK, B_KMAJOR, DOT_FP32)
-            idx = offs_m[:, None] * BN + offs_n[None, :]
-            if lo == 0:
-                # the program holding the tile's last step: the largest p with p*W/GRID <= that step
-                last = ((t * k_steps + k_steps) * grid + work - 1) // work - 1
+            u = pos // k_steps
+            i0 = (pos - u * k_steps).to(tl.int32)
+            i1 = tl.minimum(k_steps, end - u * k_steps).to(tl.int32)
+            # the piece's K steps: positions [i0, i1) of the tile take K steps [S - i1, S - i0), so the piece
+            # that opens a run starts at K step 0; a whole tile starts where the run's clock is (mod S)
+            first = k_steps - i1
+            if i1 - i0 == k_steps:
+                first = ((pos - start) % k_steps).to(tl.int32)
+            t = (dp_tiles + u).to(tl.int32)
+            tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+            acc = tile_matmul_cyclic(a_desc, b_desc, tm * BM, tn * BN, first, i1 - i0, k_steps, BM, BN, BK,
+                                     B_KMAJOR, DOT_FP32)
+            if i0 == 0:
+                # the program holding the tile's last position: the largest p with p*W/GRID <= that position
+                last = ((u * k_steps + k_steps) * grid + work - 1) // work - 1
                 others = (last - pid).to(tl.int32)
                 if others > 0:
-                    # the owner's own sum goes to its second slot (GRID + pid: its first slot may still hold the
-                    # partial of its run's first piece, unread); then row blocks of own + others, in order
-                    own = part_ptr + tl.cast(grid + pid, tl.int64) * tile_elems
-                    tl.store(own + idx, acc)
-                    dev.wait_geq(cnt_ptr + t, others, timeout_ns, err_ptr, OP, WAIT_SPLIT_K, 0, t, t, True)
-                    tl.debug_barrier()  # this program's own stores above, before its threads read them back
-                    for blk in range(0, BM // RB):
-                        rows = blk * RB + offs_r
-                        ridx = rows[:, None] * BN + offs_n[None, :]
-                        total = tl.load(own + ridx, cache_modifier=".cg")
-                        for j in range(1, others + 1):
-                            total += tl.load(part_ptr + tl.cast(pid + j, tl.int64) * tile_elems + ridx,
-                                             cache_modifier=".cg")
-                        row0 = tm * BM + blk * RB
-                        store_block(c_ptr, total.to(tl.bfloat16), row0, tn * BN, M - row0, N - tn * BN, N, RB, BN)
+                    # the tile's other pieces (the first piece of programs pid+1 .. last, stored at their slots)
+                    # added to this one in program order, half a tile at a time, then stored as bf16
+                    dev.wait_geq(cnt_ptr + t, others, timeout_ns, err_ptr, OP, WAIT_SPLIT_K, 0, t, t)
+                    acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+                    lo, hi = tl.split(acc3)
+                    for j in range(1, others + 1):
+                        lo += p_desc.load([(pid + j) * BM, 0])
+                    c_desc.store([tm * BM, tn * BN], lo.to(tl.bfloat16))
+                    for j in range(1, others + 1):
+                        hi += p_desc.load([(pid + j) * BM, BN // 2])
+                    c_desc.store([tm * BM, tn * BN + BN // 2], hi.to(tl.bfloat16))
                     tl.store(cnt_ptr + t, 0)
                 else:
                     store_tile_tma(c_desc, acc, tm * BM, tn * BN, BM, BN)
             else:
-                tl.store(part_ptr + tl.cast(pid, tl.int64) * tile_elems + idx, acc)
+                tl.store(part_ptr + tl.cast(pid, tl.int64) * (BM * BN) + (offs_m[:, None] * BN + offs_n[None, :]),
+                         acc)
                 tl.debug_barrier()
                 tl.atomic_add(cnt_ptr + t, 1, sem="release", scope="gpu")
-            pos = t * k_steps + hi
+            pos = u * k_steps + i1
     elif SPLIT == 1:
         t_out = pid - grid
         for t in tl.range(pid, n_m * n_n, grid, flatten=True, num_stages=STAGES):
@@ -195,23 +236,24 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
     w1_split_grid(...) programs, with ``partials`` (fp32, w1_partial_elems(...)), ``counters`` (int32, 2 per
     split group, zero) and the error record ``errors`` / ``timeout_ns`` of its bounded waits, which name the
     TP op ``op`` (a codes.OP_* value). ``stream_k``: the stream-K schedule on min(programs, tiles * steps)
-    programs, with ``partials`` (fp32, two tiles per program), ``counters`` (int32, one per tile, zero)."""
+    programs, with ``partials`` (fp32, >= one tile per program), ``counters`` (int32, one per tile, zero)."""
     m, k = a.shape
     n = c.shape[1]
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
+    p_desc = c_desc  # unused unless stream-K
     kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
               DOT_FP32=dot_fp32, SPLIT=split, RB=w1_reduce_rows(cfg.BM, split), OP=op, STREAM_K=stream_k,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if stream_k:
         grid = w1_stream_k_grid(programs, tiles, k, cfg)
-        kw["RB"] = W1_STREAM_K_ROWS
+        p_desc = tma_descriptor(partials[:grid * cfg.BM * cfg.BN].view(grid * cfg.BM, cfg.BN), [cfg.BM, cfg.BN // 2])
     elif split == 1:
         grid = max(1, min(programs, tiles))
         partials = counters = errors = epoch_slot
     else:
         grid = w1_split_grid(programs, tiles, split)
-    return grid, (a_desc, b_desc, c_desc, epoch_slot, m, n, k, c, partials, counters, errors, timeout_ns), kw
+    return grid, (a_desc, b_desc, c_desc, p_desc, epoch_slot, m, n, k, c, partials, counters, errors, timeout_ns), kw
 
 
 def w1_reduce_rows(bm: int, split: int) -> int:
@@ -219,9 +261,6 @@ def w1_reduce_rows(bm: int, split: int) -> int:
     split rows, in one block where that is a power of two (no latency-bound block loop), else 16."""
     share = bm // split
     return share if split > 1 and share * split == bm and share & (share - 1) == 0 else min(16, bm)
-
-
-W1_STREAM_K_ROWS = 32  # rows per block of a stream-K owner's sum
 
 
 def w1_stream_k_grid(programs: int, tiles: int, k: int, cfg) -> int:
@@ -255,7 +294,7 @@ def w1_matmul_launch(a, b_store, b_kmajor: bool, c, cfg, ws, programs: int, spli
     if stream_k:
         grid = w1_stream_k_grid(programs, tiles, a.shape[1], cfg)
         ws.ensure_counters(tiles)
-        extra = dict(partials=ws.local("w1_split_partials", 2 * grid * cfg.BM * cfg.BN, torch.float32),
+        extra = dict(partials=ws.local("w1_split_partials", grid * cfg.BM * cfg.BN, torch.float32),
                      counters=ws.counters, errors=ws.errors, timeout_ns=ws.timeout_ns(), stream_k=True)
     elif split > 1:
         grid = w1_split_grid(programs, tiles, split)
