@@ -991,5 +991,11 @@ PY
 3000x6144x5120,2048x5120x4096,6000x5120x14336,6000x3072x5120,1024x6144x7168,512x14336x2880,256x28672x5120,\
 4096x6912x7168,512x6912x14336,8192x8192x4096,512x1536x7168 > "$out/sk-probe.log" 2>&1; echo "sk probe rc=$?"; keep
     grep -A8 "^variant" "$out/sk-probe.log" ;;
+  s18b)  # session 18: the grid with w1_plan's stream-K v2, then dev/sk_probe (the stream-K phase's cost taken apart)
+    begin_stage s18b
+    grid_run 230
+    grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5
+    timeout 150 python -m dev.sk_probe --max-seconds 130 --json "$out/sk-parts.jsonl" > "$out/sk-parts.log" 2>&1
+    echo "sk_probe rc=$?"; keep; grep -A14 "^shape" "$out/sk-parts.log" ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b" >&2; exit 2 ;;
 esac

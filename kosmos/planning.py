@@ -161,10 +161,11 @@ def tile_config(rows: int, n: int, k: int, *, world: int = 1, programs: int = 13
 SPLIT_TILE = TileConfig(128, 128, 64, 4, 4)
 SPLIT_PARTS = 2
 SPLIT_MIN_STEPS = 64  # K steps (of 64) a tile must have for its split to pay for the partials' round trip
-# Stream-K (w1_plan): its cost over the even share of K steps, in K steps of its tile (two pipeline fills more
-# per run, one fp32 partial stored and one read back: ~3-5 us). PREDICTED (session 18), not yet fitted.
-STREAM_K_OVERHEAD_STEPS = 6
-STREAM_K_MIN_GAIN = 1.05
+# Stream-K (w1_plan): its cost over the even share of K steps, in K steps of a 128x256 tile (~0.68 us each):
+# fitted to session 18's probe (s18a: 15-20 us over the ideal time on every shape, ~16 us over the unsplit
+# kernel's own fixed cost)
+STREAM_K_OVERHEAD_STEPS = 26
+STREAM_K_MIN_GAIN = 1.02
 STREAM_K_TILES = (TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 4, 4))
 
 
@@ -212,28 +213,33 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     split_tiles = -(-rows // SPLIT_TILE.BM) * -(-n // SPLIT_TILE.BN)
     if steps >= SPLIT_MIN_STEPS and split_tiles * SPLIT_PARTS <= programs:
         return W1Plan(SPLIT_TILE, SPLIT_PARTS)
-    best = (_w1_cost(rows, n, k, cfg, programs, False), cfg)
+    unsplit = _w1_cost(rows, n, k, cfg, programs, False)
+    streamed = []
     for tile in STREAM_K_TILES:
         tile = TileConfig(tile.BM, min(tile.BN, _pow2_at_least(n, 64, 256)), tile.BK, tile.num_warps,
                           tile.num_stages)
         cost = _w1_cost(rows, n, k, tile, programs, True)
-        if cost is not None and cost * STREAM_K_MIN_GAIN < best[0]:
+        if cost is not None:
+            streamed.append((cost, tile))
+    if streamed:
+        cost, tile = min(streamed, key=lambda c: c[0])
+        if cost * STREAM_K_MIN_GAIN < unsplit:
             return W1Plan(tile, stream_k=True)
     return W1Plan(cfg)
 
 
 def _w1_cost(rows: int, n: int, k: int, tile: TileConfig, programs: int, stream_k: bool):
     """tile_config's wave model for one schedule of the static W=1 GEMM, in 128x256-tile times: unsplit,
-    ceil(T / programs) waves of tiles; stream-K (only where T >= programs: runs of at least one tile),
-    T / programs tiles' time plus STREAM_K_OVERHEAD_STEPS of the tile's K steps."""
+    ceil(T / programs) waves of tiles; stream-K (only where T >= 2 * programs: at least one data-parallel wave),
+    T / programs tiles' time plus STREAM_K_OVERHEAD_STEPS K steps of a 128x256 tile."""
     throughput = {(bm, bn): thr for bm, bn, _, _, thr in TILE_CANDIDATES}[(tile.BM, max(tile.BN, 128))]
     tiles = -(-rows // tile.BM) * -(-n // tile.BN)
     per_tile = (tile.BM * tile.BN) / (128 * 256) / throughput
     if not stream_k:
         return -(-tiles // programs) * per_tile
-    if tiles < programs or tiles % programs == 0:
+    if tiles < 2 * programs or tiles % programs == 0:
         return None
-    return (tiles / programs + STREAM_K_OVERHEAD_STEPS / -(-k // tile.BK)) * per_tile
+    return tiles / programs * per_tile + STREAM_K_OVERHEAD_STEPS / -(-k // 64)
 
 
 def _grouped(m_tiles: int, n_tiles: int):

@@ -345,15 +345,16 @@ def test_deq_needed_covers_every_tile(op, rank, world, ms, n, bm, bn, parts):
 
 @pytest.mark.parametrize("m,n,k,expect", [
     (512, 1536, 7168, "split"), (256, 4096, 4096, "split"),           # under a wave even in 128x128 tiles, long K
-    (3000, 3072, 7168, "stream-k"), (512, 5120, 5120, "stream-k"),    # 4.36 waves of 128x128; 1.2 waves of 128x128
-    (6000, 1536, 1024, "stream-k"),                                   # 4.27 waves of 128x256, short K
+    (3000, 3072, 7168, "stream-k"), (6000, 3072, 5120, "stream-k"),   # 2.18 / 4.27 waves of 128x256
+    (512, 5120, 5120, "unsplit"), (1024, 3072, 8192, "unsplit"),      # under 2 waves: no data-parallel wave
+    (6000, 1536, 1024, "unsplit"),                                    # 2.14 waves, but K = 1024: the fix-up's cost
     (8192, 28672, 4096, "unsplit"), (4096, 14336, 1024, "unsplit"),   # many waves: the last one costs < 5%
     (100, 256, 128, "unsplit"), (256, 1536, 1024, "unsplit"),         # a few tiles, short K: nothing to split
 ])
 def test_w1_plan_splits_or_streams_only_badly_filled_waves(monkeypatch, m, n, k, expect):
     """planning.w1_plan: a K split where even 128x128 tiles leave half the SMs idle and K is long; stream-K
     where at least one wave of tiles runs and the wave model predicts >= STREAM_K_MIN_GAIN from the last partial
-    wave (runs of at least one tile: tiles >= programs, not a whole number of waves); else tile_config's tile
+    wave (at least one data-parallel wave: tiles >= 2 * programs, not a whole number of waves); else tile_config's tile
     unsplit. A split keeps >= SPLIT_MIN_STEPS K steps per tile and whole groups on the SMs."""
     from kosmos.kernels.common import w1_split_grid
     monkeypatch.setattr(planning, "interpreting", lambda: False)
@@ -369,4 +370,4 @@ def test_w1_plan_splits_or_streams_only_badly_filled_waves(monkeypatch, m, n, k,
         grid = w1_split_grid(132, tiles, split)
         assert grid % split == 0 and grid <= 132
     else:
-        assert tiles >= 132 and tiles % 132, (tiles, plan)
+        assert tiles >= 2 * 132 and tiles % 132, (tiles, plan)

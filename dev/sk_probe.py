@@ -1,0 +1,203 @@
+"""Where does the static W=1 GEMM's stream-K phase lose its ~16 us? (a developer probe, not product code)
+
+    PYTHONPATH=. python -m dev.sk_probe [--shapes MxNxK,...] [--json OUT.jsonl] [--max-seconds S]
+
+Session 18's probe (results/h200x1/s18/s18a) put kernels/common.w1_matmul_kernel's STREAM_K schedule (data-
+parallel waves, then K-synchronised stream-K runs) 15-20 us over its ideal time on every shape, ~16 us over
+the unsplit kernel's own fixed cost, whatever the shape. This probe takes the stream-K part apart: a copy of
+that schedule with the fix-up cut back step by step (the variants below are timing-only except ``full``;
+``pieces`` and ``store`` leave the tile sums incomplete and are not checked against torch):
+  unsplit       the product kernel, no stream-K (common.w1_matmul_kernel, SPLIT 1)
+  product       the product kernel's stream-K (checked against torch)
+  full          this copy with the product's fix-up (checked: it must match ``product``'s figure)
+  gpu-fence     the fix-up with a gpu-scope acquire and no proxy fence (timing only: unsafe for TMA reads)
+  store         partials stored and counted, the owner neither waits nor adds them
+  pieces        the pieces alone: nothing stored but the owner's own sum (the pipeline drains, the schedule)
+  dp-only       the data-parallel waves alone (the stream-K tiles skipped): the floor of the schedule
+Output: JSONL rows and a table of time and its excess over ``dp-only`` per variant.
+PREDICTION (session 18, before the run): pieces ~ +4-6 us over the ideal (two pipeline fills per run), store
++2-3 us more, the fix-up's waits and loads the rest; gpu-fence within 1 us of full.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from dev.rows import Rows
+from kosmos import device as dev
+from kosmos.kernels.common import _grouped_tile, store_tile_tma, tile_matmul, tile_matmul_cyclic
+from kosmos.planning import GROUP_M
+
+VARIANT_CODES = {"full": 0, "gpu-fence": 1, "store": 2, "pieces": 3, "dp-only": 4}
+
+
+@triton.jit
+def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_ptr, timeout_ns,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+               VARIANT: tl.constexpr):
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    k_steps = tl.cdiv(K, BK)
+    n_tiles = n_m * n_n
+    dp_tiles = tl.maximum(n_tiles // grid - 1, 0) * grid
+    t_out = pid - grid
+    for t in tl.range(pid, dp_tiles, grid, flatten=True, num_stages=STAGES):
+        tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+        acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, False, False)
+        t_out += grid
+        om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
+        store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
+    if VARIANT != 4:
+        work = tl.cast(n_tiles - dp_tiles, tl.int64) * k_steps
+        start = (pid * work) // grid
+        end = ((pid + 1) * work) // grid
+        offs_m = tl.arange(0, BM)
+        offs_n = tl.arange(0, BN)
+        pos = start
+        while pos < end:
+            u = pos // k_steps
+            i0 = (pos - u * k_steps).to(tl.int32)
+            i1 = tl.minimum(k_steps, end - u * k_steps).to(tl.int32)
+            first = k_steps - i1
+            if i1 - i0 == k_steps:
+                first = ((pos - start) % k_steps).to(tl.int32)
+            t = (dp_tiles + u).to(tl.int32)
+            tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+            acc = tile_matmul_cyclic(a_desc, b_desc, tm * BM, tn * BN, first, i1 - i0, k_steps, BM, BN, BK, False,
+                                     False)
+            if i0 == 0:
+                last = ((u * k_steps + k_steps) * grid + work - 1) // work - 1
+                others = (last - pid).to(tl.int32)
+                if (others > 0) & (VARIANT <= 1):
+                    dev.wait_geq(cnt_ptr + t, others, timeout_ns, err_ptr, 0, 0, 0, t, t, VARIANT == 1)
+                    acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+                    lo, hi = tl.split(acc3)
+                    for j in range(1, others + 1):
+                        lo += p_desc.load([(pid + j) * BM, 0])
+                    c_desc.store([tm * BM, tn * BN], lo.to(tl.bfloat16))
+                    for j in range(1, others + 1):
+                        hi += p_desc.load([(pid + j) * BM, BN // 2])
+                    c_desc.store([tm * BM, tn * BN + BN // 2], hi.to(tl.bfloat16))
+                    tl.store(cnt_ptr + t, 0)
+                else:
+                    store_tile_tma(c_desc, acc, tm * BM, tn * BN, BM, BN)
+                    if VARIANT == 2:
+                        tl.store(cnt_ptr + t, 0)
+            elif VARIANT <= 2:
+                tl.store(part_ptr + tl.cast(pid, tl.int64) * (BM * BN) + (offs_m[:, None] * BN + offs_n[None, :]),
+                         acc)
+                tl.debug_barrier()
+                tl.atomic_add(cnt_ptr + t, 1, sem="release", scope="gpu")
+            pos = u * k_steps + i1
+
+
+def sk_matmul(a, b, cfg, programs, variant: str):
+    from kosmos import runtime
+    from kosmos.kernels.common import tma_descriptor
+    m, k = a.shape
+    n = b.shape[1]
+    tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
+    grid = min(programs, tiles)
+    c = torch.empty((m, n), device=a.device, dtype=torch.bfloat16)
+    parts = torch.empty((grid * cfg.BM, cfg.BN), device=a.device, dtype=torch.float32)
+    counters = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+    ws = runtime.get_workspace(None, a.device)
+    ws.ensure(0, 0)
+    ad, bd = tma_descriptor(a, [cfg.BM, cfg.BK]), tma_descriptor(b, [cfg.BK, cfg.BN])
+    cd, pd = tma_descriptor(c, [cfg.BM, cfg.BN // 2]), tma_descriptor(parts, [cfg.BM, cfg.BN // 2])
+
+    def fn():
+        if variant == "store":  # nobody consumes the counts: start every launch from zero as the product does
+            counters.zero_()
+        _sk_matmul[(grid,)](ad, bd, cd, pd, m, n, k, parts, counters, ws.errors, ws.timeout_ns(), BM=cfg.BM,
+                            BN=cfg.BN, BK=cfg.BK, GROUP_M=GROUP_M, STAGES=cfg.num_stages,
+                            VARIANT=VARIANT_CODES[variant], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return c
+    return fn
+
+
+DEFAULT_SHAPES = "8192x8192x4096,6000x3072x5120,3000x3072x7168,6000x1536x1024,512x14336x2880,2048x5120x4096"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--max-seconds", type=float, default=150.0)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("sk_probe: needs a CUDA GPU")
+    import kosmos
+    from kosmos import planning, runtime
+    from kosmos_bench import timing
+    from kosmos_bench.environment import environment
+    from dev.flat_probe import product_w1
+    torch.backends.cuda.matmul.allow_tf32 = False
+    runtime.ensure_triton_allocator()
+    dev_ = torch.device("cuda", torch.cuda.current_device())
+    programs = runtime.num_sms(dev_)
+    rows = Rows(args.json)
+    rows.emit(environment(argv=["python", "-m", "dev.sk_probe"] + list(argv or []), bench="tp",
+                          suite={"probe": "sk_probe", **vars(args)}))
+    cfg = planning.TileConfig(128, 256, 64, 8, 3)
+    t_end = time.monotonic() + args.max_seconds
+    table = []
+    for shape in [s for s in args.shapes.split(",") if s.strip()]:
+        m, n, k = (int(p) for p in shape.split("x"))
+        if time.monotonic() > t_end:
+            print(f"stopped at {shape}: --max-seconds", flush=True)
+            break
+        g = torch.Generator(device=dev_).manual_seed(m * 7 + n * 13 + k)
+        a = torch.randn(m, k, device=dev_, generator=g).to(torch.bfloat16)
+        b = torch.randn(k, n, device=dev_, generator=g).to(torch.bfloat16)
+        ref = a.float() @ b.float()
+        t_gemm = timing.time_op(lambda: a @ b, iters=args.iters, warmup=args.warmup)["time_ms"]
+        variants = {"unsplit": product_w1(a, b, cfg, 1, programs),
+                    "product": product_w1(a, b, cfg, 1, programs, stream_k=True)}
+        variants.update({v: sk_matmul(a, b, cfg, programs, v) for v in VARIANT_CODES})
+        times = {}
+        for name, fn in variants.items():
+            row = {"type": "result", "m": m, "n": n, "k": k, "variant": name, "t_gemm_ms": t_gemm}
+            try:
+                out = fn()
+                out.fill_(float("nan"))
+                out = fn()
+                torch.cuda.synchronize()
+                if name in ("unsplit", "product", "full"):
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    row["rel_err"] = err
+                    if not err < 1e-2:
+                        row.update(status="wrong")
+                if row.get("status") != "wrong":
+                    tm = timing.time_op(fn, iters=args.iters, warmup=args.warmup)
+                    row.update(status="ok", time_ms=tm["time_ms"], ratio=t_gemm / tm["time_ms"])
+                    times[name] = tm["time_ms"] * 1e3
+            except Exception as e:  # noqa: BLE001 -- recorded, the probe goes on
+                row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.emit(row)
+            print(f"{shape} {name:<10} {row['status']:<6} {times.get(name, float('nan')):8.1f} us "
+                  f"(cuBLAS {t_gemm * 1e3:.1f}) {row.get('reason', '')}", flush=True)
+        table.append((shape, times))
+        del a, b, ref
+    kosmos.check_errors()
+    names = ["unsplit", "product"] + list(VARIANT_CODES)
+    print(f"\n{'shape':<17}" + "".join(f"{v:>10}" for v in names) + "   (us; excess over dp-only below)")
+    for shape, times in table:
+        print(f"{shape:<17}" + "".join(f"{times.get(v, math.nan):10.1f}" for v in names))
+        base = times.get("dp-only", math.nan)
+        print(f"{'':<17}" + "".join(f"{times.get(v, math.nan) - base:10.1f}" for v in names))
+    rows.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
