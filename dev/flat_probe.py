@@ -33,6 +33,9 @@ PREDICTION (session 16, before any run): flat-rule >= kosmos on every shape; +5-
 against w1-unsplit: 512x1536x7168 0.62x -> ~0.80x of cuBLAS (128x256, S = 5), 256x4096x4096 0.78 -> ~0.88,
 512x5120x5120 0.74 -> ~0.80, 256x6144x8192 0.87 -> ~0.92, 1024x3072x8192 ~+3%; no gain (a loss) at K <= 2048
 and on the many-wave shapes.
+Session 18: sk-128x256 / sk-128x128 time the stream-K v2 schedule (data-parallel waves, then runs reading K in
+step; kernels/common.w1_matmul_kernel), at the shapes of ``--shapes`` (s18a: the 18 where w1_plan first
+streamed; figures in planning.w1_plan's docstring).
 """
 from __future__ import annotations
 

@@ -181,7 +181,8 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     """(tile, K split, stream-K) of the static W=1 GEMM (kernels/common.w1_matmul_kernel) for C [rows, n] = A @ B:
     tile_config's tile unsplit, except where even 128x128 tiles fill at most half the SMs and K is long
     (>= SPLIT_MIN_STEPS steps of 64): there each 128x128 tile's K steps are cut in two halves, two programs
-    per tile, and their fp32 partials summed by both (one round: at most ``programs`` programs).
+    per tile, and their fp32 partials summed by both (one round: at most ``programs`` programs); and stream-K
+    where a badly filled last wave follows at least one full one (below).
 
     Measured (session 17, one H200, Triton 3.6, dev/flat_probe --splits on its 20 grid shapes; results/h200x1/
     s17/s17b): a split task costs ~12-20 us more than its share of the tile's K steps -- the fp32 partial
@@ -193,19 +194,31 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     The first rule of that session (tile_config's wave model extended to splits, 8 steps of overhead per part)
     split 5 grid shapes and made the grid's geomean 0.923 -> 0.916: the model's overhead was ~3x too small.
 
-    Stream-K (kernels/common.w1_matmul_kernel's STREAM_K): every tile's K steps laid end to end and cut into
-    ``programs`` equal runs, so no SM idles in a last partial wave. Taken where tile_config's wave model, with
-    a stream-K run costing its even share of the K steps plus STREAM_K_OVERHEAD_STEPS, predicts a gain of at
-    least STREAM_K_MIN_GAIN (128x256 or 128x128, whichever it predicts faster): shapes of one to a few waves
-    with a badly filled last one (512x5120x5120: 80 tiles of 128x256 on 132 SMs), not the many-wave or
-    short-K ones. PREDICTED before its first run (session 17): 512x5120x5120 0.75 -> ~0.90x of cuBLAS,
-    1024x3072x8192 0.79 -> ~0.90, 3000x3072x7168 0.82 -> ~0.90; no shape slower. MEASURED (b3e3bc9,
-    results/h200x1/s17/s17d; correct and GPU-tested, but slow): flat_probe geomean over 20 shapes sk-128x256
-    0.613, sk-128x128 0.615 against 0.868 unsplit (worst 0.196); the grid with it on 17 shapes 0.840 / 0.839
-    (from 0.927 / 0.928), worst 0.495 at 6000x5120x14336. Not traced yet. So w1_plan no longer picks it (the
-    kernel's STREAM_K branch stays for the next attempt; STREAM_K_* are the model it was picked by).
-    Left for that attempt: why a stream-K run costs ~1.5x its steps (unflattened pieces? the owner's blocked
-    fp32 sum?)."""
+    Stream-K (kernels/common.w1_matmul_kernel's STREAM_K): data-parallel waves, then the last wave and a half
+    of tiles in ``programs`` equal runs of K steps, so no SM idles in a last partial wave. Taken where at least
+    one data-parallel wave runs (T >= 2 * programs) and tile_config's wave model -- a stream-K schedule costing
+    T / programs tiles plus STREAM_K_OVERHEAD_STEPS K steps of a 128x256 tile -- predicts a gain of at least
+    STREAM_K_MIN_GAIN over the unsplit rule (128x256 or 128x128, whichever it predicts faster).
+    Session 17's first form (every tile streamed, pieces reading K in position order; b3e3bc9,
+    results/h200x1/s17/s17d) was correct but slow: flat_probe geomean 0.61 against 0.87 unsplit, the grid
+    0.84, worst 0.495 at 6000x5120x14336 -- its runs' clocks sat at K offsets spread over the whole K range,
+    so the SMs read distinct K slices and nothing was reused in L2 (the kernel's docstring).
+    Session 18 (fa506da: the pieces in step, data-parallel waves first; one H200, Triton 3.6; results/h200x1/
+    s18/s18a, flat_probe --splits on 18 shapes, t_gemm / time): sk-128x256 against the unsplit rule
+    3000x3072x7168 0.821 -> 0.937, 2048x6912x8192 0.888 -> 0.981, 6000x5120x14336 0.913 -> 0.992,
+    6000x3072x5120 0.916 -> 0.995, 3000x6144x5120 0.914 -> 0.965, 4096x6912x7168 0.972 -> 0.996; but
+    every shape under two waves lost or tied (512x14336x2880 0.958 -> 0.801, 256x28672x5120 0.960 -> 0.769,
+    4096x1536x4096 0.899 -> 0.834, 2048x1536x5120 0.798 -> 0.779; 1024x3072x8192 gained, 0.794 -> 0.830) and
+    so did K = 1024 (6000x1536x1024 0.864 -> 0.713). dev/sk_probe (s18b) took the stream-K phase apart:
+    its pieces alone run at the ideal time where a data-parallel wave precedes them (6000x3072x5120: +72.5 us
+    for 1.27 waves of 57 us), the partial stores add 3-8 us and the fix-up (wait, TMA loads, adds) 2.5-4.6 us;
+    under two waves the pieces alone lose (512x14336x2880: 67 us for an ideal 53, before any partial).
+    Hence the fitted overhead (26 K steps, ~18 us with the kernel's fixed cost) and the data-parallel wave
+    required. The grid with this rule (2f697f5, results/h200x1/tp-grid-w1.*): ag_gemm 0.927 -> 0.942,
+    gemm_rs 0.928 -> 0.941 geomean, 13 -> 10 of 48 under 0.90, worst 0.749 / 0.743 at 512x5120x5120.
+    Left: the shapes under two waves (every shape now under 0.90 is one, or K = 1024): cheaper partials
+    (the store through a layout conversion costs more than its 128 KB), and a run order whose concurrent
+    tiles share panels."""
     cfg = tile_config(rows, n, k, world=1, programs=programs)
     steps = -(-k // 64)
     if interpreting() or programs < 2:
