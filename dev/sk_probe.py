@@ -14,8 +14,13 @@ that schedule with the fix-up cut back step by step (the variants below are timi
   store         partials stored and counted, the owner neither waits nor adds them
   pieces        the pieces alone: nothing stored but the owner's own sum (the pipeline drains, the schedule)
   dp-only       the data-parallel waves alone (the stream-K tiles skipped): the floor of the schedule
+  full-sigma    ``full`` with the streamed tiles in _sk_tile_order's order (concurrent tiles adjacent)
+  pieces-sigma  ``pieces`` in that order
 Output: JSONL rows and a table of time and its excess over ``dp-only`` per variant.
-PREDICTION (session 18, before the run): pieces ~ +4-6 us over the ideal (two pipeline fills per run), store
+PREDICTION (session 18, before the run, s18c): under two waves (no data-parallel wave) the sigma order brings
+the pieces to within ~5 us of the ideal time (512x14336x2880: pieces 67 -> ~57 us; full-sigma under unsplit's
+69), since the concurrent tiles then share their B panels; with a data-parallel wave before them, no change.
+PREDICTION (session 18, before the run, s18b): pieces ~ +4-6 us over the ideal (two pipeline fills per run), store
 +2-3 us more, the fix-up's waits and loads the rest; gpu-fence within 1 us of full.
 """
 from __future__ import annotations
@@ -33,7 +38,21 @@ from kosmos import device as dev
 from kosmos.kernels.common import _grouped_tile, store_tile_tma, tile_matmul, tile_matmul_cyclic
 from kosmos.planning import GROUP_M
 
-VARIANT_CODES = {"full": 0, "gpu-fence": 1, "store": 2, "pieces": 3, "dp-only": 4}
+VARIANT_CODES = {"full": 0, "gpu-fence": 1, "store": 2, "pieces": 3, "dp-only": 4, "full-sigma": 5,
+                 "pieces-sigma": 6}
+
+
+@triton.jit
+def _sk_tile_order(u, k_steps, work, grid):
+    """sigma: the streamed tiles in the order their runs reach them together -- the tiles holding a run's
+    start (worked on at once by every program at the phase's beginning) first, by program, then the others:
+    concurrent tiles then sit next to each other in the grouped order and share A / B panels in L2. A
+    bijection when runs are at least a tile long (each tile holds at most one start); else the identity."""
+    us = u * k_steps
+    p_min = (us * grid + work - 1) // work              # the first run starting at or after the tile's start
+    has_start = (p_min < grid) & ((p_min * work) // grid < us + k_steps)
+    sigma = tl.where(has_start, p_min, grid + (u - p_min))
+    return tl.where(work >= grid * k_steps, sigma, u)
 
 
 @triton.jit
@@ -42,6 +61,8 @@ def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_p
                VARIANT: tl.constexpr):
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
+    if dev.INTERPRET:  # as the product kernel: the interpreter runs programs in order, owners last
+        pid = grid - 1 - pid
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     k_steps = tl.cdiv(K, BK)
@@ -50,10 +71,11 @@ def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_p
     t_out = pid - grid
     for t in tl.range(pid, dp_tiles, grid, flatten=True, num_stages=STAGES):
         tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
-        acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, False, False)
+        acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, False, dev.INTERPRET)
         t_out += grid
         om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
         store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
+    SIGMA: tl.constexpr = VARIANT >= 5
     if VARIANT != 4:
         work = tl.cast(n_tiles - dp_tiles, tl.int64) * k_steps
         start = (pid * work) // grid
@@ -69,13 +91,17 @@ def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_p
             if i1 - i0 == k_steps:
                 first = ((pos - start) % k_steps).to(tl.int32)
             t = (dp_tiles + u).to(tl.int32)
-            tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+            if SIGMA:
+                tg = (dp_tiles + _sk_tile_order(u, k_steps, work, grid)).to(tl.int32)
+            else:
+                tg = t
+            tm, tn = _grouped_tile(tg, n_m, n_n, GROUP_M)
             acc = tile_matmul_cyclic(a_desc, b_desc, tm * BM, tn * BN, first, i1 - i0, k_steps, BM, BN, BK, False,
-                                     False)
+                                     dev.INTERPRET)
             if i0 == 0:
                 last = ((u * k_steps + k_steps) * grid + work - 1) // work - 1
                 others = (last - pid).to(tl.int32)
-                if (others > 0) & (VARIANT <= 1):
+                if (others > 0) & ((VARIANT <= 1) | (VARIANT == 5)):
                     dev.wait_geq(cnt_ptr + t, others, timeout_ns, err_ptr, 0, 0, 0, t, t, VARIANT == 1)
                     acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
                     lo, hi = tl.split(acc3)
@@ -90,7 +116,7 @@ def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_p
                     store_tile_tma(c_desc, acc, tm * BM, tn * BN, BM, BN)
                     if VARIANT == 2:
                         tl.store(cnt_ptr + t, 0)
-            elif VARIANT <= 2:
+            elif (VARIANT <= 2) | (VARIANT == 5):
                 tl.store(part_ptr + tl.cast(pid, tl.int64) * (BM * BN) + (offs_m[:, None] * BN + offs_n[None, :]),
                          acc)
                 tl.debug_barrier()
@@ -133,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=150.0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--tiles", default="128x256", help="BMxBN tiles to run each shape at (128x256: 8 warps, "
+                    "3 stages; 128x128: 4 warps, 4 stages)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("sk_probe: needs a CUDA GPU")
@@ -148,10 +176,12 @@ def main(argv=None) -> int:
     rows = Rows(args.json)
     rows.emit(environment(argv=["python", "-m", "dev.sk_probe"] + list(argv or []), bench="tp",
                           suite={"probe": "sk_probe", **vars(args)}))
-    cfg = planning.TileConfig(128, 256, 64, 8, 3)
+    tile_cfgs = {"128x256": planning.TileConfig(128, 256, 64, 8, 3),
+                 "128x128": planning.TileConfig(128, 128, 64, 4, 4)}
     t_end = time.monotonic() + args.max_seconds
     table = []
-    for shape in [s for s in args.shapes.split(",") if s.strip()]:
+    for shape, tile in [(s, t) for s in args.shapes.split(",") if s.strip() for t in args.tiles.split(",")]:
+        cfg = tile_cfgs[tile]
         m, n, k = (int(p) for p in shape.split("x"))
         if time.monotonic() > t_end:
             print(f"stopped at {shape}: --max-seconds", flush=True)
@@ -166,13 +196,13 @@ def main(argv=None) -> int:
         variants.update({v: sk_matmul(a, b, cfg, programs, v) for v in VARIANT_CODES})
         times = {}
         for name, fn in variants.items():
-            row = {"type": "result", "m": m, "n": n, "k": k, "variant": name, "t_gemm_ms": t_gemm}
+            row = {"type": "result", "m": m, "n": n, "k": k, "tile": tile, "variant": name, "t_gemm_ms": t_gemm}
             try:
                 out = fn()
                 out.fill_(float("nan"))
                 out = fn()
                 torch.cuda.synchronize()
-                if name in ("unsplit", "product", "full"):
+                if name in ("unsplit", "product", "full", "full-sigma"):
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     row["rel_err"] = err
                     if not err < 1e-2:
@@ -184,17 +214,17 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 -- recorded, the probe goes on
                 row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:200]}")
             rows.emit(row)
-            print(f"{shape} {name:<10} {row['status']:<6} {times.get(name, float('nan')):8.1f} us "
+            print(f"{shape} {tile} {name:<12} {row['status']:<6} {times.get(name, float('nan')):8.1f} us "
                   f"(cuBLAS {t_gemm * 1e3:.1f}) {row.get('reason', '')}", flush=True)
-        table.append((shape, times))
+        table.append((f"{shape} {tile}", times))
         del a, b, ref
     kosmos.check_errors()
     names = ["unsplit", "product"] + list(VARIANT_CODES)
-    print(f"\n{'shape':<17}" + "".join(f"{v:>10}" for v in names) + "   (us; excess over dp-only below)")
+    print(f"\n{'shape':<25}" + "".join(f"{v:>13}" for v in names) + "   (us; excess over dp-only below)")
     for shape, times in table:
-        print(f"{shape:<17}" + "".join(f"{times.get(v, math.nan):10.1f}" for v in names))
+        print(f"{shape:<25}" + "".join(f"{times.get(v, math.nan):13.1f}" for v in names))
         base = times.get("dp-only", math.nan)
-        print(f"{'':<17}" + "".join(f"{times.get(v, math.nan) - base:10.1f}" for v in names))
+        print(f"{'':<25}" + "".join(f"{times.get(v, math.nan) - base:13.1f}" for v in names))
     rows.close()
     return 0
 

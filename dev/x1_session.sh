@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -997,5 +997,12 @@ PY
     grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5
     timeout 150 python -m dev.sk_probe --max-seconds 130 --json "$out/sk-parts.jsonl" > "$out/sk-parts.log" 2>&1
     echo "sk_probe rc=$?"; keep; grep -A14 "^shape" "$out/sk-parts.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b" >&2; exit 2 ;;
+  s18c)  # session 18: the CUDA-graph replays at a stream-K shape; dev/sk_probe's sigma order under two waves
+    begin_stage s18c
+    gpu_tests gpu-tests-graphs 60 "w1_tp_op_replays" tests/test_cuda_graphs.py
+    timeout 250 python -m dev.sk_probe --max-seconds 230 --tiles 128x256,128x128 --json "$out/sk-sigma.jsonl" \
+      --shapes 512x14336x2880,256x28672x5120,4096x1536x4096,1024x6144x7168,512x5120x5120,2048x1536x5120,\
+1024x3072x8192,512x6912x14336 > "$out/sk-sigma.log" 2>&1
+    echo "sk_probe rc=$?"; keep; grep -A40 "^shape" "$out/sk-sigma.log" | awk 'NR % 2 == 1' ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d" >&2; exit 2 ;;
 esac
