@@ -22,6 +22,17 @@ the pieces to within ~5 us of the ideal time (512x14336x2880: pieces 67 -> ~57 u
 69), since the concurrent tiles then share their B panels; with a data-parallel wave before them, no change.
 PREDICTION (session 18, before the run, s18b): pieces ~ +4-6 us over the ideal (two pipeline fills per run), store
 +2-3 us more, the fix-up's waits and loads the rest; gpu-fence within 1 us of full.
+MEASURED (one H200, Triton 3.6, 128x256 tiles; results/h200x1/s18/s18b, s18c):
+* s18b, six shapes: with a data-parallel wave before them the pieces alone run at the ideal time
+  (6000x3072x5120: dp-only 171.9 us for 3 waves, pieces +72.5 us for 1.27 waves); the partial stores add
+  2.5-8.3 us (store - pieces), the fix-up 2.5-4.6 us more (full - store); gpu-fence = full within 1.4 us (the
+  system-scope acquire is not the cost). Under two waves the pieces alone lose (512x14336x2880: 71.0 us, unsplit
+  68.9, ideal ~57 with the launch).
+* s18c, the sigma order under two waves (8 shapes x 2 tiles): where B panels are shared across concurrent tiles
+  it is the L2 effect predicted -- 256x28672x5120 pieces 143.4 -> 125.8 us, full 157.3 -> 138.9 --, elsewhere
+  within +-3 us (512x14336x2880 pieces 71.0 -> 68.3, full 82.6 -> 80.1: predicted ~57 / < 69, missed); no shape's
+  full-sigma beats the best of unsplit / product. Not taken into the product kernel: under two waves the fix-up
+  (store + wait + loads: 10-14 us there) and the pieces' pipeline fills, not the order, keep stream-K behind.
 """
 from __future__ import annotations
 

@@ -216,9 +216,10 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     Hence the fitted overhead (26 K steps, ~18 us with the kernel's fixed cost) and the data-parallel wave
     required. The grid with this rule (2f697f5, results/h200x1/tp-grid-w1.*): ag_gemm 0.927 -> 0.942,
     gemm_rs 0.928 -> 0.941 geomean, 13 -> 10 of 48 under 0.90, worst 0.749 / 0.743 at 512x5120x5120.
-    Left: the shapes under two waves (every shape now under 0.90 is one, or K = 1024): cheaper partials
-    (the store through a layout conversion costs more than its 128 KB), and a run order whose concurrent
-    tiles share panels."""
+    Left: the shapes under two waves (every shape now under 0.90 is one, or K = 1024). A run order whose
+    concurrent tiles share panels (dev/sk_probe's sigma, s18c) fixes their L2 reuse (256x28672x5120: 157 ->
+    139 us) but beats unsplit nowhere; what keeps them behind is the fix-up (10-14 us: the partial store
+    through a layout conversion, the wait, the TMA loads) and the unflattened pieces' pipeline fills."""
     cfg = tile_config(rows, n, k, world=1, programs=programs)
     steps = -(-k // 64)
     if interpreting() or programs < 2:
