@@ -16,7 +16,13 @@ that schedule with the fix-up cut back step by step (the variants below are timi
   dp-only       the data-parallel waves alone (the stream-K tiles skipped): the floor of the schedule
   full-sigma    ``full`` with the streamed tiles in _sk_tile_order's order (concurrent tiles adjacent)
   pieces-sigma  ``pieces`` in that order
+  full-tma      ``full`` with the partials stored by TMA (no layout conversion; completion waited for, then counted)
+  full-tma-late ``full-tma`` counting the partial in only when the program reaches its run's last piece (the
+                store's completion hidden behind the pieces between; every count still precedes every wait)
 Output: JSONL rows and a table of time and its excess over ``dp-only`` per variant.
+PREDICTION (session 18, before the run, s18d): full-tma 1-3 us under full (no layout conversion: the store's
+share), full-tma-late another 1-3 us (the completion wait off the critical path): 1024x3072x8192 83 -> ~78 us,
+6000x3072x5120 252 -> ~247.
 PREDICTION (session 18, before the run, s18c): under two waves (no data-parallel wave) the sigma order brings
 the pieces to within ~5 us of the ideal time (512x14336x2880: pieces 67 -> ~57 us; full-sigma under unsplit's
 69), since the concurrent tiles then share their B panels; with a data-parallel wave before them, no change.
@@ -50,7 +56,7 @@ from kosmos.kernels.common import _grouped_tile, store_tile_tma, tile_matmul, ti
 from kosmos.planning import GROUP_M
 
 VARIANT_CODES = {"full": 0, "gpu-fence": 1, "store": 2, "pieces": 3, "dp-only": 4, "full-sigma": 5,
-                 "pieces-sigma": 6}
+                 "pieces-sigma": 6, "full-tma": 7, "full-tma-late": 8}
 
 
 @triton.jit
@@ -86,7 +92,11 @@ def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_p
         t_out += grid
         om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
         store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
-    SIGMA: tl.constexpr = VARIANT >= 5
+    SIGMA: tl.constexpr = (VARIANT == 5) | (VARIANT == 6)
+    FIXUP: tl.constexpr = (VARIANT <= 1) | (VARIANT == 5) | (VARIANT >= 7)
+    STORE: tl.constexpr = FIXUP | (VARIANT == 2)
+    TMA_STORE: tl.constexpr = VARIANT >= 7
+    LATE: tl.constexpr = VARIANT == 8
     if VARIANT != 4:
         work = tl.cast(n_tiles - dp_tiles, tl.int64) * k_steps
         start = (pid * work) // grid
@@ -94,6 +104,7 @@ def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_p
         offs_m = tl.arange(0, BM)
         offs_n = tl.arange(0, BN)
         pos = start
+        pending = -1  # LATE: the tile whose partial this program stored and has not yet counted in
         while pos < end:
             u = pos // k_steps
             i0 = (pos - u * k_steps).to(tl.int32)
@@ -110,9 +121,13 @@ def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_p
             acc = tile_matmul_cyclic(a_desc, b_desc, tm * BM, tn * BN, first, i1 - i0, k_steps, BM, BN, BK, False,
                                      dev.INTERPRET)
             if i0 == 0:
+                if LATE:
+                    if pending >= 0:
+                        _count_partial_in(cnt_ptr + pending)
+                        pending = -1
                 last = ((u * k_steps + k_steps) * grid + work - 1) // work - 1
                 others = (last - pid).to(tl.int32)
-                if (others > 0) & ((VARIANT <= 1) | (VARIANT == 5)):
+                if (others > 0) & FIXUP:
                     dev.wait_geq(cnt_ptr + t, others, timeout_ns, err_ptr, 0, 0, 0, t, t, VARIANT == 1)
                     acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
                     lo, hi = tl.split(acc3)
@@ -127,12 +142,36 @@ def _sk_matmul(a_desc, b_desc, c_desc, p_desc, M, N, K, part_ptr, cnt_ptr, err_p
                     store_tile_tma(c_desc, acc, tm * BM, tn * BN, BM, BN)
                     if VARIANT == 2:
                         tl.store(cnt_ptr + t, 0)
-            elif (VARIANT <= 2) | (VARIANT == 5):
-                tl.store(part_ptr + tl.cast(pid, tl.int64) * (BM * BN) + (offs_m[:, None] * BN + offs_n[None, :]),
-                         acc)
-                tl.debug_barrier()
-                tl.atomic_add(cnt_ptr + t, 1, sem="release", scope="gpu")
+            elif STORE:
+                if TMA_STORE:
+                    acc3 = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
+                    lo, hi = tl.split(acc3)
+                    p_desc.store([pid * BM, 0], lo)
+                    p_desc.store([pid * BM, BN // 2], hi)
+                    if LATE:
+                        pending = t
+                    else:
+                        _count_partial_in(cnt_ptr + t)
+                else:
+                    tl.store(part_ptr + tl.cast(pid, tl.int64) * (BM * BN) + (offs_m[:, None] * BN + offs_n[None, :]),
+                             acc)
+                    tl.debug_barrier()
+                    tl.atomic_add(cnt_ptr + t, 1, sem="release", scope="gpu")
             pos = u * k_steps + i1
+        if LATE:
+            if pending >= 0:
+                _count_partial_in(cnt_ptr + pending)
+
+
+@triton.jit
+def _count_partial_in(cnt_ptr):
+    """After this program's TMA stores of a partial: wait for them to complete (not only to have read shared
+    memory), order them before generic accesses, then count the partial in (release)."""
+    if not dev.INTERPRET:
+        tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
 
 
 def sk_matmul(a, b, cfg, programs, variant: str):
@@ -170,6 +209,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seconds", type=float, default=150.0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(["unsplit", "product"] + list(VARIANT_CODES)),
+                    help="which variants (comma-separated)")
     ap.add_argument("--tiles", default="128x256", help="BMxBN tiles to run each shape at (128x256: 8 warps, "
                     "3 stages; 128x128: 4 warps, 4 stages)")
     args = ap.parse_args(argv)
@@ -202,9 +243,11 @@ def main(argv=None) -> int:
         b = torch.randn(k, n, device=dev_, generator=g).to(torch.bfloat16)
         ref = a.float() @ b.float()
         t_gemm = timing.time_op(lambda: a @ b, iters=args.iters, warmup=args.warmup)["time_ms"]
+        wanted = args.variants.split(",")
         variants = {"unsplit": product_w1(a, b, cfg, 1, programs),
                     "product": product_w1(a, b, cfg, 1, programs, stream_k=True)}
         variants.update({v: sk_matmul(a, b, cfg, programs, v) for v in VARIANT_CODES})
+        variants = {v: fn for v, fn in variants.items() if v in wanted}
         times = {}
         for name, fn in variants.items():
             row = {"type": "result", "m": m, "n": n, "k": k, "tile": tile, "variant": name, "t_gemm_ms": t_gemm}
@@ -213,7 +256,7 @@ def main(argv=None) -> int:
                 out.fill_(float("nan"))
                 out = fn()
                 torch.cuda.synchronize()
-                if name in ("unsplit", "product", "full", "full-sigma"):
+                if name in ("unsplit", "product", "full", "full-sigma", "full-tma", "full-tma-late"):
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     row["rel_err"] = err
                     if not err < 1e-2:
@@ -230,7 +273,7 @@ def main(argv=None) -> int:
         table.append((f"{shape} {tile}", times))
         del a, b, ref
     kosmos.check_errors()
-    names = ["unsplit", "product"] + list(VARIANT_CODES)
+    names = [v for v in ["unsplit", "product"] + list(VARIANT_CODES) if v in args.variants.split(",")]
     print(f"\n{'shape':<25}" + "".join(f"{v:>13}" for v in names) + "   (us; excess over dp-only below)")
     for shape, times in table:
         print(f"{shape:<25}" + "".join(f"{times.get(v, math.nan):13.1f}" for v in names))

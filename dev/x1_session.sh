@@ -1004,5 +1004,12 @@ PY
       --shapes 512x14336x2880,256x28672x5120,4096x1536x4096,1024x6144x7168,512x5120x5120,2048x1536x5120,\
 1024x3072x8192,512x6912x14336 > "$out/sk-sigma.log" 2>&1
     echo "sk_probe rc=$?"; keep; grep -A40 "^shape" "$out/sk-sigma.log" ;;
+  s18d)  # session 18: dev/sk_probe's TMA-stored partials (counted at once / late) against the product's stream-K
+    begin_stage s18d
+    timeout 200 python -m dev.sk_probe --max-seconds 180 --tiles 128x256,128x128 --json "$out/sk-tma.jsonl" \
+      --variants unsplit,product,full,store,pieces,full-tma,full-tma-late --shapes \
+8192x8192x4096,6000x3072x5120,3000x3072x7168,1024x3072x8192,512x5120x5120,2048x1536x5120,512x14336x2880 \
+      > "$out/sk-tma.log" 2>&1
+    echo "sk_probe rc=$?"; keep; grep -A40 "^shape" "$out/sk-tma.log" ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d" >&2; exit 2 ;;
 esac
