@@ -36,6 +36,11 @@ and on the many-wave shapes.
 Session 18: sk-128x256 / sk-128x128 time the stream-K v2 schedule (data-parallel waves, then runs reading K in
 step; kernels/common.w1_matmul_kernel), at the shapes of ``--shapes`` (s18a: the 18 where w1_plan first
 streamed; figures in planning.w1_plan's docstring).
+--occupancy (session 18): what hides a tile's epilogue and prologue at short K -- two programs per SM of the
+product kernel at 128x128 (3 stages, 4 or 8 warps: each program's epilogue under the other's mainloop), and the
+flattened loop warp-specialised (tl.range(..., warp_specialize=True)) at 128x256 / 128x128. PREDICTION (before
+the run, s18e): at K = 1024 two programs per SM +5-10% over w1-unsplit (6000x1536x1024 0.86 -> ~0.93), the
+warp-specialised loop compiles on Triton 3.6 for Hopper and gains ~3% there; at K >= 4096 neither gains.
 """
 from __future__ import annotations
 
@@ -54,7 +59,8 @@ from kosmos.planning import GROUP_M
 
 @triton.jit
 def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr):
+                   GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, STAGES: tl.constexpr,
+                   WS: tl.constexpr = False):
     """C = A @ B, program p taking tiles p, p + PROGRAMS, ...; FLATTEN: one software-pipelined loop over the
     (tile, k) pairs (the epilogue's tile id recomputed, as the pipeliner needs it not carried across). The
     probe's form of kernels/common.w1_matmul_kernel, which it became (session 16), with the grid a constexpr
@@ -65,7 +71,7 @@ def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
     k_steps = tl.cdiv(K, BK)
     tiles = n_m * n_n
     t_out = pid - PROGRAMS
-    for t in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN, num_stages=STAGES):
+    for t in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN, num_stages=STAGES, warp_specialize=WS):
         tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(k_steps):
@@ -113,7 +119,7 @@ def product_w1(a, b, cfg, split, programs, rb=None, stream_k=False):
     return fn
 
 
-def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs):
+def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs, ws=False):
     from triton.tools.tensor_descriptor import TensorDescriptor
     m, k = a.shape
     n = b.shape[1]
@@ -126,7 +132,7 @@ def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs):
 
     def fn():
         _static_matmul[(grid,)](ad, bd, cd, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=GROUP_M, PROGRAMS=grid,
-                                FLATTEN=flatten, STAGES=stages, num_warps=warps, num_stages=stages)
+                                FLATTEN=flatten, STAGES=stages, WS=ws, num_warps=warps, num_stages=stages)
         return c
     return fn
 
@@ -151,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--splits", action="store_true",
                     help="time the product kernel unsplit, K-split and stream-K instead")
+    ap.add_argument("--occupancy", action="store_true",
+                    help="time two programs per SM (128x128, 3 stages) and warp-specialised loops instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flat_probe: needs a CUDA GPU")
@@ -188,6 +196,13 @@ def main(argv=None) -> int:
             if triton.cdiv(k, 64) >= 16:
                 variants["split-128x128-2"] = product_w1(a, b, t128, 2, programs)
             print(f"{m}x{n}x{k}: w1_plan {w1}", flush=True)
+        elif args.occupancy:
+            variants = {"kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),
+                        "w1-unsplit": product_w1(a, b, rule, 1, programs),
+                        "2cta-128x128w4": product_w1(a, b, planning.TileConfig(128, 128, 64, 4, 3), 1, 2 * programs),
+                        "2cta-128x128w8": product_w1(a, b, planning.TileConfig(128, 128, 64, 8, 3), 1, 2 * programs),
+                        "ws-128x256": static_matmul(a, b, 128, 256, 64, 8, 3, True, programs, ws=True),
+                        "ws-128x128": static_matmul(a, b, 128, 128, 64, 8, 4, True, programs, ws=True)}
         else:
             variants = {
                 "kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),
