@@ -41,6 +41,10 @@ product kernel at 128x128 (3 stages, 4 or 8 warps: each program's epilogue under
 flattened loop warp-specialised (tl.range(..., warp_specialize=True)) at 128x256 / 128x128. PREDICTION (before
 the run, s18e): at K = 1024 two programs per SM +5-10% over w1-unsplit (6000x1536x1024 0.86 -> ~0.93), the
 warp-specialised loop compiles on Triton 3.6 for Hopper and gains ~3% there; at K >= 4096 neither gains.
+MEASURED (s18e, 15 shapes): two programs per SM (4 warps) +0.1-4.2% at K = 1024 where the 128x128 tiles fill
+the SMs and 128x256 makes <= 16 waves (6000x1536x1024 0.872 -> 0.882: less than predicted), lost at 108
+waves and at 24 tiles, and at every K >= 2048 shape; 8 warps lost to 4; warp specialisation lost or tied.
+planning.w1_plan took the 4-warp two-per-SM schedule for K <= 1024 (figures in its docstring).
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def _compile(module, kernel_name: str, call) -> dict:
     return _resources(stub.compiled)
 
 
-KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "moe_forward", "moe_backward")
+KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "w1_matmul", "moe_forward", "moe_backward")
 
 
 def _compile_among(module, kernel_name: str, call) -> dict:
@@ -117,6 +117,27 @@ def _compile_among(module, kernel_name: str, call) -> dict:
         for n, f in originals.items():
             setattr(module, n, f)
     return _resources(stubs[kernel_name].compiled)
+
+
+def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
+    """(name, resources) of kernels/common.w1_matmul_kernel as planning.w1_plan's three schedules launch it:
+    unsplit (128x256), the K split (128x128, 2 parts) and stream-K (128x256 and 128x128), on one shape."""
+    from kosmos import planning
+    from kosmos.kernels import common as cm
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    a, b, c = torch.empty(m, k, **bf), torch.empty(k, n, **bf), torch.empty(m, n, **bf)
+    small = lambda n_, dt: torch.zeros(n_, dtype=dt, device=dev)  # noqa: E731
+    parts = torch.empty(132 * 128 * 256, dtype=torch.float32, device=dev)
+    out = []
+    for name, cfg, split, sk in (("w1_matmul unsplit", planning.TileConfig(128, 256, 64, 8, 3), 1, False),
+                                 ("w1_matmul split 2", planning.SPLIT_TILE, 2, False),
+                                 ("w1_matmul stream-k", planning.TileConfig(128, 256, 64, 8, 3), 1, True),
+                                 ("w1_matmul stream-k 128", planning.TileConfig(128, 128, 64, 4, 4), 1, True)):
+        grid, args, kw = cm.w1_matmul_args(a, b, False, c, cfg, small(4, torch.int32), 132, planning.GROUP_M, False,
+                                           split=split, partials=parts, counters=small(4096, torch.int32),
+                                           errors=small(16, torch.int64), timeout_ns=10**9, stream_k=sk)
+        out.append((name, _resources(cm.w1_matmul_kernel.warmup(*args, grid=(grid,), **kw))))
+    return out
 
 
 def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: int = 32768) -> list:
@@ -238,6 +259,8 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     elif "matmul_reduce_scatter" in only:
         out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
             a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+    if "w1_matmul" in only and world == 1:  # the static W=1 GEMM (no world size): unsplit, split, stream-K
+        out += w1_matmul_kernels(dev)
     if "moe_backward" in only:  # the same kernels at every EP size, on E / W local experts (ELP2 follows E / W)
         out += moe_backward_kernels(dev, e=128 // world)
     if "moe_forward" not in only:

@@ -1018,5 +1018,21 @@ PY
 16384x28672x1024,4096x1536x4096,2048x5120x4096,512x3072x2048,256x8192x2048,512x5120x5120,1024x3072x8192,\
 8192x8192x4096 > "$out/occupancy.log" 2>&1; echo "occupancy probe rc=$?"; keep
     grep -A10 "^variant" "$out/occupancy.log" ;;
+  s18f)  # session 18: the W=1 TP tests (stream-K, two programs per SM at short K, the launch refactor), graph
+         # replays, the grid and the llama3 per-rank suite at W=1 with w1_plan's final rule
+    begin_stage s18f
+    gpu_tests gpu-tests-w1 150 "w1 or world1 or static or split or stream" tests/test_matmul_reduce_scatter.py \
+      tests/test_all_gather_matmul.py tests/test_launch_plan.py tests/test_planning.py
+    gpu_tests gpu-tests-graphs 60 "w1_tp_op_replays or first_call or stalled" tests/test_cuda_graphs.py
+    grid_run 150
+    grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5
+    timeout 200 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b,llama3-8b \
+      --impl kosmos,nccl+cublas --out "$out/tp-bf16-w1-shard2.jsonl" > "$out/bench-llama3.log" 2>&1
+    echo "llama3 bench rc=$?"
+    timeout 20 python -m kosmos_bench.cli report "$out/tp-bf16-w1-shard2.jsonl" --format md \
+      --out "$out/tp-bf16-w1-shard2.md" >> "$out/bench-llama3.log" 2>&1
+    COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/tp-bf16-w1-shard2.jsonl" \
+      > "$out/tp-bf16-w1-shard2.txt" 2>> "$out/bench-llama3.log"; keep
+    grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-bf16-w1-shard2.txt" | head -5 ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18f" >&2; exit 2 ;;
 esac

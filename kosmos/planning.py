@@ -167,22 +167,44 @@ SPLIT_MIN_STEPS = 64  # K steps (of 64) a tile must have for its split to pay fo
 STREAM_K_OVERHEAD_STEPS = 26
 STREAM_K_MIN_GAIN = 1.02
 STREAM_K_TILES = (TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 4, 4))
+# Short K (w1_plan): two programs per SM of 128x128 tiles, one warpgroup, 3 stages (112 KiB of shared memory
+# each, two fit an SM), where a tile is at most SHORT_K_STEPS K steps, the 128x128 tiles fill the SMs once and
+# 128x256 tiles make at most SHORT_K_MAX_WAVES waves (session 18, s18e: the many-wave ones lost)
+SHORT_K_TILE = TileConfig(128, 128, 64, 4, 3)
+SHORT_K_STEPS = 16
+SHORT_K_MAX_WAVES = 16
 
 
 @dataclass(frozen=True)
 class W1Plan:
-    """How the static W=1 GEMM runs a shape: its tile, and a K split in ``split`` parts or stream-K."""
+    """How the static W=1 GEMM runs a shape: its tile, a K split in ``split`` parts or stream-K, and its
+    programs per SM (``per_sm`` x the SMs in the grid: two co-resident programs, each one's epilogue under the
+    other's mainloop)."""
     tile: TileConfig
     split: int = 1
     stream_k: bool = False
+    per_sm: int = 1
 
 
 def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     """(tile, K split, stream-K) of the static W=1 GEMM (kernels/common.w1_matmul_kernel) for C [rows, n] = A @ B:
     tile_config's tile unsplit, except where even 128x128 tiles fill at most half the SMs and K is long
     (>= SPLIT_MIN_STEPS steps of 64): there each 128x128 tile's K steps are cut in two halves, two programs
-    per tile, and their fp32 partials summed by both (one round: at most ``programs`` programs); and stream-K
-    where a badly filled last wave follows at least one full one (below).
+    per tile, and their fp32 partials summed by both (one round: at most ``programs`` programs); stream-K
+    where a badly filled last wave follows at least one full one (below); and at short K (<= SHORT_K_STEPS
+    steps) two programs per SM of 128x128 tiles (SHORT_K_TILE), where those tiles fill the SMs once and 128x256
+    tiles make at most SHORT_K_MAX_WAVES waves.
+
+    Short K (session 18, one H200, Triton 3.6, dev/flat_probe --occupancy, results/h200x1/s18/s18e; in-sample:
+    the rule was drawn from these 15 shapes): at K = 1024 a tile is 16 K steps and its epilogue and pipeline
+    fill (~1-2 us) are ~10% of it; two co-resident programs put one's epilogue under the other's mainloop:
+    against w1-unsplit 3000x5120x1024 0.923 -> 0.949, 1024x8192x1024 0.956 -> 0.987, 512x6912x1024 0.976 ->
+    1.017, 6000x1536x1024 0.872 -> 0.882, 4096x14336x1024 0.951 -> 0.960, 8192x6144x1024 0.959 -> 0.960;
+    lost at 16384x28672x1024 (0.980 -> 0.968: many waves, 128x256's rate) and 256x1536x1024 (0.840 -> 0.576:
+    24 tiles), and at every K >= 2048 shape timed (4096x1536x4096 0.897 -> 0.753, 512x3072x2048 0.814 ->
+    0.675). 8 warps per 128x128 program lost to 4 everywhere (0.817 geomean against 0.843); the flattened loop
+    warp-specialised (tl.range(..., warp_specialize=True)) compiled and lost or tied (0.812 / 0.794 at
+    128x256 / 128x128 against 0.897).
 
     Measured (session 17, one H200, Triton 3.6, dev/flat_probe --splits on its 20 grid shapes; results/h200x1/
     s17/s17b): a split task costs ~12-20 us more than its share of the tile's K steps -- the fp32 partial
@@ -227,6 +249,9 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     split_tiles = -(-rows // SPLIT_TILE.BM) * -(-n // SPLIT_TILE.BN)
     if steps >= SPLIT_MIN_STEPS and split_tiles * SPLIT_PARTS <= programs:
         return W1Plan(SPLIT_TILE, SPLIT_PARTS)
+    wide_tiles = -(-rows // 128) * -(-n // 256)
+    if steps <= SHORT_K_STEPS and split_tiles >= programs and wide_tiles <= SHORT_K_MAX_WAVES * programs:
+        return W1Plan(SHORT_K_TILE, per_sm=2)
     unsplit = _w1_cost(rows, n, k, cfg, programs, False)
     streamed = []
     for tile in STREAM_K_TILES:

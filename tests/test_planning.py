@@ -347,24 +347,30 @@ def test_deq_needed_covers_every_tile(op, rank, world, ms, n, bm, bn, parts):
     (512, 1536, 7168, "split"), (256, 4096, 4096, "split"),           # under a wave even in 128x128 tiles, long K
     (3000, 3072, 7168, "stream-k"), (6000, 3072, 5120, "stream-k"),   # 2.18 / 4.27 waves of 128x256
     (512, 5120, 5120, "unsplit"), (1024, 3072, 8192, "unsplit"),      # under 2 waves: no data-parallel wave
-    (6000, 1536, 1024, "unsplit"),                                    # 2.14 waves, but K = 1024: the fix-up's cost
-    (8192, 28672, 4096, "unsplit"), (4096, 14336, 1024, "unsplit"),   # many waves: the last one costs < 5%
+    (6000, 1536, 1024, "two-per-sm"), (4096, 14336, 1024, "two-per-sm"),  # K = 1024: 16 steps a tile
+    (512, 6912, 1024, "two-per-sm"),
+    (16384, 28672, 1024, "unsplit"),                                  # K = 1024, but 108 waves of 128x256
+    (8192, 28672, 4096, "unsplit"),                                   # many waves: the last one costs < 5%
     (100, 256, 128, "unsplit"), (256, 1536, 1024, "unsplit"),         # a few tiles, short K: nothing to split
 ])
 def test_w1_plan_splits_or_streams_only_badly_filled_waves(monkeypatch, m, n, k, expect):
     """planning.w1_plan: a K split where even 128x128 tiles leave half the SMs idle and K is long; stream-K
     where at least one wave of tiles runs and the wave model predicts >= STREAM_K_MIN_GAIN from the last partial
     wave (at least one data-parallel wave: tiles >= 2 * programs, not a whole number of waves); else tile_config's tile
-    unsplit. A split keeps >= SPLIT_MIN_STEPS K steps per tile and whole groups on the SMs."""
+    unsplit; at K <= 1024 with the SMs filled once by 128x128 tiles and at most 16 waves of 128x256, two
+    programs per SM at 128x128. A split keeps >= SPLIT_MIN_STEPS K steps per tile and whole groups on the SMs."""
     from kosmos.kernels.common import w1_split_grid
     monkeypatch.setattr(planning, "interpreting", lambda: False)
     plan = planning.w1_plan(m, n, k, programs=132)
     cfg, split = plan.tile, plan.split
-    got = "split" if split > 1 else "stream-k" if plan.stream_k else "unsplit"
+    got = ("split" if split > 1 else "stream-k" if plan.stream_k else "two-per-sm" if plan.per_sm == 2
+           else "unsplit")
     assert got == expect, plan
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     if got == "unsplit":
         assert cfg == planning.tile_config(m, n, k, world=1, programs=132)
+    elif got == "two-per-sm":
+        assert cfg == planning.SHORT_K_TILE and -(-k // 64) <= planning.SHORT_K_STEPS
     elif got == "split":
         assert -(-k // 64) >= planning.SPLIT_MIN_STEPS
         grid = w1_split_grid(132, tiles, split)

@@ -431,8 +431,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     c = torch.empty((m, n), dtype=torch.bfloat16, device=device)
     if w == 1 and not mx and trace is None and policy == "self":  # nothing to gather or wait for: the static GEMM
         w1 = planning.w1_plan(ms, n, k, programs=grid)
-        kl = w1_matmul_launch(payload, b_store, b_kmajor, c, w1.tile, ws, grid, split=w1.split, op=OP_ALL_GATHER_MATMUL.value,
-                               stream_k=w1.stream_k)
+        kl = w1_matmul_launch(payload, b_store, b_kmajor, c, w1, ws, grid, op=OP_ALL_GATHER_MATMUL.value)
     else:
         args, kw = _launch_args(payload, b_store, b_kmajor, c, gather, ws.peer_data, ws.peer_signals, ws.signals,
                                 ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,

@@ -280,14 +280,15 @@ def w1_partial_elems(grid: int, tiles: int, split: int, cfg) -> int:
     return (2 if rounds > 1 else 1) * grid * cfg.BM * cfg.BN
 
 
-def w1_matmul_launch(a, b_store, b_kmajor: bool, c, cfg, ws, programs: int, split: int = 1, op: int = 0,
-                     stream_k: bool = False):
+def w1_matmul_launch(a, b_store, b_kmajor: bool, c, plan, ws, programs: int, op: int = 0):
     """The KernelLaunch of the static W=1 GEMM for a TP op's first call of a shape (its plan's launch) on
-    workspace ``ws``; refused inside a CUDA-graph capture, like every first call. ``split``: planning.w1_plan's
-    K split or ``stream_k`` (their partials and counters are workspace buffers); ``op`` the caller's codes.OP_*
-    value."""
+    workspace ``ws``; refused inside a CUDA-graph capture, like every first call. ``plan``: planning.w1_plan's
+    W1Plan for ``programs`` SMs -- its tile, K split or stream-K (their partials and counters are workspace
+    buffers) and programs per SM; ``op`` the caller's codes.OP_* value."""
     from .. import launch_plan, planning, runtime
     runtime.capture_refusal("its static W=1 GEMM for this shape is not planned yet")
+    cfg, split, stream_k = plan.tile, plan.split, plan.stream_k
+    programs *= plan.per_sm
     extra = {}
     m, n = a.shape[0], c.shape[1]
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)

@@ -396,8 +396,7 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
                    if a_scales is not None else None)
     if w == 1 and a_scales is None and trace is None and policy == "self":  # nothing to wait for: the static GEMM
         w1 = planning.w1_plan(ms, n, k, programs=grid)
-        kl = w1_matmul_launch(a, b_store, b_kmajor, c, w1.tile, ws, grid, split=w1.split, op=OP_MATMUL_REDUCE_SCATTER.value,
-                               stream_k=w1.stream_k)
+        kl = w1_matmul_launch(a, b_store, b_kmajor, c, w1, ws, grid, op=OP_MATMUL_REDUCE_SCATTER.value)
     else:
         args, kw = _launch_args(a, b_store, b_kmajor, c, stage, ws.peer_data, ws.peer_signals, ws.signals,
                                 ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,
