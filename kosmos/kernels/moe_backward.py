@@ -364,6 +364,8 @@ parallelism; with the recompute, x_rows must exist before the launch for torch's
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -371,8 +373,10 @@ import triton.language as tl
 from .. import device as dev
 from .. import planning
 from .. import schedule as sched
-from ..codes import (EV_BWD_DGRAD1, EV_BWD_DGRAD2, EV_BWD_SWIGLU, EV_BWD_UNPERMUTE, EV_BWD_WGRAD1, EV_BWD_WGRAD2,
-                     EV_WAIT, OP_MOE_BACKWARD, TRACE_EVENTS, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_SWIGLU)
+from ..codes import (EV_BWD_DGRAD1, EV_BWD_DGRAD2, EV_BWD_ROUTER_DL, EV_BWD_ROUTER_DW, EV_BWD_ROUTER_DX,
+                     EV_BWD_SWIGLU, EV_BWD_UNPERMUTE, EV_BWD_WGRAD1, EV_BWD_WGRAD2, EV_WAIT, OP_MOE_BACKWARD,
+                     TRACE_EVENTS, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_ROUTER_DL, WAIT_BWD_SWIGLU,
+                     WAIT_BWD_UNPERMUTE)
 
 try:  # libdevice's expf for swiglu_h (Triton >= 3.0 spells it this way)
     from triton.language.extra import libdevice
@@ -1449,21 +1453,29 @@ def do_rows_of(dy, tok, dy_rows, w_pair, world: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------- the backward's expert part in one launch (W = 1)
-# the stages, in schedule.py's drain order (stage s's queue head is scratch[s]; WGRAD has none: statically owned)
+# the stages (stage s's queue head is scratch[s]; WGRAD has none: statically owned). The drain order is the
+# kernel's code order: DGRAD2 (SWIGLU inside it or its own queue next), DGRAD1, ROUTER_DL, WGRAD, ROUTER_DW,
+# UNPERMUTE, ROUTER_DX (the three ROUTER_* stages only with the router backward in the launch)
 BWD_DGRAD2, BWD_SWIGLU, BWD_DGRAD1, BWD_WGRAD, BWD_UNPERMUTE = 0, 1, 2, 3, 4
-BWD_ALL_STAGES = 0b11111
+BWD_ROUTER_DL, BWD_ROUTER_DW, BWD_ROUTER_DX = 5, 6, 7
+BWD_ALL_STAGES = 0b11111111
 STAGE_BWD_DGRAD2: tl.constexpr = tl.constexpr(BWD_DGRAD2)
 STAGE_BWD_SWIGLU: tl.constexpr = tl.constexpr(BWD_SWIGLU)
 STAGE_BWD_DGRAD1: tl.constexpr = tl.constexpr(BWD_DGRAD1)
 STAGE_BWD_WGRAD: tl.constexpr = tl.constexpr(BWD_WGRAD)
 STAGE_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(BWD_UNPERMUTE)
-# local scratch (int32, zeroed by the last program out): [0, 5) queue heads, the exit counter, SwiGLU m-tiles
-# done, dgrad1 tiles done, then finished dgrad2 column tiles per m-tile [max m-tiles] and SwiGLU-done flags per
-# m-tile [max m-tiles]
-SCB_EXIT: tl.constexpr = tl.constexpr(5)
-SCB_SWIGLU_DONE: tl.constexpr = tl.constexpr(6)
-SCB_DGRAD1_DONE: tl.constexpr = tl.constexpr(7)
-SCB_MTILES: tl.constexpr = tl.constexpr(8)
+STAGE_BWD_ROUTER_DL: tl.constexpr = tl.constexpr(BWD_ROUTER_DL)
+STAGE_BWD_ROUTER_DW: tl.constexpr = tl.constexpr(BWD_ROUTER_DW)
+STAGE_BWD_ROUTER_DX: tl.constexpr = tl.constexpr(BWD_ROUTER_DX)
+# local scratch (int32, zeroed by the last program out): [0, 8) queue heads, the exit counter, SwiGLU m-tiles
+# done, dgrad1 tiles done, router dlogits blocks done, then finished dgrad2 column tiles per m-tile [max
+# m-tiles], SwiGLU-done flags per m-tile [max m-tiles] and (router in the launch) finished UNPERMUTE tasks per
+# token block of the router's dx tiles [ceil(T / BM)]
+SCB_EXIT: tl.constexpr = tl.constexpr(8)
+SCB_SWIGLU_DONE: tl.constexpr = tl.constexpr(9)
+SCB_DGRAD1_DONE: tl.constexpr = tl.constexpr(10)
+SCB_ROUTER_DL_DONE: tl.constexpr = tl.constexpr(11)
+SCB_MTILES: tl.constexpr = tl.constexpr(12)
 BWD_ZERO_BLOCK: tl.constexpr = tl.constexpr(1024)  # scratch entries the last program out zeroes per step
 BWD_UNPERMUTE_TOKENS = 8  # tokens per UNPERMUTE task (GPU): [8, 256] blocks, the k slots' loads in flight together
 BWD_INTERP_PROGRAMS = 3  # the CPU interpreter's default grid (programs run one after another there)
@@ -1473,6 +1485,15 @@ BWD_INTERP_TIMEOUT_NS = 1_000_000  # its waits' bound: 1000 spins (each wait is 
 # queue after DGRAD2's (each task waiting for its m-tile's tiles), which only starts once every dgrad2 tile is
 # claimed. Unmeasured: the lead's A/B (both tested bitwise).
 BWD_SWIGLU_ON_COMPLETION = True
+# moe_backward(one_launch=True)'s router backward: True -- the stages ROUTER_DL, ROUTER_DW, ROUTER_DX of the one
+# launch (the module docstring's "The router backward in the launch"; nothing timed on a GPU yet); False -- the
+# torch ops after the launch, as before (bitwise the multi-launch path's dx and d_router)
+BWD_ROUTER_IN_LAUNCH = True
+BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [16, next_pow2(E)] fp32 blocks
+# the router GEMMs' tiles (GPU): dx_r = dl Wr (BM x BN over [T, H], BK of E per step) and dWr = dl^T x (BI x BJ
+# over [E, H], BR tokens per step); hi and lo dl tiles share one TMA load of the Wr / x tile per step
+BWD_ROUTER_DX_TILES = (128, 128, 64, 3)  # (BM, BN, BK, stages)
+BWD_ROUTER_DW_TILES = (128, 128, 64, 3)  # (BI, BJ, BR, stages)
 
 
 @triton.jit
@@ -1504,11 +1525,134 @@ def _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, g
     tl.atomic_add(swiglu_done_ptr, 1, sem="release", scope="gpu")
 
 
+@triton.jit
+def _expf(v, INTERP: tl.constexpr):
+    """exp in fp32 as torch's CUDA kernels compute it (libdevice expf; the interpreter: numpy's exp)."""
+    if INTERP:
+        return tl.exp(v)
+    else:
+        return libdevice.exp(v)
+
+
+@triton.jit
+def _router_dlogits_block(b, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, dlhl_ptr, T, ER, EP, c,
+                          TOPK: tl.constexpr, KP2: tl.constexpr, ERP2: tl.constexpr, UT: tl.constexpr,
+                          SOFTMAX: tl.constexpr, RENORM: tl.constexpr, INTERP: tl.constexpr):
+    """The one launch's ROUTER_DL task b: tokens [b*UT, b*UT + UT), each row on its own (module docstring, "The
+    router backward in the launch"): the gate gradients dw[t, j] = dw_rows[inv[t*k + j]] (the pairs' rows, the
+    multi-launch path's dweights scatter), the routing recomputed from the fp32 logits (q_j = p[e_j] or s[e_j],
+    S = sum_j q_j + 1e-20, w_j = c q_j / S or c q_j), dq (router_weights_backward_ref) and dl [UT, ER]
+    (router_logits_backward_ref: softmax p (dp - <dq, q>), sigmoid dq s (1 - s) at the selected experts), stored
+    split for the bf16 tensor cores as hi = bf16(dl) into dlhl[t, 0:ER] and lo = bf16(dl - hi) into dlhl[t, EP:EP+ER]
+    (round to nearest even; columns ER..EP of each half are never written and never read)."""
+    tok = b * UT + tl.arange(0, UT)
+    tm = tok < T
+    tok64 = tl.minimum(tok, T - 1).to(tl.int64)  # past T: a valid row, nothing stored
+    j = tl.arange(0, KP2)
+    jm = tm[:, None] & (j < TOPK)[None, :]
+    pair = tok64[:, None] * TOPK + j[None, :]
+    ex = tl.load(experts_ptr + pair, mask=jm, other=0).to(tl.int32)          # [UT, KP2] the decision
+    row = tl.load(inv_ptr + pair, mask=jm, other=0).to(tl.int64)            # each pair's padded row
+    dw = tl.load(dw_rows_ptr + row, mask=jm, other=0.0)                     # its gate gradient
+    lj = tl.load(logits_ptr + tok64[:, None] * ER + ex, mask=jm, other=0.0)  # the selected logits
+    cols = tl.arange(0, ERP2)
+    cm = tm[:, None] & (cols < ER)[None, :]
+    if SOFTMAX:
+        lg = tl.load(logits_ptr + tok64[:, None] * ER + cols[None, :], mask=(cols < ER)[None, :],
+                     other=float("-inf"))
+        mx = tl.max(lg, 1)
+        ones = tl.full(mx.shape, 1.0, tl.float32)
+        rs = tl.math.div_rn(ones, tl.sum(_expf(lg - mx[:, None], INTERP), 1))  # 1 / sum_e exp(l_e - max)
+        p = _expf(lg - mx[:, None], INTERP) * rs[:, None]
+        q = tl.where(jm, _expf(lj - mx[:, None], INTERP) * rs[:, None], 0.0)  # p[e_j]: the same operations
+    else:
+        q = tl.where(jm, _torch_sigmoid(lj, INTERP), 0.0)  # s[e_j] (the bias only chose e)
+    if RENORM:
+        denom = tl.sum(q, 1) + 1e-20
+        w = tl.math.div_rn(q, tl.broadcast_to(denom[:, None], q.shape)) * c
+        dq = tl.math.div_rn(c * dw - tl.sum(dw * w, 1)[:, None], tl.broadcast_to(denom[:, None], q.shape))
+    else:
+        dq = c * dw
+    dq = tl.where(jm, dq, 0.0)
+    if SOFTMAX:
+        dp = tl.zeros((UT, ERP2), dtype=tl.float32)
+        for jj in tl.static_range(TOPK):  # dq scattered to the selected experts (distinct in a token's top-k)
+            e_j = tl.sum(tl.where(j[None, :] == jj, ex, 0), 1)
+            dq_j = tl.sum(tl.where(j[None, :] == jj, dq, 0.0), 1)
+            dp = tl.where(cols[None, :] == e_j[:, None], dq_j[:, None], dp)
+        dl = p * (dp - tl.sum(dq * q, 1)[:, None])
+    else:
+        g = dq * q * (1.0 - q)
+        dl = tl.zeros((UT, ERP2), dtype=tl.float32)
+        for jj in tl.static_range(TOPK):
+            e_j = tl.sum(tl.where(j[None, :] == jj, ex, 0), 1)
+            g_j = tl.sum(tl.where(j[None, :] == jj, g, 0.0), 1)
+            dl = tl.where(cols[None, :] == e_j[:, None], g_j[:, None], dl)
+    hi = _to_out(dl, tl.bfloat16, INTERP)
+    lo = _to_out(dl - hi.to(tl.float32), tl.bfloat16, INTERP)
+    o = tok64[:, None] * (2 * EP) + cols[None, :]
+    tl.store(dlhl_ptr + o, hi, mask=cm)
+    tl.store(dlhl_ptr + EP + o, lo, mask=cm)
+
+
+@triton.jit
+def _router_dw_tile(ti, tj, hi_desc, lo_desc, x_desc, dwr_ptr, T, H, ER, BI: tl.constexpr, BJ: tl.constexpr,
+                    BR: tl.constexpr, DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """The one launch's ROUTER_DW task (ti, tj): dWr[ti-tile, tj-tile] = sum over the tokens in ascending order, BR
+    per step, of hi^T x + lo^T x (one fp32 accumulator; the hi and lo tiles share the step's x tile) -- the
+    d(router weight) tile [BI, BJ] fp32, stored once. Tokens past T and experts past ER read as zeros (TMA)."""
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    for r in tl.range(0, T, BR, num_stages=LOOP_STAGES):
+        b = x_desc.load([r, tj * BJ])
+        a = hi_desc.load([r, ti * BI])
+        if DOT_FP32:
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+        a = lo_desc.load([r, ti * BI])
+        if DOT_FP32:
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+    ci = ti * BI + tl.arange(0, BI)
+    cj = tj * BJ + tl.arange(0, BJ)
+    tl.store(dwr_ptr + ci[:, None].to(tl.int64) * H + cj[None, :], acc, mask=(ci < ER)[:, None] & (cj < H)[None, :])
+
+
+@triton.jit
+def _router_dx_tile(m, n, hi_desc, lo_desc, wr_desc, dx_e_ptr, dx_ptr, T, H, ER, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """The one launch's ROUTER_DX task (m, n): dx_r = hi Wr + lo Wr over the experts in ascending order, BK per
+    step (one fp32 accumulator; hi and lo share the step's Wr tile), then dx = bf16(dx_e + dx_r) for tokens
+    [m*BM, +BM), columns [n*BN, +BN) -- moe_backward's (dx_e + dx_r).to(bf16), the dispatch backward's fp32 rows
+    read back from dx_e (UNPERMUTE's). Experts past ER read as zeros (TMA), tokens past T are not stored."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, ER, BK, num_stages=LOOP_STAGES):
+        b = wr_desc.load([k0, n * BN])
+        a = hi_desc.load([m * BM, k0])
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+        a = lo_desc.load([m * BM, k0])
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    rows = m * BM + tl.arange(0, BM)
+    cols = n * BN + tl.arange(0, BN)
+    mask = (rows < T)[:, None] & (cols < H)[None, :]
+    o = rows[:, None].to(tl.int64) * H + cols[None, :]
+    dx_e = tl.load(dx_e_ptr + o, mask=mask, other=0.0)
+    tl.store(dx_ptr + o, _to_out(dx_e + acc, tl.bfloat16, DOT_FP32), mask=mask)
+
+
 @triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages"])
 def _moe_backward_experts_kernel(
         dy_rows_ptr, do_rows_ptr, x_rows_ptr, gu_ptr, wp_ptr, valid_ptr, w13_ptr, w2_ptr,
         pad_offs_ptr, counts_ptr, first_mtile_ptr, inv_ptr,
         z_ptr, dgu_ptr, h_ptr, dw_rows_ptr, dx_rows_ptr, dw13_ptr, dw2_ptr, dx_e_ptr,
+        x_ptr, wr_ptr, logits_ptr, experts_ptr, dlhl_ptr, dx_ptr, dwr_ptr, ER, EP, routed_scaling,
         scratch_ptr, scratch_n, max_mtiles, err_ptr, epoch_ptr, timeout_us, stages, trace_ptr,
         T, H, F, E, R_PAD,
         TOPK: tl.constexpr, ELP2: tl.constexpr, PAD: tl.constexpr,
@@ -1516,11 +1660,18 @@ def _moe_backward_experts_kernel(
         TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
-        SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
+        SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
+        ROUTER: tl.constexpr = False, SOFTMAX: tl.constexpr = True, RENORM: tl.constexpr = True,
+        KP2: tl.constexpr = 1, ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
+        RX_BM: tl.constexpr = 16, RX_BN: tl.constexpr = 16, RX_BK: tl.constexpr = 16,
+        RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1):
     """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
     launch"): the stages DGRAD2, SWIGLU (SWIGLU_ON_COMPLETION: run inside the DGRAD2 task that completes the
     m-tile; else its own queue), DGRAD1 (shared atomic heads), WGRAD (each program's own share of both flat wgrad
-    loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function.
+    loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function. ROUTER: the
+    router backward too ("The router backward in the launch"): ROUTER_DL after DGRAD1, ROUTER_DW after WGRAD,
+    ROUTER_DX after UNPERMUTE (shared heads), dx (bf16) and dWr (fp32) its outputs; without it x_ptr .. dwr_ptr
+    are unused.
     ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out).
     TRACE: every task and wait as a (kind, task, t0, t1) event of trace_ptr [GRID, TRACE_EVENTS, 4] (codes.EV_*;
     WGRAD one event per flat loop, task -1)."""
@@ -1533,6 +1684,7 @@ def _moe_backward_experts_kernel(
     n_h = tl.cdiv(H, BN)
     dgrad2_ctr = scratch_ptr + SCB_MTILES
     swiglu_ctr = dgrad2_ctr + max_mtiles
+    unperm_ctr = swiglu_ctr + max_mtiles  # (router in the launch) UNPERMUTE tasks done per token block of RX_BM
     ok = 1
     n_ev = 0
     if sched.has_stage(stages, STAGE_BWD_DGRAD2):  # z = dy_rows W2[e]^T per (m-tile, F-tile), m-tile-major
@@ -1585,6 +1737,26 @@ def _moe_backward_experts_kernel(
                 tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, 1, sem="release", scope="gpu")
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD1, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
+    if ROUTER:  # the gate gradients through the routing: dl per token block, split hi | lo for the tensor cores
+        if sched.has_stage(stages, STAGE_BWD_ROUTER_DL) & (ok != 0):
+            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
+            waited = 0
+            while (t < tl.cdiv(T, RUT)) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                if waited == 0:  # once per program: every m-tile's SwiGLU pass (the rows' gate gradients)
+                    ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, n_mt, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                                      WAIT_BWD_SWIGLU, 0, t, -1)
+                    waited = 1
+                    t1 = _trace_clock(TRACE)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                    t0 = t1
+                if ok != 0:
+                    _router_dlogits_block(t, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, dlhl_ptr, T, ER, EP,
+                                          routed_scaling, TOPK, KP2, ERP2, RUT, SOFTMAX, RENORM, DOT_FP32)
+                    tl.debug_barrier()
+                    tl.atomic_add(scratch_ptr + SCB_ROUTER_DL_DONE, 1, sem="release", scope="gpu")
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DL, t, t0, _trace_clock(TRACE), TRACE)
+                t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
     if sched.has_stage(stages, STAGE_BWD_WGRAD) & (ok != 0):  # this program's share of both flat loops
         t0 = _trace_clock(TRACE)
         ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, n_mt, timeout_ns, err_ptr, OP_MOE_BACKWARD,
@@ -1599,6 +1771,30 @@ def _moe_backward_experts_kernel(
             _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
                             W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
+    if ROUTER:  # the long compute-bound dWr tiles first (beside UNPERMUTE's memory-bound blocks on the others)
+        if sched.has_stage(stages, STAGE_BWD_ROUTER_DW) & (ok != 0):  # dWr = dl^T x per [E, H] tile
+            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
+            n_wj = tl.cdiv(H, RW_BJ)
+            waited = 0
+            while (t < tl.cdiv(ER, RW_BI) * n_wj) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                if waited == 0:  # once per program: every dlogits block (the reduction runs over all tokens)
+                    ok = dev.wait_geq(scratch_ptr + SCB_ROUTER_DL_DONE, tl.cdiv(T, RUT), timeout_ns, err_ptr,
+                                      OP_MOE_BACKWARD, WAIT_BWD_ROUTER_DL, 0, t, -1)
+                    waited = 1
+                    t1 = _trace_clock(TRACE)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                    t0 = t1
+                if ok != 0:
+                    hi_w = tl.make_tensor_descriptor(dlhl_ptr, shape=[T, ER], strides=[2 * EP, 1],
+                                                     block_shape=[RW_BR, RW_BI])
+                    lo_w = tl.make_tensor_descriptor(dlhl_ptr + EP, shape=[T, ER], strides=[2 * EP, 1],
+                                                     block_shape=[RW_BR, RW_BI])
+                    x_w = tl.make_tensor_descriptor(x_ptr, shape=[T, H], strides=[H, 1], block_shape=[RW_BR, RW_BJ])
+                    _router_dw_tile(t // n_wj, t % n_wj, hi_w, lo_w, x_w, dwr_ptr, T, H, ER, RW_BI, RW_BJ, RW_BR,
+                                    DOT_FP32, R_STAGES)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DW, t, t0, _trace_clock(TRACE), TRACE)
+                t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
     if sched.has_stage(stages, STAGE_BWD_UNPERMUTE) & (ok != 0):  # each token's k rows summed in slot order
         t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
         waited = 0
@@ -1619,8 +1815,39 @@ def _moe_backward_experts_kernel(
                     c = c0 + tl.arange(0, UBH)
                     _unpermute_sum_cols(tok, c[None, :], tm[:, None] & (c < H)[None, :], dx_rows_ptr, inv_ptr,
                                         dx_e_ptr, H, TOPK, True)
+                if ROUTER:  # +1 on the token block's count (the router's dx tiles of those tokens wait for it)
+                    tl.debug_barrier()
+                    tl.atomic_add(unperm_ctr + (t * UT) // RX_BM, 1, sem="release", scope="gpu")
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_UNPERMUTE, t, t0, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
+    if ROUTER:
+        if sched.has_stage(stages, STAGE_BWD_ROUTER_DX) & (ok != 0):  # dx = bf16(dx_e + dl Wr) per [T, H] tile
+            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DX)
+            n_xn = tl.cdiv(H, RX_BN)
+            waited = 0
+            while (t < tl.cdiv(T, RX_BM) * n_xn) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                m = t // n_xn
+                if waited == 0:  # once per program: every dlogits block (in practice long done: before WGRAD)
+                    ok = dev.wait_geq(scratch_ptr + SCB_ROUTER_DL_DONE, tl.cdiv(T, RUT), timeout_ns, err_ptr,
+                                      OP_MOE_BACKWARD, WAIT_BWD_ROUTER_DL, 0, t, -1)
+                    waited = 1
+                if ok != 0:  # the token block's dispatch backward (its UNPERMUTE tasks)
+                    ok = dev.wait_geq(unperm_ctr + m, tl.cdiv(tl.minimum(T - m * RX_BM, RX_BM), UT), timeout_ns,
+                                      err_ptr, OP_MOE_BACKWARD, WAIT_BWD_UNPERMUTE, 0, t, m)
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                if ok != 0:
+                    hi_x = tl.make_tensor_descriptor(dlhl_ptr, shape=[T, ER], strides=[2 * EP, 1],
+                                                     block_shape=[RX_BM, RX_BK])
+                    lo_x = tl.make_tensor_descriptor(dlhl_ptr + EP, shape=[T, ER], strides=[2 * EP, 1],
+                                                     block_shape=[RX_BM, RX_BK])
+                    wr_x = tl.make_tensor_descriptor(wr_ptr, shape=[ER, H], strides=[H, 1],
+                                                     block_shape=[RX_BK, RX_BN])
+                    _router_dx_tile(m, t % n_xn, hi_x, lo_x, wr_x, dx_e_ptr, dx_ptr, T, H, ER, RX_BM, RX_BN, RX_BK,
+                                    DOT_FP32, R_STAGES)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DX, t, t1, _trace_clock(TRACE), TRACE)
+                t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DX)
     dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
                              BWD_ZERO_BLOCK)
 
@@ -1649,10 +1876,41 @@ def _bwd_tiles(out_dtype: torch.dtype, h: int, f: int):
             (BWD_UNPERMUTE_TOKENS, min(256, triton.next_power_of_2(h))), warps)
 
 
+class RouterBackward(NamedTuple):
+    """The router backward's inputs for the one launch (expert_backward_one_launch(router=)): the layer's input x
+    [T, H] and router weight [E, H] (both used as bf16, as moe_backward's tensor-core router GEMMs use them), the
+    fp32 logits [T, E] (recomputed before the launch by bf16_mm_fp32(x, router_weight.t())), the decision experts
+    [T, k], and the routing's differentiable part: ``routing`` ("softmax" or "sigmoid-grouped": the bias and the
+    groups only chose the experts, they get no gradient), ``renormalize``, ``routed_scaling``."""
+    x: torch.Tensor
+    router_weight: torch.Tensor
+    logits: torch.Tensor
+    experts: torch.Tensor
+    routing: str = "softmax"
+    renormalize: bool = True
+    routed_scaling: float = 1.0
+
+
+def _router_tiles():
+    """The router stages' tiles: (tokens per ROUTER_DL task, (BM, BN, BK) of dx_r, (BI, BJ, BR) of dWr, stages)."""
+    if planning.interpreting():
+        return 4, (16, 16, 16), (16, 16, 16), 1
+    if BWD_ROUTER_DX_TILES[3] != BWD_ROUTER_DW_TILES[3]:
+        raise ValueError(f"the router's dx and dWr tiles need one stage count: {BWD_ROUTER_DX_TILES}, "
+                         f"{BWD_ROUTER_DW_TILES}")
+    return BWD_ROUTER_TOKENS, BWD_ROUTER_DX_TILES[:3], BWD_ROUTER_DW_TILES[:3], BWD_ROUTER_DX_TILES[3]
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t bf16, contiguous and 16-byte aligned (a copy only where it is not)."""
+    t = t.to(torch.bfloat16).contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, inv,
                                n_tok: int, top_k: int, out_dtype: torch.dtype = torch.bfloat16, *,
                                programs: int | None = None, stages: int = BWD_ALL_STAGES, timeout_ns=None,
-                               trace: torch.Tensor | None = None):
+                               trace: torch.Tensor | None = None, router: RouterBackward | None = None):
     """moe_backward's expert part at W = 1 in ONE launch (_moe_backward_experts_kernel) on rows in the padded
     layout: dy_rows, do_rows (= w * dy_rows), x_rows [R_pad, H], gu [R_pad, 2F] bf16, w_pair [R_pad] fp32, valid
     [R_pad] bool (padded_layout's real_of >= 0; gap rows zero in dy_rows, do_rows, x_rows, gu, w_pair), w13
@@ -1664,14 +1922,41 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     (None: the workspace's) for tests. ``trace`` (int64 [grid, codes.TRACE_EVENTS, 4], zeroed): each program's
     tasks and waits as (kind, task, t0, t1) events (runtime.TRACE_KINDS), for the timeline. On CUDA a timed-out
     wait raises KosmosTimeoutError at the next KOSMOS call or kosmos.check_errors() (the workspace's error record);
-    on the CPU right away. CUDA, or the CPU under TRITON_INTERPRET=1."""
+    on the CPU right away. CUDA, or the CPU under TRITON_INTERPRET=1.
+
+    ``router`` (a RouterBackward): the router backward in the launch too (the stages ROUTER_DL, ROUTER_DW,
+    ROUTER_DX; the module docstring's "The router backward in the launch"), and the return value is then (dx [T, H]
+    bf16 = bf16(dx_e + dl Wr) -- moe_backward's dx --, dw_rows, dw13, dw2, d_router [E, H] fp32 = dl^T x)."""
     from .. import runtime
     r_pad, h = dy_rows.shape
     n_exp, f, _ = w2.shape
     (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f)
+    rut, (rx_bm, rx_bn, rx_bk), (rw_bi, rw_bj, rw_br), r_stages = _router_tiles()
+    dev_ = dy_rows.device
+    if router is not None:
+        if router.routing not in ("softmax", "sigmoid-grouped"):
+            raise ValueError(f"unknown routing {router.routing!r}; choose from softmax, sigmoid-grouped")
+        n_r = router.router_weight.shape[0]
+        if router.x.shape != (n_tok, h) or router.router_weight.shape != (n_r, h) or \
+                router.logits.shape != (n_tok, n_r) or router.experts.shape != (n_tok, top_k):
+            raise ValueError(f"router tensors disagree with T={n_tok}, H={h}, k={top_k}: x {tuple(router.x.shape)}, "
+                             f"router_weight {tuple(router.router_weight.shape)}, logits "
+                             f"{tuple(router.logits.shape)}, experts {tuple(router.experts.shape)}")
+        if rx_bm % ut:
+            raise ValueError(f"the router's dx m-tile {rx_bm} must be a multiple of the UNPERMUTE block {ut}")
+        ep = -(-n_r // 8) * 8  # dl's hi | lo halves: each row 2 * EP bf16 (16-byte aligned halves for TMA)
+        r_x, r_wr = _tma_ready(router.x), _tma_ready(router.router_weight)
+        r_logits = router.logits.float().contiguous()
+        r_experts = router.experts.to(torch.int32).contiguous()
+        dlhl = torch.empty((max(n_tok, 1), 2 * ep), dtype=torch.bfloat16, device=dev_)
+        dx = torch.empty((n_tok, h), dtype=torch.bfloat16, device=dev_)
+        d_router = torch.empty((n_r, h), dtype=torch.float32, device=dev_)
+        if n_tok == 0:  # no token: dWr = 0 (an empty sum), nothing else to compute (no zero-row descriptor)
+            d_router.zero_()
+            stages &= ~((1 << BWD_ROUTER_DL) | (1 << BWD_ROUTER_DW) | (1 << BWD_ROUTER_DX))
+        n_tb = -(-n_tok // rx_bm)
     if WGRAD_PAD_ROWS % w2t[2] or bm % w2t[2]:
         raise ValueError(f"the wgrad row step {w2t[2]} must divide the pad {WGRAD_PAD_ROWS} and the m-tile {bm}")
-    dev_ = dy_rows.device
     counts32, offs, first_mtile, elp2, max_mt = _mtile_plan(counts, r_pad, bm, pad_offs)
     bf = dict(dtype=torch.bfloat16, device=dev_)
     z, dgu, hb, dx_rows = (torch.empty((r_pad, n), **bf) for n in (f, 2 * f, f, h))
@@ -1679,7 +1964,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     dw13 = torch.empty((n_exp, h, 2 * f), dtype=out_dtype, device=dev_)
     dw2 = torch.empty((n_exp, f, h), dtype=out_dtype, device=dev_)
     dx_e = torch.empty((n_tok, h), dtype=torch.float32, device=dev_)
-    scratch_n = int(SCB_MTILES.value) + 2 * max_mt
+    scratch_n = int(SCB_MTILES.value) + 2 * max_mt + (n_tb if router is not None else 0)
     ws = runtime.get_workspace(None, dev_) if dev_.type == "cuda" else None
     errors = runtime.one_rank_errors(ws, dev_)  # (at W = 1 no peer: the workspace is a plain 1 MiB buffer)
     if dev_.type == "cuda":
@@ -1703,15 +1988,23 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         dy_rows, do_rows, x_rows, gu.contiguous(), w_pair.float().contiguous(), valid.contiguous().view(torch.uint8),
         w13, w2, offs, counts32, first_mtile, inv,
         z, dgu, hb, dw_rows, dx_rows, dw13, dw2, dx_e,
+        *((r_x, r_wr, r_logits, r_experts, dlhl, dx, d_router, n_r, ep, float(router.routed_scaling))
+          if router is not None else (errors,) * 7 + (0, 0, 1.0)),
         scratch, scratch_n, max_mt, errors, epoch_slot, max(1, timeout_ns // 1000), stages,
         errors if trace is None else trace, n_tok, h, f, n_exp, r_pad,
         TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
         TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
-        SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, num_warps=warps,
-        num_stages=gemm_stages)
+        SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None,
+        **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
+                KP2=triton.next_power_of_2(top_k), ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
+                RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
+           if router is not None else {}),
+        num_warps=warps, num_stages=gemm_stages)
     runtime.after_one_rank_launch(ws, dev_, errors)
+    if router is not None:
+        return dx, dw_rows, dw13, dw2, d_router
     return dx_e, dw_rows, dw13, dw2
 
 
@@ -1785,7 +2078,8 @@ ONE_LAUNCH = False
 
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
                  renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
-                 padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None):
+                 padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None,
+                 router_in_launch: bool | None = None):
     """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
     output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
     fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
@@ -1823,7 +2117,10 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     dgrad1, both weight gradients and the dispatch backward -- in ONE persistent launch
     (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout only
     (True elsewhere: ValueError); the same tile arithmetic and orders, so the same bits (tested). ``programs``:
-    its grid (None: one program per SM)."""
+    its grid (None: one program per SM). ``router_in_launch`` (None: BWD_ROUTER_IN_LAUNCH; with one_launch only):
+    the router backward as stages of that launch too (the module docstring's "The router backward in the launch":
+    dx and d_router from the launch, fp32-level like the torch ops' -- not their bits); False: the torch ops after
+    the launch, bitwise the multi-launch path."""
     from .. import moe_reference as mr
     from ..runtime import world_size
     import torch.distributed as dist
@@ -1899,10 +2196,17 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     else:
         gu = _expert_gemm1(x_rows, w13, counts, pad_offs)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
-    if one_launch:  # the expert part in one launch (W = 1, padded); the router backward below as on the other path
-        dx_e, dw_rows, dw13, dw2 = expert_backward_one_launch(
+    if one_launch:  # the expert part in one launch (W = 1, padded); the router backward too (router_in_launch)
+        in_launch = BWD_ROUTER_IN_LAUNCH if router_in_launch is None else router_in_launch
+        router = RouterBackward(x, router_weight, bf16_mm_fp32(x, router_weight.t()), experts, routing,
+                                renormalize, routed_scaling) if in_launch else None
+        out = expert_backward_one_launch(
             dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, _pair_rows(order, row_of), n_tok,
-            k, wdt, programs=programs)
+            k, wdt, programs=programs, router=router)
+        if router is not None:
+            dx, _, dw13, dw2, d_router = out
+            return dx, d_router, dw13, dw2
+        dx_e, dw_rows, dw13, dw2 = out
     else:
         if not padded:
             do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
@@ -1929,8 +2233,10 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
 
 def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
                     renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
-                    padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None):
+                    padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None,
+                    router_in_launch: bool | None = None):
     """``moe_backward`` at one rank (all E experts local)."""
     return moe_backward(x, router_weight, w13, w2, dy, weights, experts, group=None, routing=routing,
                         renormalize=renormalize, routed_scaling=routed_scaling, wgrad_dtype=wgrad_dtype,
-                        saved_gu=saved_gu, padded=padded, one_launch=one_launch, programs=programs)
+                        saved_gu=saved_gu, padded=padded, one_launch=one_launch, programs=programs,
+                        router_in_launch=router_in_launch)
