@@ -262,8 +262,9 @@ The one launch (session 14; built by a helper and interpreter-tested, then run o
 where unsupported -- W > 1 (raised before any exchange), the packed layout -- is a ValueError, no fallback) runs
 the expert part as ONE persistent launch (``expert_backward_one_launch``, ``_moe_backward_experts_kernel``; GRID
 programs, one per SM, ``programs=`` for tests) after the same row gathers and [g | u] (saved or recomputed) as
-the multi-launch path, and before the same torch router backward. Stages, in schedule.py's drain order (each a
-queue with one atomic head in local scratch, except WGRAD):
+the multi-launch path, and before the same torch router backward (since the helper branch router-in-launch: the
+router backward is three more stages of the launch by default -- "The router backward in the launch" below).
+Stages, in schedule.py's drain order (each a queue with one atomic head in local scratch, except WGRAD):
   DGRAD2(gm, n)   z = dy_rows W2[e]^T, global m-tile gm (m-tiles numbered over experts as _mtile_plan's, on the
                   padded offsets), F-tile n: _dgrad1_tile, today's unfused dgrad2 GEMM (DGRAD1_TILES, bf16 z);
                   then +1 on dgrad2_done[gm] (acq_rel). Task t = gm * ceil(F/BN) + n: m-tile-major, so the first
@@ -360,7 +361,115 @@ forward's FOLD: per token block, wait for k * ceil(H/BN) pieces, sum in slot ord
 wait becomes that per-block counter. Refinements left: WGRAD readiness per expert (a shared head over groups of
 experts whose m-tiles are through SWIGLU, one flat-loop run per group: one pipeline drain per group instead of
 per tile), the row gathers and [g | u]'s gather as a first stage (per m-tile, in 2-D blocks for memory-level
-parallelism; with the recompute, x_rows must exist before the launch for torch's GEMM1), the router backward.
+parallelism; with the recompute, x_rows must exist before the launch for torch's GEMM1), the router backward
+(built: below).
+
+The router backward in the launch (issue 15; built by a helper on branch router-in-launch after session 17,
+interpreter-tested; NOTHING HERE WAS RUN OR TIMED ON A GPU YET -- the GPU tests are written, see the end).
+``moe_backward(..., one_launch=True)`` now runs the router backward as three more stages of the one launch
+(``BWD_ROUTER_IN_LAUNCH = True``, ``moe_backward(router_in_launch=)``; False keeps the torch ops after the launch:
+then dx and d_router are bitwise the multi-launch path's, as before; ``expert_backward_one_launch(router=
+RouterBackward(...))`` at the kernel level). What goes in: x [T, H] and Wr [E, H] as bf16 (the values the
+multi-launch path's tensor-core router GEMMs use), the decision experts [T, k] (an int32 copy), the routing's
+differentiable part (routing, renormalize, routed_scaling), and the fp32 logits [T, E], RECOMPUTED before the
+launch by bf16_mm_fp32(x, Wr^T) exactly as the multi-launch path does (one cuBLAS GEMM, 2TEH = 15 GFLOP at
+deepseek-v3 4k tokens; not saved by the forward: moe_forward's router does not keep them -- saving them would
+cost T*E*4 B, 4 MiB at deepseek-v3 4k, 8 MiB at 8k, and save that GEMM). The math, per token t (moe_reference's
+stage 6, router_weights_backward_ref / router_logits_backward_ref / router_gemm_backward_ref):
+    dw[t, j]  = dw_rows[inv[t*k + j]]             the gate gradients the launch's SWIGLU pass made (the
+                                                  multi-launch path's dweights scatter, as a gather)
+    softmax          p = softmax(l_t) (max subtracted, libdevice expf, one IEEE reciprocal of the sum), q_j = p[e_j]
+    sigmoid-grouped  q_j = sigmoid(l_t[e_j])      (_torch_sigmoid; the bias and the group limit only chose e_j: no
+                                                  gradient, nothing of them enters)
+    renormalize      S = sum_j q_j + 1e-20, w_j = c q_j / S, dq_j = (c dw_j - <dw, w>) / S;  else dq_j = c dw_j
+    softmax          dl_t = p (dp - <dq, q>), dp = dq at the selected experts (distinct), 0 elsewhere
+    sigmoid-grouped  dl_t[e_j] = dq_j q_j (1 - q_j), 0 at the other experts
+    hi = bf16(dl), lo = bf16(dl - hi)             router_gemm_backward's split (round to nearest even; |dl - hi - lo|
+                                                  <= 2^-17 |dl|), stored as dl_hl [T, 2*EP] bf16 (hi in columns
+                                                  [0, E), lo in [EP, EP + E), EP = E rounded up to 8: 16-byte
+                                                  aligned halves for TMA; columns E..EP never written nor read --
+                                                  each half is its own descriptor of shape [T, E])
+    d_router  = hi^T x + lo^T x                   [E, H] fp32, one fp32 accumulator, tokens in ascending order
+    dx        = bf16(dx_e + (hi Wr + lo Wr))      [T, H], the experts in ascending order: moe_backward's
+                                                  (dx_e + dx_r).to(bf16) with dx_r never stored
+The products of bf16 values are exact in fp32, so both GEMMs are fp32 GEMMs to ~2^-17 relative on the bf16 tensor
+cores (tl.dot on TMA tiles; under the interpreter DOT_FP32's fp32 dots of the same bf16 values).
+Stages (tile functions _router_dlogits_block, _router_dw_tile, _router_dx_tile), in the drain order DGRAD2
+(+SWIGLU), [SWIGLU], DGRAD1, ROUTER_DL, WGRAD, ROUTER_DW, UNPERMUTE, ROUTER_DX -- what each waits for:
+  ROUTER_DL(b)     tokens [8b, 8b + 8) (BWD_ROUTER_TOKENS; [8, next_pow2(E)] fp32 blocks): waits ONCE PER PROGRAM
+                   for every m-tile's SwiGLU pass (SCB_SWIGLU_DONE >= the m-tile count, WAIT_BWD_SWIGLU index -1 --
+                   the dw_rows it gathers), then the math above; +1 on SCB_ROUTER_DL_DONE (release).
+                   Why a global count and not per-token readiness (a token's k m-tiles): a token's k rows lie in k
+                   experts spread over the expert range and DGRAD2 runs m-tile-major (expert order), so its last
+                   gate gradient comes near the end of DGRAD2 anyway (top-8 of 256: its last expert at ~89% of
+                   the range on average) -- k counter reads per token would buy almost no earlier start. Placed
+                   after DGRAD1, the wait is satisfied (every SWIGLU is done or running inside a claimed DGRAD2
+                   task), and the programs that finish DGRAD1 early take these small tasks while the others finish
+                   their last DGRAD1 tiles: ROUTER_DL fills DGRAD1's drain skew instead of lengthening WGRAD's
+                   static shares.
+  ROUTER_DW(i, j)  dWr tile [128, 128] (BWD_ROUTER_DW_TILES, 64 tokens a step, 3 stages; hi and lo share the
+                   step's x tile): waits ONCE PER PROGRAM for every dlogits block (SCB_ROUTER_DL_DONE >=
+                   ceil(T / 8), WAIT_BWD_ROUTER_DL) -- its sum runs over all tokens; stores the tile once. After
+                   WGRAD, not before: work before the statically owned WGRAD lengthens those programs' shares, work
+                   after it is balanced by the shared heads. Before UNPERMUTE: the long tiles (K = 2T) first --
+                   the longest-first rule for the makespan -- and the compute-bound tiles run beside
+                   UNPERMUTE's memory-bound blocks on the other programs (at deepseek-v3: E/128 x H/128 = 112 tiles,
+                   so ~20 programs go straight to UNPERMUTE).
+  UNPERMUTE(b)     as before, plus (router in the launch) +1 on its token block's counter unperm_ctr[8b // 128]
+                   (release) after its stores.
+  ROUTER_DX(m, n)  dx tile [128, 128] (BWD_ROUTER_DX_TILES, 64 experts a step; hi and lo share the Wr tile): waits
+                   once per program for every dlogits block (as ROUTER_DW; in practice long satisfied), and per
+                   task for its token block's UNPERMUTE tasks (unperm_ctr[m] >= ceil(min(T - 128m, 128) / 8),
+                   WAIT_BWD_UNPERMUTE index m: the dx_e rows it adds); stores dx = bf16(dx_e + acc). Last: short
+                   tiles (K = E) that even out the tail.
+Deadlock-freedom as before: every new wait is on stages earlier in the drain order with shared heads (SWIGLU;
+ROUTER_DL; UNPERMUTE); nothing waits on ROUTER_DW or ROUTER_DX. Under the interpreter program 0 runs every task
+of every shared stage in order and finds every wait satisfied; a stage left out of the mask makes its consumers'
+waits time out, named (tests: ROUTER_DL left out -> "every router dlogits block"; UNPERMUTE left out -> "the
+dispatch backward (dx_e) of token block 0"). The scratch grows by the 3 heads, one count and ceil(T / 128) token
+block counters, all zeroed by the last program out.
+Bits: no float atomics; every dl row is computed by one task from its own row alone, every d_router and dx tile
+by one task summing in a fixed order (tokens, resp. experts, ascending; hi then lo per step), whatever program
+runs it or how many there are: bitwise the same run to run and on any grid (interpreter-tested on 2-4 programs;
+GPU test written). Not the multi-launch path's bits (its router GEMMs are cuBLAS's, its softmax torch's): dx and
+d_router agree with it to fp32 level (interpreter: d_router 1.4-2.9e-6 relative to the fp64 router backward on the
+launch's own logits and gate gradients, and to the multi-launch path; dx within one bf16 ulp of bf16(dx_e + the
+fp64 dx_r) everywhere, equal to it in 99.86-100% of the elements). dw13 and dw2 are untouched (bitwise).
+Saved vs recomputed: the logits recomputed (before the launch, as before); p or s recomputed per token inside
+ROUTER_DL from them; dl lives only as dl_hl (T x 2EP bf16: the bytes of fp32 dl; 4 MiB at deepseek-v3 4k); dx_e
+still goes through HBM as fp32 [T, H] (UNPERMUTE -> ROUTER_DX, as it did to the torch add); dx_r, dq, dweights and
+the torch path's fp32 dx_e + dx_r temporaries are never stored. Launches: the torch path's ~15 ops after the launch
+(scatter, softmax / sigmoid, the gathers and sums of the routing backward, four bf16 GEMMs, two adds, a cast) go;
+the logits GEMM before the launch stays.
+sm_90a (local Triton 3.9, ptxas; ``python -m dev.kernel_resources --world 1 --kernels moe_backward``, qwen3-like
+shapes, E = 128; deepseek-v3-like ones, H 7168, F 2048, E 256, through the same compile path by a scratch script):
+  before the branch   the one launch 250 registers (fp32 wgrad 250, queued SWIGLU 250, traced 254), no spills, 192 KiB;
+                      deepseek-v3-like 255 (traced 255), no spills
+  with the router     softmax / sigmoid-grouped 250, fp32 wgrad 252, traced 242, no spills, 192 KiB; deepseek-v3-like
+                      softmax / sigmoid-grouped 255, traced 254 / 255, no spills
+  router off          (router_in_launch=False, the same build) 252, fp32 250, queued 250, traced 242; deepseek-v3-like
+                      255 (traced 254), no spills
+The two router GEMM loops are TMA-pipelined wgmma loops (46 async TMA copies in the TTGIR, 28 without them). On the
+way there the first build spilled 4-12 B in some variants (fp32 wgrad; traced at E = 256; 16-token dlogits
+blocks); nvdisasm -g put every STL / LDL on kernel-wide scalars held across WGRAD -- the call epoch, n_mt -- not
+in the router code. So the epoch is now read just before the exit (still before the program's exit atomic,
+which is all device.py's argument needs: the last program out stores the new one only after every exit atomic)
+and n_mt is recomputed after DGRAD1 (a few loads of counts); with both, no variant above spills. 8 tokens per
+dlogits block (4 spill-free too; 16 spilled 4 B before those two changes). ptxas's choices at its 255 cap are
+chaotic (int32 in-tile offsets in the router tiles' stores, tried, moved the spills around): re-check this table
+after any change to the kernel.
+PREDICTION (unmeasured): at deepseek-v3 4k the torch router backward after the launch is ~0.4-0.5 ms (session 12:
+its four bf16 GEMMs 0.37 ms, plus the fp32 elementwise ops over [T, E] and [T, H]); in the launch ROUTER_DL is a
+few us per program, ROUTER_DW ~112 tiles of 2 x 64 steps (~60-70 us each on one SM at ~4.5 TF/s) overlapping
+UNPERMUTE, ROUTER_DX 1792 tiles of ~5-8 us: ~0.15 ms of tail over the expert part -- so -0.25 to -0.35 ms per call
+(1-2% of the ~20 ms backward). qwen3 4k: ~-0.15 ms. Left: the logits GEMM inside the launch (a first stage:
+T/128 x E/128 tiles, K = H, nothing to wait for), dWr with the tokens split into fixed pieces (fp32 partials
+summed in order by the piece-0 owner) if its ~65 us tiles show as a tail in the trace, dx_e kept out of HBM
+(UNPERMUTE's slot sums folded into ROUTER_DX's epilogue: k gathered rows per [128, 128] tile, in column slices
+for the registers), and W > 1.
+GPU tests to run (tests/test_moe_backward.py): test_moe_backward_one_launch_router_in_launch_gpu (deepseek-v3:
+H 7168, E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-8 softmax, 1000 tokens;
+softmax without renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu.
 """
 from __future__ import annotations
 
@@ -1489,7 +1598,7 @@ BWD_SWIGLU_ON_COMPLETION = True
 # launch (the module docstring's "The router backward in the launch"; nothing timed on a GPU yet); False -- the
 # torch ops after the launch, as before (bitwise the multi-launch path's dx and d_router)
 BWD_ROUTER_IN_LAUNCH = True
-BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [16, next_pow2(E)] fp32 blocks
+BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [8, next_pow2(E)] fp32 blocks (4 spill-free too; see the docstring)
 # the router GEMMs' tiles (GPU): dx_r = dl Wr (BM x BN over [T, H], BK of E per step) and dWr = dl^T x (BI x BJ
 # over [E, H], BR tokens per step); hi and lo dl tiles share one TMA load of the Wr / x tile per step
 BWD_ROUTER_DX_TILES = (128, 128, 64, 3)  # (BM, BN, BK, stages)
@@ -1535,8 +1644,25 @@ def _expf(v, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _router_slot(j, tok64, tm, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, ER, mx, rs, TOPK: tl.constexpr,
+                 SOFTMAX: tl.constexpr, INTERP: tl.constexpr):
+    """Slot j of the tokens tok64 [UT] (those with tm): (e_j, q_j, dw_j) [UT] -- the selected expert, its routing
+    probability p[e_j] (softmax: exp(l - mx) * rs, the full row's operations) or score sigmoid(l[e_j]), and the
+    pair's gate gradient dw_rows[inv[t*k + j]]."""
+    pair = tok64 * TOPK + j
+    e_j = tl.load(experts_ptr + pair, mask=tm, other=0).to(tl.int64)
+    l_j = tl.load(logits_ptr + tok64 * ER + e_j, mask=tm, other=0.0)
+    if SOFTMAX:
+        q_j = _expf(l_j - mx, INTERP) * rs
+    else:
+        q_j = _torch_sigmoid(l_j, INTERP)
+    dw_j = tl.load(dw_rows_ptr + tl.load(inv_ptr + pair, mask=tm, other=0).to(tl.int64), mask=tm, other=0.0)
+    return e_j, tl.where(tm, q_j, 0.0), dw_j
+
+
+@triton.jit
 def _router_dlogits_block(b, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, dlhl_ptr, T, ER, EP, c,
-                          TOPK: tl.constexpr, KP2: tl.constexpr, ERP2: tl.constexpr, UT: tl.constexpr,
+                          TOPK: tl.constexpr, ERP2: tl.constexpr, UT: tl.constexpr,
                           SOFTMAX: tl.constexpr, RENORM: tl.constexpr, INTERP: tl.constexpr):
     """The one launch's ROUTER_DL task b: tokens [b*UT, b*UT + UT), each row on its own (module docstring, "The
     router backward in the launch"): the gate gradients dw[t, j] = dw_rows[inv[t*k + j]] (the pairs' rows, the
@@ -1544,55 +1670,59 @@ def _router_dlogits_block(b, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, dlhl
     S = sum_j q_j + 1e-20, w_j = c q_j / S or c q_j), dq (router_weights_backward_ref) and dl [UT, ER]
     (router_logits_backward_ref: softmax p (dp - <dq, q>), sigmoid dq s (1 - s) at the selected experts), stored
     split for the bf16 tensor cores as hi = bf16(dl) into dlhl[t, 0:ER] and lo = bf16(dl - hi) into dlhl[t, EP:EP+ER]
-    (round to nearest even; columns ER..EP of each half are never written and never read)."""
+    (round to nearest even; columns ER..EP of each half are never written and never read). The k slots in
+    static loops over [UT] vectors (each slot's values reloaded per pass, from L1: fewer registers than [UT, k]
+    tiles -- the one launch has none to spare); the sums over the slots in slot order."""
     tok = b * UT + tl.arange(0, UT)
     tm = tok < T
     tok64 = tl.minimum(tok, T - 1).to(tl.int64)  # past T: a valid row, nothing stored
-    j = tl.arange(0, KP2)
-    jm = tm[:, None] & (j < TOPK)[None, :]
-    pair = tok64[:, None] * TOPK + j[None, :]
-    ex = tl.load(experts_ptr + pair, mask=jm, other=0).to(tl.int32)          # [UT, KP2] the decision
-    row = tl.load(inv_ptr + pair, mask=jm, other=0).to(tl.int64)            # each pair's padded row
-    dw = tl.load(dw_rows_ptr + row, mask=jm, other=0.0)                     # its gate gradient
-    lj = tl.load(logits_ptr + tok64[:, None] * ER + ex, mask=jm, other=0.0)  # the selected logits
     cols = tl.arange(0, ERP2)
-    cm = tm[:, None] & (cols < ER)[None, :]
+    i = tl.minimum(tok, T - 1) - b * UT  # the block's rows from its first token: int32 offsets inside the block
+    mx = tl.zeros((UT,), dtype=tl.float32)
+    rs = tl.zeros((UT,), dtype=tl.float32)
     if SOFTMAX:
-        lg = tl.load(logits_ptr + tok64[:, None] * ER + cols[None, :], mask=(cols < ER)[None, :],
-                     other=float("-inf"))
+        lg = tl.load(logits_ptr + (b * UT).to(tl.int64) * ER + (i[:, None] * ER + cols[None, :]),
+                     mask=(cols < ER)[None, :], other=float("-inf"))
         mx = tl.max(lg, 1)
-        ones = tl.full(mx.shape, 1.0, tl.float32)
-        rs = tl.math.div_rn(ones, tl.sum(_expf(lg - mx[:, None], INTERP), 1))  # 1 / sum_e exp(l_e - max)
-        p = _expf(lg - mx[:, None], INTERP) * rs[:, None]
-        q = tl.where(jm, _expf(lj - mx[:, None], INTERP) * rs[:, None], 0.0)  # p[e_j]: the same operations
-    else:
-        q = tl.where(jm, _torch_sigmoid(lj, INTERP), 0.0)  # s[e_j] (the bias only chose e)
-    if RENORM:
-        denom = tl.sum(q, 1) + 1e-20
-        w = tl.math.div_rn(q, tl.broadcast_to(denom[:, None], q.shape)) * c
-        dq = tl.math.div_rn(c * dw - tl.sum(dw * w, 1)[:, None], tl.broadcast_to(denom[:, None], q.shape))
-    else:
-        dq = c * dw
-    dq = tl.where(jm, dq, 0.0)
-    if SOFTMAX:
-        dp = tl.zeros((UT, ERP2), dtype=tl.float32)
-        for jj in tl.static_range(TOPK):  # dq scattered to the selected experts (distinct in a token's top-k)
-            e_j = tl.sum(tl.where(j[None, :] == jj, ex, 0), 1)
-            dq_j = tl.sum(tl.where(j[None, :] == jj, dq, 0.0), 1)
+        rs = tl.math.div_rn(tl.full(mx.shape, 1.0, tl.float32), tl.sum(_expf(lg - mx[:, None], INTERP), 1))
+    denom = tl.zeros((UT,), dtype=tl.float32)
+    dww = tl.zeros((UT,), dtype=tl.float32)
+    if RENORM:  # S, then <dw, w> (w_j = (q_j / S) c: route's and routing_weights_ref's order)
+        for j in tl.static_range(TOPK):
+            e_j, q_j, dw_j = _router_slot(j, tok64, tm, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, ER, mx, rs,
+                                          TOPK, SOFTMAX, INTERP)
+            denom += q_j
+        denom = denom + 1e-20
+        for j in tl.static_range(TOPK):
+            e_j, q_j, dw_j = _router_slot(j, tok64, tm, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, ER, mx, rs,
+                                          TOPK, SOFTMAX, INTERP)
+            dww += dw_j * (tl.math.div_rn(q_j, denom) * c)
+    dp = tl.zeros((UT, ERP2), dtype=tl.float32)  # softmax: dq at the selected experts; sigmoid: dl itself
+    r = tl.zeros((UT,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        e_j, q_j, dw_j = _router_slot(j, tok64, tm, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, ER, mx, rs, TOPK,
+                                      SOFTMAX, INTERP)
+        if RENORM:
+            dq_j = tl.math.div_rn(c * dw_j - dww, denom)
+        else:
+            dq_j = c * dw_j
+        if SOFTMAX:
+            r += dq_j * q_j
             dp = tl.where(cols[None, :] == e_j[:, None], dq_j[:, None], dp)
-        dl = p * (dp - tl.sum(dq * q, 1)[:, None])
+        else:
+            dp = tl.where(cols[None, :] == e_j[:, None], (dq_j * q_j * (1.0 - q_j))[:, None], dp)
+    if SOFTMAX:
+        p = _expf(lg - mx[:, None], INTERP) * rs[:, None]
+        dl = p * (dp - r[:, None])
     else:
-        g = dq * q * (1.0 - q)
-        dl = tl.zeros((UT, ERP2), dtype=tl.float32)
-        for jj in tl.static_range(TOPK):
-            e_j = tl.sum(tl.where(j[None, :] == jj, ex, 0), 1)
-            g_j = tl.sum(tl.where(j[None, :] == jj, g, 0.0), 1)
-            dl = tl.where(cols[None, :] == e_j[:, None], g_j[:, None], dl)
+        dl = dp
     hi = _to_out(dl, tl.bfloat16, INTERP)
     lo = _to_out(dl - hi.to(tl.float32), tl.bfloat16, INTERP)
-    o = tok64[:, None] * (2 * EP) + cols[None, :]
-    tl.store(dlhl_ptr + o, hi, mask=cm)
-    tl.store(dlhl_ptr + EP + o, lo, mask=cm)
+    o = i[:, None] * (2 * EP) + cols[None, :]
+    cm = tm[:, None] & (cols < ER)[None, :]
+    row0 = dlhl_ptr + (b * UT).to(tl.int64) * (2 * EP)
+    tl.store(row0 + o, hi, mask=cm)
+    tl.store(row0 + EP + o, lo, mask=cm)
 
 
 @triton.jit
@@ -1647,6 +1777,13 @@ def _router_dx_tile(m, n, hi_desc, lo_desc, wr_desc, dx_e_ptr, dx_ptr, T, H, ER,
     tl.store(dx_ptr + o, _to_out(dx_e + acc, tl.bfloat16, DOT_FP32), mask=mask)
 
 
+@triton.jit
+def _n_mtiles(counts_ptr, E, ELP2: tl.constexpr, BM: tl.constexpr):
+    """The m-tiles of all experts, sum of ceil(counts / BM) (the one launch's task counts)."""
+    x = tl.arange(0, ELP2)
+    return tl.sum(tl.cdiv(tl.load(counts_ptr + x, mask=x < E, other=0), BM), 0)
+
+
 @triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages"])
 def _moe_backward_experts_kernel(
         dy_rows_ptr, do_rows_ptr, x_rows_ptr, gu_ptr, wp_ptr, valid_ptr, w13_ptr, w2_ptr,
@@ -1662,7 +1799,7 @@ def _moe_backward_experts_kernel(
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
         ROUTER: tl.constexpr = False, SOFTMAX: tl.constexpr = True, RENORM: tl.constexpr = True,
-        KP2: tl.constexpr = 1, ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
+        ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
         RX_BM: tl.constexpr = 16, RX_BN: tl.constexpr = 16, RX_BK: tl.constexpr = 16,
         RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1):
     """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
@@ -1677,14 +1814,12 @@ def _moe_backward_experts_kernel(
     WGRAD one event per flat loop, task -1)."""
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
-    epoch = dev.call_epoch(epoch_ptr)
     x = tl.arange(0, ELP2)
-    n_mt = tl.sum(tl.cdiv(tl.load(counts_ptr + x, mask=x < E, other=0), BM), 0)  # the m-tiles of all experts
+    n_mt = _n_mtiles(counts_ptr, E, ELP2, BM)  # the m-tiles of all experts (recomputed after DGRAD1: see there)
     n_f = tl.cdiv(F, BN)
     n_h = tl.cdiv(H, BN)
     dgrad2_ctr = scratch_ptr + SCB_MTILES
-    swiglu_ctr = dgrad2_ctr + max_mtiles
-    unperm_ctr = swiglu_ctr + max_mtiles  # (router in the launch) UNPERMUTE tasks done per token block of RX_BM
+    swiglu_ctr = dgrad2_ctr + max_mtiles  # then (router in the launch) UNPERMUTE tasks done per RX_BM-token block
     ok = 1
     n_ev = 0
     if sched.has_stage(stages, STAGE_BWD_DGRAD2):  # z = dy_rows W2[e]^T per (m-tile, F-tile), m-tile-major
@@ -1744,23 +1879,25 @@ def _moe_backward_experts_kernel(
             while (t < tl.cdiv(T, RUT)) & (ok != 0):
                 t0 = _trace_clock(TRACE)
                 if waited == 0:  # once per program: every m-tile's SwiGLU pass (the rows' gate gradients)
-                    ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, n_mt, timeout_ns, err_ptr, OP_MOE_BACKWARD,
-                                      WAIT_BWD_SWIGLU, 0, t, -1)
+                    ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, _n_mtiles(counts_ptr, E, ELP2, BM), timeout_ns,
+                                      err_ptr, OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, t, -1)
                     waited = 1
                     t1 = _trace_clock(TRACE)
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
                     t0 = t1
                 if ok != 0:
                     _router_dlogits_block(t, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, dlhl_ptr, T, ER, EP,
-                                          routed_scaling, TOPK, KP2, ERP2, RUT, SOFTMAX, RENORM, DOT_FP32)
+                                          routed_scaling, TOPK, ERP2, RUT, SOFTMAX, RENORM, DOT_FP32)
                     tl.debug_barrier()
                     tl.atomic_add(scratch_ptr + SCB_ROUTER_DL_DONE, 1, sem="release", scope="gpu")
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DL, t, t0, _trace_clock(TRACE), TRACE)
                 t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
     if sched.has_stage(stages, STAGE_BWD_WGRAD) & (ok != 0):  # this program's share of both flat loops
         t0 = _trace_clock(TRACE)
-        ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, n_mt, timeout_ns, err_ptr, OP_MOE_BACKWARD,
-                          WAIT_BWD_SWIGLU, 0, -1, -1)
+        # n_mt recomputed (a few loads of counts): kept in a register across WGRAD, ptxas spilled it (with the
+        # router stages and fp32 weight gradients)
+        ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, _n_mtiles(counts_ptr, E, ELP2, BM), timeout_ns, err_ptr,
+                          OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, -1, -1)
         t1 = _trace_clock(TRACE)
         n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, t1, TRACE)
         if ok != 0:
@@ -1801,7 +1938,8 @@ def _moe_backward_experts_kernel(
         while (t < tl.cdiv(T, UT)) & (ok != 0):
             t0 = _trace_clock(TRACE)
             if waited == 0:  # one wait per program: the counter only grows, the acquire covers what follows
-                ok = dev.wait_geq(scratch_ptr + SCB_DGRAD1_DONE, n_mt * n_h, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                ok = dev.wait_geq(scratch_ptr + SCB_DGRAD1_DONE, _n_mtiles(counts_ptr, E, ELP2, BM) * n_h,
+                                  timeout_ns, err_ptr, OP_MOE_BACKWARD,
                                   WAIT_BWD_DGRAD1, 0, t, -1)
                 waited = 1
                 t1 = _trace_clock(TRACE)
@@ -1817,7 +1955,8 @@ def _moe_backward_experts_kernel(
                                         dx_e_ptr, H, TOPK, True)
                 if ROUTER:  # +1 on the token block's count (the router's dx tiles of those tokens wait for it)
                     tl.debug_barrier()
-                    tl.atomic_add(unperm_ctr + (t * UT) // RX_BM, 1, sem="release", scope="gpu")
+                    tl.atomic_add(scratch_ptr + SCB_MTILES + 2 * max_mtiles + (t * UT) // RX_BM, 1, sem="release",
+                                  scope="gpu")
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_UNPERMUTE, t, t0, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
     if ROUTER:
@@ -1833,8 +1972,9 @@ def _moe_backward_experts_kernel(
                                       OP_MOE_BACKWARD, WAIT_BWD_ROUTER_DL, 0, t, -1)
                     waited = 1
                 if ok != 0:  # the token block's dispatch backward (its UNPERMUTE tasks)
-                    ok = dev.wait_geq(unperm_ctr + m, tl.cdiv(tl.minimum(T - m * RX_BM, RX_BM), UT), timeout_ns,
-                                      err_ptr, OP_MOE_BACKWARD, WAIT_BWD_UNPERMUTE, 0, t, m)
+                    ok = dev.wait_geq(scratch_ptr + SCB_MTILES + 2 * max_mtiles + m,
+                                      tl.cdiv(tl.minimum(T - m * RX_BM, RX_BM), UT), timeout_ns, err_ptr,
+                                      OP_MOE_BACKWARD, WAIT_BWD_UNPERMUTE, 0, t, m)
                 t1 = _trace_clock(TRACE)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
                 if ok != 0:
@@ -1848,6 +1988,10 @@ def _moe_backward_experts_kernel(
                                     DOT_FP32, R_STAGES)
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DX, t, t1, _trace_clock(TRACE), TRACE)
                 t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DX)
+    # the epoch read here, not at the start: still before this program's exit atomic (device.py's argument: the last
+    # program out stores it only after every program's exit atomic), and no register held across the whole launch
+    # for it (with the router stages, ptxas spilled it across WGRAD: 4 B with fp32 weight gradients)
+    epoch = dev.call_epoch(epoch_ptr)
     dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
                              BWD_ZERO_BLOCK)
 
@@ -1998,7 +2142,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
         SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
-                KP2=triton.next_power_of_2(top_k), ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
+                ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
                 RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
            if router is not None else {}),
         num_warps=warps, num_stages=gemm_stages)
