@@ -864,6 +864,8 @@ def test_moe_backward_one_launch_refuses_the_packed_layout():
     layer, weights, experts, kw = _one_launch_case("skewed")
     with pytest.raises(ValueError, match="padded row layout"):
         moe_backward_w1(*layer, weights, experts, one_launch=True, padded=False, **kw)
+    with pytest.raises(ValueError, match="needs the one launch"):  # the router stages without the launch
+        moe_backward_w1(*layer, weights, experts, one_launch=False, router_in_launch=True, **kw)
 
 
 @pytest.mark.gpu

@@ -2310,6 +2310,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     padded = padded and _triton_runs(x) and hidden % 8 == 0 and f % 8 == 0
     if one_launch is None:
         one_launch = ONE_LAUNCH and world == 1 and padded
+    if router_in_launch and not one_launch:
+        raise ValueError("moe_backward(router_in_launch=True) needs the one launch (one_launch=True, or ONE_LAUNCH "
+                         "where it applies): the router backward is a stage of that launch")
     elif one_launch and not padded:
         raise ValueError(f"moe_backward(one_launch=True) needs the padded row layout (padded=False was given, or "
                          f"H={hidden} / F={f} are not multiples of 8, or Triton cannot run on {x.device})")
