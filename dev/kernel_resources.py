@@ -202,16 +202,28 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
     valid = torch.ones(rows_pad, dtype=torch.bool, device=dev)
     inv = torch.zeros(rows, dtype=torch.int64, device=dev)
     on_completion = mb.BWD_SWIGLU_ON_COMPLETION
-    for name, dt, swiglu_on_completion, trace in (
-            ("bf16", torch.bfloat16, on_completion, None), ("fp32", torch.float32, on_completion, None),
-            ("queued-swiglu", torch.bfloat16, not on_completion, None),
-            ("traced", torch.bfloat16, on_completion, torch.zeros((132, 1024, 4), dtype=torch.int64, device=dev))):
+    n_tok = rows // 8
+
+    def router(routing):  # the router backward in the launch too (moe_backward(one_launch=True)'s default)
+        return mb.RouterBackward(x=torch.empty(n_tok, h, **bf), router_weight=torch.empty(e, h, **bf),
+                                 logits=torch.empty(n_tok, e, dtype=torch.float32, device=dev),
+                                 experts=torch.zeros(n_tok, 8, dtype=torch.int32, device=dev), routing=routing,
+                                 renormalize=True, routed_scaling=2.5)
+    traced = lambda: torch.zeros((132, 1024, 4), dtype=torch.int64, device=dev)  # noqa: E731
+    for name, dt, swiglu_on_completion, trace, rt in (
+            ("bf16", torch.bfloat16, on_completion, None, None), ("fp32", torch.float32, on_completion, None, None),
+            ("queued-swiglu", torch.bfloat16, not on_completion, None, None),
+            ("traced", torch.bfloat16, on_completion, traced(), None),
+            ("+router softmax", torch.bfloat16, on_completion, None, "softmax"),
+            ("+router sigmoid", torch.bfloat16, on_completion, None, "sigmoid-grouped"),
+            ("+router fp32", torch.float32, on_completion, None, "softmax"),
+            ("+router traced", torch.bfloat16, on_completion, traced(), "softmax")):
         mb.BWD_SWIGLU_ON_COMPLETION = swiglu_on_completion
         try:
             out.append((f"moe_bwd one_launch {name}", _compile_among(
-                mb, "_moe_backward_experts_kernel", lambda dt=dt, trace=trace: mb.expert_backward_one_launch(
-                    dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv, rows // 8, 8, dt,
-                    programs=132, trace=trace))))
+                mb, "_moe_backward_experts_kernel", lambda dt=dt, trace=trace, rt=rt: mb.expert_backward_one_launch(
+                    dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv, n_tok, 8, dt,
+                    programs=132, trace=trace, router=router(rt) if rt else None))))
         finally:
             mb.BWD_SWIGLU_ON_COMPLETION = on_completion
     return out

@@ -12,8 +12,10 @@ the MoE bench (dev.moe_bwd_probe.build_point: the bench's inputs, the kosmos for
 g | u), interleaved ``--passes`` times, each call timed as the bench times the backward (kosmos_bench.timing,
 L2 flushed, median of --iters). The two layouts' gradients are compared bit for bit once, one tensor at a time
 (deepseek-v3's dW13 is 15 GB). The same tree and process for both: the layout is a call argument. ``--variants`` names what is compared, the
-first being the base of the bitwise check and of the ratios: ``packed``, ``padded`` or ``one-launch`` (the padded
-layout with the expert part in one persistent launch, ``one_launch=True``).
+first being the base of the bitwise check and of the ratios: ``packed``, ``padded``, ``one-launch`` (the padded
+layout with the expert part in one persistent launch, ``one_launch=True``, the router backward inside it too by
+default: dx and d_router then fp32-level, not bitwise, against the others) or ``one-launch-torch-router`` (the
+router backward after the launch as torch ops: bitwise ``padded``).
 ``--trace DIR``: after the passes, one call of the one launch with its trace buffer (expert_backward_one_launch's
 ``trace=``): per task kind (dgrad2, swiglu-bwd, dgrad1, wgrad2, wgrad1, unpermute, wait) the task count, first
 start, last end and busy time per program, printed and kept as a row; the timeline JSON goes to DIR (draw it
@@ -33,7 +35,9 @@ import torch
 from dev.rows import Rows
 
 VARIANTS = {"packed": dict(padded=False), "padded": dict(padded=True),
-            "one-launch": dict(padded=True, one_launch=True)}
+            "one-launch": dict(padded=True, one_launch=True),
+            # the one launch with the router backward after it (torch ops; the default puts it inside the launch)
+            "one-launch-torch-router": dict(padded=True, one_launch=True, router_in_launch=False)}
 
 
 def parse_variants(text: str) -> list[str]:

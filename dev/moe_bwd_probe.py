@@ -827,7 +827,8 @@ def main(argv=None) -> int:
     ap.add_argument("--one-launch", action="store_true",
                     help="the whole call with moe_backward's expert part in one launch (ONE_LAUNCH = True; the "
                          "stages stay the multi-launch ones: the summary's bitwise check and sum_over_whole are "
-                         "then the one launch against the launches it replaces)")
+                         "then the one launch against the launches it replaces; the router backward stays the "
+                         "torch ops after it: BWD_ROUTER_IN_LAUNCH = False for the run)")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, nothing timed")
     ap.add_argument("--table", default=None, metavar="JSONL", help="only print the table of a finished run")
     args = ap.parse_args(argv)
@@ -840,7 +841,7 @@ def main(argv=None) -> int:
         args.iters, args.warmup, args.max_seconds = 1, 0, 0  # it can be minutes before this call)
     from kosmos.kernels import moe_backward as mb
     saved = {n: getattr(mb, n) for n in ("WGRAD_KERNEL", "WGRAD_TILES", "WGRAD_PERSISTENT_TILES",
-                                         "DGRAD2_FUSED", "PADDED_ROWS", "ONE_LAUNCH")}
+                                         "DGRAD2_FUSED", "PADDED_ROWS", "ONE_LAUNCH", "BWD_ROUTER_IN_LAUNCH")}
     if args.wgrad_kernel:  # moe_backward's module defaults, for this run only
         mb.WGRAD_KERNEL = args.wgrad_kernel
     if args.wgrad_tiles:
@@ -852,8 +853,9 @@ def main(argv=None) -> int:
         mb.DGRAD2_FUSED = args.dgrad2 == "fused"
     if args.rows:
         mb.PADDED_ROWS = args.rows == "padded"
-    if args.one_launch:
-        mb.ONE_LAUNCH = True
+    if args.one_launch:  # the expert part in one launch, the router backward after it (the stages' torch ops:
+        mb.ONE_LAUNCH = True  # the summary's bitwise check stays meaningful)
+        mb.BWD_ROUTER_IN_LAUNCH = False
     try:
         rows = run(args)
     finally:

@@ -31,6 +31,8 @@ WAIT_BWD_DGRAD2: tl.constexpr = tl.constexpr(10)   # index: the expert m-tile
 WAIT_BWD_SWIGLU: tl.constexpr = tl.constexpr(11)   # index: the expert m-tile (-1: all of them)
 WAIT_BWD_DGRAD1: tl.constexpr = tl.constexpr(12)   # index: unused (-1: every tile)
 WAIT_SPLIT_K: tl.constexpr = tl.constexpr(13)      # index: the split group (the static W=1 GEMM's K split)
+WAIT_BWD_ROUTER_DL: tl.constexpr = tl.constexpr(14)  # index: unused (-1: every dlogits block)
+WAIT_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(15)  # index: the token block of the router's dx tiles
 WAIT_TEXT = {
     WAIT_PEERS_DONE.value: "rank {index} to finish the previous call (done flag)",
     WAIT_AG_ROWS.value: "rows pushed by a peer (signal slot {index})",
@@ -45,6 +47,8 @@ WAIT_TEXT = {
     WAIT_BWD_SWIGLU.value: "the SwiGLU backward of expert m-tile {index} (-1: of every m-tile)",
     WAIT_BWD_DGRAD1.value: "every dgrad1 tile (dx_rows) of the launch",
     WAIT_SPLIT_K.value: "the K-split partial sums of split group {index} (other programs of the launch)",
+    WAIT_BWD_ROUTER_DL.value: "every router dlogits block (the gate gradients through the routing) of the launch",
+    WAIT_BWD_UNPERMUTE.value: "the dispatch backward (dx_e) of token block {index}",
 }
 
 # ------------------------------------------------------------------------------------------- trace kinds
@@ -63,11 +67,16 @@ EV_BWD_DGRAD1: tl.constexpr = tl.constexpr(11)
 EV_BWD_WGRAD2: tl.constexpr = tl.constexpr(12)
 EV_BWD_WGRAD1: tl.constexpr = tl.constexpr(13)
 EV_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(14)
+EV_BWD_ROUTER_DL: tl.constexpr = tl.constexpr(15)  # the one launch's router backward (moe_backward.py)
+EV_BWD_ROUTER_DW: tl.constexpr = tl.constexpr(16)
+EV_BWD_ROUTER_DX: tl.constexpr = tl.constexpr(17)
 TRACE_KINDS = {EV_IDLE.value: "idle", EV_COMM.value: "comm", EV_COMPUTE.value: "compute", EV_WAIT.value: "wait",
                EV_ROUTE.value: "route", EV_PERMUTE.value: "permute", EV_GEMM1.value: "gemm1",
                EV_GEMM2.value: "gemm2", EV_FOLD.value: "fold", EV_BWD_DGRAD2.value: "dgrad2",
                EV_BWD_SWIGLU.value: "swiglu-bwd", EV_BWD_DGRAD1.value: "dgrad1", EV_BWD_WGRAD2.value: "wgrad2",
-               EV_BWD_WGRAD1.value: "wgrad1", EV_BWD_UNPERMUTE.value: "unpermute"}
+               EV_BWD_WGRAD1.value: "wgrad1", EV_BWD_UNPERMUTE.value: "unpermute",
+               EV_BWD_ROUTER_DL.value: "router-dl", EV_BWD_ROUTER_DW.value: "router-dw",
+               EV_BWD_ROUTER_DX.value: "router-dx"}
 TRACE_EVENTS: tl.constexpr = tl.constexpr(1024)  # events per program in a trace buffer [grid, TRACE_EVENTS, 4]
 
 # ------------------------------------------------------------------------------------------- error record

@@ -635,11 +635,12 @@ def test_expert_counts_equals_bincount(n_experts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("saved", [False, True])
-def test_moe_backward_w1_never_syncs_gpu(saved):
+@pytest.mark.parametrize("saved,one_launch", [(False, False), (True, False), (False, True)])
+def test_moe_backward_w1_never_syncs_gpu(saved, one_launch):
     """The W = 1 backward enqueues everything without waiting for the GPU (a host sync there would stall the
     training loop's run-ahead and cost the backward's host time in the GPU's idle gaps): no synchronising call
-    under torch.cuda.set_sync_debug_mode("error"), on the forward's g | u and on the recompute."""
+    under torch.cuda.set_sync_debug_mode("error"), on the forward's g | u and on the recompute, and in the one
+    launch with the router backward inside it."""
     import kosmos
     from kosmos.kernels.moe_backward import moe_backward_w1
     g = torch.Generator().manual_seed(5)
@@ -651,11 +652,11 @@ def test_moe_backward_w1_never_syncs_gpu(saved):
     dy = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
     out = kosmos.moe_forward(x, wr, w13, w2, top_k=k, return_routing=True, save_gu=saved)
     weights, experts, saved_gu = out[1], out[2], (out[3] if saved else None)
-    moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu)  # compiles, allocates
+    moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, one_launch=one_launch)  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        grads = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu)
+        grads = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, one_launch=one_launch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.isfinite(t_.float()).all() for t_ in grads)
@@ -789,7 +790,8 @@ def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dt
     path's dx, d_router, dw13 and dw2, with every buffer the launch allocates poisoned (NaN / the largest integer):
     an empty expert, one expert with all tokens, T not a multiple of any tile, softmax and sigmoid-grouped
     routing, the recomputed and a saved g | u, bf16 and fp32 weight gradients, SWIGLU run by each m-tile's last
-    dgrad2 tile or as its own queue (BWD_SWIGLU_ON_COMPLETION); deterministic."""
+    dgrad2 tile or as its own queue (BWD_SWIGLU_ON_COMPLETION); deterministic. The router backward after the
+    launch (router_in_launch=False); inside it: test_moe_backward_one_launch_router_in_launch."""
     from kosmos.kernels import moe_backward as mb
     from simranks import placed_gate_up
     monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
@@ -808,6 +810,7 @@ def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dt
             return real(*a, **k)
 
     monkeypatch.setattr(mb, "expert_backward_one_launch", poisoned)
+    kw.update(router_in_launch=False)  # the router backward after the launch (torch ops): the multi-launch bits
     got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
     assert calls == [programs]
     for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), got, want):
@@ -861,6 +864,8 @@ def test_moe_backward_one_launch_refuses_the_packed_layout():
     layer, weights, experts, kw = _one_launch_case("skewed")
     with pytest.raises(ValueError, match="padded row layout"):
         moe_backward_w1(*layer, weights, experts, one_launch=True, padded=False, **kw)
+    with pytest.raises(ValueError, match="needs the one launch"):  # the router stages without the launch
+        moe_backward_w1(*layer, weights, experts, one_launch=False, router_in_launch=True, **kw)
 
 
 @pytest.mark.gpu
@@ -870,7 +875,8 @@ def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, m
     """On the GPU, at the real tiles (dgrad 128x256x64, the flat wgrad's 128x256 / 256x128, 8 warps): the one
     launch (every buffer it allocates poisoned) gives bitwise the default multi-launch path's gradients, on a
     skewed routing with an empty expert, T not a multiple of any tile, bf16 and fp32 weight gradients, on all SMs
-    and on 7 programs; twice the same."""
+    and on 7 programs; twice the same. The router backward after the launch (router_in_launch=False); inside
+    it: test_moe_backward_one_launch_router_in_launch_gpu."""
     import kosmos
     from kosmos.kernels import moe_backward as mb
     from kosmos.kernels.moe_backward import moe_backward_w1
@@ -888,9 +894,9 @@ def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, m
     for wdt in (None, torch.float32):
         want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt)
         got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
-                              one_launch=True, programs=programs)
+                              one_launch=True, programs=programs, router_in_launch=False)
         again = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
-                                one_launch=True, programs=programs)
+                                one_launch=True, programs=programs, router_in_launch=False)
         kosmos.check_errors()
         for name, a, b, c in zip(("dx", "d_router", "dw13", "dw2"), got, want, again):
             assert torch.isfinite(a.float()).all() and torch.equal(a, b) and torch.equal(a, c), (name, wdt)
@@ -929,28 +935,35 @@ def test_moe_backward_one_launch_bounded_wait_gpu(on_completion, waits_for, monk
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("on_completion", [True, False])
-def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, monkeypatch):
-    """The trace of the one launch: every DGRAD2, SWIGLU, DGRAD1 and UNPERMUTE task exactly once over the programs
-    (the shared heads hand each out once; SWIGLU by each m-tile's last dgrad2 tile or from its own queue), one
-    WGRAD2 and one WGRAD1 run per program, the waits before the tasks; the gradients unchanged by tracing."""
+@pytest.mark.parametrize("on_completion,router", [(True, True), (False, True), (True, False)])
+def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, router, monkeypatch):
+    """The trace of the one launch: every DGRAD2, SWIGLU, DGRAD1, UNPERMUTE and (router in the launch) ROUTER_DL,
+    ROUTER_DW and ROUTER_DX task exactly once over the programs (the shared heads hand each out once; SWIGLU by
+    each m-tile's last dgrad2 tile or from its own queue), one WGRAD2 and one WGRAD1 run per program, the waits
+    before the tasks; the gradients unchanged by tracing."""
     from kosmos import codes
     from kosmos.kernels import moe_backward as mb
     monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
     layer, weights, experts, kw = _one_launch_case("skewed")
+    kw.update(router_in_launch=router)
     programs = 3
     trace = torch.zeros((programs, codes.TRACE_EVENTS.value, 4), dtype=torch.int64)
     real = mb.expert_backward_one_launch
     monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(*a, **k, trace=trace))
     got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
     monkeypatch.setattr(mb, "expert_backward_one_launch", real)
-    assert all(torch.equal(a, b) for a, b in zip(got, mb.moe_backward_w1(*layer, weights, experts, **kw)))
+    untraced = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, untraced))
     counts = torch.bincount(experts.reshape(-1), minlength=layer[2].shape[0])
-    bm = 16  # the interpreter's m-tile
+    bm = 16  # the interpreter's m-tile (and the router GEMMs' tiles)
     n_mt = int(((counts + bm - 1) // bm).sum())
     t, h, f = layer[0].shape[0], layer[0].shape[1], layer[3].shape[1]
+    n_r = layer[1].shape[0]
     want = {codes.EV_BWD_DGRAD2.value: n_mt * -(-f // bm), codes.EV_BWD_SWIGLU.value: n_mt,
-            codes.EV_BWD_DGRAD1.value: n_mt * -(-h // bm), codes.EV_BWD_UNPERMUTE.value: -(-t // 2)}
+            codes.EV_BWD_DGRAD1.value: n_mt * -(-h // bm), codes.EV_BWD_UNPERMUTE.value: -(-t // 2),
+            codes.EV_BWD_ROUTER_DL.value: -(-t // 4) if router else 0,  # the interpreter's 4-token blocks
+            codes.EV_BWD_ROUTER_DW.value: -(-n_r // bm) * -(-h // bm) if router else 0,
+            codes.EV_BWD_ROUTER_DX.value: -(-t // bm) * -(-h // bm) if router else 0}
     ev = trace.view(-1, 4)
     ev = ev[ev[:, 0] != 0]
     for kind, n in want.items():
@@ -958,14 +971,236 @@ def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, mo
     for kind in (codes.EV_BWD_WGRAD2.value, codes.EV_BWD_WGRAD1.value):
         assert [int((trace[p, :, 0] == kind).sum()) for p in range(programs)] == [1] * programs
     # a wait before each DGRAD1 task (and each queued SWIGLU task), one before each program's WGRAD (task -1), one
-    # per program in UNPERMUTE
+    # per program in UNPERMUTE, ROUTER_DL and ROUTER_DW, one before each ROUTER_DX task
     waits = ev[ev[:, 0] == codes.EV_WAIT.value][:, 1]
-    in_unpermute = sum(int((trace[p, :, 0] == codes.EV_BWD_UNPERMUTE.value).any()) for p in range(programs))
+    per_program = sum(int((trace[p, :, 0] == kind.value).any()) for p in range(programs)
+                      for kind in (codes.EV_BWD_UNPERMUTE, codes.EV_BWD_ROUTER_DL, codes.EV_BWD_ROUTER_DW))
     assert int((waits == -1).sum()) == programs
-    assert waits.numel() == (0 if on_completion else n_mt) + n_mt * -(-h // bm) + programs + in_unpermute
+    assert waits.numel() == ((0 if on_completion else n_mt) + n_mt * -(-h // bm) + programs + per_program
+                             + want[codes.EV_BWD_ROUTER_DX.value])
     with pytest.raises(ValueError, match="trace must be"):
         mb.expert_backward_one_launch(
             layer[3].new_zeros(64, h), layer[3].new_zeros(64, h), layer[3].new_zeros(64, h),
             layer[3].new_zeros(64, 2 * f), torch.zeros(64), torch.zeros(64, dtype=torch.bool), layer[2], layer[3],
             torch.zeros(layer[2].shape[0], dtype=torch.int32), torch.zeros(layer[2].shape[0], dtype=torch.int32),
             torch.zeros(0, dtype=torch.long), 0, 2, programs=2, trace=torch.zeros(1, dtype=torch.int64))
+
+
+# --------------------------------------------- the router backward inside the one launch (ROUTER_DL / _DW / _DX)
+def _capture_one_launch(monkeypatch, mb, poison=False):
+    """Wrap expert_backward_one_launch: each call's pair rows (inv), router inputs and outputs appended to the
+    returned list; ``poison``: every buffer the launch allocates starts NaN (_poisoned_empty)."""
+    calls = []
+    real = mb.expert_backward_one_launch
+
+    def wrapped(*a, **k):
+        if poison:
+            with monkeypatch.context() as m:
+                m.setattr(torch, "empty", _poisoned_empty(torch.empty))
+                out = real(*a, **k)
+        else:
+            out = real(*a, **k)
+        calls.append(dict(inv=a[10], router=k.get("router"), out=out))
+        return out
+
+    monkeypatch.setattr(mb, "expert_backward_one_launch", wrapped)
+    return calls
+
+
+def _router_ref64(x, wr, logits, experts, dweights, routing, renormalize, c):
+    """The router backward in fp64 from the launch's own inputs (its fp32 logits, the gate gradients it summed):
+    (d_router [E, H], dx_r [T, H], dl [T, E]) -- moe_reference's formulas, the stage's exact target."""
+    from kosmos import moe_reference as mr
+    w, full, denom = mr.routing_weights_ref(logits.double(), experts.long(), routing, renormalize=renormalize,
+                                            routed_scaling=c)
+    dq = mr.router_weights_backward_ref(dweights.double(), w, denom, routed_scaling=c)
+    dl = mr.router_logits_backward_ref(dq, full, experts.long(), routing)
+    return dl.t() @ x.double(), dl @ wr.double(), dl
+
+
+def _bf16_ulp(v):
+    """One bf16 unit in the last place at |v| (fp64)."""
+    _, e = torch.frexp(v.double())
+    return torch.ldexp(torch.ones_like(v, dtype=torch.float64), e - 8)
+
+
+def _check_router_in_launch(layer, weights, experts, kw, programs, other_programs, monkeypatch, *, dr_tol,
+                            ref_kw=None):
+    """moe_backward_w1(one_launch=True) with the router backward in the launch (the default) against (a) the same
+    launch without it (router_in_launch=False: bitwise the multi-launch path, checked) -- dw13 and dw2 bitwise,
+    (b) the fp64 router backward on the launch's own logits and gate gradients -- d_router to ``dr_tol`` relative,
+    dx within one bf16 ulp of bf16(dx_e + dx_r) everywhere and equal to it almost everywhere (dx_e: the expert
+    part's fp32 dispatch backward, from (a)), (c) the multi-launch path's d_router (fp32 torch ops) to dr_tol and
+    (ref_kw) moe_reference.moe_backward_ref; every launch buffer poisoned; bitwise the same on ``other_programs``
+    programs and on a repeat. Returns (got, fraction of dx's elements the router part moved)."""
+    from kosmos import moe_reference as mr
+    from kosmos.kernels import moe_backward as mb
+    x, wr = layer[0], layer[1]
+    want = mb.moe_backward_w1(*layer, weights, experts, **kw)
+    calls = _capture_one_launch(monkeypatch, mb, poison=True)
+    off = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, router_in_launch=False, programs=programs,
+                             **kw)
+    got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    again = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=other_programs, **kw)
+    twice = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    assert [c["router"] is None for c in calls] == [True, False, False, False]
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), off, want):  # the router off: the old bits
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for name, a, b, c in zip(("dx", "d_router", "dw13", "dw2"), got, again, twice):
+        assert torch.isfinite(a.float()).all() and torch.equal(a, b) and torch.equal(a, c), name
+        assert a.dtype == want[("dx", "d_router", "dw13", "dw2").index(name)].dtype, name
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+    dx_e = calls[0]["out"][0]
+    dx_rows = calls[1]
+    router = dx_rows["router"]
+    dweights = dx_rows["out"][1][dx_rows["inv"]].view(experts.shape)  # the gate gradients in pair order
+    assert torch.equal(dweights, calls[0]["out"][1][calls[0]["inv"]].view(experts.shape))
+    dr64, dxr64, dl64 = _router_ref64(x, wr.to(torch.bfloat16), router.logits, router.experts, dweights,
+                                      router.routing, router.renormalize, router.routed_scaling)
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
+    errs = dict(d_router_vs_fp64=rel(got[1], dr64), d_router_vs_multi_launch=rel(got[1], want[1]))
+    want_dx = dx_e.double() + dxr64
+    off_by = (got[0].double() - want_dx).abs()
+    exact = (got[0] == want_dx.float().to(torch.bfloat16)).double().mean().item()
+    moved = (got[0] != dx_e.to(torch.bfloat16)).double().mean().item()
+    print("router in the launch:", errs, "dx exact", exact, "moved by the router", moved)
+    assert errs["d_router_vs_fp64"] < dr_tol and errs["d_router_vs_multi_launch"] < dr_tol, errs
+    # one bf16 rounding of the sum, plus dx_r's fp32 error: hi + lo leaves 2^-17 of each |dl| |Wr| term (and the
+    # fp32 accumulation a few 2^-24): 2^-15 of sum_e |dl| |Wr| bounds it
+    bound = _bf16_ulp(want_dx) + 2.0 ** -15 * (dl64.abs() @ wr.double().abs()) + 2.0 ** -22 * dx_e.double().abs()
+    assert bool((off_by <= bound).all()) and exact > 0.99, ((off_by / bound).max().item(), exact)
+    if ref_kw is not None:
+        ref = mr.moe_backward_ref(*layer, top_k=experts.shape[1], experts=experts, **ref_kw)
+        for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), got, ref):
+            assert rel(a, b) < 2e-2, (name, rel(a, b))
+    return got, moved
+
+
+def _router_case(case, seed=21):
+    """Interpreter cases of the router backward in the launch: (layer, weights, experts, moe_backward kwargs,
+    moe_backward_ref kwargs). ``softmax-skewed``: _one_launch_case's skewed layer (T = 45, an empty expert);
+    ``softmax-top1-plain``: every token to expert 2 of 4, top-1, no renormalisation, routed scaling 1.5 (with
+    renormalisation top-1 has no router gradient at all); ``sigmoid-bias``: DeepSeek-V3's router -- the decision of
+    mr.route with a bias, 4 groups, 2 kept, top-4 of 8, routed scaling 2.5 (T = 23); ``sigmoid-plain``: the same
+    without renormalisation."""
+    from kosmos import moe_reference as mr
+    if case == "softmax-skewed":
+        layer, weights, experts, kw = _one_launch_case("skewed")
+        return layer, weights, experts, kw, dict(routing="softmax")
+    g = torch.Generator().manual_seed(seed)
+    if case == "softmax-top1-plain":
+        layer, _, experts, _ = _one_launch_case("one-expert")
+        kw = dict(routing="softmax", renormalize=False, routed_scaling=1.5)
+        weights, _, _ = mr.routing_weights_ref(layer[0].float() @ layer[1].float().t(), experts, "softmax",
+                                               renormalize=False, routed_scaling=1.5)
+        return layer, weights, experts, kw, dict(kw)
+    t, h, f, e, k = 23, 32, 24, 8, 4
+    layer = _moe_layer(g, t, h, f, e)
+    renorm = case == "sigmoid-bias"
+    bias = torch.randn(e, generator=g) * 0.5
+    route_kw = dict(routing="sigmoid-grouped", renormalize=renorm, bias=bias, n_group=4, topk_group=2,
+                    routed_scaling=2.5)
+    weights, experts = mr.route(layer[0], layer[1], k, **route_kw)
+    kw = dict(routing="sigmoid-grouped", renormalize=renorm, routed_scaling=2.5)
+    return layer, weights, experts, kw, route_kw
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case,programs,other", [("softmax-skewed", 3, 2), ("softmax-top1-plain", 2, 4),
+                                                 ("sigmoid-bias", 4, 3), ("sigmoid-plain", 2, 3)])
+def test_moe_backward_one_launch_router_in_launch(case, programs, other, monkeypatch):
+    """The router backward as stages of the one launch (ROUTER_DL: the gate gradients through softmax top-k with
+    or without renormalisation or through DeepSeek-V3's sigmoid group-limited top-k with a bias and a routed
+    scaling, dl split hi | lo; ROUTER_DW: dWr = dl^T x; ROUTER_DX: dx = bf16(dx_e + dl Wr)): fp32-level against the
+    fp64 router backward and the multi-launch path, dx rounded once, the expert gradients bitwise unchanged,
+    bitwise the same on another program count and on a repeat, with every launch buffer poisoned; skewed routing
+    with an empty expert, T not a multiple of any tile (45, 37, 23 tokens; the interpreter's 16-token tiles and
+    4-token dlogits blocks)."""
+    layer, weights, experts, kw, ref_kw = _router_case(case)
+    got, moved = _check_router_in_launch(layer, weights, experts, kw, programs, other, monkeypatch, dr_tol=1e-5,
+                                         ref_kw=ref_kw)
+    assert moved > 0.05, moved  # the router's part is visible in dx: a wrong dx_r could not pass
+    assert got[1].abs().sum() > 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("left_out,waits_for", [
+    ("ROUTER_DL", "every router dlogits block (the gate gradients through the routing) of the launch"),
+    ("UNPERMUTE", "the dispatch backward (dx_e) of token block 0")])
+def test_moe_backward_one_launch_router_bounded_waits(left_out, waits_for, monkeypatch):
+    """The router stages' waits are bounded: ROUTER_DL left out -- ROUTER_DW's (and ROUTER_DX's) wait on every
+    dlogits block times out; UNPERMUTE left out -- ROUTER_DX's wait on its token block's dispatch backward; the
+    record names it, the launch ends, KosmosTimeoutError on the CPU right after it."""
+    from kosmos import runtime
+    from kosmos.kernels import moe_backward as mb
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    real = mb.expert_backward_one_launch
+    stage = getattr(mb, f"BWD_{left_out}")
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(
+        *a, **k, stages=mb.BWD_ALL_STAGES & ~(1 << stage), timeout_ns=50_000))
+    with pytest.raises(runtime.KosmosTimeoutError) as err:
+        mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=3, **kw)
+    msg = str(err.value)
+    assert msg.startswith("moe_backward: rank 0") and waits_for in msg, msg
+
+
+def _gpu_router_case(case):
+    """GPU layers at real router shapes: ``deepseek-v3`` -- H 7168, E 256, top-8, sigmoid-grouped with a bias (8
+    groups, 4 kept), routed scaling 2.5, renormalised, 512 tokens (expert FFN 256: the expert part small);
+    ``qwen3`` -- H 4096, E 128, top-8 softmax renormalised, 1000 tokens (not a multiple of any tile), FFN 192;
+    ``softmax-plain`` -- H 1024, E 60 (not a multiple of 8: dl's halves padded to 64 columns), top-4 softmax
+    without renormalisation, routed scaling 1.5, 777 tokens. The decision by moe_reference.route (fp32 logits)."""
+    from kosmos import moe_reference as mr
+    t, h, f, e, k, route_kw = {
+        "deepseek-v3": (512, 7168, 256, 256, 8, dict(routing="sigmoid-grouped", n_group=8, topk_group=4,
+                                                     routed_scaling=2.5)),
+        "qwen3": (1000, 4096, 192, 128, 8, dict(routing="softmax")),
+        "softmax-plain": (777, 1024, 128, 60, 4, dict(routing="softmax", renormalize=False, routed_scaling=1.5)),
+    }[case]
+    g = torch.Generator(device="cuda").manual_seed(41)
+    x = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+    wr = (torch.randn(e, h, generator=g, device="cuda") / h ** 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g, device="cuda") / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g, device="cuda") / f ** 0.5).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=g, device="cuda").to(torch.bfloat16)
+    if route_kw["routing"] == "sigmoid-grouped":
+        route_kw["bias"] = torch.randn(e, generator=g, device="cuda") * 0.1
+    weights, experts = mr.route(x, wr, k, **route_kw)
+    kw = {kk: v for kk, v in route_kw.items() if kk in ("routing", "renormalize", "routed_scaling")}
+    return (x, wr, w13, w2, dy), weights, experts, kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["deepseek-v3", "qwen3", "softmax-plain"])
+def test_moe_backward_one_launch_router_in_launch_gpu(no_tf32, case, monkeypatch):
+    """On the GPU at real router shapes, at the real tiles (dlogits blocks of 8 tokens, dx_r 128x128x64 and dWr
+    128x128x64 on tensor cores, 8 warps): the router backward in the one launch against the fp64 router backward
+    on the launch's own logits and gate gradients (d_router to 5e-5: bf16 hi + lo products, fp32 accumulation;
+    dx within one bf16 ulp of bf16(dx_e + dx_r), equal almost everywhere) and the multi-launch path's (cuBLAS hi /
+    lo GEMMs); dw13 and dw2 bitwise the multi-launch path's; bitwise the same on all SMs and on 7 programs and on a
+    repeat, every launch buffer poisoned."""
+    import kosmos
+    layer, weights, experts, kw = _gpu_router_case(case)
+    got, moved = _check_router_in_launch(layer, weights, experts, kw, None, 7, monkeypatch, dr_tol=5e-5)
+    kosmos.check_errors()
+    assert moved > 0.01, moved
+
+
+@pytest.mark.gpu
+def test_moe_backward_one_launch_router_bounded_wait_gpu(monkeypatch):
+    """On the GPU: with ROUTER_DL left out, ROUTER_DW's and ROUTER_DX's waits on every dlogits block time out
+    (bounded), the launch ends, and the next check_errors() raises KosmosTimeoutError naming that wait; the
+    workspace is reset afterwards."""
+    import kosmos
+    from kosmos import runtime
+    from kosmos.kernels import moe_backward as mb
+    layer, weights, experts, kw = _gpu_router_case("softmax-plain")
+    real = mb.expert_backward_one_launch
+    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **kw_: real(
+        *a, **kw_, stages=mb.BWD_ALL_STAGES & ~(1 << mb.BWD_ROUTER_DL), timeout_ns=20_000_000))
+    try:
+        mb.moe_backward_w1(*layer, weights, experts, one_launch=True, **kw)
+        with pytest.raises(runtime.KosmosTimeoutError, match="every router dlogits block"):
+            kosmos.check_errors()
+    finally:
+        kosmos.reset_workspaces()

@@ -262,8 +262,9 @@ The one launch (session 14; built by a helper and interpreter-tested, then run o
 where unsupported -- W > 1 (raised before any exchange), the packed layout -- is a ValueError, no fallback) runs
 the expert part as ONE persistent launch (``expert_backward_one_launch``, ``_moe_backward_experts_kernel``; GRID
 programs, one per SM, ``programs=`` for tests) after the same row gathers and [g | u] (saved or recomputed) as
-the multi-launch path, and before the same torch router backward. Stages, in schedule.py's drain order (each a
-queue with one atomic head in local scratch, except WGRAD):
+the multi-launch path, and before the same torch router backward (since the helper branch router-in-launch: the
+router backward is three more stages of the launch by default -- "The router backward in the launch" below).
+Stages, in schedule.py's drain order (each a queue with one atomic head in local scratch, except WGRAD):
   DGRAD2(gm, n)   z = dy_rows W2[e]^T, global m-tile gm (m-tiles numbered over experts as _mtile_plan's, on the
                   padded offsets), F-tile n: _dgrad1_tile, today's unfused dgrad2 GEMM (DGRAD1_TILES, bf16 z);
                   then +1 on dgrad2_done[gm] (acq_rel). Task t = gm * ceil(F/BN) + n: m-tile-major, so the first
@@ -360,9 +361,119 @@ forward's FOLD: per token block, wait for k * ceil(H/BN) pieces, sum in slot ord
 wait becomes that per-block counter. Refinements left: WGRAD readiness per expert (a shared head over groups of
 experts whose m-tiles are through SWIGLU, one flat-loop run per group: one pipeline drain per group instead of
 per tile), the row gathers and [g | u]'s gather as a first stage (per m-tile, in 2-D blocks for memory-level
-parallelism; with the recompute, x_rows must exist before the launch for torch's GEMM1), the router backward.
+parallelism; with the recompute, x_rows must exist before the launch for torch's GEMM1), the router backward
+(built: below).
+
+The router backward in the launch (issue 15; built by a helper on branch router-in-launch after session 17,
+interpreter-tested; NOTHING HERE WAS RUN OR TIMED ON A GPU YET -- the GPU tests are written, see the end).
+``moe_backward(..., one_launch=True)`` now runs the router backward as three more stages of the one launch
+(``BWD_ROUTER_IN_LAUNCH = True``, ``moe_backward(router_in_launch=)``; False keeps the torch ops after the launch:
+then dx and d_router are bitwise the multi-launch path's, as before; ``expert_backward_one_launch(router=
+RouterBackward(...))`` at the kernel level). What goes in: x [T, H] and Wr [E, H] as bf16 (the values the
+multi-launch path's tensor-core router GEMMs use), the decision experts [T, k] (an int32 copy), the routing's
+differentiable part (routing, renormalize, routed_scaling), and the fp32 logits [T, E], RECOMPUTED before the
+launch by bf16_mm_fp32(x, Wr^T) exactly as the multi-launch path does (one cuBLAS GEMM, 2TEH = 15 GFLOP at
+deepseek-v3 4k tokens; not saved by the forward: moe_forward's router does not keep them -- saving them would
+cost T*E*4 B, 4 MiB at deepseek-v3 4k, 8 MiB at 8k, and save that GEMM). The math, per token t (moe_reference's
+stage 6, router_weights_backward_ref / router_logits_backward_ref / router_gemm_backward_ref):
+    dw[t, j]  = dw_rows[inv[t*k + j]]             the gate gradients the launch's SWIGLU pass made (the
+                                                  multi-launch path's dweights scatter, as a gather)
+    softmax          p = softmax(l_t) (max subtracted, libdevice expf, one IEEE reciprocal of the sum), q_j = p[e_j]
+    sigmoid-grouped  q_j = sigmoid(l_t[e_j])      (_torch_sigmoid; the bias and the group limit only chose e_j: no
+                                                  gradient, nothing of them enters)
+    renormalize      S = sum_j q_j + 1e-20, w_j = c q_j / S, dq_j = (c dw_j - <dw, w>) / S;  else dq_j = c dw_j
+    softmax          dl_t = p (dp - <dq, q>), dp = dq at the selected experts (distinct), 0 elsewhere
+    sigmoid-grouped  dl_t[e_j] = dq_j q_j (1 - q_j), 0 at the other experts
+    hi = bf16(dl), lo = bf16(dl - hi)             router_gemm_backward's split (round to nearest even; |dl - hi - lo|
+                                                  <= 2^-17 |dl|), stored as dl_hl [T, 2*EP] bf16 (hi in columns
+                                                  [0, E), lo in [EP, EP + E), EP = E rounded up to 8: 16-byte
+                                                  aligned halves for TMA; columns E..EP never written nor read --
+                                                  each half is its own descriptor of shape [T, E])
+    d_router  = hi^T x + lo^T x                   [E, H] fp32, one fp32 accumulator, tokens in ascending order
+    dx        = bf16(dx_e + (hi Wr + lo Wr))      [T, H], the experts in ascending order: moe_backward's
+                                                  (dx_e + dx_r).to(bf16) with dx_r never stored
+The products of bf16 values are exact in fp32, so both GEMMs are fp32 GEMMs to ~2^-17 relative on the bf16 tensor
+cores (tl.dot on TMA tiles; under the interpreter DOT_FP32's fp32 dots of the same bf16 values).
+Stages (tile functions _router_dlogits_block, _router_dw_tile, _router_dx_tile), in the drain order DGRAD2
+(+SWIGLU), [SWIGLU], DGRAD1, ROUTER_DL, WGRAD, ROUTER_DW, UNPERMUTE, ROUTER_DX -- what each waits for:
+  ROUTER_DL(b)     tokens [8b, 8b + 8) (BWD_ROUTER_TOKENS; [8, next_pow2(E)] fp32 blocks): waits ONCE PER PROGRAM
+                   for every m-tile's SwiGLU pass (SCB_SWIGLU_DONE >= the m-tile count, WAIT_BWD_SWIGLU index -1 --
+                   the dw_rows it gathers), then the math above; +1 on SCB_ROUTER_DL_DONE (release).
+                   Why a global count and not per-token readiness (a token's k m-tiles): a token's k rows lie in k
+                   experts spread over the expert range and DGRAD2 runs m-tile-major (expert order), so its last
+                   gate gradient comes near the end of DGRAD2 anyway (top-8 of 256: its last expert at ~89% of
+                   the range on average) -- k counter reads per token would buy almost no earlier start. Placed
+                   after DGRAD1, the wait is satisfied (every SWIGLU is done or running inside a claimed DGRAD2
+                   task), and the programs that finish DGRAD1 early take these small tasks while the others finish
+                   their last DGRAD1 tiles: ROUTER_DL fills DGRAD1's drain skew instead of lengthening WGRAD's
+                   static shares.
+  ROUTER_DW(i, j)  dWr tile [128, 128] (BWD_ROUTER_DW_TILES, 64 tokens a step, 3 stages; hi and lo share the
+                   step's x tile): waits ONCE PER PROGRAM for every dlogits block (SCB_ROUTER_DL_DONE >=
+                   ceil(T / 8), WAIT_BWD_ROUTER_DL) -- its sum runs over all tokens; stores the tile once. After
+                   WGRAD, not before: work before the statically owned WGRAD lengthens those programs' shares, work
+                   after it is balanced by the shared heads. Before UNPERMUTE: the long tiles (K = 2T) first --
+                   the longest-first rule for the makespan -- and the compute-bound tiles run beside
+                   UNPERMUTE's memory-bound blocks on the other programs (at deepseek-v3: E/128 x H/128 = 112 tiles,
+                   so ~20 programs go straight to UNPERMUTE).
+  UNPERMUTE(b)     as before, plus (router in the launch) +1 on its token block's counter unperm_ctr[8b // 128]
+                   (release) after its stores.
+  ROUTER_DX(m, n)  dx tile [128, 128] (BWD_ROUTER_DX_TILES, 64 experts a step; hi and lo share the Wr tile): waits
+                   once per program for every dlogits block (as ROUTER_DW; in practice long satisfied), and per
+                   task for its token block's UNPERMUTE tasks (unperm_ctr[m] >= ceil(min(T - 128m, 128) / 8),
+                   WAIT_BWD_UNPERMUTE index m: the dx_e rows it adds); stores dx = bf16(dx_e + acc). Last: short
+                   tiles (K = E) that even out the tail.
+Deadlock-freedom as before: every new wait is on stages earlier in the drain order with shared heads (SWIGLU;
+ROUTER_DL; UNPERMUTE); nothing waits on ROUTER_DW or ROUTER_DX. Under the interpreter program 0 runs every task
+of every shared stage in order and finds every wait satisfied; a stage left out of the mask makes its consumers'
+waits time out, named (tests: ROUTER_DL left out -> "every router dlogits block"; UNPERMUTE left out -> "the
+dispatch backward (dx_e) of token block 0"). The scratch grows by the 3 heads, one count and ceil(T / 128) token
+block counters, all zeroed by the last program out.
+Bits: no float atomics; every dl row is computed by one task from its own row alone, every d_router and dx tile
+by one task summing in a fixed order (tokens, resp. experts, ascending; hi then lo per step), whatever program
+runs it or how many there are: bitwise the same run to run and on any grid (interpreter-tested on 2-4 programs;
+GPU test written). Not the multi-launch path's bits (its router GEMMs are cuBLAS's, its softmax torch's): dx and
+d_router agree with it to fp32 level (interpreter: d_router 1.4-2.9e-6 relative to the fp64 router backward on the
+launch's own logits and gate gradients, and to the multi-launch path; dx within one bf16 ulp of bf16(dx_e + the
+fp64 dx_r) everywhere, equal to it in 99.86-100% of the elements). dw13 and dw2 are untouched (bitwise).
+Saved vs recomputed: the logits recomputed (before the launch, as before); p or s recomputed per token inside
+ROUTER_DL from them; dl lives only as dl_hl (T x 2EP bf16: the bytes of fp32 dl; 4 MiB at deepseek-v3 4k); dx_e
+still goes through HBM as fp32 [T, H] (UNPERMUTE -> ROUTER_DX, as it did to the torch add); dx_r, dq, dweights and
+the torch path's fp32 dx_e + dx_r temporaries are never stored. Launches: the torch path's ~15 ops after the launch
+(scatter, softmax / sigmoid, the gathers and sums of the routing backward, four bf16 GEMMs, two adds, a cast) go;
+the logits GEMM before the launch stays.
+sm_90a (local Triton 3.9, ptxas; ``python -m dev.kernel_resources --world 1 --kernels moe_backward``, qwen3-like
+shapes, E = 128; deepseek-v3-like ones, H 7168, F 2048, E 256, through the same compile path by a scratch script):
+  before the branch   the one launch 250 registers (fp32 wgrad 250, queued SWIGLU 250, traced 254), no spills, 192 KiB;
+                      deepseek-v3-like 255 (traced 255), no spills
+  with the router     softmax / sigmoid-grouped 250, fp32 wgrad 252, traced 242, no spills, 192 KiB; deepseek-v3-like
+                      softmax / sigmoid-grouped 255, traced 254 / 255, no spills
+  router off          (router_in_launch=False, the same build) 252, fp32 250, queued 250, traced 242; deepseek-v3-like
+                      255 (traced 254), no spills
+The two router GEMM loops are TMA-pipelined wgmma loops (46 async TMA copies in the TTGIR, 28 without them). On the
+way there the first build spilled 4-12 B in some variants (fp32 wgrad; traced at E = 256; 16-token dlogits
+blocks); nvdisasm -g put every STL / LDL on kernel-wide scalars held across WGRAD -- the call epoch, n_mt -- not
+in the router code. So the epoch is now read just before the exit (still before the program's exit atomic,
+which is all device.py's argument needs: the last program out stores the new one only after every exit atomic)
+and n_mt is recomputed after DGRAD1 (a few loads of counts); with both, no variant above spills. 8 tokens per
+dlogits block (4 spill-free too; 16 spilled 4 B before those two changes). ptxas's choices at its 255 cap are
+chaotic (int32 in-tile offsets in the router tiles' stores, tried, moved the spills around): re-check this table
+after any change to the kernel.
+PREDICTION (unmeasured): at deepseek-v3 4k the torch router backward after the launch is ~0.4-0.5 ms (session 12:
+its four bf16 GEMMs 0.37 ms, plus the fp32 elementwise ops over [T, E] and [T, H]); in the launch ROUTER_DL is a
+few us per program, ROUTER_DW ~112 tiles of 2 x 64 steps (~60-70 us each on one SM at ~4.5 TF/s) overlapping
+UNPERMUTE, ROUTER_DX 1792 tiles of ~5-8 us: ~0.15 ms of tail over the expert part -- so -0.25 to -0.35 ms per call
+(1-2% of the ~20 ms backward). qwen3 4k: ~-0.15 ms. Left: the logits GEMM inside the launch (a first stage:
+T/128 x E/128 tiles, K = H, nothing to wait for), dWr with the tokens split into fixed pieces (fp32 partials
+summed in order by the piece-0 owner) if its ~65 us tiles show as a tail in the trace, dx_e kept out of HBM
+(UNPERMUTE's slot sums folded into ROUTER_DX's epilogue: k gathered rows per [128, 128] tile, in column slices
+for the registers), and W > 1.
+GPU tests to run (tests/test_moe_backward.py): test_moe_backward_one_launch_router_in_launch_gpu (deepseek-v3:
+H 7168, E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-8 softmax, 1000 tokens;
+softmax without renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -371,8 +482,10 @@ import triton.language as tl
 from .. import device as dev
 from .. import planning
 from .. import schedule as sched
-from ..codes import (EV_BWD_DGRAD1, EV_BWD_DGRAD2, EV_BWD_SWIGLU, EV_BWD_UNPERMUTE, EV_BWD_WGRAD1, EV_BWD_WGRAD2,
-                     EV_WAIT, OP_MOE_BACKWARD, TRACE_EVENTS, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_SWIGLU)
+from ..codes import (EV_BWD_DGRAD1, EV_BWD_DGRAD2, EV_BWD_ROUTER_DL, EV_BWD_ROUTER_DW, EV_BWD_ROUTER_DX,
+                     EV_BWD_SWIGLU, EV_BWD_UNPERMUTE, EV_BWD_WGRAD1, EV_BWD_WGRAD2, EV_WAIT, OP_MOE_BACKWARD,
+                     TRACE_EVENTS, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_ROUTER_DL, WAIT_BWD_SWIGLU,
+                     WAIT_BWD_UNPERMUTE)
 
 try:  # libdevice's expf for swiglu_h (Triton >= 3.0 spells it this way)
     from triton.language.extra import libdevice
@@ -1449,21 +1562,29 @@ def do_rows_of(dy, tok, dy_rows, w_pair, world: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------- the backward's expert part in one launch (W = 1)
-# the stages, in schedule.py's drain order (stage s's queue head is scratch[s]; WGRAD has none: statically owned)
+# the stages (stage s's queue head is scratch[s]; WGRAD has none: statically owned). The drain order is the
+# kernel's code order: DGRAD2 (SWIGLU inside it or its own queue next), DGRAD1, ROUTER_DL, WGRAD, ROUTER_DW,
+# UNPERMUTE, ROUTER_DX (the three ROUTER_* stages only with the router backward in the launch)
 BWD_DGRAD2, BWD_SWIGLU, BWD_DGRAD1, BWD_WGRAD, BWD_UNPERMUTE = 0, 1, 2, 3, 4
-BWD_ALL_STAGES = 0b11111
+BWD_ROUTER_DL, BWD_ROUTER_DW, BWD_ROUTER_DX = 5, 6, 7
+BWD_ALL_STAGES = 0b11111111
 STAGE_BWD_DGRAD2: tl.constexpr = tl.constexpr(BWD_DGRAD2)
 STAGE_BWD_SWIGLU: tl.constexpr = tl.constexpr(BWD_SWIGLU)
 STAGE_BWD_DGRAD1: tl.constexpr = tl.constexpr(BWD_DGRAD1)
 STAGE_BWD_WGRAD: tl.constexpr = tl.constexpr(BWD_WGRAD)
 STAGE_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(BWD_UNPERMUTE)
-# local scratch (int32, zeroed by the last program out): [0, 5) queue heads, the exit counter, SwiGLU m-tiles
-# done, dgrad1 tiles done, then finished dgrad2 column tiles per m-tile [max m-tiles] and SwiGLU-done flags per
-# m-tile [max m-tiles]
-SCB_EXIT: tl.constexpr = tl.constexpr(5)
-SCB_SWIGLU_DONE: tl.constexpr = tl.constexpr(6)
-SCB_DGRAD1_DONE: tl.constexpr = tl.constexpr(7)
-SCB_MTILES: tl.constexpr = tl.constexpr(8)
+STAGE_BWD_ROUTER_DL: tl.constexpr = tl.constexpr(BWD_ROUTER_DL)
+STAGE_BWD_ROUTER_DW: tl.constexpr = tl.constexpr(BWD_ROUTER_DW)
+STAGE_BWD_ROUTER_DX: tl.constexpr = tl.constexpr(BWD_ROUTER_DX)
+# local scratch (int32, zeroed by the last program out): [0, 8) queue heads, the exit counter, SwiGLU m-tiles
+# done, dgrad1 tiles done, router dlogits blocks done, then finished dgrad2 column tiles per m-tile [max
+# m-tiles], SwiGLU-done flags per m-tile [max m-tiles] and (router in the launch) finished UNPERMUTE tasks per
+# token block of the router's dx tiles [ceil(T / BM)]
+SCB_EXIT: tl.constexpr = tl.constexpr(8)
+SCB_SWIGLU_DONE: tl.constexpr = tl.constexpr(9)
+SCB_DGRAD1_DONE: tl.constexpr = tl.constexpr(10)
+SCB_ROUTER_DL_DONE: tl.constexpr = tl.constexpr(11)
+SCB_MTILES: tl.constexpr = tl.constexpr(12)
 BWD_ZERO_BLOCK: tl.constexpr = tl.constexpr(1024)  # scratch entries the last program out zeroes per step
 BWD_UNPERMUTE_TOKENS = 8  # tokens per UNPERMUTE task (GPU): [8, 256] blocks, the k slots' loads in flight together
 BWD_INTERP_PROGRAMS = 3  # the CPU interpreter's default grid (programs run one after another there)
@@ -1473,6 +1594,15 @@ BWD_INTERP_TIMEOUT_NS = 1_000_000  # its waits' bound: 1000 spins (each wait is 
 # queue after DGRAD2's (each task waiting for its m-tile's tiles), which only starts once every dgrad2 tile is
 # claimed. Unmeasured: the lead's A/B (both tested bitwise).
 BWD_SWIGLU_ON_COMPLETION = True
+# moe_backward(one_launch=True)'s router backward: True -- the stages ROUTER_DL, ROUTER_DW, ROUTER_DX of the one
+# launch (the module docstring's "The router backward in the launch"; nothing timed on a GPU yet); False -- the
+# torch ops after the launch, as before (bitwise the multi-launch path's dx and d_router)
+BWD_ROUTER_IN_LAUNCH = True
+BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [8, next_pow2(E)] fp32 blocks (4 spill-free too; see the docstring)
+# the router GEMMs' tiles (GPU): dx_r = dl Wr (BM x BN over [T, H], BK of E per step) and dWr = dl^T x (BI x BJ
+# over [E, H], BR tokens per step); hi and lo dl tiles share one TMA load of the Wr / x tile per step
+BWD_ROUTER_DX_TILES = (128, 128, 64, 3)  # (BM, BN, BK, stages)
+BWD_ROUTER_DW_TILES = (128, 128, 64, 3)  # (BI, BJ, BR, stages)
 
 
 @triton.jit
@@ -1504,11 +1634,162 @@ def _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, g
     tl.atomic_add(swiglu_done_ptr, 1, sem="release", scope="gpu")
 
 
+@triton.jit
+def _expf(v, INTERP: tl.constexpr):
+    """exp in fp32 as torch's CUDA kernels compute it (libdevice expf; the interpreter: numpy's exp)."""
+    if INTERP:
+        return tl.exp(v)
+    else:
+        return libdevice.exp(v)
+
+
+@triton.jit
+def _router_slot(j, tok64, tm, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, ER, mx, rs, TOPK: tl.constexpr,
+                 SOFTMAX: tl.constexpr, INTERP: tl.constexpr):
+    """Slot j of the tokens tok64 [UT] (those with tm): (e_j, q_j, dw_j) [UT] -- the selected expert, its routing
+    probability p[e_j] (softmax: exp(l - mx) * rs, the full row's operations) or score sigmoid(l[e_j]), and the
+    pair's gate gradient dw_rows[inv[t*k + j]]."""
+    pair = tok64 * TOPK + j
+    e_j = tl.load(experts_ptr + pair, mask=tm, other=0).to(tl.int64)
+    l_j = tl.load(logits_ptr + tok64 * ER + e_j, mask=tm, other=0.0)
+    if SOFTMAX:
+        q_j = _expf(l_j - mx, INTERP) * rs
+    else:
+        q_j = _torch_sigmoid(l_j, INTERP)
+    dw_j = tl.load(dw_rows_ptr + tl.load(inv_ptr + pair, mask=tm, other=0).to(tl.int64), mask=tm, other=0.0)
+    return e_j, tl.where(tm, q_j, 0.0), dw_j
+
+
+@triton.jit
+def _router_dlogits_block(b, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, dlhl_ptr, T, ER, EP, c,
+                          TOPK: tl.constexpr, ERP2: tl.constexpr, UT: tl.constexpr,
+                          SOFTMAX: tl.constexpr, RENORM: tl.constexpr, INTERP: tl.constexpr):
+    """The one launch's ROUTER_DL task b: tokens [b*UT, b*UT + UT), each row on its own (module docstring, "The
+    router backward in the launch"): the gate gradients dw[t, j] = dw_rows[inv[t*k + j]] (the pairs' rows, the
+    multi-launch path's dweights scatter), the routing recomputed from the fp32 logits (q_j = p[e_j] or s[e_j],
+    S = sum_j q_j + 1e-20, w_j = c q_j / S or c q_j), dq (router_weights_backward_ref) and dl [UT, ER]
+    (router_logits_backward_ref: softmax p (dp - <dq, q>), sigmoid dq s (1 - s) at the selected experts), stored
+    split for the bf16 tensor cores as hi = bf16(dl) into dlhl[t, 0:ER] and lo = bf16(dl - hi) into dlhl[t, EP:EP+ER]
+    (round to nearest even; columns ER..EP of each half are never written and never read). The k slots in
+    static loops over [UT] vectors (each slot's values reloaded per pass, from L1: fewer registers than [UT, k]
+    tiles -- the one launch has none to spare); the sums over the slots in slot order."""
+    tok = b * UT + tl.arange(0, UT)
+    tm = tok < T
+    tok64 = tl.minimum(tok, T - 1).to(tl.int64)  # past T: a valid row, nothing stored
+    cols = tl.arange(0, ERP2)
+    i = tl.minimum(tok, T - 1) - b * UT  # the block's rows from its first token: int32 offsets inside the block
+    mx = tl.zeros((UT,), dtype=tl.float32)
+    rs = tl.zeros((UT,), dtype=tl.float32)
+    if SOFTMAX:
+        lg = tl.load(logits_ptr + (b * UT).to(tl.int64) * ER + (i[:, None] * ER + cols[None, :]),
+                     mask=(cols < ER)[None, :], other=float("-inf"))
+        mx = tl.max(lg, 1)
+        rs = tl.math.div_rn(tl.full(mx.shape, 1.0, tl.float32), tl.sum(_expf(lg - mx[:, None], INTERP), 1))
+    denom = tl.zeros((UT,), dtype=tl.float32)
+    dww = tl.zeros((UT,), dtype=tl.float32)
+    if RENORM:  # S, then <dw, w> (w_j = (q_j / S) c: route's and routing_weights_ref's order)
+        for j in tl.static_range(TOPK):
+            e_j, q_j, dw_j = _router_slot(j, tok64, tm, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, ER, mx, rs,
+                                          TOPK, SOFTMAX, INTERP)
+            denom += q_j
+        denom = denom + 1e-20
+        for j in tl.static_range(TOPK):
+            e_j, q_j, dw_j = _router_slot(j, tok64, tm, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, ER, mx, rs,
+                                          TOPK, SOFTMAX, INTERP)
+            dww += dw_j * (tl.math.div_rn(q_j, denom) * c)
+    dp = tl.zeros((UT, ERP2), dtype=tl.float32)  # softmax: dq at the selected experts; sigmoid: dl itself
+    r = tl.zeros((UT,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        e_j, q_j, dw_j = _router_slot(j, tok64, tm, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, ER, mx, rs, TOPK,
+                                      SOFTMAX, INTERP)
+        if RENORM:
+            dq_j = tl.math.div_rn(c * dw_j - dww, denom)
+        else:
+            dq_j = c * dw_j
+        if SOFTMAX:
+            r += dq_j * q_j
+            dp = tl.where(cols[None, :] == e_j[:, None], dq_j[:, None], dp)
+        else:
+            dp = tl.where(cols[None, :] == e_j[:, None], (dq_j * q_j * (1.0 - q_j))[:, None], dp)
+    if SOFTMAX:
+        p = _expf(lg - mx[:, None], INTERP) * rs[:, None]
+        dl = p * (dp - r[:, None])
+    else:
+        dl = dp
+    hi = _to_out(dl, tl.bfloat16, INTERP)
+    lo = _to_out(dl - hi.to(tl.float32), tl.bfloat16, INTERP)
+    o = i[:, None] * (2 * EP) + cols[None, :]
+    cm = tm[:, None] & (cols < ER)[None, :]
+    row0 = dlhl_ptr + (b * UT).to(tl.int64) * (2 * EP)
+    tl.store(row0 + o, hi, mask=cm)
+    tl.store(row0 + EP + o, lo, mask=cm)
+
+
+@triton.jit
+def _router_dw_tile(ti, tj, hi_desc, lo_desc, x_desc, dwr_ptr, T, H, ER, BI: tl.constexpr, BJ: tl.constexpr,
+                    BR: tl.constexpr, DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """The one launch's ROUTER_DW task (ti, tj): dWr[ti-tile, tj-tile] = sum over the tokens in ascending order, BR
+    per step, of hi^T x + lo^T x (one fp32 accumulator; the hi and lo tiles share the step's x tile) -- the
+    d(router weight) tile [BI, BJ] fp32, stored once. Tokens past T and experts past ER read as zeros (TMA)."""
+    acc = tl.zeros((BI, BJ), dtype=tl.float32)
+    for r in tl.range(0, T, BR, num_stages=LOOP_STAGES):
+        b = x_desc.load([r, tj * BJ])
+        a = hi_desc.load([r, ti * BI])
+        if DOT_FP32:
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+        a = lo_desc.load([r, ti * BI])
+        if DOT_FP32:
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+    ci = ti * BI + tl.arange(0, BI)
+    cj = tj * BJ + tl.arange(0, BJ)
+    tl.store(dwr_ptr + ci[:, None].to(tl.int64) * H + cj[None, :], acc, mask=(ci < ER)[:, None] & (cj < H)[None, :])
+
+
+@triton.jit
+def _router_dx_tile(m, n, hi_desc, lo_desc, wr_desc, dx_e_ptr, dx_ptr, T, H, ER, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr):
+    """The one launch's ROUTER_DX task (m, n): dx_r = hi Wr + lo Wr over the experts in ascending order, BK per
+    step (one fp32 accumulator; hi and lo share the step's Wr tile), then dx = bf16(dx_e + dx_r) for tokens
+    [m*BM, +BM), columns [n*BN, +BN) -- moe_backward's (dx_e + dx_r).to(bf16), the dispatch backward's fp32 rows
+    read back from dx_e (UNPERMUTE's). Experts past ER read as zeros (TMA), tokens past T are not stored."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, ER, BK, num_stages=LOOP_STAGES):
+        b = wr_desc.load([k0, n * BN])
+        a = hi_desc.load([m * BM, k0])
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+        a = lo_desc.load([m * BM, k0])
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        else:
+            acc = tl.dot(a, b, acc)
+    rows = m * BM + tl.arange(0, BM)
+    cols = n * BN + tl.arange(0, BN)
+    mask = (rows < T)[:, None] & (cols < H)[None, :]
+    o = rows[:, None].to(tl.int64) * H + cols[None, :]
+    dx_e = tl.load(dx_e_ptr + o, mask=mask, other=0.0)
+    tl.store(dx_ptr + o, _to_out(dx_e + acc, tl.bfloat16, DOT_FP32), mask=mask)
+
+
+@triton.jit
+def _n_mtiles(counts_ptr, E, ELP2: tl.constexpr, BM: tl.constexpr):
+    """The m-tiles of all experts, sum of ceil(counts / BM) (the one launch's task counts)."""
+    x = tl.arange(0, ELP2)
+    return tl.sum(tl.cdiv(tl.load(counts_ptr + x, mask=x < E, other=0), BM), 0)
+
+
 @triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages"])
 def _moe_backward_experts_kernel(
         dy_rows_ptr, do_rows_ptr, x_rows_ptr, gu_ptr, wp_ptr, valid_ptr, w13_ptr, w2_ptr,
         pad_offs_ptr, counts_ptr, first_mtile_ptr, inv_ptr,
         z_ptr, dgu_ptr, h_ptr, dw_rows_ptr, dx_rows_ptr, dw13_ptr, dw2_ptr, dx_e_ptr,
+        x_ptr, wr_ptr, logits_ptr, experts_ptr, dlhl_ptr, dx_ptr, dwr_ptr, ER, EP, routed_scaling,
         scratch_ptr, scratch_n, max_mtiles, err_ptr, epoch_ptr, timeout_us, stages, trace_ptr,
         T, H, F, E, R_PAD,
         TOPK: tl.constexpr, ELP2: tl.constexpr, PAD: tl.constexpr,
@@ -1516,23 +1797,29 @@ def _moe_backward_experts_kernel(
         TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
-        SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr):
+        SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
+        ROUTER: tl.constexpr = False, SOFTMAX: tl.constexpr = True, RENORM: tl.constexpr = True,
+        ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
+        RX_BM: tl.constexpr = 16, RX_BN: tl.constexpr = 16, RX_BK: tl.constexpr = 16,
+        RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1):
     """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
     launch"): the stages DGRAD2, SWIGLU (SWIGLU_ON_COMPLETION: run inside the DGRAD2 task that completes the
     m-tile; else its own queue), DGRAD1 (shared atomic heads), WGRAD (each program's own share of both flat wgrad
-    loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function.
+    loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function. ROUTER: the
+    router backward too ("The router backward in the launch"): ROUTER_DL after DGRAD1, ROUTER_DW after WGRAD,
+    ROUTER_DX after UNPERMUTE (shared heads), dx (bf16) and dWr (fp32) its outputs; without it x_ptr .. dwr_ptr
+    are unused.
     ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out).
     TRACE: every task and wait as a (kind, task, t0, t1) event of trace_ptr [GRID, TRACE_EVENTS, 4] (codes.EV_*;
     WGRAD one event per flat loop, task -1)."""
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
-    epoch = dev.call_epoch(epoch_ptr)
     x = tl.arange(0, ELP2)
-    n_mt = tl.sum(tl.cdiv(tl.load(counts_ptr + x, mask=x < E, other=0), BM), 0)  # the m-tiles of all experts
+    n_mt = _n_mtiles(counts_ptr, E, ELP2, BM)  # the m-tiles of all experts (recomputed after DGRAD1: see there)
     n_f = tl.cdiv(F, BN)
     n_h = tl.cdiv(H, BN)
     dgrad2_ctr = scratch_ptr + SCB_MTILES
-    swiglu_ctr = dgrad2_ctr + max_mtiles
+    swiglu_ctr = dgrad2_ctr + max_mtiles  # then (router in the launch) UNPERMUTE tasks done per RX_BM-token block
     ok = 1
     n_ev = 0
     if sched.has_stage(stages, STAGE_BWD_DGRAD2):  # z = dy_rows W2[e]^T per (m-tile, F-tile), m-tile-major
@@ -1585,10 +1872,32 @@ def _moe_backward_experts_kernel(
                 tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, 1, sem="release", scope="gpu")
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD1, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
+    if ROUTER:  # the gate gradients through the routing: dl per token block, split hi | lo for the tensor cores
+        if sched.has_stage(stages, STAGE_BWD_ROUTER_DL) & (ok != 0):
+            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
+            waited = 0
+            while (t < tl.cdiv(T, RUT)) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                if waited == 0:  # once per program: every m-tile's SwiGLU pass (the rows' gate gradients)
+                    ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, _n_mtiles(counts_ptr, E, ELP2, BM), timeout_ns,
+                                      err_ptr, OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, t, -1)
+                    waited = 1
+                    t1 = _trace_clock(TRACE)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                    t0 = t1
+                if ok != 0:
+                    _router_dlogits_block(t, logits_ptr, experts_ptr, inv_ptr, dw_rows_ptr, dlhl_ptr, T, ER, EP,
+                                          routed_scaling, TOPK, ERP2, RUT, SOFTMAX, RENORM, DOT_FP32)
+                    tl.debug_barrier()
+                    tl.atomic_add(scratch_ptr + SCB_ROUTER_DL_DONE, 1, sem="release", scope="gpu")
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DL, t, t0, _trace_clock(TRACE), TRACE)
+                t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
     if sched.has_stage(stages, STAGE_BWD_WGRAD) & (ok != 0):  # this program's share of both flat loops
         t0 = _trace_clock(TRACE)
-        ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, n_mt, timeout_ns, err_ptr, OP_MOE_BACKWARD,
-                          WAIT_BWD_SWIGLU, 0, -1, -1)
+        # n_mt recomputed (a few loads of counts): kept in a register across WGRAD, ptxas spilled it (with the
+        # router stages and fp32 weight gradients)
+        ok = dev.wait_geq(scratch_ptr + SCB_SWIGLU_DONE, _n_mtiles(counts_ptr, E, ELP2, BM), timeout_ns, err_ptr,
+                          OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, -1, -1)
         t1 = _trace_clock(TRACE)
         n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, t1, TRACE)
         if ok != 0:
@@ -1599,13 +1908,38 @@ def _moe_backward_experts_kernel(
             _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
                             W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
+    if ROUTER:  # the long compute-bound dWr tiles first (beside UNPERMUTE's memory-bound blocks on the others)
+        if sched.has_stage(stages, STAGE_BWD_ROUTER_DW) & (ok != 0):  # dWr = dl^T x per [E, H] tile
+            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
+            n_wj = tl.cdiv(H, RW_BJ)
+            waited = 0
+            while (t < tl.cdiv(ER, RW_BI) * n_wj) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                if waited == 0:  # once per program: every dlogits block (the reduction runs over all tokens)
+                    ok = dev.wait_geq(scratch_ptr + SCB_ROUTER_DL_DONE, tl.cdiv(T, RUT), timeout_ns, err_ptr,
+                                      OP_MOE_BACKWARD, WAIT_BWD_ROUTER_DL, 0, t, -1)
+                    waited = 1
+                    t1 = _trace_clock(TRACE)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                    t0 = t1
+                if ok != 0:
+                    hi_w = tl.make_tensor_descriptor(dlhl_ptr, shape=[T, ER], strides=[2 * EP, 1],
+                                                     block_shape=[RW_BR, RW_BI])
+                    lo_w = tl.make_tensor_descriptor(dlhl_ptr + EP, shape=[T, ER], strides=[2 * EP, 1],
+                                                     block_shape=[RW_BR, RW_BI])
+                    x_w = tl.make_tensor_descriptor(x_ptr, shape=[T, H], strides=[H, 1], block_shape=[RW_BR, RW_BJ])
+                    _router_dw_tile(t // n_wj, t % n_wj, hi_w, lo_w, x_w, dwr_ptr, T, H, ER, RW_BI, RW_BJ, RW_BR,
+                                    DOT_FP32, R_STAGES)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DW, t, t0, _trace_clock(TRACE), TRACE)
+                t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
     if sched.has_stage(stages, STAGE_BWD_UNPERMUTE) & (ok != 0):  # each token's k rows summed in slot order
         t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
         waited = 0
         while (t < tl.cdiv(T, UT)) & (ok != 0):
             t0 = _trace_clock(TRACE)
             if waited == 0:  # one wait per program: the counter only grows, the acquire covers what follows
-                ok = dev.wait_geq(scratch_ptr + SCB_DGRAD1_DONE, n_mt * n_h, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                ok = dev.wait_geq(scratch_ptr + SCB_DGRAD1_DONE, _n_mtiles(counts_ptr, E, ELP2, BM) * n_h,
+                                  timeout_ns, err_ptr, OP_MOE_BACKWARD,
                                   WAIT_BWD_DGRAD1, 0, t, -1)
                 waited = 1
                 t1 = _trace_clock(TRACE)
@@ -1619,8 +1953,45 @@ def _moe_backward_experts_kernel(
                     c = c0 + tl.arange(0, UBH)
                     _unpermute_sum_cols(tok, c[None, :], tm[:, None] & (c < H)[None, :], dx_rows_ptr, inv_ptr,
                                         dx_e_ptr, H, TOPK, True)
+                if ROUTER:  # +1 on the token block's count (the router's dx tiles of those tokens wait for it)
+                    tl.debug_barrier()
+                    tl.atomic_add(scratch_ptr + SCB_MTILES + 2 * max_mtiles + (t * UT) // RX_BM, 1, sem="release",
+                                  scope="gpu")
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_UNPERMUTE, t, t0, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
+    if ROUTER:
+        if sched.has_stage(stages, STAGE_BWD_ROUTER_DX) & (ok != 0):  # dx = bf16(dx_e + dl Wr) per [T, H] tile
+            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DX)
+            n_xn = tl.cdiv(H, RX_BN)
+            waited = 0
+            while (t < tl.cdiv(T, RX_BM) * n_xn) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                m = t // n_xn
+                if waited == 0:  # once per program: every dlogits block (in practice long done: before WGRAD)
+                    ok = dev.wait_geq(scratch_ptr + SCB_ROUTER_DL_DONE, tl.cdiv(T, RUT), timeout_ns, err_ptr,
+                                      OP_MOE_BACKWARD, WAIT_BWD_ROUTER_DL, 0, t, -1)
+                    waited = 1
+                if ok != 0:  # the token block's dispatch backward (its UNPERMUTE tasks)
+                    ok = dev.wait_geq(scratch_ptr + SCB_MTILES + 2 * max_mtiles + m,
+                                      tl.cdiv(tl.minimum(T - m * RX_BM, RX_BM), UT), timeout_ns, err_ptr,
+                                      OP_MOE_BACKWARD, WAIT_BWD_UNPERMUTE, 0, t, m)
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                if ok != 0:
+                    hi_x = tl.make_tensor_descriptor(dlhl_ptr, shape=[T, ER], strides=[2 * EP, 1],
+                                                     block_shape=[RX_BM, RX_BK])
+                    lo_x = tl.make_tensor_descriptor(dlhl_ptr + EP, shape=[T, ER], strides=[2 * EP, 1],
+                                                     block_shape=[RX_BM, RX_BK])
+                    wr_x = tl.make_tensor_descriptor(wr_ptr, shape=[ER, H], strides=[H, 1],
+                                                     block_shape=[RX_BK, RX_BN])
+                    _router_dx_tile(m, t % n_xn, hi_x, lo_x, wr_x, dx_e_ptr, dx_ptr, T, H, ER, RX_BM, RX_BN, RX_BK,
+                                    DOT_FP32, R_STAGES)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DX, t, t1, _trace_clock(TRACE), TRACE)
+                t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DX)
+    # the epoch read here, not at the start: still before this program's exit atomic (device.py's argument: the last
+    # program out stores it only after every program's exit atomic), and no register held across the whole launch
+    # for it (with the router stages, ptxas spilled it across WGRAD: 4 B with fp32 weight gradients)
+    epoch = dev.call_epoch(epoch_ptr)
     dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
                              BWD_ZERO_BLOCK)
 
@@ -1649,10 +2020,41 @@ def _bwd_tiles(out_dtype: torch.dtype, h: int, f: int):
             (BWD_UNPERMUTE_TOKENS, min(256, triton.next_power_of_2(h))), warps)
 
 
+class RouterBackward(NamedTuple):
+    """The router backward's inputs for the one launch (expert_backward_one_launch(router=)): the layer's input x
+    [T, H] and router weight [E, H] (both used as bf16, as moe_backward's tensor-core router GEMMs use them), the
+    fp32 logits [T, E] (recomputed before the launch by bf16_mm_fp32(x, router_weight.t())), the decision experts
+    [T, k], and the routing's differentiable part: ``routing`` ("softmax" or "sigmoid-grouped": the bias and the
+    groups only chose the experts, they get no gradient), ``renormalize``, ``routed_scaling``."""
+    x: torch.Tensor
+    router_weight: torch.Tensor
+    logits: torch.Tensor
+    experts: torch.Tensor
+    routing: str = "softmax"
+    renormalize: bool = True
+    routed_scaling: float = 1.0
+
+
+def _router_tiles():
+    """The router stages' tiles: (tokens per ROUTER_DL task, (BM, BN, BK) of dx_r, (BI, BJ, BR) of dWr, stages)."""
+    if planning.interpreting():
+        return 4, (16, 16, 16), (16, 16, 16), 1
+    if BWD_ROUTER_DX_TILES[3] != BWD_ROUTER_DW_TILES[3]:
+        raise ValueError(f"the router's dx and dWr tiles need one stage count: {BWD_ROUTER_DX_TILES}, "
+                         f"{BWD_ROUTER_DW_TILES}")
+    return BWD_ROUTER_TOKENS, BWD_ROUTER_DX_TILES[:3], BWD_ROUTER_DW_TILES[:3], BWD_ROUTER_DX_TILES[3]
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t bf16, contiguous and 16-byte aligned (a copy only where it is not)."""
+    t = t.to(torch.bfloat16).contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, inv,
                                n_tok: int, top_k: int, out_dtype: torch.dtype = torch.bfloat16, *,
                                programs: int | None = None, stages: int = BWD_ALL_STAGES, timeout_ns=None,
-                               trace: torch.Tensor | None = None):
+                               trace: torch.Tensor | None = None, router: RouterBackward | None = None):
     """moe_backward's expert part at W = 1 in ONE launch (_moe_backward_experts_kernel) on rows in the padded
     layout: dy_rows, do_rows (= w * dy_rows), x_rows [R_pad, H], gu [R_pad, 2F] bf16, w_pair [R_pad] fp32, valid
     [R_pad] bool (padded_layout's real_of >= 0; gap rows zero in dy_rows, do_rows, x_rows, gu, w_pair), w13
@@ -1664,14 +2066,41 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     (None: the workspace's) for tests. ``trace`` (int64 [grid, codes.TRACE_EVENTS, 4], zeroed): each program's
     tasks and waits as (kind, task, t0, t1) events (runtime.TRACE_KINDS), for the timeline. On CUDA a timed-out
     wait raises KosmosTimeoutError at the next KOSMOS call or kosmos.check_errors() (the workspace's error record);
-    on the CPU right away. CUDA, or the CPU under TRITON_INTERPRET=1."""
+    on the CPU right away. CUDA, or the CPU under TRITON_INTERPRET=1.
+
+    ``router`` (a RouterBackward): the router backward in the launch too (the stages ROUTER_DL, ROUTER_DW,
+    ROUTER_DX; the module docstring's "The router backward in the launch"), and the return value is then (dx [T, H]
+    bf16 = bf16(dx_e + dl Wr) -- moe_backward's dx --, dw_rows, dw13, dw2, d_router [E, H] fp32 = dl^T x)."""
     from .. import runtime
     r_pad, h = dy_rows.shape
     n_exp, f, _ = w2.shape
     (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f)
+    rut, (rx_bm, rx_bn, rx_bk), (rw_bi, rw_bj, rw_br), r_stages = _router_tiles()
+    dev_ = dy_rows.device
+    if router is not None:
+        if router.routing not in ("softmax", "sigmoid-grouped"):
+            raise ValueError(f"unknown routing {router.routing!r}; choose from softmax, sigmoid-grouped")
+        n_r = router.router_weight.shape[0]
+        if router.x.shape != (n_tok, h) or router.router_weight.shape != (n_r, h) or \
+                router.logits.shape != (n_tok, n_r) or router.experts.shape != (n_tok, top_k):
+            raise ValueError(f"router tensors disagree with T={n_tok}, H={h}, k={top_k}: x {tuple(router.x.shape)}, "
+                             f"router_weight {tuple(router.router_weight.shape)}, logits "
+                             f"{tuple(router.logits.shape)}, experts {tuple(router.experts.shape)}")
+        if rx_bm % ut:
+            raise ValueError(f"the router's dx m-tile {rx_bm} must be a multiple of the UNPERMUTE block {ut}")
+        ep = -(-n_r // 8) * 8  # dl's hi | lo halves: each row 2 * EP bf16 (16-byte aligned halves for TMA)
+        r_x, r_wr = _tma_ready(router.x), _tma_ready(router.router_weight)
+        r_logits = router.logits.float().contiguous()
+        r_experts = router.experts.to(torch.int32).contiguous()
+        dlhl = torch.empty((max(n_tok, 1), 2 * ep), dtype=torch.bfloat16, device=dev_)
+        dx = torch.empty((n_tok, h), dtype=torch.bfloat16, device=dev_)
+        d_router = torch.empty((n_r, h), dtype=torch.float32, device=dev_)
+        if n_tok == 0:  # no token: dWr = 0 (an empty sum), nothing else to compute (no zero-row descriptor)
+            d_router.zero_()
+            stages &= ~((1 << BWD_ROUTER_DL) | (1 << BWD_ROUTER_DW) | (1 << BWD_ROUTER_DX))
+        n_tb = -(-n_tok // rx_bm)
     if WGRAD_PAD_ROWS % w2t[2] or bm % w2t[2]:
         raise ValueError(f"the wgrad row step {w2t[2]} must divide the pad {WGRAD_PAD_ROWS} and the m-tile {bm}")
-    dev_ = dy_rows.device
     counts32, offs, first_mtile, elp2, max_mt = _mtile_plan(counts, r_pad, bm, pad_offs)
     bf = dict(dtype=torch.bfloat16, device=dev_)
     z, dgu, hb, dx_rows = (torch.empty((r_pad, n), **bf) for n in (f, 2 * f, f, h))
@@ -1679,7 +2108,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     dw13 = torch.empty((n_exp, h, 2 * f), dtype=out_dtype, device=dev_)
     dw2 = torch.empty((n_exp, f, h), dtype=out_dtype, device=dev_)
     dx_e = torch.empty((n_tok, h), dtype=torch.float32, device=dev_)
-    scratch_n = int(SCB_MTILES.value) + 2 * max_mt
+    scratch_n = int(SCB_MTILES.value) + 2 * max_mt + (n_tb if router is not None else 0)
     ws = runtime.get_workspace(None, dev_) if dev_.type == "cuda" else None
     errors = runtime.one_rank_errors(ws, dev_)  # (at W = 1 no peer: the workspace is a plain 1 MiB buffer)
     if dev_.type == "cuda":
@@ -1703,15 +2132,23 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         dy_rows, do_rows, x_rows, gu.contiguous(), w_pair.float().contiguous(), valid.contiguous().view(torch.uint8),
         w13, w2, offs, counts32, first_mtile, inv,
         z, dgu, hb, dw_rows, dx_rows, dw13, dw2, dx_e,
+        *((r_x, r_wr, r_logits, r_experts, dlhl, dx, d_router, n_r, ep, float(router.routed_scaling))
+          if router is not None else (errors,) * 7 + (0, 0, 1.0)),
         scratch, scratch_n, max_mt, errors, epoch_slot, max(1, timeout_ns // 1000), stages,
         errors if trace is None else trace, n_tok, h, f, n_exp, r_pad,
         TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
         TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
-        SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, num_warps=warps,
-        num_stages=gemm_stages)
+        SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None,
+        **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
+                ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
+                RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
+           if router is not None else {}),
+        num_warps=warps, num_stages=gemm_stages)
     runtime.after_one_rank_launch(ws, dev_, errors)
+    if router is not None:
+        return dx, dw_rows, dw13, dw2, d_router
     return dx_e, dw_rows, dw13, dw2
 
 
@@ -1785,7 +2222,8 @@ ONE_LAUNCH = False
 
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
                  renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
-                 padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None):
+                 padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None,
+                 router_in_launch: bool | None = None):
     """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
     output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
     fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
@@ -1823,7 +2261,10 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     dgrad1, both weight gradients and the dispatch backward -- in ONE persistent launch
     (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout only
     (True elsewhere: ValueError); the same tile arithmetic and orders, so the same bits (tested). ``programs``:
-    its grid (None: one program per SM)."""
+    its grid (None: one program per SM). ``router_in_launch`` (None: BWD_ROUTER_IN_LAUNCH; with one_launch only):
+    the router backward as stages of that launch too (the module docstring's "The router backward in the launch":
+    dx and d_router from the launch, fp32-level like the torch ops' -- not their bits); False: the torch ops after
+    the launch, bitwise the multi-launch path."""
     from .. import moe_reference as mr
     from ..runtime import world_size
     import torch.distributed as dist
@@ -1869,6 +2310,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     padded = padded and _triton_runs(x) and hidden % 8 == 0 and f % 8 == 0
     if one_launch is None:
         one_launch = ONE_LAUNCH and world == 1 and padded
+    if router_in_launch and not one_launch:
+        raise ValueError("moe_backward(router_in_launch=True) needs the one launch (one_launch=True, or ONE_LAUNCH "
+                         "where it applies): the router backward is a stage of that launch")
     elif one_launch and not padded:
         raise ValueError(f"moe_backward(one_launch=True) needs the padded row layout (padded=False was given, or "
                          f"H={hidden} / F={f} are not multiples of 8, or Triton cannot run on {x.device})")
@@ -1899,10 +2343,17 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     else:
         gu = _expert_gemm1(x_rows, w13, counts, pad_offs)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
-    if one_launch:  # the expert part in one launch (W = 1, padded); the router backward below as on the other path
-        dx_e, dw_rows, dw13, dw2 = expert_backward_one_launch(
+    if one_launch:  # the expert part in one launch (W = 1, padded); the router backward too (router_in_launch)
+        in_launch = BWD_ROUTER_IN_LAUNCH if router_in_launch is None else router_in_launch
+        router = RouterBackward(x, router_weight, bf16_mm_fp32(x, router_weight.t()), experts, routing,
+                                renormalize, routed_scaling) if in_launch else None
+        out = expert_backward_one_launch(
             dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, _pair_rows(order, row_of), n_tok,
-            k, wdt, programs=programs)
+            k, wdt, programs=programs, router=router)
+        if router is not None:
+            dx, _, dw13, dw2, d_router = out
+            return dx, d_router, dw13, dw2
+        dx_e, dw_rows, dw13, dw2 = out
     else:
         if not padded:
             do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
@@ -1929,8 +2380,10 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
 
 def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
                     renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
-                    padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None):
+                    padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None,
+                    router_in_launch: bool | None = None):
     """``moe_backward`` at one rank (all E experts local)."""
     return moe_backward(x, router_weight, w13, w2, dy, weights, experts, group=None, routing=routing,
                         renormalize=renormalize, routed_scaling=routed_scaling, wgrad_dtype=wgrad_dtype,
-                        saved_gu=saved_gu, padded=padded, one_launch=one_launch, programs=programs)
+                        saved_gu=saved_gu, padded=padded, one_launch=one_launch, programs=programs,
+                        router_in_launch=router_in_launch)
