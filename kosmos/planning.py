@@ -236,8 +236,12 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     for 1.27 waves of 57 us), the partial stores add 3-8 us and the fix-up (wait, TMA loads, adds) 2.5-4.6 us;
     under two waves the pieces alone lose (512x14336x2880: 67 us for an ideal 53, before any partial).
     Hence the fitted overhead (26 K steps, ~18 us with the kernel's fixed cost) and the data-parallel wave
-    required. The grid with this rule (2f697f5, results/h200x1/tp-grid-w1.*): ag_gemm 0.927 -> 0.942,
-    gemm_rs 0.928 -> 0.941 geomean, 13 -> 10 of 48 under 0.90, worst 0.749 / 0.743 at 512x5120x5120.
+    required. The grid with this rule (2f697f5, results/h200x1/s18/s18b): ag_gemm 0.927 -> 0.942,
+    gemm_rs 0.928 -> 0.941 geomean, 13 -> 10 of 48 under 0.90, worst 0.749 / 0.743 at 512x5120x5120; with the
+    short-K rule too (2a1a472, results/h200x1/tp-grid-w1.*): 0.941 / 0.942, 11 / 12 under 0.90 (the
+    two-per-SM points +0.3-3.8%, the rest -0.3% run to run: two shapes at ~0.90 fell under it). The llama3
+    per-rank suite (results/h200x1/tp-bf16-w1-shard2.*, 2a1a472; four of its shapes streamed): 0.998 / 1.001
+    geomean of cuBLAS, min 0.981 / 0.980 (session 17: 0.994 / 0.998, min 0.976).
     Left: the shapes under two waves (every shape now under 0.90 is one, or K = 1024). A run order whose
     concurrent tiles share panels (dev/sk_probe's sigma, s18c) fixes their L2 reuse (256x28672x5120: 157 ->
     139 us) but beats unsplit nowhere; what keeps them behind is the fix-up (10-14 us: the partial store
