@@ -467,9 +467,14 @@ T/128 x E/128 tiles, K = H, nothing to wait for), dWr with the tokens split into
 summed in order by the piece-0 owner) if its ~65 us tiles show as a tail in the trace, dx_e kept out of HBM
 (UNPERMUTE's slot sums folded into ROUTER_DX's epilogue: k gathered rows per [128, 128] tile, in column slices
 for the registers), and W > 1.
-GPU tests to run (tests/test_moe_backward.py): test_moe_backward_one_launch_router_in_launch_gpu (deepseek-v3:
-H 7168, E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-8 softmax, 1000 tokens;
-softmax without renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu.
+Tests (tests/test_moe_backward.py). Interpreter, passing: test_moe_backward_one_launch_router_in_launch (softmax
+with and without renormalisation, sigmoid-grouped with a bias, with and without; 2-4 programs),
+test_moe_backward_one_launch_router_bounded_waits (ROUTER_DL or UNPERMUTE left out), the trace test's router
+cases, test_moe_backward_one_launch_without_tokens (T = 0: d_router zeros from the host, the router stages off).
+GPU, written, NOT yet run: test_moe_backward_one_launch_router_in_launch_gpu (deepseek-v3: H 7168, E 256, top-8
+sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-8 softmax, 1000 tokens; softmax without
+renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu, and
+test_moe_backward_w1_never_syncs_gpu's one-launch case.
 """
 from __future__ import annotations
 
@@ -1598,7 +1603,7 @@ BWD_SWIGLU_ON_COMPLETION = True
 # launch (the module docstring's "The router backward in the launch"; nothing timed on a GPU yet); False -- the
 # torch ops after the launch, as before (bitwise the multi-launch path's dx and d_router)
 BWD_ROUTER_IN_LAUNCH = True
-BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [8, next_pow2(E)] fp32 blocks (4 spill-free too; see the docstring)
+BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [8, next_pow2(E)] fp32 blocks (4: spill-free too; docstring)
 # the router GEMMs' tiles (GPU): dx_r = dl Wr (BM x BN over [T, H], BK of E per step) and dWr = dl^T x (BI x BJ
 # over [E, H], BR tokens per step); hi and lo dl tiles share one TMA load of the Wr / x tile per step
 BWD_ROUTER_DX_TILES = (128, 128, 64, 3)  # (BM, BN, BK, stages)
