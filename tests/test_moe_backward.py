@@ -1125,8 +1125,9 @@ def test_moe_backward_one_launch_router_in_launch(case, programs, other, monkeyp
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("left_out,waits_for", [
-    ("ROUTER_DL", "every router dlogits block (the gate gradients through the routing) of the launch"),
-    ("UNPERMUTE", "the dispatch backward (dx_e) of token block 0")])
+    pytest.param("ROUTER_DL", "every router dlogits block (the gate gradients through the routing) of the launch",
+                 id="ROUTER_DL"),
+    pytest.param("UNPERMUTE", "the dispatch backward (dx_e) of token block 0", id="UNPERMUTE")])
 def test_moe_backward_one_launch_router_bounded_waits(left_out, waits_for, monkeypatch):
     """The router stages' waits are bounded: ROUTER_DL left out -- ROUTER_DW's (and ROUTER_DX's) wait on every
     dlogits block times out; UNPERMUTE left out -- ROUTER_DX's wait on its token block's dispatch backward; the

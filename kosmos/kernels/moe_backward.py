@@ -365,7 +365,9 @@ parallelism; with the recompute, x_rows must exist before the launch for torch's
 (built: below).
 
 The router backward in the launch (issue 15; built by a helper on branch router-in-launch after session 17,
-interpreter-tested; NOTHING HERE WAS RUN OR TIMED ON A GPU YET -- the GPU tests are written, see the end).
+interpreter-tested; its GPU tests passed on the H200 in session 18 -- results/h200x1/s18/README.md, calls s18g
+and s18h --, but NOTHING HERE WAS TIMED ON A GPU YET: every figure below that is not a register count is a
+prediction).
 ``moe_backward(..., one_launch=True)`` now runs the router backward as three more stages of the one launch
 (``BWD_ROUTER_IN_LAUNCH = True``, ``moe_backward(router_in_launch=)``; False keeps the torch ops after the launch:
 then dx and d_router are bitwise the multi-launch path's, as before; ``expert_backward_one_launch(router=
@@ -467,9 +469,15 @@ T/128 x E/128 tiles, K = H, nothing to wait for), dWr with the tokens split into
 summed in order by the piece-0 owner) if its ~65 us tiles show as a tail in the trace, dx_e kept out of HBM
 (UNPERMUTE's slot sums folded into ROUTER_DX's epilogue: k gathered rows per [128, 128] tile, in column slices
 for the registers), and W > 1.
-GPU tests to run (tests/test_moe_backward.py): test_moe_backward_one_launch_router_in_launch_gpu (deepseek-v3:
-H 7168, E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-8 softmax, 1000 tokens;
-softmax without renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu.
+Tests (tests/test_moe_backward.py). Interpreter, passing: test_moe_backward_one_launch_router_in_launch (softmax
+with and without renormalisation, sigmoid-grouped with a bias, with and without; 2-4 programs),
+test_moe_backward_one_launch_router_bounded_waits (ROUTER_DL or UNPERMUTE left out), the trace test's router
+cases, test_moe_backward_one_launch_without_tokens (T = 0: d_router zeros from the host, the router stages off).
+GPU (passed in session 18, s18g / s18h): test_moe_backward_one_launch_router_in_launch_gpu (deepseek-v3: H 7168,
+E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-8 softmax, 1000 tokens; softmax
+without renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu;
+test_moe_backward_w1_never_syncs_gpu's one-launch case [False-True] not in those calls' selection (-k one_launch
+and the router tests): not run yet.
 """
 from __future__ import annotations
 
@@ -1598,7 +1606,7 @@ BWD_SWIGLU_ON_COMPLETION = True
 # launch (the module docstring's "The router backward in the launch"; nothing timed on a GPU yet); False -- the
 # torch ops after the launch, as before (bitwise the multi-launch path's dx and d_router)
 BWD_ROUTER_IN_LAUNCH = True
-BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [8, next_pow2(E)] fp32 blocks (4 spill-free too; see the docstring)
+BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [8, next_pow2(E)] fp32 blocks (4: spill-free too; docstring)
 # the router GEMMs' tiles (GPU): dx_r = dl Wr (BM x BN over [T, H], BK of E per step) and dWr = dl^T x (BI x BJ
 # over [E, H], BR tokens per step); hi and lo dl tiles share one TMA load of the Wr / x tile per step
 BWD_ROUTER_DX_TILES = (128, 128, 64, 3)  # (BM, BN, BK, stages)
