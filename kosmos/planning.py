@@ -275,7 +275,8 @@ def _w1_cost(rows: int, n: int, k: int, tile: TileConfig, programs: int, stream_
     """tile_config's wave model for one schedule of the static W=1 GEMM, in 128x256-tile times: unsplit,
     ceil(T / programs) waves of tiles; stream-K (only where T >= 2 * programs: at least one data-parallel wave),
     T / programs tiles' time plus STREAM_K_OVERHEAD_STEPS K steps of a 128x256 tile."""
-    throughput = {(bm, bn): thr for bm, bn, _, _, thr in TILE_CANDIDATES}[(tile.BM, max(tile.BN, 128))]
+    cap = _pow2_at_least(n, 64, 256)  # tile_config's cap on BN: a candidate's tile as it picks it
+    throughput = next(thr for bm, bn, _, _, thr in TILE_CANDIDATES if bm == tile.BM and min(bn, cap) == tile.BN)
     tiles = -(-rows // tile.BM) * -(-n // tile.BN)
     per_tile = (tile.BM * tile.BN) / (128 * 256) / throughput
     if not stream_k:
