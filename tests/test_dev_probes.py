@@ -3,10 +3,12 @@
 * ``interpreter`` -- dev.tile_probe's check-only mode (``--cpu-smoke``) on tiny shapes under the CPU interpreter:
   every candidate tile checked against the fp32 product, through the kernels' own ``launch``.
 * dev.ab_compare refuses an A/B whose two sides ran the same code (the sessions 7-9 mistake).
+* dev.sk_probe's checked variants (the stream-K schedule with its fix-up) compute the product (interpreter).
 """
 import json
 
 import pytest
+import torch
 
 from dev import ab_compare, tile_probe
 
@@ -127,3 +129,31 @@ def test_trace_table_from_a_trace_buffer():
     assert lines[1].split() == ["0", "span", "0.0", "8.0"]
     assert lines[2].split() == ["0", "dgrad2", "2", "0.0", "3.0", "2.0"]   # (2 + 2) us over 2 programs
     assert lines[3].split() == ["0", "dgrad1", "1", "2.0", "8.0", "3.0"]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("m,n,k,programs", [(80, 96, 112, 4), (64, 128, 96, 5), (48, 96, 64, 7)])
+def test_sk_probe_checked_variants_are_the_product(m, n, k, programs):
+    """dev/sk_probe's variants that keep the tile sums whole (full, full-sigma, full-tma, full-tma-late) compute
+    C = A @ B under the interpreter (16x32x16 tiles: data-parallel waves then runs, runs shorter than a tile, the
+    sigma order), with every tile counter back at zero and no wait timed out."""
+    from dev import sk_probe
+    from kosmos.kernels.common import tma_descriptor
+    gen = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(k, n, generator=gen).to(torch.bfloat16)
+    ref = a.float() @ b.float()
+    bm, bn, bk = 16, 32, 16
+    tiles = -(-m // bm) * -(-n // bn)
+    for variant in ("full", "full-sigma", "full-tma", "full-tma-late"):
+        c = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        parts = torch.full((programs * bm, bn), float("nan"))
+        counters = torch.zeros(tiles, dtype=torch.int32)
+        errors = torch.zeros(16, dtype=torch.int64)
+        descs = (tma_descriptor(a, [bm, bk]), tma_descriptor(b, [bk, bn]), tma_descriptor(c, [bm, bn // 2]),
+                 tma_descriptor(parts, [bm, bn // 2]))
+        sk_probe._sk_matmul[(programs,)](*descs, m, n, k, parts, counters, errors, 10**6, BM=bm, BN=bn, BK=bk,
+                                         GROUP_M=8, STAGES=1, VARIANT=sk_probe.VARIANT_CODES[variant])
+        err = ((c.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (variant, err)
+        assert not bool(counters.any()) and int(errors[0]) == 0, variant
