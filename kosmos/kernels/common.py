@@ -31,16 +31,21 @@ def tile_matmul_steps(a_desc, b_desc, row, col, step_lo, step_hi, BM: tl.constex
     K split."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kk in range(step_lo, step_hi):
-        a = a_desc.load([row, kk * BK])
-        if B_KMAJOR:
-            b = b_desc.load([col, kk * BK]).T
-        else:
-            b = b_desc.load([kk * BK, col])
-        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _k_step(a_desc, b_desc, row, col, kk, acc, BK, B_KMAJOR, DOT_FP32)
     return acc
+
+
+@triton.jit
+def _k_step(a_desc, b_desc, row, col, kk, acc, BK: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + A[row:, kk*BK:+BK] @ B[kk*BK:+BK, col:] (TMA loads), one step of the GEMM mainloops."""
+    a = a_desc.load([row, kk * BK])
+    if B_KMAJOR:
+        b = b_desc.load([col, kk * BK]).T
+    else:
+        b = b_desc.load([kk * BK, col])
+    if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -52,15 +57,7 @@ def tile_matmul_cyclic(a_desc, b_desc, row, col, first, count, k_steps, BM: tl.c
     for j in range(0, count):
         kk = first + j
         kk = tl.where(kk >= k_steps, kk - k_steps, kk)
-        a = a_desc.load([row, kk * BK])
-        if B_KMAJOR:
-            b = b_desc.load([col, kk * BK]).T
-        else:
-            b = b_desc.load([kk * BK, col])
-        if DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _k_step(a_desc, b_desc, row, col, kk, acc, BK, B_KMAJOR, DOT_FP32)
     return acc
 
 

@@ -471,7 +471,7 @@ summed in order by the piece-0 owner) if its ~65 us tiles show as a tail in the 
 for the registers), and W > 1.
 Tests (tests/test_moe_backward.py). Interpreter, passing: test_moe_backward_one_launch_router_in_launch (softmax
 with and without renormalisation, sigmoid-grouped with a bias, with and without; 2-4 programs),
-test_moe_backward_one_launch_router_bounded_waits (ROUTER_DL or UNPERMUTE left out), the trace test's router
+test_moe_backward_one_launch_bounded_waits[ROUTER_DL-*, UNPERMUTE-*] (those stages left out), the trace test's router
 cases, test_moe_backward_one_launch_without_tokens (T = 0: d_router zeros from the host, the router stages off).
 GPU (passed in session 18, s18g / s18h): test_moe_backward_one_launch_router_in_launch_gpu (deepseek-v3: H 7168,
 E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-8 softmax, 1000 tokens; softmax
