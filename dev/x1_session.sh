@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -34,6 +34,14 @@ grid_run() {  # SECONDS: the public grid (suites/tp-grid.yaml, both TP ops, kosm
     2>> "$out/bench-grid.log"; keep
   echo "rows: $(grep -c '"type": "result"' "$out/tp-grid-w1.jsonl") of 96, ok $(grep -c '"status": "ok"' \
     "$out/tp-grid-w1.jsonl")"
+}
+llama3_w1_run() {  # SECONDS NAME: the llama3 per-rank TP suite at W=1 (kosmos, nccl+cublas), rendered (md, text)
+  timeout "$1" python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b,llama3-8b \
+    --impl kosmos,nccl+cublas --out "$out/$2.jsonl" > "$out/bench-llama3.log" 2>&1; echo "llama3 bench rc=$?"
+  timeout 20 python -m kosmos_bench.cli report "$out/$2.jsonl" --format md --out "$out/$2.md" \
+    >> "$out/bench-llama3.log" 2>&1
+  COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/$2.jsonl" > "$out/$2.txt" \
+    2>> "$out/bench-llama3.log"; keep
 }
 bwd_rows() {  # the MoE bench's kosmos / nccl-a2a bwd and fwd+bwd rows of a JSONL file: time and peak memory
   python - "$1" <<'PY'
@@ -953,12 +961,7 @@ PY
       grep -E "^  (all_gather|matmul_reduce|moe_forward|torch|quantize)" "$f" | head -8; }; done ;;
   s17a)  # session 17: the llama3 per-rank TP suite at W=1 (kosmos runs the static W=1 GEMM), against nccl+cublas
     begin_stage s17a
-    timeout 270 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b,llama3-8b \
-      --impl kosmos,nccl+cublas --out "$out/tp-llama3-w1.jsonl" > "$out/bench-llama3.log" 2>&1; echo "bench rc=$?"
-    timeout 20 python -m kosmos_bench.cli report "$out/tp-llama3-w1.jsonl" --format md --out "$out/tp-llama3-w1.md" \
-      >> "$out/bench-llama3.log" 2>&1
-    COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/tp-llama3-w1.jsonl" > "$out/tp-llama3-w1.txt" \
-      2>> "$out/bench-llama3.log"; keep; tail -25 "$out/tp-llama3-w1.txt" ;;
+    llama3_w1_run 270 tp-llama3-w1; tail -25 "$out/tp-llama3-w1.txt" ;;
   s17b)  # session 17: the static W=1 GEMM's K split -- its GPU tests, the split probe (every grid shape of
          # dev/flat_probe, the product kernel unsplit and at each split), then the grid with planning.w1_plan
     begin_stage s17b
@@ -1018,23 +1021,8 @@ PY
 16384x28672x1024,4096x1536x4096,2048x5120x4096,512x3072x2048,256x8192x2048,512x5120x5120,1024x3072x8192,\
 8192x8192x4096 > "$out/occupancy.log" 2>&1; echo "occupancy probe rc=$?"; keep
     grep -A10 "^variant" "$out/occupancy.log" ;;
-  s18f)  # session 18: the W=1 TP tests (stream-K, two programs per SM at short K, the launch refactor), graph
-         # replays, the grid and the llama3 per-rank suite at W=1 with w1_plan's final rule
-    begin_stage s18f
-    gpu_tests gpu-tests-w1 150 "w1 or world1 or static or split or stream" tests/test_matmul_reduce_scatter.py \
-      tests/test_all_gather_matmul.py tests/test_launch_plan.py tests/test_planning.py
-    gpu_tests gpu-tests-graphs 60 "w1_tp_op_replays or first_call or stalled" tests/test_cuda_graphs.py
-    grid_run 150
-    grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5
-    timeout 200 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b,llama3-8b \
-      --impl kosmos,nccl+cublas --out "$out/tp-bf16-w1-shard2.jsonl" > "$out/bench-llama3.log" 2>&1
-    echo "llama3 bench rc=$?"
-    timeout 20 python -m kosmos_bench.cli report "$out/tp-bf16-w1-shard2.jsonl" --format md \
-      --out "$out/tp-bf16-w1-shard2.md" >> "$out/bench-llama3.log" 2>&1
-    COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/tp-bf16-w1-shard2.jsonl" \
-      > "$out/tp-bf16-w1-shard2.txt" 2>> "$out/bench-llama3.log"; keep
-    grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-bf16-w1-shard2.txt" | head -5 ;;
-  s18g)  # session 18's last call: s18f with the router-in-launch GPU tests (issue 15) between its tests and benches
+  s18g)  # session 18's last call: the W=1 TP tests, graph replays, the router-in-launch GPU tests (issue 15), the grid
+         # and the llama3 per-rank suite at W=1 (s18f, the same less the router tests, was refused twice and removed)
     begin_stage s18g
     gpu_tests gpu-tests-w1 110 "w1 or world1 or static or split or stream" tests/test_matmul_reduce_scatter.py \
       tests/test_all_gather_matmul.py tests/test_launch_plan.py tests/test_planning.py
@@ -1042,16 +1030,10 @@ PY
     gpu_tests gpu-tests-router 100 "one_launch" tests/test_moe_backward.py
     grid_run 100
     grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5
-    timeout 150 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b,llama3-8b \
-      --impl kosmos,nccl+cublas --out "$out/tp-bf16-w1-shard2.jsonl" > "$out/bench-llama3.log" 2>&1
-    echo "llama3 bench rc=$?"
-    timeout 20 python -m kosmos_bench.cli report "$out/tp-bf16-w1-shard2.jsonl" --format md \
-      --out "$out/tp-bf16-w1-shard2.md" >> "$out/bench-llama3.log" 2>&1
-    COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/tp-bf16-w1-shard2.jsonl" \
-      > "$out/tp-bf16-w1-shard2.txt" 2>> "$out/bench-llama3.log"; keep
+    llama3_w1_run 150 tp-bf16-w1-shard2
     grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-bf16-w1-shard2.txt" | head -5 ;;
   s18h)  # session 18: the router-in-launch GPU tests s18g's time budget cut off
     begin_stage s18h
     gpu_tests gpu-tests-router 110 "router_in_launch_gpu and softmax or router_bounded_wait_gpu" tests/test_moe_backward.py ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18f|s18g|s18h" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h" >&2; exit 2 ;;
 esac
