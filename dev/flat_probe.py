@@ -141,6 +141,27 @@ def static_matmul(a, b, bm, bn, bk, warps, stages, flatten, programs, ws=False):
     return fn
 
 
+def check_and_time(fn, ref, t_gemm: float, row: dict, iters: int, warmup: int, check: bool = True) -> None:
+    """One variant into ``row``: its output poisoned, recomputed and (``check``) held to 1e-2 relative error
+    against ``ref`` (status "wrong" otherwise, not timed), then timed as the bench times (time_ms, ratio to
+    ``t_gemm``: torch.matmul alone); an exception is recorded as "failed" and the probe goes on."""
+    from kosmos_bench import timing
+    try:
+        out = fn()
+        out.fill_(float("nan"))
+        out = fn()
+        torch.cuda.synchronize()
+        if check:
+            row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+            if not row["rel_err"] < 1e-2:
+                row.update(status="wrong")
+                return
+        tm = timing.time_op(fn, iters=iters, warmup=warmup)
+        row.update(status="ok", time_ms=tm["time_ms"], ratio=t_gemm / tm["time_ms"])
+    except Exception as e:  # noqa: BLE001 -- recorded, the probe goes on
+        row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:200]}")
+
+
 DEFAULT_SHAPES = ("512x1536x7168,256x4096x4096,256x1536x1024,512x5120x5120,6000x1536x1024,512x3072x2048,"
                   "1024x3072x8192,2048x1536x5120,256x8192x2048,256x6144x8192,3000x3072x7168,3000x5120x1024,"
                   "1024x8192x1024,4096x1536x4096,4096x14336x1024,8192x6144x1024,4096x8192x8192,8192x28672x4096,"
@@ -220,20 +241,7 @@ def main(argv=None) -> int:
         for name, fn in variants.items():
             row = {"type": "result", "m": m, "n": n, "k": k, "variant": name, "t_gemm_ms": t_gemm,
                    "rule": f"{rule.BM}x{rule.BN}x{rule.BK}w{rule.num_warps}s{rule.num_stages}"}
-            try:
-                out = fn()
-                out.fill_(float("nan"))
-                out = fn()
-                torch.cuda.synchronize()
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                row["rel_err"] = err
-                if not err < 1e-2:
-                    row.update(status="wrong")
-                else:
-                    tm = timing.time_op(fn, iters=args.iters, warmup=args.warmup)
-                    row.update(status="ok", time_ms=tm["time_ms"], ratio=t_gemm / tm["time_ms"])
-            except Exception as e:  # noqa: BLE001 -- recorded, the probe goes on
-                row.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:200]}")
+            check_and_time(fn, ref, t_gemm, row, args.iters, args.warmup)
             rows.emit(row)
             print(f"{m}x{n}x{k} {name:<13} {row['status']:<6} "
                   f"{row.get('ratio', float('nan')):.3f}x cuBLAS ({row.get('time_ms', float('nan')) * 1e3:.1f} "
