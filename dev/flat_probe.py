@@ -36,6 +36,12 @@ and on the many-wave shapes.
 Session 18: sk-128x256 / sk-128x128 time the stream-K v2 schedule (data-parallel waves, then runs reading K in
 step; kernels/common.w1_matmul_kernel), at the shapes of ``--shapes`` (s18a: the 18 where w1_plan first
 streamed; figures in planning.w1_plan's docstring).
+--tails (session 19): tiles between Triton's powers of two -- 128 + 64 = 192 or 128 + 32 = 160 columns, two
+accumulators per tile (kernels/common.tile_matmul_tail) -- so that a last wave of tiles is fuller:
+1024x3072x8192 makes 96 tiles of 128x256 on 132 SMs (0.73 of a wave) but 128 of 128x192; 512x5120x5120 80
+of 128x256, 128 of 128x160. PREDICTION (before the run, s19a): where the wave model puts 192 or 160 ahead
+(1024x3072x8192, 2048x1536x5120, 4096x1536x4096, 1024x6144x7168, 512x5120x5120, 2048x5120x4096), +10-25% over
+w1-plan; on many-wave shapes 128x192 at ~0.95-0.97 of 128x256's rate, 128x160 ~0.90-0.93.
 --occupancy (session 18): what hides a tile's epilogue and prologue at short K -- two programs per SM of the
 product kernel at 128x128 (3 stages, 4 or 8 warps: each program's epilogue under the other's mainloop), and the
 flattened loop warp-specialised (tl.range(..., warp_specialize=True)) at 128x256 / 128x128. PREDICTION (before
@@ -85,10 +91,11 @@ def _static_matmul(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.con
         store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
 
 
-def product_w1(a, b, cfg, split, programs, rb=None, stream_k=False):
+def product_w1(a, b, cfg, split, programs, rb=None, stream_k=False, tail=0):
     """The product kernel (kernels/common.w1_matmul_kernel) at tile ``cfg`` and K split ``split``, launched
     directly (its own partial buffer and counters); ``rb``: the rows per block of the split's sum instead of
-    common.w1_reduce_rows'; ``stream_k``: the stream-K schedule (``split`` 1)."""
+    common.w1_reduce_rows'; ``stream_k``: the stream-K schedule (``split`` 1); ``tail``: tiles cfg.BN + tail
+    wide (unsplit)."""
     from kosmos import codes, planning, runtime
     from kosmos.kernels.common import (w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid,
                                        w1_stream_k_grid)
@@ -113,7 +120,7 @@ def product_w1(a, b, cfg, split, programs, rb=None, stream_k=False):
                      counters=torch.zeros(2 * (grid // split), dtype=torch.int32, device=a.device),
                      errors=ws.errors, timeout_ns=ws.timeout_ns())
     g, args, kw = w1_matmul_args(a, b, False, c, cfg, epoch, programs, GROUP_M, False, split=split,
-                                 op=codes.OP_MATMUL_REDUCE_SCATTER.value, **extra)
+                                 op=codes.OP_MATMUL_REDUCE_SCATTER.value, tail=tail, **extra)
     if rb is not None:
         kw["RB"] = rb
 
@@ -184,6 +191,8 @@ def main(argv=None) -> int:
                     help="time the product kernel unsplit, K-split and stream-K instead")
     ap.add_argument("--occupancy", action="store_true",
                     help="time two programs per SM (128x128, 3 stages) and warp-specialised loops instead")
+    ap.add_argument("--tails", action="store_true",
+                    help="time tiles 128 + a 64- or 32-column tail wide (192, 160) against 128x256 / 128x128")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flat_probe: needs a CUDA GPU")
@@ -220,6 +229,16 @@ def main(argv=None) -> int:
                         "sk-128x128": product_w1(a, b, t128, 1, programs, stream_k=True)}
             if triton.cdiv(k, 64) >= 16:
                 variants["split-128x128-2"] = product_w1(a, b, t128, 2, programs)
+            print(f"{m}x{n}x{k}: w1_plan {w1}", flush=True)
+        elif args.tails:
+            w1 = planning.w1_plan(m, n, k, programs=programs)
+            t128w8 = lambda stages: planning.TileConfig(128, 128, 64, 8, stages)  # noqa: E731
+            variants = {"w1-plan": lambda: kosmos.matmul_reduce_scatter(a, b),
+                        "w1-128x256": product_w1(a, b, planning.TileConfig(128, 256, 64, 8, 3), 1, programs),
+                        "w1-128x128": product_w1(a, b, planning.TileConfig(128, 128, 64, 4, 4), 1, programs),
+                        "tail-192s3": product_w1(a, b, t128w8(3), 1, programs, tail=64),
+                        "tail-192s4": product_w1(a, b, t128w8(4), 1, programs, tail=64),
+                        "tail-160s4": product_w1(a, b, t128w8(4), 1, programs, tail=32)}
             print(f"{m}x{n}x{k}: w1_plan {w1}", flush=True)
         elif args.occupancy:
             variants = {"kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),

@@ -120,8 +120,9 @@ def _compile_among(module, kernel_name: str, call) -> dict:
 
 
 def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
-    """(name, resources) of kernels/common.w1_matmul_kernel as planning.w1_plan's three schedules launch it:
-    unsplit (128x256), the K split (128x128, 2 parts) and stream-K (128x256 and 128x128), on one shape."""
+    """(name, resources) of kernels/common.w1_matmul_kernel as planning.w1_plan's schedules launch it:
+    unsplit (128x256), the K split (128x128, 2 parts), stream-K (128x256 and 128x128) and the tail tiles
+    (128 + 64 and 128 + 32 columns), on one shape."""
     from kosmos import planning
     from kosmos.kernels import common as cm
     bf = dict(dtype=torch.bfloat16, device=dev)
@@ -129,13 +130,16 @@ def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
     small = lambda n_, dt: torch.zeros(n_, dtype=dt, device=dev)  # noqa: E731
     parts = torch.empty(132 * 128 * 256, dtype=torch.float32, device=dev)
     out = []
-    for name, cfg, split, sk in (("w1_matmul unsplit", planning.TileConfig(128, 256, 64, 8, 3), 1, False),
-                                 ("w1_matmul split 2", planning.SPLIT_TILE, 2, False),
-                                 ("w1_matmul stream-k", planning.TileConfig(128, 256, 64, 8, 3), 1, True),
-                                 ("w1_matmul stream-k 128", planning.TileConfig(128, 128, 64, 4, 4), 1, True)):
+    t128 = planning.TileConfig(128, 128, 64, 8, 4)
+    for name, cfg, split, sk, tail in (("w1_matmul unsplit", planning.TileConfig(128, 256, 64, 8, 3), 1, False, 0),
+                                       ("w1_matmul split 2", planning.SPLIT_TILE, 2, False, 0),
+                                       ("w1_matmul stream-k", planning.TileConfig(128, 256, 64, 8, 3), 1, True, 0),
+                                       ("w1_matmul stream-k 128", planning.TileConfig(128, 128, 64, 4, 4), 1, True, 0),
+                                       ("w1_matmul tail 192", t128, 1, False, 64),
+                                       ("w1_matmul tail 160", t128, 1, False, 32)):
         grid, args, kw = cm.w1_matmul_args(a, b, False, c, cfg, small(4, torch.int32), 132, planning.GROUP_M, False,
                                            split=split, partials=parts, counters=small(4096, torch.int32),
-                                           errors=small(16, torch.int64), timeout_ns=10**9, stream_k=sk)
+                                           errors=small(16, torch.int64), timeout_ns=10**9, stream_k=sk, tail=tail)
         out.append((name, _resources(cm.w1_matmul_kernel.warmup(*args, grid=(grid,), **kw))))
     return out
 

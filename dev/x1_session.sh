@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1035,5 +1035,19 @@ PY
   s18h)  # session 18: the router-in-launch GPU tests s18g's time budget cut off
     begin_stage s18h
     gpu_tests gpu-tests-router 110 "router_in_launch_gpu and softmax or router_bounded_wait_gpu" tests/test_moe_backward.py ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h" >&2; exit 2 ;;
+  s19a)  # session 19: the tail tiles (128 + 64 / 32 columns) -- GPU tests, flat_probe --tails on the shapes the wave
+         # model would give them and three many-wave ones; issue 15: the router in the one launch timed
+         # (deepseek-v3 4k zipf:1.2), the W=1 backward's never-syncs test
+    begin_stage s19a
+    gpu_tests gpu-tests-tail 80 "tail" tests/test_matmul_reduce_scatter.py
+    timeout 190 python -m dev.flat_probe --tails --max-seconds 170 --json "$out/tails.jsonl" --shapes \
+1024x3072x8192,2048x1536x5120,4096x1536x4096,1024x6144x7168,512x5120x5120,2048x5120x4096,6000x1536x1024,\
+3000x3072x7168,3000x5120x1024,6000x3072x5120,16384x3072x4096,8192x6144x4096,16384x5120x8192,3000x6144x5120 \
+      > "$out/tails.log" 2>&1; echo "tails probe rc=$?"; keep
+    grep -A9 "^variant" "$out/tails.log"
+    gpu_tests gpu-tests-nosync 80 "never_syncs" tests/test_moe_backward.py
+    timeout 150 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing zipf:1.2 --passes 3 \
+      --variants padded,one-launch,one-launch-torch-router --json "$out/router-ab.jsonl" > "$out/router-ab.log" 2>&1
+    echo "router ab rc=$?"; keep; tail -4 "$out/router-ab.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f" >&2; exit 2 ;;
 esac

@@ -179,11 +179,18 @@ SHORT_K_MAX_WAVES = 16
 class W1Plan:
     """How the static W=1 GEMM runs a shape: its tile, a K split in ``split`` parts or stream-K, and its
     programs per SM (``per_sm`` x the SMs in the grid: two co-resident programs, each one's epilogue under the
-    other's mainloop)."""
+    other's mainloop); ``tail``: tiles tile.BN + tail columns wide, unsplit (a 64- or 32-column second
+    accumulator: kernels/common.tile_matmul_tail)."""
     tile: TileConfig
     split: int = 1
     stream_k: bool = False
     per_sm: int = 1
+    tail: int = 0
+
+    @property
+    def width(self) -> int:
+        """Columns per tile."""
+        return self.tile.BN + self.tail
 
 
 def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:

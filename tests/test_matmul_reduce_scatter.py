@@ -199,7 +199,7 @@ def test_w1_matmul_reduce_scatter_mxfp8(no_tf32, m, k, n):
 
 
 # ================================================================== the static GEMM of W = 1 (common.w1_matmul_kernel)
-def _w1_static(a, b_store, kmajor, grid, cfg=None):
+def _w1_static(a, b_store, kmajor, grid, cfg=None, tail=0):
     from kosmos import planning
     from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel
     m, k = a.shape
@@ -207,7 +207,8 @@ def _w1_static(a, b_store, kmajor, grid, cfg=None):
     cfg = cfg or planning.tile_config(m, n, k, world=1, programs=grid)
     c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=a.device)
     epoch = torch.full((1,), 7, dtype=torch.int32, device=a.device)
-    g, args, kw = w1_matmul_args(a, b_store, kmajor, c, cfg, epoch, grid, planning.GROUP_M, planning.interpreting())
+    g, args, kw = w1_matmul_args(a, b_store, kmajor, c, cfg, epoch, grid, planning.GROUP_M, planning.interpreting(),
+                                 tail=tail)
     w1_matmul_kernel[(g,)](*args, **kw)
     assert int(epoch[0]) == 8  # one launch, one epoch
     return c, g
@@ -229,6 +230,59 @@ def test_w1_static_matmul_is_the_self_scheduled_kernel_bitwise(ms, k, n, kmajor,
     got, programs = _w1_static(t.As[0], t.b_store[0], kmajor, grid, t.cfg)
     assert torch.isfinite(got.float()).all(), programs
     assert torch.equal(got, want), (programs, (got.float() - want.float()).abs().max())
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("ms,k,n", [(40, 48, 80), (33, 40, 72), (16, 16, 48)])
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("grid", [1, 3])
+def test_w1_static_matmul_tail_tiles(ms, k, n, kmajor, grid):
+    """Tiles BN + a tail wide (two accumulators): ragged M, N (a last tile whose tail lies wholly past N at
+    n = 80 and 48) and K, b k-major, fewer programs than tiles -- every element written (NaN-poisoned) and
+    within TOL of the fp32 product; the same bits on a second launch."""
+    from kosmos import planning, reference
+    gen = torch.Generator().manual_seed(ms + k + n + grid)
+    a = randn((ms, k), gen, "cpu")
+    b = opcases.weight(k, n, gen, "cpu", kmajor)
+    b_store = b.t() if kmajor else b
+    cfg = planning.TileConfig(16, 16, 16, 4, 1)
+    got, programs = _w1_static(a, b_store, kmajor, grid, cfg, tail=16)
+    assert programs == min(grid, -(-ms // 16) * -(-n // 32))
+    assert torch.isfinite(got.float()).all()
+    assert reference.rel_err(got, a.float() @ b.float()) < TOL
+    again, _ = _w1_static(a, b_store, kmajor, grid, cfg, tail=16)
+    assert torch.equal(again, got)
+
+
+def test_w1_tail_tiles_run_unsplit_only():
+    from kosmos import planning
+    from kosmos.kernels.common import w1_matmul_args
+    a, b, c = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(
+        64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unsplit only"):
+        w1_matmul_args(a, b, False, c, planning.TileConfig(16, 16, 16, 4, 1), torch.zeros(1, dtype=torch.int32), 4,
+                       planning.GROUP_M, True, split=2, tail=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1024, 8192, 3072), (512, 5120, 5120), (3000, 2880, 6912), (100, 256, 200)])
+@pytest.mark.parametrize("tail", [64, 32])
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_w1_static_matmul_tail_tiles_gpu(no_tf32, m, k, n, tail, kmajor):
+    """The tail tiles (128 + 64 = 192 or 128 + 32 = 160 columns) at their real sizes on the GPU: every element
+    written (NaN-poisoned), within TOL of the fp32 product, bitwise the same on a second launch."""
+    from kosmos import planning, reference
+    gen = torch.Generator().manual_seed(m + k + n + tail)
+    a = randn((m, k), gen, "cuda")
+    b = opcases.weight(k, n, gen, "cuda", kmajor)
+    b_store = b.t() if kmajor else b
+    cfg = planning.TileConfig(128, 128, 64, 8, 4)
+    sms = runtime.num_sms(a.device)
+    got, _ = _w1_static(a, b_store, kmajor, sms, cfg, tail=tail)
+    assert torch.isfinite(got.float()).all()
+    assert reference.rel_err(got, a.float() @ b.float()) < TOL
+    again, _ = _w1_static(a, b_store, kmajor, sms, cfg, tail=tail)
+    assert torch.equal(again, got)
 
 
 @pytest.mark.gpu

@@ -49,6 +49,32 @@ def _k_step(a_desc, b_desc, row, col, kk, acc, BK: tl.constexpr, B_KMAJOR: tl.co
 
 
 @triton.jit
+def tile_matmul_tail(a_desc, b_desc, b2_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr,
+                     BK: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+    """tile_matmul of a tile BN + BN_TAIL columns wide, as two accumulators: acc[BM, BN] of columns
+    [col, col + BN) and acc2[BM, BN_TAIL] of [col + BN, col + BN + BN_TAIL), the tail's B through its own
+    descriptor (b2_desc, blocks of BN_TAIL columns). Triton's blocks are powers of two; two MMAs per K step on
+    the same A tile make a 192- or 160-wide tile."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN_TAIL), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BK)):
+        a = a_desc.load([row, kk * BK])  # one A tile for both MMAs
+        if B_KMAJOR:
+            b = b_desc.load([col, kk * BK]).T
+            b2 = b2_desc.load([col + BN, kk * BK]).T
+        else:
+            b = b_desc.load([kk * BK, col])
+            b2 = b2_desc.load([kk * BK, col + BN])
+        if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+            b2 = b2.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        acc2 = tl.dot(a, b2, acc2)
+    return acc, acc2
+
+
+@triton.jit
 def tile_matmul_cyclic(a_desc, b_desc, row, col, first, count, k_steps, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
     """tile_matmul over ``count`` <= k_steps K steps first, first + 1, ... taken modulo k_steps (a stream-K
@@ -71,10 +97,10 @@ def _grouped_tile(t, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, epoch_ptr, M, N, K, c_ptr, part_ptr, cnt_ptr, err_ptr, timeout_ns,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr,
+def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr, M, N, K, c_ptr, part_ptr, cnt_ptr,
+                     err_ptr, timeout_ns, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr,
                      GROUP_M: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
-                     RB: tl.constexpr, OP: tl.constexpr, STREAM_K: tl.constexpr = False):
+                     RB: tl.constexpr, OP: tl.constexpr, STREAM_K: tl.constexpr = False, BN_TAIL: tl.constexpr = 0):
     """C = A @ B at one rank, where a TP op has nothing to wait for: persistent, program p taking tiles p,
     p + GRID, ... of the grouped order (static: no queue claim, no task table, no exit protocol), and one
     software-pipelined loop over the (tile, k) pairs (``flatten``), so the next tile's first loads are in flight
@@ -112,12 +138,28 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, epoch_ptr, M, N, K, c_ptr, 
     in bf16 and resets the counter to 0. Every other piece is the *first* piece of its program's run, so each
     program stores at most one partial (slot = program id, pointer stores, released by the counter; the owner's
     acquire includes the proxy fence its TMA loads need) before it waits for anything: no wait can be
-    circular. Under the interpreter the programs run last first (one valid order of a GPU's)."""
+    circular. Under the interpreter the programs run last first (one valid order of a GPU's).
+
+    BN_TAIL > 0 (SPLIT 1 only; planning.w1_plan: a tile width between Triton's powers of two fills the last
+    wave better): each tile is BN + BN_TAIL columns wide, two accumulators (tile_matmul_tail; the tail's B
+    blocks through b2_desc, its store through c2_desc, blocks [BM, BN_TAIL]). Every output element is still
+    one fp32 dot over K in K-step order."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    if STREAM_K:
+    n_n = tl.cdiv(N, BN + BN_TAIL)
+    if BN_TAIL > 0:
+        tl.static_assert(SPLIT == 1 and not STREAM_K, "a tail tile runs unsplit only")
+        t_out = pid - grid
+        for t in tl.range(pid, n_m * n_n, grid, flatten=True, num_stages=STAGES):
+            tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
+            acc, acc2 = tile_matmul_tail(a_desc, b_desc, b2_desc, tm * BM, tn * (BN + BN_TAIL), K, BM, BN, BN_TAIL,
+                                         BK, B_KMAJOR, DOT_FP32)
+            t_out += grid
+            om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
+            store_tile_tma(c_desc, acc, om * BM, on * (BN + BN_TAIL), BM, BN)
+            c2_desc.store([om * BM, on * (BN + BN_TAIL) + BN], acc2.to(tl.bfloat16))
+    elif STREAM_K:
         if dev.INTERPRET:  # the interpreter runs programs in order: last first, so owners find their parts stored
             pid = grid - 1 - pid
         k_steps = tl.cdiv(K, BK)
@@ -226,22 +268,29 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, epoch_ptr, M, N, K, c_ptr, 
 
 def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int, group_m: int, dot_fp32: bool,
                    split: int = 1, partials=None, counters=None, errors=None, timeout_ns: int = 0, op: int = 0,
-                   stream_k: bool = False):
+                   stream_k: bool = False, tail: int = 0):
     """(grid, runtime arguments, constexpr / option keywords) of w1_matmul_kernel for C [M, N] = A [M, K] @ B
     (b_store [K, N], or [N, K] when ``b_kmajor``) at tile ``cfg``: min(programs, tiles) programs; ``epoch_slot``
     the workspace's device epoch (int32 [1]), advanced by the launch. ``split`` > 1: the K split, on
     w1_split_grid(...) programs, with ``partials`` (fp32, w1_partial_elems(...)), ``counters`` (int32, 2 per
     split group, zero) and the error record ``errors`` / ``timeout_ns`` of its bounded waits, which name the
     TP op ``op`` (a codes.OP_* value). ``stream_k``: the stream-K schedule on min(programs, tiles * steps)
-    programs, with ``partials`` (fp32, >= one tile per program), ``counters`` (int32, one per tile, zero)."""
+    programs, with ``partials`` (fp32, >= one tile per program), ``counters`` (int32, one per tile, zero).
+    ``tail`` > 0 (unsplit only): tiles cfg.BN + tail columns wide (the kernel's BN_TAIL)."""
     m, k = a.shape
     n = c.shape[1]
-    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    if tail and (split > 1 or stream_k):
+        raise ValueError(f"w1_matmul_args: a tail of {tail} columns runs unsplit only (split {split}, "
+                         f"stream_k {stream_k})")
+    tiles = -(-m // cfg.BM) * -(-n // (cfg.BN + tail))
     a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
-    p_desc = c_desc  # unused unless stream-K
+    p_desc = b2_desc = c2_desc = c_desc  # unused unless stream-K / a tail
+    if tail:
+        b2_desc = tma_descriptor(b_store, [tail, cfg.BK] if b_kmajor else [cfg.BK, tail])
+        c2_desc = tma_descriptor(c, [cfg.BM, tail])
     kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
               DOT_FP32=dot_fp32, SPLIT=split, RB=w1_reduce_rows(cfg.BM, split), OP=op, STREAM_K=stream_k,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              BN_TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if stream_k:
         grid = w1_stream_k_grid(programs, tiles, k, cfg)
         p_desc = tma_descriptor(partials[:grid * cfg.BM * cfg.BN].view(grid * cfg.BM, cfg.BN), [cfg.BM, cfg.BN // 2])
@@ -250,7 +299,8 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
         partials = counters = errors = epoch_slot
     else:
         grid = w1_split_grid(programs, tiles, split)
-    return grid, (a_desc, b_desc, c_desc, p_desc, epoch_slot, m, n, k, c, partials, counters, errors, timeout_ns), kw
+    return grid, (a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_slot, m, n, k, c, partials, counters, errors,
+                  timeout_ns), kw
 
 
 def w1_reduce_rows(bm: int, split: int) -> int:
@@ -288,7 +338,7 @@ def w1_matmul_launch(a, b_store, b_kmajor: bool, c, plan, ws, programs: int, op:
     programs *= plan.per_sm
     extra = {}
     m, n = a.shape[0], c.shape[1]
-    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    tiles = -(-m // cfg.BM) * -(-n // plan.width)
     if stream_k:
         grid = w1_stream_k_grid(programs, tiles, a.shape[1], cfg)
         ws.ensure_counters(tiles)
@@ -301,7 +351,7 @@ def w1_matmul_launch(a, b_store, b_kmajor: bool, c, plan, ws, programs: int, op:
                                        torch.float32),
                      counters=ws.counters, errors=ws.errors, timeout_ns=ws.timeout_ns())
     g, args, kw = w1_matmul_args(a, b_store, b_kmajor, c, cfg, ws.epoch_slot, programs, planning.GROUP_M,
-                                 planning.interpreting(), split=split, op=op, **extra)
+                                 planning.interpreting(), split=split, op=op, tail=plan.tail, **extra)
     return launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
 
 
