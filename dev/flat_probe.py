@@ -41,7 +41,8 @@ accumulators per tile (kernels/common.tile_matmul_tail) -- so that a last wave o
 1024x3072x8192 makes 96 tiles of 128x256 on 132 SMs (0.73 of a wave) but 128 of 128x192; 512x5120x5120 80
 of 128x256, 128 of 128x160. PREDICTION (before the run, s19a): where the wave model puts 192 or 160 ahead
 (1024x3072x8192, 2048x1536x5120, 4096x1536x4096, 1024x6144x7168, 512x5120x5120, 2048x5120x4096), +10-25% over
-w1-plan; on many-wave shapes 128x192 at ~0.95-0.97 of 128x256's rate, 128x160 ~0.90-0.93.
+w1-plan; on many-wave shapes 128x192 at ~0.95-0.97 of 128x256's rate, 128x160 ~0.90-0.93. 128 x (64 + 32)
+(4 warps) for the few-tile shapes (512x3072x2048: 128 tiles of it, 96 of 128x128): ~+5% there.
 --occupancy (session 18): what hides a tile's epilogue and prologue at short K -- two programs per SM of the
 product kernel at 128x128 (3 stages, 4 or 8 warps: each program's epilogue under the other's mainloop), and the
 flattened loop warp-specialised (tl.range(..., warp_specialize=True)) at 128x256 / 128x128. PREDICTION (before
@@ -238,7 +239,8 @@ def main(argv=None) -> int:
                         "w1-128x128": product_w1(a, b, planning.TileConfig(128, 128, 64, 4, 4), 1, programs),
                         "tail-192s3": product_w1(a, b, t128w8(3), 1, programs, tail=64),
                         "tail-192s4": product_w1(a, b, t128w8(4), 1, programs, tail=64),
-                        "tail-160s4": product_w1(a, b, t128w8(4), 1, programs, tail=32)}
+                        "tail-160s4": product_w1(a, b, t128w8(4), 1, programs, tail=32),
+                        "tail-96s4": product_w1(a, b, planning.TileConfig(128, 64, 64, 4, 4), 1, programs, tail=32)}
             print(f"{m}x{n}x{k}: w1_plan {w1}", flush=True)
         elif args.occupancy:
             variants = {"kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),

@@ -1042,9 +1042,10 @@ PY
     gpu_tests gpu-tests-tail 80 "tail" tests/test_matmul_reduce_scatter.py
     timeout 190 python -m dev.flat_probe --tails --max-seconds 170 --json "$out/tails.jsonl" --shapes \
 1024x3072x8192,2048x1536x5120,4096x1536x4096,1024x6144x7168,512x5120x5120,2048x5120x4096,6000x1536x1024,\
-3000x3072x7168,3000x5120x1024,6000x3072x5120,16384x3072x4096,8192x6144x4096,16384x5120x8192,3000x6144x5120 \
+3000x3072x7168,3000x5120x1024,6000x3072x5120,16384x3072x4096,8192x6144x4096,16384x5120x8192,512x3072x2048,\
+256x4096x4096,256x6144x8192,3000x6144x5120 \
       > "$out/tails.log" 2>&1; echo "tails probe rc=$?"; keep
-    grep -A9 "^variant" "$out/tails.log"
+    grep -A10 "^variant" "$out/tails.log"
     gpu_tests gpu-tests-nosync 80 "never_syncs" tests/test_moe_backward.py
     timeout 150 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing zipf:1.2 --passes 3 \
       --variants padded,one-launch,one-launch-torch-router --json "$out/router-ab.jsonl" > "$out/router-ab.log" 2>&1
