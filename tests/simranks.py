@@ -508,8 +508,9 @@ class MoEBwdRanks:
         outs = None if first else self.outs[r]
         got = mb.expert_backward_ep_launch(
             self.xs[r], self.dys[r], self.weights[r], self.experts[r], self.w13[r], self.w2[r], self.bufs(r), rank=r,
-            world=self.world, epoch_slot=self.epochs[r], timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns,
-            grid=self.grid, out_dtype=self.wgrad_dtype, router=self.router_inputs(r),
+            world=self.world, epoch_slot=self.epochs[r],
+            timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns, grid=self.grid,
+            out_dtype=self.wgrad_dtype, router=self.router_inputs(r),
             stages=mb.BWD_ALL_STAGES if stages is None else stages, final=final, outs=outs)
         self.outs[r] = got[-1]
         self.results = getattr(self, "results", [None] * self.world)
@@ -547,5 +548,6 @@ class MoEBwdRanks:
         dx, dr, dw13, dw2 = moe_reference.moe_backward_ref(x, self.wr.cpu(), self.w13_all.cpu(), self.w2_all.cpu(),
                                                            dy, top_k=self.k, experts=ex, **kw)
         t, el = self.t, self.el
-        return ([dx[r * t:(r + 1) * t] for r in range(self.world)], dr,
-                [dw13[r * el:(r + 1) * el] for r in range(self.world)], [dw2[r * el:(r + 1) * el] for r in range(self.world)])
+        ranks = range(self.world)
+        return ([dx[r * t:(r + 1) * t] for r in ranks], dr, [dw13[r * el:(r + 1) * el] for r in ranks],
+                [dw2[r * el:(r + 1) * el] for r in ranks])

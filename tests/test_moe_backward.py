@@ -512,12 +512,13 @@ def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None, e
         again = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
                              saved_gu=saved_gu, padded=padded, **full["rkw"])
         same = all(torch.equal(a, b) for a, b in zip(got, again))
-        try:  # the one launch is W = 1 only: refused on every rank before any exchange (no rank left waiting)
+        try:  # the one launch at W > 1 needs CUDA (the symmetric workspace): refused on every rank before any
+            # exchange (no rank left waiting); on CUDA: test_moe_backward_one_launch_ep_public_op_gpu
             moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD, one_launch=True,
                          **full["rkw"])
             refused = False
         except ValueError as err:
-            refused = "one rank only" in str(err)
+            refused = "needs CUDA tensors" in str(err)
         # by value (numpy; bf16 exactly as fp32): a tensor on the queue would live in this process's shared memory
         q.put((rank, ([t.float().numpy() for t in got], same, refused)))
     finally:
@@ -583,7 +584,7 @@ def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded, empty_
     without_rows = slice(4, 8) if empty_rank else slice(3, 4)
     assert not dw13[without_rows].any() and not dw2[without_rows].any()
     assert all(got[r][1] for r in range(world))  # bitwise the same twice
-    assert all(got[r][2] for r in range(world))  # moe_backward(one_launch=True) refused at W = 2
+    assert all(got[r][2] for r in range(world))  # moe_backward(one_launch=True) refused at W = 2 on the CPU
 
 
 @pytest.mark.gpu

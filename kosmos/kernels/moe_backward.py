@@ -350,7 +350,8 @@ stores (more bytes in flight for one program per SM; the same bits, GPU-tested; 
 (1.096x), no gain. Traced: dgrad2 1.93 ms busy per program, SwiGLU 0.39, dgrad1 4.84, wgrad2 3.82, wgrad1 7.74
 (its span 8.8 ms), unpermute 0.26, waits 0.14. Still open: which of SWIGLU beside the dgrads, WGRAD's start
 skew or the 255-register kernel's dgrad tiles costs the ~2 ms, and 8k.
-W > 1 (not built; the design keeps room for it): COMBINE-BWD becomes a first stage (dy rows and the gate weights
+W > 1 (the plan of session 14; built since, differently in places: "The one launch at W > 1" below): COMBINE-BWD
+becomes a first stage (dy rows and the gate weights
 pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
 flags and counts; the destination's plan -- counts, padded offsets, first m-tiles -- built on the device by one
 elected program as moe_forward._ensure_plan does, and a PERMUTE-like stage gathering the rows into the padded
@@ -478,6 +479,96 @@ E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-
 without renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu;
 test_moe_backward_w1_never_syncs_gpu's one-launch case [False-True] not in those calls' selection (-k one_launch
 and the router tests): not run yet.
+The one launch at W > 1 (issue 15; built by a helper on branch one-launch-ep, interpreter-tested at W = 2 and 4;
+NOTHING HERE RAN ON A GPU: its GPU tests are written, not run, and nothing was timed).
+``moe_backward(..., group=, one_launch=True)`` at W > 1 (CUDA; the group's workspace) and, at the kernel level,
+``expert_backward_ep_launch`` (explicit buffers: tests/simranks.MoEBwdRanks drives it) run the whole backward but
+the logits GEMM in ONE launch of the same kernel (constexpr WORLD > 1: the W = 1 build compiles none of it), the
+exchanges as stages over the forward's peer mechanism (symmetric data buffer regions in ``EPLayout``, the peer
+pointer tables, epoch flags, consumer-reset counters, device.wait_geq / notify, the done-flag handshake).
+Stages, in drain order (each a shared atomic head; new heads after the W = 1 scratch, at ``xs_base``):
+  COMBINE-BWD(b)  tokens [b*XB, +XB) of this rank: to every rank d, a metadata row per token (per slot j: d's local
+                  expert or -1, and the pair's place among this rank's pairs of that expert) and the gate weights;
+                  each token's x and dy rows ONCE per d holding one of its experts, all at d's receive row
+                  [rank * T + t] -- the token's own index, so no slot atomics (the forward's dispatch places rows by
+                  an atomic counter, which is why it is not reused here). The rank's last task (a sys-scope acq_rel
+                  count) writes this rank's pair counts of d's experts to d and raises d's flag FLAG_BASE + rank =
+                  epoch (release). Before its first remote store each program waits for every peer's done flag
+                  >= epoch - 1 (the forward's handshake: a peer may still read last call's rows).
+  plan            every program entering any of the next stages: wait for every source's flag (>= epoch), then one
+                  CAS-elected program builds counts[e] = sum over sources, pad_offs (the padded layout), first_mtile,
+                  base[s, e] = rows of e from sources < s into local buffers (the W = 1 kernel's counts / pad_offs /
+                  first_mtile arguments, now the launch's own output); the others wait for it (WAIT_BWD_PLAN).
+  PERMUTE-BWD(p)  p < E/W: expert p's gap rows zeroed (x, dy, do, g | u, w, valid: the layout's contract); else
+                  received rows of source s (own rows first): each pair's row at pad_offs[e] + base[s, e] + place --
+                  x, dy, do = bf16(w * dy) (gather_rows_and_scaled's product), w, valid, and (source, p) for the
+                  way back; +1 on placed[e] per row and per gap task (release).
+  GU(gm, n)       [g | u] = x_rows W13[e] per (m-tile, 2F-tile), waiting for placed[e] = counts[e] + 1: g | u is
+                  RECOMPUTED in the launch (the forward cannot know its row count at W > 1, so saving keeps the
+                  worst case; ``saved_gu`` is refused there) by the backward's own dgrad tile (_dgrad1_tile with
+                  B_KN: W13[e] read as it is, the same clipped TMA descriptors on the padded rows, fp32 accumulation
+                  rounded to nearest even once) -- the forward's GEMM1 tile with SAVE_GU was the model, but it reads
+                  the forward's packed layout; +1 on gu_done[gm].
+  DGRAD2 .. WGRAD as at W = 1, unchanged arithmetic; DGRAD2 tasks also wait for placed[e] (their rows), the SwiGLU
+                  pass for gu_done[gm] = ceil(2F / BN); DGRAD1 counts per m-tile (dg1_done[gm]) instead of globally.
+  DISPATCH-BWD(gm) waits dg1_done[gm] = ceil(H / BN); each real row's dx (bf16) and gate gradient (fp32) straight
+                  into its token's rank's combine rows [t*k + j] (remote stores), then +1 per row on that rank's
+                  counter of the token's UNPERMUTE block (release, sys). A stage of its own rather than DGRAD1's
+                  epilogue (simpler, the 255-register DGRAD1 untouched; costs one more read of dx_rows, from L2 when
+                  the copy follows the tile) -- the epilogue form is the refinement.
+  UNPERMUTE(b)    waits its counter >= k * tokens of the block (every rank's rows of its tokens), sums the combine
+                  rows in slot order j = 0..k-1 in fp32 (_unpermute_sum_cols on the identity index: bitwise the
+                  multi-launch path's unpermute of the same rows), resets the counter (consumer reset), +1 on the
+                  router's token-block count.
+  ROUTER_DL(b), ROUTER_DW, ROUTER_DX as at W = 1 but ROUTER_DL and ROUTER_DW after UNPERMUTE: the gate gradients
+                  come back with the rows (comb_dw, pair order), so ROUTER_DL(b) waits for its token block's
+                  UNPERMUTE tasks (which acquired them); d_router is this rank's tokens' part. Without the router in
+                  the launch the kernel returns dx_e and the gate gradients and moe_backward's torch ops follow.
+Row order, hence bits: an expert's rows are in (source rank, pair index) order -- the multi-launch path's (its
+stable sorts) -- from a prefix count computed at the source (ep_pair_places: its stable expert sort's rank inside
+the expert, device ops, no host sync) and the holder's base[s, e]; no place depends on an atomic, so dW13 / dW2 sum
+the same rows in the same order on every run and grid (bitwise reproducible: tested over calls, re-poisoned). Not
+the multi-launch path's bits: its g | u is torch's recompute (cuBLAS, or the CPU's matmul), the launch's a Triton
+tile (interpreter: agreement to 5e-3 relative, the g | u roundings differ by an ulp here and there).
+Deadlock-freedom (moe_forward's argument, with the stage order above): a task waits only for (a) tasks of earlier
+stages of its own rank -- claimed from shared heads by programs already running them before any program moves
+past that stage (SWIGLU on completion waits inside a claimed DGRAD2 task for GU, an earlier stage) -- or (b) peers'
+earlier stages: the plan waits for the peers' COMBINE-BWD, UNPERMUTE for the peers' DISPATCH-BWD, and a peer's
+COMBINE-BWD waits for nothing of this call (only the done flags of the previous call, set when each rank's
+previous launch ended). DISPATCH-BWD waits only for this rank's DGRAD1, which waits only for this rank's earlier
+stages and the plan; so every chain of waits ends at a COMBINE-BWD task, which every rank runs first. No wait
+needs the programs of a launch, or the ranks' launches, to be co-resident beyond each rank's launch running: the
+CPU interpreter runs each rank's launch program after program, in three phase launches per call (EP_PHASES:
+COMBINE-BWD on every rank; PERMUTE .. WGRAD; UNPERMUTE and the router), every rank's launch of a phase before any
+rank's next phase, with every wait satisfied at once (a spinning wait there is a bug, bounded); only the last
+phase's launch (FINAL) zeroes the scratch, signals done and advances the epoch. Every wait is device.wait_geq
+(bounded, named in the error record: a stalled peer -- rank 1's launches not run -- or a stage left out gives
+KosmosTimeoutError's record, tested), no float atomic anywhere, no host synchronisation in the steady state.
+Epochs: the workspace's slot (shared with the forward and the TP ops, as its done flags are); a rank's first write
+into a peer's buffers (COMBINE-BWD) waits for the peer's done flag of the previous call; its combine writes need
+none (they follow the owner's own COMBINE-BWD of this call, as the forward's combine does); the counters are reset
+by their consumer, the plan state and every local counter by the last program out.
+Limits: the same T, H, F, E, k on every rank (the forward's contract; checked once per shape with the forward's
+all-gather), T >= 1, H and F multiples of 8; buffers sized for the worst case (every token of every rank here:
+W*T*min(k, E/W) expert rows, moe_forward.Layout's bound) -- the intermediates z, [dg | du], h, dx_rows at that
+bound are the memory cost (at deepseek-v3-like W = 8, 4k tokens: ~2x the forward's expert buffers).
+sm_90a (local Triton 3.9, ptxas; dev/kernel_resources' moe_backward_ep_kernels -- ``--world 2 --kernels
+moe_backward`` runs it after the W = 2 compile of the other backward kernels --, qwen3-like H 4096, F 1536, E 128,
+64 local experts, top-8, 1024 tokens per rank): the W = 2 build 254 registers (bf16 and fp32 weight gradients),
+255 with the router in the launch, no spills, 192 KiB; the W = 1 build unchanged by the branch (252 / 250 fp32 /
+250 with the router, softmax or sigmoid-grouped; no spills). At ptxas's cap: re-check after any change.
+PREDICTION (unmeasured; no GPU here): the exchanges (dy and x out, dx back: ~3 x T k H bf16 per rank over NVLink)
+overlap the other programs' GEMM tiles as the forward's dispatch and combine do; the GU stage costs GEMM1's FLOPs
+(1.92 TFLOP at deepseek-v3 4k), as the multi-launch path's recompute does; the lead's A/B against the multi-launch
+path (dev/moe_bwd_probe or kosmos bench moe --direction bwd at EP = 2) decides the default (ONE_LAUNCH stays False).
+Tests: interpreter (tests/test_moe_backward.py, ``-k ep_``): vs moe_backward_ref at W = 2 and 4 (random, skewed --
+every token to rank 0's experts --, an empty expert with sigmoid-grouped top-4, T = 11 / 13) and bitwise over two
+calls; vs the multi-launch path at W = 2 (gloo processes); without the router (dx_e + the torch router); stalled
+peer and stages left out (DISPATCH, PERMUTE, GU) time out, named. GPU, written, NOT RUN: the ``ranks`` tests
+test_moe_backward_one_launch_ep_at_world_gpu (W = 2, 4 simulated ranks on one GPU, all launches resident,
+three epochs bitwise) and _stalled_peer_gpu, and tests/test_ranks_one_gpu.py::
+test_moe_backward_one_launch_two_ranks_on_one_gpu (the public op over gloo + CUDA IPC, after a forward on the same
+workspace).
 """
 from __future__ import annotations
 
@@ -1862,11 +1953,11 @@ def _ep_combine_block(b, x_ptr, dy_ptr, exp_ptr, w_ptr, pidx_ptr, peer_data, off
         xv = tl.load(x_ptr + o, mask=m)
         dv = tl.load(dy_ptr + o, mask=m)
         o2 = at[:, None] * H + c[None, :]
-        for d in range(WORLD):  # dynamic: one destination's pointers live at a time
-            has = tl.max(tl.where(dest == d, 1, 0), 1) > 0
+        for dd in range(WORLD):  # dynamic: one destination's pointers live at a time
+            has = tl.max(tl.where(dest == dd, 1, 0), 1) > 0
             mm = m & has[:, None]
-            tl.store(dev.peer_region(peer_data, d, off_rx, tl.bfloat16) + o2, xv, mask=mm)
-            tl.store(dev.peer_region(peer_data, d, off_rdy, tl.bfloat16) + o2, dv, mask=mm)
+            tl.store(dev.peer_region(peer_data, dd, off_rx, tl.bfloat16) + o2, xv, mask=mm)
+            tl.store(dev.peer_region(peer_data, dd, off_rdy, tl.bfloat16) + o2, dv, mask=mm)
 
 
 @triton.jit
@@ -2833,13 +2924,15 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
 
     ``one_launch`` (None: ONE_LAUNCH where it is supported): the expert part -- dgrad2, the SwiGLU backward,
     dgrad1, both weight gradients and the dispatch backward -- in ONE persistent launch
-    (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout only
-    (True elsewhere: ValueError); the same tile arithmetic and orders, so the same bits (tested). ``programs``:
+    (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout (the same
+    tile arithmetic and orders, so the same bits: tested); at W > 1 on CUDA the whole backward with its exchanges as
+    stages of that launch over the group's workspace (expert_backward_ep_launch; "The one launch at W > 1": g | u
+    recomputed inside it, ``saved_gu`` refused; not the multi-launch path's bits, its g | u being torch's); elsewhere
+    (the packed layout, W > 1 on the CPU) a ValueError. ``programs``:
     its grid (None: one program per SM). ``router_in_launch`` (None: BWD_ROUTER_IN_LAUNCH; with one_launch only):
     the router backward as stages of that launch too (the module docstring's "The router backward in the launch":
     dx and d_router from the launch, fp32-level like the torch ops' -- not their bits); False: the torch ops after
     the launch, bitwise the multi-launch path."""
-    from .. import moe_reference as mr
     from ..runtime import world_size
     import torch.distributed as dist
     n_tok, hidden = x.shape
@@ -2848,9 +2941,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
     if local * world != n_exp:
         raise ValueError(f"w13 holds {local} experts per rank: {local} x {world} ranks != {n_exp} router experts")
-    if one_launch and world > 1:  # before any exchange: every rank raises at the same point
-        raise ValueError(f"moe_backward(one_launch=True) runs at one rank only (world {world}: the all-to-alls as "
-                         f"stages of the launch are not built)")
+    if one_launch and world > 1:  # the exchanges inside the launch (checked before any: every rank the same way)
+        return _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize,
+                                routed_scaling, wgrad_dtype, saved_gu, padded, programs, router_in_launch)
     k = experts.shape[1]
     experts = experts.long()
     flat = experts.reshape(-1)
@@ -2943,13 +3036,72 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         dx_e = unpermute_sum(dx_rows, order, k, row_of=row_of)          # pair order p = t*k + j; slot order, fp32
     dweights = torch.empty((order.shape[0],), dtype=dw_rows.dtype, device=dw_rows.device)
     dweights[order] = dw_rows if row_of is None else dw_rows[row_of]
+    return _router_backward_torch(x, router_weight, experts, dweights.view(n_tok, k), dx_e, routing, renormalize,
+                                  routed_scaling) + (dw13, dw2)
+
+
+def _router_backward_torch(x, router_weight, experts, dweights, dx_e, routing, renormalize, routed_scaling):
+    """The router backward in torch after the expert part (logits recomputed, fp32 routing backward, the router
+    GEMMs on bf16 tensor cores): (dx = bf16(dx_e + dx_r), d_router)."""
+    from .. import moe_reference as mr
     logits = bf16_mm_fp32(x, router_weight.t())
     w_re, full, denom = mr.routing_weights_ref(logits, experts, routing, renormalize=renormalize,
                                                routed_scaling=routed_scaling)
-    dq = mr.router_weights_backward_ref(dweights.view(n_tok, k), w_re, denom, routed_scaling=routed_scaling)
+    dq = mr.router_weights_backward_ref(dweights, w_re, denom, routed_scaling=routed_scaling)
     dlogits = mr.router_logits_backward_ref(dq, full, experts, routing)
     d_router, dx_r = router_gemm_backward(dlogits, x, router_weight)
-    return (dx_e + dx_r).to(torch.bfloat16), d_router, dw13, dw2
+    return (dx_e + dx_r).to(torch.bfloat16), d_router
+
+
+def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize, routed_scaling,
+                     wgrad_dtype, saved_gu, padded, programs, router_in_launch):
+    """moe_backward(one_launch=True) at W > 1: the one launch with its exchanges (expert_backward_ep_launch) on the
+    group's workspace -- its symmetric data, signals, counters and peer tables, its epoch slot and done flags
+    (shared with the forward and the TP ops, as every op on a workspace shares them), its error record (a timeout
+    raises KosmosTimeoutError at the next KOSMOS call or kosmos.check_errors()). No host synchronisation in the
+    steady state (the first call of a shape: the forward's cross-rank shape check and the buffers' growth)."""
+    from .. import runtime
+    from ..moe_reference import ROUTINGS
+    from .moe_forward import _check_same_shape_on_every_rank
+    n_tok, hidden = x.shape
+    f = w2.shape[1]
+    if not x.is_cuda:
+        raise ValueError(f"moe_backward(one_launch=True) at W > 1 needs CUDA tensors (the symmetric workspace), got "
+                         f"{x.device}")
+    if saved_gu is not None:
+        raise ValueError("moe_backward(one_launch=True) at W > 1 recomputes g | u inside the launch: saved_gu is not "
+                         "used there (pass saved_gu=None)")
+    if padded is False or hidden % 8 or f % 8:
+        raise ValueError(f"moe_backward(one_launch=True) needs the padded row layout (padded=False was given, or "
+                         f"H={hidden} / F={f} are not multiples of 8)")
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    ws = runtime.get_workspace(group, x.device)
+    world, rank, el, k = ws.world.size, ws.world.rank, w13.shape[0], experts.shape[1]
+    wdt = _wgrad_dtype(w13, wgrad_dtype)
+    lay = ep_layout(world, n_tok, hidden, f, k, el, wdt)
+    _check_same_shape_on_every_rank(ws, (n_tok, hidden, f, router_weight.shape[0], k, ROUTINGS.index(routing)))
+    ws.ensure(lay.data_bytes, world)
+    ws.ensure_counters(lay.fold_blocks)
+    bufs = ep_local_buffers(ws.local, lay, hidden, f, k, n_tok, el, world)
+    n_scratch = int(SCB_MTILES.value) + 4 * lay.max_mtiles + -(-n_tok // _router_tiles()[1][0]) + 6 + el
+    bufs.update(layout=lay, data=ws.data, sig=ws.signals, ctr=ws.counters, peer_data=ws.peer_data,
+                peer_sig=ws.peer_signals, peer_ctr=ws.peer_counters, errors=ws.errors,
+                scratch=ws.local("moe_bwd.ep.scratch", n_scratch, torch.int32))  # zeroed once, then by the launch
+    in_launch = BWD_ROUTER_IN_LAUNCH if router_in_launch is None else router_in_launch
+    router = RouterBackward(x, router_weight, bf16_mm_fp32(x, router_weight.t()), experts, routing, renormalize,
+                            routed_scaling) if in_launch else None
+    ws.before_launch()
+    got = expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs, rank=rank, world=world,
+                                    epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(),
+                                    grid=programs or runtime.num_sms(x.device), out_dtype=wdt, router=router)
+    ws.after_launch()
+    if router is not None:
+        dx, _, dw13, dw2, d_router, _ = got
+        return dx, d_router, dw13, dw2
+    dx_e, dweights, dw13, dw2, _ = got
+    return _router_backward_torch(x, router_weight, experts.long(), dweights, dx_e, routing, renormalize,
+                                  routed_scaling) + (dw13, dw2)
 
 
 def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
