@@ -144,6 +144,38 @@ def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
     return out
 
 
+def moe_backward_ep_kernels(dev, world: int, h: int = 4096, f: int = 1536, e: int = 128, tokens: int = 1024) -> list:
+    """(name, resources) of the one launch at W > 1 (moe_backward.expert_backward_ep_launch: the exchanges as its
+    stages) on a qwen3-235b-like layer (E / W local experts, top-8), bf16 and fp32 weight gradients, with the router
+    backward in the launch (softmax) and without; rank 0."""
+    from kosmos.kernels import moe_backward as mb
+    bf = dict(dtype=torch.bfloat16, device=dev)
+    el, k = e // world, 8
+    lay = mb.ep_layout(world, tokens, h, f, k, el)
+    alloc = lambda name, n, dt: torch.empty(max(n, 1), dtype=dt, device=dev)  # noqa: E731
+    bufs = mb.ep_local_buffers(alloc, lay, h, f, k, tokens, el, world)
+    i64 = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
+    bufs.update(layout=lay, data=torch.empty(lay.data_bytes, dtype=torch.uint8, device=dev),
+                sig=torch.zeros(4096, dtype=torch.int32, device=dev),
+                ctr=torch.zeros(4096, dtype=torch.int32, device=dev),
+                peer_data=i64(world), peer_sig=i64(world), peer_ctr=i64(world), errors=i64(16),
+                scratch=torch.zeros(1 << 20, dtype=torch.int32, device=dev))
+    x, dy = torch.empty(tokens, h, **bf), torch.empty(tokens, h, **bf)
+    experts = (torch.arange(tokens * k, device=dev) % e).view(tokens, k)
+    weights = torch.empty(tokens, k, dtype=torch.float32, device=dev)
+    w13, w2 = torch.empty(el, h, 2 * f, **bf), torch.empty(el, f, h, **bf)
+    router = mb.RouterBackward(x, torch.empty(e, h, **bf), torch.empty(tokens, e, dtype=torch.float32, device=dev),
+                               experts, "softmax", True, 1.0)
+    out = []
+    for name, dt, rt in (("bf16", torch.bfloat16, None), ("fp32", torch.float32, None),
+                         ("+router softmax", torch.bfloat16, router)):
+        out.append((f"moe_bwd one_launch ep {name}", _compile_among(
+            mb, "_moe_backward_experts_kernel", lambda dt=dt, rt=rt: mb.expert_backward_ep_launch(
+                x, dy, weights, experts, w13, w2, bufs, rank=0, world=world,
+                epoch_slot=torch.zeros(1, dtype=torch.int32, device=dev), timeout_ns=10**9, grid=132, out_dtype=dt, router=rt))))
+    return out
+
+
 def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: int = 32768) -> list:
     """(name, resources) of the W=1 MoE backward's Triton kernels (kosmos/kernels/moe_backward.py) at their GPU
     tiles, on a qwen3-235b-like layer (H 4096, F 1536, 128 experts, 4096 tokens x top-8 rows), each compiled as
@@ -279,6 +311,8 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
         out += w1_matmul_kernels(dev)
     if "moe_backward" in only:  # the same kernels at every EP size, on E / W local experts (ELP2 follows E / W)
         out += moe_backward_kernels(dev, e=128 // world)
+        if world > 1:  # the one launch with its exchanges (its W > 1 build)
+            out += moe_backward_ep_kernels(dev, world)
     if "moe_forward" not in only:
         return out
     # deepseek-v3-like MoE layer: H 7168, F 2048, 256 experts, top-8, sigmoid-grouped routing

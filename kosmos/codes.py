@@ -33,6 +33,13 @@ WAIT_BWD_DGRAD1: tl.constexpr = tl.constexpr(12)   # index: unused (-1: every ti
 WAIT_SPLIT_K: tl.constexpr = tl.constexpr(13)      # index: the split group (the static W=1 GEMM's K split)
 WAIT_BWD_ROUTER_DL: tl.constexpr = tl.constexpr(14)  # index: unused (-1: every dlogits block)
 WAIT_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(15)  # index: the token block of the router's dx tiles
+# the one-launch backward at W > 1 (moe_backward.py, "The one launch at W > 1")
+WAIT_BWD_COMBINE: tl.constexpr = tl.constexpr(16)   # index: the source rank
+WAIT_BWD_PLAN: tl.constexpr = tl.constexpr(17)      # index: unused (0)
+WAIT_BWD_PERMUTE: tl.constexpr = tl.constexpr(18)   # index: the local expert
+WAIT_BWD_GU: tl.constexpr = tl.constexpr(19)        # index: the expert m-tile
+WAIT_BWD_DGRAD1_MTILE: tl.constexpr = tl.constexpr(20)  # index: the expert m-tile
+WAIT_BWD_DISPATCH: tl.constexpr = tl.constexpr(21)  # index: the token block (UNPERMUTE's)
 WAIT_TEXT = {
     WAIT_PEERS_DONE.value: "rank {index} to finish the previous call (done flag)",
     WAIT_AG_ROWS.value: "rows pushed by a peer (signal slot {index})",
@@ -49,6 +56,13 @@ WAIT_TEXT = {
     WAIT_SPLIT_K.value: "the K-split partial sums of split group {index} (other programs of the launch)",
     WAIT_BWD_ROUTER_DL.value: "every router dlogits block (the gate gradients through the routing) of the launch",
     WAIT_BWD_UNPERMUTE.value: "the dispatch backward (dx_e) of token block {index}",
+    WAIT_BWD_COMBINE.value: "rank {index}'s output-gradient rows, gate weights and counts (the combine backward)",
+    WAIT_BWD_PLAN.value: "this call's backward expert plan (built by another program of the launch)",
+    WAIT_BWD_PERMUTE.value: "the received rows of local expert {index} to be placed (backward)",
+    WAIT_BWD_GU.value: "the recomputed g | u (GEMM1) column tiles of expert m-tile {index}",
+    WAIT_BWD_DGRAD1_MTILE.value: "the dgrad1 tiles of expert m-tile {index}",
+    WAIT_BWD_DISPATCH.value: "the expert rows' dx and gate gradients of token block {index} (dispatch backward from "
+                             "every rank)",
 }
 
 # ------------------------------------------------------------------------------------------- trace kinds

@@ -424,3 +424,130 @@ def placed_gate_up(xs, w13, experts, top_k, gen=None, rank=0, world=1):
     gu = torch.stack(rows).to(torch.bfloat16) if rows else torch.zeros((0, w13.shape[2]), dtype=torch.bfloat16)
     return mf.SavedGateUp(gu, torch.tensor(meta, dtype=torch.int32).reshape(-1, 3), max(x.shape[0] for x in xs),
                           top_k, world)
+
+
+class MoEBwdRanks:
+    """The MoE layer's backward in one launch at W simulated ranks (moe_backward.expert_backward_ep_launch): rank
+    r holds T tokens with their output gradient and routing decision, and experts [r*El, (r+1)*El). Every rank's
+    symmetric bytes, signals and counters live on one device, reached through the peer tables; the local buffers
+    start poisoned (NaN / -1: a row the launch reads without writing it this call shows)."""
+
+    def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, device="cpu", grid=3,
+                 timeout_ns=5_000_000, routing="softmax", skew=False, empty_expert=None, router=True,
+                 wgrad_dtype=torch.bfloat16):
+        from kosmos.kernels import moe_backward as mb
+        self.mb = mb
+        self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
+        self.el = experts // world
+        self.device, self.grid, self.timeout_ns, self.routing = device, grid, timeout_ns, routing
+        self.router, self.wgrad_dtype = router, wgrad_dtype
+        gen = torch.Generator().manual_seed(seed)
+        self.wr = rand(experts, hidden, gen=gen, scale=0.5).to(device)
+        self.w13_all = rand(experts, hidden, 2 * ffn, gen=gen, scale=hidden ** -0.5).to(device)
+        self.w2_all = rand(experts, ffn, hidden, gen=gen, scale=ffn ** -0.5).to(device)
+        self.w13 = [self.w13_all[r * self.el:(r + 1) * self.el].contiguous() for r in range(world)]
+        self.w2 = [self.w2_all[r * self.el:(r + 1) * self.el].contiguous() for r in range(world)]
+        allowed = torch.tensor([x for x in range(experts) if x != empty_expert])
+        self.xs, self.dys, self.experts, self.weights = [], [], [], []
+        for _ in range(world):
+            x = rand(tokens, hidden, gen=gen)
+            if skew:  # every token to the first k experts (rank 0's): the other experts get no rows
+                ex = torch.arange(top_k).repeat(tokens, 1)
+            else:
+                ex = allowed[torch.stack([torch.randperm(len(allowed), generator=gen)[:top_k] for _ in range(tokens)])]
+            w, _, _ = moe_reference.routing_weights_ref(x.float() @ self.wr.float().cpu().t(), ex, routing,
+                                                        routed_scaling=2.5 if routing != "softmax" else 1.0)
+            self.xs.append(x.to(device))
+            self.dys.append(rand(tokens, hidden, gen=gen).to(device))
+            self.experts.append(ex.to(device))
+            self.weights.append(w.to(device))
+        self.rkw = dict(routing=routing, routed_scaling=2.5 if routing != "softmax" else 1.0)
+        self.lay = mb.ep_layout(world, tokens, hidden, ffn, top_k, self.el, wgrad_dtype)
+        self.data = [torch.empty(self.lay.data_bytes, dtype=torch.uint8, device=device) for _ in range(world)]
+        self.sig = [torch.zeros(4096, dtype=torch.int32, device=device) for _ in range(world)]
+        self.ctr = [torch.zeros(max(64, self.lay.fold_blocks), dtype=torch.int32, device=device) for _ in range(world)]
+        self.epochs = [torch.zeros(1, dtype=torch.int32, device=device) for _ in range(world)]
+        self.errors = [torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=device) for _ in range(world)]
+        tbl = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)  # noqa: E731
+        self.peer_data, self.peer_sig, self.peer_ctr = tbl(self.data), tbl(self.sig), tbl(self.ctr)
+        alloc = lambda name, n, dtype: torch.empty(max(n, 1), dtype=dtype, device=device)  # noqa: E731
+        self.local = [mb.ep_local_buffers(alloc, self.lay, hidden, ffn, top_k, tokens, self.el, world)
+                      for _ in range(world)]
+        for b in self.local:
+            b["scratch"] = torch.zeros(int(mb.SCB_MTILES.value) + 4 * self.lay.max_mtiles + 64 + self.el + tokens,
+                                       dtype=torch.int32, device=device)
+        self.outs = [None] * world
+        self.poison()
+
+    def poison(self):
+        """NaN / -1 in every rank's symmetric bytes and local buffers (not the scratch: the launch keeps it zero)."""
+        for r in range(self.world):
+            self.data[r].fill_(0xFF)
+            for name, t in self.local[r].items():
+                if name != "scratch":
+                    t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    def bufs(self, r):
+        b = dict(self.local[r])
+        b.update(layout=self.lay, data=self.data[r], sig=self.sig[r], ctr=self.ctr[r], peer_data=self.peer_data,
+                 peer_sig=self.peer_sig, peer_ctr=self.peer_ctr, errors=self.errors[r])
+        return b
+
+    def router_inputs(self, r):
+        mb = self.mb
+        return mb.RouterBackward(self.xs[r], self.wr, mb.bf16_mm_fp32(self.xs[r], self.wr.t()), self.experts[r],
+                                 self.routing, True, self.rkw["routed_scaling"]) if self.router else None
+
+    def launch(self, r, epoch, stages=None, final=True, timeout_ns=None):
+        """Rank r's launch of ``stages`` (None: all) at ``epoch`` (the slot set to epoch - 1 first; None: the device
+        epoch); ``final``: it ends the call."""
+        mb = self.mb
+        if epoch is not None:
+            self.epochs[r].fill_(epoch - 1)
+        first = stages is None or (stages & (1 << mb.BWD_COMBINE)) != 0 or self.outs[r] is None  # a call's first
+        outs = None if first else self.outs[r]
+        got = mb.expert_backward_ep_launch(
+            self.xs[r], self.dys[r], self.weights[r], self.experts[r], self.w13[r], self.w2[r], self.bufs(r), rank=r,
+            world=self.world, epoch_slot=self.epochs[r],
+            timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns, grid=self.grid,
+            out_dtype=self.wgrad_dtype, router=self.router_inputs(r),
+            stages=mb.BWD_ALL_STAGES if stages is None else stages, final=final, outs=outs)
+        self.outs[r] = got[-1]
+        self.results = getattr(self, "results", [None] * self.world)
+        self.results[r] = got[:-1]
+
+    def call(self, epoch, streams=None, skip=(), leave_out=None):
+        """One call on every rank: CPU -- the three phases (mb.EP_PHASES), every rank's launch of a phase before any
+        rank's next one, only the last one final; GPU -- every rank's whole launch at once (launch_all). ``skip``:
+        ranks whose launches are left out (a stalled peer); ``leave_out``: a stage (mb.BWD_*) left out of every
+        launch."""
+        mb = self.mb
+        drop = ~(1 << leave_out) if leave_out is not None else -1
+        if torch.device(self.device).type == "cuda":
+            return launch_all(self.world, lambda r: None if r in skip else self.launch(
+                r, epoch, mb.BWD_ALL_STAGES & drop), streams)
+        for i, stages in enumerate(mb.EP_PHASES):
+            for r in range(self.world):
+                if r not in skip:
+                    self.launch(r, epoch, stages & drop, final=i == len(mb.EP_PHASES) - 1)
+
+    def gradients(self):
+        """Per rank (dx, d_router, dw13, dw2) -- dx_e and the gate gradients without the router in the launch --
+        and the dweights [T, k]."""
+        return [(res[0], res[4] if self.router else None, res[2], res[3]) for res in self.results], \
+            [res[1] for res in self.results]
+
+    def reference(self):
+        """moe_reference.moe_backward_ref over every rank's tokens with every expert in one process: (dx per rank,
+        d_router summed, dw13 and dw2 per rank)."""
+        x = torch.cat([t.cpu() for t in self.xs])
+        dy = torch.cat([t.cpu() for t in self.dys])
+        ex = torch.cat([t.cpu() for t in self.experts])
+        kw = dict(routing=self.routing) if self.routing == "softmax" else dict(routing=self.routing,
+                                                                               routed_scaling=2.5)
+        dx, dr, dw13, dw2 = moe_reference.moe_backward_ref(x, self.wr.cpu(), self.w13_all.cpu(), self.w2_all.cpu(),
+                                                           dy, top_k=self.k, experts=ex, **kw)
+        t, el = self.t, self.el
+        ranks = range(self.world)
+        return ([dx[r * t:(r + 1) * t] for r in ranks], dr, [dw13[r * el:(r + 1) * el] for r in ranks],
+                [dw2[r * el:(r + 1) * el] for r in ranks])

@@ -512,12 +512,13 @@ def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None, e
         again = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD,
                              saved_gu=saved_gu, padded=padded, **full["rkw"])
         same = all(torch.equal(a, b) for a, b in zip(got, again))
-        try:  # the one launch is W = 1 only: refused on every rank before any exchange (no rank left waiting)
+        try:  # the one launch at W > 1 needs CUDA (the symmetric workspace): refused on every rank before any
+            # exchange (no rank left waiting); on CUDA: test_moe_backward_one_launch_ep_public_op_gpu
             moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD, one_launch=True,
                          **full["rkw"])
             refused = False
         except ValueError as err:
-            refused = "one rank only" in str(err)
+            refused = "needs CUDA tensors" in str(err)
         # by value (numpy; bf16 exactly as fp32): a tensor on the queue would live in this process's shared memory
         q.put((rank, ([t.float().numpy() for t in got], same, refused)))
     finally:
@@ -583,7 +584,7 @@ def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded, empty_
     without_rows = slice(4, 8) if empty_rank else slice(3, 4)
     assert not dw13[without_rows].any() and not dw2[without_rows].any()
     assert all(got[r][1] for r in range(world))  # bitwise the same twice
-    assert all(got[r][2] for r in range(world))  # moe_backward(one_launch=True) refused at W = 2
+    assert all(got[r][2] for r in range(world))  # moe_backward(one_launch=True) refused at W = 2 on the CPU
 
 
 @pytest.mark.gpu
@@ -1188,3 +1189,205 @@ def test_moe_backward_one_launch_router_bounded_wait_gpu(monkeypatch):
             kosmos.check_errors()
     finally:
         kosmos.reset_workspaces()
+
+
+# ------------------------------------------------- the one launch at W > 1 (simulated ranks: simranks.MoEBwdRanks)
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _check_ep_vs_reference(m, tol=2e-2):
+    """Every rank's launch error-free and clean (scratch and counters zero, done flags at the epoch), and its
+    gradients against moe_reference.moe_backward_ref over all ranks' tokens: dx per rank, d_router summed over
+    the ranks, dw13 / dw2 per rank (an expert without rows: exactly zero). Returns the gradients."""
+    from kosmos import runtime
+    epoch = int(m.epochs[0].item())
+    for r in range(m.world):
+        assert m.errors[r].abs().sum() == 0, f"rank {r}: {runtime.decode_error(m.errors[r].tolist())}"
+        assert m.local[r]["scratch"].abs().sum() == 0 and m.ctr[r].abs().sum() == 0, f"rank {r}: not reset"
+        assert m.sig[r][runtime.DONE_BASE:runtime.DONE_BASE + m.world].tolist() == [epoch] * m.world
+    got, _ = m.gradients()
+    dx, dr, dw13, dw2 = m.reference()
+    for r in range(m.world):
+        assert torch.isfinite(got[r][0].float()).all(), f"rank {r}: dx not finite"
+        for name, a, b in (("dx", got[r][0], dx[r]), ("dw13", got[r][2], dw13[r]), ("dw2", got[r][3], dw2[r])):
+            if b.abs().sum() == 0:
+                assert not a.float().any(), (r, name, "an expert without rows: zeros")
+            else:
+                assert _rel(a, b) < tol, (r, name, _rel(a, b))
+        for e in range(m.el):  # experts without rows from any rank: exact zeros
+            if not any(bool((ex == r * m.el + e).any()) for ex in m.experts):
+                assert not got[r][2][e].float().any() and not got[r][3][e].float().any(), (r, e)
+    if m.router:
+        assert _rel(sum(g[1] for g in got), dr) < tol, _rel(sum(g[1] for g in got), dr)
+    return got
+
+
+EP_CASES = {  # (world, tokens, hidden, ffn, experts, top_k, kwargs): T = 13 / 11 is no multiple of any tile
+    "w2-random": (2, 13, 32, 24, 8, 2, dict(routing="softmax")),
+    "w2-skewed": (2, 13, 32, 24, 8, 2, dict(routing="softmax", skew=True)),  # rank 1's experts: no rows
+    "w2-empty-expert-sigmoid": (2, 11, 32, 24, 8, 4, dict(routing="sigmoid-grouped", empty_expert=5)),
+    "w4-random": (4, 13, 32, 24, 8, 2, dict(routing="softmax")),
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", list(EP_CASES))
+def test_moe_backward_one_launch_ep_vs_reference(case):
+    """The one launch at W > 1 (COMBINE-BWD, PERMUTE-BWD, GU, the expert part, DISPATCH-BWD, UNPERMUTE, the router
+    stages; the interpreter's three phases per call, every rank's launch of a phase before the next phase) against
+    the fp32 reference of the whole layer: dx, d_router, dw13, dw2 at W = 2 and 4 on random and skewed routing
+    (all tokens to rank 0's experts), an expert without rows, T not a multiple of any tile, softmax and
+    sigmoid-grouped routing, every local buffer and the symmetric bytes poisoned; a second call (the next epoch,
+    re-poisoned) bitwise the same, with the scratch, counters and done flags clean after each."""
+    from simranks import MoEBwdRanks
+    world, t, h, f, e, k, kw = EP_CASES[case]
+    m = MoEBwdRanks(world, t, h, f, e, k, seed=31 + world, **kw)
+    m.call(1)
+    first = [tuple(x.clone() for x in g if x is not None) for g in _check_ep_vs_reference(m)]
+    m.poison()
+    m.call(2)
+    again = _check_ep_vs_reference(m)
+    for r in range(world):
+        assert all(torch.equal(a, b) for a, b in zip(first[r], [x for x in again[r] if x is not None])), r
+
+
+def _ep_multi_launch_rank(rank, world, port, q, case):
+    """One rank of the multi-launch path (moe_backward over gloo, all-to-alls between the kernels) on
+    MoEBwdRanks' inputs of ``case``; the router backward in torch (both with and without the launch's router)."""
+    import os
+    import torch.distributed as dist
+    from kosmos.kernels.moe_backward import moe_backward
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from simranks import MoEBwdRanks
+        w_, t, h, f, e, k, kw = EP_CASES[case]
+        m = MoEBwdRanks(world, t, h, f, e, k, seed=31 + world, **kw)
+        got = moe_backward(m.xs[rank], m.wr, m.w13[rank], m.w2[rank], m.dys[rank], m.weights[rank], m.experts[rank],
+                           group=dist.group.WORLD, **m.rkw)
+        q.put((rank, [g.float().numpy() for g in got]))
+    finally:
+        from multiproc import finish_gloo
+        finish_gloo()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", ["w2-random", "w2-empty-expert-sigmoid"])
+def test_moe_backward_one_launch_ep_vs_multi_launch(case):
+    """The one launch at W = 2 against the multi-launch path at W = 2 (moe_backward over gloo): the same rows in the
+    same order per expert ((source rank, pair) -- the one launch places them by the sources' prefix counts, the
+    multi-launch path by its stable sorts), so dw13 and dw2 agree to rounding (g | u recomputed by the launch's
+    own GEMM1 tile vs torch's: the bf16 roundings of g | u may differ by an ulp) -- and dx, d_router likewise."""
+    from multiproc import spawn_gloo
+    from simranks import MoEBwdRanks
+    world, t, h, f, e, k, kw = EP_CASES[case]
+    multi = spawn_gloo(_ep_multi_launch_rank, world, case)
+    m = MoEBwdRanks(world, t, h, f, e, k, seed=31 + world, **kw)
+    m.call(1)
+    got = _check_ep_vs_reference(m)
+    d_router = sum(torch.from_numpy(multi[r][1]) for r in range(world))
+    assert _rel(sum(g[1] for g in got), d_router) < 5e-3
+    for r in range(world):
+        for i, name in ((0, "dx"), (2, "dw13"), (3, "dw2")):
+            want = torch.from_numpy(multi[r][i])
+            if want.abs().sum() == 0:
+                assert not got[r][i].float().any(), (r, name)
+            else:
+                assert _rel(got[r][i], want) < 5e-3, (r, name, _rel(got[r][i], want))
+
+
+@pytest.mark.interpreter
+def test_moe_backward_one_launch_ep_without_router_gives_dx_e_and_gate_gradients():
+    """router=False: the launch returns the dispatch backward's fp32 dx_e and the pairs' gate gradients (the
+    torch router backward's inputs): dx_e + the router part (moe_backward's torch ops) matches the reference."""
+    from kosmos import moe_reference as mr
+    from kosmos.kernels import moe_backward as mb
+    from simranks import MoEBwdRanks
+    m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=33, router=False)
+    m.call(1)
+    got, dws = m.gradients()
+    ref_dx = m.reference()[0]
+    for r in range(2):
+        logits = mb.bf16_mm_fp32(m.xs[r], m.wr.t())
+        w_re, full, denom = mr.routing_weights_ref(logits, m.experts[r], "softmax")
+        dq = mr.router_weights_backward_ref(dws[r], w_re, denom)
+        dl = mr.router_logits_backward_ref(dq, full, m.experts[r], "softmax")
+        _, dx_r = mb.router_gemm_backward(dl, m.xs[r], m.wr)
+        assert got[r][0].dtype == torch.float32 and _rel(got[r][0] + dx_r, ref_dx[r]) < 2e-2
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("stall,waits_for", [
+    ("rank", "rank 1's output-gradient rows, gate weights and counts"),   # rank 1's launches never run
+    ("DISPATCH", "the expert rows' dx and gate gradients of token block 0"),  # the rows never come back
+    ("PERMUTE", "the received rows of local expert 0 to be placed"),
+    ("GU", "the recomputed g | u (GEMM1) column tiles of expert m-tile 0"),
+])
+def test_moe_backward_one_launch_ep_stalled_peer_times_out(stall, waits_for):
+    """A stalled peer (rank 1's launches not run) or a stage left out of every rank's launches: the waits on it
+    time out (bounded), the first record names what was awaited, and every launch still ends -- rank 0's scratch
+    is reset and its epoch advanced; never a hang."""
+    from kosmos import runtime
+    from kosmos.kernels import moe_backward as mb
+    from simranks import MoEBwdRanks
+    m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=35, timeout_ns=50_000)
+    if stall == "rank":
+        m.call(1, skip=(1,))
+    else:
+        m.call(1, leave_out=getattr(mb, f"BWD_{stall}"))
+    err = m.errors[0].tolist()
+    assert err[0] != 0, "no timeout recorded"
+    msg = runtime.decode_error(err)
+    assert msg.startswith("moe_backward: rank 0") and waits_for in msg, msg
+    assert m.local[0]["scratch"].abs().sum() == 0 and int(m.epochs[0].item()) == 1
+
+
+def test_moe_backward_one_launch_ep_layout_refuses_other_shapes():
+    """expert_backward_ep_launch on buffers made for another shape: a one-line ValueError before any launch."""
+    from kosmos.kernels import moe_backward as mb
+    from simranks import MoEBwdRanks
+    m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=1)
+    b = m.bufs(0)
+    with pytest.raises(ValueError, match="another shape"):
+        mb.expert_backward_ep_launch(m.xs[0][:7], m.dys[0][:7], m.weights[0][:7], m.experts[0][:7], m.w13[0],
+                                     m.w2[0], b, rank=0, world=2, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=2)
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("ranks_setup")
+@pytest.mark.parametrize("world,routing,skew", [(2, "softmax", False), (2, "sigmoid-grouped", True),
+                                                (4, "softmax", False)])
+def test_moe_backward_one_launch_ep_at_world_gpu(world, routing, skew):
+    """The one launch at W simulated ranks on one GPU, all W launches resident at once (simranks.launch_all, SMs / W
+    programs each), at the real tiles: against the fp32 reference (dx, d_router, dw13, dw2), buffers poisoned,
+    scratch / counters / done flags clean, three calls (epochs 1-3; no host synchronisation between them) bitwise
+    the same."""
+    import opcases
+    from simranks import MoEBwdRanks
+    m = MoEBwdRanks(world, 777, 512, 256, 16, 4, seed=50 + world, device="cuda", grid=opcases.grid(world),
+                    timeout_ns=opcases.RANKS_TIMEOUT_NS, routing=routing, skew=skew)
+    outs = []
+    for epoch in (1, 2, 3):
+        m.poison()
+        m.call(epoch)
+        torch.cuda.synchronize()
+        outs.append([tuple(x.clone() for x in g if x is not None) for g in _check_ep_vs_reference(m)])
+    for r in range(world):
+        assert all(torch.equal(a, b) for a, b in zip(outs[0][r], outs[2][r])), r
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("ranks_setup")
+def test_moe_backward_one_launch_ep_stalled_peer_gpu():
+    """On one GPU at W = 2: rank 1's launch left out -- rank 0's launch ends with the timeout recorded (its plan's
+    wait on rank 1's rows), not a hang."""
+    import opcases
+    from kosmos import runtime
+    from simranks import MoEBwdRanks
+    m = MoEBwdRanks(2, 300, 256, 128, 8, 2, seed=57, device="cuda", grid=opcases.grid(2),
+                    timeout_ns=opcases.STALL_NS)
+    m.call(1, skip=(1,))
+    torch.cuda.synchronize()
+    msg = runtime.decode_error(m.errors[0].tolist())
+    assert m.errors[0][0] != 0 and "rank 1's output-gradient rows" in msg, msg

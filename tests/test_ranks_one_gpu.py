@@ -93,6 +93,54 @@ def _moe_rank(rank, world, out_dir):
         check.finish(out_dir)
 
 
+def _moe_bwd_rank(rank, world, out_dir):
+    """moe_backward(one_launch=True) at W = 2 through the public op (the group's workspace: IPC-mapped symmetric
+    buffers, its epoch slot and done flags), after a forward on the same workspace: against the fp32 reference of
+    every rank's tokens with every expert (rebuilt on each rank from shared seeds), three calls bitwise the same
+    (no host synchronisation between them), with the router backward in the launch and without."""
+    import torch.distributed as dist
+
+    import kosmos
+    from kosmos import moe_reference as mr
+    from kosmos.kernels.moe_backward import moe_backward
+    check = Checks(rank)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        t, h, f, e, k = 301, 256, 192, 8, 2
+        g = torch.Generator().manual_seed(5)
+        router = (torch.randn(e, h, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
+        w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16).cuda()
+        w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16).cuda()
+        xs = [torch.randn(t, h, generator=g).to(torch.bfloat16).cuda() for _ in range(world)]
+        dys = [torch.randn(t, h, generator=g).to(torch.bfloat16).cuda() for _ in range(world)]
+        el = e // world
+        mine = (w13[rank * el:(rank + 1) * el].contiguous(), w2[rank * el:(rank + 1) * el].contiguous())
+        y, wts, exps = kosmos.moe_forward(xs[rank], router, *mine, top_k=k, return_routing=True)
+        all_e = [None] * world
+        dist.all_gather_object(all_e, exps.cpu())
+        want = mr.moe_backward_ref(torch.cat(xs).cpu(), router.cpu(), w13.cpu(), w2.cpu(), torch.cat(dys).cpu(),
+                                   top_k=k, experts=torch.cat(all_e))
+        for in_launch in (True, False):
+            outs = []
+            for _ in range(3):
+                got = moe_backward(xs[rank], router, *mine, dys[rank], wts, exps, group=dist.group.WORLD,
+                                   one_launch=True, router_in_launch=in_launch)
+                outs.append([o.clone() for o in got])
+            kosmos.check_errors()
+            mine_ref = (want[0][rank * t:(rank + 1) * t], None, want[2][rank * el:(rank + 1) * el],
+                        want[3][rank * el:(rank + 1) * el])
+            for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), outs[0], mine_ref):
+                if b is not None:
+                    check(_rel(a.cpu(), b) < 2e-2, f"one launch W=2 {name}: rel err {_rel(a.cpu(), b):.2e}")
+            d_router = outs[0][1].clone()
+            dist.all_reduce(d_router)
+            check(_rel(d_router.cpu(), want[1]) < 2e-2, f"one launch W=2 d_router: {_rel(d_router.cpu(), want[1]):.2e}")
+            check(all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0])), "repeated calls differ")
+        dist.barrier()
+    finally:
+        check.finish(out_dir)
+
+
 def _run(fn, tmp_path):
     from kosmos_bench import launcher
     launcher.spawn_one_gpu(fn, WORLD, str(tmp_path), timeout_s=600)
@@ -109,6 +157,11 @@ def test_tp_ops_two_ranks_on_one_gpu(tmp_path):
 @pytest.mark.gpu
 def test_moe_forward_two_ranks_on_one_gpu(tmp_path):
     _run(_moe_rank, tmp_path)
+
+
+@pytest.mark.gpu
+def test_moe_backward_one_launch_two_ranks_on_one_gpu(tmp_path):
+    _run(_moe_bwd_rank, tmp_path)
 
 
 def test_ipc_only_for_cuda_groups_other_than_nccl(monkeypatch):

@@ -350,7 +350,8 @@ stores (more bytes in flight for one program per SM; the same bits, GPU-tested; 
 (1.096x), no gain. Traced: dgrad2 1.93 ms busy per program, SwiGLU 0.39, dgrad1 4.84, wgrad2 3.82, wgrad1 7.74
 (its span 8.8 ms), unpermute 0.26, waits 0.14. Still open: which of SWIGLU beside the dgrads, WGRAD's start
 skew or the 255-register kernel's dgrad tiles costs the ~2 ms, and 8k.
-W > 1 (not built; the design keeps room for it): COMBINE-BWD becomes a first stage (dy rows and the gate weights
+W > 1 (the plan of session 14; built since, differently in places: "The one launch at W > 1" below): COMBINE-BWD
+becomes a first stage (dy rows and the gate weights
 pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
 flags and counts; the destination's plan -- counts, padded offsets, first m-tiles -- built on the device by one
 elected program as moe_forward._ensure_plan does, and a PERMUTE-like stage gathering the rows into the padded
@@ -478,6 +479,96 @@ E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-
 without renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu;
 test_moe_backward_w1_never_syncs_gpu's one-launch case [False-True] not in those calls' selection (-k one_launch
 and the router tests): not run yet.
+The one launch at W > 1 (issue 15; built by a helper on branch one-launch-ep, interpreter-tested at W = 2 and 4;
+NOTHING HERE RAN ON A GPU: its GPU tests are written, not run, and nothing was timed).
+``moe_backward(..., group=, one_launch=True)`` at W > 1 (CUDA; the group's workspace) and, at the kernel level,
+``expert_backward_ep_launch`` (explicit buffers: tests/simranks.MoEBwdRanks drives it) run the whole backward but
+the logits GEMM in ONE launch of the same kernel (constexpr WORLD > 1: the W = 1 build compiles none of it), the
+exchanges as stages over the forward's peer mechanism (symmetric data buffer regions in ``EPLayout``, the peer
+pointer tables, epoch flags, consumer-reset counters, device.wait_geq / notify, the done-flag handshake).
+Stages, in drain order (each a shared atomic head; new heads after the W = 1 scratch, at ``xs_base``):
+  COMBINE-BWD(b)  tokens [b*XB, +XB) of this rank: to every rank d, a metadata row per token (per slot j: d's local
+                  expert or -1, and the pair's place among this rank's pairs of that expert) and the gate weights;
+                  each token's x and dy rows ONCE per d holding one of its experts, all at d's receive row
+                  [rank * T + t] -- the token's own index, so no slot atomics (the forward's dispatch places rows by
+                  an atomic counter, which is why it is not reused here). The rank's last task (a sys-scope acq_rel
+                  count) writes this rank's pair counts of d's experts to d and raises d's flag FLAG_BASE + rank =
+                  epoch (release). Before its first remote store each program waits for every peer's done flag
+                  >= epoch - 1 (the forward's handshake: a peer may still read last call's rows).
+  plan            every program entering any of the next stages: wait for every source's flag (>= epoch), then one
+                  CAS-elected program builds counts[e] = sum over sources, pad_offs (the padded layout), first_mtile,
+                  base[s, e] = rows of e from sources < s into local buffers (the W = 1 kernel's counts / pad_offs /
+                  first_mtile arguments, now the launch's own output); the others wait for it (WAIT_BWD_PLAN).
+  PERMUTE-BWD(p)  p < E/W: expert p's gap rows zeroed (x, dy, do, g | u, w, valid: the layout's contract); else
+                  received rows of source s (own rows first): each pair's row at pad_offs[e] + base[s, e] + place --
+                  x, dy, do = bf16(w * dy) (gather_rows_and_scaled's product), w, valid, and (source, p) for the
+                  way back; +1 on placed[e] per row and per gap task (release).
+  GU(gm, n)       [g | u] = x_rows W13[e] per (m-tile, 2F-tile), waiting for placed[e] = counts[e] + 1: g | u is
+                  RECOMPUTED in the launch (the forward cannot know its row count at W > 1, so saving keeps the
+                  worst case; ``saved_gu`` is refused there) by the backward's own dgrad tile (_dgrad1_tile with
+                  B_KN: W13[e] read as it is, the same clipped TMA descriptors on the padded rows, fp32 accumulation
+                  rounded to nearest even once) -- the forward's GEMM1 tile with SAVE_GU was the model, but it reads
+                  the forward's packed layout; +1 on gu_done[gm].
+  DGRAD2 .. WGRAD as at W = 1, unchanged arithmetic; DGRAD2 tasks also wait for placed[e] (their rows), the SwiGLU
+                  pass for gu_done[gm] = ceil(2F / BN); DGRAD1 counts per m-tile (dg1_done[gm]) instead of globally.
+  DISPATCH-BWD(gm) waits dg1_done[gm] = ceil(H / BN); each real row's dx (bf16) and gate gradient (fp32) straight
+                  into its token's rank's combine rows [t*k + j] (remote stores), then +1 per row on that rank's
+                  counter of the token's UNPERMUTE block (release, sys). A stage of its own rather than DGRAD1's
+                  epilogue (simpler, the 255-register DGRAD1 untouched; costs one more read of dx_rows, from L2 when
+                  the copy follows the tile) -- the epilogue form is the refinement.
+  UNPERMUTE(b)    waits its counter >= k * tokens of the block (every rank's rows of its tokens), sums the combine
+                  rows in slot order j = 0..k-1 in fp32 (_unpermute_sum_cols on the identity index: bitwise the
+                  multi-launch path's unpermute of the same rows), resets the counter (consumer reset), +1 on the
+                  router's token-block count.
+  ROUTER_DL(b), ROUTER_DW, ROUTER_DX as at W = 1 but ROUTER_DL and ROUTER_DW after UNPERMUTE: the gate gradients
+                  come back with the rows (comb_dw, pair order), so ROUTER_DL(b) waits for its token block's
+                  UNPERMUTE tasks (which acquired them); d_router is this rank's tokens' part. Without the router in
+                  the launch the kernel returns dx_e and the gate gradients and moe_backward's torch ops follow.
+Row order, hence bits: an expert's rows are in (source rank, pair index) order -- the multi-launch path's (its
+stable sorts) -- from a prefix count computed at the source (ep_pair_places: its stable expert sort's rank inside
+the expert, device ops, no host sync) and the holder's base[s, e]; no place depends on an atomic, so dW13 / dW2 sum
+the same rows in the same order on every run and grid (bitwise reproducible: tested over calls, re-poisoned). Not
+the multi-launch path's bits: its g | u is torch's recompute (cuBLAS, or the CPU's matmul), the launch's a Triton
+tile (interpreter: agreement to 5e-3 relative, the g | u roundings differ by an ulp here and there).
+Deadlock-freedom (moe_forward's argument, with the stage order above): a task waits only for (a) tasks of earlier
+stages of its own rank -- claimed from shared heads by programs already running them before any program moves
+past that stage (SWIGLU on completion waits inside a claimed DGRAD2 task for GU, an earlier stage) -- or (b) peers'
+earlier stages: the plan waits for the peers' COMBINE-BWD, UNPERMUTE for the peers' DISPATCH-BWD, and a peer's
+COMBINE-BWD waits for nothing of this call (only the done flags of the previous call, set when each rank's
+previous launch ended). DISPATCH-BWD waits only for this rank's DGRAD1, which waits only for this rank's earlier
+stages and the plan; so every chain of waits ends at a COMBINE-BWD task, which every rank runs first. No wait
+needs the programs of a launch, or the ranks' launches, to be co-resident beyond each rank's launch running: the
+CPU interpreter runs each rank's launch program after program, in three phase launches per call (EP_PHASES:
+COMBINE-BWD on every rank; PERMUTE .. WGRAD; UNPERMUTE and the router), every rank's launch of a phase before any
+rank's next phase, with every wait satisfied at once (a spinning wait there is a bug, bounded); only the last
+phase's launch (FINAL) zeroes the scratch, signals done and advances the epoch. Every wait is device.wait_geq
+(bounded, named in the error record: a stalled peer -- rank 1's launches not run -- or a stage left out gives
+KosmosTimeoutError's record, tested), no float atomic anywhere, no host synchronisation in the steady state.
+Epochs: the workspace's slot (shared with the forward and the TP ops, as its done flags are); a rank's first write
+into a peer's buffers (COMBINE-BWD) waits for the peer's done flag of the previous call; its combine writes need
+none (they follow the owner's own COMBINE-BWD of this call, as the forward's combine does); the counters are reset
+by their consumer, the plan state and every local counter by the last program out.
+Limits: the same T, H, F, E, k on every rank (the forward's contract; checked once per shape with the forward's
+all-gather), T >= 1, H and F multiples of 8; buffers sized for the worst case (every token of every rank here:
+W*T*min(k, E/W) expert rows, moe_forward.Layout's bound) -- the intermediates z, [dg | du], h, dx_rows at that
+bound are the memory cost (at deepseek-v3-like W = 8, 4k tokens: ~2x the forward's expert buffers).
+sm_90a (local Triton 3.9, ptxas; dev/kernel_resources' moe_backward_ep_kernels -- ``--world 2 --kernels
+moe_backward`` runs it after the W = 2 compile of the other backward kernels --, qwen3-like H 4096, F 1536, E 128,
+64 local experts, top-8, 1024 tokens per rank): the W = 2 build 254 registers (bf16 and fp32 weight gradients),
+255 with the router in the launch, no spills, 192 KiB; the W = 1 build unchanged by the branch (252 / 250 fp32 /
+250 with the router, softmax or sigmoid-grouped; no spills). At ptxas's cap: re-check after any change.
+PREDICTION (unmeasured; no GPU here): the exchanges (dy and x out, dx back: ~3 x T k H bf16 per rank over NVLink)
+overlap the other programs' GEMM tiles as the forward's dispatch and combine do; the GU stage costs GEMM1's FLOPs
+(1.92 TFLOP at deepseek-v3 4k), as the multi-launch path's recompute does; the lead's A/B against the multi-launch
+path (dev/moe_bwd_probe or kosmos bench moe --direction bwd at EP = 2) decides the default (ONE_LAUNCH stays False).
+Tests: interpreter (tests/test_moe_backward.py, ``-k ep_``): vs moe_backward_ref at W = 2 and 4 (random, skewed --
+every token to rank 0's experts --, an empty expert with sigmoid-grouped top-4, T = 11 / 13) and bitwise over two
+calls; vs the multi-launch path at W = 2 (gloo processes); without the router (dx_e + the torch router); stalled
+peer and stages left out (DISPATCH, PERMUTE, GU) time out, named. GPU, written, NOT RUN: the ``ranks`` tests
+test_moe_backward_one_launch_ep_at_world_gpu (W = 2, 4 simulated ranks on one GPU, all launches resident,
+three epochs bitwise) and _stalled_peer_gpu, and tests/test_ranks_one_gpu.py::
+test_moe_backward_one_launch_two_ranks_on_one_gpu (the public op over gloo + CUDA IPC, after a forward on the same
+workspace).
 """
 from __future__ import annotations
 
@@ -491,9 +582,10 @@ from .. import device as dev
 from .. import planning
 from .. import schedule as sched
 from ..codes import (EV_BWD_DGRAD1, EV_BWD_DGRAD2, EV_BWD_ROUTER_DL, EV_BWD_ROUTER_DW, EV_BWD_ROUTER_DX,
-                     EV_BWD_SWIGLU, EV_BWD_UNPERMUTE, EV_BWD_WGRAD1, EV_BWD_WGRAD2, EV_WAIT, OP_MOE_BACKWARD,
-                     TRACE_EVENTS, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD2, WAIT_BWD_ROUTER_DL, WAIT_BWD_SWIGLU,
-                     WAIT_BWD_UNPERMUTE)
+                     EV_BWD_SWIGLU, EV_BWD_UNPERMUTE, EV_BWD_WGRAD1, EV_BWD_WGRAD2, EV_COMM, EV_GEMM1, EV_PERMUTE,
+                     EV_WAIT, OP_MOE_BACKWARD, TRACE_EVENTS, WAIT_BWD_COMBINE, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD1_MTILE,
+                     WAIT_BWD_DGRAD2, WAIT_BWD_DISPATCH, WAIT_BWD_GU, WAIT_BWD_PERMUTE, WAIT_BWD_PLAN,
+                     WAIT_BWD_ROUTER_DL, WAIT_BWD_SWIGLU, WAIT_BWD_UNPERMUTE)
 
 try:  # libdevice's expf for swiglu_h (Triton >= 3.0 spells it this way)
     from triton.language.extra import libdevice
@@ -1221,10 +1313,12 @@ def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_p
 @triton.jit
 def _dgrad1_tile(gm, nh, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K,
                  ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                 TMA: tl.constexpr, LOOP_STAGES: tl.constexpr = None):
+                 TMA: tl.constexpr, LOOP_STAGES: tl.constexpr = None, B_KN: tl.constexpr = False):
     """Global m-tile gm, H-tile nh of _dgrad1_kernel (the standalone kernel's program and the one-launch
     backward's DGRAD2 / DGRAD1 task): rows [R, K] @ W[e]^T into dx (bf16), rows of no expert not stored; an
-    m-tile past the last expert's rows stores nothing. LOOP_STAGES: as _wgrad_flat_run's."""
+    m-tile past the last expert's rows stores nothing. LOOP_STAGES: as _wgrad_flat_run's. B_KN: W [E, K, H] read
+    as it is, rows @ W[e] (the one launch's GU task at W > 1: [g | u] = x_rows W13[e], H = 2F, K = the hidden
+    size), stored rounded to nearest even on the interpreter too (_to_out: torch's recompute's rounding)."""
     e, rr, rm = _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2, BM)
     if tl.sum(rm.to(tl.int32), 0) > 0:  # else past the last expert's rows: nothing to do
         ch = nh * BN + tl.arange(0, BN)
@@ -1237,26 +1331,44 @@ def _dgrad1_tile(gm, nh, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr
             lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
             a_desc = tl.make_tensor_descriptor(dgu_ptr + first * K, shape=[tl.load(counts_ptr + e), K],
                                                strides=[K, 1], block_shape=[BM, BK])
-            b_desc = tl.make_tensor_descriptor(w13e, shape=[H, K], strides=[K, 1], block_shape=[BN, BK])
-            for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
-                a = a_desc.load([lm0, k0])
-                b = b_desc.load([nh * BN, k0])
-                if DOT_FP32:
-                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
-                else:
-                    acc = tl.dot(a, tl.trans(b), acc)
+            if B_KN:
+                bk_desc = tl.make_tensor_descriptor(w13e, shape=[K, H], strides=[H, 1], block_shape=[BK, BN])
+                for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
+                    a = a_desc.load([lm0, k0])
+                    b = bk_desc.load([k0, nh * BN])
+                    if DOT_FP32:
+                        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+                    else:
+                        acc = tl.dot(a, b, acc)
+            else:
+                b_desc = tl.make_tensor_descriptor(w13e, shape=[H, K], strides=[K, 1], block_shape=[BN, BK])
+                for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
+                    a = a_desc.load([lm0, k0])
+                    b = b_desc.load([nh * BN, k0])
+                    if DOT_FP32:
+                        acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+                    else:
+                        acc = tl.dot(a, tl.trans(b), acc)
         else:
             for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
                 km = (k0 + ck) < K
                 a = tl.load(dgu_ptr + rr[:, None] * K + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :],
                             other=0.0)
-                b = tl.load(w13e + ch[None, :].to(tl.int64) * K + (k0 + ck)[:, None],
-                            mask=km[:, None] & hm[None, :], other=0.0)
+                if B_KN:
+                    b = tl.load(w13e + (k0 + ck)[:, None].to(tl.int64) * H + ch[None, :],
+                                mask=km[:, None] & hm[None, :], other=0.0)
+                else:
+                    b = tl.load(w13e + ch[None, :].to(tl.int64) * K + (k0 + ck)[:, None],
+                                mask=km[:, None] & hm[None, :], other=0.0)
                 if DOT_FP32:
                     acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
                 else:
                     acc = tl.dot(a, b, acc)
-        tl.store(dx_ptr + rr[:, None] * H + ch[None, :], acc.to(tl.bfloat16), mask=rm[:, None] & hm[None, :])
+        if B_KN:
+            tl.store(dx_ptr + rr[:, None] * H + ch[None, :], _to_out(acc, tl.bfloat16, DOT_FP32),
+                     mask=rm[:, None] & hm[None, :])
+        else:
+            tl.store(dx_ptr + rr[:, None] * H + ch[None, :], acc.to(tl.bfloat16), mask=rm[:, None] & hm[None, :])
 
 
 # GPU (BM, BN, BK, warps, stages). Session 11, one H200, qwen3-235b 4k rows (dev/moe_bwd_tiles, results/h200x1/s11):
@@ -1575,7 +1687,23 @@ def do_rows_of(dy, tok, dy_rows, w_pair, world: int) -> torch.Tensor:
 # UNPERMUTE, ROUTER_DX (the three ROUTER_* stages only with the router backward in the launch)
 BWD_DGRAD2, BWD_SWIGLU, BWD_DGRAD1, BWD_WGRAD, BWD_UNPERMUTE = 0, 1, 2, 3, 4
 BWD_ROUTER_DL, BWD_ROUTER_DW, BWD_ROUTER_DX = 5, 6, 7
-BWD_ALL_STAGES = 0b11111111
+# W > 1 only (module docstring, "The one launch at W > 1"): the exchange's stages; their heads sit after the W = 1
+# scratch (xs_base), so the W = 1 layout is unchanged
+BWD_COMBINE, BWD_PERMUTE, BWD_GU, BWD_DISPATCH = 8, 9, 10, 11
+BWD_ALL_STAGES = (1 << 12) - 1
+# the stages that read the W > 1 plan (each program entering them makes sure it exists)
+EP_PLAN_STAGE_BITS = sum(1 << s for s in (BWD_PERMUTE, BWD_GU, BWD_DGRAD2, BWD_SWIGLU, BWD_DGRAD1, BWD_DISPATCH,
+                                          BWD_WGRAD))
+# the CPU interpreter's phases of one call at W > 1 (every rank's launch of a phase before any rank's next one):
+# the rows out, the expert part and the rows back, the dispatch backward's sums and the router
+EP_PHASES = (1 << BWD_COMBINE, EP_PLAN_STAGE_BITS, BWD_ALL_STAGES & ~EP_PLAN_STAGE_BITS & ~(1 << BWD_COMBINE))
+EP_PLAN_STAGES: tl.constexpr = tl.constexpr(EP_PLAN_STAGE_BITS)
+STAGE_BWD_COMBINE: tl.constexpr = tl.constexpr(BWD_COMBINE)
+STAGE_BWD_PERMUTE: tl.constexpr = tl.constexpr(BWD_PERMUTE)
+STAGE_BWD_GU: tl.constexpr = tl.constexpr(BWD_GU)
+STAGE_BWD_DISPATCH: tl.constexpr = tl.constexpr(BWD_DISPATCH)
+BWD_EP_TOKENS = 16  # tokens (rows) per COMBINE / PERMUTE block and rows per DISPATCH step (GPU)
+BWD_EP_COLS = 256   # their column step (GPU): [16, 256] bf16 blocks
 STAGE_BWD_DGRAD2: tl.constexpr = tl.constexpr(BWD_DGRAD2)
 STAGE_BWD_SWIGLU: tl.constexpr = tl.constexpr(BWD_SWIGLU)
 STAGE_BWD_DGRAD1: tl.constexpr = tl.constexpr(BWD_DGRAD1)
@@ -1792,7 +1920,239 @@ def _n_mtiles(counts_ptr, E, ELP2: tl.constexpr, BM: tl.constexpr):
     return tl.sum(tl.cdiv(tl.load(counts_ptr + x, mask=x < E, other=0), BM), 0)
 
 
-@triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages"])
+# ------------------------------------------------------- the one launch at W > 1: the exchanges as stages
+@triton.jit
+def _ep_combine_block(b, x_ptr, dy_ptr, exp_ptr, w_ptr, pidx_ptr, peer_data, off_rx, off_rdy, off_meta, off_w, T, H,
+                      El, rank, WORLD: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr, XB: tl.constexpr,
+                      XBH: tl.constexpr):
+    """COMBINE-BWD task b: tokens [b*XB, +XB) of this rank. To every rank d: the tokens' metadata rows (per slot j:
+    d's local expert or -1, and the pair's place among this rank's pairs of that expert -- computed at the source
+    from its stable expert sort) and gate weights; each token's x and dy rows once to every d holding one of its
+    experts. Everything lands at d's receive row [rank * T + t]: the token's own index, so no slot atomics and
+    nothing whose place depends on the schedule."""
+    rows = b * XB + tl.arange(0, XB)
+    tm = rows < T
+    kc = tl.arange(0, KP2)[None, :]
+    pm = tm[:, None] & (kc < TOPK)
+    po = rows[:, None] * TOPK + kc
+    e = tl.load(exp_ptr + po, mask=pm, other=0)
+    dest = tl.where(pm, e // El, -1)
+    le = e - dest * El
+    idx = tl.load(pidx_ptr + po, mask=pm, other=0)
+    wv = tl.load(w_ptr + po, mask=pm, other=0.0)
+    at = (rank * T + rows).to(tl.int64)
+    for d in tl.static_range(WORLD):
+        meta = dev.peer_region(peer_data, d, off_meta, tl.int32) + at[:, None] * (2 * TOPK) + 2 * kc
+        tl.store(meta, tl.where(dest == d, le, -1), mask=pm)
+        tl.store(meta + 1, idx, mask=pm)
+        tl.store(dev.peer_region(peer_data, d, off_w, tl.float32) + at[:, None] * TOPK + kc, wv, mask=pm)
+    for c0 in range(0, H, XBH):
+        c = c0 + tl.arange(0, XBH)
+        m = tm[:, None] & (c < H)[None, :]
+        o = rows.to(tl.int64)[:, None] * H + c[None, :]
+        xv = tl.load(x_ptr + o, mask=m)
+        dv = tl.load(dy_ptr + o, mask=m)
+        o2 = at[:, None] * H + c[None, :]
+        for dd in range(WORLD):  # dynamic: one destination's pointers live at a time
+            has = tl.max(tl.where(dest == dd, 1, 0), 1) > 0
+            mm = m & has[:, None]
+            tl.store(dev.peer_region(peer_data, dd, off_rx, tl.bfloat16) + o2, xv, mask=mm)
+            tl.store(dev.peer_region(peer_data, dd, off_rdy, tl.bfloat16) + o2, dv, mask=mm)
+
+
+@triton.jit
+def _ep_publish(send_cnt_ptr, peer_data, peer_sig, off_cnt, El, rank, epoch, WORLD: tl.constexpr,
+                ELP2: tl.constexpr, FLAG_BASE: tl.constexpr):
+    """The rank's last COMBINE-BWD task: this rank's pair counts of d's experts into d's count row [rank], then
+    flag FLAG_BASE + rank = epoch on d (release: every COMBINE task's stores, acquired through the task count)."""
+    i = tl.arange(0, ELP2)
+    for d in tl.static_range(WORLD):
+        c = tl.load(send_cnt_ptr + d * El + i, mask=i < El, other=0)
+        tl.store(dev.peer_region(peer_data, d, off_cnt, tl.int32) + rank * El + i, c, mask=i < El)
+        dev.notify(dev.peer_ptr(peer_sig, d, tl.int32) + FLAG_BASE + rank, epoch)
+
+
+@triton.jit
+def _ep_ensure_plan(sig_ptr, cnt_ptr, counts_ptr, pad_offs_ptr, first_mtile_ptr, base_ptr, state_ptr, El, rank,
+                    epoch, timeout_ns, err_ptr, WORLD: tl.constexpr, WP2: tl.constexpr, ELP2: tl.constexpr,
+                    BM: tl.constexpr, PAD: tl.constexpr, FLAG_BASE: tl.constexpr):
+    """This call's plan at the holder, once every source's flag holds the epoch (CAS-elected builder, as
+    moe_forward._ensure_plan; the others wait for it): counts[e] = sum over sources, pad_offs (the padded layout),
+    first_mtile (padded with 2**30 to ELP2, as _mtile_plan's), base[s, e] = the rows of e from sources < s.
+    Returns 0 on a timeout."""
+    ok = 1
+    state = dev.load_uniform(state_ptr)
+    if state < 2:
+        for s in tl.static_range(WORLD):
+            ok = ok & dev.wait_geq(sig_ptr + FLAG_BASE + s, epoch, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                                   WAIT_BWD_COMBINE, rank, -1, s)
+        if ok != 0:
+            won = 0
+            if state == 0:
+                won = (tl.atomic_cas(state_ptr, 0, 1, sem="acq_rel", scope="gpu") == 0).to(tl.int32)
+            if won != 0:
+                si = tl.arange(0, WP2)[:, None]
+                ei = tl.arange(0, ELP2)[None, :]
+                sm = (si < WORLD) & (ei < El)
+                c = tl.load(cnt_ptr + si * El + ei, mask=sm, other=0, volatile=True)
+                tot = tl.sum(c, 0)
+                e1 = tl.arange(0, ELP2)
+                em = e1 < El
+                padded = tl.cdiv(tot, PAD) * PAD
+                mt = tl.cdiv(tot, BM)
+                tl.store(counts_ptr + e1, tot, mask=em)
+                tl.store(pad_offs_ptr + e1, tl.cumsum(padded, 0) - padded, mask=em)
+                tl.store(first_mtile_ptr + e1, tl.where(em, tl.cumsum(mt, 0) - mt, 2**30))
+                tl.store(base_ptr + si * El + ei, tl.cumsum(c, 0) - c, mask=sm)
+                tl.debug_barrier()
+                tl.atomic_xchg(state_ptr, 2, sem="release", scope="gpu")
+    if ok != 0:  # the acquire (and proxy fence) of the plan for every program
+        ok = dev.wait_geq(state_ptr, 2, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_PLAN, rank, -1, 0)
+    return ok
+
+
+@triton.jit
+def _ep_permute_task(p, recv_x, recv_dy, recv_meta, recv_w, counts_ptr, pad_offs_ptr, base_ptr, x_rows, dy_rows,
+                     do_rows, gu_ptr, wp_ptr, valid_ptr, row_meta_ptr, placed_ptr, T, H, F, El, rank,
+                     WORLD: tl.constexpr, TOPK: tl.constexpr, KP2: tl.constexpr, XB: tl.constexpr,
+                     XBH: tl.constexpr, PAD: tl.constexpr, INTERP: tl.constexpr):
+    """PERMUTE-BWD task p. p < El: expert p's gap rows (after its last row, up to the pad) zeroed in x_rows, dy_rows,
+    do_rows, g | u, w_pair and valid -- the layout's contract (the flat wgrad and the SwiGLU pass read them).
+    Else received rows [b*XB, +XB) of source s = (rank + (p - El) // blocks) % W (own rows first): every pair's
+    row at its deterministic place pad_offs[e] + base[s, e] + idx -- (source rank, pair order) inside an expert,
+    the multi-launch path's order -- with x, dy, do = bf16(w * dy) (gather_rows_and_scaled's product), w, valid
+    and (source, pair) for the dispatch backward. +1 on placed[e] per row and per gap task (release)."""
+    if p < El:
+        n = tl.load(counts_ptr + p)
+        r0 = tl.load(pad_offs_ptr + p) + n
+        n_gap = tl.cdiv(n, PAD) * PAD - n
+        for g0 in range(0, n_gap, XB):
+            r = g0 + tl.arange(0, XB)
+            rm = r < n_gap
+            row = (r0 + r).to(tl.int64)
+            tl.store(wp_ptr + row, tl.zeros([XB], tl.float32), mask=rm)
+            tl.store(valid_ptr + row, tl.zeros([XB], tl.uint8), mask=rm)
+            zero = tl.zeros([XB, XBH], tl.bfloat16)
+            for c0 in range(0, H, XBH):
+                c = c0 + tl.arange(0, XBH)
+                o = row[:, None] * H + c[None, :]
+                m = rm[:, None] & (c < H)[None, :]
+                tl.store(x_rows + o, zero, mask=m)
+                tl.store(dy_rows + o, zero, mask=m)
+                tl.store(do_rows + o, zero, mask=m)
+            for c0 in range(0, 2 * F, XBH):
+                c = c0 + tl.arange(0, XBH)
+                tl.store(gu_ptr + row[:, None] * (2 * F) + c[None, :], zero, mask=rm[:, None] & (c < 2 * F)[None, :])
+        tl.debug_barrier()
+        tl.atomic_add(placed_ptr + p, 1, sem="release", scope="gpu")
+    else:
+        n_xb = tl.cdiv(T, XB)
+        s = (rank + (p - El) // n_xb) % WORLD
+        tok = ((p - El) % n_xb) * XB + tl.arange(0, XB)
+        tm = tok < T
+        kc = tl.arange(0, KP2)[None, :]
+        km = tm[:, None] & (kc < TOPK)
+        at = (s * T + tok).to(tl.int64)
+        le = tl.load(recv_meta + at[:, None] * (2 * TOPK) + 2 * kc, mask=km, other=-1)
+        idx = tl.load(recv_meta + at[:, None] * (2 * TOPK) + 2 * kc + 1, mask=km, other=0)
+        valid = km & (le >= 0)
+        le = tl.where(valid, le, 0)
+        dst = tl.load(pad_offs_ptr + le, mask=valid, other=0) + tl.load(base_ptr + s * El + le, mask=valid,
+                                                                        other=0) + idx
+        w = tl.load(recv_w + at[:, None] * TOPK + kc, mask=valid, other=0.0)
+        d64 = dst.to(tl.int64)
+        tl.store(row_meta_ptr + d64 * 2, s + 0 * dst, mask=valid)
+        tl.store(row_meta_ptr + d64 * 2 + 1, tok[:, None] * TOPK + kc, mask=valid)
+        tl.store(wp_ptr + d64, w, mask=valid)
+        tl.store(valid_ptr + d64, tl.full(dst.shape, 1, tl.uint8), mask=valid)
+        for c0 in range(0, H, XBH):
+            c = c0 + tl.arange(0, XBH)
+            cm = (c < H)[None, :]
+            so = at[:, None] * H + c[None, :]
+            xv = tl.load(recv_x + so, mask=tm[:, None] & cm)
+            dv = tl.load(recv_dy + so, mask=tm[:, None] & cm)
+            for j in range(TOPK):  # dynamic: unrolled, the k slots' pointers would be live together
+                dj = tl.sum(tl.where(kc == j, d64, 0), 1)
+                vj = tl.max(tl.where((kc == j) & valid, 1, 0), 1) > 0
+                wj = tl.sum(tl.where(kc == j, w, 0.0), 1)
+                o = dj[:, None] * H + c[None, :]
+                mm = vj[:, None] & cm
+                tl.store(x_rows + o, xv, mask=mm)
+                tl.store(dy_rows + o, dv, mask=mm)
+                tl.store(do_rows + o, _to_out(dv.to(tl.float32) * wj[:, None], tl.bfloat16, INTERP), mask=mm)
+        tl.debug_barrier()
+        tl.atomic_add(placed_ptr + le, 1, mask=valid, sem="release", scope="gpu")
+
+
+@triton.jit
+def _mtile_expert(first_mtile_ptr, gm, ELP2: tl.constexpr):
+    """The expert of global m-tile gm (_mtile_rows' rule)."""
+    return tl.sum((tl.load(first_mtile_ptr + tl.arange(0, ELP2)) <= gm).to(tl.int32), 0) - 1
+
+
+@triton.jit
+def _ep_dispatch_mtile(gm, first_mtile_ptr, pad_offs_ptr, counts_ptr, dx_rows, dw_rows, row_meta_ptr, peer_data,
+                       peer_ctr, off_cx, off_cdw, H, TOPK: tl.constexpr, ELP2: tl.constexpr, BM: tl.constexpr,
+                       XB: tl.constexpr, XBH: tl.constexpr, UT: tl.constexpr):
+    """DISPATCH-BWD task gm (its dgrad1 tiles done): each real row's dx (bf16) and gate gradient (fp32) straight
+    into its token's rank's combine rows [t*k + j], then +1 per row on that rank's counter of the token's
+    UNPERMUTE block (release, system scope: the rows are remote)."""
+    e = _mtile_expert(first_mtile_ptr, gm, ELP2)
+    lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
+    row0 = tl.load(pad_offs_ptr + e) + lm0
+    n_rows = tl.minimum(tl.load(counts_ptr + e) - lm0, BM)
+    for r0 in range(0, n_rows, XB):
+        r = r0 + tl.arange(0, XB)
+        rm = r < n_rows
+        row = (row0 + r).to(tl.int64)
+        src = tl.load(row_meta_ptr + row * 2, mask=rm, other=0)
+        pair = tl.load(row_meta_ptr + row * 2 + 1, mask=rm, other=0)
+        dst = dev.peer_region(peer_data, src, off_cx, tl.bfloat16) + pair.to(tl.int64) * H
+        for c0 in range(0, H, XBH):
+            c = c0 + tl.arange(0, XBH)
+            m = rm[:, None] & (c < H)[None, :]
+            tl.store(dst[:, None] + c[None, :], tl.load(dx_rows + row[:, None] * H + c[None, :], mask=m), mask=m)
+        tl.store(dev.peer_region(peer_data, src, off_cdw, tl.float32) + pair, tl.load(dw_rows + row, mask=rm),
+                 mask=rm)
+        tl.debug_barrier()
+        tl.atomic_add(dev.peer_region(peer_ctr, src, 0, tl.int32) + (pair // TOPK) // UT, 1, mask=rm, sem="release",
+                      scope="sys")
+
+
+@triton.jit
+def _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP, timeout_ns, err_ptr,
+                     trace_ptr, RUT: tl.constexpr, RW_BI: tl.constexpr, RW_BJ: tl.constexpr, RW_BR: tl.constexpr,
+                     DOT_FP32: tl.constexpr, R_STAGES: tl.constexpr, TRACE: tl.constexpr):
+    """The ROUTER_DW stage's loop (module docstring): dWr = dl^T x per [E, H] tile, after one wait per program on
+    every dlogits block. Returns (ok, n_ev)."""
+    if sched.has_stage(stages, STAGE_BWD_ROUTER_DW) & (ok != 0):
+        t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
+        n_wj = tl.cdiv(H, RW_BJ)
+        waited = 0
+        while (t < tl.cdiv(ER, RW_BI) * n_wj) & (ok != 0):
+            t0 = _trace_clock(TRACE)
+            if waited == 0:  # once per program: every dlogits block (the reduction runs over all tokens)
+                ok = dev.wait_geq(scratch_ptr + SCB_ROUTER_DL_DONE, tl.cdiv(T, RUT), timeout_ns, err_ptr,
+                                  OP_MOE_BACKWARD, WAIT_BWD_ROUTER_DL, 0, t, -1)
+                waited = 1
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                t0 = t1
+            if ok != 0:
+                hi_w = tl.make_tensor_descriptor(dlhl_ptr, shape=[T, ER], strides=[2 * EP, 1],
+                                                 block_shape=[RW_BR, RW_BI])
+                lo_w = tl.make_tensor_descriptor(dlhl_ptr + EP, shape=[T, ER], strides=[2 * EP, 1],
+                                                 block_shape=[RW_BR, RW_BI])
+                x_w = tl.make_tensor_descriptor(x_ptr, shape=[T, H], strides=[H, 1], block_shape=[RW_BR, RW_BJ])
+                _router_dw_tile(t // n_wj, t % n_wj, hi_w, lo_w, x_w, dwr_ptr, T, H, ER, RW_BI, RW_BJ, RW_BR,
+                                DOT_FP32, R_STAGES)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DW, t, t0, _trace_clock(TRACE), TRACE)
+            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
+    return ok, n_ev
+
+
+@triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages", "off_rx", "off_rdy",
+                               "off_meta", "off_w", "off_cnt", "off_cx", "off_cdw", "xs_base", "rank"])
 def _moe_backward_experts_kernel(
         dy_rows_ptr, do_rows_ptr, x_rows_ptr, gu_ptr, wp_ptr, valid_ptr, w13_ptr, w2_ptr,
         pad_offs_ptr, counts_ptr, first_mtile_ptr, inv_ptr,
@@ -1800,6 +2160,9 @@ def _moe_backward_experts_kernel(
         x_ptr, wr_ptr, logits_ptr, experts_ptr, dlhl_ptr, dx_ptr, dwr_ptr, ER, EP, routed_scaling,
         scratch_ptr, scratch_n, max_mtiles, err_ptr, epoch_ptr, timeout_us, stages, trace_ptr,
         T, H, F, E, R_PAD,
+        dyt_ptr, wt_ptr, pidx_ptr, send_cnt_ptr, recv_x_ptr, recv_dy_ptr, recv_meta_ptr, recv_w_ptr, cnt_ptr,
+        comb_x_ptr, comb_dw_ptr, peer_data, peer_sig, peer_ctr, sig_ptr, ctr_ptr, off_rx, off_rdy, off_meta, off_w,
+        off_cnt, off_cx, off_cdw, row_meta_ptr, base_ptr, xs_base, rank,
         TOPK: tl.constexpr, ELP2: tl.constexpr, PAD: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEMM_STAGES: tl.constexpr,
         TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
@@ -1809,54 +2172,132 @@ def _moe_backward_experts_kernel(
         ROUTER: tl.constexpr = False, SOFTMAX: tl.constexpr = True, RENORM: tl.constexpr = True,
         ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
         RX_BM: tl.constexpr = 16, RX_BN: tl.constexpr = 16, RX_BK: tl.constexpr = 16,
-        RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1):
-    """The W = 1 backward's expert part, one persistent launch of GRID programs (module docstring, "The one
-    launch"): the stages DGRAD2, SWIGLU (SWIGLU_ON_COMPLETION: run inside the DGRAD2 task that completes the
-    m-tile; else its own queue), DGRAD1 (shared atomic heads), WGRAD (each program's own share of both flat wgrad
-    loops), UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function. ROUTER: the
-    router backward too ("The router backward in the launch"): ROUTER_DL after DGRAD1, ROUTER_DW after WGRAD,
-    ROUTER_DX after UNPERMUTE (shared heads), dx (bf16) and dWr (fp32) its outputs; without it x_ptr .. dwr_ptr
-    are unused.
-    ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out).
+        RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1,
+        WORLD: tl.constexpr = 1, WP2: tl.constexpr = 1, KP2: tl.constexpr = 1, XB: tl.constexpr = 1,
+        XBH: tl.constexpr = 16, TMA_GU: tl.constexpr = False, FINAL: tl.constexpr = True,
+        FLAG_BASE: tl.constexpr = 64, DONE_BASE: tl.constexpr = 0):
+    """The backward's expert part, one persistent launch of GRID programs (module docstring, "The one launch"):
+    the stages DGRAD2, SWIGLU (SWIGLU_ON_COMPLETION: run inside the DGRAD2 task that completes the m-tile; else
+    its own queue), DGRAD1 (shared atomic heads), WGRAD (each program's own share of both flat wgrad loops),
+    UNPERMUTE (shared head), each task's arithmetic the standalone kernel's tile function. ROUTER: the router
+    backward too ("The router backward in the launch"): ROUTER_DL after DGRAD1, ROUTER_DW after WGRAD, ROUTER_DX
+    after UNPERMUTE (shared heads), dx (bf16) and dWr (fp32) its outputs; without it x_ptr .. dwr_ptr are unused
+    (at W > 1 x_ptr and experts_ptr are the token rows' and decisions for COMBINE-BWD either way).
+    WORLD > 1 ("The one launch at W > 1"): COMBINE-BWD first, the plan, PERMUTE-BWD and GU (g | u recomputed)
+    before DGRAD2, DISPATCH-BWD after DGRAD1, UNPERMUTE from the combine rows, the router's ROUTER_DL and
+    ROUTER_DW after UNPERMUTE; the plan arrays (counts, pad_offs, first_mtile, base) are the launch's own
+    output, the expert-row buffers sized for the worst case (R_PAD). FINAL: this launch ends the call (zeroes
+    the scratch, signals done, advances the epoch; the CPU tests' phase launches but the last do not).
+    ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out;
+    at W > 1 the CPU tests' phases).
     TRACE: every task and wait as a (kind, task, t0, t1) event of trace_ptr [GRID, TRACE_EVENTS, 4] (codes.EV_*;
     WGRAD one event per flat loop, task -1)."""
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     x = tl.arange(0, ELP2)
-    n_mt = _n_mtiles(counts_ptr, E, ELP2, BM)  # the m-tiles of all experts (recomputed after DGRAD1: see there)
     n_f = tl.cdiv(F, BN)
     n_h = tl.cdiv(H, BN)
     dgrad2_ctr = scratch_ptr + SCB_MTILES
     swiglu_ctr = dgrad2_ctr + max_mtiles  # then (router in the launch) UNPERMUTE tasks done per RX_BM-token block
     ok = 1
     n_ev = 0
-    if sched.has_stage(stages, STAGE_BWD_DGRAD2):  # z = dy_rows W2[e]^T per (m-tile, F-tile), m-tile-major
+    if WORLD > 1:  # the exchange's stages and the plan (module docstring, "The one launch at W > 1")
+        xs = scratch_ptr + xs_base  # [0, 4) heads of COMBINE, PERMUTE, GU, DISPATCH; 4 combined; 5 plan state;
+        placed = xs + 6             # then rows placed per local expert [E], GU and DGRAD1 tiles done per m-tile
+        gu_ctr = placed + E
+        dg1_ctr = gu_ctr + max_mtiles
+        n_g = tl.cdiv(2 * F, BN)
+        if sched.has_stage(stages, STAGE_BWD_COMBINE):  # dy (and x) rows once per destination rank
+            n_cb = tl.cdiv(T, XB)
+            t = sched.claim(xs + 0)
+            handshake = 0
+            while (t < n_cb) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                epoch = dev.call_epoch(epoch_ptr)
+                if handshake == 0:  # a peer may still be reading last call's rows from its receive buffers
+                    ok = dev.wait_peers_done(sig_ptr, DONE_BASE, WORLD, epoch, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                                             rank)
+                    handshake = 1
+                if ok != 0:
+                    _ep_combine_block(t, x_ptr, dyt_ptr, experts_ptr, wt_ptr, pidx_ptr, peer_data, off_rx, off_rdy,
+                                      off_meta, off_w, T, H, E, rank, WORLD, TOPK, KP2, XB, XBH)
+                    tl.debug_barrier()
+                    if tl.atomic_add(xs + 4, 1, sem="acq_rel", scope="sys") == n_cb - 1:
+                        _ep_publish(send_cnt_ptr, peer_data, peer_sig, off_cnt, E, rank, epoch, WORLD, ELP2,
+                                    FLAG_BASE)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t0, _trace_clock(TRACE), TRACE)
+                t = sched.claim(xs + 0)
+        if ((stages & EP_PLAN_STAGES) != 0) & (ok != 0):  # every stage from PERMUTE to WGRAD reads the plan
+            t0 = _trace_clock(TRACE)
+            ok = _ep_ensure_plan(sig_ptr, cnt_ptr, counts_ptr, pad_offs_ptr, first_mtile_ptr, base_ptr, xs + 5, E, rank,
+                                 dev.call_epoch(epoch_ptr), timeout_ns, err_ptr, WORLD, WP2, ELP2, BM, PAD, FLAG_BASE)
+            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, _trace_clock(TRACE), TRACE)
+        if sched.has_stage(stages, STAGE_BWD_PERMUTE) & (ok != 0):  # gap rows, then received rows, own first
+            t = sched.claim(xs + 1)
+            while t < E + WORLD * tl.cdiv(T, XB):
+                t0 = _trace_clock(TRACE)
+                _ep_permute_task(t, recv_x_ptr, recv_dy_ptr, recv_meta_ptr, recv_w_ptr, counts_ptr, pad_offs_ptr,
+                                 base_ptr, x_rows_ptr, dy_rows_ptr, do_rows_ptr, gu_ptr, wp_ptr, valid_ptr,
+                                 row_meta_ptr, placed, T, H, F, E, rank, WORLD, TOPK, KP2, XB, XBH, PAD, DOT_FP32)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_PERMUTE, t, t0, _trace_clock(TRACE), TRACE)
+                t = sched.claim(xs + 1)
+        if sched.has_stage(stages, STAGE_BWD_GU) & (ok != 0):  # [g | u] = x_rows W13[e] per (m-tile, 2F-tile)
+            t = sched.claim(xs + 2)
+            while (t < _n_mtiles(counts_ptr, E, ELP2, BM) * n_g) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                gm = t // n_g
+                e = _mtile_expert(first_mtile_ptr, gm, ELP2)
+                ok = dev.wait_geq(placed + e, tl.load(counts_ptr + e) + 1, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                                  WAIT_BWD_PERMUTE, rank, t, e)
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                if ok != 0:
+                    _dgrad1_tile(gm, t % n_g, x_rows_ptr, w13_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, gu_ptr,
+                                 2 * F, H, ELP2, BM, BN, BK, DOT_FP32, TMA_GU, GEMM_STAGES, True)
+                    tl.debug_barrier()
+                    tl.atomic_add(gu_ctr + gm, 1, sem="release", scope="gpu")
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_GEMM1, t, t1, _trace_clock(TRACE), TRACE)
+                t = sched.claim(xs + 2)
+    n_mt = _n_mtiles(counts_ptr, E, ELP2, BM)  # the m-tiles of all experts (recomputed after DGRAD1: see there)
+    if sched.has_stage(stages, STAGE_BWD_DGRAD2) & (ok != 0):  # z = dy_rows W2[e]^T per (m-tile, F-tile)
         t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
-        while t < n_mt * n_f:
+        while (t < n_mt * n_f) & (ok != 0):
             t0 = _trace_clock(TRACE)
             gm = t // n_f
-            _dgrad1_tile(gm, t % n_f, dy_rows_ptr, w2_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, z_ptr, F, H,
-                         ELP2, BM, BN, BK, DOT_FP32, TMA2, GEMM_STAGES)
-            tl.debug_barrier()
-            done = tl.atomic_add(dgrad2_ctr + gm, 1, sem="acq_rel", scope="gpu")
-            t1 = _trace_clock(TRACE)
-            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD2, t, t0, t1, TRACE)
-            if SWIGLU_ON_COMPLETION:
-                # the m-tile's last dgrad2 tile: its SwiGLU pass here, beside the other programs' GEMMs (the wait
-                # is satisfied at once: it is the acquire -- and proxy -- fence of every thread)
-                if (done == n_f - 1) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
-                    dev.wait_geq(dgrad2_ctr + gm, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t,
-                                 gm)
-                    _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr,
-                                      dgu_ptr, h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr,
-                                      scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD, SW_BR, SW_BF, DOT_FP32)
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, gm, t1, _trace_clock(TRACE), TRACE)
+            if WORLD > 1:  # the m-tile's rows placed (its expert's every row and gap)
+                e = _mtile_expert(first_mtile_ptr, gm, ELP2)
+                ok = dev.wait_geq(placed + e, tl.load(counts_ptr + e) + 1, timeout_ns, err_ptr, OP_MOE_BACKWARD,
+                                  WAIT_BWD_PERMUTE, rank, t, e)
+            if ok != 0:
+                _dgrad1_tile(gm, t % n_f, dy_rows_ptr, w2_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, z_ptr, F,
+                             H, ELP2, BM, BN, BK, DOT_FP32, TMA2, GEMM_STAGES)
+                tl.debug_barrier()
+                done = tl.atomic_add(dgrad2_ctr + gm, 1, sem="acq_rel", scope="gpu")
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD2, t, t0, t1, TRACE)
+                if SWIGLU_ON_COMPLETION:
+                    # the m-tile's last dgrad2 tile: its SwiGLU pass here, beside the other programs' GEMMs (the
+                    # wait is satisfied at once: it is the acquire -- and proxy -- fence of every thread)
+                    if (done == n_f - 1) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
+                        dev.wait_geq(dgrad2_ctr + gm, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0,
+                                     t, gm)
+                        if WORLD > 1:  # and its recomputed g | u
+                            ok = dev.wait_geq(gu_ctr + gm, n_g, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_GU,
+                                              rank, t, gm)
+                        if ok != 0:
+                            _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr,
+                                              dgu_ptr, h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr,
+                                              scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD, SW_BR, SW_BF, DOT_FP32)
+                            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, gm, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
     if not SWIGLU_ON_COMPLETION:  # SWIGLU as its own queue: per m-tile, waiting for its dgrad2 tiles
         t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
         while (t < n_mt) & (ok != 0) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
             t0 = _trace_clock(TRACE)
             ok = dev.wait_geq(dgrad2_ctr + t, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t, t)
+            if WORLD > 1:
+                if ok != 0:
+                    ok = dev.wait_geq(gu_ctr + t, n_g, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_GU, rank, t, t)
             t1 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
             if ok != 0:
@@ -1877,10 +2318,28 @@ def _moe_backward_experts_kernel(
                 _dgrad1_tile(gm, t % n_h, dgu_ptr, w13_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, dx_rows_ptr,
                              H, 2 * F, ELP2, BM, BN, BK, DOT_FP32, TMA1, GEMM_STAGES)
                 tl.debug_barrier()
-                tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, 1, sem="release", scope="gpu")
+                if WORLD > 1:  # per m-tile: its DISPATCH-BWD task waits for it
+                    tl.atomic_add(dg1_ctr + gm, 1, sem="release", scope="gpu")
+                else:
+                    tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, 1, sem="release", scope="gpu")
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD1, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
-    if ROUTER:  # the gate gradients through the routing: dl per token block, split hi | lo for the tensor cores
+    if WORLD > 1:  # each m-tile's rows back to their tokens' ranks (dx rows and gate gradients)
+        if sched.has_stage(stages, STAGE_BWD_DISPATCH) & (ok != 0):
+            t = sched.claim(xs + 3)
+            while (t < n_mt) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                ok = dev.wait_geq(dg1_ctr + t, n_h, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD1_MTILE,
+                                  rank, t, t, True)
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                if ok != 0:
+                    _ep_dispatch_mtile(t, first_mtile_ptr, pad_offs_ptr, counts_ptr, dx_rows_ptr, dw_rows_ptr,
+                                       row_meta_ptr, peer_data, peer_ctr, off_cx, off_cdw, H, TOPK, ELP2, BM, XB, XBH,
+                                       UT)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t1, _trace_clock(TRACE), TRACE)
+                t = sched.claim(xs + 3)
+    if (WORLD == 1) & ROUTER:  # the gate gradients through the routing: dl per token block, split hi | lo
         if sched.has_stage(stages, STAGE_BWD_ROUTER_DL) & (ok != 0):
             t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
             waited = 0
@@ -1916,36 +2375,21 @@ def _moe_backward_experts_kernel(
             _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
                             W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
-    if ROUTER:  # the long compute-bound dWr tiles first (beside UNPERMUTE's memory-bound blocks on the others)
-        if sched.has_stage(stages, STAGE_BWD_ROUTER_DW) & (ok != 0):  # dWr = dl^T x per [E, H] tile
-            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
-            n_wj = tl.cdiv(H, RW_BJ)
-            waited = 0
-            while (t < tl.cdiv(ER, RW_BI) * n_wj) & (ok != 0):
-                t0 = _trace_clock(TRACE)
-                if waited == 0:  # once per program: every dlogits block (the reduction runs over all tokens)
-                    ok = dev.wait_geq(scratch_ptr + SCB_ROUTER_DL_DONE, tl.cdiv(T, RUT), timeout_ns, err_ptr,
-                                      OP_MOE_BACKWARD, WAIT_BWD_ROUTER_DL, 0, t, -1)
-                    waited = 1
-                    t1 = _trace_clock(TRACE)
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
-                    t0 = t1
-                if ok != 0:
-                    hi_w = tl.make_tensor_descriptor(dlhl_ptr, shape=[T, ER], strides=[2 * EP, 1],
-                                                     block_shape=[RW_BR, RW_BI])
-                    lo_w = tl.make_tensor_descriptor(dlhl_ptr + EP, shape=[T, ER], strides=[2 * EP, 1],
-                                                     block_shape=[RW_BR, RW_BI])
-                    x_w = tl.make_tensor_descriptor(x_ptr, shape=[T, H], strides=[H, 1], block_shape=[RW_BR, RW_BJ])
-                    _router_dw_tile(t // n_wj, t % n_wj, hi_w, lo_w, x_w, dwr_ptr, T, H, ER, RW_BI, RW_BJ, RW_BR,
-                                    DOT_FP32, R_STAGES)
-                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DW, t, t0, _trace_clock(TRACE), TRACE)
-                t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
+    if (WORLD == 1) & ROUTER:  # the long compute-bound dWr tiles first (beside UNPERMUTE's memory-bound blocks)
+        ok, n_ev = _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP,
+                                    timeout_ns, err_ptr, trace_ptr, RUT, RW_BI, RW_BJ, RW_BR, DOT_FP32, R_STAGES, TRACE)
     if sched.has_stage(stages, STAGE_BWD_UNPERMUTE) & (ok != 0):  # each token's k rows summed in slot order
         t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
         waited = 0
         while (t < tl.cdiv(T, UT)) & (ok != 0):
             t0 = _trace_clock(TRACE)
-            if waited == 0:  # one wait per program: the counter only grows, the acquire covers what follows
+            if WORLD > 1:  # the block's rows from every rank (k per token), in the combine rows [t*k + j]
+                ok = dev.wait_geq(ctr_ptr + t, tl.minimum(T - t * UT, UT) * TOPK, timeout_ns, err_ptr,
+                                  OP_MOE_BACKWARD, WAIT_BWD_DISPATCH, rank, t, t)
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                t0 = t1
+            elif waited == 0:  # one wait per program: the counter only grows, the acquire covers what follows
                 ok = dev.wait_geq(scratch_ptr + SCB_DGRAD1_DONE, _n_mtiles(counts_ptr, E, ELP2, BM) * n_h,
                                   timeout_ns, err_ptr, OP_MOE_BACKWARD,
                                   WAIT_BWD_DGRAD1, 0, t, -1)
@@ -1959,14 +2403,41 @@ def _moe_backward_experts_kernel(
                 tok = tl.minimum(tok, T - 1)[:, None]  # past T: a valid index, nothing stored
                 for c0 in range(0, H, UBH):
                     c = c0 + tl.arange(0, UBH)
-                    _unpermute_sum_cols(tok, c[None, :], tm[:, None] & (c < H)[None, :], dx_rows_ptr, inv_ptr,
-                                        dx_e_ptr, H, TOPK, True)
+                    if WORLD > 1:  # inv: the identity (the combine rows are in pair order)
+                        _unpermute_sum_cols(tok, c[None, :], tm[:, None] & (c < H)[None, :], comb_x_ptr, inv_ptr,
+                                            dx_e_ptr, H, TOPK, True)
+                    else:
+                        _unpermute_sum_cols(tok, c[None, :], tm[:, None] & (c < H)[None, :], dx_rows_ptr, inv_ptr,
+                                            dx_e_ptr, H, TOPK, True)
+                if WORLD > 1:  # consumer reset: peers add to it again only after this rank's next COMBINE-BWD
+                    tl.debug_barrier()
+                    tl.store(ctr_ptr + t, 0)
                 if ROUTER:  # +1 on the token block's count (the router's dx tiles of those tokens wait for it)
                     tl.debug_barrier()
                     tl.atomic_add(scratch_ptr + SCB_MTILES + 2 * max_mtiles + (t * UT) // RX_BM, 1, sem="release",
                                   scope="gpu")
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_UNPERMUTE, t, t0, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
+    if (WORLD > 1) & ROUTER:  # the gate gradients came back with the rows: ROUTER_DL per token block, then dWr
+        if sched.has_stage(stages, STAGE_BWD_ROUTER_DL) & (ok != 0):
+            t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
+            while (t < tl.cdiv(T, RUT)) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                m = (t * RUT) // RX_BM  # its tokens' UNPERMUTE tasks (they acquired the combine rows' gate gradients)
+                ok = dev.wait_geq(scratch_ptr + SCB_MTILES + 2 * max_mtiles + m,
+                                  tl.cdiv(tl.minimum(T - m * RX_BM, RX_BM), UT), timeout_ns, err_ptr,
+                                  OP_MOE_BACKWARD, WAIT_BWD_UNPERMUTE, rank, t, m)
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                if ok != 0:
+                    _router_dlogits_block(t, logits_ptr, experts_ptr, inv_ptr, comb_dw_ptr, dlhl_ptr, T, ER, EP,
+                                          routed_scaling, TOPK, ERP2, RUT, SOFTMAX, RENORM, DOT_FP32)
+                    tl.debug_barrier()
+                    tl.atomic_add(scratch_ptr + SCB_ROUTER_DL_DONE, 1, sem="release", scope="gpu")
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DL, t, t1, _trace_clock(TRACE), TRACE)
+                t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
+        ok, n_ev = _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP,
+                                    timeout_ns, err_ptr, trace_ptr, RUT, RW_BI, RW_BJ, RW_BR, DOT_FP32, R_STAGES, TRACE)
     if ROUTER:
         if sched.has_stage(stages, STAGE_BWD_ROUTER_DX) & (ok != 0):  # dx = bf16(dx_e + dl Wr) per [T, H] tile
             t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DX)
@@ -1999,9 +2470,14 @@ def _moe_backward_experts_kernel(
     # the epoch read here, not at the start: still before this program's exit atomic (device.py's argument: the last
     # program out stores it only after every program's exit atomic), and no register held across the whole launch
     # for it (with the router stages, ptxas spilled it across WGRAD: 4 B with fp32 weight gradients)
-    epoch = dev.call_epoch(epoch_ptr)
-    dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
-                             BWD_ZERO_BLOCK)
+    if FINAL:
+        epoch = dev.call_epoch(epoch_ptr)
+        if WORLD > 1:  # done[rank] = epoch on every peer: they may write into this rank's buffers again
+            dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, peer_sig, DONE_BASE, rank, WORLD, epoch,
+                                     epoch_ptr, BWD_ZERO_BLOCK)
+        else:
+            dev.exit_program_zeroing(scratch_ptr, scratch_n, SCB_EXIT, GRID, err_ptr, 0, 0, 1, epoch, epoch_ptr,
+                                     BWD_ZERO_BLOCK)
 
 
 def _pair_rows(order: torch.Tensor, row_of=None) -> torch.Tensor:
@@ -2057,6 +2533,11 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """t bf16, contiguous and 16-byte aligned (a copy only where it is not)."""
     t = t.to(torch.bfloat16).contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _no_ep_args(stand_in: torch.Tensor) -> tuple:
+    """The kernel's W > 1 arguments at W = 1 (unused there: typed stand-ins and zeros)."""
+    return (stand_in,) * 16 + (0,) * 7 + (stand_in,) * 2 + (0, 0)
 
 
 def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, inv,
@@ -2143,7 +2624,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         *((r_x, r_wr, r_logits, r_experts, dlhl, dx, d_router, n_r, ep, float(router.routed_scaling))
           if router is not None else (errors,) * 7 + (0, 0, 1.0)),
         scratch, scratch_n, max_mt, errors, epoch_slot, max(1, timeout_ns // 1000), stages,
-        errors if trace is None else trace, n_tok, h, f, n_exp, r_pad,
+        errors if trace is None else trace, n_tok, h, f, n_exp, r_pad, *_no_ep_args(errors),
         TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
         TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
@@ -2158,6 +2639,182 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     if router is not None:
         return dx, dw_rows, dw13, dw2, d_router
     return dx_e, dw_rows, dw13, dw2
+
+
+class EPLayout:
+    """The one launch at W > 1: byte offsets of its regions in a rank's symmetric data buffer (every rank the same
+    T, H, F, E, k: the forward's contract) and the host-known bounds of its local buffers (the worst case: every
+    token of every rank to this rank's experts, as moe_forward.Layout)."""
+
+    def __init__(self, world: int, tokens: int, hidden: int, ffn: int, top_k: int, local_experts: int, bm: int,
+                 ut: int):
+        def up(v):
+            return (v + 255) // 256 * 256
+        wt = world * tokens
+        self.off_recv_x = 0                                         # [W*T, H] bf16: source s's token t at s*T + t
+        self.off_recv_dy = up(wt * hidden * 2)                      # [W*T, H] bf16
+        self.off_meta = up(self.off_recv_dy + wt * hidden * 2)      # [W*T, 2k] int32: (local expert or -1, place)
+        self.off_w = up(self.off_meta + wt * 2 * top_k * 4)         # [W*T, k] fp32: the gate weights
+        self.off_cnt = up(self.off_w + wt * top_k * 4)              # [W, E/W] int32: pairs per (source, expert)
+        self.off_comb_x = up(self.off_cnt + world * local_experts * 4)  # [T*k, H] bf16: the pairs' dx rows back
+        self.off_comb_dw = up(self.off_comb_x + tokens * top_k * hidden * 2)  # [T*k] fp32: their gate gradients
+        self.data_bytes = up(self.off_comb_dw + tokens * top_k * 4)
+        self.max_rows = wt * min(top_k, local_experts)
+        self.r_pad = padded_rows_bound(self.max_rows, local_experts)
+        self.max_mtiles = -(-self.max_rows // bm) + local_experts
+        self.fold_blocks = -(-tokens // ut)                         # the symmetric counters: one per UNPERMUTE block
+
+    def regions(self, data: torch.Tensor, world: int, tokens: int, hidden: int, top_k: int, local_experts: int):
+        """(recv_x, recv_dy, meta, w, cnt, comb_x, comb_dw) views of a rank's symmetric data buffer (uint8)."""
+        wt = world * tokens
+        def view(off, n, dtype):
+            return data[off:off + n * torch.tensor([], dtype=dtype).element_size()].view(dtype)
+        return (view(self.off_recv_x, wt * hidden, torch.bfloat16), view(self.off_recv_dy, wt * hidden, torch.bfloat16),
+                view(self.off_meta, wt * 2 * top_k, torch.int32), view(self.off_w, wt * top_k, torch.float32),
+                view(self.off_cnt, world * local_experts, torch.int32),
+                view(self.off_comb_x, tokens * top_k * hidden, torch.bfloat16),
+                view(self.off_comb_dw, tokens * top_k, torch.float32))
+
+
+def ep_tiles():
+    """(tokens per COMBINE / PERMUTE block, their column step) of the one launch at W > 1."""
+    return (4, 16) if planning.interpreting() else (BWD_EP_TOKENS, BWD_EP_COLS)
+
+
+def ep_layout(world: int, tokens: int, hidden: int, ffn: int, top_k: int, local_experts: int,
+              out_dtype: torch.dtype = torch.bfloat16) -> EPLayout:
+    """The EPLayout of a call (the launch's m-tile and UNPERMUTE block)."""
+    (bm, *_), _, _, _, (ut, _), _ = _bwd_tiles(out_dtype, hidden, ffn)
+    return EPLayout(world, tokens, hidden, ffn, top_k, local_experts, bm, ut)
+
+
+def ep_local_buffers(alloc, lay: EPLayout, hidden: int, ffn: int, top_k: int, tokens: int, local_experts: int,
+                     world: int) -> dict:
+    """The one launch's local buffers at W > 1 from ``alloc(name, numel, dtype)`` (a workspace's ``local``, or the
+    tests' allocator): the expert rows in the padded layout (worst case R_pad rows), their metadata, the plan,
+    the intermediates, the scratch; none needs clearing between calls (the launch writes what it reads)."""
+    r = lay.r_pad
+    elp2 = triton.next_power_of_2(max(local_experts, 1))
+    b = dict(dy_rows=(r, hidden), do_rows=(r, hidden), x_rows=(r, hidden), gu=(r, 2 * ffn), z=(r, ffn),
+             dgu=(r, 2 * ffn), h=(r, ffn), dx_rows=(r, hidden))
+    out = {k: alloc(f"moe_bwd.ep.{k}", s[0] * s[1], torch.bfloat16)[:s[0] * s[1]].view(s) for k, s in b.items()}
+    out.update(w_pair=alloc("moe_bwd.ep.w_pair", r, torch.float32)[:r],
+               dw_rows=alloc("moe_bwd.ep.dw_rows", r, torch.float32)[:r],
+               valid=alloc("moe_bwd.ep.valid", r, torch.uint8)[:r],
+               row_meta=alloc("moe_bwd.ep.row_meta", 2 * r, torch.int32)[:2 * r],
+               counts=alloc("moe_bwd.ep.counts", local_experts, torch.int32)[:local_experts],
+               pad_offs=alloc("moe_bwd.ep.pad_offs", local_experts, torch.int32)[:local_experts],
+               first_mtile=alloc("moe_bwd.ep.first_mtile", elp2, torch.int32)[:elp2],
+               base=alloc("moe_bwd.ep.base", world * local_experts, torch.int32)[:world * local_experts],
+               iota=alloc("moe_bwd.ep.iota", tokens * top_k, torch.int32)[:tokens * top_k])
+    return out
+
+
+def ep_pair_places(experts: torch.Tensor, n_exp: int):
+    """(place [T*k] int32, per-expert pairs [E] int32) of this rank's pairs p = t*k + j: p's place among this rank's
+    pairs of its expert in token order (the stable expert sort's rank inside the expert: the multi-launch path's
+    order) -- computed at the source, sent with the rows, so the holder places every row without atomics. Device
+    ops only: no host synchronisation."""
+    flat = experts.reshape(-1).long()
+    per = expert_counts(flat, n_exp)
+    order = torch.sort(flat, stable=True).indices
+    place = torch.empty_like(flat)
+    place[order] = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(per, 0) - per)[flat[order]]
+    return place.to(torch.int32), per.to(torch.int32)
+
+
+def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, rank: int, world: int, epoch_slot,
+                              timeout_ns: int, grid: int, out_dtype: torch.dtype = torch.bfloat16,
+                              router: RouterBackward | None = None, stages: int = BWD_ALL_STAGES, final: bool = True,
+                              outs: dict | None = None, trace: torch.Tensor | None = None):
+    """moe_backward's expert part at W > 1 in ONE launch with its exchanges (module docstring, "The one launch at
+    W > 1") on explicit buffers: x, dy [T, H] bf16 (this rank's tokens), weights [T, k] fp32 and experts [T, k]
+    (global ids) of the forward's decision, w13 [E/W, H, 2F] / w2 [E/W, F, H] this rank's experts. ``bufs``:
+    ``layout`` (EPLayout), ``data`` (this rank's symmetric bytes), ``sig`` / ``ctr`` (its signals, counters),
+    ``peer_data`` / ``peer_sig`` / ``peer_ctr`` (int64 address tables), ``errors``, ``scratch`` (int32, zeroed
+    once), and ep_local_buffers' entries. ``epoch_slot``: the rank's device epoch (the workspace's: shared with
+    every op on it, as the done flags are). ``stages`` / ``final``: the CPU tests' phases (EP_PHASES; only the
+    launch with ``final`` ends the call) and a stage left out; ``outs``: the outputs of an earlier phase launch
+    of the same call (returned by this one). Returns (dx_e [T, H] fp32 -- or, with ``router``, dx [T, H] bf16 --,
+    dweights [T, k] fp32 (the pairs' gate gradients, a copy), dw13, dw2 in ``out_dtype``[, d_router [E, H] fp32])
+    and the outs dict as the last element."""
+    from .. import runtime
+    lay: EPLayout = bufs["layout"]
+    n_tok, h = x.shape
+    k = experts.shape[1]
+    el, f, _ = w2.shape
+    dev_ = x.device
+    (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f)
+    rut, (rx_bm, rx_bn, rx_bk), (rw_bi, rw_bj, rw_br), r_stages = _router_tiles()
+    xb, xbh = ep_tiles()
+    if n_tok == 0:
+        raise ValueError("the one launch at W > 1 needs T >= 1 tokens per rank (its COMBINE-BWD publishes the counts)")
+    if lay.fold_blocks != -(-n_tok // ut) or lay.max_rows != world * n_tok * min(k, el):
+        raise ValueError(f"bufs['layout'] was made for another shape than T={n_tok}, k={k}, E/W={el}, W={world}")
+    if router is not None and rx_bm % ut or rx_bm % rut:
+        raise ValueError(f"the router's dx m-tile {rx_bm} must be a multiple of the UNPERMUTE block {ut} and the "
+                         f"dlogits block {rut}")
+    recv_x, recv_dy, meta, wts, cnt, comb_x, comb_dw = lay.regions(bufs["data"], world, n_tok, h, k, el)
+    exp32 = experts.to(torch.int32).contiguous()
+    x_b = _tma_ready(x)
+    if outs is None:  # this call's first launch: the pairs' places, the outputs
+        place, per = ep_pair_places(experts, el * world)
+        outs = dict(place=place, per=per, dw13=torch.empty((el, h, 2 * f), dtype=out_dtype, device=dev_),
+                    dw2=torch.empty((el, f, h), dtype=out_dtype, device=dev_),
+                    dx_e=torch.empty((n_tok, h), dtype=torch.float32, device=dev_))
+        bufs["iota"].copy_(torch.arange(n_tok * k, dtype=torch.int32, device=dev_))
+        if router is not None:
+            n_r = router.router_weight.shape[0]
+            ep = -(-n_r // 8) * 8
+            outs.update(dlhl=torch.empty((n_tok, 2 * ep), dtype=torch.bfloat16, device=dev_),
+                        dx=torch.empty((n_tok, h), dtype=torch.bfloat16, device=dev_),
+                        d_router=torch.empty((n_r, h), dtype=torch.float32, device=dev_))
+    if router is not None:
+        if router.routing not in ("softmax", "sigmoid-grouped"):
+            raise ValueError(f"unknown routing {router.routing!r}; choose from softmax, sigmoid-grouped")
+        n_r = router.router_weight.shape[0]
+        ep = -(-n_r // 8) * 8
+        r_args = (x_b, _tma_ready(router.router_weight), router.logits.float().contiguous(), exp32, outs["dlhl"],
+                  outs["dx"], outs["d_router"], n_r, ep, float(router.routed_scaling))
+        n_tb = -(-n_tok // rx_bm)
+    else:
+        r_args = (x_b, bufs["errors"], bufs["errors"], exp32, bufs["errors"], bufs["errors"], bufs["errors"], 0, 0,
+                  1.0)
+        n_tb = 0
+    xs_base = int(SCB_MTILES.value) + 2 * lay.max_mtiles + n_tb
+    scratch_n = xs_base + 6 + el + 2 * lay.max_mtiles
+    if bufs["scratch"].numel() < scratch_n:
+        raise ValueError(f"bufs['scratch'] holds {bufs['scratch'].numel()} int32, the launch needs {scratch_n}")
+    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (grid, TRACE_EVENTS.value, 4)):
+        raise ValueError(f"trace must be an int64 [{grid}, {TRACE_EVENTS.value}, 4] tensor")
+    b = bufs
+    aligned = lambda kk, w: kk % 8 == 0 and w.is_contiguous() and w.data_ptr() % 16 == 0  # noqa: E731
+    runtime.ensure_triton_allocator()
+    _moe_backward_experts_kernel[(grid,)](
+        b["dy_rows"], b["do_rows"], b["x_rows"], b["gu"], b["w_pair"], b["valid"], w13, w2,
+        b["pad_offs"], b["counts"], b["first_mtile"], b["iota"],
+        b["z"], b["dgu"], b["h"], b["dw_rows"], b["dx_rows"], outs["dw13"], outs["dw2"], outs["dx_e"],
+        *r_args, b["scratch"], scratch_n, lay.max_mtiles, b["errors"], epoch_slot, max(1, timeout_ns // 1000), stages,
+        b["errors"] if trace is None else trace, n_tok, h, f, el, lay.r_pad,
+        dy.to(torch.bfloat16).contiguous(), weights.float().contiguous(), outs["place"], outs["per"], recv_x, recv_dy,
+        meta, wts, cnt, comb_x, comb_dw, b["peer_data"], b["peer_sig"], b["peer_ctr"], b["sig"], b["ctr"],
+        lay.off_recv_x, lay.off_recv_dy, lay.off_meta, lay.off_w, lay.off_cnt, lay.off_comb_x, lay.off_comb_dw,
+        b["row_meta"], b["base"], xs_base, rank,
+        TOPK=k, ELP2=triton.next_power_of_2(max(el, 1)), PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk,
+        GEMM_STAGES=gemm_stages, TMA2=aligned(h, w2), TMA1=aligned(2 * f, w13), SW_BR=sw_br, SW_BF=sw_bf,
+        W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2], W2_STAGES=w2t[3], W1_STAGES=w1t[3],
+        UT=ut, UBH=ubh, GRID=grid, SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, DOT_FP32=planning.interpreting(),
+        TRACE=trace is not None,
+        **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
+                ERP2=triton.next_power_of_2(router.router_weight.shape[0]), RUT=rut, RX_BM=rx_bm, RX_BN=rx_bn,
+                RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages) if router is not None else {}),
+        WORLD=world, WP2=triton.next_power_of_2(world), KP2=triton.next_power_of_2(k), XB=xb, XBH=xbh,
+        TMA_GU=aligned(h, w13) and 2 * f % 8 == 0, FINAL=final, FLAG_BASE=runtime.FLAG_BASE,
+        DONE_BASE=runtime.DONE_BASE, num_warps=warps, num_stages=gemm_stages)
+    dweights = comb_dw.view(n_tok, k).clone()  # the workspace's rows: the next call overwrites them
+    first = outs["dx"] if router is not None else outs["dx_e"]
+    res = (first, dweights, outs["dw13"], outs["dw2"]) + ((outs["d_router"],) if router is not None else ())
+    return res + (outs,)
 
 
 # moe_backward's expert rows in the padded layout (padded_layout) by default, for the flat wgrad loop (session 13,
@@ -2267,13 +2924,15 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
 
     ``one_launch`` (None: ONE_LAUNCH where it is supported): the expert part -- dgrad2, the SwiGLU backward,
     dgrad1, both weight gradients and the dispatch backward -- in ONE persistent launch
-    (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout only
-    (True elsewhere: ValueError); the same tile arithmetic and orders, so the same bits (tested). ``programs``:
+    (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout (the same
+    tile arithmetic and orders, so the same bits: tested); at W > 1 on CUDA the whole backward with its exchanges as
+    stages of that launch over the group's workspace (expert_backward_ep_launch; "The one launch at W > 1": g | u
+    recomputed inside it, ``saved_gu`` refused; not the multi-launch path's bits, its g | u being torch's); elsewhere
+    (the packed layout, W > 1 on the CPU) a ValueError. ``programs``:
     its grid (None: one program per SM). ``router_in_launch`` (None: BWD_ROUTER_IN_LAUNCH; with one_launch only):
     the router backward as stages of that launch too (the module docstring's "The router backward in the launch":
     dx and d_router from the launch, fp32-level like the torch ops' -- not their bits); False: the torch ops after
     the launch, bitwise the multi-launch path."""
-    from .. import moe_reference as mr
     from ..runtime import world_size
     import torch.distributed as dist
     n_tok, hidden = x.shape
@@ -2282,9 +2941,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
     if local * world != n_exp:
         raise ValueError(f"w13 holds {local} experts per rank: {local} x {world} ranks != {n_exp} router experts")
-    if one_launch and world > 1:  # before any exchange: every rank raises at the same point
-        raise ValueError(f"moe_backward(one_launch=True) runs at one rank only (world {world}: the all-to-alls as "
-                         f"stages of the launch are not built)")
+    if one_launch and world > 1:  # the exchanges inside the launch (checked before any: every rank the same way)
+        return _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize,
+                                routed_scaling, wgrad_dtype, saved_gu, padded, programs, router_in_launch)
     k = experts.shape[1]
     experts = experts.long()
     flat = experts.reshape(-1)
@@ -2377,13 +3036,72 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         dx_e = unpermute_sum(dx_rows, order, k, row_of=row_of)          # pair order p = t*k + j; slot order, fp32
     dweights = torch.empty((order.shape[0],), dtype=dw_rows.dtype, device=dw_rows.device)
     dweights[order] = dw_rows if row_of is None else dw_rows[row_of]
+    return _router_backward_torch(x, router_weight, experts, dweights.view(n_tok, k), dx_e, routing, renormalize,
+                                  routed_scaling) + (dw13, dw2)
+
+
+def _router_backward_torch(x, router_weight, experts, dweights, dx_e, routing, renormalize, routed_scaling):
+    """The router backward in torch after the expert part (logits recomputed, fp32 routing backward, the router
+    GEMMs on bf16 tensor cores): (dx = bf16(dx_e + dx_r), d_router)."""
+    from .. import moe_reference as mr
     logits = bf16_mm_fp32(x, router_weight.t())
     w_re, full, denom = mr.routing_weights_ref(logits, experts, routing, renormalize=renormalize,
                                                routed_scaling=routed_scaling)
-    dq = mr.router_weights_backward_ref(dweights.view(n_tok, k), w_re, denom, routed_scaling=routed_scaling)
+    dq = mr.router_weights_backward_ref(dweights, w_re, denom, routed_scaling=routed_scaling)
     dlogits = mr.router_logits_backward_ref(dq, full, experts, routing)
     d_router, dx_r = router_gemm_backward(dlogits, x, router_weight)
-    return (dx_e + dx_r).to(torch.bfloat16), d_router, dw13, dw2
+    return (dx_e + dx_r).to(torch.bfloat16), d_router
+
+
+def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize, routed_scaling,
+                     wgrad_dtype, saved_gu, padded, programs, router_in_launch):
+    """moe_backward(one_launch=True) at W > 1: the one launch with its exchanges (expert_backward_ep_launch) on the
+    group's workspace -- its symmetric data, signals, counters and peer tables, its epoch slot and done flags
+    (shared with the forward and the TP ops, as every op on a workspace shares them), its error record (a timeout
+    raises KosmosTimeoutError at the next KOSMOS call or kosmos.check_errors()). No host synchronisation in the
+    steady state (the first call of a shape: the forward's cross-rank shape check and the buffers' growth)."""
+    from .. import runtime
+    from ..moe_reference import ROUTINGS
+    from .moe_forward import _check_same_shape_on_every_rank
+    n_tok, hidden = x.shape
+    f = w2.shape[1]
+    if not x.is_cuda:
+        raise ValueError(f"moe_backward(one_launch=True) at W > 1 needs CUDA tensors (the symmetric workspace), got "
+                         f"{x.device}")
+    if saved_gu is not None:
+        raise ValueError("moe_backward(one_launch=True) at W > 1 recomputes g | u inside the launch: saved_gu is not "
+                         "used there (pass saved_gu=None)")
+    if padded is False or hidden % 8 or f % 8:
+        raise ValueError(f"moe_backward(one_launch=True) needs the padded row layout (padded=False was given, or "
+                         f"H={hidden} / F={f} are not multiples of 8)")
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    ws = runtime.get_workspace(group, x.device)
+    world, rank, el, k = ws.world.size, ws.world.rank, w13.shape[0], experts.shape[1]
+    wdt = _wgrad_dtype(w13, wgrad_dtype)
+    lay = ep_layout(world, n_tok, hidden, f, k, el, wdt)
+    _check_same_shape_on_every_rank(ws, (n_tok, hidden, f, router_weight.shape[0], k, ROUTINGS.index(routing)))
+    ws.ensure(lay.data_bytes, world)
+    ws.ensure_counters(lay.fold_blocks)
+    bufs = ep_local_buffers(ws.local, lay, hidden, f, k, n_tok, el, world)
+    n_scratch = int(SCB_MTILES.value) + 4 * lay.max_mtiles + -(-n_tok // _router_tiles()[1][0]) + 6 + el
+    bufs.update(layout=lay, data=ws.data, sig=ws.signals, ctr=ws.counters, peer_data=ws.peer_data,
+                peer_sig=ws.peer_signals, peer_ctr=ws.peer_counters, errors=ws.errors,
+                scratch=ws.local("moe_bwd.ep.scratch", n_scratch, torch.int32))  # zeroed once, then by the launch
+    in_launch = BWD_ROUTER_IN_LAUNCH if router_in_launch is None else router_in_launch
+    router = RouterBackward(x, router_weight, bf16_mm_fp32(x, router_weight.t()), experts, routing, renormalize,
+                            routed_scaling) if in_launch else None
+    ws.before_launch()
+    got = expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs, rank=rank, world=world,
+                                    epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(),
+                                    grid=programs or runtime.num_sms(x.device), out_dtype=wdt, router=router)
+    ws.after_launch()
+    if router is not None:
+        dx, _, dw13, dw2, d_router, _ = got
+        return dx, d_router, dw13, dw2
+    dx_e, dweights, dw13, dw2, _ = got
+    return _router_backward_torch(x, router_weight, experts.long(), dweights, dx_e, routing, renormalize,
+                                  routed_scaling) + (dw13, dw2)
 
 
 def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
