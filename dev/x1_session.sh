@@ -1037,7 +1037,7 @@ PY
     gpu_tests gpu-tests-router 110 "router_in_launch_gpu and softmax or router_bounded_wait_gpu" tests/test_moe_backward.py ;;
   s19a)  # session 19: the tail tiles (128 + 64 / 32 columns) -- GPU tests, flat_probe --tails on the shapes the wave
          # model would give them and three many-wave ones; issue 15: the router in the one launch timed
-         # (deepseek-v3 4k zipf:1.2), the W=1 backward's never-syncs test
+         # (deepseek-v3 4k zipf:1.2)
     begin_stage s19a
     gpu_tests gpu-tests-tail 80 "tail" tests/test_matmul_reduce_scatter.py
     timeout 190 python -m dev.flat_probe --tails --max-seconds 170 --json "$out/tails.jsonl" --shapes \
@@ -1046,9 +1046,17 @@ PY
 256x4096x4096,256x6144x8192,3000x6144x5120 \
       > "$out/tails.log" 2>&1; echo "tails probe rc=$?"; keep
     grep -A10 "^variant" "$out/tails.log"
-    gpu_tests gpu-tests-nosync 80 "never_syncs" tests/test_moe_backward.py
     timeout 150 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing zipf:1.2 --passes 3 \
       --variants padded,one-launch,one-launch-torch-router --json "$out/router-ab.jsonl" > "$out/router-ab.log" 2>&1
     echo "router ab rc=$?"; keep; tail -4 "$out/router-ab.log" ;;
+  s19b)  # session 19: issue 15's one launch at W > 1 (helper branch one-launch-ep) on a GPU -- simulated ranks W = 2, 4,
+         # the stalled peer, the public op with two ranks on one GPU; the W = 1 one-launch GPU tests again
+    begin_stage s19b
+    timeout 200 python -m pytest -v -p no:cacheprovider --timeout 180 -m "gpu or ranks" tests/test_moe_backward.py \
+      -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-ep.log" \
+      | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-ep.log"; keep
+    gpu_tests gpu-tests-ep-public 120 "moe_backward" tests/test_ranks_one_gpu.py
+    gpu_tests gpu-tests-nosync 80 "never_syncs" tests/test_moe_backward.py
+    gpu_tests gpu-tests-one-launch-w1 120 "one_launch and not ep_ and not router" tests/test_moe_backward.py ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f" >&2; exit 2 ;;
 esac
