@@ -1058,5 +1058,13 @@ PY
     gpu_tests gpu-tests-ep-public 120 "moe_backward" tests/test_ranks_one_gpu.py
     gpu_tests gpu-tests-nosync 80 "never_syncs" tests/test_moe_backward.py
     gpu_tests gpu-tests-one-launch-w1 120 "one_launch and not ep_ and not router" tests/test_moe_backward.py ;;
+  s19c)  # session 19: why the tail tiles lost (dev/tail_probe: Triton 3.6's TTGIR of the product, a plain-loop copy);
+         # the one launch at W > 1 on simulated ranks again (s19b's failures were the test's CPU-vs-GPU compare)
+    begin_stage s19c
+    timeout 150 python -m dev.tail_probe --json "$out/tail-probe.jsonl" --ir-dir "$out/ir" > "$out/tail-probe.log" 2>&1
+    echo "tail probe rc=$?"; keep; tail -26 "$out/tail-probe.log"
+    timeout 150 python -m pytest -v -p no:cacheprovider --timeout 130 -m "gpu or ranks" tests/test_moe_backward.py \
+      -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-ep.log" \
+      | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-ep.log"; keep ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f" >&2; exit 2 ;;
 esac

@@ -1193,7 +1193,8 @@ def test_moe_backward_one_launch_router_bounded_wait_gpu(monkeypatch):
 
 # ------------------------------------------------- the one launch at W > 1 (simulated ranks: simranks.MoEBwdRanks)
 def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+    a, b = a.double().cpu(), b.double().cpu()  # the reference lives on the CPU
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _check_ep_vs_reference(m, tol=2e-2):
