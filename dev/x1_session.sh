@@ -1066,5 +1066,12 @@ PY
     timeout 150 python -m pytest -v -p no:cacheprovider --timeout 130 -m "gpu or ranks" tests/test_moe_backward.py \
       -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-ep.log" \
       | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-ep.log"; keep ;;
+  s19d)  # session 19: w1_plan's 128x192 tail tiles (plain tile loop) -- the W=1 TP tests, graph replays, the grid
+    begin_stage s19d
+    gpu_tests gpu-tests-w1 110 "w1 or world1 or static or split or stream or tail" tests/test_matmul_reduce_scatter.py \
+      tests/test_all_gather_matmul.py tests/test_launch_plan.py tests/test_planning.py
+    gpu_tests gpu-tests-graphs 45 "w1_tp_op_replays" tests/test_cuda_graphs.py
+    grid_run 230
+    grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5 ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f" >&2; exit 2 ;;
 esac

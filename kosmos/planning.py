@@ -173,6 +173,13 @@ STREAM_K_TILES = (TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 4, 4)
 SHORT_K_TILE = TileConfig(128, 128, 64, 4, 3)
 SHORT_K_STEPS = 16
 SHORT_K_MAX_WAVES = 16
+# Tail tiles (w1_plan): 128 rows x (128 + tail) columns, two accumulators (kernels/common.tile_matmul_tail),
+# 8 warps, 4 stages, the tile loop not flattened. (tail, throughput relative to 128x256 on many waves, as
+# TILE_CANDIDATES' column): session 19, dev/tail_probe (results/h200x1/s19/s19c): 128x192 0.860 / 0.981 of
+# cuBLAS at 8192x6144x4096 (0.88); 128x160 0.48-0.76x of cuBLAS wherever timed: not a candidate
+TAIL_TILE = TileConfig(128, 128, 64, 8, 4)
+TAIL_TILES = ((64, 0.88),)
+TAIL_MIN_GAIN = 1.03  # a tail tile only where the wave model predicts it this much faster than the other plans
 
 
 @dataclass(frozen=True)
@@ -264,6 +271,7 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     if steps <= SHORT_K_STEPS and split_tiles >= programs and wide_tiles <= SHORT_K_MAX_WAVES * programs:
         return W1Plan(SHORT_K_TILE, per_sm=2)
     unsplit = _w1_cost(rows, n, k, cfg, programs, False)
+    best = (unsplit, W1Plan(cfg))
     streamed = []
     for tile in STREAM_K_TILES:
         tile = TileConfig(tile.BM, min(tile.BN, _pow2_at_least(n, 64, 256)), tile.BK, tile.num_warps,
@@ -274,8 +282,19 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     if streamed:
         cost, tile = min(streamed, key=lambda c: c[0])
         if cost * STREAM_K_MIN_GAIN < unsplit:
-            return W1Plan(tile, stream_k=True)
-    return W1Plan(cfg)
+            best = (cost, W1Plan(tile, stream_k=True))
+    if n > 256:  # a tail tile: 160 or 192 columns, where its waves fill the SMs better
+        cost, tail = min((_w1_tail_cost(rows, n, tail, thr, programs), tail) for tail, thr in TAIL_TILES)
+        if cost * TAIL_MIN_GAIN < best[0]:
+            best = (cost, W1Plan(TAIL_TILE, tail=tail))
+    return best[1]
+
+
+def _w1_tail_cost(rows: int, n: int, tail: int, throughput: float, programs: int) -> float:
+    """_w1_cost of a tail tile (TAIL_TILE.BN + tail columns) unsplit, in 128x256-tile times."""
+    width = TAIL_TILE.BN + tail
+    tiles = -(-rows // TAIL_TILE.BM) * -(-n // width)
+    return -(-tiles // programs) * (TAIL_TILE.BM * width) / (128 * 256) / throughput
 
 
 def _w1_cost(rows: int, n: int, k: int, tile: TileConfig, programs: int, stream_k: bool):

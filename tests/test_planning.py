@@ -346,7 +346,8 @@ def test_deq_needed_covers_every_tile(op, rank, world, ms, n, bm, bn, parts):
 @pytest.mark.parametrize("m,n,k,expect", [
     (512, 1536, 7168, "split"), (256, 4096, 4096, "split"),           # under a wave even in 128x128 tiles, long K
     (3000, 3072, 7168, "stream-k"), (6000, 3072, 5120, "stream-k"),   # 2.18 / 4.27 waves of 128x256
-    (512, 5120, 5120, "unsplit"), (1024, 3072, 8192, "unsplit"),      # under 2 waves: no data-parallel wave
+    (512, 5120, 5120, "tail"), (1024, 3072, 8192, "tail"),            # 80 / 96 tiles of 128x256: 108 / 128 of 128x192
+    (4096, 1536, 4096, "unsplit"),                                    # 128x128's 2.9 waves beat 128x192's 1.94
     (6000, 1536, 1024, "two-per-sm"), (4096, 14336, 1024, "two-per-sm"),  # K = 1024: 16 steps a tile
     (512, 6912, 1024, "two-per-sm"),
     (16384, 28672, 1024, "unsplit"),                                  # K = 1024, but 108 waves of 128x256
@@ -358,17 +359,21 @@ def test_w1_plan_splits_or_streams_only_badly_filled_waves(monkeypatch, m, n, k,
     where at least one wave of tiles runs and the wave model predicts >= STREAM_K_MIN_GAIN from the last partial
     wave (at least one data-parallel wave: tiles >= 2 * programs, not a whole number of waves); else tile_config's tile
     unsplit; at K <= 1024 with the SMs filled once by 128x128 tiles and at most 16 waves of 128x256, two
-    programs per SM at 128x128. A split keeps >= SPLIT_MIN_STEPS K steps per tile and whole groups on the SMs."""
+    programs per SM at 128x128; a tail tile (160 or 192 columns) where its waves are predicted TAIL_MIN_GAIN
+    faster. A split keeps >= SPLIT_MIN_STEPS K steps per tile and whole groups on the SMs."""
     from kosmos.kernels.common import w1_split_grid
     monkeypatch.setattr(planning, "interpreting", lambda: False)
     plan = planning.w1_plan(m, n, k, programs=132)
     cfg, split = plan.tile, plan.split
     got = ("split" if split > 1 else "stream-k" if plan.stream_k else "two-per-sm" if plan.per_sm == 2
-           else "unsplit")
+           else "tail" if plan.tail else "unsplit")
     assert got == expect, plan
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     if got == "unsplit":
         assert cfg == planning.tile_config(m, n, k, world=1, programs=132)
+    elif got == "tail":
+        assert cfg == planning.TAIL_TILE and plan.tail in dict(planning.TAIL_TILES)
+        assert plan.width == cfg.BN + plan.tail
     elif got == "two-per-sm":
         assert cfg == planning.SHORT_K_TILE and -(-k // 64) <= planning.SHORT_K_STEPS
     elif got == "split":

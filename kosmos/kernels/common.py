@@ -50,14 +50,14 @@ def _k_step(a_desc, b_desc, row, col, kk, acc, BK: tl.constexpr, B_KMAJOR: tl.co
 
 @triton.jit
 def tile_matmul_tail(a_desc, b_desc, b2_desc, row, col, K, BM: tl.constexpr, BN: tl.constexpr, BN_TAIL: tl.constexpr,
-                     BK: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr):
+                     BK: tl.constexpr, B_KMAJOR: tl.constexpr, DOT_FP32: tl.constexpr, STAGES: tl.constexpr):
     """tile_matmul of a tile BN + BN_TAIL columns wide, as two accumulators: acc[BM, BN] of columns
     [col, col + BN) and acc2[BM, BN_TAIL] of [col + BN, col + BN + BN_TAIL), the tail's B through its own
     descriptor (b2_desc, blocks of BN_TAIL columns). Triton's blocks are powers of two; two MMAs per K step on
     the same A tile make a 192- or 160-wide tile."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN_TAIL), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BK)):
+    for kk in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
         a = a_desc.load([row, kk * BK])  # one A tile for both MMAs
         if B_KMAJOR:
             b = b_desc.load([col, kk * BK]).T
@@ -151,10 +151,12 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
     if BN_TAIL > 0:
         tl.static_assert(SPLIT == 1 and not STREAM_K, "a tail tile runs unsplit only")
         t_out = pid - grid
-        for t in tl.range(pid, n_m * n_n, grid, flatten=True, num_stages=STAGES):
+        # NOT flattened: Triton 3.6 pipelines the flattened two-MMA loop badly (s19a/s19c: 0.62x cuBLAS flattened,
+        # 0.89x as a plain tile loop at 1024x3072x8192, dev/tail_probe)
+        for t in tl.range(pid, n_m * n_n, grid):
             tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
             acc, acc2 = tile_matmul_tail(a_desc, b_desc, b2_desc, tm * BM, tn * (BN + BN_TAIL), K, BM, BN, BN_TAIL,
-                                         BK, B_KMAJOR, DOT_FP32)
+                                         BK, B_KMAJOR, DOT_FP32, STAGES)
             t_out += grid
             om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
             store_tile_tma(c_desc, acc, om * BM, on * (BN + BN_TAIL), BM, BN)
