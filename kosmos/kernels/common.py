@@ -153,7 +153,7 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
         t_out = pid - grid
         # NOT flattened: Triton 3.6 pipelines the flattened two-MMA loop badly (s19a/s19c: 0.62x cuBLAS flattened,
         # 0.89x as a plain tile loop at 1024x3072x8192, dev/tail_probe)
-        for t in tl.range(pid, n_m * n_n, grid):
+        for t in tl.range(pid, n_m * n_n, grid, flatten=False, num_stages=STAGES):  # dev/tail_probe's loop form
             tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
             acc, acc2 = tile_matmul_tail(a_desc, b_desc, b2_desc, tm * BM, tn * (BN + BN_TAIL), K, BM, BN, BN_TAIL,
                                          BK, B_KMAJOR, DOT_FP32, STAGES)
