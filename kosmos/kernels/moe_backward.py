@@ -367,8 +367,12 @@ parallelism; with the recompute, x_rows must exist before the launch for torch's
 
 The router backward in the launch (issue 15; built by a helper on branch router-in-launch after session 17,
 interpreter-tested; its GPU tests passed on the H200 in session 18 -- results/h200x1/s18/README.md, calls s18g
-and s18h --, but NOTHING HERE WAS TIMED ON A GPU YET: every figure below that is not a register count is a
-prediction).
+and s18h. MEASURED (session 19, one H200, Triton 3.6, dev/moe_bwd_layout_ab, deepseek-v3 4096 tokens zipf:1.2,
+three interleaved passes, results/h200x1/s19/s19a): the multi-launch padded path 20.283 ms, the one launch with
+the router inside 21.262 (1.048x), the one launch with the torch router after it 21.989 (1.084x): the router
+stages save ~0.73 ms over the torch ops they replace, and the one launch is still ~5% behind the launches it
+replaces (its expert part: session 15's trace). The figures below that are not register counts are the
+predictions made before that run.)
 ``moe_backward(..., one_launch=True)`` now runs the router backward as three more stages of the one launch
 (``BWD_ROUTER_IN_LAUNCH = True``, ``moe_backward(router_in_launch=)``; False keeps the torch ops after the launch:
 then dx and d_router are bitwise the multi-launch path's, as before; ``expert_backward_one_launch(router=
@@ -477,10 +481,12 @@ cases, test_moe_backward_one_launch_without_tokens (T = 0: d_router zeros from t
 GPU (passed in session 18, s18g / s18h): test_moe_backward_one_launch_router_in_launch_gpu (deepseek-v3: H 7168,
 E 256, top-8 sigmoid-grouped with a bias, 512 tokens; qwen3: H 4096, E 128, top-8 softmax, 1000 tokens; softmax
 without renormalisation at E = 60), test_moe_backward_one_launch_router_bounded_wait_gpu;
-test_moe_backward_w1_never_syncs_gpu's one-launch case [False-True] not in those calls' selection (-k one_launch
-and the router tests): not run yet.
-The one launch at W > 1 (issue 15; built by a helper on branch one-launch-ep, interpreter-tested at W = 2 and 4;
-NOTHING HERE RAN ON A GPU: its GPU tests are written, not run, and nothing was timed).
+test_moe_backward_w1_never_syncs_gpu's one-launch case: passed on the H200 in session 19 (s19b), with the
+multi-launch cases.
+The one launch at W > 1 (issue 15; built by a helper on branch one-launch-ep in session 19, interpreter-tested at
+W = 2 and 4; on the H200 (session 19, s19b / s19c): simulated ranks W = 2 (softmax; sigmoid-grouped, skewed) and
+W = 4 against the fp32 reference, three epochs bitwise, the stalled peer's timeout, and the public op with two
+ranks on one GPU over gloo + CUDA IPC all pass. NOTHING HERE WAS TIMED: one GPU cannot time a W > 1 exchange).
 ``moe_backward(..., group=, one_launch=True)`` at W > 1 (CUDA; the group's workspace) and, at the kernel level,
 ``expert_backward_ep_launch`` (explicit buffers: tests/simranks.MoEBwdRanks drives it) run the whole backward but
 the logits GEMM in ONE launch of the same kernel (constexpr WORLD > 1: the W = 1 build compiles none of it), the
@@ -1731,7 +1737,8 @@ BWD_INTERP_TIMEOUT_NS = 1_000_000  # its waits' bound: 1000 spins (each wait is 
 # claimed. Unmeasured: the lead's A/B (both tested bitwise).
 BWD_SWIGLU_ON_COMPLETION = True
 # moe_backward(one_launch=True)'s router backward: True -- the stages ROUTER_DL, ROUTER_DW, ROUTER_DX of the one
-# launch (the module docstring's "The router backward in the launch"; nothing timed on a GPU yet); False -- the
+# launch (the module docstring's "The router backward in the launch"; s19a: 0.73 ms faster than the torch ops at
+# deepseek-v3 4k zipf:1.2); False -- the
 # torch ops after the launch, as before (bitwise the multi-launch path's dx and d_router)
 BWD_ROUTER_IN_LAUNCH = True
 BWD_ROUTER_TOKENS = 8  # tokens per ROUTER_DL task (GPU): [8, next_pow2(E)] fp32 blocks (4: spill-free too; docstring)
