@@ -1081,5 +1081,10 @@ PY
     gpu_tests gpu-tests-tail 60 "tail" tests/test_matmul_reduce_scatter.py
     grid_run 230
     grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5 ;;
+  s19f)  # session 19: the product's tail loop in the probe's statement order (s19e: still 0.71-0.75x against 0.87-0.89)
+    begin_stage s19f
+    timeout 100 python -m dev.tail_probe --json "$out/tail-probe.jsonl" --ir-dir "$out/ir" > "$out/tail-probe.log" 2>&1
+    echo "tail probe rc=$?"; keep; grep -E "product-tail|probe-tail-192-loop|w1-128x256" "$out/tail-probe.log"
+    gpu_tests gpu-tests-tail 40 "tail" tests/test_matmul_reduce_scatter.py ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f" >&2; exit 2 ;;
 esac

@@ -177,8 +177,13 @@ SHORT_K_MAX_WAVES = 16
 # 8 warps, 4 stages, the tile loop not flattened. (tail, throughput relative to 128x256 on many waves, as
 # TILE_CANDIDATES' column): session 19, dev/tail_probe (results/h200x1/s19/s19c): 128x192 0.860 / 0.981 of
 # cuBLAS at 8192x6144x4096 (0.88); 128x160 0.48-0.76x of cuBLAS wherever timed: not a candidate
+# In the product kernel the tail tiles then ran at 0.71-0.75x of cuBLAS on the grid and in the probe (s19d / s19e:
+# the grid 0.941 -> 0.936 geomean, 1024x3072x8192 0.791 -> 0.711), against 0.87-0.89x for dev/tail_probe's own
+# copy of the loop; the two differed in the loads' order (one barrier for A, B and B2 in the product, a barrier
+# of its own for B2 in the probe; fixed after s19e, timed in s19f). So w1_plan takes no tail tile until a grid
+# run with the fixed loop shows a gain: TAIL_TILES is empty; ((64, 0.88),) is the s19c figure to restore.
 TAIL_TILE = TileConfig(128, 128, 64, 8, 4)
-TAIL_TILES = ((64, 0.88),)
+TAIL_TILES: tuple = ()
 TAIL_MIN_GAIN = 1.03  # a tail tile only where the wave model predicts it this much faster than the other plans
 
 
@@ -283,7 +288,7 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
         cost, tile = min(streamed, key=lambda c: c[0])
         if cost * STREAM_K_MIN_GAIN < unsplit:
             best = (cost, W1Plan(tile, stream_k=True))
-    if n > 256:  # a tail tile: 160 or 192 columns, where its waves fill the SMs better
+    if n > 256 and TAIL_TILES:  # a tail tile: 192 columns, where its waves fill the SMs better
         cost, tail = min((_w1_tail_cost(rows, n, tail, thr, programs), tail) for tail, thr in TAIL_TILES)
         if cost * TAIL_MIN_GAIN < best[0]:
             best = (cost, W1Plan(TAIL_TILE, tail=tail))

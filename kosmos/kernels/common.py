@@ -58,18 +58,23 @@ def tile_matmul_tail(a_desc, b_desc, b2_desc, row, col, K, BM: tl.constexpr, BN:
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc2 = tl.zeros((BM, BN_TAIL), dtype=tl.float32)
     for kk in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
+        # dev/tail_probe's statement order (load A; load B, MMA; load B2, MMA): its own barrier per B2 load
         a = a_desc.load([row, kk * BK])  # one A tile for both MMAs
-        if B_KMAJOR:
-            b = b_desc.load([col, kk * BK]).T
-            b2 = b2_desc.load([col + BN, kk * BK]).T
-        else:
-            b = b_desc.load([kk * BK, col])
-            b2 = b2_desc.load([kk * BK, col + BN])
         if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
             a = a.to(tl.float32)
+        if B_KMAJOR:
+            b = b_desc.load([col, kk * BK]).T
+        else:
+            b = b_desc.load([kk * BK, col])
+        if DOT_FP32:
             b = b.to(tl.float32)
-            b2 = b2.to(tl.float32)
         acc = tl.dot(a, b, acc)
+        if B_KMAJOR:
+            b2 = b2_desc.load([col + BN, kk * BK]).T
+        else:
+            b2 = b2_desc.load([kk * BK, col + BN])
+        if DOT_FP32:
+            b2 = b2.to(tl.float32)
         acc2 = tl.dot(a, b2, acc2)
     return acc, acc2
 
