@@ -183,7 +183,7 @@ SHORT_K_MAX_WAVES = 16
 # of its own for B2 in the probe; fixed after s19e, timed in s19f). So w1_plan takes no tail tile until a grid
 # run with the fixed loop shows a gain: TAIL_TILES is empty; ((64, 0.88),) is the s19c figure to restore.
 TAIL_TILE = TileConfig(128, 128, 64, 8, 4)
-TAIL_TILES: tuple = ()
+TAIL_TILES: tuple = ((64, 0.88),)
 TAIL_MIN_GAIN = 1.03  # a tail tile only where the wave model predicts it this much faster than the other plans
 
 
