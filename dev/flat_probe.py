@@ -43,6 +43,9 @@ of 128x256, 128 of 128x160. PREDICTION (before the run, s19a): where the wave mo
 (1024x3072x8192, 2048x1536x5120, 4096x1536x4096, 1024x6144x7168, 512x5120x5120, 2048x5120x4096), +10-25% over
 w1-plan; on many-wave shapes 128x192 at ~0.95-0.97 of 128x256's rate, 128x160 ~0.90-0.93. 128 x (64 + 32)
 (4 warps) for the few-tile shapes (512x3072x2048: 128 tiles of it, 96 of 128x128): ~+5% there.
+MEASURED (s19a): every tail variant lost everywhere -- tail-192 0.53-0.66x of cuBLAS, tail-160 0.33-0.60,
+128 x (64 + 32) 0.29-0.34 -- the product kernel then flattened the tail tile loop (dev/tail_probe and
+planning.w1_plan's docstring: the plain loop in the right load order runs 0.86-0.90x).
 --occupancy (session 18): what hides a tile's epilogue and prologue at short K -- two programs per SM of the
 product kernel at 128x128 (3 stages, 4 or 8 warps: each program's epilogue under the other's mainloop), and the
 flattened loop warp-specialised (tl.range(..., warp_specialize=True)) at 128x256 / 128x128. PREDICTION (before

@@ -177,11 +177,7 @@ SHORT_K_MAX_WAVES = 16
 # 8 warps, 4 stages, the tile loop not flattened. (tail, throughput relative to 128x256 on many waves, as
 # TILE_CANDIDATES' column): session 19, dev/tail_probe (results/h200x1/s19/s19c): 128x192 0.860 / 0.981 of
 # cuBLAS at 8192x6144x4096 (0.88); 128x160 0.48-0.76x of cuBLAS wherever timed: not a candidate
-# In the product kernel the tail tiles then ran at 0.71-0.75x of cuBLAS on the grid and in the probe (s19d / s19e:
-# the grid 0.941 -> 0.936 geomean, 1024x3072x8192 0.791 -> 0.711), against 0.87-0.89x for dev/tail_probe's own
-# copy of the loop; the two differed in the loads' order (one barrier for A, B and B2 in the product, a barrier
-# of its own for B2 in the probe; fixed after s19e, timed in s19f). So w1_plan takes no tail tile until a grid
-# run with the fixed loop shows a gain: TAIL_TILES is empty; ((64, 0.88),) is the s19c figure to restore.
+# (w1_plan's docstring has the figures: the product's loop had to take dev/tail_probe's load order first.)
 TAIL_TILE = TileConfig(128, 128, 64, 8, 4)
 TAIL_TILES: tuple = ((64, 0.88),)
 TAIL_MIN_GAIN = 1.03  # a tail tile only where the wave model predicts it this much faster than the other plans
@@ -257,10 +253,27 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     Hence the fitted overhead (26 K steps, ~18 us with the kernel's fixed cost) and the data-parallel wave
     required. The grid with this rule (2f697f5, results/h200x1/s18/s18b): ag_gemm 0.927 -> 0.942,
     gemm_rs 0.928 -> 0.941 geomean, 13 -> 10 of 48 under 0.90, worst 0.749 / 0.743 at 512x5120x5120; with the
-    short-K rule too (2a1a472, results/h200x1/tp-grid-w1.*): 0.941 / 0.942, 11 / 12 under 0.90 (the
+    short-K rule too (2a1a472, results/h200x1/history/s18-tp-grid-w1-2a1a472.*): 0.941 / 0.942, 11 / 12 under 0.90 (the
     two-per-SM points +0.3-3.8%, the rest -0.3% run to run: two shapes at ~0.90 fell under it). The llama3
     per-rank suite (results/h200x1/tp-bf16-w1-shard2.*, 2a1a472; four of its shapes streamed): 0.998 / 1.001
     geomean of cuBLAS, min 0.981 / 0.980 (session 17: 0.994 / 0.998, min 0.976).
+    Tail tiles (session 19; kernels/common.tile_matmul_tail, TAIL_TILE / TAIL_TILES): Triton's blocks are powers
+    of two, so a tile 128 + 64 = 192 columns wide is two accumulators (two MMAs per K step on one A tile, B's
+    last 64 columns through a second descriptor). Its point is the wave count: 1024x3072x8192 makes 96 tiles of
+    128x256 on 132 SMs (0.73 of a wave, 36 SMs idle) but 128 of 128x192. Taken where tile_config's wave model,
+    at 0.88 of 128x256's rate, predicts it TAIL_MIN_GAIN faster than every other plan (the grid: 512x5120x5120,
+    1024x3072x8192, 2048x1536x5120; no llama3 per-rank shape). Measured (one H200, Triton 3.6, results/h200x1/
+    s19): flattened like the other schedules it ran at 0.53-0.66x of cuBLAS everywhere (s19a, flat_probe
+    --tails); as a plain tile loop 0.86-0.89x (dev/tail_probe's copy, s19c; 0.88 of 128x256's rate at
+    8192x6144x4096, hence the 0.88), but in the product only 0.71-0.75x (s19d / s19e: the grid 0.941 -> 0.936)
+    until its loop took the probe's load order -- B2's load after the first MMA, so B2 gets a barrier of its
+    own instead of one barrier for A, B and B2 -- then the same as the probe (s19f: 0.896 / 0.869 / 0.863 against
+    the probe's 0.894 / 0.871 / 0.864). 128 + 32 = 160 columns: 0.33-0.76x wherever timed, and 128 x (64 + 32)
+    0.29-0.34x: not candidates. The grid with the tail tiles (488c5f1, results/h200x1/tp-grid-w1.*, s19g):
+    512x5120x5120 0.750 / 0.753 -> 0.861 / 0.854 (AG / RS), 1024x3072x8192 0.791 / 0.785 -> 0.883 / 0.894,
+    2048x1536x5120 0.799 / 0.805 -> 0.905 / 0.921 (predicted ~0.83 / ~0.88 / ~0.89); the other 45 shapes 1.000x
+    the s18 run; geomean 0.941 / 0.942 -> 0.948 / 0.949, worst 0.787 / 0.797 at 512x1536x7168, 10 / 11 under 0.90
+    (bar: 0.97, none under 0.90 -- missed).
     Left: the shapes under two waves (every shape now under 0.90 is one, or K = 1024). A run order whose
     concurrent tiles share panels (dev/sk_probe's sigma, s18c) fixes their L2 reuse (256x28672x5120: 157 ->
     139 us) but beats unsplit nowhere; what keeps them behind is the fix-up (10-14 us: the partial store
