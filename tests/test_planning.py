@@ -346,7 +346,7 @@ def test_deq_needed_covers_every_tile(op, rank, world, ms, n, bm, bn, parts):
 @pytest.mark.parametrize("m,n,k,expect", [
     (512, 1536, 7168, "split"), (256, 4096, 4096, "split"),           # under a wave even in 128x128 tiles, long K
     (3000, 3072, 7168, "stream-k"), (6000, 3072, 5120, "stream-k"),   # 2.18 / 4.27 waves of 128x256
-    (512, 5120, 5120, "unsplit"), (1024, 3072, 8192, "unsplit"),      # under 2 waves: no data-parallel wave
+    (512, 5120, 5120, "tail"), (1024, 3072, 8192, "tail"),            # 80 / 96 tiles of 128x256: 108 / 128 of 128x192
     (4096, 1536, 4096, "unsplit"),                                    # 128x128's 2.9 waves of tiles
     (6000, 1536, 1024, "two-per-sm"), (4096, 14336, 1024, "two-per-sm"),  # K = 1024: 16 steps a tile
     (512, 6912, 1024, "two-per-sm"),
@@ -385,10 +385,11 @@ def test_w1_plan_splits_or_streams_only_badly_filled_waves(monkeypatch, m, n, k,
 
 
 def test_w1_plan_tail_tiles_where_the_wave_model_says(monkeypatch):
-    """With tail tiles enabled (planning.TAIL_TILES, empty by default since s19d/s19e), w1_plan takes 128x192 where
-    its waves fill the SMs better than every other plan by TAIL_MIN_GAIN (96 tiles of 128x256 -> 128 of 128x192), and
-    not on many-wave shapes."""
+    """w1_plan takes 128x192 (planning.TAIL_TILES) where its waves fill the SMs better than every other plan by
+    TAIL_MIN_GAIN (96 tiles of 128x256 -> 128 of 128x192), not on many-wave shapes, and never with TAIL_TILES
+    empty."""
     monkeypatch.setattr(planning, "interpreting", lambda: False)
+    monkeypatch.setattr(planning, "TAIL_TILES", ())
     assert planning.w1_plan(1024, 3072, 8192, programs=132).tail == 0
     monkeypatch.setattr(planning, "TAIL_TILES", ((64, 0.88),))
     for m, n, k in ((1024, 3072, 8192), (2048, 1536, 5120), (512, 5120, 5120)):
