@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1090,5 +1090,27 @@ PY
     begin_stage s19g
     grid_run 140
     grep -A4 "against cuBLAS alone at world 1 (t_gemm" "$out/tp-grid-w1.txt" | head -5 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g" >&2; exit 2 ;;
+  s20a)  # session 20, first call: cuBLAS's kernels on the grid's few-tile shapes (issue 13), the host bar (fixed_cost
+         # --plans), issue 15's one launch against the launches it replaces at deepseek-v3 4k zipf:1.2 with a trace of
+         # its stages, the multi-launch path's stages (moe_bwd_probe); then the W=1 TP tests and the graph replays
+         # (tail-tile and split cases new) in the time left
+    begin_stage s20a
+    deadline=$((SECONDS + 560))
+    timeout 60 python -m dev.cublas_names --json "$out/cublas-names.jsonl" > "$out/cublas-names.log" 2>&1
+    echo "cublas names rc=$?"; keep; cat "$out/cublas-names.log" | cut -c1-170
+    timeout 60 python -m dev.fixed_cost --plans > "$out/fixed-cost-plans.log" 2>&1; echo "plans rc=$?"; keep
+    tail -12 "$out/fixed-cost-plans.log"
+    timeout 150 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing zipf:1.2 --passes 2 \
+      --variants padded,one-launch --trace "$out/trace" --json "$out/one-launch-ab.jsonl" > "$out/one-launch-ab.log" 2>&1
+    echo "one-launch ab rc=$?"; keep; tail -22 "$out/one-launch-ab.log"
+    timeout 110 python -m dev.moe_bwd_probe --model deepseek-v3 --routing zipf:1.2 --no-profile --max-seconds 90 \
+      --json "$out/bwd-probe-dsv3.jsonl" > "$out/bwd-probe-dsv3.log" 2>&1; echo "bwd probe rc=$?"; keep
+    tail -30 "$out/bwd-probe-dsv3.log"
+    left=$((deadline - SECONDS)); echo "left for tests: $left s"
+    [ $left -gt 60 ] && gpu_tests gpu-tests-graphs 60 "w1_tp_op_replays" tests/test_cuda_graphs.py
+    left=$((deadline - SECONDS))
+    [ $left -gt 40 ] && gpu_tests gpu-tests-w1 $left "w1 or world1 or static or split or stream or tail" \
+      tests/test_matmul_reduce_scatter.py tests/test_all_gather_matmul.py tests/test_launch_plan.py tests/test_planning.py
+    ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a" >&2; exit 2 ;;
 esac

@@ -94,7 +94,9 @@ def _input_sets(shapes, seed):
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
 @pytest.mark.parametrize("ms,k,n", [(300, 512, 1000), (37, 136, 264),
-                                    pytest.param(3000, 7168, 3072, id="stream-k")])  # planning.w1_plan's stream-K
+                                    pytest.param(3000, 7168, 3072, id="stream-k"),  # planning.w1_plan's stream-K
+                                    pytest.param(1024, 8192, 3072, id="tail"),  # its 128x192 tail tiles
+                                    pytest.param(512, 7168, 1536, id="split")])  # its K split
 def test_w1_tp_op_replays_bitwise_equal_eager(no_tf32, op, mx, ms, k, n):
     import kosmos
     from kosmos import quant
@@ -102,8 +104,13 @@ def test_w1_tp_op_replays_bitwise_equal_eager(no_tf32, op, mx, ms, k, n):
         pytest.skip("MX blocks need K % 32 == 0")
     (a, b), set_inputs = _input_sets([(ms, k), (k, n)], seed=ms + k + n + mx)
     fn = kosmos.all_gather_matmul if op == "ag" else kosmos.matmul_reduce_scatter
-    if ms == 3000:  # the param named stream-k must still be one (the bf16 ops' static GEMM)
-        assert planning.w1_plan(ms, n, k, programs=runtime.num_sms(a.device)).stream_k
+    plan = planning.w1_plan(ms, n, k, programs=runtime.num_sms(a.device))
+    if ms == 3000:  # the params named stream-k / tail / split must still take that schedule (the bf16 ops' static
+        assert plan.stream_k  # GEMM; the MX paths keep the self-scheduled kernel)
+    if ms == 1024:
+        assert plan.tail
+    if ms == 512:
+        assert plan.split > 1
 
     def call():
         out = fn(quant.quantize_mx(a) if mx else a, b)  # quantize_mx: a launch of its own, captured too
