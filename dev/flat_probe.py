@@ -46,6 +46,14 @@ w1-plan; on many-wave shapes 128x192 at ~0.95-0.97 of 128x256's rate, 128x160 ~0
 MEASURED (s19a): every tail variant lost everywhere -- tail-192 0.53-0.66x of cuBLAS, tail-160 0.33-0.60,
 128 x (64 + 32) 0.29-0.34 -- the product kernel then flattened the tail tile loop (dev/tail_probe and
 planning.w1_plan's docstring: the plain loop in the right load order runs 0.86-0.90x).
+--odd (session 20): dev/cublas_names found cuBLAS (nvjet kernels) tiling every few-tile grid shape into exactly
+128 or 256 tiles with widths between powers of two (64x96 at 512x1536x7168, 128x96 at 256x6144x8192 and
+512x3072x2048, 64x320 at 512x5120x5120, 128x192 at 1024x3072x8192 / 4096x1536x4096) and 2-CTA clusters (TMA
+multicast of one operand), never split-K. This mode times our tail tiles at those tile counts (plain tile loop,
+the load order of session 19's fix): 128 x (64 + 32), 64 x (128 + 64), 64 x (256 + 64), 64 x 256, against the
+plan and 128x128. PREDICTION (before s20b): where the 64- or 96-wide tiles make ~128 tiles instead of 96 or 64
+(512x3072x2048, 256x6144x8192, 512x1536x7168) one of them beats w1-plan by 3-8%; 4096x1536x4096 at 128x192 (256
+tiles) within +-3% of 128x128; no 64-row tile reaches cuBLAS without the multicast (each reads B twice as often).
 --occupancy (session 18): what hides a tile's epilogue and prologue at short K -- two programs per SM of the
 product kernel at 128x128 (3 stages, 4 or 8 warps: each program's epilogue under the other's mainloop), and the
 flattened loop warp-specialised (tl.range(..., warp_specialize=True)) at 128x256 / 128x128. PREDICTION (before
@@ -195,6 +203,9 @@ def main(argv=None) -> int:
                     help="time the product kernel unsplit, K-split and stream-K instead")
     ap.add_argument("--occupancy", action="store_true",
                     help="time two programs per SM (128x128, 3 stages) and warp-specialised loops instead")
+    ap.add_argument("--odd", action="store_true",
+                    help="session 20: cuBLAS's tile counts (dev/cublas_names) with our tiles -- 128x96, 64x192, "
+                         "64x320 as tail tiles (plain loop), 64x256 -- on the few-tile shapes")
     ap.add_argument("--tails", action="store_true",
                     help="time tiles 128 + a 64- or 32-column tail wide (192, 160) against 128x256 / 128x128")
     args = ap.parse_args(argv)
@@ -244,6 +255,17 @@ def main(argv=None) -> int:
                         "tail-192s4": product_w1(a, b, t128w8(4), 1, programs, tail=64),
                         "tail-160s4": product_w1(a, b, t128w8(4), 1, programs, tail=32),
                         "tail-96s4": product_w1(a, b, planning.TileConfig(128, 64, 64, 4, 4), 1, programs, tail=32)}
+            print(f"{m}x{n}x{k}: w1_plan {w1}", flush=True)
+        elif args.odd:
+            w1 = planning.w1_plan(m, n, k, programs=programs)
+            tc = planning.TileConfig
+            variants = {"w1-plan": lambda: kosmos.matmul_reduce_scatter(a, b),
+                        "w1-128x128": product_w1(a, b, tc(128, 128, 64, 4, 4), 1, programs),
+                        "tail-192s4": product_w1(a, b, tc(128, 128, 64, 8, 4), 1, programs, tail=64),
+                        "tail-96s4": product_w1(a, b, tc(128, 64, 64, 4, 4), 1, programs, tail=32),
+                        "tail64-192s4": product_w1(a, b, tc(64, 128, 64, 4, 4), 1, programs, tail=64),
+                        "tail64-320s3": product_w1(a, b, tc(64, 256, 64, 4, 3), 1, programs, tail=64),
+                        "w1-64x256s4": product_w1(a, b, tc(64, 256, 64, 4, 4), 1, programs)}
             print(f"{m}x{n}x{k}: w1_plan {w1}", flush=True)
         elif args.occupancy:
             variants = {"kosmos": lambda: kosmos.matmul_reduce_scatter(a, b),

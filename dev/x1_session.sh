@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1112,5 +1112,18 @@ PY
     [ $left -gt 40 ] && gpu_tests gpu-tests-w1 $left "w1 or world1 or static or split or stream or tail" \
       tests/test_matmul_reduce_scatter.py tests/test_all_gather_matmul.py tests/test_launch_plan.py tests/test_planning.py
     ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a" >&2; exit 2 ;;
+  s20b)  # session 20: the adaptive host-hiding spin (kosmos_bench.timing) on issue 15's A/B (one launch vs padded,
+         # deepseek-v3 4k zipf:1.2 and uniform, qwen3 4k); flat_probe --odd (cuBLAS's tile counts with our tail tiles)
+    begin_stage s20b
+    timeout 170 python -m dev.flat_probe --odd --max-seconds 150 --json "$out/odd.jsonl" --shapes \
+512x3072x2048,256x6144x8192,512x1536x7168,256x4096x4096,512x5120x5120,256x8192x2048,4096x1536x4096,\
+1024x3072x8192,2048x1536x5120,6000x1536x1024,256x1536x1024 > "$out/odd.log" 2>&1; echo "odd probe rc=$?"; keep
+    grep -A12 "^variant" "$out/odd.log"; grep "best per shape" "$out/odd.log"
+    for pt in "deepseek-v3 zipf:1.2" "deepseek-v3 uniform" "qwen3-235b uniform"; do
+      set -- $pt
+      timeout 130 python -m dev.moe_bwd_layout_ab --model $1 --tokens 4096 --routing $2 --passes 2 \
+        --variants padded,one-launch --json "$out/ab-$1-$2.jsonl" > "$out/ab-$1-$2.log" 2>&1
+      echo "ab $1 $2 rc=$?"; keep; tail -3 "$out/ab-$1-$2.log"
+    done ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b" >&2; exit 2 ;;
 esac

@@ -5,7 +5,12 @@ the 20th/80th percentiles.
 Device time, not host time: after the barrier the GPU is given ~2 ms of spinning (``torch.cuda._sleep``)
 before the start event, so the host enqueues the call while the GPU is busy -- as it does in a training
 step, where the host runs ahead. Without it, every Python-side cost of an op (argument checks, Triton's
-launcher) would count as GPU time, because the barrier leaves the GPU idle. The host's enqueue time is
+launcher) would count as GPU time, because the barrier leaves the GPU idle. The spin is longer where the call's
+own host time is (``hide_cycles``: HOST_HIDE_MARGIN x the median host time of the warm-up calls, the same on every
+rank): the MoE backward's calls take 2.5-5 ms of host time (session 20, one H200: deepseek-v3 4k, the one launch
+3.8 ms, the multi-launch path 4.9, nccl-a2a's autograd 2.5), and with the fixed 2 ms the GPU sat idle for the
+part of the host time that preceded a big launch -- ~1 ms of the one launch's 21.1 ms (its kernels' span 18.9 ms
+plus 1.2 ms of torch ops before it). The host's enqueue time is
 measured separately and reported as ``host_ms`` (median), so it is not hidden from the reader: in the same loop,
 per timed call, the CPU wall time (``time.perf_counter``) from entering the call to its return, taken between
 the start and the end event's records -- no synchronisation in between, so the device timing is unchanged, and the
@@ -49,9 +54,43 @@ def barrier(group=None) -> None:
     torch.cuda.synchronize()
 
 
-# ~2 ms at H100/H200 clocks: more than any implementation's measured enqueue time (kosmos 0.2-0.5 ms,
-# torch async-TP up to 0.84 ms on 2x H200), so no implementation's host time leaks into its GPU time
+# ~2 ms at H100/H200 clocks: more than the TP implementations' measured enqueue time (kosmos 0.2-0.5 ms,
+# torch async-TP up to 0.84 ms on 2x H200); a call whose warm-up host time is longer gets a longer spin
+# (hide_cycles), so no implementation's host time leaks into its GPU time
 HOST_HIDE_CYCLES = 4_000_000
+HOST_HIDE_MARGIN = 1.5  # the spin covers this many times the call's median warm-up host time (plus 0.5 ms)
+HOST_HIDE_MAX_MS = 100.0  # ... up to this: a call that slow on the host is not hidden further
+_CYCLES_PER_MS = {}
+
+
+def _cycles_per_ms(device) -> float:
+    """``torch.cuda._sleep`` cycles per ms on ``device``: one HOST_HIDE_CYCLES spin timed by events, once per
+    process (an idle GPU's clock may be low: the estimate errs towards a longer spin)."""
+    rate = _CYCLES_PER_MS.get(device)
+    if rate is None:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(HOST_HIDE_CYCLES)
+        end.record()
+        end.synchronize()
+        rate = _CYCLES_PER_MS[device] = HOST_HIDE_CYCLES / max(start.elapsed_time(end), 1e-3)
+    return rate
+
+
+def hide_ms(warm_host_ms: list[float]) -> float:
+    """The host time a timed call's spin must cover, in ms: HOST_HIDE_MARGIN x the median of the warm-up calls'
+    host times + 0.5 ms (the first call, which may compile, is left out where there are others), capped at
+    HOST_HIDE_MAX_MS; 0 without warm-up calls."""
+    if not warm_host_ms:
+        return 0.0
+    steady = warm_host_ms[1:] or warm_host_ms
+    return min(HOST_HIDE_MAX_MS, HOST_HIDE_MARGIN * statistics.median(steady) + 0.5)
+
+
+def hide_cycles(host_ms: float, device) -> int:
+    """Spin cycles before a timed call: HOST_HIDE_CYCLES, or enough for ``host_ms`` (hide_ms) where longer."""
+    return max(HOST_HIDE_CYCLES, int(host_ms * _cycles_per_ms(device))) if host_ms > 0 else HOST_HIDE_CYCLES
 
 
 @dataclass
@@ -88,15 +127,25 @@ def time_op(fn, *, iters: int = 20, warmup: int = 5, group=None, flush: bool = T
             hide_host: bool = True) -> dict:
     """Median / p20 / p80 in ms of ``fn()`` over ``iters`` timed calls (max over ranks per call), and the
     median over the same timed calls of the host time inside one call (``host_ms``: from entering ``fn`` to its
-    return, module docstring; max over ranks). ``fn`` a ``Split``: its ``setup()`` before each call, untimed
+    return, module docstring; max over ranks), and the spin before each timed call in ms (``hidden_ms``: hide_cycles
+    of the warm-up calls' host times, module docstring). ``fn`` a ``Split``: its ``setup()`` before each call, untimed
     (before the flush and the barrier), and only ``run(state)`` timed, on the device and on the host."""
     device = torch.cuda.current_device()
     setup, call = (fn.setup, fn.run) if isinstance(fn, Split) else (None, None)
+    warm_host = []
     for _ in range(warmup):
+        state = setup() if setup is not None else None
+        t0 = time.perf_counter()
         if setup is not None:
-            call(setup())
+            call(state)
         else:
             fn()
+        warm_host.append((time.perf_counter() - t0) * 1e3)
+        state = None
+    spin = torch.tensor([hide_ms(warm_host) if hide_host else 0.0], device="cuda")
+    if dist.is_initialized():  # one spin on every rank: the ranks start each call in step
+        dist.all_reduce(spin, op=dist.ReduceOp.MAX, group=group)
+    spin_cycles = hide_cycles(spin.item(), device)
     barrier(group)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -107,7 +156,7 @@ def time_op(fn, *, iters: int = 20, warmup: int = 5, group=None, flush: bool = T
             flush_l2(device)
         barrier(group)
         if hide_host:
-            torch.cuda._sleep(HOST_HIDE_CYCLES)
+            torch.cuda._sleep(spin_cycles)
         starts[i].record()
         t0 = time.perf_counter()
         if setup is not None:
@@ -127,4 +176,4 @@ def time_op(fn, *, iters: int = 20, warmup: int = 5, group=None, flush: bool = T
     ms = sorted(vals)
     q = statistics.quantiles(ms, n=5) if len(ms) >= 2 else [ms[0]] * 4
     return {"time_ms": statistics.median(ms), "p20_ms": q[0], "p80_ms": q[3], "samples": len(ms),
-            "host_ms": host_ms}
+            "host_ms": host_ms, "hidden_ms": round(spin_cycles / _cycles_per_ms(device), 3) if hide_host else 0.0}

@@ -389,13 +389,19 @@ class _FakeCuda:
             def elapsed_time(self, end):
                 return (end.t - self.t) * 1e3
 
+            def synchronize(self):
+                pass
+
         self.Event = Event
+        self.sleeps = []  # the cycles of every spin
 
     def current_device(self):
         return 0
 
     def _sleep(self, cycles):
         self.log.append("sleep")
+        self.sleeps.append(cycles)
+        self.clock[0] += cycles / 2e9  # a 2 GHz clock: HOST_HIDE_CYCLES is 2 ms
 
     def synchronize(self, *args):
         self.log.append("sync")
@@ -408,6 +414,7 @@ def _fake_timing(monkeypatch):
     monkeypatch.setattr(timing, "torch", fake_torch)
     monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(timing, "flush_l2", lambda device: log.append("flush"))
+    monkeypatch.setattr(timing, "_CYCLES_PER_MS", {})  # calibrated on the fake clock, forgotten after the test
     return clock, log
 
 
@@ -429,6 +436,33 @@ def test_time_op_host_ms_is_the_median_time_inside_the_timed_calls(monkeypatch):
     for i in range(5):  # each timed call: flush, barrier (sync), spin, start event, the call, end event
         at = [j for j, what in enumerate(timed) if what == "call"][i]
         assert timed[at - 3:at + 2] == ["sync", "sleep", "record", "call", "record"]
+
+
+def test_time_op_spin_covers_a_long_host_time(monkeypatch):
+    """A call whose warm-up host time is longer than the fixed ~2 ms spin gets a spin of HOST_HIDE_MARGIN x its
+    median warm-up host time + 0.5 ms (the first warm-up call, which may compile, left out), so its host time
+    cannot leak into its device time; a fast call keeps HOST_HIDE_CYCLES. The spin is reported as hidden_ms."""
+    for host_s, compile_s, want_ms in ((4e-3, 3.0, timing.HOST_HIDE_MARGIN * 4.0 + 0.5), (1e-4, 0.0, 2.0)):
+        clock, log = _fake_timing(monkeypatch)
+        costs = iter([compile_s + host_s] + [host_s] * 20)
+
+        def fn():
+            clock[0] += next(costs)
+
+        t = timing.time_op(fn, iters=3, warmup=3)
+        sleeps = timing.torch.cuda.sleeps
+        assert sleeps[0] == timing.HOST_HIDE_CYCLES  # the calibration spin
+        assert sleeps[1:] == [sleeps[1]] * 3  # one spin length for every timed call
+        assert sleeps[1] / 2e6 == pytest.approx(want_ms)  # cycles at the fake 2 GHz clock -> ms
+        assert t["hidden_ms"] == pytest.approx(want_ms)
+        assert t["time_ms"] == pytest.approx(host_s * 1e3)  # the spin is before the start event
+
+
+def test_hide_ms_rules():
+    assert timing.hide_ms([]) == 0.0
+    assert timing.hide_ms([900.0, 2.0, 4.0, 3.0]) == pytest.approx(timing.HOST_HIDE_MARGIN * 3.0 + 0.5)
+    assert timing.hide_ms([7.0]) == pytest.approx(timing.HOST_HIDE_MARGIN * 7.0 + 0.5)  # one call: its own
+    assert timing.hide_ms([1.0, 1e4]) == timing.HOST_HIDE_MAX_MS
 
 
 def test_time_op_host_ms_of_a_split_is_its_run_alone(monkeypatch):
