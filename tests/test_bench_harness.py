@@ -445,6 +445,43 @@ def test_time_op_host_ms_of_a_split_is_its_run_alone(monkeypatch):
     assert t["host_ms"] == pytest.approx(0.2) and t["time_ms"] == pytest.approx(0.2)
 
 
+def test_host_enqueue_us_is_the_median_of_back_to_back_calls(monkeypatch):
+    """timing.host_enqueue_us on a fake clock: warm-up calls for warm_s (at least one), one sync, then ``calls``
+    timed calls with no sync among them, one sync after; the median / p20 / p80 are of the timed calls alone."""
+    from types import SimpleNamespace
+    clock, log = [0.0], []
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    costs = iter([0.05] * 4 + [10e-6, 30e-6, 20e-6, 90e-6, 20e-6])  # seconds: 4 warm-up calls fill 0.2 s
+
+    def fn():
+        log.append("call")
+        clock[0] += next(costs)
+
+    got = timing.host_enqueue_us(fn, calls=5, warm_s=0.2, sync=lambda: log.append("sync"))
+    assert got["host_us"] == pytest.approx(20.0) and got["calls"] == 5 and got["warmup_calls"] == 4
+    assert got["p20_us"] <= got["host_us"] <= got["p80_us"] <= 90.0
+    assert log == ["call"] * 4 + ["sync"] + ["call"] * 5 + ["sync"]  # calls counted: warm-up + N
+
+
+def test_host_enqueue_us_of_a_sleeping_callable_and_even_ranks():
+    """A real CPU callable that sleeps ~1 ms: the median is within bounds; ``even_out`` tops the warm-up up to
+    the count every rank reaches (a collective's calls must match across ranks); bad ``calls`` is refused."""
+    import time
+    calls, syncs = [], []
+
+    def fn():
+        calls.append(1)
+        time.sleep(1e-3)
+
+    got = timing.host_enqueue_us(fn, calls=20, warm_s=0.01, sync=lambda: syncs.append(1))
+    assert 900 <= got["host_us"] <= 20_000 and len(calls) == got["warmup_calls"] + 20 and len(syncs) == 2
+    calls.clear()
+    got = timing.host_enqueue_us(fn, calls=3, warm_s=0.0, sync=lambda: None, even_out=lambda n: n + 7)
+    assert got["warmup_calls"] == 8 and len(calls) == 11
+    with pytest.raises(ValueError, match="calls=0"):
+        timing.host_enqueue_us(fn, calls=0, sync=lambda: None)
+
+
 def test_rows_carry_the_host_time_of_their_timing(family, cpu_timer):
     """Every timed row has the timing's host_ms; a row that was not timed has None."""
     _toy(family)
