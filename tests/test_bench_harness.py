@@ -482,6 +482,44 @@ def test_host_enqueue_us_of_a_sleeping_callable_and_even_ranks():
         timing.host_enqueue_us(fn, calls=0, sync=lambda: None)
 
 
+def test_runner_host_rows_check_first_and_reduce_over_ranks(family, monkeypatch):
+    """Runner.host: availability and the check as for a result row (a wrong, raising or unavailable one gets its
+    host row with the reason, the sweep goes on), then timing.host_enqueue_us of the checked callable, eager under
+    --cuda-graph too; every figure the max over ranks (here a slower second rank: twice each figure), the warm-up
+    evened out over ranks; fixed-role-best at the default split alone; type "host" rows with calls and warm_s."""
+    _toy(family)
+    measured = []
+
+    def host_enqueue_us(fn, calls, warm_s, sync=None, even_out=None):
+        fn()
+        measured.append((calls, warm_s, even_out(3)))
+        return {"host_us": 20.0, "p20_us": 18.0, "p80_us": 25.0, "calls": calls, "warmup_calls": 3}
+    monkeypatch.setattr(timing, "host_enqueue_us", host_enqueue_us)
+    monkeypatch.setattr(timing, "capture_graph", lambda *a, **k: pytest.fail("host rows are of eager calls"))
+    monkeypatch.setattr(harness, "max_over_ranks", lambda x, device="cuda": 2 * x)  # the other rank: twice
+    x = torch.randn(8, 4)
+    seen = []
+    runner = harness.Runner(harness.Settings(cuda_graph=True, fixed_sweep=(8, 16, 24)), torch.device("cpu"),
+                            lambda: None, seen.append)
+    names = ("kernel", "base", "wrong", "raises", "ruled-out", "best")
+    config = AllGatherMatmulConfig()
+    runner.host(family, names, inputs=x, ref=2 * x, identity={"type": "result", "op": "toy", "world": 2},
+                calls=7, warm_s=0.1, config=config)
+    by = {r["impl"]: r for r in seen}
+    assert list(by) == list(names) and all(r["type"] == "host" and r["calls"] == 7 and r["warm_s"] == 0.1
+                                           for r in seen)
+    assert (by["kernel"]["status"], by["kernel"]["host_us"], by["kernel"]["p20_us"], by["kernel"]["p80_us"]) == \
+        ("ok", 40.0, 36.0, 50.0)
+    assert by["kernel"]["config"] == config_dict(config) and by["base"]["config"] is None
+    assert by["wrong"]["status"] == "failed" and by["wrong"]["reason"].startswith("rel_err 1.0")  # 0.5, doubled
+    assert by["wrong"]["host_us"] is None
+    assert (by["raises"]["status"], by["raises"]["reason"]) == ("failed", "RuntimeError: boom")
+    assert (by["ruled-out"]["status"], by["ruled-out"]["reason"]) == ("unavailable", "needs a thing")
+    assert by["best"]["status"] == "ok" and by["best"]["params"] == {"comm_programs": 16}  # no sweep
+    assert measured == [(7, 0.1, 6)] * 3  # kernel, base, best: the warm-up topped up to the max over ranks
+    assert "cuda_graph" not in by["kernel"]
+
+
 def test_rows_carry_the_host_time_of_their_timing(family, cpu_timer):
     """Every timed row has the timing's host_ms; a row that was not timed has None."""
     _toy(family)
@@ -553,3 +591,37 @@ def test_env_header_counts_gpus_not_ranks(monkeypatch):
     assert environment._gpus_used() == 2
     monkeypatch.setenv(launcher.ONE_GPU_ENV, "1")
     assert environment._gpus_used() == 1
+
+
+def test_tp_host_cases_and_rows_on_the_cpu(monkeypatch):
+    """bench tp's host measurement: a HostCase per (op of the sweep, dtype) on the small custom GEMM (none with 0
+    calls); run_host_case checks each implementation on it and measures nccl+cublas's eager calls for real (W=1,
+    CPU, a no-op sync), torch-async-tp unavailable at W=1 with its reason; the rows name the shape."""
+    from kosmos.models import TPGemm
+    cases = [vars(TPGemm("llama3-8b", layer, op, 4096, 4096, 6144, 4096))
+             for layer, op in (("qkv", "ag_gemm"), ("fc1", "ag_gemm"), ("fc2", "gemm_rs"))]
+    hosts = tp.host_cases(cases, ("bf16", "mxfp8"), (128, 256, 256), 200, 2)
+    assert [(h.g.op, h.dtype, h.g.m, h.g.n, h.g.k, h.g.model) for h in hosts] == [
+        (op, d, 128, 256, 256, "custom") for op in ("ag_gemm", "gemm_rs") for d in ("bf16", "mxfp8")]
+    assert tp.host_cases(cases, ("bf16",), (128, 256, 256), 0, 1) == []
+    assert tp.describe(hosts[0]) == "host enqueue ag_gemm [128x256x256] bf16, 200 calls"
+
+    def make_inputs(g, world, rank, seed):  # the bench's inputs, on the CPU
+        gen = torch.Generator().manual_seed(seed)
+        return (torch.randn(g.m, g.k, generator=gen).to(torch.bfloat16),
+                (torch.randn(g.k, g.n, generator=gen) / 16).to(torch.bfloat16))
+    monkeypatch.setattr(tp, "make_inputs", make_inputs)
+    (hc,) = tp.host_cases([cases[2]], ("bf16",), (64, 32, 64), 10, 1)
+    hc = tp.HostCase(hc.g, hc.dtype, hc.calls, warm_s=0.01)
+    rows = tp.run_host_case(hc, tp.TPSettings(impls=("nccl+cublas", "torch-async-tp")), device="cpu")
+    assert [(r["type"], r["impl"], r["status"]) for r in rows] == [("host", "nccl+cublas", "ok"),
+                                                                    ("host", "torch-async-tp", "unavailable")]
+    base, async_tp = rows
+    assert (base["op"], base["m"], base["n"], base["k"], base["world"], base["dtype"], base["calls"]) == \
+        ("gemm_rs", 64, 32, 64, 1, "bf16", 10)
+    assert 0 < base["p20_us"] <= base["host_us"] <= base["p80_us"] and base["warmup_calls"] >= 1
+    assert base["rel_err"] < 1e-2 and async_tp["host_us"] is None and "2 ranks" in async_tp["reason"]
+    failed = tp.failed_host_rows(hc, 1, tp.TPSettings(impls=("kosmos", "nccl+cublas")), "RuntimeError: x")
+    assert [(r["type"], r["impl"], r["status"], r["reason"], r["host_us"]) for r in failed] == [
+        ("host", "kosmos", "failed", "RuntimeError: x", None), ("host", "nccl+cublas", "failed", "RuntimeError: x", None)]
+    assert failed[0]["config"] == {"push_partials": False}
