@@ -255,8 +255,9 @@ def _launch(rank_fn, world: int, out: Path, *args):
         _fail(f"{e}\npartial results (if any) are in {out}", code=1)
     if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
         return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
-    from .report import build_table, load_results, print_terminal
-    print_terminal(build_table(load_results([out])[1]), console=Console())
+    from .report import build_table, load_records, print_terminal
+    records = load_records([out])
+    print_terminal(build_table(records.results, records.hosts), console=Console())
     console.print(f"results: {out}  (render again with `kosmos report {out}`)")
 
 

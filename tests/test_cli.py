@@ -5,6 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kosmos_bench.cli import app
+from kosmos_bench.report.load import Records
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tp-sample.jsonl"
 runner = CliRunner()
@@ -228,7 +229,7 @@ def test_bench_tp_shapes_tp_sizes_the_gemms_as_that_tp(monkeypatch):
     seen = {}
     monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
     monkeypatch.setattr(launcher, "spawn", lambda fn, world, suite, cases, *a: seen.update(cases=cases))
-    monkeypatch.setattr("kosmos_bench.report.load_results", lambda files: ([], []))
+    monkeypatch.setattr("kosmos_bench.report.load_records", lambda files: Records([], [], []))
     monkeypatch.setattr("kosmos_bench.report.print_terminal", lambda *a, **k: None)
     r = runner.invoke(app, ["bench", "tp", "--model", "llama3-70b", "--seq", "4096", "--tp", "1",
                             "--shapes-tp", "2", "--out", "/tmp/kosmos-shapes-tp-test.jsonl"])
@@ -278,7 +279,7 @@ def _capture_spawn(monkeypatch):
     seen = {}
     monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
     monkeypatch.setattr(launcher, "spawn", lambda fn, world, *a: seen.update(fn=fn, args=a))
-    monkeypatch.setattr("kosmos_bench.report.load_results", lambda files: ([], []))
+    monkeypatch.setattr("kosmos_bench.report.load_records", lambda files: Records([], [], []))
     monkeypatch.setattr("kosmos_bench.report.print_terminal", lambda *a, **k: None)
     return seen
 
