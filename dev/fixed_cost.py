@@ -5,8 +5,9 @@
     PYTHONPATH=. python -m dev.fixed_cost --parts   # host ns of each piece an eager call's hit path runs
     PYTHONPATH=. python -m dev.fixed_cost --profile # cProfile of the calls still over 30 us (MX TP, MoE)
 
-``--plans``: host time per eager call (median of 200 back-to-back calls, time.perf_counter around each call, no
-synchronisation inside the loop) of all_gather_matmul, matmul_reduce_scatter (bf16 and MXFP8) and the MoE layer
+``--plans``: host time per eager call (kosmos_bench.timing.host_enqueue_us, as `kosmos bench tp --host-calls`
+measures it: median of 200 back-to-back calls, time.perf_counter around each call, no synchronisation inside the
+loop) of all_gather_matmul, matmul_reduce_scatter (bf16 and MXFP8) and the MoE layer
 at W=1 on a small shape, with the launch plans' fast path on and off (kosmos.launch_plan.set_fast_launch), and
 the plan-cache hit rate and launch counters of each run. Issue 13's bar: <= 30 us per call.
 
@@ -185,25 +186,6 @@ def _small_inputs():
             quant.mx_values(w2, dim=1), k)
 
 
-def _median_host_us(call, n=200, warm_s=0.2):
-    """Median host us of ``n`` back-to-back calls after ``warm_s`` seconds of the same calls: session 15 measured
-    the same hit path at 54-64 us after 5 warm-up calls and 34-37 us in a long run (the host's clock ramps up
-    under load), so the figure is the steady state's."""
-    import statistics
-    import time
-    t_end = time.perf_counter() + warm_s
-    while time.perf_counter() < t_end:
-        call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
 def plans(fast_only: bool = False):
     """Host us per eager call with the launch plans, fast launch on and off (module docstring); ``fast_only``:
     on only (``--fast-only``, for tree-against-tree A/Bs)."""
@@ -233,7 +215,7 @@ def plans(fast_only: bool = False):
         for _ in range(rounds):
             for name, call in cases:
                 launch_plan.reset_plan_stats()
-                us = _median_host_us(call)
+                us = timing.host_enqueue_us(call)["host_us"]  # the bench's measurement (issue 13's bar)
                 seen.setdefault((name, fast), []).append(us)
                 s = launch_plan.plan_stats()
                 print(f"{name:<36} {str(fast):>5} {us:8.1f} {s['hit_rate']:8.3f} "
@@ -261,9 +243,9 @@ def plans(fast_only: bool = False):
 
 
 def _median_ns(fn, n=2000):
-    """Host ns of one call of ``fn``: _median_host_us over ``n`` calls after 0.05 s of warm calls (session 15's
-    --parts tables were taken after 20 warm calls)."""
-    return _median_host_us(fn, n=n, warm_s=0.05) * 1e3
+    """Host ns of one call of ``fn``: timing.host_enqueue_us's median over ``n`` calls after 0.05 s of warm calls
+    (session 15's --parts tables were taken after 20 warm calls)."""
+    return timing.host_enqueue_us(fn, calls=n, warm_s=0.05)["host_us"] * 1e3
 
 
 def parts():

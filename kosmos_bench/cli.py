@@ -255,8 +255,9 @@ def _launch(rank_fn, world: int, out: Path, *args):
         _fail(f"{e}\npartial results (if any) are in {out}", code=1)
     if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
         return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
-    from .report import build_table, load_results, print_terminal
-    print_terminal(build_table(load_results([out])[1]), console=Console())
+    from .report import build_table, load_records, print_terminal
+    records = load_records([out])
+    print_terminal(build_table(records.results, records.hosts), console=Console())
     console.print(f"results: {out}  (render again with `kosmos report {out}`)")
 
 
@@ -266,6 +267,9 @@ SHAPE_HELP = ("A custom GEMM MxNxK instead of the models' shapes (repeated or co
               "RS(A[M,K] @ B[K,N]), K already per rank. M must divide by the world size W, N and K be multiples "
               "of 8. E.g. --shape 8192x1024x8192 --op ag_gemm.")
 TP_OP_LAYERS = {"ag_gemm": ("qkv", "fc1"), "gemm_rs": ("attn_out", "fc2")}
+# `bench tp --host-shape / --host-calls` defaults (kosmos_bench.tp.HOST_SHAPE / HOST_CALLS; not imported from there:
+# tp imports torch, and --help must stay quick)
+TP_HOST_SHAPE, TP_HOST_CALLS = (128, 256, 256), 200
 
 
 def _tp_layers(ops) -> tuple | None:
@@ -307,6 +311,27 @@ def _custom_shapes(shapes, ops, tp, **excluded) -> list[tuple[str, str, tuple]] 
         except CustomShapeError as e:
             _fail(f"--shape {text}: {e}")
     return out
+
+
+HOST_SHAPE_HELP = ("The small GEMM MxNxK (M, N, K as in --shape) on which the host enqueue time per eager call is "
+                   "measured, once per sweep for each op, dtype and implementation of the run (after its check): "
+                   "--host-calls back-to-back calls after 0.2 s of warm-up, median (rows of type \"host\"; issue "
+                   "13's bar: <= 30 µs at W=1). Default 128x256x256, one output tile.")
+
+
+def _host_shape(text: str, calls: int, ops, world: int) -> tuple[int, int, int]:
+    """``--host-shape`` -> (M, N, K), checked as a custom shape of every op in ``ops`` at ``world`` ranks (M
+    divides by it, N and K multiples of 8); ``--host-calls`` >= 0. A bad value is a one-line error."""
+    from kosmos.models import CustomShapeError, custom_tp_gemm, parse_shape
+    if calls < 0:
+        _fail(f"--host-calls {calls}: give a number of calls >= 0 (0: no host enqueue measurement)")
+    try:
+        mnk = parse_shape(text)
+        for o in dict.fromkeys(ops):
+            custom_tp_gemm(o, *mnk, world)
+    except CustomShapeError as e:
+        _fail(f"--host-shape {text}: {e}")
+    return mnk
 
 
 def _suite_shapes(cfg, ops, **excluded) -> list[tuple[str, str, tuple]]:
@@ -373,6 +398,9 @@ def bench_tp(
     config: Optional[List[str]] = _config_option(
         "kosmos, fixed-role, fixed-role-best", "ag_gemm.push_chunks (an integer >= 1 or auto), ag_gemm.copy_block, "
         "gemm_rs.push_partials (true/false)", "push_chunks=auto --config push_partials=true"),
+    host_shape: str = typer.Option("x".join(map(str, TP_HOST_SHAPE)), "--host-shape", help=HOST_SHAPE_HELP),
+    host_calls: int = typer.Option(TP_HOST_CALLS, "--host-calls", help="Back-to-back eager calls of the host "
+                                   "enqueue measurement (--host-shape); 0: no measurement."),
     dry_run: bool = DRY_RUN_OPTION,
 ):
     """Check every implementation against the fp32 reference, then time them side by side.
@@ -391,12 +419,14 @@ def bench_tp(
     at both precisions; mxfp8 rows are checked against the fp32 product of the MX values and also record
     rel_err_bf16; `kosmos report` shows an "mxfp8 / bf16" section.
     """
-    from kosmos.models import CUSTOM
+    from kosmos.models import CUSTOM, TP_OPS
 
     from .suites import SuiteError, TPSuite
 
     ops = _split(op)
     custom = _custom_shapes(shape, ops, tp, **{"--model": model, "--seq": seq, "--shapes-tp": shapes_tp})
+    # checked before any GPU is looked for (at --tp's world when given), again below at the real world
+    _host_shape(host_shape, host_calls, TP_OPS, tp if isinstance(tp, int) and tp > 0 else 1)
     try:
         base = _load_suite(suite, "tp")
         cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int, "--seq"), dtype=_dtypes(dtype),
@@ -414,7 +444,11 @@ def bench_tp(
               f"fp8-rowwise are mxfp8 baselines)")
     world, how = _world(cfg.tp, "--tp", dry_run)
     cases = _tp_cases(cfg, custom, world)
+    host_mnk = _host_shape(host_shape, host_calls, [g.op for g in cases], world)
     if "mxfp8" in cfg.dtype:  # MX blocks are 32 elements along each GEMM's K (per rank for gemm_rs)
+        if host_calls and host_mnk[2] % 32:
+            _fail(f"--host-shape {host_shape}: --dtype mxfp8 needs K to be a multiple of 32 (MX blocks of 32 "
+                  f"along K); K={host_mnk[2]}")
         bad = [g for g in cases if g.k % 32]
         if bad:
             _fail(f"--dtype mxfp8 needs each GEMM's K to be a multiple of 32 (MX blocks of 32 along K); "
@@ -425,6 +459,7 @@ def bench_tp(
                           shapes=[{"op": g.op, "m": g.m, "n": g.n, "k": g.k} for g in cases])
     if cuda_graph:  # the suite as run (the env line) says so; bench_rank reads it
         suite_dict["cuda_graph"] = True
+    suite_dict.update(host_calls=host_calls, host_shape=list(host_mnk))  # the host enqueue measurement (tp.HostCase)
     out = _out_path(out, "tp", "-".join(cfg.dtype), create=not dry_run)
     trace_dir = str(out.with_suffix("")) + "-traces" if trace else None
     n_impls = sum(len(impls_at(cfg.impls, d)) for d in cfg.dtype)
@@ -435,6 +470,7 @@ def bench_tp(
             [("world", f"{world} rank(s) ({how})"), ("dtype", ", ".join(cfg.dtype)),
              ("timing", f"{cfg.iters} iterations after {cfg.warmup} warm-up, fixed-role sweep "
                         f"{list(cfg.fixed_sweep)}" + (", CUDA graph replays" if cuda_graph else "")),
+             ("host enqueue", _host_plan(host_mnk, host_calls, cases, cfg.dtype, n_impls)),
              ("config", _configs_text(configs)), ("results", f"would be appended to {out}"),
              *([("traces", trace_dir)] if trace_dir else [])],
             ("op", "model", "layer", "seq", "M", "N", "K"),
@@ -445,6 +481,15 @@ def bench_tp(
                   f"({', '.join(cfg.dtype)}) on {world} GPU(s){shard_note} -> {out}")
     from .tp import bench_rank
     _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), trace_dir, sys.argv, configs)
+
+
+def _host_plan(mnk, calls: int, cases, dtypes, n_impls: int) -> str:
+    """The dry run's line on the host enqueue measurement (tp.HostCase) the run would make."""
+    if not calls:
+        return "off (--host-calls 0)"
+    ops = list(dict.fromkeys(g.op for g in cases))
+    return (f"{calls} back-to-back eager calls after 0.2 s of warm-up, at {'x'.join(map(str, mnk))} ({', '.join(ops)}),"
+            f" for each (op, dtype, implementation) after its check: {len(ops) * n_impls} host rows")
 
 
 MOE_HELP = "\n\n".join([

@@ -16,6 +16,10 @@ registry) in turn, on every rank in step:
      "unavailable"), and the sweep goes on. Such rows carry ``cuda_graph: true``.
   4. the row (``result_row``; keys in SCHEMA.md): a KOSMOS kernel runs with the op's config and records it.
 
+``Runner.host`` does 1-2 and then, instead of 3, measures the host enqueue time of an eager call
+(``timing.host_enqueue_us``: back-to-back calls after a warm-up, no barrier among them; max over ranks of each
+rank's median), a "host" row each (``host_row``): issue 13's bar on the host time per call.
+
 ``fixed="best"`` implementations (fixed-role-best) do 2-3 at every S of ``fixed_sweep`` and keep the fastest S
 that passes (``best_fixed_split``); ``fixed="default"`` (fixed-role) runs at S = ``fixed_default``.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 import math
 import re
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -236,14 +240,14 @@ class Result:
     status: str                       # "ok" | "failed" | "unavailable"
     reason: str | None = None
     rel_err: float | None = None
-    timing: dict | None = None        # timing.time_op's dict
+    timing: dict | None = None        # timing.time_op's dict (Runner.host: timing.host_enqueue_us's)
     workspace: int | None = None
     params: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)  # Reference.also's errors: {row key: rel_err or None}
 
     @property
     def time_ms(self):
-        return self.timing["time_ms"] if self.timing else None
+        return self.timing.get("time_ms") if self.timing else None
 
 
 def check_output(out, shape) -> None:
@@ -276,10 +280,11 @@ def agreed_call(fn):
     return ok, why, value
 
 
-def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result:
+def check_and_time(make, ref, st: Settings, device, recover: Callable, measure: Callable | None = None) -> Result:
     """Steps 2-3 of one implementation: ``make()`` -> (callable, workspace bytes or None). Every rank calls this
     in step. A ``registry.Unavailable`` raised on the way makes the result "unavailable". ``ref``: a tensor
-    (tolerance ``TOLERANCE[st.dtype]``) or a ``Reference``."""
+    (tolerance ``TOLERANCE[st.dtype]``) or a ``Reference``. ``measure(fn)`` -> the result's ``timing`` dict, run
+    once the check passed (default: ``timing.time_op`` at ``st.iters`` / ``st.warmup``)."""
     if not isinstance(ref, Reference):
         ref = Reference(ref, TOLERANCE[st.dtype])
     made, also, parts = [], {}, {}
@@ -328,7 +333,7 @@ def check_and_time(make, ref, st: Settings, device, recover: Callable) -> Result
             return Result("failed", f"CUDA graph capture: {why}", err, workspace=ws, errors=errors)
 
     def time_it():
-        t = timing.time_op(fn, iters=st.iters, warmup=st.warmup)
+        t = measure(fn) if measure is not None else timing.time_op(fn, iters=st.iters, warmup=st.warmup)
         runtime.check_errors()
         return t
 
@@ -370,20 +375,23 @@ def best_fixed_split(measure: Callable, sweep, grid: int | None = None) -> Resul
 
 
 def run_impl(impl: registry.Impl, inputs, ref, st: Settings, device, recover: Callable, config=None,
-             grid: int | None = None) -> Result:
-    """Steps 1-3 of one implementation (every rank in step); ``config``: the op's, for KOSMOS kernels."""
-    params = {"comm_programs": st.fixed_default} if impl.fixed == "default" else {}
+             grid: int | None = None, measure: Callable | None = None) -> Result:
+    """Steps 1-3 of one implementation (every rank in step); ``config``: the op's, for KOSMOS kernels;
+    ``measure``: check_and_time's. With a ``measure`` of its own, fixed-role-best runs at ``st.fixed_default``
+    alone, as fixed-role: its sweep picks the split by device time, which such a measure does not give."""
+    sweep = impl.fixed == "best" and measure is None
+    params = {"comm_programs": st.fixed_default} if impl.fixed and not sweep else {}
     ok, why = agree_available(*impl.availability(world_info()[1], st.dtype, st.direction))
     if not ok:
         return Result("unavailable", why, params=params)
     cfg = config if impl.kosmos else None
 
-    def measure(p):
-        res = check_and_time(lambda: impl.make(inputs, p, cfg), ref, st, device, recover)
+    def one(p):
+        res = check_and_time(lambda: impl.make(inputs, p, cfg), ref, st, device, recover, measure)
         res.params = p
         return res
 
-    res = best_fixed_split(measure, st.fixed_sweep, grid) if impl.fixed == "best" else measure(params)
+    res = best_fixed_split(one, st.fixed_sweep, grid) if sweep else one(params)
     if impl.kosmos and res.status == "ok" and not st.cuda_graph:  # (with graphs: measured before the release)
         res.workspace = kosmos_workspace_bytes(device)
     return res
@@ -433,6 +441,21 @@ def result_row(identity: dict, impl: registry.Impl, res: Result, *, flops: float
     return row
 
 
+HOST_STATS = ("host_us", "p20_us", "p80_us")  # timing.host_enqueue_us's figures a host row carries
+
+
+def host_row(identity: dict, impl: registry.Impl, res: Result, *, calls: int, warm_s: float, config=None) -> dict:
+    """A host row (``"type": "host"``): the case's ``identity`` keys, the outcome of the check, and the host
+    enqueue time per eager call of ``calls`` back-to-back calls after ``warm_s`` s of warm-up (``res.timing``:
+    timing.host_enqueue_us's, each figure the max over ranks; None when not measured)."""
+    t = res.timing or {}
+    row = {**identity, "type": "host", "impl": impl.name, "status": res.status, "reason": res.reason,
+           "calls": calls, "warm_s": warm_s, **{key: t.get(key) for key in HOST_STATS},
+           "warmup_calls": t.get("warmup_calls"), "rel_err": res.rel_err, "params": res.params}
+    row.update(_config_field(impl, config))
+    return row
+
+
 def failed_row(identity: dict, family: str, name: str, reason: str, config=None) -> dict:
     """The row of implementation ``name`` of ``family`` in a case that failed as a whole (sweep.run_sweep)."""
     return {**identity, "impl": name, "status": "failed", "reason": reason, "time_ms": None, "tflops": None,
@@ -467,6 +490,33 @@ class Runner:
                              mem_delta=self.mem_delta, extra=self.extra,
                              **fields, **(impl_fields(name) if impl_fields else {}),
                              **({"cuda_graph": True} if self.st.cuda_graph else {}))
+            self.rows.append(row)
+            if self.on_row:
+                self.on_row(row)
+        return results
+
+    def host(self, family: str, names, *, inputs, ref, identity: dict, calls: int, warm_s: float,
+             config=None) -> dict:
+        """The host enqueue time per eager call (timing.host_enqueue_us) of each implementation ``names`` of
+        ``family`` on ``inputs``, after its availability and check (steps 1-2, as ``run``; eager even under
+        ``--cuda-graph``: the bar is per eager call), and a host row each (``host_row``); {name: Result}. Every
+        rank makes the same number of calls (``even_out``: a call may hold a collective); each figure of the row
+        is the max over ranks of the rank's own."""
+        st = replace(self.st, cuda_graph=False)
+        device = self.device
+
+        def measure(fn):
+            return timing.host_enqueue_us(fn, calls, warm_s, sync=lambda: sync(device),
+                                          even_out=lambda n: max_over_ranks(n, device))
+        grid = runtime.num_sms(device) if device.type == "cuda" else None
+        results = {}
+        for name in names:
+            impl = registry.get(family, name)
+            res = results[name] = run_impl(impl, inputs, ref(name) if callable(ref) else ref, st, device,
+                                           self.recover, config, grid, measure=measure)
+            if res.status == "ok":  # agreed on every rank, so every rank reduces
+                res.timing = {**res.timing, **{key: max_over_ranks(res.timing[key], device) for key in HOST_STATS}}
+            row = host_row(identity, impl, res, calls=calls, warm_s=warm_s, config=config)
             self.rows.append(row)
             if self.on_row:
                 self.on_row(row)

@@ -25,6 +25,12 @@ call's outputs.
 A ``Split`` (the MoE bench's backward) is timed in two parts: for every iteration, warm-up included, its ``setup``
 (the forward) runs first, untimed, before the L2 flush and the barrier, and only ``run(state)`` is timed. Every rank
 runs the same setups in the same order, so a setup may hold collectives.
+
+``host_ms`` is NOT the per-call enqueue cost of an eager call: after each barrier the host is cold (its clock and
+caches idle while it waited), and on an H200 host it reads ~100 us for kosmos and ~96 us for nccl+cublas alike.
+The enqueue cost issue 13 bars (<= 30 us per eager call at W=1) is ``host_enqueue_us``'s: the median of back-to-back
+calls after ~0.2 s of warm-up calls, with no barrier, flush or synchronisation among them (``kosmos bench tp
+--host-calls``, rows of type "host").
 """
 from __future__ import annotations
 
@@ -102,6 +108,52 @@ class Split:
 
     def __call__(self):
         return self.run(self.setup())
+
+
+HOST_CALLS = 200  # back-to-back calls of one host enqueue measurement (issue 13's bar: their median)
+HOST_WARM_S = 0.2  # warm-up before them: the host's clock ramps up under load (dev/fixed_cost.py, session 15)
+
+
+def host_enqueue_us(fn, calls: int = HOST_CALLS, warm_s: float = HOST_WARM_S, sync=None,
+                    even_out=None) -> dict:
+    """Host enqueue time of an eager call of ``fn``: ``calls`` back-to-back calls, ``time.perf_counter`` around
+    each, no synchronisation inside the loop, after ``warm_s`` seconds of warm-up calls of ``fn`` and one
+    ``sync()`` (default ``torch.cuda.synchronize``; another callable, e.g. a no-op, for CPU callables). ``sync()``
+    again after the calls, so that their device work is done when this returns.
+
+    Why so: after 5 warm-up calls session 15 measured 54-64 us on a hit path that a long run measured at 34-37 us
+    (the host's clock ramps up under load), and the bench's in-loop ``host_ms`` (time_op) reads ~100 us because
+    every timed call there follows a barrier (module docstring). The figure here is the steady state's. The
+    calls are not synchronised, so once the device runs slower than the host enqueues, the launch queue fills and
+    a call waits for room: the figure is then the device's rate per call, an upper bound of the host's.
+
+    ``even_out(n)``: this rank's warm-up call count -> the count every rank must reach (the max over ranks);
+    the missing calls are made before the sync. A callable holding a collective needs it (the warm-up is timed,
+    so ranks make different numbers of calls; each call must be matched on every rank).
+
+    Returns {"host_us": median, "p20_us", "p80_us": the 20th/80th percentiles, "calls": ``calls``,
+    "warmup_calls": the warm-up calls made}, times in microseconds of this process."""
+    if calls < 1:
+        raise ValueError(f"calls={calls}: at least one timed call")
+    sync = torch.cuda.synchronize if sync is None else sync
+    warm, t_end = 0, time.perf_counter() + warm_s
+    while warm == 0 or time.perf_counter() < t_end:  # at least one: first-call work (compiles, plans) stays out
+        fn()
+        warm += 1
+    if even_out is not None:
+        for _ in range(int(even_out(warm)) - warm):
+            fn()
+            warm += 1
+    sync()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    sync()
+    q = statistics.quantiles(times, n=5) if len(times) >= 2 else times * 4
+    return {"host_us": statistics.median(times), "p20_us": q[0], "p80_us": q[3], "calls": calls,
+            "warmup_calls": warm}
 
 
 def capture_graph(fn, warmup: int = 3):

@@ -36,6 +36,13 @@ original bf16 inputs. Every row's ``t_gemm_ms`` is torch.matmul in BF16 on the s
 mxfp8 too: "vs cuBLAS bf16" compares like with like); ``t_comm_ms`` the NCCL collective alone of what the
 dtype moves (mxfp8 AG: payload + scales; RS: the bf16 partials); ``wire_bytes`` the bytes this rank sends in
 the op's collective (``wire_bytes()``).
+
+Host enqueue time (``--host-calls N``, ``--host-shape MxNxK``; issue 13's bar: <= 30 us per eager call at W=1): once
+per sweep, after the GEMMs, a ``HostCase`` per (op, dtype) of the sweep runs every implementation of that dtype on
+one small custom GEMM (default 128x256x256, one tile): availability and the check as for a result row, then
+``timing.host_enqueue_us`` (N back-to-back eager calls after 0.2 s of warm-up) and a row of type "host" each
+(harness.Runner.host). The result rows' ``host_ms`` is another figure: the host time inside a call of the timing
+loop, each after a barrier (cold host; timing.py).
 """
 from __future__ import annotations
 
@@ -287,10 +294,56 @@ def identity(g: TPGemm, world: int, dtype: str) -> dict:
             "m": g.m, "n": g.n, "k": g.k, "world": world, "dtype": dtype}
 
 
+# the host enqueue measurement's defaults (`kosmos bench tp --host-shape / --host-calls`): one 128x256 output tile,
+# K = 256 (a multiple of 32: MX blocks), as dev/fixed_cost.py --plans measures it
+HOST_SHAPE = (128, 256, 256)
+HOST_CALLS = timing.HOST_CALLS
+
+
+@dataclass(frozen=True)
+class HostCase:
+    """The host enqueue measurement of one (op, dtype) of a sweep: every implementation on the small GEMM ``g``,
+    ``calls`` back-to-back eager calls each after ``warm_s`` s of warm-up (module docstring)."""
+    g: TPGemm
+    dtype: str
+    calls: int = HOST_CALLS
+    warm_s: float = timing.HOST_WARM_S
+
+
+def host_cases(cases: list, dtypes, shape, calls: int, world: int) -> list[HostCase]:
+    """A HostCase per (op of ``cases``, dtype) on the custom GEMM ``shape`` (M, N, K) of that op; none when
+    ``calls`` is 0."""
+    from kosmos.models import custom_tp_gemm
+    if not calls:
+        return []
+    ops = dict.fromkeys(c["op"] for c in cases)
+    return [HostCase(custom_tp_gemm(op, *shape, world), d, calls) for op in ops for d in dtypes]
+
+
+def host_identity(hc: HostCase, world: int) -> dict:
+    return {**identity(hc.g, world, hc.dtype), "type": "host"}
+
+
 def failed_rows(g: TPGemm, world: int, st: TPSettings, reason: str) -> list[dict]:
     """The rows of a GEMM that failed as a whole (one per implementation that runs at ``st.dtype``)."""
     return [harness.failed_row(identity(g, world, st.dtype), "tp", name, reason, st.config(g.op))
             for name in impls_at(st.impls, st.dtype)]
+
+
+def failed_host_rows(hc: HostCase, world: int, st: TPSettings, reason: str) -> list[dict]:
+    """The host rows of a HostCase that failed as a whole (one per implementation that runs at its dtype)."""
+    return [harness.host_row(host_identity(hc, world), registry.get("tp", name), harness.Result("failed", reason),
+                             calls=hc.calls, warm_s=hc.warm_s, config=st.config(hc.g.op))
+            for name in impls_at(st.impls, hc.dtype)]
+
+
+def _case_inputs(g: TPGemm, st: TPSettings):
+    """(TPInputs, references) of GEMM ``g`` on this rank at ``st.dtype``: fresh inputs, the weight's MX form made
+    once outside every timed call (a cached weight)."""
+    rank, world = world_info()
+    a, b = make_inputs(g, world, rank, st.seed)
+    b_mx = mx_weight(b) if st.dtype == MX else None
+    return TPInputs(g, a, b, st.dtype, b_mx), references(g, a, b, st.dtype, b_mx)
 
 
 def _baseline_parts(g: TPGemm, a, b, st: TPSettings):
@@ -324,13 +377,11 @@ def _baseline_parts(g: TPGemm, a, b, st: TPSettings):
 def run_case(g: TPGemm, st: TPSettings, on_row=None) -> list[dict]:
     """Check and time every implementation of ``st.impls`` on GEMM ``g``; returns the result rows (all
     ranks return the same rows). ``on_row(row)`` is called as each row is ready."""
-    rank, world = world_info()
+    world = world_info()[1]
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda", torch.cuda.current_device())
-    a, b = make_inputs(g, world, rank, st.seed)
-    b_mx = mx_weight(b) if st.dtype == MX else None  # once, outside every timed call (a cached weight)
-    ref = references(g, a, b, st.dtype, b_mx)
-    t_gemm, t_comm = _baseline_parts(g, a, b, st)
+    inputs, ref = _case_inputs(g, st)
+    t_gemm, t_comm = _baseline_parts(g, inputs.a, inputs.b, st)
     runner = harness.Runner(st, device, lambda: harness.recover(device), on_row, extra=st.extra)
     config = st.config(g.op)
 
@@ -338,13 +389,27 @@ def run_case(g: TPGemm, st: TPSettings, on_row=None) -> list[dict]:
         fields = {"wire_bytes": wire_bytes(g.op, name, st.dtype, g.m, g.n, g.k, world)}
         return {**fields, "note": FP8_ROWWISE_NOTE} if name == "fp8-rowwise" else fields
 
-    results = runner.run("tp", impls_at(st.impls, st.dtype), inputs=TPInputs(g, a, b, st.dtype, b_mx), ref=ref,
+    results = runner.run("tp", impls_at(st.impls, st.dtype), inputs=inputs, ref=ref,
                          identity=identity(g, world, st.dtype), flops=2.0 * g.m * g.n * g.k, config=config,
                          impl_fields=impl_fields, t_gemm_ms=t_gemm, t_comm_ms=t_comm)
-    del a, b, b_mx, ref
+    del inputs, ref
     torch.cuda.empty_cache()
     if st.trace_dir and st.dtype != MX and "kosmos" in results and results["kosmos"].status == "ok":
         _write_trace(g, st, config)
+    return runner.rows
+
+
+def run_host_case(hc: HostCase, st: TPSettings, on_row=None, device=None) -> list[dict]:
+    """The host rows of HostCase ``hc`` (every implementation of ``st.impls`` at its dtype: checked, then its
+    host enqueue time measured; harness.Runner.host); all ranks return the same rows."""
+    world = world_info()[1]
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    inputs, ref = _case_inputs(hc.g, st)
+    runner = harness.Runner(st, device, lambda: harness.recover(device), on_row)
+    runner.host("tp", impls_at(st.impls, st.dtype), inputs=inputs, ref=ref, identity=host_identity(hc, world),
+                calls=hc.calls, warm_s=hc.warm_s, config=st.config(hc.g.op))
     return runner.rows
 
 
@@ -358,19 +423,27 @@ def bench_rank(rank, world, suite: dict, cases: list, out: str, trace_dir, argv,
                     configs=dict(configs or {}), cuda_graph=bool(suite.get("cuda_graph")))
     by_dtype = {d: replace(st, dtype=d) for d in dtypes}
     device = torch.device("cuda", torch.cuda.current_device())
-    # a case is (GEMM, dtype): each GEMM at every dtype in turn, so the precisions of a shape run back to back
+    # a case is (GEMM, dtype): each GEMM at every dtype in turn, so the precisions of a shape run back to back;
+    # then the host enqueue measurement of each (op, dtype) (HostCase; none with host_calls 0 or in older suites)
+    hosts = host_cases(cases, dtypes, suite.get("host_shape", HOST_SHAPE), suite.get("host_calls", 0), world)
     run_sweep(out, environment(argv=argv, suite=suite, bench="tp"), rank,
-              [(TPGemm(**c), d) for c in cases for d in dtypes], describe=describe,
-              run_one=lambda case, write: run_case(case[0], by_dtype[case[1]], on_row=write),
-              failed_rows=lambda case, why: failed_rows(case[0], world, by_dtype[case[1]], why),
+              [(TPGemm(**c), d) for c in cases for d in dtypes] + hosts, describe=describe,
+              run_one=lambda case, write: run_host_case(case, by_dtype[case.dtype], on_row=write, device=device)
+              if isinstance(case, HostCase) else run_case(case[0], by_dtype[case[1]], on_row=write),
+              failed_rows=lambda case, why: failed_host_rows(case, world, by_dtype[case.dtype], why)
+              if isinstance(case, HostCase) else failed_rows(case[0], world, by_dtype[case[1]], why),
               recover=lambda: harness.recover(device),
-              # m, n, k too: custom shapes (model and layer "custom") may share a seq
-              key=lambda r: (r["model"], r["layer"], r["seq"], r["op"], r["m"], r["n"], r["k"], r["dtype"],
-                             r["impl"]))
+              # m, n, k too: custom shapes (model and layer "custom") may share a seq; the type: a host row and a
+              # result row of one shape are two rows
+              key=lambda r: (r["type"], r["model"], r["layer"], r["seq"], r["op"], r["m"], r["n"], r["k"],
+                             r["dtype"], r["impl"]))
 
 
 def describe(case) -> str:
-    """One line naming a case, GEMM ``g`` or (g, dtype) (the progress bar)."""
+    """One line naming a case, GEMM ``g``, (g, dtype) or a HostCase (the progress bar)."""
+    if isinstance(case, HostCase):
+        g = case.g
+        return f"host enqueue {g.op} [{g.m}x{g.n}x{g.k}] {case.dtype}, {case.calls} calls"
     g, dtype = case if isinstance(case, tuple) else (case, None)
     what = f"custom {g.op}" if g.model == CUSTOM else f"{g.model} {g.layer} seq={g.seq}"
     return f"{what} [{g.m}x{g.n}x{g.k}]" + (f" {dtype}" if dtype else "")

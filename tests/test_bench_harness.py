@@ -479,6 +479,81 @@ def test_time_op_host_ms_of_a_split_is_its_run_alone(monkeypatch):
     assert t["host_ms"] == pytest.approx(0.2) and t["time_ms"] == pytest.approx(0.2)
 
 
+def test_host_enqueue_us_is_the_median_of_back_to_back_calls(monkeypatch):
+    """timing.host_enqueue_us on a fake clock: warm-up calls for warm_s (at least one), one sync, then ``calls``
+    timed calls with no sync among them, one sync after; the median / p20 / p80 are of the timed calls alone."""
+    from types import SimpleNamespace
+    clock, log = [0.0], []
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    costs = iter([0.05] * 4 + [10e-6, 30e-6, 20e-6, 90e-6, 20e-6])  # seconds: 4 warm-up calls fill 0.2 s
+
+    def fn():
+        log.append("call")
+        clock[0] += next(costs)
+
+    got = timing.host_enqueue_us(fn, calls=5, warm_s=0.2, sync=lambda: log.append("sync"))
+    assert got["host_us"] == pytest.approx(20.0) and got["calls"] == 5 and got["warmup_calls"] == 4
+    assert got["p20_us"] <= got["host_us"] <= got["p80_us"] <= 90.0
+    assert log == ["call"] * 4 + ["sync"] + ["call"] * 5 + ["sync"]  # calls counted: warm-up + N
+
+
+def test_host_enqueue_us_of_a_sleeping_callable_and_even_ranks():
+    """A real CPU callable that sleeps ~1 ms: the median is within bounds; ``even_out`` tops the warm-up up to
+    the count every rank reaches (a collective's calls must match across ranks); bad ``calls`` is refused."""
+    import time
+    calls, syncs = [], []
+
+    def fn():
+        calls.append(1)
+        time.sleep(1e-3)
+
+    got = timing.host_enqueue_us(fn, calls=20, warm_s=0.01, sync=lambda: syncs.append(1))
+    assert 900 <= got["host_us"] <= 20_000 and len(calls) == got["warmup_calls"] + 20 and len(syncs) == 2
+    calls.clear()
+    got = timing.host_enqueue_us(fn, calls=3, warm_s=0.0, sync=lambda: None, even_out=lambda n: n + 7)
+    assert got["warmup_calls"] == 8 and len(calls) == 11
+    with pytest.raises(ValueError, match="calls=0"):
+        timing.host_enqueue_us(fn, calls=0, sync=lambda: None)
+
+
+def test_runner_host_rows_check_first_and_reduce_over_ranks(family, monkeypatch):
+    """Runner.host: availability and the check as for a result row (a wrong, raising or unavailable one gets its
+    host row with the reason, the sweep goes on), then timing.host_enqueue_us of the checked callable, eager under
+    --cuda-graph too; every figure the max over ranks (here a slower second rank: twice each figure), the warm-up
+    evened out over ranks; fixed-role-best at the default split alone; type "host" rows with calls and warm_s."""
+    _toy(family)
+    measured = []
+
+    def host_enqueue_us(fn, calls, warm_s, sync=None, even_out=None):
+        fn()
+        measured.append((calls, warm_s, even_out(3)))
+        return {"host_us": 20.0, "p20_us": 18.0, "p80_us": 25.0, "calls": calls, "warmup_calls": 3}
+    monkeypatch.setattr(timing, "host_enqueue_us", host_enqueue_us)
+    monkeypatch.setattr(timing, "capture_graph", lambda *a, **k: pytest.fail("host rows are of eager calls"))
+    monkeypatch.setattr(harness, "max_over_ranks", lambda x, device="cuda": 2 * x)  # the other rank: twice
+    x = torch.randn(8, 4)
+    seen = []
+    runner = harness.Runner(harness.Settings(cuda_graph=True, fixed_sweep=(8, 16, 24)), torch.device("cpu"),
+                            lambda: None, seen.append)
+    names = ("kernel", "base", "wrong", "raises", "ruled-out", "best")
+    config = AllGatherMatmulConfig()
+    runner.host(family, names, inputs=x, ref=2 * x, identity={"type": "result", "op": "toy", "world": 2},
+                calls=7, warm_s=0.1, config=config)
+    by = {r["impl"]: r for r in seen}
+    assert list(by) == list(names) and all(r["type"] == "host" and r["calls"] == 7 and r["warm_s"] == 0.1
+                                           for r in seen)
+    assert (by["kernel"]["status"], by["kernel"]["host_us"], by["kernel"]["p20_us"], by["kernel"]["p80_us"]) == \
+        ("ok", 40.0, 36.0, 50.0)
+    assert by["kernel"]["config"] == config_dict(config) and by["base"]["config"] is None
+    assert by["wrong"]["status"] == "failed" and by["wrong"]["reason"].startswith("rel_err 1.0")  # 0.5, doubled
+    assert by["wrong"]["host_us"] is None
+    assert (by["raises"]["status"], by["raises"]["reason"]) == ("failed", "RuntimeError: boom")
+    assert (by["ruled-out"]["status"], by["ruled-out"]["reason"]) == ("unavailable", "needs a thing")
+    assert by["best"]["status"] == "ok" and by["best"]["params"] == {"comm_programs": 16}  # no sweep
+    assert measured == [(7, 0.1, 6)] * 3  # kernel, base, best: the warm-up topped up to the max over ranks
+    assert "cuda_graph" not in by["kernel"]
+
+
 def test_rows_carry_the_host_time_of_their_timing(family, cpu_timer):
     """Every timed row has the timing's host_ms; a row that was not timed has None."""
     _toy(family)
@@ -550,3 +625,37 @@ def test_env_header_counts_gpus_not_ranks(monkeypatch):
     assert environment._gpus_used() == 2
     monkeypatch.setenv(launcher.ONE_GPU_ENV, "1")
     assert environment._gpus_used() == 1
+
+
+def test_tp_host_cases_and_rows_on_the_cpu(monkeypatch):
+    """bench tp's host measurement: a HostCase per (op of the sweep, dtype) on the small custom GEMM (none with 0
+    calls); run_host_case checks each implementation on it and measures nccl+cublas's eager calls for real (W=1,
+    CPU, a no-op sync), torch-async-tp unavailable at W=1 with its reason; the rows name the shape."""
+    from kosmos.models import TPGemm
+    cases = [vars(TPGemm("llama3-8b", layer, op, 4096, 4096, 6144, 4096))
+             for layer, op in (("qkv", "ag_gemm"), ("fc1", "ag_gemm"), ("fc2", "gemm_rs"))]
+    hosts = tp.host_cases(cases, ("bf16", "mxfp8"), (128, 256, 256), 200, 2)
+    assert [(h.g.op, h.dtype, h.g.m, h.g.n, h.g.k, h.g.model) for h in hosts] == [
+        (op, d, 128, 256, 256, "custom") for op in ("ag_gemm", "gemm_rs") for d in ("bf16", "mxfp8")]
+    assert tp.host_cases(cases, ("bf16",), (128, 256, 256), 0, 1) == []
+    assert tp.describe(hosts[0]) == "host enqueue ag_gemm [128x256x256] bf16, 200 calls"
+
+    def make_inputs(g, world, rank, seed):  # the bench's inputs, on the CPU
+        gen = torch.Generator().manual_seed(seed)
+        return (torch.randn(g.m, g.k, generator=gen).to(torch.bfloat16),
+                (torch.randn(g.k, g.n, generator=gen) / 16).to(torch.bfloat16))
+    monkeypatch.setattr(tp, "make_inputs", make_inputs)
+    (hc,) = tp.host_cases([cases[2]], ("bf16",), (64, 32, 64), 10, 1)
+    hc = tp.HostCase(hc.g, hc.dtype, hc.calls, warm_s=0.01)
+    rows = tp.run_host_case(hc, tp.TPSettings(impls=("nccl+cublas", "torch-async-tp")), device="cpu")
+    assert [(r["type"], r["impl"], r["status"]) for r in rows] == [("host", "nccl+cublas", "ok"),
+                                                                    ("host", "torch-async-tp", "unavailable")]
+    base, async_tp = rows
+    assert (base["op"], base["m"], base["n"], base["k"], base["world"], base["dtype"], base["calls"]) == \
+        ("gemm_rs", 64, 32, 64, 1, "bf16", 10)
+    assert 0 < base["p20_us"] <= base["host_us"] <= base["p80_us"] and base["warmup_calls"] >= 1
+    assert base["rel_err"] < 1e-2 and async_tp["host_us"] is None and "2 ranks" in async_tp["reason"]
+    failed = tp.failed_host_rows(hc, 1, tp.TPSettings(impls=("kosmos", "nccl+cublas")), "RuntimeError: x")
+    assert [(r["type"], r["impl"], r["status"], r["reason"], r["host_us"]) for r in failed] == [
+        ("host", "kosmos", "failed", "RuntimeError: x", None), ("host", "nccl+cublas", "failed", "RuntimeError: x", None)]
+    assert failed[0]["config"] == {"push_partials": False}

@@ -5,6 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kosmos_bench.cli import app
+from kosmos_bench.report.load import Records
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tp-sample.jsonl"
 runner = CliRunner()
@@ -16,7 +17,7 @@ def test_help_teaches():
     r = runner.invoke(app, ["bench", "tp", "--help"])
     assert r.exit_code == 0
     for opt in ("--model", "--seq", "--tp", "--dtype", "--op", "--impl", "--suite", "--iters", "--warmup",
-                "--out", "--trace"):
+                "--out", "--trace", "--host-shape", "--host-calls"):
         assert opt in r.output
 
 
@@ -228,7 +229,7 @@ def test_bench_tp_shapes_tp_sizes_the_gemms_as_that_tp(monkeypatch):
     seen = {}
     monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
     monkeypatch.setattr(launcher, "spawn", lambda fn, world, suite, cases, *a: seen.update(cases=cases))
-    monkeypatch.setattr("kosmos_bench.report.load_results", lambda files: ([], []))
+    monkeypatch.setattr("kosmos_bench.report.load_records", lambda files: Records([], [], []))
     monkeypatch.setattr("kosmos_bench.report.print_terminal", lambda *a, **k: None)
     r = runner.invoke(app, ["bench", "tp", "--model", "llama3-70b", "--seq", "4096", "--tp", "1",
                             "--shapes-tp", "2", "--out", "/tmp/kosmos-shapes-tp-test.jsonl"])
@@ -278,7 +279,7 @@ def _capture_spawn(monkeypatch):
     seen = {}
     monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
     monkeypatch.setattr(launcher, "spawn", lambda fn, world, *a: seen.update(fn=fn, args=a))
-    monkeypatch.setattr("kosmos_bench.report.load_results", lambda files: ([], []))
+    monkeypatch.setattr("kosmos_bench.report.load_records", lambda files: Records([], [], []))
     monkeypatch.setattr("kosmos_bench.report.print_terminal", lambda *a, **k: None)
     return seen
 
@@ -755,3 +756,45 @@ def test_bench_cuda_graph_reaches_the_ranks_and_the_plan(monkeypatch, tmp_path):
     assert seen["fn"] is moe.bench_rank and seen["args"][0]["cuda_graph"] is True
     r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--cuda-graph", "--dry-run"])
     assert r.exit_code == 0 and "CUDA graph replays" in " ".join(r.output.split()), r.output
+
+
+# --------------------------------------------------------------------------- the host enqueue measurement
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--host-calls", "-1"], "--host-calls -1: give a number of calls >= 0"),
+    (["--host-shape", "128x256"], "--host-shape 128x256: not MxNxK"),
+    (["--host-shape", "axbxc"], "--host-shape axbxc: not MxNxK"),
+    (["--host-shape", "128x250x256"], "--host-shape 128x250x256: N=250 must be a multiple of 8"),
+    (["--host-shape", "100x256x256", "--tp", "8"], "--host-shape 100x256x256: M=100 must divide by the world size 8"),
+    (["--host-shape", "128x256x200", "--dtype", "mxfp8", "--tp", "1"], "--dtype mxfp8 needs K to be a multiple of 32"),
+])
+def test_bench_tp_host_option_errors(monkeypatch, args, needle):
+    """One line naming the option, before anything launches, with or without --dry-run."""
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "check_world", lambda asked: asked or 1)
+    monkeypatch.setattr(launcher, "spawn", lambda *a, **k: pytest.fail("must not launch"))
+    for dry in ([], ["--dry-run"]):
+        _one_line_error(runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", *args, *dry]),
+                        needle)
+
+
+def test_bench_tp_host_options_reach_the_ranks_and_the_plan(monkeypatch, tmp_path):
+    """The suite the ranks get (and the env line records) holds host_calls and host_shape (defaults: 200 calls at
+    the one-tile 128x256x256, tp.HOST_SHAPE); the dry run says what the measurement will do, or that it is off."""
+    from kosmos_bench import cli, tp
+    assert (cli.TP_HOST_SHAPE, cli.TP_HOST_CALLS) == (tp.HOST_SHAPE, tp.HOST_CALLS)
+    seen = _capture_spawn(monkeypatch)
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--out", str(tmp_path / "r.jsonl")])
+    assert r.exit_code == 0, r.output
+    assert (seen["args"][0]["host_calls"], seen["args"][0]["host_shape"]) == (200, [128, 256, 256])
+    r = runner.invoke(app, ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--host-shape", "256x512x512",
+                            "--host-calls", "50", "--out", str(tmp_path / "s.jsonl")])
+    assert r.exit_code == 0 and (seen["args"][0]["host_calls"], seen["args"][0]["host_shape"]) == (50, [256, 512, 512])
+    r = runner.invoke(app, ["bench", "tp", "--shape", "256x256x256", "--op", "ag_gemm,gemm_rs", "--tp", "1",
+                            "--impl", "kosmos,nccl+cublas", "--dry-run"])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and "host enqueue: 200 back-to-back eager calls after 0.2 s of warm-up, at 128x256x256 " \
+        "(ag_gemm, gemm_rs)" in text and ": 4 host rows" in text, text
+    r = runner.invoke(app, ["bench", "tp", "--tp", "1", "--host-calls", "0", "--dry-run"])
+    assert r.exit_code == 0 and "host enqueue: off (--host-calls 0)" in r.output

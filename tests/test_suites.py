@@ -255,7 +255,8 @@ def test_grid_suite_plans_its_shapes_as_custom_gemms(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
     monkeypatch.setattr(launcher, "spawn", lambda fn, world, *a: seen.update(args=a))
-    monkeypatch.setattr("kosmos_bench.report.load_results", lambda files: ([], []))
+    from kosmos_bench.report.load import Records
+    monkeypatch.setattr("kosmos_bench.report.load_records", lambda files: Records([], [], []))
     monkeypatch.setattr("kosmos_bench.report.print_terminal", lambda *a, **k: None)
     runner = CliRunner()
     out = str(tmp_path / "grid.jsonl")

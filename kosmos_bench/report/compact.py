@@ -23,7 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .schema import BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, SHAPE_COLUMNS, format_value
-from .tables import config_varies, cublas_summary_table, dtype_table, geomean, host_table, wire_table
+from .tables import (config_varies, cublas_summary_table, dtype_table, geomean, host_enqueue_table, host_table,
+                     wire_table)
 
 WHAT = {"tp": "TP ops", "moe_fwd": "moe_fwd (the MoE layer)", "moe_experts": "moe_experts (the expert GEMMs alone)"}
 CONTEXT_FIELDS = ("model", "world", "dtype", "direction")  # said in the title when one value across a table
@@ -163,13 +164,37 @@ def print_cublas_compact(df: pd.DataFrame, console: Console) -> None:
     console.print(_small_table(summary, labels, cells))
 
 
+def print_host_enqueue_compact(df: pd.DataFrame, console: Console) -> None:
+    """The host enqueue time per eager call (the host rows of ``bench tp --host-calls``): a line per (source, op,
+    dtype, world, impl, config, shape) with the median and p20 / p80 in microseconds, or the status; the reasons of
+    the rows that did not run under the table, one line each."""
+    from .lines import host_enqueue_title
+    table = host_enqueue_table(df)
+    if table.empty:
+        return
+    console.print(Text(host_enqueue_title(table), style="bold"))
+    labels = _varying(table, ("source",)) + ["impl", "op", "dtype"] + _varying(table, ("world", CONFIG_COLUMN,
+                                                                                          "shape", "calls"))
+    console.print(_small_table(table, labels, [
+        ("median", lambda row: _num(row["host_us"], "{:.1f}".format) if row["status"] == "ok" else
+         STATUS_WORDS.get(row["status"], row["status"])),
+        ("p20", _cell("p20_us", "{:.1f}".format)), ("p80", _cell("p80_us", "{:.1f}".format))]))
+    for row in table[table["status"] != "ok"].to_dict("records"):
+        console.print(Text(f"{row['impl']} {row['op']} {row['dtype']} {row['status']}: "
+                           f"{format_value('reason', row['reason']) or 'no reason recorded'}"),
+                      no_wrap=True, overflow="ellipsis")
+
+
 def print_host_compact(df: pd.DataFrame, console: Console) -> None:
-    """The host enqueue time per call: a line per (source, op, dtype, direction, impl, config) with the median,
-    min and max over its ok rows of host_ms, in microseconds."""
+    """The host time per call inside the timing loop: a line per (source, op, dtype, direction, impl, config) with
+    the median, min and max over its ok rows of host_ms, in microseconds (each call after a barrier: a cold host;
+    not the enqueue cost per eager call, ``print_host_enqueue_compact``)."""
     hosts = host_table(df)
     if hosts.empty:
         return
-    console.print(Text("Host enqueue time per call, µs (per row: the median over its timed calls)", style="bold"))
+    console.print(Text("Host time per call inside the timing loop, µs (each call after a barrier: host cold; per "
+                       "row the median over its timed calls; the enqueue cost per eager call: bench tp --host-calls)",
+                       style="bold"))
     labels = _varying(hosts, ("source",)) + ["impl", "op"] + _varying(hosts, ("dtype", "direction", CONFIG_COLUMN))
     console.print(_small_table(hosts, labels, [
         ("rows", _cell("rows", str)), ("median", _cell("host_us_median", "{:.1f}".format)),

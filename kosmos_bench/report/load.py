@@ -1,4 +1,4 @@
-"""Reading the report's inputs: result files (JSON lines: env lines and result lines, see SCHEMA.md) and
+"""Reading the report's inputs: result files (JSON lines: env, result and host lines, see SCHEMA.md) and
 trace files (one JSON object per traced call). Malformed input raises ``ReportError`` naming the file and,
 for JSON lines, the line; unknown keys and line types are ignored. One exception: the last non-blank line of a
 results file that is not valid JSON is taken for a line cut short (a run killed while writing it) and skipped with
@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .schema import ENV_FIELDS, REQUIRED_RESULT_KEYS, ReportError
+from .schema import ENV_FIELDS, HOST_REQUIRED_KEYS, REQUIRED_RESULT_KEYS, ReportError
 from .targets import run_targets
 
 TRAIN_REQUIRED_KEYS = ("model", "impl", "status", "world", "dtype")  # bench train rows (report/train.py)
@@ -27,45 +27,64 @@ def _warn_on_stderr(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
+class Records(NamedTuple):
+    """What result files hold: env lines, result lines and host lines (``bench tp --host-calls``; SCHEMA.md)."""
+    envs: list[dict]
+    results: list[dict]
+    hosts: list[dict]
+
+
 def load_results(paths: list[str | Path], warn: Warn | None = None) -> tuple[list[dict], list[dict]]:
-    """Read result files; return (env records, result records).
+    """Read result files; return (env records, result records) (``load_records``, without the host lines)."""
+    records = load_records(paths, warn)
+    return records.envs, records.results
+
+
+def load_records(paths: list[str | Path], warn: Warn | None = None) -> Records:
+    """Read result files; return their env, result and host records.
 
     Every record gets ``source`` (the file stem); result records also get the
     ENV_FIELDS of the env line with the same run_id in the same file, and ``suite_targets``: the
     targets of the suite that env line records, over the default suite's (targets.py).
     A file whose last non-blank line is not valid JSON (cut short) is read without that line: ``warn`` gets one
     line naming the file and line (default: "warning: ..." on stderr). An invalid line before the last raises
-    ReportError naming the file and line.
+    ReportError naming the file and line. Host records get what result records get; a result or host line without
+    its required keys raises ReportError naming the file and line.
     """
     if not paths:
         raise ReportError("no result files given")
     warn = warn or _warn_on_stderr
-    envs: list[dict] = []
-    results: list[dict] = []
+    records = Records([], [], [])
     for path in map(Path, paths):
-        file_envs, file_results = _read_result_file(path, warn)
-        envs.extend(file_envs)
-        results.extend(file_results)
-    return envs, results
+        for kept, read in zip(records, _read_result_file(path, warn)):
+            kept.extend(read)
+    return records
 
 
-def _read_result_file(path: Path, warn: Warn) -> tuple[list[dict], list[dict]]:
+def _read_result_file(path: Path, warn: Warn) -> tuple[list[dict], list[dict], list[dict]]:
     if not path.is_file():
         raise ReportError(f"{path}: no such result file")
     source = path.stem
     envs: list[dict] = []
     raw_results: list[dict] = []
+    raw_hosts: list[dict] = []
     for line_number, record in _json_lines(path, warn):
         if record.get("type") == "env":
             envs.append({**record, "source": source})
         elif record.get("type") == "result":
             _check_required_keys(record, path, line_number)
             raw_results.append(record)
+        elif record.get("type") == "host":
+            missing = [key for key in HOST_REQUIRED_KEYS if record.get(key) is None]
+            if missing:
+                raise ReportError(f"{path}:{line_number}: host line lacks {', '.join(missing)}")
+            raw_hosts.append(record)
     if not raw_results:
         raise ReportError(f"{path}: no result lines")
     env_by_run = {env.get("run_id"): env for env in envs}
-    results = [_with_env(record, env_by_run.get(record.get("run_id"), {}), source, path) for record in raw_results]
-    return envs, results
+    results, hosts = ([_with_env(record, env_by_run.get(record.get("run_id"), {}), source, path) for record in raw]
+                      for raw in (raw_results, raw_hosts))
+    return envs, results, hosts
 
 
 def _json_lines(path: Path, warn: Warn):

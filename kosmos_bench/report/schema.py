@@ -75,18 +75,25 @@ WIRE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "routing", "m"
                 "wire_mib", "wire_vs_bf16"]
 # the section "kosmos against cuBLAS alone at world 1" (tables.cublas_table): per TP shape where kosmos ran ok at
 # world 1, kosmos's time against cuBLAS alone (the row's t_gemm_ms); vs_cublas = t_gemm_ms / time_ms, the TFLOP/s
-# ratio (> 1: kosmos faster); host_us the kosmos row's host_ms in microseconds. The summary (cublas_summary_table):
+# ratio (> 1: kosmos faster); loop_host_us the kosmos row's host_ms (inside the timing loop) in microseconds. The summary (cublas_summary_table):
 # per (source, op, dtype, config) the geomean, the worst shape (m x n x k) and the shapes under the suite's
 # vs_cublas_floor target (empty without the target)
 CUBLAS_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "m", "n", "k", "dtype", CONFIG_COLUMN,
-                  "kosmos_ms", "cublas_ms", "vs_cublas", "host_us"]
+                  "kosmos_ms", "cublas_ms", "vs_cublas", "loop_host_us"]
 CUBLAS_SUMMARY_COLUMNS = ["source", "bench", "op", "dtype", CONFIG_COLUMN, "shapes", "geomean_vs_cublas",
                           "min_vs_cublas", "worst_shape", "below_floor", "floor"]
-# the section "Host enqueue time per call" (tables.host_table): per (source, bench, op, dtype, direction, impl,
-# config), over the ok rows with host_ms: each row's host_ms (the median over its timed calls of the host time
-# inside the implementation's call, timing.py) in microseconds, the median, min and max over the rows
+# the section "Host time per call inside the timing loop" (tables.host_table): per (source, bench, op, dtype,
+# direction, impl, config), over the ok rows with host_ms: each row's host_ms (the median over its timed calls of
+# the host time inside the implementation's call, each after a barrier: a cold host, timing.py) in microseconds, the
+# median, min and max over the rows. Not the enqueue cost per eager call: HOST_ENQUEUE_COLUMNS
 HOST_COLUMNS = ["source", "bench", "op", "dtype", "direction", "impl", CONFIG_COLUMN, "rows", "host_us_median",
                 "host_us_min", "host_us_max"]
+# the section "Host enqueue time per eager call" (tables.host_enqueue_table): the host rows of `bench tp --host-calls`
+# (SCHEMA.md, type "host"), one per (source, bench, op, dtype, world, impl, config, shape): host_us the median of
+# `calls` back-to-back eager calls, p20_us / p80_us its percentiles, µs (max over ranks)
+HOST_ENQUEUE_COLUMNS = ["source", "bench", "op", "dtype", "world", "impl", CONFIG_COLUMN, "shape", "calls", "host_us",
+                        "p20_us", "p80_us", "status", "reason"]
+HOST_REQUIRED_KEYS = ("op", "impl", "status", "world", "dtype")
 FLOAT_FORMATS = {
     "time_ms": "{:.4f}", "p20_ms": "{:.4f}", "p80_ms": "{:.4f}",
     "t_gemm_ms": "{:.4f}", "t_comm_ms": "{:.4f}", "host_ms": "{:.4f}",
@@ -99,13 +106,13 @@ FLOAT_FORMATS = {
     "kosmos_ms": "{:.4f}", "fastest_other_ms": "{:.4f}", "vs_fastest_other": "{:.3f}",
     "vs_fixed_role_best": "{:.3f}",
     "cublas_ms": "{:.4f}", "vs_cublas": "{:.3f}", "geomean_vs_cublas": "{:.3f}", "min_vs_cublas": "{:.3f}",
-    "floor": "{:.2f}", "host_us": "{:.1f}", "host_us_median": "{:.1f}", "host_us_min": "{:.1f}",
-    "host_us_max": "{:.1f}",
+    "floor": "{:.2f}", "host_us": "{:.1f}", "loop_host_us": "{:.1f}", "host_us_median": "{:.1f}", "host_us_min": "{:.1f}",
+    "host_us_max": "{:.1f}", "p20_us": "{:.1f}", "p80_us": "{:.1f}",
 }
 SPEEDUP_COLUMNS = ("speedup", "geomean_speedup", "vs_fastest_other", "vs_fixed_role_best", "vs_cublas",
                    "geomean_vs_cublas", "min_vs_cublas")
 NUMERIC_DISPLAY_COLUMNS = set(INTEGER_COLUMNS) | set(FLOAT_FORMATS) | {"ok", "failed", "unavailable", "shapes",
-                                                                        "below_floor", "rows"}
+                                                                        "below_floor", "rows", "calls"}
 MIB = 1024 * 1024
 
 

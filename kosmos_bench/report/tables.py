@@ -72,10 +72,14 @@ MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
   ratio of kosmos's TFLOP/s to cuBLAS's (> 1: kosmos faster; at mxfp8 against cuBLAS bf16). ``cublas_summary_table``
   per (source, bench, op, dtype, config): the shapes, their geomean and minimum, the worst shape ("MxNxK") and,
   when the suite sets target ``vs_cublas_floor``, how many shapes fall under it (``below_floor``).
-* ``host_table`` (section "Host enqueue time per call") -- per (source, bench, op, dtype, direction, impl, config)
-  over the ok rows with ``host_ms`` (the median over a row's timed calls of the CPU time spent inside the
-  implementation's call, from entering it to its return, no synchronisation in between: timing.py): the rows and
-  the median, min and max of host_ms in microseconds.
+* ``host_table`` (section "Host time per call inside the timing loop") -- per (source, bench, op, dtype, direction,
+  impl, config) over the ok rows with ``host_ms`` (the median over a row's timed calls of the CPU time spent inside
+  the implementation's call, from entering it to its return, no synchronisation in between: timing.py; each call
+  follows a barrier, so the host is cold): the rows and the median, min and max of host_ms in microseconds.
+* ``host_enqueue_table`` (section "Host enqueue time per eager call") -- the host rows (``"type": "host"``, `bench
+  tp --host-calls`): per (source, bench, op, dtype, world, impl, config, shape) the median (``host_us``) and
+  p20 / p80 of N back-to-back eager calls after a warm-up (timing.host_enqueue_us), status and reason. Issue 13's
+  bar (suite target ``host_enqueue_us``) is on kosmos's at world 1 (lines.host_enqueue_line).
 
 ``build_table`` also keeps the suite targets of each (source, bench) in ``df.attrs["targets"]`` (targets.py).
 """
@@ -93,13 +97,15 @@ from .schema import (
     DTYPE_BYTES, ENV_COLUMNS,
     FLOAT_COLUMNS, GEOMEAN_COLUMNS, INTEGER_COLUMNS, LAST_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
     MOE_COMPARISON_GROUP, MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS,
-    WIRE_COLUMNS, DTYPE_COLUMNS, CUBLAS_COLUMNS, CUBLAS_SUMMARY_COLUMNS, HOST_COLUMNS, ReportError,
+    WIRE_COLUMNS, DTYPE_COLUMNS, CUBLAS_COLUMNS, CUBLAS_SUMMARY_COLUMNS, HOST_COLUMNS, HOST_ENQUEUE_COLUMNS,
+    ReportError,
 )
 from .targets import table_targets, target_of
 
 
-def build_table(results: list[dict]) -> pd.DataFrame:
-    """One row per result identity with the derived speedup and overlap efficiency."""
+def build_table(results: list[dict], hosts: list[dict] = ()) -> pd.DataFrame:
+    """One row per result identity with the derived speedup and overlap efficiency; the host records
+    (``load_records``) ride along in ``df.attrs["host_enqueue"]`` (``host_enqueue_table``)."""
     rows = _deduplicate([_flatten(record) for record in results])
     _add_speedup(rows)
     for row in rows:
@@ -109,8 +115,36 @@ def build_table(results: list[dict]) -> pd.DataFrame:
     columns = TABLE_COLUMNS + (MOE_COLUMNS if has_moe else []) + DETAIL_COLUMNS + \
         (MOE_DETAIL_COLUMNS if has_moe else []) + ENV_COLUMNS + LAST_COLUMNS
     df = _with_dtypes(pd.DataFrame(rows, columns=columns))
-    df.attrs["targets"] = table_targets(rows)
+    host_rows = _host_enqueue_rows(hosts)
+    df.attrs["targets"] = table_targets([*host_rows, *rows])
+    df.attrs["host_enqueue"] = host_rows
     return df
+
+
+def _host_enqueue_rows(hosts: list[dict]) -> list[dict]:
+    """The host records as the section's rows (HOST_ENQUEUE_COLUMNS and suite_targets), the last of each identity
+    (source, bench, op, dtype, world, impl, config, shape) at the position of its first occurrence."""
+    by_identity: dict[tuple, dict] = {}
+    for record in hosts:
+        row = {column: record.get(column) for column in HOST_ENQUEUE_COLUMNS}
+        row["bench"] = record.get("bench") or "tp"
+        row[CONFIG_COLUMN] = config_text(record.get("config"))
+        row["shape"] = "x".join(str(record.get(key)) for key in ("m", "n", "k"))
+        row["suite_targets"] = record.get("suite_targets")
+        by_identity[tuple(row[column] for column in HOST_ENQUEUE_COLUMNS[:HOST_ENQUEUE_COLUMNS.index("calls")])] = row
+    return list(by_identity.values())
+
+
+def host_enqueue_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Section "Host enqueue time per eager call": the host rows of the files ``df`` was built from (``bench tp
+    --host-calls``; ``build_table``'s ``hosts``), one per (source, bench, op, dtype, world, impl, config, shape), in
+    the order written; empty when there are none (older files)."""
+    table = pd.DataFrame(df.attrs.get("host_enqueue", []), columns=HOST_ENQUEUE_COLUMNS)
+    for column in ("host_us", "p20_us", "p80_us"):
+        table[column] = pd.to_numeric(table[column], errors="coerce").astype("float64")
+    table["world"] = table["world"].astype("Int64")
+    table["calls"] = pd.to_numeric(table["calls"], errors="coerce").astype("Int64")
+    return table
 
 
 def _flatten(record: dict) -> dict:
@@ -375,7 +409,7 @@ def cublas_table(df: pd.DataFrame) -> pd.DataFrame:
         host = _number_or_nan(row.get("host_ms"))
         records.append({**{column: row.get(column) for column in identity},
                         "kosmos_ms": row["time_ms"], "cublas_ms": cublas, "vs_cublas": cublas / row["time_ms"],
-                        "host_us": host * 1e3})
+                        "loop_host_us": host * 1e3})
     return pd.DataFrame(records, columns=CUBLAS_COLUMNS)
 
 
@@ -401,7 +435,7 @@ def cublas_summary_table(df: pd.DataFrame, per_shape: pd.DataFrame | None = None
 
 
 def host_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Section "Host enqueue time per call" (module docstring): per (source, bench, op, dtype, direction, impl,
+    """Section "Host time per call inside the timing loop" (module docstring): per (source, bench, op, dtype, direction, impl,
     config), over its ok rows with host_ms, the median, min and max of host_ms in microseconds."""
     keys = ["source", "bench", "op", "dtype", DIRECTION, "impl", CONFIG_COLUMN]
     ok = df[(df["status"] == "ok") & df["host_ms"].notna()]
