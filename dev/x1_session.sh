@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1125,5 +1125,19 @@ PY
         --variants padded,one-launch --json "$out/ab-$1-$2.jsonl" > "$out/ab-$1-$2.log" 2>&1
       echo "ab $1 $2 rc=$?"; keep; tail -3 "$out/ab-$1-$2.log"
     done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b" >&2; exit 2 ;;
+  s20c)  # session 20: the bench's back-to-back host enqueue rows (issue 13's host bar, --host-calls; helper branch
+         # host-bar) on the llama3-8b per-rank GEMMs at W=1, bf16 and mxfp8, rendered; issue 15's A/B at 8k zipf
+    begin_stage s20c
+    timeout 200 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-8b --seq 4096 \
+      --dtype bf16,mxfp8 --impl kosmos,nccl+cublas --out "$out/tp-host-w1.jsonl" > "$out/bench-host.log" 2>&1
+    echo "bench host rc=$?"
+    timeout 30 python -m kosmos_bench.cli report "$out/tp-host-w1.jsonl" --format md --out "$out/tp-host-w1.md" \
+      >> "$out/bench-host.log" 2>&1
+    COLUMNS=120 timeout 30 python -m kosmos_bench.cli report "$out/tp-host-w1.jsonl" > "$out/tp-host-w1.txt" \
+      2>> "$out/bench-host.log"; keep
+    grep -A14 "Host enqueue time per eager call" "$out/tp-host-w1.md" | head -24
+    timeout 200 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --passes 2 \
+      --variants padded,one-launch --json "$out/ab-dsv3-8k-zipf.jsonl" > "$out/ab-dsv3-8k-zipf.log" 2>&1
+    echo "ab 8k rc=$?"; keep; tail -3 "$out/ab-dsv3-8k-zipf.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c" >&2; exit 2 ;;
 esac
