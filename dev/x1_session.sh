@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1139,5 +1139,14 @@ PY
     timeout 200 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --passes 2 \
       --variants padded,one-launch --json "$out/ab-dsv3-8k-zipf.jsonl" > "$out/ab-dsv3-8k-zipf.log" 2>&1
     echo "ab 8k rc=$?"; keep; tail -3 "$out/ab-dsv3-8k-zipf.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c" >&2; exit 2 ;;
+  s20d)  # session 20: why the one launch is 1.089x the multi-launch path at deepseek-v3 8k zipf:1.2 (s20c; 1.040x at 4k):
+         # its trace at 8k zipf and the multi-launch path's stages there (moe_bwd_probe)
+    begin_stage s20d
+    timeout 150 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --passes 1 \
+      --iters 5 --warmup 2 --variants padded,one-launch --trace "$out/trace" --json "$out/ab-8k.jsonl" > "$out/ab-8k.log" 2>&1
+    echo "ab 8k trace rc=$?"; keep; tail -16 "$out/ab-8k.log"
+    timeout 200 python -m dev.moe_bwd_probe --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --no-profile \
+      --max-seconds 170 --iters 5 --warmup 2 --json "$out/bwd-probe-8k.jsonl" > "$out/bwd-probe-8k.log" 2>&1
+    echo "bwd probe rc=$?"; keep; grep -A18 "== moe backward stages" "$out/bwd-probe-8k.log" | cut -c1-100 ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d" >&2; exit 2 ;;
 esac
