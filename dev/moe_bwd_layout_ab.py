@@ -37,7 +37,9 @@ from dev.rows import Rows
 VARIANTS = {"packed": dict(padded=False), "padded": dict(padded=True),
             "one-launch": dict(padded=True, one_launch=True),
             # the one launch with the router backward after it (torch ops; the default puts it inside the launch)
-            "one-launch-torch-router": dict(padded=True, one_launch=True, router_in_launch=False)}
+            "one-launch-torch-router": dict(padded=True, one_launch=True, router_in_launch=False),
+            # the one launch without its WGRAD1 rendezvous (moe_backward.BWD_WGRAD1_SYNC = False; session 20)
+            "one-launch-nosync": dict(padded=True, one_launch=True, wgrad1_sync=False)}
 
 
 def parse_variants(text: str) -> list[str]:
@@ -118,9 +120,14 @@ def main(argv=None) -> int:
                rows=int(pt.experts.numel()), gu_saved=pt.saved is not None)
     rows.emit(env)
 
+    import kosmos.kernels.moe_backward as mb
+    sync_default = mb.BWD_WGRAD1_SYNC
+
     def call(variant):
+        kw = dict(VARIANTS[variant])
+        mb.BWD_WGRAD1_SYNC = kw.pop("wgrad1_sync", sync_default)  # a module constant: read at each launch
         return moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
-                               saved_gu=pt.saved, **VARIANTS[variant], **inp.backward_kw())
+                               saved_gu=pt.saved, **kw, **inp.backward_kw())
 
     # bitwise against the base, one gradient at a time (each call recomputes all four; one pair is kept)
     base = variants[0]

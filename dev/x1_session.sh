@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1148,5 +1148,25 @@ PY
     timeout 200 python -m dev.moe_bwd_probe --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --no-profile \
       --max-seconds 170 --iters 5 --warmup 2 --json "$out/bwd-probe-8k.jsonl" > "$out/bwd-probe-8k.log" 2>&1
     echo "bwd probe rc=$?"; keep; grep -A18 "== moe backward stages" "$out/bwd-probe-8k.log" | cut -c1-100 ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d" >&2; exit 2 ;;
+  s20e)  # session 20: the one launch's WGRAD1 rendezvous (BWD_WGRAD1_SYNC) -- A/B against the same tree without it and
+         # the multi-launch path at deepseek-v3 4k / 8k zipf:1.2 and 4k uniform, a trace at 8k; the one launch's GPU
+         # tests (W = 1 and the simulated-rank W > 1 ones) in the time left
+    begin_stage s20e
+    deadline=$((SECONDS + 560))
+    timeout 170 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --passes 2 \
+      --iters 8 --warmup 3 --variants padded,one-launch,one-launch-nosync --trace "$out/trace" \
+      --json "$out/ab-8k-zipf.jsonl" > "$out/ab-8k-zipf.log" 2>&1
+    echo "ab 8k zipf rc=$?"; keep; tail -15 "$out/ab-8k-zipf.log"
+    for rt in zipf:1.2 uniform; do
+      timeout 110 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing $rt --passes 2 \
+        --variants padded,one-launch,one-launch-nosync --json "$out/ab-4k-$rt.jsonl" > "$out/ab-4k-$rt.log" 2>&1
+      echo "ab 4k $rt rc=$?"; keep; tail -1 "$out/ab-4k-$rt.log"
+    done
+    left=$((deadline - SECONDS)); echo "left for tests: $left s"
+    [ $left -gt 60 ] && gpu_tests gpu-tests-one-launch $((left * 6 / 10)) "one_launch and not ep_" tests/test_moe_backward.py
+    left=$((deadline - SECONDS))
+    [ $left -gt 40 ] && timeout $left python -m pytest -v -p no:cacheprovider --timeout $((left - 10)) -m "gpu or ranks" \
+      tests/test_moe_backward.py -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; \
+      tail -1 "$out/gpu-tests-ep.log"; keep ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e" >&2; exit 2 ;;
 esac

@@ -51,6 +51,20 @@ def now_ns():
 
 
 @triton.jit
+def soft_barrier(counter_ptr, target, max_ns):
+    """A performance rendezvous, not a synchronisation: spin (volatile loads) until ``*counter_ptr >= target`` or
+    ``max_ns`` have passed, whichever comes first; no error, no memory ordering. For programs that gain from
+    starting a phase together (e.g. sharing its operands in L2) and whose correctness does not depend on it: a
+    program that never arrives (not resident, timed out) costs the others ``max_ns`` at most. Returns at once
+    under the interpreter (programs run one after another there)."""
+    if not INTERPRET:
+        t0 = now_ns()
+        seen = tl.load(counter_ptr, volatile=True)
+        while (seen < target) & (now_ns() - t0 <= max_ns):
+            seen = tl.load(counter_ptr, volatile=True)
+
+
+@triton.jit
 def _acquire_fence(flag_ptr, GPU_ONLY: tl.constexpr = False):
     if INTERPRET:
         tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")

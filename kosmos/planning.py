@@ -277,7 +277,21 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     Left: the shapes under two waves (every shape now under 0.90 is one, or K = 1024). A run order whose
     concurrent tiles share panels (dev/sk_probe's sigma, s18c) fixes their L2 reuse (256x28672x5120: 157 ->
     139 us) but beats unsplit nowhere; what keeps them behind is the fix-up (10-14 us: the partial store
-    through a layout conversion, the wait, the TMA loads) and the unflattened pieces' pipeline fills."""
+    through a layout conversion, the wait, the TMA loads) and the unflattened pieces' pipeline fills.
+    What cuBLAS runs there (session 20, dev/cublas_names, torch 2.11 on one H200, results/h200x1/s20): nvjet
+    kernels that cut every few-tile grid shape into exactly 128 or 256 tiles (one or two waves on 132 SMs) with
+    widths between Triton's powers of two, in 2-CTA clusters (TMA multicast: one operand's tile loaded once for two
+    SMs, half its L2 -> SM traffic), and never split K: 64x96 tiles at 512x1536x7168, 128x96 at 256x6144x8192 and
+    512x3072x2048, 64x128 at 256x4096x4096, 64x320 at 512x5120x5120, 128x128 at 256x8192x2048, 128x192 at
+    1024x3072x8192 / 2048x1536x5120 / 4096x1536x4096, 192x192 at 6000x1536x1024 (names give N x M: cuBLAS is
+    column-major). Our tail tiles at the same tile counts, plain loop, session 19's load order (dev/flat_probe
+    --odd, s20b, 11 shapes): 128 x (64 + 32) 0.649 geomean of cuBLAS, 64 x (128 + 64) 0.683, 64 x (256 + 64)
+    0.557, 64x256 0.740, against this rule's 0.858 -- every one lost on every shape except 64x256 at
+    4096x1536x4096 (0.913 vs 0.903, within the spread); where our tiling already equals cuBLAS's (1024x3072x8192,
+    2048x1536x5120, 256x8192x2048) we run 0.88-0.91x. So the gap under two waves is per-tile speed at equal
+    tile counts -- what the clusters' multicast buys -- not the tiling. Triton 3.6's tl language has no cluster
+    launch nor multicast TMA on sm_90; its Gluon dialect gained TMA multicast (triton-lang/triton#9005, 2025-12):
+    a Gluon mainloop for the few-tile shapes is the next candidate, not more tile shapes."""
     cfg = tile_config(rows, n, k, world=1, programs=programs)
     steps = -(-k // 64)
     if interpreting() or programs < 2:

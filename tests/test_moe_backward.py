@@ -976,14 +976,16 @@ def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, ro
         assert sorted(ev[ev[:, 0] == kind][:, 1].tolist()) == list(range(n)), codes.TRACE_KINDS[kind]
     for kind in (codes.EV_BWD_WGRAD2.value, codes.EV_BWD_WGRAD1.value):
         assert [int((trace[p, :, 0] == kind).sum()) for p in range(programs)] == [1] * programs
-    # a wait before each DGRAD1 task (and each queued SWIGLU task), one before each program's WGRAD (task -1), one
-    # per program in UNPERMUTE, ROUTER_DL and ROUTER_DW, one before each ROUTER_DX task
+    # a wait before each DGRAD1 task (and each queued SWIGLU task), one before each program's WGRAD (task -1) and
+    # (BWD_WGRAD1_SYNC) its WGRAD1 rendezvous (task -2), one per program in UNPERMUTE, ROUTER_DL and ROUTER_DW, one
+    # before each ROUTER_DX task
     waits = ev[ev[:, 0] == codes.EV_WAIT.value][:, 1]
     per_program = sum(int((trace[p, :, 0] == kind.value).any()) for p in range(programs)
                       for kind in (codes.EV_BWD_UNPERMUTE, codes.EV_BWD_ROUTER_DL, codes.EV_BWD_ROUTER_DW))
-    assert int((waits == -1).sum()) == programs
-    assert waits.numel() == ((0 if on_completion else n_mt) + n_mt * -(-h // bm) + programs + per_program
-                             + want[codes.EV_BWD_ROUTER_DX.value])
+    rendezvous = programs if mb.BWD_WGRAD1_SYNC else 0
+    assert int((waits == -1).sum()) == programs and int((waits == -2).sum()) == rendezvous
+    assert waits.numel() == ((0 if on_completion else n_mt) + n_mt * -(-h // bm) + programs + rendezvous
+                             + per_program + want[codes.EV_BWD_ROUTER_DX.value])
     with pytest.raises(ValueError, match="trace must be"):
         mb.expert_backward_one_launch(
             layer[3].new_zeros(64, h), layer[3].new_zeros(64, h), layer[3].new_zeros(64, h),

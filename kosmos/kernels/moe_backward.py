@@ -1736,6 +1736,14 @@ BWD_INTERP_TIMEOUT_NS = 1_000_000  # its waits' bound: 1000 spins (each wait is 
 # queue after DGRAD2's (each task waiting for its m-tile's tiles), which only starts once every dgrad2 tile is
 # claimed. Unmeasured: the lead's A/B (both tested bitwise).
 BWD_SWIGLU_ON_COMPLETION = True
+# The one launch's programs rendezvous (device.soft_barrier: at most BWD_WGRAD1_SYNC_NS, no error) between their
+# WGRAD2 and WGRAD1 shares, so that they run WGRAD1's tiles in step: program p's tiles are p, p + GRID, ... of every
+# expert in turn, and a heavy expert's panels (deepseek-v3 8k zipf:1.2: ~8000 rows, x_rows + dgu 180 MB) are
+# shared in L2 only by programs on the same expert at about the same rows. Session 20 (s20d, one H200): WGRAD2
+# ends spread over 0.7 ms and WGRAD1 then ran at 11.95 ms busy per program in the launch against 9.79 ms for the
+# standalone kernel (whose programs start together); uniform routing (experts of ~2 row steps) lost nothing.
+BWD_WGRAD1_SYNC = True
+BWD_WGRAD1_SYNC_NS: tl.constexpr = tl.constexpr(5_000_000)
 # moe_backward(one_launch=True)'s router backward: True -- the stages ROUTER_DL, ROUTER_DW, ROUTER_DX of the one
 # launch (the module docstring's "The router backward in the launch"; s19a: 0.73 ms faster than the torch ops at
 # deepseek-v3 4k zipf:1.2); False -- the
@@ -2176,8 +2184,8 @@ def _moe_backward_experts_kernel(
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
-        ROUTER: tl.constexpr = False, SOFTMAX: tl.constexpr = True, RENORM: tl.constexpr = True,
-        ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
+        WGRAD1_SYNC: tl.constexpr = False, ROUTER: tl.constexpr = False, SOFTMAX: tl.constexpr = True,
+        RENORM: tl.constexpr = True, ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
         RX_BM: tl.constexpr = 16, RX_BN: tl.constexpr = 16, RX_BK: tl.constexpr = 16,
         RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1,
         WORLD: tl.constexpr = 1, WP2: tl.constexpr = 1, KP2: tl.constexpr = 1, XB: tl.constexpr = 1,
@@ -2379,6 +2387,12 @@ def _moe_backward_experts_kernel(
                             W2_BJ, W_BR, GRID, ELP2, DOT_FP32, W2_STAGES)
             t0 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD2, -1, t1, t0, TRACE)
+            if WGRAD1_SYNC:  # every program starts WGRAD1 together (BWD_WGRAD1_SYNC; WGRAD's head slot counts them)
+                tl.atomic_add(scratch_ptr + STAGE_BWD_WGRAD, 1, sem="relaxed", scope="gpu")
+                dev.soft_barrier(scratch_ptr + STAGE_BWD_WGRAD, GRID, BWD_WGRAD1_SYNC_NS)
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -2, t0, t1, TRACE)
+                t0 = t1
             _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
                             W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
@@ -2636,7 +2650,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
-        SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None,
+        SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, WGRAD1_SYNC=BWD_WGRAD1_SYNC,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
                 RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
@@ -2810,8 +2824,8 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
         TOPK=k, ELP2=triton.next_power_of_2(max(el, 1)), PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk,
         GEMM_STAGES=gemm_stages, TMA2=aligned(h, w2), TMA1=aligned(2 * f, w13), SW_BR=sw_br, SW_BF=sw_bf,
         W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2], W2_STAGES=w2t[3], W1_STAGES=w1t[3],
-        UT=ut, UBH=ubh, GRID=grid, SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, DOT_FP32=planning.interpreting(),
-        TRACE=trace is not None,
+        UT=ut, UBH=ubh, GRID=grid, SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, WGRAD1_SYNC=BWD_WGRAD1_SYNC,
+        DOT_FP32=planning.interpreting(), TRACE=trace is not None,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(router.router_weight.shape[0]), RUT=rut, RX_BM=rx_bm, RX_BN=rx_bn,
                 RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages) if router is not None else {}),
