@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1174,5 +1174,14 @@ PY
       timeout 150 python -m dev.moe_bwd_gaps --tokens $tk > "$out/gaps-$tk.log" 2>&1; echo "gaps $tk rc=$?"; keep
       grep -E "^==|gap |idle" "$out/gaps-$tk.log" | head -30
     done ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f" >&2; exit 2 ;;
+  s20g)  # session 20: the MoE backward bench's deepseek-v3 zipf:1.2 points (the issue-15 bar's closest) under the adaptive
+         # host-hiding spin (nccl-a2a's autograd takes ~2.5 ms of host per call, more than the old fixed 2 ms spin)
+    begin_stage s20g
+    timeout 420 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 --routing zipf:1.2 \
+      --direction bwd --impl kosmos,nccl-a2a --out "$out/moe-bwd-dsv3-zipf.jsonl" > "$out/bench-moe-bwd.log" 2>&1
+    echo "bench moe bwd rc=$?"; keep
+    timeout 30 python -m kosmos_bench.cli report "$out/moe-bwd-dsv3-zipf.jsonl" --format md \
+      --out "$out/moe-bwd-dsv3-zipf.md" >> "$out/bench-moe-bwd.log" 2>&1; keep
+    bwd_rows "$out/moe-bwd-dsv3-zipf.jsonl" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g" >&2; exit 2 ;;
 esac
