@@ -1177,7 +1177,7 @@ PY
   s20g)  # session 20: the MoE backward bench's deepseek-v3 zipf:1.2 points (the issue-15 bar's closest) under the adaptive
          # host-hiding spin (nccl-a2a's autograd takes ~2.5 ms of host per call, more than the old fixed 2 ms spin)
     begin_stage s20g
-    timeout 420 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 --routing zipf:1.2 \
+    timeout 300 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 --routing zipf:1.2 \
       --direction bwd --impl kosmos,nccl-a2a --out "$out/moe-bwd-dsv3-zipf.jsonl" > "$out/bench-moe-bwd.log" 2>&1
     echo "bench moe bwd rc=$?"; keep
     timeout 30 python -m kosmos_bench.cli report "$out/moe-bwd-dsv3-zipf.jsonl" --format md \
