@@ -835,6 +835,9 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
 
 
 # ---- the flat wgrad loop on a padded row layout (session 12; not timed; not wired into moe_backward) ----------
+# _wgrad_flat_run's DYNAMIC mode (the one launch): the statically owned share of the tiles; the rest in claimed runs
+WGRAD_STATIC_SHARE_NUM: tl.constexpr = tl.constexpr(15)
+WGRAD_STATIC_SHARE_DEN: tl.constexpr = tl.constexpr(16)
 WGRAD_PAD_ROWS = 64  # the padded layout's granularity: each expert's rows start at a multiple of it (the GPU's BR)
 # (BI, BJ, BR, warps, stages[, programs per SM]). Session 13 (one H200, dev/moe_bwd_tiles, results/h200x1/s13/a;
 # every variant bitwise the persistent kernel's dW): qwen3 4k wgrad2 / wgrad1 128x256x64 s3 0.916 / 1.824 ms (1.07x
@@ -950,22 +953,60 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
 @triton.jit
 def _wgrad_flat_run(pid, a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
                     BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr, ELP2: tl.constexpr,
-                    DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr = None):
+                    DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr = None, head_ptr=None,
+                    DYNAMIC: tl.constexpr = 0):
     """Program ``pid``'s whole share of _expert_wgrad_flat_kernel (its docstring): the standalone kernel's body and
     the one-launch backward's WGRAD stage. LOOP_STAGES: the flat loop's pipeline depth where it differs from the
-    launch's num_stages (the one launch: its GEMM stages' depth)."""
+    launch's num_stages (the one launch: its GEMM stages' depth).
+
+    DYNAMIC > 0 (the one launch, BWD_WGRAD_DYNAMIC): the tiles g < n_static (the first WGRAD_STATIC_SHARE of them,
+    a whole number of GRID rounds) are statically owned as above; the rest are claimed in runs of DYNAMIC
+    consecutive tiles from the atomic counter ``head_ptr`` (zero at the launch's start), each run one flat loop
+    of its own, so a program the hardware runs slower (s20e: the same SM pairs 4-10% behind in both wgrads, not
+    their tile shares) ends with fewer runs instead of holding every other program up. Per tile the same sum in
+    the same order: the same bits whoever runs it."""
     n_j = tl.cdiv(KB, BJ)
     n_t = tl.cdiv(KA, BI) * n_j
-    # this program's steps: over experts x, (its tiles of x) * max(1, cdiv(counts[x], BR))
+    n_static = E * n_t
+    if DYNAMIC > 0:
+        n_static = (E * n_t * WGRAD_STATIC_SHARE_NUM // WGRAD_STATIC_SHARE_DEN) // GRID * GRID
+    # this program's steps: over experts x, (its tiles of x below n_static) * max(1, cdiv(counts[x], BR))
     x = tl.arange(0, ELP2)
     cnt = tl.load(counts_ptr + x, mask=x < E, other=0)
     lo = x * n_t
+    hi = tl.minimum(lo + n_t, n_static)
     first_g = lo + (pid - lo % GRID + GRID) % GRID  # this program's first global tile >= lo
-    mine = tl.where((x < E) & (first_g < lo + n_t), (lo + n_t - first_g + GRID - 1) // GRID, 0)
+    mine = tl.where((x < E) & (first_g < hi), (hi - first_g + GRID - 1) // GRID, 0)
     total = tl.sum(mine * tl.maximum(tl.cdiv(cnt, BR), 1), 0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R_PAD, KA], strides=[KA, 1], block_shape=[BR, BI])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[R_PAD, KB], strides=[KB, 1], block_shape=[BR, BJ])
-    g = pid - GRID
+    if DYNAMIC > 0:  # one flat loop instance for the static share and every claimed run (one set of its buffers)
+        n_tiles = E * n_t
+        g_first = pid - GRID
+        stride = pid * 0 + GRID
+        seg = total
+        more = total >= 0
+        while more:
+            _wgrad_flat_loop(g_first, stride, seg, a_desc, b_desc, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, R_PAD,
+                             n_t, n_j, BI, BJ, BR, DOT_FP32, LOOP_STAGES)
+            g0 = n_static + tl.atomic_add(head_ptr, 1, sem="relaxed", scope="gpu") * DYNAMIC
+            seg = 0
+            for g in range(g0, tl.minimum(g0 + DYNAMIC, n_tiles)):
+                seg += tl.maximum(tl.cdiv(tl.load(counts_ptr + g // n_t), BR), 1)
+            g_first = g0 - 1
+            stride = 1
+            more = g0 < n_tiles
+    else:
+        _wgrad_flat_loop(pid - GRID, GRID, total, a_desc, b_desc, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, R_PAD,
+                         n_t, n_j, BI, BJ, BR, DOT_FP32, LOOP_STAGES)
+
+
+@triton.jit
+def _wgrad_flat_loop(g, stride, total, a_desc, b_desc, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, R_PAD, n_t, n_j,
+                     BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, DOT_FP32: tl.constexpr,
+                     LOOP_STAGES: tl.constexpr):
+    """The flat loop over ``total`` row steps of the tiles g + stride, g + 2 * stride, ... (global tile g = e * n_t
+    + ti * n_j + tj), in order: the tile advance at the step counter's wrap, the store at a tile's last step."""
     ki = -1
     steps = 0
     e = 0
@@ -976,7 +1017,7 @@ def _wgrad_flat_run(pid, a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB
     for _ in tl.range(0, total, num_stages=LOOP_STAGES):
         ki = tl.where(ki == steps - 1, 0, ki + 1)
         if ki == 0:  # the next tile of this program
-            g += GRID
+            g += stride
             e = g // n_t
             t = g % n_t
             ti = t // n_j
@@ -1718,15 +1759,18 @@ STAGE_BWD_UNPERMUTE: tl.constexpr = tl.constexpr(BWD_UNPERMUTE)
 STAGE_BWD_ROUTER_DL: tl.constexpr = tl.constexpr(BWD_ROUTER_DL)
 STAGE_BWD_ROUTER_DW: tl.constexpr = tl.constexpr(BWD_ROUTER_DW)
 STAGE_BWD_ROUTER_DX: tl.constexpr = tl.constexpr(BWD_ROUTER_DX)
-# local scratch (int32, zeroed by the last program out): [0, 8) queue heads, the exit counter, SwiGLU m-tiles
-# done, dgrad1 tiles done, router dlogits blocks done, then finished dgrad2 column tiles per m-tile [max
+# local scratch (int32, zeroed by the last program out): [0, 8) queue heads (WGRAD's: its rendezvous count), the
+# exit counter, SwiGLU m-tiles done, dgrad1 tiles done, router dlogits blocks done, the two wgrad loops' run heads,
+# then finished dgrad2 column tiles per m-tile [max
 # m-tiles], SwiGLU-done flags per m-tile [max m-tiles] and (router in the launch) finished UNPERMUTE tasks per
 # token block of the router's dx tiles [ceil(T / BM)]
 SCB_EXIT: tl.constexpr = tl.constexpr(8)
 SCB_SWIGLU_DONE: tl.constexpr = tl.constexpr(9)
 SCB_DGRAD1_DONE: tl.constexpr = tl.constexpr(10)
 SCB_ROUTER_DL_DONE: tl.constexpr = tl.constexpr(11)
-SCB_MTILES: tl.constexpr = tl.constexpr(12)
+SCB_WGRAD2_HEAD: tl.constexpr = tl.constexpr(12)  # BWD_WGRAD_DYNAMIC: the claimed runs of each flat loop
+SCB_WGRAD1_HEAD: tl.constexpr = tl.constexpr(13)
+SCB_MTILES: tl.constexpr = tl.constexpr(14)
 BWD_ZERO_BLOCK: tl.constexpr = tl.constexpr(1024)  # scratch entries the last program out zeroes per step
 BWD_UNPERMUTE_TOKENS = 8  # tokens per UNPERMUTE task (GPU): [8, 256] blocks, the k slots' loads in flight together
 BWD_INTERP_PROGRAMS = 3  # the CPU interpreter's default grid (programs run one after another there)
@@ -1744,6 +1788,11 @@ BWD_SWIGLU_ON_COMPLETION = True
 # standalone kernel (whose programs start together); uniform routing (experts of ~2 row steps) lost nothing.
 BWD_WGRAD1_SYNC = True
 BWD_WGRAD1_SYNC_NS: tl.constexpr = tl.constexpr(5_000_000)
+# The one launch's wgrad loops: the last 1/16 of each loop's tiles claimed in runs of this many tiles (0: all
+# statically owned, as the standalone kernel). s20e's trace at deepseek-v3 8k zipf:1.2: the same SM pairs ran
+# 4-10% behind in both wgrads whatever their share (no correlation with the share's row steps), so the rendezvous
+# waited ~0.5 ms for them and WGRAD1 ended ~0.44 ms after its median program.
+BWD_WGRAD_DYNAMIC = 8
 # moe_backward(one_launch=True)'s router backward: True -- the stages ROUTER_DL, ROUTER_DW, ROUTER_DX of the one
 # launch (the module docstring's "The router backward in the launch"; s19a: 0.73 ms faster than the torch ops at
 # deepseek-v3 4k zipf:1.2); False -- the
@@ -2184,7 +2233,8 @@ def _moe_backward_experts_kernel(
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
-        WGRAD1_SYNC: tl.constexpr = False, ROUTER: tl.constexpr = False, SOFTMAX: tl.constexpr = True,
+        WGRAD1_SYNC: tl.constexpr = False, WGRAD_DYNAMIC: tl.constexpr = 0, ROUTER: tl.constexpr = False,
+        SOFTMAX: tl.constexpr = True,
         RENORM: tl.constexpr = True, ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
         RX_BM: tl.constexpr = 16, RX_BN: tl.constexpr = 16, RX_BK: tl.constexpr = 16,
         RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1,
@@ -2384,7 +2434,7 @@ def _moe_backward_experts_kernel(
         n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, t1, TRACE)
         if ok != 0:
             _wgrad_flat_run(pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
-                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, W2_STAGES)
+                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, W2_STAGES, scratch_ptr + SCB_WGRAD2_HEAD, WGRAD_DYNAMIC)
             t0 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD2, -1, t1, t0, TRACE)
             if WGRAD1_SYNC:  # every program starts WGRAD1 together (BWD_WGRAD1_SYNC; WGRAD's head slot counts them)
@@ -2394,7 +2444,7 @@ def _moe_backward_experts_kernel(
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -2, t0, t1, TRACE)
                 t0 = t1
             _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
-                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES)
+                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES, scratch_ptr + SCB_WGRAD1_HEAD, WGRAD_DYNAMIC)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
     if (WORLD == 1) & ROUTER:  # the long compute-bound dWr tiles first (beside UNPERMUTE's memory-bound blocks)
         ok, n_ev = _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP,
@@ -2651,6 +2701,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
         SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, WGRAD1_SYNC=BWD_WGRAD1_SYNC,
+        WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
                 RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
@@ -2825,7 +2876,7 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
         GEMM_STAGES=gemm_stages, TMA2=aligned(h, w2), TMA1=aligned(2 * f, w13), SW_BR=sw_br, SW_BF=sw_bf,
         W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2], W2_STAGES=w2t[3], W1_STAGES=w1t[3],
         UT=ut, UBH=ubh, GRID=grid, SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, WGRAD1_SYNC=BWD_WGRAD1_SYNC,
-        DOT_FP32=planning.interpreting(), TRACE=trace is not None,
+        WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC, DOT_FP32=planning.interpreting(), TRACE=trace is not None,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(router.router_weight.shape[0]), RUT=rut, RX_BM=rx_bm, RX_BN=rx_bn,
                 RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages) if router is not None else {}),
