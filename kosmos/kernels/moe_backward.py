@@ -350,6 +350,37 @@ stores (more bytes in flight for one program per SM; the same bits, GPU-tested; 
 (1.096x), no gain. Traced: dgrad2 1.93 ms busy per program, SwiGLU 0.39, dgrad1 4.84, wgrad2 3.82, wgrad1 7.74
 (its span 8.8 ms), unpermute 0.26, waits 0.14. Still open: which of SWIGLU beside the dgrads, WGRAD's start
 skew or the 255-register kernel's dgrad tiles costs the ~2 ms, and 8k.
+Session 20 (one H200, Triton 3.6; results/h200x1/s20, calls s20a-s20h; predictions in s20/predictions.md), the
+router in the launch throughout, deepseek-v3 unless named, one launch / padded multi-launch, interleaved:
+* the ~2 ms, answered. Part was the bench's timing, not the kernel: the call's 3.5-4.7 ms of host time exceeded
+  kosmos_bench.timing's fixed 2 ms spin, and the torch ops before the launch left the GPU idle until the host
+  reached it (s20a: the launch's own span 18.94 ms + 1.2 ms of torch ops before it, against 21.12 ms timed). With
+  the spin covering the warm-up host time (timing.hide_cycles): 4k zipf:1.2 1.062 -> 1.040x, 4k uniform 1.002x,
+  qwen3-235b 4k 1.008x (s20b). The profile of one call (dev/moe_bwd_gaps, s20f) then shows < 0.2 ms of idle
+  between kernels in either path.
+* the rest is WGRAD1, and only with skewed routing: every other stage runs at its standalone kernel's time
+  (s20a 4k zipf: dgrad2 + SwiGLU 2.39 ms, dgrad1 4.93 vs 4.90, wgrad2 3.69 vs 3.87), but WGRAD1 took 7.33 ms busy
+  per program against 6.88 for the standalone kernel, and at 8k zipf 11.95 against 9.79 (s20d; 1.084x whole).
+  WGRAD2's ends spread over ~0.7 ms, so the programs entered WGRAD1 out of step: program p's tiles are p, p + GRID,
+  ... of every expert in turn, and a heavy expert's panels (~8000 rows at 8k zipf: x_rows + dgu 180 MB) are
+  shared in L2 only by programs on the same expert at about the same rows; the standalone kernel's programs start
+  together. Uniform routing (experts of ~2 row steps, operands that fit L2) lost nothing. Hence BWD_WGRAD1_SYNC: a
+  rendezvous between the two loops (device.soft_barrier on WGRAD's otherwise unused head slot: at most 5 ms, no
+  error, skipped under the interpreter -- a performance device, not a dependency). s20e: WGRAD1 11.95 -> 9.66 ms
+  busy at 8k zipf (predicted ~10.0); the one launch 8k zipf 1.090 -> 1.032x, 4k zipf 1.050 -> 1.021x, 4k uniform
+  1.019 -> 1.014x (the same tree with and without it, one process).
+* stragglers: with the rendezvous its median program waited 0.5 ms, for the same SM pairs (programs 109-115,
+  76-79) 4-10% slower in both wgrads -- uncorrelated with their shares' row steps (-0.36 / +0.33), so the static
+  share is not the cause and cannot be its cure. Hence BWD_WGRAD_DYNAMIC: the last 1/16 of each wgrad loop's tiles
+  claimed in runs of 8 tiles from an atomic head (_wgrad_flat_run's DYNAMIC; one flat loop instance for the static
+  share and every run: two instances took 288 KiB of shared memory). s20h: 8k zipf 1.032 -> 1.027x, 4k zipf
+  1.021 -> 1.013x (predicted ~1.01-1.02 and ~1.01); dw13 / dw2 bitwise the multi-launch path's on the GPU (dx /
+  d_router fp32-level, as with the router in the launch). Registers (local Triton 3.9): 250-255, no spills, 192
+  KiB at W = 1 and in the EP build at W = 2 (the W = 1-layout traced router build at W = 2: 8 B, as before).
+  ONE_LAUNCH stays False: 1.3-2.7% behind at zipf, ~1.4% at uniform. Left: the rendezvous's own idle (~0.1-0.3
+  ms: the whole of WGRAD2 is static but its last 1/16), the ~0.2-0.4 ms dgrad2 + SwiGLU loses at 8k zipf, and the
+  torch ops before the launch (1.2 ms at 4k, 2.0 ms at 8k: the row gathers, g | u's gather, the sort) -- as a
+  first stage they could run beside DGRAD2's first tiles.
 W > 1 (the plan of session 14; built since, differently in places: "The one launch at W > 1" below): COMBINE-BWD
 becomes a first stage (dy rows and the gate weights
 pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
@@ -2952,8 +2983,9 @@ def expert_backward_operands(x_sorted, dy_sorted, w_sorted, w13, counts, *, padd
 
 
 PADDED_ROWS = True
-# moe_backward's default for one_launch (where supported: W = 1, the padded layout): False -- bitwise the
-# multi-launch path on the GPU, but no faster at W = 1 (session 14: qwen3 4k within the spread, deepseek-v3 4k +2-3%)
+# moe_backward's default for one_launch (where supported: W = 1, the padded layout): False -- dw13 / dw2 bitwise the
+# multi-launch path on the GPU, but no faster at W = 1 (session 20, s20h: deepseek-v3 4k zipf:1.2 1.013x, 8k zipf
+# 1.027x, 4k uniform ~1.014x the multi-launch time; the module docstring's "Session 20")
 ONE_LAUNCH = False
 
 
