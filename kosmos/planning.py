@@ -290,8 +290,9 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     4096x1536x4096 (0.913 vs 0.903, within the spread); where our tiling already equals cuBLAS's (1024x3072x8192,
     2048x1536x5120, 256x8192x2048) we run 0.88-0.91x. So the gap under two waves is per-tile speed at equal
     tile counts -- what the clusters' multicast buys -- not the tiling. Triton 3.6's tl language has no cluster
-    launch nor multicast TMA on sm_90; its Gluon dialect gained TMA multicast (triton-lang/triton#9005, 2025-12):
-    a Gluon mainloop for the few-tile shapes is the next candidate, not more tile shapes."""
+    launch nor multicast TMA on sm_90; its Gluon dialect gained TMA multicast upstream (triton-lang/triton#9005,
+    2025-12; in 3.9's gluon/nvidia/hopper/tma.py, not in 3.6.0's): a multicast mainloop for the few-tile shapes
+    is the next candidate once the GPU machine's Triton has it, not more tile shapes."""
     cfg = tile_config(rows, n, k, world=1, programs=programs)
     steps = -(-k // 64)
     if interpreting() or programs < 2:
