@@ -315,7 +315,7 @@ def _custom_shapes(shapes, ops, tp, **excluded) -> list[tuple[str, str, tuple]] 
 
 HOST_SHAPE_HELP = ("The small GEMM MxNxK (M, N, K as in --shape) on which the host enqueue time per eager call is "
                    "measured, once per sweep for each op, dtype and implementation of the run (after its check): "
-                   "--host-calls back-to-back calls after 0.2 s of warm-up, median (rows of type \"host\"; issue "
+                   "--host-calls back-to-back calls after 1 s of warm-up, median (rows of type \"host\"; issue "
                    "13's bar: <= 30 µs at W=1). Default 128x256x256, one output tile.")
 
 
@@ -488,7 +488,7 @@ def _host_plan(mnk, calls: int, cases, dtypes, n_impls: int) -> str:
     if not calls:
         return "off (--host-calls 0)"
     ops = list(dict.fromkeys(g.op for g in cases))
-    return (f"{calls} back-to-back eager calls after 0.2 s of warm-up, at {'x'.join(map(str, mnk))} ({', '.join(ops)}),"
+    return (f"{calls} back-to-back eager calls after 1 s of warm-up, at {'x'.join(map(str, mnk))} ({', '.join(ops)}),"
             f" for each (op, dtype, implementation) after its check: {len(ops) * n_impls} host rows")
 
 

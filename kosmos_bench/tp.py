@@ -40,7 +40,7 @@ the op's collective (``wire_bytes()``).
 Host enqueue time (``--host-calls N``, ``--host-shape MxNxK``; issue 13's bar: <= 30 us per eager call at W=1): once
 per sweep, after the GEMMs, a ``HostCase`` per (op, dtype) of the sweep runs every implementation of that dtype on
 one small custom GEMM (default 128x256x256, one tile): availability and the check as for a result row, then
-``timing.host_enqueue_us`` (N back-to-back eager calls after 0.2 s of warm-up) and a row of type "host" each
+``timing.host_enqueue_us`` (N back-to-back eager calls after timing.HOST_WARM_S of warm-up) and a row of type "host" each
 (harness.Runner.host). The result rows' ``host_ms`` is another figure: the host time inside a call of the timing
 loop, each after a barrier (cold host; timing.py).
 """

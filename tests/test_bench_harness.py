@@ -458,6 +458,11 @@ def test_time_op_spin_covers_a_long_host_time(monkeypatch):
         assert t["time_ms"] == pytest.approx(host_s * 1e3)  # the spin is before the start event
 
 
+def test_host_warm_up_as_the_cli_says():
+    """The CLI's help and dry-run texts say "1 s of warm-up" without importing torch: keep them in step."""
+    assert timing.HOST_WARM_S == 1.0
+
+
 def test_hide_ms_rules():
     assert timing.hide_ms([]) == 0.0
     assert timing.hide_ms([900.0, 2.0, 4.0, 3.0]) == pytest.approx(timing.HOST_HIDE_MARGIN * 3.0 + 0.5)

@@ -794,7 +794,7 @@ def test_bench_tp_host_options_reach_the_ranks_and_the_plan(monkeypatch, tmp_pat
     r = runner.invoke(app, ["bench", "tp", "--shape", "256x256x256", "--op", "ag_gemm,gemm_rs", "--tp", "1",
                             "--impl", "kosmos,nccl+cublas", "--dry-run"])
     text = " ".join(r.output.split())
-    assert r.exit_code == 0 and "host enqueue: 200 back-to-back eager calls after 0.2 s of warm-up, at 128x256x256 " \
+    assert r.exit_code == 0 and "host enqueue: 200 back-to-back eager calls after 1 s of warm-up, at 128x256x256 " \
         "(ag_gemm, gemm_rs)" in text and ": 4 host rows" in text, text
     r = runner.invoke(app, ["bench", "tp", "--tp", "1", "--host-calls", "0", "--dry-run"])
     assert r.exit_code == 0 and "host enqueue: off (--host-calls 0)" in r.output
