@@ -39,7 +39,9 @@ VARIANTS = {"packed": dict(padded=False), "padded": dict(padded=True),
             # the one launch with the router backward after it (torch ops; the default puts it inside the launch)
             "one-launch-torch-router": dict(padded=True, one_launch=True, router_in_launch=False),
             # the one launch without its WGRAD1 rendezvous (moe_backward.BWD_WGRAD1_SYNC = False; session 20)
-            "one-launch-nosync": dict(padded=True, one_launch=True, wgrad1_sync=False)}
+            "one-launch-nosync": dict(padded=True, one_launch=True, wgrad1_sync=False),
+            # the one launch with 4/16 of each wgrad loop's tiles claimed in runs (BWD_WGRAD_DYNAMIC_16THS; s20h: 1/16)
+            "one-launch-dyn4": dict(padded=True, one_launch=True, dynamic_16ths=4)}
 
 
 def parse_variants(text: str) -> list[str]:
@@ -121,11 +123,12 @@ def main(argv=None) -> int:
     rows.emit(env)
 
     import kosmos.kernels.moe_backward as mb
-    sync_default = mb.BWD_WGRAD1_SYNC
+    sync_default, dyn_default = mb.BWD_WGRAD1_SYNC, mb.BWD_WGRAD_DYNAMIC_16THS
 
     def call(variant):
         kw = dict(VARIANTS[variant])
-        mb.BWD_WGRAD1_SYNC = kw.pop("wgrad1_sync", sync_default)  # a module constant: read at each launch
+        mb.BWD_WGRAD1_SYNC = kw.pop("wgrad1_sync", sync_default)  # module constants: read at each launch
+        mb.BWD_WGRAD_DYNAMIC_16THS = kw.pop("dynamic_16ths", dyn_default)
         return moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
                                saved_gu=pt.saved, **kw, **inp.backward_kw())
 

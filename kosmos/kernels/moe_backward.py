@@ -866,9 +866,6 @@ def expert_weight_grads(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor,
 
 
 # ---- the flat wgrad loop on a padded row layout (session 12; not timed; not wired into moe_backward) ----------
-# _wgrad_flat_run's DYNAMIC mode (the one launch): the statically owned share of the tiles; the rest in claimed runs
-WGRAD_STATIC_SHARE_NUM: tl.constexpr = tl.constexpr(15)
-WGRAD_STATIC_SHARE_DEN: tl.constexpr = tl.constexpr(16)
 WGRAD_PAD_ROWS = 64  # the padded layout's granularity: each expert's rows start at a multiple of it (the GPU's BR)
 # (BI, BJ, BR, warps, stages[, programs per SM]). Session 13 (one H200, dev/moe_bwd_tiles, results/h200x1/s13/a;
 # every variant bitwise the persistent kernel's dW): qwen3 4k wgrad2 / wgrad1 128x256x64 s3 0.916 / 1.824 ms (1.07x
@@ -985,13 +982,13 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
 def _wgrad_flat_run(pid, a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
                     BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr, ELP2: tl.constexpr,
                     DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr = None, head_ptr=None,
-                    DYNAMIC: tl.constexpr = 0):
+                    DYNAMIC: tl.constexpr = 0, DYNAMIC_16THS: tl.constexpr = 1):
     """Program ``pid``'s whole share of _expert_wgrad_flat_kernel (its docstring): the standalone kernel's body and
     the one-launch backward's WGRAD stage. LOOP_STAGES: the flat loop's pipeline depth where it differs from the
     launch's num_stages (the one launch: its GEMM stages' depth).
 
-    DYNAMIC > 0 (the one launch, BWD_WGRAD_DYNAMIC): the tiles g < n_static (the first WGRAD_STATIC_SHARE of them,
-    a whole number of GRID rounds) are statically owned as above; the rest are claimed in runs of DYNAMIC
+    DYNAMIC > 0 (the one launch, BWD_WGRAD_DYNAMIC): the tiles g < n_static (all but DYNAMIC_16THS / 16 of them,
+    rounded down to whole GRID rounds) are statically owned as above; the rest are claimed in runs of DYNAMIC
     consecutive tiles from the atomic counter ``head_ptr`` (zero at the launch's start), each run one flat loop
     of its own, so a program the hardware runs slower (s20e: the same SM pairs 4-10% behind in both wgrads, not
     their tile shares) ends with fewer runs instead of holding every other program up. Per tile the same sum in
@@ -1000,7 +997,7 @@ def _wgrad_flat_run(pid, a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB
     n_t = tl.cdiv(KA, BI) * n_j
     n_static = E * n_t
     if DYNAMIC > 0:
-        n_static = (E * n_t * WGRAD_STATIC_SHARE_NUM // WGRAD_STATIC_SHARE_DEN) // GRID * GRID
+        n_static = (E * n_t * (16 - DYNAMIC_16THS) // 16) // GRID * GRID
     # this program's steps: over experts x, (its tiles of x below n_static) * max(1, cdiv(counts[x], BR))
     x = tl.arange(0, ELP2)
     cnt = tl.load(counts_ptr + x, mask=x < E, other=0)
@@ -1824,6 +1821,7 @@ BWD_WGRAD1_SYNC_NS: tl.constexpr = tl.constexpr(5_000_000)
 # 4-10% behind in both wgrads whatever their share (no correlation with the share's row steps), so the rendezvous
 # waited ~0.5 ms for them and WGRAD1 ended ~0.44 ms after its median program.
 BWD_WGRAD_DYNAMIC = 8
+BWD_WGRAD_DYNAMIC_16THS = 1  # the claimed share, in 16ths of each loop's tiles (s20h: 1; larger shares untimed)
 # moe_backward(one_launch=True)'s router backward: True -- the stages ROUTER_DL, ROUTER_DW, ROUTER_DX of the one
 # launch (the module docstring's "The router backward in the launch"; s19a: 0.73 ms faster than the torch ops at
 # deepseek-v3 4k zipf:1.2); False -- the
@@ -2264,7 +2262,8 @@ def _moe_backward_experts_kernel(
         W2_BI: tl.constexpr, W2_BJ: tl.constexpr, W1_BI: tl.constexpr, W1_BJ: tl.constexpr, W_BR: tl.constexpr,
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
-        WGRAD1_SYNC: tl.constexpr = False, WGRAD_DYNAMIC: tl.constexpr = 0, ROUTER: tl.constexpr = False,
+        WGRAD1_SYNC: tl.constexpr = False, WGRAD_DYNAMIC: tl.constexpr = 0, WGRAD_DYNAMIC_16THS: tl.constexpr = 1,
+        ROUTER: tl.constexpr = False,
         SOFTMAX: tl.constexpr = True,
         RENORM: tl.constexpr = True, ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
         RX_BM: tl.constexpr = 16, RX_BN: tl.constexpr = 16, RX_BK: tl.constexpr = 16,
@@ -2465,7 +2464,8 @@ def _moe_backward_experts_kernel(
         n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, t1, TRACE)
         if ok != 0:
             _wgrad_flat_run(pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
-                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, W2_STAGES, scratch_ptr + SCB_WGRAD2_HEAD, WGRAD_DYNAMIC)
+                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, W2_STAGES, scratch_ptr + SCB_WGRAD2_HEAD, WGRAD_DYNAMIC,
+                            WGRAD_DYNAMIC_16THS)
             t0 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD2, -1, t1, t0, TRACE)
             if WGRAD1_SYNC:  # every program starts WGRAD1 together (BWD_WGRAD1_SYNC; WGRAD's head slot counts them)
@@ -2475,7 +2475,8 @@ def _moe_backward_experts_kernel(
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -2, t0, t1, TRACE)
                 t0 = t1
             _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
-                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES, scratch_ptr + SCB_WGRAD1_HEAD, WGRAD_DYNAMIC)
+                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES, scratch_ptr + SCB_WGRAD1_HEAD, WGRAD_DYNAMIC,
+                            WGRAD_DYNAMIC_16THS)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
     if (WORLD == 1) & ROUTER:  # the long compute-bound dWr tiles first (beside UNPERMUTE's memory-bound blocks)
         ok, n_ev = _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP,
@@ -2732,7 +2733,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
         SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, WGRAD1_SYNC=BWD_WGRAD1_SYNC,
-        WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC,
+        WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS=BWD_WGRAD_DYNAMIC_16THS,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
                 RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
@@ -2907,7 +2908,8 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
         GEMM_STAGES=gemm_stages, TMA2=aligned(h, w2), TMA1=aligned(2 * f, w13), SW_BR=sw_br, SW_BF=sw_bf,
         W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2], W2_STAGES=w2t[3], W1_STAGES=w1t[3],
         UT=ut, UBH=ubh, GRID=grid, SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, WGRAD1_SYNC=BWD_WGRAD1_SYNC,
-        WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC, DOT_FP32=planning.interpreting(), TRACE=trace is not None,
+        WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS=BWD_WGRAD_DYNAMIC_16THS, DOT_FP32=planning.interpreting(),
+        TRACE=trace is not None,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(router.router_weight.shape[0]), RUT=rut, RX_BM=rx_bm, RX_BN=rx_bn,
                 RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages) if router is not None else {}),
