@@ -41,7 +41,11 @@ VARIANTS = {"packed": dict(padded=False), "padded": dict(padded=True),
             # the one launch without its WGRAD1 rendezvous (moe_backward.BWD_WGRAD1_SYNC = False; session 20)
             "one-launch-nosync": dict(padded=True, one_launch=True, wgrad1_sync=False),
             # the one launch with 4/16 of each wgrad loop's tiles claimed in runs (BWD_WGRAD_DYNAMIC_16THS; s20h: 1/16)
-            "one-launch-dyn4": dict(padded=True, one_launch=True, dynamic_16ths=4)}
+            "one-launch-dyn4": dict(padded=True, one_launch=True, dynamic_16ths=4),
+            # ... and those runs 16 tiles long (BWD_WGRAD_DYNAMIC; default 8): half the flat-loop restarts
+            "one-launch-dyn4-run16": dict(padded=True, one_launch=True, dynamic_16ths=4, dynamic_run=16),
+            # the one launch's DGRAD1 with session 20's per-task wait and release (moe_backward.BWD_DGRAD1_LEAN = False)
+            "one-launch-strict": dict(padded=True, one_launch=True, dgrad1_lean=False)}
 
 
 def parse_variants(text: str) -> list[str]:
@@ -124,11 +128,14 @@ def main(argv=None) -> int:
 
     import kosmos.kernels.moe_backward as mb
     sync_default, dyn_default = mb.BWD_WGRAD1_SYNC, mb.BWD_WGRAD_DYNAMIC_16THS
+    run_default, lean_default = mb.BWD_WGRAD_DYNAMIC, mb.BWD_DGRAD1_LEAN
 
     def call(variant):
         kw = dict(VARIANTS[variant])
         mb.BWD_WGRAD1_SYNC = kw.pop("wgrad1_sync", sync_default)  # module constants: read at each launch
         mb.BWD_WGRAD_DYNAMIC_16THS = kw.pop("dynamic_16ths", dyn_default)
+        mb.BWD_WGRAD_DYNAMIC = kw.pop("dynamic_run", run_default)
+        mb.BWD_DGRAD1_LEAN = kw.pop("dgrad1_lean", lean_default)
         return moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
                                saved_gu=pt.saved, **kw, **inp.backward_kw())
 

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1192,5 +1192,31 @@ PY
     timeout 70 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing zipf:1.2 --passes 2 \
       --iters 8 --warmup 3 --variants padded,one-launch --json "$out/ab-4k-zipf.jsonl" > "$out/ab-4k-zipf.log" 2>&1
     echo "ab 4k zipf rc=$?"; keep; grep -E "bitwise|median" "$out/ab-4k-zipf.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h" >&2; exit 2 ;;
+  s21a)  # session 21, first call: the GPU's Triton; issue 15's one launch with DGRAD1 lean (BWD_DGRAD1_LEAN) against
+         # session 20's form (one-launch-strict), larger claimed wgrad shares (dyn4, dyn4-run16) and the multi-launch
+         # path at deepseek-v3 8k / 4k zipf:1.2; the one launch's GPU tests; issue 13's host rows with 1 s of warm-up
+    begin_stage s21a
+    deadline=$((SECONDS + 560))
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$out/versions.txt"
+    timeout 230 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --passes 2 \
+      --iters 5 --warmup 3 --variants padded,one-launch,one-launch-strict,one-launch-dyn4,one-launch-dyn4-run16 \
+      --json "$out/ab-8k-zipf.jsonl" > "$out/ab-8k-zipf.log" 2>&1
+    echo "ab 8k zipf rc=$?"; keep; grep -E "bitwise|median" "$out/ab-8k-zipf.log"
+    timeout 110 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing zipf:1.2 --passes 2 \
+      --iters 8 --warmup 3 --variants padded,one-launch,one-launch-strict,one-launch-dyn4 \
+      --json "$out/ab-4k-zipf.jsonl" > "$out/ab-4k-zipf.log" 2>&1
+    echo "ab 4k zipf rc=$?"; keep; grep -E "median" "$out/ab-4k-zipf.log"
+    timeout 60 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-8b --seq 4096 --op ag_gemm,gemm_rs \
+      --dtype bf16,mxfp8 --impl kosmos,nccl+cublas --out "$out/tp-host-w1.jsonl" > "$out/bench-host.log" 2>&1
+    echo "bench host rc=$?"
+    timeout 20 python -m kosmos_bench.cli report "$out/tp-host-w1.jsonl" --format md --out "$out/tp-host-w1.md" \
+      >> "$out/bench-host.log" 2>&1; keep
+    grep -A12 "Host enqueue time per eager call" "$out/tp-host-w1.md" | head -20
+    left=$((deadline - SECONDS)); echo "left for tests: $left s"
+    [ $left -gt 60 ] && gpu_tests gpu-tests-one-launch $((left * 6 / 10)) "one_launch and not ep_" tests/test_moe_backward.py
+    left=$((deadline - SECONDS))
+    [ $left -gt 40 ] && timeout $left python -m pytest -v -p no:cacheprovider --timeout $((left - 10)) -m "gpu or ranks" \
+      tests/test_moe_backward.py -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; \
+      tail -1 "$out/gpu-tests-ep.log"; keep ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a" >&2; exit 2 ;;
 esac

@@ -19,7 +19,10 @@ Everything a kernel needs to talk to other ranks lives here, and nowhere else:
                     acquire fence (``fence.acq_rel.sys``) and a generic->async proxy fence, because the data
                     it guards is read next by TMA. On timeout it records (op, rank, task, index, expected,
                     observed, elapsed, wait tag: codes.WAIT_*) in the error buffer, raises the abort flag and
-                    returns; it never hangs.
+                    returns; it never hangs. GPU_ONLY / GPU_TMA: data from this GPU's own programs, read by plain
+                    loads / by TMA -- a gpu-scope fence (plus the proxy fence for TMA) instead of the sys one.
+* ``reached``    -- the same decision without the spin (one uniform read; the fence only if satisfied): a
+                    program skips its later waits on a stage once it has seen the whole stage done.
 * ``aborted``    -- whether some program of this launch has timed out (every loop checks it and drains).
 * ``trace``      -- record one (kind, task, t_start, t_end) event for the timeline; compiled out when off.
 Queue claims and the role decision are the scheduling policy's: schedule.py.
@@ -65,12 +68,15 @@ def soft_barrier(counter_ptr, target, max_ns):
 
 
 @triton.jit
-def _acquire_fence(flag_ptr, GPU_ONLY: tl.constexpr = False):
+def _acquire_fence(flag_ptr, GPU_ONLY: tl.constexpr = False, GPU_TMA: tl.constexpr = False):
     if INTERPRET:
         tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     elif GPU_ONLY:  # data from programs of this GPU, read by plain (not TMA) loads: no system scope, no proxy fence
         tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
                                   pack=1)
+    elif GPU_TMA:  # data from programs of this GPU, read next by TMA: gpu scope, then the generic -> async proxy fence
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
     else:
         # acquire for the generic proxy, then make the acquired data visible to TMA (async proxy) loads.
         tl.inline_asm_elementwise("fence.acq_rel.sys; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
@@ -115,10 +121,11 @@ def aborted(err_ptr):
 
 @triton.jit
 def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, WAIT: tl.constexpr, rank, task, index,
-             GPU_ONLY: tl.constexpr = False):
+             GPU_ONLY: tl.constexpr = False, GPU_TMA: tl.constexpr = False):
     """Spin until ``*flag_ptr >= target`` (bounded). Returns 1 if satisfied, 0 on timeout/abort. OP and WAIT
     (codes.OP_*, codes.WAIT_*) and ``index`` say in the error record what was awaited. GPU_ONLY: the awaited
-    data comes from this GPU's programs and is read by plain loads (a gpu-scope acquire suffices).
+    data comes from this GPU's programs and is read by plain loads (a gpu-scope acquire suffices). GPU_TMA: it
+    comes from this GPU's programs and is read by TMA (a gpu-scope acquire and the proxy fence).
 
     Each thread polls with volatile loads (cheap; no barrier inside the loop, so threads may leave it at
     different times), then one uniform read decides for the whole program."""
@@ -145,7 +152,18 @@ def wait_geq(flag_ptr, target, timeout_ns, err_ptr, OP: tl.constexpr, WAIT: tl.c
             if tl.atomic_cas(err_ptr + ERR_FLAG, tl.cast(0, tl.int64), tl.cast(1, tl.int64), sem="relaxed",
                              scope="gpu") == 0:
                 _record_error(err_ptr, OP, WAIT, rank, task, index, target, v, now_ns() - t0)
-    _acquire_fence(flag_ptr, GPU_ONLY)
+    _acquire_fence(flag_ptr, GPU_ONLY, GPU_TMA)
+    return ok
+
+
+@triton.jit
+def reached(flag_ptr, target, GPU_ONLY: tl.constexpr = False, GPU_TMA: tl.constexpr = False):
+    """Whether ``*flag_ptr >= target`` now (one uniform read, no spin); if so, the acquire fence wait_geq issues,
+    so the data the flag guards may be read next. A readiness check for a program that can skip its waits once
+    a whole stage is known complete."""
+    ok = load_uniform(flag_ptr) >= target
+    if ok:
+        _acquire_fence(flag_ptr, GPU_ONLY, GPU_TMA)
     return ok
 
 

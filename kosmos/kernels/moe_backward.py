@@ -1822,6 +1822,13 @@ BWD_WGRAD1_SYNC_NS: tl.constexpr = tl.constexpr(5_000_000)
 # waited ~0.5 ms for them and WGRAD1 ended ~0.44 ms after its median program.
 BWD_WGRAD_DYNAMIC = 8
 BWD_WGRAD_DYNAMIC_16THS = 1  # the claimed share, in 16ths of each loop's tiles (s20h: 1; larger shares untimed)
+# The one launch's DGRAD1 at W = 1 without per-task synchronisation where none is needed: a program stops waiting
+# for its m-tile's SwiGLU pass once it has seen all of them done (device.reached on the global count), its waits
+# use a gpu-scope acquire (the data is this GPU's own), and it releases its finished tiles to UNPERMUTE's count
+# once, after its last. Why: s20e's trace at deepseek-v3 8k zipf:1.2 put 192 us per program in DGRAD1's ~138
+# per-task waits (a uniform atomic read, fence.acq_rel.sys and the proxy fence before each ~58 us tile), and each
+# tile also ended in a barrier + release atomic. False: the per-task wait and release (session 20's form).
+BWD_DGRAD1_LEAN = True
 # moe_backward(one_launch=True)'s router backward: True -- the stages ROUTER_DL, ROUTER_DW, ROUTER_DX of the one
 # launch (the module docstring's "The router backward in the launch"; s19a: 0.73 ms faster than the torch ops at
 # deepseek-v3 4k zipf:1.2); False -- the
@@ -2263,6 +2270,7 @@ def _moe_backward_experts_kernel(
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
         WGRAD1_SYNC: tl.constexpr = False, WGRAD_DYNAMIC: tl.constexpr = 0, WGRAD_DYNAMIC_16THS: tl.constexpr = 1,
+        LEAN_DGRAD1: tl.constexpr = False,
         ROUTER: tl.constexpr = False,
         SOFTMAX: tl.constexpr = True,
         RENORM: tl.constexpr = True, ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
@@ -2402,23 +2410,42 @@ def _moe_backward_experts_kernel(
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
     if sched.has_stage(stages, STAGE_BWD_DGRAD1) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m-tile, H-tile)
+        # LEAN_DGRAD1 (W = 1; BWD_DGRAD1_LEAN): no per-task wait once this program has seen every SwiGLU pass done,
+        # and its finished tiles counted into SCB_DGRAD1_DONE once, after its last (UNPERMUTE waits for the total)
+        lean = LEAN_DGRAD1 & (WORLD == 1)
+        sw_all = 0
+        n_done = 0
         t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
         while (t < n_mt * n_h) & (ok != 0):
             t0 = _trace_clock(TRACE)
             gm = t // n_h
-            ok = dev.wait_geq(swiglu_ctr + gm, 1, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, t, gm)
+            if lean:
+                if sw_all == 0:
+                    sw_all = dev.reached(scratch_ptr + SCB_SWIGLU_DONE, n_mt, GPU_TMA=True).to(tl.int32)
+                    if sw_all == 0:
+                        ok = dev.wait_geq(swiglu_ctr + gm, 1, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0,
+                                          t, gm, GPU_TMA=True)
+            else:
+                ok = dev.wait_geq(swiglu_ctr + gm, 1, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, t, gm)
             t1 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
             if ok != 0:
                 _dgrad1_tile(gm, t % n_h, dgu_ptr, w13_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, dx_rows_ptr,
                              H, 2 * F, ELP2, BM, BN, BK, DOT_FP32, TMA1, GEMM_STAGES)
-                tl.debug_barrier()
                 if WORLD > 1:  # per m-tile: its DISPATCH-BWD task waits for it
+                    tl.debug_barrier()
                     tl.atomic_add(dg1_ctr + gm, 1, sem="release", scope="gpu")
+                elif lean:
+                    n_done += 1
                 else:
+                    tl.debug_barrier()
                     tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, 1, sem="release", scope="gpu")
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_DGRAD1, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD1)
+        if lean:  # this program's tiles, released once (its stores before it: the barrier, then the release)
+            if n_done > 0:
+                tl.debug_barrier()
+                tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, n_done, sem="release", scope="gpu")
     if WORLD > 1:  # each m-tile's rows back to their tokens' ranks (dx rows and gate gradients)
         if sched.has_stage(stages, STAGE_BWD_DISPATCH) & (ok != 0):
             t = sched.claim(xs + 3)
@@ -2733,7 +2760,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
         SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, WGRAD1_SYNC=BWD_WGRAD1_SYNC,
-        WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS=BWD_WGRAD_DYNAMIC_16THS,
+        WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS=BWD_WGRAD_DYNAMIC_16THS, LEAN_DGRAD1=BWD_DGRAD1_LEAN,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
                 RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
