@@ -45,7 +45,9 @@ VARIANTS = {"packed": dict(padded=False), "padded": dict(padded=True),
             # ... and those runs 16 tiles long (BWD_WGRAD_DYNAMIC; default 8): half the flat-loop restarts
             "one-launch-dyn4-run16": dict(padded=True, one_launch=True, dynamic_16ths=4, dynamic_run=16),
             # the one launch's DGRAD1 with session 20's per-task wait and release (moe_backward.BWD_DGRAD1_LEAN = False)
-            "one-launch-strict": dict(padded=True, one_launch=True, dgrad1_lean=False)}
+            "one-launch-strict": dict(padded=True, one_launch=True, dgrad1_lean=False),
+            # the one launch's SWIGLU pass as the nested loops, unpipelined (moe_backward.BWD_SWIGLU_STAGES = 1)
+            "one-launch-swiglu-nested": dict(padded=True, one_launch=True, swiglu_stages=1)}
 
 
 def parse_variants(text: str) -> list[str]:
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
 
     import kosmos.kernels.moe_backward as mb
     sync_default, dyn_default = mb.BWD_WGRAD1_SYNC, mb.BWD_WGRAD_DYNAMIC_16THS
-    run_default, lean_default = mb.BWD_WGRAD_DYNAMIC, mb.BWD_DGRAD1_LEAN
+    run_default, lean_default, sw_default = mb.BWD_WGRAD_DYNAMIC, mb.BWD_DGRAD1_LEAN, mb.BWD_SWIGLU_STAGES
 
     def call(variant):
         kw = dict(VARIANTS[variant])
@@ -136,6 +138,7 @@ def main(argv=None) -> int:
         mb.BWD_WGRAD_DYNAMIC_16THS = kw.pop("dynamic_16ths", dyn_default)
         mb.BWD_WGRAD_DYNAMIC = kw.pop("dynamic_run", run_default)
         mb.BWD_DGRAD1_LEAN = kw.pop("dgrad1_lean", lean_default)
+        mb.BWD_SWIGLU_STAGES = kw.pop("swiglu_stages", sw_default)
         return moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
                                saved_gu=pt.saved, **kw, **inp.backward_kw())
 

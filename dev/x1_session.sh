@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1218,5 +1218,20 @@ PY
     [ $left -gt 40 ] && timeout $left python -m pytest -v -p no:cacheprovider --timeout $((left - 10)) -m "gpu or ranks" \
       tests/test_moe_backward.py -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; \
       tail -1 "$out/gpu-tests-ep.log"; keep ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a" >&2; exit 2 ;;
+  s21b)  # session 21: the one launch's SWIGLU pass software-pipelined (BWD_SWIGLU_STAGES = 3) against the nested loops
+         # (one-launch-swiglu-nested) and the multi-launch path at deepseek-v3 8k / 4k zipf:1.2, 3 passes, a trace at
+         # 8k; the bounded-wait GPU test whose regex s21a's DGRAD1 record missed, and the other one-launch GPU tests
+    begin_stage s21b
+    deadline=$((SECONDS + 470))
+    timeout 200 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 8192 --routing zipf:1.2 --passes 3 \
+      --iters 6 --warmup 3 --variants padded,one-launch,one-launch-swiglu-nested --trace "$out/trace" \
+      --json "$out/ab-8k-zipf.jsonl" > "$out/ab-8k-zipf.log" 2>&1
+    echo "ab 8k zipf rc=$?"; keep; grep -E "bitwise|median" "$out/ab-8k-zipf.log"; tail -13 "$out/ab-8k-zipf.log"
+    timeout 100 python -m dev.moe_bwd_layout_ab --model deepseek-v3 --tokens 4096 --routing zipf:1.2 --passes 3 \
+      --iters 8 --warmup 3 --variants padded,one-launch,one-launch-swiglu-nested \
+      --json "$out/ab-4k-zipf.jsonl" > "$out/ab-4k-zipf.log" 2>&1
+    echo "ab 4k zipf rc=$?"; keep; grep -E "median" "$out/ab-4k-zipf.log"
+    left=$((deadline - SECONDS)); echo "left for tests: $left s"
+    [ $left -gt 60 ] && gpu_tests gpu-tests-one-launch $((left - 5)) "one_launch and not ep_" tests/test_moe_backward.py ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b" >&2; exit 2 ;;
 esac

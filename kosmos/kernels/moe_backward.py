@@ -1829,6 +1829,12 @@ BWD_WGRAD_DYNAMIC_16THS = 1  # the claimed share, in 16ths of each loop's tiles 
 # per-task waits (a uniform atomic read, fence.acq_rel.sys and the proxy fence before each ~58 us tile), and each
 # tile also ended in a barrier + release atomic. False: the per-task wait and release (session 20's form).
 BWD_DGRAD1_LEAN = True
+# The one launch's SWIGLU pass (one 8-warp program per m-tile, beside the other programs' GEMMs) as one loop over its
+# (8-row block, 256-column step)s software-pipelined over this many stages (1: the nested loops, loads issued one
+# step at a time). Why: s20e's trace at deepseek-v3 8k zipf:1.2 put 0.91 ms per program in SWIGLU, ~185 us per
+# m-tile pass of ~3.1 MB (~17 GB/s per program: one step's 12 KB of loads in flight at a time), against 0.49 ms for
+# the standalone pass over all SMs.
+BWD_SWIGLU_STAGES = 3
 # moe_backward(one_launch=True)'s router backward: True -- the stages ROUTER_DL, ROUTER_DW, ROUTER_DX of the one
 # launch (the module docstring's "The router backward in the launch"; s19a: 0.73 ms faster than the torch ops at
 # deepseek-v3 4k zipf:1.2); False -- the
@@ -1853,18 +1859,48 @@ def _trace_clock(TRACE: tl.constexpr):
 @triton.jit
 def _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr,
                       valid_ptr, swiglu_ctr, swiglu_done_ptr, F, BM: tl.constexpr, PAD: tl.constexpr,
-                      SW_BR: tl.constexpr, SW_BF: tl.constexpr, INTERP: tl.constexpr):
+                      SW_BR: tl.constexpr, SW_BF: tl.constexpr, INTERP: tl.constexpr, SW_STAGES: tl.constexpr = 1):
     """The one launch's SWIGLU task of m-tile gm (its dgrad2 tiles stored and acquired): _swiglu_backward_rows over
     the m-tile's rows in SW_BR-row blocks up to the expert's padded end -- its gap rows get zeros (the flat wgrad
-    reads them), the next expert's rows are another m-tile's --, then swiglu_done[gm] and the count (release)."""
+    reads them), the next expert's rows are another m-tile's --, then swiglu_done[gm] and the count (release).
+    SW_STAGES > 1 (BWD_SWIGLU_STAGES): the (row block, column step) nest as ONE loop software-pipelined over
+    SW_STAGES stages (tl.range: the next steps' z, g, u loads in flight while this step computes and stores), the
+    same steps in the same order -- the gate gradient's column sum restarts at each block's first step and is
+    stored at its last: the same bits."""
     e = tl.sum((tl.load(first_mtile_ptr + x) <= gm).to(tl.int32), 0) - 1
     lm0 = (gm - tl.load(first_mtile_ptr + e)) * BM
     row0 = tl.load(pad_offs_ptr + e) + lm0
     n_rows = tl.minimum(tl.cdiv(tl.load(counts_ptr + e), PAD) * PAD - lm0, BM)
-    for r0 in range(0, n_rows, SW_BR):
-        r = r0 + tl.arange(0, SW_BR)
-        _swiglu_backward_rows(row0 + r, r < n_rows, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F, SW_BF,
-                              True, INTERP, True)
+    if SW_STAGES > 1:
+        n_col = tl.cdiv(F, SW_BF)
+        dw = tl.zeros([SW_BR], dtype=tl.float32)
+        for it in tl.range(0, tl.cdiv(n_rows, SW_BR) * n_col, num_stages=SW_STAGES):
+            cs = it % n_col
+            r = (it // n_col) * SW_BR + tl.arange(0, SW_BR)
+            rm = r < n_rows
+            i = row0 + r
+            i64 = i.to(tl.int64)
+            zm = rm & (tl.load(valid_ptr + i, mask=rm, other=0) != 0)
+            wp = tl.load(wp_ptr + i, mask=rm, other=0.0)
+            c = cs * SW_BF + tl.arange(0, SW_BF)
+            mask = rm[:, None] & (c < F)[None, :]
+            o2 = i64[:, None] * (2 * F) + c[None, :]
+            z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=zm[:, None] & (c < F)[None, :],
+                        other=0.0).to(tl.float32)
+            g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
+            h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
+            tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
+            dw = tl.where(cs == 0, 0.0, dw) + tl.sum(z * h, 1)  # 0 + s == s: the nested loop's first add
+            tl.store(dgu_ptr + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
+            tl.store(dgu_ptr + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
+            if cs == n_col - 1:
+                tl.store(dw_ptr + i, dw, mask=rm)
+    else:
+        for r0 in range(0, n_rows, SW_BR):
+            r = r0 + tl.arange(0, SW_BR)
+            _swiglu_backward_rows(row0 + r, r < n_rows, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, valid_ptr, F,
+                                  SW_BF, True, INTERP, True)
     tl.debug_barrier()
     tl.atomic_add(swiglu_ctr + gm, 1, sem="release", scope="gpu")
     tl.atomic_add(swiglu_done_ptr, 1, sem="release", scope="gpu")
@@ -2270,7 +2306,7 @@ def _moe_backward_experts_kernel(
         W2_STAGES: tl.constexpr, W1_STAGES: tl.constexpr, UT: tl.constexpr, UBH: tl.constexpr, GRID: tl.constexpr,
         SWIGLU_ON_COMPLETION: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
         WGRAD1_SYNC: tl.constexpr = False, WGRAD_DYNAMIC: tl.constexpr = 0, WGRAD_DYNAMIC_16THS: tl.constexpr = 1,
-        LEAN_DGRAD1: tl.constexpr = False,
+        LEAN_DGRAD1: tl.constexpr = False, SW_STAGES: tl.constexpr = 1,
         ROUTER: tl.constexpr = False,
         SOFTMAX: tl.constexpr = True,
         RENORM: tl.constexpr = True, ERP2: tl.constexpr = 1, RUT: tl.constexpr = 1,
@@ -2390,7 +2426,8 @@ def _moe_backward_experts_kernel(
                         if ok != 0:
                             _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr,
                                               dgu_ptr, h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr,
-                                              scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD, SW_BR, SW_BF, DOT_FP32)
+                                              scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD, SW_BR, SW_BF, DOT_FP32,
+                                              SW_STAGES)
                             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, gm, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
     if not SWIGLU_ON_COMPLETION:  # SWIGLU as its own queue: per m-tile, waiting for its dgrad2 tiles
@@ -2406,7 +2443,7 @@ def _moe_backward_experts_kernel(
             if ok != 0:
                 _bwd_swiglu_mtile(t, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr,
                                   h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr, scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD,
-                                  SW_BR, SW_BF, DOT_FP32)
+                                  SW_BR, SW_BF, DOT_FP32, SW_STAGES)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, t, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
     if sched.has_stage(stages, STAGE_BWD_DGRAD1) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m-tile, H-tile)
@@ -2761,6 +2798,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
         SWIGLU_ON_COMPLETION=BWD_SWIGLU_ON_COMPLETION, TRACE=trace is not None, WGRAD1_SYNC=BWD_WGRAD1_SYNC,
         WGRAD_DYNAMIC=BWD_WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS=BWD_WGRAD_DYNAMIC_16THS, LEAN_DGRAD1=BWD_DGRAD1_LEAN,
+        SW_STAGES=BWD_SWIGLU_STAGES,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
                 RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
