@@ -853,8 +853,9 @@ def main(argv=None) -> int:
         mb.DGRAD2_FUSED = args.dgrad2 == "fused"
     if args.rows:
         mb.PADDED_ROWS = args.rows == "padded"
-    if args.one_launch:  # the expert part in one launch, the router backward after it (the stages' torch ops:
-        mb.ONE_LAUNCH = True  # the summary's bitwise check stays meaningful)
+    if args.one_launch:  # the expert part in one launch (ONE_LAUNCH's default since session 21 too)
+        mb.ONE_LAUNCH = True
+    if mb.ONE_LAUNCH:  # the router backward after it, as the stages' torch ops: the summary's bitwise check holds
         mb.BWD_ROUTER_IN_LAUNCH = False
     try:
         rows = run(args)

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1233,5 +1233,26 @@ PY
     echo "ab 4k zipf rc=$?"; keep; grep -E "median" "$out/ab-4k-zipf.log"
     left=$((deadline - SECONDS)); echo "left for tests: $left s"
     [ $left -gt 60 ] && gpu_tests gpu-tests-one-launch $((left - 5)) "one_launch and not ep_" tests/test_moe_backward.py ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b" >&2; exit 2 ;;
+  s21c)  # session 21: ONE_LAUNCH = True -- the A/B at the points s21b did not cover (deepseek-v3 4k / 8k uniform,
+         # qwen3-235b 4k / 8k uniform and zipf:1.2; padded vs one-launch, interleaved), then issue 15's committed bench
+         # at this commit (both models, 4k / 8k, fwd / bwd / fwd+bwd), rendered
+    begin_stage s21c
+    for pt in "deepseek-v3 4096 uniform" "deepseek-v3 8192 uniform" "qwen3-235b 4096 uniform" "qwen3-235b 4096 zipf:1.2" \
+              "qwen3-235b 8192 uniform" "qwen3-235b 8192 zipf:1.2"; do
+      set -- $pt; tag="$1-$2-${3/:/}"
+      timeout 90 python -m dev.moe_bwd_layout_ab --model $1 --tokens $2 --routing $3 --passes 2 --iters 6 --warmup 3 \
+        --variants padded,one-launch --json "$out/ab-$tag.jsonl" > "$out/ab-$tag.log" 2>&1
+      echo "ab $tag rc=$?"; keep; grep -E "median" "$out/ab-$tag.log"
+    done
+    timeout 150 python -m kosmos_bench.cli bench moe --ep 1 --model qwen3-235b --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1.jsonl" > "$out/bench-qwen3.log" 2>&1
+    echo "bench qwen3 rc=$?"; keep
+    timeout 220 python -m kosmos_bench.cli bench moe --ep 1 --model deepseek-v3 --tokens 4096,8192 \
+      --direction fwd,bwd,fwd+bwd --out "$out/moe-bwd-ep1-deepseek-v3.jsonl" > "$out/bench-dsv3.log" 2>&1
+    echo "bench dsv3 rc=$?"; keep
+    for f in moe-bwd-ep1 moe-bwd-ep1-deepseek-v3; do
+      timeout 20 python -m kosmos_bench.cli report "$out/$f.jsonl" --format md --out "$out/$f.md" >> "$out/bench-qwen3.log" 2>&1
+      bwd_rows "$out/$f.jsonl"
+    done; keep ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c" >&2; exit 2 ;;
 esac

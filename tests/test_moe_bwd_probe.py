@@ -142,9 +142,11 @@ def test_cpu_smoke_one_launch_whole_call(tmp_path, monkeypatch):
     calls = []
     real = mb.expert_backward_one_launch
     monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(mb, "ONE_LAUNCH", False)  # the flag must turn it on whatever the module's default
     out = tmp_path / "probe.jsonl"
     assert probe.main(["--cpu-smoke", "--one-launch", "--json", str(out)]) == 0
     rows = _rows(out)
     _check_rows(rows)
     assert rows[0]["one_launch"] is True and mb.ONE_LAUNCH is False  # restored after the run
+    assert mb.BWD_ROUTER_IN_LAUNCH is True
     assert calls  # the whole call took the one launch

@@ -3050,10 +3050,12 @@ def expert_backward_operands(x_sorted, dy_sorted, w_sorted, w13, counts, *, padd
 
 
 PADDED_ROWS = True
-# moe_backward's default for one_launch (where supported: W = 1, the padded layout): False -- dw13 / dw2 bitwise the
-# multi-launch path on the GPU, but no faster at W = 1 (session 20, s20h: deepseek-v3 4k zipf:1.2 1.013x, 8k zipf
-# 1.027x, 4k uniform ~1.014x the multi-launch time; the module docstring's "Session 20")
-ONE_LAUNCH = False
+# moe_backward's default for one_launch where it is supported (W = 1, the padded layout; at W > 1 the one launch is
+# opt-in, one_launch=True: one GPU cannot time it): True since session 21 -- dw13 / dw2 bitwise the multi-launch
+# path, dx / d_router fp32-level (the router in the launch), and faster once DGRAD1 lost its per-task
+# synchronisation and the SWIGLU pass was pipelined (s21b, deepseek-v3 zipf:1.2: 8k 0.988x, 4k 0.991x the
+# multi-launch time; s21c: the other points; the module docstring's "Session 21"). False: the multi-launch path.
+ONE_LAUNCH = True
 
 
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
