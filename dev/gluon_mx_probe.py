@@ -28,8 +28,8 @@ Design (tile 128x256x64, the largest wgmma shape: m64n256k16, one per warpgroup 
 * Rounding partition (ROUND_MX only, ROUND_WARPS=4 warps): owns the raw-A ring (RAW_STAGES=3 slots of 16 KiB, TMA,
   refilled as soon as a slot's tile is in registers, so loads run 3 k-steps ahead). Per k-step it reads the raw
   bf16 tile into registers (each thread: whole MX blocks -- 32 consecutive elements of a row, 16-byte
-  ld.shared.v4, no bank conflicts under the 128-byte swizzle), rounds it, and writes it into the rounded-A ring
-  (A_STAGES=2 slots of 16 KiB) that wgmma reads.
+  ld.shared.v4; by the layout's arithmetic free of bank conflicts under the 128-byte swizzle), rounds it, and only
+  then waits for its slot of the rounded-A ring (A_STAGES=2 slots of 16 KiB, read by wgmma) and writes it there.
 * Plain build: the MMA partition alone (8 warps), loading A and B into a 4-slot ring itself -- the same mainloop
   minus the rounding warps, so the two builds differ by the rounding only.
 * Shared memory: plain 4 x 48 + 16 = 208 KiB; ROUND_MX 4 x 32 (B) + 2 x 16 (A) + 3 x 16 (raw A) + 16 (C) = 224 KiB
@@ -106,9 +106,10 @@ ops, 4 HGMMA). SASS of the ROUND_MX builds' loops, per warp per k-step (executed
     kosmos: 1231 instructions, ~820 on the ALU pipe -> ~1640 ALU cycles > 1024-1400: ALU-bound.
 So, relative to the plain Gluon GEMM at the llama3 shapes:
     gluon-mx-packed / gluon  = 1.00-1.03  (the residue: 32 KiB more shared-memory traffic per k-step beside the
-                                           wgmma operand reads and 48 KiB of TMA writes; a 2-slot rounded ring
-                                           gives the rounding ~1 k-step of slack; its issue slots beside the MMA
-                                           warps' barriers and TMA issue)
+                                           wgmma operand reads and 48 KiB of TMA writes; the rounded tile waits
+                                           in registers for its slot, then store + fence + barrier + arrive sit
+                                           between the MMA freeing a slot and wanting it one k-step later; the
+                                           rounding warps' issue slots beside the MMA warps' barriers)
     gluon-mx-kosmos / gluon  = 1.25-1.6   (~1640 ALU clk per k-step against ~1024-1400)
 And relative to torch.matmul (cuBLAS): the plain Gluon GEMM is the open question. The Triton tutorial's Hopper
 persistent kernel with this tile is quoted at ~650-670 TFLOPS (H100, fp16); this one adds nothing cuBLAS lacks
@@ -241,22 +242,30 @@ def _round_load(src, IMPL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr
 
 
 @gluon.jit
-def _round_store(xs, dst, IMPL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """Round the chunks of ``_round_load`` to their MX values and store them into the bf16 [BM, BK] tile ``dst``."""
-    BK: gl.constexpr = dst.shape[1]
+def _round_compute(xs, IMPL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """The MX values of the chunks of ``_round_load`` (a tuple of the same shapes and layouts)."""
+    BKX: gl.constexpr = xs[0].shape[1]  # BK ("kosmos": bf16) or BK / 2 ("packed": int32 words)
+    ys = ()
+    for c in gl.static_range(len(xs)):
+        x = xs[c]
+        if IMPL == 0:
+            y = gl.reshape(mx_round_bf16(gl.reshape(x, [ROWS, BKX // 32, 32])), [ROWS, BKX])
+        else:
+            y = gl.reshape(_mx_round_words(gl.reshape(x, [ROWS, BKX // 16, 16])), [ROWS, BKX])
+        ys = ys + (gl.convert_layout(y, x.type.layout), )
+    return ys
+
+
+@gluon.jit
+def _round_write(ys, dst, IMPL: gl.constexpr, ROWS: gl.constexpr):
+    """Store the chunks of ``_round_compute`` into the bf16 [BM, BK] tile ``dst``."""
     if IMPL == 0:
-        lay: gl.constexpr = gl.BlockedLayout([1, 32], [32 * 32 // BK, BK // 32], [WARPS, 1], [1, 0])
-        for c in gl.static_range(len(xs)):
-            x3 = gl.reshape(xs[c], [ROWS, BK // 32, 32])
-            y = gl.convert_layout(gl.reshape(mx_round_bf16(x3), [ROWS, BK]), lay)
-            dst.slice(c * ROWS, ROWS).store(y)
+        for c in gl.static_range(len(ys)):
+            dst.slice(c * ROWS, ROWS).store(ys[c])
     else:
-        lay: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 32 // BK, BK // 32], [WARPS, 1], [1, 0])
         words = _word_view(dst)
-        for c in gl.static_range(len(xs)):
-            w3 = gl.reshape(xs[c], [ROWS, BK // 32, 16])
-            y = gl.convert_layout(gl.reshape(_mx_round_words(w3), [ROWS, BK // 2]), lay)
-            words.slice(c * ROWS, ROWS).store(y)
+        for c in gl.static_range(len(ys)):
+            words.slice(c * ROWS, ROWS).store(ys[c])
 
 
 @gluon.jit
@@ -275,7 +284,7 @@ def _round_only_kernel(x_desc, y_desc, IMPL: gl.constexpr, ROWS: gl.constexpr, n
     tma.async_copy_global_to_shared(x_desc, [off_m, off_k], bar, src)
     mbarrier.wait(bar, 0)
     xs = _round_load(src, IMPL, ROWS, num_warps)
-    _round_store(xs, dst, IMPL, ROWS, num_warps)
+    _round_write(_round_compute(xs, IMPL, ROWS, num_warps), dst, IMPL, ROWS)
     fence_async_shared()
     tma.async_copy_shared_to_global(y_desc, [off_m, off_k], dst)
     tma.store_wait(0)
@@ -384,9 +393,10 @@ def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, I
         gl.thread_barrier()   # ... of all WARPS warps
         _issue_raw(r, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN)  # k-step it + R
         ki, t, off_m, off_n = _next_step(ki, t, off_m, off_n, M, N, K, BM, BN, BK, GROUP_M)
+        ys = _round_compute(xs, IMPL, ROWS, WARPS)  # before the wait: overlaps the MMA of the slot's last step
         sa = it % SA
         mbarrier.wait(a_done.index(sa), ((it // SA) & 1) ^ 1)
-        _round_store(xs, a_bufs.index(sa), IMPL, ROWS, WARPS)
+        _round_write(ys, a_bufs.index(sa), IMPL, ROWS)
         fence_async_shared()  # our generic writes before the wgmma's async-proxy reads
         mbarrier.arrive(a_ready.index(sa))
 
