@@ -58,7 +58,7 @@ The rounding (bitwise kosmos.quant.mx_round_bf16 / dequantize_mx(*quantize_mx(.)
 Two implementations (``--variants``):
 * "kosmos": mx_round_bf16 itself -- Gluon compiles a plain @triton.jit function called from a @gluon.jit one
   (the layouts follow the argument: a [rows, 2, 32] bf16 tile in a BlockedLayout whose threads hold whole
-  blocks, so the amax is a reduction within a thread). The same code as the MoE epilogue: ~18 SASS instructions
+  blocks, so the amax is a reduction within a thread). The same code as the MoE epilogue: ~19 SASS instructions
   an element (fp32 bits, integer max, _rceil_exponent, _mx_round_scaled's fp32 add/subtract of 2**(...), the
   integer fp32 -> bf16 rounding, NaN select, sign, repacking), ~2/3 of them on the 16-lane integer pipe.
 * "packed": the same values from 7 bf16x2 PTX instructions per pair of elements (mul/fma/sub/mul.rn.bf16x2,
@@ -83,7 +83,7 @@ Two implementations (``--variants``):
   mismatches), and, on the GPU, the rounding-only kernel against dequantize_mx(*quantize_mx(x)) bit for bit
   (random bit patterns, subnormal rows, +-2**100 rows, zeros, ties, NaN/Inf). The GPU check is what confirms the
   two hardware assumptions: bf16x2 add/mul/fma round once to nearest even and keep bf16 subnormals.
-  ~4.8 SASS instructions an element, 2/3 of them on the FP16 pipe (HMUL2/HFMA2/HADD2) or HMNMX2.
+  ~4.8 SASS instructions an element, 3/5 of them HMUL2/HFMA2/HADD2 (FP16 pipe) or HMNMX2.
 
 Compile check (Triton 3.6.0 + its ptxas, CPU, sm_90a, B as [N, K], default config; ``--compile-only``)
 ----------------------------------------------------------------------------------------------------
@@ -127,8 +127,9 @@ Gluon 3.6 notes
 * Worries: (1) the ptxas register cap above (no separate loader warp at 128x256); (2) _reinterpret of a
   swizzled bf16 tile as int32 is an underscore API; (3) Triton's membar pass adds partition barriers around the
   mbarrier.expect and arrive (with the probe's own, 4 bar.sync of 256 threads per k-step in the MMA loop, 5 of
-  128 in the rounding loop) -- cheap in the SASS count, untested for latency; (4) no Hopper TMA multicast in 3.6.0 (NOTES.md); (5) the plain build is the
-  non-warp-specialised mainloop (loads issued by the MMA warps) -- a producer warp would need 16 warps, see above;
+  128 in the rounding loop) -- cheap in the SASS count, untested for latency; (4) no Hopper TMA multicast in
+  3.6.0 (NOTES.md); (5) the plain build is the non-warp-specialised mainloop (loads issued by the MMA warps) -- a
+  producer warp would need 16 warps, see above;
   (6) Triton 3.9's Gluon renamed the TMA calls (async_copy_global_to_shared -> async_load): the probe imports
   there but compiles under 3.6 only, as the GPU box has it.
 """
