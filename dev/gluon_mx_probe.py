@@ -1,0 +1,981 @@
+"""Gluon probe (issue 14): a persistent bf16 GEMM for Hopper whose mainloop rounds A to its MXFP8 values.
+
+    PYTHONPATH=. python -m dev.gluon_mx_probe [--shapes qkv-4k,...] [--variants ...] [--json OUT.jsonl]
+    PYTHONPATH=. python -m dev.gluon_mx_probe --compile-only [--json OUT.jsonl]   # no GPU: sm_90a resources
+    PYTHONPATH=. python -m dev.gluon_mx_probe --emulate                           # no GPU: the rounding's arithmetic
+
+A developer probe, not product code: C [M, N] = A [M, K] @ B with B the weight [N, K] (or [K, N]), bf16 in,
+fp32 accumulation, bf16 out, M, N, K multiples of 128, 256, 64. ROUND_MX=False is the plain GEMM (does Gluon
+reach cuBLAS on its own?); ROUND_MX=True multiplies the MX values of A -- dequantize_mx(*quantize_mx(A)), exactly
+-- by B, rounding A inside the mainloop. Written for Triton 3.6.0 (the GPU box's); Triton 3.9's Gluon differs.
+
+Why
+---
+Issue 14: the MXFP8 AllGather+GEMM at W=1 must cost <= 1.05x a bf16 cuBLAS GEMM. Today A is quantized in one
+pass, dequantized in another, then a bf16 GEMM runs: 1.14-1.2x. A memory pass over A cannot fit in 5%, so A must
+be rounded to its MX values (which are exact bf16 values: kosmos/quant.py) inside the GEMM, overlapped with the
+tensor cores. Triton's tl cannot overlap it on 3.6: a tile changed in registers goes to wgmma from registers and
+the MMA is not pipelined (measured 1.36-2.5x). Gluon exposes shared memory, mbarriers, TMA, async
+warpgroup_mma and warp_specialize, so the rounding can run in its own warps, between two shared-memory rings.
+
+Design (tile 128x256x64, the largest wgmma shape: m64n256k16, one per warpgroup and 16 of K)
+------------------------------------------------------------------------------------------------
+* MMA partition (the default one, 8 warps = 2 warpgroups of 64 rows; accumulator 128 fp32 registers a thread):
+  persistent over tiles dealt round-robin (GROUP_M=8 row tiles walk the columns together), async wgmma with A and
+  B both read from shared memory, one wgmma group in flight. It also owns the B ring (STAGES=4 slots of 32 KiB,
+  TMA, loaded STAGES-1 k-steps ahead by an elected thread, right after it frees the slot) and the epilogue
+  (accumulator -> bf16 -> 4 pieces of 128x64 through one 16 KiB buffer -> TMA stores).
+* Rounding partition (ROUND_MX only, ROUND_WARPS=4 warps): owns the raw-A ring (RAW_STAGES=3 slots of 16 KiB, TMA,
+  refilled as soon as a slot's tile is in registers, so loads run 3 k-steps ahead). Per k-step it reads the raw
+  bf16 tile into registers (each thread: whole MX blocks -- 32 consecutive elements of a row, 16-byte
+  ld.shared.v4; by the layout's arithmetic free of bank conflicts under the 128-byte swizzle), rounds it, and only
+  then waits for its slot of the rounded-A ring (A_STAGES=2 slots of 16 KiB, read by wgmma) and writes it there.
+* Plain build: the MMA partition alone (8 warps), loading A and B into a 4-slot ring itself -- the same mainloop
+  minus the rounding warps, so the two builds differ by the rounding only.
+* Shared memory: plain 4 x 48 + 16 = 208 KiB; ROUND_MX 4 x 32 (B) + 2 x 16 (A) + 3 x 16 (raw A) + 16 (C) = 224 KiB
+  of the 227.
+* Why not a separate 1-warp loader (16 warps): with 512 threads a thread gets 128 registers at launch, and ptxas
+  (Triton 3.6's CUDA 12.8) refused to compile the 128x256 wgmma (needs ~154) under that cap even after
+  setmaxnreg raised the MMA partition's budget ("Insufficient registers (128)"). With 12 warps (384 threads)
+  the cap is 168: the plain build uses 164, the MMA partition of the ROUND_MX build runs under setmaxnreg 200
+  (ROUND_REGS=104 for the rounding warps), no spills.
+
+Barrier protocol (all mbarriers count 1; Triton issues each arrive from one thread after a barrier of its
+partition, and each TMA from one elected thread; phases are k-step // slots & 1)
+---------------------------------------------------------------------------------------------------------
+    raw_ready[r]  TMA (expect 16 KiB)      -> rounding: raw A of k-step i landed in raw slot i % 3
+    a_ready[s]    rounding (after stores + fence.proxy.async) -> MMA: rounded A of k-step i in slot i % 2
+    a_done[s]     MMA (after wgmma_wait(1) + a barrier of both warpgroups: k-step i-1's wgmma finished)
+                                           -> rounding: slot (i-1) % 2 may be overwritten
+    b_ready[s]    TMA (expect 32 KiB; plain: 48 KiB with A) -> MMA: B (and A) of k-step i in slot i % 4
+The raw and B rings need no "empty" barriers: their only consumer is the partition that refills them, after it
+has finished reading (raw: fence.proxy.async + partition barrier before the TMA; B: wgmma_wait(1) + barrier). A
+tile's last k-step releases its A slot after wgmma_wait(0), before the epilogue; the next tile's loads were
+issued during the previous tile's last k-steps, so the rings stay full across the epilogue.
+
+The rounding (bitwise kosmos.quant.mx_round_bf16 / dequantize_mx(*quantize_mx(.)))
+-------------------------------------------------------------------------------
+Two implementations (``--variants``):
+* "kosmos": mx_round_bf16 itself -- Gluon compiles a plain @triton.jit function called from a @gluon.jit one
+  (the layouts follow the argument: a [rows, 2, 32] bf16 tile in a BlockedLayout whose threads hold whole
+  blocks, so the amax is a reduction within a thread). The same code as the MoE epilogue: ~19 SASS instructions
+  an element (fp32 bits, integer max, _rceil_exponent, _mx_round_scaled's fp32 add/subtract of 2**(...), the
+  integer fp32 -> bf16 rounding, NaN select, sign, repacking), ~2/3 of them on the 16-lane integer pipe.
+* "packed": the same values from 7 bf16x2 PTX instructions per pair of elements (mul/fma/sub/mul.rn.bf16x2,
+  max.xorsign.abs.bf16x2, and, lop3) plus a 15-op max tree per block, on int32 words holding two bf16 (the
+  tile's shared memory reinterpreted as int32: a 128-byte swizzle moves 16-byte chunks, whatever the element
+  width). Per block: amax bits -> X by kosmos.quant._rceil_exponent (called as is), the same +-64 pre-scaling as
+  _mx_round_scaled (shift s), and four packed constants S16 = 2**(s+4), S = 2**s, Cb = 2**(X+s-2), 2**-s
+  (S16 = S = NaN for a block with NaN/Inf). Per element v:
+      c = (v * S16) & 0xFF80           sign and binade of v * 2**(s+4): +-2**(e+s+4)
+      c = +-max(|c|, Cb)               (xorsign keeps v's sign): +-2**(max(e, X-6) + s + 4)
+      t = fma(v, S, c)                 v * 2**s + c rounded ONCE to bf16: bf16 has 7 fraction bits, |v 2**s| + |c|
+                                       lies in [|c|, 2|c|), so the rounding quantum is |c| * 2**-7 = 2**(max(e, X-6)
+                                       + s - 3): 3 fraction bits in E4M3's normal binades, the subnormal spacing
+                                       2**(X-9) below them -- the MX value times 2**s, ties to even
+      r = (t - c) * 2**-s              exact, except the final round to nearest of a value below bf16's normal
+                                       range -- where mx_round_bf16 rounds its exact fp32 result the same way
+      r |= sign(v)                     (a zero result keeps v's sign, as in mx_round_bf16)
+  NaN/Inf blocks: S = NaN makes every element NaN, but the hardware's NaN is 0x7FFF (with v's sign), where
+  mx_round_bf16 writes 0x7FC0 -- the only difference (no GEMM result can tell). Equality with kosmos.quant's
+  references is checked twice: ``--emulate`` (CPU, float64 emulation of each instruction as "exact result,
+  rounded once to bf16": every bf16 value of both signs under every X in [-127, 120], 8.7 M elements, 0
+  mismatches), and, on the GPU, the rounding-only kernel against dequantize_mx(*quantize_mx(x)) bit for bit
+  (random bit patterns, subnormal rows, +-2**100 rows, zeros, ties, NaN/Inf). The GPU check is what confirms the
+  two hardware assumptions: bf16x2 add/mul/fma round once to nearest even and keep bf16 subnormals.
+  ~4.8 SASS instructions an element, 3/5 of them HMUL2/HFMA2/HADD2 (FP16 pipe) or HMNMX2.
+
+Compile check (Triton 3.6.0 + its ptxas, CPU, sm_90a, B as [N, K], default config; ``--compile-only``)
+----------------------------------------------------------------------------------------------------
+    build             regs  spills  smem KiB  setmaxnreg (MMA / rounding)   wgmma A from smem  TMA loads
+    gluon              164    0      208.0     -                                 yes              yes
+    gluon-mx-packed    168    0      224.2     200 / 104                         yes              yes
+    gluon-mx-kosmos    168    0      224.2     184 / 128                         yes              yes
+("regs" is the launch's figure, 64K / 384 threads for the ROUND_MX builds.) The PTX of every build has
+wgmma.mma_async.m64n256k16.f32.bf16.bf16 with a shared-memory descriptor for A (the TTGIR's warp_group_dot
+takes a !ttg.memdesc A) and cp.async.bulk.tensor loads; B [K, N] compiles the same.
+
+PREDICTION (written before any GPU run)
+---------------------------------------
+Per k-step: MMA 128 x 256 x 64 = 2.10 M FMA; H200 dense bf16 = 2048 FMA/clk/SM, so >= 1024 clk at peak, ~1300-1400
+clk at cuBLAS-like 70-80% of peak. Rounding: 8192 elements over 4 warps, one warp per SM sub-partition (SMSP),
+64 elements a thread. Each SMSP also hosts 2 MMA warps (~100 instructions a k-step each, mostly uniform-datapath
+ops, 4 HGMMA). SASS of the ROUND_MX builds' loops, per warp per k-step (executed path):
+    packed: 409 instructions, ~190 on the 16-lane ALU pipe (LOP3, HMNMX2 if it is there) -> issue 409 + 200 (MMA
+            warps) ~ 610 cycles, ALU <= 380 cycles: ~45-60% of an SMSP against >= 1024 -- hidden.
+    kosmos: 1231 instructions, ~820 on the ALU pipe -> ~1640 ALU cycles > 1024-1400: ALU-bound.
+So, relative to the plain Gluon GEMM at the llama3 shapes:
+    gluon-mx-packed / gluon  = 1.00-1.03  (the residue: 32 KiB more shared-memory traffic per k-step beside the
+                                           wgmma operand reads and 48 KiB of TMA writes; the rounded tile waits
+                                           in registers for its slot, then store + fence + barrier + arrive sit
+                                           between the MMA freeing a slot and wanting it one k-step later; the
+                                           rounding warps' issue slots beside the MMA warps' barriers)
+    gluon-mx-kosmos / gluon  = 1.25-1.6   (~1640 ALU clk per k-step against ~1024-1400)
+And relative to torch.matmul (cuBLAS): the plain Gluon GEMM is the open question. The Triton tutorial's Hopper
+persistent kernel with this tile is quoted at ~650-670 TFLOPS (H100, fp16); this one adds nothing cuBLAS lacks
+and its epilogue stalls the tensor cores (~1 us a tile; 1-2% at K = 8192, ~2-3% at K = 4096), and 128x256
+tiles leave 1.3-3% in the last wave on 132 SMs. Guess: gluon / torch = 1.00-1.10, so gluon-mx-packed / torch =
+1.00-1.13: the 1.05 bar is met if the plain Gluon GEMM is within ~3% of cuBLAS; if it is not, what remains is
+GEMM tuning (epilogue overlap, tile/scheduling), not the MX rounding.
+
+Gluon 3.6 notes
+---------------
+* Nothing needed was missing: shared-memory rings, mbarriers (init/expect/wait/arrive with predicates),
+  TMA loads/stores from descriptors, async warpgroup_mma from shared memory with a permuted (K-major) B view,
+  warp_specialize with tensor-free worker partitions, setmaxnreg budgets, memdesc slice/index/_reinterpret,
+  inline PTX on packed words, and plain @triton.jit helpers (kosmos.quant's) inside @gluon.jit code.
+* Worries: (1) the ptxas register cap above (no separate loader warp at 128x256); (2) _reinterpret of a
+  swizzled bf16 tile as int32 is an underscore API; (3) Triton's membar pass adds partition barriers around the
+  mbarrier.expect and arrive (with the probe's own, 4 bar.sync of 256 threads per k-step in the MMA loop, 5 of
+  128 in the rounding loop) -- cheap in the SASS count, untested for latency; (4) no Hopper TMA multicast in
+  3.6.0 (NOTES.md); (5) the plain build is the non-warp-specialised mainloop (loads issued by the MMA warps) -- a
+  producer warp would need 16 warps, see above;
+  (6) Triton 3.9's Gluon renamed the TMA calls (async_copy_global_to_shared -> async_load): the probe imports
+  there but compiles under 3.6 only, as the GPU box has it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kosmos.quant import _rceil_exponent, mx_round, mx_round_bf16
+
+DEVICE = "cuda"  # the checks' and timings' device (a CPU dry run of the host code sets "cpu")
+IMPLS = {"kosmos": 0, "packed": 1}  # ROUND_IMPL: which arithmetic rounds A (module docstring)
+
+
+# ============================================================================================ MX rounding of a tile
+@gluon.jit
+def _absmax_bf16x2(a, b):
+    """max(|a|, |b|) of each 16-bit half of two int32 words holding bf16 pairs, NaN-propagating (a NaN gives the
+    canonical 0x7FFF); the result's sign bits are meaningless (xorsign), the caller masks them."""
+    return gl.inline_asm_elementwise("max.NaN.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _tree_absmax(w):
+    """[R, NB, 16] words -> [R, NB]: _absmax_bf16x2 over the last axis as a tree of depth 4 (15 ops; gl.reduce's
+    in-thread order would be a chain of 15 dependent ops)."""
+    R: gl.constexpr = w.shape[0]
+    NB: gl.constexpr = w.shape[1]
+    m = w
+    for _ in gl.static_range(3):  # 16 -> 8 -> 4 -> 2 words
+        a, b = m.reshape(R, NB, m.shape[2] // 2, 2).split()
+        m = _absmax_bf16x2(a, b)
+    a, b = m.split()
+    return gl.convert_layout(_absmax_bf16x2(a, b), gl.SliceLayout(2, w.type.layout))
+
+
+@gluon.jit
+def _splat2(h):
+    """A 16-bit pattern in both halves of an int32 word."""
+    return h | (h << 16)
+
+
+@gluon.jit
+def _mx_round_words(w):
+    """The MX values of bf16 pairs: ``w`` int32 [R, NB, 16], each word two consecutive bf16 of a row, the last axis
+    one MX block of 32 elements; returns the words of their MX values (module docstring, "packed"): the same
+    values as kosmos.quant.mx_round_bf16 bit for bit, but a NaN/Inf block reads 0x7FFF / 0xFFFF (canonical NaN with
+    the input's sign) where mx_round_bf16 writes 0x7FC0."""
+    amax_w = _tree_absmax(w)                                          # [R, NB]: per half, the max magnitude
+    amax = gl.maximum(amax_w & 0x7FFF, (amax_w >> 16) & 0x7FFF) << 16  # fp32 bits of the block's amax
+    nonfinite = amax >= 0x7F800000
+    xexp = _rceil_exponent(amax)                                      # kosmos.quant's RCEIL exponent, as is
+    shift = gl.where(xexp < -90, 64, gl.where(xexp > 90, -64, 0))     # as _mx_round_scaled: keeps C a normal
+    s16 = _splat2(gl.where(nonfinite, 0x7FC0, (131 + shift) << 7))    # bf16 2**(shift + 4) (NaN: block -> NaN)
+    s1 = _splat2(gl.where(nonfinite, 0x7FC0, (127 + shift) << 7))     # bf16 2**shift
+    cb = _splat2((xexp + shift + 125) << 7)                           # bf16 2**(X + shift - 2), normal
+    sinv = _splat2((127 - shift) << 7)                                # bf16 2**-shift
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 c, t;
+        mul.rn.bf16x2 c, $1, $2;
+        and.b32 c, c, 0xFF80FF80;
+        max.xorsign.abs.bf16x2 c, c, $3;
+        fma.rn.bf16x2 t, $1, $4, c;
+        sub.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 t, t, $5;
+        lop3.b32 $0, t, $1, 0x80008000, 0xF8;
+        }""",
+        "=r,r,r,r,r,r",
+        [w, gl.expand_dims(s16, 2), gl.expand_dims(cb, 2), gl.expand_dims(s1, 2), gl.expand_dims(sinv, 2)],
+        dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _word_view(buf):
+    """An int32 view [BM, BK/2] of a bf16 [BM, BK] tile with a 128-byte-swizzled NVMMA layout: the same bytes (the
+    swizzle permutes 16-byte chunks within 128-byte rows, whatever the element width)."""
+    return buf._reinterpret(gl.int32, [buf.shape[0], buf.shape[1] // 2],
+                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+
+
+@gluon.jit
+def _round_load(src, IMPL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """Registers of a bf16 [BM, BK] shared tile, in BM / ROWS chunks of ROWS rows (a tuple): each thread holds whole
+    MX blocks (32 consecutive elements of a row; "kosmos": bf16 [ROWS, BK], "packed": int32 words [ROWS, BK/2])."""
+    BM: gl.constexpr = src.shape[0]
+    BK: gl.constexpr = src.shape[1]
+    xs = ()
+    if IMPL == 0:
+        lay: gl.constexpr = gl.BlockedLayout([1, 32], [32 * 32 // BK, BK // 32], [WARPS, 1], [1, 0])
+        for c in gl.static_range(BM // ROWS):
+            xs = xs + (src.slice(c * ROWS, ROWS).load(lay), )
+    else:
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 32 // BK, BK // 32], [WARPS, 1], [1, 0])
+        words = _word_view(src)
+        for c in gl.static_range(BM // ROWS):
+            xs = xs + (words.slice(c * ROWS, ROWS).load(lay), )
+    return xs
+
+
+@gluon.jit
+def _round_compute(xs, IMPL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """The MX values of the chunks of ``_round_load`` (a tuple of the same shapes and layouts)."""
+    BKX: gl.constexpr = xs[0].shape[1]  # BK ("kosmos": bf16) or BK / 2 ("packed": int32 words)
+    ys = ()
+    for c in gl.static_range(len(xs)):
+        x = xs[c]
+        if IMPL == 0:
+            y = gl.reshape(mx_round_bf16(gl.reshape(x, [ROWS, BKX // 32, 32])), [ROWS, BKX])
+        else:
+            y = gl.reshape(_mx_round_words(gl.reshape(x, [ROWS, BKX // 16, 16])), [ROWS, BKX])
+        ys = ys + (gl.convert_layout(y, x.type.layout), )
+    return ys
+
+
+@gluon.jit
+def _round_write(ys, dst, IMPL: gl.constexpr, ROWS: gl.constexpr):
+    """Store the chunks of ``_round_compute`` into the bf16 [BM, BK] tile ``dst``."""
+    if IMPL == 0:
+        for c in gl.static_range(len(ys)):
+            dst.slice(c * ROWS, ROWS).store(ys[c])
+    else:
+        words = _word_view(dst)
+        for c in gl.static_range(len(ys)):
+            words.slice(c * ROWS, ROWS).store(ys[c])
+
+
+@gluon.jit
+def _round_only_kernel(x_desc, y_desc, IMPL: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """y = the MX values of x (bf16 [M, K], one [BM, BK] tile per program), through the same shared-memory path as
+    the GEMM's rounding partition: for the bitwise check against kosmos.quant."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    off_m = gl.program_id(0) * BM
+    off_k = gl.program_id(1) * BK
+    src = gl.allocate_shared_memory(x_desc.dtype, [BM, BK], x_desc.layout)
+    dst = gl.allocate_shared_memory(y_desc.dtype, [BM, BK], y_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, x_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, off_k], bar, src)
+    mbarrier.wait(bar, 0)
+    xs = _round_load(src, IMPL, ROWS, num_warps)
+    _round_write(_round_compute(xs, IMPL, ROWS, num_warps), dst, IMPL, ROWS)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(y_desc, [off_m, off_k], dst)
+    tma.store_wait(0)
+    mbarrier.invalidate(bar)
+
+
+# ============================================================================================ the GEMM's partitions
+@gluon.jit
+def _tile_coords(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """Output tile t -> (pid_m, pid_n): GROUP_M row tiles walk the columns together (L2 reuse of B)."""
+    width = GROUP_M * num_pid_n
+    first_m = (t // width) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (t % width) % size_m, (t % width) // size_m
+
+
+@gluon.jit
+def _first_step(M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """A load cursor at this program's first k-step: (k index, tile id, off_m, off_n). Tiles are dealt round-robin
+    (program p takes tiles p, p + nprog, ...); the cursor walks their k-steps in order."""
+    t = gl.program_id(0)
+    pid_m, pid_n = _tile_coords(t, gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
+    return 0, t, pid_m * BM, pid_n * BN
+
+
+@gluon.jit
+def _next_step(ki, t, off_m, off_n, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+               GROUP_M: gl.constexpr):
+    """The cursor one k-step on (the tile coordinates are recomputed only when the tile changes: the divisions
+    of _tile_coords would cost ~100 instructions per k-step in every warp that loads)."""
+    ki += 1
+    if ki == gl.cdiv(K, BK):
+        ki = 0
+        t += gl.num_programs(0)
+        pid_m, pid_n = _tile_coords(t, gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+    return ki, t, off_m, off_n
+
+
+@gluon.jit
+def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, LOAD_A: gl.constexpr,
+                 B_KMAJOR: gl.constexpr):
+    """TMA loads of the cursor's k-step into MMA-ring slot s: B, and A too when ``LOAD_A`` (the plain build);
+    ``b_ready`` completes when the bytes have landed. None past the last tile."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    if B_KMAJOR:
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+    else:
+        BN: gl.constexpr = b_desc.block_type.shape[1]
+    exists = t < gl.cdiv(M, BM) * gl.cdiv(N, BN)
+    off_k = ki * BK
+    bar = b_ready.index(s)
+    if LOAD_A:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=exists)
+        tma.async_copy_global_to_shared(a_desc, [off_m, off_k], bar, a_bufs.index(s), pred=exists)
+    else:
+        mbarrier.expect(bar, b_desc.block_type.nbytes, pred=exists)
+    if B_KMAJOR:
+        tma.async_copy_global_to_shared(b_desc, [off_n, off_k], bar, b_bufs.index(s), pred=exists)
+    else:
+        tma.async_copy_global_to_shared(b_desc, [off_k, off_n], bar, b_bufs.index(s), pred=exists)
+
+
+@gluon.jit
+def _issue_raw(r, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN: gl.constexpr):
+    """TMA load of the cursor's bf16 A tile into raw slot r (``raw_ready``); none past the last tile."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    exists = t < gl.cdiv(M, BM) * gl.cdiv(N, BN)
+    mbarrier.expect(raw_ready.index(r), a_desc.block_type.nbytes, pred=exists)
+    tma.async_copy_global_to_shared(a_desc, [off_m, ki * BK], raw_ready.index(r), raw.index(r), pred=exists)
+
+
+@gluon.jit
+def _num_steps(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """(k-steps per tile, this program's k-steps over all its tiles)."""
+    num_tiles = gl.cdiv(M, BM) * gl.cdiv(N, BN)
+    my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))
+    k_steps = gl.cdiv(K, BK)
+    return k_steps, my_tiles * k_steps
+
+
+@gluon.jit
+def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, IMPL: gl.constexpr,
+                     ROWS: gl.constexpr, WARPS: gl.constexpr, GROUP_M: gl.constexpr, BN: gl.constexpr):
+    """The rounding partition (WARPS warps), ROUND_MX only. It owns the raw A ring (R slots): loads R k-steps
+    ahead, and refills a slot as soon as its registers hold the tile. Per k-step g: wait ``raw_ready``; raw bf16 A
+    tile -> registers; refill the slot with step g + R; round to MX values; wait until the MMA that last read
+    rounded slot g % SA is done (``a_done``); store; fence (generic -> async proxy); arrive ``a_ready``."""
+    BM: gl.constexpr = a_bufs.shape[1]
+    BK: gl.constexpr = a_bufs.shape[2]
+    SA: gl.constexpr = a_bufs.shape[0]
+    R: gl.constexpr = raw.shape[0]
+    k_steps, total = _num_steps(M, N, K, BM, BN, BK)
+    ki, t, off_m, off_n = _first_step(M, N, BM, BN, GROUP_M)
+    for g in gl.static_range(R):
+        _issue_raw(g, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN)
+        ki, t, off_m, off_n = _next_step(ki, t, off_m, off_n, M, N, K, BM, BN, BK, GROUP_M)
+    for it in range(total):
+        r = it % R
+        mbarrier.wait(raw_ready.index(r), (it // R) & 1)
+        xs = _round_load(raw.index(r), IMPL, ROWS, WARPS)
+        fence_async_shared()  # our generic reads of the slot before the async-proxy (TMA) write that refills it
+        gl.thread_barrier()   # ... of all WARPS warps
+        _issue_raw(r, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN)  # k-step it + R
+        ki, t, off_m, off_n = _next_step(ki, t, off_m, off_n, M, N, K, BM, BN, BK, GROUP_M)
+        ys = _round_compute(xs, IMPL, ROWS, WARPS)  # before the wait: overlaps the MMA of the slot's last step
+        sa = it % SA
+        mbarrier.wait(a_done.index(sa), ((it // SA) & 1) ^ 1)
+        _round_write(ys, a_bufs.index(sa), IMPL, ROWS)
+        fence_async_shared()  # our generic writes before the wgmma's async-proxy reads
+        mbarrier.arrive(a_ready.index(sa))
+
+
+@gluon.jit
+def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
+                   ROUND_MX: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain: the A+B
+    ring) and loads SB - 1 k-steps ahead. Per k-step g: wait ``b_ready`` (and ``a_ready``, ROUND_MX); async wgmma
+    on (A slot, B slot); wait until one wgmma group is in flight, i.e. step g - 1's is done; release step g - 1:
+    ``a_done`` (ROUND_MX) and the refill of its B slot with step g - 1 + SB. Epilogue per tile: fp32 accumulator
+    -> bf16 -> c_smem in BN / EPI_N column pieces -> TMA stores (waited for before the piece buffer is reused)."""
+    BM: gl.constexpr = a_bufs.shape[1]
+    BK: gl.constexpr = a_bufs.shape[2]
+    SA: gl.constexpr = a_bufs.shape[0]
+    SB: gl.constexpr = b_bufs.shape[0]
+    EPI_N: gl.constexpr = c_smem.shape[1]
+    if B_KMAJOR:
+        BN: gl.constexpr = b_bufs.shape[1]
+    else:
+        BN: gl.constexpr = b_bufs.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    k_steps, total = _num_steps(M, N, K, BM, BN, BK)
+    lk, lt, l_m, l_n = _first_step(M, N, BM, BN, GROUP_M)  # the load cursor, SB - 1 k-steps ahead
+    for g in gl.static_range(SB - 1):
+        _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, not ROUND_MX, B_KMAJOR)
+        lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
+    acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    it = 0
+    for tile in range(total // k_steps):
+        pid_m, pid_n = _tile_coords(gl.program_id(0) + tile * gl.num_programs(0), gl.cdiv(M, BM), gl.cdiv(N, BN),
+                                    GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        for ki in range(k_steps):
+            s = it % SB
+            mbarrier.wait(b_ready.index(s), (it // SB) & 1)
+            if ROUND_MX:
+                sa = it % SA
+                mbarrier.wait(a_ready.index(sa), (it // SA) & 1)
+                a = a_bufs.index(sa)
+            else:
+                a = a_bufs.index(s)
+            b = b_bufs.index(s)
+            if B_KMAJOR:
+                b = b.permute((1, 0))
+            acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            gl.thread_barrier()  # both warpgroups' step it - 1 is done
+            if ROUND_MX:  # (the tile's last step is released after the loop)
+                mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
+            _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N,
+                         not ROUND_MX, B_KMAJOR)  # k-step it + SB - 1, into the slot step it - 1 has left
+            lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        gl.thread_barrier()
+        if ROUND_MX:
+            mbarrier.arrive(a_done.index((it + SA - 1) % SA))
+        c = acc.to(gl.bfloat16)
+        cs = (c, )
+        for _ in gl.static_range((BN // EPI_N).bit_length() - 1):  # split the columns in halves, log2 times
+            nxt = ()
+            for j in gl.static_range(len(cs)):
+                x = cs[j]
+                nxt = nxt + x.reshape(BM, 2, x.shape[1] // 2).permute(0, 2, 1).split()
+            cs = nxt
+        for j in gl.static_range(len(cs)):
+            tma.store_wait(0)
+            c_smem.store(cs[j])
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n + j * EPI_N], c_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
+                 B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr, RAW_STAGES: gl.constexpr,
+                 GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
+                 ROUND_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """C [M, N] = A [M, K] @ B (bf16, fp32 accumulation), persistent (module docstring). Plain: one partition
+    (the MMA warps load A and B themselves). ROUND_MX: warp_specialize([MMA warps, ROUND_WARPS rounding warps])."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    if B_KMAJOR:
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+    else:
+        BN: gl.constexpr = b_desc.block_type.shape[1]
+    dtype: gl.constexpr = a_desc.dtype
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(b_ready.index(i), count=1)
+    if ROUND_MX:
+        a_bufs = gl.allocate_shared_memory(dtype, [A_STAGES, BM, BK], a_desc.layout)
+        raw = gl.allocate_shared_memory(dtype, [RAW_STAGES, BM, BK], a_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
+        a_done = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
+        raw_ready = gl.allocate_shared_memory(gl.int64, [RAW_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(A_STAGES):
+            mbarrier.init(a_ready.index(i), count=1)
+            mbarrier.init(a_done.index(i), count=1)
+        for i in gl.static_range(RAW_STAGES):
+            mbarrier.init(raw_ready.index(i), count=1)
+        gl.warp_specialize([
+            (_mma_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
+                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps)),
+            (_round_partition, (a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, IMPL, ROUND_ROWS,
+                                ROUND_WARPS, GROUP_M, BN)),
+        ], [ROUND_WARPS], [ROUND_REGS])
+    else:
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+        _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K, ROUND_MX,
+                       B_KMAJOR, GROUP_M, num_warps)
+
+
+# ============================================================================================ host side
+BM, BN, BK = 128, 256, 64
+LLAMA_SHAPES = {  # llama3-70b TP=2 per-rank GEMMs (M tokens, N out, K in)
+    **{f"{name}-{m // 1024}k": (m, n, k) for m in (4096, 8192)
+       for name, n, k in (("qkv", 5120, 8192), ("fc1", 28672, 8192), ("attn_out", 8192, 4096),
+                          ("fc2", 8192, 14336))},
+}
+VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-mx-kosmos")
+
+
+OVERRIDES: dict = {}  # --config KEY=VALUE,...: applied to every Gluon GEMM build of the run
+
+
+def config(round_mx: bool, impl: str = "packed", **over) -> dict:
+    """Launch parameters of one build. Plain: 8 warps, one partition, 4 stages of A+B (192 KiB) + a 128x64 C piece
+    (16 KiB). ROUND_MX: 12 warps (MMA 8 + rounding 4), 4 B stages (128 KiB), 2 rounded-A stages (32 KiB), 3 raw-A
+    stages (48 KiB), the C piece (16 KiB): 224 KiB of the 227. maxnreg: registers per thread at launch, 64K /
+    threads (ptxas allocates every partition within it: module docstring); ROUND_REGS: the rounding partition's
+    setmaxnreg budget, the MMA partition gets the rest."""
+    cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
+               ROUND_REGS=104 if impl == "packed" else 128, num_warps=8)
+    cfg.update(OVERRIDES)
+    cfg.update(over)
+    warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if round_mx else 0)
+    cfg.setdefault("maxnreg", min(255, 65536 // (32 * warps)) // 8 * 8)
+    return cfg
+
+
+def _nvmma(block):
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+
+
+def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool = True, num_sms: int = 132,
+                **over):
+    """(kernel, grid, args, kwargs) of C = A @ B: ``a`` bf16 [M, K], ``b`` the weight bf16 [N, K] (``b_kmajor``) or
+    [K, N], ``c`` bf16 [M, N]; M, N, K multiples of 128, 256, 64."""
+    cfg = config(round_mx, impl, **over)
+    m, k = a.shape
+    n = b.shape[0] if b_kmajor else b.shape[1]
+    if m % BM or n % BN or k % BK:
+        raise ValueError(f"M, N, K = {m}, {n}, {k}: the probe needs multiples of {BM}, {BN}, {BK}")
+    b_block = [BN, BK] if b_kmajor else [BK, BN]
+    a_desc = TensorDescriptor.from_tensor(a, [BM, BK], _nvmma([BM, BK]))
+    b_desc = TensorDescriptor.from_tensor(b, b_block, _nvmma(b_block))
+    c_desc = TensorDescriptor.from_tensor(c, [BM, cfg["EPI_N"]], _nvmma([BM, cfg["EPI_N"]]))
+    grid = (min(num_sms, (m // BM) * (n // BN)), )
+    kw = dict(ROUND_MX=round_mx, IMPL=IMPLS[impl], B_KMAJOR=b_kmajor, STAGES=cfg["STAGES"],
+              A_STAGES=cfg["A_STAGES"], RAW_STAGES=cfg["RAW_STAGES"], GROUP_M=cfg["GROUP_M"],
+              ROUND_ROWS=cfg["ROUND_ROWS"], ROUND_WARPS=cfg["ROUND_WARPS"], ROUND_REGS=cfg["ROUND_REGS"],
+              num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, m, n, k), kw
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def gluon_matmul(a, b, *, round_mx=False, impl="packed", b_kmajor=True, out=None, **over):
+    """C = A @ B^T (b [N, K]) or A @ B (b [K, N], b_kmajor=False), bf16 out, with A rounded to its MX values in the
+    mainloop when ``round_mx``."""
+    n = b.shape[0] if b_kmajor else b.shape[1]
+    c = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device=a.device) if out is None else out
+    kernel, grid, args, kw = gemm_launch(a, b, c, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor,
+                                         num_sms=_num_sms(a.device), **over)
+    kernel[grid](*args, **kw)
+    return c
+
+
+def round_launch(x, y, impl: str):
+    """(kernel, grid, args, kwargs) of the rounding-only kernel y = MX values of x (bf16 [M, K])."""
+    d = [TensorDescriptor.from_tensor(t, [BM, BK], _nvmma([BM, BK])) for t in (x, y)]
+    return _round_only_kernel, (x.shape[0] // BM, x.shape[1] // BK), tuple(d), dict(IMPL=IMPLS[impl], ROWS=64,
+                                                                                     num_warps=4)
+
+
+def gluon_mx_round(x, impl="packed"):
+    y = torch.empty_like(x)
+    kernel, grid, args, kw = round_launch(x, y, impl)
+    kernel[grid](*args, **kw)
+    return y
+
+
+# -------------------------------------------------------------------------------------------- checks (GPU)
+def _scaled_rows(m, k, gen, exps=(0, -100, -20, 20, 100)):
+    """randn bf16 [m, k] on the GPU, row i scaled by 2**exps[i % len(exps)] (2**+-100: the +-64 pre-scaling path
+    of the rounding, whose blocks have |X| > 90)."""
+    x = torch.randn(m, k, generator=gen, device=DEVICE)
+    e = torch.tensor(exps, dtype=torch.float32, device=DEVICE).repeat(m // len(exps) + 1)[:m]
+    return (x * torch.exp2(e)[:, None]).to(torch.bfloat16)
+
+
+def _round_inputs(gen):
+    """Inputs of the bitwise rounding check, bf16 [1024, 4096]: random bit patterns (every exponent, subnormals,
+    NaN and Inf in ~12% of the blocks), randn rows at 2**{0, +-20, +-100, -120, -126, -133} (subnormal rows, the
+    +-64 pre-scaling), and hand-made blocks (zeros, -0, power-of-two and 448 * 2**k amax, E4M3 ties)."""
+    m, k = 1024, 4096
+    bits = torch.randint(-32768, 32768, (m // 4, k), generator=gen, device=DEVICE, dtype=torch.int32)
+    x_bits = bits.to(torch.int16).view(torch.bfloat16)
+    x_rows = _scaled_rows(m // 2, k, gen, exps=(0, -100, -20, 20, 100, -120, -126, -133))
+    special = torch.randn(m // 4, k, generator=gen, device=DEVICE).to(torch.bfloat16).view(m // 4, k // 32, 32)
+    special[0::8] = 0.0
+    special[1::8] = -0.0
+    special[2::8, :, 0] = 2.0 ** 7                                     # amax a power of two
+    special[3::8, :, 0] = 448.0 * 2.0 ** -3                            # amax = 448 * 2**k
+    special[4::8] = torch.tensor([1.0625, 1.1875, 17.0, 3 * 2.0 ** -10, 15 * 2.0 ** -10] * 6 + [448.0, -448.0],
+                                 device=DEVICE).to(torch.bfloat16)     # ties, subnormal E4M3 values (X = 0)
+    special[5::8, :, 1] = float("inf")
+    special[6::8, :, 2] = float("nan")
+    return torch.cat([x_bits, x_rows, special.view(m // 4, k)])
+
+
+def check_rounding(impl: str, gen) -> dict:
+    """The rounding-only kernel against kosmos.quant.mx_round(x), i.e. dequantize_mx(*quantize_mx(x)), bitwise
+    (NaN-aware: ``nan_payload_diff`` counts elements where both are NaN with different bits -- expected for
+    "packed")."""
+    x = _round_inputs(gen)
+    ref = mx_round(x)
+    y = gluon_mx_round(x, impl)
+    rb, yb = ref.view(torch.int16), y.view(torch.int16)
+    both_nan = torch.isnan(ref) & torch.isnan(y)
+    bad = (rb != yb) & ~both_nan
+    return {"kind": "check", "what": f"round-only {impl}", "elements": x.numel(), "mismatches": int(bad.sum()),
+            "nan_payload_diff": int(((rb != yb) & both_nan).sum()), "ok": bool(bad.sum() == 0)}
+
+
+def _rel_err(c, ref) -> tuple[float, float]:
+    """(whole-matrix relative Frobenius error, worst row's relative error), in fp64 on the GPU."""
+    d = (c.double() - ref.double())
+    rows = d.norm(dim=1) / ref.double().norm(dim=1).clamp_min(1e-300)
+    return float(d.norm() / ref.double().norm()), float(rows.max())
+
+
+CHECK_SHAPES = ((2048, 5120, 1024), (1024, 2560, 2048))  # 320 tiles (2-3 per program, B [N, K]); 80 (B [K, N])
+BF16_TOL = 4e-3  # one bf16 rounding of the output: <= 2**-8 = 0.0039 relative per element (~0.0017 typical)
+
+
+def check_gemm(m, n, k, *, round_mx, impl, b_kmajor, gen) -> dict:
+    """Fresh inputs (rows of A at 2**{0, +-20, +-100}), NaN-poisoned output; against an fp32 torch.matmul of
+    A (plain) or of kosmos.quant's MX values of A (ROUND_MX), worst row's relative error <= BF16_TOL."""
+    a = _scaled_rows(m, k, gen)
+    w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
+    b = w if b_kmajor else w.t().contiguous()
+    c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    gluon_matmul(a, b, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor, out=c)
+    a_ref = mx_round(a) if round_mx else a
+    ref = torch.matmul(a_ref.float(), w.float().t())
+    err, row_err = _rel_err(c, ref)
+    out = {"kind": "check", "what": f"gemm {'mx-' + impl if round_mx else 'bf16'} {'B[N,K]' if b_kmajor else 'B[K,N]'}",
+           "M": m, "N": n, "K": k, "rel_err": err, "row_rel_err": row_err, "nan": int(torch.isnan(c).sum()),
+           "ok": bool(row_err <= BF16_TOL and not torch.isnan(c).any())}
+    if round_mx:  # how far the MX values are from A: a ROUND_MX that rounded nothing would pass this, not the above
+        out["rel_err_vs_bf16_ref"] = _rel_err(c, torch.matmul(a.float(), w.float().t()))[0]
+    return out
+
+
+# -------------------------------------------------------------------------------------------- timing (GPU)
+def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
+    """Each variant's time (kosmos_bench.timing.time_op: L2 flushed before every call, the host hidden by a spin),
+    its ratio to torch.matmul and its relative error against an fp32 reference (the MX reference for the MX
+    variants)."""
+    from kosmos_bench.timing import time_op
+    a = (torch.randn(m, k, generator=gen, device=DEVICE)).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    calls = {"torch": lambda: torch.matmul(a, w.t()),
+             "gluon": lambda: gluon_matmul(a, w, out=c),
+             "gluon-mx-packed": lambda: gluon_matmul(a, w, round_mx=True, impl="packed", out=c),
+             "gluon-mx-kosmos": lambda: gluon_matmul(a, w, round_mx=True, impl="kosmos", out=c)}
+    ref = torch.matmul(a.float(), w.float().t())
+    ref_mx = torch.matmul(mx_round(a).float(), w.float().t()) if any(
+        "mx" in v for v in variants) else None
+    rows = []
+    for v in variants:
+        out = calls[v]()
+        err = _rel_err(out, ref_mx if "mx" in v else ref)[0]
+        t = time_op(calls[v], iters=iters, warmup=warmup)
+        rows.append({"kind": "time", "shape": name, "M": m, "N": n, "K": k, "variant": v, "time_ms": t["time_ms"],
+                     "p20_ms": t["p20_ms"], "p80_ms": t["p80_ms"], "tflops": 2 * m * n * k / t["time_ms"] / 1e9,
+                     "rel_err": err})
+    base = next((r["time_ms"] for r in rows if r["variant"] == "torch"), None)
+    for r in rows:
+        r["ratio_vs_torch"] = r["time_ms"] / base if base else None
+    del a, w, c, ref, ref_mx
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- compile only (CPU)
+def _ptx_facts(ptx: str, ttgir: str) -> dict:
+    """What the PTX / TTGIR say about the mainloop: wgmma count and whether A comes from shared memory (a 64-bit
+    descriptor after the accumulator list, not a {4 x b32} register list), TMA loads, setmaxnreg budgets."""
+    wg = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)\s+\{[^}]*\},\s*(\S+)", ptx)
+    dots = re.findall(r"ttng\.warp_group_dot\s+%\S+,\s*%\S+,.*?:\s*(!ttg\.memdesc|tensor)", ttgir)
+    return {"wgmma": len(wg), "wgmma_shapes": sorted({s for s, _ in wg}),
+            "wgmma_a_from_smem": bool(wg) and all(not a.startswith("{") for _, a in wg),
+            "ttgir_dot_a": sorted(set(dots)),
+            "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx)),
+            "tma_stores": len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)),
+            "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))}
+
+
+def _sass_mix(compiled) -> dict:
+    """SASS opcode counts of the cubin (cuobjdump, shipped in the Triton wheel), None where unavailable."""
+    import shutil
+    import subprocess
+    import tempfile
+    tool = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                                     "cuobjdump")
+    if not os.path.exists(tool) or "cubin" not in compiled.asm:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        run = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", run.stdout)
+    counts = {}
+    for op in ops:
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def compile_only(json_path=None, b_kmajor=True) -> list[dict]:
+    """Compile every build for sm_90a without a GPU (dev/kernel_resources.py's stand-in driver): registers, spills,
+    shared memory (ptxas -v on the PTX), the facts of ``_ptx_facts``."""
+    from dev.kernel_resources import _use_stand_in_driver
+    if not torch.cuda.is_available():
+        _use_stand_in_driver()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m, n, k = LLAMA_SHAPES["qkv-4k"]
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+    b = torch.empty((n, k) if b_kmajor else (k, n), dtype=torch.bfloat16, device=dev)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    builds = [("gluon", False, "packed"), ("gluon-mx-packed", True, "packed"), ("gluon-mx-kosmos", True, "kosmos")]
+    rows = []
+    print(f"triton {triton.__version__}, torch {torch.__version__}, sm_90a, B {'[N, K]' if b_kmajor else '[K, N]'}")
+    print(f"{'build':<24} {'regs':>5} {'spill B':>8} {'stack B':>8} {'smem KiB':>9}  {'setmaxnreg':<28} "
+          f"{'wgmma':>5} {'A smem':>6} {'TMA ld':>6}")
+    for name, round_mx, impl in builds:
+        kernel, grid, args, kw = gemm_launch(a, b, c, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor)
+        compiled = kernel.warmup(*args, grid=grid, **kw)
+        rows.append(_compile_row(name, compiled, kw))
+    for impl in IMPLS:
+        x = torch.empty(1024, 4096, dtype=torch.bfloat16, device=dev)
+        kernel, grid, args, kw = round_launch(x, torch.empty_like(x), impl)
+        rows.append(_compile_row(f"round-only {impl}", kernel.warmup(*args, grid=grid, **kw), kw))
+    if json_path:
+        with open(json_path, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+def _compile_row(name, compiled, kw) -> dict:
+    from dev.kernel_resources import _resources
+    r = {"kind": "compile", "build": name, "triton": triton.__version__,
+         **{k: v for k, v in kw.items() if k.isupper() or k in ("num_warps", "maxnreg")},
+         **_resources(compiled), **_ptx_facts(compiled.asm["ptx"], compiled.asm["ttgir"]),
+         "sass_ops": _sass_mix(compiled)}
+    r["shared_kib"] = round(compiled.metadata.shared / 1024, 1)
+    regs = " ".join(f"{d}{v}" for d, v in r["setmaxnreg"])
+    print(f"{name:<24} {r['regs']:>5} {str(r['spill_bytes']):>8} {str(r['stack_bytes']):>8} {r['shared_kib']:>9}  "
+          f"{regs:<28} {r['wgmma']:>5} {str(r['wgmma_a_from_smem']):>6} {r['tma_loads']:>6}", flush=True)
+    return r
+
+
+# -------------------------------------------------------------------------------------------- emulation (CPU)
+def _rne_bf16(x):
+    """float64 values -> the nearest bf16 values (ties to even; subnormal grid 2**-133; overflow -> +-inf), as
+    float64. Signed zeros, infinities and NaN pass through."""
+    import numpy as np
+    out = np.array(x, dtype=np.float64)
+    fin = np.isfinite(out) & (out != 0)
+    a = np.abs(out[fin])
+    _, e = np.frexp(a)                                   # a = f * 2**e, f in [0.5, 1): floor(log2 a) = e - 1
+    q = np.ldexp(1.0, np.maximum(e - 1, -126) - 7)       # the bf16 quantum of a's binade
+    r = np.round(a / q) * q                              # a / q exact (a power of two); np.round: ties to even
+    out[fin] = np.copysign(np.where(r >= 2.0 ** 128, np.inf, r), out[fin])
+    return out
+
+
+def _sign_exponent(x):
+    """The value of bf16 bits ``x & 0xFF80`` (float64 in, float64 out): +-2**floor(log2|x|) for a normal, +-0 for a
+    subnormal or zero, +-inf for +-inf, +inf for NaN (the hardware's NaN is 0x7FFF)."""
+    import numpy as np
+    _, e = np.frexp(np.abs(x))
+    p = np.where(np.abs(x) >= 2.0 ** -126, np.ldexp(1.0, e - 1), 0.0)
+    p = np.where(np.isinf(x), np.inf, p)
+    return np.where(np.isnan(x), np.inf, np.copysign(p, x))
+
+
+def emulate_packed(verbose=True) -> dict:
+    """The "packed" rounding (``_mx_round_words``' PTX), emulated exactly in float64 on the CPU (each bf16x2 op:
+    its exact result rounded once to bf16), against kosmos.quant's torch references
+    (dequantize_mx_ref(*quantize_mx_ref(.))): every bf16 value v, both signs, under every block exponent X in
+    [-127, 120] with |v| <= 448 * 2**X (blocks of 32: the block's amax element, then 31 values), plus blocks with
+    NaN / Inf. NaN-aware bitwise equality. No GPU, no Triton. (Why the emulation is exact: module docstring.)"""
+    import numpy as np
+    from kosmos.quant import dequantize_mx_ref, quantize_mx_ref
+    pos = np.arange(0, 0x7F80, dtype=np.int64)                       # every finite non-negative bf16 pattern
+    tests, amaxes = [], []
+    for x in range(-127, 121):
+        amax = ((x + 135) << 7) | 0x60 if x < 120 else 0x7F7F        # 448 * 2**X (X = 120: bf16's largest)
+        v = pos[pos <= amax]
+        v = np.concatenate([v, v | 0x8000])
+        pad = (-len(v)) % 31
+        v = np.concatenate([v, np.zeros(pad, dtype=np.int64)]).reshape(-1, 31)
+        tests.append(v)
+        amaxes.append(np.full((len(v), 1), amax, dtype=np.int64))
+    blocks = np.concatenate([np.concatenate(amaxes), np.concatenate(tests)], axis=1)   # [blocks, 32] bf16 bits
+    special = np.tile(np.array([0x3F80] * 32, dtype=np.int64), (4, 1))
+    special[0, 3], special[1, 5], special[2, 7], special[3, 0] = 0x7F80, 0xFF80, 0x7FC0, 0xFFC1  # +-inf, NaNs
+    blocks = np.concatenate([blocks, special])
+    bits = blocks.astype(np.uint32) << 16
+    w = bits.view(np.float32).astype(np.float64)                      # the bf16 values
+
+    # the block constants, as _mx_round_words computes them
+    mag = np.where(np.isnan(w), 0x7FFF, (bits >> 16) & 0x7FFF).astype(np.int64)
+    amax32 = mag.max(axis=1) << 16
+    nonfinite = amax32 >= 0x7F800000
+    xexp = np.maximum((amax32 >> 23) - 135 + ((amax32 & 0x7FFFFF) > 0x600000), -127)
+    shift = np.where(xexp < -90, 64, np.where(xexp > 90, -64, 0))
+    s16 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift + 4))[:, None]
+    s1 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift))[:, None]
+    cb = np.ldexp(1.0, xexp + shift - 2)[:, None]
+    sinv = np.ldexp(1.0, -shift)[:, None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        c = _sign_exponent(_rne_bf16(w * s16))                        # mul.rn.bf16x2; and 0xFF80FF80
+        c = np.copysign(np.maximum(np.abs(c), cb), c)                 # max.xorsign.abs.bf16x2 (cb > 0)
+        t = _rne_bf16(w * s1 + c)                                     # fma.rn.bf16x2 (see the docstring)
+        t = _rne_bf16(t - c)                                          # sub.rn.bf16x2 (exact)
+        r = _rne_bf16(t * sinv)                                       # mul.rn.bf16x2
+    r = np.where(np.signbit(w), -np.abs(r), r)                        # lop3: OR the sign bit of the input
+    got = (r.astype(np.float32).view(np.uint32) >> 16).astype(np.int64)
+
+    x_t = torch.from_numpy(blocks.astype(np.int16)).view(torch.bfloat16)
+    ref = dequantize_mx_ref(*quantize_mx_ref(x_t)).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    ref_nan = (ref & 0x7FFF) > 0x7F80
+    got_nan = (got & 0x7FFF) > 0x7F80
+    bad = (got != ref) & ~(ref_nan & got_nan)
+    out = {"kind": "check", "what": "packed rounding, float64 emulation vs kosmos.quant references",
+           "elements": int(blocks.size), "blocks": int(len(blocks)), "mismatches": int(bad.sum()),
+           "nan_payload_diff": int(((got != ref) & ref_nan & got_nan).sum()), "ok": bool(bad.sum() == 0)}
+    if verbose and bad.any():
+        i = np.argwhere(bad)[:8]
+        out["examples"] = [{"block_amax": hex(int(blocks[a, 0])), "x": hex(int(blocks[a, b])),
+                            "ref": hex(int(ref[a, b])), "got": hex(int(got[a, b]))} for a, b in i]
+    return out
+
+
+# -------------------------------------------------------------------------------------------- CLI
+def _parse_shapes(text):
+    out = []
+    for item in text.split(","):
+        if item in LLAMA_SHAPES:
+            out.append((item, *LLAMA_SHAPES[item]))
+        elif re.fullmatch(r"\d+x\d+x\d+", item):
+            out.append((item, *map(int, item.split("x"))))
+        else:
+            raise SystemExit(f"unknown shape {item!r}: one of {', '.join(LLAMA_SHAPES)} or MxNxK")
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a (no GPU needed) and report "
+                    "registers / spills / shared memory / wgmma operands, then stop")
+    ap.add_argument("--shapes", default=",".join(LLAMA_SHAPES), help="comma-separated: " + ", ".join(LLAMA_SHAPES)
+                    + " or MxNxK")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--skip-checks", action="store_true", help="timing only (the checks take ~10 s)")
+    ap.add_argument("--json", default=None, help="write one JSON object per line here")
+    ap.add_argument("--config", default="", help="KEY=VALUE,... overriding config()'s launch parameters of every "
+                    "Gluon GEMM build, e.g. A_STAGES=3,RAW_STAGES=2 or ROUND_REGS=112 (shared memory must stay <= "
+                    "227 KiB: --compile-only says)")
+    ap.add_argument("--emulate", action="store_true", help="check the packed rounding's arithmetic on the CPU "
+                    "(float64 emulation against kosmos.quant's references, every bf16 value under every scale), then "
+                    "stop")
+    ap.add_argument("--b-kn", action="store_true", help="--compile-only: B as [K, N] instead of the weight [N, K]")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: Gluon has no interpreter path here")
+    for item in filter(None, args.config.split(",")):
+        key, _, val = item.partition("=")
+        OVERRIDES[key.strip()] = int(val)
+    if args.emulate:
+        r = emulate_packed()
+        print(json.dumps(r))
+        return 0 if r["ok"] else 1
+    if args.compile_only:
+        compile_only(args.json, b_kmajor=not args.b_kn)
+        return 0
+    if not torch.cuda.is_available():
+        ap.error("no GPU: use --compile-only here")
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            ap.error(f"unknown variant {v!r}")
+    shapes = _parse_shapes(args.shapes)
+    rows = [{"kind": "env", "triton": triton.__version__, "torch": torch.__version__,
+             "device": torch.cuda.get_device_name(), "variants": variants,
+             "config_plain": config(False), "config_mx_packed": config(True, "packed"),
+             "config_mx_kosmos": config(True, "kosmos")}]
+    out = open(args.json, "w") if args.json else None
+
+    def emit(r):
+        rows.append(r)
+        if out:
+            out.write(json.dumps(r) + "\n")
+            out.flush()
+
+    emit(rows[0])
+    gen = torch.Generator(device=DEVICE).manual_seed(1234)
+    failed = 0
+    if not args.skip_checks:
+        checks = []
+        mx_impls = [v.rsplit("-", 1)[1] for v in variants if v.startswith("gluon-mx-")]
+        for impl in mx_impls:
+            checks.append(lambda impl=impl: check_rounding(impl, gen))
+        builds = ([(False, "packed")] if "gluon" in variants else []) + [(True, impl) for impl in mx_impls]
+        for round_mx, impl in builds:  # B as the weight [N, K] on the first shape, as [K, N] on the second
+            for (m, n, k), b_kmajor in zip(CHECK_SHAPES, (True, False)):
+                checks.append(lambda m=m, n=n, k=k, rm=round_mx, impl=impl, bk=b_kmajor: check_gemm(
+                    m, n, k, round_mx=rm, impl=impl, b_kmajor=bk, gen=gen))
+        for chk in checks:
+            r = chk()
+            emit(r)
+            failed += not r["ok"]
+            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()
+                           if k != "kind"), flush=True)
+    for name, m, n, k in shapes:
+        for r in bench_shape(name, m, n, k, variants, gen, args.iters, args.warmup):
+            emit(r)
+        torch.cuda.empty_cache()
+    if out:
+        out.close()
+    if failed:
+        print(f"{failed} CHECK(S) FAILED: the times below are of wrong kernels")
+    by = {}
+    for r in rows:
+        if r["kind"] == "time":
+            by.setdefault(r["shape"], {})[r["variant"]] = r
+    print(f"\n{'shape':<12} {'M':>5} {'N':>6} {'K':>6}  " + "  ".join(f"{v:<25}" for v in variants))
+    for name, m, n, k in shapes:
+        cells = []
+        for v in variants:
+            r = by[name][v]
+            ratio = f"{r['ratio_vs_torch']:.3f}x" if r["ratio_vs_torch"] else "-"
+            cells.append(f"{r['time_ms']:7.3f} {ratio:>6} {r['rel_err']:.1e}".ljust(25))
+        print(f"{name:<12} {m:>5} {n:>6} {k:>6}  " + "  ".join(cells))
+    print("(each: median ms, ratio to torch.matmul, relative error against the fp32 matmul of A -- of A's MX values "
+          "for the mx variants)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
