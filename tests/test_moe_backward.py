@@ -443,7 +443,8 @@ def test_moe_backward_padded_rows_bitwise_packed(routing, saved):
                                            routed_scaling=kw.get("routed_scaling", 1.0))
     saved_gu = placed_gate_up(x, w13, experts, k, torch.Generator().manual_seed(1)) if saved else None
     packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=False, **kw)
-    padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=True, **kw)
+    padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=True, one_launch=False,
+                             **kw)  # the layouts compared on the multi-launch path (the one launch: its own tests)
     for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), padded, packed):
         assert torch.equal(a, b), name
     assert torch.equal(padded[2][3], torch.zeros_like(padded[2][3]))
@@ -457,7 +458,7 @@ def test_moe_backward_padded_rows_without_tokens():
     x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(2), 0, 32, 16, 4)
     experts, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
     packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, padded=False)
-    padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, padded=True)
+    padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, padded=True, one_launch=False)
     assert padded[0].shape == (0, 32) and not padded[2].any() and not padded[3].any()
     assert all(torch.equal(a, b) for a, b in zip(padded, packed))
 
@@ -697,7 +698,7 @@ def test_moe_backward_padded_rows_bitwise_packed_gpu(no_tf32, saved):
         packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=False,
                                  wgrad_dtype=wdt)
         padded = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, padded=True,
-                                 wgrad_dtype=wdt)
+                                 wgrad_dtype=wdt, one_launch=False)
         for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), padded, packed):
             assert torch.isfinite(a.float()).all() and torch.equal(a, b), (name, wdt)
 
@@ -800,7 +801,7 @@ def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dt
     saved_gu = placed_gate_up(layer[0], layer[2], experts, experts.shape[1],
                               torch.Generator().manual_seed(1)) if saved else None
     kw.update(saved_gu=saved_gu, wgrad_dtype=wgrad_dtype)
-    want = mb.moe_backward_w1(*layer, weights, experts, **kw)
+    want = mb.moe_backward_w1(*layer, weights, experts, one_launch=False, **kw)  # the multi-launch path
     calls = []
     real = mb.expert_backward_one_launch
 
@@ -829,7 +830,7 @@ def test_moe_backward_one_launch_without_tokens():
     x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(2), 0, 32, 16, 4)
     experts, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
     got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, one_launch=True, programs=2)
-    want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts)
+    want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, one_launch=False)
     assert got[0].shape == (0, 32) and not got[2].any() and not got[3].any()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -898,7 +899,8 @@ def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, m
 
     monkeypatch.setattr(mb, "expert_backward_one_launch", poisoned)
     for wdt in (None, torch.float32):
-        want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt)
+        want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
+                               one_launch=False)
         got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
                               one_launch=True, programs=programs, router_in_launch=False)
         again = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
@@ -1045,7 +1047,7 @@ def _check_router_in_launch(layer, weights, experts, kw, programs, other_program
     from kosmos import moe_reference as mr
     from kosmos.kernels import moe_backward as mb
     x, wr = layer[0], layer[1]
-    want = mb.moe_backward_w1(*layer, weights, experts, **kw)
+    want = mb.moe_backward_w1(*layer, weights, experts, one_launch=False, **kw)  # the multi-launch path
     calls = _capture_one_launch(monkeypatch, mb, poison=True)
     off = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, router_in_launch=False, programs=programs,
                              **kw)
