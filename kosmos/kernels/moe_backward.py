@@ -258,12 +258,13 @@ Session 14 (one H200, Triton 3.6; results/h200x1/s14, calls a and c):
 NEXT: the one-launch backward (the plan above); the row-bookkeeping torch ops into one kernel (launch count).
 
 The one launch (session 14; built by a helper and interpreter-tested, then run on the GPU: MEASURED at the end).
-``moe_backward(..., one_launch=True)`` at W = 1 on the padded layout (``ONE_LAUNCH = False``: measured below; True
-where unsupported -- W > 1 (raised before any exchange), the packed layout -- is a ValueError, no fallback) runs
-the expert part as ONE persistent launch (``expert_backward_one_launch``, ``_moe_backward_experts_kernel``; GRID
-programs, one per SM, ``programs=`` for tests) after the same row gathers and [g | u] (saved or recomputed) as
-the multi-launch path, and before the same torch router backward (since the helper branch router-in-launch: the
-router backward is three more stages of the launch by default -- "The router backward in the launch" below).
+``moe_backward(..., one_launch=True)`` at W = 1 on the padded layout (the default, ``ONE_LAUNCH = True``, since
+session 21: measured below; one_launch=True on the packed layout is a ValueError, no fallback; W > 1: "The one
+launch at W > 1" below) runs the expert part as ONE persistent launch (``expert_backward_one_launch``,
+``_moe_backward_experts_kernel``; GRID programs, one per SM, ``programs=`` for tests) after the same row gathers
+and [g | u] (saved or recomputed) as the multi-launch path, and before the same torch router backward (since the
+helper branch router-in-launch: the router backward is three more stages of the launch by default -- "The router
+backward in the launch" below).
 Stages, in schedule.py's drain order (each a queue with one atomic head in local scratch, except WGRAD):
   DGRAD2(gm, n)   z = dy_rows W2[e]^T, global m-tile gm (m-tiles numbered over experts as _mtile_plan's, on the
                   padded offsets), F-tile n: _dgrad1_tile, today's unfused dgrad2 GEMM (DGRAD1_TILES, bf16 z);
@@ -381,6 +382,29 @@ router in the launch throughout, deepseek-v3 unless named, one launch / padded m
   ms: the whole of WGRAD2 is static but its last 1/16), the ~0.2-0.4 ms dgrad2 + SwiGLU loses at 8k zipf, and the
   torch ops before the launch (1.2 ms at 4k, 2.0 ms at 8k: the row gathers, g | u's gather, the sort) -- as a
   first stage they could run beside DGRAD2's first tiles.
+Session 21 (one H200, Triton 3.6; results/h200x1/s21, calls s21a-s21e; predictions in s21/predictions.md), the
+router in the launch throughout, one launch / padded multi-launch, interleaved in one process:
+* DGRAD1 without per-task synchronisation (BWD_DGRAD1_LEAN): each of a program's ~138 DGRAD1 tasks at deepseek-v3
+  8k began with a uniform atomic read of its m-tile's SwiGLU flag, fence.acq_rel.sys and the proxy fence, and
+  ended with a barrier and a release atomic (s20e's trace: 192 us per program in those waits). Now a program
+  checks the global SwiGLU count (device.reached) until it has seen every pass done and then waits no more, its
+  waits use a gpu-scope acquire (GPU_TMA: the data is this GPU's own), and it adds its finished tiles to
+  UNPERMUTE's count once, after its last. s21a: one-launch-strict (session 20's form) 33.104 -> 32.854 ms at 8k
+  zipf:1.2 (2 passes; the spread +-0.3 ms), 20.768 -> 20.436 at 4k zipf.
+* the SWIGLU pass software-pipelined (BWD_SWIGLU_STAGES = 3): one 8-warp program per m-tile issued one [8, 256]
+  step's 12 KB of loads at a time (~185 us per m-tile pass at 8k, ~17 GB/s); the (row block, column step) nest as
+  one tl.range loop over 3 stages keeps the next steps' z, g, u loads in flight (the same steps in the same order,
+  the gate gradient's column sum restarted at each block's first step: the same bits, interpreter- and
+  GPU-tested). s21b (3 passes): 8k zipf padded 31.969, one launch 31.574 (0.988x), nested 32.085 (1.004x); 4k zipf
+  padded 20.096, one launch 19.922 (0.991x), nested 20.375; SWIGLU busy per program 0.91 -> 0.69 ms, the launch's
+  span 28.68 -> 28.26 ms (trace).
+* the other points (s21c, 2 passes): deepseek-v3 4k uniform 0.999x, 8k uniform 0.988x; qwen3-235b 4k uniform
+  1.001x, 4k zipf 1.000x, 8k uniform 1.004x, 8k zipf 1.004x. So ONE_LAUNCH = True at W = 1. The bench at that
+  commit (7e25a0c; results/h200x1/moe-bwd-ep1*.md), backward over nccl-a2a's autograd, uniform / zipf:1.2:
+  qwen3-235b 1.494 / 1.493x (4k), 1.546 / 1.585x (8k); deepseek-v3 1.374 / 1.333x (4k), 1.315 / 1.308x (8k).
+* lost or tied (s21a, not kept): 4/16 of each wgrad loop claimed (dyn4) 32.864 at 8k zipf, 20.648 at 4k (against
+  32.854 / 20.436); the same in 16-tile runs 32.702 at 8k.
+Registers (local Triton 3.9, dev.kernel_resources --world 1): 250-255, no spills, 192 KiB, one scf.for fewer.
 W > 1 (the plan of session 14; built since, differently in places: "The one launch at W > 1" below): COMBINE-BWD
 becomes a first stage (dy rows and the gate weights
 pushed once per destination rank into its receive rows, as the forward's ROUTE/dispatch does, with per-source
