@@ -1234,6 +1234,7 @@ EP_CASES = {  # (world, tokens, hidden, ffn, experts, top_k, kwargs): T = 13 / 1
     "w2-skewed": (2, 13, 32, 24, 8, 2, dict(routing="softmax", skew=True)),  # rank 1's experts: no rows
     "w2-empty-expert-sigmoid": (2, 11, 32, 24, 8, 4, dict(routing="sigmoid-grouped", empty_expert=5)),
     "w4-random": (4, 13, 32, 24, 8, 2, dict(routing="softmax")),
+    "w8-random": (8, 13, 32, 24, 16, 2, dict(routing="softmax")),  # two experts per rank
 }
 
 
@@ -1242,7 +1243,7 @@ EP_CASES = {  # (world, tokens, hidden, ffn, experts, top_k, kwargs): T = 13 / 1
 def test_moe_backward_one_launch_ep_vs_reference(case):
     """The one launch at W > 1 (COMBINE-BWD, PERMUTE-BWD, GU, the expert part, DISPATCH-BWD, UNPERMUTE, the router
     stages; the interpreter's three phases per call, every rank's launch of a phase before the next phase) against
-    the fp32 reference of the whole layer: dx, d_router, dw13, dw2 at W = 2 and 4 on random and skewed routing
+    the fp32 reference of the whole layer: dx, d_router, dw13, dw2 at W = 2, 4 and 8 on random and skewed routing
     (all tokens to rank 0's experts), an expert without rows, T not a multiple of any tile, softmax and
     sigmoid-grouped routing, every local buffer and the symmetric bytes poisoned; a second call (the next epoch,
     re-poisoned) bitwise the same, with the scratch, counters and done flags clean after each."""
@@ -1363,24 +1364,25 @@ def test_moe_backward_one_launch_ep_layout_refuses_other_shapes():
 @pytest.mark.ranks
 @pytest.mark.usefixtures("ranks_setup")
 @pytest.mark.parametrize("world,routing,skew", [(2, "softmax", False), (2, "sigmoid-grouped", True),
-                                                (4, "softmax", False)])
+                                                (4, "softmax", False), (8, "softmax", False)])
 def test_moe_backward_one_launch_ep_at_world_gpu(world, routing, skew):
     """The one launch at W simulated ranks on one GPU, all W launches resident at once (simranks.launch_all, SMs / W
     programs each), at the real tiles: against the fp32 reference (dx, d_router, dw13, dw2), buffers poisoned,
-    scratch / counters / done flags clean, three calls (epochs 1-3; no host synchronisation between them) bitwise
+    scratch / counters / done flags clean, five calls (epochs 1-5; no host synchronisation between them) bitwise
     the same."""
     import opcases
     from simranks import MoEBwdRanks
     m = MoEBwdRanks(world, 777, 512, 256, 16, 4, seed=50 + world, device="cuda", grid=opcases.grid(world),
                     timeout_ns=opcases.RANKS_TIMEOUT_NS, routing=routing, skew=skew)
     outs = []
-    for epoch in (1, 2, 3):
+    for epoch in range(1, 6):
         m.poison()
         m.call(epoch)
         torch.cuda.synchronize()
         outs.append([tuple(x.clone() for x in g if x is not None) for g in _check_ep_vs_reference(m)])
     for r in range(world):
-        assert all(torch.equal(a, b) for a, b in zip(outs[0][r], outs[2][r])), r
+        for later in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0][r], later[r])), r
 
 
 @pytest.mark.ranks
