@@ -62,7 +62,10 @@ row's ``direction`` says which; rows without it are fwd):
            the EP group (W > 1: GEMM1 recomputed, all-to-alls between its launches) timed; bf16 only ("unavailable" at mxfp8). nccl-a2a: autograd
            through ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad (torch._grouped_mm has
            a derivative; the row exchanges are moe_reference.AllToAllRows at W > 1), the forward (its graph)
-           untimed, ``torch.autograd.grad`` timed; bf16 only. deepep, fixed-role, fixed-role-best: "unavailable".
+           untimed, ``torch.autograd.grad`` timed; bf16 only. deepep: the same autograd timing through its layer
+           (``deepep_layer``: DeepEP's dispatch and combine as autograd Functions -- dispatch's backward a combine
+           of the gradient, combine's a cached dispatch -- around nccl-a2a's expert GEMMs); bf16 only, and as in
+           the forward at W 2, 4 or 8 only. fixed-role, fixed-role-best: "unavailable" (FIXED_BACKWARD).
            The output gradient dy ~ N(0, 1) bf16, this rank's.
   fwd+bwd  both in one timed call.
   Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against an fp32 reference, relative Frobenius
@@ -380,10 +383,18 @@ def _a2a_backward_available(world: int, dtype) -> tuple[bool, str | None]:
 
 KOSMOS_DIRECTIONS = {FWD: None, BWD: _kosmos_backward_available, FWD_BWD: _kosmos_backward_available}
 A2A_DIRECTIONS = {FWD: None, BWD: _a2a_backward_available, FWD_BWD: _a2a_backward_available}
-FIXED_BACKWARD = ("no fixed-role MoE backward (the kosmos backward has no comm/compute roles yet: its all-to-alls "
-                  "run between launches)")
-FIXED_DIRECTIONS = {FWD: None, BWD: FIXED_BACKWARD, FWD_BWD: FIXED_BACKWARD}
-DEEPEP_BACKWARD = "no backward in the deepep baseline yet"
+FIXED_BACKWARD = ("no fixed-role MoE backward: the kosmos backward's one launch (its exchanges as stages at W > 1) "
+                  "has no fixed comm/compute role split yet")
+
+
+def _fixed_backward_available(world: int, dtype) -> tuple[bool, str | None]:
+    """fixed-role / fixed-role-best at bwd, fwd+bwd: never; at W = 1 because there is no communication to give
+    programs to (the forward's reason, harness.needs_peers), at W > 1 because the backward has no role split."""
+    ok, reason = harness.needs_peers(world)
+    return False, FIXED_BACKWARD if ok else reason
+
+
+FIXED_DIRECTIONS = {FWD: None, BWD: _fixed_backward_available, FWD_BWD: _fixed_backward_available}
 
 
 # each maker: (inputs, params, config or None) -> (callable returning y of this rank, workspace bytes or None);
@@ -425,14 +436,22 @@ def _kosmos_backward(inp: MoEInputs, params: dict, config):
 
 
 def a2a_backward(inp: MoEInputs):
-    """nccl-a2a's backward: autograd through ``moe_forward_a2a(fp32=False)`` (torch._grouped_mm has a derivative)
-    with x and the parameters requiring grad; bwd: the forward (its graph) untimed, ``torch.autograd.grad`` timed;
-    fwd+bwd: both. The routing decision is ``route`` on the same inputs, the call moe_forward_a2a makes itself."""
+    """nccl-a2a's backward: autograd through ``moe_forward_a2a(fp32=False)`` (torch._grouped_mm has a derivative;
+    autograd_backward)."""
+    return autograd_backward(inp, lambda *leaves: moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=False,
+                                                                  **inp.route_kw()))
+
+
+def autograd_backward(inp: MoEInputs, layer):
+    """A baseline's backward by autograd through its forward ``layer(x, router_weight, w13, w2) -> y`` (nccl-a2a:
+    moe_forward_a2a; deepep: deepep_layer), called on leaf copies of the inputs that require grad; bwd: the forward
+    (its graph) untimed, ``torch.autograd.grad`` for dy timed; fwd+bwd: both. Returns (dx, d_router, dw13, dw2,
+    experts) with the routing decision ``route`` gives on the same inputs (the call both layers make)."""
     leaves = [t.detach().requires_grad_(True) for t in (inp.x, inp.router_weight, inp.w13, inp.w2)]
     _, experts = route(inp.x, inp.router_weight, inp.model.top_k, **inp.route_kw())
 
     def forward():
-        return moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=False, **inp.route_kw())
+        return layer(*leaves)
 
     def backward(y):
         return (*torch.autograd.grad(y, leaves, inp.dy), experts)
@@ -571,8 +590,7 @@ def deepep_available(world: int) -> tuple[bool, str | None]:
 
 
 @register("moe_fwd", "deepep", available=deepep_available,
-          dtypes={"bf16": None, MX: "no MXFP8 path in the deepep baseline yet"},
-          directions={FWD: None, BWD: DEEPEP_BACKWARD, FWD_BWD: DEEPEP_BACKWARD})
+          dtypes={"bf16": None, MX: "no MXFP8 path in the deepep baseline yet"})
 def _deepep(inp: MoEInputs, params: dict, config):
     return deepep_callable(inp)
 
@@ -726,26 +744,23 @@ def _deepep_buffer(deep_ep, world: int, hidden_bytes: int):
 def deepep_callable(inp: MoEInputs):
     """The ``deepep`` baseline: DeepEP V1's intranode (NVLink) normal-mode dispatch/combine around nccl-a2a's GEMMs.
 
-    One call: ``route`` (the router nccl-a2a runs, fp32 weights, int64 experts = ``deep_ep.topk_idx_t``) ->
-    ``Buffer.get_dispatch_layout(topk_idx, E)`` (tokens per rank and per expert, int32; is_token_in_rank) ->
-    ``Buffer.dispatch(x, ..., topk_idx, topk_weights)``: every token once per rank holding any of its experts;
-    returns (recv_x, recv_topk_idx local to this rank or -1, recv_topk_weights 0 there, the rows per local
-    expert as a host list, handle, event) -> ``deepep_expert_side``: one row per (token, local expert), the same
-    torch._grouped_mm x2 + SwiGLU as nccl-a2a (``_experts_forward``), gate-weighted sum per received token (one
-    bmm, as nccl-a2a's fold) -> ``Buffer.combine(partial, handle)``: sums the ranks' partials (no weights) back
-    on the token's own rank, bf16. Synchronous (async_finish=False: the current stream waits for DeepEP's
-    communication stream); dispatch waits on the host for the received counts, as nccl-a2a's split sizes do.
+    fwd: one call is ``deepep_layer`` (route -> layout -> dispatch -> expert side -> combine), its exchanges called
+    directly. bwd, fwd+bwd: ``autograd_backward`` -- nccl-a2a's timing of its autograd backward -- through
+    ``deepep_layer`` with the exchanges as autograd Functions (dispatch's backward is a combine of the gradient,
+    combine's a cached-mode dispatch: DeepEP's own pairing, as Megatron's DeepEP dispatcher uses it); the expert
+    part's backward is autograd through the same torch._grouped_mm GEMMs and SwiGLU as nccl-a2a's. Synchronous
+    (async_finish=False: the current stream waits for DeepEP's communication stream); dispatch waits on the host
+    for the received counts, as nccl-a2a's split sizes do (a cached dispatch reuses the handle's: no wait).
 
     Configuration, DeepEP's own, not tuned down: ``Buffer.get_dispatch_config(W)`` and
     ``Buffer.get_combine_config(W)`` (its recommended per world size; W = 2: NVL chunks send/recv 24/256 and
     10/256 tokens) at ``Buffer.num_sms`` = its default, 20 SMs (10 channels); DeepEP's README example and
     tests/test_intranode.py set 24 (``Buffer.set_num_sms``), which this baseline does not. The Buffer: DeepEP's
-    sizing (``_deepep_buffer``); the row's workspace_bytes is its NVLink buffer.
+    sizing (``_deepep_buffer``), made here, outside the timed call; the row's workspace_bytes is its NVLink buffer.
 
-    What has run: the call sequence and the expert side on the CPU, with a stand-in Buffer that mirrors the
-    wheel's signatures (tests/test_deepep.py); the real kernels on no GPU yet: tests/test_deepep.py's GPU test
-    (two processes on one GPU over gloo, ``launcher.spawn_one_gpu``) and ``dev/x1_session.sh deepep`` are
-    written for that run."""
+    What has run: the forward on one GPU, two ranks (tests/test_deepep.py's GPU test), and the autograd Functions
+    in the training proxy's EP = 2 deepep (NOTES.md); the bench's bwd rows on the CPU with a stand-in Buffer that
+    mirrors the wheel's signatures (tests/test_deepep.py), their GPU test written, not yet run."""
     import deep_ep
     world = world_info()[1]
     m, x = inp.model, inp.x
@@ -753,25 +768,116 @@ def deepep_callable(inp: MoEInputs):
     if problem:
         raise registry.Unavailable(problem)
     hidden_bytes = x.shape[1] * max(x.element_size(), 2)  # DeepEP's get_hidden_bytes
-    buf, (dispatch_cfg, combine_cfg) = _deepep_buffer(deep_ep, world, hidden_bytes)
+    buf, configs = _deepep_buffer(deep_ep, world, hidden_bytes)
     _DEEPEP["note"] = (f"DeepEP intranode: Buffer.get_dispatch_config({world}) / get_combine_config({world}) "
                        f"(its recommended), Buffer.num_sms={deep_ep.Buffer.num_sms} (its default)")
-    idx_dtype = deep_ep.topk_idx_t
-    k, local = m.top_k, inp.w13.shape[0]
 
-    def fn():
-        weights, experts = route(x, inp.router_weight, k, **inp.route_kw())
-        topk_idx = experts.to(idx_dtype).contiguous()
-        topk_w = weights.float().contiguous()
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, m.experts)
-        recv_x, recv_idx, recv_w, recv_counts, handle, _ = buf.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w, config=dispatch_cfg)
-        y_part = deepep_expert_side(recv_x, recv_idx, recv_w, recv_counts, inp.w13, inp.w2, local)
-        y, _, _ = buf.combine(y_part, handle, config=combine_cfg)
-        return y
+    def layer(x, router_weight, w13, w2, grad=True):
+        return deepep_layer(buf, configs, x, router_weight, w13, w2, top_k=m.top_k, n_experts=m.experts,
+                            grad=grad, **inp.route_kw())
 
-    return fn, buf.num_nvl_bytes
+    if inp.direction != FWD:
+        return autograd_backward(inp, layer), buf.num_nvl_bytes
+    return (lambda: layer(x, inp.router_weight, inp.w13, inp.w2, grad=False)), buf.num_nvl_bytes
+
+
+def deepep_layer(buf, configs, x, router_weight, w13, w2, *, top_k: int, n_experts: int, grad: bool = True,
+                 **route_kw):
+    """The MoE layer through DeepEP: y [T, H] of this rank's tokens x [T, H] bf16 (w13 / w2 this rank's experts).
+    ``route`` (the router nccl-a2a runs: fp32 weights, int64 experts = ``deep_ep.topk_idx_t``) ->
+    ``buf.get_dispatch_layout(topk_idx, E)`` (tokens per rank and per expert, int32; is_token_in_rank) ->
+    ``buf.dispatch(x, ..., topk_idx, topk_weights)``: every token once per rank holding any of its experts, with
+    its top-k indices made local (-1 for another rank's experts) and its weights (0 there), the rows per local
+    expert as a host list, and the handle -> ``deepep_expert_side``: the same torch._grouped_mm x2 + SwiGLU as
+    nccl-a2a, the gate-weighted sum of a received token's local slots (one bmm, as nccl-a2a's fold) ->
+    ``buf.combine(partial, handle)``: the ranks' partials summed (no weights) on the token's own rank, bf16.
+    ``configs``: (dispatch config, combine config). Used by the bench (deepep_callable) and the training proxy
+    (train.DeepEPMoE).
+
+    ``grad``: the two exchanges as the autograd Functions _DeepEPDispatch / _DeepEPCombine, so that autograd runs
+    through the layer; False: called directly (the bench's fwd rows: the same DeepEP calls, no autograd
+    bookkeeping in the timed call).
+
+    The gate weights' gradient: DeepEP's combine adds the partials without weights, so the weighting happens in
+    torch, in deepep_expert_side, where autograd sees it: it gives d(recv_topk_weights) [R, k] (<d partial, the
+    slot's expert output> at this rank's slots, 0 at the masked -1 slots). _DeepEPDispatch's backward passes it
+    as combine's ``topk_weights``, which DeepEP sums per slot over the ranks the token went to; each slot is
+    nonzero on the one rank holding its expert, so the sum is d(topk_weights) [T, k] on the token's rank, and
+    autograd carries it on through route's softmax / sigmoid and renormalisation to the router weight and x."""
+    import deep_ep
+    weights, experts = route(x, router_weight, top_k, **route_kw)
+    topk_idx = experts.to(deep_ep.topk_idx_t).contiguous()
+    layout = buf.get_dispatch_layout(topk_idx, n_experts)[:4]  # per rank, per RDMA rank (None), per expert, in rank
+    state = _DeepEPState(buf, *configs)
+    dispatch, combine = (_DeepEPDispatch.apply, _DeepEPCombine.apply) if grad else (_deepep_dispatch, _deepep_combine)
+    recv_x, recv_w = dispatch(x.contiguous(), weights.float().contiguous(), topk_idx, layout, state)
+    part = deepep_expert_side(recv_x, state.recv_idx, recv_w, state.counts, w13, w2, w13.shape[0])
+    return combine(part, state)
+
+
+class _DeepEPState:
+    """What a DeepEP dispatch leaves for its combine and both backwards: the Buffer, its configs, the handle,
+    the received top-k indices (local, -1 elsewhere) and rows per local expert."""
+
+    def __init__(self, buf, dispatch_config, combine_config):
+        self.buf, self.dispatch_config, self.combine_config = buf, dispatch_config, combine_config
+        self.handle = self.recv_idx = self.counts = None
+
+
+def _deepep_dispatch(x, topk_weights, topk_idx, layout, state: _DeepEPState):
+    """``Buffer.dispatch`` with the layout of ``get_dispatch_layout``: (x [T, H] bf16, topk_weights [T, k] fp32)
+    -> (recv_x [R, H], recv_topk_weights [R, k]); the handle, recv_topk_idx and the per-expert counts go to
+    ``state``."""
+    per_rank, per_rdma_rank, per_expert, in_rank = layout
+    recv_x, recv_idx, recv_w, counts, handle, _ = state.buf.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+        config=state.dispatch_config)
+    state.handle, state.recv_idx, state.counts = handle, recv_idx, list(counts)
+    return recv_x, recv_w
+
+
+def _deepep_combine(partial, state: _DeepEPState):
+    """``Buffer.combine(partial, handle)``: every received row's partial [R, H] summed back on its token's rank
+    (no weights), bf16 [T, H]."""
+    y, _, _ = state.buf.combine(partial.contiguous(), state.handle, config=state.combine_config)
+    return y
+
+
+class _DeepEPDispatch(torch.autograd.Function):
+    """_deepep_dispatch under autograd. Backward as DeepEP pairs them (and Megatron's DeepEP dispatcher,
+    fused_a2a.FusedDispatch, uses them): ``Buffer.combine`` of the received rows' gradient with the same handle --
+    a token's rows summed over the ranks it went to -- and ``topk_weights=`` the received weights' gradient,
+    summed the same way (deepep_layer's docstring: the gate weights' gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, layout, state):
+        ctx.state = state
+        return _deepep_dispatch(x, topk_weights, topk_idx, layout, state)
+
+    @staticmethod
+    def backward(ctx, d_recv_x, d_recv_w):
+        st = ctx.state
+        dx, dw, _ = st.buf.combine(d_recv_x.contiguous(), st.handle, topk_weights=d_recv_w.float().contiguous(),
+                                   config=st.combine_config)
+        return dx, dw, None, None, None
+
+
+class _DeepEPCombine(torch.autograd.Function):
+    """_deepep_combine under autograd. Backward as DeepEP pairs them (Megatron's fused_a2a.FusedCombine):
+    ``Buffer.dispatch`` of the output gradient in cached mode (``handle=`` the dispatch's: its layout reused, no
+    top-k), every token's gradient row to each rank that sent it a partial."""
+
+    @staticmethod
+    def forward(ctx, partial, state):
+        ctx.state = state
+        return _deepep_combine(partial, state)
+
+    @staticmethod
+    def backward(ctx, dy):
+        st = ctx.state
+        d_partial = st.buf.dispatch(dy.contiguous(), handle=st.handle, config=st.dispatch_config)[0]
+        return d_partial, None
 
 
 def deepep_expert_side(recv_x, recv_idx, recv_w, recv_counts, w13, w2, local: int):

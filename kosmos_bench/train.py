@@ -45,9 +45,9 @@ here gets an "unavailable" row with the reason -- ``unavailable_reason`` -- and 
                  bench's nccl-a2a) under autograd: its row all-to-alls are differentiable (AllToAllRows: the
                  backward is the reverse all_to_all_single, the split sizes swapped), so it trains at any W.
   deepep         DeepEP V1's intranode dispatch / combine (the bench's Buffer: moe._deepep_buffer, DeepEP's
-                 recommended configs) around nccl-a2a's expert GEMMs (moe.deepep_expert_side), in autograd
-                 Functions with Megatron's DeepEP backward: dispatch's is a combine of the gradient with the same
-                 handle (topk_weights= the weights' gradient), combine's a cached-mode dispatch (handle=). The
+                 recommended configs) around nccl-a2a's expert GEMMs (moe.deepep_layer, as the bench's bwd rows),
+                 in autograd Functions with Megatron's DeepEP backward: dispatch's is a combine of the gradient with
+                 the same handle (topk_weights= the weights' gradient), combine's a cached-mode dispatch (handle=). The
                  Buffer is freed after the implementation (in step). Unavailable when deep_ep does not import, at
                  W not 2, 4 or 8 (so at W = 1) and for shapes DeepEP's kernels refuse (moe.deepep_shape_problem).
   kosmos (MoE)   kosmos.nn.MoE (its backward: kernels.moe_backward.moe_backward, all-to-alls between the kernels
@@ -446,85 +446,21 @@ class A2AMoE(torch.nn.Module):
                              group=self.group, fp32=False, **self._route_kw())
 
 
-class _DeepEPState:
-    """What a DeepEP dispatch leaves for its combine and both backwards: the Buffer, its configs, the handle,
-    the received top-k indices (local, -1 elsewhere) and rows per local expert."""
-
-    def __init__(self, buf, dispatch_config, combine_config):
-        self.buf, self.dispatch_config, self.combine_config = buf, dispatch_config, combine_config
-        self.handle = self.recv_idx = self.counts = None
-
-
-class _DeepEPDispatch(torch.autograd.Function):
-    """DeepEP V1 intranode dispatch (``Buffer.dispatch`` with the layout of ``get_dispatch_layout``): (x [T, H]
-    bf16, topk_weights [T, k] fp32) -> (recv_x [R, H], recv_topk_weights [R, k]); the handle, recv_topk_idx and
-    the per-expert counts go to ``state``. Backward as Megatron's DeepEP dispatcher (fused_a2a.FusedDispatch):
-    ``Buffer.combine`` of the gradient with the same handle, ``topk_weights=`` the weights' gradient (combine
-    sums a received token's rows and its top-k weights over the ranks it went to: each slot is live on one
-    rank, 0 elsewhere)."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, layout, state):
-        per_rank, per_rdma_rank, per_expert, in_rank = layout
-        recv_x, recv_idx, recv_w, counts, handle, _ = state.buf.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            config=state.dispatch_config)
-        state.handle, state.recv_idx, state.counts = handle, recv_idx, list(counts)
-        ctx.state = state
-        return recv_x, recv_w
-
-    @staticmethod
-    def backward(ctx, d_recv_x, d_recv_w):
-        st = ctx.state
-        dx, dw, _ = st.buf.combine(d_recv_x.contiguous(), st.handle, topk_weights=d_recv_w.float().contiguous(),
-                                   config=st.combine_config)
-        return dx, dw, None, None, None
-
-
-class _DeepEPCombine(torch.autograd.Function):
-    """DeepEP V1 intranode combine (``Buffer.combine(partial, handle)``: every received row's partial summed back
-    on its token's rank, bf16). Backward as Megatron's (fused_a2a.FusedCombine): ``Buffer.dispatch`` of the
-    gradient in cached mode (``handle=`` the dispatch's: the layout reused, no top-k)."""
-
-    @staticmethod
-    def forward(ctx, partial, state):
-        y, _, _ = state.buf.combine(partial.contiguous(), state.handle, config=state.combine_config)
-        ctx.state = state
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        st = ctx.state
-        d_partial = st.buf.dispatch(dy.contiguous(), handle=st.handle, config=st.dispatch_config)[0]
-        return d_partial, None
-
-
 class DeepEPMoE(A2AMoE):
-    """The deepep MoE baseline with autograd: the router nccl-a2a runs, DeepEP V1's intranode dispatch ->
-    moe.deepep_expert_side (the same _experts_forward grouped GEMMs as nccl-a2a, the gate-weighted sum of a
-    received token's local slots) -> DeepEP's combine; both through autograd Functions (_DeepEPDispatch,
-    _DeepEPCombine). The Buffer: the bench's (moe._deepep_buffer: DeepEP's recommended configs and sizing, on
-    the world group), freed by run_train after the implementation (moe.deepep_release, in step). The same
-    parameters (names, order, layout) as A2AMoE, so the same weights."""
+    """The deepep MoE baseline with autograd: moe.deepep_layer (the router nccl-a2a runs, DeepEP V1's intranode
+    dispatch -> moe.deepep_expert_side, the same _experts_forward grouped GEMMs as nccl-a2a and the gate-weighted
+    sum of a received token's local slots -> DeepEP's combine), both exchanges autograd Functions. The Buffer: the
+    bench's (moe._deepep_buffer: DeepEP's recommended configs and sizing, on the world group), freed by run_train
+    after the implementation (moe.deepep_release, in step). The same parameters (names, order, layout) as A2AMoE,
+    so the same weights."""
 
     def forward(self, x):
         import deep_ep
 
-        from kosmos.moe_reference import route
-
         from . import moe
-        world = _world(self.group)
-        weights, experts = route(x, self.router_weight, self.top_k, self.routing, **self._route_kw())
-        topk_idx = experts.to(deep_ep.topk_idx_t).contiguous()
-        buf, (dispatch_cfg, combine_cfg) = moe._deepep_buffer(deep_ep, world, x.shape[1] * max(x.element_size(), 2))
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, self.experts)
-        state = _DeepEPState(buf, dispatch_cfg, combine_cfg)
-        recv_x, recv_w = _DeepEPDispatch.apply(x.contiguous(), weights.float().contiguous(), topk_idx,
-                                               (per_rank, per_rdma_rank, per_expert, in_rank), state)
-        part = moe.deepep_expert_side(recv_x, state.recv_idx, recv_w, state.counts, self.w13, self.w2,
-                                      self.w13.shape[0])
-        return _DeepEPCombine.apply(part, state)
+        buf, configs = moe._deepep_buffer(deep_ep, _world(self.group), x.shape[1] * max(x.element_size(), 2))
+        return moe.deepep_layer(buf, configs, x, self.router_weight, self.w13, self.w2, top_k=self.top_k,
+                                n_experts=self.experts, routing=self.routing, **self._route_kw())
 
 
 def deepep_problem(shape: "ProxyShape", world: int) -> str | None:

@@ -733,7 +733,7 @@ def test_point_backward_world1(monkeypatch, tiny_models, name, direction):
         assert r["t_comm_ms"] is None
         assert r["t_gemm_ms"] == (by[("moe_experts", "grouped-mm")]["time_ms"] if experts else None)
     assert by[("moe_fwd", "deepep")]["status"] == "unavailable"
-    assert by[("moe_fwd", "fixed-role")]["reason"] == moe.FIXED_BACKWARD
+    assert by[("moe_fwd", "fixed-role")]["reason"] == "no communication at world size 1"
 
 
 def test_backward_availability_by_world_and_dtype():
@@ -748,6 +748,16 @@ def test_backward_availability_by_world_and_dtype():
     assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "fwd+bwd") == ()
     assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "mxfp8", "bwd") == ()
     assert registry.impls_at("moe_fwd", moe.MOE_IMPLS, "bf16", "bwd") == moe.MOE_IMPLS
+    for name in ("fixed-role", "fixed-role-best"):  # no communication at W = 1; no role split in the backward
+        fixed = registry.get("moe_fwd", name)
+        for direction in ("bwd", "fwd+bwd"):
+            assert fixed.availability(1, "bf16", direction) == (False, "no communication at world size 1")
+            assert fixed.availability(2, "bf16", direction) == (False, moe.FIXED_BACKWARD)
+        assert fixed.availability(2, "bf16", "fwd") == (True, None)
+    deepep = registry.get("moe_fwd", "deepep")  # the backward as the forward: DeepEP's worlds, bf16
+    assert deepep.availability(2, "mxfp8", "bwd") == (False, "no MXFP8 path in the deepep baseline yet")
+    assert deepep.availability(2, "bf16", "bwd") == deepep.availability(2, "bf16", "fwd")
+    assert deepep.availability(2, "bf16", "fwd+bwd") == deepep.availability(2, "bf16", "fwd")
 
 
 def _expert_backward_inputs(rows_per_expert=(5, 0, 9, 3), hidden=32, ffn=16, seed=3):

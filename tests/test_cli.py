@@ -713,6 +713,7 @@ def test_bench_moe_bad_direction_is_one_line(value):
 
 
 def test_bench_moe_dry_run_lists_implementations_per_direction():
+    import importlib.util
     r = runner.invoke(app, [*MOE_TINY, "--ep", "1", "--direction", "fwd,bwd,fwd+bwd", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "direction: fwd, bwd, fwd+bwd" in r.output and "over 3 directions" in r.output
@@ -722,7 +723,10 @@ def test_bench_moe_dry_run_lists_implementations_per_direction():
     bwd, both = rest.split("implementations (moe_fwd, fwd+bwd):")
     for part in (bwd, both):
         assert "kosmos               available" in part and "nccl-a2a (baseline)  available" in part
-        assert "unavailable: no backward in the deepep baseline yet" in part
+        deepep = [line for line in part.splitlines() if line.strip().startswith("deepep ")]
+        if importlib.util.find_spec("deep_ep") is None:  # the backward's reasons are the forward's (EP = 1 here)
+            assert deepep and "unavailable: deep_ep is not importable" in deepep[0], part
+        assert "fixed-role" in part and "unavailable: no communication at world size 1" in part, part
     r = runner.invoke(app, [*MOE_TINY, "--ep", "2", "--direction", "bwd", "--dry-run"])
     assert r.exit_code == 0, r.output  # W > 1: checked by the distributed fp32 reference
     assert "kosmos               available" in r.output and "nccl-a2a (baseline)  available" in r.output, r.output

@@ -5,8 +5,8 @@
   stand-in ``deep_ep`` whose Buffer has the wheel's signatures, return tuples and host-side checks (DeepEP V1,
   commit 567632d: dtypes, contiguity, sizes, the NVLink buffer's size assertion) and emulates dispatch/combine
   with all-to-alls -- the call sequence, not DeepEP's kernels. It also has what a backward uses (the training
-  proxy's deepep, tests/test_bench_train.py): dispatch in cached mode (``handle=``, x only) and combine's
-  ``topk_weights`` (summed over the ranks, as DeepEP reduces them).
+  proxy's deepep, tests/test_bench_train.py, and the bench's bwd rows): dispatch in cached mode (``handle=``, x
+  only) and combine's ``topk_weights`` (summed over the ranks, as DeepEP reduces them).
 * GPU (``gpu``): the real wheel (../shared/wheels; ``dev/x1_session.sh deepep`` installs it), two processes on
   cuda:0 with a gloo group (``launcher.spawn_one_gpu``); skipped without a GPU or when ``deep_ep`` does not import.
 
@@ -14,6 +14,13 @@ Both check every case against the fp32 reference (``moe_reference.moe_forward_re
 bf16 tolerance (harness.TOLERANCE, 1e-2): two routers (softmax; sigmoid-grouped with a score bias and a routed
 scale), both routings of the suite (uniform, zipf:1.2), a case with empty experts and one where every token goes
 to rank 0's experts (rank 1 receives nothing); then one benchmark point (``moe.run_case``, nccl-a2a and deepep).
+
+The backward (``--direction bwd`` / ``fwd+bwd``: autograd through ``moe.deepep_layer``, DeepEP's dispatch and
+combine as autograd Functions) has its own tests, CPU (the stand-in) and GPU (the wheel): one point per router
+through ``moe.run_case`` in both directions, nccl-a2a and deepep, every gradient (dx, d_router, dw13, dw2)
+checked by the harness against the distributed fp32 reference (``moe.grad_reference`` at W = 2) within
+GRAD_TOLERANCE; on the CPU also that the check sees the gate weights' gradient (with combine's ``topk_weights``
+dropped, d_router is wrong).
 """
 import importlib
 import importlib.util
@@ -150,6 +157,7 @@ class _Buffer:
     C++ side makes on the host, dispatch/combine emulated with gloo all-to-alls."""
     num_sms = 20
     log = []
+    reduce_topk_weights = True  # False: combine returns zeros for topk_weights (the control, _gate_gradient_control)
 
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
                  allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
@@ -256,7 +264,8 @@ class _Buffer:
             assert topk_weights.dim() == 2 and topk_weights.is_contiguous() and topk_weights.dtype == torch.float32
             assert topk_weights.shape[0] == x.shape[0]
             w = torch.zeros(in_rank.shape[0], topk_weights.shape[1], dtype=torch.float32)
-            w.index_add_(0, tok, _a2a(topk_weights, recv_counts, send_counts))
+            if _Buffer.reduce_topk_weights:
+                w.index_add_(0, tok, _a2a(topk_weights, recv_counts, send_counts))
         return y.to(torch.bfloat16), w, _Event()
 
 
@@ -333,6 +342,47 @@ def _check_point(device, check):
     check((by.get("deepep", {}).get("workspace_bytes") or 0) > 0, "deepep row without its NVLink buffer size")
 
 
+def _check_backward(device, check):
+    """The backward through the bench's harness: one point per router (MODELS) in bwd and fwd+bwd, nccl-a2a and
+    deepep rows ok with each of the four gradients' errors against the distributed fp32 reference below
+    GRAD_TOLERANCE, deepep's note and NVLink buffer recorded. Collective (every rank in step)."""
+    for m in MODELS:
+        for direction in (moe.BWD, moe.FWD_BWD):
+            st = moe.MoESettings(impls=("nccl-a2a", "deepep"), iters=2, warmup=1, expert_gemms=False,
+                                 direction=direction)
+            rows = moe.run_case(moe.MoECase(m.name, TOKENS[device.type], "zipf:1.2", asdict(m)), st, device=device)
+            by = {r["impl"]: r for r in rows if r["op"] == "moe_fwd"}
+            for name in ("nccl-a2a", "deepep"):
+                r = by.get(name, {})
+                grads = r.get("rel_err_grads") or {}
+                check(r.get("status") == "ok" and r.get("direction") == direction and set(grads) == set(moe.GRADS)
+                      and all(0 < e < moe.GRAD_TOLERANCE for e in grads.values()),
+                      f"{m.name} {direction} {name}: {r.get('status')} {r.get('reason')} rel_err_grads {grads}")
+            deepep = by.get("deepep", {})
+            check((deepep.get("note") or "").startswith("DeepEP intranode:") and
+                  (deepep.get("workspace_bytes") or 0) > 0, f"{m.name} {direction} deepep note / buffer: {deepep}")
+
+
+def _gate_gradient_control(rank, check):
+    """With combine's reduced ``topk_weights`` zeroed (the stand-in's switch), the gate weights get no gradient in
+    the dispatch backward: the check must then fail on d_router (the router weight's only path there) while the
+    expert weights' gradients still pass, and pass again with them."""
+    m = MODELS[1]
+    xs, wr, bias, ws = _case_inputs(m, "uniform", None, torch.device("cpu"), TOKENS["cpu"])
+    dy = torch.randn(xs[rank].shape, generator=torch.Generator().manual_seed(50 + rank)).to(torch.bfloat16)
+    inp = moe.MoEInputs(m, xs[rank], wr, bias, *ws[rank], direction=moe.BWD, dy=dy)
+    ref = moe.grad_reference(inp, WORLD)  # collective
+    fn, _ = moe.deepep_callable(inp)
+    errs = {}
+    for reduce in (False, True):
+        _Buffer.reduce_topk_weights = reduce
+        errs[reduce] = ref.errors(fn())[1]
+    _Buffer.reduce_topk_weights = True
+    check(errs[False]["d_router"] > 0.5 and errs[False]["dw13"] < moe.GRAD_TOLERANCE,
+          f"without the weights' gradient: {errs[False]}")
+    check(max(errs[True].values()) < moe.GRAD_TOLERANCE, f"with the weights' gradient: {errs[True]}")
+
+
 def _check_all(rank, device, check):
     if _check_callable(rank, device, check):
         _check_point(device, check)
@@ -365,6 +415,31 @@ def _cpu_rank(rank, world, port, q):
         q.put((rank, (check.failures, list(_Buffer.log))))
     finally:
         dist.destroy_process_group()
+
+
+def _cpu_bwd_rank(rank, world, port, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        sys.modules["deep_ep"] = _fake_deep_ep()
+        timing.time_op = _cpu_time_op
+        check = Checks(rank)
+        _check_backward(torch.device("cpu"), check)
+        _gate_gradient_control(rank, check)
+        moe.deepep_release()
+        q.put((rank, (check.failures, list(_Buffer.log))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deepep_backward_over_gloo_with_a_stand_in_buffer():
+    """deepep's bwd / fwd+bwd rows at W = 2 (CPU ranks, the stand-in Buffer): gradients checked by the harness,
+    the gate weights' gradient through combine's topk_weights; cached-mode dispatches ran (combine's backward)."""
+    got = spawn_gloo(_cpu_bwd_rank, WORLD, timeout_s=300)
+    for rank, (failures, log) in got.items():
+        assert failures == [], (rank, failures)
+        assert any(kind == "cached" for kind, _ in log), log
 
 
 def test_deepep_callable_over_gloo_with_a_stand_in_buffer():
@@ -406,6 +481,30 @@ def test_deepep_two_ranks_on_one_gpu(tmp_path):
     if problem:
         pytest.skip(problem)
     launcher.spawn_one_gpu(_gpu_rank, WORLD, str(tmp_path), timeout_s=240)
+    for r in range(WORLD):
+        f = Path(tmp_path) / f"rank{r}.txt"
+        assert f.exists(), f"rank {r} did not finish"
+        assert f.read_text() == "", f.read_text()
+
+
+def _gpu_bwd_rank(rank, world, out_dir):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check = Checks(rank)
+    try:
+        _check_backward(torch.device("cuda", torch.cuda.current_device()), check)
+        moe.deepep_release()  # collective: both ranks got here
+    finally:
+        check.finish(out_dir)
+
+
+@pytest.mark.gpu
+def test_deepep_backward_two_ranks_on_one_gpu(tmp_path):
+    """The bwd and fwd+bwd directions of the deepep baseline end to end on the real wheel (two processes on
+    cuda:0 over gloo): rows ok, every gradient within GRAD_TOLERANCE of the distributed fp32 reference."""
+    problem = _deepep_import_problem()
+    if problem:
+        pytest.skip(problem)
+    launcher.spawn_one_gpu(_gpu_bwd_rank, WORLD, str(tmp_path), timeout_s=300)
     for r in range(WORLD):
         f = Path(tmp_path) / f"rank{r}.txt"
         assert f.exists(), f"rank {r} did not finish"
