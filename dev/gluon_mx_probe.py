@@ -152,7 +152,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kosmos.quant import _rceil_exponent, mx_round, mx_round_bf16
 
 DEVICE = "cuda"  # the checks' and timings' device (a CPU dry run of the host code sets "cpu")
-IMPLS = {"kosmos": 0, "packed": 1}  # ROUND_IMPL: which arithmetic rounds A (module docstring)
+IMPLS = {"kosmos": 0, "packed": 1, "norm": 2, "copy": 3}  # IMPL: the rounding partition's arithmetic
+# (module docstring; "copy" rounds nothing: a diagnostic of the partition's data movement)
 
 
 # ============================================================================================ MX rounding of a tile
@@ -251,8 +252,12 @@ def _round_compute(xs, IMPL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constex
         x = xs[c]
         if IMPL == 0:
             y = gl.reshape(mx_round_bf16(gl.reshape(x, [ROWS, BKX // 32, 32])), [ROWS, BKX])
-        else:
+        elif IMPL == 1:
             y = gl.reshape(_mx_round_words(gl.reshape(x, [ROWS, BKX // 16, 16])), [ROWS, BKX])
+        elif IMPL == 2:
+            y = gl.reshape(_mx_round_words_norm(gl.reshape(x, [ROWS, BKX // 16, 16])), [ROWS, BKX])
+        else:  # IMPL 3, "copy": no rounding (a diagnostic: the partition's data movement alone)
+            y = x
         ys = ys + (gl.convert_layout(y, x.type.layout), )
     return ys
 
@@ -267,6 +272,147 @@ def _round_write(ys, dst, IMPL: gl.constexpr, ROWS: gl.constexpr):
         words = _word_view(dst)
         for c in gl.static_range(len(ys)):
             words.slice(c * ROWS, ROWS).store(ys[c])
+
+
+# The "norm" constants (RS build): every block normalised to X = 0 (shift s = -X - 4 instead of +-64 / 0), so
+# that Cb is the constant 2**-6 and S16, S1, Sinv are integer offsets of one power of two (module docstring).
+_ROUND_NORM = gl.constexpr("""{
+        .reg .b32 c, t;
+        mul.rn.bf16x2 c, $1, $2;
+        and.b32 c, c, 0xFF80FF80;
+        max.NaN.xorsign.abs.bf16x2 c, c, $3;
+        fma.rn.bf16x2 t, $1, $4, c;
+        sub.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 t, t, $5;
+        lop3.b32 $0, t, $1, 0x80008000, 0xF8;
+        }""")
+
+
+@gluon.jit
+def _absmax_bf16(a, b):
+    """max(|a|, |b|) of two bf16, NaN-propagating (canonical NaN 0x7FFF); the sign bit is meaningless (xorsign)."""
+    return gl.inline_asm_elementwise("max.NaN.xorsign.abs.bf16 $0, $1, $2;", "=h,h,h", [a, b], dtype=gl.bfloat16,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _norm_consts(amax):
+    """The blocks' constants (bf16 bit patterns in int32) from their amax magnitude bits (bf16 pattern & 0x7FFF):
+    P = 2**(X + 8) = max((amax + 0x1F) & 0x7F80, 2**-119) -- adding 0x1F carries into the exponent exactly when
+    the fraction is above 0x60, RCEIL's +1; the max is X's clamp at -127 -- then S16 = 2**-X, S1 = 2**(-X - 4),
+    Sinv = 2**(X + 4) by exponent arithmetic on P's bits (all normal for X in [-127, 120]), and Cb = 2**-6, or
+    NaN for a block holding NaN/Inf (max.NaN spreads it to every element)."""
+    p = gl.maximum((amax + 0x1F) & 0x7F80, 0x400)
+    return 0x8300 - p, gl.where(amax >= 0x7F80, 0x7FC0, 0x3C80), 0x8100 - p, p - 0x200
+
+
+@gluon.jit
+def _bits_bf16(x):
+    """int32 holding a 16-bit pattern -> that bf16."""
+    return x.to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _mx_round_dot(a):
+    """The MX values of a bf16 [BM, BK] tile in wgmma's A-operand register layout (DotOperandLayout, k_width 2:
+    each thread holds 8 elements of a 32-element block, as 4 pairs; the quad of lanes holds the block), same layout
+    back. amax: gl.reduce with max.NaN.xorsign.abs.bf16 (7 in-thread ops and 2 shuffle rounds per block); the
+    element step: the packed 7 instructions per pair with the "norm" constants."""
+    BM: gl.constexpr = a.shape[0]
+    BK: gl.constexpr = a.shape[1]
+    a3 = a.reshape([BM, BK // 32, 32])
+    amax = gl.reduce(a3, 2, _absmax_bf16)
+    s16, cb, s1, sinv = _norm_consts(amax.to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF)
+    y3 = gl.inline_asm_elementwise(
+        _ROUND_NORM, "=r,r,r,r,r,r",
+        [a3, gl.expand_dims(_bits_bf16(s16), 2), gl.expand_dims(_bits_bf16(cb), 2), gl.expand_dims(_bits_bf16(s1), 2),
+         gl.expand_dims(_bits_bf16(sinv), 2)], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return gl.convert_layout(y3.reshape([BM, BK]), a.type.layout, assert_trivial=True)
+
+
+# The element step of the "words" variant: as _ROUND_NORM, on a bf16 pair ($1) with the block's constants given
+# as int32 words whose halves are equal (each appears twice, pack = 2: $2/$3 S16, $4/$5 Cb, $6/$7 S1, $8/$9 Sinv).
+_ROUND_WORDS = gl.constexpr("""{
+        .reg .b32 c, t;
+        mul.rn.bf16x2 c, $1, $2;
+        and.b32 c, c, 0xFF80FF80;
+        max.NaN.xorsign.abs.bf16x2 c, c, $4;
+        fma.rn.bf16x2 t, $1, $6, c;
+        sub.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 t, t, $8;
+        lop3.b32 $0, t, $1, 0x80008000, 0xF8;
+        }""")
+
+
+@gluon.jit
+def _pair_words(x):
+    """bf16 [R, NB, 2n] -> int32 [R, NB, n]: each word the pair (2i, 2i + 1) as the register holds it (the low half the
+    even element). Costs nothing: the pair already is one 32-bit register."""
+    w = gl.inline_asm_elementwise("mov.b32 $0, $2;\n mov.b32 $1, $2;", "=r,=r,r", [x], dtype=gl.int32,
+                                  is_pure=True, pack=2)
+    lo, hi = w.reshape([x.shape[0], x.shape[1], x.shape[2] // 2, 2]).split()
+    return lo
+
+
+@gluon.jit
+def _swap_halves(w):
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x1032;", "=r,r", [w], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _bf16x2_op(a, b, OP: gl.constexpr):
+    return gl.inline_asm_elementwise(OP + " $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _norm_consts_words(amax_w):
+    """_norm_consts on words whose two halves both hold the block's amax (signs meaningless): the same four
+    constants, each in both halves (the halves never carry or borrow into each other: P in [0x0400, 0x7F80])."""
+    clean = amax_w & 0x7FFF7FFF
+    p = _bf16x2_op((clean + 0x001F001F) & 0x7F807F80, gl.full(clean.shape, 0x04000400, gl.int32,
+                                                                 clean.type.layout), "max.bf16x2")
+    cb = gl.inline_asm_elementwise("{ .reg .b32 z, k;\n mov.b32 z, 0;\n mov.b32 k, 0x3C803C80;\n"
+                                   " fma.rn.bf16x2 $0, $1, z, k; }", "=r,r", [clean], dtype=gl.int32,
+                                   is_pure=True, pack=1)  # 2**-6, or NaN where amax is NaN / Inf (0 * Inf)
+    return -0x7CFF7D00 - p, cb, -0x7EFF7F00 - p, p - 0x02000200  # 0x83008300 - p, 0x81008100 - p (mod 2**32)
+
+
+@gluon.jit
+def _mx_round_dot_words(a):
+    """_mx_round_dot with the amax and the constants on 32-bit words (two elements each): the in-thread part of
+    the block max on words (3 ops for a thread's 4 words of a block), the 2 shuffle rounds on words, one swap
+    + max to put the block amax in both halves, and the constants computed once per word (module docstring)."""
+    BM: gl.constexpr = a.shape[0]
+    BK: gl.constexpr = a.shape[1]
+    a3 = a.reshape([BM, BK // 32, 32])
+    w = _pair_words(a3)                                        # [BM, BK/32, 16] words
+    m = gl.reduce(w, 2, _absmax_bf16x2)
+    m = _absmax_bf16x2(m, _swap_halves(m))
+    s16, cb, s1, sinv = _norm_consts_words(m)
+    lay: gl.constexpr = gl.SliceLayout(2, a3.type.layout)
+    y3 = gl.inline_asm_elementwise(
+        _ROUND_WORDS, "=r,r,r,r,r,r,r,r,r,r",
+        [a3, gl.expand_dims(gl.convert_layout(s16, lay, assert_trivial=True), 2),
+         gl.expand_dims(gl.convert_layout(cb, lay, assert_trivial=True), 2),
+         gl.expand_dims(gl.convert_layout(s1, lay, assert_trivial=True), 2),
+         gl.expand_dims(gl.convert_layout(sinv, lay, assert_trivial=True), 2)],
+        dtype=gl.bfloat16, is_pure=True, pack=2)
+    return gl.convert_layout(y3.reshape([BM, BK]), a.type.layout, assert_trivial=True)
+
+
+@gluon.jit
+def _mx_round_words_norm(w):
+    """_mx_round_words with the "norm" constants (_norm_consts_words; the element step _ROUND_NORM): the tree's
+    word (even / odd halves' maxima) is folded into both halves by one swap + max, then 9 ops give the four
+    constants per block, against ~20 for the +-64 shift's."""
+    m = _tree_absmax(w)
+    m = _absmax_bf16x2(m, _swap_halves(m))
+    s16, cb, s1, sinv = _norm_consts_words(m)
+    return gl.inline_asm_elementwise(
+        _ROUND_NORM, "=r,r,r,r,r,r",
+        [w, gl.expand_dims(s16, 2), gl.expand_dims(cb, 2), gl.expand_dims(s1, 2), gl.expand_dims(sinv, 2)],
+        dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -405,7 +551,7 @@ def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, I
 @gluon.jit
 def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
                    ROUND_MX: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   num_warps: gl.constexpr, A_REGS: gl.constexpr = 0):
     """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain: the A+B
     ring) and loads SB - 1 k-steps ahead. Per k-step g: wait ``b_ready`` (and ``a_ready``, ROUND_MX); async wgmma
     on (A slot, B slot); wait until one wgmma group is in flight, i.e. step g - 1's is done; release step g - 1:
@@ -428,33 +574,43 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
         _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, not ROUND_MX, B_KMAJOR)
         lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
     acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    UNROLL: gl.constexpr = 2 if A_REGS else 1
     it = 0
     for tile in range(total // k_steps):
         pid_m, pid_n = _tile_coords(gl.program_id(0) + tile * gl.num_programs(0), gl.cdiv(M, BM), gl.cdiv(N, BN),
                                     GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        for ki in range(k_steps):
-            s = it % SB
-            mbarrier.wait(b_ready.index(s), (it // SB) & 1)
-            if ROUND_MX:
-                sa = it % SA
-                mbarrier.wait(a_ready.index(sa), (it // SA) & 1)
-                a = a_bufs.index(sa)
-            else:
-                a = a_bufs.index(s)
-            b = b_bufs.index(s)
-            if B_KMAJOR:
-                b = b.permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            gl.thread_barrier()  # both warpgroups' step it - 1 is done
-            if ROUND_MX:  # (the tile's last step is released after the loop)
-                mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
-            _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N,
-                         not ROUND_MX, B_KMAJOR)  # k-step it + SB - 1, into the slot step it - 1 has left
-            lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
-            it += 1
+        for kk in range(k_steps // UNROLL):
+            for h in gl.static_range(UNROLL):  # A_REGS: two register sets, alternating (see _mx_round_dot)
+                ki = kk * UNROLL + h
+                s = it % SB
+                mbarrier.wait(b_ready.index(s), (it // SB) & 1)
+                if ROUND_MX:
+                    sa = it % SA
+                    mbarrier.wait(a_ready.index(sa), (it // SA) & 1)
+                    a = a_bufs.index(sa)
+                else:
+                    a = a_bufs.index(s)
+                    if A_REGS == 1:
+                        a = _mx_round_dot(a.load(a_layout))
+                    elif A_REGS == 2:
+                        a = _mx_round_dot_words(a.load(a_layout))
+                    elif A_REGS == 3:  # "rs-copy": the register path without rounding (a diagnostic)
+                        a = a.load(a_layout)
+                b = b_bufs.index(s)
+                if B_KMAJOR:
+                    b = b.permute((1, 0))
+                acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                gl.thread_barrier()  # both warpgroups' step it - 1 is done
+                if ROUND_MX:  # (the tile's last step is released after the loop)
+                    mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
+                _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N,
+                             not ROUND_MX, B_KMAJOR)  # k-step it + SB - 1, into the slot step it - 1 has left
+                lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
+                it += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         gl.thread_barrier()
         if ROUND_MX:
@@ -479,7 +635,7 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
 def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
                  B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr, RAW_STAGES: gl.constexpr,
                  GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
-                 ROUND_REGS: gl.constexpr, num_warps: gl.constexpr):
+                 ROUND_REGS: gl.constexpr, num_warps: gl.constexpr, A_REGS: gl.constexpr = 0):
     """C [M, N] = A [M, K] @ B (bf16, fp32 accumulation), persistent (module docstring). Plain: one partition
     (the MMA warps load A and B themselves). ROUND_MX: warp_specialize([MMA warps, ROUND_WARPS rounding warps])."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -494,7 +650,7 @@ def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: 
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(b_ready.index(i), count=1)
-    if ROUND_MX:
+    if ROUND_MX and not A_REGS:
         a_bufs = gl.allocate_shared_memory(dtype, [A_STAGES, BM, BK], a_desc.layout)
         raw = gl.allocate_shared_memory(dtype, [RAW_STAGES, BM, BK], a_desc.layout)
         a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
@@ -513,8 +669,8 @@ def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: 
         ], [ROUND_WARPS], [ROUND_REGS])
     else:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
-        _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K, ROUND_MX,
-                       B_KMAJOR, GROUP_M, num_warps)
+        _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K, False,
+                       B_KMAJOR, GROUP_M, num_warps, A_REGS)
 
 
 # ============================================================================================ host side
@@ -537,10 +693,10 @@ def config(round_mx: bool, impl: str = "packed", **over) -> dict:
     threads (ptxas allocates every partition within it: module docstring); ROUND_REGS: the rounding partition's
     setmaxnreg budget, the MMA partition gets the rest."""
     cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
-               ROUND_REGS=104 if impl == "packed" else 128, num_warps=8)
+               ROUND_REGS=104 if impl == "packed" else 128, num_warps=8, A_REGS=0)
     cfg.update(OVERRIDES)
     cfg.update(over)
-    warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if round_mx else 0)
+    warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if round_mx and not cfg["A_REGS"] else 0)
     cfg.setdefault("maxnreg", min(255, 65536 // (32 * warps)) // 8 * 8)
     return cfg
 
@@ -566,7 +722,7 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
     kw = dict(ROUND_MX=round_mx, IMPL=IMPLS[impl], B_KMAJOR=b_kmajor, STAGES=cfg["STAGES"],
               A_STAGES=cfg["A_STAGES"], RAW_STAGES=cfg["RAW_STAGES"], GROUP_M=cfg["GROUP_M"],
               ROUND_ROWS=cfg["ROUND_ROWS"], ROUND_WARPS=cfg["ROUND_WARPS"], ROUND_REGS=cfg["ROUND_REGS"],
-              num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
+              num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], A_REGS=cfg["A_REGS"])
     return _gemm_kernel, grid, (a_desc, b_desc, c_desc, m, n, k), kw
 
 
