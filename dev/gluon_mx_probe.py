@@ -438,6 +438,37 @@ def _round_only_kernel(x_desc, y_desc, IMPL: gl.constexpr, ROWS: gl.constexpr, n
     mbarrier.invalidate(bar)
 
 
+@gluon.jit
+def _round_only_dot_kernel(x_desc, y_desc, A_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """y = the MX values of x through the A_REGS rounding (1: _mx_round_dot, 2: _mx_round_dot_words) in wgmma's
+    A-operand register layout, as the GEMM loads it (one [BM, BK] tile per program, num_warps = 8): the bitwise
+    check of the in-register rounding."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, 256, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    off_m = gl.program_id(0) * BM
+    off_k = gl.program_id(1) * BK
+    src = gl.allocate_shared_memory(x_desc.dtype, [BM, BK], x_desc.layout)
+    dst = gl.allocate_shared_memory(y_desc.dtype, [BM, BK], y_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, x_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, off_k], bar, src)
+    mbarrier.wait(bar, 0)
+    a = src.load(a_layout)
+    if A_REGS == 1:
+        y = _mx_round_dot(a)
+    else:
+        y = _mx_round_dot_words(a)
+    dst.store(y)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(y_desc, [off_m, off_k], dst)
+    tma.store_wait(0)
+    mbarrier.invalidate(bar)
+
+
 # ============================================================================================ the GEMM's partitions
 @gluon.jit
 def _tile_coords(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
@@ -680,7 +711,22 @@ LLAMA_SHAPES = {  # llama3-70b TP=2 per-rank GEMMs (M tokens, N out, K in)
        for name, n, k in (("qkv", 5120, 8192), ("fc1", 28672, 8192), ("attn_out", 8192, 4096),
                           ("fc2", 8192, 14336))},
 }
-VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-mx-kosmos")
+# The Gluon builds: name -> (ref: what C is compared with -- the matmul of A ("bf16") or of A's MX values ("mx");
+# kw: gemm_launch's keywords). A_REGS 1/2: A rounded in wgmma's register operand by the MMA warps themselves (no
+# rounding partition); "copy" builds round nothing: the MX builds' data paths carrying plain A (diagnostics).
+BUILDS = {
+    "gluon": dict(ref="bf16", kw=dict(round_mx=False)),
+    "gluon-mx-packed": dict(ref="mx", kw=dict(round_mx=True, impl="packed")),
+    "gluon-mx-kosmos": dict(ref="mx", kw=dict(round_mx=True, impl="kosmos")),
+    "gluon-mx-ws-norm": dict(ref="mx", kw=dict(round_mx=True, impl="norm")),
+    "gluon-ws-copy": dict(ref="bf16", kw=dict(round_mx=True, impl="copy")),
+    "gluon-mx-rs": dict(ref="mx", kw=dict(round_mx=True, A_REGS=2)),
+    "gluon-mx-rs1": dict(ref="mx", kw=dict(round_mx=True, A_REGS=1)),
+    "gluon-rs-copy": dict(ref="bf16", kw=dict(round_mx=False, A_REGS=3)),
+}
+VARIANTS = ("torch", ) + tuple(BUILDS)
+DEFAULT_VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-ws-copy", "gluon-mx-ws-norm", "gluon-rs-copy",
+                    "gluon-mx-rs")
 
 
 OVERRIDES: dict = {}  # --config KEY=VALUE,...: applied to every Gluon GEMM build of the run
@@ -693,7 +739,7 @@ def config(round_mx: bool, impl: str = "packed", **over) -> dict:
     threads (ptxas allocates every partition within it: module docstring); ROUND_REGS: the rounding partition's
     setmaxnreg budget, the MMA partition gets the rest."""
     cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
-               ROUND_REGS=104 if impl == "packed" else 128, num_warps=8, A_REGS=0)
+               ROUND_REGS=128 if impl == "kosmos" else 104, num_warps=8, A_REGS=0)
     cfg.update(OVERRIDES)
     cfg.update(over)
     warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if round_mx and not cfg["A_REGS"] else 0)
@@ -712,8 +758,9 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
     cfg = config(round_mx, impl, **over)
     m, k = a.shape
     n = b.shape[0] if b_kmajor else b.shape[1]
-    if m % BM or n % BN or k % BK:
-        raise ValueError(f"M, N, K = {m}, {n}, {k}: the probe needs multiples of {BM}, {BN}, {BK}")
+    if m % BM or n % BN or k % (2 * BK if cfg["A_REGS"] else BK):
+        raise ValueError(f"M, N, K = {m}, {n}, {k}: the probe needs multiples of {BM}, {BN}, {BK} (A_REGS builds: K "
+                         f"of {2 * BK}, their k-loop is unrolled twice)")
     b_block = [BN, BK] if b_kmajor else [BK, BN]
     a_desc = TensorDescriptor.from_tensor(a, [BM, BK], _nvmma([BM, BK]))
     b_desc = TensorDescriptor.from_tensor(b, b_block, _nvmma(b_block))
@@ -753,9 +800,16 @@ def round_launch(x, y, impl: str):
                                                                                      num_warps=4)
 
 
-def gluon_mx_round(x, impl="packed"):
+def round_dot_launch(x, y, a_regs: int):
+    """(kernel, grid, args, kwargs) of the in-register rounding-only kernel (A_REGS 1 or 2)."""
+    d = [TensorDescriptor.from_tensor(t, [BM, BK], _nvmma([BM, BK])) for t in (x, y)]
+    return _round_only_dot_kernel, (x.shape[0] // BM, x.shape[1] // BK), tuple(d), dict(A_REGS=a_regs,
+                                                                                         num_warps=8)
+
+
+def gluon_mx_round(x, impl="packed", a_regs=0):
     y = torch.empty_like(x)
-    kernel, grid, args, kw = round_launch(x, y, impl)
+    kernel, grid, args, kw = round_dot_launch(x, y, a_regs) if a_regs else round_launch(x, y, impl)
     kernel[grid](*args, **kw)
     return y
 
@@ -789,17 +843,18 @@ def _round_inputs(gen):
     return torch.cat([x_bits, x_rows, special.view(m // 4, k)])
 
 
-def check_rounding(impl: str, gen) -> dict:
+def check_rounding(impl: str, gen, a_regs: int = 0) -> dict:
     """The rounding-only kernel against kosmos.quant.mx_round(x), i.e. dequantize_mx(*quantize_mx(x)), bitwise
     (NaN-aware: ``nan_payload_diff`` counts elements where both are NaN with different bits -- expected for
     "packed")."""
     x = _round_inputs(gen)
     ref = mx_round(x)
-    y = gluon_mx_round(x, impl)
+    y = gluon_mx_round(x, impl, a_regs)
     rb, yb = ref.view(torch.int16), y.view(torch.int16)
     both_nan = torch.isnan(ref) & torch.isnan(y)
     bad = (rb != yb) & ~both_nan
-    return {"kind": "check", "what": f"round-only {impl}", "elements": x.numel(), "mismatches": int(bad.sum()),
+    what = f"round-only A_REGS={a_regs}" if a_regs else f"round-only {impl}"
+    return {"kind": "check", "what": what, "elements": x.numel(), "mismatches": int(bad.sum()),
             "nan_payload_diff": int(((rb != yb) & both_nan).sum()), "ok": bool(bad.sum() == 0)}
 
 
@@ -814,21 +869,22 @@ CHECK_SHAPES = ((2048, 5120, 1024), (1024, 2560, 2048))  # 320 tiles (2-3 per pr
 BF16_TOL = 4e-3  # one bf16 rounding of the output: <= 2**-8 = 0.0039 relative per element (~0.0017 typical)
 
 
-def check_gemm(m, n, k, *, round_mx, impl, b_kmajor, gen) -> dict:
+def check_gemm(m, n, k, *, build, b_kmajor, gen) -> dict:
     """Fresh inputs (rows of A at 2**{0, +-20, +-100}), NaN-poisoned output; against an fp32 torch.matmul of
-    A (plain) or of kosmos.quant's MX values of A (ROUND_MX), worst row's relative error <= BF16_TOL."""
+    A (ref "bf16") or of kosmos.quant's MX values of A (ref "mx"), worst row's relative error <= BF16_TOL."""
     a = _scaled_rows(m, k, gen)
     w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
     b = w if b_kmajor else w.t().contiguous()
     c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    gluon_matmul(a, b, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor, out=c)
-    a_ref = mx_round(a) if round_mx else a
+    mx = BUILDS[build]["ref"] == "mx"
+    gluon_matmul(a, b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
+    a_ref = mx_round(a) if mx else a
     ref = torch.matmul(a_ref.float(), w.float().t())
     err, row_err = _rel_err(c, ref)
-    out = {"kind": "check", "what": f"gemm {'mx-' + impl if round_mx else 'bf16'} {'B[N,K]' if b_kmajor else 'B[K,N]'}",
+    out = {"kind": "check", "what": f"gemm {build} {'B[N,K]' if b_kmajor else 'B[K,N]'}",
            "M": m, "N": n, "K": k, "rel_err": err, "row_rel_err": row_err, "nan": int(torch.isnan(c).sum()),
            "ok": bool(row_err <= BF16_TOL and not torch.isnan(c).any())}
-    if round_mx:  # how far the MX values are from A: a ROUND_MX that rounded nothing would pass this, not the above
+    if mx:  # how far the MX values are from A: a build that rounded nothing would pass this, not the above
         out["rel_err_vs_bf16_ref"] = _rel_err(c, torch.matmul(a.float(), w.float().t()))[0]
     return out
 
@@ -842,17 +898,17 @@ def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
     a = (torch.randn(m, k, generator=gen, device=DEVICE)).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
-    calls = {"torch": lambda: torch.matmul(a, w.t()),
-             "gluon": lambda: gluon_matmul(a, w, out=c),
-             "gluon-mx-packed": lambda: gluon_matmul(a, w, round_mx=True, impl="packed", out=c),
-             "gluon-mx-kosmos": lambda: gluon_matmul(a, w, round_mx=True, impl="kosmos", out=c)}
+    calls = {"torch": lambda: torch.matmul(a, w.t())}
+    for v in variants:
+        if v in BUILDS:
+            calls[v] = lambda kw=BUILDS[v]["kw"]: gluon_matmul(a, w, out=c, **kw)
     ref = torch.matmul(a.float(), w.float().t())
-    ref_mx = torch.matmul(mx_round(a).float(), w.float().t()) if any(
-        "mx" in v for v in variants) else None
+    mx = {v for v in variants if v in BUILDS and BUILDS[v]["ref"] == "mx"}
+    ref_mx = torch.matmul(mx_round(a).float(), w.float().t()) if mx else None
     rows = []
     for v in variants:
         out = calls[v]()
-        err = _rel_err(out, ref_mx if "mx" in v else ref)[0]
+        err = _rel_err(out, ref_mx if v in mx else ref)[0]
         t = time_op(calls[v], iters=iters, warmup=warmup)
         rows.append({"kind": "time", "shape": name, "M": m, "N": n, "K": k, "variant": v, "time_ms": t["time_ms"],
                      "p20_ms": t["p20_ms"], "p80_ms": t["p80_ms"], "tflops": 2 * m * n * k / t["time_ms"] / 1e9,
@@ -878,29 +934,102 @@ def _ptx_facts(ptx: str, ttgir: str) -> dict:
             "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))}
 
 
-def _sass_mix(compiled) -> dict:
-    """SASS opcode counts of the cubin (cuobjdump, shipped in the Triton wheel), None where unavailable."""
+def _sass_text(compiled):
+    """The cubin's SASS with branch labels (nvdisasm -c, shipped in the Triton wheel), or None where unavailable."""
     import shutil
     import subprocess
     import tempfile
-    tool = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                                     "cuobjdump")
+    tool = shutil.which("nvdisasm") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                                    "nvdisasm")
     if not os.path.exists(tool) or "cubin" not in compiled.asm:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        run = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", run.stdout)
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+
+
+def _sass_mix(sass) -> dict:
+    """SASS opcode counts of the whole kernel."""
     counts = {}
-    for op in ops:
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass or ""):
         counts[op] = counts.get(op, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def compile_only(json_path=None, b_kmajor=True) -> list[dict]:
+# SASS opcode classes (Hopper pipes, roughly): bf16x2 arithmetic, bf16x2 min/max, the 16-lane integer ALU (logic,
+# compares, selects, shifts, permutes, the new VIADD), IMAD (FMA pipe), the uniform datapath, shared memory.
+_SASS_CLASSES = (("fp16x2", ("HMUL2", "HFMA2", "HADD2")), ("hmnmx2", ("HMNMX2", )), ("mma", ("HGMMA", )),
+                 ("imad", ("IMAD", )), ("fp32", ("FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSEL")),
+                 ("shfl", ("SHFL", )), ("lds", ("LDS", )), ("sts", ("STS", )),
+                 ("sync", ("BAR", "SYNCS", "MEMBAR", "FENCE", "DEPBAR", "WARPGROUP", "WARPSYNC")),
+                 ("tma", ("UTMA", )), ("uniform", ("U", "R2UR", "S2UR", "VOTEU")), ("branch", ("BRA", "EXIT")))
+
+
+def _sass_class(op):
+    for name, prefixes in _SASS_CLASSES:
+        if op.startswith(prefixes):
+            return name
+    return "alu"
+
+
+def _sass_loops(sass) -> list[dict]:
+    """The kernel's loops (a backward branch to a label) with the instructions of one trip, by class: blocks a
+    forward branch skips that hold an integer division (MUFU.RCP: the persistent loop's tile change, once a tile)
+    are left out, as are spin-wait retries (outside the loop body in Triton's code). Innermost loops first."""
+    ins, labels = [], {}
+    for line in (sass or "").split("\n"):
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)\s*(.*?);", line)
+        if m:
+            ins.append((m.group(2) or "", m.group(3), m.group(4), m.group(5)))
+    loops = []
+    for i, (pred, op, mods, args) in enumerate(ins):
+        t = re.search(r"\((\.L_x_\d+)\)", args) if op == "BRA" and pred else None  # (an unconditional jump
+        if t and t.group(1) in labels and labels[t.group(1)] <= i:                # back is a spin-wait's exit)
+            a = labels[t.group(1)]
+            skip = set()
+            for j in range(a, i):
+                pj, oj, _, argj = ins[j]
+                tj = re.search(r"\((\.L_x_\d+)\)", argj) if oj == "BRA" and pj else None
+                if tj and tj.group(1) in labels and j < labels[tj.group(1)] <= i:
+                    blk = range(j + 1, labels[tj.group(1)])
+                    if any(ins[q][1] == "MUFU" for q in blk):
+                        skip.update(blk)
+            classes, ops = {}, {}
+            for j in range(a, i + 1):
+                if j in skip:
+                    continue
+                op_j = ins[j][1] + (ins[j][2] if ins[j][1] in ("LDS", "STS", "LDSM", "STSM") else "")
+                c = _sass_class(ins[j][1])
+                classes[c] = classes.get(c, 0) + 1
+                ops[op_j] = ops.get(op_j, 0) + 1
+            loops.append({"span": i - a + 1, "n": sum(classes.values()), "classes": classes, "ops": ops})
+    return sorted(loops, key=lambda L: L["span"])
+
+
+def _kstep_profile(sass, a_regs) -> dict:
+    """Per k-step and per warp: the MMA loop (the innermost loop with HGMMA; A_REGS builds: its trip is two k-steps,
+    halved here) and the rounding partition's loop (the innermost loop with LDS and STS, no HGMMA nor STSM)."""
+    out = {}
+    loops = [L for L in _sass_loops(sass) if L["n"] >= 20]
+    mma = next((L for L in loops if L["classes"].get("mma")), None)
+    rnd = next((L for L in loops if not L["classes"].get("mma") and L["classes"].get("lds")
+                and L["classes"].get("sts") and not L["ops"].get("STSM.16.M88.4")), None)
+    for key, L, div in (("mma_loop", mma, 2 if a_regs else 1), ("round_loop", rnd, 1)):
+        if L:
+            out[key] = {"n": L["n"] / div, **{c: v / div for c, v in sorted(L["classes"].items(), key=lambda kv: -kv[1])},
+                        "ops": L["ops"]}
+    return out
+
+
+def compile_only(json_path=None, b_kmajor=True, builds=None) -> list[dict]:
     """Compile every build for sm_90a without a GPU (dev/kernel_resources.py's stand-in driver): registers, spills,
-    shared memory (ptxas -v on the PTX), the facts of ``_ptx_facts``."""
+    shared memory (ptxas -v on the PTX), the facts of ``_ptx_facts``, and the SASS of the k-step: instructions per
+    k-step and warp of the MMA loop and of the rounding loop (``_kstep_profile``)."""
     from dev.kernel_resources import _use_stand_in_driver
     if not torch.cuda.is_available():
         _use_stand_in_driver()
@@ -909,19 +1038,20 @@ def compile_only(json_path=None, b_kmajor=True) -> list[dict]:
     a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
     b = torch.empty((n, k) if b_kmajor else (k, n), dtype=torch.bfloat16, device=dev)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    builds = [("gluon", False, "packed"), ("gluon-mx-packed", True, "packed"), ("gluon-mx-kosmos", True, "kosmos")]
     rows = []
     print(f"triton {triton.__version__}, torch {torch.__version__}, sm_90a, B {'[N, K]' if b_kmajor else '[K, N]'}")
-    print(f"{'build':<24} {'regs':>5} {'spill B':>8} {'stack B':>8} {'smem KiB':>9}  {'setmaxnreg':<28} "
-          f"{'wgmma':>5} {'A smem':>6} {'TMA ld':>6}")
-    for name, round_mx, impl in builds:
-        kernel, grid, args, kw = gemm_launch(a, b, c, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor)
-        compiled = kernel.warmup(*args, grid=grid, **kw)
-        rows.append(_compile_row(name, compiled, kw))
-    for impl in IMPLS:
-        x = torch.empty(1024, 4096, dtype=torch.bfloat16, device=dev)
+    print(f"{'build':<20} {'regs':>4} {'spill':>5} {'smem KiB':>8}  {'setmaxnreg':<24} {'A smem':>6}  "
+          f"{'MMA loop / k-step':<18} {'rounding loop / k-step (warp)'}")
+    for name in builds or BUILDS:
+        kernel, grid, args, kw = gemm_launch(a, b, c, b_kmajor=b_kmajor, **BUILDS[name]["kw"])
+        rows.append(_compile_row(name, kernel.warmup(*args, grid=grid, **kw), kw))
+    x = torch.empty(1024, 4096, dtype=torch.bfloat16, device=dev)
+    for impl in ("kosmos", "packed", "norm"):
         kernel, grid, args, kw = round_launch(x, torch.empty_like(x), impl)
         rows.append(_compile_row(f"round-only {impl}", kernel.warmup(*args, grid=grid, **kw), kw))
+    for a_regs in (1, 2):
+        kernel, grid, args, kw = round_dot_launch(x, torch.empty_like(x), a_regs)
+        rows.append(_compile_row(f"round-only A_REGS={a_regs}", kernel.warmup(*args, grid=grid, **kw), kw))
     if json_path:
         with open(json_path, "w") as f:
             for r in rows:
@@ -931,14 +1061,26 @@ def compile_only(json_path=None, b_kmajor=True) -> list[dict]:
 
 def _compile_row(name, compiled, kw) -> dict:
     from dev.kernel_resources import _resources
+    sass = _sass_text(compiled)
     r = {"kind": "compile", "build": name, "triton": triton.__version__,
          **{k: v for k, v in kw.items() if k.isupper() or k in ("num_warps", "maxnreg")},
          **_resources(compiled), **_ptx_facts(compiled.asm["ptx"], compiled.asm["ttgir"]),
-         "sass_ops": _sass_mix(compiled)}
+         "sass_ops": _sass_mix(sass), "kstep": _kstep_profile(sass, kw.get("A_REGS", 0))}
     r["shared_kib"] = round(compiled.metadata.shared / 1024, 1)
     regs = " ".join(f"{d}{v}" for d, v in r["setmaxnreg"])
-    print(f"{name:<24} {r['regs']:>5} {str(r['spill_bytes']):>8} {str(r['stack_bytes']):>8} {r['shared_kib']:>9}  "
-          f"{regs:<28} {r['wgmma']:>5} {str(r['wgmma_a_from_smem']):>6} {r['tma_loads']:>6}", flush=True)
+
+    def cell(key):
+        p = r["kstep"].get(key)
+        if not p:
+            return "-"
+        parts = [f"{p['n']:.0f}"] + [f"{c} {p[c]:.0f}" for c in ("fp16x2", "hmnmx2", "alu", "imad", "fp32", "shfl",
+                                                                 "lds", "sts", "sync", "uniform") if p.get(c)]
+        return parts[0] + " (" + ", ".join(parts[1:]) + ")"
+    print(f"{name:<20} {r['regs']:>4} {str(r['spill_bytes']):>5} {r['shared_kib']:>8}  {regs:<24} "
+          f"{str(r['wgmma_a_from_smem']):>6}  {cell('mma_loop').split(' (')[0]:<18} {cell('round_loop')}",
+          flush=True)
+    if kw.get("A_REGS"):
+        print(f"{'':<20} MMA loop with the rounding: {cell('mma_loop')}", flush=True)
     return r
 
 
@@ -967,12 +1109,14 @@ def _sign_exponent(x):
     return np.where(np.isnan(x), np.inf, np.copysign(p, x))
 
 
-def emulate_packed(verbose=True) -> dict:
-    """The "packed" rounding (``_mx_round_words``' PTX), emulated exactly in float64 on the CPU (each bf16x2 op:
-    its exact result rounded once to bf16), against kosmos.quant's torch references
-    (dequantize_mx_ref(*quantize_mx_ref(.))): every bf16 value v, both signs, under every block exponent X in
-    [-127, 120] with |v| <= 448 * 2**X (blocks of 32: the block's amax element, then 31 values), plus blocks with
-    NaN / Inf. NaN-aware bitwise equality. No GPU, no Triton. (Why the emulation is exact: module docstring.)"""
+def emulate_packed(verbose=True, scheme="packed") -> dict:
+    """The packed rounding's PTX, emulated exactly in float64 on the CPU (each bf16x2 op: its exact result rounded
+    once to bf16), against kosmos.quant's torch references (dequantize_mx_ref(*quantize_mx_ref(.))): every bf16
+    value v, both signs, under every block exponent X in [-127, 120] with |v| <= 448 * 2**X (blocks of 32: the
+    block's amax element, then 31 values), blocks whose amax is just above 448 * 2**X (RCEIL's +1) or tiny, plus
+    blocks with NaN / Inf. NaN-aware bitwise equality. No GPU, no Triton. (Why the emulation is exact: module
+    docstring.) ``scheme``: "packed" (the +-64 shift constants: _mx_round_words) or "norm" (_norm_consts: the
+    constants of the "norm" builds ws-norm, rs, rs1, whose max is max.NaN and whose Cb carries the NaN)."""
     import numpy as np
     from kosmos.quant import dequantize_mx_ref, quantize_mx_ref
     pos = np.arange(0, 0x7F80, dtype=np.int64)                       # every finite non-negative bf16 pattern
@@ -988,23 +1132,33 @@ def emulate_packed(verbose=True) -> dict:
     blocks = np.concatenate([np.concatenate(amaxes), np.concatenate(tests)], axis=1)   # [blocks, 32] bf16 bits
     special = np.tile(np.array([0x3F80] * 32, dtype=np.int64), (4, 1))
     special[0, 3], special[1, 5], special[2, 7], special[3, 0] = 0x7F80, 0xFF80, 0x7FC0, 0xFFC1  # +-inf, NaNs
-    blocks = np.concatenate([blocks, special])
+    extra = [np.concatenate([[((x + 135) << 7) | f], (np.arange(31) * 37 + f) % (((x + 135) << 7) | f)])
+             for x in range(-134, 120) for f in (0x61, 0x7F)]               # amax above 448 * 2**X: RCEIL's + 1
+    extra += [np.concatenate([[a], np.arange(31) % (a + 1)]) for a in range(1, 0x480, 3)]   # tiny blocks
+    blocks = np.concatenate([blocks, special, np.array(extra, dtype=np.int64)])
     bits = blocks.astype(np.uint32) << 16
     w = bits.view(np.float32).astype(np.float64)                      # the bf16 values
 
-    # the block constants, as _mx_round_words computes them
+    # the block constants, as _mx_round_words (packed) / _norm_consts (norm) compute them
     mag = np.where(np.isnan(w), 0x7FFF, (bits >> 16) & 0x7FFF).astype(np.int64)
-    amax32 = mag.max(axis=1) << 16
-    nonfinite = amax32 >= 0x7F800000
-    xexp = np.maximum((amax32 >> 23) - 135 + ((amax32 & 0x7FFFFF) > 0x600000), -127)
-    shift = np.where(xexp < -90, 64, np.where(xexp > 90, -64, 0))
-    s16 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift + 4))[:, None]
-    s1 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift))[:, None]
-    cb = np.ldexp(1.0, xexp + shift - 2)[:, None]
-    sinv = np.ldexp(1.0, -shift)[:, None]
+    if scheme == "packed":
+        amax32 = mag.max(axis=1) << 16
+        nonfinite = amax32 >= 0x7F800000
+        xexp = np.maximum((amax32 >> 23) - 135 + ((amax32 & 0x7FFFFF) > 0x600000), -127)
+        shift = np.where(xexp < -90, 64, np.where(xexp > 90, -64, 0))
+        s16 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift + 4))[:, None]
+        s1 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift))[:, None]
+        cb = np.ldexp(1.0, xexp + shift - 2)[:, None]
+        sinv = np.ldexp(1.0, -shift)[:, None]
+    else:
+        amax = mag.max(axis=1)
+        p = np.maximum((amax + 0x1F) & 0x7F80, 0x400)                 # 2**(X + 8)'s bits
+        as_bf16 = lambda h: (h.astype(np.uint32) << 16).view(np.float32).astype(np.float64)[:, None]  # noqa: E731
+        s16, s1, sinv = as_bf16(0x8300 - p), as_bf16(0x8100 - p), as_bf16(p - 0x200)
+        cb = np.where(amax >= 0x7F80, np.nan, 2.0 ** -6)[:, None]
     with np.errstate(invalid="ignore", over="ignore"):
         c = _sign_exponent(_rne_bf16(w * s16))                        # mul.rn.bf16x2; and 0xFF80FF80
-        c = np.copysign(np.maximum(np.abs(c), cb), c)                 # max.xorsign.abs.bf16x2 (cb > 0)
+        c = np.copysign(np.maximum(np.abs(c), cb), c)                 # max(.NaN).xorsign.abs.bf16x2 (cb > 0)
         t = _rne_bf16(w * s1 + c)                                     # fma.rn.bf16x2 (see the docstring)
         t = _rne_bf16(t - c)                                          # sub.rn.bf16x2 (exact)
         r = _rne_bf16(t * sinv)                                       # mul.rn.bf16x2
@@ -1016,7 +1170,7 @@ def emulate_packed(verbose=True) -> dict:
     ref_nan = (ref & 0x7FFF) > 0x7F80
     got_nan = (got & 0x7FFF) > 0x7F80
     bad = (got != ref) & ~(ref_nan & got_nan)
-    out = {"kind": "check", "what": "packed rounding, float64 emulation vs kosmos.quant references",
+    out = {"kind": "check", "what": f"{scheme} rounding, float64 emulation vs kosmos.quant references",
            "elements": int(blocks.size), "blocks": int(len(blocks)), "mismatches": int(bad.sum()),
            "nan_payload_diff": int(((got != ref) & ref_nan & got_nan).sum()), "ok": bool(bad.sum() == 0)}
     if verbose and bad.any():
@@ -1045,7 +1199,7 @@ def main(argv=None):
                     "registers / spills / shared memory / wgmma operands, then stop")
     ap.add_argument("--shapes", default=",".join(LLAMA_SHAPES), help="comma-separated: " + ", ".join(LLAMA_SHAPES)
                     + " or MxNxK")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--skip-checks", action="store_true", help="timing only (the checks take ~10 s)")
@@ -1058,17 +1212,20 @@ def main(argv=None):
                     "stop")
     ap.add_argument("--b-kn", action="store_true", help="--compile-only: B as [K, N] instead of the weight [N, K]")
     args = ap.parse_args(argv)
+    args.variants_given = any(a.startswith("--variants") for a in (argv if argv is not None else sys.argv[1:]))
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: Gluon has no interpreter path here")
     for item in filter(None, args.config.split(",")):
         key, _, val = item.partition("=")
         OVERRIDES[key.strip()] = int(val)
     if args.emulate:
-        r = emulate_packed()
-        print(json.dumps(r))
-        return 0 if r["ok"] else 1
+        rs = [emulate_packed(scheme=sc) for sc in ("packed", "norm")]
+        for r in rs:
+            print(json.dumps(r))
+        return 0 if all(r["ok"] for r in rs) else 1
     if args.compile_only:
-        compile_only(args.json, b_kmajor=not args.b_kn)
+        compile_only(args.json, b_kmajor=not args.b_kn,
+                     builds=[v for v in args.variants.split(",") if v in BUILDS] if args.variants_given else None)
         return 0
     if not torch.cuda.is_available():
         ap.error("no GPU: use --compile-only here")
@@ -1079,8 +1236,7 @@ def main(argv=None):
     shapes = _parse_shapes(args.shapes)
     rows = [{"kind": "env", "triton": triton.__version__, "torch": torch.__version__,
              "device": torch.cuda.get_device_name(), "variants": variants,
-             "config_plain": config(False), "config_mx_packed": config(True, "packed"),
-             "config_mx_kosmos": config(True, "kosmos")}]
+             "configs": {v: config(**BUILDS[v]["kw"]) for v in variants if v in BUILDS}}]
     out = open(args.json, "w") if args.json else None
 
     def emit(r):
@@ -1094,14 +1250,22 @@ def main(argv=None):
     failed = 0
     if not args.skip_checks:
         checks = []
-        mx_impls = [v.rsplit("-", 1)[1] for v in variants if v.startswith("gluon-mx-")]
-        for impl in mx_impls:
-            checks.append(lambda impl=impl: check_rounding(impl, gen))
-        builds = ([(False, "packed")] if "gluon" in variants else []) + [(True, impl) for impl in mx_impls]
-        for round_mx, impl in builds:  # B as the weight [N, K] on the first shape, as [K, N] on the second
-            for (m, n, k), b_kmajor in zip(CHECK_SHAPES, (True, False)):
-                checks.append(lambda m=m, n=n, k=k, rm=round_mx, impl=impl, bk=b_kmajor: check_gemm(
-                    m, n, k, round_mx=rm, impl=impl, b_kmajor=bk, gen=gen))
+        rounders = []  # the rounding code each timed build runs, checked bitwise on its own first
+        for v in variants:
+            if v not in BUILDS or BUILDS[v]["ref"] != "mx":
+                continue
+            kw = BUILDS[v]["kw"]
+            key = ("dot", kw["A_REGS"]) if kw.get("A_REGS") else ("ws", kw.get("impl", "packed"))
+            if key not in rounders:
+                rounders.append(key)
+        for kind, x in rounders:
+            checks.append(lambda kind=kind, x=x: check_rounding(x if kind == "ws" else "norm", gen,
+                                                                a_regs=x if kind == "dot" else 0))
+        for v in variants:  # B as the weight [N, K] on the first shape, as [K, N] on the second
+            if v in BUILDS:
+                for (m, n, k), b_kmajor in zip(CHECK_SHAPES, (True, False)):
+                    checks.append(lambda m=m, n=n, k=k, v=v, bk=b_kmajor: check_gemm(m, n, k, build=v, b_kmajor=bk,
+                                                                                     gen=gen))
         for chk in checks:
             r = chk()
             emit(r)
@@ -1130,6 +1294,13 @@ def main(argv=None):
         print(f"{name:<12} {m:>5} {n:>6} {k:>6}  " + "  ".join(cells))
     print("(each: median ms, ratio to torch.matmul, relative error against the fp32 matmul of A -- of A's MX values "
           "for the mx variants)")
+    if "gluon" in variants:
+        others = [v for v in variants if v in BUILDS and v != "gluon"]
+        print(f"\nratio to the plain Gluon build (the cost of the MX data path itself)\n{'shape':<12} "
+              + " ".join(f"{v:>17}" for v in others))
+        for name, m, n, k in shapes:
+            base = by[name]["gluon"]["time_ms"]
+            print(f"{name:<12} " + " ".join(f"{by[name][v]['time_ms'] / base:>16.3f}x" for v in others))
     return 1 if failed else 0
 
 
