@@ -471,6 +471,12 @@ def _round_only_dot_kernel(x_desc, y_desc, A_REGS: gl.constexpr, num_warps: gl.c
 
 # ============================================================================================ the GEMM's partitions
 @gluon.jit
+def _clock():
+    """The SM's cycle counter (PROF builds: where each partition's k-step goes)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _tile_coords(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     """Output tile t -> (pid_m, pid_n): GROUP_M row tiles walk the columns together (L2 reuse of B)."""
     width = GROUP_M * num_pid_n
@@ -549,7 +555,8 @@ def _num_steps(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
 
 @gluon.jit
 def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, IMPL: gl.constexpr,
-                     ROWS: gl.constexpr, WARPS: gl.constexpr, GROUP_M: gl.constexpr, BN: gl.constexpr):
+                     ROWS: gl.constexpr, WARPS: gl.constexpr, GROUP_M: gl.constexpr, BN: gl.constexpr,
+                     prof, PROF: gl.constexpr):
     """The rounding partition (WARPS warps), ROUND_MX only. It owns the raw A ring (R slots): loads R k-steps
     ahead, and refills a slot as soon as its registers hold the tile. Per k-step g: wait ``raw_ready``; raw bf16 A
     tile -> registers; refill the slot with step g + R; round to MX values; wait until the MMA that last read
@@ -563,26 +570,60 @@ def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, I
     for g in gl.static_range(R):
         _issue_raw(g, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN)
         ki, t, off_m, off_n = _next_step(ki, t, off_m, off_n, M, N, K, BM, BN, BK, GROUP_M)
+    if PROF:  # cycles: raw wait, loads + refill, rounding, a_done wait, stores + fence + arrive, whole k-step
+        q0 = _clock() * 0
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        q4 = q0
+        q5 = q0
     for it in range(total):
+        if PROF:
+            c0 = _clock()
         r = it % R
         mbarrier.wait(raw_ready.index(r), (it // R) & 1)
+        if PROF:
+            c1 = _clock()
         xs = _round_load(raw.index(r), IMPL, ROWS, WARPS)
         fence_async_shared()  # our generic reads of the slot before the async-proxy (TMA) write that refills it
         gl.thread_barrier()   # ... of all WARPS warps
         _issue_raw(r, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN)  # k-step it + R
         ki, t, off_m, off_n = _next_step(ki, t, off_m, off_n, M, N, K, BM, BN, BK, GROUP_M)
+        if PROF:
+            c2 = _clock()
         ys = _round_compute(xs, IMPL, ROWS, WARPS)  # before the wait: overlaps the MMA of the slot's last step
         sa = it % SA
+        if PROF:
+            c3 = _clock()
         mbarrier.wait(a_done.index(sa), ((it // SA) & 1) ^ 1)
+        if PROF:
+            c4 = _clock()
         _round_write(ys, a_bufs.index(sa), IMPL, ROWS)
         fence_async_shared()  # our generic writes before the wgmma's async-proxy reads
         mbarrier.arrive(a_ready.index(sa))
+        if PROF:
+            c5 = _clock()
+            q0 += c1 - c0
+            q1 += c2 - c1
+            q2 += c3 - c2
+            q3 += c4 - c3
+            q4 += c5 - c4
+            q5 += c5 - c0
+    if PROF:
+        base = prof + gl.program_id(0) * 16
+        gl.store(base + 8, total.to(gl.int64))
+        gl.store(base + 9, q0)
+        gl.store(base + 10, q1)
+        gl.store(base + 11, q2)
+        gl.store(base + 12, q3)
+        gl.store(base + 13, q4)
+        gl.store(base + 14, q5)
 
 
 @gluon.jit
 def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
                    ROUND_MX: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                   num_warps: gl.constexpr, A_REGS: gl.constexpr = 0):
+                   num_warps: gl.constexpr, A_REGS: gl.constexpr, prof, PROF: gl.constexpr):
     """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain: the A+B
     ring) and loads SB - 1 k-steps ahead. Per k-step g: wait ``b_ready`` (and ``a_ready``, ROUND_MX); async wgmma
     on (A slot, B slot); wait until one wgmma group is in flight, i.e. step g - 1's is done; release step g - 1:
@@ -608,6 +649,12 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     UNROLL: gl.constexpr = 2 if A_REGS else 1
     it = 0
+    if PROF:  # cycles: b_ready/a_ready waits, A_REGS rounding, wgmma_wait(1), barrier + refill, whole k-step
+        p0 = _clock() * 0
+        p1 = p0
+        p2 = p0
+        p3 = p0
+        p4 = p0
     for tile in range(total // k_steps):
         pid_m, pid_n = _tile_coords(gl.program_id(0) + tile * gl.num_programs(0), gl.cdiv(M, BM), gl.cdiv(N, BN),
                                     GROUP_M)
@@ -616,6 +663,8 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
         for kk in range(k_steps // UNROLL):
             for h in gl.static_range(UNROLL):  # A_REGS: two register sets, alternating (see _mx_round_dot)
                 ki = kk * UNROLL + h
+                if PROF:
+                    c0 = _clock()
                 s = it % SB
                 mbarrier.wait(b_ready.index(s), (it // SB) & 1)
                 if ROUND_MX:
@@ -624,17 +673,23 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                     a = a_bufs.index(sa)
                 else:
                     a = a_bufs.index(s)
-                    if A_REGS == 1:
-                        a = _mx_round_dot(a.load(a_layout))
-                    elif A_REGS == 2:
-                        a = _mx_round_dot_words(a.load(a_layout))
-                    elif A_REGS == 3:  # "rs-copy": the register path without rounding (a diagnostic)
-                        a = a.load(a_layout)
+                if PROF:
+                    c1 = _clock()
+                if A_REGS == 1:
+                    a = _mx_round_dot(a.load(a_layout))
+                elif A_REGS == 2:
+                    a = _mx_round_dot_words(a.load(a_layout))
+                elif A_REGS == 3:  # "rs-copy": the register path without rounding (a diagnostic)
+                    a = a.load(a_layout)
                 b = b_bufs.index(s)
                 if B_KMAJOR:
                     b = b.permute((1, 0))
+                if PROF:
+                    c2 = _clock()
                 acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
+                if PROF:
+                    c3 = _clock()
                 gl.thread_barrier()  # both warpgroups' step it - 1 is done
                 if ROUND_MX:  # (the tile's last step is released after the loop)
                     mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
@@ -642,6 +697,13 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                              not ROUND_MX, B_KMAJOR)  # k-step it + SB - 1, into the slot step it - 1 has left
                 lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
                 it += 1
+                if PROF:
+                    c4 = _clock()
+                    p0 += c1 - c0
+                    p1 += c2 - c1
+                    p2 += c3 - c2
+                    p3 += c4 - c3
+                    p4 += c4 - c0
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         gl.thread_barrier()
         if ROUND_MX:
@@ -660,13 +722,22 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [off_m, off_n + j * EPI_N], c_smem)
     tma.store_wait(0)
+    if PROF:
+        base = prof + gl.program_id(0) * 16
+        gl.store(base, total.to(gl.int64))
+        gl.store(base + 1, p0)
+        gl.store(base + 2, p1)
+        gl.store(base + 3, p2)
+        gl.store(base + 4, p3)
+        gl.store(base + 5, p4)
 
 
 @gluon.jit
-def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
+def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, prof, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
                  B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr, RAW_STAGES: gl.constexpr,
                  GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
-                 ROUND_REGS: gl.constexpr, num_warps: gl.constexpr, A_REGS: gl.constexpr = 0):
+                 ROUND_REGS: gl.constexpr, num_warps: gl.constexpr, A_REGS: gl.constexpr = 0,
+                 PROF: gl.constexpr = False):
     """C [M, N] = A [M, K] @ B (bf16, fp32 accumulation), persistent (module docstring). Plain: one partition
     (the MMA warps load A and B themselves). ROUND_MX: warp_specialize([MMA warps, ROUND_WARPS rounding warps])."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -694,14 +765,14 @@ def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: 
             mbarrier.init(raw_ready.index(i), count=1)
         gl.warp_specialize([
             (_mma_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
-                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps)),
+                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF)),
             (_round_partition, (a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, IMPL, ROUND_ROWS,
-                                ROUND_WARPS, GROUP_M, BN)),
+                                ROUND_WARPS, GROUP_M, BN, prof, PROF)),
         ], [ROUND_WARPS], [ROUND_REGS])
     else:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
         _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K, False,
-                       B_KMAJOR, GROUP_M, num_warps, A_REGS)
+                       B_KMAJOR, GROUP_M, num_warps, A_REGS, prof, PROF)
 
 
 # ============================================================================================ host side
@@ -751,8 +822,11 @@ def _nvmma(block):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
 
 
+_PROF_DUMMY: dict = {}
+
+
 def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool = True, num_sms: int = 132,
-                **over):
+                prof=None, **over):
     """(kernel, grid, args, kwargs) of C = A @ B: ``a`` bf16 [M, K], ``b`` the weight bf16 [N, K] (``b_kmajor``) or
     [K, N], ``c`` bf16 [M, N]; M, N, K multiples of 128, 256, 64."""
     cfg = config(round_mx, impl, **over)
@@ -766,11 +840,13 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
     b_desc = TensorDescriptor.from_tensor(b, b_block, _nvmma(b_block))
     c_desc = TensorDescriptor.from_tensor(c, [BM, cfg["EPI_N"]], _nvmma([BM, cfg["EPI_N"]]))
     grid = (min(num_sms, (m // BM) * (n // BN)), )
-    kw = dict(ROUND_MX=round_mx, IMPL=IMPLS[impl], B_KMAJOR=b_kmajor, STAGES=cfg["STAGES"],
+    if prof is None:  # PROF builds: int64 [grid, 16] per-program cycle sums (profile_shape)
+        prof = _PROF_DUMMY.setdefault(a.device, torch.zeros(1, dtype=torch.int64, device=a.device))
+    kw = dict(PROF=prof.numel() > 1, ROUND_MX=round_mx, IMPL=IMPLS[impl], B_KMAJOR=b_kmajor, STAGES=cfg["STAGES"],
               A_STAGES=cfg["A_STAGES"], RAW_STAGES=cfg["RAW_STAGES"], GROUP_M=cfg["GROUP_M"],
               ROUND_ROWS=cfg["ROUND_ROWS"], ROUND_WARPS=cfg["ROUND_WARPS"], ROUND_REGS=cfg["ROUND_REGS"],
               num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], A_REGS=cfg["A_REGS"])
-    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, m, n, k), kw
+    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, m, n, k, prof), kw
 
 
 _SMS: dict = {}
@@ -889,6 +965,20 @@ def check_gemm(m, n, k, *, build, b_kmajor, gen) -> dict:
     return out
 
 
+def check_a_regs_sass(build, gen) -> dict:
+    """A_REGS builds: the compiled kernel's SASS has no write to the A registers of a wgmma still in flight
+    (_a_regs_hazards), at the first check shape's compile."""
+    m, n, k = CHECK_SHAPES[0]
+    a = torch.zeros(m, k, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.zeros(n, k, dtype=torch.bfloat16, device=DEVICE)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    kernel, grid, args, kw = gemm_launch(a, b, c, num_sms=_num_sms(a.device), **BUILDS[build]["kw"])
+    sass = _sass_text(kernel.warmup(*args, grid=grid, **kw))
+    bad = _a_regs_hazards(sass)
+    return {"kind": "check", "what": f"sass {build}: no write to an in-flight wgmma's A registers",
+            "sass": sass is not None, "hazards": len(bad), "examples": bad[:4], "ok": sass is not None and not bad}
+
+
 # -------------------------------------------------------------------------------------------- timing (GPU)
 def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
     """Each variant's time (kosmos_bench.timing.time_op: L2 flushed before every call, the host hidden by a spin),
@@ -918,6 +1008,51 @@ def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
         r["ratio_vs_torch"] = r["time_ms"] / base if base else None
     del a, w, c, ref, ref_mx
     return rows
+
+
+# -------------------------------------------------------------------------------------------- cycle profile (GPU)
+PROF_MMA = ("b/a_ready wait", "A_REGS round", "wgmma_wait(1)", "barrier+refill", "k-step")
+PROF_ROUND = ("raw wait", "load+refill", "round", "a_done wait", "store+fence+arrive", "k-step")
+
+
+def profile_shape(name, m, n, k, variants, gen) -> list[dict]:
+    """Each Gluon build once more with PROF=True (clock64 around each phase of each k-step, summed per program),
+    at one shape: mean cycles per k-step and warp of each phase, in the MMA partition and (ROUND_MX
+    warp-specialised builds) the rounding partition. The clock reads cost a few cycles and may move code a little:
+    the phases, not the totals, are the point."""
+    a = (torch.randn(m, k, generator=gen, device=DEVICE)).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    rows = []
+    for v in variants:
+        if v not in BUILDS:
+            continue
+        grid = min(_num_sms(a.device), (m // BM) * (n // BN))
+        prof = torch.zeros(grid, 16, dtype=torch.int64, device=DEVICE)
+        gluon_matmul(a, w, out=c, prof=prof, **BUILDS[v]["kw"])   # compile + warm
+        prof.zero_()
+        gluon_matmul(a, w, out=c, prof=prof, **BUILDS[v]["kw"])
+        torch.cuda.synchronize()
+        p = prof.double().sum(0).tolist()
+        r = {"kind": "profile", "shape": name, "M": m, "N": n, "K": k, "variant": v,
+             "mma": {ph: p[1 + i] / max(p[0], 1) for i, ph in enumerate(PROF_MMA)}}
+        if p[8]:
+            r["round"] = {ph: p[9 + i] / p[8] for i, ph in enumerate(PROF_ROUND)}
+        rows.append(r)
+    del a, w, c
+    return rows
+
+
+def print_profile(rows):
+    if not rows:
+        return
+    print(f"\ncycles per k-step and warp (clock64, mean over the k-steps of all programs), {rows[0]['shape']}: MMA "
+          f"partition | rounding partition")
+    print(f"{'build':<18} " + " ".join(f"{h:>14}" for h in PROF_MMA) + " | " + " ".join(f"{h:>18}" for h in PROF_ROUND))
+    for r in rows:
+        mma = " ".join(f"{r['mma'][h]:>14.0f}" for h in PROF_MMA)
+        rnd = " ".join(f"{r['round'][h]:>18.0f}" for h in PROF_ROUND) if "round" in r else ""
+        print(f"{r['variant']:<18} {mma} | {rnd}")
 
 
 # -------------------------------------------------------------------------------------------- compile only (CPU)
@@ -1011,6 +1146,67 @@ def _sass_loops(sass) -> list[dict]:
     return sorted(loops, key=lambda L: L["span"])
 
 
+def _a_regs_hazards(sass) -> list[str]:
+    """The A-in-registers wgmma hazard, checked on the SASS (Triton issue #9433: ptxas does not protect a wgmma's A
+    registers once PTX overwrites them, and writing them before the wgmma.wait_group that retires it is undefined):
+    walks the innermost loop with HGMMA three times over, tracking the A registers of every committed and not yet
+    retired HGMMA group (retired by WARPGROUP.DEPBAR.LE gsb0, n), and lists the instructions that write one of
+    them. Empty: no hazard (the A_REGS builds' two alternating register sets)."""
+    body = []
+    lines = (sass or "").split("\n")
+    labels = {}
+    ins = []
+    for line in lines:
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)\s*(.*?);",
+                     line)
+        if m:
+            ins.append((m.group(3), m.group(4), m.group(5), line.strip()))
+    loops = []
+    for i, (op, mods, args, _) in enumerate(ins):
+        t = re.search(r"\((\.L_x_\d+)\)", args) if op == "BRA" else None
+        if t and t.group(1) in labels and labels[t.group(1)] < i:
+            a = labels[t.group(1)]
+            if any(ins[j][0] == "HGMMA" for j in range(a, i)):
+                loops.append((i - a, a, i))
+    if not loops:
+        return []
+    _, a, b = min(loops)
+    body = ins[a:b + 1]
+    width = {"LDSM": 4, "LDS": 1}
+    pending, group, bad = [], set(), []
+    for _ in range(3):
+        for op, mods, args, text in body:
+            if op == "HGMMA":
+                regs = re.findall(r"\bR(\d+)\b", args)
+                if len(regs) >= 2:                        # acc, A, desc, acc: the A operand is the second
+                    group.update(range(int(regs[1]), int(regs[1]) + 4))
+                if "gsb0" in args:
+                    pending.append(group)
+                    group = set()
+                continue
+            if op == "WARPGROUP" and ".DEPBAR" in mods:
+                n = int(args.split(",")[-1], 16) if "0x" in args else int(args.split(",")[-1])
+                pending = pending[len(pending) - n:] if n else []
+                continue
+            m = re.match(r"R(\d+)\b", args)
+            if not m or op.startswith(("ST", "SYNCS", "BAR", "RED", "ATOM")):
+                continue
+            w = width.get(op, 1)
+            if op in ("LDS", "LDSM"):
+                w = {".128": 4, ".64": 2}.get(mods[-4:] if mods.endswith("128") else mods[-3:], 1) if op == "LDS" \
+                    else (4 if mods.endswith(".4") else 2 if mods.endswith(".2") else 1)
+            elif ".WIDE" in mods or op in ("CS2R", ):
+                w = 2
+            dst = set(range(int(m.group(1)), int(m.group(1)) + w))
+            if any(dst & g for g in pending) and text not in bad:
+                bad.append(text)
+    return bad
+
+
 def _kstep_profile(sass, a_regs) -> dict:
     """Per k-step and per warp: the MMA loop (the innermost loop with HGMMA; A_REGS builds: its trip is two k-steps,
     halved here) and the rounding partition's loop (the innermost loop with LDS and STS, no HGMMA nor STSM)."""
@@ -1065,7 +1261,8 @@ def _compile_row(name, compiled, kw) -> dict:
     r = {"kind": "compile", "build": name, "triton": triton.__version__,
          **{k: v for k, v in kw.items() if k.isupper() or k in ("num_warps", "maxnreg")},
          **_resources(compiled), **_ptx_facts(compiled.asm["ptx"], compiled.asm["ttgir"]),
-         "sass_ops": _sass_mix(sass), "kstep": _kstep_profile(sass, kw.get("A_REGS", 0))}
+         "sass_ops": _sass_mix(sass), "kstep": _kstep_profile(sass, kw.get("A_REGS", 0)),
+         "a_regs_hazards": _a_regs_hazards(sass) if kw.get("A_REGS") else []}
     r["shared_kib"] = round(compiled.metadata.shared / 1024, 1)
     regs = " ".join(f"{d}{v}" for d, v in r["setmaxnreg"])
 
@@ -1080,7 +1277,8 @@ def _compile_row(name, compiled, kw) -> dict:
           f"{str(r['wgmma_a_from_smem']):>6}  {cell('mma_loop').split(' (')[0]:<18} {cell('round_loop')}",
           flush=True)
     if kw.get("A_REGS"):
-        print(f"{'':<20} MMA loop with the rounding: {cell('mma_loop')}", flush=True)
+        print(f"{'':<20} MMA loop with the rounding: {cell('mma_loop')}; A-register hazards in the SASS: "
+              f"{len(r['a_regs_hazards'])}", flush=True)
     return r
 
 
@@ -1210,6 +1408,8 @@ def main(argv=None):
     ap.add_argument("--emulate", action="store_true", help="check the packed rounding's arithmetic on the CPU "
                     "(float64 emulation against kosmos.quant's references, every bf16 value under every scale), then "
                     "stop")
+    ap.add_argument("--profile", default="fc1-8k", help="after the timings, each Gluon build once more with clock64 "
+                    "around its phases at this shape (one of the shapes' names or MxNxK; 'none': skip)")
     ap.add_argument("--b-kn", action="store_true", help="--compile-only: B as [K, N] instead of the weight [N, K]")
     args = ap.parse_args(argv)
     args.variants_given = any(a.startswith("--variants") for a in (argv if argv is not None else sys.argv[1:]))
@@ -1261,6 +1461,9 @@ def main(argv=None):
         for kind, x in rounders:
             checks.append(lambda kind=kind, x=x: check_rounding(x if kind == "ws" else "norm", gen,
                                                                 a_regs=x if kind == "dot" else 0))
+        for v in variants:
+            if v in BUILDS and BUILDS[v]["kw"].get("A_REGS"):
+                checks.append(lambda v=v: check_a_regs_sass(v, gen))
         for v in variants:  # B as the weight [N, K] on the first shape, as [K, N] on the second
             if v in BUILDS:
                 for (m, n, k), b_kmajor in zip(CHECK_SHAPES, (True, False)):
@@ -1276,6 +1479,12 @@ def main(argv=None):
         for r in bench_shape(name, m, n, k, variants, gen, args.iters, args.warmup):
             emit(r)
         torch.cuda.empty_cache()
+    prof_rows = []
+    if args.profile != "none":
+        (pname, pm, pn, pk), = _parse_shapes(args.profile)
+        prof_rows = profile_shape(pname, pm, pn, pk, variants, gen)
+        for r in prof_rows:
+            emit(r)
     if out:
         out.close()
     if failed:
@@ -1301,6 +1510,7 @@ def main(argv=None):
         for name, m, n, k in shapes:
             base = by[name]["gluon"]["time_ms"]
             print(f"{name:<12} " + " ".join(f"{by[name][v]['time_ms'] / base:>16.3f}x" for v in others))
+    print_profile(prof_rows)
     return 1 if failed else 0
 
 
