@@ -1,8 +1,13 @@
 """Gluon probe (issue 14): a persistent bf16 GEMM for Hopper whose mainloop rounds A to its MXFP8 values.
 
     PYTHONPATH=. python -m dev.gluon_mx_probe [--shapes qkv-4k,...] [--variants ...] [--json OUT.jsonl]
-    PYTHONPATH=. python -m dev.gluon_mx_probe --compile-only [--json OUT.jsonl]   # no GPU: sm_90a resources
+    PYTHONPATH=. python -m dev.gluon_mx_probe --compile-only [--json OUT.jsonl]   # no GPU: sm_90a resources, SASS
     PYTHONPATH=. python -m dev.gluon_mx_probe --emulate                           # no GPU: the rounding's arithmetic
+
+The default GPU run (~2 min): bitwise checks of every rounding code path it times, a SASS check of the in-register
+builds, GEMM checks of every build (B [N, K] and [K, N]), then torch / gluon / gluon-mx-packed / gluon-ws-copy /
+gluon-mx-ws-norm / gluon-rs-copy / gluon-mx-rs at the 8 llama shapes, then a clock64 profile of each build's k-step
+at fc1-8k; the tables last. Sections "s22" below: why the rounding partition was slow, the builds that answer it.
 
 A developer probe, not product code: C [M, N] = A [M, K] @ B with B the weight [N, K] (or [K, N]), bf16 in,
 fp32 accumulation, bf16 out, M, N, K multiples of 128, 256, 64. ROUND_MX=False is the plain GEMM (does Gluon
@@ -117,6 +122,120 @@ and its epilogue stalls the tensor cores (~1 us a tile; 1-2% at K = 8192, ~2-3% 
 tiles leave 1.3-3% in the last wave on 132 SMs. Guess: gluon / torch = 1.00-1.10, so gluon-mx-packed / torch =
 1.00-1.13: the 1.05 bar is met if the plain Gluon GEMM is within ~3% of cuBLAS; if it is not, what remains is
 GEMM tuning (epilogue overlap, tile/scheduling), not the MX rounding.
+
+MEASURED (s21d, one H200, results/h200x1/s21/s21d/gluon-mx-probe.log; time / torch.matmul at the 8 shapes)
+----------------------------------------------------------------------------------------------------------
+    gluon 0.985-1.004x (the open question answered: Gluon reaches cuBLAS); gluon-mx-packed 1.42-1.56x (predicted
+    1.00-1.03x: wrong by ~45%); gluon-mx-kosmos 2.27-2.36x (predicted 1.25-1.6x). Per k-step at qkv-4k (5 tiles x
+    128 k-steps on the busiest SM): plain 0.66 us, packed 0.98 us, kosmos 1.57 us, i.e. ~1160-1310 / ~1710-1930 /
+    ~2750-3100 cycles at 1.75-1.98 GHz.
+
+s22: why the rounding partition is ~2.4x slower than its instruction count (SASS of the s21 packed build)
+-------------------------------------------------------------------------------------------------------
+(nvdisasm of the sm_90a cubin, Triton 3.6.0 / ptxas 12.8; ``--compile-only`` prints these counts, ``_sass_loops``)
+* The count was right: the rounding loop executes 409 instructions per k-step and warp (the tile-change division
+  left out): bf16x2 HMUL2 64 + HFMA2 32 + HADD2 32, HMNMX2 62 (30 for the 15-op max trees, 32 in the element step),
+  LOP3 77, other ALU ~51 (ISETP, SEL, IADD3, VIADD, LEA, SHF, SGXT, VIMNMX, PLOP3), IMAD 28, uniform 29, LDS.128 8,
+  STS.128 8, 1 UTMALDG, branch 4, sync 13. No spills (104 registers under setmaxnreg), no shuffles (sizePerThread
+  [1, 16] words: every thread owns whole MX blocks), 128-bit shared accesses, conflict-free (a phase's 8 threads
+  read rows r..r+3, chunks j and j+4: the 128-byte swizzle sends them to 8 distinct 16-byte chunks). The MMA
+  loop: 99 instructions per k-step and warp (4 HGMMA, 61 uniform).
+* What the estimate missed is that one warp per SMSP runs a strictly serial chain per k-step, and the chain is
+  made of memory round trips: BAR.SYNC -> mbarrier try_wait (raw) -> 8 LDS.128 -> MEMBAR.ALL.CTA (what
+  fence.proxy.async becomes, with FENCE.VIEW.ASYNC.S: it waits for the loads) -> BAR.SYNC -> expect + BAR.SYNC ->
+  UTMALDG -> 330 instructions of rounding -> try_wait (a_done) -> 4 STS.128 -> BAR.SYNC (membar-inserted between
+  the two 64-row chunks) -> 4 STS.128 -> MEMBAR.ALL.CTA (waits for the stores) -> FENCE -> BAR.SYNC -> arrive: 5
+  barriers of 128 threads, 2 full memory fences and 2 mbarrier waits per k-step, nothing of k-step i + 1 started
+  before k-step i's stores are fenced. The rings (RAW_STAGES 3, A_STAGES 2, B 4: 224.2 KiB of 227) keep TMA ahead
+  but cannot overlap this chain with itself: A_STAGES 2 lets the rounding run one k-step ahead, no more, and a
+  deeper A ring only helps if the chain is shorter than the MMA's k-step, which it is not.
+* And the chain's memory operations queue behind the tensor cores: a k-step of the plain build moves 128 KiB
+  through shared memory (TMA writes A 16 + B 32 KiB; wgmma reads A 2 x 8 + B 2 x 32 KiB -- each warpgroup reads
+  all of B), ~100-113 B/clk of the SM's 128 at ~1160-1310 cycles; the partition adds LDS 16 + STS 16 KiB (+25%,
+  160 KiB: >= 1280 cycles at the full 128 B/clk), and its LDS/STS/MEMBAR wait behind wgmma operand reads.
+  (kosmos: 1230 instructions, 818 on the 16-lane ALU -> >= 1640 ALU cycles plus the same chain: 2.3x.)
+Hence the s22 builds: diagnostics that separate the two effects, and a design with neither (A rounded in wgmma's
+register operand: no extra shared-memory traffic, no cross-partition handoff, the rounding spread over 8 warps).
+
+s22 builds (``BUILDS``; the default run times the first six and torch)
+--------------------------------------------------------------------
+* gluon-ws-copy (diagnostic): the s21 partition with the rounding removed (IMPL "copy", LDS -> STS; C = A @ B):
+  the partition design's floor -- its handoffs and its +32 KiB of shared traffic per k-step, no arithmetic.
+* gluon-mx-ws-norm: the s21 partition with the "norm" constants (below): 364 instead of 409 instructions.
+* gluon-rs-copy (diagnostic): the plain build with A taken through registers (LDSM into wgmma's A-operand layout,
+  wgmma with A from registers, no rounding): the cost of the register path itself.
+* gluon-mx-rs (A_REGS=2): the MMA warps round A themselves between the LDSM and the wgmma (no rounding partition,
+  plain's 8 warps and 4-slot A+B ring, 208 KiB). Per warp and k-step a thread holds 32 elements of 2 rows x 2
+  blocks (4 pairs of each block; the quad of lanes holds the block): block max on 32-bit words (max.NaN.xorsign.abs
+  .bf16x2: 3 in-thread ops + 2 shuffle rounds, one swap + max puts the amax in both halves), the "norm" constants
+  on words (9 ops), the 7-op element step per pair. The rounding of k-step i runs while wgmma(i - 1) of both
+  warpgroups executes (issued one step earlier, wait_group 1).
+* gluon-mx-rs1 (A_REGS=1, not in the default run): the same with gl.reduce on bf16 scalars and the constants per
+  element: 315 instructions instead of 276.
+* The wgmma A-register hazard: a wgmma reads its register A operand asynchronously, and ptxas does not stop the
+  next k-step from overwriting those registers (Triton issue #9433; Triton 3.6's own pipeliner has the bug for
+  register A). A first A_REGS build did exactly that (its LDSM of k-step i + 1 wrote the registers of the
+  in-flight wgmma i: 27 such writes in the SASS). The A_REGS k-loop is therefore unrolled twice: even and odd
+  k-steps use distinct PTX registers, each set written only after wait_group 1 has retired the wgmma that read it,
+  and ptxas then keeps the two sets apart (A_REGS builds need K % 128 == 0). ``_a_regs_hazards`` replays the
+  loop's SASS and lists any write to an in-flight group's A registers: 0 for rs, rs1, rs-copy (the GPU run checks
+  the compiled kernel again before timing it).
+* The "norm" constants: every block is normalised to X = 0 instead of the +-64 shift -- s = -X - 4, so Cb =
+  2**(X + s - 2) is the constant 2**-6 and S16 = 2**-X, S1 = 2**(-X - 4), Sinv = 2**(X + 4) are all normal for X in
+  [-127, 120]; from the amax bits A: P = 2**(X + 8) = max((A + 0x1F) & 0x7F80, 0x0400) (adding 0x1F carries into
+  the exponent exactly when the fraction is above 0x60: RCEIL's +1; the max is the clamp X >= -127), S16 = 0x8300 -
+  P, S1 = 0x8100 - P, Sinv = P - 0x0200, and a NaN/Inf block gets Cb = NaN (fma(A, 0, 2**-6)), spread to every
+  element by max.NaN.xorsign.abs. The element step is the packed one (mul, and, max, fma, sub, mul, lop3). --emulate
+  checks both constant schemes on every bf16 value under every X, amax just above 448 * 2**X, tiny blocks, NaN/Inf
+  (8.7 M elements, 0 mismatches each); the GPU run checks each timed rounding path bitwise (round-only kernels:
+  the partition's layout for packed / norm, wgmma's A layout for A_REGS 2).
+* PROF (profile_shape, default fc1-8k): each build once more with clock64 around its phases: MMA loop (b/a_ready
+  wait, A_REGS rounding, wgmma_wait(1), barrier + refill), rounding loop (raw wait, load + refill, round, a_done
+  wait, store + fence + arrive), cycles per k-step and warp.
+* More rounding warps (16 warps: 8 MMA + 8 rounding) still fails in ptxas 12.8 ("Insufficient registers (128) ...
+  register target of 154": it allocates every partition under the launch cap, setmaxnreg notwithstanding); two
+  k-steps per handoff (128x128 A slots) does not fit 227 KiB with 4 B stages.
+
+s22 compile check (Triton 3.6.0, ptxas 12.8, sm_90a, B [N, K]; instructions per k-step and warp from the SASS)
+-------------------------------------------------------------------------------------------------------------
+    build             regs spill smem KiB  MMA loop  rounding loop (partition warp)
+    gluon              164    0    208.0     100       -
+    gluon-mx-packed    168    0    224.2      99     409 (fp16x2 128, hmnmx2 62, alu 128, imad 28, lds 8, sts 8)
+    gluon-mx-kosmos    168    0    224.2      99    1230 (alu 818, fp32 256, imad 93)
+    gluon-mx-ws-norm   168    0    224.2      99     364 (fp16x2 130, hmnmx2 66, alu 92, imad 13, lds 8, sts 8)
+    gluon-ws-copy      168    0    224.2      99      91 (alu 15, imad 13, lds 8, sts 8, sync 13)
+    gluon-rs-copy      204    0    208.0      96       -   (LDSM 4, A from registers, hazards 0)
+    gluon-mx-rs        217    0    208.0     276       -   (fp16x2 68, hmnmx2 44, alu 76, imad 11, shfl 8, LDSM 4)
+    gluon-mx-rs1       209    0    208.0     315       -   (fp16x2 64, hmnmx2 49, alu 110, imad 16, shfl 8)
+(B [K, N]: the same within +-4 instructions; rs 220 registers. The WS builds: setmaxnreg 200 MMA / 104 rounding,
+kosmos 184 / 128.)
+
+s22 PREDICTION (before the GPU run; time / plain gluon at the llama shapes; gluon ~ torch as measured)
+---------------------------------------------------------------------------------------------------
+Budget per k-step on the busiest SM: ~1160-1310 cycles (plain, measured); 4 SMSPs, each: 2 MMA warps (+ 1
+rounding warp in the WS builds); the 16-lane ALU takes 2 cycles a warp instruction, bf16x2 ~1.
+    gluon-ws-copy     1.10-1.30  the chain of memory round trips and +25% shared traffic without the arithmetic;
+                                 above 1.05 means the partition design cannot meet issue 14 whatever its arithmetic
+    gluon-mx-ws-norm  1.35-1.50  packed minus ~45 instructions (~90 ALU cycles) of a ~1700-1900-cycle chain
+    gluon-rs-copy     0.99-1.03  same shared traffic as plain (LDSM replaces wgmma's A reads), 4 LDSM per warp
+    gluon-mx-rs       1.00-1.06  per SMSP and k-step 2 x 276 = 552 issue slots of ~1160-1310, ALU 2 x ~120 x 2 =
+                                 ~480 cycles; the critical path of k-step i's A (barrier + refill ~150, LDSM ~40,
+                                 rounding of both warps of the SMSP ~550) ~750 cycles < wgmma(i - 1) ~1100-1300
+    (gluon-mx-packed   1.42-1.56 again; gluon-mx-rs1 1.01-1.08)
+Read with the profile: gluon-mx-rs hides the rounding if its "A_REGS round" phase stays well under its
+"wgmma_wait(1)" + round total, i.e. the MMA warps still wait for the tensor cores at every k-step.
+
+If none reaches ~1.05 (next)
+----------------------------
+* rs-copy > 1.03: the register path itself costs; keep SS wgmma and let the MMA warps round their own A slot in
+  place (LDS -> round -> STS into the ring slot -> fence -> wgmma): +16 KiB of shared traffic instead of +32 and no
+  cross-partition handoff.
+* rs's round phase too long: cut the per-pair step from 7 to 5 ops (t = fma(c, 16, v), r = fma(c, -16, t): exact
+  for X <= 115) with a warp-uniform fallback for the rare blocks beyond; compute the 4 blocks' constants of a
+  thread in 16-bit lanes (2 blocks a word); decouple the two warpgroups (a producer warp, slot release by a count-2
+  mbarrier instead of the 256-thread barrier) so one warpgroup rounds while the other's wgmma runs.
+* ws-copy <= 1.05 but ws-norm not: the partition's arithmetic is the limit -- software-pipeline the rounding warp
+  (loads of k-step i + 1 issued before the stores of i), then cut instructions as above.
 
 Gluon 3.6 notes
 ---------------
