@@ -173,8 +173,8 @@ s22 builds (``BUILDS``; the default run times the first six and torch)
 * gluon-mx-rs1 (A_REGS=1, not in the default run): the same with gl.reduce on bf16 scalars and the constants per
   element: 315 instructions instead of 276.
 * The wgmma A-register hazard: a wgmma reads its register A operand asynchronously, and ptxas does not stop the
-  next k-step from overwriting those registers (Triton issue #9433; Triton 3.6's own pipeliner has the bug for
-  register A). A first A_REGS build did exactly that (its LDSM of k-step i + 1 wrote the registers of the
+  next k-step from overwriting those registers (Triton issue #9433, where upstream's fix copies A into fresh
+  registers right before each wgmma). A first A_REGS build did exactly that (its LDSM of k-step i + 1 wrote the registers of the
   in-flight wgmma i: 27 such writes in the SASS). The A_REGS k-loop is therefore unrolled twice: even and odd
   k-steps use distinct PTX registers, each set written only after wait_group 1 has retired the wgmma that read it,
   and ptxas then keeps the two sets apart (A_REGS builds need K % 128 == 0). ``_a_regs_hazards`` replays the
@@ -230,8 +230,9 @@ If none reaches ~1.05 (next)
 * rs-copy > 1.03: the register path itself costs; keep SS wgmma and let the MMA warps round their own A slot in
   place (LDS -> round -> STS into the ring slot -> fence -> wgmma): +16 KiB of shared traffic instead of +32 and no
   cross-partition handoff.
-* rs's round phase too long: cut the per-pair step from 7 to 5 ops (t = fma(c, 16, v), r = fma(c, -16, t): exact
-  for X <= 115) with a warp-uniform fallback for the rare blocks beyond; compute the 4 blocks' constants of a
+* rs's round phase too long: cut the per-pair step from 7 to 5 ops (c = +-2**max(e, X - 6) from v & 0xFF80 and
+  Cb, t = fma(c, 16, v), r = fma(c, -16, t), sign: by the same quantum argument exact for about -120 <= X <= 115,
+  to be settled with --emulate) with a warp-uniform fallback for the rare blocks beyond; compute the 4 blocks' constants of a
   thread in 16-bit lanes (2 blocks a word); decouple the two warpgroups (a producer warp, slot release by a count-2
   mbarrier instead of the 256-thread barrier) so one warpgroup rounds while the other's wgmma runs.
 * ws-copy <= 1.05 but ws-norm not: the partition's arithmetic is the limit -- software-pipeline the rounding warp
@@ -743,8 +744,10 @@ def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, I
 def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
                    ROUND_MX: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
                    num_warps: gl.constexpr, A_REGS: gl.constexpr, prof, PROF: gl.constexpr):
-    """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain: the A+B
-    ring) and loads SB - 1 k-steps ahead. Per k-step g: wait ``b_ready`` (and ``a_ready``, ROUND_MX); async wgmma
+    """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain and A_REGS:
+    the A+B ring) and loads SB - 1 k-steps ahead. A_REGS (1, 2: round; 3: copy): A goes shared -> registers
+    (wgmma's A-operand layout) -> rounding -> wgmma from registers, the k-loop unrolled twice so that consecutive
+    k-steps use distinct registers (module docstring, s22: the A-register hazard). Per k-step g: wait ``b_ready`` (and ``a_ready``, ROUND_MX); async wgmma
     on (A slot, B slot); wait until one wgmma group is in flight, i.e. step g - 1's is done; release step g - 1:
     ``a_done`` (ROUND_MX) and the refill of its B slot with step g - 1 + SB. Epilogue per tile: fp32 accumulator
     -> bf16 -> c_smem in BN / EPI_N column pieces -> TMA stores (waited for before the piece buffer is reused)."""
@@ -927,7 +930,8 @@ def config(round_mx: bool, impl: str = "packed", **over) -> dict:
     (16 KiB). ROUND_MX: 12 warps (MMA 8 + rounding 4), 4 B stages (128 KiB), 2 rounded-A stages (32 KiB), 3 raw-A
     stages (48 KiB), the C piece (16 KiB): 224 KiB of the 227. maxnreg: registers per thread at launch, 64K /
     threads (ptxas allocates every partition within it: module docstring); ROUND_REGS: the rounding partition's
-    setmaxnreg budget, the MMA partition gets the rest."""
+    setmaxnreg budget, the MMA partition gets the rest. A_REGS (1, 2, 3): the plain build's shape (8 warps, one
+    partition, the A+B ring), A through registers (BUILDS)."""
     cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
                ROUND_REGS=128 if impl == "kosmos" else 104, num_warps=8, A_REGS=0)
     cfg.update(OVERRIDES)
