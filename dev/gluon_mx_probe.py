@@ -964,7 +964,9 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
     c_desc = TensorDescriptor.from_tensor(c, [BM, cfg["EPI_N"]], _nvmma([BM, cfg["EPI_N"]]))
     grid = (min(num_sms, (m // BM) * (n // BN)), )
     if prof is None:  # PROF builds: int64 [grid, 16] per-program cycle sums (profile_shape)
-        prof = _PROF_DUMMY.setdefault(a.device, torch.zeros(1, dtype=torch.int64, device=a.device))
+        if a.device not in _PROF_DUMMY:
+            _PROF_DUMMY[a.device] = torch.zeros(1, dtype=torch.int64, device=a.device)
+        prof = _PROF_DUMMY[a.device]
     kw = dict(PROF=prof.numel() > 1, ROUND_MX=round_mx, IMPL=IMPLS[impl], B_KMAJOR=b_kmajor, STAGES=cfg["STAGES"],
               A_STAGES=cfg["A_STAGES"], RAW_STAGES=cfg["RAW_STAGES"], GROUP_M=cfg["GROUP_M"],
               ROUND_ROWS=cfg["ROUND_ROWS"], ROUND_WARPS=cfg["ROUND_WARPS"], ROUND_REGS=cfg["ROUND_REGS"],
