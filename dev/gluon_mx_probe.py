@@ -1,8 +1,13 @@
 """Gluon probe (issue 14): a persistent bf16 GEMM for Hopper whose mainloop rounds A to its MXFP8 values.
 
     PYTHONPATH=. python -m dev.gluon_mx_probe [--shapes qkv-4k,...] [--variants ...] [--json OUT.jsonl]
-    PYTHONPATH=. python -m dev.gluon_mx_probe --compile-only [--json OUT.jsonl]   # no GPU: sm_90a resources
+    PYTHONPATH=. python -m dev.gluon_mx_probe --compile-only [--json OUT.jsonl]   # no GPU: sm_90a resources, SASS
     PYTHONPATH=. python -m dev.gluon_mx_probe --emulate                           # no GPU: the rounding's arithmetic
+
+The default GPU run (~2 min): bitwise checks of every rounding code path it times, a SASS check of the in-register
+builds, GEMM checks of every build (B [N, K] and [K, N]), then torch / gluon / gluon-mx-packed / gluon-ws-copy /
+gluon-mx-ws-norm / gluon-rs-copy / gluon-mx-rs at the 8 llama shapes, then a clock64 profile of each build's k-step
+at fc1-8k; the tables last. Sections "s22" below: why the rounding partition was slow, the builds that answer it.
 
 A developer probe, not product code: C [M, N] = A [M, K] @ B with B the weight [N, K] (or [K, N]), bf16 in,
 fp32 accumulation, bf16 out, M, N, K multiples of 128, 256, 64. ROUND_MX=False is the plain GEMM (does Gluon
@@ -118,6 +123,121 @@ tiles leave 1.3-3% in the last wave on 132 SMs. Guess: gluon / torch = 1.00-1.10
 1.00-1.13: the 1.05 bar is met if the plain Gluon GEMM is within ~3% of cuBLAS; if it is not, what remains is
 GEMM tuning (epilogue overlap, tile/scheduling), not the MX rounding.
 
+MEASURED (s21d, one H200, results/h200x1/s21/s21d/gluon-mx-probe.log; time / torch.matmul at the 8 shapes)
+----------------------------------------------------------------------------------------------------------
+    gluon 0.985-1.004x (the open question answered: Gluon reaches cuBLAS); gluon-mx-packed 1.42-1.56x (predicted
+    1.00-1.03x: wrong by ~45%); gluon-mx-kosmos 2.27-2.36x (predicted 1.25-1.6x). Per k-step at qkv-4k (5 tiles x
+    128 k-steps on the busiest SM): plain 0.66 us, packed 0.98 us, kosmos 1.57 us, i.e. ~1160-1310 / ~1710-1930 /
+    ~2750-3100 cycles at 1.75-1.98 GHz.
+
+s22: why the rounding partition is ~2.4x slower than its instruction count (SASS of the s21 packed build)
+-------------------------------------------------------------------------------------------------------
+(nvdisasm of the sm_90a cubin, Triton 3.6.0 / ptxas 12.8; ``--compile-only`` prints these counts, ``_sass_loops``)
+* The count was right: the rounding loop executes 409 instructions per k-step and warp (the tile-change division
+  left out): bf16x2 HMUL2 64 + HFMA2 32 + HADD2 32, HMNMX2 62 (30 for the 15-op max trees, 32 in the element step),
+  LOP3 77, other ALU ~51 (ISETP, SEL, IADD3, VIADD, LEA, SHF, SGXT, VIMNMX, PLOP3), IMAD 28, uniform 29, LDS.128 8,
+  STS.128 8, 1 UTMALDG, branch 4, sync 13. No spills (104 registers under setmaxnreg), no shuffles (sizePerThread
+  [1, 16] words: every thread owns whole MX blocks), 128-bit shared accesses, conflict-free (a phase's 8 threads
+  read rows r..r+3, chunks j and j+4: the 128-byte swizzle sends them to 8 distinct 16-byte chunks). The MMA
+  loop: 99 instructions per k-step and warp (4 HGMMA, 61 uniform).
+* What the estimate missed is that one warp per SMSP runs a strictly serial chain per k-step, and the chain is
+  made of memory round trips: BAR.SYNC -> mbarrier try_wait (raw) -> 8 LDS.128 -> MEMBAR.ALL.CTA (what
+  fence.proxy.async becomes, with FENCE.VIEW.ASYNC.S: it waits for the loads) -> BAR.SYNC -> expect + BAR.SYNC ->
+  UTMALDG -> 330 instructions of rounding -> try_wait (a_done) -> 4 STS.128 -> BAR.SYNC (membar-inserted between
+  the two 64-row chunks) -> 4 STS.128 -> MEMBAR.ALL.CTA (waits for the stores) -> FENCE -> BAR.SYNC -> arrive: 5
+  barriers of 128 threads, 2 full memory fences and 2 mbarrier waits per k-step, nothing of k-step i + 1 started
+  before k-step i's stores are fenced. The rings (RAW_STAGES 3, A_STAGES 2, B 4: 224.2 KiB of 227) keep TMA ahead
+  but cannot overlap this chain with itself: A_STAGES 2 lets the rounding run one k-step ahead, no more, and a
+  deeper A ring only helps if the chain is shorter than the MMA's k-step, which it is not.
+* And the chain's memory operations queue behind the tensor cores: a k-step of the plain build moves 128 KiB
+  through shared memory (TMA writes A 16 + B 32 KiB; wgmma reads A 2 x 8 + B 2 x 32 KiB -- each warpgroup reads
+  all of B), ~100-113 B/clk of the SM's 128 at ~1160-1310 cycles; the partition adds LDS 16 + STS 16 KiB (+25%,
+  160 KiB: >= 1280 cycles at the full 128 B/clk), and its LDS/STS/MEMBAR wait behind wgmma operand reads.
+  (kosmos: 1230 instructions, 818 on the 16-lane ALU -> >= 1640 ALU cycles plus the same chain: 2.3x.)
+Hence the s22 builds: diagnostics that separate the two effects, and a design with neither (A rounded in wgmma's
+register operand: no extra shared-memory traffic, no cross-partition handoff, the rounding spread over 8 warps).
+
+s22 builds (``BUILDS``; the default run times the first six and torch)
+--------------------------------------------------------------------
+* gluon-ws-copy (diagnostic): the s21 partition with the rounding removed (IMPL "copy", LDS -> STS; C = A @ B):
+  the partition design's floor -- its handoffs and its +32 KiB of shared traffic per k-step, no arithmetic.
+* gluon-mx-ws-norm: the s21 partition with the "norm" constants (below): 364 instead of 409 instructions.
+* gluon-rs-copy (diagnostic): the plain build with A taken through registers (LDSM into wgmma's A-operand layout,
+  wgmma with A from registers, no rounding): the cost of the register path itself.
+* gluon-mx-rs (A_REGS=2): the MMA warps round A themselves between the LDSM and the wgmma (no rounding partition,
+  plain's 8 warps and 4-slot A+B ring, 208 KiB). Per warp and k-step a thread holds 32 elements of 2 rows x 2
+  blocks (4 pairs of each block; the quad of lanes holds the block): block max on 32-bit words (max.NaN.xorsign.abs
+  .bf16x2: 3 in-thread ops + 2 shuffle rounds, one swap + max puts the amax in both halves), the "norm" constants
+  on words (9 ops), the 7-op element step per pair. The rounding of k-step i runs while wgmma(i - 1) of both
+  warpgroups executes (issued one step earlier, wait_group 1).
+* gluon-mx-rs1 (A_REGS=1, not in the default run): the same with gl.reduce on bf16 scalars and the constants per
+  element: 315 instructions instead of 276.
+* The wgmma A-register hazard: a wgmma reads its register A operand asynchronously, and ptxas does not stop the
+  next k-step from overwriting those registers (Triton issue #9433, where upstream's fix copies A into fresh
+  registers right before each wgmma). A first A_REGS build did exactly that (its LDSM of k-step i + 1 wrote the registers of the
+  in-flight wgmma i: 27 such writes in the SASS). The A_REGS k-loop is therefore unrolled twice: even and odd
+  k-steps use distinct PTX registers, each set written only after wait_group 1 has retired the wgmma that read it,
+  and ptxas then keeps the two sets apart (A_REGS builds need K % 128 == 0). ``_a_regs_hazards`` replays the
+  loop's SASS and lists any write to an in-flight group's A registers: 0 for rs, rs1, rs-copy (the GPU run checks
+  the compiled kernel again before timing it).
+* The "norm" constants: every block is normalised to X = 0 instead of the +-64 shift -- s = -X - 4, so Cb =
+  2**(X + s - 2) is the constant 2**-6 and S16 = 2**-X, S1 = 2**(-X - 4), Sinv = 2**(X + 4) are all normal for X in
+  [-127, 120]; from the amax bits A: P = 2**(X + 8) = max((A + 0x1F) & 0x7F80, 0x0400) (adding 0x1F carries into
+  the exponent exactly when the fraction is above 0x60: RCEIL's +1; the max is the clamp X >= -127), S16 = 0x8300 -
+  P, S1 = 0x8100 - P, Sinv = P - 0x0200, and a NaN/Inf block gets Cb = NaN (fma(A, 0, 2**-6)), spread to every
+  element by max.NaN.xorsign.abs. The element step is the packed one (mul, and, max, fma, sub, mul, lop3). --emulate
+  checks both constant schemes on every bf16 value under every X, amax just above 448 * 2**X, tiny blocks, NaN/Inf
+  (8.7 M elements, 0 mismatches each); the GPU run checks each timed rounding path bitwise (round-only kernels:
+  the partition's layout for packed / norm, wgmma's A layout for A_REGS 2).
+* PROF (profile_shape, default fc1-8k): each build once more with clock64 around its phases: MMA loop (b/a_ready
+  wait, A_REGS rounding, wgmma_wait(1), barrier + refill), rounding loop (raw wait, load + refill, round, a_done
+  wait, store + fence + arrive), cycles per k-step and warp.
+* More rounding warps (16 warps: 8 MMA + 8 rounding) still fails in ptxas 12.8 ("Insufficient registers (128) ...
+  register target of 154": it allocates every partition under the launch cap, setmaxnreg notwithstanding); two
+  k-steps per handoff (128x128 A slots) does not fit 227 KiB with 4 B stages.
+
+s22 compile check (Triton 3.6.0, ptxas 12.8, sm_90a, B [N, K]; instructions per k-step and warp from the SASS)
+-------------------------------------------------------------------------------------------------------------
+    build             regs spill smem KiB  MMA loop  rounding loop (partition warp)
+    gluon              164    0    208.0     100       -
+    gluon-mx-packed    168    0    224.2      99     409 (fp16x2 128, hmnmx2 62, alu 128, imad 28, lds 8, sts 8)
+    gluon-mx-kosmos    168    0    224.2      99    1230 (alu 818, fp32 256, imad 93)
+    gluon-mx-ws-norm   168    0    224.2      99     364 (fp16x2 130, hmnmx2 66, alu 92, imad 13, lds 8, sts 8)
+    gluon-ws-copy      168    0    224.2      99      91 (alu 15, imad 13, lds 8, sts 8, sync 13)
+    gluon-rs-copy      204    0    208.0      96       -   (LDSM 4, A from registers, hazards 0)
+    gluon-mx-rs        217    0    208.0     276       -   (fp16x2 68, hmnmx2 44, alu 76, imad 11, shfl 8, LDSM 4)
+    gluon-mx-rs1       209    0    208.0     315       -   (fp16x2 64, hmnmx2 49, alu 110, imad 16, shfl 8)
+(B [K, N]: the same within +-4 instructions; rs 220 registers. The WS builds: setmaxnreg 200 MMA / 104 rounding,
+kosmos 184 / 128.)
+
+s22 PREDICTION (before the GPU run; time / plain gluon at the llama shapes; gluon ~ torch as measured)
+---------------------------------------------------------------------------------------------------
+Budget per k-step on the busiest SM: ~1160-1310 cycles (plain, measured); 4 SMSPs, each: 2 MMA warps (+ 1
+rounding warp in the WS builds); the 16-lane ALU takes 2 cycles a warp instruction, bf16x2 ~1.
+    gluon-ws-copy     1.10-1.30  the chain of memory round trips and +25% shared traffic without the arithmetic;
+                                 above 1.05 means the partition design cannot meet issue 14 whatever its arithmetic
+    gluon-mx-ws-norm  1.35-1.50  packed minus ~45 instructions (~90 ALU cycles) of a ~1700-1900-cycle chain
+    gluon-rs-copy     0.99-1.03  same shared traffic as plain (LDSM replaces wgmma's A reads), 4 LDSM per warp
+    gluon-mx-rs       1.00-1.06  per SMSP and k-step 2 x 276 = 552 issue slots of ~1160-1310, ALU 2 x ~120 x 2 =
+                                 ~480 cycles; the critical path of k-step i's A (barrier + refill ~150, LDSM ~40,
+                                 rounding of both warps of the SMSP ~550) ~750 cycles < wgmma(i - 1) ~1100-1300
+    (gluon-mx-packed   1.42-1.56 again; gluon-mx-rs1 1.01-1.08)
+Read with the profile: gluon-mx-rs hides the rounding if its "A_REGS round" phase stays well under its
+"wgmma_wait(1)" + round total, i.e. the MMA warps still wait for the tensor cores at every k-step.
+
+If none reaches ~1.05 (next)
+----------------------------
+* rs-copy > 1.03: the register path itself costs; keep SS wgmma and let the MMA warps round their own A slot in
+  place (LDS -> round -> STS into the ring slot -> fence -> wgmma): +16 KiB of shared traffic instead of +32 and no
+  cross-partition handoff.
+* rs's round phase too long: cut the per-pair step from 7 to 5 ops (c = +-2**max(e, X - 6) from v & 0xFF80 and
+  Cb, t = fma(c, 16, v), r = fma(c, -16, t), sign: by the same quantum argument exact for about -120 <= X <= 115,
+  to be settled with --emulate) with a warp-uniform fallback for the rare blocks beyond; compute the 4 blocks' constants of a
+  thread in 16-bit lanes (2 blocks a word); decouple the two warpgroups (a producer warp, slot release by a count-2
+  mbarrier instead of the 256-thread barrier) so one warpgroup rounds while the other's wgmma runs.
+* ws-copy <= 1.05 but ws-norm not: the partition's arithmetic is the limit -- software-pipeline the rounding warp
+  (loads of k-step i + 1 issued before the stores of i), then cut instructions as above.
+
 Gluon 3.6 notes
 ---------------
 * Nothing needed was missing: shared-memory rings, mbarriers (init/expect/wait/arrive with predicates),
@@ -152,7 +272,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kosmos.quant import _rceil_exponent, mx_round, mx_round_bf16
 
 DEVICE = "cuda"  # the checks' and timings' device (a CPU dry run of the host code sets "cpu")
-IMPLS = {"kosmos": 0, "packed": 1}  # ROUND_IMPL: which arithmetic rounds A (module docstring)
+IMPLS = {"kosmos": 0, "packed": 1, "norm": 2, "copy": 3}  # IMPL: the rounding partition's arithmetic
+# (module docstring; "copy" rounds nothing: a diagnostic of the partition's data movement)
 
 
 # ============================================================================================ MX rounding of a tile
@@ -251,8 +372,12 @@ def _round_compute(xs, IMPL: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constex
         x = xs[c]
         if IMPL == 0:
             y = gl.reshape(mx_round_bf16(gl.reshape(x, [ROWS, BKX // 32, 32])), [ROWS, BKX])
-        else:
+        elif IMPL == 1:
             y = gl.reshape(_mx_round_words(gl.reshape(x, [ROWS, BKX // 16, 16])), [ROWS, BKX])
+        elif IMPL == 2:
+            y = gl.reshape(_mx_round_words_norm(gl.reshape(x, [ROWS, BKX // 16, 16])), [ROWS, BKX])
+        else:  # IMPL 3, "copy": no rounding (a diagnostic: the partition's data movement alone)
+            y = x
         ys = ys + (gl.convert_layout(y, x.type.layout), )
     return ys
 
@@ -267,6 +392,147 @@ def _round_write(ys, dst, IMPL: gl.constexpr, ROWS: gl.constexpr):
         words = _word_view(dst)
         for c in gl.static_range(len(ys)):
             words.slice(c * ROWS, ROWS).store(ys[c])
+
+
+# The "norm" constants (RS build): every block normalised to X = 0 (shift s = -X - 4 instead of +-64 / 0), so
+# that Cb is the constant 2**-6 and S16, S1, Sinv are integer offsets of one power of two (module docstring).
+_ROUND_NORM = gl.constexpr("""{
+        .reg .b32 c, t;
+        mul.rn.bf16x2 c, $1, $2;
+        and.b32 c, c, 0xFF80FF80;
+        max.NaN.xorsign.abs.bf16x2 c, c, $3;
+        fma.rn.bf16x2 t, $1, $4, c;
+        sub.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 t, t, $5;
+        lop3.b32 $0, t, $1, 0x80008000, 0xF8;
+        }""")
+
+
+@gluon.jit
+def _absmax_bf16(a, b):
+    """max(|a|, |b|) of two bf16, NaN-propagating (canonical NaN 0x7FFF); the sign bit is meaningless (xorsign)."""
+    return gl.inline_asm_elementwise("max.NaN.xorsign.abs.bf16 $0, $1, $2;", "=h,h,h", [a, b], dtype=gl.bfloat16,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _norm_consts(amax):
+    """The blocks' constants (bf16 bit patterns in int32) from their amax magnitude bits (bf16 pattern & 0x7FFF):
+    P = 2**(X + 8) = max((amax + 0x1F) & 0x7F80, 2**-119) -- adding 0x1F carries into the exponent exactly when
+    the fraction is above 0x60, RCEIL's +1; the max is X's clamp at -127 -- then S16 = 2**-X, S1 = 2**(-X - 4),
+    Sinv = 2**(X + 4) by exponent arithmetic on P's bits (all normal for X in [-127, 120]), and Cb = 2**-6, or
+    NaN for a block holding NaN/Inf (max.NaN spreads it to every element)."""
+    p = gl.maximum((amax + 0x1F) & 0x7F80, 0x400)
+    return 0x8300 - p, gl.where(amax >= 0x7F80, 0x7FC0, 0x3C80), 0x8100 - p, p - 0x200
+
+
+@gluon.jit
+def _bits_bf16(x):
+    """int32 holding a 16-bit pattern -> that bf16."""
+    return x.to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _mx_round_dot(a):
+    """The MX values of a bf16 [BM, BK] tile in wgmma's A-operand register layout (DotOperandLayout, k_width 2:
+    each thread holds 8 elements of a 32-element block, as 4 pairs; the quad of lanes holds the block), same layout
+    back. amax: gl.reduce with max.NaN.xorsign.abs.bf16 (7 in-thread ops and 2 shuffle rounds per block); the
+    element step: the packed 7 instructions per pair with the "norm" constants."""
+    BM: gl.constexpr = a.shape[0]
+    BK: gl.constexpr = a.shape[1]
+    a3 = a.reshape([BM, BK // 32, 32])
+    amax = gl.reduce(a3, 2, _absmax_bf16)
+    s16, cb, s1, sinv = _norm_consts(amax.to(gl.int16, bitcast=True).to(gl.int32) & 0x7FFF)
+    y3 = gl.inline_asm_elementwise(
+        _ROUND_NORM, "=r,r,r,r,r,r",
+        [a3, gl.expand_dims(_bits_bf16(s16), 2), gl.expand_dims(_bits_bf16(cb), 2), gl.expand_dims(_bits_bf16(s1), 2),
+         gl.expand_dims(_bits_bf16(sinv), 2)], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return gl.convert_layout(y3.reshape([BM, BK]), a.type.layout, assert_trivial=True)
+
+
+# The element step of the "words" variant: as _ROUND_NORM, on a bf16 pair ($1) with the block's constants given
+# as int32 words whose halves are equal (each appears twice, pack = 2: $2/$3 S16, $4/$5 Cb, $6/$7 S1, $8/$9 Sinv).
+_ROUND_WORDS = gl.constexpr("""{
+        .reg .b32 c, t;
+        mul.rn.bf16x2 c, $1, $2;
+        and.b32 c, c, 0xFF80FF80;
+        max.NaN.xorsign.abs.bf16x2 c, c, $4;
+        fma.rn.bf16x2 t, $1, $6, c;
+        sub.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 t, t, $8;
+        lop3.b32 $0, t, $1, 0x80008000, 0xF8;
+        }""")
+
+
+@gluon.jit
+def _pair_words(x):
+    """bf16 [R, NB, 2n] -> int32 [R, NB, n]: each word the pair (2i, 2i + 1) as the register holds it (the low half the
+    even element). Costs nothing: the pair already is one 32-bit register."""
+    w = gl.inline_asm_elementwise("mov.b32 $0, $2;\n mov.b32 $1, $2;", "=r,=r,r", [x], dtype=gl.int32,
+                                  is_pure=True, pack=2)
+    lo, hi = w.reshape([x.shape[0], x.shape[1], x.shape[2] // 2, 2]).split()
+    return lo
+
+
+@gluon.jit
+def _swap_halves(w):
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0x1032;", "=r,r", [w], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _bf16x2_op(a, b, OP: gl.constexpr):
+    return gl.inline_asm_elementwise(OP + " $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _norm_consts_words(amax_w):
+    """_norm_consts on words whose two halves both hold the block's amax (signs meaningless): the same four
+    constants, each in both halves (the halves never carry or borrow into each other: P in [0x0400, 0x7F80])."""
+    clean = amax_w & 0x7FFF7FFF
+    p = _bf16x2_op((clean + 0x001F001F) & 0x7F807F80, gl.full(clean.shape, 0x04000400, gl.int32,
+                                                                 clean.type.layout), "max.bf16x2")
+    cb = gl.inline_asm_elementwise("{ .reg .b32 z, k;\n mov.b32 z, 0;\n mov.b32 k, 0x3C803C80;\n"
+                                   " fma.rn.bf16x2 $0, $1, z, k; }", "=r,r", [clean], dtype=gl.int32,
+                                   is_pure=True, pack=1)  # 2**-6, or NaN where amax is NaN / Inf (0 * Inf)
+    return -0x7CFF7D00 - p, cb, -0x7EFF7F00 - p, p - 0x02000200  # 0x83008300 - p, 0x81008100 - p (mod 2**32)
+
+
+@gluon.jit
+def _mx_round_dot_words(a):
+    """_mx_round_dot with the amax and the constants on 32-bit words (two elements each): the in-thread part of
+    the block max on words (3 ops for a thread's 4 words of a block), the 2 shuffle rounds on words, one swap
+    + max to put the block amax in both halves, and the constants computed once per word (module docstring)."""
+    BM: gl.constexpr = a.shape[0]
+    BK: gl.constexpr = a.shape[1]
+    a3 = a.reshape([BM, BK // 32, 32])
+    w = _pair_words(a3)                                        # [BM, BK/32, 16] words
+    m = gl.reduce(w, 2, _absmax_bf16x2)
+    m = _absmax_bf16x2(m, _swap_halves(m))
+    s16, cb, s1, sinv = _norm_consts_words(m)
+    lay: gl.constexpr = gl.SliceLayout(2, a3.type.layout)
+    y3 = gl.inline_asm_elementwise(
+        _ROUND_WORDS, "=r,r,r,r,r,r,r,r,r,r",
+        [a3, gl.expand_dims(gl.convert_layout(s16, lay, assert_trivial=True), 2),
+         gl.expand_dims(gl.convert_layout(cb, lay, assert_trivial=True), 2),
+         gl.expand_dims(gl.convert_layout(s1, lay, assert_trivial=True), 2),
+         gl.expand_dims(gl.convert_layout(sinv, lay, assert_trivial=True), 2)],
+        dtype=gl.bfloat16, is_pure=True, pack=2)
+    return gl.convert_layout(y3.reshape([BM, BK]), a.type.layout, assert_trivial=True)
+
+
+@gluon.jit
+def _mx_round_words_norm(w):
+    """_mx_round_words with the "norm" constants (_norm_consts_words; the element step _ROUND_NORM): the tree's
+    word (even / odd halves' maxima) is folded into both halves by one swap + max, then 9 ops give the four
+    constants per block, against ~20 for the +-64 shift's."""
+    m = _tree_absmax(w)
+    m = _absmax_bf16x2(m, _swap_halves(m))
+    s16, cb, s1, sinv = _norm_consts_words(m)
+    return gl.inline_asm_elementwise(
+        _ROUND_NORM, "=r,r,r,r,r,r",
+        [w, gl.expand_dims(s16, 2), gl.expand_dims(cb, 2), gl.expand_dims(s1, 2), gl.expand_dims(sinv, 2)],
+        dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -292,7 +558,44 @@ def _round_only_kernel(x_desc, y_desc, IMPL: gl.constexpr, ROWS: gl.constexpr, n
     mbarrier.invalidate(bar)
 
 
+@gluon.jit
+def _round_only_dot_kernel(x_desc, y_desc, A_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """y = the MX values of x through the A_REGS rounding (1: _mx_round_dot, 2: _mx_round_dot_words) in wgmma's
+    A-operand register layout, as the GEMM loads it (one [BM, BK] tile per program, num_warps = 8): the bitwise
+    check of the in-register rounding."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, 256, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    off_m = gl.program_id(0) * BM
+    off_k = gl.program_id(1) * BK
+    src = gl.allocate_shared_memory(x_desc.dtype, [BM, BK], x_desc.layout)
+    dst = gl.allocate_shared_memory(y_desc.dtype, [BM, BK], y_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, x_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, off_k], bar, src)
+    mbarrier.wait(bar, 0)
+    a = src.load(a_layout)
+    if A_REGS == 1:
+        y = _mx_round_dot(a)
+    else:
+        y = _mx_round_dot_words(a)
+    dst.store(y)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(y_desc, [off_m, off_k], dst)
+    tma.store_wait(0)
+    mbarrier.invalidate(bar)
+
+
 # ============================================================================================ the GEMM's partitions
+@gluon.jit
+def _clock():
+    """The SM's cycle counter (PROF builds: where each partition's k-step goes)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _tile_coords(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     """Output tile t -> (pid_m, pid_n): GROUP_M row tiles walk the columns together (L2 reuse of B)."""
@@ -372,7 +675,8 @@ def _num_steps(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
 
 @gluon.jit
 def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, IMPL: gl.constexpr,
-                     ROWS: gl.constexpr, WARPS: gl.constexpr, GROUP_M: gl.constexpr, BN: gl.constexpr):
+                     ROWS: gl.constexpr, WARPS: gl.constexpr, GROUP_M: gl.constexpr, BN: gl.constexpr,
+                     prof, PROF: gl.constexpr):
     """The rounding partition (WARPS warps), ROUND_MX only. It owns the raw A ring (R slots): loads R k-steps
     ahead, and refills a slot as soon as its registers hold the tile. Per k-step g: wait ``raw_ready``; raw bf16 A
     tile -> registers; refill the slot with step g + R; round to MX values; wait until the MMA that last read
@@ -386,28 +690,64 @@ def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, I
     for g in gl.static_range(R):
         _issue_raw(g, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN)
         ki, t, off_m, off_n = _next_step(ki, t, off_m, off_n, M, N, K, BM, BN, BK, GROUP_M)
+    if PROF:  # cycles: raw wait, loads + refill, rounding, a_done wait, stores + fence + arrive, whole k-step
+        q0 = _clock() * 0
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        q4 = q0
+        q5 = q0
     for it in range(total):
+        if PROF:
+            c0 = _clock()
         r = it % R
         mbarrier.wait(raw_ready.index(r), (it // R) & 1)
+        if PROF:
+            c1 = _clock()
         xs = _round_load(raw.index(r), IMPL, ROWS, WARPS)
         fence_async_shared()  # our generic reads of the slot before the async-proxy (TMA) write that refills it
         gl.thread_barrier()   # ... of all WARPS warps
         _issue_raw(r, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN)  # k-step it + R
         ki, t, off_m, off_n = _next_step(ki, t, off_m, off_n, M, N, K, BM, BN, BK, GROUP_M)
+        if PROF:
+            c2 = _clock()
         ys = _round_compute(xs, IMPL, ROWS, WARPS)  # before the wait: overlaps the MMA of the slot's last step
         sa = it % SA
+        if PROF:
+            c3 = _clock()
         mbarrier.wait(a_done.index(sa), ((it // SA) & 1) ^ 1)
+        if PROF:
+            c4 = _clock()
         _round_write(ys, a_bufs.index(sa), IMPL, ROWS)
         fence_async_shared()  # our generic writes before the wgmma's async-proxy reads
         mbarrier.arrive(a_ready.index(sa))
+        if PROF:
+            c5 = _clock()
+            q0 += c1 - c0
+            q1 += c2 - c1
+            q2 += c3 - c2
+            q3 += c4 - c3
+            q4 += c5 - c4
+            q5 += c5 - c0
+    if PROF:
+        base = prof + gl.program_id(0) * 16
+        gl.store(base + 8, total.to(gl.int64))
+        gl.store(base + 9, q0)
+        gl.store(base + 10, q1)
+        gl.store(base + 11, q2)
+        gl.store(base + 12, q3)
+        gl.store(base + 13, q4)
+        gl.store(base + 14, q5)
 
 
 @gluon.jit
 def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
                    ROUND_MX: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain: the A+B
-    ring) and loads SB - 1 k-steps ahead. Per k-step g: wait ``b_ready`` (and ``a_ready``, ROUND_MX); async wgmma
+                   num_warps: gl.constexpr, A_REGS: gl.constexpr, prof, PROF: gl.constexpr):
+    """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain and A_REGS:
+    the A+B ring) and loads SB - 1 k-steps ahead. A_REGS (1, 2: round; 3: copy): A goes shared -> registers
+    (wgmma's A-operand layout) -> rounding -> wgmma from registers, the k-loop unrolled twice so that consecutive
+    k-steps use distinct registers (module docstring, s22: the A-register hazard). Per k-step g: wait ``b_ready`` (and ``a_ready``, ROUND_MX); async wgmma
     on (A slot, B slot); wait until one wgmma group is in flight, i.e. step g - 1's is done; release step g - 1:
     ``a_done`` (ROUND_MX) and the refill of its B slot with step g - 1 + SB. Epilogue per tile: fp32 accumulator
     -> bf16 -> c_smem in BN / EPI_N column pieces -> TMA stores (waited for before the piece buffer is reused)."""
@@ -428,33 +768,64 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
         _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, not ROUND_MX, B_KMAJOR)
         lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
     acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    UNROLL: gl.constexpr = 2 if A_REGS else 1
     it = 0
+    if PROF:  # cycles: b_ready/a_ready waits, A_REGS rounding, wgmma_wait(1), barrier + refill, whole k-step
+        p0 = _clock() * 0
+        p1 = p0
+        p2 = p0
+        p3 = p0
+        p4 = p0
     for tile in range(total // k_steps):
         pid_m, pid_n = _tile_coords(gl.program_id(0) + tile * gl.num_programs(0), gl.cdiv(M, BM), gl.cdiv(N, BN),
                                     GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
-        for ki in range(k_steps):
-            s = it % SB
-            mbarrier.wait(b_ready.index(s), (it // SB) & 1)
-            if ROUND_MX:
-                sa = it % SA
-                mbarrier.wait(a_ready.index(sa), (it // SA) & 1)
-                a = a_bufs.index(sa)
-            else:
-                a = a_bufs.index(s)
-            b = b_bufs.index(s)
-            if B_KMAJOR:
-                b = b.permute((1, 0))
-            acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            gl.thread_barrier()  # both warpgroups' step it - 1 is done
-            if ROUND_MX:  # (the tile's last step is released after the loop)
-                mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
-            _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N,
-                         not ROUND_MX, B_KMAJOR)  # k-step it + SB - 1, into the slot step it - 1 has left
-            lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
-            it += 1
+        for kk in range(k_steps // UNROLL):
+            for h in gl.static_range(UNROLL):  # A_REGS: two register sets, alternating (see _mx_round_dot)
+                ki = kk * UNROLL + h
+                if PROF:
+                    c0 = _clock()
+                s = it % SB
+                mbarrier.wait(b_ready.index(s), (it // SB) & 1)
+                if ROUND_MX:
+                    sa = it % SA
+                    mbarrier.wait(a_ready.index(sa), (it // SA) & 1)
+                    a = a_bufs.index(sa)
+                else:
+                    a = a_bufs.index(s)
+                if PROF:
+                    c1 = _clock()
+                if A_REGS == 1:
+                    a = _mx_round_dot(a.load(a_layout))
+                elif A_REGS == 2:
+                    a = _mx_round_dot_words(a.load(a_layout))
+                elif A_REGS == 3:  # "rs-copy": the register path without rounding (a diagnostic)
+                    a = a.load(a_layout)
+                b = b_bufs.index(s)
+                if B_KMAJOR:
+                    b = b.permute((1, 0))
+                if PROF:
+                    c2 = _clock()
+                acc = warpgroup_mma(a, b, acc, use_acc=ki > 0, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                if PROF:
+                    c3 = _clock()
+                gl.thread_barrier()  # both warpgroups' step it - 1 is done
+                if ROUND_MX:  # (the tile's last step is released after the loop)
+                    mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
+                _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N,
+                             not ROUND_MX, B_KMAJOR)  # k-step it + SB - 1, into the slot step it - 1 has left
+                lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
+                it += 1
+                if PROF:
+                    c4 = _clock()
+                    p0 += c1 - c0
+                    p1 += c2 - c1
+                    p2 += c3 - c2
+                    p3 += c4 - c3
+                    p4 += c4 - c0
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         gl.thread_barrier()
         if ROUND_MX:
@@ -473,13 +844,22 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [off_m, off_n + j * EPI_N], c_smem)
     tma.store_wait(0)
+    if PROF:
+        base = prof + gl.program_id(0) * 16
+        gl.store(base, total.to(gl.int64))
+        gl.store(base + 1, p0)
+        gl.store(base + 2, p1)
+        gl.store(base + 3, p2)
+        gl.store(base + 4, p3)
+        gl.store(base + 5, p4)
 
 
 @gluon.jit
-def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
+def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, prof, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
                  B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr, RAW_STAGES: gl.constexpr,
                  GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
-                 ROUND_REGS: gl.constexpr, num_warps: gl.constexpr):
+                 ROUND_REGS: gl.constexpr, num_warps: gl.constexpr, A_REGS: gl.constexpr = 0,
+                 PROF: gl.constexpr = False):
     """C [M, N] = A [M, K] @ B (bf16, fp32 accumulation), persistent (module docstring). Plain: one partition
     (the MMA warps load A and B themselves). ROUND_MX: warp_specialize([MMA warps, ROUND_WARPS rounding warps])."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -494,7 +874,7 @@ def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: 
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(b_ready.index(i), count=1)
-    if ROUND_MX:
+    if ROUND_MX and not A_REGS:
         a_bufs = gl.allocate_shared_memory(dtype, [A_STAGES, BM, BK], a_desc.layout)
         raw = gl.allocate_shared_memory(dtype, [RAW_STAGES, BM, BK], a_desc.layout)
         a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
@@ -507,14 +887,14 @@ def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, ROUND_MX: gl.constexpr, IMPL: 
             mbarrier.init(raw_ready.index(i), count=1)
         gl.warp_specialize([
             (_mma_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
-                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps)),
+                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF)),
             (_round_partition, (a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, IMPL, ROUND_ROWS,
-                                ROUND_WARPS, GROUP_M, BN)),
+                                ROUND_WARPS, GROUP_M, BN, prof, PROF)),
         ], [ROUND_WARPS], [ROUND_REGS])
     else:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
-        _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K, ROUND_MX,
-                       B_KMAJOR, GROUP_M, num_warps)
+        _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K, False,
+                       B_KMAJOR, GROUP_M, num_warps, A_REGS, prof, PROF)
 
 
 # ============================================================================================ host side
@@ -524,7 +904,22 @@ LLAMA_SHAPES = {  # llama3-70b TP=2 per-rank GEMMs (M tokens, N out, K in)
        for name, n, k in (("qkv", 5120, 8192), ("fc1", 28672, 8192), ("attn_out", 8192, 4096),
                           ("fc2", 8192, 14336))},
 }
-VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-mx-kosmos")
+# The Gluon builds: name -> (ref: what C is compared with -- the matmul of A ("bf16") or of A's MX values ("mx");
+# kw: gemm_launch's keywords). A_REGS 1/2: A rounded in wgmma's register operand by the MMA warps themselves (no
+# rounding partition); "copy" builds round nothing: the MX builds' data paths carrying plain A (diagnostics).
+BUILDS = {
+    "gluon": dict(ref="bf16", kw=dict(round_mx=False)),
+    "gluon-mx-packed": dict(ref="mx", kw=dict(round_mx=True, impl="packed")),
+    "gluon-mx-kosmos": dict(ref="mx", kw=dict(round_mx=True, impl="kosmos")),
+    "gluon-mx-ws-norm": dict(ref="mx", kw=dict(round_mx=True, impl="norm")),
+    "gluon-ws-copy": dict(ref="bf16", kw=dict(round_mx=True, impl="copy")),
+    "gluon-mx-rs": dict(ref="mx", kw=dict(round_mx=True, A_REGS=2)),
+    "gluon-mx-rs1": dict(ref="mx", kw=dict(round_mx=True, A_REGS=1)),
+    "gluon-rs-copy": dict(ref="bf16", kw=dict(round_mx=False, A_REGS=3)),
+}
+VARIANTS = ("torch", ) + tuple(BUILDS)
+DEFAULT_VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-ws-copy", "gluon-mx-ws-norm", "gluon-rs-copy",
+                    "gluon-mx-rs")
 
 
 OVERRIDES: dict = {}  # --config KEY=VALUE,...: applied to every Gluon GEMM build of the run
@@ -535,12 +930,13 @@ def config(round_mx: bool, impl: str = "packed", **over) -> dict:
     (16 KiB). ROUND_MX: 12 warps (MMA 8 + rounding 4), 4 B stages (128 KiB), 2 rounded-A stages (32 KiB), 3 raw-A
     stages (48 KiB), the C piece (16 KiB): 224 KiB of the 227. maxnreg: registers per thread at launch, 64K /
     threads (ptxas allocates every partition within it: module docstring); ROUND_REGS: the rounding partition's
-    setmaxnreg budget, the MMA partition gets the rest."""
+    setmaxnreg budget, the MMA partition gets the rest. A_REGS (1, 2, 3): the plain build's shape (8 warps, one
+    partition, the A+B ring), A through registers (BUILDS)."""
     cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
-               ROUND_REGS=104 if impl == "packed" else 128, num_warps=8)
+               ROUND_REGS=128 if impl == "kosmos" else 104, num_warps=8, A_REGS=0)
     cfg.update(OVERRIDES)
     cfg.update(over)
-    warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if round_mx else 0)
+    warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if round_mx and not cfg["A_REGS"] else 0)
     cfg.setdefault("maxnreg", min(255, 65536 // (32 * warps)) // 8 * 8)
     return cfg
 
@@ -549,25 +945,33 @@ def _nvmma(block):
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
 
 
+_PROF_DUMMY: dict = {}
+
+
 def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool = True, num_sms: int = 132,
-                **over):
+                prof=None, **over):
     """(kernel, grid, args, kwargs) of C = A @ B: ``a`` bf16 [M, K], ``b`` the weight bf16 [N, K] (``b_kmajor``) or
     [K, N], ``c`` bf16 [M, N]; M, N, K multiples of 128, 256, 64."""
     cfg = config(round_mx, impl, **over)
     m, k = a.shape
     n = b.shape[0] if b_kmajor else b.shape[1]
-    if m % BM or n % BN or k % BK:
-        raise ValueError(f"M, N, K = {m}, {n}, {k}: the probe needs multiples of {BM}, {BN}, {BK}")
+    if m % BM or n % BN or k % (2 * BK if cfg["A_REGS"] else BK):
+        raise ValueError(f"M, N, K = {m}, {n}, {k}: the probe needs multiples of {BM}, {BN}, {BK} (A_REGS builds: K "
+                         f"of {2 * BK}, their k-loop is unrolled twice)")
     b_block = [BN, BK] if b_kmajor else [BK, BN]
     a_desc = TensorDescriptor.from_tensor(a, [BM, BK], _nvmma([BM, BK]))
     b_desc = TensorDescriptor.from_tensor(b, b_block, _nvmma(b_block))
     c_desc = TensorDescriptor.from_tensor(c, [BM, cfg["EPI_N"]], _nvmma([BM, cfg["EPI_N"]]))
     grid = (min(num_sms, (m // BM) * (n // BN)), )
-    kw = dict(ROUND_MX=round_mx, IMPL=IMPLS[impl], B_KMAJOR=b_kmajor, STAGES=cfg["STAGES"],
+    if prof is None:  # PROF builds: int64 [grid, 16] per-program cycle sums (profile_shape)
+        if a.device not in _PROF_DUMMY:
+            _PROF_DUMMY[a.device] = torch.zeros(1, dtype=torch.int64, device=a.device)
+        prof = _PROF_DUMMY[a.device]
+    kw = dict(PROF=prof.numel() > 1, ROUND_MX=round_mx, IMPL=IMPLS[impl], B_KMAJOR=b_kmajor, STAGES=cfg["STAGES"],
               A_STAGES=cfg["A_STAGES"], RAW_STAGES=cfg["RAW_STAGES"], GROUP_M=cfg["GROUP_M"],
               ROUND_ROWS=cfg["ROUND_ROWS"], ROUND_WARPS=cfg["ROUND_WARPS"], ROUND_REGS=cfg["ROUND_REGS"],
-              num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"])
-    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, m, n, k), kw
+              num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], A_REGS=cfg["A_REGS"])
+    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, m, n, k, prof), kw
 
 
 _SMS: dict = {}
@@ -597,9 +1001,16 @@ def round_launch(x, y, impl: str):
                                                                                      num_warps=4)
 
 
-def gluon_mx_round(x, impl="packed"):
+def round_dot_launch(x, y, a_regs: int):
+    """(kernel, grid, args, kwargs) of the in-register rounding-only kernel (A_REGS 1 or 2)."""
+    d = [TensorDescriptor.from_tensor(t, [BM, BK], _nvmma([BM, BK])) for t in (x, y)]
+    return _round_only_dot_kernel, (x.shape[0] // BM, x.shape[1] // BK), tuple(d), dict(A_REGS=a_regs,
+                                                                                         num_warps=8)
+
+
+def gluon_mx_round(x, impl="packed", a_regs=0):
     y = torch.empty_like(x)
-    kernel, grid, args, kw = round_launch(x, y, impl)
+    kernel, grid, args, kw = round_dot_launch(x, y, a_regs) if a_regs else round_launch(x, y, impl)
     kernel[grid](*args, **kw)
     return y
 
@@ -633,17 +1044,18 @@ def _round_inputs(gen):
     return torch.cat([x_bits, x_rows, special.view(m // 4, k)])
 
 
-def check_rounding(impl: str, gen) -> dict:
+def check_rounding(impl: str, gen, a_regs: int = 0) -> dict:
     """The rounding-only kernel against kosmos.quant.mx_round(x), i.e. dequantize_mx(*quantize_mx(x)), bitwise
     (NaN-aware: ``nan_payload_diff`` counts elements where both are NaN with different bits -- expected for
     "packed")."""
     x = _round_inputs(gen)
     ref = mx_round(x)
-    y = gluon_mx_round(x, impl)
+    y = gluon_mx_round(x, impl, a_regs)
     rb, yb = ref.view(torch.int16), y.view(torch.int16)
     both_nan = torch.isnan(ref) & torch.isnan(y)
     bad = (rb != yb) & ~both_nan
-    return {"kind": "check", "what": f"round-only {impl}", "elements": x.numel(), "mismatches": int(bad.sum()),
+    what = f"round-only A_REGS={a_regs}" if a_regs else f"round-only {impl}"
+    return {"kind": "check", "what": what, "elements": x.numel(), "mismatches": int(bad.sum()),
             "nan_payload_diff": int(((rb != yb) & both_nan).sum()), "ok": bool(bad.sum() == 0)}
 
 
@@ -658,23 +1070,38 @@ CHECK_SHAPES = ((2048, 5120, 1024), (1024, 2560, 2048))  # 320 tiles (2-3 per pr
 BF16_TOL = 4e-3  # one bf16 rounding of the output: <= 2**-8 = 0.0039 relative per element (~0.0017 typical)
 
 
-def check_gemm(m, n, k, *, round_mx, impl, b_kmajor, gen) -> dict:
+def check_gemm(m, n, k, *, build, b_kmajor, gen) -> dict:
     """Fresh inputs (rows of A at 2**{0, +-20, +-100}), NaN-poisoned output; against an fp32 torch.matmul of
-    A (plain) or of kosmos.quant's MX values of A (ROUND_MX), worst row's relative error <= BF16_TOL."""
+    A (ref "bf16") or of kosmos.quant's MX values of A (ref "mx"), worst row's relative error <= BF16_TOL."""
     a = _scaled_rows(m, k, gen)
     w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
     b = w if b_kmajor else w.t().contiguous()
     c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    gluon_matmul(a, b, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor, out=c)
-    a_ref = mx_round(a) if round_mx else a
+    mx = BUILDS[build]["ref"] == "mx"
+    gluon_matmul(a, b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
+    a_ref = mx_round(a) if mx else a
     ref = torch.matmul(a_ref.float(), w.float().t())
     err, row_err = _rel_err(c, ref)
-    out = {"kind": "check", "what": f"gemm {'mx-' + impl if round_mx else 'bf16'} {'B[N,K]' if b_kmajor else 'B[K,N]'}",
+    out = {"kind": "check", "what": f"gemm {build} {'B[N,K]' if b_kmajor else 'B[K,N]'}",
            "M": m, "N": n, "K": k, "rel_err": err, "row_rel_err": row_err, "nan": int(torch.isnan(c).sum()),
            "ok": bool(row_err <= BF16_TOL and not torch.isnan(c).any())}
-    if round_mx:  # how far the MX values are from A: a ROUND_MX that rounded nothing would pass this, not the above
+    if mx:  # how far the MX values are from A: a build that rounded nothing would pass this, not the above
         out["rel_err_vs_bf16_ref"] = _rel_err(c, torch.matmul(a.float(), w.float().t()))[0]
     return out
+
+
+def check_a_regs_sass(build, gen) -> dict:
+    """A_REGS builds: the compiled kernel's SASS has no write to the A registers of a wgmma still in flight
+    (_a_regs_hazards), at the first check shape's compile."""
+    m, n, k = CHECK_SHAPES[0]
+    a = torch.zeros(m, k, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.zeros(n, k, dtype=torch.bfloat16, device=DEVICE)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    kernel, grid, args, kw = gemm_launch(a, b, c, num_sms=_num_sms(a.device), **BUILDS[build]["kw"])
+    sass = _sass_text(kernel.warmup(*args, grid=grid, **kw))
+    bad = _a_regs_hazards(sass)
+    return {"kind": "check", "what": f"sass {build}: no write to an in-flight wgmma's A registers",
+            "sass": sass is not None, "hazards": len(bad), "examples": bad[:4], "ok": sass is not None and not bad}
 
 
 # -------------------------------------------------------------------------------------------- timing (GPU)
@@ -686,17 +1113,17 @@ def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
     a = (torch.randn(m, k, generator=gen, device=DEVICE)).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
-    calls = {"torch": lambda: torch.matmul(a, w.t()),
-             "gluon": lambda: gluon_matmul(a, w, out=c),
-             "gluon-mx-packed": lambda: gluon_matmul(a, w, round_mx=True, impl="packed", out=c),
-             "gluon-mx-kosmos": lambda: gluon_matmul(a, w, round_mx=True, impl="kosmos", out=c)}
+    calls = {"torch": lambda: torch.matmul(a, w.t())}
+    for v in variants:
+        if v in BUILDS:
+            calls[v] = lambda kw=BUILDS[v]["kw"]: gluon_matmul(a, w, out=c, **kw)
     ref = torch.matmul(a.float(), w.float().t())
-    ref_mx = torch.matmul(mx_round(a).float(), w.float().t()) if any(
-        "mx" in v for v in variants) else None
+    mx = {v for v in variants if v in BUILDS and BUILDS[v]["ref"] == "mx"}
+    ref_mx = torch.matmul(mx_round(a).float(), w.float().t()) if mx else None
     rows = []
     for v in variants:
         out = calls[v]()
-        err = _rel_err(out, ref_mx if "mx" in v else ref)[0]
+        err = _rel_err(out, ref_mx if v in mx else ref)[0]
         t = time_op(calls[v], iters=iters, warmup=warmup)
         rows.append({"kind": "time", "shape": name, "M": m, "N": n, "K": k, "variant": v, "time_ms": t["time_ms"],
                      "p20_ms": t["p20_ms"], "p80_ms": t["p80_ms"], "tflops": 2 * m * n * k / t["time_ms"] / 1e9,
@@ -706,6 +1133,51 @@ def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
         r["ratio_vs_torch"] = r["time_ms"] / base if base else None
     del a, w, c, ref, ref_mx
     return rows
+
+
+# -------------------------------------------------------------------------------------------- cycle profile (GPU)
+PROF_MMA = ("b/a_ready wait", "A_REGS round", "wgmma_wait(1)", "barrier+refill", "k-step")
+PROF_ROUND = ("raw wait", "load+refill", "round", "a_done wait", "store+fence+arrive", "k-step")
+
+
+def profile_shape(name, m, n, k, variants, gen) -> list[dict]:
+    """Each Gluon build once more with PROF=True (clock64 around each phase of each k-step, summed per program),
+    at one shape: mean cycles per k-step and warp of each phase, in the MMA partition and (ROUND_MX
+    warp-specialised builds) the rounding partition. The clock reads cost a few cycles and may move code a little:
+    the phases, not the totals, are the point."""
+    a = (torch.randn(m, k, generator=gen, device=DEVICE)).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
+    c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    rows = []
+    for v in variants:
+        if v not in BUILDS:
+            continue
+        grid = min(_num_sms(a.device), (m // BM) * (n // BN))
+        prof = torch.zeros(grid, 16, dtype=torch.int64, device=DEVICE)
+        gluon_matmul(a, w, out=c, prof=prof, **BUILDS[v]["kw"])   # compile + warm
+        prof.zero_()
+        gluon_matmul(a, w, out=c, prof=prof, **BUILDS[v]["kw"])
+        torch.cuda.synchronize()
+        p = prof.double().sum(0).tolist()
+        r = {"kind": "profile", "shape": name, "M": m, "N": n, "K": k, "variant": v,
+             "mma": {ph: p[1 + i] / max(p[0], 1) for i, ph in enumerate(PROF_MMA)}}
+        if p[8]:
+            r["round"] = {ph: p[9 + i] / p[8] for i, ph in enumerate(PROF_ROUND)}
+        rows.append(r)
+    del a, w, c
+    return rows
+
+
+def print_profile(rows):
+    if not rows:
+        return
+    print(f"\ncycles per k-step and warp (clock64, mean over the k-steps of all programs), {rows[0]['shape']}: MMA "
+          f"partition | rounding partition")
+    print(f"{'build':<18} " + " ".join(f"{h:>14}" for h in PROF_MMA) + " | " + " ".join(f"{h:>18}" for h in PROF_ROUND))
+    for r in rows:
+        mma = " ".join(f"{r['mma'][h]:>14.0f}" for h in PROF_MMA)
+        rnd = " ".join(f"{r['round'][h]:>18.0f}" for h in PROF_ROUND) if "round" in r else ""
+        print(f"{r['variant']:<18} {mma} | {rnd}")
 
 
 # -------------------------------------------------------------------------------------------- compile only (CPU)
@@ -722,29 +1194,163 @@ def _ptx_facts(ptx: str, ttgir: str) -> dict:
             "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))}
 
 
-def _sass_mix(compiled) -> dict:
-    """SASS opcode counts of the cubin (cuobjdump, shipped in the Triton wheel), None where unavailable."""
+def _sass_text(compiled):
+    """The cubin's SASS with branch labels (nvdisasm -c, shipped in the Triton wheel), or None where unavailable."""
     import shutil
     import subprocess
     import tempfile
-    tool = shutil.which("cuobjdump") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                                     "cuobjdump")
+    tool = shutil.which("nvdisasm") or os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                                    "nvdisasm")
     if not os.path.exists(tool) or "cubin" not in compiled.asm:
         return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        run = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", run.stdout)
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True).stdout
+
+
+def _sass_mix(sass) -> dict:
+    """SASS opcode counts of the whole kernel."""
     counts = {}
-    for op in ops:
+    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass or ""):
         counts[op] = counts.get(op, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def compile_only(json_path=None, b_kmajor=True) -> list[dict]:
+# SASS opcode classes (Hopper pipes, roughly): bf16x2 arithmetic, bf16x2 min/max, the 16-lane integer ALU (logic,
+# compares, selects, shifts, permutes, the new VIADD), IMAD (FMA pipe), the uniform datapath, shared memory.
+_SASS_CLASSES = (("fp16x2", ("HMUL2", "HFMA2", "HADD2")), ("hmnmx2", ("HMNMX2", )), ("mma", ("HGMMA", )),
+                 ("imad", ("IMAD", )), ("fp32", ("FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSEL")),
+                 ("shfl", ("SHFL", )), ("lds", ("LDS", )), ("sts", ("STS", )),
+                 ("sync", ("BAR", "SYNCS", "MEMBAR", "FENCE", "DEPBAR", "WARPGROUP", "WARPSYNC")),
+                 ("tma", ("UTMA", )), ("uniform", ("U", "R2UR", "S2UR", "VOTEU")), ("branch", ("BRA", "EXIT")))
+
+
+def _sass_class(op):
+    for name, prefixes in _SASS_CLASSES:
+        if op.startswith(prefixes):
+            return name
+    return "alu"
+
+
+def _sass_loops(sass) -> list[dict]:
+    """The kernel's loops (a backward branch to a label) with the instructions of one trip, by class: blocks a
+    forward branch skips that hold an integer division (MUFU.RCP: the persistent loop's tile change, once a tile)
+    are left out, as are spin-wait retries (outside the loop body in Triton's code). Innermost loops first."""
+    ins, labels = [], {}
+    for line in (sass or "").split("\n"):
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)\s*(.*?);", line)
+        if m:
+            ins.append((m.group(2) or "", m.group(3), m.group(4), m.group(5)))
+    loops = []
+    for i, (pred, op, mods, args) in enumerate(ins):
+        t = re.search(r"\((\.L_x_\d+)\)", args) if op == "BRA" and pred else None  # (an unconditional jump
+        if t and t.group(1) in labels and labels[t.group(1)] <= i:                # back is a spin-wait's exit)
+            a = labels[t.group(1)]
+            skip = set()
+            for j in range(a, i):
+                pj, oj, _, argj = ins[j]
+                tj = re.search(r"\((\.L_x_\d+)\)", argj) if oj == "BRA" and pj else None
+                if tj and tj.group(1) in labels and j < labels[tj.group(1)] <= i:
+                    blk = range(j + 1, labels[tj.group(1)])
+                    if any(ins[q][1] == "MUFU" for q in blk):
+                        skip.update(blk)
+            classes, ops = {}, {}
+            for j in range(a, i + 1):
+                if j in skip:
+                    continue
+                op_j = ins[j][1] + (ins[j][2] if ins[j][1] in ("LDS", "STS", "LDSM", "STSM") else "")
+                c = _sass_class(ins[j][1])
+                classes[c] = classes.get(c, 0) + 1
+                ops[op_j] = ops.get(op_j, 0) + 1
+            loops.append({"span": i - a + 1, "n": sum(classes.values()), "classes": classes, "ops": ops})
+    return sorted(loops, key=lambda L: L["span"])
+
+
+def _a_regs_hazards(sass) -> list[str]:
+    """The A-in-registers wgmma hazard, checked on the SASS (Triton issue #9433: ptxas does not protect a wgmma's A
+    registers once PTX overwrites them, and writing them before the wgmma.wait_group that retires it is undefined):
+    walks the innermost loop with HGMMA three times over, tracking the A registers of every committed and not yet
+    retired HGMMA group (retired by WARPGROUP.DEPBAR.LE gsb0, n), and lists the instructions that write one of
+    them. Empty: no hazard (the A_REGS builds' two alternating register sets)."""
+    body = []
+    lines = (sass or "").split("\n")
+    labels = {}
+    ins = []
+    for line in lines:
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)\s*(.*?);",
+                     line)
+        if m:
+            ins.append((m.group(3), m.group(4), m.group(5), line.strip()))
+    loops = []
+    for i, (op, mods, args, _) in enumerate(ins):
+        t = re.search(r"\((\.L_x_\d+)\)", args) if op == "BRA" else None
+        if t and t.group(1) in labels and labels[t.group(1)] < i:
+            a = labels[t.group(1)]
+            if any(ins[j][0] == "HGMMA" for j in range(a, i)):
+                loops.append((i - a, a, i))
+    if not loops:
+        return []
+    _, a, b = min(loops)
+    body = ins[a:b + 1]
+    width = {"LDSM": 4, "LDS": 1}
+    pending, group, bad = [], set(), []
+    for _ in range(3):
+        for op, mods, args, text in body:
+            if op == "HGMMA":
+                regs = re.findall(r"\bR(\d+)\b", args)
+                if len(regs) >= 2:                        # acc, A, desc, acc: the A operand is the second
+                    group.update(range(int(regs[1]), int(regs[1]) + 4))
+                if "gsb0" in args:
+                    pending.append(group)
+                    group = set()
+                continue
+            if op == "WARPGROUP" and ".DEPBAR" in mods:
+                n = int(args.split(",")[-1], 16) if "0x" in args else int(args.split(",")[-1])
+                pending = pending[len(pending) - n:] if n else []
+                continue
+            m = re.match(r"R(\d+)\b", args)
+            if not m or op.startswith(("ST", "SYNCS", "BAR", "RED", "ATOM")):
+                continue
+            w = width.get(op, 1)
+            if op in ("LDS", "LDSM"):
+                w = {".128": 4, ".64": 2}.get(mods[-4:] if mods.endswith("128") else mods[-3:], 1) if op == "LDS" \
+                    else (4 if mods.endswith(".4") else 2 if mods.endswith(".2") else 1)
+            elif ".WIDE" in mods or op in ("CS2R", ):
+                w = 2
+            dst = set(range(int(m.group(1)), int(m.group(1)) + w))
+            if any(dst & g for g in pending) and text not in bad:
+                bad.append(text)
+    return bad
+
+
+def _kstep_profile(sass, a_regs) -> dict:
+    """Per k-step and per warp: the MMA loop (the innermost loop with HGMMA; A_REGS builds: its trip is two k-steps,
+    halved here) and the rounding partition's loop (the innermost loop with LDS and STS, no HGMMA nor STSM)."""
+    out = {}
+    loops = [L for L in _sass_loops(sass) if L["n"] >= 20]
+    mma = next((L for L in loops if L["classes"].get("mma")), None)
+    rnd = next((L for L in loops if not L["classes"].get("mma") and L["classes"].get("lds")
+                and L["classes"].get("sts") and not L["ops"].get("STSM.16.M88.4")), None)
+    for key, L, div in (("mma_loop", mma, 2 if a_regs else 1), ("round_loop", rnd, 1)):
+        if L:
+            out[key] = {"n": L["n"] / div, **{c: v / div for c, v in sorted(L["classes"].items(), key=lambda kv: -kv[1])},
+                        "ops": L["ops"]}
+    return out
+
+
+def compile_only(json_path=None, b_kmajor=True, builds=None) -> list[dict]:
     """Compile every build for sm_90a without a GPU (dev/kernel_resources.py's stand-in driver): registers, spills,
-    shared memory (ptxas -v on the PTX), the facts of ``_ptx_facts``."""
+    shared memory (ptxas -v on the PTX), the facts of ``_ptx_facts``, and the SASS of the k-step: instructions per
+    k-step and warp of the MMA loop and of the rounding loop (``_kstep_profile``)."""
     from dev.kernel_resources import _use_stand_in_driver
     if not torch.cuda.is_available():
         _use_stand_in_driver()
@@ -753,19 +1359,20 @@ def compile_only(json_path=None, b_kmajor=True) -> list[dict]:
     a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
     b = torch.empty((n, k) if b_kmajor else (k, n), dtype=torch.bfloat16, device=dev)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    builds = [("gluon", False, "packed"), ("gluon-mx-packed", True, "packed"), ("gluon-mx-kosmos", True, "kosmos")]
     rows = []
     print(f"triton {triton.__version__}, torch {torch.__version__}, sm_90a, B {'[N, K]' if b_kmajor else '[K, N]'}")
-    print(f"{'build':<24} {'regs':>5} {'spill B':>8} {'stack B':>8} {'smem KiB':>9}  {'setmaxnreg':<28} "
-          f"{'wgmma':>5} {'A smem':>6} {'TMA ld':>6}")
-    for name, round_mx, impl in builds:
-        kernel, grid, args, kw = gemm_launch(a, b, c, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor)
-        compiled = kernel.warmup(*args, grid=grid, **kw)
-        rows.append(_compile_row(name, compiled, kw))
-    for impl in IMPLS:
-        x = torch.empty(1024, 4096, dtype=torch.bfloat16, device=dev)
+    print(f"{'build':<20} {'regs':>4} {'spill':>5} {'smem KiB':>8}  {'setmaxnreg':<24} {'A smem':>6}  "
+          f"{'MMA loop / k-step':<18} {'rounding loop / k-step (warp)'}")
+    for name in builds or BUILDS:
+        kernel, grid, args, kw = gemm_launch(a, b, c, b_kmajor=b_kmajor, **BUILDS[name]["kw"])
+        rows.append(_compile_row(name, kernel.warmup(*args, grid=grid, **kw), kw))
+    x = torch.empty(1024, 4096, dtype=torch.bfloat16, device=dev)
+    for impl in ("kosmos", "packed", "norm"):
         kernel, grid, args, kw = round_launch(x, torch.empty_like(x), impl)
         rows.append(_compile_row(f"round-only {impl}", kernel.warmup(*args, grid=grid, **kw), kw))
+    for a_regs in (1, 2):
+        kernel, grid, args, kw = round_dot_launch(x, torch.empty_like(x), a_regs)
+        rows.append(_compile_row(f"round-only A_REGS={a_regs}", kernel.warmup(*args, grid=grid, **kw), kw))
     if json_path:
         with open(json_path, "w") as f:
             for r in rows:
@@ -775,14 +1382,28 @@ def compile_only(json_path=None, b_kmajor=True) -> list[dict]:
 
 def _compile_row(name, compiled, kw) -> dict:
     from dev.kernel_resources import _resources
+    sass = _sass_text(compiled)
     r = {"kind": "compile", "build": name, "triton": triton.__version__,
          **{k: v for k, v in kw.items() if k.isupper() or k in ("num_warps", "maxnreg")},
          **_resources(compiled), **_ptx_facts(compiled.asm["ptx"], compiled.asm["ttgir"]),
-         "sass_ops": _sass_mix(compiled)}
+         "sass_ops": _sass_mix(sass), "kstep": _kstep_profile(sass, kw.get("A_REGS", 0)),
+         "a_regs_hazards": _a_regs_hazards(sass) if kw.get("A_REGS") else []}
     r["shared_kib"] = round(compiled.metadata.shared / 1024, 1)
     regs = " ".join(f"{d}{v}" for d, v in r["setmaxnreg"])
-    print(f"{name:<24} {r['regs']:>5} {str(r['spill_bytes']):>8} {str(r['stack_bytes']):>8} {r['shared_kib']:>9}  "
-          f"{regs:<28} {r['wgmma']:>5} {str(r['wgmma_a_from_smem']):>6} {r['tma_loads']:>6}", flush=True)
+
+    def cell(key):
+        p = r["kstep"].get(key)
+        if not p:
+            return "-"
+        parts = [f"{p['n']:.0f}"] + [f"{c} {p[c]:.0f}" for c in ("fp16x2", "hmnmx2", "alu", "imad", "fp32", "shfl",
+                                                                 "lds", "sts", "sync", "uniform") if p.get(c)]
+        return parts[0] + " (" + ", ".join(parts[1:]) + ")"
+    print(f"{name:<20} {r['regs']:>4} {str(r['spill_bytes']):>5} {r['shared_kib']:>8}  {regs:<24} "
+          f"{str(r['wgmma_a_from_smem']):>6}  {cell('mma_loop').split(' (')[0]:<18} {cell('round_loop')}",
+          flush=True)
+    if kw.get("A_REGS"):
+        print(f"{'':<20} MMA loop with the rounding: {cell('mma_loop')}; A-register hazards in the SASS: "
+              f"{len(r['a_regs_hazards'])}", flush=True)
     return r
 
 
@@ -811,12 +1432,14 @@ def _sign_exponent(x):
     return np.where(np.isnan(x), np.inf, np.copysign(p, x))
 
 
-def emulate_packed(verbose=True) -> dict:
-    """The "packed" rounding (``_mx_round_words``' PTX), emulated exactly in float64 on the CPU (each bf16x2 op:
-    its exact result rounded once to bf16), against kosmos.quant's torch references
-    (dequantize_mx_ref(*quantize_mx_ref(.))): every bf16 value v, both signs, under every block exponent X in
-    [-127, 120] with |v| <= 448 * 2**X (blocks of 32: the block's amax element, then 31 values), plus blocks with
-    NaN / Inf. NaN-aware bitwise equality. No GPU, no Triton. (Why the emulation is exact: module docstring.)"""
+def emulate_packed(verbose=True, scheme="packed") -> dict:
+    """The packed rounding's PTX, emulated exactly in float64 on the CPU (each bf16x2 op: its exact result rounded
+    once to bf16), against kosmos.quant's torch references (dequantize_mx_ref(*quantize_mx_ref(.))): every bf16
+    value v, both signs, under every block exponent X in [-127, 120] with |v| <= 448 * 2**X (blocks of 32: the
+    block's amax element, then 31 values), blocks whose amax is just above 448 * 2**X (RCEIL's +1) or tiny, plus
+    blocks with NaN / Inf. NaN-aware bitwise equality. No GPU, no Triton. (Why the emulation is exact: module
+    docstring.) ``scheme``: "packed" (the +-64 shift constants: _mx_round_words) or "norm" (_norm_consts: the
+    constants of the "norm" builds ws-norm, rs, rs1, whose max is max.NaN and whose Cb carries the NaN)."""
     import numpy as np
     from kosmos.quant import dequantize_mx_ref, quantize_mx_ref
     pos = np.arange(0, 0x7F80, dtype=np.int64)                       # every finite non-negative bf16 pattern
@@ -832,23 +1455,33 @@ def emulate_packed(verbose=True) -> dict:
     blocks = np.concatenate([np.concatenate(amaxes), np.concatenate(tests)], axis=1)   # [blocks, 32] bf16 bits
     special = np.tile(np.array([0x3F80] * 32, dtype=np.int64), (4, 1))
     special[0, 3], special[1, 5], special[2, 7], special[3, 0] = 0x7F80, 0xFF80, 0x7FC0, 0xFFC1  # +-inf, NaNs
-    blocks = np.concatenate([blocks, special])
+    extra = [np.concatenate([[((x + 135) << 7) | f], (np.arange(31) * 37 + f) % (((x + 135) << 7) | f)])
+             for x in range(-134, 120) for f in (0x61, 0x7F)]               # amax above 448 * 2**X: RCEIL's + 1
+    extra += [np.concatenate([[a], np.arange(31) % (a + 1)]) for a in range(1, 0x480, 3)]   # tiny blocks
+    blocks = np.concatenate([blocks, special, np.array(extra, dtype=np.int64)])
     bits = blocks.astype(np.uint32) << 16
     w = bits.view(np.float32).astype(np.float64)                      # the bf16 values
 
-    # the block constants, as _mx_round_words computes them
+    # the block constants, as _mx_round_words (packed) / _norm_consts (norm) compute them
     mag = np.where(np.isnan(w), 0x7FFF, (bits >> 16) & 0x7FFF).astype(np.int64)
-    amax32 = mag.max(axis=1) << 16
-    nonfinite = amax32 >= 0x7F800000
-    xexp = np.maximum((amax32 >> 23) - 135 + ((amax32 & 0x7FFFFF) > 0x600000), -127)
-    shift = np.where(xexp < -90, 64, np.where(xexp > 90, -64, 0))
-    s16 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift + 4))[:, None]
-    s1 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift))[:, None]
-    cb = np.ldexp(1.0, xexp + shift - 2)[:, None]
-    sinv = np.ldexp(1.0, -shift)[:, None]
+    if scheme == "packed":
+        amax32 = mag.max(axis=1) << 16
+        nonfinite = amax32 >= 0x7F800000
+        xexp = np.maximum((amax32 >> 23) - 135 + ((amax32 & 0x7FFFFF) > 0x600000), -127)
+        shift = np.where(xexp < -90, 64, np.where(xexp > 90, -64, 0))
+        s16 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift + 4))[:, None]
+        s1 = np.where(nonfinite, np.nan, np.ldexp(1.0, shift))[:, None]
+        cb = np.ldexp(1.0, xexp + shift - 2)[:, None]
+        sinv = np.ldexp(1.0, -shift)[:, None]
+    else:
+        amax = mag.max(axis=1)
+        p = np.maximum((amax + 0x1F) & 0x7F80, 0x400)                 # 2**(X + 8)'s bits
+        as_bf16 = lambda h: (h.astype(np.uint32) << 16).view(np.float32).astype(np.float64)[:, None]  # noqa: E731
+        s16, s1, sinv = as_bf16(0x8300 - p), as_bf16(0x8100 - p), as_bf16(p - 0x200)
+        cb = np.where(amax >= 0x7F80, np.nan, 2.0 ** -6)[:, None]
     with np.errstate(invalid="ignore", over="ignore"):
         c = _sign_exponent(_rne_bf16(w * s16))                        # mul.rn.bf16x2; and 0xFF80FF80
-        c = np.copysign(np.maximum(np.abs(c), cb), c)                 # max.xorsign.abs.bf16x2 (cb > 0)
+        c = np.copysign(np.maximum(np.abs(c), cb), c)                 # max(.NaN).xorsign.abs.bf16x2 (cb > 0)
         t = _rne_bf16(w * s1 + c)                                     # fma.rn.bf16x2 (see the docstring)
         t = _rne_bf16(t - c)                                          # sub.rn.bf16x2 (exact)
         r = _rne_bf16(t * sinv)                                       # mul.rn.bf16x2
@@ -860,7 +1493,7 @@ def emulate_packed(verbose=True) -> dict:
     ref_nan = (ref & 0x7FFF) > 0x7F80
     got_nan = (got & 0x7FFF) > 0x7F80
     bad = (got != ref) & ~(ref_nan & got_nan)
-    out = {"kind": "check", "what": "packed rounding, float64 emulation vs kosmos.quant references",
+    out = {"kind": "check", "what": f"{scheme} rounding, float64 emulation vs kosmos.quant references",
            "elements": int(blocks.size), "blocks": int(len(blocks)), "mismatches": int(bad.sum()),
            "nan_payload_diff": int(((got != ref) & ref_nan & got_nan).sum()), "ok": bool(bad.sum() == 0)}
     if verbose and bad.any():
@@ -889,7 +1522,7 @@ def main(argv=None):
                     "registers / spills / shared memory / wgmma operands, then stop")
     ap.add_argument("--shapes", default=",".join(LLAMA_SHAPES), help="comma-separated: " + ", ".join(LLAMA_SHAPES)
                     + " or MxNxK")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--skip-checks", action="store_true", help="timing only (the checks take ~10 s)")
@@ -900,19 +1533,24 @@ def main(argv=None):
     ap.add_argument("--emulate", action="store_true", help="check the packed rounding's arithmetic on the CPU "
                     "(float64 emulation against kosmos.quant's references, every bf16 value under every scale), then "
                     "stop")
+    ap.add_argument("--profile", default="fc1-8k", help="after the timings, each Gluon build once more with clock64 "
+                    "around its phases at this shape (one of the shapes' names or MxNxK; 'none': skip)")
     ap.add_argument("--b-kn", action="store_true", help="--compile-only: B as [K, N] instead of the weight [N, K]")
     args = ap.parse_args(argv)
+    args.variants_given = any(a.startswith("--variants") for a in (argv if argv is not None else sys.argv[1:]))
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: Gluon has no interpreter path here")
     for item in filter(None, args.config.split(",")):
         key, _, val = item.partition("=")
         OVERRIDES[key.strip()] = int(val)
     if args.emulate:
-        r = emulate_packed()
-        print(json.dumps(r))
-        return 0 if r["ok"] else 1
+        rs = [emulate_packed(scheme=sc) for sc in ("packed", "norm")]
+        for r in rs:
+            print(json.dumps(r))
+        return 0 if all(r["ok"] for r in rs) else 1
     if args.compile_only:
-        compile_only(args.json, b_kmajor=not args.b_kn)
+        compile_only(args.json, b_kmajor=not args.b_kn,
+                     builds=[v for v in args.variants.split(",") if v in BUILDS] if args.variants_given else None)
         return 0
     if not torch.cuda.is_available():
         ap.error("no GPU: use --compile-only here")
@@ -923,8 +1561,7 @@ def main(argv=None):
     shapes = _parse_shapes(args.shapes)
     rows = [{"kind": "env", "triton": triton.__version__, "torch": torch.__version__,
              "device": torch.cuda.get_device_name(), "variants": variants,
-             "config_plain": config(False), "config_mx_packed": config(True, "packed"),
-             "config_mx_kosmos": config(True, "kosmos")}]
+             "configs": {v: config(**BUILDS[v]["kw"]) for v in variants if v in BUILDS}}]
     out = open(args.json, "w") if args.json else None
 
     def emit(r):
@@ -938,14 +1575,25 @@ def main(argv=None):
     failed = 0
     if not args.skip_checks:
         checks = []
-        mx_impls = [v.rsplit("-", 1)[1] for v in variants if v.startswith("gluon-mx-")]
-        for impl in mx_impls:
-            checks.append(lambda impl=impl: check_rounding(impl, gen))
-        builds = ([(False, "packed")] if "gluon" in variants else []) + [(True, impl) for impl in mx_impls]
-        for round_mx, impl in builds:  # B as the weight [N, K] on the first shape, as [K, N] on the second
-            for (m, n, k), b_kmajor in zip(CHECK_SHAPES, (True, False)):
-                checks.append(lambda m=m, n=n, k=k, rm=round_mx, impl=impl, bk=b_kmajor: check_gemm(
-                    m, n, k, round_mx=rm, impl=impl, b_kmajor=bk, gen=gen))
+        rounders = []  # the rounding code each timed build runs, checked bitwise on its own first
+        for v in variants:
+            if v not in BUILDS or BUILDS[v]["ref"] != "mx":
+                continue
+            kw = BUILDS[v]["kw"]
+            key = ("dot", kw["A_REGS"]) if kw.get("A_REGS") else ("ws", kw.get("impl", "packed"))
+            if key not in rounders:
+                rounders.append(key)
+        for kind, x in rounders:
+            checks.append(lambda kind=kind, x=x: check_rounding(x if kind == "ws" else "norm", gen,
+                                                                a_regs=x if kind == "dot" else 0))
+        for v in variants:
+            if v in BUILDS and BUILDS[v]["kw"].get("A_REGS"):
+                checks.append(lambda v=v: check_a_regs_sass(v, gen))
+        for v in variants:  # B as the weight [N, K] on the first shape, as [K, N] on the second
+            if v in BUILDS:
+                for (m, n, k), b_kmajor in zip(CHECK_SHAPES, (True, False)):
+                    checks.append(lambda m=m, n=n, k=k, v=v, bk=b_kmajor: check_gemm(m, n, k, build=v, b_kmajor=bk,
+                                                                                     gen=gen))
         for chk in checks:
             r = chk()
             emit(r)
@@ -956,6 +1604,12 @@ def main(argv=None):
         for r in bench_shape(name, m, n, k, variants, gen, args.iters, args.warmup):
             emit(r)
         torch.cuda.empty_cache()
+    prof_rows = []
+    if args.profile != "none":
+        (pname, pm, pn, pk), = _parse_shapes(args.profile)
+        prof_rows = profile_shape(pname, pm, pn, pk, variants, gen)
+        for r in prof_rows:
+            emit(r)
     if out:
         out.close()
     if failed:
@@ -974,6 +1628,14 @@ def main(argv=None):
         print(f"{name:<12} {m:>5} {n:>6} {k:>6}  " + "  ".join(cells))
     print("(each: median ms, ratio to torch.matmul, relative error against the fp32 matmul of A -- of A's MX values "
           "for the mx variants)")
+    if "gluon" in variants:
+        others = [v for v in variants if v in BUILDS and v != "gluon"]
+        print(f"\nratio to the plain Gluon build (the cost of the MX data path itself)\n{'shape':<12} "
+              + " ".join(f"{v:>17}" for v in others))
+        for name, m, n, k in shapes:
+            base = by[name]["gluon"]["time_ms"]
+            print(f"{name:<12} " + " ".join(f"{by[name][v]['time_ms'] / base:>16.3f}x" for v in others))
+    print_profile(prof_rows)
     return 1 if failed else 0
 
 
