@@ -225,6 +225,21 @@ rounding warp in the WS builds); the 16-lane ALU takes 2 cycles a warp instructi
 Read with the profile: gluon-mx-rs hides the rounding if its "A_REGS round" phase stays well under its
 "wgmma_wait(1)" + round total, i.e. the MMA warps still wait for the tensor cores at every k-step.
 
+MEASURED (session 21, after the s22 builds; one H200, Triton 3.6.0; results/h200x1/s21/s21f, probe2 / probe3)
+---------------------------------------------------------------------------------------------------------------
+Time / plain gluon at qkv-4k, fc1-4k, attn_out-4k (plain gluon 0.995-1.008x torch.matmul): gluon-rs-copy 1.004 /
+1.008 / 1.005 (predicted 0.99-1.03: right -- A through registers costs nothing here, unlike tl's on Triton 3.6);
+gluon-mx-rs 1.342 / 1.336 / 1.342 (predicted 1.00-1.06: wrong); gluon-ws-copy 1.190 / 1.214 / 1.165 (predicted
+1.10-1.30: the partition design alone costs ~20%, so it cannot meet issue 14); gluon-mx-ws-norm 1.364 (qkv-4k);
+gluon-mx-packed 1.475-1.492. Every check passed (rounding bitwise but the NaN payload; no write to an in-flight
+wgmma's A registers in the SASS; GEMMs 1.7e-3 against fp32).
+Cycle profile at qkv-4k (clock64, mean per k-step and warp): plain gluon 947 cycles a k-step (wgmma_wait 544);
+gluon-rs-copy 953; gluon-mx-rs 1427 -- its A_REGS round phase 924 cycles against wgmma_wait 148: the rounding of
+k-step i is longer than wgmma(i - 1) (~550-580 cycles of waiting in plain), so it is exposed by ~480 cycles.
+gluon-mx-ws-norm: rounding partition 1600 a k-step (load + refill 608, round 586, store + fence + arrive 239).
+So the register path is the design to keep; the rounding must fit in ~550 cycles per k-step and warp (now 924):
+~40% fewer cycles, or the rounding split so that one warpgroup rounds while the other's wgmma runs.
+
 If none reaches ~1.05 (next)
 ----------------------------
 * rs-copy > 1.03: the register path itself costs; keep SS wgmma and let the MMA warps round their own A slot in
