@@ -1306,20 +1306,27 @@ def _swiglu_backward_rows(i, rm, z_ptr, gu_ptr, wp_ptr, dgu_ptr, h_ptr, dw_ptr, 
     dw = tl.zeros(i.shape, dtype=tl.float32)
     c0 = tl.arange(0, BF)
     for col in range(0, F, BF):
-        c = col + c0
-        mask = rm[:, None] & (c < F)[None, :]
-        o2 = i64[:, None] * (2 * F) + c[None, :]
-        z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=zm[:, None] & (c < F)[None, :],
-                    other=0.0).to(tl.float32)
-        g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
-        h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
-        if EMIT_H:
-            tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
-        dw += tl.sum(z * h, 1)
-        tl.store(dgu_ptr + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
-        tl.store(dgu_ptr + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
+        dw += _swiglu_backward_cols(i64, rm, zm, wp, col + c0, z_ptr, gu_ptr, dgu_ptr, h_ptr, F, EMIT_H, INTERP)
     tl.store(dw_ptr + i, dw, mask=rm)
+
+
+@triton.jit
+def _swiglu_backward_cols(i64, rm, zm, wp, c, z_ptr, gu_ptr, dgu_ptr, h_ptr, F, EMIT_H: tl.constexpr,
+                          INTERP: tl.constexpr):
+    """One column step of the SwiGLU backward pass: rows i64 (those with rm; z read as zeros where not zm),
+    columns c -> h (EMIT_H), [dg | du] stored; returns the step's gate-gradient partial sum(z * h) per row."""
+    mask = rm[:, None] & (c < F)[None, :]
+    o2 = i64[:, None] * (2 * F) + c[None, :]
+    z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=zm[:, None] & (c < F)[None, :], other=0.0).to(tl.float32)
+    g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
+    h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
+    if EMIT_H:
+        tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
+    part = tl.sum(z * h, 1)
+    tl.store(dgu_ptr + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
+    tl.store(dgu_ptr + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
+    return part
 
 
 # GPU (BM, BN, BK, warps, stages); the epilogue in two BN/2-column halves. Session 11 (one H200, qwen3-235b 4k
@@ -1906,18 +1913,9 @@ def _bwd_swiglu_mtile(gm, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, g
             i64 = i.to(tl.int64)
             zm = rm & (tl.load(valid_ptr + i, mask=rm, other=0) != 0)
             wp = tl.load(wp_ptr + i, mask=rm, other=0.0)
-            c = cs * SW_BF + tl.arange(0, SW_BF)
-            mask = rm[:, None] & (c < F)[None, :]
-            o2 = i64[:, None] * (2 * F) + c[None, :]
-            z = tl.load(z_ptr + i64[:, None] * F + c[None, :], mask=zm[:, None] & (c < F)[None, :],
-                        other=0.0).to(tl.float32)
-            g = tl.load(gu_ptr + o2, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(gu_ptr + F + o2, mask=mask, other=0.0).to(tl.float32)
-            h, dg, du = _swiglu_backward_values(z, wp, g, u, INTERP)
-            tl.store(h_ptr + i64[:, None] * F + c[None, :], _to_out(h, tl.bfloat16, INTERP), mask=mask)
-            dw = tl.where(cs == 0, 0.0, dw) + tl.sum(z * h, 1)  # 0 + s == s: the nested loop's first add
-            tl.store(dgu_ptr + o2, _to_out(dg, tl.bfloat16, INTERP), mask=mask)
-            tl.store(dgu_ptr + F + o2, _to_out(du, tl.bfloat16, INTERP), mask=mask)
+            part = _swiglu_backward_cols(i64, rm, zm, wp, cs * SW_BF + tl.arange(0, SW_BF), z_ptr, gu_ptr, dgu_ptr,
+                                         h_ptr, F, True, INTERP)
+            dw = tl.where(cs == 0, 0.0, dw) + part  # 0 + s == s: the nested loop's first add
             if cs == n_col - 1:
                 tl.store(dw_ptr + i, dw, mask=rm)
     else:
