@@ -284,6 +284,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kosmos.kernels.common import _grouped_tile  # tile t -> (m, n), GROUP_M row tiles per column sweep (L2)
 from kosmos.quant import _rceil_exponent, mx_round, mx_round_bf16
 
 DEVICE = "cuda"  # the checks' and timings' device (a CPU dry run of the host code sets "cpu")
@@ -411,16 +412,17 @@ def _round_write(ys, dst, IMPL: gl.constexpr, ROWS: gl.constexpr):
 
 # The "norm" constants (RS build): every block normalised to X = 0 (shift s = -X - 4 instead of +-64 / 0), so
 # that Cb is the constant 2**-6 and S16, S1, Sinv are integer offsets of one power of two (module docstring).
-_ROUND_NORM = gl.constexpr("""{
+_ROUND_STEP = """{{
         .reg .b32 c, t;
-        mul.rn.bf16x2 c, $1, $2;
+        mul.rn.bf16x2 c, $1, {s16};
         and.b32 c, c, 0xFF80FF80;
-        max.NaN.xorsign.abs.bf16x2 c, c, $3;
-        fma.rn.bf16x2 t, $1, $4, c;
+        max.NaN.xorsign.abs.bf16x2 c, c, {cb};
+        fma.rn.bf16x2 t, $1, {s1}, c;
         sub.rn.bf16x2 t, t, c;
-        mul.rn.bf16x2 t, t, $5;
+        mul.rn.bf16x2 t, t, {sinv};
         lop3.b32 $0, t, $1, 0x80008000, 0xF8;
-        }""")
+        }}"""  # the element step on a bf16 pair $1 given the block's S16, Cb, S1, Sinv operands
+_ROUND_NORM = gl.constexpr(_ROUND_STEP.format(s16="$2", cb="$3", s1="$4", sinv="$5"))
 
 
 @gluon.jit
@@ -467,16 +469,7 @@ def _mx_round_dot(a):
 
 # The element step of the "words" variant: as _ROUND_NORM, on a bf16 pair ($1) with the block's constants given
 # as int32 words whose halves are equal (each appears twice, pack = 2: $2/$3 S16, $4/$5 Cb, $6/$7 S1, $8/$9 Sinv).
-_ROUND_WORDS = gl.constexpr("""{
-        .reg .b32 c, t;
-        mul.rn.bf16x2 c, $1, $2;
-        and.b32 c, c, 0xFF80FF80;
-        max.NaN.xorsign.abs.bf16x2 c, c, $4;
-        fma.rn.bf16x2 t, $1, $6, c;
-        sub.rn.bf16x2 t, t, c;
-        mul.rn.bf16x2 t, t, $8;
-        lop3.b32 $0, t, $1, 0x80008000, 0xF8;
-        }""")
+_ROUND_WORDS = gl.constexpr(_ROUND_STEP.format(s16="$2", cb="$4", s1="$6", sinv="$8"))
 
 
 @gluon.jit
@@ -612,20 +605,11 @@ def _clock():
 
 
 @gluon.jit
-def _tile_coords(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """Output tile t -> (pid_m, pid_n): GROUP_M row tiles walk the columns together (L2 reuse of B)."""
-    width = GROUP_M * num_pid_n
-    first_m = (t // width) * GROUP_M
-    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (t % width) % size_m, (t % width) // size_m
-
-
-@gluon.jit
 def _first_step(M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
     """A load cursor at this program's first k-step: (k index, tile id, off_m, off_n). Tiles are dealt round-robin
     (program p takes tiles p, p + nprog, ...); the cursor walks their k-steps in order."""
     t = gl.program_id(0)
-    pid_m, pid_n = _tile_coords(t, gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
+    pid_m, pid_n = _grouped_tile(t, gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
     return 0, t, pid_m * BM, pid_n * BN
 
 
@@ -633,12 +617,12 @@ def _first_step(M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr)
 def _next_step(ki, t, off_m, off_n, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                GROUP_M: gl.constexpr):
     """The cursor one k-step on (the tile coordinates are recomputed only when the tile changes: the divisions
-    of _tile_coords would cost ~100 instructions per k-step in every warp that loads)."""
+    of _grouped_tile would cost ~100 instructions per k-step in every warp that loads)."""
     ki += 1
     if ki == gl.cdiv(K, BK):
         ki = 0
         t += gl.num_programs(0)
-        pid_m, pid_n = _tile_coords(t, gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
+        pid_m, pid_n = _grouped_tile(t, gl.cdiv(M, BM), gl.cdiv(N, BN), GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN
     return ki, t, off_m, off_n
@@ -793,7 +777,7 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
         p3 = p0
         p4 = p0
     for tile in range(total // k_steps):
-        pid_m, pid_n = _tile_coords(gl.program_id(0) + tile * gl.num_programs(0), gl.cdiv(M, BM), gl.cdiv(N, BN),
+        pid_m, pid_n = _grouped_tile(gl.program_id(0) + tile * gl.num_programs(0), gl.cdiv(M, BM), gl.cdiv(N, BN),
                                     GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN

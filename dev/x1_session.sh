@@ -43,6 +43,14 @@ llama3_w1_run() {  # SECONDS NAME: the llama3 per-rank TP suite at W=1 (kosmos, 
   COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/$2.jsonl" > "$out/$2.txt" \
     2>> "$out/bench-llama3.log"; keep
 }
+one_launch_gpu_tests() {  # the one launch's GPU tests in the time left before $deadline: W = 1, then simulated ranks
+  local left=$((deadline - SECONDS)); echo "left for tests: $left s"
+  [ $left -gt 60 ] && gpu_tests gpu-tests-one-launch $((left * 6 / 10)) "one_launch and not ep_" tests/test_moe_backward.py
+  left=$((deadline - SECONDS))
+  [ $left -gt 40 ] && timeout $left python -m pytest -v -p no:cacheprovider --timeout $((left - 10)) -m "gpu or ranks" \
+    tests/test_moe_backward.py -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; \
+    tail -1 "$out/gpu-tests-ep.log"; keep
+}
 bwd_rows() {  # the MoE bench's kosmos / nccl-a2a bwd and fwd+bwd rows of a JSONL file: time and peak memory
   python - "$1" <<'PY'
 import json, sys
@@ -1162,12 +1170,7 @@ PY
         --variants padded,one-launch,one-launch-nosync --json "$out/ab-4k-$rt.jsonl" > "$out/ab-4k-$rt.log" 2>&1
       echo "ab 4k $rt rc=$?"; keep; tail -1 "$out/ab-4k-$rt.log"
     done
-    left=$((deadline - SECONDS)); echo "left for tests: $left s"
-    [ $left -gt 60 ] && gpu_tests gpu-tests-one-launch $((left * 6 / 10)) "one_launch and not ep_" tests/test_moe_backward.py
-    left=$((deadline - SECONDS))
-    [ $left -gt 40 ] && timeout $left python -m pytest -v -p no:cacheprovider --timeout $((left - 10)) -m "gpu or ranks" \
-      tests/test_moe_backward.py -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; \
-      tail -1 "$out/gpu-tests-ep.log"; keep ;;
+    one_launch_gpu_tests ;;
   s20f)  # session 20: where the GPU idles in one backward call (one launch vs padded) at deepseek-v3 4k and 8k zipf:1.2
     begin_stage s20f
     for tk in 4096 8192; do
@@ -1212,12 +1215,7 @@ PY
     timeout 20 python -m kosmos_bench.cli report "$out/tp-host-w1.jsonl" --format md --out "$out/tp-host-w1.md" \
       >> "$out/bench-host.log" 2>&1; keep
     grep -A12 "Host enqueue time per eager call" "$out/tp-host-w1.md" | head -20
-    left=$((deadline - SECONDS)); echo "left for tests: $left s"
-    [ $left -gt 60 ] && gpu_tests gpu-tests-one-launch $((left * 6 / 10)) "one_launch and not ep_" tests/test_moe_backward.py
-    left=$((deadline - SECONDS))
-    [ $left -gt 40 ] && timeout $left python -m pytest -v -p no:cacheprovider --timeout $((left - 10)) -m "gpu or ranks" \
-      tests/test_moe_backward.py -k "ep_" > "$out/gpu-tests-ep.log" 2>&1; echo "ep tests rc=$?"; \
-      tail -1 "$out/gpu-tests-ep.log"; keep ;;
+    one_launch_gpu_tests ;;
   s21b)  # session 21: the one launch's SWIGLU pass software-pipelined (BWD_SWIGLU_STAGES = 3) against the nested loops
          # (one-launch-swiglu-nested) and the multi-launch path at deepseek-v3 8k / 4k zipf:1.2, 3 passes, a trace at
          # 8k; the bounded-wait GPU test whose regex s21a's DGRAD1 record missed, and the other one-launch GPU tests

@@ -475,16 +475,22 @@ def _gpu_rank(rank, world, out_dir):
         check.finish(out_dir)
 
 
-@pytest.mark.gpu
-def test_deepep_two_ranks_on_one_gpu(tmp_path):
+def _two_ranks_on_one_gpu(rank_fn, tmp_path, timeout_s: int) -> None:
+    """``rank_fn`` on WORLD processes on cuda:0 over gloo (skipped without the wheel); every rank must finish and
+    report no failed check."""
     problem = _deepep_import_problem()
     if problem:
         pytest.skip(problem)
-    launcher.spawn_one_gpu(_gpu_rank, WORLD, str(tmp_path), timeout_s=240)
+    launcher.spawn_one_gpu(rank_fn, WORLD, str(tmp_path), timeout_s=timeout_s)
     for r in range(WORLD):
         f = Path(tmp_path) / f"rank{r}.txt"
         assert f.exists(), f"rank {r} did not finish"
         assert f.read_text() == "", f.read_text()
+
+
+@pytest.mark.gpu
+def test_deepep_two_ranks_on_one_gpu(tmp_path):
+    _two_ranks_on_one_gpu(_gpu_rank, tmp_path, 240)
 
 
 def _gpu_bwd_rank(rank, world, out_dir):
@@ -501,11 +507,4 @@ def _gpu_bwd_rank(rank, world, out_dir):
 def test_deepep_backward_two_ranks_on_one_gpu(tmp_path):
     """The bwd and fwd+bwd directions of the deepep baseline end to end on the real wheel (two processes on
     cuda:0 over gloo): rows ok, every gradient within GRAD_TOLERANCE of the distributed fp32 reference."""
-    problem = _deepep_import_problem()
-    if problem:
-        pytest.skip(problem)
-    launcher.spawn_one_gpu(_gpu_bwd_rank, WORLD, str(tmp_path), timeout_s=300)
-    for r in range(WORLD):
-        f = Path(tmp_path) / f"rank{r}.txt"
-        assert f.exists(), f"rank {r} did not finish"
-        assert f.read_text() == "", f.read_text()
+    _two_ranks_on_one_gpu(_gpu_bwd_rank, tmp_path, 300)
