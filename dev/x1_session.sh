@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1278,5 +1278,34 @@ PY
     timeout 330 python -m pytest -v -p no:cacheprovider --timeout 320 -m "gpu or ranks" tests/test_moe_backward.py \
       tests/test_moe_bwd_probe.py > "$out/gpu-tests-moe-bwd.log" 2>&1; echo "moe bwd tests rc=$?"
     grep -E "FAILED|ERROR" "$out/gpu-tests-moe-bwd.log" | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-moe-bwd.log"; keep ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e" >&2; exit 2 ;;
+  s22a)  # session 22, first call: issue 15 at W > 1 with the one launch the default there (ONE_LAUNCH_EP): the two-ranks-
+         # on-one-GPU MoE tests (forward, backward, the default's bits), the simulated-rank one-launch tests (W = 2, 4, 8),
+         # the deepep baseline's forward and backward on the shared wheel (.wheels/, carried), the deepseek-v3 EP = 2
+         # training proxy on one GPU; issue 13: the plain Gluon GEMM on the grid's aligned shapes under 0.90
+    begin_stage s22a
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$out/versions.txt"
+    timeout 200 python -m pytest -v -p no:cacheprovider --timeout 190 -m "gpu or ranks" tests/test_ranks_one_gpu.py \
+      tests/test_moe_backward.py -k "two_ranks or ep_at_world or ep_stalled" > "$out/gpu-tests-ranks.log" 2>&1
+    echo "ranks tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-ranks.log" | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-ranks.log"; keep
+    if [ -d .wheels ]; then
+      python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
+      echo "deepep install rc=$?"; export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
+    fi
+    timeout 170 python -m pytest -v -rs -p no:cacheprovider --timeout 160 -m gpu tests/test_deepep.py \
+      > "$out/gpu-tests-deepep.log" 2>&1; echo "deepep tests rc=$?"
+    grep -E "FAILED|ERROR|SKIPPED" "$out/gpu-tests-deepep.log" | head -5; tail -1 "$out/gpu-tests-deepep.log"; keep
+    timeout 60 python -m dev.gluon_mx_probe --variants torch,gluon \
+      --shapes 2048x5120x4096,4096x1536x4096,2048x1536x5120,1024x3072x8192,512x5120x5120,512x3072x2048 \
+      --json "$out/gluon-grid.jsonl" > "$out/gluon-grid.log" 2>&1; echo "gluon grid rc=$?"; keep; tail -10 "$out/gluon-grid.log"
+    left=$((560 - SECONDS)); [ $left -gt 120 ] && left=120
+    if [ $left -gt 60 ]; then
+      KOSMOS_RANKS_ON_ONE_GPU=1 timeout $left python -m kosmos_bench.cli bench train --model deepseek-v3 --seq 1024 \
+        --scale 0.125 --layers 2 --tp 2 --steps 20 --out "$out/train-deepseek-v3-w2-onegpu.jsonl" \
+        > "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; echo "train dsv3 w2 one gpu rc=$?"
+      timeout 40 python -m kosmos_bench.cli report "$out/train-deepseek-v3-w2-onegpu.jsonl" --format md \
+        --out "$out/train-deepseek-v3-w2-onegpu.md" --chart "$out/train-deepseek-v3-w2-onegpu-loss.png" \
+        >> "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; keep
+      grep "^| " "$out/train-deepseek-v3-w2-onegpu.md" | head -8
+    fi ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d" >&2; exit 2 ;;
 esac

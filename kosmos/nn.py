@@ -25,9 +25,10 @@ is not quantized here).
 
 ``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains in bf16 at any
 expert-parallel size: the backward is ``kernels.moe_backward.moe_backward`` (every gradient from the forward's
-routing decision, several launches, with NCCL all-to-alls between them at W > 1; the one-launch backward with its
-communication in the launch is future work -- in MXFP8 a forward that needs gradients raises instead of silently
-dropping them).
+routing decision: one launch for the expert part at one rank, and at W > 1 on CUDA one launch with the exchanges
+as its stages (GEMM1 recomputed inside it); the multi-launch path with all-to-alls between launches on the CPU and
+with ``save_gate_up=True`` at W > 1 -- in MXFP8 a forward that needs gradients raises instead of silently dropping
+them).
 The forward keeps x, the parameters and the routing (weights, experts: T*k each), and by default at one rank
 GEMM1's g | u (T*k x 2F bf16 and the rows' (source, token, slot); ``save_gate_up``): the backward skips
 recomputing GEMM1 (1.63 ms of the qwen3-235b 4k backward, session 10). At W > 1, and with
@@ -229,8 +230,8 @@ class RowParallelLinear(_ParallelLinear):
 
 
 class MoEFn(torch.autograd.Function):
-    """y = moe_forward(x, ...) over the EP group with its backward (kernels.moe_backward.moe_backward: several
-    launches, all-to-alls between them at W > 1); the bias gets no gradient; d(router weight) is this rank's
+    """y = moe_forward(x, ...) over the EP group with its backward (kernels.moe_backward.moe_backward: its one
+    launch where it runs, the module docstring says where); the bias gets no gradient; d(router weight) is this rank's
     tokens' part (all-reduce it over the data-parallel ranks like any replicated parameter's gradient)."""
 
     @staticmethod

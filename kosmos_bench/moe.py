@@ -59,7 +59,7 @@ row's ``direction`` says which; rows without it are fwd):
            kosmos: ``moe_forward(..., return_routing=True)`` untimed (at W = 1 with ``save_gu=True``, as
            kosmos.nn.MoE trains: GEMM1's g | u kept), then on its decision
            ``kosmos.kernels.moe_backward.moe_backward_w1`` (W = 1, on the saved g | u) or ``moe_backward`` over
-           the EP group (W > 1: GEMM1 recomputed, all-to-alls between its launches) timed; bf16 only ("unavailable" at mxfp8). nccl-a2a: autograd
+           the EP group (W > 1: its one launch, GEMM1 recomputed inside it, the exchanges as stages) timed; bf16 only ("unavailable" at mxfp8). nccl-a2a: autograd
            through ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad (torch._grouped_mm has
            a derivative; the row exchanges are moe_reference.AllToAllRows at W > 1), the forward (its graph)
            untimed, ``torch.autograd.grad`` timed; bf16 only. deepep: the same autograd timing through its layer

@@ -50,8 +50,8 @@ here gets an "unavailable" row with the reason -- ``unavailable_reason`` -- and 
                  the same handle (topk_weights= the weights' gradient), combine's a cached-mode dispatch (handle=). The
                  Buffer is freed after the implementation (in step). Unavailable when deep_ep does not import, at
                  W not 2, 4 or 8 (so at W = 1) and for shapes DeepEP's kernels refuse (moe.deepep_shape_problem).
-  kosmos (MoE)   kosmos.nn.MoE (its backward: kernels.moe_backward.moe_backward, all-to-alls between the kernels
-                 at W > 1); at W > 1 on CUDA ranks (one GPU per rank over NCCL, or every rank on one GPU over
+  kosmos (MoE)   kosmos.nn.MoE (its backward: kernels.moe_backward.moe_backward, one launch with the exchanges
+                 as stages at W > 1); at W > 1 on CUDA ranks (one GPU per rank over NCCL, or every rank on one GPU over
                  gloo through CUDA IPC); unavailable on CPU ranks (its forward is the one-launch kernel).
 In the MoE proxy the attention's linears are the dense implementation of the same name's family (kosmos ->
 kosmos.nn layers, nccl-a2a and deepep -> the nccl+cublas Functions), at W = 1.

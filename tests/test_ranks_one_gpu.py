@@ -97,7 +97,8 @@ def _moe_bwd_rank(rank, world, out_dir):
     """moe_backward(one_launch=True) at W = 2 through the public op (the group's workspace: IPC-mapped symmetric
     buffers, its epoch slot and done flags), after a forward on the same workspace: against the fp32 reference of
     every rank's tokens with every expert (rebuilt on each rank from shared seeds), three calls bitwise the same
-    (no host synchronisation between them), with the router backward in the launch and without."""
+    (no host synchronisation between them), with the router backward in the launch and without; and the default
+    call (no one_launch) bitwise the one launch's (ONE_LAUNCH_EP)."""
     import torch.distributed as dist
 
     import kosmos
@@ -136,6 +137,11 @@ def _moe_bwd_rank(rank, world, out_dir):
             dist.all_reduce(d_router)
             check(_rel(d_router.cpu(), want[1]) < 2e-2, f"one launch W=2 d_router: {_rel(d_router.cpu(), want[1]):.2e}")
             check(all(torch.equal(a, b) for o in outs[1:] for a, b in zip(o, outs[0])), "repeated calls differ")
+        # the default at W > 1 on CUDA without saved g | u (ONE_LAUNCH_EP): the one launch, its bits
+        default = moe_backward(xs[rank], router, *mine, dys[rank], wts, exps, group=dist.group.WORLD)
+        explicit = moe_backward(xs[rank], router, *mine, dys[rank], wts, exps, group=dist.group.WORLD, one_launch=True)
+        kosmos.check_errors()
+        check(all(torch.equal(a, b) for a, b in zip(default, explicit)), "the W = 2 default is not the one launch")
         dist.barrier()
     finally:
         check.finish(out_dir)

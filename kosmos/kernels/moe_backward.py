@@ -3078,6 +3078,13 @@ PADDED_ROWS = True
 # synchronisation and the SWIGLU pass was pipelined (s21b, deepseek-v3 zipf:1.2: 8k 0.988x, 4k 0.991x the
 # multi-launch time; s21c: the other points; the module docstring's "Session 21"). False: the multi-launch path.
 ONE_LAUNCH = True
+# the same at W > 1 (the one launch with its exchanges as stages, on CUDA where g | u was not saved: the forward
+# cannot save it at W > 1, kosmos.nn.MoE does not): True since session 22. Neither path has run on two GPUs: one
+# GPU cannot time a W > 1 exchange, so this is the design's choice (the exchanges hidden under the GEMM tiles, as
+# the forward's 1.61x at EP = 2), not a measured one; at W = 1 the launch ties the multi-launch path (0.988-1.004x).
+# Correctness on the GPU: simulated ranks W = 2, 4 and two ranks on one GPU (s19b / s19c, s22). False: the
+# multi-launch path (all-to-alls between the W = 1 kernels).
+ONE_LAUNCH_EP = True
 
 
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
@@ -3106,9 +3113,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
       W > 1: dx_rows and the gate gradients back to the tokens' ranks;
       dispatch backward (slot order), router backward in fp32 (logits recomputed), dx = dx_experts + dx_router.
 
-    Several launches and, at W > 1, NCCL (or gloo) all-to-alls between them: the one-launch backward, with its
-    communication in the launch, is the next step; this is its correctness twin and the EP backward the
-    training proxy runs until then. Deterministic (no atomics anywhere; stable sorts; fixed summation orders;
+    The stages above are the multi-launch path: several launches and, at W > 1, NCCL (or gloo) all-to-alls
+    between them -- the one launch's correctness twin, and what runs where the one launch does not (the CPU,
+    saved g | u at W > 1, one_launch=False). Deterministic (no atomics anywhere; stable sorts; fixed summation orders;
     the all-to-alls only move rows).
 
     ``padded`` (None: PADDED_ROWS; only where Triton runs and H, F are multiples of 8): the expert rows (x_rows,
@@ -3117,7 +3124,8 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     by the flat wgrad loop (expert_weight_grads_padded). Every row's arithmetic is the packed layout's and the
     gap rows add exact zeros: the same bits (tested).
 
-    ``one_launch`` (None: ONE_LAUNCH where it is supported): the expert part -- dgrad2, the SwiGLU backward,
+    ``one_launch`` (None: ONE_LAUNCH at W = 1 on the padded layout, ONE_LAUNCH_EP at W > 1 on CUDA without
+    ``saved_gu``; elsewhere the multi-launch path): the expert part -- dgrad2, the SwiGLU backward,
     dgrad1, both weight gradients and the dispatch backward -- in ONE persistent launch
     (expert_backward_one_launch; the module docstring's "The one launch"), at W = 1 on the padded layout (the same
     tile arithmetic and orders, so the same bits: tested); at W > 1 on CUDA the whole backward with its exchanges as
@@ -3136,6 +3144,9 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
     if local * world != n_exp:
         raise ValueError(f"w13 holds {local} experts per rank: {local} x {world} ranks != {n_exp} router experts")
+    if one_launch is None and world > 1:  # the same decision on every rank (same devices, same saved_gu use)
+        one_launch = (ONE_LAUNCH_EP and x.is_cuda and saved_gu is None and padded is not False
+                      and hidden % 8 == 0 and w2.shape[1] % 8 == 0)
     if one_launch and world > 1:  # the exchanges inside the launch (checked before any: every rank the same way)
         return _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize,
                                 routed_scaling, wgrad_dtype, saved_gu, padded, programs, router_in_launch)
