@@ -147,7 +147,8 @@ def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
 def moe_backward_ep_kernels(dev, world: int, h: int = 4096, f: int = 1536, e: int = 128, tokens: int = 1024) -> list:
     """(name, resources) of the one launch at W > 1 (moe_backward.expert_backward_ep_launch: the exchanges as its
     stages) on a qwen3-235b-like layer (E / W local experts, top-8), bf16 and fp32 weight gradients, with the router
-    backward in the launch (softmax) and without; rank 0."""
+    backward in the launch (softmax) and without; rank 0; each also in its fixed-role build (policy "fixed", S = 16
+    of the 132 programs: the bench's fixed-role default)."""
     from kosmos.kernels import moe_backward as mb
     bf = dict(dtype=torch.bfloat16, device=dev)
     el, k = e // world, 8
@@ -167,12 +168,14 @@ def moe_backward_ep_kernels(dev, world: int, h: int = 4096, f: int = 1536, e: in
     router = mb.RouterBackward(x, torch.empty(e, h, **bf), torch.empty(tokens, e, dtype=torch.float32, device=dev),
                                experts, "softmax", True, 1.0)
     out = []
-    for name, dt, rt in (("bf16", torch.bfloat16, None), ("fp32", torch.float32, None),
-                         ("+router softmax", torch.bfloat16, router)):
-        out.append((f"moe_bwd one_launch ep {name}", _compile_among(
-            mb, "_moe_backward_experts_kernel", lambda dt=dt, rt=rt: mb.expert_backward_ep_launch(
-                x, dy, weights, experts, w13, w2, bufs, rank=0, world=world,
-                epoch_slot=torch.zeros(1, dtype=torch.int32, device=dev), timeout_ns=10**9, grid=132, out_dtype=dt, router=rt))))
+    for pol, pkw in (("", {}), ("fixed ", dict(policy="fixed", comm_programs=16))):
+        for name, dt, rt in (("bf16", torch.bfloat16, None), ("fp32", torch.float32, None),
+                             ("+router softmax", torch.bfloat16, router)):
+            out.append((f"moe_bwd one_launch ep {pol}{name}", _compile_among(
+                mb, "_moe_backward_experts_kernel", lambda dt=dt, rt=rt, pkw=pkw: mb.expert_backward_ep_launch(
+                    x, dy, weights, experts, w13, w2, bufs, rank=0, world=world,
+                    epoch_slot=torch.zeros(1, dtype=torch.int32, device=dev), timeout_ns=10**9, grid=132,
+                    out_dtype=dt, router=rt, **pkw))))
     return out
 
 

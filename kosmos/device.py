@@ -44,6 +44,17 @@ from .codes import (ERR_COUNTER, ERR_ELAPSED, ERR_EXPECTED, ERR_FLAG, ERR_MIRROR
 
 
 @triton.jit
+def program_id_fresh():
+    """tl.program_id(0), read again where it is used (%ctaid.x through inline PTX, which is not merged with the
+    kernel's own pid), so that a value derived from it (a role predicate, say) need not stay live in a register
+    through a register-bound launch; tl.program_id(0) under the interpreter."""
+    if INTERPRET:
+        return tl.program_id(0)
+    else:
+        return tl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def now_ns():
     """GPU global timer in ns (0 under the interpreter)."""
     if INTERPRET:

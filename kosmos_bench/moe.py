@@ -65,7 +65,13 @@ row's ``direction`` says which; rows without it are fwd):
            untimed, ``torch.autograd.grad`` timed; bf16 only. deepep: the same autograd timing through its layer
            (``deepep_layer``: DeepEP's dispatch and combine as autograd Functions -- dispatch's backward a combine
            of the gradient, combine's a cached dispatch -- around nccl-a2a's expert GEMMs); bf16 only, and as in
-           the forward at W 2, 4 or 8 only. fixed-role, fixed-role-best: "unavailable" (FIXED_BACKWARD).
+           the forward at W 2, 4 or 8 only. fixed-role, fixed-role-best (W > 1, bf16; at W = 1 "unavailable": no
+           communication): the forward at policy "fixed" untimed, then ``moe_backward(..., one_launch=True,
+           policy="fixed", comm_programs=S)`` timed -- the backward's ONE launch with its exchanges as stages and its
+           fixed-role split (programs < S: COMBINE-BWD, PERMUTE-BWD, DISPATCH-BWD, UNPERMUTE; the rest: the GEMMs,
+           SwiGLU, wgrads and router stages; kernels/moe_backward.py's "The one launch at W > 1"), at S = 16 /
+           the best S of fixed_sweep as in the forward. The kosmos row at W > 1 runs the same launch with the self
+           policy (moe_backward's default there, ONE_LAUNCH_EP), so the two rows are the two policies of one launch.
            The output gradient dy ~ N(0, 1) bf16, this rank's.
   fwd+bwd  both in one timed call.
   Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against an fp32 reference, relative Frobenius
@@ -383,15 +389,14 @@ def _a2a_backward_available(world: int, dtype) -> tuple[bool, str | None]:
 
 KOSMOS_DIRECTIONS = {FWD: None, BWD: _kosmos_backward_available, FWD_BWD: _kosmos_backward_available}
 A2A_DIRECTIONS = {FWD: None, BWD: _a2a_backward_available, FWD_BWD: _a2a_backward_available}
-FIXED_BACKWARD = ("no fixed-role MoE backward: the kosmos backward's one launch (its exchanges as stages at W > 1) "
-                  "has no fixed comm/compute role split yet")
-
-
 def _fixed_backward_available(world: int, dtype) -> tuple[bool, str | None]:
-    """fixed-role / fixed-role-best at bwd, fwd+bwd: never; at W = 1 because there is no communication to give
-    programs to (the forward's reason, harness.needs_peers), at W > 1 because the backward has no role split."""
+    """fixed-role / fixed-role-best at bwd, fwd+bwd: at W > 1 where the kosmos backward runs (bf16: the one launch's
+    fixed-role split, moe_backward(one_launch=True, policy="fixed")); at W = 1 never -- no communication to give
+    programs to (the forward's reason, harness.needs_peers)."""
     ok, reason = harness.needs_peers(world)
-    return False, FIXED_BACKWARD if ok else reason
+    if not ok:
+        return False, reason
+    return _kosmos_backward_available(world, dtype)
 
 
 FIXED_DIRECTIONS = {FWD: None, BWD: _fixed_backward_available, FWD_BWD: _fixed_backward_available}
@@ -416,9 +421,13 @@ def _kosmos_layer(inp: MoEInputs, params: dict, config):
 
 def _kosmos_backward(inp: MoEInputs, params: dict, config):
     """bwd: moe_forward(return_routing=True) untimed, moe_backward_w1 (W = 1) or moe_backward over the default
-    group (W > 1) on its decision timed; fwd+bwd: both."""
+    group (W > 1) on its decision timed; fwd+bwd: both. fixed-role / fixed-role-best (``params`` with
+    comm_programs S; W > 1 only): the forward at policy "fixed", S as in the fwd rows, and the backward's one launch
+    with its fixed-role split at the same S (moe_backward(one_launch=True, policy="fixed", comm_programs=S))."""
     multi = dist.is_initialized() and dist.get_world_size() > 1
     save = not multi  # as kosmos.nn.MoE trains by default: g | u kept from the forward at one rank
+    fixed = params.get("comm_programs") is not None
+    bwd_kw = dict(one_launch=True, **policy_kwargs(params)) if fixed else {}
 
     def forward():
         out = moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(),
@@ -429,7 +438,7 @@ def _kosmos_backward(inp: MoEInputs, params: dict, config):
         weights, experts, saved = state
         grads = (moe_backward if multi else moe_backward_w1)(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy,
                                                              weights, experts, saved_gu=saved,
-                                                             **inp.backward_kw())
+                                                             **inp.backward_kw(), **bwd_kw)
         return (*grads, experts)
 
     return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))

@@ -430,13 +430,15 @@ class MoEBwdRanks:
     """The MoE layer's backward in one launch at W simulated ranks (moe_backward.expert_backward_ep_launch): rank
     r holds T tokens with their output gradient and routing decision, and experts [r*El, (r+1)*El). Every rank's
     symmetric bytes, signals and counters live on one device, reached through the peer tables; the local buffers
-    start poisoned (NaN / -1: a row the launch reads without writing it this call shows)."""
+    start poisoned (NaN / -1: a row the launch reads without writing it this call shows). ``policy`` /
+    ``comm_programs``: the launch's (the fixed-role ablation: "fixed", S)."""
 
     def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, device="cpu", grid=3,
                  timeout_ns=5_000_000, routing="softmax", skew=False, empty_expert=None, router=True,
-                 wgrad_dtype=torch.bfloat16):
+                 wgrad_dtype=torch.bfloat16, policy="self", comm_programs=None):
         from kosmos.kernels import moe_backward as mb
         self.mb = mb
+        self.policy, self.comm_programs = policy, comm_programs
         self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
         self.el = experts // world
         self.device, self.grid, self.timeout_ns, self.routing = device, grid, timeout_ns, routing
@@ -511,25 +513,27 @@ class MoEBwdRanks:
             world=self.world, epoch_slot=self.epochs[r],
             timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns, grid=self.grid,
             out_dtype=self.wgrad_dtype, router=self.router_inputs(r),
-            stages=mb.BWD_ALL_STAGES if stages is None else stages, final=final, outs=outs)
+            stages=mb.BWD_ALL_STAGES if stages is None else stages, final=final, outs=outs, policy=self.policy,
+            comm_programs=self.comm_programs)
         self.outs[r] = got[-1]
         self.results = getattr(self, "results", [None] * self.world)
         self.results[r] = got[:-1]
 
     def call(self, epoch, streams=None, skip=(), leave_out=None):
-        """One call on every rank: CPU -- the three phases (mb.EP_PHASES), every rank's launch of a phase before any
-        rank's next one, only the last one final; GPU -- every rank's whole launch at once (launch_all). ``skip``:
-        ranks whose launches are left out (a stalled peer); ``leave_out``: a stage (mb.BWD_*) left out of every
-        launch."""
+        """One call on every rank: CPU -- the three phases (mb.EP_PHASES; the fixed policy's four,
+        mb.EP_PHASES_FIXED), every rank's launch of a phase before any rank's next one, only the last one final;
+        GPU -- every rank's whole launch at once (launch_all). ``skip``: ranks whose launches are left out (a
+        stalled peer); ``leave_out``: a stage (mb.BWD_*) left out of every launch."""
         mb = self.mb
         drop = ~(1 << leave_out) if leave_out is not None else -1
         if torch.device(self.device).type == "cuda":
             return launch_all(self.world, lambda r: None if r in skip else self.launch(
                 r, epoch, mb.BWD_ALL_STAGES & drop), streams)
-        for i, stages in enumerate(mb.EP_PHASES):
+        phases = mb.EP_PHASES_FIXED if self.policy == "fixed" else mb.EP_PHASES
+        for i, stages in enumerate(phases):
             for r in range(self.world):
                 if r not in skip:
-                    self.launch(r, epoch, stages & drop, final=i == len(mb.EP_PHASES) - 1)
+                    self.launch(r, epoch, stages & drop, final=i == len(phases) - 1)
 
     def gradients(self):
         """Per rank (dx, d_router, dw13, dw2) -- dx_e and the gate gradients without the router in the launch --

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -748,16 +749,53 @@ def test_backward_availability_by_world_and_dtype():
     assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "fwd+bwd") == ()
     assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "mxfp8", "bwd") == ()
     assert registry.impls_at("moe_fwd", moe.MOE_IMPLS, "bf16", "bwd") == moe.MOE_IMPLS
-    for name in ("fixed-role", "fixed-role-best"):  # no communication at W = 1; no role split in the backward
+    for name in ("fixed-role", "fixed-role-best"):  # no communication at W = 1; the one launch's split at W > 1
         fixed = registry.get("moe_fwd", name)
         for direction in ("bwd", "fwd+bwd"):
             assert fixed.availability(1, "bf16", direction) == (False, "no communication at world size 1")
-            assert fixed.availability(2, "bf16", direction) == (False, moe.FIXED_BACKWARD)
+            assert fixed.availability(2, "bf16", direction) == (True, None)
+            assert fixed.availability(8, "bf16", direction) == (True, None)
+            assert fixed.availability(2, "mxfp8", direction) == (False, "no MXFP8 backward yet")
         assert fixed.availability(2, "bf16", "fwd") == (True, None)
     deepep = registry.get("moe_fwd", "deepep")  # the backward as the forward: DeepEP's worlds, bf16
     assert deepep.availability(2, "mxfp8", "bwd") == (False, "no MXFP8 path in the deepep baseline yet")
     assert deepep.availability(2, "bf16", "bwd") == deepep.availability(2, "bf16", "fwd")
     assert deepep.availability(2, "bf16", "fwd+bwd") == deepep.availability(2, "bf16", "fwd")
+
+
+@pytest.mark.parametrize("direction", ["bwd", "fwd+bwd"])
+def test_fixed_role_backward_runs_the_one_launch_split(monkeypatch, tiny_models, direction):
+    """fixed-role / fixed-role-best at bwd and fwd+bwd at W > 1 (W = 2 faked; stand-ins for both ops): the forward
+    at policy "fixed" and S, then moe_backward over the default group with one_launch=True, policy "fixed" and the
+    same S, on the forward's decision; kosmos's backward stays the multi-launch one (no one_launch, self policy)."""
+    from kosmos_bench import registry
+    calls = []
+    w_, e_ = torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.long)
+
+    def forward(*a, policy, comm_programs, return_routing, save_gu, **kw):
+        calls.append(("fwd", policy, comm_programs, save_gu))
+        return None, w_, e_
+
+    def backward(*a, group=None, saved_gu=None, **kw):
+        assert a[5] is w_ and a[6] is e_ and saved_gu is None and group is None
+        calls.append(("bwd", kw.get("one_launch"), kw.get("policy"), kw.get("comm_programs")))
+        return "dx", "d_router", "dw13", "dw2"
+
+    monkeypatch.setattr(moe, "moe_forward", forward)
+    monkeypatch.setattr(moe, "moe_backward", backward)
+    monkeypatch.setattr(moe.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(moe.dist, "get_world_size", lambda *a: 2)
+    inp = replace(_grad_inputs(), direction=direction)
+    for name, params in (("fixed-role", {"comm_programs": 16}), ("fixed-role-best", {"comm_programs": 24}),
+                         ("kosmos", {})):
+        calls.clear()
+        fn, _ = registry.get("moe_fwd", name).make(inp, params, None)
+        if direction == "bwd":
+            assert isinstance(fn, timing.Split)
+        assert fn() == ("dx", "d_router", "dw13", "dw2", e_)
+        s = params.get("comm_programs")
+        want_bwd = ("bwd", True, "fixed", s) if s else ("bwd", None, None, None)
+        assert calls == [("fwd", "fixed" if s else "self", s, False), want_bwd], (name, calls)
 
 
 def _expert_backward_inputs(rows_per_expert=(5, 0, 9, 3), hidden=32, ffn=16, seed=3):

@@ -520,6 +520,12 @@ def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None, e
             refused = False
         except ValueError as err:
             refused = "needs CUDA tensors" in str(err)
+        try:  # the fixed-role split is of the one launch's programs: refused with the multi-launch path
+            moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD, one_launch=False,
+                         policy="fixed", comm_programs=1, **full["rkw"])
+            refused = False
+        except ValueError as err:
+            refused = refused and "needs one_launch=True" in str(err)
         # by value (numpy; bf16 exactly as fp32): a tensor on the queue would live in this process's shared memory
         q.put((rank, ([t.float().numpy() for t in got], same, refused)))
     finally:
@@ -585,7 +591,7 @@ def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded, empty_
     without_rows = slice(4, 8) if empty_rank else slice(3, 4)
     assert not dw13[without_rows].any() and not dw2[without_rows].any()
     assert all(got[r][1] for r in range(world))  # bitwise the same twice
-    assert all(got[r][2] for r in range(world))  # moe_backward(one_launch=True) refused at W = 2 on the CPU
+    assert all(got[r][2] for r in range(world))  # one_launch=True refused at W = 2 on the CPU; fixed, multi-launch
 
 
 @pytest.mark.gpu
@@ -1361,19 +1367,100 @@ def test_moe_backward_one_launch_ep_layout_refuses_other_shapes():
                                      m.w2[0], b, rank=0, world=2, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=2)
 
 
+FIXED_CASES = [("w2-random", 1), ("w2-random", 2), ("w2-empty-expert-sigmoid", 1), ("w4-random", 2)]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case,comm_programs", FIXED_CASES)
+def test_moe_backward_one_launch_ep_fixed_policy_bitwise_self(case, comm_programs):
+    """The fixed-role ablation of the one launch at W > 1 (policy "fixed", comm_programs=S of the interpreter's 3
+    programs: S = 1 -- one communication program, two compute --, S = 2 -- the other way round): every rank's
+    launch clean and against the fp32 reference as the self policy's, and its gradients bitwise the self policy's
+    (the same tile arithmetic and row order; only which program runs a task changes), two calls. Phases: the
+    fixed policy's four (EP_PHASES_FIXED: DISPATCH-BWD alone, after the compute programs' DGRAD1)."""
+    from simranks import MoEBwdRanks
+    world, t, h, f, e, k, kw = EP_CASES[case]
+    want = MoEBwdRanks(world, t, h, f, e, k, seed=31 + world, **kw)
+    want.call(1)
+    want = [tuple(x.clone() for x in g if x is not None) for g in _check_ep_vs_reference(want)]
+    m = MoEBwdRanks(world, t, h, f, e, k, seed=31 + world, policy="fixed", comm_programs=comm_programs, **kw)
+    for epoch in (1, 2):
+        m.poison()
+        m.call(epoch)
+        got = _check_ep_vs_reference(m)
+        for r in range(world):
+            got_r = [x for x in got[r] if x is not None]
+            assert all(torch.equal(a, b) for a, b in zip(want[r], got_r)), (epoch, r)
+
+
+@pytest.mark.interpreter
+def test_moe_backward_one_launch_ep_fixed_policy_without_router():
+    """The fixed policy without the router in the launch (dx_e and the gate gradients out; the router stages off):
+    bitwise the self policy's."""
+    from simranks import MoEBwdRanks
+    got = []
+    for pol in (dict(), dict(policy="fixed", comm_programs=1)):
+        m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=33, router=False, **pol)
+        m.call(1)
+        grads, dws = m.gradients()
+        got.append([(g[0], g[2], g[3], dw) for g, dw in zip(grads, dws)])
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(got[0][r], got[1][r])), r
+
+
+@pytest.mark.parametrize("policy,comm_programs,match", [
+    ("fixed", None, "comm_programs"), ("fixed", 0, "comm_programs"), ("fixed", 3, "comm_programs"),
+    ("both", 1, "unknown policy")])
+def test_moe_backward_one_launch_ep_fixed_policy_refuses_bad_splits(policy, comm_programs, match):
+    """expert_backward_ep_launch(policy="fixed") needs 1 <= S < grid (S = 0 leaves COMBINE-BWD to no one, S = grid
+    the GEMMs): a one-line ValueError before any launch; an unknown policy likewise; and at W = 1 (no
+    communication)."""
+    from kosmos.kernels import moe_backward as mb
+    from simranks import MoEBwdRanks
+    m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=1)
+    a = (m.xs[0], m.dys[0], m.weights[0], m.experts[0], m.w13[0], m.w2[0], m.bufs(0))
+    with pytest.raises(ValueError, match=match):
+        mb.expert_backward_ep_launch(*a, rank=0, world=2, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=3,
+                                     policy=policy, comm_programs=comm_programs)
+    with pytest.raises(ValueError, match="no communication at world size 1"):
+        mb.expert_backward_ep_launch(*a, rank=0, world=1, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=3,
+                                     policy="fixed", comm_programs=1)
+    assert m.errors[0].abs().sum() == 0 and m.local[0]["scratch"].abs().sum() == 0  # nothing ran
+
+
+@pytest.mark.parametrize("one_launch", [True, False, None])
+def test_moe_backward_fixed_policy_refused_at_w1_and_multi_launch(one_launch):
+    """moe_backward(policy="fixed") is the one launch's ablation at W > 1: at W = 1 (no communication) a one-line
+    ValueError before anything runs, whatever one_launch says (the multi-launch refusal at W > 1: the gloo
+    ranks of test_moe_backward_over_two_ranks_vs_reference); an unknown policy too."""
+    match = "no communication at world size 1"
+    from kosmos.kernels.moe_backward import moe_backward
+    layer, weights, experts, kw = _one_launch_case("skewed")
+    with pytest.raises(ValueError, match=match):
+        moe_backward(*layer, weights, experts, one_launch=one_launch, policy="fixed", comm_programs=1, **kw)
+    with pytest.raises(ValueError, match="unknown policy"):
+        moe_backward(*layer, weights, experts, one_launch=True, policy="fxd", **kw)
+
+
 @pytest.mark.ranks
 @pytest.mark.usefixtures("ranks_setup")
-@pytest.mark.parametrize("world,routing,skew", [(2, "softmax", False), (2, "sigmoid-grouped", True),
-                                                (4, "softmax", False), (8, "softmax", False)])
-def test_moe_backward_one_launch_ep_at_world_gpu(world, routing, skew):
+@pytest.mark.parametrize("world,routing,skew,policy", [
+    (2, "softmax", False, "self"), (2, "sigmoid-grouped", True, "self"), (4, "softmax", False, "self"),
+    (8, "softmax", False, "self"), (2, "softmax", False, "fixed"), (2, "sigmoid-grouped", True, "fixed"),
+    (8, "softmax", False, "fixed")])
+def test_moe_backward_one_launch_ep_at_world_gpu(world, routing, skew, policy):
     """The one launch at W simulated ranks on one GPU, all W launches resident at once (simranks.launch_all, SMs / W
     programs each), at the real tiles: against the fp32 reference (dx, d_router, dw13, dw2), buffers poisoned,
     scratch / counters / done flags clean, five calls (epochs 1-5; no host synchronisation between them) bitwise
-    the same."""
+    the same. ``policy="fixed"``: the fixed-role ablation at S = a quarter of each rank's programs (at least 1),
+    its gradients also bitwise the self policy's (the same inputs, the same call's bits)."""
     import opcases
     from simranks import MoEBwdRanks
-    m = MoEBwdRanks(world, 777, 512, 256, 16, 4, seed=50 + world, device="cuda", grid=opcases.grid(world),
-                    timeout_ns=opcases.RANKS_TIMEOUT_NS, routing=routing, skew=skew)
+    grid = opcases.grid(world)
+    pol = dict(policy="fixed", comm_programs=max(1, grid // 4)) if policy == "fixed" else {}
+    make = lambda **p: MoEBwdRanks(world, 777, 512, 256, 16, 4, seed=50 + world, device="cuda", grid=grid,  # noqa
+                                   timeout_ns=opcases.RANKS_TIMEOUT_NS, routing=routing, skew=skew, **p)
+    m = make(**pol)
     outs = []
     for epoch in range(1, 6):
         m.poison()
@@ -1383,6 +1470,13 @@ def test_moe_backward_one_launch_ep_at_world_gpu(world, routing, skew):
     for r in range(world):
         for later in outs[1:]:
             assert all(torch.equal(a, b) for a, b in zip(outs[0][r], later[r])), r
+    if pol:  # the self policy on the same inputs: the same bits
+        s = make()
+        s.call(1)
+        torch.cuda.synchronize()
+        want = [tuple(x.clone() for x in g if x is not None) for g in _check_ep_vs_reference(s)]
+        for r in range(world):
+            assert all(torch.equal(a, b) for a, b in zip(want[r], outs[0][r])), r
 
 
 @pytest.mark.ranks

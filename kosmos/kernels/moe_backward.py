@@ -609,6 +609,51 @@ Epochs: the workspace's slot (shared with the forward and the TP ops, as its don
 into a peer's buffers (COMBINE-BWD) waits for the peer's done flag of the previous call; its combine writes need
 none (they follow the owner's own COMBINE-BWD of this call, as the forward's combine does); the counters are reset
 by their consumer, the plan state and every local counter by the last program out.
+The fixed policy (the fixed-role ablation the forward has -- moe_forward's ``policy="fixed", comm_programs=S`` --,
+for the bench's fixed-role rows at bwd / fwd+bwd; built after session 21 on branch fixed-role-bwd, interpreter-
+tested; NOT TIMED, NOT RUN ON A GPU yet): ``moe_backward(..., group=, one_launch=True, policy="fixed",
+comm_programs=S)`` / ``expert_backward_ep_launch(policy=, comm_programs=)``, 1 <= S < GRID (a ValueError otherwise,
+at W = 1 -- no communication -- and with the multi-launch path -- no programs to split). Programs pid < S take only
+the communication stages, the other GRID - S only the rest: schedule.program_stages' role mask, asked stage by stage
+(_takes, with the program id read afresh -- the mask kept in a register made ptxas spill 12 B there), the loop
+unchanged (constexpr POLICY: the self and W = 1 builds compile none of it, ``fixed_comm`` an unused runtime argument
+there; their PTX is the old one but for that parameter). Communication (BWD_COMM_STAGES) = COMBINE-BWD,
+PERMUTE-BWD, DISPATCH-BWD, UNPERMUTE: the rows out to the experts' ranks, into the expert layout, back, and summed
+per token -- the mirror of
+the forward's ROUTE (its dispatch), PERMUTE and FOLD, all memory-bound moves of rows between ranks or between the
+token and expert layouts. The rest = GU (GEMM1 again), DGRAD2 with its SwiGLU pass, DGRAD1, WGRAD and the router
+stages (ROUTER_DL is per-token arithmetic on gate gradients already home, ROUTER_DW / ROUTER_DX GEMMs: compute, as
+the forward's router is part of ROUTE only because ROUTE is the dispatch). WGRAD's static shares and its WGRAD1
+rendezvous count the compute programs (program pid - S of GRID - S: with GRID the S communication programs' tiles
+would never be computed, and the rendezvous would wait its full BWD_WGRAD1_SYNC_NS for programs that never come).
+The same tasks with the same arithmetic at the same row places, so the gradients are bitwise the self policy's
+(interpreter: S = 1 and 2 of 3 programs at W = 2 and 4, with and without the router; GPU test written:
+test_moe_backward_one_launch_ep_at_world_gpu[*-fixed], S = a quarter of each rank's programs).
+Deadlock-freedom under the split: the stages in the code's order -- COMBINE-BWD < plan < PERMUTE-BWD < GU <
+DGRAD2 (+ SWIGLU) < DGRAD1 < DISPATCH-BWD < WGRAD < UNPERMUTE < ROUTER_DL < ROUTER_DW < ROUTER_DX -- and every wait
+is for tasks of a strictly earlier stage, this rank's or a peer's: COMBINE-BWD only for the previous call's done
+flags; the plan for every rank's COMBINE-BWD (communication) and for the CAS-elected builder, who once elected
+waits for nothing; GU and DGRAD2 for PERMUTE-BWD (communication); the SwiGLU pass on completion, inside a claimed
+DGRAD2 task, for that m-tile's dgrad2 tiles (complete: its own atomic saw the last) and its GU tiles (compute, an
+earlier stage); DGRAD1 for SWIGLU; DISPATCH-BWD (communication) for DGRAD1 (compute); WGRAD for the SWIGLU count;
+UNPERMUTE (communication) for every rank's DISPATCH-BWD; ROUTER_DL (compute) for UNPERMUTE (communication);
+ROUTER_DW / ROUTER_DX for ROUTER_DL and UNPERMUTE. Each role takes its own stages in that order and moves past one
+only when its head is drained, i.e. every task of it is claimed by a running program of that role. By induction
+over the order: if every stage before s completes on every rank, each claimed task of s completes (it waits only
+on those), and s's role has a program (S >= 1 and GRID - S >= 1) that reaches s -- a program of the role is either
+at an earlier stage of its own, which completes, or past s, which it is only once s is drained -- so s is drained
+and completes. The roles do wait on each other both ways (DISPATCH-BWD on DGRAD1, ROUTER_DL on UNPERMUTE, which
+waits through DISPATCH-BWD on DGRAD1 again), but never on a stage at or after the waiting one, so no chain of
+waits closes. The last program out is unchanged: every program of either role arrives on the exit counter after
+its last stage, and only the last one zeroes the scratch (heads, plan state, counters), signals done and
+advances the epoch, after every program's arrival -- no program of either role reads the scratch after that, and
+the call's epoch is read just before each arrival, as before. Interpreter: the communication programs are the
+lowest pids, run first, so in EP_PHASES' second phase they would reach DISPATCH-BWD before any compute program had
+run DGRAD1 (a wait that spins there is a bug, bounded): under the fixed policy the CPU tests' phases are
+EP_PHASES_FIXED (COMBINE-BWD; PERMUTE-BWD .. WGRAD without DISPATCH-BWD; DISPATCH-BWD; UNPERMUTE and the
+router). On a GPU one launch per rank, all programs resident, as for the self policy. Also fixed with it: the
+queued SWIGLU form (BWD_SWIGLU_ON_COMPLETION = False) claimed a task before asking its mask, so a program without
+SWIGLU in its mask dropped one; it now asks first (the default on-completion build is untouched).
 Limits: the same T, H, F, E, k on every rank (the forward's contract; checked once per shape with the forward's
 all-gather), T >= 1, H and F multiples of 8; buffers sized for the worst case (every token of every rank here:
 W*T*min(k, E/W) expert rows, moe_forward.Layout's bound) -- the intermediates z, [dg | du], h, dx_rows at that
@@ -618,10 +663,20 @@ moe_backward`` runs it after the W = 2 compile of the other backward kernels --,
 64 local experts, top-8, 1024 tokens per rank): the W = 2 build 254 registers (bf16 and fp32 weight gradients),
 255 with the router in the launch, no spills, 192 KiB; the W = 1 build unchanged by the branch (252 / 250 fp32 /
 250 with the router, softmax or sigmoid-grouped; no spills). At ptxas's cap: re-check after any change.
+With the fixed policy (branch fixed-role-bwd; results/h200x1/s21/regs-moe-backward-fixed-role-local-triton39.txt and
+regs-moe-backward-ep-fixed-role-triton36.txt): the self builds' PTX is the old PTX but for the one added .param
+(W = 1, 2, 8; local Triton 3.9 and Triton 3.6.0), so their registers are unchanged (3.9: W = 2 254 / 250 fp32 / 255
++router, W = 8 246 / 254 / 250, no spills; 3.6.0: W = 2 255 / 255 / 255, W = 8 248 / 252 / 255 with 40 B spilled in
+the +router build -- already so before the branch, unmeasured on a GPU); the fixed builds (S = 16): 3.9 W = 2 255 /
+250 / 255, W = 8 254 / 246 / 254, no spills; 3.6.0 W = 2 255 / 254 / 255 no spills, W = 8 252 / 250 / 255 with 24 B
+spilled in the +router build. (A first form keeping the role mask in a register spilled 12 B in the 3.9 W = 2
++router fixed build -- the program id, reloaded at each descriptor site: hence _takes.)
 PREDICTION (unmeasured; no GPU here): the exchanges (dy and x out, dx back: ~3 x T k H bf16 per rank over NVLink)
 overlap the other programs' GEMM tiles as the forward's dispatch and combine do; the GU stage costs GEMM1's FLOPs
 (1.92 TFLOP at deepseek-v3 4k), as the multi-launch path's recompute does; the lead's A/B against the multi-launch
-path (dev/moe_bwd_probe or kosmos bench moe --direction bwd at EP = 2) decides the default (ONE_LAUNCH stays False).
+path (dev/moe_bwd_probe or kosmos bench moe --direction bwd at EP = 2) was to decide the default. Session 22 made
+it the default untimed (ONE_LAUNCH_EP = True: neither path has a W > 1 timing; the launch is the design, and on
+the GPU s22a passed W = 8 simulated ranks and two ranks on one GPU with the default); the two-GPU A/B is owed.
 Tests: interpreter (tests/test_moe_backward.py, ``-k ep_``): vs moe_backward_ref at W = 2 and 4 (random, skewed --
 every token to rank 0's experts --, an empty expert with sigmoid-grouped top-4, T = 11 / 13) and bitwise over two
 calls; vs the multi-launch path at W = 2 (gloo processes); without the router (dx_e + the torch router); stalled
@@ -647,6 +702,7 @@ from ..codes import (EV_BWD_DGRAD1, EV_BWD_DGRAD2, EV_BWD_ROUTER_DL, EV_BWD_ROUT
                      EV_WAIT, OP_MOE_BACKWARD, TRACE_EVENTS, WAIT_BWD_COMBINE, WAIT_BWD_DGRAD1, WAIT_BWD_DGRAD1_MTILE,
                      WAIT_BWD_DGRAD2, WAIT_BWD_DISPATCH, WAIT_BWD_GU, WAIT_BWD_PERMUTE, WAIT_BWD_PLAN,
                      WAIT_BWD_ROUTER_DL, WAIT_BWD_SWIGLU, WAIT_BWD_UNPERMUTE)
+from .common import POLICIES, policy_args
 
 try:  # libdevice's expf for swiglu_h (Triton >= 3.0 spells it this way)
     from triton.language.extra import libdevice
@@ -1004,12 +1060,15 @@ def _expert_wgrad_flat_kernel(a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, K
 
 @triton.jit
 def _wgrad_flat_run(pid, a_ptr, b_ptr, pad_offs_ptr, counts_ptr, out_ptr, KA, KB, E, R_PAD,
-                    BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID: tl.constexpr, ELP2: tl.constexpr,
+                    BI: tl.constexpr, BJ: tl.constexpr, BR: tl.constexpr, GRID, ELP2: tl.constexpr,
                     DOT_FP32: tl.constexpr, LOOP_STAGES: tl.constexpr = None, head_ptr=None,
                     DYNAMIC: tl.constexpr = 0, DYNAMIC_16THS: tl.constexpr = 1):
     """Program ``pid``'s whole share of _expert_wgrad_flat_kernel (its docstring): the standalone kernel's body and
     the one-launch backward's WGRAD stage. LOOP_STAGES: the flat loop's pipeline depth where it differs from the
-    launch's num_stages (the one launch: its GEMM stages' depth).
+    launch's num_stages (the one launch: its GEMM stages' depth). ``GRID``: the programs sharing the loops, ``pid``
+    in [0, GRID) -- a constexpr from every caller but the one launch's fixed-role build (its compute programs:
+    pid - S of GRID - S, runtime values); a constexpr argument specialises the function as before (the
+    annotation only forbade a runtime one).
 
     DYNAMIC > 0 (the one launch, BWD_WGRAD_DYNAMIC): the tiles g < n_static (all but DYNAMIC_16THS / 16 of them,
     rounded down to whole GRID rounds) are statically owned as above; the rest are claimed in runs of DYNAMIC
@@ -1803,6 +1862,15 @@ EP_PLAN_STAGE_BITS = sum(1 << s for s in (BWD_PERMUTE, BWD_GU, BWD_DGRAD2, BWD_S
 # the CPU interpreter's phases of one call at W > 1 (every rank's launch of a phase before any rank's next one):
 # the rows out, the expert part and the rows back, the dispatch backward's sums and the router
 EP_PHASES = (1 << BWD_COMBINE, EP_PLAN_STAGE_BITS, BWD_ALL_STAGES & ~EP_PLAN_STAGE_BITS & ~(1 << BWD_COMBINE))
+# the fixed-role ablation's communication stages (module docstring, "The one launch at W > 1": the fixed policy):
+# the rows out (COMBINE-BWD), into the expert layout (PERMUTE-BWD), back (DISPATCH-BWD) and summed per token
+# (UNPERMUTE) -- the forward's ROUTE (dispatch), PERMUTE and FOLD; programs pid < S take only these
+BWD_COMM_STAGE_BITS = sum(1 << s for s in (BWD_COMBINE, BWD_PERMUTE, BWD_DISPATCH, BWD_UNPERMUTE))
+BWD_COMM_STAGES: tl.constexpr = tl.constexpr(BWD_COMM_STAGE_BITS)
+# the interpreter's phases under the fixed policy: DISPATCH-BWD gets a phase of its own -- the communication
+# programs are the lowest pids, which the interpreter runs first, so in EP_PHASES' second phase they would reach
+# DISPATCH-BWD before any compute program had run the DGRAD1 tiles it waits for
+EP_PHASES_FIXED = (EP_PHASES[0], EP_PHASES[1] & ~(1 << BWD_DISPATCH), 1 << BWD_DISPATCH, EP_PHASES[2])
 EP_PLAN_STAGES: tl.constexpr = tl.constexpr(EP_PLAN_STAGE_BITS)
 STAGE_BWD_COMBINE: tl.constexpr = tl.constexpr(BWD_COMBINE)
 STAGE_BWD_PERMUTE: tl.constexpr = tl.constexpr(BWD_PERMUTE)
@@ -2278,12 +2346,30 @@ def _ep_dispatch_mtile(gm, first_mtile_ptr, pad_offs_ptr, counts_ptr, dx_rows, d
 
 
 @triton.jit
-def _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP, timeout_ns, err_ptr,
+def _takes(stages, s: tl.constexpr, fixed_comm, POLICY: tl.constexpr):
+    """Whether this program takes stage ``s``: in the mask ``stages`` and, under the fixed policy, of its role (s a
+    communication stage -- BWD_COMM_STAGES -- for programs < fixed_comm, any other for the rest):
+    schedule.program_stages' role mask, asked one stage at a time with the program id read afresh
+    (device.program_id_fresh). Why not the mask, or the role as one predicate, computed once: either lives in a
+    register through the whole launch (the kernel argument ``stages`` is read from the constant bank), and at
+    ptxas's 255 cap that made it spill the program id, 12 B, in the fixed build with the router (local Triton
+    3.9, W = 2). The self build is has_stage(stages, s), as before."""
+    take = sched.has_stage(stages, s)
+    if POLICY == sched.POLICY_FIXED:
+        if ((BWD_COMM_STAGES >> s) & 1) != 0:
+            take = take & (dev.program_id_fresh() < fixed_comm)
+        else:
+            take = take & (dev.program_id_fresh() >= fixed_comm)
+    return take
+
+
+@triton.jit
+def _router_dw_stage(scratch_ptr, take, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP, timeout_ns, err_ptr,
                      trace_ptr, RUT: tl.constexpr, RW_BI: tl.constexpr, RW_BJ: tl.constexpr, RW_BR: tl.constexpr,
                      DOT_FP32: tl.constexpr, R_STAGES: tl.constexpr, TRACE: tl.constexpr):
     """The ROUTER_DW stage's loop (module docstring): dWr = dl^T x per [E, H] tile, after one wait per program on
-    every dlogits block. Returns (ok, n_ev)."""
-    if sched.has_stage(stages, STAGE_BWD_ROUTER_DW) & (ok != 0):
+    every dlogits block; ``take``: whether this program takes the stage (_takes). Returns (ok, n_ev)."""
+    if take & (ok != 0):
         t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DW)
         n_wj = tl.cdiv(H, RW_BJ)
         waited = 0
@@ -2310,7 +2396,8 @@ def _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_pt
 
 
 @triton.jit(do_not_specialize=["T", "R_PAD", "scratch_n", "max_mtiles", "timeout_us", "stages", "off_rx", "off_rdy",
-                               "off_meta", "off_w", "off_cnt", "off_cx", "off_cdw", "xs_base", "rank"])
+                               "off_meta", "off_w", "off_cnt", "off_cx", "off_cdw", "xs_base", "rank",
+                               "fixed_comm"])
 def _moe_backward_experts_kernel(
         dy_rows_ptr, do_rows_ptr, x_rows_ptr, gu_ptr, wp_ptr, valid_ptr, w13_ptr, w2_ptr,
         pad_offs_ptr, counts_ptr, first_mtile_ptr, inv_ptr,
@@ -2320,7 +2407,7 @@ def _moe_backward_experts_kernel(
         T, H, F, E, R_PAD,
         dyt_ptr, wt_ptr, pidx_ptr, send_cnt_ptr, recv_x_ptr, recv_dy_ptr, recv_meta_ptr, recv_w_ptr, cnt_ptr,
         comb_x_ptr, comb_dw_ptr, peer_data, peer_sig, peer_ctr, sig_ptr, ctr_ptr, off_rx, off_rdy, off_meta, off_w,
-        off_cnt, off_cx, off_cdw, row_meta_ptr, base_ptr, xs_base, rank,
+        off_cnt, off_cx, off_cdw, row_meta_ptr, base_ptr, xs_base, rank, fixed_comm,
         TOPK: tl.constexpr, ELP2: tl.constexpr, PAD: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GEMM_STAGES: tl.constexpr,
         TMA2: tl.constexpr, TMA1: tl.constexpr, SW_BR: tl.constexpr, SW_BF: tl.constexpr,
@@ -2336,7 +2423,7 @@ def _moe_backward_experts_kernel(
         RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1,
         WORLD: tl.constexpr = 1, WP2: tl.constexpr = 1, KP2: tl.constexpr = 1, XB: tl.constexpr = 1,
         XBH: tl.constexpr = 16, TMA_GU: tl.constexpr = False, FINAL: tl.constexpr = True,
-        FLAG_BASE: tl.constexpr = 64, DONE_BASE: tl.constexpr = 0):
+        FLAG_BASE: tl.constexpr = 64, DONE_BASE: tl.constexpr = 0, POLICY: tl.constexpr = 0):
     """The backward's expert part, one persistent launch of GRID programs (module docstring, "The one launch"):
     the stages DGRAD2, SWIGLU (SWIGLU_ON_COMPLETION: run inside the DGRAD2 task that completes the m-tile; else
     its own queue), DGRAD1 (shared atomic heads), WGRAD (each program's own share of both flat wgrad loops),
@@ -2351,6 +2438,10 @@ def _moe_backward_experts_kernel(
     the scratch, signals done, advances the epoch; the CPU tests' phase launches but the last do not).
     ``stages``: a bitmask of the stages to run (tests: a stage left out makes its consumers' waits time out;
     at W > 1 the CPU tests' phases).
+    POLICY (schedule.POLICY_SELF / POLICY_FIXED; fixed at W > 1 only): under the fixed-role ablation programs
+    pid < fixed_comm take only the communication stages (BWD_COMM_STAGES) of ``stages``, the others only the rest,
+    and WGRAD's static shares and rendezvous count the GRID - fixed_comm compute programs ("The one launch at
+    W > 1": the fixed policy). The self build compiles none of it (fixed_comm unused).
     TRACE: every task and wait as a (kind, task, t0, t1) event of trace_ptr [GRID, TRACE_EVENTS, 4] (codes.EV_*;
     WGRAD one event per flat loop, task -1)."""
     pid = tl.program_id(0)
@@ -2368,7 +2459,7 @@ def _moe_backward_experts_kernel(
         gu_ctr = placed + E
         dg1_ctr = gu_ctr + max_mtiles
         n_g = tl.cdiv(2 * F, BN)
-        if sched.has_stage(stages, STAGE_BWD_COMBINE):  # dy (and x) rows once per destination rank
+        if _takes(stages, STAGE_BWD_COMBINE, fixed_comm, POLICY):  # dy (and x) rows once per destination rank
             n_cb = tl.cdiv(T, XB)
             t = sched.claim(xs + 0)
             handshake = 0
@@ -2388,12 +2479,14 @@ def _moe_backward_experts_kernel(
                                     FLAG_BASE)
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t0, _trace_clock(TRACE), TRACE)
                 t = sched.claim(xs + 0)
-        if ((stages & EP_PLAN_STAGES) != 0) & (ok != 0):  # every stage from PERMUTE to WGRAD reads the plan
+        # every stage from PERMUTE to WGRAD reads the plan (the fixed policy: those of this program's role -- the
+        # role decision, schedule.program_stages; elsewhere asked stage by stage, _takes)
+        if ((sched.program_stages(pid, POLICY, fixed_comm, stages, BWD_COMM_STAGES) & EP_PLAN_STAGES) != 0) & (ok != 0):
             t0 = _trace_clock(TRACE)
             ok = _ep_ensure_plan(sig_ptr, cnt_ptr, counts_ptr, pad_offs_ptr, first_mtile_ptr, base_ptr, xs + 5, E, rank,
                                  dev.call_epoch(epoch_ptr), timeout_ns, err_ptr, WORLD, WP2, ELP2, BM, PAD, FLAG_BASE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, _trace_clock(TRACE), TRACE)
-        if sched.has_stage(stages, STAGE_BWD_PERMUTE) & (ok != 0):  # gap rows, then received rows, own first
+        if _takes(stages, STAGE_BWD_PERMUTE, fixed_comm, POLICY) & (ok != 0):  # gap rows, then received rows, own first
             t = sched.claim(xs + 1)
             while t < E + WORLD * tl.cdiv(T, XB):
                 t0 = _trace_clock(TRACE)
@@ -2402,7 +2495,7 @@ def _moe_backward_experts_kernel(
                                  row_meta_ptr, placed, T, H, F, E, rank, WORLD, TOPK, KP2, XB, XBH, PAD, DOT_FP32)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_PERMUTE, t, t0, _trace_clock(TRACE), TRACE)
                 t = sched.claim(xs + 1)
-        if sched.has_stage(stages, STAGE_BWD_GU) & (ok != 0):  # [g | u] = x_rows W13[e] per (m-tile, 2F-tile)
+        if _takes(stages, STAGE_BWD_GU, fixed_comm, POLICY) & (ok != 0):  # [g | u] = x_rows W13[e] per (m-, 2F-tile)
             t = sched.claim(xs + 2)
             while (t < _n_mtiles(counts_ptr, E, ELP2, BM) * n_g) & (ok != 0):
                 t0 = _trace_clock(TRACE)
@@ -2420,7 +2513,7 @@ def _moe_backward_experts_kernel(
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_GEMM1, t, t1, _trace_clock(TRACE), TRACE)
                 t = sched.claim(xs + 2)
     n_mt = _n_mtiles(counts_ptr, E, ELP2, BM)  # the m-tiles of all experts (recomputed after DGRAD1: see there)
-    if sched.has_stage(stages, STAGE_BWD_DGRAD2) & (ok != 0):  # z = dy_rows W2[e]^T per (m-tile, F-tile)
+    if _takes(stages, STAGE_BWD_DGRAD2, fixed_comm, POLICY) & (ok != 0):  # z = dy_rows W2[e]^T per (m-tile, F-tile)
         t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
         while (t < n_mt * n_f) & (ok != 0):
             t0 = _trace_clock(TRACE)
@@ -2439,7 +2532,7 @@ def _moe_backward_experts_kernel(
                 if SWIGLU_ON_COMPLETION:
                     # the m-tile's last dgrad2 tile: its SwiGLU pass here, beside the other programs' GEMMs (the
                     # wait is satisfied at once: it is the acquire -- and proxy -- fence of every thread)
-                    if (done == n_f - 1) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
+                    if (done == n_f - 1) & _takes(stages, STAGE_BWD_SWIGLU, fixed_comm, POLICY):
                         dev.wait_geq(dgrad2_ctr + gm, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0,
                                      t, gm)
                         if WORLD > 1:  # and its recomputed g | u
@@ -2453,22 +2546,24 @@ def _moe_backward_experts_kernel(
                             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, gm, t1, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_DGRAD2)
     if not SWIGLU_ON_COMPLETION:  # SWIGLU as its own queue: per m-tile, waiting for its dgrad2 tiles
-        t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
-        while (t < n_mt) & (ok != 0) & sched.has_stage(stages, STAGE_BWD_SWIGLU):
-            t0 = _trace_clock(TRACE)
-            ok = dev.wait_geq(dgrad2_ctr + t, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t, t)
-            if WORLD > 1:
-                if ok != 0:
-                    ok = dev.wait_geq(gu_ctr + t, n_g, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_GU, rank, t, t)
-            t1 = _trace_clock(TRACE)
-            n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
-            if ok != 0:
-                _bwd_swiglu_mtile(t, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr,
-                                  h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr, scratch_ptr + SCB_SWIGLU_DONE, F, BM, PAD,
-                                  SW_BR, SW_BF, DOT_FP32, SW_STAGES)
-                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, t, t1, _trace_clock(TRACE), TRACE)
+        if _takes(stages, STAGE_BWD_SWIGLU, fixed_comm, POLICY):  # (asked before the claim: else a task is lost)
             t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
-    if sched.has_stage(stages, STAGE_BWD_DGRAD1) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m-tile, H-tile)
+            while (t < n_mt) & (ok != 0):
+                t0 = _trace_clock(TRACE)
+                ok = dev.wait_geq(dgrad2_ctr + t, n_f, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_DGRAD2, 0, t, t)
+                if WORLD > 1:
+                    if ok != 0:
+                        ok = dev.wait_geq(gu_ctr + t, n_g, timeout_ns, err_ptr, OP_MOE_BACKWARD, WAIT_BWD_GU, rank, t,
+                                          t)
+                t1 = _trace_clock(TRACE)
+                n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
+                if ok != 0:
+                    _bwd_swiglu_mtile(t, x, first_mtile_ptr, pad_offs_ptr, counts_ptr, z_ptr, gu_ptr, wp_ptr, dgu_ptr,
+                                      h_ptr, dw_rows_ptr, valid_ptr, swiglu_ctr, scratch_ptr + SCB_SWIGLU_DONE, F, BM,
+                                      PAD, SW_BR, SW_BF, DOT_FP32, SW_STAGES)
+                    n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_SWIGLU, t, t1, _trace_clock(TRACE), TRACE)
+                t = sched.claim(scratch_ptr + STAGE_BWD_SWIGLU)
+    if _takes(stages, STAGE_BWD_DGRAD1, fixed_comm, POLICY) & (ok != 0):  # dx_rows = [dg | du] W13[e]^T per (m, H-tile)
         # LEAN_DGRAD1 (W = 1; BWD_DGRAD1_LEAN): no per-task wait once this program has seen every SwiGLU pass done,
         # and its finished tiles counted into SCB_DGRAD1_DONE once, after its last (UNPERMUTE waits for the total)
         lean = LEAN_DGRAD1 & (WORLD == 1)
@@ -2506,7 +2601,7 @@ def _moe_backward_experts_kernel(
                 tl.debug_barrier()
                 tl.atomic_add(scratch_ptr + SCB_DGRAD1_DONE, n_done, sem="release", scope="gpu")
     if WORLD > 1:  # each m-tile's rows back to their tokens' ranks (dx rows and gate gradients)
-        if sched.has_stage(stages, STAGE_BWD_DISPATCH) & (ok != 0):
+        if _takes(stages, STAGE_BWD_DISPATCH, fixed_comm, POLICY) & (ok != 0):
             t = sched.claim(xs + 3)
             while (t < n_mt) & (ok != 0):
                 t0 = _trace_clock(TRACE)
@@ -2521,7 +2616,7 @@ def _moe_backward_experts_kernel(
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMM, t, t1, _trace_clock(TRACE), TRACE)
                 t = sched.claim(xs + 3)
     if (WORLD == 1) & ROUTER:  # the gate gradients through the routing: dl per token block, split hi | lo
-        if sched.has_stage(stages, STAGE_BWD_ROUTER_DL) & (ok != 0):
+        if _takes(stages, STAGE_BWD_ROUTER_DL, fixed_comm, POLICY) & (ok != 0):
             t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
             waited = 0
             while (t < tl.cdiv(T, RUT)) & (ok != 0):
@@ -2540,7 +2635,7 @@ def _moe_backward_experts_kernel(
                     tl.atomic_add(scratch_ptr + SCB_ROUTER_DL_DONE, 1, sem="release", scope="gpu")
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DL, t, t0, _trace_clock(TRACE), TRACE)
                 t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
-    if sched.has_stage(stages, STAGE_BWD_WGRAD) & (ok != 0):  # this program's share of both flat loops
+    if _takes(stages, STAGE_BWD_WGRAD, fixed_comm, POLICY) & (ok != 0):  # this program's share of both flat loops
         t0 = _trace_clock(TRACE)
         # n_mt recomputed (a few loads of counts): kept in a register across WGRAD, ptxas spilled it (with the
         # router stages and fp32 weight gradients)
@@ -2548,26 +2643,34 @@ def _moe_backward_experts_kernel(
                           OP_MOE_BACKWARD, WAIT_BWD_SWIGLU, 0, -1, -1)
         t1 = _trace_clock(TRACE)
         n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -1, t0, t1, TRACE)
+        # the programs sharing WGRAD's static shares: all of them (self: constexprs, as before), or under the
+        # fixed policy the compute programs (program pid - S of GRID - S)
+        w_pid = pid
+        w_grid = GRID
+        if POLICY == sched.POLICY_FIXED:
+            w_pid = pid - fixed_comm
+            w_grid = GRID - fixed_comm
         if ok != 0:
-            _wgrad_flat_run(pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
-                            W2_BJ, W_BR, GRID, ELP2, DOT_FP32, W2_STAGES, scratch_ptr + SCB_WGRAD2_HEAD, WGRAD_DYNAMIC,
-                            WGRAD_DYNAMIC_16THS)
+            _wgrad_flat_run(w_pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
+                            W2_BJ, W_BR, w_grid, ELP2, DOT_FP32, W2_STAGES, scratch_ptr + SCB_WGRAD2_HEAD,
+                            WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS)
             t0 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD2, -1, t1, t0, TRACE)
             if WGRAD1_SYNC:  # every program starts WGRAD1 together (BWD_WGRAD1_SYNC; WGRAD's head slot counts them)
                 tl.atomic_add(scratch_ptr + STAGE_BWD_WGRAD, 1, sem="relaxed", scope="gpu")
-                dev.soft_barrier(scratch_ptr + STAGE_BWD_WGRAD, GRID, BWD_WGRAD1_SYNC_NS)
+                dev.soft_barrier(scratch_ptr + STAGE_BWD_WGRAD, w_grid, BWD_WGRAD1_SYNC_NS)
                 t1 = _trace_clock(TRACE)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -2, t0, t1, TRACE)
                 t0 = t1
-            _wgrad_flat_run(pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD, W1_BI,
-                            W1_BJ, W_BR, GRID, ELP2, DOT_FP32, W1_STAGES, scratch_ptr + SCB_WGRAD1_HEAD, WGRAD_DYNAMIC,
-                            WGRAD_DYNAMIC_16THS)
+            _wgrad_flat_run(w_pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD,
+                            W1_BI, W1_BJ, W_BR, w_grid, ELP2, DOT_FP32, W1_STAGES, scratch_ptr + SCB_WGRAD1_HEAD,
+                            WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
     if (WORLD == 1) & ROUTER:  # the long compute-bound dWr tiles first (beside UNPERMUTE's memory-bound blocks)
-        ok, n_ev = _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP,
+        ok, n_ev = _router_dw_stage(scratch_ptr, _takes(stages, STAGE_BWD_ROUTER_DW, fixed_comm, POLICY), ok,
+                                    n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP,
                                     timeout_ns, err_ptr, trace_ptr, RUT, RW_BI, RW_BJ, RW_BR, DOT_FP32, R_STAGES, TRACE)
-    if sched.has_stage(stages, STAGE_BWD_UNPERMUTE) & (ok != 0):  # each token's k rows summed in slot order
+    if _takes(stages, STAGE_BWD_UNPERMUTE, fixed_comm, POLICY) & (ok != 0):  # each token's k rows summed in slot order
         t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
         waited = 0
         while (t < tl.cdiv(T, UT)) & (ok != 0):
@@ -2608,7 +2711,7 @@ def _moe_backward_experts_kernel(
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_UNPERMUTE, t, t0, _trace_clock(TRACE), TRACE)
             t = sched.claim(scratch_ptr + STAGE_BWD_UNPERMUTE)
     if (WORLD > 1) & ROUTER:  # the gate gradients came back with the rows: ROUTER_DL per token block, then dWr
-        if sched.has_stage(stages, STAGE_BWD_ROUTER_DL) & (ok != 0):
+        if _takes(stages, STAGE_BWD_ROUTER_DL, fixed_comm, POLICY) & (ok != 0):
             t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
             while (t < tl.cdiv(T, RUT)) & (ok != 0):
                 t0 = _trace_clock(TRACE)
@@ -2625,10 +2728,11 @@ def _moe_backward_experts_kernel(
                     tl.atomic_add(scratch_ptr + SCB_ROUTER_DL_DONE, 1, sem="release", scope="gpu")
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_ROUTER_DL, t, t1, _trace_clock(TRACE), TRACE)
                 t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DL)
-        ok, n_ev = _router_dw_stage(scratch_ptr, stages, ok, n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP,
+        ok, n_ev = _router_dw_stage(scratch_ptr, _takes(stages, STAGE_BWD_ROUTER_DW, fixed_comm, POLICY), ok,
+                                    n_ev, pid, dlhl_ptr, x_ptr, dwr_ptr, T, H, ER, EP,
                                     timeout_ns, err_ptr, trace_ptr, RUT, RW_BI, RW_BJ, RW_BR, DOT_FP32, R_STAGES, TRACE)
     if ROUTER:
-        if sched.has_stage(stages, STAGE_BWD_ROUTER_DX) & (ok != 0):  # dx = bf16(dx_e + dl Wr) per [T, H] tile
+        if _takes(stages, STAGE_BWD_ROUTER_DX, fixed_comm, POLICY) & (ok != 0):  # dx = bf16(dx_e + dl Wr) per tile
             t = sched.claim(scratch_ptr + STAGE_BWD_ROUTER_DX)
             n_xn = tl.cdiv(H, RX_BN)
             waited = 0
@@ -2725,8 +2829,8 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def _no_ep_args(stand_in: torch.Tensor) -> tuple:
-    """The kernel's W > 1 arguments at W = 1 (unused there: typed stand-ins and zeros)."""
-    return (stand_in,) * 16 + (0,) * 7 + (stand_in,) * 2 + (0, 0)
+    """The kernel's W > 1 arguments at W = 1 (unused there: typed stand-ins and zeros; fixed_comm last)."""
+    return (stand_in,) * 16 + (0,) * 7 + (stand_in,) * 2 + (0, 0, 0)
 
 
 def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13, w2, counts, pad_offs, inv,
@@ -2917,7 +3021,8 @@ def ep_pair_places(experts: torch.Tensor, n_exp: int):
 def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, rank: int, world: int, epoch_slot,
                               timeout_ns: int, grid: int, out_dtype: torch.dtype = torch.bfloat16,
                               router: RouterBackward | None = None, stages: int = BWD_ALL_STAGES, final: bool = True,
-                              outs: dict | None = None, trace: torch.Tensor | None = None):
+                              outs: dict | None = None, trace: torch.Tensor | None = None, policy: str = "self",
+                              comm_programs: int | None = None):
     """moe_backward's expert part at W > 1 in ONE launch with its exchanges (module docstring, "The one launch at
     W > 1") on explicit buffers: x, dy [T, H] bf16 (this rank's tokens), weights [T, k] fp32 and experts [T, k]
     (global ids) of the forward's decision, w13 [E/W, H, 2F] / w2 [E/W, F, H] this rank's experts. ``bufs``:
@@ -2928,8 +3033,14 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
     launch with ``final`` ends the call) and a stage left out; ``outs``: the outputs of an earlier phase launch
     of the same call (returned by this one). Returns (dx_e [T, H] fp32 -- or, with ``router``, dx [T, H] bf16 --,
     dweights [T, k] fp32 (the pairs' gate gradients, a copy), dw13, dw2 in ``out_dtype``[, d_router [E, H] fp32])
-    and the outs dict as the last element."""
+    and the outs dict as the last element. ``policy="fixed"`` with ``comm_programs=S`` (1 <= S < grid): the
+    fixed-role ablation -- programs pid < S run only the communication stages (BWD_COMM_STAGES), the others only
+    the rest ("The one launch at W > 1": the fixed policy); the same arithmetic and row order, so the same bits as
+    the self policy. On the CPU its phases are EP_PHASES_FIXED (DISPATCH-BWD alone), not EP_PHASES."""
     from .. import runtime
+    pol, fixed_comm = policy_args(policy, comm_programs, grid)  # 1 <= S < grid: both roles need a program
+    if policy == "fixed" and world < 2:
+        raise ValueError("policy='fixed': no communication at world size 1 (the fixed-role split needs W > 1)")
     lay: EPLayout = bufs["layout"]
     n_tok, h = x.shape
     k = experts.shape[1]
@@ -2990,7 +3101,7 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
         dy.to(torch.bfloat16).contiguous(), weights.float().contiguous(), outs["place"], outs["per"], recv_x, recv_dy,
         meta, wts, cnt, comb_x, comb_dw, b["peer_data"], b["peer_sig"], b["peer_ctr"], b["sig"], b["ctr"],
         lay.off_recv_x, lay.off_recv_dy, lay.off_meta, lay.off_w, lay.off_cnt, lay.off_comb_x, lay.off_comb_dw,
-        b["row_meta"], b["base"], xs_base, rank,
+        b["row_meta"], b["base"], xs_base, rank, fixed_comm,
         TOPK=k, ELP2=triton.next_power_of_2(max(el, 1)), PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk,
         GEMM_STAGES=gemm_stages, TMA2=aligned(h, w2), TMA1=aligned(2 * f, w13), SW_BR=sw_br, SW_BF=sw_bf,
         W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2], W2_STAGES=w2t[3], W1_STAGES=w1t[3],
@@ -3002,7 +3113,7 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
                 RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages) if router is not None else {}),
         WORLD=world, WP2=triton.next_power_of_2(world), KP2=triton.next_power_of_2(k), XB=xb, XBH=xbh,
         TMA_GU=aligned(h, w13) and 2 * f % 8 == 0, FINAL=final, FLAG_BASE=runtime.FLAG_BASE,
-        DONE_BASE=runtime.DONE_BASE, num_warps=warps, num_stages=gemm_stages)
+        DONE_BASE=runtime.DONE_BASE, POLICY=pol, num_warps=warps, num_stages=gemm_stages)
     dweights = comb_dw.view(n_tok, k).clone()  # the workspace's rows: the next call overwrites them
     first = outs["dx"] if router is not None else outs["dx_e"]
     res = (first, dweights, outs["dw13"], outs["dw2"]) + ((outs["d_router"],) if router is not None else ())
@@ -3072,8 +3183,8 @@ def expert_backward_operands(x_sorted, dy_sorted, w_sorted, w13, counts, *, padd
 
 
 PADDED_ROWS = True
-# moe_backward's default for one_launch where it is supported (W = 1, the padded layout; at W > 1 the one launch is
-# opt-in, one_launch=True: one GPU cannot time it): True since session 21 -- dw13 / dw2 bitwise the multi-launch
+# moe_backward's default for one_launch where it is supported at W = 1 (the padded layout; W > 1: ONE_LAUNCH_EP
+# below): True since session 21 -- dw13 / dw2 bitwise the multi-launch
 # path, dx / d_router fp32-level (the router in the launch), and faster once DGRAD1 lost its per-task
 # synchronisation and the SWIGLU pass was pipelined (s21b, deepseek-v3 zipf:1.2: 8k 0.988x, 4k 0.991x the
 # multi-launch time; s21c: the other points; the module docstring's "Session 21"). False: the multi-launch path.
@@ -3090,7 +3201,7 @@ ONE_LAUNCH_EP = True
 def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing: str = "softmax",
                  renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
                  padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None,
-                 router_in_launch: bool | None = None):
+                 router_in_launch: bool | None = None, policy: str = "self", comm_programs: int | None = None):
     """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
     output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
     fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
@@ -3135,21 +3246,36 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     its grid (None: one program per SM). ``router_in_launch`` (None: BWD_ROUTER_IN_LAUNCH; with one_launch only):
     the router backward as stages of that launch too (the module docstring's "The router backward in the launch":
     dx and d_router from the launch, fp32-level like the torch ops' -- not their bits); False: the torch ops after
-    the launch, bitwise the multi-launch path."""
+    the launch, bitwise the multi-launch path.
+
+    ``policy="fixed"`` with ``comm_programs=S`` (1 <= S < the grid): the fixed-role ablation of the one launch at
+    W > 1 (one_launch=True) -- programs pid < S run only its communication stages (COMBINE-BWD, PERMUTE-BWD,
+    DISPATCH-BWD, UNPERMUTE), the others only the rest; the same gradients, bit for bit, as the self policy. Not
+    timed yet (one GPU cannot time a W > 1 exchange). A ValueError at W = 1 (no communication) and with the
+    multi-launch path (no programs to split)."""
     from ..runtime import world_size
     import torch.distributed as dist
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
     n_tok, hidden = x.shape
     n_exp = router_weight.shape[0]
     local = w13.shape[0]
     world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
     if local * world != n_exp:
         raise ValueError(f"w13 holds {local} experts per rank: {local} x {world} ranks != {n_exp} router experts")
+    if policy == "fixed" and world == 1:
+        raise ValueError("moe_backward(policy='fixed'): no communication at world size 1 (the fixed-role split needs "
+                         "W > 1)")
     if one_launch is None and world > 1:  # the same decision on every rank (same devices, same saved_gu use)
         one_launch = (ONE_LAUNCH_EP and x.is_cuda and saved_gu is None and padded is not False
                       and hidden % 8 == 0 and w2.shape[1] % 8 == 0)
+    if policy == "fixed" and not one_launch:
+        raise ValueError("moe_backward(policy='fixed') needs one_launch=True: the fixed-role split is of the one "
+                         "launch's programs (the multi-launch path has none)")
     if one_launch and world > 1:  # the exchanges inside the launch (checked before any: every rank the same way)
         return _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize,
-                                routed_scaling, wgrad_dtype, saved_gu, padded, programs, router_in_launch)
+                                routed_scaling, wgrad_dtype, saved_gu, padded, programs, router_in_launch, policy,
+                                comm_programs)
     k = experts.shape[1]
     experts = experts.long()
     flat = experts.reshape(-1)
@@ -3260,7 +3386,7 @@ def _router_backward_torch(x, router_weight, experts, dweights, dx_e, routing, r
 
 
 def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize, routed_scaling,
-                     wgrad_dtype, saved_gu, padded, programs, router_in_launch):
+                     wgrad_dtype, saved_gu, padded, programs, router_in_launch, policy="self", comm_programs=None):
     """moe_backward(one_launch=True) at W > 1: the one launch with its exchanges (expert_backward_ep_launch) on the
     group's workspace -- its symmetric data, signals, counters and peer tables, its epoch slot and done flags
     (shared with the forward and the TP ops, as every op on a workspace shares them), its error record (a timeout
@@ -3282,6 +3408,8 @@ def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, rou
                          f"H={hidden} / F={f} are not multiples of 8)")
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    grid = programs or runtime.num_sms(x.device)
+    policy_args(policy, comm_programs, grid)  # a bad split: a ValueError before any collective or launch
     ws = runtime.get_workspace(group, x.device)
     world, rank, el, k = ws.world.size, ws.world.rank, w13.shape[0], experts.shape[1]
     wdt = _wgrad_dtype(w13, wgrad_dtype)
@@ -3299,8 +3427,8 @@ def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, rou
                             routed_scaling) if in_launch else None
     ws.before_launch()
     got = expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs, rank=rank, world=world,
-                                    epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(),
-                                    grid=programs or runtime.num_sms(x.device), out_dtype=wdt, router=router)
+                                    epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(), grid=grid, out_dtype=wdt,
+                                    router=router, policy=policy, comm_programs=comm_programs)
     ws.after_launch()
     if router is not None:
         dx, _, dw13, dw2, d_router, _ = got
