@@ -1,13 +1,17 @@
 """Gluon probe (issue 14): a persistent bf16 GEMM for Hopper whose mainloop rounds A to its MXFP8 values.
 
     PYTHONPATH=. python -m dev.gluon_mx_probe [--shapes qkv-4k,...] [--variants ...] [--json OUT.jsonl]
+    PYTHONPATH=. python -m dev.gluon_mx_probe --variants expand --profile qkv-4k   # the MX-input builds (s23)
     PYTHONPATH=. python -m dev.gluon_mx_probe --compile-only [--json OUT.jsonl]   # no GPU: sm_90a resources, SASS
-    PYTHONPATH=. python -m dev.gluon_mx_probe --emulate                           # no GPU: the rounding's arithmetic
+    PYTHONPATH=. python -m dev.gluon_mx_probe --emulate                           # no GPU: rounding / expansion
 
-The default GPU run (~2 min): bitwise checks of every rounding code path it times, a SASS check of the in-register
-builds, GEMM checks of every build (B [N, K] and [K, N]), then torch / gluon / gluon-mx-packed / gluon-ws-copy /
-gluon-mx-ws-norm / gluon-rs-copy / gluon-mx-rs at the 8 llama shapes, then a clock64 profile of each build's k-step
-at fc1-8k; the tables last. Sections "s22" below: why the rounding partition was slow, the builds that answer it.
+The default GPU run (~2.5 min): bitwise checks of every rounding and expansion code path it times, a SASS check of
+the in-register builds, GEMM checks of every build (B [N, K] and [K, N]), then torch / gluon / gluon-mx-packed /
+gluon-ws-copy / gluon-mx-ws-norm / gluon-rs-copy / gluon-mx-rs / gluon-mx-expand / gluon-mx-expand-bits /
+quantize+gluon-mx-expand at the 8 llama shapes, then a clock64 profile of each build's k-step at fc1-8k; the tables
+last. Sections "s22" below: why the rounding partition was slow, the builds that answer it; "s23": A given in MX
+form (kosmos.quant's payload + scales) and expanded in the mainloop, and ``--variants expand`` (torch, gluon,
+gluon-rs-copy, the two expand builds, quantize+gluon-mx-expand: under a minute warm).
 
 A developer probe, not product code: C [M, N] = A [M, K] @ B with B the weight [N, K] (or [K, N]), bf16 in,
 fp32 accumulation, bf16 out, M, N, K multiples of 128, 256, 64. ROUND_MX=False is the plain GEMM (does Gluon
@@ -253,6 +257,92 @@ If none reaches ~1.05 (next)
 * ws-copy <= 1.05 but ws-norm not: the partition's arithmetic is the limit -- software-pipeline the rounding warp
   (loads of k-step i + 1 issued before the stores of i), then cut instructions as above.
 
+s23: A given in MX form, expanded in the mainloop (2026-12-04; helper branch gluon-mx-expand; not yet run on a GPU)
+-------------------------------------------------------------------------------------------------------------------
+Rounding bf16 A to MX in the mainloop costs 1.34x (gluon-mx-rs, s21f); the register path itself is free (rs-copy
+1.004-1.008x). The cheaper job: A arrives already quantized (kosmos.quant.quantize_mx's MXTensor, the public layout:
+payload [M, K] float8_e4m3fn, scales [M, K/32] uint8 E8M0 -- at W > 1 what the all-gather delivers) and the MMA
+warps only EXPAND it to its bf16 values, P * 2**(S - 127) (exact bf16 values: kosmos/quant.py), in wgmma's
+register operand. Builds (BUILDS; gemm_launch takes the MXTensor):
+* gluon-mx-expand (A_REGS=4): the rs-copy mainloop (8 MMA warps, one partition, the ring loaded by the MMA warps
+  STAGES - 1 k-steps ahead, wgmma A from registers, the two-register-set unroll) with, per ring slot, the payload
+  tile uint8 [128, 64] (8 KiB, TMA, 64-byte swizzle), the scale box uint8 [128, 16] (2 KiB, TMA, no swizzle) and B
+  [256, 64] (32 KiB) under one mbarrier (expect 42 KiB). 4 slots: 168 + 16 (C piece) = 184 KiB (5 slots fit: 226
+  KiB, ``--config STAGES=5``).
+* Where the scales come from: the public [M, K/32] layout, unchanged, no host pass. A k-step needs 2 scale bytes a
+  row, but TMA's box needs an inner extent of >= 16 bytes, so each k-step loads the box [128 rows, 16 blocks] that
+  STARTS at its first block (TMA coordinates need no alignment; columns past K/32 are zero-filled) and reads columns
+  0 and 1 of it: 2 KiB from L2 per k-step instead of 256 B (8x over-read, +2 KiB on 8 + 32: the step still moves
+  42 KiB against bf16's 48), and no second barrier or ring. TMA also needs the row stride K/32 bytes to be a
+  multiple of 16: K % 512 == 0 (every llama shape, the check shapes; mx_descs says so otherwise).
+* Registers: the payload slot read as int16 [128, 32] (k-pairs; the same bytes, _pair_view) in DotOperandLayout
+  (k_width 1), which is the bf16 A layout (k_width 2) in pair units: a thread holds rows r and r + 8 of its warp's
+  16 and pairs c, c + 4, ..., c + 28 (c = lane % 4) -- 16 LDS.U16 per thread and k-step, conflict-free by the
+  layout's arithmetic (a request's 8 rows x 8 bytes fall in 8 distinct 8-byte bank groups under the 64-byte
+  swizzle, chunk ^= (row / 2) % 4): 16 wavefronts per warp, as the bf16 build's 4 LDSM.x4. The scales: loaded in the
+  slice layout of the same, 2 LDS.U16 per thread (2 rows x the step's 2 blocks). Each pair expands into one 32-bit
+  word, the bf16x2 register wgmma takes (join + reshape back to the k_width 2 layout is free: convert_layout with
+  assert_trivial=True compiles). The first try, the payload as uint8 in the k_width 2 layout, made Triton unpack the
+  bytes and repack them into 32-bit registers: 60 PRMT per thread and k-step.
+* The expansion, bit for bit kosmos.quant.dequantize_mx (exact values; results below bf16's normal range rounded to
+  nearest even, to subnormals or +-0 with the sign kept; >= 2**128 -> +-inf; a NaN payload byte or scale 0xFF ->
+  0x7FC0), two ways (``_EXPAND_CVT`` / ``_EXPAND_BITS``, comments there):
+    cvt  (gluon-mx-expand, 7 SASS per pair): cvt.rn.f16x2.e4m3x2, 2 x f16 -> f32 (HADD2.F32), 2 fp32 multiplies by
+         the block's 2**(S - 127) (kosmos.quant.mx_scale_f32: S = 0 the fp32 subnormal 2**-127, 0xFF NaN),
+         cvt.rn.bf16x2.f32 (the one rounding), min.s16x2 with 0x7FC0 (the hardware's NaN 0x7FFF -> 0x7FC0).
+    bits (gluon-mx-expand-bits, A_REGS=5, 8 per pair, no conversion instruction): prmt (bytes to halves, sign
+         replicated) + shl 4 + and: bf16 bits of v * 2**-120 (E4M3 subnormals land on bf16 subnormals); two bf16x2
+         multiplies by 2**min(S - 7, 127) and 2**max(S - 134, 0) (one of them rounds, the other is exact); abs +
+         set.gt against 448 * 2**-120 (-1 for S = 0xFF) + lop3 select of 0x7FC0 (NaN bytes, NaN scales).
+  The candidate "f16 bits with the exponent shifted by the scale" loses to both: zeros and the E4M3 NaN need
+  per-element fix-ups (f16 NaN shifted is a finite bf16), and the shifted exponent leaves bf16's normal range
+  outside S in [10, 246] (a per-block fallback on top).
+  --emulate checks both on every payload byte under every scale byte (65536 elements: 766 NaN, 560 +-inf, 554 bf16
+  subnormal and 524 zero results) against dequantize_mx_ref with the kernel's 0x7FC0 NaN: 0 mismatches each; the GPU
+  run checks the expand-only kernel (the GEMM's TMA, layouts and code) against dequantize_mx on every (byte, scale)
+  pair twice, shuffled, plus 61440 random blocks and quantize_mx(_round_inputs), NaN bits included.
+
+Compile check (Triton 3.6.0 + its ptxas 12.8, sm_90a, --compile-only; B [N, K], B [K, N] in brackets)
+    build                  regs  spills  smem KiB  wgmma A   MMA loop: SASS per k-step and warp (32 A elements a thread)
+    gluon-rs-copy          204 [196]  0   208.0    registers   96  (LDSM 4, A-register hazards 0)
+    gluon-mx-expand        215 [219]  0   184.0    registers  270  (hazards 0)
+    gluon-mx-expand-bits   207 [213]  0   184.0    registers  298  (hazards 0)
+  gluon-mx-expand's +174 over rs-copy, per element: the expansion 3.5 (F2FP 32 -- 16 E4M3x2 -> f16x2, 16 f32x2 ->
+  bf16x2 --, HADD2.F32 32, FMUL 32, VIMNMX 16 per thread), payload loads 0.5 (16 LDS.U16; rs-copy: 4 LDSM), scales
+  0.8 (2 LDS.U16, 4 PRMT, 8 ISETP, 4 IMAD.SHL, 8 FSEL: 4 multipliers), the third TMA and its address and loop
+  arithmetic ~0.7 (mostly uniform datapath). gluon-mx-expand-bits: the expansion 4.0 (PRMT 16, IMAD.SHL 16, LOP3 32,
+  HFMA2 16 -- the abs --, HSET2 16, HMUL2 32), scales ~1.0. (gluon-mx-rs: 276, its rounding ~5.6 per element.)
+  The PTX's wgmma.m64n256k16 take A as a {4 x b32} register list (TTGIR: warp_group_dot with a tensor A).
+
+PREDICTION (2026-12-04, before any GPU run; time / plain gluon at the 8 llama shapes unless said)
+----------------------------------------------------------------------------------------------
+The budget (s21f, qkv-4k, per k-step and warp): plain 947 cycles of which 544 wait in wgmma_wait(1) -- the MMA
+warps idle while the tensor cores run k-step i - 1; rs-copy's "A_REGS round" phase is 27 cycles (LDSM issue). An
+A_REGS build is as fast as plain while its phase stays below that ~550-cycle wait. A model that reproduces gluon-mx-
+rs's measured 924-cycle phase: every extra instruction that is not FP32 / IMAD / uniform issues at 2 cycles a warp
+(taken as 16-lane pipes: the integer ALU, HMNMX2, bf16x2), both MMA warps of an SMSP count (they work at once),
+plus the dependency chain (rs: 2 x 188 x 2 = 752, chain ~170: 920). For gluon-mx-expand: 2-cycle class per warp
+F2FP 32 (pipe unpublished: taken as 2 cycles), HADD2.F32 32, VIMNMX 16, scales' ISETP / FSEL / PRMT ~20, misc ~4
+= 104 -> 2 x 104 x 2 = 416, FMUL and IMAD in parallel on the FMA pipe, chain ~80 (LDS ~30, 5 dependent ops; the
+scales' 6): ~500 cycles, just under the wait. gluon-mx-expand-bits: 2-cycle class LOP3 32, PRMT 20, bf16x2 64,
+VIMNMX / ISETP / SEL ~17 = 133 -> 532 + chain ~80: ~610, ~60 over.
+    gluon-mx-expand       1.00-1.06 (central 1.02); its profile phase ~400-550 cycles, wgmma_wait ~50-150, k-step
+                          ~950-1000 at qkv-4k. If F2FP issues at the programming guide's "other conversions" rate
+                          (16 a clock per SM: 8 cycles a warp), its 32 take 512 cycles per SMSP and k-step alone:
+                          1.08-1.15, and -bits is the one to keep.
+    gluon-mx-expand-bits  1.02-1.10 (central 1.05); 1.00-1.03 if bf16x2 multiplies issue at full rate.
+So, against torch.matmul (plain gluon measured 0.985-1.004x): gluon-mx-expand 0.99-1.07x -- the op with MX input
+meets the 1.05 bar at W = 1 if the central estimate holds. quantize+gluon-mx-expand = that plus quantize_mx, a
+memory pass of 3 bytes per element measured at 2.33 TB/s ([4096, 8192]: 43.5 us; NOTES.md): +10.2% of torch at qkv
+(K 8192, N 5120), +1.8% at fc1, +6.3% at attn_out, +6.4% at fc2 (the same at 4k and 8k tokens): 1.09-1.17x qkv
+(central 1.12), 1.01-1.09x fc1 (1.03), 1.05-1.13x attn_out and fc2 (1.08). The op from bf16 misses 1.05 at W = 1 on
+3 of the 4 GEMMs however free the expansion is: what would remain is the standalone quantize pass, not the GEMM (at
+W > 1 a rank quantizes only its own 1/W of the rows before the all-gather).
+Unverified until the GPU run: F2FP's issue rate (above); the hardware semantics the emulation assumes (no flush of
+fp32 / bf16 subnormals in FMUL, cvt.rn.bf16x2.f32 and HMUL2.BF16; NaN out of cvt / FMUL as 0x7FFF; HSET2's 0xFFFF
+per-half mask) -- the expand-only check settles them; the LDS.U16 being conflict-free; the scale box's TMA at a
+column that is not 16-byte aligned (the expand-only kernel loads it the same way).
+
 Gluon 3.6 notes
 ---------------
 * Nothing needed was missing: shared-memory rings, mbarriers (init/expect/wait/arrive with predicates),
@@ -285,7 +375,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kosmos.kernels.common import _grouped_tile  # tile t -> (m, n), GROUP_M row tiles per column sweep (L2)
-from kosmos.quant import _rceil_exponent, mx_round, mx_round_bf16
+from kosmos.quant import _BF16_QNAN, _rceil_exponent, dequantize_mx, mx_round, mx_round_bf16, mx_scale_f32, quantize_mx
 
 DEVICE = "cuda"  # the checks' and timings' device (a CPU dry run of the host code sets "cpu")
 IMPLS = {"kosmos": 0, "packed": 1, "norm": 2, "copy": 3}  # IMPL: the rounding partition's arithmetic
@@ -597,6 +687,128 @@ def _round_only_dot_kernel(x_desc, y_desc, A_REGS: gl.constexpr, num_warps: gl.c
     mbarrier.invalidate(bar)
 
 
+# ============================================================================================ MX expansion of a tile
+# The E4M3 payload of A (TMA'd into shared memory as it is) -> its bf16 values P * 2**(S - 127) in wgmma's
+# A-operand registers, bit for bit kosmos.quant.dequantize_mx (module docstring, "gluon-mx-expand"). Both steps
+# work on one k-pair of payload bytes ($1, 16 bits: element 2j in the low byte, 2j + 1 in the high one) and return
+# its two bf16 values as one word ($0: 2j in the low half), the layout wgmma's register operand wants.
+#
+# EXPAND 1 ("cvt"), the block's multiplier 2**(S - 127) as fp32 in $2 (kosmos.quant.mx_scale_f32: S = 0 the fp32
+# subnormal 2**-127, 0xFF NaN): E4M3x2 -> f16x2 in hardware (exact: every E4M3 value is an f16 normal or zero, and
+# E4M3 NaN gives NaN), f16 -> f32 (exact), fp32 multiply (exact: an MX value has 4 significant bits and its lowest
+# set bit is >= 2**-136, above fp32's subnormal grid 2**-149; a value >= 2**128 is inf, as dequantize_mx's), f32x2
+# -> bf16x2 rounding to nearest even once (bf16 subnormals and underflow to +-0 exactly as dequantize_mx's integer
+# rounding of the same fp32), then a signed 16-bit min with 0x7FC0: the hardware's canonical NaN 0x7FFF becomes
+# dequantize_mx's 0x7FC0, and every other result (<= 0x7F80 or negative as an int16) is left alone.
+_EXPAND_CVT = gl.constexpr("""{
+        .reg .b16 e0, e1;
+        .reg .b32 h, qnan;
+        .reg .f32 f0, f1;
+        cvt.rn.f16x2.e4m3x2 h, $1;
+        mov.b32 {e0, e1}, h;
+        cvt.f32.f16 f0, e0;
+        cvt.f32.f16 f1, e1;
+        mul.rn.f32 f0, f0, $2;
+        mul.rn.f32 f1, f1, $2;
+        cvt.rn.bf16x2.f32 $0, f1, f0;
+        mov.b32 qnan, 0x7FC07FC0;
+        min.s16x2 $0, $0, qnan;
+        }""")
+# EXPAND 2 ("bits"), no conversion instruction: the byte pair spread to two halves with each byte's sign replicated
+# above it (prmt 0x9180), shifted left 4 and masked: S 0000 eeee mmm 0000 per half, which read as bf16 is the E4M3
+# value times 2**-120 exactly (the E4M3 exponent field lands in the bottom of bf16's, so E4M3 subnormals become bf16
+# subnormals with the same fraction). Then two bf16x2 multiplies by the block's M1 = 2**min(S - 7, 127) ($2) and
+# M2 = 2**max(S - 134, 0) ($3), both normal: for S <= 134 the first rounds (bf16 subnormals, underflow to +-0) and the
+# second is exact (times 1); for S > 134 the first is exact (v * 2**127, normal) and the second rounds (overflow to
+# inf) -- one rounding to nearest even of the exact value either way. NaN: |v * 2**-120| > 448 * 2**-120 only for
+# the E4M3 NaN byte; the block's threshold T ($4) is 448 * 2**-120 (bf16 0x07E0), or -1 for a NaN scale (every
+# element above it), and the elements above it are replaced by 0x7FC0 (lop3 select).
+_EXPAND_BITS = gl.constexpr("""{
+        .reg .b32 x, a, t, m;
+        cvt.u32.u16 x, $1;
+        prmt.b32 a, x, 0, 0x9180;
+        shl.b32 a, a, 4;
+        and.b32 a, a, 0x87F087F0;
+        abs.bf16x2 t, a;
+        set.gt.u32.bf16x2 m, t, $4;
+        mul.rn.bf16x2 a, a, $2;
+        mul.rn.bf16x2 a, a, $3;
+        lop3.b32 $0, m, a, 0x7FC07FC0, 0xAC;
+        }""")
+EXPANDS = {"cvt": 1, "bits": 2}  # A_REGS 4 / 5: the expansion's arithmetic (EXPAND = A_REGS - 3)
+
+
+@gluon.jit
+def _pair_view(buf):
+    """An int16 view [BM, BK/2] of a uint8 payload tile [BM, BK] with a 64-byte-swizzled NVMMA layout (the TMA
+    descriptor's for 64-byte rows): the same bytes, each int16 a k-pair (the swizzle moves 16-byte chunks)."""
+    return buf._reinterpret(gl.int16, [buf.shape[0], buf.shape[1] // 2],
+                            gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2))
+
+
+@gluon.jit
+def _words_bf16(w):
+    """int32 [R, C] words, each two bf16 (the low half the even element) -> bf16 [R, 2C] (free: a word is the
+    register the pair occupies)."""
+    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [w], dtype=(gl.bfloat16, gl.bfloat16),
+                                       is_pure=True, pack=1)
+    return gl.join(lo, hi).reshape([w.shape[0], 2 * w.shape[1]])
+
+
+@gluon.jit
+def _mx_expand_dot(pairs, sc_smem, EXPAND: gl.constexpr):
+    """The bf16 values [BM, BK] of an MX tile of A in wgmma's A-operand register layout (DotOperandLayout k_width
+    2), from its payload k-pairs ``pairs`` (int16 [BM, BK/2] in DotOperandLayout k_width 1 -- the same thread and
+    register for each pair: a thread holds 2 rows x 2 MX blocks x 4 pairs) and the E8M0 bytes of shared ``sc_smem``
+    (uint8 [BM, BK/32]: this k-step's blocks of the tile's rows; each thread loads its 4). EXPAND: 1 "cvt", 2
+    "bits" (_EXPAND_CVT / _EXPAND_BITS)."""
+    BM: gl.constexpr = pairs.shape[0]
+    BK2: gl.constexpr = pairs.shape[1]
+    p3 = pairs.reshape([BM, BK2 // 16, 16])
+    sb = sc_smem.load(gl.SliceLayout(2, p3.type.layout)).to(gl.int32)
+    if EXPAND == 1:
+        w3 = gl.inline_asm_elementwise(_EXPAND_CVT, "=r,h,r", [p3, gl.expand_dims(mx_scale_f32(sb), 2)],
+                                       dtype=gl.int32, is_pure=True, pack=1)
+    else:
+        m1 = (gl.minimum(sb, 134) + 120) * 0x00800080              # bf16 2**min(S - 7, 127), both halves
+        m2 = (gl.maximum(sb, 134) - 7) * 0x00800080                # bf16 2**max(S - 134, 0)
+        th = gl.where(sb == 255, -0x40804080, 0x07E007E0)          # bf16 -1 (0xBF80), or 448 * 2**-120
+        w3 = gl.inline_asm_elementwise(_EXPAND_BITS, "=r,h,r,r,r",
+                                       [p3, gl.expand_dims(m1, 2), gl.expand_dims(m2, 2), gl.expand_dims(th, 2)],
+                                       dtype=gl.int32, is_pure=True, pack=1)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pairs.type.layout.parent, k_width=2)
+    return gl.convert_layout(_words_bf16(w3.reshape([BM, BK2])), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _expand_only_kernel(p_desc, s_desc, y_desc, EXPAND: gl.constexpr, num_warps: gl.constexpr):
+    """y = dequantize_mx(payload, scales) through the GEMM's expansion (one [BM, BK] tile per program, num_warps
+    = 8): the payload tile and a [BM, 16] scale box starting at the tile's first block TMA'd into shared memory as
+    the GEMM does, the pairs loaded into wgmma's A-operand layout, _mx_expand_dot, stored: the bitwise check."""
+    BM: gl.constexpr = p_desc.block_type.shape[0]
+    BK: gl.constexpr = p_desc.block_type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, 256, 16])
+    w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)
+    off_m = gl.program_id(0) * BM
+    off_k = gl.program_id(1) * BK
+    src = gl.allocate_shared_memory(p_desc.dtype, [BM, BK], p_desc.layout)
+    sc = gl.allocate_shared_memory(s_desc.dtype, s_desc.block_type.shape, s_desc.layout)
+    dst = gl.allocate_shared_memory(y_desc.dtype, [BM, BK], y_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, p_desc.block_type.nbytes + s_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(p_desc, [off_m, off_k], bar, src)
+    tma.async_copy_global_to_shared(s_desc, [off_m, off_k // 32], bar, sc)
+    mbarrier.wait(bar, 0)
+    y = _mx_expand_dot(_pair_view(src).load(w_layout), sc.slice(0, BK // 32, dim=1), EXPAND)
+    dst.store(y)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(y_desc, [off_m, off_k], dst)
+    tma.store_wait(0)
+    mbarrier.invalidate(bar)
+
+
 # ============================================================================================ the GEMM's partitions
 @gluon.jit
 def _clock():
@@ -630,9 +842,11 @@ def _next_step(ki, t, off_m, off_n, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
 
 @gluon.jit
 def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, LOAD_A: gl.constexpr,
-                 B_KMAJOR: gl.constexpr):
-    """TMA loads of the cursor's k-step into MMA-ring slot s: B, and A too when ``LOAD_A`` (the plain build);
-    ``b_ready`` completes when the bytes have landed. None past the last tile."""
+                 B_KMAJOR: gl.constexpr, s_desc, s_bufs, LOAD_S: gl.constexpr):
+    """TMA loads of the cursor's k-step into MMA-ring slot s: B, and A too when ``LOAD_A`` (the plain build; the
+    MX payload in the expand builds), and with ``LOAD_S`` the scale box [BM, 16] of the tile's rows starting at the
+    k-step's first MX block (the step reads its first BK / 32 columns); ``b_ready`` completes when the bytes have
+    landed. None past the last tile."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     if B_KMAJOR:
@@ -642,7 +856,12 @@ def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready
     exists = t < gl.cdiv(M, BM) * gl.cdiv(N, BN)
     off_k = ki * BK
     bar = b_ready.index(s)
-    if LOAD_A:
+    if LOAD_S:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + s_desc.block_type.nbytes,
+                        pred=exists)
+        tma.async_copy_global_to_shared(a_desc, [off_m, off_k], bar, a_bufs.index(s), pred=exists)
+        tma.async_copy_global_to_shared(s_desc, [off_m, off_k // 32], bar, s_bufs.index(s), pred=exists)
+    elif LOAD_A:
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=exists)
         tma.async_copy_global_to_shared(a_desc, [off_m, off_k], bar, a_bufs.index(s), pred=exists)
     else:
@@ -742,9 +961,10 @@ def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, I
 @gluon.jit
 def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
                    ROUND_MX: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                   num_warps: gl.constexpr, A_REGS: gl.constexpr, prof, PROF: gl.constexpr):
+                   num_warps: gl.constexpr, A_REGS: gl.constexpr, prof, PROF: gl.constexpr, s_desc, s_bufs):
     """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain and A_REGS:
-    the A+B ring) and loads SB - 1 k-steps ahead. A_REGS (1, 2: round; 3: copy): A goes shared -> registers
+    the A+B ring) and loads SB - 1 k-steps ahead. A_REGS (1, 2: round; 3: copy; 4, 5: expand an MX A -- payload
+    and scale box in the ring beside B, _mx_expand_dot with EXPAND = A_REGS - 3): A goes shared -> registers
     (wgmma's A-operand layout) -> rounding -> wgmma from registers, the k-loop unrolled twice so that consecutive
     k-steps use distinct registers (module docstring, s22: the A-register hazard). Per k-step g: wait ``b_ready`` (and ``a_ready``, ROUND_MX); async wgmma
     on (A slot, B slot); wait until one wgmma group is in flight, i.e. step g - 1's is done; release step g - 1:
@@ -763,11 +983,14 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                                                          instr_shape=[16, BN, 16])
     k_steps, total = _num_steps(M, N, K, BM, BN, BK)
     lk, lt, l_m, l_n = _first_step(M, N, BM, BN, GROUP_M)  # the load cursor, SB - 1 k-steps ahead
+    LOAD_S: gl.constexpr = A_REGS >= 4
     for g in gl.static_range(SB - 1):
-        _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, not ROUND_MX, B_KMAJOR)
+        _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, not ROUND_MX, B_KMAJOR,
+                     s_desc, s_bufs, LOAD_S)
         lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
     acc = gl.zeros([BM, BN], gl.float32, acc_layout)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=1)  # payload k-pairs
     UNROLL: gl.constexpr = 2 if A_REGS else 1
     it = 0
     if PROF:  # cycles: b_ready/a_ready waits, A_REGS rounding, wgmma_wait(1), barrier + refill, whole k-step
@@ -802,6 +1025,9 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                     a = _mx_round_dot_words(a.load(a_layout))
                 elif A_REGS == 3:  # "rs-copy": the register path without rounding (a diagnostic)
                     a = a.load(a_layout)
+                elif A_REGS >= 4:  # "mx-expand": the MX payload and its scales -> bf16 values
+                    a = _mx_expand_dot(_pair_view(a).load(w_layout), s_bufs.index(s).slice(0, BK // 32, dim=1),
+                                       A_REGS - 3)
                 b = b_bufs.index(s)
                 if B_KMAJOR:
                     b = b.permute((1, 0))
@@ -815,7 +1041,8 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                 if ROUND_MX:  # (the tile's last step is released after the loop)
                     mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
                 _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N,
-                             not ROUND_MX, B_KMAJOR)  # k-step it + SB - 1, into the slot step it - 1 has left
+                             not ROUND_MX, B_KMAJOR, s_desc, s_bufs, LOAD_S)  # k-step it + SB - 1, into the slot
+                #                                                             step it - 1 has left
                 lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
                 it += 1
                 if PROF:
@@ -854,13 +1081,15 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
 
 
 @gluon.jit
-def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, prof, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
+def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
                  B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr, RAW_STAGES: gl.constexpr,
                  GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
                  ROUND_REGS: gl.constexpr, num_warps: gl.constexpr, A_REGS: gl.constexpr = 0,
                  PROF: gl.constexpr = False):
     """C [M, N] = A [M, K] @ B (bf16, fp32 accumulation), persistent (module docstring). Plain: one partition
-    (the MMA warps load A and B themselves). ROUND_MX: warp_specialize([MMA warps, ROUND_WARPS rounding warps])."""
+    (the MMA warps load A and B themselves). ROUND_MX: warp_specialize([MMA warps, ROUND_WARPS rounding warps]).
+    A_REGS 4, 5: A is MX (``a_desc`` its uint8 payload, ``s_desc`` its scale bytes; other builds pass a_desc
+    there, unused), expanded in registers."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     if B_KMAJOR:
@@ -868,8 +1097,8 @@ def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, prof, ROUND_MX: gl.constexpr, 
     else:
         BN: gl.constexpr = b_desc.block_type.shape[1]
     dtype: gl.constexpr = a_desc.dtype
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(b_ready.index(i), count=1)
@@ -886,14 +1115,18 @@ def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, prof, ROUND_MX: gl.constexpr, 
             mbarrier.init(raw_ready.index(i), count=1)
         gl.warp_specialize([
             (_mma_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
-                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF)),
+                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF, a_desc, a_bufs)),
             (_round_partition, (a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, IMPL, ROUND_ROWS,
                                 ROUND_WARPS, GROUP_M, BN, prof, PROF)),
         ], [ROUND_WARPS], [ROUND_REGS])
     else:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+        if A_REGS >= 4:  # the MX scale boxes, one per ring slot
+            s_bufs = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+        else:
+            s_bufs = a_bufs
         _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K, False,
-                       B_KMAJOR, GROUP_M, num_warps, A_REGS, prof, PROF)
+                       B_KMAJOR, GROUP_M, num_warps, A_REGS, prof, PROF, s_desc, s_bufs)
 
 
 # ============================================================================================ host side
@@ -915,10 +1148,18 @@ BUILDS = {
     "gluon-mx-rs": dict(ref="mx", kw=dict(round_mx=True, A_REGS=2)),
     "gluon-mx-rs1": dict(ref="mx", kw=dict(round_mx=True, A_REGS=1)),
     "gluon-rs-copy": dict(ref="bf16", kw=dict(round_mx=False, A_REGS=3)),
+    # A given in MX form (kosmos.quant.quantize_mx's payload + scales, the public layout), expanded in registers
+    "gluon-mx-expand": dict(ref="mx", a="mx", kw=dict(round_mx=False, A_REGS=4)),
+    "gluon-mx-expand-bits": dict(ref="mx", a="mx", kw=dict(round_mx=False, A_REGS=5)),
 }
-VARIANTS = ("torch", ) + tuple(BUILDS)
+# Not a build: a row timing quantize_mx(A) (bf16 -> MX, kosmos.quant's kernel) followed by the expand GEMM.
+QUANTIZE_PLUS = {"quantize+gluon-mx-expand": "gluon-mx-expand"}
+VARIANTS = ("torch", ) + tuple(BUILDS) + tuple(QUANTIZE_PLUS)
 DEFAULT_VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-ws-copy", "gluon-mx-ws-norm", "gluon-rs-copy",
-                    "gluon-mx-rs")
+                    "gluon-mx-rs", "gluon-mx-expand", "gluon-mx-expand-bits", "quantize+gluon-mx-expand")
+# The expand run (module docstring, "gluon-mx-expand"): plain, the register path, the two expansions, the op from bf16
+EXPAND_VARIANTS = ("torch", "gluon", "gluon-rs-copy", "gluon-mx-expand", "gluon-mx-expand-bits",
+                   "quantize+gluon-mx-expand")
 
 
 OVERRIDES: dict = {}  # --config KEY=VALUE,...: applied to every Gluon GEMM build of the run
@@ -930,7 +1171,8 @@ def config(round_mx: bool, impl: str = "packed", **over) -> dict:
     stages (48 KiB), the C piece (16 KiB): 224 KiB of the 227. maxnreg: registers per thread at launch, 64K /
     threads (ptxas allocates every partition within it: module docstring); ROUND_REGS: the rounding partition's
     setmaxnreg budget, the MMA partition gets the rest. A_REGS (1, 2, 3): the plain build's shape (8 warps, one
-    partition, the A+B ring), A through registers (BUILDS)."""
+    partition, the A+B ring), A through registers (BUILDS); A_REGS 4, 5 (MX A): the same with 4 stages of payload
+    (8 KiB) + scale box (2 KiB) + B (32 KiB) = 168 KiB + the C piece: 184 KiB."""
     cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
                ROUND_REGS=128 if impl == "kosmos" else 104, num_warps=8, A_REGS=0)
     cfg.update(OVERRIDES)
@@ -949,16 +1191,24 @@ _PROF_DUMMY: dict = {}
 
 def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool = True, num_sms: int = 132,
                 prof=None, **over):
-    """(kernel, grid, args, kwargs) of C = A @ B: ``a`` bf16 [M, K], ``b`` the weight bf16 [N, K] (``b_kmajor``) or
-    [K, N], ``c`` bf16 [M, N]; M, N, K multiples of 128, 256, 64."""
+    """(kernel, grid, args, kwargs) of C = A @ B: ``a`` bf16 [M, K] (A_REGS 4, 5: an MX A, kosmos.quant's
+    (payload float8_e4m3fn [M, K], scales uint8 [M, K/32]), K % 512 == 0), ``b`` the weight bf16 [N, K]
+    (``b_kmajor``) or [K, N], ``c`` bf16 [M, N]; M, N, K multiples of 128, 256, 64."""
     cfg = config(round_mx, impl, **over)
-    m, k = a.shape
+    mx = cfg["A_REGS"] >= 4
+    if mx != isinstance(a, tuple):
+        raise ValueError("A_REGS 4, 5 take an MX A (payload, scales); the other builds a bf16 tensor")
+    m, k = a[0].shape if mx else a.shape
     n = b.shape[0] if b_kmajor else b.shape[1]
     if m % BM or n % BN or k % (2 * BK if cfg["A_REGS"] else BK):
         raise ValueError(f"M, N, K = {m}, {n}, {k}: the probe needs multiples of {BM}, {BN}, {BK} (A_REGS builds: K "
                          f"of {2 * BK}, their k-loop is unrolled twice)")
     b_block = [BN, BK] if b_kmajor else [BK, BN]
-    a_desc = TensorDescriptor.from_tensor(a, [BM, BK], _nvmma([BM, BK]))
+    if mx:
+        a_desc, s_desc = mx_descs(*a)
+        a = a[0]
+    else:
+        a_desc = s_desc = TensorDescriptor.from_tensor(a, [BM, BK], _nvmma([BM, BK]))
     b_desc = TensorDescriptor.from_tensor(b, b_block, _nvmma(b_block))
     c_desc = TensorDescriptor.from_tensor(c, [BM, cfg["EPI_N"]], _nvmma([BM, cfg["EPI_N"]]))
     grid = (min(num_sms, (m // BM) * (n // BN)), )
@@ -970,7 +1220,7 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
               A_STAGES=cfg["A_STAGES"], RAW_STAGES=cfg["RAW_STAGES"], GROUP_M=cfg["GROUP_M"],
               ROUND_ROWS=cfg["ROUND_ROWS"], ROUND_WARPS=cfg["ROUND_WARPS"], ROUND_REGS=cfg["ROUND_REGS"],
               num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], A_REGS=cfg["A_REGS"])
-    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, m, n, k, prof), kw
+    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, s_desc, m, n, k, prof), kw
 
 
 _SMS: dict = {}
@@ -984,11 +1234,12 @@ def _num_sms(device) -> int:
 
 def gluon_matmul(a, b, *, round_mx=False, impl="packed", b_kmajor=True, out=None, **over):
     """C = A @ B^T (b [N, K]) or A @ B (b [K, N], b_kmajor=False), bf16 out, with A rounded to its MX values in the
-    mainloop when ``round_mx``."""
+    mainloop when ``round_mx``; ``a`` an MX (payload, scales) for the expand builds (A_REGS 4, 5)."""
     n = b.shape[0] if b_kmajor else b.shape[1]
-    c = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device=a.device) if out is None else out
+    a0 = a[0] if isinstance(a, tuple) else a
+    c = torch.empty(a0.shape[0], n, dtype=torch.bfloat16, device=a0.device) if out is None else out
     kernel, grid, args, kw = gemm_launch(a, b, c, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor,
-                                         num_sms=_num_sms(a.device), **over)
+                                         num_sms=_num_sms(a0.device), **over)
     kernel[grid](*args, **kw)
     return c
 
@@ -1005,6 +1256,42 @@ def round_dot_launch(x, y, a_regs: int):
     d = [TensorDescriptor.from_tensor(t, [BM, BK], _nvmma([BM, BK])) for t in (x, y)]
     return _round_only_dot_kernel, (x.shape[0] // BM, x.shape[1] // BK), tuple(d), dict(A_REGS=a_regs,
                                                                                          num_warps=8)
+
+
+SCALE_BOX = 16  # the scale tile's TMA box: [BM, 16] bytes from the k-step's first block (16 bytes: TMA's minimum)
+
+
+def _u8(t):
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def mx_descs(payload, scales):
+    """TMA descriptors of an MX A (kosmos.quant's public layout, unchanged): the payload bytes [M, K] in [BM, BK]
+    tiles (64-byte rows, 64-byte swizzle), the scale bytes [M, K/32] in [BM, 16] boxes (a k-step reads 2 of the
+    16 columns; TMA needs the box's inner extent and the row stride to be multiples of 16 bytes: K % 512 == 0)."""
+    p, s = _u8(payload), _u8(scales)
+    if s.shape[1] % SCALE_BOX:
+        raise ValueError(f"K = {p.shape[1]}: the MX builds need K % {32 * SCALE_BOX} == 0 (the scales' row stride "
+                         f"K/32 bytes must be a multiple of 16 for TMA)")
+    p_desc = TensorDescriptor.from_tensor(p, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.uint8))
+    s_desc = TensorDescriptor.from_tensor(s, [BM, SCALE_BOX], gl.NVMMASharedLayout.get_default_for([BM, SCALE_BOX],
+                                                                                                  gl.uint8))
+    return p_desc, s_desc
+
+
+def expand_launch(payload, scales, y, expand: str = "cvt"):
+    """(kernel, grid, args, kwargs) of the expansion-only kernel y = dequantize_mx(payload, scales) (bf16)."""
+    p_desc, s_desc = mx_descs(payload, scales)
+    y_desc = TensorDescriptor.from_tensor(y, [BM, BK], _nvmma([BM, BK]))
+    return _expand_only_kernel, (y.shape[0] // BM, y.shape[1] // BK), (p_desc, s_desc, y_desc), dict(
+        EXPAND=EXPANDS[expand], num_warps=8)
+
+
+def gluon_mx_expand(payload, scales, expand="cvt"):
+    y = torch.empty(payload.shape, dtype=torch.bfloat16, device=payload.device)
+    kernel, grid, args, kw = expand_launch(payload, scales, y, expand)
+    kernel[grid](*args, **kw)
+    return y
 
 
 def gluon_mx_round(x, impl="packed", a_regs=0):
@@ -1058,6 +1345,44 @@ def check_rounding(impl: str, gen, a_regs: int = 0) -> dict:
             "nan_payload_diff": int(((rb != yb) & both_nan).sum()), "ok": bool(bad.sum() == 0)}
 
 
+def _expand_inputs(gen):
+    """Inputs of the bitwise expansion check, an MX [1024, 2048] (payload float8_e4m3fn, scales uint8): every
+    (payload byte, scale byte) pair twice -- 2 x 2048 blocks of 32 distinct bytes under each scale 0..255 (+-0,
+    E4M3 subnormals, +-448, NaN bytes; scales 0..9: some results bf16 subnormals, at 0..2 some underflow to +-0;
+    127; 247..254: some overflow to +-inf; 255: NaN), the blocks' positions and the bytes' order within them
+    shuffled -- and random bytes under random scales in the other 61440 blocks."""
+    m, k = 1024, 2048
+    nb = m * k // 32
+    sys_blocks = 2 * 2048
+    byte = torch.randint(0, 256, (nb, 32), generator=gen, device=DEVICE, dtype=torch.int32)
+    scale = torch.randint(0, 256, (nb, ), generator=gen, device=DEVICE, dtype=torch.int32)
+    b = torch.arange(sys_blocks, device=DEVICE) % 2048
+    sys_bytes = (b[:, None] % 8) * 32 + torch.arange(32, device=DEVICE)[None, :]
+    shuffle = torch.argsort(torch.rand(sys_blocks, 32, generator=gen, device=DEVICE), dim=1)
+    where = torch.randperm(nb, generator=gen, device=DEVICE)[:sys_blocks]
+    byte[where] = torch.gather(sys_bytes, 1, shuffle).to(torch.int32)
+    scale[where] = (b // 8).to(torch.int32)
+    payload = byte.to(torch.uint8).view(m, k).view(torch.float8_e4m3fn)
+    return payload, scale.to(torch.uint8).view(m, k // 32)
+
+
+def check_expand(expand: str, gen) -> dict:
+    """The expansion-only kernel against kosmos.quant.dequantize_mx, bitwise (NaN included: ``nan_payload_diff``
+    counts elements where both are NaN with different bits, expected 0): the exhaustive pairs of _expand_inputs,
+    and quantize_mx of _round_inputs (real blocks: zeros, subnormal rows, NaN / Inf blocks with scale 255)."""
+    bad = nan_diff = n = 0
+    for payload, scales in (_expand_inputs(gen), quantize_mx(_round_inputs(gen))):
+        ref = dequantize_mx(payload, scales)
+        y = gluon_mx_expand(payload, scales, expand)
+        rb, yb = ref.view(torch.int16), y.view(torch.int16)
+        both_nan = torch.isnan(ref) & torch.isnan(y)
+        bad += int(((rb != yb) & ~both_nan).sum())
+        nan_diff += int(((rb != yb) & both_nan).sum())
+        n += y.numel()
+    return {"kind": "check", "what": f"expand-only {expand}", "elements": n, "mismatches": bad,
+            "nan_payload_diff": nan_diff, "ok": bad == 0 and nan_diff == 0}
+
+
 def _rel_err(c, ref) -> tuple[float, float]:
     """(whole-matrix relative Frobenius error, worst row's relative error), in fp64 on the GPU."""
     d = (c.double() - ref.double())
@@ -1071,14 +1396,24 @@ BF16_TOL = 4e-3  # one bf16 rounding of the output: <= 2**-8 = 0.0039 relative p
 
 def check_gemm(m, n, k, *, build, b_kmajor, gen) -> dict:
     """Fresh inputs (rows of A at 2**{0, +-20, +-100}), NaN-poisoned output; against an fp32 torch.matmul of
-    A (ref "bf16") or of kosmos.quant's MX values of A (ref "mx"), worst row's relative error <= BF16_TOL."""
+    A (ref "bf16") or of kosmos.quant's MX values of A (ref "mx"), worst row's relative error <= BF16_TOL. The
+    MX-input builds get quantize_mx(A) with A's 32-column blocks also scaled by 2**[-8, 8] at random (exact), so
+    that a row's scales differ along K and a scale taken from the wrong block or k-step shows."""
     a = _scaled_rows(m, k, gen)
+    if BUILDS[build].get("a") == "mx":
+        blk = torch.randint(-8, 9, (k // 32, ), generator=gen, device=DEVICE).float()
+        a = (a.float() * torch.exp2(blk).repeat_interleave(32)[None, :]).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
     b = w if b_kmajor else w.t().contiguous()
     c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     mx = BUILDS[build]["ref"] == "mx"
-    gluon_matmul(a, b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
-    a_ref = mx_round(a) if mx else a
+    if BUILDS[build].get("a") == "mx":  # the op's MX input: the GEMM of dequantize_mx(quantize_mx(A))
+        q = quantize_mx(a)
+        gluon_matmul(q, b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
+        a_ref = dequantize_mx(*q)
+    else:
+        gluon_matmul(a, b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
+        a_ref = mx_round(a) if mx else a
     ref = torch.matmul(a_ref.float(), w.float().t())
     err, row_err = _rel_err(c, ref)
     out = {"kind": "check", "what": f"gemm {build} {'B[N,K]' if b_kmajor else 'B[K,N]'}",
@@ -1093,7 +1428,8 @@ def check_a_regs_sass(build, gen) -> dict:
     """A_REGS builds: the compiled kernel's SASS has no write to the A registers of a wgmma still in flight
     (_a_regs_hazards), at the first check shape's compile."""
     m, n, k = CHECK_SHAPES[0]
-    a = torch.zeros(m, k, dtype=torch.bfloat16, device=DEVICE)
+    a = _empty_mx(m, k, DEVICE) if BUILDS[build].get("a") == "mx" else torch.zeros(m, k, dtype=torch.bfloat16,
+                                                                                    device=DEVICE)
     b = torch.zeros(n, k, dtype=torch.bfloat16, device=DEVICE)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
     kernel, grid, args, kw = gemm_launch(a, b, c, num_sms=_num_sms(a.device), **BUILDS[build]["kw"])
@@ -1107,17 +1443,22 @@ def check_a_regs_sass(build, gen) -> dict:
 def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
     """Each variant's time (kosmos_bench.timing.time_op: L2 flushed before every call, the host hidden by a spin),
     its ratio to torch.matmul and its relative error against an fp32 reference (the MX reference for the MX
-    variants)."""
+    variants). The MX-input builds take quantize_mx(A), made once outside the timed call; the QUANTIZE_PLUS rows
+    time quantize_mx(A) and the build together (the op from bf16)."""
     from kosmos_bench.timing import time_op
     a = (torch.randn(m, k, generator=gen, device=DEVICE)).to(torch.bfloat16)
     w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
     calls = {"torch": lambda: torch.matmul(a, w.t())}
+    q = quantize_mx(a) if any(BUILDS.get(v, {}).get("a") == "mx" for v in variants) else None
     for v in variants:
         if v in BUILDS:
-            calls[v] = lambda kw=BUILDS[v]["kw"]: gluon_matmul(a, w, out=c, **kw)
+            calls[v] = lambda kw=BUILDS[v]["kw"], src=q if BUILDS[v].get("a") == "mx" else a: gluon_matmul(
+                src, w, out=c, **kw)
+        elif v in QUANTIZE_PLUS:
+            calls[v] = lambda kw=BUILDS[QUANTIZE_PLUS[v]]["kw"]: gluon_matmul(quantize_mx(a), w, out=c, **kw)
     ref = torch.matmul(a.float(), w.float().t())
-    mx = {v for v in variants if v in BUILDS and BUILDS[v]["ref"] == "mx"}
+    mx = {v for v in variants if v in QUANTIZE_PLUS or (v in BUILDS and BUILDS[v]["ref"] == "mx")}
     ref_mx = torch.matmul(mx_round(a).float(), w.float().t()) if mx else None
     rows = []
     for v in variants:
@@ -1130,12 +1471,13 @@ def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
     base = next((r["time_ms"] for r in rows if r["variant"] == "torch"), None)
     for r in rows:
         r["ratio_vs_torch"] = r["time_ms"] / base if base else None
-    del a, w, c, ref, ref_mx
+    del a, w, c, ref, ref_mx, q
     return rows
 
 
 # -------------------------------------------------------------------------------------------- cycle profile (GPU)
-PROF_MMA = ("b/a_ready wait", "A_REGS round", "wgmma_wait(1)", "barrier+refill", "k-step")
+PROF_MMA = ("b/a_ready wait", "A_REGS round", "wgmma_wait(1)", "barrier+refill", "k-step")  # "A_REGS round":
+# the LDS / LDSM of A and, per build, its rounding (1, 2) or expansion (4, 5)
 PROF_ROUND = ("raw wait", "load+refill", "round", "a_done wait", "store+fence+arrive", "k-step")
 
 
@@ -1153,9 +1495,10 @@ def profile_shape(name, m, n, k, variants, gen) -> list[dict]:
             continue
         grid = min(_num_sms(a.device), (m // BM) * (n // BN))
         prof = torch.zeros(grid, 16, dtype=torch.int64, device=DEVICE)
-        gluon_matmul(a, w, out=c, prof=prof, **BUILDS[v]["kw"])   # compile + warm
+        src = quantize_mx(a) if BUILDS[v].get("a") == "mx" else a
+        gluon_matmul(src, w, out=c, prof=prof, **BUILDS[v]["kw"])   # compile + warm
         prof.zero_()
-        gluon_matmul(a, w, out=c, prof=prof, **BUILDS[v]["kw"])
+        gluon_matmul(src, w, out=c, prof=prof, **BUILDS[v]["kw"])
         torch.cuda.synchronize()
         p = prof.double().sum(0).tolist()
         r = {"kind": "profile", "shape": name, "M": m, "N": n, "K": k, "variant": v,
@@ -1172,11 +1515,11 @@ def print_profile(rows):
         return
     print(f"\ncycles per k-step and warp (clock64, mean over the k-steps of all programs), {rows[0]['shape']}: MMA "
           f"partition | rounding partition")
-    print(f"{'build':<18} " + " ".join(f"{h:>14}" for h in PROF_MMA) + " | " + " ".join(f"{h:>18}" for h in PROF_ROUND))
+    print(f"{'build':<20} " + " ".join(f"{h:>14}" for h in PROF_MMA) + " | " + " ".join(f"{h:>18}" for h in PROF_ROUND))
     for r in rows:
         mma = " ".join(f"{r['mma'][h]:>14.0f}" for h in PROF_MMA)
         rnd = " ".join(f"{r['round'][h]:>18.0f}" for h in PROF_ROUND) if "round" in r else ""
-        print(f"{r['variant']:<18} {mma} | {rnd}")
+        print(f"{r['variant']:<20} {mma} | {rnd}")
 
 
 # -------------------------------------------------------------------------------------------- compile only (CPU)
@@ -1216,9 +1559,11 @@ def _sass_mix(sass) -> dict:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-# SASS opcode classes (Hopper pipes, roughly): bf16x2 arithmetic, bf16x2 min/max, the 16-lane integer ALU (logic,
-# compares, selects, shifts, permutes, the new VIADD), IMAD (FMA pipe), the uniform datapath, shared memory.
-_SASS_CLASSES = (("fp16x2", ("HMUL2", "HFMA2", "HADD2")), ("hmnmx2", ("HMNMX2", )), ("mma", ("HGMMA", )),
+# SASS opcode classes (Hopper pipes, roughly): bf16x2 arithmetic (and HSET2, HADD2.F32: f16 -> f32), bf16x2
+# min/max, the 16-lane integer ALU (logic, compares, selects, shifts, permutes, the new VIADD), IMAD (FMA pipe),
+# conversions (F2FP: packed E4M3 -> f16 and f32 -> bf16; pipe unpublished), the uniform datapath, shared memory.
+_SASS_CLASSES = (("fp16x2", ("HMUL2", "HFMA2", "HADD2", "HSET2")), ("hmnmx2", ("HMNMX2", )), ("mma", ("HGMMA", )),
+                 ("cvt", ("F2FP", "F2F", "I2F", "F2I")),
                  ("imad", ("IMAD", )), ("fp32", ("FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSEL")),
                  ("shfl", ("SHFL", )), ("lds", ("LDS", )), ("sts", ("STS", )),
                  ("sync", ("BAR", "SYNCS", "MEMBAR", "FENCE", "DEPBAR", "WARPGROUP", "WARPSYNC")),
@@ -1346,6 +1691,13 @@ def _kstep_profile(sass, a_regs) -> dict:
     return out
 
 
+def _empty_mx(m, k, device):
+    """An uninitialised MX matrix (payload, scales) of [m, k] (compile-only shapes)."""
+    from kosmos.quant import MXTensor
+    return MXTensor(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device),
+                    torch.empty(m, k // 32, dtype=torch.uint8, device=device))
+
+
 def compile_only(json_path=None, b_kmajor=True, builds=None) -> list[dict]:
     """Compile every build for sm_90a without a GPU (dev/kernel_resources.py's stand-in driver): registers, spills,
     shared memory (ptxas -v on the PTX), the facts of ``_ptx_facts``, and the SASS of the k-step: instructions per
@@ -1356,6 +1708,7 @@ def compile_only(json_path=None, b_kmajor=True, builds=None) -> list[dict]:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     m, n, k = LLAMA_SHAPES["qkv-4k"]
     a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+    a_mx = _empty_mx(m, k, dev)
     b = torch.empty((n, k) if b_kmajor else (k, n), dtype=torch.bfloat16, device=dev)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
     rows = []
@@ -1363,7 +1716,8 @@ def compile_only(json_path=None, b_kmajor=True, builds=None) -> list[dict]:
     print(f"{'build':<20} {'regs':>4} {'spill':>5} {'smem KiB':>8}  {'setmaxnreg':<24} {'A smem':>6}  "
           f"{'MMA loop / k-step':<18} {'rounding loop / k-step (warp)'}")
     for name in builds or BUILDS:
-        kernel, grid, args, kw = gemm_launch(a, b, c, b_kmajor=b_kmajor, **BUILDS[name]["kw"])
+        kernel, grid, args, kw = gemm_launch(a_mx if BUILDS[name].get("a") == "mx" else a, b, c, b_kmajor=b_kmajor,
+                                             **BUILDS[name]["kw"])
         rows.append(_compile_row(name, kernel.warmup(*args, grid=grid, **kw), kw))
     x = torch.empty(1024, 4096, dtype=torch.bfloat16, device=dev)
     for impl in ("kosmos", "packed", "norm"):
@@ -1372,6 +1726,9 @@ def compile_only(json_path=None, b_kmajor=True, builds=None) -> list[dict]:
     for a_regs in (1, 2):
         kernel, grid, args, kw = round_dot_launch(x, torch.empty_like(x), a_regs)
         rows.append(_compile_row(f"round-only A_REGS={a_regs}", kernel.warmup(*args, grid=grid, **kw), kw))
+    for expand in EXPANDS:
+        kernel, grid, args, kw = expand_launch(*_empty_mx(*x.shape, dev), torch.empty_like(x), expand)
+        rows.append(_compile_row(f"expand-only {expand}", kernel.warmup(*args, grid=grid, **kw), kw))
     if json_path:
         with open(json_path, "w") as f:
             for r in rows:
@@ -1394,14 +1751,15 @@ def _compile_row(name, compiled, kw) -> dict:
         p = r["kstep"].get(key)
         if not p:
             return "-"
-        parts = [f"{p['n']:.0f}"] + [f"{c} {p[c]:.0f}" for c in ("fp16x2", "hmnmx2", "alu", "imad", "fp32", "shfl",
-                                                                 "lds", "sts", "sync", "uniform") if p.get(c)]
+        parts = [f"{p['n']:.0f}"] + [f"{c} {p[c]:.0f}" for c in ("fp16x2", "hmnmx2", "cvt", "alu", "imad", "fp32",
+                                                                 "shfl", "lds", "sts", "sync", "uniform") if p.get(c)]
         return parts[0] + " (" + ", ".join(parts[1:]) + ")"
     print(f"{name:<20} {r['regs']:>4} {str(r['spill_bytes']):>5} {r['shared_kib']:>8}  {regs:<24} "
           f"{str(r['wgmma_a_from_smem']):>6}  {cell('mma_loop').split(' (')[0]:<18} {cell('round_loop')}",
           flush=True)
     if kw.get("A_REGS"):
-        print(f"{'':<20} MMA loop with the rounding: {cell('mma_loop')}; A-register hazards in the SASS: "
+        what = "expansion" if kw["A_REGS"] >= 4 else "rounding"
+        print(f"{'':<20} MMA loop with the {what}: {cell('mma_loop')}; A-register hazards in the SASS: "
               f"{len(r['a_regs_hazards'])}", flush=True)
     return r
 
@@ -1502,6 +1860,56 @@ def emulate_packed(verbose=True, scheme="packed") -> dict:
     return out
 
 
+def emulate_expand(expand="cvt", verbose=True) -> dict:
+    """The MX expansion's PTX (_EXPAND_CVT or _EXPAND_BITS), emulated exactly on the CPU, against kosmos.quant's
+    dequantize_mx_ref: every payload byte under every scale byte (65536 elements). Each instruction is emulated as
+    its exact result rounded once: "cvt" -- E4M3 -> f16 -> f32 exact, fp32 multiply by 2**(S - 127) (numpy's float64
+    -> float32 cast: round to nearest even, subnormals, overflow to inf), f32 -> bf16 to nearest even (_rne_bf16),
+    NaN -> 0x7FFF (the hardware's canonical NaN), then the signed 16-bit min with 0x7FC0; "bits" -- the prmt / shl /
+    and bit pattern, two bf16 multiplies each rounded once (_rne_bf16), the |a| > T select. What the GPU check
+    adds: that the hardware does exactly this (no flush of fp32 / bf16 subnormals, one rounding per multiply, the
+    canonical NaN's bits). Bitwise, NaN bits included."""
+    import numpy as np
+    from kosmos.quant import dequantize_mx_ref
+    byte = np.tile(np.arange(256, dtype=np.int64), (256, 1))             # [scale, byte]
+    sc = np.tile(np.arange(256, dtype=np.int64)[:, None], (1, 256))
+    as_f = lambda bits16: (np.asarray(bits16, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)  # noqa
+    with np.errstate(invalid="ignore", over="ignore"):
+        if expand == "cvt":
+            from kosmos.quant import e4m3_value_ref
+            v = e4m3_value_ref(torch.from_numpy(byte.astype(np.uint8))).numpy()          # exact, NaN for S.1111.111
+            mult = np.where(sc == 255, np.nan, np.ldexp(1.0, sc - 127))                   # mx_scale_f32's value
+            f32 = (v * mult).astype(np.float32).astype(np.float64)                        # mul.rn.f32
+            r = _rne_bf16(f32)                                                            # cvt.rn.bf16x2.f32
+            bits = (r.astype(np.float32).view(np.uint32) >> 16).astype(np.int64)
+            bits = np.where(np.isnan(r), 0x7FFF, bits)
+            s16 = np.where(bits >= 0x8000, bits - 0x10000, bits)                          # min.s16x2 with 0x7FC0
+            got = np.minimum(s16, 0x7FC0) & 0xFFFF
+        else:
+            a = as_f(((byte & 0x7F) << 4) | ((byte & 0x80) << 8))                         # prmt, shl, and
+            m1 = np.ldexp(1.0, np.minimum(sc - 7, 127))
+            m2 = np.ldexp(1.0, np.maximum(sc - 134, 0))
+            r = _rne_bf16(_rne_bf16(a * m1) * m2)                                         # two mul.rn.bf16x2
+            thr = np.where(sc == 255, -1.0, 448.0 * 2.0 ** -120)
+            bits = (r.astype(np.float32).view(np.uint32) >> 16).astype(np.int64)
+            got = np.where(np.abs(a) > thr, 0x7FC0, bits)                                 # abs, set.gt, lop3
+    payload = torch.from_numpy(byte.astype(np.uint8)).view(torch.float8_e4m3fn)
+    scales = torch.from_numpy(np.arange(256, dtype=np.uint8)[:, None].repeat(8, axis=1))
+    ref = dequantize_mx_ref(payload, scales).view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    # NaN: dequantize_mx (the kernel) writes kosmos.quant._BF16_QNAN, whatever torch's NaN bits in the reference are
+    ref = np.where((ref & 0x7FFF) > 0x7F80, _BF16_QNAN.value, ref)
+    bad = got != ref
+    out = {"kind": "check", "what": f"{expand} expansion, emulation vs kosmos.quant.dequantize_mx_ref",
+           "elements": int(bad.size), "mismatches": int(bad.sum()), "ok": not bad.any(),
+           "nan_results": int(((ref & 0x7FFF) > 0x7F80).sum()), "zero_results": int(((ref & 0x7FFF) == 0).sum()),
+           "inf_results": int(((ref & 0x7FFF) == 0x7F80).sum()),
+           "subnormal_results": int((((ref & 0x7F80) == 0) & ((ref & 0x7F) != 0)).sum())}
+    if verbose and bad.any():
+        out["examples"] = [{"scale": int(i), "byte": hex(int(j)), "ref": hex(int(ref[i, j])),
+                            "got": hex(int(got[i, j]))} for i, j in np.argwhere(bad)[:8]]
+    return out
+
+
 # -------------------------------------------------------------------------------------------- CLI
 def _parse_shapes(text):
     out = []
@@ -1521,7 +1929,8 @@ def main(argv=None):
                     "registers / spills / shared memory / wgmma operands, then stop")
     ap.add_argument("--shapes", default=",".join(LLAMA_SHAPES), help="comma-separated: " + ", ".join(LLAMA_SHAPES)
                     + " or MxNxK")
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS)
+                    + "; or 'expand' for " + ",".join(EXPAND_VARIANTS))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--skip-checks", action="store_true", help="timing only (the checks take ~10 s)")
@@ -1530,20 +1939,22 @@ def main(argv=None):
                     "Gluon GEMM build, e.g. A_STAGES=3,RAW_STAGES=2 or ROUND_REGS=112 (shared memory must stay <= "
                     "227 KiB: --compile-only says)")
     ap.add_argument("--emulate", action="store_true", help="check the packed rounding's arithmetic on the CPU "
-                    "(float64 emulation against kosmos.quant's references, every bf16 value under every scale), then "
-                    "stop")
+                    "(float64 emulation against kosmos.quant's references, every bf16 value under every scale) and "
+                    "the two MX expansions' (every payload byte under every scale byte), then stop")
     ap.add_argument("--profile", default="fc1-8k", help="after the timings, each Gluon build once more with clock64 "
                     "around its phases at this shape (one of the shapes' names or MxNxK; 'none': skip)")
     ap.add_argument("--b-kn", action="store_true", help="--compile-only: B as [K, N] instead of the weight [N, K]")
     args = ap.parse_args(argv)
     args.variants_given = any(a.startswith("--variants") for a in (argv if argv is not None else sys.argv[1:]))
+    if args.variants == "expand":
+        args.variants = ",".join(EXPAND_VARIANTS)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: Gluon has no interpreter path here")
     for item in filter(None, args.config.split(",")):
         key, _, val = item.partition("=")
         OVERRIDES[key.strip()] = int(val)
     if args.emulate:
-        rs = [emulate_packed(scheme=sc) for sc in ("packed", "norm")]
+        rs = [emulate_packed(scheme=sc) for sc in ("packed", "norm")] + [emulate_expand(e) for e in EXPANDS]
         for r in rs:
             print(json.dumps(r))
         return 0 if all(r["ok"] for r in rs) else 1
@@ -1574,9 +1985,15 @@ def main(argv=None):
     failed = 0
     if not args.skip_checks:
         checks = []
+        built = list(dict.fromkeys([v for v in variants if v in BUILDS]
+                                   + [QUANTIZE_PLUS[v] for v in variants if v in QUANTIZE_PLUS]))
+        for v in built:  # the expansion each MX-input build runs, bitwise against dequantize_mx first
+            if BUILDS[v].get("a") == "mx":
+                checks.append(lambda x=v: check_expand(next(e for e, i in EXPANDS.items()
+                                                            if i == BUILDS[x]["kw"]["A_REGS"] - 3), gen))
         rounders = []  # the rounding code each timed build runs, checked bitwise on its own first
-        for v in variants:
-            if v not in BUILDS or BUILDS[v]["ref"] != "mx":
+        for v in built:
+            if BUILDS[v]["ref"] != "mx" or BUILDS[v].get("a") == "mx":
                 continue
             kw = BUILDS[v]["kw"]
             key = ("dot", kw["A_REGS"]) if kw.get("A_REGS") else ("ws", kw.get("impl", "packed"))
@@ -1585,14 +2002,13 @@ def main(argv=None):
         for kind, x in rounders:
             checks.append(lambda kind=kind, x=x: check_rounding(x if kind == "ws" else "norm", gen,
                                                                 a_regs=x if kind == "dot" else 0))
-        for v in variants:
-            if v in BUILDS and BUILDS[v]["kw"].get("A_REGS"):
+        for v in built:
+            if BUILDS[v]["kw"].get("A_REGS"):
                 checks.append(lambda v=v: check_a_regs_sass(v, gen))
-        for v in variants:  # B as the weight [N, K] on the first shape, as [K, N] on the second
-            if v in BUILDS:
-                for (m, n, k), b_kmajor in zip(CHECK_SHAPES, (True, False)):
-                    checks.append(lambda m=m, n=n, k=k, v=v, bk=b_kmajor: check_gemm(m, n, k, build=v, b_kmajor=bk,
-                                                                                     gen=gen))
+        for v in built:  # B as the weight [N, K] on the first shape, as [K, N] on the second
+            for (m, n, k), b_kmajor in zip(CHECK_SHAPES, (True, False)):
+                checks.append(lambda m=m, n=n, k=k, v=v, bk=b_kmajor: check_gemm(m, n, k, build=v, b_kmajor=bk,
+                                                                                 gen=gen))
         for chk in checks:
             r = chk()
             emit(r)
@@ -1628,7 +2044,7 @@ def main(argv=None):
     print("(each: median ms, ratio to torch.matmul, relative error against the fp32 matmul of A -- of A's MX values "
           "for the mx variants)")
     if "gluon" in variants:
-        others = [v for v in variants if v in BUILDS and v != "gluon"]
+        others = [v for v in variants if v not in ("torch", "gluon")]
         print(f"\nratio to the plain Gluon build (the cost of the MX data path itself)\n{'shape':<12} "
               + " ".join(f"{v:>17}" for v in others))
         for name, m, n, k in shapes:

@@ -4,6 +4,7 @@
   every candidate tile checked against the fp32 product, through the kernels' own ``launch``.
 * dev.ab_compare refuses an A/B whose two sides ran the same code (the sessions 7-9 mistake).
 * dev.sk_probe's checked variants (the stream-K schedule with its fix-up) compute the product (interpreter).
+* dev.gluon_mx_probe's MX expansions, emulated on the CPU, are dequantize_mx bit for bit.
 """
 import json
 
@@ -157,3 +158,17 @@ def test_sk_probe_checked_variants_are_the_product(m, n, k, programs):
         err = ((c.float() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (variant, err)
         assert not bool(counters.any()) and int(errors[0]) == 0, variant
+
+
+def test_gluon_mx_probe_expansion_emulated_is_dequantize_mx():
+    """dev.gluon_mx_probe's MX expansions (the arithmetic of the gluon-mx-expand builds, "cvt" and "bits"),
+    emulated instruction by instruction on the CPU, give kosmos.quant's dequantize_mx bit for bit on every payload
+    byte under every scale byte (NaN as the kernel's 0x7FC0; the sample holds NaN, +-inf, bf16 subnormal and
+    zero results); the scale boxes' TMA needs K % 512 == 0 and the probe says so."""
+    g = pytest.importorskip("dev.gluon_mx_probe")  # Triton's Gluon (3.6 on the GPU box, 3.9 here)
+    for expand in g.EXPANDS:
+        r = g.emulate_expand(expand)
+        assert r["ok"], r
+        assert min(r["nan_results"], r["inf_results"], r["subnormal_results"], r["zero_results"]) > 0, r
+    with pytest.raises(ValueError, match="K % 512"):
+        g.mx_descs(torch.empty(128, 256, dtype=torch.float8_e4m3fn), torch.empty(128, 8, dtype=torch.uint8))
