@@ -1307,5 +1307,36 @@ PY
         >> "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; keep
       grep "^| " "$out/train-deepseek-v3-w2-onegpu.md" | head -8
     fi ;;
+  s22b)  # session 22: issue 14's Gluon probe with A given as MX and expanded in wgmma's register operand (helper branch
+         # gluon-mx-expand: expand-only bitwise checks, GEMM checks, timings, qkv-4k profile); issue 15's fixed-role
+         # split of the W > 1 one launch on simulated ranks (W = 2, 8) and every MoE direction through the bench with
+         # both ranks on one GPU (kosmos, nccl-a2a, deepep, fixed-role, fixed-role-best: rows and gradient checks, no
+         # timing claim)
+    begin_stage s22b
+    timeout 240 python -m dev.gluon_mx_probe --variants expand --profile qkv-4k --json "$out/gluon-mx-expand.jsonl" \
+      > "$out/gluon-mx-expand.log" 2>&1; echo "gluon expand rc=$?"; keep; tail -32 "$out/gluon-mx-expand.log"
+    timeout 220 python -m pytest -v -p no:cacheprovider --timeout 210 -m "gpu or ranks" tests/test_moe_backward.py \
+      -k "ep_at_world or ep_stalled" > "$out/gpu-tests-fixed.log" 2>&1
+    echo "fixed tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-fixed.log" | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-fixed.log"; keep
+    if [ -d .wheels ]; then
+      python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
+      echo "deepep install rc=$?"; export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
+    fi
+    left=$((570 - SECONDS)); [ $left -gt 150 ] && left=150
+    KOSMOS_RANKS_ON_ONE_GPU=1 timeout $left python -m kosmos_bench.cli bench moe --hidden 1024 --ffn 512 --experts 16 \
+      --top-k 4 --ep 2 --tokens 512 --routing uniform,zipf:1.2 --direction fwd,bwd,fwd+bwd \
+      --impl kosmos,nccl-a2a,deepep,fixed-role,fixed-role-best --no-expert-gemms --iters 5 --warmup 2 \
+      --out "$out/moe-ep2-onegpu.jsonl" > "$out/bench-ep2-onegpu.log" 2>&1; echo "bench ep2 one gpu rc=$?"; keep
+    grep -v "^{" "$out/bench-ep2-onegpu.log" | grep -iE "error|Traceback" | head -5
+    [ -f "$out/moe-ep2-onegpu.jsonl" ] && python - "$out/moe-ep2-onegpu.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("type") == "result":
+        err = "-" if r.get("rel_err") is None else f"{r['rel_err']:.2e}"
+        print(f"{r.get('direction', 'fwd'):7} {r['routing']:9} {r['impl']:15} {r['status']:11} rel_err {err} "
+              f"{(r.get('reason') or '')[:90]}")
+PY
+    ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d" >&2; exit 2 ;;
 esac
