@@ -357,6 +357,15 @@ Gluon 3.6 notes
   producer warp would need 16 warps, see above;
   (6) Triton 3.9's Gluon renamed the TMA calls (async_copy_global_to_shared -> async_load): the probe imports
   there but compiles under 3.6 only, as the GPU box has it.
+
+MEASURED (s22b / s22c, one H200, Triton 3.6.0; results/h200x1/s22): every MX-input kernel -- both expand-only kernels
+and both GEMM builds -- dies with "an illegal instruction". compute-sanitizer puts it at the scale box's TMA load
+(the expand-only kernel's ``tma.async_copy_global_to_shared(s_desc, [off_m, off_k // 32], ...)``) in programs whose
+box starts at byte 22 / 24 of a scale row: a tiled TMA box must start 16-byte aligned in its inner dimension, on top
+of the 16-byte box width and row stride. Fix to make (not made): the scales as [K/32, M] (box [2, 128] at column
+off_m, a permuted shared view for the load; the quantizer can write that layout directly), or a 16-aligned [128, 16]
+box kept for 8 k-steps with its column a constexpr of an unrolled 8-step loop. Nothing of the prediction above is
+measured yet; the expansion arithmetic is checked only by --emulate.
 """
 from __future__ import annotations
 
