@@ -43,6 +43,24 @@ llama3_w1_run() {  # SECONDS NAME: the llama3 per-rank TP suite at W=1 (kosmos, 
   COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/$2.jsonl" > "$out/$2.txt" \
     2>> "$out/bench-llama3.log"; keep
 }
+deepep_install() {  # the shared DeepEP wheel (carried in .wheels/) into .deepep-site, on PYTHONPATH
+  if [ -d .wheels ]; then
+    python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
+    echo "deepep install rc=$?"; export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
+  fi
+}
+train_dsv3_w2_onegpu() {  # UNTIL CAP: the deepseek-v3 EP = 2 proxy, both ranks on one GPU (at most CAP s; skipped with < 60 s to UNTIL)
+  local left=$(($1 - SECONDS)); [ $left -gt $2 ] && left=$2
+  if [ $left -gt 60 ]; then
+    KOSMOS_RANKS_ON_ONE_GPU=1 timeout $left python -m kosmos_bench.cli bench train --model deepseek-v3 --seq 1024 \
+      --scale 0.125 --layers 2 --tp 2 --steps 20 --out "$out/train-deepseek-v3-w2-onegpu.jsonl" \
+      > "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; echo "train dsv3 w2 one gpu rc=$?"
+    timeout 40 python -m kosmos_bench.cli report "$out/train-deepseek-v3-w2-onegpu.jsonl" --format md \
+      --out "$out/train-deepseek-v3-w2-onegpu.md" --chart "$out/train-deepseek-v3-w2-onegpu-loss.png" \
+      >> "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; keep
+    grep "^| " "$out/train-deepseek-v3-w2-onegpu.md" | head -8
+  fi
+}
 one_launch_gpu_tests() {  # the one launch's GPU tests in the time left before $deadline: W = 1, then simulated ranks
   local left=$((deadline - SECONDS)); echo "left for tests: $left s"
   [ $left -gt 60 ] && gpu_tests gpu-tests-one-launch $((left * 6 / 10)) "one_launch and not ep_" tests/test_moe_backward.py
@@ -804,20 +822,8 @@ PYEOF
     bwd_rows "$out/moe-bwd-ep1-deepseek-v3-zipf.jsonl"
     grep -v "^{" "$out/bench-dsv3-zipf.log" | grep -iE "bwd|error|fail" | head -12
     # issue 16: the deepseek-v3 proxy at EP = 2 on one GPU with every implementation (deepep from .wheels/)
-    if [ -d .wheels ]; then
-      python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
-      echo "deepep install rc=$?"; export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
-    fi
-    left=$((330 - SECONDS)); [ $left -gt 100 ] && left=100
-    if [ $left -gt 60 ]; then
-      KOSMOS_RANKS_ON_ONE_GPU=1 timeout $left python -m kosmos_bench.cli bench train --model deepseek-v3 --seq 1024 \
-        --scale 0.125 --layers 2 --tp 2 --steps 20 --out "$out/train-deepseek-v3-w2-onegpu.jsonl" \
-        > "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; echo "train dsv3 w2 one gpu rc=$?"
-      timeout 40 python -m kosmos_bench.cli report "$out/train-deepseek-v3-w2-onegpu.jsonl" --format md \
-        --out "$out/train-deepseek-v3-w2-onegpu.md" --chart "$out/train-deepseek-v3-w2-onegpu-loss.png" \
-        >> "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; keep
-      grep "^| " "$out/train-deepseek-v3-w2-onegpu.md" | head -6
-    fi ;;
+    deepep_install
+    train_dsv3_w2_onegpu 330 100 ;;
   s15h)  # session 15 (<= 400 s; tarball $OUT/s15h.tar.gz): issue 13's host cost -- the hit path without the per-call
          # CUDA event (the mirror's flag word read directly), the cached CUDA availability and workspace lookup,
          # and launch_plan.DirectLaunch (Triton 3.6's C launcher with the argument list expanded once): its GPU
@@ -1287,26 +1293,14 @@ PY
     timeout 200 python -m pytest -v -p no:cacheprovider --timeout 190 -m "gpu or ranks" tests/test_ranks_one_gpu.py \
       tests/test_moe_backward.py -k "two_ranks or ep_at_world or ep_stalled" > "$out/gpu-tests-ranks.log" 2>&1
     echo "ranks tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-ranks.log" | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-ranks.log"; keep
-    if [ -d .wheels ]; then
-      python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
-      echo "deepep install rc=$?"; export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
-    fi
+    deepep_install
     timeout 170 python -m pytest -v -rs -p no:cacheprovider --timeout 160 -m gpu tests/test_deepep.py \
       > "$out/gpu-tests-deepep.log" 2>&1; echo "deepep tests rc=$?"
     grep -E "FAILED|ERROR|SKIPPED" "$out/gpu-tests-deepep.log" | head -5; tail -1 "$out/gpu-tests-deepep.log"; keep
     timeout 60 python -m dev.gluon_mx_probe --variants torch,gluon \
       --shapes 2048x5120x4096,4096x1536x4096,2048x1536x5120,1024x3072x8192,512x5120x5120,512x3072x2048 \
       --json "$out/gluon-grid.jsonl" > "$out/gluon-grid.log" 2>&1; echo "gluon grid rc=$?"; keep; tail -10 "$out/gluon-grid.log"
-    left=$((560 - SECONDS)); [ $left -gt 120 ] && left=120
-    if [ $left -gt 60 ]; then
-      KOSMOS_RANKS_ON_ONE_GPU=1 timeout $left python -m kosmos_bench.cli bench train --model deepseek-v3 --seq 1024 \
-        --scale 0.125 --layers 2 --tp 2 --steps 20 --out "$out/train-deepseek-v3-w2-onegpu.jsonl" \
-        > "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; echo "train dsv3 w2 one gpu rc=$?"
-      timeout 40 python -m kosmos_bench.cli report "$out/train-deepseek-v3-w2-onegpu.jsonl" --format md \
-        --out "$out/train-deepseek-v3-w2-onegpu.md" --chart "$out/train-deepseek-v3-w2-onegpu-loss.png" \
-        >> "$out/train-deepseek-v3-w2-onegpu.log" 2>&1; keep
-      grep "^| " "$out/train-deepseek-v3-w2-onegpu.md" | head -8
-    fi ;;
+    train_dsv3_w2_onegpu 560 120 ;;
   s22b)  # session 22: issue 14's Gluon probe with A given as MX and expanded in wgmma's register operand (helper branch
          # gluon-mx-expand: expand-only bitwise checks, GEMM checks, timings, qkv-4k profile); issue 15's fixed-role
          # split of the W > 1 one launch on simulated ranks (W = 2, 8) and every MoE direction through the bench with
@@ -1318,10 +1312,7 @@ PY
     timeout 220 python -m pytest -v -p no:cacheprovider --timeout 210 -m "gpu or ranks" tests/test_moe_backward.py \
       -k "ep_at_world or ep_stalled" > "$out/gpu-tests-fixed.log" 2>&1
     echo "fixed tests rc=$?"; grep -E "FAILED|ERROR" "$out/gpu-tests-fixed.log" | sed 's/ *\[.*//'; tail -1 "$out/gpu-tests-fixed.log"; keep
-    if [ -d .wheels ]; then
-      python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
-      echo "deepep install rc=$?"; export PYTHONPATH=$PWD/.deepep-site:$PYTHONPATH
-    fi
+    deepep_install
     left=$((570 - SECONDS)); [ $left -gt 150 ] && left=150
     KOSMOS_RANKS_ON_ONE_GPU=1 timeout $left python -m kosmos_bench.cli bench moe --hidden 1024 --ffn 512 --experts 16 \
       --top-k 4 --ep 2 --tokens 512 --routing uniform,zipf:1.2 --direction fwd,bwd,fwd+bwd \

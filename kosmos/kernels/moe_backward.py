@@ -611,7 +611,8 @@ none (they follow the owner's own COMBINE-BWD of this call, as the forward's com
 by their consumer, the plan state and every local counter by the last program out.
 The fixed policy (the fixed-role ablation the forward has -- moe_forward's ``policy="fixed", comm_programs=S`` --,
 for the bench's fixed-role rows at bwd / fwd+bwd; built after session 21 on branch fixed-role-bwd, interpreter-
-tested; NOT TIMED, NOT RUN ON A GPU yet): ``moe_backward(..., group=, one_launch=True, policy="fixed",
+tested; on the GPU in session 22 (s22b): simulated ranks W = 2, 8 bitwise the self policy, and the bench's rows at
+EP = 2 with both ranks on one GPU; NOT TIMED: one GPU cannot time a W > 1 exchange): ``moe_backward(..., group=, one_launch=True, policy="fixed",
 comm_programs=S)`` / ``expert_backward_ep_launch(policy=, comm_programs=)``, 1 <= S < GRID (a ValueError otherwise,
 at W = 1 -- no communication -- and with the multi-launch path -- no programs to split). Programs pid < S take only
 the communication stages, the other GRID - S only the rest: schedule.program_stages' role mask, asked stage by stage
@@ -627,7 +628,7 @@ the forward's router is part of ROUTE only because ROUTE is the dispatch). WGRAD
 rendezvous count the compute programs (program pid - S of GRID - S: with GRID the S communication programs' tiles
 would never be computed, and the rendezvous would wait its full BWD_WGRAD1_SYNC_NS for programs that never come).
 The same tasks with the same arithmetic at the same row places, so the gradients are bitwise the self policy's
-(interpreter: S = 1 and 2 of 3 programs at W = 2 and 4, with and without the router; GPU test written:
+(interpreter: S = 1 and 2 of 3 programs at W = 2 and 4, with and without the router; GPU, passed in s22b:
 test_moe_backward_one_launch_ep_at_world_gpu[*-fixed], S = a quarter of each rank's programs).
 Deadlock-freedom under the split: the stages in the code's order -- COMBINE-BWD < plan < PERMUTE-BWD < GU <
 DGRAD2 (+ SWIGLU) < DGRAD1 < DISPATCH-BWD < WGRAD < UNPERMUTE < ROUTER_DL < ROUTER_DW < ROUTER_DX -- and every wait
@@ -663,7 +664,7 @@ moe_backward`` runs it after the W = 2 compile of the other backward kernels --,
 64 local experts, top-8, 1024 tokens per rank): the W = 2 build 254 registers (bf16 and fp32 weight gradients),
 255 with the router in the launch, no spills, 192 KiB; the W = 1 build unchanged by the branch (252 / 250 fp32 /
 250 with the router, softmax or sigmoid-grouped; no spills). At ptxas's cap: re-check after any change.
-With the fixed policy (branch fixed-role-bwd; results/h200x1/s21/regs-moe-backward-fixed-role-local-triton39.txt and
+With the fixed policy (branch fixed-role-bwd; results/h200x1/s22/regs-moe-backward-fixed-role-local-triton39.txt and
 regs-moe-backward-ep-fixed-role-triton36.txt): the self builds' PTX is the old PTX but for the one added .param
 (W = 1, 2, 8; local Triton 3.9 and Triton 3.6.0), so their registers are unchanged (3.9: W = 2 254 / 250 fp32 / 255
 +router, W = 8 246 / 254 / 250, no spills; 3.6.0: W = 2 255 / 255 / 255, W = 8 248 / 252 / 255 with 40 B spilled in
