@@ -266,15 +266,13 @@ warps only EXPAND it to its bf16 values, P * 2**(S - 127) (exact bf16 values: ko
 register operand. Builds (BUILDS; gemm_launch takes the MXTensor):
 * gluon-mx-expand (A_REGS=4): the rs-copy mainloop (8 MMA warps, one partition, the ring loaded by the MMA warps
   STAGES - 1 k-steps ahead, wgmma A from registers, the two-register-set unroll) with, per ring slot, the payload
-  tile uint8 [128, 64] (8 KiB, TMA, 64-byte swizzle), the scale box uint8 [128, 16] (2 KiB, TMA, no swizzle) and B
-  [256, 64] (32 KiB) under one mbarrier (expect 42 KiB). 4 slots: 168 + 16 (C piece) = 184 KiB (5 slots fit: 226
-  KiB, ``--config STAGES=5``).
-* Where the scales come from: the public [M, K/32] layout, unchanged, no host pass. A k-step needs 2 scale bytes a
-  row, but TMA's box needs an inner extent of >= 16 bytes, so each k-step loads the box [128 rows, 16 blocks] that
-  STARTS at its first block (TMA coordinates need no alignment; columns past K/32 are zero-filled) and reads columns
-  0 and 1 of it: 2 KiB from L2 per k-step instead of 256 B (8x over-read, +2 KiB on 8 + 32: the step still moves
-  42 KiB against bf16's 48), and no second barrier or ring. TMA also needs the row stride K/32 bytes to be a
-  multiple of 16: K % 512 == 0 (every llama shape, the check shapes; mx_descs says so otherwise).
+  tile uint8 [128, 64] (8 KiB, TMA, 64-byte swizzle), the scale box uint8 [2, 128] (256 B, TMA, no swizzle) and B
+  [256, 64] (32 KiB) under one mbarrier (expect 40.25 KiB). 4 slots: 161 + 16 (C piece) = 177 KiB.
+* Where the scales come from (s23 layout): k-major, scales_t [K/32, M] (``mx_a``: a transpose of kosmos.quant's
+  public [M, K/32]; a quantizer can write it directly). A k-step's box is [BK/32 = 2 blocks, 128 rows] at (off_k /
+  32, off_m): its inner dimension starts at off_m, 16-byte aligned, as a tiled TMA box must (s22's [128, 16] box of
+  the public layout started at byte 2 * k-step: the illegal instruction below). The MMA warps read it through a
+  permuted shared view ([128, 2]). TMA needs the row stride, M bytes, to be a multiple of 16.
 * Registers: the payload slot read as int16 [128, 32] (k-pairs; the same bytes, _pair_view) in DotOperandLayout
   (k_width 1), which is the bf16 A layout (k_width 2) in pair units: a thread holds rows r and r + 8 of its warp's
   16 and pairs c, c + 4, ..., c + 28 (c = lane % 4) -- 16 LDS.U16 per thread and k-step, conflict-free by the
@@ -305,8 +303,8 @@ register operand. Builds (BUILDS; gemm_launch takes the MXTensor):
 Compile check (Triton 3.6.0 + its ptxas 12.8, sm_90a, --compile-only; B [N, K], B [K, N] in brackets)
     build                  regs  spills  smem KiB  wgmma A   MMA loop: SASS per k-step and warp (32 A elements a thread)
     gluon-rs-copy          204 [196]  0   208.0    registers   96  (LDSM 4, A-register hazards 0)
-    gluon-mx-expand        215 [219]  0   184.0    registers  270  (hazards 0)
-    gluon-mx-expand-bits   207 [213]  0   184.0    registers  298  (hazards 0)
+    gluon-mx-expand        215 [219]  0   184.0    registers  270  (hazards 0)   s23 layout: 215, 0, 177.0, 268
+    gluon-mx-expand-bits   207 [213]  0   184.0    registers  298  (hazards 0)   s23 layout: 207, 0, 177.0, 296
   gluon-mx-expand's +174 over rs-copy, per element: the expansion 3.5 (F2FP 32 -- 16 E4M3x2 -> f16x2, 16 f32x2 ->
   bf16x2 --, HADD2.F32 32, FMUL 32, VIMNMX 16 per thread), payload loads 0.5 (16 LDS.U16; rs-copy: 4 LDSM), scales
   0.8 (2 LDS.U16, 4 PRMT, 8 ISETP, 4 IMAD.SHL, 8 FSEL: 4 multipliers), the third TMA and its address and loop
@@ -366,6 +364,9 @@ of the 16-byte box width and row stride. Fix to make (not made): the scales as [
 off_m, a permuted shared view for the load; the quantizer can write that layout directly), or a 16-aligned [128, 16]
 box kept for 8 k-steps with its column a constexpr of an unrolled 8-step loop. Nothing of the prediction above is
 measured yet; the expansion arithmetic is checked only by --emulate.
+s23 (2026-12-04): the first fix made (k-major scales, ``mx_a``; compiles under 3.6.0 with the same registers, the
+loop 2 instructions shorter). The quantize+gluon-mx-expand row now also times the scales' transpose (M * K / 32
+bytes, ~1 MB at 4k tokens and K 8192: a few microseconds).
 """
 from __future__ import annotations
 
@@ -769,7 +770,8 @@ def _mx_expand_dot(pairs, sc_smem, EXPAND: gl.constexpr):
     """The bf16 values [BM, BK] of an MX tile of A in wgmma's A-operand register layout (DotOperandLayout k_width
     2), from its payload k-pairs ``pairs`` (int16 [BM, BK/2] in DotOperandLayout k_width 1 -- the same thread and
     register for each pair: a thread holds 2 rows x 2 MX blocks x 4 pairs) and the E8M0 bytes of shared ``sc_smem``
-    (uint8 [BM, BK/32]: this k-step's blocks of the tile's rows; each thread loads its 4). EXPAND: 1 "cvt", 2
+    (uint8 [BM, BK/32], a permuted view of the k-major box: this k-step's blocks of the tile's rows; each thread
+    loads its 4). EXPAND: 1 "cvt", 2
     "bits" (_EXPAND_CVT / _EXPAND_BITS)."""
     BM: gl.constexpr = pairs.shape[0]
     BK2: gl.constexpr = pairs.shape[1]
@@ -792,7 +794,7 @@ def _mx_expand_dot(pairs, sc_smem, EXPAND: gl.constexpr):
 @gluon.jit
 def _expand_only_kernel(p_desc, s_desc, y_desc, EXPAND: gl.constexpr, num_warps: gl.constexpr):
     """y = dequantize_mx(payload, scales) through the GEMM's expansion (one [BM, BK] tile per program, num_warps
-    = 8): the payload tile and a [BM, 16] scale box starting at the tile's first block TMA'd into shared memory as
+    = 8): the payload tile and the k-major scale box [BK/32, BM] TMA'd into shared memory as
     the GEMM does, the pairs loaded into wgmma's A-operand layout, _mx_expand_dot, stored: the bitwise check."""
     BM: gl.constexpr = p_desc.block_type.shape[0]
     BK: gl.constexpr = p_desc.block_type.shape[1]
@@ -808,9 +810,9 @@ def _expand_only_kernel(p_desc, s_desc, y_desc, EXPAND: gl.constexpr, num_warps:
     mbarrier.init(bar, count=1)
     mbarrier.expect(bar, p_desc.block_type.nbytes + s_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(p_desc, [off_m, off_k], bar, src)
-    tma.async_copy_global_to_shared(s_desc, [off_m, off_k // 32], bar, sc)
+    tma.async_copy_global_to_shared(s_desc, [off_k // 32, off_m], bar, sc)
     mbarrier.wait(bar, 0)
-    y = _mx_expand_dot(_pair_view(src).load(w_layout), sc.slice(0, BK // 32, dim=1), EXPAND)
+    y = _mx_expand_dot(_pair_view(src).load(w_layout), sc.permute((1, 0)), EXPAND)
     dst.store(y)
     fence_async_shared()
     tma.async_copy_shared_to_global(y_desc, [off_m, off_k], dst)
@@ -853,8 +855,8 @@ def _next_step(ki, t, off_m, off_n, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
 def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, LOAD_A: gl.constexpr,
                  B_KMAJOR: gl.constexpr, s_desc, s_bufs, LOAD_S: gl.constexpr):
     """TMA loads of the cursor's k-step into MMA-ring slot s: B, and A too when ``LOAD_A`` (the plain build; the
-    MX payload in the expand builds), and with ``LOAD_S`` the scale box [BM, 16] of the tile's rows starting at the
-    k-step's first MX block (the step reads its first BK / 32 columns); ``b_ready`` completes when the bytes have
+    MX payload in the expand builds), and with ``LOAD_S`` the k-major scale box [BK/32, BM] of the k-step's blocks
+    and the tile's rows; ``b_ready`` completes when the bytes have
     landed. None past the last tile."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -869,7 +871,7 @@ def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + s_desc.block_type.nbytes,
                         pred=exists)
         tma.async_copy_global_to_shared(a_desc, [off_m, off_k], bar, a_bufs.index(s), pred=exists)
-        tma.async_copy_global_to_shared(s_desc, [off_m, off_k // 32], bar, s_bufs.index(s), pred=exists)
+        tma.async_copy_global_to_shared(s_desc, [off_k // 32, off_m], bar, s_bufs.index(s), pred=exists)
     elif LOAD_A:
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=exists)
         tma.async_copy_global_to_shared(a_desc, [off_m, off_k], bar, a_bufs.index(s), pred=exists)
@@ -1035,8 +1037,7 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                 elif A_REGS == 3:  # "rs-copy": the register path without rounding (a diagnostic)
                     a = a.load(a_layout)
                 elif A_REGS >= 4:  # "mx-expand": the MX payload and its scales -> bf16 values
-                    a = _mx_expand_dot(_pair_view(a).load(w_layout), s_bufs.index(s).slice(0, BK // 32, dim=1),
-                                       A_REGS - 3)
+                    a = _mx_expand_dot(_pair_view(a).load(w_layout), s_bufs.index(s).permute((1, 0)), A_REGS - 3)
                 b = b_bufs.index(s)
                 if B_KMAJOR:
                     b = b.permute((1, 0))
@@ -1181,7 +1182,7 @@ def config(round_mx: bool, impl: str = "packed", **over) -> dict:
     threads (ptxas allocates every partition within it: module docstring); ROUND_REGS: the rounding partition's
     setmaxnreg budget, the MMA partition gets the rest. A_REGS (1, 2, 3): the plain build's shape (8 warps, one
     partition, the A+B ring), A through registers (BUILDS); A_REGS 4, 5 (MX A): the same with 4 stages of payload
-    (8 KiB) + scale box (2 KiB) + B (32 KiB) = 168 KiB + the C piece: 184 KiB."""
+    (8 KiB) + scale box (256 B) + B (32 KiB) = 161 KiB + the C piece: 177 KiB."""
     cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
                ROUND_REGS=128 if impl == "kosmos" else 104, num_warps=8, A_REGS=0)
     cfg.update(OVERRIDES)
@@ -1201,7 +1202,7 @@ _PROF_DUMMY: dict = {}
 def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool = True, num_sms: int = 132,
                 prof=None, **over):
     """(kernel, grid, args, kwargs) of C = A @ B: ``a`` bf16 [M, K] (A_REGS 4, 5: an MX A, kosmos.quant's
-    (payload float8_e4m3fn [M, K], scales uint8 [M, K/32]), K % 512 == 0), ``b`` the weight bf16 [N, K]
+    (payload float8_e4m3fn [M, K], k-major scales uint8 [K/32, M]): ``mx_a``), ``b`` the weight bf16 [N, K]
     (``b_kmajor``) or [K, N], ``c`` bf16 [M, N]; M, N, K multiples of 128, 256, 64."""
     cfg = config(round_mx, impl, **over)
     mx = cfg["A_REGS"] >= 4
@@ -1267,30 +1268,37 @@ def round_dot_launch(x, y, a_regs: int):
                                                                                          num_warps=8)
 
 
-SCALE_BOX = 16  # the scale tile's TMA box: [BM, 16] bytes from the k-step's first block (16 bytes: TMA's minimum)
-
-
 def _u8(t):
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def mx_descs(payload, scales):
-    """TMA descriptors of an MX A (kosmos.quant's public layout, unchanged): the payload bytes [M, K] in [BM, BK]
-    tiles (64-byte rows, 64-byte swizzle), the scale bytes [M, K/32] in [BM, 16] boxes (a k-step reads 2 of the
-    16 columns; TMA needs the box's inner extent and the row stride to be multiples of 16 bytes: K % 512 == 0)."""
-    p, s = _u8(payload), _u8(scales)
-    if s.shape[1] % SCALE_BOX:
-        raise ValueError(f"K = {p.shape[1]}: the MX builds need K % {32 * SCALE_BOX} == 0 (the scales' row stride "
-                         f"K/32 bytes must be a multiple of 16 for TMA)")
+def mx_a(q):
+    """The probe's MX A from kosmos.quant's (payload [M, K], scales [M, K/32]): (payload, scales_t [K/32, M]), the
+    scale bytes k-major so that a k-step's box [BK/32, BM] starts at column off_m (16-byte aligned: a tiled TMA
+    box must start 16-byte aligned in its inner dimension -- s22c's illegal instruction was the [BM, 16] box of
+    the public layout starting at byte 2 * k-step)."""
+    payload, scales = q
+    return payload, _u8(scales).t().contiguous()
+
+
+def mx_descs(payload, scales_t):
+    """TMA descriptors of the probe's MX A (``mx_a``): the payload bytes [M, K] in [BM, BK] tiles (64-byte rows,
+    64-byte swizzle), the k-major scale bytes [K/32, M] in [BK/32, BM] boxes (no swizzle; TMA needs the row
+    stride, M bytes, to be a multiple of 16, and the box starts at off_m, a multiple of BM)."""
+    p, s = _u8(payload), _u8(scales_t)
+    if s.shape != (p.shape[1] // 32, p.shape[0]) or p.shape[0] % 16:
+        raise ValueError(f"scales_t {tuple(s.shape)} for payload {tuple(p.shape)}: the MX builds take mx_a's "
+                         f"k-major scales [K/32, M] with M % 16 == 0 (TMA's 16-byte row stride)")
     p_desc = TensorDescriptor.from_tensor(p, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.uint8))
-    s_desc = TensorDescriptor.from_tensor(s, [BM, SCALE_BOX], gl.NVMMASharedLayout.get_default_for([BM, SCALE_BOX],
-                                                                                                  gl.uint8))
+    s_desc = TensorDescriptor.from_tensor(s, [BK // 32, BM], gl.NVMMASharedLayout(swizzle_byte_width=0,
+                                                                                 element_bitwidth=8, rank=2))
     return p_desc, s_desc
 
 
-def expand_launch(payload, scales, y, expand: str = "cvt"):
-    """(kernel, grid, args, kwargs) of the expansion-only kernel y = dequantize_mx(payload, scales) (bf16)."""
-    p_desc, s_desc = mx_descs(payload, scales)
+def expand_launch(payload, scales_t, y, expand: str = "cvt"):
+    """(kernel, grid, args, kwargs) of the expansion-only kernel y = dequantize_mx(payload, scales) (bf16);
+    ``scales_t``: mx_a's k-major scales."""
+    p_desc, s_desc = mx_descs(payload, scales_t)
     y_desc = TensorDescriptor.from_tensor(y, [BM, BK], _nvmma([BM, BK]))
     return _expand_only_kernel, (y.shape[0] // BM, y.shape[1] // BK), (p_desc, s_desc, y_desc), dict(
         EXPAND=EXPANDS[expand], num_warps=8)
@@ -1298,7 +1306,7 @@ def expand_launch(payload, scales, y, expand: str = "cvt"):
 
 def gluon_mx_expand(payload, scales, expand="cvt"):
     y = torch.empty(payload.shape, dtype=torch.bfloat16, device=payload.device)
-    kernel, grid, args, kw = expand_launch(payload, scales, y, expand)
+    kernel, grid, args, kw = expand_launch(*mx_a((payload, scales)), y, expand)
     kernel[grid](*args, **kw)
     return y
 
@@ -1418,7 +1426,7 @@ def check_gemm(m, n, k, *, build, b_kmajor, gen) -> dict:
     mx = BUILDS[build]["ref"] == "mx"
     if BUILDS[build].get("a") == "mx":  # the op's MX input: the GEMM of dequantize_mx(quantize_mx(A))
         q = quantize_mx(a)
-        gluon_matmul(q, b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
+        gluon_matmul(mx_a(q), b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
         a_ref = dequantize_mx(*q)
     else:
         gluon_matmul(a, b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
@@ -1459,13 +1467,13 @@ def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
     w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
     calls = {"torch": lambda: torch.matmul(a, w.t())}
-    q = quantize_mx(a) if any(BUILDS.get(v, {}).get("a") == "mx" for v in variants) else None
+    q = mx_a(quantize_mx(a)) if any(BUILDS.get(v, {}).get("a") == "mx" for v in variants) else None
     for v in variants:
         if v in BUILDS:
             calls[v] = lambda kw=BUILDS[v]["kw"], src=q if BUILDS[v].get("a") == "mx" else a: gluon_matmul(
                 src, w, out=c, **kw)
         elif v in QUANTIZE_PLUS:
-            calls[v] = lambda kw=BUILDS[QUANTIZE_PLUS[v]]["kw"]: gluon_matmul(quantize_mx(a), w, out=c, **kw)
+            calls[v] = lambda kw=BUILDS[QUANTIZE_PLUS[v]]["kw"]: gluon_matmul(mx_a(quantize_mx(a)), w, out=c, **kw)
     ref = torch.matmul(a.float(), w.float().t())
     mx = {v for v in variants if v in QUANTIZE_PLUS or (v in BUILDS and BUILDS[v]["ref"] == "mx")}
     ref_mx = torch.matmul(mx_round(a).float(), w.float().t()) if mx else None
@@ -1504,7 +1512,7 @@ def profile_shape(name, m, n, k, variants, gen) -> list[dict]:
             continue
         grid = min(_num_sms(a.device), (m // BM) * (n // BN))
         prof = torch.zeros(grid, 16, dtype=torch.int64, device=DEVICE)
-        src = quantize_mx(a) if BUILDS[v].get("a") == "mx" else a
+        src = mx_a(quantize_mx(a)) if BUILDS[v].get("a") == "mx" else a
         gluon_matmul(src, w, out=c, prof=prof, **BUILDS[v]["kw"])   # compile + warm
         prof.zero_()
         gluon_matmul(src, w, out=c, prof=prof, **BUILDS[v]["kw"])
@@ -1701,10 +1709,9 @@ def _kstep_profile(sass, a_regs) -> dict:
 
 
 def _empty_mx(m, k, device):
-    """An uninitialised MX matrix (payload, scales) of [m, k] (compile-only shapes)."""
-    from kosmos.quant import MXTensor
-    return MXTensor(torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device),
-                    torch.empty(m, k // 32, dtype=torch.uint8, device=device))
+    """An uninitialised MX A of [m, k] in mx_a's form (payload, k-major scales) (compile-only shapes)."""
+    return (torch.empty(m, k, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(k // 32, m, dtype=torch.uint8, device=device))
 
 
 def compile_only(json_path=None, b_kmajor=True, builds=None) -> list[dict]:

@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1355,5 +1355,31 @@ PY
         --profile qkv-4k --json "$out/gluon-mx-expand.jsonl" > "$out/gluon-mx-expand.log" 2>&1
       echo "gluon expand timings rc=$?"; keep; tail -30 "$out/gluon-mx-expand.log"
     fi ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d" >&2; exit 2 ;;
+  s23a)  # session 23: the MX-expand probe with k-major scales (the s22c fault's fix): each expansion and GEMM build
+         # checked in its own process, compute-sanitizer only if the expand-only kernel still fails, then the
+         # timings of the builds whose GEMM check passed at the 8 llama shapes and the clock64 profile at qkv-4k
+    begin_stage s23a
+    ok_builds=""
+    for e in cvt bits; do
+      CUDA_LAUNCH_BLOCKING=1 timeout 90 python -m dev.gluon_expand_diag expand $e > "$out/expand-$e.log" 2>&1
+      rc=$?; echo "expand-only $e rc=$rc"; grep -E "^\{|Error|error" "$out/expand-$e.log" | tail -2 | cut -c1-300; keep
+      san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+      if [ $rc -ne 0 ] && [ -n "$san" ] && [ ! -f "$out/sanitizer.log" ]; then
+        timeout 150 "$san" --tool memcheck --show-backtrace no python -m dev.gluon_expand_diag expand $e \
+          > "$out/sanitizer.log" 2>&1; echo "sanitizer rc=$?"; grep -vE "^\{" "$out/sanitizer.log" | head -12 | cut -c1-200; keep
+      fi
+    done
+    for v in gluon-mx-expand gluon-mx-expand-bits; do
+      CUDA_LAUNCH_BLOCKING=1 timeout 90 python -m dev.gluon_expand_diag gemm $v > "$out/gemm-$v.log" 2>&1
+      rc=$?; echo "gemm $v rc=$rc"; grep -E "^\{|Error|error" "$out/gemm-$v.log" | tail -2 | cut -c1-300; keep
+      [ $rc -eq 0 ] && ok_builds="$ok_builds,$v"
+    done
+    case "$ok_builds" in *gluon-mx-expand,*|*gluon-mx-expand) ok_builds="$ok_builds,quantize+gluon-mx-expand";; esac
+    left=$((560 - SECONDS)); echo "timed builds: torch,gluon,gluon-rs-copy$ok_builds; left $left s"
+    if [ $left -gt 60 ]; then
+      timeout $left python -m dev.gluon_mx_probe --skip-checks --variants "torch,gluon,gluon-rs-copy$ok_builds" \
+        --profile qkv-4k --json "$out/gluon-mx-expand.jsonl" > "$out/gluon-mx-expand.log" 2>&1
+      echo "gluon expand timings rc=$?"; keep; tail -30 "$out/gluon-mx-expand.log"
+    fi ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d" >&2; exit 2 ;;
 esac
