@@ -164,11 +164,17 @@ def test_gluon_mx_probe_expansion_emulated_is_dequantize_mx():
     """dev.gluon_mx_probe's MX expansions (the arithmetic of the gluon-mx-expand builds, "cvt" and "bits"),
     emulated instruction by instruction on the CPU, give kosmos.quant's dequantize_mx bit for bit on every payload
     byte under every scale byte (NaN as the kernel's 0x7FC0; the sample holds NaN, +-inf, bf16 subnormal and
-    zero results); the scale boxes' TMA needs K % 512 == 0 and the probe says so."""
+    zero results); the scale boxes' TMA needs the k-major scales [K/32, M] with M % 16 == 0 and the probe says
+    so."""
     g = pytest.importorskip("dev.gluon_mx_probe")  # Triton's Gluon (3.6 on the GPU box, 3.9 here)
     for expand in g.EXPANDS:
         r = g.emulate_expand(expand)
         assert r["ok"], r
         assert min(r["nan_results"], r["inf_results"], r["subnormal_results"], r["zero_results"]) > 0, r
-    with pytest.raises(ValueError, match="K % 512"):
-        g.mx_descs(torch.empty(128, 256, dtype=torch.float8_e4m3fn), torch.empty(128, 8, dtype=torch.uint8))
+    for payload, scales_t in (((128, 256), (128, 8)),     # the public [M, K/32] layout, not mx_a's
+                              ((120, 256), (8, 120))):    # M bytes of row stride, not a multiple of 16
+        with pytest.raises(ValueError, match="M % 16"):
+            g.mx_descs(torch.empty(*payload, dtype=torch.float8_e4m3fn), torch.empty(*scales_t, dtype=torch.uint8))
+    p, s = g.mx_a((torch.empty(256, 512, dtype=torch.float8_e4m3fn), torch.arange(256 * 16).to(torch.uint8)
+                   .view(256, 16)))
+    assert s.shape == (16, 256) and s.is_contiguous() and int(s[3, 5]) == (5 * 16 + 3) % 256
