@@ -757,6 +757,14 @@ def _pair_view(buf):
 
 
 @gluon.jit
+def _scale_view(box):
+    """The k-major scale box uint8 [BK/32, BM] (TMA-written, no swizzle) as [BM, BK/32]: the same bytes through a
+    plain row-major SwizzledSharedLayout, then permuted. (s23a: ``box.permute`` of the NVMMA layout itself loaded as
+    if the bytes were [BM, BK/32] row-major -- the block-1 scale of row r read as row 2r + 1's, etc.)"""
+    return box._reinterpret(gl.uint8, box.shape, gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])).permute((1, 0))
+
+
+@gluon.jit
 def _words_bf16(w):
     """int32 [R, C] words, each two bf16 (the low half the even element) -> bf16 [R, 2C] (free: a word is the
     register the pair occupies)."""
@@ -812,7 +820,7 @@ def _expand_only_kernel(p_desc, s_desc, y_desc, EXPAND: gl.constexpr, num_warps:
     tma.async_copy_global_to_shared(p_desc, [off_m, off_k], bar, src)
     tma.async_copy_global_to_shared(s_desc, [off_k // 32, off_m], bar, sc)
     mbarrier.wait(bar, 0)
-    y = _mx_expand_dot(_pair_view(src).load(w_layout), sc.permute((1, 0)), EXPAND)
+    y = _mx_expand_dot(_pair_view(src).load(w_layout), _scale_view(sc), EXPAND)
     dst.store(y)
     fence_async_shared()
     tma.async_copy_shared_to_global(y_desc, [off_m, off_k], dst)
@@ -1037,7 +1045,7 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                 elif A_REGS == 3:  # "rs-copy": the register path without rounding (a diagnostic)
                     a = a.load(a_layout)
                 elif A_REGS >= 4:  # "mx-expand": the MX payload and its scales -> bf16 values
-                    a = _mx_expand_dot(_pair_view(a).load(w_layout), s_bufs.index(s).permute((1, 0)), A_REGS - 3)
+                    a = _mx_expand_dot(_pair_view(a).load(w_layout), _scale_view(s_bufs.index(s)), A_REGS - 3)
                 b = b_bufs.index(s)
                 if B_KMAJOR:
                     b = b.permute((1, 0))
