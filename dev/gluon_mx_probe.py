@@ -861,11 +861,13 @@ def _next_step(ki, t, off_m, off_n, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
 
 @gluon.jit
 def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, LOAD_A: gl.constexpr,
-                 B_KMAJOR: gl.constexpr, s_desc, s_bufs, LOAD_S: gl.constexpr):
+                 B_KMAJOR: gl.constexpr, s_desc, s_bufs, LOAD_S: gl.constexpr, flags, target, K,
+                 ROW_PASS: gl.constexpr, KC: gl.constexpr):
     """TMA loads of the cursor's k-step into MMA-ring slot s: B, and A too when ``LOAD_A`` (the plain build; the
     MX payload in the expand builds), and with ``LOAD_S`` the k-major scale box [BK/32, BM] of the k-step's blocks
     and the tile's rows; ``b_ready`` completes when the bytes have
-    landed. None past the last tile."""
+    landed. None past the last tile. ROW_PASS: A's rows are written by the row-pass partitions (_row_pass); at
+    the first k-step of each KC-column chunk, wait until every part of that (row block, chunk) is written."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     if B_KMAJOR:
@@ -874,6 +876,9 @@ def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready
         BN: gl.constexpr = b_desc.block_type.shape[1]
     exists = t < gl.cdiv(M, BM) * gl.cdiv(N, BN)
     off_k = ki * BK
+    if ROW_PASS:
+        if exists & (off_k % KC == 0):
+            _wait_rows(flags + (off_m // BM) * (K // KC) + off_k // KC, target)
     bar = b_ready.index(s)
     if LOAD_S:
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + s_desc.block_type.nbytes,
@@ -899,6 +904,57 @@ def _issue_raw(r, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN: gl.constexpr):
     exists = t < gl.cdiv(M, BM) * gl.cdiv(N, BN)
     mbarrier.expect(raw_ready.index(r), a_desc.block_type.nbytes, pred=exists)
     tma.async_copy_global_to_shared(a_desc, [off_m, ki * BK], raw_ready.index(r), raw.index(r), pred=exists)
+
+
+@gluon.jit
+def _fence_proxy_async():
+    """Orders this thread's generic-proxy global accesses with its async-proxy (TMA) ones (fence.proxy.async)."""
+    return gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_rows(flag, target):
+    """Spin until the row-pass count at ``flag`` reaches ``target`` (gpu-scope acquire), then the proxy fence: the
+    rows were written by generic stores of other SMs and are read next by TMA."""
+    v = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+    while v < target:
+        v = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+    _fence_proxy_async()
+
+
+@gluon.jit
+def _row_pass(src, dst, flags, M, K, BM: gl.constexpr, GROUP_M: gl.constexpr, KC: gl.constexpr,
+              ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """The row-pass partition (WARPS warps; ROW_PASS builds): rounds A to its MX values once, for the whole grid,
+    in parts of [ROWS, KC] (bf16 read as int32 words from ``src``, written to ``dst``, the tensor behind the MMA's
+    A descriptor). Parts are numbered in the order the tiles need them -- row-block group (GROUP_M, as _grouped_tile),
+    then KC chunk, then row block, then the ROWS slice -- and dealt round-robin over the programs; each part ends
+    with a partition barrier and a gpu-scope release increment of its (row block, chunk) count in ``flags``."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 32 // KC, KC // 32], [WARPS, 1], [1, 0])
+    KW: gl.constexpr = KC // 2
+    CH: gl.constexpr = BM // ROWS
+    num_m = M // BM
+    kcs = K // KC
+    n_parts = num_m * kcs * CH
+    per_group = GROUP_M * kcs * CH
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
+    cols = gl.arange(0, KW, layout=gl.SliceLayout(0, lay))
+    for q in range(gl.program_id(0), n_parts, gl.num_programs(0)):
+        g = q // per_group
+        rem = q % per_group
+        gm = gl.minimum(num_m - g * GROUP_M, GROUP_M)
+        kc = rem // (gm * CH)
+        r2 = rem % (gm * CH)
+        rb = g * GROUP_M + r2 // CH
+        r0 = rb * BM + (r2 % CH) * ROWS
+        offs = (r0 + rows).to(gl.int64)[:, None] * (K // 2) + (kc * KW + cols)[None, :]
+        x = gl.load(src + offs)
+        y = _round_compute((x, ), 1, ROWS, WARPS)[0]
+        gl.store(dst + offs, y)
+        _fence_proxy_async()
+        gl.thread_barrier()  # every warp's stores of the part before the release
+        gl.atomic_add(flags + rb * kcs + kc, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -980,7 +1036,8 @@ def _round_partition(a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, I
 @gluon.jit
 def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
                    ROUND_MX: gl.constexpr, B_KMAJOR: gl.constexpr, GROUP_M: gl.constexpr,
-                   num_warps: gl.constexpr, A_REGS: gl.constexpr, prof, PROF: gl.constexpr, s_desc, s_bufs):
+                   num_warps: gl.constexpr, A_REGS: gl.constexpr, prof, PROF: gl.constexpr, s_desc, s_bufs, flags,
+                   target, ROW_PASS: gl.constexpr, KC: gl.constexpr):
     """The MMA warps (num_warps = 8: two warpgroups of 64 rows each). Owns the B ring (SB slots; plain and A_REGS:
     the A+B ring) and loads SB - 1 k-steps ahead. A_REGS (1, 2: round; 3: copy; 4, 5: expand an MX A -- payload
     and scale box in the ring beside B, _mx_expand_dot with EXPAND = A_REGS - 3): A goes shared -> registers
@@ -1005,7 +1062,7 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
     LOAD_S: gl.constexpr = A_REGS >= 4
     for g in gl.static_range(SB - 1):
         _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, not ROUND_MX, B_KMAJOR,
-                     s_desc, s_bufs, LOAD_S)
+                     s_desc, s_bufs, LOAD_S, flags, target, K, ROW_PASS, KC)
         lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
     acc = gl.zeros([BM, BN], gl.float32, acc_layout)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -1059,7 +1116,7 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                 if ROUND_MX:  # (the tile's last step is released after the loop)
                     mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
                 _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N,
-                             not ROUND_MX, B_KMAJOR, s_desc, s_bufs, LOAD_S)  # k-step it + SB - 1, into the slot
+                             not ROUND_MX, B_KMAJOR, s_desc, s_bufs, LOAD_S, flags, target, K, ROW_PASS, KC)  # k-step it + SB - 1, into the slot
                 #                                                             step it - 1 has left
                 lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
                 it += 1
@@ -1099,15 +1156,19 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
 
 
 @gluon.jit
-def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, ROUND_MX: gl.constexpr, IMPL: gl.constexpr,
-                 B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr, RAW_STAGES: gl.constexpr,
-                 GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
+def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, src, dst, flags, target, ROUND_MX: gl.constexpr,
+                 IMPL: gl.constexpr, B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr,
+                 RAW_STAGES: gl.constexpr, GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
                  ROUND_REGS: gl.constexpr, num_warps: gl.constexpr, A_REGS: gl.constexpr = 0,
-                 PROF: gl.constexpr = False):
+                 PROF: gl.constexpr = False, ROW_PASS: gl.constexpr = False, KC: gl.constexpr = 512):
     """C [M, N] = A [M, K] @ B (bf16, fp32 accumulation), persistent (module docstring). Plain: one partition
     (the MMA warps load A and B themselves). ROUND_MX: warp_specialize([MMA warps, ROUND_WARPS rounding warps]).
     A_REGS 4, 5: A is MX (``a_desc`` its uint8 payload, ``s_desc`` its scale bytes; other builds pass a_desc
-    there, unused), expanded in registers."""
+    there, unused), expanded in registers. ROW_PASS: warp_specialize([MMA warps, ROUND_WARPS row-pass warps]):
+    the row pass rounds ``src`` (bf16 A as int32 words) to its MX values into ``dst``, which ``a_desc`` reads, once
+    per [ROUND_ROWS, KC] part, counting the parts of each (row block, KC chunk) in ``flags`` (release); the MMA
+    warps run the plain mainloop and wait for ``target`` parts before a chunk's first TMA load (module
+    docstring, s23)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     if B_KMAJOR:
@@ -1133,9 +1194,18 @@ def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, ROUND_MX: gl.con
             mbarrier.init(raw_ready.index(i), count=1)
         gl.warp_specialize([
             (_mma_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_done, c_smem, M, N, K,
-                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF, a_desc, a_bufs)),
+                              ROUND_MX, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF, a_desc, a_bufs, flags,
+                              target, False, KC)),
             (_round_partition, (a_desc, raw, raw_ready, a_bufs, a_ready, a_done, M, N, K, IMPL, ROUND_ROWS,
                                 ROUND_WARPS, GROUP_M, BN, prof, PROF)),
+        ], [ROUND_WARPS], [ROUND_REGS])
+    elif ROW_PASS:
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
+        gl.warp_specialize([
+            (_mma_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K,
+                              False, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF, a_desc, a_bufs, flags, target,
+                              True, KC)),
+            (_row_pass, (src, dst, flags, M, K, BM, GROUP_M, KC, ROUND_ROWS, ROUND_WARPS)),
         ], [ROUND_WARPS], [ROUND_REGS])
     else:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
@@ -1144,7 +1214,7 @@ def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, ROUND_MX: gl.con
         else:
             s_bufs = a_bufs
         _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K, False,
-                       B_KMAJOR, GROUP_M, num_warps, A_REGS, prof, PROF, s_desc, s_bufs)
+                       B_KMAJOR, GROUP_M, num_warps, A_REGS, prof, PROF, s_desc, s_bufs, flags, target, False, KC)
 
 
 # ============================================================================================ host side
@@ -1169,6 +1239,8 @@ BUILDS = {
     # A given in MX form (kosmos.quant.quantize_mx's payload + scales, the public layout), expanded in registers
     "gluon-mx-expand": dict(ref="mx", a="mx", kw=dict(round_mx=False, A_REGS=4)),
     "gluon-mx-expand-bits": dict(ref="mx", a="mx", kw=dict(round_mx=False, A_REGS=5)),
+    # bf16 A rounded to its MX values once per [16, 512] part by a row-pass partition, the plain mainloop (s23)
+    "gluon-mx-rowpass": dict(ref="mx", kw=dict(round_mx=False, ROW_PASS=1, ROUND_ROWS=16)),
 }
 # Not a build: a row timing quantize_mx(A) (bf16 -> MX, kosmos.quant's kernel) followed by the expand GEMM.
 QUANTIZE_PLUS = {"quantize+gluon-mx-expand": "gluon-mx-expand"}
@@ -1178,6 +1250,8 @@ DEFAULT_VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-ws-copy", "gluon
 # The expand run (module docstring, "gluon-mx-expand"): plain, the register path, the two expansions, the op from bf16
 EXPAND_VARIANTS = ("torch", "gluon", "gluon-rs-copy", "gluon-mx-expand", "gluon-mx-expand-bits",
                    "quantize+gluon-mx-expand")
+# The row-pass run (module docstring, s23): plain, the op from bf16 with the row pass, the expand op from bf16
+ROWPASS_VARIANTS = ("torch", "gluon", "gluon-mx-rowpass", "gluon-mx-expand", "quantize+gluon-mx-expand")
 
 
 OVERRIDES: dict = {}  # --config KEY=VALUE,...: applied to every Gluon GEMM build of the run
@@ -1192,10 +1266,10 @@ def config(round_mx: bool, impl: str = "packed", **over) -> dict:
     partition, the A+B ring), A through registers (BUILDS); A_REGS 4, 5 (MX A): the same with 4 stages of payload
     (8 KiB) + scale box (256 B) + B (32 KiB) = 161 KiB + the C piece: 177 KiB."""
     cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
-               ROUND_REGS=128 if impl == "kosmos" else 104, num_warps=8, A_REGS=0)
+               ROUND_REGS=128 if impl == "kosmos" else 104, num_warps=8, A_REGS=0, ROW_PASS=0, KC=512)
     cfg.update(OVERRIDES)
     cfg.update(over)
-    warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if round_mx and not cfg["A_REGS"] else 0)
+    warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if (round_mx and not cfg["A_REGS"]) or cfg["ROW_PASS"] else 0)
     cfg.setdefault("maxnreg", min(255, 65536 // (32 * warps)) // 8 * 8)
     return cfg
 
@@ -1222,6 +1296,15 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
         raise ValueError(f"M, N, K = {m}, {n}, {k}: the probe needs multiples of {BM}, {BN}, {BK} (A_REGS builds: K "
                          f"of {2 * BK}, their k-loop is unrolled twice)")
     b_block = [BN, BK] if b_kmajor else [BK, BN]
+    src = dst = flags = _dummy_i32(a[0].device if mx else a.device)
+    target = 0
+    if cfg["ROW_PASS"]:
+        if k % cfg["KC"] or BM % cfg["ROUND_ROWS"]:
+            raise ValueError(f"K = {k}: the row pass needs K % {cfg['KC']} == 0")
+        rp = _row_pass_state(a, cfg["KC"])
+        src, dst, flags = a.view(torch.int32), rp["dst"].view(torch.int32), rp["flags"]
+        target = (rp["epoch"] + 1) * (BM // cfg["ROUND_ROWS"])  # gluon_matmul commits the epoch once launched
+        a = rp["dst"]
     if mx:
         a_desc, s_desc = mx_descs(*a)
         a = a[0]
@@ -1238,10 +1321,30 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
               A_STAGES=cfg["A_STAGES"], RAW_STAGES=cfg["RAW_STAGES"], GROUP_M=cfg["GROUP_M"],
               ROUND_ROWS=cfg["ROUND_ROWS"], ROUND_WARPS=cfg["ROUND_WARPS"], ROUND_REGS=cfg["ROUND_REGS"],
               num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], A_REGS=cfg["A_REGS"])
-    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, s_desc, m, n, k, prof), kw
+    kw.update(ROW_PASS=bool(cfg["ROW_PASS"]), KC=cfg["KC"])
+    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, s_desc, m, n, k, prof, src, dst, flags, target), kw
 
 
 _SMS: dict = {}
+_ROW_PASS: dict = {}  # (device, M, K, KC) -> the row pass's output buffer, its counts and the launches' epoch
+_DUMMY_I32: dict = {}
+
+
+def _dummy_i32(device):
+    if device not in _DUMMY_I32:
+        _DUMMY_I32[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _DUMMY_I32[device]
+
+
+def _row_pass_state(a, kc):
+    """The ROW_PASS workspace of A's shape: ``dst`` bf16 [M, K] (A's MX values, written by the row pass, read by
+    the MMA's TMA), ``flags`` int32 [M / BM, K / KC] (parts written; never reset: launch e waits for e times the
+    parts per chunk) and ``epoch`` (launches done)."""
+    key = (a.device, a.shape[0], a.shape[1], kc)
+    if key not in _ROW_PASS:
+        _ROW_PASS[key] = dict(dst=torch.empty_like(a), epoch=0, flags=torch.zeros(
+            a.shape[0] // BM, a.shape[1] // kc, dtype=torch.int32, device=a.device))
+    return _ROW_PASS[key]
 
 
 def _num_sms(device) -> int:
@@ -1259,6 +1362,8 @@ def gluon_matmul(a, b, *, round_mx=False, impl="packed", b_kmajor=True, out=None
     kernel, grid, args, kw = gemm_launch(a, b, c, round_mx=round_mx, impl=impl, b_kmajor=b_kmajor,
                                          num_sms=_num_sms(a0.device), **over)
     kernel[grid](*args, **kw)
+    if kw["ROW_PASS"]:
+        _row_pass_state(a, kw["KC"])["epoch"] += 1
     return c
 
 
@@ -1954,7 +2059,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(LLAMA_SHAPES), help="comma-separated: " + ", ".join(LLAMA_SHAPES)
                     + " or MxNxK")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS)
-                    + "; or 'expand' for " + ",".join(EXPAND_VARIANTS))
+                    + "; or 'expand' for " + ",".join(EXPAND_VARIANTS) + "; or 'rowpass' for "
+                    + ",".join(ROWPASS_VARIANTS))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--skip-checks", action="store_true", help="timing only (the checks take ~10 s)")
@@ -1972,6 +2078,8 @@ def main(argv=None):
     args.variants_given = any(a.startswith("--variants") for a in (argv if argv is not None else sys.argv[1:]))
     if args.variants == "expand":
         args.variants = ",".join(EXPAND_VARIANTS)
+    elif args.variants == "rowpass":
+        args.variants = ",".join(ROWPASS_VARIANTS)
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: Gluon has no interpreter path here")
     for item in filter(None, args.config.split(",")):
