@@ -862,12 +862,15 @@ def _next_step(ki, t, off_m, off_n, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
 @gluon.jit
 def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, LOAD_A: gl.constexpr,
                  B_KMAJOR: gl.constexpr, s_desc, s_bufs, LOAD_S: gl.constexpr, flags, target, K,
-                 ROW_PASS: gl.constexpr, KC: gl.constexpr):
+                 ROW_PASS: gl.constexpr, KC: gl.constexpr, rows_ok):
     """TMA loads of the cursor's k-step into MMA-ring slot s: B, and A too when ``LOAD_A`` (the plain build; the
     MX payload in the expand builds), and with ``LOAD_S`` the k-major scale box [BK/32, BM] of the k-step's blocks
     and the tile's rows; ``b_ready`` completes when the bytes have
-    landed. None past the last tile. ROW_PASS: A's rows are written by the row-pass partitions (_row_pass); at
-    the first k-step of each KC-column chunk, wait until every part of that (row block, chunk) is written."""
+    landed. None past the last tile. ROW_PASS: A's rows are written by the row-pass partitions (_row_pass). At a
+    tile's first k-step one acquire of the row block's total (``flags[rb, K / KC]``) says whether all of its parts
+    are written (``rows_ok``, returned: the tile's later chunks need no check); while not, each KC-column chunk's
+    first k-step waits for that (row block, chunk)'s count. (s23b: a wait per chunk -- an atomic round trip every 8
+    k-steps -- cost the MMA loop ~40 cycles per k-step.) Returns ``rows_ok``."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     if B_KMAJOR:
@@ -878,7 +881,14 @@ def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready
     off_k = ki * BK
     if ROW_PASS:
         if exists & (off_k % KC == 0):
-            _wait_rows(flags + (off_m // BM) * (K // KC) + off_k // KC, target)
+            row = flags + (off_m // BM) * (K // KC + 1)
+            if off_k == 0:
+                rows_ok = (gl.atomic_add(row + K // KC, 0, sem="acquire", scope="gpu") >= target * (K // KC)).to(
+                    gl.int32)
+                if rows_ok != 0:
+                    _fence_proxy_async()
+            if rows_ok == 0:
+                _wait_rows(row + off_k // KC, target)
     bar = b_ready.index(s)
     if LOAD_S:
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + s_desc.block_type.nbytes,
@@ -894,6 +904,7 @@ def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready
         tma.async_copy_global_to_shared(b_desc, [off_n, off_k], bar, b_bufs.index(s), pred=exists)
     else:
         tma.async_copy_global_to_shared(b_desc, [off_k, off_n], bar, b_bufs.index(s), pred=exists)
+    return rows_ok
 
 
 @gluon.jit
@@ -930,7 +941,8 @@ def _row_pass(src, dst, flags, M, K, BM: gl.constexpr, GROUP_M: gl.constexpr, KC
     in parts of [ROWS, KC] (bf16 read as int32 words from ``src``, written to ``dst``, the tensor behind the MMA's
     A descriptor). Parts are numbered in the order the tiles need them -- row-block group (GROUP_M, as _grouped_tile),
     then KC chunk, then row block, then the ROWS slice -- and dealt round-robin over the programs; each part ends
-    with a partition barrier and a gpu-scope release increment of its (row block, chunk) count in ``flags``."""
+    with a partition barrier and gpu-scope release increments of its (row block, chunk) count and of the row
+    block's total in ``flags`` [M / BM, K / KC + 1]."""
     lay: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 32 // KC, KC // 32], [WARPS, 1], [1, 0])
     KW: gl.constexpr = KC // 2
     CH: gl.constexpr = BM // ROWS
@@ -954,7 +966,8 @@ def _row_pass(src, dst, flags, M, K, BM: gl.constexpr, GROUP_M: gl.constexpr, KC
         gl.store(dst + offs, y)
         _fence_proxy_async()
         gl.thread_barrier()  # every warp's stores of the part before the release
-        gl.atomic_add(flags + rb * kcs + kc, 1, sem="release", scope="gpu")
+        gl.atomic_add(flags + rb * (kcs + 1) + kc, 1, sem="release", scope="gpu")
+        gl.atomic_add(flags + rb * (kcs + 1) + kcs, 1, sem="release", scope="gpu")  # the row block's total
 
 
 @gluon.jit
@@ -1060,9 +1073,10 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
     k_steps, total = _num_steps(M, N, K, BM, BN, BK)
     lk, lt, l_m, l_n = _first_step(M, N, BM, BN, GROUP_M)  # the load cursor, SB - 1 k-steps ahead
     LOAD_S: gl.constexpr = A_REGS >= 4
+    rows_ok = gl.to_tensor(0)  # ROW_PASS: the load cursor's row block fully written (_issue_loads)
     for g in gl.static_range(SB - 1):
-        _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, not ROUND_MX, B_KMAJOR,
-                     s_desc, s_bufs, LOAD_S, flags, target, K, ROW_PASS, KC)
+        rows_ok = _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N, not ROUND_MX,
+                               B_KMAJOR, s_desc, s_bufs, LOAD_S, flags, target, K, ROW_PASS, KC, rows_ok)
         lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
     acc = gl.zeros([BM, BN], gl.float32, acc_layout)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -1115,8 +1129,9 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
                 gl.thread_barrier()  # both warpgroups' step it - 1 is done
                 if ROUND_MX:  # (the tile's last step is released after the loop)
                     mbarrier.arrive(a_done.index((it + SA - 1) % SA), pred=ki > 0)
-                _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready, M, N,
-                             not ROUND_MX, B_KMAJOR, s_desc, s_bufs, LOAD_S, flags, target, K, ROW_PASS, KC)  # k-step it + SB - 1, into the slot
+                rows_ok = _issue_loads((it + SB - 1) % SB, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, b_ready,
+                                       M, N, not ROUND_MX, B_KMAJOR, s_desc, s_bufs, LOAD_S, flags, target, K,
+                                       ROW_PASS, KC, rows_ok)  # k-step it + SB - 1, into the slot
                 #                                                             step it - 1 has left
                 lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BM, BN, BK, GROUP_M)
                 it += 1
@@ -1240,7 +1255,7 @@ BUILDS = {
     "gluon-mx-expand": dict(ref="mx", a="mx", kw=dict(round_mx=False, A_REGS=4)),
     "gluon-mx-expand-bits": dict(ref="mx", a="mx", kw=dict(round_mx=False, A_REGS=5)),
     # bf16 A rounded to its MX values once per [16, 512] part by a row-pass partition, the plain mainloop (s23)
-    "gluon-mx-rowpass": dict(ref="mx", kw=dict(round_mx=False, ROW_PASS=1, ROUND_ROWS=16)),
+    "gluon-mx-rowpass": dict(ref="mx", kw=dict(round_mx=False, ROW_PASS=1)),
 }
 # Not a build: a row timing quantize_mx(A) (bf16 -> MX, kosmos.quant's kernel) followed by the expand GEMM.
 QUANTIZE_PLUS = {"quantize+gluon-mx-expand": "gluon-mx-expand"}
@@ -1267,6 +1282,8 @@ def config(round_mx: bool, impl: str = "packed", **over) -> dict:
     (8 KiB) + scale box (256 B) + B (32 KiB) = 161 KiB + the C piece: 177 KiB."""
     cfg = dict(STAGES=4, A_STAGES=2, RAW_STAGES=3, EPI_N=64, GROUP_M=8, ROUND_ROWS=64, ROUND_WARPS=4,
                ROUND_REGS=128 if impl == "kosmos" else 104, num_warps=8, A_REGS=0, ROW_PASS=0, KC=512)
+    if over.get("ROW_PASS"):
+        cfg["ROUND_ROWS"] = 16  # the row pass's part: [16, KC]
     cfg.update(OVERRIDES)
     cfg.update(over)
     warps = cfg["num_warps"] + (cfg["ROUND_WARPS"] if (round_mx and not cfg["A_REGS"]) or cfg["ROW_PASS"] else 0)
@@ -1338,12 +1355,12 @@ def _dummy_i32(device):
 
 def _row_pass_state(a, kc):
     """The ROW_PASS workspace of A's shape: ``dst`` bf16 [M, K] (A's MX values, written by the row pass, read by
-    the MMA's TMA), ``flags`` int32 [M / BM, K / KC] (parts written; never reset: launch e waits for e times the
-    parts per chunk) and ``epoch`` (launches done)."""
+    the MMA's TMA), ``flags`` int32 [M / BM, K / KC + 1] (parts written per chunk, then per row block; never reset:
+    launch e waits for e times the parts) and ``epoch`` (launches done)."""
     key = (a.device, a.shape[0], a.shape[1], kc)
     if key not in _ROW_PASS:
         _ROW_PASS[key] = dict(dst=torch.empty_like(a), epoch=0, flags=torch.zeros(
-            a.shape[0] // BM, a.shape[1] // kc, dtype=torch.int32, device=a.device))
+            a.shape[0] // BM, a.shape[1] // kc + 1, dtype=torch.int32, device=a.device))
     return _ROW_PASS[key]
 
 
