@@ -1579,7 +1579,7 @@ def check_a_regs_sass(build, gen) -> dict:
                                                                                     device=DEVICE)
     b = torch.zeros(n, k, dtype=torch.bfloat16, device=DEVICE)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
-    kernel, grid, args, kw = gemm_launch(a, b, c, num_sms=_num_sms(a.device), **BUILDS[build]["kw"])
+    kernel, grid, args, kw = gemm_launch(a, b, c, num_sms=_num_sms(b.device), **BUILDS[build]["kw"])
     sass = _sass_text(kernel.warmup(*args, grid=grid, **kw))
     bad = _a_regs_hazards(sass)
     return {"kind": "check", "what": f"sass {build}: no write to an in-flight wgmma's A registers",
