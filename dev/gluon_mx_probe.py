@@ -935,11 +935,12 @@ def _wait_rows(flag, target):
 
 
 @gluon.jit
-def _row_pass(src, dst, flags, M, K, BM: gl.constexpr, GROUP_M: gl.constexpr, KC: gl.constexpr,
-              ROWS: gl.constexpr, WARPS: gl.constexpr):
+def _row_pass(src, src_scales, dst, flags, M, K, BM: gl.constexpr, GROUP_M: gl.constexpr, KC: gl.constexpr,
+              ROWS: gl.constexpr, WARPS: gl.constexpr, PASS: gl.constexpr):
     """The row-pass partition (WARPS warps; ROW_PASS builds): rounds A to its MX values once, for the whole grid,
     in parts of [ROWS, KC] (bf16 read as int32 words from ``src``, written to ``dst``, the tensor behind the MMA's
-    A descriptor). Parts are numbered in the order the tiles need them -- row-block group (GROUP_M, as _grouped_tile),
+    A descriptor; PASS 2: ``src`` holds an MX A's payload as int16 k-pairs and ``src_scales`` its [M, K/32] scale
+    bytes, each pair expanded to its two bf16 values by _EXPAND_CVT, bit for bit dequantize_mx). Parts are numbered in the order the tiles need them -- row-block group (GROUP_M, as _grouped_tile),
     then KC chunk, then row block, then the ROWS slice -- and dealt round-robin over the programs; each part ends
     with a partition barrier and gpu-scope release increments of its (row block, chunk) count and of the row
     block's total in ``flags`` [M / BM, K / KC + 1]."""
@@ -961,8 +962,18 @@ def _row_pass(src, dst, flags, M, K, BM: gl.constexpr, GROUP_M: gl.constexpr, KC
         rb = g * GROUP_M + r2 // CH
         r0 = rb * BM + (r2 % CH) * ROWS
         offs = (r0 + rows).to(gl.int64)[:, None] * (K // 2) + (kc * KW + cols)[None, :]
-        x = gl.load(src + offs)
-        y = _round_compute((x, ), 1, ROWS, WARPS)[0]
+        if PASS == 1:
+            y = _round_compute((gl.load(src + offs), ), 1, ROWS, WARPS)[0]
+        else:
+            p3 = gl.load(src + offs).reshape([ROWS, KC // 32, 16])
+            s_lay: gl.constexpr = gl.SliceLayout(2, p3.type.layout)
+            sr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_lay))
+            sb = gl.arange(0, KC // 32, layout=gl.SliceLayout(0, s_lay))
+            sc = gl.load(src_scales + (r0 + sr).to(gl.int64)[:, None] * (K // 32) + (kc * (KC // 32) + sb)[None, :])
+            w3 = gl.inline_asm_elementwise(_EXPAND_CVT, "=r,h,r",
+                                           [p3, gl.expand_dims(mx_scale_f32(sc.to(gl.int32)), 2)],
+                                           dtype=gl.int32, is_pure=True, pack=1)
+            y = gl.convert_layout(w3.reshape([ROWS, KW]), lay)
         gl.store(dst + offs, y)
         _fence_proxy_async()
         gl.thread_barrier()  # every warp's stores of the part before the release
@@ -1171,7 +1182,7 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
 
 
 @gluon.jit
-def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, src, dst, flags, target, ROUND_MX: gl.constexpr,
+def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, src, src_scales, dst, flags, target, ROUND_MX: gl.constexpr,
                  IMPL: gl.constexpr, B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr,
                  RAW_STAGES: gl.constexpr, GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
                  ROUND_REGS: gl.constexpr, num_warps: gl.constexpr, A_REGS: gl.constexpr = 0,
@@ -1183,7 +1194,8 @@ def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, src, dst, flags,
     the row pass rounds ``src`` (bf16 A as int32 words) to its MX values into ``dst``, which ``a_desc`` reads, once
     per [ROUND_ROWS, KC] part, counting the parts of each (row block, KC chunk) in ``flags`` (release); the MMA
     warps run the plain mainloop and wait for ``target`` parts before a chunk's first TMA load (module
-    docstring, s23)."""
+    docstring, s23). ROW_PASS 2: the pass expands an MX A instead (``src`` its payload as int16 k-pairs,
+    ``src_scales`` its public [M, K/32] scale bytes), with the "cvt" arithmetic."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     if B_KMAJOR:
@@ -1220,7 +1232,8 @@ def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, src, dst, flags,
             (_mma_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K,
                               False, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF, a_desc, a_bufs, flags, target,
                               True, KC)),
-            (_row_pass, (src, dst, flags, M, K, BM, GROUP_M, KC, ROUND_ROWS, ROUND_WARPS)),
+            (_row_pass, (src, src_scales, dst, flags, M, K, BM, GROUP_M, KC, ROUND_ROWS, ROUND_WARPS,
+                         ROW_PASS)),
         ], [ROUND_WARPS], [ROUND_REGS])
     else:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
@@ -1256,9 +1269,12 @@ BUILDS = {
     "gluon-mx-expand-bits": dict(ref="mx", a="mx", kw=dict(round_mx=False, A_REGS=5)),
     # bf16 A rounded to its MX values once per [16, 512] part by a row-pass partition, the plain mainloop (s23)
     "gluon-mx-rowpass": dict(ref="mx", kw=dict(round_mx=False, ROW_PASS=1)),
+    # an MX A (public layout) expanded to bf16 once per [16, 512] part by the row pass, the plain mainloop (s23)
+    "gluon-mx-expandpass": dict(ref="mx", a="mx", kw=dict(round_mx=False, ROW_PASS=2)),
 }
 # Not a build: a row timing quantize_mx(A) (bf16 -> MX, kosmos.quant's kernel) followed by the expand GEMM.
-QUANTIZE_PLUS = {"quantize+gluon-mx-expand": "gluon-mx-expand"}
+QUANTIZE_PLUS = {"quantize+gluon-mx-expand": "gluon-mx-expand",
+                 "quantize+gluon-mx-expandpass": "gluon-mx-expandpass"}
 VARIANTS = ("torch", ) + tuple(BUILDS) + tuple(QUANTIZE_PLUS)
 DEFAULT_VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-ws-copy", "gluon-mx-ws-norm", "gluon-rs-copy",
                     "gluon-mx-rs", "gluon-mx-expand", "gluon-mx-expand-bits", "quantize+gluon-mx-expand")
@@ -1266,7 +1282,7 @@ DEFAULT_VARIANTS = ("torch", "gluon", "gluon-mx-packed", "gluon-ws-copy", "gluon
 EXPAND_VARIANTS = ("torch", "gluon", "gluon-rs-copy", "gluon-mx-expand", "gluon-mx-expand-bits",
                    "quantize+gluon-mx-expand")
 # The row-pass run (module docstring, s23): plain, the op from bf16 with the row pass, the expand op from bf16
-ROWPASS_VARIANTS = ("torch", "gluon", "gluon-mx-rowpass", "gluon-mx-expand", "quantize+gluon-mx-expand")
+ROWPASS_VARIANTS = ("torch", "gluon", "gluon-mx-rowpass", "gluon-mx-expandpass", "quantize+gluon-mx-expandpass")
 
 
 OVERRIDES: dict = {}  # --config KEY=VALUE,...: applied to every Gluon GEMM build of the run
@@ -1304,7 +1320,7 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
     (payload float8_e4m3fn [M, K], k-major scales uint8 [K/32, M]): ``mx_a``), ``b`` the weight bf16 [N, K]
     (``b_kmajor``) or [K, N], ``c`` bf16 [M, N]; M, N, K multiples of 128, 256, 64."""
     cfg = config(round_mx, impl, **over)
-    mx = cfg["A_REGS"] >= 4
+    mx = cfg["A_REGS"] >= 4 or cfg["ROW_PASS"] == 2
     if mx != isinstance(a, tuple):
         raise ValueError("A_REGS 4, 5 take an MX A (payload, scales); the other builds a bf16 tensor")
     m, k = a[0].shape if mx else a.shape
@@ -1313,15 +1329,20 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
         raise ValueError(f"M, N, K = {m}, {n}, {k}: the probe needs multiples of {BM}, {BN}, {BK} (A_REGS builds: K "
                          f"of {2 * BK}, their k-loop is unrolled twice)")
     b_block = [BN, BK] if b_kmajor else [BK, BN]
-    src = dst = flags = _dummy_i32(a[0].device if mx else a.device)
+    src = src_scales = dst = flags = _dummy_i32(a[0].device if mx else a.device)
     target = 0
     if cfg["ROW_PASS"]:
         if k % cfg["KC"] or BM % cfg["ROUND_ROWS"]:
             raise ValueError(f"K = {k}: the row pass needs K % {cfg['KC']} == 0")
         rp = _row_pass_state(a, cfg["KC"])
-        src, dst, flags = a.view(torch.int32), rp["dst"].view(torch.int32), rp["flags"]
+        if mx:  # the expand pass: the payload as k-pairs, the public scales
+            src, src_scales = _u8(a[0]).view(torch.int16), _u8(a[1])
+        else:
+            src = a.view(torch.int32)
+        dst, flags = rp["dst"], rp["flags"]
         target = (rp["epoch"] + 1) * (BM // cfg["ROUND_ROWS"])  # gluon_matmul commits the epoch once launched
-        a = rp["dst"]
+        a, mx = dst, False
+        dst = dst.view(torch.int32)
     if mx:
         a_desc, s_desc = mx_descs(*a)
         a = a[0]
@@ -1338,8 +1359,9 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
               A_STAGES=cfg["A_STAGES"], RAW_STAGES=cfg["RAW_STAGES"], GROUP_M=cfg["GROUP_M"],
               ROUND_ROWS=cfg["ROUND_ROWS"], ROUND_WARPS=cfg["ROUND_WARPS"], ROUND_REGS=cfg["ROUND_REGS"],
               num_warps=cfg["num_warps"], maxnreg=cfg["maxnreg"], A_REGS=cfg["A_REGS"])
-    kw.update(ROW_PASS=bool(cfg["ROW_PASS"]), KC=cfg["KC"])
-    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, s_desc, m, n, k, prof, src, dst, flags, target), kw
+    kw.update(ROW_PASS=int(cfg["ROW_PASS"]), KC=cfg["KC"])
+    return _gemm_kernel, grid, (a_desc, b_desc, c_desc, s_desc, m, n, k, prof, src, src_scales, dst, flags,
+                                target), kw
 
 
 _SMS: dict = {}
@@ -1357,9 +1379,10 @@ def _row_pass_state(a, kc):
     """The ROW_PASS workspace of A's shape: ``dst`` bf16 [M, K] (A's MX values, written by the row pass, read by
     the MMA's TMA), ``flags`` int32 [M / BM, K / KC + 1] (parts written per chunk, then per row block; never reset:
     launch e waits for e times the parts) and ``epoch`` (launches done)."""
+    a = a[0] if isinstance(a, tuple) else a
     key = (a.device, a.shape[0], a.shape[1], kc)
     if key not in _ROW_PASS:
-        _ROW_PASS[key] = dict(dst=torch.empty_like(a), epoch=0, flags=torch.zeros(
+        _ROW_PASS[key] = dict(dst=torch.empty(a.shape, dtype=torch.bfloat16, device=a.device), epoch=0, flags=torch.zeros(
             a.shape[0] // BM, a.shape[1] // kc + 1, dtype=torch.int32, device=a.device))
     return _ROW_PASS[key]
 
@@ -1400,6 +1423,12 @@ def round_dot_launch(x, y, a_regs: int):
 
 def _u8(t):
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def mx_input(build, q):
+    """The MX A a build takes, from kosmos.quant's (payload, scales): mx_a's k-major scales for the register
+    expansion (A_REGS 4, 5), the public layout as it is for the expand pass (ROW_PASS 2)."""
+    return tuple(q) if BUILDS[build]["kw"].get("ROW_PASS") else mx_a(q)
 
 
 def mx_a(q):
@@ -1556,7 +1585,7 @@ def check_gemm(m, n, k, *, build, b_kmajor, gen) -> dict:
     mx = BUILDS[build]["ref"] == "mx"
     if BUILDS[build].get("a") == "mx":  # the op's MX input: the GEMM of dequantize_mx(quantize_mx(A))
         q = quantize_mx(a)
-        gluon_matmul(mx_a(q), b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
+        gluon_matmul(mx_input(build, q), b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
         a_ref = dequantize_mx(*q)
     else:
         gluon_matmul(a, b, b_kmajor=b_kmajor, out=c, **BUILDS[build]["kw"])
@@ -1597,13 +1626,14 @@ def bench_shape(name, m, n, k, variants, gen, iters, warmup) -> list[dict]:
     w = (torch.randn(n, k, generator=gen, device=DEVICE) / 64).to(torch.bfloat16)
     c = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
     calls = {"torch": lambda: torch.matmul(a, w.t())}
-    q = mx_a(quantize_mx(a)) if any(BUILDS.get(v, {}).get("a") == "mx" for v in variants) else None
+    q = quantize_mx(a) if any(BUILDS.get(v, {}).get("a") == "mx" for v in variants) else None
     for v in variants:
         if v in BUILDS:
-            calls[v] = lambda kw=BUILDS[v]["kw"], src=q if BUILDS[v].get("a") == "mx" else a: gluon_matmul(
-                src, w, out=c, **kw)
+            calls[v] = lambda kw=BUILDS[v]["kw"], src=mx_input(v, q) if BUILDS[v].get("a") == "mx" else a: (
+                gluon_matmul(src, w, out=c, **kw))
         elif v in QUANTIZE_PLUS:
-            calls[v] = lambda kw=BUILDS[QUANTIZE_PLUS[v]]["kw"]: gluon_matmul(mx_a(quantize_mx(a)), w, out=c, **kw)
+            calls[v] = lambda kw=BUILDS[QUANTIZE_PLUS[v]]["kw"], x=QUANTIZE_PLUS[v]: gluon_matmul(
+                mx_input(x, quantize_mx(a)), w, out=c, **kw)
     ref = torch.matmul(a.float(), w.float().t())
     mx = {v for v in variants if v in QUANTIZE_PLUS or (v in BUILDS and BUILDS[v]["ref"] == "mx")}
     ref_mx = torch.matmul(mx_round(a).float(), w.float().t()) if mx else None
@@ -1642,7 +1672,7 @@ def profile_shape(name, m, n, k, variants, gen) -> list[dict]:
             continue
         grid = min(_num_sms(a.device), (m // BM) * (n // BN))
         prof = torch.zeros(grid, 16, dtype=torch.int64, device=DEVICE)
-        src = mx_a(quantize_mx(a)) if BUILDS[v].get("a") == "mx" else a
+        src = mx_input(v, quantize_mx(a)) if BUILDS[v].get("a") == "mx" else a
         gluon_matmul(src, w, out=c, prof=prof, **BUILDS[v]["kw"])   # compile + warm
         prof.zero_()
         gluon_matmul(src, w, out=c, prof=prof, **BUILDS[v]["kw"])
@@ -1862,8 +1892,10 @@ def compile_only(json_path=None, b_kmajor=True, builds=None) -> list[dict]:
     print(f"{'build':<20} {'regs':>4} {'spill':>5} {'smem KiB':>8}  {'setmaxnreg':<24} {'A smem':>6}  "
           f"{'MMA loop / k-step':<18} {'rounding loop / k-step (warp)'}")
     for name in builds or BUILDS:
-        kernel, grid, args, kw = gemm_launch(a_mx if BUILDS[name].get("a") == "mx" else a, b, c, b_kmajor=b_kmajor,
-                                             **BUILDS[name]["kw"])
+        a_in = a
+        if BUILDS[name].get("a") == "mx":  # (the expand pass takes the public [M, K/32] scales)
+            a_in = (a_mx[0], a_mx[1].t().contiguous()) if BUILDS[name]["kw"].get("ROW_PASS") else a_mx
+        kernel, grid, args, kw = gemm_launch(a_in, b, c, b_kmajor=b_kmajor, **BUILDS[name]["kw"])
         rows.append(_compile_row(name, kernel.warmup(*args, grid=grid, **kw), kw))
     x = torch.empty(1024, 4096, dtype=torch.bfloat16, device=dev)
     for impl in ("kosmos", "packed", "norm"):
@@ -2137,9 +2169,10 @@ def main(argv=None):
         built = list(dict.fromkeys([v for v in variants if v in BUILDS]
                                    + [QUANTIZE_PLUS[v] for v in variants if v in QUANTIZE_PLUS]))
         for v in built:  # the expansion each MX-input build runs, bitwise against dequantize_mx first
-            if BUILDS[v].get("a") == "mx":
-                checks.append(lambda x=v: check_expand(next(e for e, i in EXPANDS.items()
-                                                            if i == BUILDS[x]["kw"]["A_REGS"] - 3), gen))
+            if BUILDS[v].get("a") == "mx":  # (the expand pass runs the "cvt" arithmetic)
+                checks.append(lambda x=v: check_expand(next((e for e, i in EXPANDS.items()
+                                                             if i == BUILDS[x]["kw"].get("A_REGS", 4) - 3), "cvt"),
+                                                       gen))
         rounders = []  # the rounding code each timed build runs, checked bitwise on its own first
         for v in built:
             if BUILDS[v]["ref"] != "mx" or BUILDS[v].get("a") == "mx":

@@ -1393,5 +1393,11 @@ PY
         --profile none --json "$out/rowpass-$c.jsonl" > "$out/rowpass-$c.log" 2>&1
       echo "rowpass $c rc=$?"; keep; grep -A9 "^ratio to" "$out/rowpass-$c.log" | head -1; grep -E "^(qkv|fc|attn)" "$out/rowpass-$c.log" | head -8
     done ;;
+  s23c)  # session 23: the row pass at rounding (bf16 A) and expanding (MX A: the op on an MXTensor) with checks,
+         # the 8 llama shapes, profile qkv-4k
+    begin_stage s23c
+    timeout 300 python -m dev.gluon_mx_probe --variants rowpass --profile qkv-4k --json "$out/rowpass.jsonl" \
+      > "$out/rowpass.log" 2>&1
+    echo "rowpass rc=$?"; keep; grep -E "ok=False|Error" "$out/rowpass.log" | head -5; tail -26 "$out/rowpass.log" ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d" >&2; exit 2 ;;
 esac
