@@ -267,6 +267,8 @@ def make_plan(kl, sources: dict, ws, info, views=()):
     buffers (a view the workspace returned, e.g. AllGather+GEMM's a_full, passed back in). ``views``: names of
     sources that are by construction views of another source (left out of the address check)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
+    from .kernels.w1_mx_matmul import GluonDescriptor
+    desc_types = (TensorDescriptor, ) + ((GluonDescriptor, ) if GluonDescriptor is not None else ())
     src = [(n, t) for n, t in sources.items() if t is not None]
     ptrs = [t.data_ptr() for n, t in src if n not in views]
     if len(set(ptrs)) != len(ptrs):
@@ -276,13 +278,13 @@ def make_plan(kl, sources: dict, ws, info, views=()):
         return None
     slots = []
     for i, v in enumerate(kl.args):
-        base = v.base if isinstance(v, TensorDescriptor) else v
+        base = v.base if isinstance(v, desc_types) else v
         if not isinstance(base, torch.Tensor):
             continue
         name = next((n for n, t in src if base is t), None) or next((n for n, t in src if _same(base, t)), None)
         if name is None:
             continue
-        if isinstance(v, TensorDescriptor):
+        if isinstance(v, desc_types):  # Triton's host descriptor or Gluon's (kernels/w1_mx_matmul.py)
             fields = dict(v.__dict__)
             fields["base"] = None
             slots.append((i, name, (type(v), fields)))

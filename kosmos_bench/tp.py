@@ -15,8 +15,10 @@ Precisions (``--dtype bf16,mxfp8``: every GEMM runs at each, bf16 first; each ro
 mxfp8 every implementation starts from the same bf16 activation ``a`` as at bf16 (make_inputs) and quantizes it
 inside the timed call (``kosmos.quant.quantize_mx``: MXFP8, E4M3 + an E8M0 scale per 32 elements along K); the
 weight's low-precision form is made once, outside the timed call, like a cached weight:
-  kosmos           quantize_mx(a), then the kosmos op on the MXTensor with b_mx = mx_round(b^T)^T (the weight's
-                   MX values in bf16, blocks along K); fixed-role and fixed-role-best the same with policy "fixed".
+  kosmos           the kosmos op on a with precision="mxfp8" (it quantizes a itself: inside the launch at W = 1 on
+                   Hopper, kernels/w1_mx_matmul.py; quantize_mx first otherwise) and b_mx = mx_round(b^T)^T (the
+                   weight's MX values in bf16, blocks along K); fixed-role and fixed-role-best the same with
+                   policy "fixed".
   nccl+cublas      quantize_mx(a); AG: NCCL all_gather_into_tensor of the payload (as uint8) and of the scales into
                    preallocated buffers, dequantize_mx, torch.matmul with b_mx. RS: dequantize_mx, torch.matmul
                    with b_mx, NCCL reduce_scatter_tensor of the bf16 partial. At W=1 the collectives are skipped
@@ -162,8 +164,8 @@ def _kosmos(inp: TPInputs, params: dict, config):
     if inp.dtype == MX:  # the activation quantized in the timed call, the weight's MX values made once
         a, b = inp.a, inp.b_mx
         if inp.g.op == "ag_gemm":
-            return (lambda: kosmos.all_gather_matmul(quant.quantize_mx(a), b, **kw)[1]), None
-        return (lambda: kosmos.matmul_reduce_scatter(quant.quantize_mx(a), b, **kw)), None
+            return (lambda: kosmos.all_gather_matmul(a, b, precision=MX, **kw)[1]), None
+        return (lambda: kosmos.matmul_reduce_scatter(a, b, precision=MX, **kw)), None
     if inp.g.op == "ag_gemm":
         return (lambda: kosmos.all_gather_matmul(inp.a, inp.b, **kw)[1]), None
     return (lambda: kosmos.matmul_reduce_scatter(inp.a, inp.b, **kw)), None

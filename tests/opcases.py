@@ -453,6 +453,19 @@ class InputChecks:
         b2 = cuda(bf16(16, 64)[:, :32])  # [16, 32], strides (64, 1): a column slice
         raises_before_launch(fake_world, self.op, cuda(bf16(8, 16)), b2, "row-major")
 
+    @pytest.mark.parametrize("precision", ["fp8", "MXFP8", "bfloat16", 8])
+    def test_unknown_precision(self, fake_world, precision):
+        raises_before_launch(fake_world, self.op, bf16(8, 32), bf16(32, 8), "precision=", precision=precision)
+
+    def test_mxfp8_precision_checks(self, fake_world):
+        """precision="mxfp8" quantizes a bf16 a: K must hold whole MX blocks, a must be bf16; an MXTensor is not
+        bf16."""
+        from kosmos.quant import MXTensor
+        raises_before_launch(fake_world, self.op, bf16(8, 16), bf16(16, 8), "multiple of 32", precision="mxfp8")
+        raises_before_launch(fake_world, self.op, torch.zeros(8, 32), bf16(32, 8), "bf16", precision="mxfp8")
+        mx = MXTensor(torch.zeros(8, 32, dtype=torch.float8_e4m3fn), torch.zeros(8, 1, dtype=torch.uint8))
+        raises_before_launch(fake_world, self.op, mx, bf16(32, 8), "precision='bf16'", precision="bf16")
+
     @pytest.mark.parametrize("policy", ["greedy", "SELF", "", "fixed-role"])
     def test_unknown_policy(self, fake_world, policy):
         raises_before_launch(fake_world, self.op, cuda(bf16(8, 16)), cuda(bf16(16, 8)), "unknown policy",

@@ -353,6 +353,45 @@ def test_w1_all_gather_matmul_mxfp8(no_tf32, ms, k, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ms,k,n", [(1000, 512, 640), (256, 8192, 1024), (64, 96, 256), (300, 1056, 264)])
+def test_w1_all_gather_matmul_quantizes_inside(no_tf32, ms, k, n):
+    """precision="mxfp8" on a bf16 a_shard at W=1 (on an H200: the Gluon kernel, kernels/w1_mx_matmul.py, rounding
+    A in its row pass): a_full is quant.mx_round(a) bit for bit, c is bitwise the op on quantize_mx(a) (the same
+    kernel expanding the MXTensor: the MMA sees the same values) and within TOL of the fp32 product of the MX
+    values; repeated calls are bitwise equal."""
+    import kosmos
+    from kosmos import quant, reference
+    from kosmos.kernels.w1_mx_matmul import unavailable
+    assert unavailable(torch.device("cuda")) is None or torch.cuda.get_device_capability() != (9, 0)
+    gen = torch.Generator().manual_seed(ms + k + n + 7)
+    x = randn((ms, k), gen, "cuda")
+    b = weight(k, n, gen, "cuda", False)
+    values, c = kosmos.all_gather_matmul(x, b, precision="mxfp8")
+    kosmos.check_errors()
+    assert torch.equal(values.view(torch.int16), quant.mx_round(x).view(torch.int16))
+    c_mx = kosmos.all_gather_matmul(quant.quantize_mx(x), b)[1]
+    assert torch.equal(c, c_mx)
+    assert reference.rel_err(c, quant.mx_round(x).float() @ b.float()) < TOL
+    assert torch.equal(kosmos.all_gather_matmul(x, b, precision="mxfp8")[1], c)
+
+
+@pytest.mark.gpu
+def test_w1_all_gather_matmul_quantizes_nonfinite_blocks():
+    """A block holding a NaN or an Inf: quant.mx_round's 0x7FC0 in each of its elements, the other blocks exact."""
+    import kosmos
+    from kosmos import quant
+    x = torch.randn(200, 1024, device="cuda").to(torch.bfloat16)
+    x[3, 40] = float("nan")
+    x[150, 999] = float("inf")
+    x[199, 0] = -float("inf")
+    b = torch.randn(1024, 256, device="cuda").to(torch.bfloat16)
+    values, c = kosmos.all_gather_matmul(x, b, precision="mxfp8")
+    kosmos.check_errors()
+    assert torch.equal(values.view(torch.int16), quant.mx_round(x).view(torch.int16))
+    assert torch.isnan(c[3]).all() and not torch.isnan(c[4]).any()
+
+
+@pytest.mark.gpu
 def test_mxfp8_bad_operands_raise():
     import kosmos
     from kosmos import quant

@@ -198,6 +198,23 @@ def test_w1_matmul_reduce_scatter_mxfp8(no_tf32, m, k, n):
     assert torch.equal(kosmos.matmul_reduce_scatter(mx, b), c)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(1000, 512, 640), (256, 8192, 1024), (300, 1056, 264)])
+def test_w1_matmul_reduce_scatter_quantizes_inside(no_tf32, m, k, n):
+    """precision="mxfp8" on a bf16 a at W=1: bitwise the op on quantize_mx(a), within TOL of the fp32 product of
+    the MX values, bitwise over repeats."""
+    import kosmos
+    from kosmos import quant, reference
+    gen = torch.Generator().manual_seed(m + k + n + 3)
+    x = randn((m, k), gen, "cuda")
+    b = weight(k, n, gen, "cuda", True)
+    c = kosmos.matmul_reduce_scatter(x, b, precision="mxfp8")
+    kosmos.check_errors()
+    assert torch.equal(c, kosmos.matmul_reduce_scatter(quant.quantize_mx(x), b))
+    assert reference.rel_err(c, quant.mx_round(x).float() @ b.float()) < TOL
+    assert torch.equal(kosmos.matmul_reduce_scatter(x, b, precision="mxfp8"), c)
+
+
 # ================================================================== the static GEMM of W = 1 (common.w1_matmul_kernel)
 def _w1_static(a, b_store, kmajor, grid, cfg=None, tail=0):
     from kosmos import planning

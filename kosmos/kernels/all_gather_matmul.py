@@ -114,10 +114,11 @@ from .. import launch_plan, planning, runtime
 from .. import schedule as sched
 from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, WAIT_MX_ROWS
 from ..config import AllGatherMatmulConfig, check_config
-from ..quant import MXTensor
+from ..quant import MXTensor, quantize_mx
 from .common import (check_launch, check_operands, copy_flat, deq_lagging, deq_needed, deq_should_help,
-                     host_descriptors, load_task, mx_dequant_rows, policy_args, store_tile, tile_matmul,
-                     tma_descriptor, w1_matmul_launch, wait_rows_dequantized)
+                     host_descriptors, load_task, mx_dequant_rows, policy_args, quantize_request, store_tile,
+                     tile_matmul, tma_descriptor, w1_matmul_launch, w1_mx_gluon, wait_rows_dequantized)
+from .w1_mx_matmul import w1_mx_call
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
 STAGE_PUSH: tl.constexpr = tl.constexpr(0)
@@ -374,7 +375,8 @@ def launch(*a, **k):
 
 def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
                       config: AllGatherMatmulConfig | None = None, policy: str = "self",
-                      comm_programs: int | None = None, trace: torch.Tensor | None = None):
+                      comm_programs: int | None = None, trace: torch.Tensor | None = None,
+                      precision: str | None = None):
     """``(a_full, c)`` with ``a_full = allgather(a_shard)`` over ``group`` and ``c = a_full @ b``.
 
     a_shard [M/W, K] bf16 CUDA, or MXFP8 (a ``kosmos.quant.MXTensor``: payload e4m3fn [M/W, K] + scales uint8
@@ -386,30 +388,45 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     ``config`` (``kosmos.AllGatherMatmulConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``trace`` (int64
     [grid, 1024, 4]) records per-program task events.
+    ``precision="mxfp8"`` with a bf16 ``a_shard``: the op quantizes it to MXFP8 itself (quant.quantize_mx's
+    rule) and multiplies its MX values; ``a_full`` is then the gathered MX values as bf16 [M, K] (a workspace
+    view, as above). At W = 1 on Hopper the quantization runs inside the launch (kernels/w1_mx_matmul.py, which
+    also takes every W = 1 MXTensor call); elsewhere quant.quantize_mx runs first, then the MX path.
     """
     # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
     first = a_shard[0] if isinstance(a_shard, tuple) and a_shard else a_shard
-    ws, key, plan = launch_plan.find("ag", group, (a_shard, b, trace), (config, policy, comm_programs),
+    ws, key, plan = launch_plan.find("ag", group, (a_shard, b, trace), (config, policy, comm_programs, precision),
                                      getattr(first, "device", None))
     if plan is not None:
         info = plan.info
         c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
-        payload, scales = a_shard if info["mx"] else (a_shard, None)
+        a_in = quantize_mx(a_shard) if info["quantize"] == "first" else a_shard
+        payload, scales = a_in if info["mx"] else (a_in, None)
         plan.call(ws, dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None, s=scales,
                            b=b.t() if info["b_kmajor"] else b, c=c, trace=trace), (c,), trace is not None)
-        return (a_shard if info["a_full"] is None else info["a_full"]), c
+        if info["quantize"]:
+            return info["a_values"], c
+        return (a_in if info["a_full"] is None else info["a_full"]), c
     config = check_config(AllGatherMatmulConfig, config)
+    quantize = quantize_request("a_shard", a_shard, precision)
     ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)
-    mx = isinstance(a_shard, tuple)
-    payload, scales = a_shard if mx else (a_shard, None)
-    device = payload.device
+    device = first.device
     ws = runtime.get_workspace(group, device)
     w, r = ws.world.size, ws.world.rank
+    gluon = (quantize or isinstance(a_shard, tuple)) and w1_mx_gluon(w, trace, policy, device)
+    if quantize and not gluon:  # quantized first, then the MX path (the values: its dequantized rows)
+        a_shard = quantize_mx(a_shard)
+    mx = isinstance(a_shard, tuple)
+    payload, scales = a_shard if mx else (a_shard, None)
     m = ms * w
     grid = runtime.num_sms(device)
     cfg = planning.tile_config(ms, n, k, world=w, programs=grid, mx=mx)
     check_launch(policy, comm_programs, trace, grid)
     chunks = -(-ms // cfg.BM)  # (not triton.cdiv: a JIT function, ~7 us per host call)
+    if gluon:
+        values, c = w1_mx_call(payload, scales, b_store, b_kmajor, ws, key, grid, OP_ALL_GATHER_MATMUL.value,
+                               quantize)
+        return (values if quantize else a_shard), c
     if mx:  # [gathered payload M*K | scales M*K/32 | dequantized bf16 M*K*2], each 16-byte aligned (W=1: the last)
         scale_off = -(-m * k // 16) * 16 if w > 1 else 0
         deq_off = -(-(scale_off + m * (k // 32)) // 16) * 16 if w > 1 else 0
@@ -441,7 +458,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
         kl = launch_plan.KernelLaunch(_all_gather_matmul_kernel, grid, args, kw)
     a_full = None if w == 1 else (MXTensor(gather, gather_scales) if mx else gather)
     info = dict(c_shape=(m, n), device=device, mx=mx, b_kmajor=b_kmajor, a_full=a_full,
-                clean=launch_plan.clean_check(ws))
+                clean=launch_plan.clean_check(ws), quantize="first" if quantize else None, a_values=dequantized)
     if key is not None:
         plan = launch_plan.make_plan(kl, dict(a=payload, a16=payload.view(torch.bfloat16) if mx else None,
                                               s=scales, b=b_store, c=c, trace=trace), ws, info, views=("a16",))
@@ -449,6 +466,9 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
             launch_plan.store(ws, key, plan)
     kl.launch(list(kl.args), outputs=(c,), clean=info["clean"], self_check=trace is None)
     ws.after_launch()
+    if quantize:
+        return dequantized, c
     if w == 1:
         return a_shard, c
     return (MXTensor(gather, gather_scales) if mx else gather), c
+

@@ -612,6 +612,37 @@ def check_operands(a_name: str, a, b, policy: str):
     return (rows, k, n) + b_layout(b)
 
 
+PRECISIONS = (None, "bf16", "mxfp8")
+
+
+def quantize_request(a_name: str, a, precision) -> bool:
+    """Whether a TP op is to quantize a bf16 ``a`` to MXFP8 itself (``precision="mxfp8"``); an MXTensor ``a`` is
+    MXFP8 already (precision None or "mxfp8"), a bf16 one without it is computed in bf16."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: choose None, 'bf16' or 'mxfp8'")
+    if isinstance(a, tuple):
+        if precision == "bf16":
+            raise ValueError(f"{a_name} is an MXTensor but precision='bf16'")
+        return False
+    if precision == "mxfp8":
+        if not isinstance(a, torch.Tensor) or a.dtype != torch.bfloat16:
+            raise ValueError(f"precision='mxfp8' quantizes a bf16 {a_name}; got "
+                             f"{getattr(a, 'dtype', type(a).__name__)}")
+        if a.dim() == 2 and a.shape[1] % 32:
+            raise ValueError(f"precision='mxfp8' needs K={a.shape[1]} to be a multiple of 32 (MX blocks)")
+        return True
+    return False
+
+
+def w1_mx_gluon(world: int, trace, policy: str, device) -> bool:
+    """Whether a W = 1 MXFP8 call runs the Gluon kernel (kernels/w1_mx_matmul.py): untraced, self policy, on a
+    GPU it supports; otherwise the op's own kernel with DEQ tasks (and, from bf16, quant.quantize_mx first)."""
+    if world != 1 or trace is not None or policy != "self":
+        return False
+    from .w1_mx_matmul import unavailable
+    return unavailable(device) is None
+
+
 def check_launch(policy: str, comm_programs, trace, grid: int) -> None:
     """Checks that depend on the grid (the device's SM count)."""
     policy_args(policy, comm_programs, grid)

@@ -94,9 +94,11 @@ from .. import launch_plan, planning, runtime
 from .. import schedule as sched
 from ..codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_MATMUL_REDUCE_SCATTER, WAIT_MX_ROWS, WAIT_RS_PARTIAL
 from ..config import MatmulReduceScatterConfig, check_config, default_config
+from ..quant import quantize_mx
 from .common import (check_launch, check_operands, deq_lagging, deq_needed, deq_should_help, host_descriptors,
-                     load_task, mx_dequant_rows, policy_args, store_rows, store_tile, tile_matmul,
-                     w1_matmul_launch, wait_rows_dequantized)
+                     load_task, mx_dequant_rows, policy_args, quantize_request, store_rows, store_tile,
+                     tile_matmul, w1_matmul_launch, w1_mx_gluon, wait_rows_dequantized)
+from .w1_mx_matmul import w1_mx_call
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
 STAGE_TILE: tl.constexpr = tl.constexpr(0)
@@ -349,7 +351,8 @@ def launch(*a, **k):
 
 def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
                           config: MatmulReduceScatterConfig | None = None, policy: str = "self",
-                          comm_programs: int | None = None, trace: torch.Tensor | None = None) -> torch.Tensor:
+                          comm_programs: int | None = None, trace: torch.Tensor | None = None,
+                          precision: str | None = None) -> torch.Tensor:
     """``c_shard`` = this rank's M/W rows of ``sum_r a_r @ b_r`` over ``group`` (fixed rank order).
 
     a [M, K/W] bf16 CUDA with M divisible by W, or MXFP8 (a ``kosmos.quant.MXTensor``, K/W a multiple of 32:
@@ -358,28 +361,39 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     it). K/W and N must be multiples of 8. Returns a new [M/W, N] bf16 tensor.
     ``config`` (``kosmos.MatmulReduceScatterConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation; ``trace`` as in
-    ``all_gather_matmul``.
+    ``all_gather_matmul``. ``precision="mxfp8"`` with a bf16 ``a``: the op quantizes it to MXFP8 itself and
+    multiplies its MX values -- inside the launch at W = 1 on Hopper (kernels/w1_mx_matmul.py, which also takes
+    every W = 1 MXTensor call), else quant.quantize_mx first.
     """
     # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
     first = a[0] if isinstance(a, tuple) and a else a
-    ws, key, plan = launch_plan.find("rs", group, (a, b, trace), (config, policy, comm_programs),
+    ws, key, plan = launch_plan.find("rs", group, (a, b, trace), (config, policy, comm_programs, precision),
                                      getattr(first, "device", None))
     if plan is not None:
         info = plan.info
         c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
+        if info["quantize"] == "first":
+            a = quantize_mx(a)
         payload, scales = a if info["mx"] else (a, None)
         plan.call(ws, dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace), (c,),
                   trace is not None)
         return c
     config = check_config(MatmulReduceScatterConfig, config)
+    quantize = quantize_request("a", a, precision)
     m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)
-    a, a_scales = a if isinstance(a, tuple) else (a, None)
-    ws = runtime.get_workspace(group, a.device)
+    ws = runtime.get_workspace(group, first.device)
     w, r = ws.world.size, ws.world.rank
     if m % w:
         raise ValueError(f"M={m} rows of a must divide by the world size {w}")
+    gluon = (quantize or isinstance(a, tuple)) and w1_mx_gluon(w, trace, policy, first.device)
+    if quantize and not gluon:  # quantized first, then the MX path
+        a = quantize_mx(a)
+    a, a_scales = a if isinstance(a, tuple) else (a, None)
     ms = m // w
     grid = runtime.num_sms(a.device)
+    if gluon:  # at W = 1 there is nothing to reduce: c = mx(a) @ b
+        return w1_mx_call(a, a_scales, b_store, b_kmajor, ws, key, grid, OP_MATMUL_REDUCE_SCATTER.value,
+                          quantize)[1]
     cfg = planning.tile_config(ms, n, k, world=w, programs=grid, mx=a_scales is not None)
     check_launch(policy, comm_programs, trace, grid)
     stage_bytes = m * n * 2 if w > 1 else 0  # at W=1 the tiles go straight into c_shard: no staging
@@ -404,7 +418,7 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
                                 comm_programs=comm_programs, trace=trace, a_scales=a_scales, dequantized=dequantized)
         kl = launch_plan.KernelLaunch(_matmul_reduce_scatter_kernel, grid, args, kw)
     info = dict(c_shape=(ms, n), device=a.device, mx=a_scales is not None, b_kmajor=b_kmajor,
-                clean=launch_plan.clean_check(ws))
+                clean=launch_plan.clean_check(ws), quantize="first" if quantize else None)
     if key is not None:
         plan = launch_plan.make_plan(kl, dict(a=a, s=a_scales, b=b_store, c=c, trace=trace), ws, info)
         if plan is not None:
@@ -412,3 +426,4 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     kl.launch(list(kl.args), outputs=(c,), clean=info["clean"], self_check=trace is None)
     ws.after_launch()
     return c
+
