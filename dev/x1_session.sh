@@ -1399,5 +1399,17 @@ PY
     timeout 300 python -m dev.gluon_mx_probe --variants rowpass --profile qkv-4k --json "$out/rowpass.jsonl" \
       > "$out/rowpass.log" 2>&1
     echo "rowpass rc=$?"; keep; grep -E "ok=False|Error" "$out/rowpass.log" | head -5; tail -26 "$out/rowpass.log" ;;
+  s23d)  # session 23: the W = 1 MXFP8 Gluon kernel in the ops (kernels/w1_mx_matmul.py): the MX GPU tests around it
+    begin_stage s23d
+    gpu_tests mx-w1 500 "mx or quantizes or graph or plan" tests/test_all_gather_matmul.py \
+      tests/test_matmul_reduce_scatter.py tests/test_cuda_graphs.py tests/test_launch_plan.py tests/test_nn_tp.py ;;
+  s23e)  # session 23: the committed W = 1 TP run at bf16 and mxfp8 (issue 14's bar), rendered
+    begin_stage s23e
+    timeout 560 python -m kosmos_bench.cli bench tp --tp 1 --shapes-tp 2 --model llama3-70b --dtype bf16,mxfp8 \
+      --out "$out/tp-mxfp8-w1-shard2.jsonl" > "$out/bench.log" 2>&1; echo "bench rc=$?"; keep
+    timeout 20 python -m kosmos_bench.cli report "$out/tp-mxfp8-w1-shard2.jsonl" --format md \
+      --out "$out/tp-mxfp8-w1-shard2.md" >> "$out/bench.log" 2>&1
+    COLUMNS=120 timeout 20 python -m kosmos_bench.cli report "$out/tp-mxfp8-w1-shard2.jsonl" > "$out/report.txt" \
+      2>> "$out/bench.log"; keep; tail -5 "$out/bench.log"; head -60 "$out/report.txt" ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d" >&2; exit 2 ;;
 esac
