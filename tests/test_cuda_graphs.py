@@ -92,7 +92,7 @@ def _input_sets(shapes, seed):
 # ============================================================================================ one GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["ag", "rs"])
-@pytest.mark.parametrize("mx", [False, True], ids=["bf16", "mxfp8"])
+@pytest.mark.parametrize("mx", [False, True, "inside"], ids=["bf16", "mxfp8", "mxfp8-inside"])
 @pytest.mark.parametrize("ms,k,n", [(300, 512, 1000), (37, 136, 264),
                                     pytest.param(3000, 7168, 3072, id="stream-k"),  # planning.w1_plan's stream-K
                                     pytest.param(1024, 8192, 3072, id="tail"),  # its 128x192 tail tiles
@@ -102,7 +102,7 @@ def test_w1_tp_op_replays_bitwise_equal_eager(no_tf32, op, mx, ms, k, n):
     from kosmos import quant
     if mx and k % 32:
         pytest.skip("MX blocks need K % 32 == 0")
-    (a, b), set_inputs = _input_sets([(ms, k), (k, n)], seed=ms + k + n + mx)
+    (a, b), set_inputs = _input_sets([(ms, k), (k, n)], seed=ms + k + n + bool(mx))
     fn = kosmos.all_gather_matmul if op == "ag" else kosmos.matmul_reduce_scatter
     plan = planning.w1_plan(ms, n, k, programs=runtime.num_sms(a.device))
     if ms == 3000:  # the params named stream-k / tail / split must still take that schedule (the bf16 ops' static
@@ -112,8 +112,8 @@ def test_w1_tp_op_replays_bitwise_equal_eager(no_tf32, op, mx, ms, k, n):
     if ms == 512:
         assert plan.split > 1
 
-    def call():
-        out = fn(quant.quantize_mx(a) if mx else a, b)  # quantize_mx: a launch of its own, captured too
+    def call():  # quantize_mx: a launch of its own, captured too; "inside": the op quantizes (precision="mxfp8")
+        out = fn(a, b, precision="mxfp8") if mx == "inside" else fn(quant.quantize_mx(a) if mx else a, b)
         return out[1] if op == "ag" else out
     _replays_match_eager(call, set_inputs)
     ref = (quant.quantize_mx(a).dequantize(torch.float32) if mx else a.float()) @ b.float()

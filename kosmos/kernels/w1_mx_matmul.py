@@ -25,7 +25,8 @@ Synchronisation (``counters``, int32, zero between launches):
   row block's total once (device.reached: a gpu-scope acquire and the generic -> async proxy fence); while it is
   short, each chunk's first k-step waits for that chunk's count (device.wait_geq, bounded: WAIT_MX_ROWS). No
   launch argument carries an epoch: the counters start at zero and the last program out resets them after the
-  join of both partitions, so a CUDA-graph replay starts clean. Deadlock-freedom: the grid is at most the SM
+  join of both partitions (and advances the workspace's device epoch, the count of calls completed), so a
+  CUDA-graph replay starts clean. Deadlock-freedom: the grid is at most the SM
   count with one program per SM (208 KiB of shared memory), so every part's program runs; a row pass waits for
   nothing.
 
@@ -361,11 +362,12 @@ if GLUON_MISSING is None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _w1_mx_matmul_kernel(a_desc, b_desc, c_desc, src, src_scales, values, counters, errors, M, N, K,
-                             timeout_us, PASS: gl.constexpr, OP: gl.constexpr, B_KMAJOR: gl.constexpr,
+    def _w1_mx_matmul_kernel(a_desc, b_desc, c_desc, src, src_scales, values, counters, errors, epoch_slot, M, N,
+                             K, timeout_us, PASS: gl.constexpr, OP: gl.constexpr, B_KMAJOR: gl.constexpr,
                              num_warps: gl.constexpr):
         """c = mx(A) @ B (module docstring): the MMA partition and the row pass, then the last program out
-        resets ``counters``."""
+        resets ``counters`` and advances the workspace's device epoch (calls completed: runtime.device_epoch;
+        nothing here reads it)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES_] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES_] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
@@ -384,6 +386,7 @@ if GLUON_MISSING is None:
             for base in range(0, n, 1024):
                 o = base + gl.arange(0, 1024, layout=zl)
                 gl.store(counters + o, 0, mask=o < n)
+            gl.atomic_add(epoch_slot, 1, sem="release", scope="gpu")
 
 
 def counter_slots(m: int, k: int) -> int:
@@ -407,7 +410,7 @@ def w1_mx_matmul_launch(a, scales, b_store, b_kmajor: bool, c, values, ws, progr
     grid = min(programs, -(-m // BM) * -(-n // BN))
     b_desc = _desc(b_store, [BN, BK] if b_kmajor else [BK, BN])
     args = (_desc(values, [BM, BK]), b_desc, _desc(c, [BM, EPI_N]), a, a if scales is None else scales, values,
-            ws.counters, ws.errors, m, n, k, max(1, ws.timeout_ns() // 1000))
+            ws.counters, ws.errors, ws.epoch_slot, m, n, k, max(1, ws.timeout_ns() // 1000))
     kw = dict(PASS=ROUND if scales is None else EXPAND, OP=op, B_KMAJOR=b_kmajor, num_warps=MMA_WARPS,
               maxnreg=MAXNREG)
     return launch_plan.KernelLaunch(_w1_mx_matmul_kernel, grid, args, kw)
