@@ -366,7 +366,27 @@ box kept for 8 k-steps with its column a constexpr of an unrolled 8-step loop. N
 measured yet; the expansion arithmetic is checked only by --emulate.
 s23 (2026-12-04): the first fix made (k-major scales, ``mx_a``; compiles under 3.6.0 with the same registers, the
 loop 2 instructions shorter). The quantize+gluon-mx-expand row now also times the scales' transpose (M * K / 32
-bytes, ~1 MB at 4k tokens and K 8192: a few microseconds).
+bytes, ~1 MB at 4k tokens and K 8192: a few microseconds). Then a second fault: ``permute`` of the box's NVMMA
+shared layout loaded the bytes as if they were [BM, 2] row-major (dev/gluon_expand_diag ``map``: block 1 of row r
+read row 2r + 1's block 0); read through a plain row-major SwizzledSharedLayout, permuted (_scale_view), every
+check passes (s23a).
+
+MEASURED s23 (one H200, Triton 3.6.0; results/h200x1/s23, predictions in s23/predictions.md), time / plain Gluon
+over the 8 llama shapes: gluon-mx-expand 1.196-1.226 (predicted 1.00-1.06: wrong), -bits 1.218-1.283; profile
+qkv-4k: expansion 626 cycles per k-step and warp (predicted 400-550), wgmma_wait 153 (plain 544), barrier + refill
+390 (272): the k-step 1269 against 947. The expansion does not hide under the wgmma, and it is redone for every
+column tile (N / 256 times per A element). quantize+gluon-mx-expand 1.23-1.33x of torch.matmul. Lost.
+
+s23: the row pass (gluon-mx-rowpass / gluon-mx-expandpass, ROW_PASS 1 / 2). A's MX values made ONCE for the grid
+by a 4-warp partition (_row_pass, parts [16, 512] in the order the tiles need them, release counts per (row
+block, chunk) and per row block) into a bf16 buffer; the MMA warps run the plain mainloop, acquiring the row
+block's total once per tile (while short, each chunk's count). Measured, time / torch.matmul: rowpass (from bf16)
+1.004-1.052, expandpass (from an MX A) 0.995-1.039, quantize+expandpass 1.017-1.129 (s23c); a wait per chunk
+instead of the per-tile total cost +1.5-2% (s23b's first run); KC = 1024 and 32-row parts: no better (s23b).
+Profile qkv-4k: k-step 975 cycles (plain 947), barrier + refill 379 (270), wgmma_wait 451 (545). This became
+the product's W = 1 MX kernel, kosmos/kernels/w1_mx_matmul.py (which now holds the one copy of the packed
+rounding -- with a NaN / Inf block written as quant.mx_round's 0x7FC0, +32 ALU per k-step and warp in the
+gluon-mx-packed build, whose s21 timings predate it -- and of the cvt expansion).
 """
 from __future__ import annotations
 
@@ -385,6 +405,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kosmos.kernels.common import _grouped_tile  # tile t -> (m, n), GROUP_M row tiles per column sweep (L2)
+from kosmos.kernels.w1_mx_matmul import _EXPAND_PAIR as _EXPAND_CVT  # the product's copies (s23)
+from kosmos.kernels.w1_mx_matmul import _absmax_bf16x2, _mx_round_words, _splat2
 from kosmos.quant import _BF16_QNAN, _rceil_exponent, dequantize_mx, mx_round, mx_round_bf16, mx_scale_f32, quantize_mx
 
 DEVICE = "cuda"  # the checks' and timings' device (a CPU dry run of the host code sets "cpu")
@@ -393,14 +415,6 @@ IMPLS = {"kosmos": 0, "packed": 1, "norm": 2, "copy": 3}  # IMPL: the rounding p
 
 
 # ============================================================================================ MX rounding of a tile
-@gluon.jit
-def _absmax_bf16x2(a, b):
-    """max(|a|, |b|) of each 16-bit half of two int32 words holding bf16 pairs, NaN-propagating (a NaN gives the
-    canonical 0x7FFF); the result's sign bits are meaningless (xorsign), the caller masks them."""
-    return gl.inline_asm_elementwise("max.NaN.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int32,
-                                     is_pure=True, pack=1)
-
-
 @gluon.jit
 def _tree_absmax(w):
     """[R, NB, 16] words -> [R, NB]: _absmax_bf16x2 over the last axis as a tree of depth 4 (15 ops; gl.reduce's
@@ -413,43 +427,6 @@ def _tree_absmax(w):
         m = _absmax_bf16x2(a, b)
     a, b = m.split()
     return gl.convert_layout(_absmax_bf16x2(a, b), gl.SliceLayout(2, w.type.layout))
-
-
-@gluon.jit
-def _splat2(h):
-    """A 16-bit pattern in both halves of an int32 word."""
-    return h | (h << 16)
-
-
-@gluon.jit
-def _mx_round_words(w):
-    """The MX values of bf16 pairs: ``w`` int32 [R, NB, 16], each word two consecutive bf16 of a row, the last axis
-    one MX block of 32 elements; returns the words of their MX values (module docstring, "packed"): the same
-    values as kosmos.quant.mx_round_bf16 bit for bit, but a NaN/Inf block reads 0x7FFF / 0xFFFF (canonical NaN with
-    the input's sign) where mx_round_bf16 writes 0x7FC0."""
-    amax_w = _tree_absmax(w)                                          # [R, NB]: per half, the max magnitude
-    amax = gl.maximum(amax_w & 0x7FFF, (amax_w >> 16) & 0x7FFF) << 16  # fp32 bits of the block's amax
-    nonfinite = amax >= 0x7F800000
-    xexp = _rceil_exponent(amax)                                      # kosmos.quant's RCEIL exponent, as is
-    shift = gl.where(xexp < -90, 64, gl.where(xexp > 90, -64, 0))     # as _mx_round_scaled: keeps C a normal
-    s16 = _splat2(gl.where(nonfinite, 0x7FC0, (131 + shift) << 7))    # bf16 2**(shift + 4) (NaN: block -> NaN)
-    s1 = _splat2(gl.where(nonfinite, 0x7FC0, (127 + shift) << 7))     # bf16 2**shift
-    cb = _splat2((xexp + shift + 125) << 7)                           # bf16 2**(X + shift - 2), normal
-    sinv = _splat2((127 - shift) << 7)                                # bf16 2**-shift
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .b32 c, t;
-        mul.rn.bf16x2 c, $1, $2;
-        and.b32 c, c, 0xFF80FF80;
-        max.xorsign.abs.bf16x2 c, c, $3;
-        fma.rn.bf16x2 t, $1, $4, c;
-        sub.rn.bf16x2 t, t, c;
-        mul.rn.bf16x2 t, t, $5;
-        lop3.b32 $0, t, $1, 0x80008000, 0xF8;
-        }""",
-        "=r,r,r,r,r,r",
-        [w, gl.expand_dims(s16, 2), gl.expand_dims(cb, 2), gl.expand_dims(s1, 2), gl.expand_dims(sinv, 2)],
-        dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -710,20 +687,7 @@ def _round_only_dot_kernel(x_desc, y_desc, A_REGS: gl.constexpr, num_warps: gl.c
 # -> bf16x2 rounding to nearest even once (bf16 subnormals and underflow to +-0 exactly as dequantize_mx's integer
 # rounding of the same fp32), then a signed 16-bit min with 0x7FC0: the hardware's canonical NaN 0x7FFF becomes
 # dequantize_mx's 0x7FC0, and every other result (<= 0x7F80 or negative as an int16) is left alone.
-_EXPAND_CVT = gl.constexpr("""{
-        .reg .b16 e0, e1;
-        .reg .b32 h, qnan;
-        .reg .f32 f0, f1;
-        cvt.rn.f16x2.e4m3x2 h, $1;
-        mov.b32 {e0, e1}, h;
-        cvt.f32.f16 f0, e0;
-        cvt.f32.f16 f1, e1;
-        mul.rn.f32 f0, f0, $2;
-        mul.rn.f32 f1, f1, $2;
-        cvt.rn.bf16x2.f32 $0, f1, f0;
-        mov.b32 qnan, 0x7FC07FC0;
-        min.s16x2 $0, $0, qnan;
-        }""")
+# _EXPAND_CVT: kosmos.kernels.w1_mx_matmul._EXPAND_PAIR (imported above; the product keeps the one copy)
 # EXPAND 2 ("bits"), no conversion instruction: the byte pair spread to two halves with each byte's sign replicated
 # above it (prmt 0x9180), shifted left 4 and masked: S 0000 eeee mmm 0000 per half, which read as bf16 is the E4M3
 # value times 2**-120 exactly (the E4M3 exponent field lands in the bottom of bf16's, so E4M3 subnormals become bf16
@@ -940,8 +904,9 @@ def _row_pass(src, src_scales, dst, flags, M, K, BM: gl.constexpr, GROUP_M: gl.c
     """The row-pass partition (WARPS warps; ROW_PASS builds): rounds A to its MX values once, for the whole grid,
     in parts of [ROWS, KC] (bf16 read as int32 words from ``src``, written to ``dst``, the tensor behind the MMA's
     A descriptor; PASS 2: ``src`` holds an MX A's payload as int16 k-pairs and ``src_scales`` its [M, K/32] scale
-    bytes, each pair expanded to its two bf16 values by _EXPAND_CVT, bit for bit dequantize_mx). Parts are numbered in the order the tiles need them -- row-block group (GROUP_M, as _grouped_tile),
-    then KC chunk, then row block, then the ROWS slice -- and dealt round-robin over the programs; each part ends
+    bytes, each pair expanded to its two bf16 values by _EXPAND_CVT, bit for bit dequantize_mx). Parts are
+    numbered in the order the tiles need them -- row-block group (GROUP_M, as _grouped_tile), then KC chunk, then
+    row block, then the ROWS slice -- and dealt round-robin over the programs; each part ends
     with a partition barrier and gpu-scope release increments of its (row block, chunk) count and of the row
     block's total in ``flags`` [M / BM, K / KC + 1]."""
     lay: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 32 // KC, KC // 32], [WARPS, 1], [1, 0])
@@ -1182,9 +1147,10 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
 
 
 @gluon.jit
-def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, src, src_scales, dst, flags, target, ROUND_MX: gl.constexpr,
-                 IMPL: gl.constexpr, B_KMAJOR: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr,
-                 RAW_STAGES: gl.constexpr, GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr, ROUND_WARPS: gl.constexpr,
+def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, src, src_scales, dst, flags, target,
+                 ROUND_MX: gl.constexpr, IMPL: gl.constexpr, B_KMAJOR: gl.constexpr, STAGES: gl.constexpr,
+                 A_STAGES: gl.constexpr, RAW_STAGES: gl.constexpr, GROUP_M: gl.constexpr, ROUND_ROWS: gl.constexpr,
+                 ROUND_WARPS: gl.constexpr,
                  ROUND_REGS: gl.constexpr, num_warps: gl.constexpr, A_REGS: gl.constexpr = 0,
                  PROF: gl.constexpr = False, ROW_PASS: gl.constexpr = False, KC: gl.constexpr = 512):
     """C [M, N] = A [M, K] @ B (bf16, fp32 accumulation), persistent (module docstring). Plain: one partition
@@ -1382,8 +1348,9 @@ def _row_pass_state(a, kc):
     a = a[0] if isinstance(a, tuple) else a
     key = (a.device, a.shape[0], a.shape[1], kc)
     if key not in _ROW_PASS:
-        _ROW_PASS[key] = dict(dst=torch.empty(a.shape, dtype=torch.bfloat16, device=a.device), epoch=0, flags=torch.zeros(
-            a.shape[0] // BM, a.shape[1] // kc + 1, dtype=torch.int32, device=a.device))
+        _ROW_PASS[key] = dict(dst=torch.empty(a.shape, dtype=torch.bfloat16, device=a.device), epoch=0,
+                              flags=torch.zeros(a.shape[0] // BM, a.shape[1] // kc + 1, dtype=torch.int32,
+                                                device=a.device))
     return _ROW_PASS[key]
 
 

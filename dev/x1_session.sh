@@ -1411,5 +1411,13 @@ PY
       --out "$out/tp-mxfp8-w1-shard2.md" >> "$out/bench.log" 2>&1
     COLUMNS=120 timeout 20 python -m kosmos_bench.cli report "$out/tp-mxfp8-w1-shard2.jsonl" > "$out/report.txt" \
       2>> "$out/bench.log"; keep; tail -5 "$out/bench.log"; head -60 "$out/report.txt" ;;
+  s23g)  # session 23: the TP ops' GPU tests (all of them) and the one-GPU ranks tests of the TP ops after the W = 1
+         # MX change (plan keys carry the precision; the MX info dicts grew)
+    begin_stage s23g
+    gpu_tests tp-gpu 330 "not moe" tests/test_all_gather_matmul.py tests/test_matmul_reduce_scatter.py \
+      tests/test_tp_ops_together.py tests/test_launch_plan.py tests/test_nn_tp.py tests/test_cuda_graphs.py
+    timeout 250 python -m pytest -v -p no:cacheprovider --timeout 230 -m "ranks" -k "not moe and not MoE" \
+      tests/ > "$out/ranks.log" 2>&1; echo "ranks rc=$?"; grep -E "FAILED|ERROR" "$out/ranks.log" | sed 's/ *\[.*//' | head
+    tail -1 "$out/ranks.log"; keep ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d" >&2; exit 2 ;;
 esac

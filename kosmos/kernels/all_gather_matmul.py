@@ -41,6 +41,10 @@ After a timeout: a wait also gives up at once when any program of the launch has
 whose wait gave up leaves the loop. Nothing polls the error flag between tasks (that cost one system-scope
 atomic per tile), so a program that never waits finishes its tiles; the launch still ends.
 
+MXFP8 at W = 1 (untraced, self policy, Hopper with Triton 3.6): kernels/w1_mx_matmul.py -- a Gluon GEMM whose
+  row-pass partition makes A's MX values once (rounded from a bf16 a_shard under ``precision="mxfp8"``, or
+  expanded from an MXTensor) while its MMA warps run; 0.943-1.019x of torch.matmul bf16 (its docstring). What
+  follows is the path everywhere else (W > 1, traces, fixed roles, other GPUs).
 MXFP8 (a_shard a kosmos.quant.MXTensor; b the bf16 expansion of an MX weight, quant.mx_round):
     a_full = allgather(payload, scales)  payload [Ms, K] e4m3, scales [Ms, K/32] E8M0: 1 + 1/32 bytes per
                                          element on the wire (0.52x of bf16)

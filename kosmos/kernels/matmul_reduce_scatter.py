@@ -27,7 +27,9 @@ MXFP8 (a a kosmos.quant.MXTensor [M, K/W]; b the bf16 expansion of an MX weight)
 reduction are bf16/fp32 as below; nothing MX travels. a's rows are expanded to bf16 by DEQ tasks (32 rows
 each, local flags after the partial flags), taken by the TILE programs ahead of demand and while a tile waits
 for its rows -- the same policy as AllGather+GEMM's (its docstring has the measurements: W=1, one H200, the MX
-op at 1.15x of torch.matmul bf16 geomean over the 8 per-rank GEMMs of seq 4k/8k).
+op at 1.15x of torch.matmul bf16 geomean over the 8 per-rank GEMMs of seq 4k/8k). At W = 1 (untraced, self policy,
+Hopper with Triton 3.6) an MX call -- an MXTensor, or a bf16 ``a`` with ``precision="mxfp8"`` -- runs
+kernels/w1_mx_matmul.py instead (nothing to reduce: c = mx(a) @ b; 0.943-1.019x of torch.matmul bf16, session 23).
 
 Policy (schedule.py: stages STAGE_TILE then STAGE_REDUCE, the reduce tasks owned, ready-first):
   self   -- reduce task t belongs to program t % GRID (no shared reduce head, no CAS). Before each compute

@@ -36,6 +36,13 @@ llama3-70b TP=2 per-rank GEMMs (seq 4k / 8k): the pass from bf16 (``a`` bf16) 1.
 fc1 1.004-1.009), the pass from an MXTensor 0.995-1.039; the plain mainloop alone 0.98-1.01. The k-step costs
 ~975 cycles per warp against the plain 947 (profile at qkv-4k): the row pass's issue slots and memory traffic
 (4 bytes per A element from bf16, 3 from MX) and the per-tile acquire.
+In the ops (3bdce7d, 2026-12-04, results/h200x1/tp-mxfp8-w1-shard2.*: `kosmos bench tp --tp 1 --shapes-tp 2
+--model llama3-70b --dtype bf16,mxfp8`, both ops, seq 4k / 8k / 16k, the op quantizing a bf16 A itself): 0.943-1.019x
+of torch.matmul bf16 on the bf16 operands (geomean 0.979; the DEQ path it replaced: 1.164), 3.84-4.21x faster than
+triton-dot-scaled. Part of that is the data, not the kernel (dev/mx_data_probe, results/h200x1/s23/s23f): cuBLAS
+itself runs 0.927-0.945x faster on the MX values (3 mantissa bits in both operands: fewer toggling bits, less
+power, higher clocks on these power-bound GEMMs) -- against cuBLAS on the same MX values this kernel takes
+1.015-1.079x (qkv-4k the most: N = 5120 gives its A rows the fewest column tiles to amortise the pass over).
 Lost to it (same probe and shapes; the probe docstring has each): quantize_mx then the Triton op's DEQ tasks
 (the path this replaces at W = 1) 1.14x; A rounded to MX in the mainloop by the MMA warps 1.34x, by a partition
 feeding each tile's A through shared memory 1.42-1.56x (the partition alone ~1.2x); an MX A expanded in wgmma's
