@@ -1419,5 +1419,12 @@ PY
     timeout 250 python -m pytest -v -p no:cacheprovider --timeout 230 -m "ranks" -k "not moe and not MoE" \
       tests/ > "$out/ranks.log" 2>&1; echo "ranks rc=$?"; grep -E "FAILED|ERROR" "$out/ranks.log" | sed 's/ *\[.*//' | head
     tail -1 "$out/ranks.log"; keep ;;
+  s23h)  # session 23: issue 14's MoE bar re-measured at this commit (s14e's command: EP = 1, both models, 4k / 8k)
+    begin_stage s23h
+    timeout 330 python -m kosmos_bench.cli bench moe --ep 1 --dtype bf16,mxfp8 --tokens 4096,8192 \
+      --impl kosmos,nccl-a2a --no-expert-gemms --out "$out/moe-mxfp8-ep1.jsonl" > "$out/bench-moe-mxfp8.log" 2>&1
+    echo "bench rc=$?"; keep
+    timeout 20 python -m kosmos_bench.cli report "$out/moe-mxfp8-ep1.jsonl" --format md --out "$out/moe-mxfp8-ep1.md" \
+      >> "$out/bench-moe-mxfp8.log" 2>&1; keep; tail -30 "$out/bench-moe-mxfp8.log" ;;
   *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d" >&2; exit 2 ;;
 esac
