@@ -378,7 +378,7 @@ qkv-4k: expansion 626 cycles per k-step and warp (predicted 400-550), wgmma_wait
 column tile (N / 256 times per A element). quantize+gluon-mx-expand 1.23-1.33x of torch.matmul. Lost.
 
 s23: the row pass (gluon-mx-rowpass / gluon-mx-expandpass, ROW_PASS 1 / 2). A's MX values made ONCE for the grid
-by a 4-warp partition (_row_pass, parts [16, 512] in the order the tiles need them, release counts per (row
+by a 4-warp partition (now w1_mx_matmul's _row_pass, parts [16, 512] in the order the tiles need them, release counts per (row
 block, chunk) and per row block) into a bf16 buffer; the MMA warps run the plain mainloop, acquiring the row
 block's total once per tile (while short, each chunk's count). Measured, time / torch.matmul: rowpass (from bf16)
 1.004-1.052, expandpass (from an MX A) 0.995-1.039, quantize+expandpass 1.017-1.129 (s23c); a wait per chunk
@@ -386,7 +386,9 @@ instead of the per-tile total cost +1.5-2% (s23b's first run); KC = 1024 and 32-
 Profile qkv-4k: k-step 975 cycles (plain 947), barrier + refill 379 (270), wgmma_wait 451 (545). This became
 the product's W = 1 MX kernel, kosmos/kernels/w1_mx_matmul.py (which now holds the one copy of the packed
 rounding -- with a NaN / Inf block written as quant.mx_round's 0x7FC0, +32 ALU per k-step and warp in the
-gluon-mx-packed build, whose s21 timings predate it -- and of the cvt expansion).
+gluon-mx-packed build, whose s21 timings predate it -- of the cvt expansion, of the row pass and of the tile
+epilogue: the probe's ROW_PASS builds now run the product's masked _row_pass, their s23 timings above were taken
+with the probe's own unmasked copy; the product's PTX is unchanged by the move, the plain build's too).
 """
 from __future__ import annotations
 
@@ -406,7 +408,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kosmos.kernels.common import _grouped_tile  # tile t -> (m, n), GROUP_M row tiles per column sweep (L2)
 from kosmos.kernels.w1_mx_matmul import _EXPAND_PAIR as _EXPAND_CVT  # the product's copies (s23)
-from kosmos.kernels.w1_mx_matmul import _absmax_bf16x2, _mx_round_words, _splat2
+from kosmos.kernels.w1_mx_matmul import _absmax_bf16x2, _mx_round_words, _splat2, _store_tile
+from kosmos.kernels.w1_mx_matmul import KC as KC_PRODUCT, PART_ROWS as PART_ROWS_PRODUCT
+from kosmos.kernels.w1_mx_matmul import _row_pass as _product_row_pass
 from kosmos.quant import _BF16_QNAN, _rceil_exponent, dequantize_mx, mx_round, mx_round_bf16, mx_scale_f32, quantize_mx
 
 DEVICE = "cuda"  # the checks' and timings' device (a CPU dry run of the host code sets "cpu")
@@ -830,7 +834,7 @@ def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready
     """TMA loads of the cursor's k-step into MMA-ring slot s: B, and A too when ``LOAD_A`` (the plain build; the
     MX payload in the expand builds), and with ``LOAD_S`` the k-major scale box [BK/32, BM] of the k-step's blocks
     and the tile's rows; ``b_ready`` completes when the bytes have
-    landed. None past the last tile. ROW_PASS: A's rows are written by the row-pass partitions (_row_pass). At a
+    landed. None past the last tile. ROW_PASS: A's rows are written by the row-pass partitions (w1_mx_matmul._row_pass). At a
     tile's first k-step one acquire of the row block's total (``flags[rb, K / KC]``) says whether all of its parts
     are written (``rows_ok``, returned: the tile's later chunks need no check); while not, each KC-column chunk's
     first k-step waits for that (row block, chunk)'s count. (s23b: a wait per chunk -- an atomic round trip every 8
@@ -845,7 +849,7 @@ def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready
     off_k = ki * BK
     if ROW_PASS:
         if exists & (off_k % KC == 0):
-            row = flags + (off_m // BM) * (K // KC + 1)
+            row = flags + 1 + (off_m // BM) * (K // KC + 1)  # the product's count layout (w1_mx_matmul)
             if off_k == 0:
                 rows_ok = (gl.atomic_add(row + K // KC, 0, sem="acquire", scope="gpu") >= target * (K // KC)).to(
                     gl.int32)
@@ -896,54 +900,6 @@ def _wait_rows(flag, target):
     while v < target:
         v = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
     _fence_proxy_async()
-
-
-@gluon.jit
-def _row_pass(src, src_scales, dst, flags, M, K, BM: gl.constexpr, GROUP_M: gl.constexpr, KC: gl.constexpr,
-              ROWS: gl.constexpr, WARPS: gl.constexpr, PASS: gl.constexpr):
-    """The row-pass partition (WARPS warps; ROW_PASS builds): rounds A to its MX values once, for the whole grid,
-    in parts of [ROWS, KC] (bf16 read as int32 words from ``src``, written to ``dst``, the tensor behind the MMA's
-    A descriptor; PASS 2: ``src`` holds an MX A's payload as int16 k-pairs and ``src_scales`` its [M, K/32] scale
-    bytes, each pair expanded to its two bf16 values by _EXPAND_CVT, bit for bit dequantize_mx). Parts are
-    numbered in the order the tiles need them -- row-block group (GROUP_M, as _grouped_tile), then KC chunk, then
-    row block, then the ROWS slice -- and dealt round-robin over the programs; each part ends
-    with a partition barrier and gpu-scope release increments of its (row block, chunk) count and of the row
-    block's total in ``flags`` [M / BM, K / KC + 1]."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 32 // KC, KC // 32], [WARPS, 1], [1, 0])
-    KW: gl.constexpr = KC // 2
-    CH: gl.constexpr = BM // ROWS
-    num_m = M // BM
-    kcs = K // KC
-    n_parts = num_m * kcs * CH
-    per_group = GROUP_M * kcs * CH
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
-    cols = gl.arange(0, KW, layout=gl.SliceLayout(0, lay))
-    for q in range(gl.program_id(0), n_parts, gl.num_programs(0)):
-        g = q // per_group
-        rem = q % per_group
-        gm = gl.minimum(num_m - g * GROUP_M, GROUP_M)
-        kc = rem // (gm * CH)
-        r2 = rem % (gm * CH)
-        rb = g * GROUP_M + r2 // CH
-        r0 = rb * BM + (r2 % CH) * ROWS
-        offs = (r0 + rows).to(gl.int64)[:, None] * (K // 2) + (kc * KW + cols)[None, :]
-        if PASS == 1:
-            y = _round_compute((gl.load(src + offs), ), 1, ROWS, WARPS)[0]
-        else:
-            p3 = gl.load(src + offs).reshape([ROWS, KC // 32, 16])
-            s_lay: gl.constexpr = gl.SliceLayout(2, p3.type.layout)
-            sr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_lay))
-            sb = gl.arange(0, KC // 32, layout=gl.SliceLayout(0, s_lay))
-            sc = gl.load(src_scales + (r0 + sr).to(gl.int64)[:, None] * (K // 32) + (kc * (KC // 32) + sb)[None, :])
-            w3 = gl.inline_asm_elementwise(_EXPAND_CVT, "=r,h,r",
-                                           [p3, gl.expand_dims(mx_scale_f32(sc.to(gl.int32)), 2)],
-                                           dtype=gl.int32, is_pure=True, pack=1)
-            y = gl.convert_layout(w3.reshape([ROWS, KW]), lay)
-        gl.store(dst + offs, y)
-        _fence_proxy_async()
-        gl.thread_barrier()  # every warp's stores of the part before the release
-        gl.atomic_add(flags + rb * (kcs + 1) + kc, 1, sem="release", scope="gpu")
-        gl.atomic_add(flags + rb * (kcs + 1) + kcs, 1, sem="release", scope="gpu")  # the row block's total
 
 
 @gluon.jit
@@ -1122,19 +1078,7 @@ def _mma_partition(a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, a_ready, a_d
         gl.thread_barrier()
         if ROUND_MX:
             mbarrier.arrive(a_done.index((it + SA - 1) % SA))
-        c = acc.to(gl.bfloat16)
-        cs = (c, )
-        for _ in gl.static_range((BN // EPI_N).bit_length() - 1):  # split the columns in halves, log2 times
-            nxt = ()
-            for j in gl.static_range(len(cs)):
-                x = cs[j]
-                nxt = nxt + x.reshape(BM, 2, x.shape[1] // 2).permute(0, 2, 1).split()
-            cs = nxt
-        for j in gl.static_range(len(cs)):
-            tma.store_wait(0)
-            c_smem.store(cs[j])
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [off_m, off_n + j * EPI_N], c_smem)
+        _store_tile(acc, c_desc, c_smem, off_m, off_n)
     tma.store_wait(0)
     if PROF:
         base = prof + gl.program_id(0) * 16
@@ -1198,8 +1142,7 @@ def _gemm_kernel(a_desc, b_desc, c_desc, s_desc, M, N, K, prof, src, src_scales,
             (_mma_partition, (a_desc, b_desc, c_desc, a_bufs, b_bufs, b_ready, b_ready, b_ready, c_smem, M, N, K,
                               False, B_KMAJOR, GROUP_M, num_warps, 0, prof, PROF, a_desc, a_bufs, flags, target,
                               True, KC)),
-            (_row_pass, (src, src_scales, dst, flags, M, K, BM, GROUP_M, KC, ROUND_ROWS, ROUND_WARPS,
-                         ROW_PASS)),
+            (_product_row_pass, (src, src_scales, dst, flags, M, K, ROW_PASS, ROUND_WARPS)),
         ], [ROUND_WARPS], [ROUND_REGS])
     else:
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_desc.layout)
@@ -1301,14 +1244,13 @@ def gemm_launch(a, b, c, *, round_mx: bool, impl: str = "packed", b_kmajor: bool
         if k % cfg["KC"] or BM % cfg["ROUND_ROWS"]:
             raise ValueError(f"K = {k}: the row pass needs K % {cfg['KC']} == 0")
         rp = _row_pass_state(a, cfg["KC"])
-        if mx:  # the expand pass: the payload as k-pairs, the public scales
-            src, src_scales = _u8(a[0]).view(torch.int16), _u8(a[1])
-        else:
-            src = a.view(torch.int32)
+        if (cfg["KC"], cfg["ROUND_ROWS"]) != (KC_PRODUCT, PART_ROWS_PRODUCT):
+            raise ValueError(f"the row pass is kosmos.kernels.w1_mx_matmul's: parts [{PART_ROWS_PRODUCT}, "
+                             f"{KC_PRODUCT}], not [{cfg['ROUND_ROWS']}, {cfg['KC']}]")
+        src, src_scales = (a[0], a[1]) if mx else (a, a)  # the payload and the public scales, or bf16 A
         dst, flags = rp["dst"], rp["flags"]
         target = (rp["epoch"] + 1) * (BM // cfg["ROUND_ROWS"])  # gluon_matmul commits the epoch once launched
         a, mx = dst, False
-        dst = dst.view(torch.int32)
     if mx:
         a_desc, s_desc = mx_descs(*a)
         a = a[0]
@@ -1343,13 +1285,14 @@ def _dummy_i32(device):
 
 def _row_pass_state(a, kc):
     """The ROW_PASS workspace of A's shape: ``dst`` bf16 [M, K] (A's MX values, written by the row pass, read by
-    the MMA's TMA), ``flags`` int32 [M / BM, K / KC + 1] (parts written per chunk, then per row block; never reset:
-    launch e waits for e times the parts) and ``epoch`` (launches done)."""
+    the MMA's TMA), ``flags`` int32 [1 + M / BM * (K / KC + 1)] (w1_mx_matmul's layout: one slot the probe leaves
+    unused, then the parts written per chunk and per row block; never reset: launch e waits for e times the
+    parts) and ``epoch`` (launches done)."""
     a = a[0] if isinstance(a, tuple) else a
     key = (a.device, a.shape[0], a.shape[1], kc)
     if key not in _ROW_PASS:
         _ROW_PASS[key] = dict(dst=torch.empty(a.shape, dtype=torch.bfloat16, device=a.device), epoch=0,
-                              flags=torch.zeros(a.shape[0] // BM, a.shape[1] // kc + 1, dtype=torch.int32,
+                              flags=torch.zeros(1 + (a.shape[0] // BM) * (a.shape[1] // kc + 1), dtype=torch.int32,
                                                 device=a.device))
     return _ROW_PASS[key]
 

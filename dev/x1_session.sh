@@ -43,6 +43,22 @@ llama3_w1_run() {  # SECONDS NAME: the llama3 per-rank TP suite at W=1 (kosmos, 
   COLUMNS=100 timeout 20 python -m kosmos_bench.cli report "$out/$2.jsonl" > "$out/$2.txt" \
     2>> "$out/bench-llama3.log"; keep
 }
+expand_gemm_checks_and_timings() {  # s22c / s23a: each MX-expand GEMM build checked in its own process, then the
+  # timings of those that passed (with quantize+gluon-mx-expand when gluon-mx-expand did) and the qkv-4k profile
+  local v rc left ok_builds=""
+  for v in gluon-mx-expand gluon-mx-expand-bits; do
+    CUDA_LAUNCH_BLOCKING=1 timeout 90 python -m dev.gluon_expand_diag gemm $v > "$out/gemm-$v.log" 2>&1
+    rc=$?; echo "gemm $v rc=$rc"; grep -E "^\{|Error|error" "$out/gemm-$v.log" | tail -2 | cut -c1-300; keep
+    [ $rc -eq 0 ] && ok_builds="$ok_builds,$v"
+  done
+  case "$ok_builds" in *gluon-mx-expand,*|*gluon-mx-expand) ok_builds="$ok_builds,quantize+gluon-mx-expand";; esac
+  left=$((560 - SECONDS)); echo "timed builds: torch,gluon,gluon-rs-copy$ok_builds; left $left s"
+  if [ $left -gt 60 ]; then
+    timeout $left python -m dev.gluon_mx_probe --skip-checks --variants "torch,gluon,gluon-rs-copy$ok_builds" \
+      --profile qkv-4k --json "$out/gluon-mx-expand.jsonl" > "$out/gluon-mx-expand.log" 2>&1
+    echo "gluon expand timings rc=$?"; keep; tail -30 "$out/gluon-mx-expand.log"
+  fi
+}
 deepep_install() {  # the shared DeepEP wheel (carried in .wheels/) into .deepep-site, on PYTHONPATH
   if [ -d .wheels ]; then
     python3 -m pip install -q --no-deps --target .deepep-site .wheels/deep_ep-*.whl > "$out/deepep-install.log" 2>&1
@@ -1333,7 +1349,6 @@ PY
          # and each GEMM build in its own process (CUDA_LAUNCH_BLOCKING=1), compute-sanitizer on the expand-only
          # kernel where it exists; then the timings of the builds whose GEMM check passed (checks done here)
     begin_stage s22c
-    ok_builds=""
     for e in cvt bits; do
       CUDA_LAUNCH_BLOCKING=1 timeout 90 python -m dev.gluon_expand_diag expand $e > "$out/expand-$e.log" 2>&1
       echo "expand-only $e rc=$?"; grep -E "^\{|Error|error" "$out/expand-$e.log" | tail -2 | cut -c1-300; keep
@@ -1343,23 +1358,11 @@ PY
       timeout 150 "$san" --tool memcheck --show-backtrace no python -m dev.gluon_expand_diag expand cvt \
         > "$out/sanitizer-cvt.log" 2>&1; echo "sanitizer rc=$?"; grep -vE "^\{" "$out/sanitizer-cvt.log" | head -12 | cut -c1-200; keep
     else echo "no compute-sanitizer"; fi
-    for v in gluon-mx-expand gluon-mx-expand-bits; do
-      CUDA_LAUNCH_BLOCKING=1 timeout 90 python -m dev.gluon_expand_diag gemm $v > "$out/gemm-$v.log" 2>&1
-      rc=$?; echo "gemm $v rc=$rc"; grep -E "^\{|Error|error" "$out/gemm-$v.log" | tail -2 | cut -c1-300; keep
-      [ $rc -eq 0 ] && ok_builds="$ok_builds,$v"
-    done
-    case "$ok_builds" in *gluon-mx-expand,*|*gluon-mx-expand) ok_builds="$ok_builds,quantize+gluon-mx-expand";; esac
-    left=$((560 - SECONDS)); echo "timed builds: torch,gluon,gluon-rs-copy$ok_builds; left $left s"
-    if [ $left -gt 60 ]; then
-      timeout $left python -m dev.gluon_mx_probe --skip-checks --variants "torch,gluon,gluon-rs-copy$ok_builds" \
-        --profile qkv-4k --json "$out/gluon-mx-expand.jsonl" > "$out/gluon-mx-expand.log" 2>&1
-      echo "gluon expand timings rc=$?"; keep; tail -30 "$out/gluon-mx-expand.log"
-    fi ;;
+    expand_gemm_checks_and_timings ;;
   s23a)  # session 23: the MX-expand probe with k-major scales (the s22c fault's fix): each expansion and GEMM build
          # checked in its own process, compute-sanitizer only if the expand-only kernel still fails, then the
          # timings of the builds whose GEMM check passed at the 8 llama shapes and the clock64 profile at qkv-4k
     begin_stage s23a
-    ok_builds=""
     for e in cvt bits; do
       CUDA_LAUNCH_BLOCKING=1 timeout 90 python -m dev.gluon_expand_diag expand $e > "$out/expand-$e.log" 2>&1
       rc=$?; echo "expand-only $e rc=$rc"; grep -E "^\{|Error|error" "$out/expand-$e.log" | tail -2 | cut -c1-300; keep
@@ -1369,18 +1372,7 @@ PY
           > "$out/sanitizer.log" 2>&1; echo "sanitizer rc=$?"; grep -vE "^\{" "$out/sanitizer.log" | head -12 | cut -c1-200; keep
       fi
     done
-    for v in gluon-mx-expand gluon-mx-expand-bits; do
-      CUDA_LAUNCH_BLOCKING=1 timeout 90 python -m dev.gluon_expand_diag gemm $v > "$out/gemm-$v.log" 2>&1
-      rc=$?; echo "gemm $v rc=$rc"; grep -E "^\{|Error|error" "$out/gemm-$v.log" | tail -2 | cut -c1-300; keep
-      [ $rc -eq 0 ] && ok_builds="$ok_builds,$v"
-    done
-    case "$ok_builds" in *gluon-mx-expand,*|*gluon-mx-expand) ok_builds="$ok_builds,quantize+gluon-mx-expand";; esac
-    left=$((560 - SECONDS)); echo "timed builds: torch,gluon,gluon-rs-copy$ok_builds; left $left s"
-    if [ $left -gt 60 ]; then
-      timeout $left python -m dev.gluon_mx_probe --skip-checks --variants "torch,gluon,gluon-rs-copy$ok_builds" \
-        --profile qkv-4k --json "$out/gluon-mx-expand.jsonl" > "$out/gluon-mx-expand.log" 2>&1
-      echo "gluon expand timings rc=$?"; keep; tail -30 "$out/gluon-mx-expand.log"
-    fi ;;
+    expand_gemm_checks_and_timings ;;
   s23b)  # session 23: gluon-mx-rowpass (A rounded once per [16, 512] part by a row-pass partition, the plain
          # mainloop, one acquire per tile when the row block is done), checks + the 8 llama shapes + profile, then
          # two config variants of it (KC = 1024; 32-row parts)

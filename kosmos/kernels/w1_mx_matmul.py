@@ -317,6 +317,25 @@ if GLUON_MISSING is None:
         return ki, t, off_m, off_n
 
     @gluon.jit
+    def _store_tile(acc, c_desc, c_smem, off_m, off_n):
+        """A tile's epilogue: the fp32 accumulator [R, C] as bf16, its columns halved log2(C / c_smem's width)
+        times into pieces, each stored by TMA through ``c_smem`` once the previous store has left it."""
+        R: gl.constexpr = acc.shape[0]
+        EPI: gl.constexpr = c_smem.shape[1]
+        cs = (acc.to(gl.bfloat16), )
+        for _ in gl.static_range((acc.shape[1] // EPI).bit_length() - 1):
+            nxt = ()
+            for j in gl.static_range(len(cs)):
+                x = cs[j]
+                nxt = nxt + x.reshape(R, 2, x.shape[1] // 2).permute(0, 2, 1).split()
+            cs = nxt
+        for j in gl.static_range(len(cs)):
+            tma.store_wait(0)
+            c_smem.store(cs[j])
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n + j * EPI], c_smem)
+
+    @gluon.jit
     def _mma_loop(a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, c_smem, M, N, K, counters, errors, timeout_us,
                   OP: gl.constexpr, B_KMAJOR: gl.constexpr, num_warps: gl.constexpr):
         """The MMA partition (module docstring). Per k-step: wait for the slot, async wgmma, wait until one group
@@ -354,18 +373,7 @@ if GLUON_MISSING is None:
                 it += 1
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             gl.thread_barrier()
-            cs = (acc.to(gl.bfloat16), )
-            for _ in gl.static_range((BN_ // EPI_N_).bit_length() - 1):  # halve the columns log2(BN_ / EPI_N_) times
-                nxt = ()
-                for j in gl.static_range(len(cs)):
-                    x = cs[j]
-                    nxt = nxt + x.reshape(BM_, 2, x.shape[1] // 2).permute(0, 2, 1).split()
-                cs = nxt
-            for j in gl.static_range(len(cs)):
-                tma.store_wait(0)
-                c_smem.store(cs[j])
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [off_m, off_n + j * EPI_N_], c_smem)
+            _store_tile(acc, c_desc, c_smem, off_m, off_n)
         tma.store_wait(0)
 
     @gluon.jit
