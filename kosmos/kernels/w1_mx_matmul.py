@@ -22,13 +22,12 @@ Synchronisation (``counters``, int32, zero between launches):
   [1 + rb * (kcs + 1) + kcs]           parts of row block rb written; done at (BM / 16) * kcs
   A part ends with the pass's barrier, then gpu-scope release increments of both counts (its stores are generic
   ones that the MMA's TMA -- the async proxy -- reads next). The MMA warps, at a tile's first k-step, read the
-  row block's total once (device.reached: a gpu-scope acquire and the generic -> async proxy fence); while it is
-  short, each chunk's first k-step waits for that chunk's count (device.wait_geq, bounded: WAIT_MX_ROWS). No
-  launch argument carries an epoch: the counters start at zero and the last program out resets them after the
-  join of both partitions (and advances the workspace's device epoch, the count of calls completed), so a
-  CUDA-graph replay starts clean. Deadlock-freedom: the grid is at most the SM
-  count with one program per SM (208 KiB of shared memory), so every part's program runs; a row pass waits for
-  nothing.
+  row block's total once (_acquire: a gpu-scope acquire atomic, then the generic -> async proxy fence); while it
+  is short, each chunk's first k-step waits for that chunk's count (_wait_count: bounded like device.wait_geq,
+  WAIT_MX_ROWS in the error record). No launch argument carries an epoch: the counters start at zero and the last
+  program out resets them after the join of both partitions (and advances the workspace's device epoch, the count
+  of calls completed), so a CUDA-graph replay starts clean. Deadlock-freedom: the grid is at most the SM count
+  with one program per SM (208 KiB of shared memory), so every part's program runs; a row pass waits for nothing.
 
 Measured (one H200, Triton 3.6.0, 2026-12-04, session 23; the developer probe dev/gluon_mx_probe.py, whose builds
 gluon-mx-rowpass / gluon-mx-expandpass this kernel is; results/h200x1/s23): time / torch.matmul bf16 over the 8
