@@ -408,7 +408,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kosmos.kernels.common import _grouped_tile  # tile t -> (m, n), GROUP_M row tiles per column sweep (L2)
 from kosmos.kernels.w1_mx_matmul import _EXPAND_PAIR as _EXPAND_CVT  # the product's copies (s23)
-from kosmos.kernels.w1_mx_matmul import _absmax_bf16x2, _mx_round_words, _splat2, _store_tile
+from kosmos.kernels.w1_mx_matmul import (_absmax_bf16x2, _acquire, _mx_round_words, _proxy_fence, _splat2,
+                                         _store_tile, _tree_absmax)
 from kosmos.kernels.w1_mx_matmul import KC as KC_PRODUCT, PART_ROWS as PART_ROWS_PRODUCT
 from kosmos.kernels.w1_mx_matmul import _row_pass as _product_row_pass
 from kosmos.quant import _BF16_QNAN, _rceil_exponent, dequantize_mx, mx_round, mx_round_bf16, mx_scale_f32, quantize_mx
@@ -419,20 +420,6 @@ IMPLS = {"kosmos": 0, "packed": 1, "norm": 2, "copy": 3}  # IMPL: the rounding p
 
 
 # ============================================================================================ MX rounding of a tile
-@gluon.jit
-def _tree_absmax(w):
-    """[R, NB, 16] words -> [R, NB]: _absmax_bf16x2 over the last axis as a tree of depth 4 (15 ops; gl.reduce's
-    in-thread order would be a chain of 15 dependent ops)."""
-    R: gl.constexpr = w.shape[0]
-    NB: gl.constexpr = w.shape[1]
-    m = w
-    for _ in gl.static_range(3):  # 16 -> 8 -> 4 -> 2 words
-        a, b = m.reshape(R, NB, m.shape[2] // 2, 2).split()
-        m = _absmax_bf16x2(a, b)
-    a, b = m.split()
-    return gl.convert_layout(_absmax_bf16x2(a, b), gl.SliceLayout(2, w.type.layout))
-
-
 @gluon.jit
 def _word_view(buf):
     """An int32 view [BM, BK/2] of a bf16 [BM, BK] tile with a 128-byte-swizzled NVMMA layout: the same bytes (the
@@ -854,7 +841,7 @@ def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, b_ready
                 rows_ok = (gl.atomic_add(row + K // KC, 0, sem="acquire", scope="gpu") >= target * (K // KC)).to(
                     gl.int32)
                 if rows_ok != 0:
-                    _fence_proxy_async()
+                    _proxy_fence()
             if rows_ok == 0:
                 _wait_rows(row + off_k // KC, target)
     bar = b_ready.index(s)
@@ -886,20 +873,13 @@ def _issue_raw(r, ki, t, off_m, a_desc, raw, raw_ready, M, N, BN: gl.constexpr):
 
 
 @gluon.jit
-def _fence_proxy_async():
-    """Orders this thread's generic-proxy global accesses with its async-proxy (TMA) ones (fence.proxy.async)."""
-    return gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
 def _wait_rows(flag, target):
     """Spin until the row-pass count at ``flag`` reaches ``target`` (gpu-scope acquire), then the proxy fence: the
     rows were written by generic stores of other SMs and are read next by TMA."""
-    v = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+    v = _acquire(flag)
     while v < target:
-        v = gl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-    _fence_proxy_async()
+        v = _acquire(flag)
+    _proxy_fence()
 
 
 @gluon.jit

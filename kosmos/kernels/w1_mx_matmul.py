@@ -60,6 +60,7 @@ from .. import device as dev
 from ..device import ERR_FLAG
 from ..codes import WAIT_MX_ROWS
 from ..quant import _rceil_exponent, mx_scale_f32
+from .common import _grouped_tile
 
 try:  # Gluon (Triton's tile-level language with explicit layouts, partitions and wgmma)
     from triton.experimental import gluon
@@ -116,6 +117,19 @@ if GLUON_MISSING is None:
                                          dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
+    def _tree_absmax(w):
+        """[R, NB, 16] words -> [R, NB]: _absmax_bf16x2 over the last axis as a tree of depth 4 (15 ops; a chain
+        would be 15 deep)."""
+        R: gl.constexpr = w.shape[0]
+        NB: gl.constexpr = w.shape[1]
+        m = w
+        for _ in gl.static_range(3):  # 16 -> 8 -> 4 -> 2 words
+            a, b = m.reshape(R, NB, m.shape[2] // 2, 2).split()
+            m = _absmax_bf16x2(a, b)
+        a, b = m.split()
+        return gl.convert_layout(_absmax_bf16x2(a, b), gl.SliceLayout(2, w.type.layout))
+
+    @gluon.jit
     def _splat2(h):
         return h | (h << 16)
 
@@ -128,14 +142,7 @@ if GLUON_MISSING is None:
         least 2**(X + s - 2), the grid's subnormal step), t = (v * 2**s + c) - c rounds to that step exactly
         (nearest even), times 2**-s, sign restored; s = +-64 keeps every constant a bf16 normal for extreme X.
         A block holding a NaN or Inf becomes 0x7FC0 in every element, as mx_round writes it."""
-        R: gl.constexpr = w.shape[0]
-        NB: gl.constexpr = w.shape[1]
-        m = w
-        for _ in gl.static_range(3):  # 16 -> 2 words per block: a tree (a chain of 15 would be 15 deep)
-            a, b = m.reshape(R, NB, m.shape[2] // 2, 2).split()
-            m = _absmax_bf16x2(a, b)
-        a, b = m.split()
-        amax_w = gl.convert_layout(_absmax_bf16x2(a, b), gl.SliceLayout(2, w.type.layout))
+        amax_w = _tree_absmax(w)
         amax = gl.maximum(amax_w & 0x7FFF, (amax_w >> 16) & 0x7FFF) << 16  # fp32 bits of the block's amax
         nonfinite = amax >= 0x7F800000
         xexp = _rceil_exponent(amax)
@@ -267,16 +274,10 @@ if GLUON_MISSING is None:
 
     @gluon.jit
     def _tile_of(t, M, N):
-        pid_m, pid_n = _grouped(t, gl.cdiv(M, BM_), gl.cdiv(N, BN_))
+        """Tile t's (row, column) offsets in the TP kernels' GROUP_M order (common._grouped_tile: pure
+        arithmetic, so the Triton helper serves Gluon code too)."""
+        pid_m, pid_n = _grouped_tile(t, gl.cdiv(M, BM_), gl.cdiv(N, BN_), GROUP_M_)
         return pid_m * BM_, pid_n * BN_
-
-    @gluon.jit
-    def _grouped(t, num_m, num_n):
-        """Tile t -> (row block, column block), GROUP_M_ row blocks per column sweep (L2 reuse of B)."""
-        per_group = GROUP_M_ * num_n
-        first_m = (t // per_group) * GROUP_M_
-        size_m = gl.minimum(num_m - first_m, GROUP_M_)
-        return first_m + (t % per_group) % size_m, (t % per_group) // size_m
 
     @gluon.jit
     def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, ready, M, N, K, counters, errors,
