@@ -40,6 +40,7 @@ WAIT_BWD_PERMUTE: tl.constexpr = tl.constexpr(18)   # index: the local expert
 WAIT_BWD_GU: tl.constexpr = tl.constexpr(19)        # index: the expert m-tile
 WAIT_BWD_DGRAD1_MTILE: tl.constexpr = tl.constexpr(20)  # index: the expert m-tile
 WAIT_BWD_DISPATCH: tl.constexpr = tl.constexpr(21)  # index: the token block (UNPERMUTE's)
+WAIT_MX_PASS: tl.constexpr = tl.constexpr(22)       # index: the 512-column chunk (kernels/w1_mx_matmul.py's row pass)
 WAIT_TEXT = {
     WAIT_PEERS_DONE.value: "rank {index} to finish the previous call (done flag)",
     WAIT_AG_ROWS.value: "rows pushed by a peer (signal slot {index})",
@@ -63,6 +64,7 @@ WAIT_TEXT = {
     WAIT_BWD_DGRAD1_MTILE.value: "the dgrad1 tiles of expert m-tile {index}",
     WAIT_BWD_DISPATCH.value: "the expert rows' dx and gate gradients of token block {index} (dispatch backward from "
                              "every rank)",
+    WAIT_MX_PASS.value: "A's MX values of column chunk {index} from the row pass (another partition of the launch)",
 }
 
 # ------------------------------------------------------------------------------------------- trace kinds

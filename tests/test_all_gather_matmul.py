@@ -375,6 +375,85 @@ def test_w1_all_gather_matmul_quantizes_inside(no_tf32, ms, k, n):
     assert torch.equal(kosmos.all_gather_matmul(x, b, precision="mxfp8")[1], c)
 
 
+def test_w1_mx_tile_width_rule():
+    """kernels/w1_mx_matmul.tile_width: 128 x 256 where its waves fill the SMs as well as 128 x 128's would (the
+    llama3 per-rank shapes keep it), 128 x 128 where 128 x 256 leaves a thin last wave (2.4 waves at 2048 x
+    5120 on 132 SMs: 3 waves against 5 half-size ones at MX_TILE128_RATE) or both make under one."""
+    from kosmos.kernels.w1_mx_matmul import tile_width
+    for m, n in [(4096, 5120), (8192, 28672), (16384, 8192), (4096, 8192), (1024, 3072)]:
+        assert tile_width(m, n, 132) == 256, (m, n)
+    assert tile_width(2048, 5120, 132) == 128
+    assert tile_width(256, 1536, 132) == 128  # under a wave either way: the smaller tile halves the time
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn", [128, 256])
+@pytest.mark.parametrize("ms,k,n,kmajor", [(1000, 512, 640, False), (300, 1056, 264, True), (2048, 2048, 1536, True)])
+def test_w1_mx_kernel_each_tile_width(no_tf32, bn, ms, k, n, kmajor):
+    """kernels/w1_mx_matmul at each tile width, ragged edges, both B layouts, rounding a bf16 A and expanding an
+    MXTensor (outputs poisoned first): the values are quant.mx_round(a) bit for bit, c within TOL of the fp32
+    product of the MX values, and both passes give the same c bitwise."""
+    from kosmos import quant, reference
+    from kosmos.kernels import w1_mx_matmul as w1mx
+    dev = torch.device("cuda", 0)
+    if w1mx.unavailable(dev) is not None:
+        pytest.skip(w1mx.unavailable(dev))
+    gen = torch.Generator().manual_seed(ms + k + n + bn)
+    x = randn((ms, k), gen, "cuda")
+    b = weight(k, n, gen, "cuda", kmajor)
+    b_store = b.t() if kmajor else b  # the op's storage view: the weight [N, K] when kmajor
+    ws = runtime.get_workspace(None, dev)
+    outs = []
+    for a, scales in [(x, None), tuple(quant.quantize_mx(x))]:
+        ws.ensure(ms * k * 2, 0)
+        ws.data[:ms * k * 2].fill_(0xFF)
+        values, c = w1mx.w1_mx_call(a, scales, b_store, kmajor, ws, None, runtime.num_sms(dev),
+                                    codes.OP_ALL_GATHER_MATMUL.value, scales is None, bn=bn)
+        ws.check_errors()
+        assert torch.equal(values.view(torch.int16), quant.mx_round(x).view(torch.int16))
+        assert reference.rel_err(c, quant.mx_round(x).float() @ b.float()) < TOL
+        outs.append(c)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_w1_mx_kernel_timeout_reaches_the_host():
+    """kernels/w1_mx_matmul's bounded wait: row block 0's counts poisoned (the row pass's releases can never reach
+    them), a 2 ms timeout: the launch returns, the error record names the op, the chunk and the row pass, and the
+    last program out still zeroes the counts."""
+    from kosmos.kernels import w1_mx_matmul as w1mx
+    dev = torch.device("cuda", 0)
+    if w1mx.unavailable(dev) is not None:
+        pytest.skip(w1mx.unavailable(dev))
+    runtime.reset_workspaces()
+    ws = runtime.get_workspace(None, dev)
+    ms, k, n = 512, 1024, 512
+    gen = torch.Generator().manual_seed(22)
+    a, b = randn((ms, k), gen, dev), randn((k, n), gen, dev)
+    ws.ensure(ms * k * 2, 0)
+    values = ws.data[:ms * k * 2].view(torch.bfloat16).view(ms, k)
+    c = torch.empty(ms, n, dtype=torch.bfloat16, device=dev)
+    ws.ensure_counters(w1mx.counter_slots(ms, k))
+    kcs = k // w1mx.KC
+    ws.counters[1] = -(1 << 30)        # (row block 0, chunk 0)
+    ws.counters[1 + kcs] = -(1 << 30)  # row block 0's total
+    ws.timeout_s = 2e-3
+    runtime.ensure_triton_allocator()
+    try:
+        ws.before_launch()
+        kl = w1mx.w1_mx_matmul_launch(a, None, b, False, c, values, ws, runtime.num_sms(dev),
+                                      codes.OP_ALL_GATHER_MATMUL.value)
+        kl.kernel[kl.grid](*kl.args, **kl.kw)
+        ws.after_launch()
+        with pytest.raises(runtime.KosmosTimeoutError,
+                           match=r"all_gather_matmul: rank 0 \(task \d+\) timed out .* column chunk 0 from the row "
+                                 r"pass"):
+            ws.check_errors()
+        assert int(ws.counters.abs().sum()) == 0
+    finally:
+        runtime.reset_workspaces()
+
+
 @pytest.mark.gpu
 def test_w1_all_gather_matmul_quantizes_nonfinite_blocks():
     """A block holding a NaN or an Inf: quant.mx_round's 0x7FC0 in each of its elements, the other blocks exact."""

@@ -24,7 +24,7 @@ Synchronisation (``counters``, int32, zero between launches):
   ones that the MMA's TMA -- the async proxy -- reads next). The MMA warps, at a tile's first k-step, read the
   row block's total once (_acquire: a gpu-scope acquire atomic, then the generic -> async proxy fence); while it
   is short, each chunk's first k-step waits for that chunk's count (_wait_count: bounded like device.wait_geq,
-  WAIT_MX_ROWS in the error record). No launch argument carries an epoch: the counters start at zero and the last
+  WAIT_MX_PASS in the error record). No launch argument carries an epoch: the counters start at zero and the last
   program out resets them after the join of both partitions (and advances the workspace's device epoch, the count
   of calls completed), so a CUDA-graph replay starts clean. Deadlock-freedom: the grid is at most the SM count
   with one program per SM (208 KiB of shared memory), so every part's program runs; a row pass waits for nothing.
@@ -58,7 +58,7 @@ import triton
 
 from .. import device as dev
 from ..device import ERR_FLAG
-from ..codes import WAIT_MX_ROWS
+from ..codes import WAIT_MX_PASS
 from ..quant import _rceil_exponent, mx_scale_f32
 from .common import _grouped_tile
 
@@ -73,8 +73,9 @@ except Exception as e:  # noqa: BLE001 -- any import failure: the ops keep their
     GLUON_MISSING = f"{type(e).__name__}: {e}"
     GluonDescriptor = None
 
-BM, BN, BK = 128, 256, 64
-STAGES, EPI_N, GROUP_M = 4, 64, 8
+BM, BK, EPI_N, GROUP_M = 128, 64, 64, 8
+TILES = {256: 4, 128: 6}          # the MMA tile's width BN -> ring stages (208 KiB of shared memory either way)
+MX_TILE128_RATE = 0.90            # a 128 x 128 tile's rate relative to 128 x 256 on many waves (tile_width)
 KC, PART_ROWS = 512, 16           # a row-pass part: [PART_ROWS, KC]
 MMA_WARPS, PASS_WARPS, PASS_REGS = 8, 4, 104
 MAXNREG = 168                     # 64K registers / 384 threads, as ptxas allocates every partition within it
@@ -99,9 +100,7 @@ def unavailable(device) -> str | None:
 if GLUON_MISSING is None:
     # the constants above as constexprs (what @gluon.jit code may read)
     BM_ = gl.constexpr(BM)
-    BN_ = gl.constexpr(BN)
     BK_ = gl.constexpr(BK)
-    STAGES_ = gl.constexpr(STAGES)
     EPI_N_ = gl.constexpr(EPI_N)
     GROUP_M_ = gl.constexpr(GROUP_M)
     KC_ = gl.constexpr(KC)
@@ -255,7 +254,7 @@ if GLUON_MISSING is None:
     def _wait_count(flag, target, timeout_ns, errors, OP: gl.constexpr, task, index):
         """device.wait_geq for this Gluon kernel (the Triton one builds layout-free tensors Gluon refuses): spin
         until ``*flag >= target`` or ``timeout_ns`` passed or another program recorded a timeout; the first to
-        time out fills the error record (device._record_error: WAIT_MX_ROWS, ``task`` the tile, ``index`` the
+        time out fills the error record (device._record_error: WAIT_MX_PASS, ``task`` the tile, ``index`` the
         chunk), the host raises after the launch. Then the proxy fence."""
         v = _acquire(flag)
         if v < target:
@@ -269,23 +268,23 @@ if GLUON_MISSING is None:
             if v < target:
                 zero = gl.to_tensor(0).to(gl.int64)
                 if gl.atomic_cas(errors + ERR_FLAG, zero, zero + 1, sem="relaxed", scope="gpu") == 0:
-                    dev._record_error(errors, OP, WAIT_MX_ROWS, 0, task, index, target, v, _now_ns() - t0)
+                    dev._record_error(errors, OP, WAIT_MX_PASS, 0, task, index, target, v, _now_ns() - t0)
         _proxy_fence()
 
     @gluon.jit
-    def _tile_of(t, M, N):
+    def _tile_of(t, M, N, BN: gl.constexpr):
         """Tile t's (row, column) offsets in the TP kernels' GROUP_M order (common._grouped_tile: pure
         arithmetic, so the Triton helper serves Gluon code too)."""
-        pid_m, pid_n = _grouped_tile(t, gl.cdiv(M, BM_), gl.cdiv(N, BN_), GROUP_M_)
-        return pid_m * BM_, pid_n * BN_
+        pid_m, pid_n = _grouped_tile(t, gl.cdiv(M, BM_), gl.cdiv(N, BN), GROUP_M_)
+        return pid_m * BM_, pid_n * BN
 
     @gluon.jit
     def _issue_loads(s, ki, t, off_m, off_n, a_desc, b_desc, a_bufs, b_bufs, ready, M, N, K, counters, errors,
-                     timeout_us, rows_ok, OP: gl.constexpr, B_KMAJOR: gl.constexpr):
+                     timeout_us, rows_ok, OP: gl.constexpr, B_KMAJOR: gl.constexpr, BN: gl.constexpr):
         """TMA loads of the load cursor's k-step into ring slot s (``ready`` completes when they land); none
         past the last tile. Before a chunk's first load, the row pass's counts (module docstring): at the tile's
         first k-step the row block's total (``rows_ok``, returned), while short the chunk's own count."""
-        exists = t < gl.cdiv(M, BM_) * gl.cdiv(N, BN_)
+        exists = t < gl.cdiv(M, BM_) * gl.cdiv(N, BN)
         off_k = ki * BK_
         if exists & (off_k % KC_ == 0):
             kcs = gl.cdiv(K, KC_)
@@ -307,13 +306,13 @@ if GLUON_MISSING is None:
         return rows_ok
 
     @gluon.jit
-    def _next_step(ki, t, off_m, off_n, M, N, K):
+    def _next_step(ki, t, off_m, off_n, M, N, K, BN: gl.constexpr):
         """The load cursor one k-step on (tile coordinates recomputed only when the tile changes)."""
         ki += 1
         if ki == gl.cdiv(K, BK_):
             ki = 0
             t += gl.num_programs(0)
-            off_m, off_n = _tile_of(t, M, N)
+            off_m, off_n = _tile_of(t, M, N, BN)
         return ki, t, off_m, off_n
 
     @gluon.jit
@@ -337,39 +336,40 @@ if GLUON_MISSING is None:
 
     @gluon.jit
     def _mma_loop(a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, c_smem, M, N, K, counters, errors, timeout_us,
-                  OP: gl.constexpr, B_KMAJOR: gl.constexpr, num_warps: gl.constexpr):
+                  OP: gl.constexpr, B_KMAJOR: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                  num_warps: gl.constexpr):
         """The MMA partition (module docstring). Per k-step: wait for the slot, async wgmma, wait until one group
         is in flight (step - 1 done), a barrier of the 8 warps (both warpgroups are past step - 1), refill step
-        - 1's slot with step + STAGES_ - 1."""
+        - 1's slot with step + STAGES - 1."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, BN_, 16])
+                                                             instr_shape=[16, BN, 16])
         k_steps = gl.cdiv(K, BK_)
-        num_tiles = gl.cdiv(M, BM_) * gl.cdiv(N, BN_)
+        num_tiles = gl.cdiv(M, BM_) * gl.cdiv(N, BN)
         my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))
         lt = gl.program_id(0)
-        l_m, l_n = _tile_of(lt, M, N)
+        l_m, l_n = _tile_of(lt, M, N, BN)
         lk = 0
         rows_ok = gl.to_tensor(0)
-        for g in gl.static_range(STAGES_ - 1):
+        for g in gl.static_range(STAGES - 1):
             rows_ok = _issue_loads(g, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs, ready, M, N, K, counters,
-                                   errors, timeout_us, rows_ok, OP, B_KMAJOR)
-            lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K)
+                                   errors, timeout_us, rows_ok, OP, B_KMAJOR, BN)
+            lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BN)
         it = 0
         for tile in range(my_tiles):
-            off_m, off_n = _tile_of(gl.program_id(0) + tile * gl.num_programs(0), M, N)
-            acc = gl.zeros([BM_, BN_], gl.float32, acc_layout)
+            off_m, off_n = _tile_of(gl.program_id(0) + tile * gl.num_programs(0), M, N, BN)
+            acc = gl.zeros([BM_, BN], gl.float32, acc_layout)
             for ki in range(k_steps):
-                s = it % STAGES_
-                mbarrier.wait(ready.index(s), (it // STAGES_) & 1)
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
                 b = b_bufs.index(s)
                 if B_KMAJOR:
                     b = b.permute((1, 0))
                 acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=ki > 0, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
                 gl.thread_barrier()
-                rows_ok = _issue_loads((it + STAGES_ - 1) % STAGES_, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs,
-                                       ready, M, N, K, counters, errors, timeout_us, rows_ok, OP, B_KMAJOR)
-                lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K)
+                rows_ok = _issue_loads((it + STAGES - 1) % STAGES, lk, lt, l_m, l_n, a_desc, b_desc, a_bufs, b_bufs,
+                                       ready, M, N, K, counters, errors, timeout_us, rows_ok, OP, B_KMAJOR, BN)
+                lk, lt, l_m, l_n = _next_step(lk, lt, l_m, l_n, M, N, K, BN)
                 it += 1
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             gl.thread_barrier()
@@ -379,19 +379,19 @@ if GLUON_MISSING is None:
     @gluon.jit
     def _w1_mx_matmul_kernel(a_desc, b_desc, c_desc, src, src_scales, values, counters, errors, epoch_slot, M, N,
                              K, timeout_us, PASS: gl.constexpr, OP: gl.constexpr, B_KMAJOR: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             BN: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
         """c = mx(A) @ B (module docstring): the MMA partition and the row pass, then the last program out
         resets ``counters`` and advances the workspace's device epoch (calls completed: runtime.device_epoch;
         nothing here reads it)."""
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES_] + a_desc.block_type.shape, a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES_] + b_desc.block_type.shape, b_desc.layout)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
-        for j in gl.static_range(STAGES_):
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(STAGES):
             mbarrier.init(ready.index(j), count=1)
         gl.warp_specialize([
             (_mma_loop, (a_desc, b_desc, c_desc, a_bufs, b_bufs, ready, c_smem, M, N, K, counters, errors,
-                         timeout_us, OP, B_KMAJOR, num_warps)),
+                         timeout_us, OP, B_KMAJOR, BN, STAGES, num_warps)),
             (_row_pass, (src, src_scales, values, counters, M, K, PASS, PASS_WARPS_)),
         ], [PASS_WARPS_], [PASS_REGS_])
         left = gl.atomic_add(counters, 1, sem="acq_rel", scope="gpu")
@@ -413,7 +413,7 @@ def _desc(t, block):
     return GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dt))
 
 
-def w1_mx_matmul_launch(a, scales, b_store, b_kmajor: bool, c, values, ws, programs: int, op: int):
+def w1_mx_matmul_launch(a, scales, b_store, b_kmajor: bool, c, values, ws, programs: int, op: int, bn: int = 256):
     """The KernelLaunch of c = mx(a) @ b: ``a`` bf16 [M, K] (rounded to MX by the row pass) with ``scales`` None,
     or an MX payload float8_e4m3fn [M, K] with its ``scales`` uint8 [M, K/32] (expanded); ``values`` the
     workspace's bf16 [M, K] buffer the pass fills (it is A's MX values after the launch); ``b_store`` [K, N] or,
@@ -422,19 +422,31 @@ def w1_mx_matmul_launch(a, scales, b_store, b_kmajor: bool, c, values, ws, progr
     m, k = a.shape
     n = c.shape[1]
     ws.ensure_counters(counter_slots(m, k))
-    grid = min(programs, -(-m // BM) * -(-n // BN))
-    b_desc = _desc(b_store, [BN, BK] if b_kmajor else [BK, BN])
+    grid = min(programs, -(-m // BM) * -(-n // bn))
+    b_desc = _desc(b_store, [bn, BK] if b_kmajor else [BK, bn])
     args = (_desc(values, [BM, BK]), b_desc, _desc(c, [BM, EPI_N]), a, a if scales is None else scales, values,
             ws.counters, ws.errors, ws.epoch_slot, m, n, k, max(1, ws.timeout_ns() // 1000))
-    kw = dict(PASS=ROUND if scales is None else EXPAND, OP=op, B_KMAJOR=b_kmajor, num_warps=MMA_WARPS,
-              maxnreg=MAXNREG)
+    kw = dict(PASS=ROUND if scales is None else EXPAND, OP=op, B_KMAJOR=b_kmajor, BN=bn, STAGES=TILES[bn],
+              num_warps=MMA_WARPS, maxnreg=MAXNREG)
     return launch_plan.KernelLaunch(_w1_mx_matmul_kernel, grid, args, kw)
 
 
-def w1_mx_call(a, scales, b_store, b_kmajor: bool, ws, key, programs: int, op: int, quantize: bool):
+def tile_width(m: int, n: int, programs: int) -> int:
+    """The MMA tile's width BN (TILES) for c [m, n] on ``programs`` SMs: planning.tile_config's wave model over the
+    two Gluon tiles -- ceil(T / programs) waves of T tiles, a 128 x 128 tile costing 0.5 / MX_TILE128_RATE of a
+    128 x 256 one -- the wider on a tie within 1%."""
+    def cost(bn):
+        tiles = -(-m // BM) * -(-n // bn)
+        return -(-tiles // programs) * (bn / 256) / (1.0 if bn == 256 else MX_TILE128_RATE)
+    return 128 if cost(128) < cost(256) * 0.99 else 256
+
+
+def w1_mx_call(a, scales, b_store, b_kmajor: bool, ws, key, programs: int, op: int, quantize: bool,
+               bn: int | None = None):
     """A TP op's W = 1 MXFP8 call through this kernel (the ops have validated everything): ``a`` bf16 (rounded to
     MX in the launch) with ``scales`` None, or an MXTensor's payload with its ``scales``; the plan of the call is
-    stored under ``key`` (launch_plan: a hit replays it with the next call's tensors). Returns (values, c):
+    stored under ``key`` (launch_plan: a hit replays it with the next call's tensors); ``bn`` the tile width
+    (None: tile_width's rule; a developer probe sets it). Returns (values, c):
     A's MX values as bf16 [M, K] (a view of the workspace, valid until the next call on it) and c."""
     from .. import launch_plan, runtime
     m, k = a.shape
@@ -444,7 +456,8 @@ def w1_mx_call(a, scales, b_store, b_kmajor: bool, ws, key, programs: int, op: i
     c = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     runtime.ensure_triton_allocator()
     ws.before_launch()
-    kl = w1_mx_matmul_launch(a, scales, b_store, b_kmajor, c, values, ws, programs, op)
+    kl = w1_mx_matmul_launch(a, scales, b_store, b_kmajor, c, values, ws, programs, op,
+                             tile_width(m, n, programs) if bn is None else bn)
     info = dict(c_shape=(m, n), device=a.device, mx=scales is not None, b_kmajor=b_kmajor, a_full=None,
                 clean=launch_plan.clean_check(ws), quantize="launch" if quantize else None, a_values=values)
     if key is not None:
