@@ -4,13 +4,16 @@ of kernels/w1_mx_matmul.py had one tile, 128 x 256, and shapes of few tiles left
     PYTHONPATH=. python -m dev.mx_tile_probe [--shapes grid|MxNxK,...] [--rounds 2] [--json OUT.jsonl]
 
 Per shape (default: the 48 GEMMs of suites/tp-grid.yaml), interleaved for R rounds (kosmos_bench.timing.time_op: L2
-flushed, host hidden), A bf16 [M, K] rounded to MX inside each call, the weight's MX values [N, K]:
+flushed, host hidden), A bf16 [M, K] rounded to MX inside each call (except ``bf16 op``), the weight's MX values
+[N, K] (the gluon variants launch w1_mx_matmul's kernel directly, bound once):
   cublas bf16       torch.matmul on the bf16 operands (the bar's reference, the bench's t_gemm_ms)
   cublas mx         torch.matmul on the MX values (the data effect: session 23's mx_data_probe)
   gluon-256         w1_mx_matmul, 128 x 256 tiles (the op before this session)
   gluon-128         w1_mx_matmul, 128 x 128 tiles, 6 stages
-  round+bf16        quant.mx_round(A), then the bf16 op (the static W = 1 GEMM with planning.w1_plan's split /
-                    stream-K / tail / short-K schedules)
+  round+bf16        quant.mx_round(A) (two kernels: quantize_mx, dequantize_mx), then the bf16 op (the static
+                    W = 1 GEMM with planning.w1_plan's split / stream-K / tail / short-K schedules)
+  bf16 op           that bf16 op alone on A's MX values (rounded before the timing): what that path would cost
+                    with a free rounding pass
 Prints one table: ms per variant (median of the rounds' medians), each over cublas bf16, and which tile
 w1_mx_matmul.tile_width picks. A developer probe."""
 import argparse
@@ -50,14 +53,26 @@ def main(argv=None):
         ref = a_mx.float() @ w_mx.float().t()
 
         def gluon(bn):
-            return lambda: w1mx.w1_mx_call(a, None, w_mx, True, ws, None, sms, codes.OP_ALL_GATHER_MATMUL.value, True,
-                                           bn=bn)[1]
+            """The kernel's launch, bound once (as the op's cached plan does; a w1_mx_call per call would build
+            descriptors and self-check a fresh launch every time), the row pass rounding A in every launch."""
+            ws.ensure(m * k * 2, 0)
+            values = ws.data[:m * k * 2].view(torch.bfloat16).view(m, k)
+            c = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+            runtime.ensure_triton_allocator()
+            kl = w1mx.w1_mx_matmul_launch(a, None, w_mx, True, c, values, ws, sms, codes.OP_ALL_GATHER_MATMUL.value,
+                                          bn)
+
+            def call():
+                kl.kernel[kl.grid](*kl.args, **kl.kw)
+                return c
+            return call
         calls = {
             "cublas bf16": lambda: torch.matmul(a, w.t()),
             "cublas mx": lambda: torch.matmul(a_mx, w_mx.t()),
             "gluon-256": gluon(256),
             "gluon-128": gluon(128),
             "round+bf16": lambda: kosmos.all_gather_matmul(quant.mx_round(a), w_mx.t())[1],
+            "bf16 op": lambda: kosmos.all_gather_matmul(a_mx, w_mx.t())[1],
         }
         errs = {}
         for v, fn in calls.items():  # each checked once against the fp32 product of the MX values
