@@ -377,12 +377,12 @@ def test_w1_all_gather_matmul_quantizes_inside(no_tf32, ms, k, n):
 
 def test_w1_mx_tile_width_rule():
     """kernels/w1_mx_matmul.tile_width: 128 x 256 where its waves fill the SMs as well as 128 x 128's would (the
-    llama3 per-rank shapes keep it), 128 x 128 where 128 x 256 leaves a thin last wave (2.4 waves at 2048 x
-    5120 on 132 SMs: 3 waves against 5 half-size ones at MX_TILE128_RATE) or both make under one."""
+    llama3 per-rank shapes keep it), 128 x 128 where 128 x 256 leaves a thin last wave (1.45 waves at 1024 x
+    6144 on 132 SMs: 2 waves against 3 half-size ones at MX_TILE128_RATE) or both make under one."""
     from kosmos.kernels.w1_mx_matmul import tile_width
-    for m, n in [(4096, 5120), (8192, 28672), (16384, 8192), (4096, 8192), (1024, 3072)]:
+    for m, n in [(4096, 5120), (8192, 28672), (16384, 8192), (4096, 8192), (1024, 3072), (2048, 5120)]:
         assert tile_width(m, n, 132) == 256, (m, n)
-    assert tile_width(2048, 5120, 132) == 128
+    assert tile_width(1024, 6144, 132) == 128  # 2 waves of 128 x 256 against 3 of 128 x 128 (2.9)
     assert tile_width(256, 1536, 132) == 128  # under a wave either way: the smaller tile halves the time
 
 

@@ -6,8 +6,9 @@ b [K, N] bf16 (the weight's MX values, quant.mx_round); c [M, N] bf16, fp32 accu
 dot product over K in a fixed order (bitwise deterministic).
 
 One persistent program per SM, two partitions:
-  MMA warps (8, the default partition): the persistent bf16 GEMM -- tiles 128 x 256 in GROUP_M order, dealt
-    round-robin; a ring of STAGES (A 128 x 64, B 256 x 64) TMA slots loaded STAGES - 1 k-steps ahead; async wgmma
+  MMA warps (8, the default partition): the persistent bf16 GEMM -- tiles 128 x BN (BN = 256, or 128 where
+    tile_width's wave model says so) in GROUP_M order, dealt round-robin; a ring of STAGES (TILES: 4 at BN 256,
+    6 at 128) slots (A 128 x 64, B BN x 64) TMA-loaded STAGES - 1 k-steps ahead; async wgmma
     from shared memory with one group in flight; the epilogue through a 128 x 64 piece and TMA stores. A is read
     from ``values``, a workspace buffer [M, K] bf16 that the row pass writes.
   Row pass (4 warps): A's MX values made ONCE for the whole grid, in parts of [16 rows, 512 columns] (bf16 words
@@ -48,8 +49,14 @@ feeding each tile's A through shared memory 1.42-1.56x (the partition alone ~1.2
 register operand per tile 1.20-1.23x (a k-step's expansion, 626 cycles per warp, does not hide under the
 wgmma; and it is redone for every column tile); quantize_mx then that 1.23-1.33x; a wait per 512-column chunk
 instead of the per-tile total (an atomic every 8 k-steps) +1.5-2%.
-Limits: Hopper (sm_90) and Triton 3.6.x only (the Gluon API this uses); the tile is fixed (128 x 256 x 64), so
-shapes of few tiles leave SMs idle (issue 13's any-shape rules are for the bf16 kernels); no trace events.
+Limits: Hopper (sm_90) and Triton 3.6.x only (the Gluon API this uses); tiles 128 x 256 or 128 x 128 unsplit
+(tile_width), so shapes of few tiles still leave SMs idle -- the bf16 static GEMM's K split, stream-K, tail tiles
+and two programs per SM (planning.w1_plan) are not here; no trace events. Off the llama3 shapes (session 24,
+dev/mx_tile_probe, the 48 grid GEMMs, results/h200x1/s24/s24b): this kernel 0.28-1.04x of cuBLAS bf16 (geomean
+0.805 at 128 x 256 everywhere, 0.847 with tile_width), where the bf16 op on A's MX values (the static GEMM,
+rounding not timed) makes 0.72-1.09 (0.970): the few-tile shapes need those schedules, not the row pass. A
+separate rounding pass before that GEMM would win at ~8 of the 48 (geomean ~0.871 with an ideal 4-byte-per-element
+pass, estimated from the same run); today's quant.mx_round (two kernels) wins at none of them.
 """
 from __future__ import annotations
 
@@ -75,7 +82,7 @@ except Exception as e:  # noqa: BLE001 -- any import failure: the ops keep their
 
 BM, BK, EPI_N, GROUP_M = 128, 64, 64, 8
 TILES = {256: 4, 128: 6}          # the MMA tile's width BN -> ring stages (208 KiB of shared memory either way)
-MX_TILE128_RATE = 0.90            # a 128 x 128 tile's rate relative to 128 x 256 on many waves (tile_width)
+MX_TILE128_RATE = 0.83            # a 128 x 128 tile's rate relative to 128 x 256 on many waves (tile_width)
 KC, PART_ROWS = 512, 16           # a row-pass part: [PART_ROWS, KC]
 MMA_WARPS, PASS_WARPS, PASS_REGS = 8, 4, 104
 MAXNREG = 168                     # 64K registers / 384 threads, as ptxas allocates every partition within it
@@ -434,7 +441,14 @@ def w1_mx_matmul_launch(a, scales, b_store, b_kmajor: bool, c, values, ws, progr
 def tile_width(m: int, n: int, programs: int) -> int:
     """The MMA tile's width BN (TILES) for c [m, n] on ``programs`` SMs: planning.tile_config's wave model over the
     two Gluon tiles -- ceil(T / programs) waves of T tiles, a 128 x 128 tile costing 0.5 / MX_TILE128_RATE of a
-    128 x 256 one -- the wider on a tie within 1%."""
+    128 x 256 one -- the wider on a tie within 1%.
+
+    Measured (session 24, one H200, Triton 3.6, dev/mx_tile_probe on the 48 GEMMs of suites/tp-grid.yaml, A
+    rounded in the launch; results/h200x1/s24/s24b): 128 x 128 (8 MMA warps, 6 stages) runs at 0.83 of 128 x
+    256's rate on the 23 shapes of >= 4 waves (0.74-0.93: MX_TILE128_RATE; the tl kernels' 128 x 128 reaches
+    0.90). The rule with it takes 128 x 128 at 8 shapes (256x1536x1024 0.341 -> 0.500 of cuBLAS bf16,
+    512x1536x7168 0.281 -> 0.445, 256x4096x4096 0.465 -> 0.693, ...); grid geomean 0.805 (128 x 256 everywhere)
+    -> 0.847 (the better of the two per shape: 0.851). In-sample: the rate comes from the same run."""
     def cost(bn):
         tiles = -(-m // BM) * -(-n // bn)
         return -(-tiles // programs) * (bn / 256) / (1.0 if bn == 256 else MX_TILE128_RATE)
