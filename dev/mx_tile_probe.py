@@ -10,8 +10,10 @@ flushed, host hidden), A bf16 [M, K] rounded to MX inside each call (except ``bf
   cublas mx         torch.matmul on the MX values (the data effect: session 23's mx_data_probe)
   gluon-256         w1_mx_matmul, 128 x 256 tiles (the op before this session)
   gluon-128         w1_mx_matmul, 128 x 128 tiles, 6 stages
-  round+bf16        quant.mx_round(A) (two kernels: quantize_mx, dequantize_mx), then the bf16 op (the static
-                    W = 1 GEMM with planning.w1_plan's split / stream-K / tail / short-K schedules)
+  round+bf16        quant.mx_round(A), then the bf16 op (the static W = 1 GEMM with planning.w1_plan's split /
+                    stream-K / tail / short-K schedules); mx_round was two kernels (quantize_mx, dequantize_mx)
+                    in s24a / s24b, one (quant.round_to_mx) since
+  round alone       quant.mx_round(A) alone (its vs_cublas column: cuBLAS time / rounding time)
   bf16 op           that bf16 op alone on A's MX values (rounded before the timing): what that path would cost
                     with a free rounding pass
 Prints one table: ms per variant (median of the rounds' medians), each over cublas bf16, and which tile
@@ -73,11 +75,15 @@ def main(argv=None):
             "gluon-128": gluon(128),
             "round+bf16": lambda: kosmos.all_gather_matmul(quant.mx_round(a), w_mx.t())[1],
             "bf16 op": lambda: kosmos.all_gather_matmul(a_mx, w_mx.t())[1],
+            "round alone": lambda: quant.mx_round(a),
         }
         errs = {}
         for v, fn in calls.items():  # each checked once against the fp32 product of the MX values
             c = fn()
             torch.cuda.synchronize()
+            if v == "round alone":
+                errs[v] = float(not torch.equal(c.view(torch.int16), a_mx.view(torch.int16)))
+                continue
             errs[v] = float((c.float() - ref).norm() / ref.norm())
         ws.check_errors()
         times = {v: [] for v in calls}

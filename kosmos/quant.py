@@ -172,8 +172,11 @@ def mx_round(x: torch.Tensor) -> torch.Tensor:
     Exact MX values in bf16 (the module docstring's exactness section). This is how the fused ops hold an MX
     *weight*: Hopper has no MX tensor cores and a TP weight never travels, so the GEMM reads the bf16 expansion
     of the MX weight (2 bytes per element where MX takes 1.03) -- the same values an MX MMA would multiply.
-    For a [K, N] right operand pass ``mx_round(w).t()`` of the [N, K] weight (blocks along K)."""
-    return from_mx(to_mx(x))
+    For a [K, N] right operand pass ``mx_round(w).t()`` of the [N, K] weight (blocks along K).
+    On CUDA one kernel (round_to_mx), elsewhere the torch reference (same bits)."""
+    if x.is_cuda:
+        return round_to_mx(x)
+    return dequantize_mx_ref(*quantize_mx_ref(x))
 
 MX_BLOCK = 32                # elements per scale (OCP MX: k = 32)
 E4M3_MAX = 448.0
@@ -438,6 +441,14 @@ def mx_round_bf16(h):
     return tl.where(r >= 32768, r - 65536, r).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, rows, nb, BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """x, out: bf16 [rows, nb * 32]; out = the MX values of x (mx_round_bf16), one read and one write."""
+    offs, mask, _, _ = _tile_offsets(rows, nb, BLOCK_R, BLOCK_NB)
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, mx_round_bf16(h), mask=mask)
+
+
 # ============================================================================================ host wrappers
 def _tiles(rows: int, nb: int):
     """(BLOCK_R, BLOCK_NB, num_warps): 8 rows x 8 MX blocks (2048 elements) per program on the GPU (a first,
@@ -457,7 +468,7 @@ def _key(kernel, t, *extra):
     return (kernel, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0, *extra)
 
 
-def _launch(kernel, key, ref: torch.Tensor, args: list, outputs, kl=None, **constexprs) -> None:
+def _launch(kernel, key, ref: torch.Tensor, args: list, outputs, kl=None, tiles=_tiles, **constexprs) -> None:
     """Launch ``kernel`` on ``args`` (its runtime arguments, tensors first, then rows and nb) through the cached
     KernelLaunch of ``key`` (launch_plan.py: after a self-checked first launch, Triton's launcher is called
     directly where launch_plan supports it; the normal ``kernel[grid](...)`` elsewhere, e.g. the interpreter).
@@ -465,12 +476,12 @@ def _launch(kernel, key, ref: torch.Tensor, args: list, outputs, kl=None, **cons
     2026-12-02: cached launches instead of ``kernel[grid](...)`` per call (JITFunction.run ~16 us on H200's host;
     plus triton.cdiv / next_power_of_2 calls and the torch.cuda.device context, now only around a normal
     launch). Unmeasured on a GPU until the lead runs ``dev.fixed_cost``. ``kl``: the plan of ``key`` if the
-    caller has looked it up already."""
+    caller has looked it up already; ``tiles(rows, nb)``: the (BLOCK_R, BLOCK_NB, num_warps) rule."""
     if kl is None and key is not None:
         kl = _PLANS.get(key)
     if kl is None:
         rows, nb = args[-2], args[-1]
-        br, bnb, warps = _tiles(rows, nb)
+        br, bnb, warps = tiles(rows, nb)
         grid = (-(-rows // br), -(-nb // bnb))  # (not triton.cdiv: a JIT function, microseconds per host call)
         kl = launch_plan.KernelLaunch(kernel, grid, args, dict(BLOCK_R=br, BLOCK_NB=bnb, num_warps=warps,
                                                                 **constexprs),
@@ -533,4 +544,27 @@ def dequantize_mx(payload: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloa
         key = _key(_dequantize_kernel, payload, scales.data_ptr() % 16 == 0, dtype)
         _launch(_dequantize_kernel, key, payload, [payload.view(torch.uint8), scales, bits, rows, k // MX_BLOCK],
                 (bits,), OUT_BF16=dtype == torch.bfloat16)
+    return out
+
+
+def _round_tiles(rows: int, nb: int):
+    """round_to_mx's (BLOCK_R, BLOCK_NB, num_warps): 16 rows x 16 MX blocks (8192 elements, 16 KiB read and
+    written) per 8-warp program -- a streaming pass wants few, large programs (quantize_mx's 2048-element ones
+    are its first, unmeasured choice)."""
+    return min(16, triton.next_power_of_2(rows)), min(16, triton.next_power_of_2(nb)), 8
+
+
+def round_to_mx(x: torch.Tensor) -> torch.Tensor:
+    """mx_round with one Triton kernel: x (bf16 [rows, K], contiguous, CUDA; K a multiple of 32) -> its MX values
+    (bf16 [rows, K]), bit for bit dequantize_mx(*quantize_mx(x)) (mx_round_bf16: interpreter and sm_90), reading
+    2 and writing 2 bytes per element (the two kernels: 2 + 1.03 + 1.03 + 2)."""
+    key = _key(_round_kernel, x)
+    kl = _PLANS.get(key) if key is not None else None
+    if kl is None or kl.device is None:
+        _check_mx_matrix("x", x, (torch.bfloat16,), kernel=True)
+        _check_k("x", x.shape[1])
+    rows, k = x.shape
+    out = torch.empty_like(x)
+    if out.numel():
+        _launch(_round_kernel, key, x, [x, out, rows, k // MX_BLOCK], (out,), kl, tiles=_round_tiles)
     return out

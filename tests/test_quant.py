@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from kosmos import planning
-from kosmos.quant import (dequantize_mx, dequantize_mx_ref, e4m3_round_ref, e4m3_value_ref,
-                          mx_round_bf16, quantize_mx, quantize_mx_ref, rceil_exponent_ref)
+from kosmos.quant import (dequantize_mx, dequantize_mx_ref, e4m3_round_ref, e4m3_value_ref, mx_round,
+                          mx_round_bf16, quantize_mx, quantize_mx_ref, rceil_exponent_ref, round_to_mx)
 
 PLATFORMS = [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
              pytest.param("cuda", marks=pytest.mark.gpu, id="gpu")]
@@ -378,6 +378,30 @@ def test_in_register_mx_rounding_is_the_round_trip(device):
     want = dequantize_mx_ref(*quantize_mx_ref(x))
     same_bits(out.cpu(), want)
     assert want.isnan().any() and (want == float("inf")).any() and (want.view(torch.int16) == -32768).any()
+
+
+@pytest.mark.parametrize("device", PLATFORMS)
+@pytest.mark.parametrize("rows,k", SHAPES)
+def test_round_to_mx_is_the_round_trip(device, rows, k):
+    """round_to_mx (mx_round's one-kernel form on CUDA) is bit for bit dequantize_mx_ref(*quantize_mx_ref(x)) on
+    random blocks over the whole range (NaN / Inf blocks, subnormals, ties), the output poisoned first; a second
+    call (the cached launch) gives the same bits; mx_round on the CPU is the reference."""
+    x = random_bf16(rows, k, seed=rows * 31 + k)
+    want = dequantize_mx_ref(*quantize_mx_ref(x))
+    for _ in range(2):
+        same_bits(round_to_mx(x.to(device)).cpu(), want)
+    same_bits(mx_round(x), want)
+
+
+@pytest.mark.gpu_optional
+def test_round_to_mx_bad_inputs():
+    dev = _kernel_device()
+    with pytest.raises(ValueError, match="x must be torch.bfloat16"):
+        round_to_mx(torch.zeros(4, 64, device=dev))
+    with pytest.raises(ValueError, match="x has K=48 columns"):
+        round_to_mx(torch.zeros(4, 48, dtype=torch.bfloat16, device=dev))
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        round_to_mx(torch.zeros(64, 32, dtype=torch.bfloat16, device=dev).t())
 
 
 @pytest.mark.parametrize("device", PLATFORMS)
