@@ -9,7 +9,7 @@
 #    it) -- a custom TP GEMM and a custom MoE layer at world 1, every implementation that can run there;
 # 3. the whole GPU test selection, as the last step (it is the longest).
 set -u
-stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d|s24a|s24b|s24c|s24d|s24e}
+stage=${1:?usage: x1_session.sh check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d|s24a|s24b|s24c|s24d|s24e|s24f}
 out=${OUT:?run on the device machine, where OUT is set}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 # A stage writes its files into a /tmp dir of its own (a warm machine keeps /tmp between calls, so a shared dir
@@ -1454,5 +1454,20 @@ PY
     gpu_tests quant 120 "" tests/test_quant.py
     timeout $((560 - SECONDS)) python -m dev.mx_tile_probe --json "$out/mx-tile-probe.jsonl" > "$out/mx-tile-probe.log" 2>&1
     echo "probe rc=$?"; keep; grep -iE "error|Traceback" "$out/mx-tile-probe.log" | head -5; tail -8 "$out/mx-tile-probe.log" ;;
-  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d|s24a|s24b|s24c|s24d|s24e" >&2; exit 2 ;;
+  s24f)  # session 24: the pass-first path's GPU tests and s23d's MX selection; the probe on 12 held-out shapes; the
+         # MX grid in the bench again; host-noise modes
+    begin_stage s24f
+    gpu_tests mx-w1 200 "mx or quantizes or graph or plan or pass_first" tests/test_all_gather_matmul.py \
+      tests/test_matmul_reduce_scatter.py tests/test_cuda_graphs.py tests/test_launch_plan.py tests/test_nn_tp.py
+    timeout 120 python -m dev.mx_tile_probe --rounds 2 --json "$out/mx-tile-heldout.jsonl" --shapes \
+      768x2048x4096,1536x2560x3072,2560x10240x2048,5000x3584x6144,12288x1024x4096,640x12288x8192,1024x1024x12288,3072x7168x1536,7168x2048x2048,384x20480x4096,1792x5632x5632,10240x4096x3072 \
+      > "$out/mx-tile-heldout.log" 2>&1; echo "held-out probe rc=$?"; keep; tail -20 "$out/mx-tile-heldout.log"
+    timeout $((480 - SECONDS)) python -m kosmos_bench.cli bench tp --tp 1 --suite suites/tp-grid.yaml --dtype mxfp8 \
+      --impl kosmos --out "$out/tp-grid-mxfp8-w1.jsonl" > "$out/bench-grid-mx.log" 2>&1; echo "grid mx rc=$?"; keep
+    timeout 20 python -m kosmos_bench.cli report "$out/tp-grid-mxfp8-w1.jsonl" --format md \
+      --out "$out/tp-grid-mxfp8-w1.md" >> "$out/bench-grid-mx.log" 2>&1; keep
+    grep -E "against cuBLAS alone|Host enqueue" "$out/tp-grid-mxfp8-w1.md" | cut -c1-400
+    timeout $((575 - SECONDS)) python -m dev.host_noise --rounds 5 > "$out/host-noise.log" 2>&1; echo "host noise rc=$?"
+    keep; tail -12 "$out/host-noise.log" ;;
+  *) echo "unknown stage $stage: check|mxfp8|gpu-all|moe-mxfp8|moe-bwd|train|grid|deepep|s9final|tiles|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s11d|s12a|s12b|s12c|s12d|s12e|s12f|s12g|s13a|s13b|s13c|s13d|s13e|s13f|s13g|s13h|s13i|s13j|s14a|s14b|s14c|s14d|s14e|s14f|s15a|s15b|s15c|s15h|s16a|s16b|s16c|s16d|s16e|s16f|s16h|s17a|s17b|s17d|s18a|s18b|s18c|s18d|s18e|s18g|s18h|s19a|s19b|s19c|s19d|s19e|s19f|s19g|s20a|s20b|s20c|s20d|s20e|s20f|s20g|s20h|s21a|s21b|s21c|s21d|s21e|s22a|s22b|s22c|s22d|s23a|s23b|s23c|s23d|s24a|s24b|s24c|s24d|s24e|s24f" >&2; exit 2 ;;
 esac

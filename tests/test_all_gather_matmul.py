@@ -386,6 +386,53 @@ def test_w1_mx_tile_width_rule():
     assert tile_width(256, 1536, 132) == 128  # under a wave either way: the smaller tile halves the time
 
 
+LLAMA70B_TP2_RANK_GEMMS = [(s, n, k) for s in (4096, 8192, 16384)
+                           for n, k in ((5120, 8192), (28672, 8192), (8192, 4096), (8192, 14336))]
+
+
+def test_w1_mx_pass_first_rule():
+    """common.w1_mx_pass_first: the llama3-70b TP=2 per-rank GEMMs and launch-bound shapes stay on the Gluon kernel;
+    N <= 1536 and badly filled Gluon waves at M >= 1024 take the pass + bf16 static GEMM."""
+    from kosmos.kernels.common import w1_mx_pass_first
+    for m, n, k in LLAMA70B_TP2_RANK_GEMMS + [(128, 256, 256), (256, 1536, 512), (256, 6144, 8192)]:
+        assert not w1_mx_pass_first(m, n, k, 132), (m, n, k)
+    for m, n, k in [(2048, 1536, 5120), (512, 1536, 7168), (6000, 5120, 14336), (3000, 3072, 7168)]:
+        assert w1_mx_pass_first(m, n, k, 132), (m, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_w1_mx_pass_first_path(no_tf32, kmajor):
+    """A shape of common.w1_mx_pass_first's (N = 1536): from bf16, a_full is quant.mx_round(x) bit for bit and c is
+    bitwise the bf16 op on those values (the same static GEMM); from the MXTensor, a_full is that MXTensor and c
+    the same; GEMM+RS likewise; the plan's replays (second calls) give the same bits."""
+    import kosmos
+    from kosmos import quant, reference
+    from kosmos.kernels.common import w1_mx_pass_first, w1_mx_gluon
+    dev = torch.device("cuda", 0)
+    ms, k, n = 2048, 1024, 1536
+    if not w1_mx_gluon(1, None, "self", dev):
+        pytest.skip("no W = 1 Gluon MX path on this GPU / Triton")
+    assert w1_mx_pass_first(ms, n, k, runtime.num_sms(dev))
+    gen = torch.Generator().manual_seed(24)
+    x = randn((ms, k), gen, "cuda")
+    b = weight(k, n, gen, "cuda", kmajor)
+    want_values = quant.mx_round(x)
+    want_c = kosmos.all_gather_matmul(want_values, b)[1]
+    assert reference.rel_err(want_c, want_values.float() @ b.float()) < TOL
+    mx = quant.quantize_mx(x)
+    for _ in range(2):
+        values, c = kosmos.all_gather_matmul(x, b, precision="mxfp8")
+        assert torch.equal(values.view(torch.int16), want_values.view(torch.int16))
+        assert torch.equal(c, want_c)
+        a_full, c_mx = kosmos.all_gather_matmul(mx, b)
+        assert a_full is mx and torch.equal(c_mx, want_c)
+        want_rs = kosmos.matmul_reduce_scatter(want_values, b)
+        assert torch.equal(kosmos.matmul_reduce_scatter(x, b, precision="mxfp8"), want_rs)
+        assert torch.equal(kosmos.matmul_reduce_scatter(mx, b), want_rs)
+    kosmos.check_errors()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bn", [128, 256])
 @pytest.mark.parametrize("ms,k,n,kmajor", [(1000, 512, 640, False), (300, 1056, 264, True), (2048, 2048, 1536, True)])

@@ -43,8 +43,10 @@ atomic per tile), so a program that never waits finishes its tiles; the launch s
 
 MXFP8 at W = 1 (untraced, self policy, Hopper with Triton 3.6): kernels/w1_mx_matmul.py -- a Gluon GEMM whose
   row-pass partition makes A's MX values once (rounded from a bf16 a_shard under ``precision="mxfp8"``, or
-  expanded from an MXTensor) while its MMA warps run; 0.943-1.019x of torch.matmul bf16 (its docstring). What
-  follows is the path everywhere else (W > 1, traces, fixed roles, other GPUs).
+  expanded from an MXTensor) while its MMA warps run; 0.943-1.019x of torch.matmul bf16 (its docstring). On
+  shapes of few tiles (common.w1_mx_pass_first) one pass makes the values first and the bf16 static GEMM
+  (planning.w1_plan) multiplies them. What follows is the path everywhere else (W > 1, traces, fixed roles,
+  other GPUs).
 MXFP8 (a_shard a kosmos.quant.MXTensor; b the bf16 expansion of an MX weight, quant.mx_round):
     a_full = allgather(payload, scales)  payload [Ms, K] e4m3, scales [Ms, K/32] E8M0: 1 + 1/32 bytes per
                                          element on the wire (0.52x of bf16)
@@ -121,7 +123,8 @@ from ..config import AllGatherMatmulConfig, check_config
 from ..quant import MXTensor, quantize_mx
 from .common import (check_launch, check_operands, copy_flat, deq_lagging, deq_needed, deq_should_help,
                      host_descriptors, load_task, mx_dequant_rows, policy_args, quantize_request, store_tile,
-                     tile_matmul, tma_descriptor, w1_matmul_launch, w1_mx_gluon, wait_rows_dequantized)
+                     tile_matmul, tma_descriptor, w1_matmul_launch, w1_mx_gluon, w1_mx_pass_first,
+                     mx_values_first, wait_rows_dequantized)
 from .w1_mx_matmul import w1_mx_call
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
@@ -395,7 +398,9 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     ``precision="mxfp8"`` with a bf16 ``a_shard``: the op quantizes it to MXFP8 itself (quant.quantize_mx's
     rule) and multiplies its MX values; ``a_full`` is then the gathered MX values as bf16 [M, K] (a workspace
     view, as above). At W = 1 on Hopper the quantization runs inside the launch (kernels/w1_mx_matmul.py, which
-    also takes every W = 1 MXTensor call); elsewhere quant.quantize_mx runs first, then the MX path.
+    also takes every W = 1 MXTensor call), except on the shapes of common.w1_mx_pass_first, where one pass makes
+    A's MX values (``a_full``, a new tensor) and the bf16 static GEMM multiplies them; elsewhere
+    quant.quantize_mx runs first, then the MX path.
     """
     # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
     first = a_shard[0] if isinstance(a_shard, tuple) and a_shard else a_shard
@@ -404,11 +409,19 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     if plan is not None:
         info = plan.info
         c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
-        a_in = quantize_mx(a_shard) if info["quantize"] == "first" else a_shard
+        pre = info["quantize"]
+        if pre == "first":
+            a_in = quantize_mx(a_shard)
+        elif pre in ("round", "expand"):  # w1_mx_pass_first's path: A's MX values, then the bf16 static GEMM
+            a_in = mx_values_first(a_shard, pre == "round")
+        else:
+            a_in = a_shard
         payload, scales = a_in if info["mx"] else (a_in, None)
         plan.call(ws, dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None, s=scales,
                            b=b.t() if info["b_kmajor"] else b, c=c, trace=trace), (c,), trace is not None)
-        if info["quantize"]:
+        if pre in ("round", "expand"):
+            return (a_in if pre == "round" else a_shard), c
+        if pre:
             return info["a_values"], c
         return (a_in if info["a_full"] is None else info["a_full"]), c
     config = check_config(AllGatherMatmulConfig, config)
@@ -418,12 +431,17 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     ws = runtime.get_workspace(group, device)
     w, r = ws.world.size, ws.world.rank
     gluon = (quantize or isinstance(a_shard, tuple)) and w1_mx_gluon(w, trace, policy, device)
+    grid = runtime.num_sms(device)
+    pre, mx_input = None, a_shard
+    if gluon and w1_mx_pass_first(ms, n, k, grid):  # A's MX values by one pass, then the bf16 static GEMM
+        pre = "round" if quantize else "expand"
+        a_shard = mx_values_first(a_shard, quantize)
+        gluon = quantize = False
     if quantize and not gluon:  # quantized first, then the MX path (the values: its dequantized rows)
         a_shard = quantize_mx(a_shard)
     mx = isinstance(a_shard, tuple)
     payload, scales = a_shard if mx else (a_shard, None)
     m = ms * w
-    grid = runtime.num_sms(device)
     cfg = planning.tile_config(ms, n, k, world=w, programs=grid, mx=mx)
     check_launch(policy, comm_programs, trace, grid)
     chunks = -(-ms // cfg.BM)  # (not triton.cdiv: a JIT function, ~7 us per host call)
@@ -462,7 +480,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
         kl = launch_plan.KernelLaunch(_all_gather_matmul_kernel, grid, args, kw)
     a_full = None if w == 1 else (MXTensor(gather, gather_scales) if mx else gather)
     info = dict(c_shape=(m, n), device=device, mx=mx, b_kmajor=b_kmajor, a_full=a_full,
-                clean=launch_plan.clean_check(ws), quantize="first" if quantize else None, a_values=dequantized)
+                clean=launch_plan.clean_check(ws), quantize="first" if quantize else pre, a_values=dequantized)
     if key is not None:
         plan = launch_plan.make_plan(kl, dict(a=payload, a16=payload.view(torch.bfloat16) if mx else None,
                                               s=scales, b=b_store, c=c, trace=trace), ws, info, views=("a16",))
@@ -473,6 +491,6 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     if quantize:
         return dequantized, c
     if w == 1:
-        return a_shard, c
+        return (mx_input if pre == "expand" else a_shard), c
     return (MXTensor(gather, gather_scales) if mx else gather), c
 

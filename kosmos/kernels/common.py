@@ -643,6 +643,42 @@ def w1_mx_gluon(world: int, trace, policy: str, device) -> bool:
     return unavailable(device) is None
 
 
+MX_PASS_FIRST_MIN_MACS = 1 << 28  # below: launch-bound calls, where one launch (the Gluon kernel) beats two
+
+
+def w1_mx_pass_first(m: int, n: int, k: int, programs: int) -> bool:
+    """Whether a W = 1 MXFP8 call that w1_mx_gluon gives the Gluon kernel runs instead as one pass that makes A's
+    MX values (quant.round_to_mx from bf16, quant.dequantize_mx from an MXTensor) and then the bf16 static GEMM
+    on them (planning.w1_plan: K split, stream-K, tail tiles, two programs per SM -- schedules the Gluon kernel
+    lacks). Taken for C [m, n] of >= MX_PASS_FIRST_MIN_MACS multiply-adds where N <= 1536 (few column tiles to
+    spread the in-launch rounding over; tail tiles), where w1_plan runs two programs per SM (short K), or where
+    m >= 1024 and the Gluon kernel's tiles (w1_mx_matmul.tile_width) fill under 0.9 of their waves -- the
+    separate pass reads 2 and writes 2 bytes per element of A (~3.3 TB/s, ~5.5 us at least), cheap against the
+    idle SMs it saves there, dear against small M's 15-50 us GEMMs.
+
+    Measured (session 24, one H200, Triton 3.6, dev/mx_tile_probe on the 48 grid GEMMs, A bf16 rounded in each
+    call, results/h200x1/s24/s24e; in-sample: the conditions were drawn from these figures): the Gluon kernel
+    alone 0.844 geomean of cuBLAS bf16, the pass + bf16 GEMM alone 0.859, this rule 0.872 (the better path per
+    shape: 0.875); it picks the pass at 24 shapes (e.g. 2048x1536x5120 0.492 -> 0.691, 512x1536x7168 0.443 ->
+    0.604, 6000x5120x14336 0.911 -> 0.964) and keeps every llama3-70b TP=2 per-rank GEMM on the Gluon kernel
+    (session 23's mx_data_probe: the pass + bf16 GEMM 1-8% slower there but at fc2-16k, a tie)."""
+    from .. import planning
+    from .w1_mx_matmul import BM, tile_width
+    if m * n * k < MX_PASS_FIRST_MIN_MACS:
+        return False
+    bn = tile_width(m, n, programs)
+    tiles = -(-m // BM) * -(-n // bn)
+    fill = tiles / (-(-tiles // programs) * programs)
+    return n <= 1536 or planning.w1_plan(m, n, k, programs=programs).per_sm > 1 or (fill < 0.9 and m >= 1024)
+
+
+def mx_values_first(a, quantize: bool):
+    """A's MX values as bf16 for w1_mx_pass_first's path: round_to_mx(a) for a bf16 ``a`` the op quantizes,
+    dequantize_mx of an MXTensor ``a``."""
+    from ..quant import dequantize_mx, round_to_mx
+    return round_to_mx(a) if quantize else dequantize_mx(*a)
+
+
 def check_launch(policy: str, comm_programs, trace, grid: int) -> None:
     """Checks that depend on the grid (the device's SM count)."""
     policy_args(policy, comm_programs, grid)

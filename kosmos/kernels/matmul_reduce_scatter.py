@@ -99,7 +99,8 @@ from ..config import MatmulReduceScatterConfig, check_config, default_config
 from ..quant import quantize_mx
 from .common import (check_launch, check_operands, deq_lagging, deq_needed, deq_should_help, host_descriptors,
                      load_task, mx_dequant_rows, policy_args, quantize_request, store_rows, store_tile,
-                     tile_matmul, w1_matmul_launch, w1_mx_gluon, wait_rows_dequantized)
+                     tile_matmul, w1_matmul_launch, w1_mx_gluon, w1_mx_pass_first, mx_values_first,
+                     wait_rows_dequantized)
 from .w1_mx_matmul import w1_mx_call
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
@@ -365,7 +366,8 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation; ``trace`` as in
     ``all_gather_matmul``. ``precision="mxfp8"`` with a bf16 ``a``: the op quantizes it to MXFP8 itself and
     multiplies its MX values -- inside the launch at W = 1 on Hopper (kernels/w1_mx_matmul.py, which also takes
-    every W = 1 MXTensor call), else quant.quantize_mx first.
+    every W = 1 MXTensor call; on common.w1_mx_pass_first's shapes one pass makes the values first, then the bf16
+    static GEMM), else quant.quantize_mx first.
     """
     # the plan of this call signature (kosmos/launch_plan.py); a miss validates and builds it
     first = a[0] if isinstance(a, tuple) and a else a
@@ -376,6 +378,8 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
         c = torch.empty(info["c_shape"], dtype=torch.bfloat16, device=info["device"])
         if info["quantize"] == "first":
             a = quantize_mx(a)
+        elif info["quantize"] in ("round", "expand"):  # w1_mx_pass_first's path
+            a = mx_values_first(a, info["quantize"] == "round")
         payload, scales = a if info["mx"] else (a, None)
         plan.call(ws, dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace), (c,),
                   trace is not None)
@@ -388,11 +392,16 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     if m % w:
         raise ValueError(f"M={m} rows of a must divide by the world size {w}")
     gluon = (quantize or isinstance(a, tuple)) and w1_mx_gluon(w, trace, policy, first.device)
+    grid = runtime.num_sms(first.device)
+    pre = None
+    if gluon and w1_mx_pass_first(m, n, k, grid):  # A's MX values by one pass, then the bf16 static GEMM
+        pre = "round" if quantize else "expand"
+        a = mx_values_first(a, quantize)
+        gluon = quantize = False
     if quantize and not gluon:  # quantized first, then the MX path
         a = quantize_mx(a)
     a, a_scales = a if isinstance(a, tuple) else (a, None)
     ms = m // w
-    grid = runtime.num_sms(a.device)
     if gluon:  # at W = 1 there is nothing to reduce: c = mx(a) @ b
         return w1_mx_call(a, a_scales, b_store, b_kmajor, ws, key, grid, OP_MATMUL_REDUCE_SCATTER.value,
                           quantize)[1]
@@ -420,7 +429,7 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
                                 comm_programs=comm_programs, trace=trace, a_scales=a_scales, dequantized=dequantized)
         kl = launch_plan.KernelLaunch(_matmul_reduce_scatter_kernel, grid, args, kw)
     info = dict(c_shape=(ms, n), device=a.device, mx=a_scales is not None, b_kmajor=b_kmajor,
-                clean=launch_plan.clean_check(ws), quantize="first" if quantize else None)
+                clean=launch_plan.clean_check(ws), quantize="first" if quantize else pre)
     if key is not None:
         plan = launch_plan.make_plan(kl, dict(a=a, s=a_scales, b=b_store, c=c, trace=trace), ws, info)
         if plan is not None:
