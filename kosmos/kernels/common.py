@@ -661,7 +661,11 @@ def w1_mx_pass_first(m: int, n: int, k: int, programs: int) -> bool:
     alone 0.844 geomean of cuBLAS bf16, the pass + bf16 GEMM alone 0.859, this rule 0.872 (the better path per
     shape: 0.875); it picks the pass at 24 shapes (e.g. 2048x1536x5120 0.492 -> 0.691, 512x1536x7168 0.443 ->
     0.604, 6000x5120x14336 0.911 -> 0.964) and keeps every llama3-70b TP=2 per-rank GEMM on the Gluon kernel
-    (session 23's mx_data_probe: the pass + bf16 GEMM 1-8% slower there but at fc2-16k, a tie)."""
+    (session 23's mx_data_probe: the pass + bf16 GEMM 1-8% slower there but at fc2-16k, a tie). Held out (12
+    shapes off the grid, picks written before the run, s24f): within 3% of the better path at 11 of 12; the
+    miss, 1536x2560x3072 (one wave of 120 Gluon tiles, fill 0.91), runs 0.683 where the pass makes 0.797; over
+    the 12 the rule 0.818 = the pass always 0.818, the better per shape 0.830. The committed grid run
+    (results/h200x1/tp-grid-mxfp8-w1.*, 398ef82): 0.876 / 0.878 of cuBLAS bf16 (AG / RS; 0.844 / 0.845 before)."""
     from .. import planning
     from .w1_mx_matmul import BM, tile_width
     if m * n * k < MX_PASS_FIRST_MIN_MACS:

@@ -56,7 +56,10 @@ dev/mx_tile_probe, the 48 grid GEMMs, results/h200x1/s24/s24b): this kernel 0.28
 0.805 at 128 x 256 everywhere, 0.847 with tile_width), where the bf16 op on A's MX values (the static GEMM,
 rounding not timed) makes 0.72-1.09 (0.970): the few-tile shapes need those schedules, not the row pass. A
 separate rounding pass before that GEMM would win at ~8 of the 48 (geomean ~0.871 with an ideal 4-byte-per-element
-pass, estimated from the same run); today's quant.mx_round (two kernels) wins at none of them.
+pass, estimated from the same run). Hence the ops' common.w1_mx_pass_first: on such shapes quant.round_to_mx (one
+pass, ~3.3 TB/s) and the bf16 static GEMM instead of this kernel (its docstring has the figures: the committed MX
+grid 0.876 / 0.878 of cuBLAS bf16). An interleaved A/B of this kernel, e36b98c against 398ef82 + docs (s24g,
+dev/mx_data_probe in each tree twice): 0.999-1.004 at qkv-4k, fc1-8k, attn_out-8k, fc2-16k.
 """
 from __future__ import annotations
 
