@@ -32,9 +32,9 @@ def main(argv=None):
         p, s = quant.quantize_mx(x)
         p8 = p.view(torch.uint8)
         outs = {"quantize": (torch.empty_like(p8), torch.empty_like(s)), "dequantize": torch.empty_like(x),
-                "round": torch.empty_like(x)}
+                "dequantize-cvt": torch.empty_like(x), "round": torch.empty_like(x)}
         moved = {"quantize": rows * k * (2 + 1 + 1 / 32), "dequantize": rows * k * (1 + 1 / 32 + 2),
-                 "round": rows * k * 4}
+                 "dequantize-cvt": rows * k * (1 + 1 / 32 + 2), "round": rows * k * 4}
 
         def launch(kind, tile):
             br, bnb, warps = tile
@@ -43,15 +43,17 @@ def main(argv=None):
                 q, sc = outs[kind]
                 return lambda: quant._quantize_kernel[grid](x.view(torch.int16), q, sc, rows, nb, BLOCK_R=br,
                                                             BLOCK_NB=bnb, num_warps=warps)
-            if kind == "dequantize":
+            if kind.startswith("dequantize"):
                 o = outs[kind].view(torch.int16)
                 return lambda: quant._dequantize_kernel[grid](p8, s, o, rows, nb, OUT_BF16=True, BLOCK_R=br,
-                                                              BLOCK_NB=bnb, num_warps=warps)
+                                                              BLOCK_NB=bnb, num_warps=warps, CVT=kind.endswith("cvt"))
             return lambda: quant._round_kernel[grid](x, outs[kind], rows, nb, BLOCK_R=br, BLOCK_NB=bnb,
                                                      num_warps=warps)
         for kind in outs:
             ref = None
-            for tile in TILES:  # bitwise against the first tile's output
+            if kind == "dequantize-cvt":  # the integer path's bits (its own first tile) are the reference
+                ref = torch.cat([outs["dequantize"].reshape(-1).view(torch.uint8)]).clone()
+            for tile in TILES:  # bitwise against the first tile's output (dequantize-cvt: the integer path's)
                 launch(kind, tile)()
                 torch.cuda.synchronize()
                 o = outs[kind]
@@ -75,7 +77,7 @@ def main(argv=None):
             for r in rows_out:
                 f.write(json.dumps(r) + "\n")
     print(f"{'kernel':<11} {'size':<12} " + " ".join(f"{'x'.join(map(str, t)):>9}" for t in TILES) + "   (TB/s)")
-    for kind in ("quantize", "dequantize", "round"):
+    for kind in ("quantize", "dequantize", "dequantize-cvt", "round"):
         for rows, k in SIZES:
             rs = [r for r in rows_out if r["kernel"] == kind and r["rows"] == rows and r["k"] == k]
             print(f"{kind:<11} {f'{rows}x{k}':<12} " + " ".join(f"{r['tb_per_s']:9.2f}" for r in rs))
