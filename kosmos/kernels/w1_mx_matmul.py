@@ -265,16 +265,23 @@ if GLUON_MISSING is None:
         """device.wait_geq for this Gluon kernel (the Triton one builds layout-free tensors Gluon refuses): spin
         until ``*flag >= target`` or ``timeout_ns`` passed or another program recorded a timeout; the first to
         time out fills the error record (device._record_error: WAIT_MX_PASS, ``task`` the tile, ``index`` the
-        chunk), the host raises after the launch. Then the proxy fence."""
+        chunk), the host raises after the launch. Then the proxy fence.
+        As in device.wait_geq, each thread polls with volatile loads and leaves the loop on its own clock, and
+        one uniform read (_acquire) after the loop decides for the partition: a scalar atomic inside the loop
+        (its result is broadcast through a barrier of the partition) hung the first version once (session 24,
+        s24j) -- the threads' own %globaltimer reads split them at the timeout, some left the loop, the others
+        waited at the atomic's barrier for them."""
         v = _acquire(flag)
         if v < target:
             t0 = _now_ns()
+            seen = gl.load(flag, volatile=True)
             elapsed = t0 * 0
-            while (v < target) & (elapsed <= timeout_ns):
-                v = _acquire(flag)
+            while (seen < target) & (elapsed <= timeout_ns):
+                seen = gl.load(flag, volatile=True)
                 elapsed = _now_ns() - t0
-                if gl.atomic_add(errors + ERR_FLAG, 0, sem="relaxed", scope="gpu") != 0:
+                if gl.load(errors + ERR_FLAG, volatile=True) != 0:
                     elapsed = timeout_ns + 1  # another program gave up: drain
+            v = _acquire(flag)
             if v < target:
                 zero = gl.to_tensor(0).to(gl.int64)
                 if gl.atomic_cas(errors + ERR_FLAG, zero, zero + 1, sem="relaxed", scope="gpu") == 0:
