@@ -375,8 +375,10 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, rows, nb, OUT_BF16: tl.constexpr, 
     as int32, of the same shape as q. ``CVT`` (bf16 out, on a GPU): the hardware's E4M3 -> fp32 conversion times
     mx_scale_f32 (exact, as common.mx_dequant_rows), one fp32 -> bf16 rounding (nearest even, subnormals kept),
     NaN as _BF16_QNAN; else the integer path (_mx_magnitude_bits: what the interpreter runs, whose float casts
-    truncate). Measured (session 24, one H200, dev/quant_tiles_probe): the integer path 1.2 TB/s at 16384 x 8192
-    (8 x 8 blocks per 4-warp program, its best tile); CVT: results/h200x1/s24/s24j."""
+    truncate). Measured (session 24, one H200, dev/quant_tiles_probe, results/h200x1/s24/s24i-s24j; bytes read
+    + written per second): the integer path 1.19 / 1.24 TB/s at 4096 / 16384 x 8192 (8 x 8 blocks per 4-warp
+    program, its best tile; larger tiles 0.8-0.9), CVT 2.90 / 3.17 at that tile (3.1-3.5 at 16 x 16 x 4 or
+    8 x 32 x 4; _tiles left as it is), bit for bit the integer path (test_quant's GPU tests)."""
     offs, mask, soffs, smask = _tile_offsets(rows, nb, BLOCK_R, BLOCK_NB)
     q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
     sb = tl.load(s_ptr + soffs, mask=smask, other=127).to(tl.int32)[:, :, None]
