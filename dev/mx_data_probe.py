@@ -10,7 +10,6 @@ kosmos's bf16 op on those MX values; kosmos's op with precision="mxfp8" from bf1
 separate the data effect (tensor-core power with fewer toggling bits -> clocks) from the op's own cost; the last
 two the row pass. Prints one table (median of the rounds' medians, ms and ratios). A developer probe."""
 import argparse
-import json
 import statistics
 
 import torch
@@ -23,12 +22,13 @@ def main(argv=None):
     import kosmos
     from kosmos import quant
     from kosmos_bench.timing import time_op
+    from dev.rows import Rows
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(23)
-    rows = []
+    rows = Rows(args.json)  # each row written as it is ready
     for name, (m, n, k) in SHAPES.items():
         a = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
@@ -46,13 +46,9 @@ def main(argv=None):
         base = statistics.median(times["cublas bf16 operands"])
         for v in calls:
             t = statistics.median(times[v])
-            rows.append(dict(shape=name, variant=v, time_ms=t, ratio=t / base, rounds=times[v]))
+            rows.emit(dict(shape=name, variant=v, time_ms=t, ratio=t / base, rounds=times[v]))
         del a, w, a_mx, w_mx
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
     print(f"{'shape':<12} {'variant':<32} {'ms':>8} {'/ cuBLAS bf16':>14}")
     for r in rows:
         print(f"{r['shape']:<12} {r['variant']:<32} {r['time_ms']:8.3f} {r['ratio']:14.3f}")

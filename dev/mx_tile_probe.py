@@ -19,7 +19,6 @@ flushed, host hidden), A bf16 [M, K] rounded to MX inside each call (except ``bf
 Prints one table: ms per variant (median of the rounds' medians), each over cublas bf16, and which tile
 w1_mx_matmul.tile_width picks. A developer probe."""
 import argparse
-import json
 import statistics
 
 import torch
@@ -36,6 +35,7 @@ def main(argv=None):
     from kosmos import codes, planning, quant, runtime
     from kosmos.kernels import w1_mx_matmul as w1mx
     from kosmos_bench.timing import time_op
+    from dev.rows import Rows
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="grid")
     ap.add_argument("--rounds", type=int, default=2)
@@ -46,8 +46,7 @@ def main(argv=None):
     sms = runtime.num_sms(dev)
     ws = runtime.get_workspace(None, dev)
     gen = torch.Generator(device="cuda").manual_seed(24)
-    out = open(args.json, "w") if args.json else None
-    rows = []
+    rows = Rows(args.json)  # each row written as it is ready
     for m, n, k in shapes:
         a = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
         w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
@@ -97,10 +96,7 @@ def main(argv=None):
             r = dict(shape=f"{m}x{n}x{k}", variant=v, time_ms=t, vs_cublas=base / t, rel_err=errs[v],
                      rounds=times[v], rule_bn=w1mx.tile_width(m, n, sms),
                      w1_plan=f"{plan.tile.BM}x{plan.width} split{plan.split} sk{int(plan.stream_k)} x{plan.per_sm}")
-            rows.append(r)
-            if out:
-                out.write(json.dumps(r) + "\n")
-                out.flush()
+            rows.emit(r)
         del a, w, a_mx, w_mx, ref
         torch.cuda.empty_cache()
     variants = list(dict.fromkeys(r["variant"] for r in rows))

@@ -9,7 +9,6 @@ per tile), timed with kosmos_bench.timing.time_op (L2 flushed, host hidden), int
 [rows, K] inputs of 0.5-256 MB, outputs checked bit for bit against the default tile's. Prints the effective
 bandwidth (bytes read + written / time) per kernel, size and tile. A developer probe."""
 import argparse
-import json
 import statistics
 
 import torch
@@ -21,11 +20,12 @@ SIZES = [(256, 2048), (1024, 4096), (4096, 8192), (16384, 8192)]
 def main(argv=None):
     from kosmos import quant
     from kosmos_bench.timing import time_op
+    from dev.rows import Rows
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows_out = []
+    rows_out = Rows(args.json)  # each row written as it is ready
     for rows, k in SIZES:
         nb = k // 32
         x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
@@ -69,13 +69,9 @@ def main(argv=None):
                 t = statistics.median(times[tile])
                 r = dict(kernel=kind, rows=rows, k=k, tile=list(tile), time_us=t * 1e3,
                          tb_per_s=moved[kind] / (t * 1e-3) / 1e12)
-                rows_out.append(r)
+                rows_out.emit(r)
         del x, p, s, outs
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            for r in rows_out:
-                f.write(json.dumps(r) + "\n")
     print(f"{'kernel':<11} {'size':<12} " + " ".join(f"{'x'.join(map(str, t)):>9}" for t in TILES) + "   (TB/s)")
     for kind in ("quantize", "dequantize", "dequantize-cvt", "round"):
         for rows, k in SIZES:

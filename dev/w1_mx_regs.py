@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import re
 
 import torch
@@ -65,22 +64,21 @@ def _code_of(ptx: str) -> str:
 def main(argv=None):
     import triton
     from dev.kernel_resources import _use_stand_in_driver
+    from dev.rows import Rows
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         _use_stand_in_driver()
-    rows = [compile_build(*b) for b in builds()]
+    rows = Rows(args.json)
+    for b in builds():
+        rows.emit(compile_build(*b))
     print(f"kosmos.kernels.w1_mx_matmul, Triton {triton.__version__}, sm_90a (ptxas -v)")
     print(f"{'build':<28} {'regs':>4} {'spill B':>7} {'smem KiB':>8}  {'ptx sha':<12}  setmaxnreg")
     for r in rows:
         regs = " ".join(d + v for d, v in r["setmaxnreg"])
         print(f"{r['build']:<28} {r['regs']:>4} {r['spill_bytes'] or 0:>7} {r['shared_kib']:>8}  {r['ptx_sha']:<12}  "
               f"{regs}")
-    if args.json:
-        with open(args.json, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":
