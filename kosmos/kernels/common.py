@@ -10,7 +10,7 @@ import triton.language as tl
 
 from ..codes import TRACE_EVENTS as _TRACE_EVENTS, WAIT_SPLIT_K
 from .. import device as dev
-from ..quant import mx_scale_f32
+from ..quant import dequantize_mx, mx_scale_f32, round_to_mx
 from ..schedule import POLICIES
 
 TRACE_EVENTS = _TRACE_EVENTS.value  # events per program of a trace buffer
@@ -679,7 +679,6 @@ def w1_mx_pass_first(m: int, n: int, k: int, programs: int) -> bool:
 def mx_values_first(a, quantize: bool):
     """A's MX values as bf16 for w1_mx_pass_first's path: round_to_mx(a) for a bf16 ``a`` the op quantizes,
     dequantize_mx of an MXTensor ``a``."""
-    from ..quant import dequantize_mx, round_to_mx
     return round_to_mx(a) if quantize else dequantize_mx(*a)
 
 
