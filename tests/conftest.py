@@ -14,12 +14,18 @@ Markers (registered in pyproject.toml); a marked test is skipped here when its p
 * ``gpu_optional`` -- runs everywhere: on a GPU machine with real CUDA tensors, on a CPU-only one with
   stand-ins (the TP ops' input checks), so the GPU suite runs it too.
 
-The whole GPU test suite (every test that needs or uses a GPU), on the GPU machine:
+* ``slow`` -- not a platform: a GPU test of tens of seconds (end-to-end runs, real-size layers), left out of the
+  quick tier.
+
+The whole GPU test suite (every test that needs or uses a GPU), on the GPU machine, in parallel processes that
+share the GPU: ``bash dev/gpu_check.sh`` (``--quick``: without the ``slow`` tests). By hand, in one process:
 
     python -m pytest -q -m "gpu or ranks or multi_gpu or gpu_optional" tests/
 
 (``-m "gpu or ranks"`` alone is the one-GPU part; ``-m interpreter`` the CPU-interpreter kernel tests.)
+``--times-log PATH`` appends each test phase's outcome and seconds to PATH as JSON lines while the run goes on.
 """
+import json
 import os
 
 import pytest
@@ -53,6 +59,28 @@ def _skip_reason(item):
     if item.get_closest_marker("multi_gpu") and N_GPUS < 2:
         return "needs 2 CUDA GPUs"
     return None
+
+
+def pytest_addoption(parser):
+    parser.addoption("--times-log", metavar="PATH", default=None,
+                     help="append one JSON line per test phase (nodeid, phase, outcome, seconds, worker) to PATH as "
+                          "each test ends, so that a run stopped part-way still says where its time went "
+                          "(dev/gpu_check.sh writes it)")
+
+
+def pytest_runtest_logreport(report):
+    # runs in the xdist controller too (the workers' reports are forwarded), so one process writes the file
+    path = getattr(pytest_runtest_logreport, "path", None)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(dict(nodeid=report.nodeid, phase=report.when, outcome=report.outcome,
+                                    seconds=round(report.duration, 3),
+                                    worker=getattr(report, "node", None) and report.node.gateway.id)) + "\n")
+
+
+def pytest_configure(config):
+    worker = hasattr(config, "workerinput")  # an xdist worker: its controller writes the log
+    pytest_runtest_logreport.path = None if worker else config.getoption("--times-log")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -864,6 +864,7 @@ def test_reference_parts_record_each_error():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_bench_moe_directions_end_to_end(tmp_path):
     """`kosmos bench moe ... --direction fwd,bwd,fwd+bwd` on one GPU: kosmos and nccl-a2a rows ok in every
     direction, the backward rows with their four gradient errors; the expert GEMMs alone ok at fwd and bwd."""

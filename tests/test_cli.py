@@ -636,6 +636,7 @@ def test_custom_moe_point_runs_on_the_rank_side(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_bench_tp_bf16_and_mxfp8_end_to_end(tmp_path):
     """`bench tp --dtype bf16,mxfp8` at W=1 on one GPU: every row ok (unavailable only where a world of 1 or the
     dtype rules the implementation out), both dtypes in one file, the mxfp8 fields recorded."""
@@ -663,6 +664,7 @@ def test_bench_tp_bf16_and_mxfp8_end_to_end(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_bench_moe_bf16_and_mxfp8_end_to_end(tmp_path):
     """`bench moe --dtype bf16,mxfp8` at EP=1 on one GPU: every kosmos and nccl-a2a row ok at both dtypes, the
     expert GEMMs alone at bf16 only, the mxfp8 fields recorded, the report's "mxfp8 / bf16" section."""

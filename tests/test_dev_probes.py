@@ -5,6 +5,7 @@
 * dev.ab_compare refuses an A/B whose two sides ran the same code (the sessions 7-9 mistake).
 * dev.sk_probe's checked variants (the stream-K schedule with its fix-up) compute the product (interpreter).
 * dev.gluon_mx_probe's MX expansions, emulated on the CPU, are dequantize_mx bit for bit.
+* dev/gpu_check.sh (the GPU suite in one command) refuses bad arguments, and a machine without a GPU, in one line.
 """
 import json
 
@@ -178,3 +179,26 @@ def test_gluon_mx_probe_expansion_emulated_is_dequantize_mx():
     p, s = g.mx_a((torch.empty(256, 512, dtype=torch.float8_e4m3fn), torch.arange(256 * 16).to(torch.uint8)
                    .view(256, 16)))
     assert s.shape == (16, 256) and s.is_contiguous() and int(s[3, 5]) == (5 * 16 + 3) % 256
+
+
+def _gpu_check(*args):
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "dev" / "gpu_check.sh"
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_gpu_check_script_refuses_bad_arguments_with_one_line():
+    """dev/gpu_check.sh (the GPU suite in one command): --help teaches, bad arguments are refused with exit 2."""
+    r = _gpu_check("--help")
+    assert r.returncode == 0 and "--quick" in r.stdout and "--workers" in r.stdout, r.stdout + r.stderr
+    for args, said in ((["--workers", "x"], "positive whole number"), (["--workers", "0"], "positive whole number"),
+                       (["--nope"], "unknown argument '--nope'")):
+        r = _gpu_check(*args)
+        assert r.returncode == 2 and said in r.stderr and r.stdout == "", (args, r.stdout, r.stderr)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_check_script_without_a_gpu_says_so_and_fails():
+    r = _gpu_check("--quick")
+    assert r.returncode == 2 and "no CUDA GPU here" in r.stderr and "python -m pytest -q" in r.stderr, r.stderr

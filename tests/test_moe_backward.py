@@ -595,6 +595,7 @@ def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded, empty_
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_moe_backward_on_the_forwards_gate_up_gpu():
     """moe_forward(save_gu=True) on the GPU: y unchanged by saving; g | u in the backward's order against torch's
     GEMM1 recompute; moe_backward_w1 on it against the fp32 reference (and the recompute path); a second forward
@@ -1167,7 +1168,8 @@ def _gpu_router_case(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["deepseek-v3", "qwen3", "softmax-plain"])
+@pytest.mark.parametrize("case", [pytest.param("deepseek-v3", marks=pytest.mark.slow),
+                                  pytest.param("qwen3", marks=pytest.mark.slow), "softmax-plain"])
 def test_moe_backward_one_launch_router_in_launch_gpu(no_tf32, case, monkeypatch):
     """On the GPU at real router shapes, at the real tiles (dlogits blocks of 8 tokens, dx_r 128x128x64 and dWr
     128x128x64 on tensor cores, 8 warps): the router backward in the one launch against the fp64 router backward
@@ -1443,6 +1445,7 @@ def test_moe_backward_fixed_policy_refused_at_w1_and_multi_launch(one_launch):
 
 
 @pytest.mark.ranks
+@pytest.mark.slow
 @pytest.mark.usefixtures("ranks_setup")
 @pytest.mark.parametrize("world,routing,skew,policy", [
     (2, "softmax", False, "self"), (2, "sigmoid-grouped", True, "self"), (4, "softmax", False, "self"),

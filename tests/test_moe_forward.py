@@ -487,9 +487,13 @@ GPU_CASES = [  # (seed, tokens, hidden, ffn, experts, top_k, skew)
 ]
 
 
+def _gpu_case_param(c):
+    name = f"t{c[1]}-h{c[2]}-f{c[3]}-e{c[4]}-k{c[5]}" + ("-skew" if c[6] else "")
+    return pytest.param(c, id=name, marks=[pytest.mark.slow] if c[4] >= 64 else [])  # the 64-expert case: ~1 min
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES,
-                         ids=lambda c: f"t{c[1]}-h{c[2]}-f{c[3]}-e{c[4]}-k{c[5]}" + ("-skew" if c[6] else ""))
+@pytest.mark.parametrize("case", [_gpu_case_param(c) for c in GPU_CASES])
 @pytest.mark.parametrize("route", ["softmax", "grouped"])
 def test_w1_moe_forward(case, route):
     experts = case[4]
@@ -619,7 +623,7 @@ def test_w2_moe_stalled_peer_times_out(tmp_path):
 
 @pytest.mark.ranks
 @pytest.mark.usefixtures("ranks_setup")
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_forward_mxfp8_at_world(world):
     """MXFP8 at W simulated ranks (W=1: one launch): against the MX reference math on the kernel's routing,
     two epochs, then bitwise the same on a third call."""
@@ -638,6 +642,7 @@ def test_moe_forward_mxfp8_at_world(world):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_w1_moe_forward_mxfp8_public_op():
     """kosmos.moe_forward(precision="mxfp8") with the weights' MX values: the MX reference math, bitwise
     repeatable; bad shapes and precisions raise one-line errors."""
@@ -705,6 +710,7 @@ def test_w1_nn_moe_mxfp8():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_w1_nn_moe_backward_gpu(no_tf32):
     """nn.MoE at one rank on the GPU: loss.backward() gives moe_reference.moe_backward_ref's gradients for the
     kernel's own routing decision (both routings)."""

@@ -166,6 +166,7 @@ def test_moe_forward_two_ranks_on_one_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_moe_backward_one_launch_two_ranks_on_one_gpu(tmp_path):
     _run(_moe_bwd_rank, tmp_path)
 
