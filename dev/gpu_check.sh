@@ -86,9 +86,11 @@ try:
                            text=True).stdout.strip()
 except OSError:
     commit, dirty = "", ""
+changed = [line[3:] for line in dirty.splitlines()]
 entries = len(os.listdir(cache)) if os.path.isdir(cache) else 0
 print(f"gpu_check: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {os.cpu_count()} CPUs, "
-      f"torch {torch.__version__}, triton {triton.__version__}, commit {commit or '?'}{'+changes' if dirty else ''}; "
+      f"torch {torch.__version__}, triton {triton.__version__}, commit {commit or '?'}"
+      f"{' + uncommitted changes to ' + ', '.join(changed[:6]) + (' ...' if len(changed) > 6 else '') if changed else ''}; "
       f"workers {workers}; -m \"{sel}\"; Triton cache {cache} ({'cold' if entries == 0 else f'{entries} entries'})")
 EOF
 
