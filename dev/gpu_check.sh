@@ -83,10 +83,12 @@ workers, sel, cache = sys.argv[1:]
 try:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
+                           text=True).stdout
 except OSError:
     commit, dirty = "", ""
-changed = [line[3:] for line in dirty.splitlines()]
+changed = [line[3:] for line in dirty.splitlines() if line.strip()]
+if os.environ.get("KOSMOS_GIT_COMMIT"):  # a copy of the tree whose .git is not its own (the device tool's)
+    commit, changed = os.environ["KOSMOS_GIT_COMMIT"][:12] + " (KOSMOS_GIT_COMMIT)", []
 entries = len(os.listdir(cache)) if os.path.isdir(cache) else 0
 print(f"gpu_check: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {os.cpu_count()} CPUs, "
       f"torch {torch.__version__}, triton {triton.__version__}, commit {commit or '?'}"

@@ -9,7 +9,11 @@ Ranks on one GPU (``spawn_one_gpu``, or ``spawn`` with KOSMOS_RANKS_ON_ONE_GPU=1
 ``kosmos bench`` gets it): every rank's process on cuda:0 with a gloo process group (NCCL refuses two ranks on one
 GPU). For correctness runs of process-based baselines (DeepEP's intranode Buffer: two processes on one GPU, the
 IPC handles exchanged over gloo) and of KOSMOS's own W > 1 ops (their symmetric buffers mapped by CUDA IPC:
-runtime.Workspace._ipc_symmetric); the ranks share the GPU, so their times are no measurement.
+runtime.Workspace._ipc_symmetric); the ranks share the GPU, so their times are no measurement. Their kernels take
+turns on the GPU (the driver time-slices the processes' contexts), so a wait for a peer lasts time slices, not
+microseconds: unless KOSMOS_TIMEOUT_S is set, the ranks get a bound of ONE_GPU_TIMEOUT_S seconds on every
+in-kernel wait instead of the default 5 s (seen on one H100, 2026-12-06: with six more test processes on the GPU,
+the MoE backward's one launch at EP = 2 timed out at 5 s with 29 of 64 rows arrived).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class LaunchError(RuntimeError):
 
 
 ONE_GPU_ENV = "KOSMOS_RANKS_ON_ONE_GPU"
+ONE_GPU_TIMEOUT_S = 60.0  # the in-kernel wait bound of ranks that share one GPU (module docstring)
 
 
 def ranks_on_one_gpu() -> bool:
@@ -103,8 +108,17 @@ def spawn(fn, world: int, *args, timeout_s: float = 3600.0, one_gpu: bool | None
     errq = ctx.SimpleQueue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errq, one_gpu)) for r in range(world)]
-    for p in procs:
-        p.start()
+    # the children read KOSMOS_TIMEOUT_S when they import kosmos, before _worker runs: set it in the environment
+    # they inherit, for the time of their start
+    bound = one_gpu and "KOSMOS_TIMEOUT_S" not in os.environ
+    if bound:
+        os.environ["KOSMOS_TIMEOUT_S"] = str(ONE_GPU_TIMEOUT_S)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if bound:
+            del os.environ["KOSMOS_TIMEOUT_S"]
     deadline = time.monotonic() + timeout_s
     errors = []
     # Poll: stop as soon as every rank is done, or a rank reported a failure (its peers are then usually
