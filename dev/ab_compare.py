@@ -12,7 +12,7 @@ Refuses (exit 2) when both sides ran the same code: each file's env header carri
 kosmos / kosmos_bench sources that ran), and an A/B whose sides share one compares a tree with itself. Session 10
 found that every interleaved A/B of sessions 7-9 had done exactly that: ``PYTHONPATH=.base python -m
 kosmos_bench.cli`` imports the package of the working directory (``-m`` puts it first on sys.path), so "old" was
-the new tree again. Run each tree from its own directory instead (dev/arch_session.sh ``bench_in``).
+the new tree again. Run each tree from its own directory instead (dev/archive/arch_session.sh ``bench_in``).
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ def log(rank, *msg):
 
 def _rank_main(rank, world, args):
     import kosmos
-    from kosmos import reference, runtime
+    from kosmos import reference
+    from kosmos.core import runtime
     from dev.signal_pingpong import signal_round_trip_us
     from kosmos.models import TPGemm, tp_gemms
 

@@ -5,6 +5,11 @@
     PYTHONPATH=. python -m dev.fixed_cost --parts   # host ns of each piece an eager call's hit path runs
     PYTHONPATH=. python -m dev.fixed_cost --profile # cProfile of the calls still over 30 us (MX TP, MoE)
 
+A fork of kosmos.core.device.exit_program and kosmos.core.schedule.claim (as of 82006a1, both then in
+kosmos/device.py), inlined in _one_tile: CLAIM is the claim's relaxed atomic on head 1 plus a table load; EXIT
+is exit_program's exit counter (head 2) and its reset of the 4 heads by the last program out, without the done
+signal to peers (and without the device-epoch advance exit_program has since).
+
 ``--plans``: host time per eager call (kosmos_bench.timing.host_enqueue_us, as `kosmos bench tp --host-calls`
 measures it: median of 200 back-to-back calls, time.perf_counter around each call, no synchronisation inside the
 loop) of all_gather_matmul, matmul_reduce_scatter (bf16 and MXFP8) and the MoE layer
@@ -23,7 +28,7 @@ import triton
 import triton.language as tl
 
 import kosmos
-from kosmos import runtime
+from kosmos.core import runtime
 from kosmos_bench import timing
 
 
@@ -192,7 +197,8 @@ def plans(fast_only: bool = False):
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     import triton
-    from kosmos import launch_plan, quant
+    from kosmos import quant
+    from kosmos.core import launch_plan
     torch.backends.cuda.matmul.allow_tf32 = False
     a, b, a_mx, x, router, w13, w2, w13_mx, w2_mx, k = _small_inputs()
     cases = [
@@ -258,7 +264,7 @@ def parts():
     import triton
     from triton.runtime.driver import driver
     from triton.tools.tensor_descriptor import TensorDescriptor
-    from kosmos import launch_plan
+    from kosmos.core import launch_plan
     import triton.backends.nvidia.driver as nvd
     print(f"triton {triton.__version__} torch {torch.__version__}")
     try:

@@ -3,6 +3,13 @@
 
     PYTHONPATH=. python -m dev.flat_probe [--shapes MxNxK,...] [--json OUT.jsonl] [--max-seconds S]
 
+A fork of kosmos.gemm.w1_static.w1_matmul_kernel (as of 4637098, then kernels/common.py; the product kernel was
+made from this probe's loop in that commit): _static_matmul is that kernel (today its unsplit path: SPLIT 1, no
+tail) with the grid a constexpr (PROGRAMS), the flattening and warp specialisation as switches (FLATTEN, WS), the K
+loop written out instead of tile_matmul (tl.dot of the two TMA loads: B [K, N] only, no DOT_FP32), every tile
+stored by TMA (store_tile_tma, as the product does since session 16) and no device-epoch advance (the product
+advances it since). The product's own variants (w1-*, split-*, sk-*, tail-*) run the imported kernel (product_w1).
+
 At W=1 the TP ops have nothing to wait for, yet they run the self-scheduled loop: a task claimed from an atomic
 queue, then its whole K loop (a 3-stage TMA pipeline that drains at the end of every tile: nothing is prefetched
 across tiles in a dynamic loop), the epilogue, the next claim. planning.tile_config's docstring puts the loss
@@ -44,9 +51,9 @@ of 128x256, 128 of 128x160. PREDICTION (before the run, s19a): where the wave mo
 w1-plan; on many-wave shapes 128x192 at ~0.95-0.97 of 128x256's rate, 128x160 ~0.90-0.93. 128 x (64 + 32)
 (4 warps) for the few-tile shapes (512x3072x2048: 128 tiles of it, 96 of 128x128): ~+5% there.
 MEASURED (s19a): every tail variant lost everywhere -- tail-192 0.53-0.66x of cuBLAS, tail-160 0.33-0.60,
-128 x (64 + 32) 0.29-0.34 -- the product kernel then flattened the tail tile loop (dev/tail_probe and
+128 x (64 + 32) 0.29-0.34 -- the product kernel then flattened the tail tile loop (dev/archive/tail_probe and
 planning.w1_plan's docstring: the plain loop in the right load order runs 0.86-0.90x).
---odd (session 20): dev/cublas_names found cuBLAS (nvjet kernels) tiling every few-tile grid shape into exactly
+--odd (session 20): dev/archive/cublas_names found cuBLAS (nvjet kernels) tiling every few-tile grid shape into exactly
 128 or 256 tiles with widths between powers of two (64x96 at 512x1536x7168, 128x96 at 256x6144x8192 and
 512x3072x2048, 64x320 at 512x5120x5120, 128x192 at 1024x3072x8192 / 4096x1536x4096) and 2-CTA clusters (TMA
 multicast of one operand), never split-K. This mode times our tail tiles at those tile counts (plain tile loop,
@@ -75,8 +82,8 @@ import triton
 import triton.language as tl
 
 from dev.rows import Rows
-from kosmos.kernels.common import _grouped_tile, store_tile_tma
-from kosmos.planning import GROUP_M
+from kosmos.gemm.tiles import _grouped_tile, store_tile_tma
+from kosmos.core.planning import GROUP_M
 
 
 @triton.jit
@@ -108,9 +115,8 @@ def product_w1(a, b, cfg, split, programs, rb=None, stream_k=False, tail=0):
     directly (its own partial buffer and counters); ``rb``: the rows per block of the split's sum instead of
     common.w1_reduce_rows'; ``stream_k``: the stream-K schedule (``split`` 1); ``tail``: tiles cfg.BN + tail
     wide (unsplit)."""
-    from kosmos import codes, planning, runtime
-    from kosmos.kernels.common import (w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid,
-                                       w1_stream_k_grid)
+    from kosmos.core import codes, planning, runtime
+    from kosmos.gemm.w1_static import w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid, w1_stream_k_grid
     m, k = a.shape
     n = b.shape[1]
     tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
@@ -204,7 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--occupancy", action="store_true",
                     help="time two programs per SM (128x128, 3 stages) and warp-specialised loops instead")
     ap.add_argument("--odd", action="store_true",
-                    help="session 20: cuBLAS's tile counts (dev/cublas_names) with our tiles -- 128x96, 64x192, "
+                    help="session 20: cuBLAS's tile counts (dev/archive/cublas_names) with our tiles -- 128x96, 64x192, "
                          "64x320 as tail tiles (plain loop), 64x256 -- on the few-tile shapes")
     ap.add_argument("--tails", action="store_true",
                     help="time tiles 128 + a 64- or 32-column tail wide (192, 160) against 128x256 / 128x128")
@@ -212,7 +218,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("flat_probe: needs a CUDA GPU")
     import kosmos
-    from kosmos import planning, runtime
+    from kosmos.core import planning, runtime
     from kosmos_bench import timing
     from kosmos_bench.environment import environment
     torch.backends.cuda.matmul.allow_tf32 = False

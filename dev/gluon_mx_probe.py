@@ -5,6 +5,16 @@
     PYTHONPATH=. python -m dev.gluon_mx_probe --compile-only [--json OUT.jsonl]   # no GPU: sm_90a resources, SASS
     PYTHONPATH=. python -m dev.gluon_mx_probe --emulate                           # no GPU: rounding / expansion
 
+A fork of kosmos.gemm.w1_mx._w1_mx_matmul_kernel (as of 339b35e, then kernels/w1_mx_matmul.py; the product was cut
+from this probe's gluon-mx-rowpass build in 1c503b5): _gemm_kernel's ROW_PASS build, _mma_partition, _issue_loads
+and _next_step are the product kernel, its _mma_loop, _issue_loads and _next_step with every other build's switches
+(ROUND_MX, A_REGS, LOAD_S, PROF) beside them; one tile, 128 x 256 (since session 24 the product's tile_width also
+picks 128 x 128); GROUP_M an argument; M, N, K multiples of the tile and of KC; the row-pass waits unbounded
+(_wait_rows: no timeout, no error record; the product's _wait_count is bounded); the counts never reset (launch e
+waits for e times the parts; the product's last program out zeroes them and advances the device epoch). The row
+pass, the tile epilogue, the packed rounding, the cvt expansion and the waits' acquire / proxy fence are the
+product's, imported.
+
 The default GPU run (~2.5 min): bitwise checks of every rounding and expansion code path it times, a SASS check of
 the in-register builds, GEMM checks of every build (B [N, K] and [K, N]), then torch / gluon / gluon-mx-packed /
 gluon-ws-copy / gluon-mx-ws-norm / gluon-rs-copy / gluon-mx-rs / gluon-mx-expand / gluon-mx-expand-bits /
@@ -367,7 +377,7 @@ measured yet; the expansion arithmetic is checked only by --emulate.
 s23 (2026-12-04): the first fix made (k-major scales, ``mx_a``; compiles under 3.6.0 with the same registers, the
 loop 2 instructions shorter). The quantize+gluon-mx-expand row now also times the scales' transpose (M * K / 32
 bytes, ~1 MB at 4k tokens and K 8192: a few microseconds). Then a second fault: ``permute`` of the box's NVMMA
-shared layout loaded the bytes as if they were [BM, 2] row-major (dev/gluon_expand_diag ``map``: block 1 of row r
+shared layout loaded the bytes as if they were [BM, 2] row-major (dev/archive/gluon_expand_diag ``map``: block 1 of row r
 read row 2r + 1's block 0); read through a plain row-major SwizzledSharedLayout, permuted (_scale_view), every
 check passes (s23a).
 
@@ -406,12 +416,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kosmos.kernels.common import _grouped_tile  # tile t -> (m, n), GROUP_M row tiles per column sweep (L2)
-from kosmos.kernels.w1_mx_matmul import _EXPAND_PAIR as _EXPAND_CVT  # the product's copies (s23)
-from kosmos.kernels.w1_mx_matmul import (_absmax_bf16x2, _acquire, _mx_round_words, _proxy_fence, _splat2,
+from kosmos.gemm.tiles import _grouped_tile
+from kosmos.gemm.w1_mx import _EXPAND_PAIR as _EXPAND_CVT  # the product's copies (s23)
+from kosmos.gemm.w1_mx import (_absmax_bf16x2, _acquire, _mx_round_words, _proxy_fence, _splat2,
                                          _store_tile, _tree_absmax)
-from kosmos.kernels.w1_mx_matmul import KC as KC_PRODUCT, PART_ROWS as PART_ROWS_PRODUCT
-from kosmos.kernels.w1_mx_matmul import _row_pass as _product_row_pass
+from kosmos.gemm.w1_mx import KC as KC_PRODUCT, PART_ROWS as PART_ROWS_PRODUCT
+from kosmos.gemm.w1_mx import _row_pass as _product_row_pass
 from kosmos.quant import _BF16_QNAN, _rceil_exponent, dequantize_mx, mx_round, mx_round_bf16, mx_scale_f32, quantize_mx
 
 DEVICE = "cuda"  # the checks' and timings' device (a CPU dry run of the host code sets "cpu")

@@ -101,30 +101,42 @@ def _compile(module, kernel_name: str, call) -> dict:
 KERNELS = ("all_gather_matmul", "matmul_reduce_scatter", "w1_matmul", "moe_forward", "moe_backward")
 
 
-def _compile_among(module, kernel_name: str, call) -> dict:
-    """``_compile`` where ``call`` launches several of the module's kernels: every one of them compiles only."""
+def _backward_modules() -> tuple:
+    """The MoE backward's modules that hold kernels or launch them (kosmos/ops/moe_backward/)."""
+    from kosmos.ops.moe_backward import api, multi_launch, one_launch, rows, tiles
+    return (api, multi_launch, one_launch, rows, tiles)
+
+
+def _compile_among(modules, kernel_name: str, call) -> dict:
+    """``_compile`` where ``call`` launches several kernels of ``modules`` (a module or a tuple): every one of them
+    compiles only, and each module's COMPILE_ONLY flag (where it has one) is set meanwhile."""
     import triton
-    names = [n for n, v in vars(module).items() if isinstance(v, triton.runtime.JITFunction) and n.endswith("_kernel")]
-    originals = {n: getattr(module, n) for n in names}
-    module.COMPILE_ONLY = True
-    stubs = {n: _CompileOnly(f) for n, f in originals.items()}
-    for n, st in stubs.items():
-        setattr(module, n, st)
+    modules = modules if isinstance(modules, tuple) else (modules,)
+    originals = {(m, n): v for m in modules for n, v in vars(m).items()
+                 if isinstance(v, triton.runtime.JITFunction) and n.endswith("_kernel")}
+    flagged = [m for m in modules if hasattr(m, "COMPILE_ONLY")]
+    stubs = {key: _CompileOnly(f) for key, f in originals.items()}
+    for m in flagged:
+        m.COMPILE_ONLY = True
+    for (m, n), st in stubs.items():
+        setattr(m, n, st)
     try:
         call()
     finally:
-        module.COMPILE_ONLY = False
-        for n, f in originals.items():
-            setattr(module, n, f)
-    return _resources(stubs[kernel_name].compiled)
+        for m in flagged:
+            m.COMPILE_ONLY = False
+        for (m, n), f in originals.items():
+            setattr(m, n, f)
+    compiled = [st.compiled for (m, n), st in stubs.items() if n == kernel_name and st.compiled is not None]
+    return _resources(compiled[0])
 
 
 def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
     """(name, resources) of kernels/common.w1_matmul_kernel as planning.w1_plan's schedules launch it:
     unsplit (128x256), the K split (128x128, 2 parts), stream-K (128x256 and 128x128) and the tail tiles
     (128 + 64 and 128 + 32 columns), on one shape."""
-    from kosmos import planning
-    from kosmos.kernels import common as cm
+    from kosmos.core import planning
+    from kosmos.gemm import w1_static
     bf = dict(dtype=torch.bfloat16, device=dev)
     a, b, c = torch.empty(m, k, **bf), torch.empty(k, n, **bf), torch.empty(m, n, **bf)
     small = lambda n_, dt: torch.zeros(n_, dtype=dt, device=dev)  # noqa: E731
@@ -137,10 +149,10 @@ def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
                                        ("w1_matmul stream-k 128", planning.TileConfig(128, 128, 64, 4, 4), 1, True, 0),
                                        ("w1_matmul tail 192", t128, 1, False, 64),
                                        ("w1_matmul tail 160", t128, 1, False, 32)):
-        grid, args, kw = cm.w1_matmul_args(a, b, False, c, cfg, small(4, torch.int32), 132, planning.GROUP_M, False,
+        grid, args, kw = w1_static.w1_matmul_args(a, b, False, c, cfg, small(4, torch.int32), 132, planning.GROUP_M, False,
                                            split=split, partials=parts, counters=small(4096, torch.int32),
                                            errors=small(16, torch.int64), timeout_ns=10**9, stream_k=sk, tail=tail)
-        out.append((name, _resources(cm.w1_matmul_kernel.warmup(*args, grid=(grid,), **kw))))
+        out.append((name, _resources(w1_static.w1_matmul_kernel.warmup(*args, grid=(grid,), **kw))))
     return out
 
 
@@ -149,12 +161,12 @@ def moe_backward_ep_kernels(dev, world: int, h: int = 4096, f: int = 1536, e: in
     stages) on a qwen3-235b-like layer (E / W local experts, top-8), bf16 and fp32 weight gradients, with the router
     backward in the launch (softmax) and without; rank 0; each also in its fixed-role build (policy "fixed", S = 16
     of the 132 programs: the bench's fixed-role default)."""
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.ops.moe_backward import layout as bwd_layout, multi_launch as bwd_multi, one_launch as bwd_one, router as bwd_router, rows as bwd_rows, tiles as bwd_tiles
     bf = dict(dtype=torch.bfloat16, device=dev)
     el, k = e // world, 8
-    lay = mb.ep_layout(world, tokens, h, f, k, el)
+    lay = bwd_layout.ep_layout(world, tokens, h, f, k, el)
     alloc = lambda name, n, dt: torch.empty(max(n, 1), dtype=dt, device=dev)  # noqa: E731
-    bufs = mb.ep_local_buffers(alloc, lay, h, f, k, tokens, el, world)
+    bufs = bwd_layout.ep_local_buffers(alloc, lay, h, f, k, tokens, el, world)
     i64 = lambda n: torch.zeros(n, dtype=torch.int64, device=dev)  # noqa: E731
     bufs.update(layout=lay, data=torch.empty(lay.data_bytes, dtype=torch.uint8, device=dev),
                 sig=torch.zeros(4096, dtype=torch.int32, device=dev),
@@ -165,14 +177,14 @@ def moe_backward_ep_kernels(dev, world: int, h: int = 4096, f: int = 1536, e: in
     experts = (torch.arange(tokens * k, device=dev) % e).view(tokens, k)
     weights = torch.empty(tokens, k, dtype=torch.float32, device=dev)
     w13, w2 = torch.empty(el, h, 2 * f, **bf), torch.empty(el, f, h, **bf)
-    router = mb.RouterBackward(x, torch.empty(e, h, **bf), torch.empty(tokens, e, dtype=torch.float32, device=dev),
+    router = bwd_router.RouterBackward(x, torch.empty(e, h, **bf), torch.empty(tokens, e, dtype=torch.float32, device=dev),
                                experts, "softmax", True, 1.0)
     out = []
     for pol, pkw in (("", {}), ("fixed ", dict(policy="fixed", comm_programs=16))):
         for name, dt, rt in (("bf16", torch.bfloat16, None), ("fp32", torch.float32, None),
                              ("+router softmax", torch.bfloat16, router)):
             out.append((f"moe_bwd one_launch ep {pol}{name}", _compile_among(
-                mb, "_moe_backward_experts_kernel", lambda dt=dt, rt=rt, pkw=pkw: mb.expert_backward_ep_launch(
+                _backward_modules(), "_moe_backward_experts_kernel", lambda dt=dt, rt=rt, pkw=pkw: bwd_one.expert_backward_ep_launch(
                     x, dy, weights, experts, w13, w2, bufs, rank=0, world=world,
                     epoch_slot=torch.zeros(1, dtype=torch.int32, device=dev), timeout_ns=10**9, grid=132,
                     out_dtype=dt, router=rt, **pkw))))
@@ -183,68 +195,69 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
     """(name, resources) of the W=1 MoE backward's Triton kernels (kosmos/kernels/moe_backward.py) at their GPU
     tiles, on a qwen3-235b-like layer (H 4096, F 1536, 128 experts, 4096 tokens x top-8 rows), each compiled as
     its launcher launches it."""
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.ops.moe_backward import layout as bwd_layout, multi_launch as bwd_multi, one_launch as bwd_one, router as bwd_router, rows as bwd_rows, tiles as bwd_tiles
     bf = dict(dtype=torch.bfloat16, device=dev)
     counts = torch.full((e,), rows // e, dtype=torch.int32, device=dev)
     x_rows, dy_rows, gu = torch.empty(rows, h, **bf), torch.empty(rows, h, **bf), torch.empty(rows, 2 * f, **bf)
     w13, w2 = torch.empty(e, h, 2 * f, **bf), torch.empty(e, f, h, **bf)
     w_pair = torch.empty(rows, dtype=torch.float32, device=dev)
-    rows_pad = mb.padded_rows_bound(rows, e)  # the flat wgrad's padded row layout (expert_weight_grads_padded)
+    rows_pad = bwd_layout.padded_rows_bound(rows, e)  # the flat wgrad's padded row layout (expert_weight_grads_padded)
     x_pad, gu_pad = torch.empty(rows_pad, h, **bf), torch.empty(rows_pad, 2 * f, **bf)
-    pad_offs = mb.padded_row_offsets(counts)
-    out = [("moe_bwd wgrad bf16", _compile_among(mb, "_expert_wgrad_kernel",
-                                           lambda: mb.expert_weight_grads(x_rows, gu, counts, kernel="tiles"))),
-           ("moe_bwd wgrad fp32", _compile_among(mb, "_expert_wgrad_kernel", lambda: mb.expert_weight_grads(
+    pad_offs = bwd_layout.padded_row_offsets(counts)
+    out = [("moe_bwd wgrad bf16", _compile_among(_backward_modules(), "_expert_wgrad_kernel",
+                                           lambda: bwd_multi.expert_weight_grads(x_rows, gu, counts, kernel="tiles"))),
+           ("moe_bwd wgrad fp32", _compile_among(_backward_modules(), "_expert_wgrad_kernel", lambda: bwd_multi.expert_weight_grads(
                x_rows, gu, counts, out_dtype=torch.float32, kernel="tiles"))),
-           ("moe_bwd wgrad-pers bf16", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
-               mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent")))),
-           ("moe_bwd wgrad-pers fp32", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
-               mb.expert_weight_grads(x_rows, gu, counts, out_dtype=torch.float32, kernel="persistent")))),
-           ("moe_bwd wgrad-pers few-rows", _compile_among(mb, "_expert_wgrad_persistent_kernel", lambda: (
-               mb.expert_weight_grads(x_rows, gu, counts, kernel="persistent", tiles=mb.WGRAD2_FEW_ROWS_TILES)))),
-           *[(f"moe_bwd wgrad-flat {name}", _compile_among(mb, "_expert_wgrad_flat_kernel", lambda t=t, dt=dt: (
-               mb.expert_weight_grads_padded(x_pad, gu_pad, counts, pad_offs, out_dtype=dt, tiles=t))))
+           ("moe_bwd wgrad-pers bf16", _compile_among(_backward_modules(), "_expert_wgrad_persistent_kernel", lambda: (
+               bwd_multi.expert_weight_grads(x_rows, gu, counts, kernel="persistent")))),
+           ("moe_bwd wgrad-pers fp32", _compile_among(_backward_modules(), "_expert_wgrad_persistent_kernel", lambda: (
+               bwd_multi.expert_weight_grads(x_rows, gu, counts, out_dtype=torch.float32, kernel="persistent")))),
+           ("moe_bwd wgrad-pers few-rows", _compile_among(_backward_modules(), "_expert_wgrad_persistent_kernel", lambda: (
+               bwd_multi.expert_weight_grads(x_rows, gu, counts, kernel="persistent", tiles=bwd_multi.WGRAD2_FEW_ROWS_TILES)))),
+           *[(f"moe_bwd wgrad-flat {name}", _compile_among(_backward_modules(), "_expert_wgrad_flat_kernel", lambda t=t, dt=dt: (
+               bwd_multi.expert_weight_grads_padded(x_pad, gu_pad, counts, pad_offs, out_dtype=dt, tiles=t))))
              for name, t, dt in (("bf16", None, torch.bfloat16), ("fp32", None, torch.float32),
                                  ("s3", (128, 128, 64, 8, 3), torch.bfloat16),
                                  ("4w s2", (128, 128, 64, 4, 2), torch.bfloat16),
                                  ("128x128 s2", (128, 128, 64, 8, 2), torch.bfloat16),
-                                 ("256x128 s3", mb.WGRAD_FLAT_TILES_TALL, torch.bfloat16))],
-           ("moe_bwd dgrad2_swiglu", _compile_among(mb, "_dgrad2_swiglu_kernel",
-                                              lambda: mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts,
+                                 ("256x128 s3", bwd_tiles.WGRAD_FLAT_TILES_TALL, torch.bfloat16))],
+           ("moe_bwd dgrad2_swiglu", _compile_among(_backward_modules(), "_dgrad2_swiglu_kernel",
+                                              lambda: bwd_multi.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts,
                                                                               fused=True))),
-           ("moe_bwd dgrad2_swiglu+h", _compile_among(mb, "_dgrad2_swiglu_kernel", lambda: mb.expert_dgrad2_swiglu(
+           ("moe_bwd dgrad2_swiglu+h", _compile_among(_backward_modules(), "_dgrad2_swiglu_kernel", lambda: bwd_multi.expert_dgrad2_swiglu(
                dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=True))),
-           ("moe_bwd dgrad1", _compile_among(mb, "_dgrad1_kernel", lambda: mb.expert_dgrad1(gu, w13, counts))),
-           ("moe_bwd swiglu_backward+h", _compile_among(mb, "_swiglu_backward_kernel", lambda: mb.expert_dgrad2_swiglu(
+           ("moe_bwd dgrad1", _compile_among(_backward_modules(), "_dgrad1_kernel", lambda: bwd_multi.expert_dgrad1(gu, w13, counts))),
+           ("moe_bwd swiglu_backward+h", _compile_among(_backward_modules(), "_swiglu_backward_kernel", lambda: bwd_multi.expert_dgrad2_swiglu(
                dy_rows, gu, w2, w_pair, counts, emit_h=True, fused=False))),
-           ("moe_bwd swiglu_backward padded", _compile_among(mb, "_swiglu_backward_kernel", lambda: (
-               mb.expert_dgrad2_swiglu(x_pad, gu_pad, w2, torch.empty(rows_pad, device=dev), counts, emit_h=True,
+           ("moe_bwd swiglu_backward padded", _compile_among(_backward_modules(), "_swiglu_backward_kernel", lambda: (
+               bwd_multi.expert_dgrad2_swiglu(x_pad, gu_pad, w2, torch.empty(rows_pad, device=dev), counts, emit_h=True,
                                        fused=False, offs=pad_offs,
                                        valid=torch.ones(rows_pad, dtype=torch.bool, device=dev)))))]
     tok = torch.zeros(rows, dtype=torch.int64, device=dev)
-    out += [("moe_bwd sum_partials", _compile_among(mb, "_sum_partials_kernel", lambda: mb.sum_partials(
+    out += [("moe_bwd sum_partials", _compile_among(_backward_modules(), "_sum_partials_kernel", lambda: bwd_rows.sum_partials(
                 torch.empty(rows, f // 64, dtype=torch.float32, device=dev)))),
-            ("moe_bwd scaled_rows", _compile_among(mb, "_gather_rows_kernel",
-                                             lambda: mb.scaled_rows(dy_rows[:rows // 8], tok, w_pair))),
-            ("moe_bwd gather_rows", _compile_among(mb, "_gather_rows_kernel",
-                                             lambda: mb.gather_rows(dy_rows[:rows // 8], tok))),
-            ("moe_bwd gather+scaled", _compile_among(mb, "_gather_rows_kernel",
-                                               lambda: mb.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair))),
-            ("moe_bwd gather+scaled limit", _compile_among(mb, "_gather_rows_kernel", lambda: (
-                mb.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair,
+            ("moe_bwd scaled_rows", _compile_among(_backward_modules(), "_gather_rows_kernel",
+                                             lambda: bwd_rows.scaled_rows(dy_rows[:rows // 8], tok, w_pair))),
+            ("moe_bwd gather_rows", _compile_among(_backward_modules(), "_gather_rows_kernel",
+                                             lambda: bwd_rows.gather_rows(dy_rows[:rows // 8], tok))),
+            ("moe_bwd gather+scaled", _compile_among(_backward_modules(), "_gather_rows_kernel",
+                                               lambda: bwd_rows.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair))),
+            ("moe_bwd gather+scaled limit", _compile_among(_backward_modules(), "_gather_rows_kernel", lambda: (
+                bwd_rows.gather_rows_and_scaled(dy_rows[:rows // 8], tok, w_pair,
                                           torch.zeros(1, dtype=torch.int32, device=dev))))),
-            ("moe_bwd swiglu_h", _compile_among(mb, "_swiglu_h_kernel", lambda: mb.swiglu_h(gu, f))),
-            ("moe_bwd unpermute_sum", _compile_among(mb, "_unpermute_sum_kernel",
-                                               lambda: mb.unpermute_sum(x_rows, torch.arange(rows, device=dev), 8)))]
+            ("moe_bwd swiglu_h", _compile_among(_backward_modules(), "_swiglu_h_kernel", lambda: bwd_rows.swiglu_h(gu, f))),
+            ("moe_bwd unpermute_sum", _compile_among(_backward_modules(), "_unpermute_sum_kernel",
+                                               lambda: bwd_rows.unpermute_sum(x_rows, torch.arange(rows, device=dev), 8)))]
     # the one launch (expert_backward_one_launch): every stage in one kernel, on the padded rows, bf16 and fp32 wgrad
     dy_pad, w_pad = torch.empty(rows_pad, h, **bf), torch.empty(rows_pad, dtype=torch.float32, device=dev)
     valid = torch.ones(rows_pad, dtype=torch.bool, device=dev)
     inv = torch.zeros(rows, dtype=torch.int64, device=dev)
-    on_completion = mb.BWD_SWIGLU_ON_COMPLETION
+    from kosmos.config import MoEBackwardConfig
+    on_completion = MoEBackwardConfig().swiglu_on_completion
     n_tok = rows // 8
 
     def router(routing):  # the router backward in the launch too (moe_backward(one_launch=True)'s default)
-        return mb.RouterBackward(x=torch.empty(n_tok, h, **bf), router_weight=torch.empty(e, h, **bf),
+        return bwd_router.RouterBackward(x=torch.empty(n_tok, h, **bf), router_weight=torch.empty(e, h, **bf),
                                  logits=torch.empty(n_tok, e, dtype=torch.float32, device=dev),
                                  experts=torch.zeros(n_tok, 8, dtype=torch.int32, device=dev), routing=routing,
                                  renormalize=True, routed_scaling=2.5)
@@ -257,14 +270,12 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
             ("+router sigmoid", torch.bfloat16, on_completion, None, "sigmoid-grouped"),
             ("+router fp32", torch.float32, on_completion, None, "softmax"),
             ("+router traced", torch.bfloat16, on_completion, traced(), "softmax")):
-        mb.BWD_SWIGLU_ON_COMPLETION = swiglu_on_completion
-        try:
-            out.append((f"moe_bwd one_launch {name}", _compile_among(
-                mb, "_moe_backward_experts_kernel", lambda dt=dt, trace=trace, rt=rt: mb.expert_backward_one_launch(
-                    dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv, n_tok, 8, dt,
-                    programs=132, trace=trace, router=router(rt) if rt else None))))
-        finally:
-            mb.BWD_SWIGLU_ON_COMPLETION = on_completion
+        config = MoEBackwardConfig(swiglu_on_completion=swiglu_on_completion)
+        out.append((f"moe_bwd one_launch {name}", _compile_among(
+            _backward_modules(), "_moe_backward_experts_kernel",
+            lambda dt=dt, trace=trace, rt=rt, config=config: bwd_one.expert_backward_one_launch(
+                dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv, n_tok, 8, dt,
+                programs=132, trace=trace, router=router(rt) if rt else None, config=config))))
     return out
 
 
@@ -273,10 +284,10 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     """(name, resources) of the fused kernels in ``only`` at ``world`` (rank 0, self policy, default configs);
     ``mx``: their MXFP8 variants (MX activation, dequantize on arrival; the MoE layer's MX dispatch); ``tile``
     (a planning.TileConfig): the TP kernels with that tile instead of tile_config's choice for the shape."""
-    from kosmos import planning, runtime
-    from kosmos.kernels import all_gather_matmul as ag
-    from kosmos.kernels import matmul_reduce_scatter as rs
-    from kosmos.kernels import moe_forward as mf
+    from kosmos.core import planning, runtime
+    from kosmos.ops import all_gather_matmul as ag
+    from kosmos.ops import matmul_reduce_scatter as rs
+    from kosmos.ops import moe_forward as mf
     runtime.ensure_triton_allocator()
     bf = dict(dtype=torch.bfloat16, device=dev)
     peers = torch.zeros(world, dtype=torch.int64, device=dev)
@@ -364,7 +375,7 @@ def main(argv=None):
     rows = []
     print(f"triton {triton.__version__}, sm_90a, grid {grid}")
     print(f"{'kernel':<24} {'W':>2} {'regs':>5} {'spill B':>8} {'stack B':>8} {'shared KiB':>11} {'loops':>5}")
-    from kosmos import planning
+    from kosmos.core import planning
     tiles = [None]
     if args.tiles:
         tiles = [planning.TileConfig(bm, bn, 64, w, s) for bm, bn, w, s, _ in planning.TILE_CANDIDATES]

@@ -34,20 +34,22 @@ import torch
 
 from dev.rows import Rows
 
+# each variant: moe_backward_w1's keywords and kosmos.MoEBackwardConfig fields (``config``)
 VARIANTS = {"packed": dict(padded=False), "padded": dict(padded=True),
             "one-launch": dict(padded=True, one_launch=True),
             # the one launch with the router backward after it (torch ops; the default puts it inside the launch)
             "one-launch-torch-router": dict(padded=True, one_launch=True, router_in_launch=False),
-            # the one launch without its WGRAD1 rendezvous (moe_backward.BWD_WGRAD1_SYNC = False; session 20)
-            "one-launch-nosync": dict(padded=True, one_launch=True, wgrad1_sync=False),
-            # the one launch with 4/16 of each wgrad loop's tiles claimed in runs (BWD_WGRAD_DYNAMIC_16THS; s20h: 1/16)
-            "one-launch-dyn4": dict(padded=True, one_launch=True, dynamic_16ths=4),
-            # ... and those runs 16 tiles long (BWD_WGRAD_DYNAMIC; default 8): half the flat-loop restarts
-            "one-launch-dyn4-run16": dict(padded=True, one_launch=True, dynamic_16ths=4, dynamic_run=16),
-            # the one launch's DGRAD1 with session 20's per-task wait and release (moe_backward.BWD_DGRAD1_LEAN = False)
-            "one-launch-strict": dict(padded=True, one_launch=True, dgrad1_lean=False),
-            # the one launch's SWIGLU pass as the nested loops, unpipelined (moe_backward.BWD_SWIGLU_STAGES = 1)
-            "one-launch-swiglu-nested": dict(padded=True, one_launch=True, swiglu_stages=1)}
+            # the one launch without its WGRAD1 rendezvous (session 20)
+            "one-launch-nosync": dict(padded=True, one_launch=True, config=dict(wgrad1_sync=False)),
+            # the one launch with 4/16 of each wgrad loop's tiles claimed in runs (s20h: 1/16)
+            "one-launch-dyn4": dict(padded=True, one_launch=True, config=dict(wgrad_dynamic_16ths=4)),
+            # ... and those runs 16 tiles long (default 8): half the flat-loop restarts
+            "one-launch-dyn4-run16": dict(padded=True, one_launch=True,
+                                          config=dict(wgrad_dynamic_16ths=4, wgrad_dynamic=16)),
+            # the one launch's DGRAD1 with session 20's per-task wait and release
+            "one-launch-strict": dict(padded=True, one_launch=True, config=dict(dgrad1_lean=False)),
+            # the one launch's SWIGLU pass as the nested loops, unpipelined
+            "one-launch-swiglu-nested": dict(padded=True, one_launch=True, config=dict(swiglu_stages=1))}
 
 
 def parse_variants(text: str) -> list[str]:
@@ -66,13 +68,13 @@ def traced_one_launch(call, model: str, args, rows) -> None:
     import json
     import os
     from dev.moe_probe import kind_table, trace_events
-    from kosmos import runtime
-    from kosmos.codes import TRACE_EVENTS
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.core import runtime
+    from kosmos.core.codes import TRACE_EVENTS
+    from kosmos.ops.moe_backward import one_launch as bwd_one
     grid = runtime.num_sms(torch.device("cuda", torch.cuda.current_device()))
     buf = torch.zeros((grid, TRACE_EVENTS.value, 4), dtype=torch.int64, device="cuda")
-    real = mb.expert_backward_one_launch
-    mb.expert_backward_one_launch = lambda *a, **k: real(*a, **k, trace=buf)
+    real = bwd_one.expert_backward_one_launch
+    bwd_one.expert_backward_one_launch = lambda *a, **k: real(*a, **k, trace=buf)
     try:
         call("one-launch")  # compiles the traced variant
         buf.zero_()
@@ -81,7 +83,7 @@ def traced_one_launch(call, model: str, args, rows) -> None:
         torch.cuda.synchronize()
         runtime.check_errors()
     finally:
-        mb.expert_backward_one_launch = real
+        bwd_one.expert_backward_one_launch = real
     events = trace_events(buf)
     text = kind_table([events], grid)
     print(f"{model} {args.tokens} {args.routing}: the one launch traced ({len(events)} events)\n{text}", flush=True)
@@ -112,8 +114,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("moe_bwd_layout_ab: needs a CUDA device")
     from dev.moe_bwd_probe import GRAD_NAMES, build_point, point_model
-    from kosmos import runtime
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.core import runtime
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     from kosmos_bench import timing
     from kosmos_bench.environment import environment
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -128,19 +130,13 @@ def main(argv=None) -> int:
                rows=int(pt.experts.numel()), gu_saved=pt.saved is not None)
     rows.emit(env)
 
-    import kosmos.kernels.moe_backward as mb
-    sync_default, dyn_default = mb.BWD_WGRAD1_SYNC, mb.BWD_WGRAD_DYNAMIC_16THS
-    run_default, lean_default, sw_default = mb.BWD_WGRAD_DYNAMIC, mb.BWD_DGRAD1_LEAN, mb.BWD_SWIGLU_STAGES
+    from kosmos.config import MoEBackwardConfig
 
     def call(variant):
         kw = dict(VARIANTS[variant])
-        mb.BWD_WGRAD1_SYNC = kw.pop("wgrad1_sync", sync_default)  # module constants: read at each launch
-        mb.BWD_WGRAD_DYNAMIC_16THS = kw.pop("dynamic_16ths", dyn_default)
-        mb.BWD_WGRAD_DYNAMIC = kw.pop("dynamic_run", run_default)
-        mb.BWD_DGRAD1_LEAN = kw.pop("dgrad1_lean", lean_default)
-        mb.BWD_SWIGLU_STAGES = kw.pop("swiglu_stages", sw_default)
+        kw_all = dict(inp.backward_kw(), config=MoEBackwardConfig(**kw.pop("config", {})))
         return moe_backward_w1(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, pt.weights, pt.experts,
-                               saved_gu=pt.saved, **kw, **inp.backward_kw())
+                               saved_gu=pt.saved, **kw, **kw_all)
 
     # bitwise against the base, one gradient at a time (each call recomputes all four; one pair is kept)
     base = variants[0]

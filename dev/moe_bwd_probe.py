@@ -95,6 +95,12 @@ from typing import Callable
 import torch
 
 from dev.rows import Rows
+from kosmos.config import MoEBackwardConfig, config_dict
+from kosmos.ops.moe_backward import api as bwd_api
+from kosmos.ops.moe_backward import layout as bwd_layout
+from kosmos.ops.moe_backward import multi_launch as bwd_multi
+from kosmos.ops.moe_backward import rows as bwd_rows
+from kosmos.ops.moe_backward import tiles as bwd_tiles
 
 START = time.monotonic()  # reset by main(): deadlines count from the run, not from the import
 GRAD_NAMES = ("dx", "d_router", "dw13", "dw2")  # moe_backward_w1's outputs, in its order
@@ -143,11 +149,11 @@ def point_model(name: str, experts_scale: int = 1, smoke: bool = False):
 
 
 def build_point(m, tokens: int, routing: str, *, seed: int = 0, device="cpu", decision: str = "route",
-                config=None) -> Point:
+                config=None, bwd_config: MoEBackwardConfig | None = None) -> Point:
     """The bench's inputs for (m, tokens, routing) at rank 0 of W=1 (kosmos_bench.moe.run_case's builders) and the
     routing decision: "kosmos" = the bench's bwd setup (kosmos forward, return_routing=True; CUDA), "route" =
     moe_reference.route (what nccl-a2a's layer routes with)."""
-    from kosmos.moe_reference import route
+    from kosmos.reference.moe import route
     from kosmos_bench import moe as bm
     device = torch.device(device)
     rank, world = 0, 1
@@ -156,7 +162,8 @@ def build_point(m, tokens: int, routing: str, *, seed: int = 0, device="cpu", de
     # the output gradient exactly as run_case draws it (bwd direction)
     dy = torch.randn(tokens, m.hidden, generator=bm._gen(device, 1_000_003 * seed + 613 * rank + 11), device=device,
                      dtype=torch.bfloat16)
-    inp = bm.MoEInputs(m, x, wr, bias, w13, w2, "bf16", direction=bm.BWD, dy=dy)
+    inp = bm.MoEInputs(m, x, wr, bias, w13, w2, "bf16", direction=bm.BWD, dy=dy,
+                       bwd_config=bwd_config or MoEBackwardConfig())
     if config is None:
         config = bm.MoESettings(direction=bm.BWD, seed=seed).config("moe_fwd")
     saved = None
@@ -172,7 +179,7 @@ def build_point(m, tokens: int, routing: str, *, seed: int = 0, device="cpu", de
 def whole_backward(pt: Point):
     """kosmos's whole backward as the bench times it: a timing.Split whose setup makes the decision (decision
     "kosmos": the bench's own ``_kosmos_backward``, the forward untimed) and whose run is moe_backward_w1."""
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     from kosmos_bench import moe as bm
     from kosmos_bench import timing
     if pt.decision == "kosmos":
@@ -235,33 +242,33 @@ def wgrad_ref_dtype(device) -> tuple[torch.dtype, str | None]:
         return torch.bfloat16, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
 
 
-def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
+def make_stages(pt: Point, wgrad_dtype=torch.bfloat16, wgrad_tiles=None) -> list[Stage]:
     """moe_backward's W=1 path (kosmos/kernels/moe_backward.py), split at its stage boundaries: the same calls
     and the same torch lines, in its order. Each stage reads the state (the point's tensors and the earlier
     stages' outputs) and returns its new tensors."""
-    from kosmos import moe_reference as mr
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.reference import moe as mr
     inp = pt.inp
     x, router_weight, w13, w2, dy = inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy
     kw = inp.backward_kw()
     routing, renormalize, routed_scaling = kw["routing"], kw["renormalize"], kw["routed_scaling"]
+    config = inp.bwd_config
     n_tok = x.shape[0]
     n_exp = router_weight.shape[0]
     k = pt.experts.shape[1]
     f = w2.shape[1]
-    wdt = mb._wgrad_dtype(w13, None)  # moe_backward's default: the parameters' dtype
+    wdt = bwd_api._wgrad_dtype(w13, None)  # moe_backward's default: the parameters' dtype
     padded = rows_padded(pt)  # moe_backward's row layout (its rule)
     hid = x.shape[1]
-    flat_tiles = [mb.wgrad_flat_tiles(wdt, ka, kb) for ka, kb in ((f, hid), (hid, 2 * f))]
+    flat_tiles = [bwd_tiles.wgrad_flat_tiles(wdt, ka, kb) for ka, kb in ((f, hid), (hid, 2 * f))]
     dy_b = dy.to(torch.bfloat16)
 
     def sort(s):
         experts = s["experts"].long()
         flat = experts.reshape(-1)
         order = torch.sort(flat, stable=True).indices
-        out = {"experts_l": experts, "order": order, "tok": order // k, "counts": mb.expert_counts(flat, n_exp)}
+        out = {"experts_l": experts, "order": order, "tok": order // k, "counts": bwd_layout.expert_counts(flat, n_exp)}
         if padded:  # the padded layout's bookkeeping (index tensors only), as moe_backward does it
-            pad_offs, row_of, real_of, end = mb.padded_layout(out["counts"], order.shape[0])
+            pad_offs, row_of, real_of, end = bwd_layout.padded_layout(out["counts"], order.shape[0])
             valid, real = real_of >= 0, real_of.clamp(min=0)
             out.update(pad_offs=pad_offs, row_of=row_of, valid=valid, real=real, end=end,
                        src_idx=torch.where(valid, out["tok"][real], -1))
@@ -272,65 +279,68 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         w_pair = s["weights"].reshape(-1).float()[order].contiguous()
         if padded:  # do = w * dy from the same read of dy's rows (the do_rows stage then has nothing to do)
             w_pair = torch.where(s["valid"], w_pair[s["real"]], 0.0)
-            dy_rows, do = mb.gather_rows_and_scaled(dy_b, s["src_idx"], w_pair, s["end"])
-            return {"x_rows": mb.gather_rows(x, s["src_idx"], s["end"]), "dy_rows": dy_rows, "do_rows": do,
+            dy_rows, do = bwd_rows.gather_rows_and_scaled(dy_b, s["src_idx"], w_pair, s["end"])
+            return {"x_rows": bwd_rows.gather_rows(x, s["src_idx"], s["end"]), "dy_rows": dy_rows, "do_rows": do,
                     "w_pair": w_pair}
         return {"x_rows": x[tok].contiguous(), "dy_rows": dy_b[tok].contiguous(), "w_pair": w_pair}
 
     def gemm1(s):  # timed either way: what keeping g | u saves (or costs, when the decision is route's)
-        return {"gu_recomputed": mb._expert_gemm1(s["x_rows"], w13, s["counts"], s.get("pad_offs"))}
+        return {"gu_recomputed": bwd_api._expert_gemm1(s["x_rows"], w13, s["counts"], s.get("pad_offs"))}
 
     def gu_saved(s):  # moe_backward's g | u: the forward's, gathered into the backward's order, or the recompute
         if pt.saved is None:
             return {"gu": s["gu_recomputed"]}
         if padded:
             idx = pt.saved.backward_order_index(s["counts"], s["order"].shape[0])
-            return {"gu": mb.gather_rows(pt.saved.gu, torch.where(s["valid"], idx[s["real"]], -1), s["end"])}
+            return {"gu": bwd_rows.gather_rows(pt.saved.gu, torch.where(s["valid"], idx[s["real"]], -1), s["end"])}
         return {"gu": pt.saved.in_backward_order(s["counts"], s["x_rows"].shape[0])}
 
-    emits_h = mb.dgrad2_emits_h() or padded  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
+    emits_h = bwd_rows.dgrad2_emits_h(config) or padded  # moe_backward's choice: h from dgrad2's epilogue, or swiglu_h's pass
 
     def dgrad2(s):
         if emits_h:
-            dgu, dw_rows, h = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"],
+            dgu, dw_rows, h = bwd_multi.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"],
                                                       emit_h=True, fused=False if padded else None,
-                                                      offs=s.get("pad_offs"), valid=s.get("valid"))
+                                                      offs=s.get("pad_offs"), valid=s.get("valid"), config=config)
             return {"dgu": dgu, "dw_rows": dw_rows, "h": h}
-        dgu, dw_rows = mb.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"])
+        dgu, dw_rows = bwd_multi.expert_dgrad2_swiglu(s["dy_rows"], s["gu"], w2, s["w_pair"], s["counts"],
+                                                      config=config)
         return {"dgu": dgu, "dw_rows": dw_rows}
 
     def h_recompute(s):  # nothing left to do when dgrad2 emitted h (the row stays: a ~0 ms stage)
-        return {} if emits_h else {"h": mb.swiglu_h(s["gu"], f)}
+        return {} if emits_h else {"h": bwd_rows.swiglu_h(s["gu"], f, config)}
 
     def do_rows(s):
         if padded:  # gathered with dy_rows in permute
             return {}
-        return {"do_rows": mb.do_rows_of(dy, s["tok"], s["dy_rows"], s["w_pair"], 1)}
+        return {"do_rows": bwd_rows.do_rows_of(dy, s["tok"], s["dy_rows"], s["w_pair"], 1)}
 
     def wgrad2(s):
         if padded:
-            return {"dw2": mb.expert_weight_grads_padded(s["h"], s["do_rows"], s["counts"], s["pad_offs"],
+            return {"dw2": bwd_multi.expert_weight_grads_padded(s["h"], s["do_rows"], s["counts"], s["pad_offs"],
                                                          out_dtype=wdt, tiles=flat_tiles[0])}
-        return {"dw2": mb.expert_weight_grads(s["h"], s["do_rows"], s["counts"], out_dtype=wdt,
-                                              tiles=mb.wgrad2_tiles(s["h"], s["counts"]))}
+        return {"dw2": bwd_multi.expert_weight_grads(s["h"], s["do_rows"], s["counts"], out_dtype=wdt,
+                                                     tiles=wgrad_tiles or bwd_multi.wgrad2_tiles(s["h"], s["counts"]),
+                                                     config=config)}
 
     def wgrad1(s):
         if padded:
-            return {"dw13": mb.expert_weight_grads_padded(s["x_rows"], s["dgu"], s["counts"], s["pad_offs"],
+            return {"dw13": bwd_multi.expert_weight_grads_padded(s["x_rows"], s["dgu"], s["counts"], s["pad_offs"],
                                                           out_dtype=wdt, tiles=flat_tiles[1])}
-        return {"dw13": mb.expert_weight_grads(s["x_rows"], s["dgu"], s["counts"], out_dtype=wdt)}
+        return {"dw13": bwd_multi.expert_weight_grads(s["x_rows"], s["dgu"], s["counts"], out_dtype=wdt,
+                                                      tiles=wgrad_tiles, config=config)}
 
     def dgrad1(s):
-        return {"dx_rows": mb.expert_dgrad1(s["dgu"], w13, s["counts"], offs=s.get("pad_offs"))}
+        return {"dx_rows": bwd_multi.expert_dgrad1(s["dgu"], w13, s["counts"], offs=s.get("pad_offs"))}
 
     def unpermute(s):
-        return {"dx_e": mb.unpermute_sum(s["dx_rows"], s["order"], k, row_of=s.get("row_of"))}
+        return {"dx_e": bwd_rows.unpermute_sum(s["dx_rows"], s["order"], k, row_of=s.get("row_of"))}
 
     def router_logits(s):
         dw_rows = s["dw_rows"] if not padded else s["dw_rows"][s["row_of"]]
         dweights = torch.empty_like(dw_rows)
         dweights[s["order"]] = dw_rows
-        logits = mb.bf16_mm_fp32(x, router_weight.t())
+        logits = bwd_api.bf16_mm_fp32(x, router_weight.t(), config)
         w_re, full, denom = mr.routing_weights_ref(logits, s["experts_l"], routing, renormalize=renormalize,
                                                    routed_scaling=routed_scaling)
         return {"dweights": dweights, "w_re": w_re, "full": full, "denom": denom}
@@ -339,7 +349,7 @@ def make_stages(pt: Point, wgrad_dtype=torch.bfloat16) -> list[Stage]:
         dq = mr.router_weights_backward_ref(s["dweights"].view(n_tok, k), s["w_re"], s["denom"],
                                             routed_scaling=routed_scaling)
         dlogits = mr.router_logits_backward_ref(dq, s["full"], s["experts_l"], routing)
-        d_router, dx_r = mb.router_gemm_backward(dlogits, x, router_weight)
+        d_router, dx_r = bwd_api.router_gemm_backward(dlogits, x, router_weight, config)
         return {"d_router": d_router, "dx_r": dx_r}
 
     def dx_sum(s):
@@ -408,8 +418,7 @@ GEMM_STAGES = ("gemm1_recompute", "dgrad2_swiglu", "wgrad2", "wgrad1", "dgrad1")
 
 def rows_padded(pt: Point) -> bool:
     """Whether moe_backward runs this point's expert rows in the padded layout (its own rule)."""
-    from kosmos.kernels import moe_backward as mb
-    return bool(mb.PADDED_ROWS and mb._triton_runs(pt.inp.x) and pt.inp.x.shape[1] % 8 == 0
+    return bool(pt.inp.bwd_config.padded_rows and bwd_tiles._triton_runs(pt.inp.x) and pt.inp.x.shape[1] % 8 == 0
                 and pt.inp.w2.shape[1] % 8 == 0)
 
 
@@ -500,7 +509,6 @@ def _timing_fields(t: dict, prefix: str = "") -> dict:
 
 
 def run(args) -> list[dict]:
-    from kosmos.kernels import moe_backward as mb
     from kosmos_bench import moe as bm
     from kosmos_bench.environment import environment
     smoke = args.cpu_smoke
@@ -510,12 +518,13 @@ def run(args) -> list[dict]:
         raise SystemExit("no CUDA device: use --cpu-smoke (under TRITON_INTERPRET=1) for the CPU flow check")
     device = torch.device("cpu") if smoke else torch.device("cuda", torch.cuda.current_device())
     if not smoke:
-        from kosmos import runtime
+        from kosmos.core import runtime
         from kosmos_bench import timing
         torch.backends.cuda.matmul.allow_tf32 = False  # as run_case: the fp32 router GEMMs in full fp32
         runtime.ensure_triton_allocator()
         timing.flush_l2(torch.cuda.current_device())
     decision = "route" if smoke else args.decision
+    cfg = args.bwd_config  # main's: the flags as a kosmos.MoEBackwardConfig
     m = point_model(args.model, args.experts_scale, smoke=smoke)
     tokens = args.tokens or (SMOKE_TOKENS if smoke else 4096)
     probe = Probe(args)
@@ -523,14 +532,16 @@ def run(args) -> list[dict]:
     t0 = time.monotonic()
     decision_error = None
     try:
-        pt = build_point(m, tokens, args.routing, seed=args.seed, device=device, decision=decision)
+        pt = build_point(m, tokens, args.routing, seed=args.seed, device=device, decision=decision,
+                         bwd_config=args.bwd_config)
     except Exception as e:  # noqa: BLE001 -- the kosmos forward only supplies the decision: go on without it
         if decision != "kosmos":
             raise
         decision_error = f"{type(e).__name__}: {str(e).strip()[:300]}"
         print(f"the kosmos forward failed ({decision_error}); the decision is moe_reference.route's", flush=True)
         decision = "route"
-        pt = build_point(m, tokens, args.routing, seed=args.seed, device=device, decision=decision)
+        pt = build_point(m, tokens, args.routing, seed=args.seed, device=device, decision=decision,
+                         bwd_config=args.bwd_config)
     if not smoke:
         torch.cuda.synchronize()
     build_s = time.monotonic() - t0
@@ -545,19 +556,20 @@ def run(args) -> list[dict]:
                rows_per_expert_max=int(counts.max()), redrawn_tokens=pt.redrawn, decision=decision,
                decision_error=decision_error,
                wgrad_ref_out_dtype=str(wdt).replace("torch.", ""), wgrad_ref_fp32_unavailable=wdt_why,
-               wgrad_kernel=mb.WGRAD_KERNEL, dgrad2_tiles=list(mb.DGRAD2_TILES), dgrad2_emits_h=mb.dgrad2_emits_h(),
-               dgrad2_fused=mb.DGRAD2_FUSED, rows_padded=rows_padded(pt),
-               one_launch=mb.ONE_LAUNCH and rows_padded(pt),  # the whole call's expert part (the stages: launches)
-               wgrad_flat_tiles=[list(mb.wgrad_flat_tiles(mb._wgrad_dtype(pt.inp.w13, None), ka, kb))
+               bwd_config=config_dict(cfg), wgrad_kernel=cfg.wgrad_kernel, dgrad2_tiles=list(bwd_multi.DGRAD2_TILES),
+               dgrad2_emits_h=bwd_rows.dgrad2_emits_h(cfg), dgrad2_fused=cfg.dgrad2_fused, rows_padded=rows_padded(pt),
+               one_launch=cfg.one_launch and rows_padded(pt),  # the whole call's expert part (the stages: launches)
+               wgrad_flat_tiles=[list(bwd_tiles.wgrad_flat_tiles(bwd_api._wgrad_dtype(pt.inp.w13, None), ka, kb))
                                  for ka, kb in ((m.expert_ffn, m.hidden), (m.hidden, 2 * m.expert_ffn))],
-               wgrad_tiles=list(mb.WGRAD_PERSISTENT_TILES if mb.WGRAD_KERNEL == "persistent" else mb.WGRAD_TILES),
+               wgrad_tiles=list(args.wgrad_tiles or (bwd_multi.WGRAD_PERSISTENT_TILES if cfg.wgrad_kernel == "persistent"
+                                                     else bwd_multi.WGRAD_TILES)),
                build_s=round(build_s, 1))
     probe.emit(env)
     print(f"moe bwd probe: {m.name} tokens={tokens} {args.routing} EP=1 rows={n_rows} (per expert "
           f"{int(counts.min())}..{int(counts.max())}), decision={decision}, "
           f"{'cpu smoke (nothing timed)' if smoke else f'iters {args.iters} warmup {args.warmup}'}; "
           f"wgrad reference out {env['wgrad_ref_out_dtype']}; "
-          f"wgrad kernel {'flat' if env['rows_padded'] else mb.WGRAD_KERNEL}; inputs {build_s:.0f} s",
+          f"wgrad kernel {'flat' if env['rows_padded'] else cfg.wgrad_kernel}; inputs {build_s:.0f} s",
           flush=True)
 
     def base(kind, **kv):
@@ -612,7 +624,7 @@ def run(args) -> list[dict]:
     _print_progress(row)
 
     # 3. the stages, in moe_backward's order, each on the previous stages' outputs
-    stages = make_stages(pt, wdt)
+    stages = make_stages(pt, wdt, args.wgrad_tiles)
     assert tuple(st.name for st in stages) == STAGE_NAMES
     last_use = {}
     for i, st in enumerate(stages):
@@ -638,7 +650,7 @@ def run(args) -> list[dict]:
             if st.name == "gu_saved" and pt.saved is not None:  # the forward's g | u against torch's recompute
                 row["rel_err_vs_recompute"] = rel_err(new["gu"], s["gu_recomputed"])
             if st.name == "dgrad2_swiglu" and "h" in new:  # dgrad2's h against the pass it replaces, bitwise
-                from kosmos.kernels.moe_backward import swiglu_h
+                from kosmos.ops.moe_backward.rows import swiglu_h
                 row["h_bitwise_swiglu_h"] = bool(torch.equal(new["h"], swiglu_h(s["gu"], ff)))
             if st.gemm is not None:
                 g = st.gemm
@@ -814,21 +826,22 @@ def main(argv=None) -> int:
                     "seconds after start-up (0: no limit)")
     ap.add_argument("--wgrad-kernel", choices=("persistent", "tiles"), default=None,
                     help="the weight-gradient kernel of moe_backward (whole call and stages alike; default: "
-                         "kosmos.kernels.moe_backward.WGRAD_KERNEL): the persistent grid or one program per tile")
+                         "MoEBackwardConfig.wgrad_kernel): the persistent grid or one program per tile")
     ap.add_argument("--wgrad-tiles", default=None, metavar="BI,BJ,BR,WARPS,STAGES",
-                    help="the wgrad kernel's GPU tiles for this run (default: WGRAD_PERSISTENT_TILES / WGRAD_TILES, "
+                    help="the packed rows' wgrad kernel's GPU tiles in the stages (the whole call keeps moe_backward's; "
+                         "default: multi_launch.WGRAD_PERSISTENT_TILES / WGRAD_TILES, "
                          "128,128,64,8,3), e.g. 128,256,64,8,2")
     ap.add_argument("--dgrad2", choices=("fused", "unfused"), default=None,
                     help="GEMM2's data gradient with the SwiGLU backward in its epilogue, or the GEMM (bf16 z) and "
-                         "a pass after it (default: DGRAD2_FUSED)")
+                         "a pass after it (default: MoEBackwardConfig.dgrad2_fused)")
     ap.add_argument("--rows", choices=("padded", "packed"), default=None,
-                    help="moe_backward's expert-row layout (whole call and stages alike; default: PADDED_ROWS): "
+                    help="moe_backward's expert-row layout (whole call and stages alike; default: MoEBackwardConfig.padded_rows): "
                          "padded per expert for the flat wgrad loop, or packed for the persistent wgrad kernel")
     ap.add_argument("--one-launch", action="store_true",
-                    help="the whole call with moe_backward's expert part in one launch (ONE_LAUNCH = True; the "
+                    help="the whole call with moe_backward's expert part in one launch (MoEBackwardConfig.one_launch; the "
                          "stages stay the multi-launch ones: the summary's bitwise check and sum_over_whole are "
                          "then the one launch against the launches it replaces; the router backward stays the "
-                         "torch ops after it: BWD_ROUTER_IN_LAUNCH = False for the run)")
+                         "torch ops after it: router_in_launch=False for the run)")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, nothing timed")
     ap.add_argument("--table", default=None, metavar="JSONL", help="only print the table of a finished run")
     args = ap.parse_args(argv)
@@ -839,29 +852,27 @@ def main(argv=None) -> int:
         return 0
     if args.cpu_smoke:  # nothing timed, so no deadline either (START is the module's import: in a test session
         args.iters, args.warmup, args.max_seconds = 1, 0, 0  # it can be minutes before this call)
-    from kosmos.kernels import moe_backward as mb
-    saved = {n: getattr(mb, n) for n in ("WGRAD_KERNEL", "WGRAD_TILES", "WGRAD_PERSISTENT_TILES",
-                                         "DGRAD2_FUSED", "PADDED_ROWS", "ONE_LAUNCH", "BWD_ROUTER_IN_LAUNCH")}
-    if args.wgrad_kernel:  # moe_backward's module defaults, for this run only
-        mb.WGRAD_KERNEL = args.wgrad_kernel
     if args.wgrad_tiles:
         t = tuple(int(v) for v in args.wgrad_tiles.split(","))
         if len(t) != 5:
             raise SystemExit(f"--wgrad-tiles {args.wgrad_tiles}: five integers BI,BJ,BR,WARPS,STAGES")
-        mb.WGRAD_TILES = mb.WGRAD_PERSISTENT_TILES = t
+        args.wgrad_tiles = t
+    # moe_backward's switches for this run (kosmos.MoEBackwardConfig; the defaults where no flag says otherwise);
+    # with the expert part in one launch, the router backward after it, as the stages' torch ops, so that the
+    # summary's bitwise check holds
+    kw = {}
+    if args.wgrad_kernel:
+        kw["wgrad_kernel"] = args.wgrad_kernel
     if args.dgrad2:
-        mb.DGRAD2_FUSED = args.dgrad2 == "fused"
+        kw["dgrad2_fused"] = args.dgrad2 == "fused"
     if args.rows:
-        mb.PADDED_ROWS = args.rows == "padded"
-    if args.one_launch:  # the expert part in one launch (ONE_LAUNCH's default since session 21 too)
-        mb.ONE_LAUNCH = True
-    if mb.ONE_LAUNCH:  # the router backward after it, as the stages' torch ops: the summary's bitwise check holds
-        mb.BWD_ROUTER_IN_LAUNCH = False
-    try:
-        rows = run(args)
-    finally:
-        for n, v in saved.items():
-            setattr(mb, n, v)
+        kw["padded_rows"] = args.rows == "padded"
+    if args.one_launch:
+        kw["one_launch"] = True
+    if kw.get("one_launch", MoEBackwardConfig().one_launch):
+        kw["router_in_launch"] = False
+    args.bwd_config = MoEBackwardConfig(**kw)
+    rows = run(args)
     print(table(rows), flush=True)
     stages = [r for r in rows if r["type"] == "stage"]
     return 0 if stages and all(r["status"] in ("ok", "skipped") for r in stages) else 1

@@ -41,7 +41,7 @@ def trace_events(buf: torch.Tensor) -> list[list[int]]:
 def kind_table(ranks_events, grid: int) -> str:
     """Per rank and task kind: how many tasks ran, when the first started and the last ended (us from the rank's
     first event) and the busy time summed over programs (us per program); a 'span' line per rank first."""
-    from kosmos import runtime
+    from kosmos.core import runtime
     lines = [f"{'rank':>4} {'kind':>10} {'tasks':>6} {'first_us':>9} {'last_us':>9} {'busy_us/prog':>13}"]
     for r, evs in enumerate(ranks_events):
         t_min = min(ev[3] for ev in evs)
@@ -63,9 +63,9 @@ def _rank_main(rank, world, args):
 
 def _probe(rank, world, args, variant: str, config, index, dtype: str = "bf16"):
     import kosmos
-    from kosmos import runtime
+    from kosmos.core import runtime
     from kosmos.config import config_dict
-    from kosmos.kernels.common import TRACE_EVENTS
+    from kosmos.core.schedule import TRACE_EVENTS
 
     from kosmos_bench import moe as bm
     from kosmos_bench import timing

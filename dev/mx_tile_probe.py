@@ -7,7 +7,7 @@ Per shape (default: the 48 GEMMs of suites/tp-grid.yaml), interleaved for R roun
 flushed, host hidden), A bf16 [M, K] rounded to MX inside each call (except ``bf16 op``), the weight's MX values
 [N, K] (the gluon variants launch w1_mx_matmul's kernel directly, bound once):
   cublas bf16       torch.matmul on the bf16 operands (the bar's reference, the bench's t_gemm_ms)
-  cublas mx         torch.matmul on the MX values (the data effect: session 23's mx_data_probe)
+  cublas mx         torch.matmul on the MX values (the data effect: session 23's dev/archive/mx_data_probe)
   gluon-256         w1_mx_matmul, 128 x 256 tiles (the op before this session)
   gluon-128         w1_mx_matmul, 128 x 128 tiles, 6 stages
   round+bf16        quant.mx_round(A), then the bf16 op (the static W = 1 GEMM with planning.w1_plan's split /
@@ -32,8 +32,9 @@ def grid_shapes():
 
 def main(argv=None):
     import kosmos
-    from kosmos import codes, planning, quant, runtime
-    from kosmos.kernels import w1_mx_matmul as w1mx
+    from kosmos import quant
+    from kosmos.core import codes, planning, runtime
+    from kosmos.gemm import w1_mx as w1mx
     from kosmos_bench.timing import time_op
     from dev.rows import Rows
     ap = argparse.ArgumentParser()

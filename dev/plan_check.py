@@ -13,7 +13,7 @@ import time
 import torch
 
 import kosmos
-from kosmos import launch_plan, runtime
+from kosmos.core import launch_plan, runtime
 from kosmos_bench import timing
 
 

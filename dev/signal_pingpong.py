@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kosmos import device as dev
-from kosmos import runtime
+from kosmos.core import device as dev
+from kosmos.core import runtime
 
 PINGPONG_SLOT = 32  # between the done flags [0, 8) and the op flags (runtime.FLAG_BASE = 64): no op uses it
 OP_PINGPONG = 15    # the op code its wait records (runtime.OP_NAMES has no entry: decoded as "op15")
@@ -22,12 +22,13 @@ def _pingpong_kernel(peer_sig, sig_ptr, err_ptr, rank, base, iters, timeout_us, 
     peer = 1 - rank
     remote = dev.peer_ptr(peer_sig, peer, tl.int32) + SLOT
     for i in range(1, iters + 1):
+        # wait tag 0: a timeout is decoded as "signal SLOT"
         if rank == 0:
-            tl.atomic_xchg(remote, base + i, sem="release", scope="sys")
-            dev.wait_geq(sig_ptr + SLOT, base + i, timeout_ns, err_ptr, 15, rank, i, SLOT)
+            dev.notify(remote, base + i)
+            dev.wait_geq(sig_ptr + SLOT, base + i, timeout_ns, err_ptr, 15, 0, rank, i, SLOT)
         else:
-            dev.wait_geq(sig_ptr + SLOT, base + i, timeout_ns, err_ptr, 15, rank, i, SLOT)
-            tl.atomic_xchg(remote, base + i, sem="release", scope="sys")
+            dev.wait_geq(sig_ptr + SLOT, base + i, timeout_ns, err_ptr, 15, 0, rank, i, SLOT)
+            dev.notify(remote, base + i)
 
 
 def signal_round_trip_us(iters: int = 2000, group=None) -> float:

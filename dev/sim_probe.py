@@ -29,7 +29,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
-    from kosmos import runtime
+    from kosmos.core import runtime
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from simranks import AG, RS  # the tests' simulated-rank harness
     runtime.ensure_triton_allocator()

@@ -2,6 +2,12 @@
 
     PYTHONPATH=. python -m dev.sk_probe [--shapes MxNxK,...] [--json OUT.jsonl] [--max-seconds S]
 
+A fork of kosmos.gemm.w1_static.w1_matmul_kernel's STREAM_K path (as of 2f697f5, then kernels/common.py; the path
+is unchanged since): _sk_matmul is that path with VARIANT switches (the fix-up cut back: gpu-fence, store, pieces,
+dp-only; the sigma order of _sk_tile_order; the partials stored by TMA and counted by _count_partial_in, at once or
+late), B [K, N] only, its bounded wait tagged op 0 / wait 0 (the product's: the TP op, WAIT_SPLIT_K), no
+device-epoch advance. ``unsplit`` and ``product`` run the imported product kernel (dev.flat_probe.product_w1).
+
 Session 18's probe (results/h200x1/s18/s18a) put kernels/common.w1_matmul_kernel's STREAM_K schedule (data-
 parallel waves, then K-synchronised stream-K runs) 15-20 us over its ideal time on every shape, ~16 us over
 the unsplit kernel's own fixed cost, whatever the shape. This probe takes the stream-K part apart: a copy of
@@ -51,9 +57,9 @@ import triton
 import triton.language as tl
 
 from dev.rows import Rows
-from kosmos import device as dev
-from kosmos.kernels.common import _grouped_tile, store_tile_tma, tile_matmul, tile_matmul_cyclic
-from kosmos.planning import GROUP_M
+from kosmos.core import device as dev
+from kosmos.gemm.tiles import _grouped_tile, store_tile_tma, tile_matmul, tile_matmul_cyclic
+from kosmos.core.planning import GROUP_M
 
 # the variants whose output is the whole product (the others leave tile sums incomplete: timing only)
 CHECKED = ("unsplit", "product", "full", "full-sigma", "full-tma", "full-tma-late")
@@ -177,8 +183,8 @@ def _count_partial_in(cnt_ptr):
 
 
 def sk_matmul(a, b, cfg, programs, variant: str):
-    from kosmos import runtime
-    from kosmos.kernels.common import tma_descriptor
+    from kosmos.core import runtime
+    from kosmos.core.descriptors import tma_descriptor
     m, k = a.shape
     n = b.shape[1]
     tiles = triton.cdiv(m, cfg.BM) * triton.cdiv(n, cfg.BN)
@@ -219,7 +225,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("sk_probe: needs a CUDA GPU")
     import kosmos
-    from kosmos import planning, runtime
+    from kosmos.core import planning, runtime
     from kosmos_bench import timing
     from kosmos_bench.environment import environment
     from dev.flat_probe import check_and_time, product_w1

@@ -61,7 +61,7 @@ this CPU box each takes 1-5 s (Triton 3.9), say 3-8 s on the device: 1.5-4 min. 
 spin plus 13 calls of the op; the 48 GEMMs sum to ~23 ms per call of kosmos today (small tiles may be up to
 ~2x slower on the big shapes), so ~1.5 s per op and candidate over the 48 shapes: 2 x 8 x 1.5 = ~25 s, plus
 cuBLAS (48 x ~30 ms) and the fp32 references and checks (~15 TFLOP at the fp32 rate: ~0.5 s): ~30 s. In all
-~2.5-5 min; ``--max-seconds`` (x1_session.sh's ``tiles`` stage: 420) stops starting new work past the
+~2.5-5 min; ``--max-seconds`` (dev/archive/x1_session.sh's ``tiles`` stage: 420) stops starting new work past the
 deadline and keeps what is done. Work runs shape by shape (every op and candidate of a shape before the next
 shape), so a deadline leaves complete comparisons for the shapes done.
 
@@ -110,7 +110,7 @@ class Candidate:
 
 
 def parse_candidate(spec: str) -> Candidate:
-    from kosmos.planning import TileConfig
+    from kosmos.core.planning import TileConfig
     spec = spec.strip()
     if spec == "rule":
         return Candidate("rule")
@@ -134,7 +134,7 @@ def parse_candidates(text: str) -> list[Candidate]:
 
 
 def resolve(cand: Candidate, m: int, n: int, k: int, programs: int = 132):
-    from kosmos import planning
+    from kosmos.core import planning
     return cand.cfg if cand.cfg is not None else planning.tile_config(m, n, k, programs=programs)
 
 
@@ -197,7 +197,7 @@ class Buffers:
     """The W=1 launch's side buffers, shared by every launch (each launch leaves the heads at zero)."""
 
     def __init__(self, device):
-        from kosmos import runtime
+        from kosmos.core import runtime
         self.peers = torch.zeros(1, dtype=torch.int64, device=device)
         self.sig = torch.zeros(runtime.FLAG_BASE + (1 << 16), dtype=torch.int32, device=device)
         self.heads = torch.zeros(runtime.NUM_HEADS, dtype=torch.int32, device=device)
@@ -205,7 +205,7 @@ class Buffers:
         self.epoch_slot = torch.zeros(1, dtype=torch.int32, device=device)  # the device-resident epoch
 
     def clean(self) -> str | None:
-        from kosmos import runtime
+        from kosmos.core import runtime
         if self.heads.tolist() != [0] * runtime.NUM_HEADS:
             return f"queue heads not reset: {self.heads.tolist()}"
         err = self.errors.tolist()
@@ -217,8 +217,8 @@ class Buffers:
 def make_launch(op, a, b, c, cfg, grid, bufs):
     """fn() = one W=1 call of ``op`` on explicit buffers with tile ``cfg`` (the launch advances the device-resident
     epoch in ``bufs.epoch_slot`` itself, as the public op's workspace does)."""
-    from kosmos.kernels import all_gather_matmul as ag
-    from kosmos.kernels import matmul_reduce_scatter as rs
+    from kosmos.ops import all_gather_matmul as ag
+    from kosmos.ops import matmul_reduce_scatter as rs
     mod = ag if op == "ag_gemm" else rs
 
     def fn():
@@ -248,7 +248,8 @@ def geomean(vals):
 
 # --------------------------------------------------------------------------------------------------- the run
 def run(args) -> list[dict]:
-    from kosmos import reference, runtime
+    from kosmos import reference
+    from kosmos.core import runtime
     cands = parse_candidates(args.candidates)
     shapes = load_shapes(args.shapes)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -432,9 +433,9 @@ def resources(cands, world: int = 1, m: int = 4096, n: int = 4096, k: int = 4096
     else:
         kr._use_stand_in_driver()
         dev, sms = torch.device("cpu"), 132
-    from kosmos import runtime
-    from kosmos.kernels import all_gather_matmul as ag
-    from kosmos.kernels import matmul_reduce_scatter as rs
+    from kosmos.core import runtime
+    from kosmos.ops import all_gather_matmul as ag
+    from kosmos.ops import matmul_reduce_scatter as rs
     runtime.ensure_triton_allocator()
     bufs = Buffers(dev)
     a = torch.empty(m, k, dtype=torch.bfloat16, device=dev)

@@ -13,7 +13,7 @@ import json
 import statistics
 from collections import defaultdict
 
-from kosmos.runtime import TRACE_KINDS
+from kosmos.core.runtime import TRACE_KINDS
 
 
 def breakdown(events):

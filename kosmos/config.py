@@ -7,9 +7,11 @@ shape (``planning.tile_config``). The bench takes ``--config key=value`` and rec
     kosmos.all_gather_matmul(a, b, config=kosmos.AllGatherMatmulConfig(push_chunks="auto"))
     kosmos.matmul_reduce_scatter(a, b, config=kosmos.MatmulReduceScatterConfig(push_partials=True))
     kosmos.moe_forward(..., config=kosmos.MoEForwardConfig(copy_cols=256))
+    kosmos.ops.moe_backward.moe_backward(..., config=kosmos.MoEBackwardConfig(one_launch=False))
 
-Why each knob exists and what it measured is in the op's docstring; the defaults are the measured best where a
-measurement exists (the two-GPU A/Bs of ``push_chunks`` and ``push_partials`` are still to run: NOTES.md).
+Each field's doc says what it does and, briefly, why its default; the full why, the measurements and which
+defaults still wait for a two-GPU A/B (``push_chunks``, ``push_partials``) are in docs/design/<op>.md. Tests:
+tests/test_runtime.py (bad fields, ``config_from_strings`` and back).
 """
 from __future__ import annotations
 
@@ -64,9 +66,9 @@ class MoEForwardConfig:
 
     copy_cols  columns per copy step of the data movers (dispatch, permute, fold), a power of two >= 16.
                512 against 256: -3.8% at qwen3 16k, -2.3..+0.3% per suite point; 128 was 2-4% slower than 256
-               (2x H200, EP=2, session 3, `dev.moe_probe`).
+               (2x H200, EP=2, `dev.moe_probe`).
     half_tail  an expert's last m-tile of at most BM/2 rows runs as a BM/2-row tile (half the MACs): -8.4% on
-               deepseek-v3 4k uniform (2x H200, EP=2, session 3). False: every m-tile is full height.
+               deepseek-v3 4k uniform (2x H200, EP=2). False: every m-tile is full height.
     """
     copy_cols: int = 512
     half_tail: bool = True
@@ -77,8 +79,80 @@ class MoEForwardConfig:
             raise ValueError(f"half_tail={self.half_tail!r} must be true or false")
 
 
+@dataclass(frozen=True)
+class MoEBackwardConfig:
+    """Switches of ``moe_backward`` (kosmos.ops.moe_backward): which path runs, and the one launch's scheduling
+    options. The defaults are the measured best; each alternative stays bitwise-tested and is named in
+    docs/design/moe_backward.md with its measurement.
+
+    one_launch            EP = 1: the whole backward in one persistent launch on the padded rows (True), or the
+                          separate kernels (False). ``moe_backward(one_launch=...)`` overrides it per call.
+    one_launch_ep         EP > 1 on CUDA: the exchanges in the one launch too (True), or the separate kernels with
+                          NCCL all-to-alls between them (False).
+    padded_rows           the expert rows in the padded layout, each expert's rows starting at a multiple of 64
+                          (True; needed by the one launch), or packed (False). ``padded=`` overrides it per call.
+    router_in_launch      the router backward as stages of the one launch (True), or torch ops after it (False).
+                          ``router_in_launch=`` overrides it per call.
+    swiglu_on_completion  the one launch's SwiGLU pass of an m-tile run by the program that finishes its last
+                          dgrad2 tile (True), or queued after every dgrad2 tile (False).
+    wgrad1_sync           the one launch's programs rendezvous (bounded, no error) before the GEMM1 weight
+                          gradient, so that they share its panels in L2 (True).
+    wgrad_dynamic         the last ``wgrad_dynamic_16ths``/16 of each weight-gradient loop's tiles claimed in runs of
+                          this many tiles, an integer >= 0 (0: every tile statically owned).
+    wgrad_dynamic_16ths   that share, an integer 0..16.
+    dgrad1_lean           the one launch's GEMM1 dgrad at EP = 1 without per-task synchronisation once every SwiGLU
+                          pass is seen done (True), or with a wait and release per task (False).
+    swiglu_stages         the one launch's SwiGLU pass software-pipelined over this many stages, an integer >= 1.
+    wgrad_kernel          the separate weight-gradient kernel: "persistent" (two programs per SM) or "tiles" (one
+                          program per output tile); both give the same bits.
+    dgrad2_fused          the separate path's GEMM2 dgrad with the SwiGLU backward in its epilogue (True), or the
+                          GEMM then a SwiGLU pass (False).
+    dgrad2_split          the fused epilogue on the two halves of the tile one after the other (True).
+    dgrad2_emits_h        h = silu(g) u stored by the dgrad2 kernels (True), or by a pass of its own (False).
+    swiglu_h_torch        h by torch's formula instead of a kernel (False; the fallback if a kernel's h differs).
+    router_gemms          the router backward's GEMMs: "tensor-cores" (bf16 products, fp32 accumulation) or "fp32".
+    """
+    one_launch: bool = True
+    one_launch_ep: bool = True
+    padded_rows: bool = True
+    router_in_launch: bool = True
+    swiglu_on_completion: bool = True
+    wgrad1_sync: bool = True
+    wgrad_dynamic: int = 8
+    wgrad_dynamic_16ths: int = 1
+    dgrad1_lean: bool = True
+    swiglu_stages: int = 3
+    wgrad_kernel: str = "persistent"
+    dgrad2_fused: bool = False
+    dgrad2_split: bool = True
+    dgrad2_emits_h: bool = True
+    swiglu_h_torch: bool = False
+    router_gemms: str = "tensor-cores"
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in (bool, "bool") and not isinstance(value, bool):
+                raise ValueError(f"{f.name}={value!r} must be true or false")
+        _int_in("wgrad_dynamic", self.wgrad_dynamic, 0, None)
+        _int_in("wgrad_dynamic_16ths", self.wgrad_dynamic_16ths, 0, 16)
+        _int_in("swiglu_stages", self.swiglu_stages, 1, None)
+        _choice("wgrad_kernel", self.wgrad_kernel, ("persistent", "tiles"))
+        _choice("router_gemms", self.router_gemms, ("tensor-cores", "fp32"))
+
+
+def _int_in(name: str, value, lo: int, hi) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}={value!r} must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: choose from {', '.join(map(repr, choices))}")
+
+
 CONFIG_TYPES = {"all_gather_matmul": AllGatherMatmulConfig, "matmul_reduce_scatter": MatmulReduceScatterConfig,
-                "moe_forward": MoEForwardConfig}
+                "moe_forward": MoEForwardConfig, "moe_backward": MoEBackwardConfig}
 
 
 _DEFAULTS: dict = {}

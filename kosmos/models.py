@@ -15,6 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .ops.moe_forward import MAX_EXPERTS, MAX_TOPK
+from .reference.moe import ROUTINGS
+
 
 @dataclass(frozen=True)
 class DenseModel:
@@ -166,8 +169,6 @@ def custom_moe_model(hidden: int, ffn: int, experts: int, top_k: int, routing: s
                      ep: int | None = None) -> MoEModel:
     """A custom MoE model (name CUSTOM) with every check ``kosmos.moe_forward`` makes of its shapes and router,
     and, given ``ep``, that its experts split evenly over the EP ranks."""
-    from .kernels.moe_forward import MAX_EXPERTS, MAX_TOPK
-    from .moe_reference import ROUTINGS
     for field, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("top_k", top_k),
                      ("n_group", n_group), ("topk_group", topk_group)):
         _positive_int(field, v)

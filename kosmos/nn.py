@@ -24,16 +24,20 @@ straight through the quantizers to x and the master weight (the MX training reci
 is not quantized here).
 
 ``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains in bf16 at any
-expert-parallel size: the backward is ``kernels.moe_backward.moe_backward`` (every gradient from the forward's
+expert-parallel size: the backward is ``kosmos.ops.moe_backward.moe_backward`` (every gradient from the forward's
 routing decision: one launch for the expert part at one rank, and at W > 1 on CUDA one launch with the exchanges
 as its stages (GEMM1 recomputed inside it); the multi-launch path with all-to-alls between launches on the CPU and
 with ``save_gate_up=True`` at W > 1 -- in MXFP8 a forward that needs gradients raises instead of silently dropping
 them).
 The forward keeps x, the parameters and the routing (weights, experts: T*k each), and by default at one rank
 GEMM1's g | u (T*k x 2F bf16 and the rows' (source, token, slot); ``save_gate_up``): the backward skips
-recomputing GEMM1 (1.63 ms of the qwen3-235b 4k backward, session 10). At W > 1, and with
-``save_gate_up=False``, the backward recomputes GEMM1 instead.
+recomputing GEMM1. At W > 1, and with ``save_gate_up=False``, the backward recomputes GEMM1 instead (at W > 1 the
+forward cannot know its row count and would keep the worst case).
 Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``.
+
+The why and the costs: docs/design/quant.md (MX linears), docs/design/moe_forward.md and moe_backward.md (MoE).
+Tests: tests/test_nn_tp.py (the linears at W = 1, 2, bf16 and MXFP8, the MX weight cache), test_moe_forward.py
+(``MoE`` trains at one rank, MXFP8 arguments and autograd refusal).
 """
 from __future__ import annotations
 
@@ -41,13 +45,14 @@ import math
 
 import torch
 
-from . import quant, runtime
-from .kernels.all_gather_matmul import all_gather_matmul
-from .kernels.matmul_reduce_scatter import matmul_reduce_scatter
-from .kernels.moe_backward import moe_backward
-from .kernels.moe_forward import moe_forward
-from .moe_reference import ROUTINGS
-from .runtime import world_size
+from . import quant
+from .core import runtime
+from .core.runtime import world_size
+from .ops.all_gather_matmul import all_gather_matmul
+from .ops.matmul_reduce_scatter import matmul_reduce_scatter
+from .ops.moe_backward import moe_backward
+from .ops.moe_forward import moe_forward
+from .reference.moe import ROUTINGS
 
 
 def _all_gather_rows(x_shard: torch.Tensor, group) -> torch.Tensor:
@@ -230,7 +235,7 @@ class RowParallelLinear(_ParallelLinear):
 
 
 class MoEFn(torch.autograd.Function):
-    """y = moe_forward(x, ...) over the EP group with its backward (kernels.moe_backward.moe_backward: its one
+    """y = moe_forward(x, ...) over the EP group with its backward (kosmos.ops.moe_backward.moe_backward: its one
     launch where it runs, the module docstring says where); the bias gets no gradient; d(router weight) is this rank's
     tokens' part (all-reduce it over the data-parallel ranks like any replicated parameter's gradient)."""
 
@@ -260,7 +265,7 @@ class MoE(torch.nn.Module):
     """This rank's share of an expert-parallel MoE layer: router weight [E, H] (replicated), w13 [E/W, H, 2F]
     (gate | up) and w2 [E/W, F, H] for the experts g with g // (E/W) == rank. ``forward(x [T, H]) -> [T, H]``.
     ``save_gate_up``: keep GEMM1's g | u from the forward for the backward (None: at one rank only; the module
-    docstring says why and what it costs)."""
+    docstring says why)."""
 
     def __init__(self, hidden: int, expert_ffn: int, experts: int, top_k: int, *, routing: str = "softmax",
                  renormalize: bool = True, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,

@@ -2,6 +2,10 @@
 
     payload, scales = kosmos.quant.quantize_mx(x)          # x [rows, K] bf16 -> [rows, K] e4m3fn, [rows, K/32] u8
     y = kosmos.quant.dequantize_mx(payload, scales)         # -> [rows, K] bf16 (or dtype=torch.float32)
+    v = kosmos.quant.mx_round(x)                            # x's MX values as bf16 [rows, K] (round_to_mx on CUDA)
+
+Also: ``MXTensor`` (the (payload, scales) pair the fused ops take), ``mx_values`` (MX values with blocks along any
+axis), ``to_mx`` / ``from_mx`` (the kernel on CUDA, the reference elsewhere), ``check_mx`` (an op's MX operand).
 
 The value of element (r, k) is ``P[r, k] * 2**(S[r, k // 32] - 127)``. Elements are OCP E4M3 ("E4M3FN"):
 bias 7, largest finite 448 (S.1111.110), no infinities, NaN = S.1111.111, subnormals m/8 * 2**-6. A scale byte
@@ -67,47 +71,35 @@ MX dot with an fp32 accumulator does.
 
 Kernels, and what the Triton interpreter could do with fp8
 ----------------------------------------------------------
-Two Triton kernels, one program per (BLOCK_R rows) x (BLOCK_NB MX blocks along K) tile, tiles held as
-[BLOCK_R, BLOCK_NB, 32] so the block amax is one reduction over the last axis. Neither uses a floating-point
-cast or fp8 type: bf16 is read as int16 and E4M3 written as uint8, so the same code gives the same bits under
-TRITON_INTERPRET=1 and on sm_90. The dequantize kernel works on the bit patterns with integer arithmetic. The
-quantize kernel rounds on the floating-point path of mx_round_bf16 (_mx_round_scaled: exact fp32 adds and
-multiplies by powers of two; subnormal inputs are pre-scaled by 2**64 and need a GPU that does not flush fp32
-subnormals, which its GPU tests check) and takes the byte from the scaled value's fp32 bits (exponent field and
-top 3 fraction bits; a subnormal m * 2**-9 through m * 2**-9 + 2**-6). What Triton 3.9's interpreter did with
-tl.float8e4nv (checked on this CPU):
+Three Triton kernels, one program per (BLOCK_R rows) x (BLOCK_NB MX blocks along K) tile (``_tiles``), tiles held
+as [BLOCK_R, BLOCK_NB, 32] so the block amax is one reduction over the last axis; bf16 is read as int16 and E4M3
+written as uint8, so the same code gives the same bits under TRITON_INTERPRET=1 and on sm_90:
 
-* fp32/bf16 -> float8e4nv casts run but are wrong for this purpose: a tie rounds up, not to even
-  (1.0625 -> 1.125, 17 -> 18), subnormal results are truncated (3 * 2**-10 -> 2**-9, 15 * 2**-10 ->
-  7 * 2**-9), and there is no saturation or NaN handling (464 -> 0x7F, i.e. NaN; 500 and inf -> 256; NaN ->
-  384); ``fp_downcast_rounding="rtne"`` changes nothing.
-* float8e4nv -> fp32 decodes every finite byte correctly but reads 0x7F / 0xFF as +-480, not NaN.
-* bitcasts between float8e4nv and uint8 are exact.
+* ``quantize_mx`` (``_quantize_kernel``) rounds on the floating-point path of mx_round_bf16 (``_mx_round_scaled``:
+  exact fp32 adds and multiplies by powers of two; subnormal inputs are pre-scaled by 2**64 and need a GPU that
+  does not flush fp32 subnormals, Triton's default, which its GPU tests check) and takes the byte from the scaled
+  value's fp32 bits (exponent field and top 3 fraction bits; a subnormal m * 2**-9 through m * 2**-9 + 2**-6).
+* ``dequantize_mx`` (``_dequantize_kernel``): bf16 output on a GPU through the hardware E4M3 -> fp32 conversion
+  times ``mx_scale_f32`` and one rounding to bf16 (``CVT``); the integer path on the bit patterns
+  (``_mx_magnitude_bits``) for the interpreter and for fp32 output. The two give the same bits.
+* ``round_to_mx`` (``_round_kernel``): ``mx_round`` = dequantize(quantize(x)) in one kernel (2 bytes read and 2
+  written per element), bit for bit the round trip.
+``mx_round_bf16`` (and ``mx_scale_f32``) are device functions for kernels that round (or expand) an operand in
+registers: the MoE layer's GEMM1 epilogue, the TP ops' dequantize-on-arrival. Launches go through cached
+``launch_plan.KernelLaunch``es keyed by ``_key`` (shape, strides, dtype, device, alignment): a hit skips the
+checks and takes launch_plan's fast path after a self-checked first launch; ``quantize_plan`` /
+``quantize_planned`` let a caller that validated x itself (moe_forward's plan) quantize without re-checking.
+Under the interpreter no kernel converts to or from ``tl.float8e4nv``: Triton 3.9's interpreter rounds ties up,
+truncates subnormal results, handles no NaN or saturation and reads 0x7F / 0xFF back as +-480 (checked on the
+CPU: docs/design/quant.md), hence the bit-level paths; quantize uses them on sm_90 too, so that one code path is
+tested, and dequantize's ``CVT`` (the hardware conversion) is checked bit for bit against the integer path.
 
-On sm_90 Triton's fp32 -> e4m3 cast is understood to lower to cvt.rn.satfinite (RNE, saturating), which
-would suit (not checked here); the bit-level paths are used there too, so that one code path is tested.
-
-On a GPU (one H200, Triton 3.6, 2026-12-01, session 8): tests/test_quant.py's gpu tests pass (32, bit for bit
-against the references). Speed (dev/mx_probe.py, results/h200x1/s8/mx-probe*.jsonl): quantize_mx of
-[4096, 8192] bf16 0.069 ms (~1.4 TB/s of traffic), dequantize_mx 0.086 ms (~1.2 TB/s); the tile (8x8 up to
-64x8 rows x blocks, 4 or 8 warps) changes nothing or is slower -- the integer arithmetic, not the tile, bounds
-them (session 8's quantize kernel: integer rounding, _e4m3_encode, ~30 operations per element).
-
-The in-register rounding (mx_round_bf16, for h in the MoE layer's GEMM1 epilogue) takes the floating-point
-path instead: rounding to the quantum by one fp32 add and subtract of a power of two, exact and the same under
-the interpreter (numpy's round to nearest even) and on sm_90 (no flush to zero of fp32 subnormals: its GPU test,
-with bf16 subnormal inputs, passed on one H200, Triton 3.6, session 14). It cut the MX MoE forward's cost over
-bf16 from ~15% to ~1% (moe_forward's docstring). The quantize kernel shares it since session 14 (GPU tests
-bitwise; dev/mx_probe --quantize-only, one H200, interleaved 2x, results/h200x1/s14/e): [4096, 8192] 0.069 ->
-0.0435 ms (1.47 -> 2.33 TB/s of traffic; predicted ~0.04), [8192, 8192] 0.135 -> 0.082, [4096, 4096] 0.037 ->
-0.025, [8192, 7168] 0.118 -> 0.072, [4096, 28672] 0.231 -> 0.142. The TP ops' MXFP8 rows (they quantize in the
-timed call) are at 1.239 / 1.270x of cuBLAS bf16 at qkv / attention-out 4k (s14/f), against 1.285 / 1.289x in
-session 8's committed run (two runs, not an interleaved A/B).
-
-The pure-torch references (quantize_mx_ref, dequantize_mx_ref) are written from the definitions instead: the
-exponent from log2 with an exact correction step, rounding as ``round(|v| / quantum)`` in fp64 (torch.round
-ties to even), decoding by the E4M3 formula. They take bf16 or fp32 on any device; the tests compare the
-kernels against them bit for bit.
+The pure-torch references (quantize_mx_ref, dequantize_mx_ref, e4m3_round_ref) are written from the definitions
+instead: the exponent from log2 with an exact correction step, rounding as ``round(|v| / quantum)`` in fp64
+(torch.round ties to even), decoding by the E4M3 formula. They take bf16 or fp32 on any device; the tests
+(tests/test_quant.py: the special cases, the scale rule, kernels against references bit for bit on the
+interpreter and the GPU, bad inputs, the cached launches and their fast path) compare the kernels against them.
+The why, the parked alternatives and the figures: docs/design/quant.md; measurements: docs/perf/quant.md.
 """
 from typing import NamedTuple
 
@@ -115,7 +107,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_plan, planning
+from .core import launch_plan, planning
 
 
 class MXTensor(NamedTuple):
@@ -373,12 +365,9 @@ def _dequantize_kernel(q_ptr, s_ptr, out_ptr, rows, nb, OUT_BF16: tl.constexpr, 
                        BLOCK_NB: tl.constexpr, CVT: tl.constexpr):
     """q: E4M3 bytes (uint8) [rows, nb * 32]; s: E8M0 bytes [rows, nb]; out: bf16 bits as int16, or fp32 bits
     as int32, of the same shape as q. ``CVT`` (bf16 out, on a GPU): the hardware's E4M3 -> fp32 conversion times
-    mx_scale_f32 (exact, as common.mx_dequant_rows), one fp32 -> bf16 rounding (nearest even, subnormals kept),
-    NaN as _BF16_QNAN; else the integer path (_mx_magnitude_bits: what the interpreter runs, whose float casts
-    truncate). Measured (session 24, one H200, dev/quant_tiles_probe, results/h200x1/s24/s24i-s24j; bytes read
-    + written per second): the integer path 1.19 / 1.24 TB/s at 4096 / 16384 x 8192 (8 x 8 blocks per 4-warp
-    program, its best tile; larger tiles 0.8-0.9), CVT 2.90 / 3.17 at that tile (3.1-3.5 at 16 x 16 x 4 or
-    8 x 32 x 4; _tiles left as it is), bit for bit the integer path (test_quant's GPU tests)."""
+    mx_scale_f32 (exact, as ops/tp_dequant.mx_dequant_rows), one fp32 -> bf16 rounding (nearest even, subnormals
+    kept), NaN as _BF16_QNAN; else the integer path (_mx_magnitude_bits: what the interpreter runs, whose float
+    casts truncate). CVT is bit for bit the integer path (test_quant's GPU tests) and the faster one on a GPU."""
     offs, mask, soffs, smask = _tile_offsets(rows, nb, BLOCK_R, BLOCK_NB)
     q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
     sb = tl.load(s_ptr + soffs, mask=smask, other=127).to(tl.int32)[:, :, None]
@@ -435,11 +424,10 @@ def mx_round_bf16(h):
     subtraction round to that quantum exactly (|v| < C, and |v| + C lies in [C, 2C), whose ulp is the quantum;
     round to nearest even is the IEEE default on the GPU and in numpy). Blocks with X beyond +-90 are scaled by
     2**-+64 first (exact: a power of two) so that C stays a normal fp32, and back after. ~15 operations per
-    element against ~60 for the integer one it replaced (_e4m3_encode then _mx_magnitude_bits), which GEMM1's epilogue
-    paid per element (session 14's trace: qwen3-235b 4k, GEMM1 busy 1468 -> 1868 us per program at mxfp8).
-    Subnormal inputs (bf16 subnormals only occur in blocks with X < -90, where they matter) rely on the GPU
-    not flushing fp32 subnormals (Triton's default: no ftz; tests/test_quant.py's gpu test passed); the
-    bf16 conversions at both ends are integer (the interpreter's casts truncate, and lose bf16 subnormals)."""
+    element (an integer rounding takes ~60: docs/design/quant.md). Subnormal inputs (bf16 subnormals only occur
+    in blocks with X < -90, where they matter) rely on the GPU not flushing fp32 subnormals (Triton's default: no
+    ftz; tests/test_quant.py's GPU test checks it); the bf16 conversions at both ends are integer (the
+    interpreter's casts truncate, and lose bf16 subnormals)."""
     bits = h.to(tl.int16, bitcast=True).to(tl.int32) << 16            # fp32 bits of h (the interpreter's bf16
     a = bits & 0x7FFFFFFF                                             # -> fp32 cast loses subnormals)
     amax = tl.max(a, axis=2)
@@ -462,8 +450,9 @@ def _round_kernel(x_ptr, out_ptr, rows, nb, BLOCK_R: tl.constexpr, BLOCK_NB: tl.
 
 # ============================================================================================ host wrappers
 def _tiles(rows: int, nb: int):
-    """(BLOCK_R, BLOCK_NB, num_warps): 8 rows x 8 MX blocks (2048 elements) per program on the GPU (a first,
-    unmeasured choice); larger tiles under the interpreter, where each program costs a fixed Python overhead."""
+    """(BLOCK_R, BLOCK_NB, num_warps): 8 rows x 8 MX blocks (2048 elements) per 4-warp program on the GPU (the
+    tile barely matters there: docs/design/quant.md); larger tiles under the interpreter, where each program
+    costs a fixed Python overhead."""
     cap_r, cap_b = (16, 16) if planning.interpreting() else (8, 8)
     return min(cap_r, triton.next_power_of_2(rows)), min(cap_b, triton.next_power_of_2(nb)), 4
 
@@ -483,11 +472,8 @@ def _launch(kernel, key, ref: torch.Tensor, args: list, outputs, kl=None, **cons
     """Launch ``kernel`` on ``args`` (its runtime arguments, tensors first, then rows and nb) through the cached
     KernelLaunch of ``key`` (launch_plan.py: after a self-checked first launch, Triton's launcher is called
     directly where launch_plan supports it; the normal ``kernel[grid](...)`` elsewhere, e.g. the interpreter).
-
-    2026-12-02: cached launches instead of ``kernel[grid](...)`` per call (JITFunction.run ~16 us on H200's host;
-    plus triton.cdiv / next_power_of_2 calls and the torch.cuda.device context, now only around a normal
-    launch). Unmeasured on a GPU until the lead runs ``dev.fixed_cost``. ``kl``: the plan of ``key`` if the
-    caller has looked it up already."""
+    The tile choice, the grid and the device context run only when a plan is made or launches normally. ``kl``:
+    the plan of ``key`` if the caller has looked it up already."""
     if kl is None and key is not None:
         kl = _PLANS.get(key)
     if kl is None:
@@ -508,11 +494,9 @@ def _launch(kernel, key, ref: torch.Tensor, args: list, outputs, kl=None, **cons
 def quantize_mx(x: torch.Tensor):
     """MXFP8-quantize x (bf16 [rows, K], contiguous, CUDA; K a multiple of 32) along K with the Triton kernel.
     Returns (payload float8_e4m3fn [rows, K], scales uint8 [rows, K/32] E8M0 bytes). Rules: module docstring;
-    bit-identical to quantize_mx_ref (interpreter and sm_90).
-
-    2026-12-02: a call whose signature (``_key``) has a plan skips the checks (the key holds what they read;
-    CPU plans re-check, the interpreter switch being read there) and launches through it (``_launch``).
-    Unmeasured on a GPU until the lead runs ``dev.fixed_cost``."""
+    bit-identical to quantize_mx_ref (interpreter and sm_90). A call whose signature (``_key``) has a plan skips
+    the checks (the key holds what they read; CPU plans re-check, the interpreter switch being read there) and
+    launches through it (``_launch``)."""
     key = _key(_quantize_kernel, x)
     kl = _PLANS.get(key) if key is not None else None
     if kl is None or kl.device is None:
@@ -562,9 +546,8 @@ def dequantize_mx(payload: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloa
 def round_to_mx(x: torch.Tensor) -> torch.Tensor:
     """mx_round with one Triton kernel: x (bf16 [rows, K], contiguous, CUDA; K a multiple of 32) -> its MX values
     (bf16 [rows, K]), bit for bit dequantize_mx(*quantize_mx(x)) (mx_round_bf16: interpreter and sm_90), reading
-    2 and writing 2 bytes per element (the two kernels: 2 + 1.03 + 1.03 + 2). _tiles' blocks: at 8 x 8 x 4 it
-    runs 3.12 / 3.38 TB/s at 4096 / 16384 x 8192, 16 x 16 x 8 3.10 / 3.37 (session 24, one H200,
-    dev/quant_tiles_probe, results/h200x1/s24/s24i)."""
+    2 and writing 2 bytes per element (the two kernels: 2 + 1.03 + 1.03 + 2), on _tiles' blocks; a plan hit
+    skips the checks, as in quantize_mx."""
     key = _key(_round_kernel, x)
     kl = _PLANS.get(key) if key is not None else None
     if kl is None or kl.device is None:

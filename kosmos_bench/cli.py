@@ -572,7 +572,9 @@ def bench_moe(
     cuda_graph: bool = CUDA_GRAPH_OPTION,
     config: Optional[List[str]] = _config_option(
         "kosmos, fixed-role, fixed-role-best, kosmos-expert-gemms", "moe_fwd.copy_cols (a power of two >= 16), "
-        "moe_fwd.half_tail (true/false)", "copy_cols=256 --config half_tail=false"),
+        "moe_fwd.half_tail (true/false); at --direction bwd and fwd+bwd also moe_bwd.FIELD, any field of the "
+        "backward's config (kosmos.config's MoEBackwardConfig lists them), e.g. one_launch=false",
+        "copy_cols=256 --config half_tail=false"),
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Custom model: hidden size H (a multiple of 8)."),
     ffn: Optional[int] = typer.Option(None, "--ffn", help="Custom model: expert FFN size F (a multiple of 8)."),
     experts: Optional[int] = typer.Option(None, "--experts", help="Custom model: routed experts E (<= 256, "

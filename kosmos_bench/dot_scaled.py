@@ -4,7 +4,7 @@ upcasting each operand tile to bf16 inside the K loop, then a bf16 MMA).
 
 A: payload e4m3 [M, K] + scales uint8 [M, K/32]; B: payload e4m3 [N, K] (a weight in nn.Linear layout) + scales
 [N, K/32]; C bf16 [M, N]. A plain tiled kernel (one program per C tile, GROUP_M swizzle for L2, pointer loads,
-software-pipelined by Triton). Tile: the fastest of the configurations tried on one H200 (dev/mx_probe.py;
+software-pipelined by Triton). Tile: the fastest of the configurations tried on one H200 (dev/archive/mx_probe.py;
 the figures are in kosmos/kernels/all_gather_matmul.py's docstring) -- a fixed rule, no autotuning at call time.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-# (BM, BN, BK, num_warps, num_stages): the default, and the other candidates dev/mx_probe.py times
+# (BM, BN, BK, num_warps, num_stages): the default, and the other candidates dev/archive/mx_probe.py times
 DOT_SCALED_TILE = (128, 128, 64, 4, 4)
 DOT_SCALED_CANDIDATES = [(128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
                          (128, 128, 32, 4, 5), (128, 256, 64, 8, 3)]

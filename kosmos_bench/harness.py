@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import kosmos
-from kosmos import runtime
+from kosmos.core import runtime
 from kosmos.config import config_dict
 
 from . import registry, timing

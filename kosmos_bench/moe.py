@@ -14,7 +14,7 @@ Implementations of the layer (registry family "moe_fwd"; y [T, H] bf16 from x [T
                    recommended configs and SM count (``deepep_callable``); "unavailable" when ``import deep_ep``
                    fails, at W not 2, 4 or 8, or for shapes its kernels refuse. Written against the sources of the
                    wheel in ../shared/wheels (commit 567632d) and run on the CPU against a stand-in Buffer; not yet
-                   run on a GPU (tests/test_deepep.py, ``dev/x1_session.sh deepep``).
+                   run on a GPU (tests/test_deepep.py, ``dev/archive/x1_session.sh deepep``).
   fixed-role       kosmos.moe_forward(..., policy="fixed", comm_programs=S) at S = 16.
   fixed-role-best  the same at the best S of ``fixed_sweep`` (the tuned oracle a fixed-role library needs;
                    harness.best_fixed_split, shared with the TP bench).
@@ -39,7 +39,7 @@ Expert GEMMs alone (family and op ``moe_experts``, on exactly the per-local-expe
 receives):
   grouped-mm           torch._grouped_mm x2 with the SwiGLU between (moe_reference._experts_forward, the GEMMs
                        of nccl-a2a); its time is the t_gemm_ms of the moe_fwd rows.
-  kosmos-expert-gemms  kosmos.kernels.moe_forward.expert_gemms: the fused kernel's GEMM1+SwiGLU+GEMM2 alone
+  kosmos-expert-gemms  kosmos.ops.moe_forward.expert_gemms: the fused kernel's GEMM1+SwiGLU+GEMM2 alone
                        (with the moe_fwd config).
   The issue's bar: kosmos-expert-gemms reaches >= 80% of grouped-mm's TFLOP/s (report: speedup >= 0.8).
   At bwd (bf16; not at fwd+bwd) the same two on the same rows, with a fresh output gradient dy [R, H] ~ N(0, 1)
@@ -124,12 +124,13 @@ import torch.distributed as dist
 
 import kosmos
 from kosmos import moe_forward
-from kosmos.config import config_dict
-from kosmos.kernels.moe_backward import (expert_backward_gemms, expert_backward_operands, moe_backward,
-                                         moe_backward_w1)  # (moe_backward_w1: one rank)
-from kosmos.kernels.moe_forward import expert_gemms
+from kosmos.core import runtime
+from kosmos.config import MoEBackwardConfig, config_dict
+from kosmos.ops.moe_backward.multi_launch import expert_backward_gemms
+from kosmos.ops.moe_backward.api import expert_backward_operands, moe_backward, moe_backward_w1  # (moe_backward_w1: one rank)
+from kosmos.ops.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
-from kosmos.moe_reference import _experts_forward, moe_backward_ref, moe_forward_a2a, route
+from kosmos.reference.moe import _experts_forward, moe_backward_ref, moe_forward_a2a, route
 from kosmos.reference import FrobeniusError
 
 from . import harness, moe_mx, registry, timing
@@ -349,14 +350,16 @@ class MoEInputs:
     w2_mx: torch.Tensor | None = None
     direction: str = FWD
     dy: torch.Tensor | None = None  # bwd, fwd+bwd: the output gradient [T, H] bf16 (N(0, 1), this rank's)
+    bwd_config: MoEBackwardConfig | None = None  # bwd, fwd+bwd: the kosmos backward's (``--config moe_bwd.*``)
 
     def route_kw(self) -> dict:
         return route_kwargs(self.model, self.bias)
 
     def backward_kw(self) -> dict:
-        """moe_backward_w1's routing arguments."""
+        """moe_backward_w1's routing arguments and its config."""
         m = self.model
-        return dict(routing=m.routing, renormalize=m.renormalize, routed_scaling=m.routed_scaling)
+        return dict(routing=m.routing, renormalize=m.renormalize, routed_scaling=m.routed_scaling,
+                    config=self.bwd_config)
 
 
 @dataclass
@@ -659,7 +662,7 @@ def expert_backward_reference(inp: ExpertInputs, chunk: int) -> harness.Referenc
     (moe_reference's stage references: GEMM1 again, SwiGLU, gemm2_backward_ref, swiglu_backward_ref,
     gemm1_backward_ref; do = w * dy), ``chunk`` experts at a time, compared as they come (FrobeniusError) --
     grad_reference's memory rule; within GRAD_TOLERANCE."""
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
 
     def ref(out):
         dx_rows, dw13, dw2, row_of = out
@@ -995,7 +998,8 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     w_mx = moe_mx.mx_expert_weights(w13, w2) if mx and fwd else (None, None)
     dy = None if fwd else torch.randn(case.tokens, m.hidden, generator=_gen(device, 1_000_003 * st.seed + 613 * rank
                                                                             + 11), device=device, dtype=torch.bfloat16)
-    inp = MoEInputs(m, x, wr, bias, w13, w2, st.dtype, *w_mx, direction=st.direction, dy=dy)
+    inp = MoEInputs(m, x, wr, bias, w13, w2, st.dtype, *w_mx, direction=st.direction, dy=dy,
+                    bwd_config=None if st.direction == FWD else st.config("moe_bwd"))
     # bwd, fwd+bwd: every gradient against moe_backward_ref for the implementation's own decision (grad_reference)
     ref = (moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, fp32=True, **inp.route_kw()) if fwd
            else grad_reference(inp, world))
@@ -1064,7 +1068,7 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     flops = DIRECTION_FLOPS[st.direction] * 6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn
     runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype, st.direction), inputs=inp, ref=ref,
                identity=base_row(case, world, st.dtype, direction=st.direction), flops=flops, config=config, t_gemm_ms=t_gemm, t_comm_ms=t_comm, wire_bytes=wire,
-               impl_fields=lambda name: _impl_fields(name, mx))
+               impl_fields=lambda name: _impl_fields(name, mx, inp.bwd_config))
     if st.trace_dir and fwd and not mx and any(r["impl"] == "kosmos" and r["op"] == "moe_fwd" and r["status"] == "ok"
                                                 for r in runner.rows):
         _write_trace(case, inp, world, config, st.trace_dir)
@@ -1075,15 +1079,15 @@ def _write_trace(case: MoECase, inp: MoEInputs, world: int, config, trace_dir: s
     """One kosmos forward of the point with its per-program task timeline (``bench moe --trace``; the MoE kernel's
     trace kinds: route, dispatch, permute, GEMM1, GEMM2, combine, fold, waits) -> trace-<model>-<tokens>-<routing>
     -w<W>.json (harness.write_trace; draw with `kosmos report --timeline FILE`). Collective."""
-    from kosmos.kernels.common import TRACE_EVENTS
+    from kosmos.core.schedule import TRACE_EVENTS
     device = inp.x.device
-    grid = kosmos.runtime.num_sms(device) if device.type == "cuda" else 4  # (CPU: the tests' fake forward)
+    grid = runtime.num_sms(device) if device.type == "cuda" else 4  # (CPU: the tests' fake forward)
     buf = torch.zeros((grid, TRACE_EVENTS, 4), dtype=torch.int64, device=device)
     if device.type == "cuda":
         timing.barrier()
     moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(), group=None,
                 config=config, trace=buf)
-    kosmos.runtime.check_errors()
+    runtime.check_errors()
     m = inp.model
     routing = case.routing.replace(":", "")
     harness.write_trace(buf, f"{trace_dir}/trace-{case.model}-{case.tokens}-{routing}-w{world}.json",
@@ -1092,9 +1096,11 @@ def _write_trace(case: MoECase, inp: MoEInputs, world: int, config, trace_dir: s
                          "world": world, "config": config_dict(config)})
 
 
-def _impl_fields(name: str, mx: bool) -> dict:
+def _impl_fields(name: str, mx: bool, bwd_config=None) -> dict:
     """Row fields of one implementation alone: nccl-a2a's rounding note at mxfp8; deepep's configuration (the
-    note its callable left, taken by this row)."""
+    note its callable left, taken by this row); kosmos's backward config at bwd and fwd+bwd (``bwd_config``)."""
+    if name == "kosmos" and bwd_config is not None:
+        return {"bwd_config": config_dict(bwd_config)}
     if name == "deepep":
         note = _DEEPEP.pop("note", None)
         return {"note": note} if note else {}

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kosmos import quant
-from kosmos.moe_reference import expert_ffn_mx, route
+from kosmos.reference.moe import expert_ffn_mx, route
 
 BASELINE_NOTE = ("GEMM1's output rounded to bf16 before the SwiGLU (torch._grouped_mm has bf16 outputs only): "
                  "checked against the MX layer with that rounding")

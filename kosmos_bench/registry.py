@@ -32,7 +32,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kosmos.config import AllGatherMatmulConfig, MatmulReduceScatterConfig, MoEForwardConfig, config_from_strings
+from kosmos.config import (AllGatherMatmulConfig, MatmulReduceScatterConfig, MoEBackwardConfig, MoEForwardConfig,
+                           config_from_strings)
 
 
 class Unavailable(Exception):
@@ -129,7 +130,7 @@ def baseline(family: str) -> str | None:
 # the configs each bench's ops take, by op (the moe_experts op's kosmos kernel takes the moe_fwd config)
 CONFIG_TYPES = {
     "tp": {"ag_gemm": AllGatherMatmulConfig, "gemm_rs": MatmulReduceScatterConfig},
-    "moe": {"moe_fwd": MoEForwardConfig},
+    "moe": {"moe_fwd": MoEForwardConfig, "moe_bwd": MoEBackwardConfig},
 }
 
 

@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 
 import kosmos
-from kosmos import quant, reference, runtime
+from kosmos import quant, reference
+from kosmos.core import runtime
 from kosmos.config import config_dict
 from kosmos.models import CUSTOM, TPGemm
 
@@ -452,7 +453,7 @@ def describe(case) -> str:
 
 
 def _write_trace(g: TPGemm, st: TPSettings, config):
-    from kosmos.kernels.common import TRACE_EVENTS
+    from kosmos.core.schedule import TRACE_EVENTS
     rank, world = world_info()
     grid = torch.cuda.get_device_properties(0).multi_processor_count
     a, b = make_inputs(g, world, rank, st.seed)

@@ -115,7 +115,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kosmos import quant, reference
-from kosmos.moe_reference import moe_forward_a2a
+from kosmos.reference.moe import moe_forward_a2a
 from kosmos.models import DENSE_MODELS, MOE_MODELS, dense_model
 
 DENSE_IMPLS = ("nccl+cublas", "torch-async-tp", "kosmos")

@@ -103,5 +103,5 @@ def no_tf32():
 def ranks_setup(no_tf32):
     """What the simulated-rank tests need: TF32 off and Triton's allocator set (the launches go straight to
     the kernels, not through the public ops that set it)."""
-    from kosmos import runtime
+    from kosmos.core import runtime
     runtime.ensure_triton_allocator()

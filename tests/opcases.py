@@ -138,7 +138,7 @@ def spawn(fn, tmp_path):
 def w1_trace_records_every_compute_task(op):
     """One call of ``op`` ("ag" or "rs") at W=1 with a trace buffer: every compute tile traced once, t1 >= t0."""
     import kosmos
-    from kosmos import planning, runtime
+    from kosmos.core import planning, runtime
     ms, k, n = 300, 256, 1000
     gen = torch.Generator().manual_seed(5)
     a = randn((ms, k), gen, "cuda")
@@ -167,7 +167,7 @@ RANKS_SHAPE = dict(ms=200, k=384, n=640)
 
 def grid(world):
     """Programs per simulated rank: the GPU's SMs shared out, so that all W launches are resident at once."""
-    from kosmos import runtime
+    from kosmos.core import runtime
     return runtime.num_sms(torch.device("cuda")) // world
 
 
@@ -270,7 +270,7 @@ class OnRanksCases:
     def test_tp_op_stalled_rank_times_out(self):
         """W = 4 with rank 3 never launching: ranks 0..2 wait for its rows (AG) or partials (RS), time out, record
         which counter they waited on, and their launches end with clean heads: no hang."""
-        from kosmos import runtime
+        from kosmos.core import runtime
         t = make(self.op, 4, seed=70)
         t.new_epoch_inputs()
         launch_all(3, lambda r: t.launch(r, 1, timeout_ns=STALL_NS))
@@ -289,8 +289,8 @@ class OnRanksCases:
 # subclass that reports ``device == cuda:0`` (on a GPU machine, with real CUDA tensors). The workspace, the SM
 # count and the launch are monkeypatched: the workspace is a fake whose first mutating call raises
 # ``Reached``, so a valid call ends there and an invalid one must raise ValueError before it.
-agmod = importlib.import_module("kosmos.kernels.all_gather_matmul")
-rsmod = importlib.import_module("kosmos.kernels.matmul_reduce_scatter")
+agmod = importlib.import_module("kosmos.ops.all_gather_matmul")
+rsmod = importlib.import_module("kosmos.ops.matmul_reduce_scatter")
 SMS = 132  # SM count reported by the patched runtime.num_sms
 
 
@@ -359,7 +359,7 @@ class InputChecks:
     @pytest.fixture
     def fake_world(self, monkeypatch):
         """Patch every path from the checks to a launch; returns a setter for the world size."""
-        from kosmos import runtime
+        from kosmos.core import runtime
         state = {"ws": FakeWorkspace(1), "get_workspace": 0, "launches": 0}
 
         def get_workspace(group=None, device=None):

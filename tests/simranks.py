@@ -22,10 +22,16 @@ from __future__ import annotations
 
 import torch
 
-from kosmos import moe_reference, planning, quant, reference, runtime
-from kosmos.kernels import all_gather_matmul as ag
-from kosmos.kernels import matmul_reduce_scatter as rs
-from kosmos.kernels import moe_forward as mf
+from kosmos import quant, reference
+from kosmos.core import planning, runtime
+from kosmos.reference import moe as moe_reference
+from kosmos.ops import all_gather_matmul as ag
+from kosmos.ops import matmul_reduce_scatter as rs
+from kosmos.ops import moe_forward as mf
+from kosmos.ops.moe_backward import api as bwd_api
+from kosmos.ops.moe_backward import layout as bwd_layout
+from kosmos.ops.moe_backward import one_launch as bwd_one
+from kosmos.ops.moe_backward import router as bwd_router
 
 NAN = float("nan")
 TOL = 1e-2
@@ -436,8 +442,6 @@ class MoEBwdRanks:
     def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, device="cpu", grid=3,
                  timeout_ns=5_000_000, routing="softmax", skew=False, empty_expert=None, router=True,
                  wgrad_dtype=torch.bfloat16, policy="self", comm_programs=None):
-        from kosmos.kernels import moe_backward as mb
-        self.mb = mb
         self.policy, self.comm_programs = policy, comm_programs
         self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
         self.el = experts // world
@@ -464,7 +468,7 @@ class MoEBwdRanks:
             self.experts.append(ex.to(device))
             self.weights.append(w.to(device))
         self.rkw = dict(routing=routing, routed_scaling=2.5 if routing != "softmax" else 1.0)
-        self.lay = mb.ep_layout(world, tokens, hidden, ffn, top_k, self.el, wgrad_dtype)
+        self.lay = bwd_layout.ep_layout(world, tokens, hidden, ffn, top_k, self.el, wgrad_dtype)
         self.data = [torch.empty(self.lay.data_bytes, dtype=torch.uint8, device=device) for _ in range(world)]
         self.sig = [torch.zeros(4096, dtype=torch.int32, device=device) for _ in range(world)]
         self.ctr = [torch.zeros(max(64, self.lay.fold_blocks), dtype=torch.int32, device=device) for _ in range(world)]
@@ -473,10 +477,10 @@ class MoEBwdRanks:
         tbl = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)  # noqa: E731
         self.peer_data, self.peer_sig, self.peer_ctr = tbl(self.data), tbl(self.sig), tbl(self.ctr)
         alloc = lambda name, n, dtype: torch.empty(max(n, 1), dtype=dtype, device=device)  # noqa: E731
-        self.local = [mb.ep_local_buffers(alloc, self.lay, hidden, ffn, top_k, tokens, self.el, world)
+        self.local = [bwd_layout.ep_local_buffers(alloc, self.lay, hidden, ffn, top_k, tokens, self.el, world)
                       for _ in range(world)]
         for b in self.local:
-            b["scratch"] = torch.zeros(int(mb.SCB_MTILES.value) + 4 * self.lay.max_mtiles + 64 + self.el + tokens,
+            b["scratch"] = torch.zeros(int(bwd_layout.SCB_MTILES.value) + 4 * self.lay.max_mtiles + 64 + self.el + tokens,
                                        dtype=torch.int32, device=device)
         self.outs = [None] * world
         self.poison()
@@ -496,40 +500,38 @@ class MoEBwdRanks:
         return b
 
     def router_inputs(self, r):
-        mb = self.mb
-        return mb.RouterBackward(self.xs[r], self.wr, mb.bf16_mm_fp32(self.xs[r], self.wr.t()), self.experts[r],
-                                 self.routing, True, self.rkw["routed_scaling"]) if self.router else None
+        return bwd_router.RouterBackward(self.xs[r], self.wr, bwd_api.bf16_mm_fp32(self.xs[r], self.wr.t()),
+                                         self.experts[r], self.routing, True,
+                                         self.rkw["routed_scaling"]) if self.router else None
 
     def launch(self, r, epoch, stages=None, final=True, timeout_ns=None):
         """Rank r's launch of ``stages`` (None: all) at ``epoch`` (the slot set to epoch - 1 first; None: the device
         epoch); ``final``: it ends the call."""
-        mb = self.mb
         if epoch is not None:
             self.epochs[r].fill_(epoch - 1)
-        first = stages is None or (stages & (1 << mb.BWD_COMBINE)) != 0 or self.outs[r] is None  # a call's first
+        first = stages is None or (stages & (1 << bwd_layout.BWD_COMBINE)) != 0 or self.outs[r] is None  # a call's first
         outs = None if first else self.outs[r]
-        got = mb.expert_backward_ep_launch(
+        got = bwd_one.expert_backward_ep_launch(
             self.xs[r], self.dys[r], self.weights[r], self.experts[r], self.w13[r], self.w2[r], self.bufs(r), rank=r,
             world=self.world, epoch_slot=self.epochs[r],
             timeout_ns=self.timeout_ns if timeout_ns is None else timeout_ns, grid=self.grid,
             out_dtype=self.wgrad_dtype, router=self.router_inputs(r),
-            stages=mb.BWD_ALL_STAGES if stages is None else stages, final=final, outs=outs, policy=self.policy,
+            stages=bwd_layout.BWD_ALL_STAGES if stages is None else stages, final=final, outs=outs, policy=self.policy,
             comm_programs=self.comm_programs)
         self.outs[r] = got[-1]
         self.results = getattr(self, "results", [None] * self.world)
         self.results[r] = got[:-1]
 
     def call(self, epoch, streams=None, skip=(), leave_out=None):
-        """One call on every rank: CPU -- the three phases (mb.EP_PHASES; the fixed policy's four,
-        mb.EP_PHASES_FIXED), every rank's launch of a phase before any rank's next one, only the last one final;
+        """One call on every rank: CPU -- the three phases (bwd_layout.EP_PHASES; the fixed policy's four,
+        bwd_layout.EP_PHASES_FIXED), every rank's launch of a phase before any rank's next one, only the last one final;
         GPU -- every rank's whole launch at once (launch_all). ``skip``: ranks whose launches are left out (a
-        stalled peer); ``leave_out``: a stage (mb.BWD_*) left out of every launch."""
-        mb = self.mb
+        stalled peer); ``leave_out``: a stage (moe_backward.layout.BWD_*) left out of every launch."""
         drop = ~(1 << leave_out) if leave_out is not None else -1
         if torch.device(self.device).type == "cuda":
             return launch_all(self.world, lambda r: None if r in skip else self.launch(
-                r, epoch, mb.BWD_ALL_STAGES & drop), streams)
-        phases = mb.EP_PHASES_FIXED if self.policy == "fixed" else mb.EP_PHASES
+                r, epoch, bwd_layout.BWD_ALL_STAGES & drop), streams)
+        phases = bwd_layout.EP_PHASES_FIXED if self.policy == "fixed" else bwd_layout.EP_PHASES
         for i, stages in enumerate(phases):
             for r in range(self.world):
                 if r not in skip:

@@ -22,9 +22,9 @@ from opcases import (COMM_ONLY, COMPUTE_ONLY, INTERP_GRID, SELF, SHAPES, SHORT_N
                      WORLDS, randn, run_device_epochs, run_schedule, weight)
 from simranks import AG, rand
 
-from kosmos import codes, planning, runtime
+from kosmos.core import codes, planning, runtime
 from kosmos.config import AllGatherMatmulConfig
-from kosmos.kernels import all_gather_matmul as ag
+from kosmos.ops import all_gather_matmul as ag
 
 
 # ==================================================================================== CPU interpreter
@@ -74,7 +74,7 @@ def test_all_gather_matmul_self_policy_world2():
 def test_all_gather_matmul_self_policy_copies_after_compute():
     """Self policy: the pushes come before any compute tile, the own-slot COPY tasks after the last one is
     claimed. Under the interpreter program 0 runs first and takes every task, so its trace is the order."""
-    from kosmos.kernels.common import TRACE_EVENTS
+    from kosmos.core.schedule import TRACE_EVENTS
     t = AG(2, 75, 40, 48, seed=23)
     t.new_epoch_inputs()
     t.launch(1, 1, **COMM_ONLY)
@@ -361,7 +361,7 @@ def test_w1_all_gather_matmul_quantizes_inside(no_tf32, ms, k, n):
     values; repeated calls are bitwise equal."""
     import kosmos
     from kosmos import quant, reference
-    from kosmos.kernels.w1_mx_matmul import unavailable
+    from kosmos.gemm.w1_mx import unavailable
     assert unavailable(torch.device("cuda")) is None or torch.cuda.get_device_capability() != (9, 0)
     gen = torch.Generator().manual_seed(ms + k + n + 7)
     x = randn((ms, k), gen, "cuda")
@@ -379,7 +379,7 @@ def test_w1_mx_tile_width_rule():
     """kernels/w1_mx_matmul.tile_width: 128 x 256 where its waves fill the SMs as well as 128 x 128's would (the
     llama3 per-rank shapes keep it), 128 x 128 where 128 x 256 leaves a thin last wave (1.45 waves at 1024 x
     6144 on 132 SMs: 2 waves against 3 half-size ones at MX_TILE128_RATE) or both make under one."""
-    from kosmos.kernels.w1_mx_matmul import tile_width
+    from kosmos.gemm.w1_mx import tile_width
     for m, n in [(4096, 5120), (8192, 28672), (16384, 8192), (4096, 8192), (1024, 3072), (2048, 5120)]:
         assert tile_width(m, n, 132) == 256, (m, n)
     assert tile_width(1024, 6144, 132) == 128  # 2 waves of 128 x 256 against 3 of 128 x 128 (2.9)
@@ -390,10 +390,41 @@ LLAMA70B_TP2_RANK_GEMMS = [(s, n, k) for s in (4096, 8192, 16384)
                            for n, k in ((5120, 8192), (28672, 8192), (8192, 4096), (8192, 14336))]
 
 
+def test_tp_route_is_one_decision_for_both_ops(monkeypatch):
+    """ops.tp_common.tp_route, the one route decision of both TP ops: W = 1 bf16 self untraced -> the static GEMM;
+    W = 1 MXFP8 where the Gluon kernel runs -> that kernel, or (w1_mx_pass_first's shapes) the host pass then the
+    static GEMM; MXFP8 elsewhere -> the fused kernel, quantizing a bf16 A first; W > 1, traces, the fixed policy
+    -> the fused kernel."""
+    from kosmos.gemm import w1_mx
+    from kosmos.ops import tp_common as tc
+    bf16 = torch.empty(1, dtype=torch.bfloat16)
+    mx = (torch.empty(1), torch.empty(1))  # an MXTensor is a (payload, scales) tuple
+    trace = torch.empty(1)
+    small, passy = (4096, 5120, 8192), (2048, 1536, 5120)  # a llama3 GEMM (Gluon) and an N = 1536 one (the pass)
+    for gluon in (True, False):
+        monkeypatch.setattr(w1_mx, "unavailable", lambda device, g=gluon: None if g else "no Gluon here")
+        route = lambda w, a, q, shape, tr=None, pol="self": tc.tp_route(w, a, q, *shape, tr, pol, "dev", 132)  # noqa
+        assert route(1, bf16, False, small) == (tc.W1_STATIC, None)
+        assert route(1, bf16, False, small, tr=trace) == (tc.FUSED, None)
+        assert route(1, bf16, False, small, pol="fixed") == (tc.FUSED, None)
+        assert route(2, bf16, False, small) == (tc.FUSED, None)
+        assert route(2, bf16, True, small) == (tc.FUSED, tc.PRE_QUANTIZE)
+        assert route(2, mx, False, small) == (tc.FUSED, None)
+        assert route(1, bf16, True, small, tr=trace) == (tc.FUSED, tc.PRE_QUANTIZE)
+        if gluon:
+            assert route(1, bf16, True, small) == (tc.W1_MX, None)
+            assert route(1, mx, False, small) == (tc.W1_MX, None)
+            assert route(1, bf16, True, passy) == (tc.W1_STATIC, tc.PRE_ROUND)
+            assert route(1, mx, False, passy) == (tc.W1_STATIC, tc.PRE_EXPAND)
+        else:
+            assert route(1, bf16, True, small) == (tc.FUSED, tc.PRE_QUANTIZE)
+            assert route(1, mx, False, passy) == (tc.FUSED, None)
+
+
 def test_w1_mx_pass_first_rule():
-    """common.w1_mx_pass_first: the llama3-70b TP=2 per-rank GEMMs and launch-bound shapes stay on the Gluon kernel;
+    """tp_common.w1_mx_pass_first: the llama3-70b TP=2 per-rank GEMMs and launch-bound shapes stay on the Gluon kernel;
     N <= 1536 and badly filled Gluon waves at M >= 1024 take the pass + bf16 static GEMM."""
-    from kosmos.kernels.common import w1_mx_pass_first
+    from kosmos.ops.tp_common import w1_mx_pass_first
     for m, n, k in LLAMA70B_TP2_RANK_GEMMS + [(128, 256, 256), (256, 1536, 512), (256, 6144, 8192)]:
         assert not w1_mx_pass_first(m, n, k, 132), (m, n, k)
     for m, n, k in [(2048, 1536, 5120), (512, 1536, 7168), (6000, 5120, 14336), (3000, 3072, 7168)]:
@@ -408,12 +439,15 @@ def test_w1_mx_pass_first_path(no_tf32, kmajor):
     the same; GEMM+RS likewise; the plan's replays (second calls) give the same bits."""
     import kosmos
     from kosmos import quant, reference
-    from kosmos.kernels.common import w1_mx_pass_first, w1_mx_gluon
+    from kosmos.gemm import w1_mx as w1mx
+    from kosmos.ops.tp_common import PRE_ROUND, W1_STATIC, TPRoute, tp_route, w1_mx_pass_first
     dev = torch.device("cuda", 0)
     ms, k, n = 2048, 1024, 1536
-    if not w1_mx_gluon(1, None, "self", dev):
+    if w1mx.unavailable(dev) is not None:
         pytest.skip("no W = 1 Gluon MX path on this GPU / Triton")
     assert w1_mx_pass_first(ms, n, k, runtime.num_sms(dev))
+    assert tp_route(1, torch.empty(1), True, ms, n, k, None, "self", dev, runtime.num_sms(dev)) == TPRoute(
+        W1_STATIC, PRE_ROUND)
     gen = torch.Generator().manual_seed(24)
     x = randn((ms, k), gen, "cuda")
     b = weight(k, n, gen, "cuda", kmajor)
@@ -441,7 +475,7 @@ def test_w1_mx_kernel_each_tile_width(no_tf32, bn, ms, k, n, kmajor):
     MXTensor (outputs poisoned first): the values are quant.mx_round(a) bit for bit, c within TOL of the fp32
     product of the MX values, and both passes give the same c bitwise."""
     from kosmos import quant, reference
-    from kosmos.kernels import w1_mx_matmul as w1mx
+    from kosmos.gemm import w1_mx as w1mx
     dev = torch.device("cuda", 0)
     if w1mx.unavailable(dev) is not None:
         pytest.skip(w1mx.unavailable(dev))
@@ -468,7 +502,7 @@ def test_w1_mx_kernel_timeout_reaches_the_host():
     """kernels/w1_mx_matmul's bounded wait: row block 0's counts poisoned (the row pass's releases can never reach
     them), a 2 ms timeout: the launch returns, the error record names the op, the chunk and the row pass, and the
     last program out still zeroes the counts."""
-    from kosmos.kernels import w1_mx_matmul as w1mx
+    from kosmos.gemm import w1_mx as w1mx
     dev = torch.device("cuda", 0)
     if w1mx.unavailable(dev) is not None:
         pytest.skip(w1mx.unavailable(dev))

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kosmos.config import AllGatherMatmulConfig, MatmulReduceScatterConfig, MoEForwardConfig, config_dict
+from kosmos.config import (AllGatherMatmulConfig, MatmulReduceScatterConfig, MoEBackwardConfig, MoEForwardConfig,
+                           config_dict)
 from kosmos_bench import harness, moe, registry, timing, tp
 from kosmos_bench.harness import Result
 
@@ -84,7 +85,12 @@ def test_parse_config_defaults_prefixed_and_unprefixed():
                    "gemm_rs": MatmulReduceScatterConfig(push_partials=True)}
     assert registry.parse_config(["push_chunks=2", "push_chunks=4"], TYPES)["ag_gemm"].push_chunks == 4  # last wins
     assert registry.parse_config(["moe_fwd.copy_cols=256"], registry.CONFIG_TYPES["moe"]) == \
-        {"moe_fwd": MoEForwardConfig(copy_cols=256)}
+        {"moe_fwd": MoEForwardConfig(copy_cols=256), "moe_bwd": MoEBackwardConfig()}
+    got = registry.parse_config(["one_launch=false,wgrad_kernel=tiles", "moe_bwd.swiglu_stages=1"],
+                                registry.CONFIG_TYPES["moe"])
+    assert got["moe_bwd"] == MoEBackwardConfig(one_launch=False, wgrad_kernel="tiles", swiglu_stages=1)
+    with pytest.raises(ValueError, match="wgrad_kernel='x': choose from 'persistent', 'tiles'"):
+        registry.parse_config(["wgrad_kernel=x"], registry.CONFIG_TYPES["moe"])
 
 
 @pytest.mark.parametrize("items, message", [

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from multiproc import spawn_gloo
 from simranks import placed_gate_up
 
-from kosmos.config import MoEForwardConfig, config_dict
+from kosmos.config import MoEBackwardConfig, MoEForwardConfig, config_dict
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
-from kosmos.moe_reference import _experts_forward, moe_forward_a2a, moe_forward_ref_local, route
+from kosmos.reference.moe import _experts_forward, moe_forward_a2a, moe_forward_ref_local, route
 from kosmos_bench import moe, timing
 
 TINY = {
@@ -245,7 +245,7 @@ def _bwd_w2_rank(rank, world, port, q):
     """One rank of the W=2 backward check: the bench's distributed fp32 reference (grad_reference at W > 1), the
     nccl-a2a baseline's backward and kosmos's moe_backward (kernels under the interpreter), both checked through
     it; and the reference's own gradients, for the test to compare with one process's moe_backward_ref."""
-    from kosmos.kernels.moe_backward import moe_backward
+    from kosmos.ops.moe_backward.api import moe_backward
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -282,7 +282,7 @@ def test_backward_check_at_world2_over_gloo():
     equals one process's moe_backward_ref on every rank's tokens and every expert (dx per rank, d_router from
     this rank's tokens, dw13 / dw2 of this rank's experts); nccl-a2a's autograd and kosmos's moe_backward pass
     the check at bf16 level; a decision other than route's is refused with a reason."""
-    from kosmos.moe_reference import moe_backward_ref
+    from kosmos.reference.moe import moe_backward_ref
     world = 2
     got = _spawn(_bwd_w2_rank, world)
     for name, m in TINY.items():
@@ -735,6 +735,26 @@ def test_point_backward_world1(monkeypatch, tiny_models, name, direction):
         assert r["t_gemm_ms"] == (by[("moe_experts", "grouped-mm")]["time_ms"] if experts else None)
     assert by[("moe_fwd", "deepep")]["status"] == "unavailable"
     assert by[("moe_fwd", "fixed-role")]["reason"] == "no communication at world size 1"
+    # the kosmos backward's switches ride on its row (SCHEMA.md, bwd_config); the baselines have none
+    assert by[("moe_fwd", "kosmos")]["bwd_config"] == config_dict(MoEBackwardConfig())
+    assert "bwd_config" not in by[("moe_fwd", "nccl-a2a")]
+
+
+@pytest.mark.interpreter
+def test_backward_config_reaches_the_kosmos_call_and_its_row(monkeypatch, tiny_models):
+    """--config moe_bwd.one_launch=false: moe_backward_w1 runs with that kosmos.MoEBackwardConfig (the multi-launch
+    path) and the kosmos row records it."""
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    monkeypatch.setattr(moe, "moe_forward", _fake_moe_forward_routing)
+    seen, real = [], moe.moe_backward_w1
+    monkeypatch.setattr(moe, "moe_backward_w1", lambda *a, **kw: seen.append(kw["config"]) or real(*a, **kw))
+    config = MoEBackwardConfig(one_launch=False)
+    st = moe.MoESettings(impls=("kosmos",), expert_gemms=False, iters=1, warmup=0, direction="bwd",
+                         configs={"moe_bwd": config})
+    rows = moe.run_case(moe.MoECase("tiny-softmax", 32, "uniform"), st, device="cpu")
+    row = _rows_by_impl(rows)[("moe_fwd", "kosmos")]
+    assert row["status"] == "ok" and row["bwd_config"] == config_dict(config), row
+    assert seen and all(c == config for c in seen)
 
 
 def test_backward_availability_by_world_and_dtype():
@@ -934,7 +954,7 @@ def _grad_inputs(name="tiny-grouped", tokens=64):
 
 def _whole_errors(inp, out):
     """The unchunked check: moe_backward_ref's whole fp32 gradients, each compared whole (harness.rel_err)."""
-    from kosmos.moe_reference import moe_backward_ref
+    from kosmos.reference.moe import moe_backward_ref
     from kosmos_bench import harness
     ref = moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, top_k=inp.model.top_k,
                            **inp.route_kw(), experts=out[len(moe.GRADS)])

@@ -256,7 +256,7 @@ def _no_deep_ep(real):
 
 def test_a2a_module_forward_is_the_bench_nccl_a2a_w1():
     """The proxy's nccl-a2a module (A2AMoE) is the bench's nccl-a2a layer on its parameters, bit for bit."""
-    from kosmos.moe_reference import moe_forward_a2a
+    from kosmos.reference.moe import moe_forward_a2a
     m = GRAD_MODELS[1]
     x, wr, bias, _ = moe.make_router_inputs(m, 48, "uniform", 0, 0)
     w13, w2 = moe.make_expert_weights(m, 1, 0, 0)
@@ -325,7 +325,7 @@ def _moe_grads_vs_single_process(rank, world, cls, check):
     """``cls`` (A2AMoE / DeepEPMoE) at W ranks: forward (nccl-a2a: bitwise the bench's moe_forward_a2a) and every
     gradient against fp32 autograd through moe_forward_ref_local on every rank's tokens and experts in this one
     process (the router's gradient summed over the ranks, as the proxy's all-reduce does)."""
-    from kosmos.moe_reference import moe_forward_a2a, moe_forward_ref_local
+    from kosmos.reference.moe import moe_forward_a2a, moe_forward_ref_local
     from kosmos.reference import rel_err
     for m, mask in [(m, mask) for m in GRAD_MODELS for mask in (None, "rank0")]:
         xs, bias = [], None

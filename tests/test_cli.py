@@ -250,7 +250,10 @@ def test_bench_help_teaches_config():
         text = " ".join(r.output.replace("│", " ").split())  # rich boxes and wraps the option table
         assert r.exit_code == 0 and f"E.g. {example}" in text, text
         for key in config_keys(CONFIG_TYPES[bench]):
-            assert key in text, (bench, key)
+            if key.startswith("moe_bwd."):  # 16 fields: named by their config class, not one by one
+                assert "moe_bwd.FIELD" in text and "MoEBackwardConfig" in text, text
+            else:
+                assert key in text, (bench, key)
 
 
 @pytest.mark.parametrize("bench, args, needle", [
@@ -301,13 +304,14 @@ def test_bench_tp_config_reaches_the_ranks(monkeypatch, tmp_path):
 
 
 def test_bench_moe_config_reaches_the_ranks(monkeypatch, tmp_path):
-    from kosmos import MoEForwardConfig
+    from kosmos import MoEBackwardConfig, MoEForwardConfig
     from kosmos_bench import moe
     seen = _capture_spawn(monkeypatch)
     r = runner.invoke(app, ["bench", "moe", "--model", "qwen3-235b", "--tokens", "64", "--out",
                             str(tmp_path / "r.jsonl"), "--config", "copy_cols=256,moe_fwd.half_tail=false"])
     assert r.exit_code == 0, r.output
-    assert seen["fn"] is moe.bench_rank and seen["args"][-2] == {"moe_fwd": MoEForwardConfig(256, False)}
+    assert seen["fn"] is moe.bench_rank and seen["args"][-2] == {"moe_fwd": MoEForwardConfig(256, False),
+                                                                 "moe_bwd": MoEBackwardConfig()}
     assert seen["args"][-1] is None  # no --trace
 
 
@@ -607,7 +611,7 @@ def test_custom_moe_point_runs_on_the_rank_side(monkeypatch):
     from dataclasses import asdict
 
     from kosmos.models import custom_moe_model
-    from kosmos.moe_reference import _experts_forward, moe_forward_a2a
+    from kosmos.reference.moe import _experts_forward, moe_forward_a2a
     from kosmos_bench import moe, timing
 
     def layer(x, wr, w13, w2, *, top_k, group, config, policy, comm_programs, **route):

@@ -21,7 +21,8 @@ import opcases
 from opcases import TOL, randn
 from simranks import MoERanks
 
-from kosmos import planning, reference, runtime
+from kosmos import reference
+from kosmos.core import planning, runtime
 
 REPLAYS = 100
 N_INPUTS = 4  # replay i runs on input set i % N_INPUTS
@@ -172,7 +173,7 @@ def test_stalled_peer_under_replay_raises_at_check_errors():
     runs at epoch 2, waits for flags >= 2 instead of reading the stale rows, times out, writes the pinned mirror,
     and ``check_errors()`` after the replay raises KosmosTimeoutError naming the op, rank and awaited flag."""
     import triton
-    from kosmos.kernels import all_gather_matmul as ag
+    from kosmos.ops import all_gather_matmul as ag
     dev = torch.device("cuda", 0)
     runtime.reset_workspaces()
     ws = runtime.get_workspace(None, dev)

@@ -7,7 +7,7 @@
   with all-to-alls -- the call sequence, not DeepEP's kernels. It also has what a backward uses (the training
   proxy's deepep, tests/test_bench_train.py, and the bench's bwd rows): dispatch in cached mode (``handle=``, x
   only) and combine's ``topk_weights`` (summed over the ranks, as DeepEP reduces them).
-* GPU (``gpu``): the real wheel (../shared/wheels; ``dev/x1_session.sh deepep`` installs it), two processes on
+* GPU (``gpu``): the real wheel (../shared/wheels; ``dev/archive/x1_session.sh deepep`` installs it), two processes on
   cuda:0 with a gloo group (``launcher.spawn_one_gpu``); skipped without a GPU or when ``deep_ep`` does not import.
 
 Both check every case against the fp32 reference (``moe_reference.moe_forward_ref_local``) within the bench's
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from multiproc import Checks, spawn_gloo
 
 from kosmos.models import MoEModel
-from kosmos.moe_reference import moe_forward_ref_local, route
+from kosmos.reference.moe import moe_forward_ref_local, route
 from kosmos.reference import rel_err
 from kosmos_bench import harness, launcher, moe, timing
 
@@ -458,7 +458,7 @@ def test_deepep_callable_over_gloo_with_a_stand_in_buffer():
 
 def _deepep_import_problem():
     if importlib.util.find_spec("deep_ep") is None:
-        return "deep_ep is not installed (README: DeepEP baseline; dev/x1_session.sh deepep installs the wheel)"
+        return "deep_ep is not installed (README: DeepEP baseline; dev/archive/x1_session.sh deepep installs the wheel)"
     try:
         importlib.import_module("deep_ep")
     except Exception as e:  # a build for another torch / CUDA fails here

@@ -119,7 +119,7 @@ def test_trace_table_from_a_trace_buffer():
     only recorded events (t1 > 0) count; tasks, first start, last end and busy us per program per kind."""
     import torch
     from dev.moe_probe import kind_table, trace_events
-    from kosmos.codes import EV_BWD_DGRAD1, EV_BWD_DGRAD2, TRACE_EVENTS
+    from kosmos.core.codes import EV_BWD_DGRAD1, EV_BWD_DGRAD2, TRACE_EVENTS
     buf = torch.zeros((2, TRACE_EVENTS.value, 4), dtype=torch.int64)
     buf[0, 0] = torch.tensor([EV_BWD_DGRAD2.value, 0, 1_000, 3_000])
     buf[0, 1] = torch.tensor([EV_BWD_DGRAD1.value, 5, 3_000, 9_000])
@@ -140,7 +140,7 @@ def test_sk_probe_checked_variants_are_the_product(m, n, k, programs):
     C = A @ B under the interpreter (16x32x16 tiles: data-parallel waves then runs, runs shorter than a tile, the
     sigma order), with every tile counter back at zero and no wait timed out."""
     from dev import sk_probe
-    from kosmos.kernels.common import tma_descriptor
+    from kosmos.core.descriptors import tma_descriptor
     gen = torch.Generator().manual_seed(m + n + k)
     a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(k, n, generator=gen).to(torch.bfloat16)

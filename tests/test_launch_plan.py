@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import opcases
-from kosmos import launch_plan, planning, runtime
-from kosmos.kernels import all_gather_matmul as agmod
-from kosmos.kernels import common
-from kosmos.kernels import matmul_reduce_scatter as rsmod
+from kosmos.core import launch_plan, planning, runtime
+from kosmos.ops import all_gather_matmul as agmod
+from kosmos.ops import tp_common
+from kosmos.ops import matmul_reduce_scatter as rsmod
 
 pytestmark = pytest.mark.interpreter
 
@@ -50,14 +50,14 @@ class CPUWorkspace(runtime.Workspace):
 def cpu_ops(monkeypatch):
     """The public TP ops runnable on CPU tensors; yields the workspace. Plan counters reset."""
     ws = CPUWorkspace(runtime.World(None, 0, 1, torch.device("cpu")))
-    real_check = common.check_operands
+    real_check = tp_common.check_operands
 
     def check(a_name, a, b, policy):  # the real checks, with the device check seeing cuda:0
         def fake(t):
             return opcases.cuda(t) if isinstance(t, torch.Tensor) else t
         rows, k, n, _, _ = real_check(a_name, tuple(map(fake, a)) if isinstance(a, tuple) else fake(a), fake(b),
                                       policy)
-        return (rows, k, n) + common.b_layout(b)
+        return (rows, k, n) + tp_common.b_layout(b)
 
     monkeypatch.setattr(runtime, "get_workspace", lambda group=None, device=None: ws)
     monkeypatch.setattr(runtime, "num_sms", lambda device: opcases.INTERP_GRID)
@@ -86,7 +86,7 @@ def _unplanned(name, a, b):
     """The op's kernel launched the normal way on explicit buffers (no plan involved)."""
     ws = CPUWorkspace(runtime.World(None, 0, 1, torch.device("cpu")))
     ws.ensure(0, 64)
-    b_store, kmajor = common.b_layout(b)
+    b_store, kmajor = tp_common.b_layout(b)
     cfg = planning.tile_config(a.shape[0], b.shape[1], a.shape[1])
     c = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
     kw = dict(rank=0, world=1, epoch_slot=ws.epoch_slot, timeout_ns=ws.timeout_ns(), grid=opcases.INTERP_GRID,
@@ -248,7 +248,7 @@ def test_hooks_active_reads_triton_hook_chains():
     check once read any chain as a hook and so never took the fast path on the GPU)."""
     from types import SimpleNamespace
     from triton.knobs import HookChain
-    from kosmos import launch_plan
+    from kosmos.core import launch_plan
     knobs = SimpleNamespace(launch_enter_hook=HookChain(), launch_exit_hook=HookChain(reversed=True))
     assert not launch_plan.hooks_active(knobs)
     knobs.launch_enter_hook.add(print)
@@ -263,7 +263,7 @@ def test_traced_calls_never_self_check(cpu_ops, monkeypatch, name):
     """A call with a trace buffer launches once, the normal way, first call or not (the self-check's second
     launch would overwrite the trace only in part: the GPU trace tests failed so in session 10), and every
     compute tile is traced exactly once."""
-    from kosmos.kernels.common import TRACE_EVENTS
+    from kosmos.core.schedule import TRACE_EVENTS
     made = _fake_fast(monkeypatch, "normal")
     op = _op(name)
     x = _inputs(11)

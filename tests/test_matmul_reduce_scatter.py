@@ -16,7 +16,7 @@ from opcases import COMM_ONLY, COMPUTE_ONLY, SELF, SHAPES, SHORT_NS, TOL, W1_SHA
     run_device_epochs, run_schedule, weight
 from simranks import RS
 
-from kosmos import codes, runtime
+from kosmos.core import codes, runtime
 from kosmos.config import MatmulReduceScatterConfig
 
 
@@ -217,8 +217,8 @@ def test_w1_matmul_reduce_scatter_quantizes_inside(no_tf32, m, k, n):
 
 # ================================================================== the static GEMM of W = 1 (common.w1_matmul_kernel)
 def _w1_static(a, b_store, kmajor, grid, cfg=None, tail=0):
-    from kosmos import planning
-    from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel
+    from kosmos.core import planning
+    from kosmos.gemm.w1_static import w1_matmul_args, w1_matmul_kernel
     m, k = a.shape
     n = b_store.shape[0] if kmajor else b_store.shape[1]
     cfg = cfg or planning.tile_config(m, n, k, world=1, programs=grid)
@@ -257,7 +257,8 @@ def test_w1_static_matmul_tail_tiles(ms, k, n, kmajor, grid):
     """Tiles BN + a tail wide (two accumulators): ragged M, N (a last tile whose tail lies wholly past N at
     n = 80 and 48) and K, b k-major, fewer programs than tiles -- every element written (NaN-poisoned) and
     within TOL of the fp32 product; the same bits on a second launch."""
-    from kosmos import planning, reference
+    from kosmos import reference
+    from kosmos.core import planning
     gen = torch.Generator().manual_seed(ms + k + n + grid)
     a = randn((ms, k), gen, "cpu")
     b = opcases.weight(k, n, gen, "cpu", kmajor)
@@ -272,8 +273,8 @@ def test_w1_static_matmul_tail_tiles(ms, k, n, kmajor, grid):
 
 
 def test_w1_tail_tiles_run_unsplit_only():
-    from kosmos import planning
-    from kosmos.kernels.common import w1_matmul_args
+    from kosmos.core import planning
+    from kosmos.gemm.w1_static import w1_matmul_args
     a, b, c = torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(
         64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="unsplit only"):
@@ -288,7 +289,8 @@ def test_w1_tail_tiles_run_unsplit_only():
 def test_w1_static_matmul_tail_tiles_gpu(no_tf32, m, k, n, tail, kmajor):
     """The tail tiles (128 + 64 = 192 or 128 + 32 = 160 columns) at their real sizes on the GPU: every element
     written (NaN-poisoned), within TOL of the fp32 product, bitwise the same on a second launch."""
-    from kosmos import planning, reference
+    from kosmos import reference
+    from kosmos.core import planning
     gen = torch.Generator().manual_seed(m + k + n + tail)
     a = randn((m, k), gen, "cuda")
     b = opcases.weight(k, n, gen, "cuda", kmajor)
@@ -312,8 +314,9 @@ def test_w1_static_matmul_gpu_bitwise_and_taken(no_tf32, m, k, n, kmajor):
     (policy="fixed" with no communication programs keeps that kernel) and within TOL of the fp32 product;
     repeated calls (the plan's fast path) are bitwise the first."""
     import kosmos
-    from kosmos import planning, reference
-    from kosmos.kernels.common import w1_matmul_kernel
+    from kosmos import reference
+    from kosmos.core import planning
+    from kosmos.gemm.w1_static import w1_matmul_kernel
     gen = torch.Generator().manual_seed(m + k + n)
     a = randn((m, k), gen, "cuda")
     b = opcases.weight(k, n, gen, "cuda", kmajor)
@@ -342,9 +345,8 @@ def test_w1_static_matmul_gpu_bitwise_and_taken(no_tf32, m, k, n, kmajor):
 
 
 def _w1_split(a, b_store, kmajor, programs, cfg, split, ws, stream_k=False):
-    from kosmos import planning
-    from kosmos.kernels.common import (w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid,
-                                       w1_stream_k_grid)
+    from kosmos.core import planning
+    from kosmos.gemm.w1_static import w1_matmul_args, w1_matmul_kernel, w1_partial_elems, w1_split_grid, w1_stream_k_grid
     m, k = a.shape
     n = b_store.shape[0] if kmajor else b_store.shape[1]
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
@@ -382,8 +384,9 @@ def test_w1_stream_k_schedule(m, k, n, programs, kmajor):
     """The static GEMM's stream-K schedule (data-parallel waves, then the rest in equal runs of K steps) under
     the interpreter, with 16x32x16 tiles: within TOL of the fp32 product, every element written (NaN-poisoned
     output and partials), the same bits on a second launch, the tile counters back at zero, one epoch."""
-    from kosmos import planning, reference
-    from kosmos.kernels.common import w1_matmul_args, w1_matmul_kernel, w1_stream_k_grid
+    from kosmos import reference
+    from kosmos.core import planning
+    from kosmos.gemm.w1_static import w1_matmul_args, w1_matmul_kernel, w1_stream_k_grid
     cfg = planning.TileConfig(16, 32, 16, 4, 1)
     gen = torch.Generator().manual_seed(m + k + n + programs)
     a = randn((m, k), gen, "cpu")
@@ -432,7 +435,8 @@ def test_w1_split_k_gpu(no_tf32, m, k, n, tile, split, programs, kmajor, stream_
     shapes and tiles under the stream-K schedule (``split`` unused) -- data-parallel waves then runs (3000 rows;
     640 rows on 12 programs), runs crossing 2 or more tiles, tiles in 3+ pieces (fewer tiles than programs),
     owners with and without other pieces."""
-    from kosmos import planning, reference
+    from kosmos import reference
+    from kosmos.core import planning
     bm, bn, warps, stages = tile
     cfg = planning.TileConfig(bm, bn, 64, warps, stages)
     gen = torch.Generator().manual_seed(m + k + n + split)

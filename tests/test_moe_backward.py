@@ -1,11 +1,19 @@
-"""The MoE backward's pieces (kosmos/kernels/moe_backward.py): the per-expert weight gradient.
+"""The MoE backward (kosmos/ops/moe_backward/): its kernels one by one, the one launch against the multi-launch
+path, the simulated EP ranks, the switches of kosmos.MoEBackwardConfig (passed as configs, never as module globals).
 
-Markers as in conftest.py: ``interpreter`` on the CPU, ``gpu`` on one GPU."""
+Markers as in conftest.py: ``interpreter`` on the CPU, ``gpu`` on one GPU, ``ranks`` simulated ranks on one GPU."""
 import pytest
 import torch
 
-from kosmos.kernels.moe_backward import (expert_weight_grads, expert_weight_grads_padded, expert_weight_grads_ref,
-                                         pad_expert_rows, padded_row_offsets, padded_rows_bound)
+from kosmos.config import MoEBackwardConfig
+from kosmos.ops.moe_backward import api as bwd_api
+from kosmos.ops.moe_backward import layout as bwd_layout
+from kosmos.ops.moe_backward import multi_launch as bwd_multi
+from kosmos.ops.moe_backward import one_launch as bwd_one
+from kosmos.ops.moe_backward import rows as bwd_rows
+from kosmos.ops.moe_backward.layout import pad_expert_rows, padded_row_offsets, padded_rows_bound
+from kosmos.ops.moe_backward.multi_launch import (expert_weight_grads, expert_weight_grads_padded,
+                                                  expert_weight_grads_ref)
 
 CASES = [  # counts per expert (zeros allowed), KA, KB: ragged rows, a KA/KB not a multiple of the tile
     pytest.param([5, 0, 17, 1], 24, 40, id="ragged-with-empty"),
@@ -205,7 +213,7 @@ def _dgrad2_inputs(counts, h, f, device, seed=3):
 
 
 def _dgrad2_ref(dy_rows, gu, w2, w_pair, counts):
-    from kosmos.moe_reference import swiglu_backward_ref
+    from kosmos.reference.moe import swiglu_backward_ref
     f = w2.shape[1]
     z = torch.zeros(dy_rows.shape[0], f, dtype=torch.float64)
     start = 0
@@ -223,25 +231,23 @@ def _dgrad2_ref(dy_rows, gu, w2, w_pair, counts):
                          ids=["split-epilogue", "whole-epilogue", "unfused-gemm-then-pass"])
 @pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([40], 48, 16), ([0, 3], 16, 40),
                                          ([17, 0, 3, 0], 20, 24), ([0, 33, 0], 48, 8), ([9, 0, 14], 32, 12)])
-def test_expert_dgrad2_swiglu_interpreter(counts, h, f, mode, monkeypatch):  # H = 20: the pointer fallback
+def test_expert_dgrad2_swiglu_interpreter(counts, h, f, mode):  # H = 20: the pointer fallback
     """GEMM2's data gradient with the SwiGLU backward and the gate gradient in the epilogue, against the
     references (moe_reference.swiglu_backward_ref; dw = <dy W2^T, h>); deterministic. ``mode``: the epilogue
     in two half-width slices (the GPU's 128 x 128 tile) or on the whole tile (F = 12: a half past F); or
     unfused (z rounded to bf16 by the GEMM, then the pass: dw at bf16 level); h bitwise swiglu_h's in each."""
-    from kosmos.kernels import moe_backward as mb
-    from kosmos.kernels.moe_backward import expert_dgrad2_swiglu
-    monkeypatch.setattr(mb, "DGRAD2_SPLIT", mode == "split")
-    monkeypatch.setattr(mb, "DGRAD2_FUSED", mode != "unfused")
+    from kosmos.ops.moe_backward.multi_launch import expert_dgrad2_swiglu
+    config = MoEBackwardConfig(dgrad2_split=mode == "split", dgrad2_fused=mode != "unfused")
     args = _dgrad2_inputs(counts, h, f, "cpu")
-    dgu, dw = expert_dgrad2_swiglu(*args)
+    dgu, dw = expert_dgrad2_swiglu(*args, config=config)
     want_dgu, want_dw = _dgrad2_ref(*[a.cpu() for a in args])
     rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp(min=1e-30)).item()  # noqa: E731
     assert rel(dgu, want_dgu) < 1e-2 and rel(dw, want_dw) < (1e-2 if mode == "unfused" else 1e-5)
-    again = expert_dgrad2_swiglu(*args)
+    again = expert_dgrad2_swiglu(*args, config=config)
     assert torch.equal(again[0], dgu) and torch.equal(again[1], dw)
-    dgu_h, dw_h, h_rows = expert_dgrad2_swiglu(*args, emit_h=True)
+    dgu_h, dw_h, h_rows = expert_dgrad2_swiglu(*args, emit_h=True, config=config)
     assert torch.equal(dgu_h, dgu) and torch.equal(dw_h, dw)
-    assert torch.equal(h_rows.view(torch.int16), mb.swiglu_h(args[1], f).view(torch.int16))
+    assert torch.equal(h_rows.view(torch.int16), bwd_rows.swiglu_h(args[1], f).view(torch.int16))
 
 
 @pytest.mark.interpreter
@@ -249,41 +255,39 @@ def test_expert_dgrad2_swiglu_padded_ignores_unwritten_gap_rows(monkeypatch):
     """The padded layout's dgrad2: the GEMM leaves z's gap rows unwritten (here: NaN), and the SwiGLU pass reads
     them as zeros through ``valid`` -- dgu, h and the gate gradient are zero there, and the rows of the experts
     are bitwise the packed layout's."""
-    from kosmos.kernels import moe_backward as mb
     counts, h, f = [5, 0, 21, 1], 32, 24
     dy_rows, gu, w2, w_pair, cnt = _dgrad2_inputs(counts, h, f, "cpu")
-    pad_offs, row_of, real_of, _ = mb.padded_layout(cnt, int(cnt.sum()))
+    pad_offs, row_of, real_of, _ = bwd_layout.padded_layout(cnt, int(cnt.sum()))
     valid, real = real_of >= 0, real_of.clamp(min=0)
     idx = torch.where(valid, real, -1)
-    dy_p, gu_p = mb.gather_rows(dy_rows, idx), mb.gather_rows(gu, idx)
+    dy_p, gu_p = bwd_rows.gather_rows(dy_rows, idx), bwd_rows.gather_rows(gu, idx)
     w_p = torch.where(valid, w_pair[real], 0.0)
-    real_dgrad1 = mb.expert_dgrad1
+    real_dgrad1 = bwd_multi.expert_dgrad1
 
     def dgrad1_with_nan_gaps(*args, **kw):
         z = real_dgrad1(*args, **kw)
         return z.masked_fill(~valid[:, None], float("nan"))
 
-    want = mb.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt, emit_h=True, fused=False)  # packed
-    monkeypatch.setattr(mb, "expert_dgrad1", dgrad1_with_nan_gaps)
-    dgu, dw, hh = mb.expert_dgrad2_swiglu(dy_p, gu_p, w2, w_p, cnt, emit_h=True, fused=False, offs=pad_offs,
+    want = bwd_multi.expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt, emit_h=True, fused=False)  # packed
+    monkeypatch.setattr(bwd_multi, "expert_dgrad1", dgrad1_with_nan_gaps)
+    dgu, dw, hh = bwd_multi.expert_dgrad2_swiglu(dy_p, gu_p, w2, w_p, cnt, emit_h=True, fused=False, offs=pad_offs,
                                           valid=valid)
     for got, ref in zip((dgu, dw, hh), want):
         assert not got[~valid].any() and torch.equal(got[row_of], ref)
     with pytest.raises(ValueError, match="come together"):
-        mb.expert_dgrad2_swiglu(dy_p, gu_p, w2, w_p, cnt, fused=False, offs=pad_offs)
+        bwd_multi.expert_dgrad2_swiglu(dy_p, gu_p, w2, w_p, cnt, fused=False, offs=pad_offs)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-epilogue", "unfused"])
 def test_expert_dgrad2_swiglu_gpu(no_tf32, fused):
-    from kosmos.kernels import moe_backward as mb
     args = _dgrad2_inputs([300, 0, 7, 129, 1, 0, 64, 500], 256, 200, "cuda")
-    dgu, dw, h_rows = mb.expert_dgrad2_swiglu(*args, emit_h=True, fused=fused)
+    dgu, dw, h_rows = bwd_multi.expert_dgrad2_swiglu(*args, emit_h=True, fused=fused)
     want_dgu, want_dw = _dgrad2_ref(*[a.cpu() for a in args])
     assert ((dgu.cpu().double() - want_dgu).norm() / want_dgu.norm()).item() < 1e-2
     assert ((dw.cpu().double() - want_dw).norm() / want_dw.norm()).item() < (1e-4 if fused else 1e-2)
-    assert torch.equal(h_rows.view(torch.int16), mb.swiglu_h(args[1], args[2].shape[1]).view(torch.int16))
-    again = mb.expert_dgrad2_swiglu(*args, emit_h=True, fused=fused)
+    assert torch.equal(h_rows.view(torch.int16), bwd_rows.swiglu_h(args[1], args[2].shape[1]).view(torch.int16))
+    again = bwd_multi.expert_dgrad2_swiglu(*args, emit_h=True, fused=fused)
     assert all(torch.equal(x, y) for x, y in zip(again, (dgu, dw, h_rows)))
 
 
@@ -291,7 +295,7 @@ def test_expert_dgrad2_swiglu_gpu(no_tf32, fused):
 @pytest.mark.parametrize("counts,h,f", [([5, 0, 21, 1], 32, 24), ([0, 40], 48, 16), ([9, 0, 18], 40, 6),
                                          ([0, 33, 0], 24, 8)])
 def test_expert_dgrad1_interpreter(counts, h, f):  # 2F = 12: the pointer fallback
-    from kosmos.kernels.moe_backward import expert_dgrad1
+    from kosmos.ops.moe_backward.multi_launch import expert_dgrad1
     g = torch.Generator().manual_seed(4)
     r, e = sum(counts), len(counts)
     dgu = torch.randn(r, 2 * f, generator=g).to(torch.bfloat16)
@@ -321,7 +325,7 @@ def _h_torch(gu, f):  # moe_backward's torch line for h, as it was
 @pytest.mark.parametrize("r,f", [(5, 24), (3, 1030)])
 def test_swiglu_h_interpreter(r, f):
     """h = silu(g) u in one pass: within one bf16 rounding of torch's line (the interpreter's exp is numpy's)."""
-    from kosmos.kernels.moe_backward import swiglu_h
+    from kosmos.ops.moe_backward.rows import swiglu_h
     gu = _gu(r, f)
     got, want = swiglu_h(gu, f), _h_torch(gu, f)
     assert got.dtype == torch.bfloat16 and got.shape == (r, f)
@@ -331,14 +335,15 @@ def test_swiglu_h_interpreter(r, f):
 @pytest.mark.gpu
 def test_swiglu_h_bitwise_torch_gpu():
     """On the GPU the kernel is bitwise torch's (g * sigmoid(g) * u).to(bf16): libdevice expf, IEEE division."""
-    from kosmos.kernels.moe_backward import swiglu_h
+    from kosmos.ops.moe_backward.rows import swiglu_h
     gu = _gu(4096, 1536).cuda()
     assert torch.equal(swiglu_h(gu, 1536).view(torch.int16), _h_torch(gu, 1536).view(torch.int16))
 
 
 def _check_dgrad2_emitted_h(counts, h, f, device):
     """dgrad2's epilogue h (emit_h) is bitwise swiglu_h's and its other outputs are unchanged by emitting it."""
-    from kosmos.kernels.moe_backward import expert_dgrad2_swiglu, swiglu_h
+    from kosmos.ops.moe_backward.multi_launch import expert_dgrad2_swiglu
+    from kosmos.ops.moe_backward.rows import swiglu_h
     dy_rows, gu, w2, w_pair, cnt = _dgrad2_inputs(counts, h, f, device)
     gu = _gu(gu.shape[0], f).to(device)  # exp(-g) past fp32's range, g = 0, |g| up to ~16
     dgu, dw, hb = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, cnt, emit_h=True)
@@ -366,8 +371,8 @@ def test_dgrad2_emitted_h_bitwise_gpu():
 @pytest.mark.parametrize("counts,h", [([3, 0, 5], 24), ([0, 0, 4], 1030)])
 def test_scaled_rows_and_unpermute_sum_bitwise_torch(counts, h):
     """do = w * dy[tok] and the dispatch backward's gather-sum: bitwise the torch lines they replace."""
-    from kosmos import moe_reference as mr
-    from kosmos.kernels.moe_backward import scaled_rows, sum_partials, unpermute_sum
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward.rows import scaled_rows, sum_partials, unpermute_sum
     g = torch.Generator().manual_seed(9)
     k, t = 2, sum(counts) // 2 + 1
     p = t * k
@@ -402,24 +407,23 @@ def test_gather_rows_and_padded_layout():
     """gather_rows: src[idx] with zero rows where idx < 0 (the kernel and its torch twin), scaled_rows likewise;
     padded_layout: every sorted row lands at its expert's padded start + its rank inside the expert, real_of is
     row_of's inverse and -1 elsewhere."""
-    import kosmos.kernels.moe_backward as mb
     g = torch.Generator().manual_seed(4)
     src = torch.randn(7, 24, generator=g).to(torch.bfloat16)
     idx = torch.tensor([3, -1, 0, 6, -1, 3])
     want = src[idx.clamp(min=0)].masked_fill((idx < 0)[:, None], 0)
-    assert torch.equal(mb.gather_rows(src, idx), want)
+    assert torch.equal(bwd_rows.gather_rows(src, idx), want)
     w = torch.rand(6, generator=g)
-    assert torch.equal(mb.scaled_rows(src, idx, w), (w[:, None] * want.float()).to(torch.bfloat16))
-    both = mb.gather_rows_and_scaled(src, idx, w)
-    assert torch.equal(both[0], want) and torch.equal(both[1], mb.scaled_rows(src, idx, w))
+    assert torch.equal(bwd_rows.scaled_rows(src, idx, w), (w[:, None] * want.float()).to(torch.bfloat16))
+    both = bwd_rows.gather_rows_and_scaled(src, idx, w)
+    assert torch.equal(both[0], want) and torch.equal(both[1], bwd_rows.scaled_rows(src, idx, w))
     counts = torch.tensor([3, 0, 70, 1, 0])
-    pad_offs, row_of, real_of, end = mb.padded_layout(counts, int(counts.sum()))
+    pad_offs, row_of, real_of, end = bwd_layout.padded_layout(counts, int(counts.sum()))
     assert pad_offs.tolist() == [0, 64, 64, 192, 256] and end.tolist() == [256]
-    assert mb.padded_layout(torch.tensor([3, 70, 0]), 73)[3].tolist() == [192]
-    limited = mb.gather_rows(src, idx, torch.tensor([4], dtype=torch.int32))
+    assert bwd_layout.padded_layout(torch.tensor([3, 70, 0]), 73)[3].tolist() == [192]
+    limited = bwd_rows.gather_rows(src, idx, torch.tensor([4], dtype=torch.int32))
     assert torch.equal(limited[:4], want[:4])  # rows from the limit on: not written
     assert row_of.tolist() == [0, 1, 2] + list(range(64, 134)) + [192]
-    assert real_of.shape[0] == mb.padded_rows_bound(74, 5)
+    assert real_of.shape[0] == bwd_layout.padded_rows_bound(74, 5)
     assert torch.equal(real_of[row_of], torch.arange(74)) and int((real_of >= 0).sum()) == 74
 
 
@@ -429,8 +433,8 @@ def test_moe_backward_padded_rows_bitwise_packed(routing, saved):
     """moe_backward_w1 with the expert rows in the padded layout (the default: gathers into it, the flat wgrad,
     the dgrads on padded offsets) gives bitwise the packed layout's gradients: one expert without rows, one with
     more than a pad's worth; on the recomputed and on a saved g | u."""
-    from kosmos import moe_reference as mr
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     from simranks import placed_gate_up
     g = torch.Generator().manual_seed(12)
     t, h, f, e, k = 45, 32, 16, 6, 2
@@ -454,7 +458,7 @@ def test_moe_backward_padded_rows_bitwise_packed(routing, saved):
 def test_moe_backward_padded_rows_without_tokens():
     """No tokens at all (a rank with nothing routed to it): the padded layout's gathers have nothing to read, and
     the gradients are the packed path's -- empty dx, zero weight gradients."""
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(2), 0, 32, 16, 4)
     experts, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
     packed = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, padded=False)
@@ -468,8 +472,8 @@ def test_moe_backward_padded_rows_without_tokens():
 def test_moe_backward_w1_vs_reference(routing):
     """The whole W=1 backward (the pieces + torch glue) against moe_reference.moe_backward_ref (fp32, explicit
     formulas): dx, d(router weight), dW13, dW2; one expert left without tokens; deterministic."""
-    from kosmos import moe_reference as mr
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     g = torch.Generator().manual_seed(11)
     t, h, f, e, k = 19, 32, 24, 8, 2
     x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
@@ -497,7 +501,7 @@ def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None, e
     gloo group (the kernels under the interpreter); ``saved``: on a stand-in of the forward's g | u."""
     import os
     import torch.distributed as dist
-    from kosmos.kernels.moe_backward import moe_backward
+    from kosmos.ops.moe_backward.api import moe_backward
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -537,7 +541,7 @@ def _ep_inputs(routing, world, t=13, h=32, f=24, e=8, k=2, empty_rank=False):
     """Every rank's tokens (rank 1: none routed to expert block 0's last expert; rank 0: a token count not a
     multiple of anything) and the whole layer, from one seed. ``empty_rank``: every token to experts 0-3 only, so
     the last rank's experts receive no rows at all."""
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
     g = torch.Generator().manual_seed(23)
     wr = (torch.randn(e, h, generator=g) * 0.5).to(torch.bfloat16)
     w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
@@ -572,7 +576,7 @@ def test_moe_backward_over_two_ranks_vs_reference(routing, saved, padded, empty_
     rank's g | u as the forward keeps them (rows shuffled inside each source), gathered into the backward's
     order after the exchange. ``padded``: the expert rows in the padded layout after the exchange, or packed.
     ``empty_rank``: rank 1's experts receive no rows (its weight gradients: zeros)."""
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
     from multiproc import spawn_gloo
     world = 2
     full = _ep_inputs(routing, world, empty_rank=empty_rank)
@@ -601,8 +605,8 @@ def test_moe_backward_on_the_forwards_gate_up_gpu():
     GEMM1 recompute; moe_backward_w1 on it against the fp32 reference (and the recompute path); a second forward
     (other atomics, other row placement) gives bitwise the same gradients."""
     import kosmos
-    from kosmos import moe_reference as mr
-    from kosmos.kernels.moe_backward import _expert_gemm1, moe_backward_w1
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward.api import _expert_gemm1, moe_backward_w1
     g = torch.Generator().manual_seed(31)
     t, h, f, e, k = 777, 256, 192, 16, 4  # F = 192: g's second column tile overhangs into u's columns
     dev = "cuda"
@@ -635,7 +639,7 @@ def test_moe_backward_on_the_forwards_gate_up_gpu():
 @pytest.mark.parametrize("n_experts", [1, 5, 64])
 def test_expert_counts_equals_bincount(n_experts):
     """expert_counts (a sync-free scatter-add) counts exactly what torch.bincount does, empty experts included."""
-    from kosmos.kernels.moe_backward import expert_counts
+    from kosmos.ops.moe_backward.layout import expert_counts
     g = torch.Generator().manual_seed(n_experts)
     flat = torch.randint(0, max(1, n_experts - 1), (3, 7), generator=g)  # the last expert never drawn
     got = expert_counts(flat, n_experts)
@@ -651,7 +655,7 @@ def test_moe_backward_w1_never_syncs_gpu(saved, one_launch):
     under torch.cuda.set_sync_debug_mode("error"), on the forward's g | u and on the recompute, and in the one
     launch with the router backward inside it."""
     import kosmos
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     g = torch.Generator().manual_seed(5)
     t, h, f, e, k = 300, 256, 128, 16, 4
     x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
@@ -697,7 +701,7 @@ def _gpu_skewed_layer(t, h, f, e, k, saved, *, push, pull):
 def test_moe_backward_padded_rows_bitwise_packed_gpu(no_tf32, saved):
     """On the GPU: the padded layout's backward (the default) gives bitwise the packed layout's gradients, on a
     skewed routing with an empty expert and T not a multiple of any tile, bf16 and fp32 weight gradients."""
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     # expert 3's logit ~ -40 +- 8: never among the top k; expert 0: most tokens
     x, wr, w13, w2, dy, weights, experts, saved_gu = _gpu_skewed_layer(1001, 256, 192, 16, 4, saved, push=-10.0,
                                                                        pull=1.0)
@@ -716,7 +720,6 @@ def test_router_gemms_on_tensor_cores_are_fp32_level_gpu():
     router_gemm_backward: fp32 dl split into hi + lo bf16) against fp64: fp32-level, far below bf16's 4e-3
     (session 12 call c, H200: the logits at K = 2048 2.1e-6 -- the tensor cores' fp32 accumulation is not
     IEEE's round-to-nearest at each add -- hence 1e-5; the hi + lo products 5e-5)."""
-    from kosmos.kernels import moe_backward as mb
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(4096, 2048, generator=g, device="cuda").to(torch.bfloat16)
     wr = (torch.randn(64, 2048, generator=g, device="cuda") / 45).to(torch.bfloat16)
@@ -724,8 +727,8 @@ def test_router_gemms_on_tensor_cores_are_fp32_level_gpu():
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
     ref_logits = x.double() @ wr.double().t()
     ref_dwr, ref_dx = dl.double().t() @ x.double(), dl.double() @ wr.double()
-    logits = mb.bf16_mm_fp32(x, wr.t())
-    d_router, dx_r = mb.router_gemm_backward(dl, x, wr)
+    logits = bwd_api.bf16_mm_fp32(x, wr.t())
+    d_router, dx_r = bwd_api.router_gemm_backward(dl, x, wr)
     assert logits.dtype == d_router.dtype == dx_r.dtype == torch.float32
     errs = dict(logits=rel(logits, ref_logits), d_router=rel(d_router, ref_dwr), dx_r=rel(dx_r, ref_dx))
     print("router GEMM errors vs fp64:", errs)
@@ -734,15 +737,14 @@ def test_router_gemms_on_tensor_cores_are_fp32_level_gpu():
 
 def test_router_gemms_cpu_are_the_fp32_reference():
     """Off CUDA the router GEMMs are the fp32 reference's formulas (moe_reference.router_gemm_backward_ref)."""
-    from kosmos.kernels import moe_backward as mb
-    from kosmos.moe_reference import router_gemm_backward_ref
+    from kosmos.reference.moe import router_gemm_backward_ref
     g = torch.Generator().manual_seed(6)
     x = torch.randn(32, 16, generator=g).to(torch.bfloat16)
     wr = torch.randn(8, 16, generator=g).to(torch.bfloat16)
     dl = torch.randn(32, 8, generator=g)
-    assert torch.equal(mb.bf16_mm_fp32(x, wr.t()), x.float() @ wr.float().t())
+    assert torch.equal(bwd_api.bf16_mm_fp32(x, wr.t()), x.float() @ wr.float().t())
     want = router_gemm_backward_ref(dl, x.float(), wr.float())
-    got = mb.router_gemm_backward(dl, x, wr)
+    got = bwd_api.router_gemm_backward(dl, x, wr)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -764,7 +766,7 @@ def _one_launch_case(case, seed=12):
     token to expert 2 of 4 (37 rows; three experts without rows); ``sigmoid`` -- sigmoid-grouped routing with a
     routed scaling, top-4 of 7 distinct experts (expert 5 in none; 4 slots: the dispatch backward's slot order
     shows in fp32), T = 19."""
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
     g = torch.Generator().manual_seed(seed)
     if case == "skewed":
         t, h, f, e, k = 45, 32, 16, 6, 2
@@ -799,18 +801,17 @@ def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dt
     path's dx, d_router, dw13 and dw2, with every buffer the launch allocates poisoned (NaN / the largest integer):
     an empty expert, one expert with all tokens, T not a multiple of any tile, softmax and sigmoid-grouped
     routing, the recomputed and a saved g | u, bf16 and fp32 weight gradients, SWIGLU run by each m-tile's last
-    dgrad2 tile or as its own queue (BWD_SWIGLU_ON_COMPLETION); deterministic. The router backward after the
+    dgrad2 tile or as its own queue (MoEBackwardConfig.swiglu_on_completion); deterministic. The router backward after the
     launch (router_in_launch=False); inside it: test_moe_backward_one_launch_router_in_launch."""
-    from kosmos.kernels import moe_backward as mb
     from simranks import placed_gate_up
-    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
     layer, weights, experts, kw = _one_launch_case(case)
     saved_gu = placed_gate_up(layer[0], layer[2], experts, experts.shape[1],
                               torch.Generator().manual_seed(1)) if saved else None
-    kw.update(saved_gu=saved_gu, wgrad_dtype=wgrad_dtype)
-    want = mb.moe_backward_w1(*layer, weights, experts, one_launch=False, **kw)  # the multi-launch path
+    kw.update(saved_gu=saved_gu, wgrad_dtype=wgrad_dtype,
+              config=MoEBackwardConfig(swiglu_on_completion=on_completion))
+    want = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=False, **kw)  # the multi-launch path
     calls = []
-    real = mb.expert_backward_one_launch
+    real = bwd_one.expert_backward_one_launch
 
     def poisoned(*a, **k):
         calls.append(k.get("programs"))
@@ -818,22 +819,22 @@ def test_moe_backward_one_launch_bitwise_default(case, programs, saved, wgrad_dt
             m.setattr(torch, "empty", _poisoned_empty(torch.empty))
             return real(*a, **k)
 
-    monkeypatch.setattr(mb, "expert_backward_one_launch", poisoned)
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", poisoned)
     kw.update(router_in_launch=False)  # the router backward after the launch (torch ops): the multi-launch bits
-    got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    got = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
     assert calls == [programs]
     for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     for e in set(range(layer[2].shape[0])) - set(experts.unique().tolist()):  # experts without rows: zeros
         assert not got[2][e].any() and not got[3][e].any()
-    again = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    again = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
     assert all(torch.equal(a, b) for a, b in zip(again, got))
 
 
 @pytest.mark.interpreter
 def test_moe_backward_one_launch_without_tokens():
     """No tokens at all: nothing to claim in any queue, the flat wgrad stores zeros, dx is empty."""
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(2), 0, 32, 16, 4)
     experts, weights = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
     got = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, one_launch=True, programs=2)
@@ -858,23 +859,22 @@ def test_moe_backward_one_launch_bounded_waits(left_out, on_completion, waits_fo
     hanging, the first one's record names the op and what it waited for, and the launch still ends (every program
     drains); KosmosTimeoutError on the CPU right after the launch. The router stages' waits too (the router in
     the launch is the default)."""
-    from kosmos import runtime
-    from kosmos.kernels import moe_backward as mb
-    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
+    from kosmos.core import runtime
     layer, weights, experts, kw = _one_launch_case("skewed")
-    real = mb.expert_backward_one_launch
-    stage = getattr(mb, f"BWD_{left_out}")
-    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(
-        *a, **k, stages=mb.BWD_ALL_STAGES & ~(1 << stage), timeout_ns=50_000))
+    kw.update(config=MoEBackwardConfig(swiglu_on_completion=on_completion))
+    real = bwd_one.expert_backward_one_launch
+    stage = getattr(bwd_layout, f"BWD_{left_out}")
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", lambda *a, **k: real(
+        *a, **k, stages=bwd_layout.BWD_ALL_STAGES & ~(1 << stage), timeout_ns=50_000))
     with pytest.raises(runtime.KosmosTimeoutError) as err:
-        mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=3, **kw)
+        bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=3, **kw)
     msg = str(err.value)
     assert msg.startswith("moe_backward: rank 0") and waits_for in msg, msg
 
 
 def test_moe_backward_one_launch_refuses_the_packed_layout():
     """one_launch=True where it is not built: a one-line ValueError, no silent fallback (W > 1: the two-rank test)."""
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     layer, weights, experts, kw = _one_launch_case("skewed")
     with pytest.raises(ValueError, match="padded row layout"):
         moe_backward_w1(*layer, weights, experts, one_launch=True, padded=False, **kw)
@@ -892,19 +892,18 @@ def test_moe_backward_one_launch_bitwise_default_gpu(no_tf32, saved, programs, m
     and on 7 programs; twice the same. The router backward after the launch (router_in_launch=False); inside
     it: test_moe_backward_one_launch_router_in_launch_gpu."""
     import kosmos
-    from kosmos.kernels import moe_backward as mb
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     # expert 3's logit ~ -160 +- 16 (the other logits ~ 0 +- 16): never among the top 8; expert 0 pulled in
     x, wr, w13, w2, dy, weights, experts, saved_gu = _gpu_skewed_layer(3001, 1024, 768, 32, 8, saved, push=-40.0,
                                                                        pull=4.0)
-    real = mb.expert_backward_one_launch
+    real = bwd_one.expert_backward_one_launch
 
     def poisoned(*a, **kw):
         with monkeypatch.context() as m:
             m.setattr(torch, "empty", _poisoned_empty(torch.empty))
             return real(*a, **kw)
 
-    monkeypatch.setattr(mb, "expert_backward_one_launch", poisoned)
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", poisoned)
     for wdt in (None, torch.float32):
         want = moe_backward_w1(x, wr, w13, w2, dy, weights, experts, saved_gu=saved_gu, wgrad_dtype=wdt,
                                one_launch=False)
@@ -929,21 +928,19 @@ def test_moe_backward_one_launch_bounded_wait_gpu(on_completion, waits_for, monk
     time out at about the same time as the SWIGLU tasks' own waits (session 15's GPU run recorded WGRAD's,
     session 21's DGRAD1's), so any of them is the left-out stage's."""
     import kosmos
-    from kosmos import runtime
-    from kosmos.kernels import moe_backward as mb
-    from kosmos import moe_reference as mr
-    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
+    from kosmos.core import runtime
+    from kosmos.reference import moe as mr
     g = torch.Generator().manual_seed(14)
     t, h, f, e, k = 301, 256, 192, 8, 2  # GPU-sized, as the other GPU tests' layers
     layer = [t_.cuda() for t_ in _moe_layer(g, t, h, f, e)]
     experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     weights, _, _ = mr.routing_weights_ref(layer[0].cpu().float() @ layer[1].cpu().float().t(), experts, "softmax")
-    kw = dict(routing="softmax")
-    real = mb.expert_backward_one_launch
-    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **kw_: real(
-        *a, **kw_, stages=mb.BWD_ALL_STAGES & ~(1 << mb.BWD_DGRAD2), timeout_ns=20_000_000))
+    kw = dict(routing="softmax", config=MoEBackwardConfig(swiglu_on_completion=on_completion))
+    real = bwd_one.expert_backward_one_launch
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", lambda *a, **kw_: real(
+        *a, **kw_, stages=bwd_layout.BWD_ALL_STAGES & ~(1 << bwd_layout.BWD_DGRAD2), timeout_ns=20_000_000))
     try:
-        mb.moe_backward_w1(*layer, weights.cuda(), experts.cuda(), one_launch=True, **kw)
+        bwd_api.moe_backward_w1(*layer, weights.cuda(), experts.cuda(), one_launch=True, **kw)
         with pytest.raises(runtime.KosmosTimeoutError, match=waits_for):
             kosmos.check_errors()
     finally:
@@ -957,18 +954,16 @@ def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, ro
     ROUTER_DW and ROUTER_DX task exactly once over the programs (the shared heads hand each out once; SWIGLU by
     each m-tile's last dgrad2 tile or from its own queue), one WGRAD2 and one WGRAD1 run per program, the waits
     before the tasks; the gradients unchanged by tracing."""
-    from kosmos import codes
-    from kosmos.kernels import moe_backward as mb
-    monkeypatch.setattr(mb, "BWD_SWIGLU_ON_COMPLETION", on_completion)
+    from kosmos.core import codes
     layer, weights, experts, kw = _one_launch_case("skewed")
-    kw.update(router_in_launch=router)
+    kw.update(router_in_launch=router, config=MoEBackwardConfig(swiglu_on_completion=on_completion))
     programs = 3
     trace = torch.zeros((programs, codes.TRACE_EVENTS.value, 4), dtype=torch.int64)
-    real = mb.expert_backward_one_launch
-    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: real(*a, **k, trace=trace))
-    got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
-    monkeypatch.setattr(mb, "expert_backward_one_launch", real)
-    untraced = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    real = bwd_one.expert_backward_one_launch
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", lambda *a, **k: real(*a, **k, trace=trace))
+    got = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", real)
+    untraced = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
     assert all(torch.equal(a, b) for a, b in zip(got, untraced))
     counts = torch.bincount(experts.reshape(-1), minlength=layer[2].shape[0])
     bm = 16  # the interpreter's m-tile (and the router GEMMs' tiles)
@@ -987,17 +982,17 @@ def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, ro
     for kind in (codes.EV_BWD_WGRAD2.value, codes.EV_BWD_WGRAD1.value):
         assert [int((trace[p, :, 0] == kind).sum()) for p in range(programs)] == [1] * programs
     # a wait before each DGRAD1 task (and each queued SWIGLU task), one before each program's WGRAD (task -1) and
-    # (BWD_WGRAD1_SYNC) its WGRAD1 rendezvous (task -2), one per program in UNPERMUTE, ROUTER_DL and ROUTER_DW, one
+    # (MoEBackwardConfig.wgrad1_sync) its WGRAD1 rendezvous (task -2), one per program in UNPERMUTE, ROUTER_DL and ROUTER_DW, one
     # before each ROUTER_DX task
     waits = ev[ev[:, 0] == codes.EV_WAIT.value][:, 1]
     per_program = sum(int((trace[p, :, 0] == kind.value).any()) for p in range(programs)
                       for kind in (codes.EV_BWD_UNPERMUTE, codes.EV_BWD_ROUTER_DL, codes.EV_BWD_ROUTER_DW))
-    rendezvous = programs if mb.BWD_WGRAD1_SYNC else 0
+    rendezvous = programs if MoEBackwardConfig().wgrad1_sync else 0
     assert int((waits == -1).sum()) == programs and int((waits == -2).sum()) == rendezvous
     assert waits.numel() == ((0 if on_completion else n_mt) + n_mt * -(-h // bm) + programs + rendezvous
                              + per_program + want[codes.EV_BWD_ROUTER_DX.value])
     with pytest.raises(ValueError, match="trace must be"):
-        mb.expert_backward_one_launch(
+        bwd_one.expert_backward_one_launch(
             layer[3].new_zeros(64, h), layer[3].new_zeros(64, h), layer[3].new_zeros(64, h),
             layer[3].new_zeros(64, 2 * f), torch.zeros(64), torch.zeros(64, dtype=torch.bool), layer[2], layer[3],
             torch.zeros(layer[2].shape[0], dtype=torch.int32), torch.zeros(layer[2].shape[0], dtype=torch.int32),
@@ -1005,11 +1000,11 @@ def test_moe_backward_one_launch_trace_records_every_task_once(on_completion, ro
 
 
 # --------------------------------------------- the router backward inside the one launch (ROUTER_DL / _DW / _DX)
-def _capture_one_launch(monkeypatch, mb, poison=False):
+def _capture_one_launch(monkeypatch, poison=False):
     """Wrap expert_backward_one_launch: each call's pair rows (inv), router inputs and outputs appended to the
     returned list; ``poison``: every buffer the launch allocates starts NaN (_poisoned_empty)."""
     calls = []
-    real = mb.expert_backward_one_launch
+    real = bwd_one.expert_backward_one_launch
 
     def wrapped(*a, **k):
         if poison:
@@ -1021,14 +1016,14 @@ def _capture_one_launch(monkeypatch, mb, poison=False):
         calls.append(dict(inv=a[10], router=k.get("router"), out=out))
         return out
 
-    monkeypatch.setattr(mb, "expert_backward_one_launch", wrapped)
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", wrapped)
     return calls
 
 
 def _router_ref64(x, wr, logits, experts, dweights, routing, renormalize, c):
     """The router backward in fp64 from the launch's own inputs (its fp32 logits, the gate gradients it summed):
     (d_router [E, H], dx_r [T, H], dl [T, E]) -- moe_reference's formulas, the stage's exact target."""
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
     w, full, denom = mr.routing_weights_ref(logits.double(), experts.long(), routing, renormalize=renormalize,
                                             routed_scaling=c)
     dq = mr.router_weights_backward_ref(dweights.double(), w, denom, routed_scaling=c)
@@ -1051,16 +1046,15 @@ def _check_router_in_launch(layer, weights, experts, kw, programs, other_program
     part's fp32 dispatch backward, from (a)), (c) the multi-launch path's d_router (fp32 torch ops) to dr_tol and
     (ref_kw) moe_reference.moe_backward_ref; every launch buffer poisoned; bitwise the same on ``other_programs``
     programs and on a repeat. Returns (got, fraction of dx's elements the router part moved)."""
-    from kosmos import moe_reference as mr
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.reference import moe as mr
     x, wr = layer[0], layer[1]
-    want = mb.moe_backward_w1(*layer, weights, experts, one_launch=False, **kw)  # the multi-launch path
-    calls = _capture_one_launch(monkeypatch, mb, poison=True)
-    off = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, router_in_launch=False, programs=programs,
+    want = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=False, **kw)  # the multi-launch path
+    calls = _capture_one_launch(monkeypatch, poison=True)
+    off = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, router_in_launch=False, programs=programs,
                              **kw)
-    got = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
-    again = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=other_programs, **kw)
-    twice = mb.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    got = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
+    again = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=other_programs, **kw)
+    twice = bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, programs=programs, **kw)
     assert [c["router"] is None for c in calls] == [True, False, False, False]
     for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), off, want):  # the router off: the old bits
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -1101,7 +1095,7 @@ def _router_case(case, seed=21):
     renormalisation top-1 has no router gradient at all); ``sigmoid-bias``: DeepSeek-V3's router -- the decision of
     mr.route with a bias, 4 groups, 2 kept, top-4 of 8, routed scaling 2.5 (T = 23); ``sigmoid-plain``: the same
     without renormalisation."""
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
     if case == "softmax-skewed":
         layer, weights, experts, kw = _one_launch_case("skewed")
         return layer, weights, experts, kw, dict(routing="softmax")
@@ -1147,7 +1141,7 @@ def _gpu_router_case(case):
     ``qwen3`` -- H 4096, E 128, top-8 softmax renormalised, 1000 tokens (not a multiple of any tile), FFN 192;
     ``softmax-plain`` -- H 1024, E 60 (not a multiple of 8: dl's halves padded to 64 columns), top-4 softmax
     without renormalisation, routed scaling 1.5, 777 tokens. The decision by moe_reference.route (fp32 logits)."""
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
     t, h, f, e, k, route_kw = {
         "deepseek-v3": (512, 7168, 256, 256, 8, dict(routing="sigmoid-grouped", n_group=8, topk_group=4,
                                                      routed_scaling=2.5)),
@@ -1190,14 +1184,13 @@ def test_moe_backward_one_launch_router_bounded_wait_gpu(monkeypatch):
     (bounded), the launch ends, and the next check_errors() raises KosmosTimeoutError naming that wait; the
     workspace is reset afterwards."""
     import kosmos
-    from kosmos import runtime
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.core import runtime
     layer, weights, experts, kw = _gpu_router_case("softmax-plain")
-    real = mb.expert_backward_one_launch
-    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **kw_: real(
-        *a, **kw_, stages=mb.BWD_ALL_STAGES & ~(1 << mb.BWD_ROUTER_DL), timeout_ns=20_000_000))
+    real = bwd_one.expert_backward_one_launch
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", lambda *a, **kw_: real(
+        *a, **kw_, stages=bwd_layout.BWD_ALL_STAGES & ~(1 << bwd_layout.BWD_ROUTER_DL), timeout_ns=20_000_000))
     try:
-        mb.moe_backward_w1(*layer, weights, experts, one_launch=True, **kw)
+        bwd_api.moe_backward_w1(*layer, weights, experts, one_launch=True, **kw)
         with pytest.raises(runtime.KosmosTimeoutError, match="every router dlogits block"):
             kosmos.check_errors()
     finally:
@@ -1214,7 +1207,7 @@ def _check_ep_vs_reference(m, tol=2e-2):
     """Every rank's launch error-free and clean (scratch and counters zero, done flags at the epoch), and its
     gradients against moe_reference.moe_backward_ref over all ranks' tokens: dx per rank, d_router summed over
     the ranks, dw13 / dw2 per rank (an expert without rows: exactly zero). Returns the gradients."""
-    from kosmos import runtime
+    from kosmos.core import runtime
     epoch = int(m.epochs[0].item())
     for r in range(m.world):
         assert m.errors[r].abs().sum() == 0, f"rank {r}: {runtime.decode_error(m.errors[r].tolist())}"
@@ -1272,7 +1265,7 @@ def _ep_multi_launch_rank(rank, world, port, q, case):
     MoEBwdRanks' inputs of ``case``; the router backward in torch (both with and without the launch's router)."""
     import os
     import torch.distributed as dist
-    from kosmos.kernels.moe_backward import moe_backward
+    from kosmos.ops.moe_backward.api import moe_backward
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -1316,19 +1309,18 @@ def test_moe_backward_one_launch_ep_vs_multi_launch(case):
 def test_moe_backward_one_launch_ep_without_router_gives_dx_e_and_gate_gradients():
     """router=False: the launch returns the dispatch backward's fp32 dx_e and the pairs' gate gradients (the
     torch router backward's inputs): dx_e + the router part (moe_backward's torch ops) matches the reference."""
-    from kosmos import moe_reference as mr
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.reference import moe as mr
     from simranks import MoEBwdRanks
     m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=33, router=False)
     m.call(1)
     got, dws = m.gradients()
     ref_dx = m.reference()[0]
     for r in range(2):
-        logits = mb.bf16_mm_fp32(m.xs[r], m.wr.t())
+        logits = bwd_api.bf16_mm_fp32(m.xs[r], m.wr.t())
         w_re, full, denom = mr.routing_weights_ref(logits, m.experts[r], "softmax")
         dq = mr.router_weights_backward_ref(dws[r], w_re, denom)
         dl = mr.router_logits_backward_ref(dq, full, m.experts[r], "softmax")
-        _, dx_r = mb.router_gemm_backward(dl, m.xs[r], m.wr)
+        _, dx_r = bwd_api.router_gemm_backward(dl, m.xs[r], m.wr)
         assert got[r][0].dtype == torch.float32 and _rel(got[r][0] + dx_r, ref_dx[r]) < 2e-2
 
 
@@ -1343,14 +1335,13 @@ def test_moe_backward_one_launch_ep_stalled_peer_times_out(stall, waits_for):
     """A stalled peer (rank 1's launches not run) or a stage left out of every rank's launches: the waits on it
     time out (bounded), the first record names what was awaited, and every launch still ends -- rank 0's scratch
     is reset and its epoch advanced; never a hang."""
-    from kosmos import runtime
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.core import runtime
     from simranks import MoEBwdRanks
     m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=35, timeout_ns=50_000)
     if stall == "rank":
         m.call(1, skip=(1,))
     else:
-        m.call(1, leave_out=getattr(mb, f"BWD_{stall}"))
+        m.call(1, leave_out=getattr(bwd_layout, f"BWD_{stall}"))
     err = m.errors[0].tolist()
     assert err[0] != 0, "no timeout recorded"
     msg = runtime.decode_error(err)
@@ -1360,12 +1351,11 @@ def test_moe_backward_one_launch_ep_stalled_peer_times_out(stall, waits_for):
 
 def test_moe_backward_one_launch_ep_layout_refuses_other_shapes():
     """expert_backward_ep_launch on buffers made for another shape: a one-line ValueError before any launch."""
-    from kosmos.kernels import moe_backward as mb
     from simranks import MoEBwdRanks
     m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=1)
     b = m.bufs(0)
     with pytest.raises(ValueError, match="another shape"):
-        mb.expert_backward_ep_launch(m.xs[0][:7], m.dys[0][:7], m.weights[0][:7], m.experts[0][:7], m.w13[0],
+        bwd_one.expert_backward_ep_launch(m.xs[0][:7], m.dys[0][:7], m.weights[0][:7], m.experts[0][:7], m.w13[0],
                                      m.w2[0], b, rank=0, world=2, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=2)
 
 
@@ -1417,15 +1407,14 @@ def test_moe_backward_one_launch_ep_fixed_policy_refuses_bad_splits(policy, comm
     """expert_backward_ep_launch(policy="fixed") needs 1 <= S < grid (S = 0 leaves COMBINE-BWD to no one, S = grid
     the GEMMs): a one-line ValueError before any launch; an unknown policy likewise; and at W = 1 (no
     communication)."""
-    from kosmos.kernels import moe_backward as mb
     from simranks import MoEBwdRanks
     m = MoEBwdRanks(2, 13, 32, 24, 8, 2, seed=1)
     a = (m.xs[0], m.dys[0], m.weights[0], m.experts[0], m.w13[0], m.w2[0], m.bufs(0))
     with pytest.raises(ValueError, match=match):
-        mb.expert_backward_ep_launch(*a, rank=0, world=2, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=3,
+        bwd_one.expert_backward_ep_launch(*a, rank=0, world=2, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=3,
                                      policy=policy, comm_programs=comm_programs)
     with pytest.raises(ValueError, match="no communication at world size 1"):
-        mb.expert_backward_ep_launch(*a, rank=0, world=1, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=3,
+        bwd_one.expert_backward_ep_launch(*a, rank=0, world=1, epoch_slot=m.epochs[0], timeout_ns=10**6, grid=3,
                                      policy="fixed", comm_programs=1)
     assert m.errors[0].abs().sum() == 0 and m.local[0]["scratch"].abs().sum() == 0  # nothing ran
 
@@ -1436,7 +1425,7 @@ def test_moe_backward_fixed_policy_refused_at_w1_and_multi_launch(one_launch):
     ValueError before anything runs, whatever one_launch says (the multi-launch refusal at W > 1: the gloo
     ranks of test_moe_backward_over_two_ranks_vs_reference); an unknown policy too."""
     match = "no communication at world size 1"
-    from kosmos.kernels.moe_backward import moe_backward
+    from kosmos.ops.moe_backward.api import moe_backward
     layer, weights, experts, kw = _one_launch_case("skewed")
     with pytest.raises(ValueError, match=match):
         moe_backward(*layer, weights, experts, one_launch=one_launch, policy="fixed", comm_programs=1, **kw)
@@ -1488,7 +1477,7 @@ def test_moe_backward_one_launch_ep_stalled_peer_gpu():
     """On one GPU at W = 2: rank 1's launch left out -- rank 0's launch ends with the timeout recorded (its plan's
     wait on rank 1's rows), not a hang."""
     import opcases
-    from kosmos import runtime
+    from kosmos.core import runtime
     from simranks import MoEBwdRanks
     m = MoEBwdRanks(2, 300, 256, 128, 8, 2, seed=57, device="cuda", grid=opcases.grid(2),
                     timeout_ns=opcases.STALL_NS)

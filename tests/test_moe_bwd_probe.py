@@ -75,13 +75,14 @@ def test_summary_arithmetic_with_a_stand_in_timer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(probe.Probe, "timed", fake_timed)
     out = tmp_path / "probe.jsonl"
-    from kosmos.kernels import moe_backward as mb
-    default = mb.WGRAD_KERNEL, mb.WGRAD_TILES
+    from kosmos.ops.moe_backward import multi_launch as bwd_multi
+    default = bwd_multi.WGRAD_TILES
     assert probe.main(["--cpu-smoke", "--model", "qwen3-235b", "--routing", "zipf:1.2", "--wgrad-kernel", "tiles",
                        "--wgrad-tiles", "128,256,64,8,2", "--json", str(out)]) == 0
-    assert (mb.WGRAD_KERNEL, mb.WGRAD_TILES) == default  # the options hold for their run only
+    assert bwd_multi.WGRAD_TILES == default  # the options reach the run as arguments, not module globals
     rows = _rows(out)
     assert rows[0]["wgrad_kernel"] == "tiles" and rows[0]["wgrad_tiles"] == [128, 256, 64, 8, 2]
+    assert rows[0]["bwd_config"]["wgrad_kernel"] == "tiles"
     stages, totals, summary = _check_rows(rows)
     assert summary["sum_stages_ms"] == pytest.approx(sum(r["time_ms"] for r in stages))
     assert summary["speedup_vs_a2a"] == pytest.approx(totals["nccl-a2a"]["time_ms"] / totals["kosmos"]["time_ms"])
@@ -101,8 +102,8 @@ def test_summary_arithmetic_with_a_stand_in_timer(tmp_path, monkeypatch):
 def test_stages_compose_to_moe_backward_w1_bitwise():
     """The probe's stages run in order equal moe_backward_w1's four gradients bit for bit, on a decision that leaves
     one expert without rows; every stage reads only what the point or an earlier stage provides."""
-    from kosmos import moe_reference as mr
-    from kosmos.kernels.moe_backward import moe_backward_w1
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward.api import moe_backward_w1
     m = probe.point_model("qwen3-235b", smoke=True)
     pt = probe.build_point(m, 24, "uniform", seed=3)
     g = torch.Generator().manual_seed(5)
@@ -138,15 +139,14 @@ def test_point_model_shrinks_experts_and_picks_smoke_stand_ins():
 def test_cpu_smoke_one_launch_whole_call(tmp_path, monkeypatch):
     """--one-launch: the whole call runs moe_backward's expert part in one launch, the stages stay the launches it
     replaces, and the summary's bitwise check holds between the two (qwen3's stand-in: softmax routing)."""
-    from kosmos.kernels import moe_backward as mb
+    from kosmos.ops.moe_backward import api as bwd_api, one_launch as bwd_one
     calls = []
-    real = mb.expert_backward_one_launch
-    monkeypatch.setattr(mb, "expert_backward_one_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(mb, "ONE_LAUNCH", False)  # the flag must turn it on whatever the module's default
+    real = bwd_one.expert_backward_one_launch
+    monkeypatch.setattr(bwd_api, "expert_backward_one_launch", lambda *a, **k: calls.append(k.get("config")) or real(
+        *a, **k))
     out = tmp_path / "probe.jsonl"
     assert probe.main(["--cpu-smoke", "--one-launch", "--json", str(out)]) == 0
     rows = _rows(out)
     _check_rows(rows)
-    assert rows[0]["one_launch"] is True and mb.ONE_LAUNCH is False  # restored after the run
-    assert mb.BWD_ROUTER_IN_LAUNCH is True
-    assert calls  # the whole call took the one launch
+    assert rows[0]["one_launch"] is True and rows[0]["bwd_config"]["router_in_launch"] is False
+    assert calls and all(c.one_launch and not c.router_in_launch for c in calls)  # the whole call took the launch

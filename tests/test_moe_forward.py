@@ -27,9 +27,10 @@ from opcases import INTERP_GRID, INTERP_TIMEOUT_NS, TOL
 import simranks
 from simranks import MoERanks, rand
 
-from kosmos import moe_reference, planning
+from kosmos.core import planning
+from kosmos.reference import moe as moe_reference
 from kosmos.config import MoEForwardConfig
-from kosmos.kernels import moe_forward as mf
+from kosmos.ops import moe_forward as mf
 
 # The interpreter casts fp32 -> bf16 by truncation, not round-to-nearest (measured with Triton 3.9, also with
 # fp_downcast_rounding="rtne"); h, o and y are each truncated once, ~1% in all at these tiny sizes. A row
@@ -120,7 +121,7 @@ def test_expert_gemms_timeout_is_raised(monkeypatch):
     """expert_gemms (the bench's GEMMs-alone row) reports a timed-out wait instead of returning garbage: with
     GEMM1 left out of the launch, GEMM2's waits on its tiles time out and the call raises KosmosTimeoutError
     naming the wait (it kept a private error buffer nobody read before session 14)."""
-    from kosmos import runtime
+    from kosmos.core import runtime
     real = mf.launch
     monkeypatch.setattr(mf, "launch", lambda *a, **k: real(*a, **dict(k, stages=1 << mf.GEMM2, timeout_ns=50_000)))
     gen = torch.Generator().manual_seed(5)
@@ -155,7 +156,7 @@ def test_moe_forward_device_epoch(world):
 def test_moe_forward_replay_without_the_peer_waits_for_the_next_epoch():
     """After 2 calls, rank 0 running a third alone must wait for rank 1's dispatch of epoch 3 (not take its
     flag of epoch 2): a timeout recorded, the launch still ends with its scratch reset and the slot advanced."""
-    from kosmos import codes, runtime
+    from kosmos.core import codes, runtime
     m = MoERanks(2, 21, 32, 24, 8, 2, seed=79, route_kw=SOFTMAX, timeout_ns=50_000)
     for call in (1, 2):
         m.new_inputs()
@@ -356,7 +357,7 @@ def test_nn_moe_trains_at_one_rank(monkeypatch):
     does) and the backward (moe_backward_w1 on the kernels, under the interpreter) give the gradients of
     moe_reference.moe_backward_ref; two micro-batches accumulate into .grad."""
     import kosmos.nn as knn
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
 
     saves = []
 
@@ -392,7 +393,7 @@ def _shape_rank(rank, world, port, q, tokens):
 
     import torch.distributed as dist
 
-    from kosmos.runtime import World
+    from kosmos.core.runtime import World
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -665,7 +666,8 @@ def test_w1_moe_forward_mxfp8_hit_quantizes_this_calls_x():
     """A plan hit quantizes this call's x (quant.quantize_planned, no checks): new values through a hit give
     the bytes a miss (plans dropped: the full path, normal launches) gives, and the reference math."""
     import kosmos
-    from kosmos import launch_plan, quant, runtime
+    from kosmos import quant
+    from kosmos.core import launch_plan, runtime
     xs, router, w13, w2 = make_case(22, 1, 256, 256, 128, 8, 2)
     xs2 = make_case(23, 1, 256, 256, 128, 8, 2)[0]
     x, x2, router = xs[0].cuda(), xs2[0].cuda(), router.cuda()
@@ -716,7 +718,7 @@ def test_w1_nn_moe_backward_gpu(no_tf32):
     kernel's own routing decision (both routings)."""
     import kosmos
     import kosmos.nn as knn
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
     for kw in (dict(routing="softmax"), dict(routing="sigmoid-grouped", n_group=4, topk_group=2, routed_scaling=2.5)):
         m = knn.MoE(256, 128, 16, 4, **kw).cuda()
         x = torch.randn(300, 256, device="cuda").to(torch.bfloat16).requires_grad_(True)

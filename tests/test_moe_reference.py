@@ -10,7 +10,7 @@ import torch.distributed as dist
 from multiproc import spawn_gloo
 
 from kosmos.models import MOE_MODELS
-from kosmos.moe_reference import expert_ffn, moe_forward_a2a, moe_forward_ref_local, route
+from kosmos.reference.moe import expert_ffn, moe_forward_a2a, moe_forward_ref_local, route
 
 
 def _gen(seed):
@@ -136,7 +136,7 @@ def test_a2a_world2_over_gloo_matches_local_reference(case):
 
 # ---- the backward reference (issue 15): moe_backward_ref against autograd ---------------------------------------
 
-from kosmos.moe_reference import (_pairs_by_expert, apply_routing_ref, backward_saved_bytes,  # noqa: E402
+from kosmos.reference.moe import (_pairs_by_expert, apply_routing_ref, backward_saved_bytes,  # noqa: E402
                                   gate_grad_from_h_ref, moe_backward_ref)
 
 F64 = torch.float64

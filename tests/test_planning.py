@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from kosmos import planning
+from kosmos.core import planning
 from kosmos.config import AllGatherMatmulConfig
-from kosmos.planning import COPY, GROUP_M, PUSH, TileConfig
+from kosmos.core.planning import COPY, GROUP_M, PUSH, TileConfig
 
 # Small tiles (as under the interpreter) and the GPU rule's big tiles, plus one with many m-tiles per slot so
 # that GROUP_M grouping (more than one group) is exercised.
@@ -300,7 +300,7 @@ def test_cached_tables_builds_once():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kosmos.kernels.common import deq_needed  # noqa: E402
+from kosmos.ops.tp_dequant import deq_needed
 
 
 @triton.jit
@@ -361,7 +361,7 @@ def test_w1_plan_splits_or_streams_only_badly_filled_waves(monkeypatch, m, n, k,
     unsplit; at K <= 1024 with the SMs filled once by 128x128 tiles and at most 16 waves of 128x256, two
     programs per SM at 128x128; a tail tile (160 or 192 columns) where its waves are predicted TAIL_MIN_GAIN
     faster. A split keeps >= SPLIT_MIN_STEPS K steps per tile and whole groups on the SMs."""
-    from kosmos.kernels.common import w1_split_grid
+    from kosmos.gemm.w1_static import w1_split_grid
     monkeypatch.setattr(planning, "interpreting", lambda: False)
     plan = planning.w1_plan(m, n, k, programs=132)
     cfg, split = plan.tile, plan.split

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kosmos import planning
+from kosmos.core import planning
 from kosmos.quant import (dequantize_mx, dequantize_mx_ref, e4m3_round_ref, e4m3_value_ref, mx_round,
                           mx_round_bf16, quantize_mx, quantize_mx_ref, rceil_exponent_ref, round_to_mx)
 
@@ -511,7 +511,7 @@ def test_cached_launches_replan_and_match_the_reference():
 def test_cached_launches_fast_path_stand_in(monkeypatch):
     """With the fast path pretended supported (a stand-in launcher that launches normally on the plan's 2-D
     grid): each plan self-checks once, then every hit goes through the stand-in with this call's tensors."""
-    from kosmos import launch_plan
+    from kosmos.core import launch_plan
     seen = []
 
     def make(kernel, compiled, n_args, kw, grid, varying=None):
@@ -550,7 +550,8 @@ def test_bad_inputs_raise_after_a_plan():
 def test_fast_path_bitwise_and_plan_hit():
     """On the GPU: the first call of a signature self-checks the fast launch; from then on calls take it (a hit,
     no new plan) and give the normal launch's bytes, which are the reference's."""
-    from kosmos import launch_plan, quant
+    from kosmos import quant
+    from kosmos.core import launch_plan
     quant._PLANS.clear()
     for rows, k in ((128, 256), (37, 4096)):
         x = random_bf16(rows, k, seed=rows + k).cuda()

@@ -23,7 +23,8 @@ def _tp_rank(rank, world, out_dir):
     import torch.distributed as dist
 
     import kosmos
-    from kosmos import quant, reference, runtime
+    from kosmos import quant, reference
+    from kosmos.core import runtime
     check = Checks(rank)
     try:
         check(runtime.uses_ipc(runtime.get_workspace().world), "the workspace should map its peers by CUDA IPC")
@@ -68,7 +69,7 @@ def _moe_rank(rank, world, out_dir):
     import torch.distributed as dist
 
     import kosmos
-    from kosmos import moe_reference as mr
+    from kosmos.reference import moe as mr
     check = Checks(rank)
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -102,8 +103,8 @@ def _moe_bwd_rank(rank, world, out_dir):
     import torch.distributed as dist
 
     import kosmos
-    from kosmos import moe_reference as mr
-    from kosmos.kernels.moe_backward import moe_backward
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward.api import moe_backward
     check = Checks(rank)
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -176,7 +177,7 @@ def test_ipc_only_for_cuda_groups_other_than_nccl(monkeypatch):
     for NCCL, neither at W = 1 or on the CPU; runtime.host_staged: host copies for CUDA tensors over gloo only."""
     import torch.distributed as dist
 
-    from kosmos import runtime
+    from kosmos.core import runtime
     backend = {"b": "gloo"}
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend["b"])
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")

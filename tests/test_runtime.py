@@ -8,13 +8,13 @@ test_moe_forward.py).
 import pytest
 import torch
 
-from kosmos import models, planning, runtime
+from kosmos import models
+from kosmos.core import codes, planning, runtime
 from kosmos.config import AllGatherMatmulConfig
 
 
 # ----------------------------------------------------------------------------------- errors and wait tags
 def test_decode_error():
-    from kosmos import codes
     msg = runtime.decode_error([1, 1 | codes.WAIT_AG_ROWS.value << 8, 0, 5, runtime.FLAG_BASE + 3, 2, 1, 50_000_000])
     assert msg.startswith("all_gather_matmul: rank 0 (task 5) timed out after 50.0 ms waiting for rows pushed by "
                           f"a peer (signal slot {runtime.FLAG_BASE + 3}): expected >= 2, observed 1")
@@ -25,12 +25,11 @@ def test_decode_error():
                         "for never ran -- a kernel bug; please report it).")  # says what a W = 1 timeout means
 
 
-@pytest.mark.parametrize("tag", sorted(__import__("kosmos.codes").codes.WAIT_TEXT))
+@pytest.mark.parametrize("tag", sorted(codes.WAIT_TEXT))
 def test_every_wait_tag_decodes_to_words(tag):
     """Every tag a kernel can record has its sentence (no bare counter numbers in an error)."""
     msg = runtime.decode_error([1, 4 | tag << 8, 1, 7, 3, 2, 1, 1_000_000])
     assert msg.startswith("moe_forward: rank 1 (task 7) timed out after 1.0 ms waiting for ")
-    from kosmos import codes
     signal_indexed = (codes.WAIT_AG_ROWS.value, codes.WAIT_RS_PARTIAL.value, codes.WAIT_MX_ROWS.value)
     assert "signal" not in msg.split("waiting for ")[1].split(":")[0] or tag in signal_indexed
 
@@ -39,7 +38,6 @@ def test_every_wait_tag_used_by_a_kernel_is_named():
     """The kernels record only named tags: every ``WAIT_*`` passed to a wait is in codes.WAIT_TEXT."""
     import pathlib
     import re
-    from kosmos import codes
     root = pathlib.Path(codes.__file__).parent
     used = set()
     for path in list(root.glob("*.py")) + list(root.glob("kernels/*.py")):
@@ -106,7 +104,6 @@ def test_error_mirror_is_read_without_events_and_check_errors_waits(monkeypatch)
     """No CUDA event per launch: a call reads the pinned mirror's flag word (a host load) and, once it is set,
     raises the decoded record; while capturing nothing is read or waited for; check_errors() synchronises the
     device first (eager launches and replays alike), then reads the mirror; a raised timeout poisons."""
-    from kosmos import codes
     ws = runtime.Workspace(runtime.World(None, 0, 1, torch.device("cuda", 0)))
     ws._err_host = torch.zeros(codes.ERR_RECORD, dtype=torch.int64)  # a host tensor stands in for the pinned one
     synced = []
@@ -185,19 +182,19 @@ def test_triton_allocator_is_set_in_other_threads():
 
 
 def test_tma_descriptor_template_matches_a_fresh_descriptor():
-    """kernels.common.tma_descriptor copies a per-layout template: every field equals what Triton's own
+    """kernels.descriptors.tma_descriptor copies a per-layout template: every field equals what Triton's own
     TensorDescriptor.from_tensor gives, base is the tensor passed, and the cached template keeps no tensor."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from kosmos.kernels import common
+    from kosmos.core import descriptors
     x, y = torch.zeros(256, 192, dtype=torch.bfloat16), torch.ones(256, 192, dtype=torch.bfloat16)
-    dx, dy = common.tma_descriptor(x, [128, 64]), common.tma_descriptor(y, [128, 64])
+    dx, dy = descriptors.tma_descriptor(x, [128, 64]), descriptors.tma_descriptor(y, [128, 64])
     ref = TensorDescriptor.from_tensor(y, [128, 64])
     assert isinstance(dy, TensorDescriptor) and dy.base is y and dx.base is x
     assert {k: v for k, v in vars(dy).items() if k != "base"} == {k: v for k, v in vars(ref).items() if k != "base"}
     key = ((256, 192), (192, 1), torch.bfloat16, (128, 64))
-    assert common._DESCRIPTOR_TEMPLATES[key].base is None
-    other = common.tma_descriptor(torch.zeros(256, 192, dtype=torch.bfloat16)[:, :128], [128, 64])  # new layout
+    assert descriptors._DESCRIPTOR_TEMPLATES[key].base is None
+    other = descriptors.tma_descriptor(torch.zeros(256, 192, dtype=torch.bfloat16)[:, :128], [128, 64])  # new layout
     assert tuple(other.strides) == (192, 1) and tuple(other.shape) == (256, 128)
 
 

@@ -43,7 +43,8 @@ def test_w1_takes_no_data_workspace():
     floor (before session 6 it grew to one gathered input / one partial output: 8 and 16 MiB here, 256 MiB at
     the llama3-70b fc1 16k shape)."""
     import kosmos
-    from kosmos import reference, runtime
+    from kosmos import reference
+    from kosmos.core import runtime
     runtime.reset_workspaces()
     gen = torch.Generator().manual_seed(11)
     a, b = randn((4096, 1024), gen, "cuda"), randn((1024, 2048), gen, "cuda")
@@ -190,7 +191,7 @@ def _w2_cuda_graph_replays(rank, world, out_dir):
     50 times with the inputs rotating; every replay bitwise equal to the eager calls on the same inputs, the
     device epochs of both ranks advanced in lockstep, no timeout."""
     import kosmos
-    from kosmos import runtime
+    from kosmos.core import runtime
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda", rank)
     check = Checks(rank)
