@@ -89,7 +89,7 @@ from ..gemm.w1_mx import w1_mx_call
 from ..gemm.w1_static import w1_matmul_launch
 from ..quant import MXTensor
 from .tp_common import (PRE_QUANTIZE, PRE_ROUND, W1_MX, W1_STATIC, check_operands, pre_step, quantize_request,
-                        tp_route)
+                        split_mx, tp_route)
 from .tp_dequant import deq_lagging, deq_needed, deq_should_help, mx_dequant_rows, wait_rows_dequantized
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
@@ -384,7 +384,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     check_launch(policy, comm_programs, trace, grid)
     a_in = pre_step(a_shard, route.pre)
     if route.kind == W1_MX:
-        payload, scales = a_in if isinstance(a_in, tuple) else (a_in, None)
+        payload, scales = split_mx(a_in)
         values, c = w1_mx_call(payload, scales, b_store, b_kmajor, ws, key, grid, OP_CODE, quantize)
         return (values if quantize else a_shard), c
     if route.kind == W1_STATIC:
@@ -426,7 +426,7 @@ def _first_call_static(a_shard, a_in, pre, b_store, b_kmajor, ws, key, grid, ms,
                           op=OP_CODE)
     info = dict(c_shape=(ms, n), device=a_in.device, mx=False, b_kmajor=b_kmajor, a_full=None, a_values=None,
                 clean=launch_plan.clean_check(ws), pre=pre, returns="pre" if pre == PRE_ROUND else "input")
-    return _launch_and_keep(kl, a_in, b_store, c, None, ws, key, info, a_shard)
+    return _launch_and_keep(kl, a_shard, a_in, b_store, c, None, ws, key, info)
 
 
 def _first_call_fused(a_shard, a_in, pre, b_store, b_kmajor, ws, key, grid, ms, n, k, config, policy,
@@ -434,7 +434,7 @@ def _first_call_fused(a_shard, a_in, pre, b_store, b_kmajor, ws, key, grid, ms, 
     """Route FUSED: the AllGather+GEMM kernel (any W; MX operands expanded by its DEQ tasks)."""
     w, r = ws.world.size, ws.world.rank
     mx = isinstance(a_in, tuple)
-    payload, scales = a_in if mx else (a_in, None)
+    payload, scales = split_mx(a_in)
     m = ms * w
     cfg = planning.tile_config(ms, n, k, world=w, programs=grid, mx=mx)
     chunks = -(-ms // cfg.BM)  # (not triton.cdiv: a JIT function, ~7 us per host call)
@@ -467,19 +467,18 @@ def _first_call_fused(a_shard, a_in, pre, b_store, b_kmajor, ws, key, grid, ms, 
     returns = "values" if pre == PRE_QUANTIZE else "input" if w == 1 else "gathered"
     info = dict(c_shape=(m, n), device=payload.device, mx=mx, b_kmajor=b_kmajor, a_full=a_full,
                 a_values=dequantized, clean=launch_plan.clean_check(ws), pre=pre, returns=returns)
-    return _launch_and_keep(kl, payload, b_store, c, trace, ws, key, info, a_shard, scales=scales)
+    return _launch_and_keep(kl, a_shard, a_in, b_store, c, trace, ws, key, info)
 
 
-def _launch_and_keep(kl, payload, b_store, c, trace, ws, key, info, a_shard, scales=None):
+def _launch_and_keep(kl, a_shard, a_in, b_store, c, trace, ws, key, info):
     """The first call's launch, after storing its plan under ``key`` (a later call of the signature replays it);
     returns (a_full, c)."""
-    mx = info["mx"]
+    payload, scales = split_mx(a_in)
     if key is not None:
-        plan = launch_plan.make_plan(kl, dict(a=payload, a16=payload.view(torch.bfloat16) if mx else None,
+        plan = launch_plan.make_plan(kl, dict(a=payload, a16=payload.view(torch.bfloat16) if info["mx"] else None,
                                               s=scales, b=b_store, c=c, trace=trace), ws, info, views=("a16",))
         if plan is not None:
             launch_plan.store(ws, key, plan)
     kl.launch(list(kl.args), outputs=(c,), clean=info["clean"], self_check=trace is None)
     ws.after_launch()
-    a_in = payload if not mx else MXTensor(payload, scales)
     return _a_full(info, a_shard, a_in), c

@@ -84,7 +84,7 @@ from ..core.schedule import check_launch, policy_args
 from ..gemm.tiles import load_task, store_rows, store_tile, tile_matmul
 from ..gemm.w1_mx import w1_mx_call
 from ..gemm.w1_static import w1_matmul_launch
-from .tp_common import W1_MX, W1_STATIC, check_operands, pre_step, quantize_request, tp_route
+from .tp_common import W1_MX, W1_STATIC, check_operands, pre_step, quantize_request, split_mx, tp_route
 from .tp_dequant import deq_lagging, deq_needed, deq_should_help, mx_dequant_rows, wait_rows_dequantized
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
@@ -369,7 +369,7 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
         raise ValueError(f"M={m} rows of a must divide by the world size {ws.world.size}")
     grid = runtime.num_sms(first.device)
     route = tp_route(ws.world.size, a, quantize, m, n, k, trace, policy, first.device, grid)
-    a, a_scales = _split(pre_step(a, route.pre))
+    a, a_scales = split_mx(pre_step(a, route.pre))
     if route.kind == W1_MX:  # at W = 1 there is nothing to reduce: c = mx(a) @ b
         return w1_mx_call(a, a_scales, b_store, b_kmajor, ws, key, grid, OP_CODE, quantize)[1]
     check_launch(policy, comm_programs, trace, grid)
@@ -399,11 +399,6 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     kl.launch(list(kl.args), outputs=(c,), clean=info["clean"], self_check=trace is None)
     ws.after_launch()
     return c
-
-
-def _split(a):
-    """(payload, scales) of an MXTensor, (a, None) of a bf16 matrix."""
-    return a if isinstance(a, tuple) else (a, None)
 
 
 def _replay(plan, ws, a, b, trace):

@@ -139,6 +139,11 @@ def tp_route(world: int, a, quantize: bool, m: int, n: int, k: int, trace, polic
     return TPRoute(W1_STATIC if w1 else FUSED, None)
 
 
+def split_mx(a):
+    """(payload, scales) of an MXTensor A, (a, None) of a bf16 one."""
+    return a if isinstance(a, tuple) else (a, None)
+
+
 def pre_step(a, pre: str | None):
     """The host step of TPRoute.pre on A: quantize_mx / round_to_mx / dequantize_mx, or ``a`` itself."""
     if pre is None:
