@@ -309,20 +309,52 @@ class MoE(torch.nn.Module):
             self.w2.normal_(0.0, 1.0 / math.sqrt(self.w2.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in
-                                                                (self.router_weight, self.w13, self.w2))):
-            if self.precision != "bf16":
-                raise RuntimeError("kosmos.nn.MoE's backward runs in bf16 only so far (dtype='mxfp8' trains "
-                                   "nothing yet): run this under torch.no_grad() / inference_mode, or freeze its "
-                                   "parameters")
-            return MoEFn.apply(x, self.router_weight, self.w13, self.w2, self.bias, self.top_k, self.routing,
-                               dict(self.route_kw), self.group, self.save_gate_up)
         w13, w2 = self.w13, self.w2
-        if self.precision == "mxfp8":  # the experts' MX values, cached until a parameter changes
+        if self.precision == "mxfp8" and not _needs_grad(x, self.router_weight, w13, w2):
+            # the experts' MX values, cached until a parameter changes
             key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))
             if self._mx_cache is None or self._mx_cache[0] != key:
                 self._mx_cache = (key, quant.mx_values(self.w13.detach(), dim=1),
                                   quant.mx_values(self.w2.detach(), dim=1))
             w13, w2 = self._mx_cache[1], self._mx_cache[2]
-        return moe_forward(x, self.router_weight, w13, w2, top_k=self.top_k, routing=self.routing,
-                           bias=self.bias, group=self.group, precision=self.precision, **self.route_kw)
+        return moe(x, self.router_weight, w13, w2, top_k=self.top_k, routing=self.routing, bias=self.bias,
+                   group=self.group, precision=self.precision, save_gate_up=self.save_gate_up, **self.route_kw)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, H, 2F] and w2 [E, F, H] as the kernels take them. Besides those layouts, accepts the transposes
+    of transformers' ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F] (``.transpose(1, 2)`` of the
+    contiguous parameters); those are copied into the kernels' layout per call, under autograd, so gradients
+    reach the original parameters."""
+    return tuple(w if w.is_contiguous() or not w.transpose(1, 2).is_contiguous() else w.contiguous()
+                 for w in (w13, w2))
+
+
+def moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, top_k: int,
+        routing: str = "softmax", bias: torch.Tensor | None = None, group=None, precision: str = "bf16",
+        save_gate_up: bool | None = None, **route_kw) -> torch.Tensor:
+    """The routed-expert layer as a function: ``moe_forward`` in one launch, with autograd (``MoEFn``) when a
+    gradient is needed -- what ``MoE.forward`` and ``kosmos.integrations.transformers`` run.
+
+    x [T, H] bf16; router_weight [E, H] bf16; w13 / w2 as ``expert_weights`` takes them; route_kw:
+    ``renormalize``, ``routed_scaling``, and for ``routing="sigmoid-grouped"`` ``n_group`` / ``topk_group``
+    (``bias`` [E] is the expert-choice bias, no gradient). ``save_gate_up``: keep GEMM1's g | u for the
+    backward (None: at one rank). With ``precision="mxfp8"`` w13 / w2 must hold the experts' MX values and no
+    gradient may be needed (the MX backward does not exist yet): a RuntimeError says so."""
+    if _needs_grad(x, router_weight, w13, w2):
+        if precision != "bf16":
+            raise RuntimeError("kosmos.nn.MoE's backward runs in bf16 only so far (dtype='mxfp8' trains "
+                               "nothing yet): run this under torch.no_grad() / inference_mode, or freeze its "
+                               "parameters")
+        if save_gate_up is None:
+            save_gate_up = world_size(group) == 1
+        w13, w2 = expert_weights(w13, w2)
+        return MoEFn.apply(x, router_weight, w13, w2, bias, top_k, routing, dict(route_kw), group,
+                           bool(save_gate_up))
+    w13, w2 = expert_weights(w13, w2)
+    return moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias, group=group,
+                       precision=precision, **route_kw)

@@ -387,6 +387,44 @@ def test_nn_moe_trains_at_one_rank(monkeypatch):
     assert m.save_gate_up and len(saves) == 2  # W = 1: the backward ran on the forward's g | u
 
 
+@pytest.mark.interpreter
+def test_nn_moe_function_takes_transformers_layout(monkeypatch):
+    """kosmos.nn.moe with transformers' expert parameters (gate_up [E, 2F, H], down [E, H, F]) passed as their
+    transposes gives the output and gradients of the kernels' own layout, and the gradients land on those
+    parameters (autograd through the per-call layout copy)."""
+    import kosmos.nn as knn
+    from kosmos.reference import moe as mr
+
+    def fake_forward(x, router_weight, w13, w2, *, top_k, routing, bias=None, group=None, return_routing=False,
+                     save_gu=False, precision="bf16", **kw):
+        assert w13.is_contiguous() and w2.is_contiguous()
+        weights, experts = mr.route(x, router_weight, top_k, routing, bias=bias, **kw)
+        y = mr.apply_routing_ref(x, weights, experts, w13, w2).to(torch.bfloat16)
+        return (y, weights, experts) if return_routing else y
+    monkeypatch.setattr(knn, "moe_forward", fake_forward)
+    g = torch.Generator().manual_seed(5)
+    e, h, f, t = 8, 32, 16, 11
+    router = torch.randn(e, h, generator=g).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / 6).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g) / 4).to(torch.bfloat16)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    native = [p.clone().requires_grad_(True) for p in (router, w13, w2)]
+    hf = [router.clone().requires_grad_(True), w13.transpose(1, 2).contiguous().requires_grad_(True),
+          w2.transpose(1, 2).contiguous().requires_grad_(True)]
+    y_native = knn.moe(x, *native, top_k=2, save_gate_up=False)
+    y_native.backward(dy)
+    y_hf = knn.moe(x, hf[0], hf[1].transpose(1, 2), hf[2].transpose(1, 2), top_k=2, save_gate_up=False)
+    y_hf.backward(dy)
+    assert torch.equal(y_native, y_hf)
+    assert torch.equal(native[0].grad, hf[0].grad)
+    assert hf[1].grad.shape == (e, 2 * f, h) and hf[2].grad.shape == (e, h, f)
+    assert torch.equal(native[1].grad.transpose(1, 2), hf[1].grad)
+    assert torch.equal(native[2].grad.transpose(1, 2), hf[2].grad)
+    with torch.no_grad():  # inference: the same output without autograd
+        assert torch.equal(knn.moe(x, hf[0], hf[1].transpose(1, 2), hf[2].transpose(1, 2), top_k=2), y_hf)
+
+
 def _shape_rank(rank, world, port, q, tokens):
     import os
     from types import SimpleNamespace
