@@ -33,7 +33,9 @@ The forward keeps x, the parameters and the routing (weights, experts: T*k each)
 GEMM1's g | u (T*k x 2F bf16 and the rows' (source, token, slot); ``save_gate_up``): the backward skips
 recomputing GEMM1. At W > 1, and with ``save_gate_up=False``, the backward recomputes GEMM1 instead (at W > 1 the
 forward cannot know its row count and would keep the worst case).
-Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``.
+Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``. ``moe`` is the same layer as
+a function over given tensors, and takes transformers' expert layout (gate_up [E, 2F, H], down [E, H, F], passed as
+their ``.transpose(1, 2)``) as it is: ``kosmos.integrations.transformers`` runs it on a model's own parameters.
 
 The why and the costs: docs/design/quant.md (MX linears), docs/design/moe_forward.md and moe_backward.md (MoE).
 Tests: tests/test_nn_tp.py (the linears at W = 1, 2, bf16 and MXFP8, the MX weight cache), test_moe_forward.py
@@ -325,22 +327,15 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def expert_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13 [E, H, 2F] and w2 [E, F, H] as the kernels take them. Besides those layouts, accepts the transposes
-    of transformers' ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F] (``.transpose(1, 2)`` of the
-    contiguous parameters); those are copied into the kernels' layout per call, under autograd, so gradients
-    reach the original parameters."""
-    return tuple(w if w.is_contiguous() or not w.transpose(1, 2).is_contiguous() else w.contiguous()
-                 for w in (w13, w2))
-
-
 def moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, top_k: int,
         routing: str = "softmax", bias: torch.Tensor | None = None, group=None, precision: str = "bf16",
         save_gate_up: bool | None = None, **route_kw) -> torch.Tensor:
     """The routed-expert layer as a function: ``moe_forward`` in one launch, with autograd (``MoEFn``) when a
     gradient is needed -- what ``MoE.forward`` and ``kosmos.integrations.transformers`` run.
 
-    x [T, H] bf16; router_weight [E, H] bf16; w13 / w2 as ``expert_weights`` takes them; route_kw:
+    x [T, H] bf16; router_weight [E, H] bf16; w13 [E, H, 2F] / w2 [E, F, H], contiguous or -- transformers'
+    ``gate_up_proj`` [E, 2F, H] / ``down_proj`` [E, H, F] -- their ``.transpose(1, 2)``: the kernels read either
+    layout as it is, and the weight gradients come back in the weights' layout (no copy); route_kw:
     ``renormalize``, ``routed_scaling``, and for ``routing="sigmoid-grouped"`` ``n_group`` / ``topk_group``
     (``bias`` [E] is the expert-choice bias, no gradient). ``save_gate_up``: keep GEMM1's g | u for the
     backward (None: at one rank). With ``precision="mxfp8"`` w13 / w2 must hold the experts' MX values and no
@@ -352,9 +347,7 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: tor
                                "parameters")
         if save_gate_up is None:
             save_gate_up = world_size(group) == 1
-        w13, w2 = expert_weights(w13, w2)
         return MoEFn.apply(x, router_weight, w13, w2, bias, top_k, routing, dict(route_kw), group,
                            bool(save_gate_up))
-    w13, w2 = expert_weights(w13, w2)
     return moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias, group=group,
                        precision=precision, **route_kw)

@@ -289,7 +289,9 @@ class MoERanks:
     """The one-launch MoE layer on W simulated ranks: rank r holds T tokens and experts [r*El, (r+1)*El)."""
 
     def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, route_kw=None, skew=False,
-                 device="cpu", grid=3, timeout_ns=5_000_000, tol=2e-2, config=None, mx=False):
+                 device="cpu", grid=3, timeout_ns=5_000_000, tol=2e-2, config=None, mx=False, nk=False):
+        """``nk``: the experts' weights in transformers' layout (gate_up [El, 2F, H], down [El, H, F]), passed
+        as their .transpose(1, 2) views; the same values as with nk=False for the same seed."""
         self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
         self.mx = mx  # MXFP8: weights hold their MX values, x is quantized per call, the reference is MX math
         self.device, self.grid, self.timeout_ns, self.tol = device, grid, timeout_ns, tol
@@ -311,6 +313,9 @@ class MoERanks:
         if mx:
             self.w13 = [quant.mx_values(w, dim=1) for w in self.w13]
             self.w2 = [quant.mx_values(w, dim=1) for w in self.w2]
+        if nk:
+            self.w13 = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in self.w13]
+            self.w2 = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in self.w2]
         bias = self.route_kw.get("bias")
         if bias is not None:
             self.route_kw["bias"] = bias.to(device)
@@ -441,7 +446,9 @@ class MoEBwdRanks:
 
     def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, device="cpu", grid=3,
                  timeout_ns=5_000_000, routing="softmax", skew=False, empty_expert=None, router=True,
-                 wgrad_dtype=torch.bfloat16, policy="self", comm_programs=None):
+                 wgrad_dtype=torch.bfloat16, policy="self", comm_programs=None, nk=False):
+        """``nk``: each rank's expert weights in transformers' layout (passed as .transpose(1, 2) views of
+        contiguous [El, 2F, H] / [El, H, F]), the same values as with nk=False."""
         self.policy, self.comm_programs = policy, comm_programs
         self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
         self.el = experts // world
@@ -453,6 +460,9 @@ class MoEBwdRanks:
         self.w2_all = rand(experts, ffn, hidden, gen=gen, scale=ffn ** -0.5).to(device)
         self.w13 = [self.w13_all[r * self.el:(r + 1) * self.el].contiguous() for r in range(world)]
         self.w2 = [self.w2_all[r * self.el:(r + 1) * self.el].contiguous() for r in range(world)]
+        if nk:
+            self.w13 = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in self.w13]
+            self.w2 = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in self.w2]
         allowed = torch.tensor([x for x in range(experts) if x != empty_expert])
         self.xs, self.dys, self.experts, self.weights = [], [], [], []
         for _ in range(world):

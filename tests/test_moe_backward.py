@@ -496,6 +496,40 @@ def test_moe_backward_w1_vs_reference(routing):
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", [
+    "one-launch", "one-launch-router", "multi-launch", "packed", "packed-fused-dgrad2"])
+def test_moe_backward_reads_transformers_layout(path):
+    """The W = 1 backward on the experts' weights in transformers' layout (gate_up [E, 2F, H], down [E, H, F],
+    passed as their .transpose(1, 2)) on every path: the same gradients as on the kernels' own layout (to the
+    rounding of a summation order) and the reference's; dW13 / dW2 come back in the weights' layout (the
+    transposes of contiguous [E, 2F, H] / [E, H, F]); an expert without rows gets zeros."""
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward.api import moe_backward
+    from kosmos.ops.moe_forward import weights_nk
+    g = torch.Generator().manual_seed(31)
+    t, h, f, e, k = 21, 40, 24, 8, 2  # H = 40, F = 24: ragged against the interpreter's 16-wide tiles
+    x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+    allowed = torch.tensor([0, 1, 2, 3, 4, 6, 7])  # expert 5 gets no rows
+    experts = allowed[torch.stack([torch.randperm(7, generator=g)[:k] for _ in range(t)])]
+    weights, _, _ = mr.routing_weights_ref(x.float() @ wr.float().t(), experts, "softmax")
+    w13_nk = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    w2_nk = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    assert weights_nk(w13_nk) and weights_nk(w2_nk)
+    kw = dict(one_launch=path.startswith("one-launch"), padded=not path.startswith("packed"),
+              router_in_launch=path == "one-launch-router" or (False if path.startswith("one-launch") else None),
+              config=MoEBackwardConfig(dgrad2_fused=path == "packed-fused-dgrad2"))
+    native = moe_backward(x, wr, w13, w2, dy, weights, experts, **kw)
+    nk = moe_backward(x, wr, w13_nk, w2_nk, dy, weights, experts, **kw)
+    want = mr.moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=experts, routing="softmax")
+    assert nk[2].shape == w13.shape and nk[3].shape == w2.shape
+    assert weights_nk(nk[2]) and weights_nk(nk[3]), "the weight gradients come back in the weights' layout"
+    for name, a, b, ref in zip(("dx", "d_router", "dw13", "dw2"), nk, native, want):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3, name
+        assert ((a.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2, name
+    assert not nk[2][5].any() and not nk[3][5].any()
+
+
 def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None, empty_rank=False):
     """One rank of the EP backward test: this rank's tokens, dy and decision, its experts; moe_backward over a
     gloo group (the kernels under the interpreter); ``saved``: on a stand-in of the forward's g | u."""
@@ -1260,6 +1294,27 @@ def test_moe_backward_one_launch_ep_vs_reference(case):
         assert all(torch.equal(a, b) for a, b in zip(first[r], [x for x in again[r] if x is not None])), r
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", ["w2-random", "w2-empty-expert-sigmoid"])
+def test_moe_backward_one_launch_ep_reads_transformers_layout(case):
+    """The one launch at W = 2 on transformers' expert layout: against the fp32 reference, the weight gradients
+    in the weights' layout, and the same gradients as on the kernels' own layout to the rounding of a summation
+    order."""
+    from kosmos.ops.moe_forward import weights_nk
+    from simranks import MoEBwdRanks
+    world, t, h, f, e, k, kw = EP_CASES[case]
+    grads = []
+    for nk in (False, True):
+        m = MoEBwdRanks(world, t, h, f, e, k, seed=31 + world, nk=nk, **kw)
+        m.call(1)
+        grads.append(_check_ep_vs_reference(m))
+    for r in range(world):
+        assert weights_nk(grads[1][r][2]) and weights_nk(grads[1][r][3])
+        for a, b in zip(grads[1][r], grads[0][r]):
+            if b is not None and b.float().any():
+                assert _rel(a, b) < 1e-3, r
+
+
 def _ep_multi_launch_rank(rank, world, port, q, case):
     """One rank of the multi-launch path (moe_backward over gloo, all-to-alls between the kernels) on
     MoEBwdRanks' inputs of ``case``; the router backward in torch (both with and without the launch's router)."""
@@ -1469,6 +1524,22 @@ def test_moe_backward_one_launch_ep_at_world_gpu(world, routing, skew, policy):
         want = [tuple(x.clone() for x in g if x is not None) for g in _check_ep_vs_reference(s)]
         for r in range(world):
             assert all(torch.equal(a, b) for a, b in zip(want[r], outs[0][r])), r
+
+
+@pytest.mark.ranks
+@pytest.mark.usefixtures("ranks_setup")
+def test_moe_backward_one_launch_ep_transformers_layout_gpu():
+    """The one launch at W = 2 simulated ranks on one GPU with each rank's experts in transformers' layout:
+    against the fp32 reference, the weight gradients in the weights' layout."""
+    import opcases
+    from kosmos.ops.moe_forward import weights_nk
+    from simranks import MoEBwdRanks
+    m = MoEBwdRanks(2, 300, 256, 136, 8, 2, seed=61, device="cuda", grid=opcases.grid(2),
+                    timeout_ns=opcases.RANKS_TIMEOUT_NS, nk=True)
+    m.call(1)
+    torch.cuda.synchronize()
+    got = _check_ep_vs_reference(m)
+    assert all(weights_nk(g[2]) and weights_nk(g[3]) for g in got)
 
 
 @pytest.mark.ranks

@@ -75,6 +75,30 @@ def test_moe_forward_vs_reference(world, tokens, hidden, ffn, experts, top_k, ro
         m.check(epoch)
 
 
+NK_CASES = [  # (world, tokens, hidden, ffn, experts, top_k, routing, mx)
+    pytest.param(1, 37, 48, 40, 8, 2, SOFTMAX, False, id="w1-softmax"),  # ragged token blocks, H and F
+    pytest.param(2, 17, 32, 16, 16, 4, _interp_grouped(16, 4, 2), False, id="w2-grouped"),
+    pytest.param(2, 17, 64, 32, 8, 2, SOFTMAX, True, id="w2-mxfp8"),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world,tokens,hidden,ffn,experts,top_k,route_kw,mx", NK_CASES)
+def test_moe_forward_reads_transformers_layout(world, tokens, hidden, ffn, experts, top_k, route_kw, mx):
+    """Weights in transformers' layout (gate_up [El, 2F, H], down [El, H, F], passed transposed) give y bitwise
+    equal to the same values in the kernels' own layout, and the reference's y."""
+    seed = world * 100 + tokens + (7 if mx else 0)  # the seeds of the native-layout tests above
+    native = MoERanks(world, tokens, hidden, ffn, experts, top_k, seed=seed, route_kw=route_kw, mx=mx)
+    nk = MoERanks(world, tokens, hidden, ffn, experts, top_k, seed=seed, route_kw=route_kw, mx=mx, nk=True)
+    assert mf.weights_nk(nk.w13[0]) and mf.weights_nk(nk.w2[0]) and not mf.weights_nk(native.w13[0])
+    for m in (native, nk):
+        m.new_inputs()
+        m.call(1)
+        m.check(1)
+    for r in range(world):
+        assert torch.equal(native.ys[r], nk.ys[r])
+
+
 MX_INTERP_CASES = [  # H and F multiples of 32 (MX blocks); interpreter tiles BNH = 32
     pytest.param(1, 21, 64, 32, 4, 2, SOFTMAX, id="w1-softmax"),
     pytest.param(2, 17, 64, 32, 8, 2, SOFTMAX, id="w2-softmax"),
@@ -391,13 +415,13 @@ def test_nn_moe_trains_at_one_rank(monkeypatch):
 def test_nn_moe_function_takes_transformers_layout(monkeypatch):
     """kosmos.nn.moe with transformers' expert parameters (gate_up [E, 2F, H], down [E, H, F]) passed as their
     transposes gives the output and gradients of the kernels' own layout, and the gradients land on those
-    parameters (autograd through the per-call layout copy)."""
+    parameters (in their own layout: the backward returns the weight gradients in the weights' layout)."""
     import kosmos.nn as knn
     from kosmos.reference import moe as mr
 
     def fake_forward(x, router_weight, w13, w2, *, top_k, routing, bias=None, group=None, return_routing=False,
                      save_gu=False, precision="bf16", **kw):
-        assert w13.is_contiguous() and w2.is_contiguous()
+        assert mf.weights_nk(w13) == mf.weights_nk(w2)
         weights, experts = mr.route(x, router_weight, top_k, routing, bias=bias, **kw)
         y = mr.apply_routing_ref(x, weights, experts, w13, w2).to(torch.bfloat16)
         return (y, weights, experts) if return_routing else y
@@ -771,6 +795,40 @@ def test_w1_nn_moe_backward_gpu(no_tf32):
                                   **{k: v for k, v in kw.items() if k != "n_group" and k != "topk_group"})
         for got, want in zip((x.grad, m.router_weight.grad, m.w13.grad, m.w2.grad), ref):
             assert ((got.float().cpu() - want).norm() / want.norm()).item() < 3e-2
+
+
+@pytest.mark.gpu
+def test_w1_moe_transformers_layout_gpu(no_tf32):
+    """kosmos.nn.moe on one GPU with the experts in transformers' layout (gate_up [E, 2F, H], down [E, H, F] as
+    their transposes): the forward bitwise the kernels'-own-layout forward on the same values, the gradients
+    (x, router, both weights, in the parameters' own layout) within 1e-3 of it and within 3e-2 of the fp32
+    reference on the kernel's routing; F = 200: ragged against every tile."""
+    import kosmos
+    from kosmos.nn import moe
+    from kosmos.reference import moe as mr
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t, h, f, e, k = 300, 256, 200, 16, 4
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)  # noqa
+    x, dy, router = rnd(t, h), rnd(t, h), rnd(e, h, scale=0.5)
+    w13, w2 = rnd(e, h, 2 * f, scale=h ** -0.5), rnd(e, f, h, scale=f ** -0.5)
+    gate_up, down = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+    with torch.no_grad():
+        y_native = moe(x, router, w13, w2, top_k=k)
+        y_hf = moe(x, router, gate_up.transpose(1, 2), down.transpose(1, 2), top_k=k)
+    assert torch.equal(y_native, y_hf)
+    grads = []
+    for params in ((w13, w2), (gate_up, down)):
+        leaves = [p.detach().requires_grad_(True) for p in (x, router, *params)]
+        ws = leaves[2:] if params[0] is w13 else [w.transpose(1, 2) for w in leaves[2:]]
+        y = moe(leaves[0], leaves[1], *ws, top_k=k)
+        grads.append(torch.autograd.grad(y, leaves, dy))
+    assert grads[1][2].shape == gate_up.shape and grads[1][3].shape == down.shape
+    hf = [grads[1][0], grads[1][1], grads[1][2].transpose(1, 2), grads[1][3].transpose(1, 2)]
+    _, _, experts = kosmos.moe_forward(x, router, w13, w2, top_k=k, return_routing=True)
+    ref = mr.moe_backward_ref(x.cpu(), router.cpu(), w13.cpu(), w2.cpu(), dy.cpu(), top_k=k, experts=experts.cpu())
+    for name, a, b, want in zip(("dx", "d_router", "dw13", "dw2"), hf, grads[0], ref):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3, name
+        assert ((a.float().cpu() - want).norm() / want.norm()).item() < 3e-2, name
 
 
 def test_saved_gate_up_in_the_backwards_pair_order():

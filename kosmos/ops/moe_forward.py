@@ -387,10 +387,13 @@ def _gemm_task(g, plan_ptr, El, n_tiles_n, ELP2: tl.constexpr, BM: tl.constexpr)
 
 @triton.jit
 def _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, gu_ptr, H, F, BM: tl.constexpr, BK: tl.constexpr,
-                BNH: tl.constexpr, DOT_FP32: tl.constexpr, A_MX: tl.constexpr, SAVE_GU: tl.constexpr):
+                BNH: tl.constexpr, DOT_FP32: tl.constexpr, A_MX: tl.constexpr, SAVE_GU: tl.constexpr,
+                W_NK: tl.constexpr):
     """h[rows m*BM.., cols n*BNH..] = silu(x @ W13_gate) * (x @ W13_up) for local expert le.
     W13 is viewed as [El*H, 2F]: a K block past H reads the next expert's rows, multiplied by A's
-    out-of-bounds columns, which TMA fills with zeros. SAVE_GU: g and u themselves (bf16, rounded once) into
+    out-of-bounds columns, which TMA fills with zeros. W_NK: W13 stored as [El*2F, H] (transformers'
+    ``gate_up_proj``), its [BNH, BK] tiles transposed in the dot; K past H is out of bounds (zeros), N rows past
+    a half's F read the other half's rows, never stored. SAVE_GU: g and u themselves (bf16, rounded once) into
     gu [rows, 2F] as well, for the backward (moe_forward's ``save_gu``)."""
     a_desc = tl.make_tensor_descriptor(xe_ptr + first.to(tl.int64) * H, shape=[rows, H], strides=[H, 1],
                                        block_shape=[BM, BK])
@@ -398,8 +401,12 @@ def _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, gu_ptr, H, F, B
     acc_u = tl.zeros((BM, BNH), dtype=tl.float32)
     for kk in range(0, tl.cdiv(H, BK)):
         a = a_desc.load([m * BM, kk * BK])
-        bg = w13_desc.load([le * H + kk * BK, n * BNH])
-        bu = w13_desc.load([le * H + kk * BK, F + n * BNH])
+        if W_NK:
+            bg = tl.trans(w13_desc.load([le * 2 * F + n * BNH, kk * BK]))
+            bu = tl.trans(w13_desc.load([le * 2 * F + F + n * BNH, kk * BK]))
+        else:
+            bg = w13_desc.load([le * H + kk * BK, n * BNH])
+            bu = w13_desc.load([le * H + kk * BK, F + n * BNH])
         if DOT_FP32:
             acc_g = tl.dot(a.to(tl.float32), bg.to(tl.float32), acc_g)
             acc_u = tl.dot(a.to(tl.float32), bu.to(tl.float32), acc_u)
@@ -432,14 +439,19 @@ def _mx_values_bf16(h, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, BM: tl.constexpr, BK: tl.constexpr,
-                BN: tl.constexpr, DOT_FP32: tl.constexpr):
+def _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, H, BM: tl.constexpr, BK: tl.constexpr,
+                BN: tl.constexpr, DOT_FP32: tl.constexpr, W_NK: tl.constexpr):
+    """acc = h[rows m*BM.., :] @ W2[le][:, cols n*BN..] (fp32). W2 viewed as [El*F, H] (W_NK: stored [El*H, F],
+    transformers' ``down_proj``, its [BN, BK] tiles transposed in the dot; K past F out of bounds, zeros)."""
     a_desc = tl.make_tensor_descriptor(hb_ptr + first.to(tl.int64) * F, shape=[rows, F], strides=[F, 1],
                                        block_shape=[BM, BK])
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kk in range(0, tl.cdiv(F, BK)):
         a = a_desc.load([m * BM, kk * BK])
-        b = w2_desc.load([le * F + kk * BK, n * BN])
+        if W_NK:
+            b = tl.trans(w2_desc.load([le * H + n * BN, kk * BK]))
+        else:
+            b = w2_desc.load([le * F + kk * BK, n * BN])
         if DOT_FP32:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
         else:
@@ -450,9 +462,9 @@ def _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, BM: tl.constexpr, BK:
 @triton.jit
 def _gemm2_task(le, first, rows, m, n, hb_ptr, w2_desc, y_ptr, xe_meta_ptr, peer_data, peer_ctr, off_comb, F, H,
                 TOPK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, FB: tl.constexpr,
-                GEMMS_ONLY: tl.constexpr, DOT_FP32: tl.constexpr):
+                GEMMS_ONLY: tl.constexpr, DOT_FP32: tl.constexpr, W_NK: tl.constexpr):
     """One GEMM2 tile and its epilogue: rows into y (expert_gemms) or back to their tokens' ranks."""
-    acc = _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, BM, BK, BN, DOT_FP32)
+    acc = _gemm2_tile(le, first, rows, m, n, hb_ptr, w2_desc, F, H, BM, BK, BN, DOT_FP32, W_NK)
     if GEMMS_ONLY:
         store_rows(y_ptr, acc.to(tl.bfloat16), first + m * BM, n * BN, rows - m * BM, H, BM, BN)
     else:
@@ -535,15 +547,20 @@ def _moe_forward_kernel(
         GEMMS_ONLY: tl.constexpr, FINAL: tl.constexpr, DOT_FP32: tl.constexpr, TRACE: tl.constexpr,
         HALF_TAIL: tl.constexpr,
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, A_MX: tl.constexpr, KBP2: tl.constexpr,
-        SAVE_GU: tl.constexpr):
+        SAVE_GU: tl.constexpr, W_NK: tl.constexpr = False):
     pid = tl.program_id(0)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     epoch = dev.call_epoch(epoch_ptr)  # this call's epoch, from the device slot (device.call_epoch)
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, H], strides=[H, 1], block_shape=[RB, BK])
     wr_desc = tl.make_tensor_descriptor(wr_ptr, shape=[E, H], strides=[H, 1], block_shape=[EP2, BK])
-    w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[El * H, 2 * F], strides=[2 * F, 1],
-                                         block_shape=[BK, BNH])
-    w2_desc = tl.make_tensor_descriptor(w2_ptr, shape=[El * F, H], strides=[H, 1], block_shape=[BK, BN])
+    if W_NK:  # the experts' weights as transformers stores them: gate_up [El, 2F, H], down [El, H, F]
+        w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[El * 2 * F, H], strides=[H, 1],
+                                             block_shape=[BNH, BK])
+        w2_desc = tl.make_tensor_descriptor(w2_ptr, shape=[El * H, F], strides=[F, 1], block_shape=[BN, BK])
+    else:
+        w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[El * H, 2 * F], strides=[2 * F, 1],
+                                             block_shape=[BK, BNH])
+        w2_desc = tl.make_tensor_descriptor(w2_ptr, shape=[El * F, H], strides=[H, 1], block_shape=[BK, BN])
     n_route = tl.cdiv(T, RB)
     n_perm = WORLD * tl.cdiv(T, PB)
     n_fold = tl.cdiv(T, FB)
@@ -628,10 +645,10 @@ def _moe_forward_kernel(
                         # an expert's last m-tile with at most BM/2 rows: a half-height tile (half the MACs)
                         if HALF_TAIL & (rows - m * BM <= BM // 2):
                             _gemm1_tile(le, first, rows, 2 * m, n, xe_ptr, w13_desc, hb_ptr, gu_ptr, H, F, BM // 2,
-                                        BK, BNH, DOT_FP32, A_MX, SAVE_GU)
+                                        BK, BNH, DOT_FP32, A_MX, SAVE_GU, W_NK)
                         else:
                             _gemm1_tile(le, first, rows, m, n, xe_ptr, w13_desc, hb_ptr, gu_ptr, H, F, BM, BK, BNH,
-                                        DOT_FP32, A_MX, SAVE_GU)
+                                        DOT_FP32, A_MX, SAVE_GU, W_NK)
                         tl.debug_barrier()
                         tl.atomic_add(g1_ctr + gm, 1, sem="release", scope="gpu")
                 elif cur == STAGE_GEMM2:
@@ -644,10 +661,12 @@ def _moe_forward_kernel(
                     if ok != 0:
                         if HALF_TAIL & (rows - m * BM <= BM // 2):
                             _gemm2_task(le, first, rows, 2 * m, n, hb_ptr, w2_desc, y_ptr, xe_meta_ptr, peer_data,
-                                        peer_ctr, off_comb, F, H, TOPK, BM // 2, BK, BN, FB, GEMMS_ONLY, DOT_FP32)
+                                        peer_ctr, off_comb, F, H, TOPK, BM // 2, BK, BN, FB, GEMMS_ONLY, DOT_FP32,
+                                        W_NK)
                         else:
                             _gemm2_task(le, first, rows, m, n, hb_ptr, w2_desc, y_ptr, xe_meta_ptr, peer_data,
-                                        peer_ctr, off_comb, F, H, TOPK, BM, BK, BN, FB, GEMMS_ONLY, DOT_FP32)
+                                        peer_ctr, off_comb, F, H, TOPK, BM, BK, BN, FB, GEMMS_ONLY, DOT_FP32,
+                                        W_NK)
                 else:
                     _fold_block(t, comb_ptr, topk_w_ptr, y_ptr, ctr_ptr, T, H, n2, rank, epoch, timeout_ns,
                                 err_ptr, TOPK, KP2, FB, BH)
@@ -697,6 +716,13 @@ class Layout:
         return q, s
 
 
+def weights_nk(w: torch.Tensor) -> bool:
+    """Whether an expert weight given as [E, K, N] (w13 [E, H, 2F], w2 [E, F, H]) is the transpose of a contiguous
+    [E, N, K] tensor -- transformers' ``gate_up_proj`` [E, 2F, H] / ``down_proj`` [E, H, F] passed as
+    ``.transpose(1, 2)`` -- rather than contiguous itself. The kernels read both layouts as they are."""
+    return w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
+
+
 def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, topk_group, world):
     """Every check of ``moe_forward``'s inputs, before anything launches; returns (T, H, E, El, F)."""
     named = (("x", x, 2), ("router_weight", router_weight, 2), ("w13", w13, 3), ("w2", w2, 3))
@@ -709,12 +735,16 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
             raise ValueError(f"{name} must be torch.bfloat16, got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+        if not t.is_contiguous() and not (dims == 3 and weights_nk(t)):
+            raise ValueError(f"{name} must be contiguous" + (" or the .transpose(1, 2) of a contiguous tensor "
+                                                             "(transformers' expert layout)" if dims == 3 else ""))
         if t.numel() == 0:
             raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must start at a 16-byte aligned address (TMA) -- .clone() it")
+    if weights_nk(w13) != weights_nk(w2):
+        raise ValueError("w13 and w2 must share one layout: both contiguous, or both transposed views of "
+                         "transformers' gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
     t_, h = x.shape
     e, h_r = router_weight.shape
     el, h13, f2 = w13.shape
@@ -803,7 +833,7 @@ def _launch_args(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world,
         POLICY=pol, GEMMS_ONLY=gemms_only, FINAL=gemms_only or bool(stages & (1 << FOLD)),
         DOT_FP32=planning.interpreting(), TRACE=trace is not None, HALF_TAIL=cfg.half_tail,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, A_MX=mx, KBP2=_p2(max(1, h // 32)),
-        SAVE_GU=gu is not None,
+        SAVE_GU=gu is not None, W_NK=weights_nk(w13),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kw
 
@@ -845,7 +875,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     checked with one small all-gather the first time a shape is seen, a ValueError on every rank if they
     differ); router_weight [E, H] bf16
     (replicated); w13 [E/W, H, 2F] (gate | up) and w2 [E/W, F, H] bf16: this rank's experts, global expert g
-    on rank g // (E/W). routing: ``softmax`` (``renormalize`` the top-k weights or not) or
+    on rank g // (E/W); both contiguous, or both the ``.transpose(1, 2)`` of contiguous [E/W, 2F, H] and
+    [E/W, H, F] tensors (transformers' ``gate_up_proj`` / ``down_proj``), read as they are (``weights_nk``). routing: ``softmax`` (``renormalize`` the top-k weights or not) or
     ``sigmoid-grouped`` (DeepSeek-V3: ``bias`` [E] for the choice, ``n_group``/``topk_group``,
     ``routed_scaling``). E <= 256, top_k <= 16, H and F multiples of 8. Shared experts are not part of the op.
     ``config`` (``kosmos.MoEForwardConfig``, default: its defaults) holds the op's knobs.

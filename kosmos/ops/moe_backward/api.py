@@ -135,7 +135,11 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     rank's tokens' part, to be all-reduced like any replicated parameter's gradient --, dw13 [E/W, H, 2F] and
     dw2 [E/W, F, H] in the parameters' dtype (bf16: fp32 accumulation, rounded once; ``wgrad_dtype=torch.float32``
     for the fp32 accumulators), from every rank's tokens) -- reference.moe.moe_backward_ref's stages, with the three
-    expert GEMM shapes on multi_launch.py's kernels and the rest in torch:
+    expert GEMM shapes on multi_launch.py's kernels and the rest in torch. w13 / w2 may also be the
+    ``.transpose(1, 2)`` of contiguous [E/W, 2F, H] / [E/W, F, H] tensors (transformers' ``gate_up_proj`` /
+    ``down_proj``; moe_forward.weights_nk): every path reads them as they are, and dw13 / dw2 then come back in
+    that layout too (the transposes of contiguous [E/W, 2F, H] / [E/W, H, F]: dW^T = B^T A per expert, the same
+    flat wgrad loop with its operands swapped):
 
       pairs sorted by expert (stable: ascending p = t*k + j inside an expert), hence by destination rank;
       W > 1: the expert rows x_rows, dy_rows and the pairs' gate weights to the experts' ranks

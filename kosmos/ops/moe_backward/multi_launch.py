@@ -39,6 +39,7 @@ from .tiles import (DGRAD1_TILES, WGRAD_FLAT_TILES, WGRAD_FLAT_TILES_FP32, _dgra
                     wgrad_flat_tiles)
 from .layout import WGRAD_PAD_ROWS, _mtile_plan
 from .rows import dgrad2_emits_h, sum_partials, swiglu_h
+from ..moe_forward import weights_nk
 
 
 @triton.jit
@@ -357,12 +358,13 @@ def _dgrad2_epilogue(z, wp, gu_t, dgu_t, h_t, dwp_t, col, rows_valid, F, n_parts
 def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr, dgu_ptr, dwp_ptr, h_ptr, H, F,
                           n_mtiles, ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           DOT_FP32: tl.constexpr, TMA: tl.constexpr = False, SPLIT: tl.constexpr = True,
-                          EMIT_H: tl.constexpr = False):
+                          EMIT_H: tl.constexpr = False, B_KN: tl.constexpr = False):
     """One (expert, m-tile, F-tile) of item 2 of this module's docstring. The m-tiles of all experts are numbered
     consecutively (an expert's first m-tile from the exclusive cumsum of ceil(counts / BM)). SPLIT: the
     epilogue in two BN/2-column halves, one after the other (the accumulator split in registers), so that
     g, u and the fp32 temporaries of half a tile are alive at a time (BN = 128 without spills); a gate
-    partial per half (dwp [R, 2 * ceil(F / BN)]). EMIT_H: h = silu(g) u (bf16) stored too (for wgrad2)."""
+    partial per half (dwp [R, 2 * ceil(F / BN)]). EMIT_H: h = silu(g) u (bf16) stored too (for wgrad2).
+    B_KN: W2 stored [E, H, F] (transformers' ``down_proj``), read as it is."""
     pid = tl.program_id(0)
     n_f = tl.cdiv(F, BN)
     gm = pid // n_f
@@ -380,21 +382,34 @@ def _dgrad2_swiglu_kernel(dyr_ptr, gu_ptr, w2_ptr, wp_ptr, offs_ptr, counts_ptr,
     if TMA:  # per-expert descriptors: W2[e] [F, H] and A's rows clipped at the expert's end (zeros past them)
         a_desc = tl.make_tensor_descriptor(dyr_ptr + first * H, shape=[tl.load(counts_ptr + e), H],
                                            strides=[H, 1], block_shape=[BM, BK])
-        b_desc = tl.make_tensor_descriptor(w2e, shape=[F, H], strides=[H, 1], block_shape=[BN, BK])
-        for k0 in range(0, H, BK):
-            a = a_desc.load([lm0, k0])
-            b = b_desc.load([nf * BN, k0])
-            if DOT_FP32:
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+        if B_KN:
+            bk_desc = tl.make_tensor_descriptor(w2e, shape=[H, F], strides=[F, 1], block_shape=[BK, BN])
+            for k0 in range(0, H, BK):
+                a = a_desc.load([lm0, k0])
+                b = bk_desc.load([k0, nf * BN])
+                if DOT_FP32:
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+                else:
+                    acc = tl.dot(a, b, acc)
+        else:
+            b_desc = tl.make_tensor_descriptor(w2e, shape=[F, H], strides=[H, 1], block_shape=[BN, BK])
+            for k0 in range(0, H, BK):
+                a = a_desc.load([lm0, k0])
+                b = b_desc.load([nf * BN, k0])
+                if DOT_FP32:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
     else:
         for k0 in range(0, H, BK):
             km = (k0 + ck) < H
             a = tl.load(dyr_ptr + rr[:, None] * H + (k0 + ck)[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            # B[k, n] = W2[e][n, k]: rows of W2[e] (F of them, H long), read transposed
-            b = tl.load(w2e + cf[None, :].to(tl.int64) * H + (k0 + ck)[:, None], mask=km[:, None] & fm[None, :],
-                        other=0.0)
+            if B_KN:  # B[k, n] = W2[e][k, n] (stored [H, F])
+                b = tl.load(w2e + (k0 + ck)[:, None].to(tl.int64) * F + cf[None, :], mask=km[:, None] & fm[None, :],
+                            other=0.0)
+            else:  # B[k, n] = W2[e][n, k]: rows of W2[e] (F of them, H long), read transposed
+                b = tl.load(w2e + cf[None, :].to(tl.int64) * H + (k0 + ck)[:, None], mask=km[:, None] & fm[None, :],
+                            other=0.0)
             if DOT_FP32:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
@@ -487,14 +502,15 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
     dgu = torch.empty((r_all, 2 * f), dtype=torch.bfloat16, device=dy_rows.device)
     dwp = torch.empty((r_all, 2 * n_f if split else n_f), dtype=torch.float32, device=dy_rows.device)
     hb = torch.empty((r_all, f) if emit_h else (1,), dtype=torch.bfloat16, device=dy_rows.device)
-    tma = h % 8 == 0 and dy_rows.is_contiguous() and w2.is_contiguous() and \
+    nk = weights_nk(w2)
+    tma = h % 8 == 0 and f % 8 == 0 and dy_rows.is_contiguous() and (w2.is_contiguous() or nk) and \
         all(t.data_ptr() % 16 == 0 for t in (dy_rows, w2))
     if tma:
         runtime.ensure_triton_allocator()
     _dgrad2_swiglu_kernel[(n_m * n_f,)](dy_rows, gu.contiguous(), w2, w_pair.float().contiguous(), offs, counts32,
                                           dgu, dwp, hb, h, f, first_pad, ELP2=elp2, BM=bm, BN=bn, BK=bk,
                                           DOT_FP32=planning.interpreting(), TMA=tma, SPLIT=split, EMIT_H=emit_h,
-                                          num_warps=warps, num_stages=stages)
+                                          B_KN=nk, num_warps=warps, num_stages=stages)
     if emit_h:
         return dgu, sum_partials(dwp), hb
     return dgu, sum_partials(dwp)
@@ -503,19 +519,20 @@ def expert_dgrad2_swiglu(dy_rows: torch.Tensor, gu: torch.Tensor, w2: torch.Tens
 @triton.jit
 def _dgrad1_kernel(dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K,
                    ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                   TMA: tl.constexpr = False):
+                   TMA: tl.constexpr = False, B_KN: tl.constexpr = False):
     """One (expert, m-tile, H-tile) of item 3: dx_rows = [dg | du] @ W13[e]^T, K = 2F (W13 [E, H, K]); any
-    rows [R, K] @ W[e]^T with W [E, H, K] likewise (GEMM2's data gradient unfused: dy_rows W2[e]^T, K = H)."""
+    rows [R, K] @ W[e]^T with W [E, H, K] likewise (GEMM2's data gradient unfused: dy_rows W2[e]^T, K = H).
+    B_KN: W stored [E, K, H] (transformers' layout), read as it is."""
     pid = tl.program_id(0)
     n_h = tl.cdiv(H, BN)
     _dgrad1_tile(pid // n_h, pid % n_h, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K, ELP2,
-                 BM, BN, BK, DOT_FP32, TMA)
+                 BM, BN, BK, DOT_FP32, TMA, None, B_KN)
 
 
 def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *, tiles=None,
                   offs=None) -> torch.Tensor:
-    """Item 3 of this module's docstring: dgu [R, 2F] bf16, w13 [E, H, 2F] bf16, counts [E] -> dx_rows [R, H] bf16
-    (rows of no expert: unspecified). ``tiles``: (BM, BN, BK, warps, stages)
+    """Item 3 of this module's docstring: dgu [R, 2F] bf16, w13 [E, H, 2F] bf16 (contiguous, or transformers'
+    [E, 2F, H] as its .transpose(1, 2)), counts [E] -> dx_rows [R, H] bf16 (rows of no expert: unspecified). ``tiles``: (BM, BN, BK, warps, stages)
     instead of DGRAD1_TILES (GPU). ``offs``: each expert's first row (the padded layout's padded_row_offsets)
     instead of the rows packed in expert order."""
     r_all = dgu.shape[0]
@@ -529,13 +546,14 @@ def expert_dgrad1(dgu: torch.Tensor, w13: torch.Tensor, counts: torch.Tensor, *,
         bm, bn, bk, warps, stages = tiles or DGRAD1_TILES
     counts32, offs, first_mtile, elp2, n_m = _mtile_plan(counts, r_all, bm, offs)
     dx = torch.empty((r_all, h), dtype=torch.bfloat16, device=dgu.device)
-    tma = f2 % 8 == 0 and dgu.is_contiguous() and w13.is_contiguous() and \
+    nk = weights_nk(w13)
+    tma = f2 % 8 == 0 and h % 8 == 0 and dgu.is_contiguous() and (w13.is_contiguous() or nk) and \
         all(t.data_ptr() % 16 == 0 for t in (dgu, w13))
     if tma:
         runtime.ensure_triton_allocator()
     _dgrad1_kernel[(n_m * -(-h // bn),)](dgu, w13, offs, counts32, first_mtile, dx, h, f2, ELP2=elp2, BM=bm,
-                                         BN=bn, BK=bk, DOT_FP32=planning.interpreting(), TMA=tma, num_warps=warps,
-                                         num_stages=stages)
+                                         BN=bn, BK=bk, DOT_FP32=planning.interpreting(), TMA=tma, B_KN=nk,
+                                         num_warps=warps, num_stages=stages)
     return dx
 
 
@@ -564,6 +582,7 @@ def expert_backward_gemms(dy_rows, do_rows, x_rows, gu, w_pair, w13, w2, counts,
     False there), both weight gradients on the flat loop (expert_weight_grads_padded); None: packed rows."""
     f, hidden = w2.shape[1], w2.shape[2]
     padded = pad_offs is not None
+    nk = weights_nk(w13)
     if dgrad2_emits_h(config) or padded:  # h = silu(g) u from dgrad2's epilogue (bitwise swiglu_h's)
         dgu, dw_rows, h = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, emit_h=True,
                                                fused=False if padded else None, offs=pad_offs, valid=valid,
@@ -571,15 +590,20 @@ def expert_backward_gemms(dy_rows, do_rows, x_rows, gu, w_pair, w13, w2, counts,
     else:
         dgu, dw_rows = expert_dgrad2_swiglu(dy_rows, gu, w2, w_pair, counts, config=config)
         h = swiglu_h(gu, f, config)
+    # the weight gradients in the weights' layout: dW = A^T B per expert, or for transformers' layout B^T A
+    # (stored [E, N, K], returned as its .transpose(1, 2) like the weight itself)
+    pair2, pair13 = ((do_rows, h), (dgu, x_rows)) if nk else ((h, do_rows), (x_rows, dgu))
     if padded:  # do (gathered with dy_rows; gap rows zero) and both weight gradients on the flat loop
-        dw2 = expert_weight_grads_padded(h, do_rows, counts, pad_offs, out_dtype=wgrad_dtype,
-                                         tiles=wgrad_flat_tiles(wgrad_dtype, f, hidden))
-        dw13 = expert_weight_grads_padded(x_rows, dgu, counts, pad_offs, out_dtype=wgrad_dtype,
-                                          tiles=wgrad_flat_tiles(wgrad_dtype, hidden, 2 * f))
+        dw2 = expert_weight_grads_padded(*pair2, counts, pad_offs, out_dtype=wgrad_dtype,
+                                         tiles=wgrad_flat_tiles(wgrad_dtype, pair2[0].shape[1], pair2[1].shape[1]))
+        dw13 = expert_weight_grads_padded(*pair13, counts, pad_offs, out_dtype=wgrad_dtype,
+                                          tiles=wgrad_flat_tiles(wgrad_dtype, pair13[0].shape[1], pair13[1].shape[1]))
         dx_rows = expert_dgrad1(dgu, w13, counts, offs=pad_offs)
     else:
-        dw2 = expert_weight_grads(h, do_rows, counts, out_dtype=wgrad_dtype, tiles=wgrad2_tiles(h, counts),
-                                  config=config)
-        dw13 = expert_weight_grads(x_rows, dgu, counts, out_dtype=wgrad_dtype, config=config)
+        dw2 = expert_weight_grads(*pair2, counts, out_dtype=wgrad_dtype,
+                                  tiles=wgrad2_tiles(h, counts), config=config)  # square: either layout
+        dw13 = expert_weight_grads(*pair13, counts, out_dtype=wgrad_dtype, config=config)
         dx_rows = expert_dgrad1(dgu, w13, counts)
+    if nk:
+        dw13, dw2 = dw13.transpose(1, 2), dw2.transpose(1, 2)
     return dx_rows, dw_rows, dw13, dw2

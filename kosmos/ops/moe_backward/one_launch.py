@@ -128,6 +128,7 @@ from .layout import (BWD_ALL_STAGES, BWD_COMM_STAGES, BWD_ROUTER_DL, BWD_ROUTER_
                      WGRAD_PAD_ROWS, _mtile_plan, ep_pair_places, ep_tiles)
 from .router import RouterBackward, _router_dlogits_block, _router_dw_stage, _router_dx_tile, _router_tiles
 from .exchange import _ep_combine_block, _ep_dispatch_mtile, _ep_ensure_plan, _ep_permute_task, _ep_publish
+from ..moe_forward import weights_nk
 
 
 BWD_INTERP_PROGRAMS = 3  # the CPU interpreter's default grid (programs run one after another there)
@@ -224,7 +225,8 @@ def _moe_backward_experts_kernel(
         RW_BI: tl.constexpr = 16, RW_BJ: tl.constexpr = 16, RW_BR: tl.constexpr = 16, R_STAGES: tl.constexpr = 1,
         WORLD: tl.constexpr = 1, WP2: tl.constexpr = 1, KP2: tl.constexpr = 1, XB: tl.constexpr = 1,
         XBH: tl.constexpr = 16, TMA_GU: tl.constexpr = False, FINAL: tl.constexpr = True,
-        FLAG_BASE: tl.constexpr = 64, DONE_BASE: tl.constexpr = 0, POLICY: tl.constexpr = 0):
+        FLAG_BASE: tl.constexpr = 64, DONE_BASE: tl.constexpr = 0, POLICY: tl.constexpr = 0,
+        W_NK: tl.constexpr = False):
     """The backward in one persistent launch of GRID programs (the stages, their counters and waits, the deadlock
     argument: this module's docstring): DGRAD2, SWIGLU (SWIGLU_ON_COMPLETION: run inside the DGRAD2 task that
     completes the m-tile; else its own queue), DGRAD1 (shared atomic heads), WGRAD (each program's own share of
@@ -308,7 +310,7 @@ def _moe_backward_experts_kernel(
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
                 if ok != 0:
                     _dgrad1_tile(gm, t % n_g, x_rows_ptr, w13_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, gu_ptr,
-                                 2 * F, H, ELP2, BM, BN, BK, DOT_FP32, TMA_GU, GEMM_STAGES, True)
+                                 2 * F, H, ELP2, BM, BN, BK, DOT_FP32, TMA_GU, GEMM_STAGES, W_NK == 0, True)
                     tl.debug_barrier()
                     tl.atomic_add(gu_ctr + gm, 1, sem="release", scope="gpu")
                     n_ev = dev.trace(trace_ptr, pid, n_ev, EV_GEMM1, t, t1, _trace_clock(TRACE), TRACE)
@@ -325,7 +327,7 @@ def _moe_backward_experts_kernel(
                                   WAIT_BWD_PERMUTE, rank, t, e)
             if ok != 0:
                 _dgrad1_tile(gm, t % n_f, dy_rows_ptr, w2_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, z_ptr, F,
-                             H, ELP2, BM, BN, BK, DOT_FP32, TMA2, GEMM_STAGES)
+                             H, ELP2, BM, BN, BK, DOT_FP32, TMA2, GEMM_STAGES, W_NK)
                 tl.debug_barrier()
                 done = tl.atomic_add(dgrad2_ctr + gm, 1, sem="acq_rel", scope="gpu")
                 t1 = _trace_clock(TRACE)
@@ -386,7 +388,7 @@ def _moe_backward_experts_kernel(
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
             if ok != 0:
                 _dgrad1_tile(gm, t % n_h, dgu_ptr, w13_ptr, pad_offs_ptr, counts_ptr, first_mtile_ptr, dx_rows_ptr,
-                             H, 2 * F, ELP2, BM, BN, BK, DOT_FP32, TMA1, GEMM_STAGES)
+                             H, 2 * F, ELP2, BM, BN, BK, DOT_FP32, TMA1, GEMM_STAGES, W_NK)
                 if WORLD > 1:  # per m-tile: its DISPATCH-BWD task waits for it
                     tl.debug_barrier()
                     tl.atomic_add(dg1_ctr + gm, 1, sem="release", scope="gpu")
@@ -452,9 +454,14 @@ def _moe_backward_experts_kernel(
             w_pid = pid - fixed_comm
             w_grid = GRID - fixed_comm
         if ok != 0:
-            _wgrad_flat_run(w_pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
-                            W2_BJ, W_BR, w_grid, ELP2, DOT_FP32, W2_STAGES, scratch_ptr + SCB_WGRAD2_HEAD,
-                            WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS)
+            if W_NK:  # dW2 [H, F] per expert = do^T h (transformers' down_proj layout)
+                _wgrad_flat_run(w_pid, do_rows_ptr, h_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, H, F, E, R_PAD, W2_BI,
+                                W2_BJ, W_BR, w_grid, ELP2, DOT_FP32, W2_STAGES, scratch_ptr + SCB_WGRAD2_HEAD,
+                                WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS)
+            else:
+                _wgrad_flat_run(w_pid, h_ptr, do_rows_ptr, pad_offs_ptr, counts_ptr, dw2_ptr, F, H, E, R_PAD, W2_BI,
+                                W2_BJ, W_BR, w_grid, ELP2, DOT_FP32, W2_STAGES, scratch_ptr + SCB_WGRAD2_HEAD,
+                                WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS)
             t0 = _trace_clock(TRACE)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD2, -1, t1, t0, TRACE)
             if WGRAD1_SYNC:  # every program starts WGRAD1 together (config.wgrad1_sync; WGRAD's head slot counts them)
@@ -463,9 +470,14 @@ def _moe_backward_experts_kernel(
                 t1 = _trace_clock(TRACE)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, -2, t0, t1, TRACE)
                 t0 = t1
-            _wgrad_flat_run(w_pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD,
-                            W1_BI, W1_BJ, W_BR, w_grid, ELP2, DOT_FP32, W1_STAGES, scratch_ptr + SCB_WGRAD1_HEAD,
-                            WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS)
+            if W_NK:  # dW13 [2F, H] per expert = [dg | du]^T x_rows (transformers' gate_up_proj layout)
+                _wgrad_flat_run(w_pid, dgu_ptr, x_rows_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, 2 * F, H, E, R_PAD,
+                                W1_BI, W1_BJ, W_BR, w_grid, ELP2, DOT_FP32, W1_STAGES,
+                                scratch_ptr + SCB_WGRAD1_HEAD, WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS)
+            else:
+                _wgrad_flat_run(w_pid, x_rows_ptr, dgu_ptr, pad_offs_ptr, counts_ptr, dw13_ptr, H, 2 * F, E, R_PAD,
+                                W1_BI, W1_BJ, W_BR, w_grid, ELP2, DOT_FP32, W1_STAGES,
+                                scratch_ptr + SCB_WGRAD1_HEAD, WGRAD_DYNAMIC, WGRAD_DYNAMIC_16THS)
             n_ev = dev.trace(trace_ptr, pid, n_ev, EV_BWD_WGRAD1, -1, t0, _trace_clock(TRACE), TRACE)
     if (WORLD == 1) & ROUTER:  # the long compute-bound dWr tiles first (beside UNPERMUTE's memory-bound blocks)
         ok, n_ev = _router_dw_stage(scratch_ptr, _takes(stages, STAGE_BWD_ROUTER_DW, fixed_comm, POLICY), ok,
@@ -580,6 +592,24 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _tma_weight(w: torch.Tensor) -> bool:
+    """Whether the kernel reads expert weight w [E, K, N] through TMA: its stored rows (N long, or K long in
+    transformers' layout) 16-byte multiples, its start 16-byte aligned."""
+    row = w.shape[1] if weights_nk(w) else w.shape[2]
+    return row % 8 == 0 and (w.is_contiguous() or weights_nk(w)) and w.data_ptr() % 16 == 0
+
+
+def _weight_grads_like(w13: torch.Tensor, w2: torch.Tensor, out_dtype: torch.dtype):
+    """Empty dW13, dW2 in the weights' own layout: [E, H, 2F] / [E, F, H] contiguous, or for transformers'
+    layout the .transpose(1, 2) views of contiguous [E, 2F, H] / [E, H, F] (what the kernel then writes)."""
+    def like(w):
+        e, k, n = w.shape
+        if weights_nk(w):
+            return torch.empty((e, n, k), dtype=out_dtype, device=w.device).transpose(1, 2)
+        return torch.empty((e, k, n), dtype=out_dtype, device=w.device)
+    return like(w13), like(w2)
+
+
 def _no_ep_args(stand_in: torch.Tensor) -> tuple:
     """The kernel's W > 1 arguments at W = 1 (unused there: typed stand-ins and zeros; fixed_comm last)."""
     return (stand_in,) * 16 + (0,) * 7 + (stand_in,) * 2 + (0, 0, 0)
@@ -609,7 +639,8 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     config = check_config(MoEBackwardConfig, config)
     r_pad, h = dy_rows.shape
     n_exp, f, _ = w2.shape
-    (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f)
+    nk = weights_nk(w13)
+    (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f, nk)
     rut, (rx_bm, rx_bn, rx_bk), (rw_bi, rw_bj, rw_br), r_stages = _router_tiles()
     dev_ = dy_rows.device
     if router is not None:
@@ -640,8 +671,7 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
     bf = dict(dtype=torch.bfloat16, device=dev_)
     z, dgu, hb, dx_rows = (torch.empty((r_pad, n), **bf) for n in (f, 2 * f, f, h))
     dw_rows = torch.empty((r_pad,), dtype=torch.float32, device=dev_)
-    dw13 = torch.empty((n_exp, h, 2 * f), dtype=out_dtype, device=dev_)
-    dw2 = torch.empty((n_exp, f, h), dtype=out_dtype, device=dev_)
+    dw13, dw2 = _weight_grads_like(w13, w2, out_dtype)
     dx_e = torch.empty((n_tok, h), dtype=torch.float32, device=dev_)
     scratch_n = int(SCB_MTILES.value) + 2 * max_mt + (n_tb if router is not None else 0)
     ws = runtime.get_workspace(None, dev_) if dev_.type == "cuda" else None
@@ -662,7 +692,6 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         raise ValueError(f"trace must be an int64 [{grid}, {TRACE_EVENTS.value}, 4] tensor on {dev_}, got "
                          f"{trace.dtype} {tuple(trace.shape)} on {trace.device}")
     runtime.ensure_triton_allocator()
-    aligned = lambda k, w: k % 8 == 0 and w.is_contiguous() and w.data_ptr() % 16 == 0  # noqa: E731 (expert_dgrad1's)
     _moe_backward_experts_kernel[(grid,)](
         dy_rows, do_rows, x_rows, gu.contiguous(), w_pair.float().contiguous(), valid.contiguous().view(torch.uint8),
         w13, w2, offs, counts32, first_mtile, inv,
@@ -672,12 +701,12 @@ def expert_backward_one_launch(dy_rows, do_rows, x_rows, gu, w_pair, valid, w13,
         scratch, scratch_n, max_mt, errors, epoch_slot, max(1, timeout_ns // 1000), stages,
         errors if trace is None else trace, n_tok, h, f, n_exp, r_pad, *_no_ep_args(errors),
         TOPK=top_k, ELP2=elp2, PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk, GEMM_STAGES=gemm_stages,
-        TMA2=aligned(h, w2) and dy_rows.data_ptr() % 16 == 0, TMA1=aligned(2 * f, w13) and dgu.data_ptr() % 16 == 0,
+        TMA2=_tma_weight(w2) and dy_rows.data_ptr() % 16 == 0, TMA1=_tma_weight(w13) and dgu.data_ptr() % 16 == 0,
         SW_BR=sw_br, SW_BF=sw_bf, W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2],
         W2_STAGES=w2t[3], W1_STAGES=w1t[3], UT=ut, UBH=ubh, GRID=grid, DOT_FP32=planning.interpreting(),
         SWIGLU_ON_COMPLETION=config.swiglu_on_completion, TRACE=trace is not None, WGRAD1_SYNC=config.wgrad1_sync,
         WGRAD_DYNAMIC=config.wgrad_dynamic, WGRAD_DYNAMIC_16THS=config.wgrad_dynamic_16ths,
-        LEAN_DGRAD1=config.dgrad1_lean, SW_STAGES=config.swiglu_stages,
+        LEAN_DGRAD1=config.dgrad1_lean, SW_STAGES=config.swiglu_stages, W_NK=nk,
         **(dict(ROUTER=True, SOFTMAX=router.routing == "softmax", RENORM=bool(router.renormalize),
                 ERP2=triton.next_power_of_2(n_r), RUT=rut, RX_BM=rx_bm,
                 RX_BN=rx_bn, RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages)
@@ -717,7 +746,8 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
     k = experts.shape[1]
     el, f, _ = w2.shape
     dev_ = x.device
-    (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f)
+    nk = weights_nk(w13)
+    (bm, bn, bk, gemm_stages), (sw_br, sw_bf), w2t, w1t, (ut, ubh), warps = _bwd_tiles(out_dtype, h, f, nk)
     rut, (rx_bm, rx_bn, rx_bk), (rw_bi, rw_bj, rw_br), r_stages = _router_tiles()
     xb, xbh = ep_tiles()
     if n_tok == 0:
@@ -732,8 +762,8 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
     x_b = _tma_ready(x)
     if outs is None:  # this call's first launch: the pairs' places, the outputs
         place, per = ep_pair_places(experts, el * world)
-        outs = dict(place=place, per=per, dw13=torch.empty((el, h, 2 * f), dtype=out_dtype, device=dev_),
-                    dw2=torch.empty((el, f, h), dtype=out_dtype, device=dev_),
+        dw13, dw2 = _weight_grads_like(w13, w2, out_dtype)
+        outs = dict(place=place, per=per, dw13=dw13, dw2=dw2,
                     dx_e=torch.empty((n_tok, h), dtype=torch.float32, device=dev_))
         bufs["iota"].copy_(torch.arange(n_tok * k, dtype=torch.int32, device=dev_))
         if router is not None:
@@ -761,7 +791,6 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (grid, TRACE_EVENTS.value, 4)):
         raise ValueError(f"trace must be an int64 [{grid}, {TRACE_EVENTS.value}, 4] tensor")
     b = bufs
-    aligned = lambda kk, w: kk % 8 == 0 and w.is_contiguous() and w.data_ptr() % 16 == 0  # noqa: E731
     runtime.ensure_triton_allocator()
     _moe_backward_experts_kernel[(grid,)](
         b["dy_rows"], b["do_rows"], b["x_rows"], b["gu"], b["w_pair"], b["valid"], w13, w2,
@@ -774,7 +803,7 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
         lay.off_recv_x, lay.off_recv_dy, lay.off_meta, lay.off_w, lay.off_cnt, lay.off_comb_x, lay.off_comb_dw,
         b["row_meta"], b["base"], xs_base, rank, fixed_comm,
         TOPK=k, ELP2=triton.next_power_of_2(max(el, 1)), PAD=WGRAD_PAD_ROWS, BM=bm, BN=bn, BK=bk,
-        GEMM_STAGES=gemm_stages, TMA2=aligned(h, w2), TMA1=aligned(2 * f, w13), SW_BR=sw_br, SW_BF=sw_bf,
+        GEMM_STAGES=gemm_stages, TMA2=_tma_weight(w2), TMA1=_tma_weight(w13), SW_BR=sw_br, SW_BF=sw_bf,
         W2_BI=w2t[0], W2_BJ=w2t[1], W1_BI=w1t[0], W1_BJ=w1t[1], W_BR=w2t[2], W2_STAGES=w2t[3], W1_STAGES=w1t[3],
         UT=ut, UBH=ubh, GRID=grid, SWIGLU_ON_COMPLETION=config.swiglu_on_completion, WGRAD1_SYNC=config.wgrad1_sync,
         WGRAD_DYNAMIC=config.wgrad_dynamic, WGRAD_DYNAMIC_16THS=config.wgrad_dynamic_16ths,
@@ -784,8 +813,8 @@ def expert_backward_ep_launch(x, dy, weights, experts, w13, w2, bufs: dict, *, r
                 ERP2=triton.next_power_of_2(router.router_weight.shape[0]), RUT=rut, RX_BM=rx_bm, RX_BN=rx_bn,
                 RX_BK=rx_bk, RW_BI=rw_bi, RW_BJ=rw_bj, RW_BR=rw_br, R_STAGES=r_stages) if router is not None else {}),
         WORLD=world, WP2=triton.next_power_of_2(world), KP2=triton.next_power_of_2(k), XB=xb, XBH=xbh,
-        TMA_GU=aligned(h, w13) and 2 * f % 8 == 0, FINAL=final, FLAG_BASE=runtime.FLAG_BASE,
-        DONE_BASE=runtime.DONE_BASE, POLICY=pol, num_warps=warps, num_stages=gemm_stages)
+        TMA_GU=_tma_weight(w13) and h % 8 == 0 and 2 * f % 8 == 0, FINAL=final, FLAG_BASE=runtime.FLAG_BASE,
+        DONE_BASE=runtime.DONE_BASE, POLICY=pol, W_NK=nk, num_warps=warps, num_stages=gemm_stages)
     dweights = comb_dw.view(n_tok, k).clone()  # the workspace's rows: the next call overwrites them
     first = outs["dx"] if router is not None else outs["dx_e"]
     res = (first, dweights, outs["dw13"], outs["dw2"]) + ((outs["d_router"],) if router is not None else ())

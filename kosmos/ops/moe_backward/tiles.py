@@ -228,12 +228,14 @@ def _swiglu_backward_cols(i64, rm, zm, wp, c, z_ptr, gu_ptr, dgu_ptr, h_ptr, F, 
 @triton.jit
 def _dgrad1_tile(gm, nh, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr, dx_ptr, H, K,
                  ELP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                 TMA: tl.constexpr, LOOP_STAGES: tl.constexpr = None, B_KN: tl.constexpr = False):
+                 TMA: tl.constexpr, LOOP_STAGES: tl.constexpr = None, B_KN: tl.constexpr = False,
+                 RNE_OUT: tl.constexpr = False):
     """Global m-tile gm, H-tile nh of _dgrad1_kernel (the standalone kernel's program and the one-launch
     backward's DGRAD2 / DGRAD1 task): rows [R, K] @ W[e]^T into dx (bf16), rows of no expert not stored; an
-    m-tile past the last expert's rows stores nothing. LOOP_STAGES: as _wgrad_flat_run's. B_KN: W [E, K, H] read
-    as it is, rows @ W[e] (the one launch's GU task at W > 1: [g | u] = x_rows W13[e], H = 2F, K = the hidden
-    size), stored rounded to nearest even on the interpreter too (_to_out: torch's recompute's rounding)."""
+    m-tile past the last expert's rows stores nothing. LOOP_STAGES: as _wgrad_flat_run's. B_KN: W stored
+    [E, K, H], rows @ W[e] (the one launch's GU task at W > 1: [g | u] = x_rows W13[e], H = 2F, K = the hidden
+    size; both data gradients on transformers' layout). RNE_OUT: stored rounded to nearest even on the
+    interpreter too (_to_out: torch's recompute's rounding; the GPU rounds so either way)."""
     e, rr, rm = _mtile_rows(first_mtile_ptr, offs_ptr, counts_ptr, gm, ELP2, BM)
     if tl.sum(rm.to(tl.int32), 0) > 0:  # else past the last expert's rows: nothing to do
         ch = nh * BN + tl.arange(0, BN)
@@ -279,7 +281,7 @@ def _dgrad1_tile(gm, nh, dgu_ptr, w13_ptr, offs_ptr, counts_ptr, first_mtile_ptr
                     acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
                 else:
                     acc = tl.dot(a, b, acc)
-        if B_KN:
+        if RNE_OUT:
             tl.store(dx_ptr + rr[:, None] * H + ch[None, :], _to_out(acc, tl.bfloat16, DOT_FP32),
                      mask=rm[:, None] & hm[None, :])
         else:
@@ -341,15 +343,16 @@ def _mtile_expert(first_mtile_ptr, gm, ELP2: tl.constexpr):
     return tl.sum((tl.load(first_mtile_ptr + tl.arange(0, ELP2)) <= gm).to(tl.int32), 0) - 1
 
 
-def _bwd_tiles(out_dtype: torch.dtype, h: int, f: int):
+def _bwd_tiles(out_dtype: torch.dtype, h: int, f: int, nk: bool = False):
     """The one launch's tiles: ((BM, BN, BK, stages) of both dgrads, (SwiGLU rows, columns), wgrad2's and wgrad1's
     (BI, BJ, BR, stages), (UNPERMUTE tokens, columns), warps) -- the standalone kernels' (the interpreter's small
-    ones). A ValueError unless every stage has 8 warps and both wgrads one row step (one kernel)."""
+    ones). ``nk``: the weight gradients in transformers' layout (dW2 [H, F], dW13 [2F, H] per expert). A
+    ValueError unless every stage has 8 warps and both wgrads one row step (one kernel)."""
     if planning.interpreting():
         return (16, 16, 16, 1), (4, 16), (16, 16, 16, 1), (16, 16, 16, 1), (2, 16), 4
     bm, bn, bk, warps, stages = DGRAD1_TILES
-    w2 = wgrad_flat_tiles(out_dtype, f, h)
-    w1 = wgrad_flat_tiles(out_dtype, h, 2 * f)
+    w2 = wgrad_flat_tiles(out_dtype, *((h, f) if nk else (f, h)))
+    w1 = wgrad_flat_tiles(out_dtype, *((2 * f, h) if nk else (h, 2 * f)))
     if not warps == w2[3] == w1[3] == 8 or w2[2] != w1[2]:  # one kernel: one warp count, one row step
         raise ValueError(f"the one launch needs one warp count and one wgrad row step: dgrad {DGRAD1_TILES}, "
                          f"wgrad2 {w2}, wgrad1 {w1}")
