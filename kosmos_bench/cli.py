@@ -9,8 +9,46 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=(
+
+class _NoFlagTypes:
+    """Help without a type for flags: typer shows ``<bool>`` beside every flag (--help included), although a flag
+    takes no value."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""
+        return params
+
+
+class _Command(_NoFlagTypes, TyperCommand):
+    pass
+
+
+class _Group(_NoFlagTypes, TyperGroup):
+    pass
+
+
+def _flowed(text: str) -> str:
+    """``text`` (a docstring) with the line breaks inside each paragraph made spaces, so that the help is wrapped
+    at the terminal's width (typer re-wraps only a command's first paragraph); paragraphs stay apart."""
+    import inspect
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def _command(group: typer.Typer, name: str, help: str | None = None):
+    """``group.command(name)`` with the help re-flowed (``_flowed``; default: the function's docstring) and no
+    types beside flags (``_NoFlagTypes``)."""
+    def register(fn):
+        return group.command(name, cls=_Command, help=_flowed(help or fn.__doc__ or ""))(fn)
+    return register
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, help=(
     "KOSMOS: self-scheduling fused communication+GEMM kernels for tensor/sequence and expert parallelism, "
     "and the benchmark that compares them with what you run today.\n\n"
     "  kosmos bench tp                      # default TP suite on all visible GPUs\n\n"
@@ -19,7 +57,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=(
     "  kosmos bench tp --shape 8192x1024x8192 --op ag_gemm --dry-run\n\n"
     "  kosmos report results/h200x2/tp-bf16.jsonl --format md\n\n"
     "  kosmos env                           # what a bug report needs"))
-bench_app = typer.Typer(no_args_is_help=True, help="Check and time fused ops against baselines on this node's GPUs.")
+bench_app = typer.Typer(cls=_Group, no_args_is_help=True,
+                        help="Check and time fused ops against baselines on this node's GPUs.")
 app.add_typer(bench_app, name="bench")
 console = Console(stderr=True)
 
@@ -55,6 +94,24 @@ def _split(values: Optional[List[str]], cast=str, option: str = ""):
                 except ValueError:
                     _fail(f"{option}: {part!r} is not {CAST_WORDS.get(cast, 'a valid ' + cast.__name__)}")
     return tuple(out)
+
+
+def _at_least(low: int, **given) -> None:
+    """Each given option (``flag=value``, the flag spelled with _ for -, e.g. ``host_calls``; None: not given, a
+    tuple: every value) an integer >= ``low``, else a one-line error naming it."""
+    for name, value in given.items():
+        for v in value if isinstance(value, tuple) else (value,):
+            if v is not None and v < low:
+                _fail(f"--{name.replace('_', '-')} {v}: give an integer >= {low}")
+
+
+def _check_ranks(value: Optional[int], flag: str) -> None:
+    """``--tp`` / ``--ep`` as given: None, or 1 to MAX_WORLD ranks (one node, kosmos.core.runtime.MAX_WORLD);
+    else a one-line error naming the option."""
+    from kosmos.core.runtime import MAX_WORLD
+    if value is not None and not 1 <= value <= MAX_WORLD:
+        _fail(f"{flag} {value}: give 1 to {MAX_WORLD} ranks (KOSMOS runs within one node of up to {MAX_WORLD} "
+              f"GPUs)")
 
 
 def _dtypes(values: Optional[str]) -> tuple | None:
@@ -138,8 +195,28 @@ MOE_DIRECTION_OPTION = typer.Option(None, "--direction", help="fwd (the layer's 
                                     "backward rows run in bf16: kosmos (at --ep 1 moe_backward_w1 on the forward's "
                                     "kept g | u; at --ep > 1 moe_backward, GEMM1 recomputed) and nccl-a2a "
                                     "(autograd), checked against the fp32 gradients.")
-ITERS_OPTION = typer.Option(None, "--iters", help="Timed iterations per implementation (median reported).")
-WARMUP_OPTION = typer.Option(None, "--warmup", help="Untimed warm-up iterations.")
+
+
+def _suite_default(bench: str, key: str) -> str:
+    """The value of ``key`` in ``bench``'s default suite file, as the help names it ("?" if unreadable)."""
+    import yaml
+
+    from .package_data import DEFAULT_SUITE_FILES
+    try:
+        return str(yaml.safe_load(DEFAULT_SUITE_FILES[bench].read_text())[key])
+    except Exception:
+        return "?"
+
+
+def _iters_option(bench: str):
+    return typer.Option(None, "--iters", help=f"Timed iterations per implementation (median reported); default: "
+                        f"the suite's, {_suite_default(bench, 'iters')} in {bench}-default.")
+
+
+def _warmup_option(bench: str):
+    return typer.Option(None, "--warmup", help=f"Untimed warm-up iterations; default: the suite's, "
+                        f"{_suite_default(bench, 'warmup')} in {bench}-default.")
+
 CUDA_GRAPH_OPTION = typer.Option(False, "--cuda-graph", help="Capture one call of each implementation (after "
                                  "warm-up) into a CUDA graph and time its replay; rows carry cuda_graph: true, and "
                                  "one whose capture fails is recorded as failed with the reason.")
@@ -188,10 +265,40 @@ DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Print the planned points
 
 
 def _out_path(out: Optional[Path], bench: str, dtype: str, create: bool = True) -> Path:
+    """The results file: ``out`` (``--out``), else results/BENCH-DTYPE-TIMESTAMP.jsonl; its folders are made when
+    ``create`` (a dry run makes nothing). One that cannot be appended to is a one-line error naming --out, dry run
+    included (``_check_writable``)."""
     out = out or Path("results") / f"{bench}-{dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    _check_writable(out)
     if create:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            _fail(f"--out {out}: cannot make its folder ({e.strerror or e})")
     return out
+
+
+def _check_writable(out: Path) -> None:
+    """A one-line error naming --out unless ``out`` can be appended to: an existing file is opened for appending
+    (nothing written), else an unnamed temporary file is made in the nearest folder that exists (where the run
+    would make the missing ones; nothing is left behind)."""
+    import tempfile
+    if out.is_dir():
+        _fail(f"--out {out}: a folder; give a file path, e.g. {out / 'results.jsonl'}")
+    folder = out.parent
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        if out.exists():
+            with open(out, "a"):
+                return
+        if not folder.is_dir():
+            _fail(f"--out {out}: {folder} is a file, not a folder")
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        where = "cannot append to it" if out.exists() else f"cannot create files in {folder}"
+        _fail(f"--out {out}: {where} ({e.strerror or e})")
 
 
 def _planned_availability(family: str, impls, world: int, dtype: str | None = None,
@@ -246,8 +353,9 @@ def _configs_text(configs: dict) -> str:
     return "; ".join(f"{op} " + ", ".join(f"{k}={v}" for k, v in config_dict(c).items()) for op, c in configs.items())
 
 
-def _launch(rank_fn, world: int, out: Path, *args):
-    """Run ``rank_fn(rank, world, *args)`` on every rank, then show the table of ``out`` (rank 0)."""
+def _launch(rank_fn, world: int, out: Path, *args, table: bool = True):
+    """Run ``rank_fn(rank, world, *args)`` on every rank, then (rank 0) show the table of ``out`` (``table``) and
+    where the results are; exit 1 with a one-line summary when a row of this run failed (``_exit_if_failed``)."""
     from . import launcher
     try:
         launcher.spawn(rank_fn, world, *args)
@@ -255,10 +363,47 @@ def _launch(rank_fn, world: int, out: Path, *args):
         _fail(f"{e}\npartial results (if any) are in {out}", code=1)
     if launcher.under_torchrun() and int(os.environ["RANK"]) != 0:
         return  # under torchrun every rank runs this command; rank 0 wrote the file and shows the table
-    from .report import build_table, load_records, print_terminal
-    records = load_records([out])
-    print_terminal(build_table(records.results, records.hosts), console=Console())
-    console.print(f"results: {out}  (render again with `kosmos report {out}`)")
+    if table:
+        from .report import build_table, load_records, print_terminal
+        records = load_records([out])
+        print_terminal(build_table(records.results, records.hosts), console=Console())
+    console.print(f"results: {out}  (render {'again ' if table else ''}with `kosmos report {out}`)")
+    _exit_if_failed(out)
+
+
+def _failed_rows(out: Path) -> tuple[int, list[dict]]:
+    """(rows of the last run in ``out``, those of them with status "failed"): the run is the one of the file's
+    last environment line (its run_id; a results file is appended to, run after run)."""
+    import json
+    rows, run_id = [], None
+    try:
+        lines = out.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return 0, []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        if row.get("type") == "env":
+            rows, run_id = [], row.get("run_id")
+        elif row.get("type") in ("result", "host") and row.get("run_id") == run_id:
+            rows.append(row)
+    return len(rows), [r for r in rows if r.get("status") == "failed"]
+
+
+def _exit_if_failed(out: Path) -> None:
+    """Exit 1 with one line naming the implementations whose rows failed in this run of ``out`` (their reasons are
+    in the rows); nothing when none failed ("unavailable" rows fail nothing)."""
+    total, failed = _failed_rows(out)
+    if failed:
+        per_impl: dict = {}
+        for r in failed:
+            per_impl[r.get("impl")] = per_impl.get(r.get("impl"), 0) + 1
+        _fail(f"{len(failed)} of {total} rows failed ({', '.join(f'{i}: {n}' for i, n in per_impl.items())}); "
+              f"their reasons are in the rows of {out}", code=1)
 
 
 SHAPE_HELP = ("A custom GEMM MxNxK instead of the models' shapes (repeated or comma-separated; needs --op ag_gemm "
@@ -315,22 +460,26 @@ def _custom_shapes(shapes, ops, tp, **excluded) -> list[tuple[str, str, tuple]] 
 
 HOST_SHAPE_HELP = ("The small GEMM MxNxK (M, N, K as in --shape) on which the host enqueue time per eager call is "
                    "measured, once per sweep for each op, dtype and implementation of the run (after its check): "
-                   "--host-calls back-to-back calls after 1 s of warm-up, median (rows of type \"host\"; issue "
-                   "13's bar: <= 30 µs at W=1). Default 128x256x256, one output tile.")
+                   "--host-calls back-to-back calls after 1 s of warm-up, median (rows of type \"host\"; the "
+                   "suite's target: <= 30 µs at W=1). Default: 128x256x256, one output tile.")
 
 
-def _host_shape(text: str, calls: int, ops, world: int) -> tuple[int, int, int]:
-    """``--host-shape`` -> (M, N, K), checked as a custom shape of every op in ``ops`` at ``world`` ranks (M
-    divides by it, N and K multiples of 8); ``--host-calls`` >= 0. A bad value is a one-line error."""
+def _host_shape(text: Optional[str], calls: int, ops, world: int, how: str) -> tuple[int, int, int]:
+    """``--host-shape`` (None: the default, TP_HOST_SHAPE) -> (M, N, K); with ``calls`` > 0 checked as a custom
+    shape of every op in ``ops`` at ``world`` ranks (M divides by it, N and K multiples of 8). A bad value is a
+    one-line error naming the option the user gave: --host-shape, or ``how`` the world size was chosen (e.g.
+    "--tp 3") when the default shape does not fit it."""
     from kosmos.models import CustomShapeError, custom_tp_gemm, parse_shape
-    if calls < 0:
-        _fail(f"--host-calls {calls}: give a number of calls >= 0 (0: no host enqueue measurement)")
+    shape = text or "x".join(map(str, TP_HOST_SHAPE))
     try:
-        mnk = parse_shape(text)
-        for o in dict.fromkeys(ops):
+        mnk = parse_shape(shape)
+        for o in dict.fromkeys(ops) if calls else ():
             custom_tp_gemm(o, *mnk, world)
     except CustomShapeError as e:
-        _fail(f"--host-shape {text}: {e}")
+        if text is not None:
+            _fail(f"--host-shape {text}: {e}")
+        _fail(f"{how}: the host enqueue measurement's default shape {shape} does not fit: {e}; give --host-shape, "
+              f"e.g. {TP_HOST_SHAPE[0] * world}x{TP_HOST_SHAPE[1]}x{TP_HOST_SHAPE[2]}, or --host-calls 0")
     return mnk
 
 
@@ -350,8 +499,9 @@ def _suite_shapes(cfg, ops, **excluded) -> list[tuple[str, str, tuple]]:
     return out
 
 
-def _tp_cases(cfg, custom, world: int) -> list:
-    """The GEMMs of the run: the custom shapes, or every (model, seq, layer) of the suite."""
+def _tp_cases(cfg, custom, world: int, how: str) -> list:
+    """The GEMMs of the run: the custom shapes, or every (model, seq, layer) of the suite; a model's shapes that do
+    not fit ``world`` ranks are a one-line error naming ``how`` the world size was chosen (e.g. "--tp 3")."""
     from kosmos.models import CustomShapeError, custom_tp_gemm, tp_gemms
     if custom is not None:
         cases = []
@@ -369,17 +519,17 @@ def _tp_cases(cfg, custom, world: int) -> list:
             if bad:
                 raise ValueError(f"seq {bad} must divide by the world size {world}")
     except ValueError as e:
-        _fail(str(e))
+        _fail(f"{how}: {e}" if world > 1 else str(e))
     return cases
 
 
-@bench_app.command("tp")
+@_command(bench_app, "tp")
 def bench_tp(
     model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="Model(s), comma-separated or repeated: "
                                               "llama3-8b, llama3-70b, llama3-405b, gpt3-175b."),
     seq: Optional[List[str]] = typer.Option(None, "--seq", "-s", help="Token counts per layer (M), e.g. 4096,8192."),
     shape: Optional[List[str]] = typer.Option(None, "--shape", help=SHAPE_HELP),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size (default: all visible GPUs)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size, 1 to 8 (default: all visible GPUs)."),
     shapes_tp: Optional[int] = typer.Option(None, "--shapes-tp", help="Size the GEMMs as at TP=N (each rank's "
                                             "weight shard) whatever --tp is: `--tp 1 --shapes-tp 2` times the "
                                             "kernels with communication off on the per-rank GEMMs of a TP=2 run."),
@@ -389,8 +539,8 @@ def bench_tp(
     impl: Optional[List[str]] = _impl_option("kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best; "
                                              "at mxfp8 also triton-dot-scaled, fp8-rowwise"),
     suite: Optional[Path] = _suite_option("tp"),
-    iters: Optional[int] = ITERS_OPTION,
-    warmup: Optional[int] = WARMUP_OPTION,
+    iters: Optional[int] = _iters_option("tp"),
+    warmup: Optional[int] = _warmup_option("tp"),
     out: Optional[Path] = _out_option("tp"),
     trace: bool = typer.Option(False, "--trace", help="Record a per-program task timeline of each kosmos run "
                                "(JSON next to --out; draw with `kosmos report --timeline FILE`)."),
@@ -398,7 +548,7 @@ def bench_tp(
     config: Optional[List[str]] = _config_option(
         "kosmos, fixed-role, fixed-role-best", "ag_gemm.push_chunks (an integer >= 1 or auto), ag_gemm.copy_block, "
         "gemm_rs.push_partials (true/false)", "push_chunks=auto --config push_partials=true"),
-    host_shape: str = typer.Option("x".join(map(str, TP_HOST_SHAPE)), "--host-shape", help=HOST_SHAPE_HELP),
+    host_shape: Optional[str] = typer.Option(None, "--host-shape", help=HOST_SHAPE_HELP),
     host_calls: int = typer.Option(TP_HOST_CALLS, "--host-calls", help="Back-to-back eager calls of the host "
                                    "enqueue measurement (--host-shape); 0: no measurement."),
     dry_run: bool = DRY_RUN_OPTION,
@@ -406,8 +556,8 @@ def bench_tp(
     """Check every implementation against the fp32 reference, then time them side by side.
 
     Each (model, layer, seq) shape -- or each --shape -- runs every implementation on the same random inputs; a
-    failing one is recorded as failed with its reason and the sweep goes on. Rows are appended to --out as they
-    finish.
+    failing one is recorded as failed with its reason and the sweep goes on (the command then exits 1 at the end).
+    Rows are appended to --out as they finish.
 
     Example (an A/B of a config field, one file each): kosmos bench tp --model llama3-70b --op ag_gemm
     --impl kosmos,nccl+cublas --config ag_gemm.push_chunks=auto --out results/ag-auto.jsonl
@@ -415,18 +565,23 @@ def bench_tp(
     Example (a custom point, planned only): kosmos bench tp --shape 8192x1024x8192,16384x1024x8192 --op ag_gemm
     --tp 8 --dry-run
 
-    Example (MXFP8 against bf16, one file): kosmos bench tp --model llama3-70b --dtype bf16,mxfp8 -- every shape
-    at both precisions; mxfp8 rows are checked against the fp32 product of the MX values and also record
+    Example (MXFP8 against bf16, one file): kosmos bench tp --model llama3-70b --dtype bf16,mxfp8 runs every
+    shape at both precisions; mxfp8 rows are checked against the fp32 product of the MX values and also record
     rel_err_bf16; `kosmos report` shows an "mxfp8 / bf16" section.
     """
     from kosmos.models import CUSTOM, TP_OPS
 
     from .suites import SuiteError, TPSuite
 
+    _check_ranks(tp, "--tp")
+    _at_least(1, shapes_tp=shapes_tp, iters=iters, seq=_split(seq, int, "--seq"))
+    _at_least(0, warmup=warmup)
+    if host_calls < 0:
+        _fail(f"--host-calls {host_calls}: give a number of calls >= 0 (0: no host enqueue measurement)")
     ops = _split(op)
     custom = _custom_shapes(shape, ops, tp, **{"--model": model, "--seq": seq, "--shapes-tp": shapes_tp})
-    # checked before any GPU is looked for (at --tp's world when given), again below at the real world
-    _host_shape(host_shape, host_calls, TP_OPS, tp if isinstance(tp, int) and tp > 0 else 1)
+    if host_shape is not None:  # checked before any GPU is looked for (at --tp's world when given), again below
+        _host_shape(host_shape, host_calls, TP_OPS, tp or 1, f"--tp {tp}")
     try:
         base = _load_suite(suite, "tp")
         cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int, "--seq"), dtype=_dtypes(dtype),
@@ -443,12 +598,12 @@ def bench_tp(
         _fail(f"--impl {','.join(cfg.impls)}: none of them runs at {', '.join(empty)} (triton-dot-scaled and "
               f"fp8-rowwise are mxfp8 baselines)")
     world, how = _world(cfg.tp, "--tp", dry_run)
-    cases = _tp_cases(cfg, custom, world)
-    host_mnk = _host_shape(host_shape, host_calls, [g.op for g in cases], world)
+    cases = _tp_cases(cfg, custom, world, how)
+    host_mnk = _host_shape(host_shape, host_calls, [g.op for g in cases], world, how)
     if "mxfp8" in cfg.dtype:  # MX blocks are 32 elements along each GEMM's K (per rank for gemm_rs)
         if host_calls and host_mnk[2] % 32:
-            _fail(f"--host-shape {host_shape}: --dtype mxfp8 needs K to be a multiple of 32 (MX blocks of 32 "
-                  f"along K); K={host_mnk[2]}")
+            _fail(f"--host-shape {'x'.join(map(str, host_mnk))}: --dtype mxfp8 needs K to be a multiple of 32 "
+                  f"(MX blocks of 32 along K); K={host_mnk[2]}")
         bad = [g for g in cases if g.k % 32]
         if bad:
             _fail(f"--dtype mxfp8 needs each GEMM's K to be a multiple of 32 (MX blocks of 32 along K); "
@@ -503,7 +658,8 @@ MOE_HELP = "\n\n".join([
     "and, at --direction bwd, the backward's four expert GEMMs (dgrad and wgrad of both).",
     "Routing: uniform (random inputs and router) or zipf:S (expert popularity ~ rank^-S, S > 0, made through the "
     "router itself; which experts are popular is a seeded shuffle). A failing implementation is recorded as "
-    "failed with its reason and the sweep goes on; rows are appended to --out as they are measured.",
+    "failed with its reason and the sweep goes on (the command then exits 1 at the end); rows are appended to "
+    "--out as they are measured.",
     "Examples:",
     "  kosmos bench moe                # suites/moe-default.yaml on all visible GPUs",
     "  kosmos bench moe --model qwen3-235b --tokens 4096,8192 --routing uniform,zipf:1.2 --ep 2",
@@ -549,26 +705,27 @@ def _custom_moe(model, ep, given: dict):
         _fail(f"{MOE_CUSTOM_OPTIONS.get(e.field, e.field)}: {e}")
 
 
-@bench_app.command("moe", help=MOE_HELP)
+@_command(bench_app, "moe", help=MOE_HELP)
 def bench_moe(
     model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="MoE model(s), comma-separated or "
                                               "repeated: deepseek-v3, qwen3-235b, mixtral-8x7b, qwen2-57b."),
     tokens: Optional[List[str]] = typer.Option(None, "--tokens", "-t", help="Tokens per rank, e.g. 4096,8192."),
-    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size (default: all visible GPUs)."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Expert-parallel size, 1 to 8 (default: all visible GPUs)."),
     routing: Optional[List[str]] = typer.Option(None, "--routing", "-r", help="uniform and/or zipf:S (S > 0), "
                                                 "e.g. uniform,zipf:1.2."),
     dtype: Optional[str] = MOE_DTYPE_OPTION,
     direction: Optional[str] = MOE_DIRECTION_OPTION,
     impl: Optional[List[str]] = _impl_option("kosmos, nccl-a2a, deepep, fixed-role, fixed-role-best"),
     suite: Optional[Path] = _suite_option("moe"),
-    iters: Optional[int] = ITERS_OPTION,
-    warmup: Optional[int] = WARMUP_OPTION,
+    iters: Optional[int] = _iters_option("moe"),
+    warmup: Optional[int] = _warmup_option("moe"),
     out: Optional[Path] = _out_option("moe"),
     trace: bool = typer.Option(False, "--trace", help="Record a per-program task timeline of one kosmos forward "
                                "per point (bf16; JSON next to --out; draw with `kosmos report --timeline FILE`)."),
     expert_gemms: Optional[bool] = typer.Option(None, "--expert-gemms/--no-expert-gemms", help="Also time the "
                                                 "expert GEMMs alone (kosmos-expert-gemms vs grouped-mm); default on."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the inputs, weights and popularity shuffle."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the inputs, weights and popularity shuffle; "
+                                     f"default: the suite's, {_suite_default('moe', 'seed')} in moe-default."),
     cuda_graph: bool = CUDA_GRAPH_OPTION,
     config: Optional[List[str]] = _config_option(
         "kosmos, fixed-role, fixed-role-best, kosmos-expert-gemms", "moe_fwd.copy_cols (a power of two >= 16), "
@@ -596,6 +753,9 @@ def bench_moe(
     from .moe import EXPERT_IMPLS, case_model, moe_cases
     from .suites import MoESuite, SuiteError
 
+    _check_ranks(ep, "--ep")
+    _at_least(1, iters=iters, tokens=_split(tokens, int, "--tokens"))
+    _at_least(0, warmup=warmup, seed=seed)
     try:
         base = _load_suite(suite, "moe")
     except SuiteError as e:
@@ -670,25 +830,24 @@ def bench_moe(
     _launch(bench_rank, world, out, suite_dict, [vars(c) for c in cases], str(out), sys.argv, configs, trace_dir)
 
 
-from .train import bench_train as _bench_train  # noqa: E402
-
-
-@bench_app.command("train")
+@_command(bench_app, "train")
 def bench_train(
-    model: str = typer.Option("llama3-8b", "--model", "-m", help="Dense (llama3-*) or MoE (deepseek-v3, qwen3-235b) "
-                              "model."),
+    model: str = typer.Option("llama3-8b", "--model", "-m", help="Dense (llama3-*) or MoE (deepseek-v3, "
+                              "qwen3-235b) model."),
     layers: int = typer.Option(2, "--layers", help="Transformer blocks."),
     seq: int = typer.Option(4096, "--seq", "-s", help="Tokens per sequence (all ranks)."),
-    batch: int = typer.Option(1, "--batch", "-b", help="Sequences per step."),
+    batch: int = typer.Option(1, "--batch", "-b", help="Sequences per step (MoE: per rank)."),
     steps: int = typer.Option(20, "--steps", help="Recorded (timed) steps."),
     warmup: int = typer.Option(3, "--warmup", help="Unrecorded warm-up steps."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 or mxfp8."),
-    impl: Optional[str] = typer.Option(None, "--impl", help="Dense: nccl+cublas (the baseline), torch-async-tp, kosmos; MoE: nccl-a2a (the baseline), deepep, "
-                                     "kosmos. Default: all of the model's kind (unavailable ones get a row saying why)."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Ranks: the TP size (dense) or the EP size (MoE, attention data-parallel); default: "
-                                   "all visible GPUs (MoE 1). KOSMOS_RANKS_ON_ONE_GPU=1 puts every rank on one GPU "
-                                   "(gloo; a correctness run, not a timing)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="JSONL file to append to."),
+    impl: Optional[str] = typer.Option(None, "--impl", help="Dense: nccl+cublas (the baseline), torch-async-tp, "
+                                       "kosmos; MoE: nccl-a2a (the baseline), deepep, kosmos (comma-separated). "
+                                       "Default: all of the model's kind (unavailable ones get a row saying why)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Ranks, 1 to 8: the TP size (dense) or the EP size (MoE, "
+                                     "attention data-parallel); default: all visible GPUs (MoE 1). "
+                                     "KOSMOS_RANKS_ON_ONE_GPU=1 puts every rank on one GPU (gloo; a correctness "
+                                     "run, not a timing)."),
+    out: Optional[Path] = _out_option("train"),
     dry_run: bool = DRY_RUN_OPTION,
     hidden: Optional[int] = typer.Option(None, "--hidden", help="Scale the model to this hidden size."),
     scale: Optional[float] = typer.Option(None, "--scale", help="Scale hidden/ffn/heads, e.g. 0.0625."),
@@ -698,13 +857,74 @@ def bench_train(
     """Train the end-to-end proxy with each implementation: step time, tokens/s per GPU, peak memory and
     every step's loss, which must agree with the baseline's within 2e-2 (kosmos_bench/train.py).
 
+    Each implementation trains the same model on the same data: forward, backward and AdamW per step. One that
+    cannot run here gets an "unavailable" row with the reason and fails nothing; one that raises or trains
+    differently is recorded as failed with its reason, the others still run, and the command exits 1 at the end.
+    Rows are appended to --out as they finish. With KOSMOS_RANKS_ON_ONE_GPU=1 more ranks than GPUs run, every
+    rank on cuda:0 over gloo (loss agreement only; rows marked extra.ranks_on_one_gpu).
+
     Example: kosmos bench train --model llama3-8b --layers 2 --seq 4096 --tp 1 --steps 20
     """
-    _bench_train(model=model, layers=layers, seq=seq, batch=batch, steps=steps, warmup=warmup, dtype=dtype,
-                 impl=impl, tp=tp, out=out, dry_run=dry_run, hidden=hidden, scale=scale, head_dim=head_dim, seed=seed)
+    from dataclasses import asdict
+
+    from . import launcher
+    from .train import BASELINE, DENSE_IMPLS, DTYPES, MOE_IMPLS, MOE_MODELS, proxy_shape, train_rank, \
+        unavailable_reason
+
+    if dtype not in DTYPES:
+        _fail(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
+    kind = "moe" if model in MOE_MODELS else "dense"
+    known = MOE_IMPLS if kind == "moe" else DENSE_IMPLS
+    impls = _split([impl] if impl else None) or known
+    unknown = [n for n in impls if n not in known]
+    if unknown:
+        _fail(f"--impl {','.join(unknown)}: the {kind} proxy has {', '.join(known)}")
+    _check_ranks(tp, "--tp")
+    _at_least(1, steps=steps, layers=layers, seq=seq, batch=batch)
+    _at_least(0, warmup=warmup)
+    shape_kw = dict(model=model, layers=layers, seq=seq, batch=batch, scale=scale, hidden=hidden, head_dim=head_dim)
+    try:  # what does not depend on the world size first
+        proxy_shape(**shape_kw)
+    except ValueError as e:
+        _fail(str(e))
+    world, how = _world(1 if tp is None and kind == "moe" else tp, "--tp", dry_run)
+    if tp is None and kind == "moe":
+        how = "the MoE proxy's default"
+    try:
+        shape = proxy_shape(**shape_kw, tp=world)
+    except ValueError as e:
+        _fail(f"{how}: {e}")
+    out = _out_path(out, "train", dtype, create=not dry_run)
+    gpus = launcher.visible_gpus()
+    one_gpu = world > 1 and launcher.ranks_on_one_gpu()
+    if dry_run:
+        lines = ["kosmos bench train --dry-run"]
+        lines += [f"  {k}: {v}" for k, v in asdict(shape).items() if v not in (None, {})]
+        lines += [f"  world: {world} ({how})" + (" (EP; attention data-parallel, batch per rank)" if kind == "moe"
+                                                  else ""),
+                  f"  dtype: {dtype}", f"  steps: {steps} (+{warmup} warm-up)",
+                  f"  results: would be appended to {out}"]
+        if one_gpu:
+            lines.append(f"  ranks: every rank on cuda:0 over gloo ({launcher.ONE_GPU_ENV}=1): loss agreement only, "
+                         "the times are no measurement (rows: extra.ranks_on_one_gpu)")
+        lines.append("implementations:")
+        backend = None if world == 1 else ("gloo" if one_gpu or gpus == 0 else "nccl")
+        for n in sorted(impls, key=lambda n: n != BASELINE[kind]):
+            note = " (baseline)" if n == BASELINE[kind] else ""
+            why = unavailable_reason(shape, n, world, dtype, device="cuda" if gpus else "cpu", backend=backend)
+            if why:
+                note += f" unavailable: {why}"
+            lines.append(f"  {n}{note}")
+        lines.append("dry run: nothing was launched or written; GPU-side checks (memory) happen at run time.")
+        typer.echo("\n".join(lines))
+        raise typer.Exit(0)
+    st_kw = dict(impls=impls, steps=steps, warmup=warmup, dtype=dtype, seed=seed)
+    console.print(f"[bold]kosmos bench train[/]: {model} proxy ({shape.layers} layers, hidden {shape.hidden}), "
+                  f"{len(impls)} implementations ({dtype}) on {world} rank(s) -> {out}")
+    _launch(train_rank, world, out, shape_kw, st_kw, str(out), list(sys.argv), table=False)
 
 
-@app.command("env")
+@_command(app, "env")
 def env():
     """Print what a bug report needs (versions, GPUs, topology).
 
@@ -716,16 +936,17 @@ def env():
     typer.echo(env_report())
 
 
-@app.command("report")
+@_command(app, "report")
 def report(
-    files: List[Path] = typer.Argument(..., help="Result JSONL file(s); several are shown side by side. With "
-                                       "--timeline: one trace JSON file."),
+    files: List[Path] = typer.Argument(..., metavar="FILES", help="Result JSONL file(s); several are shown side by "
+                                       "side. With --timeline: one trace JSON file."),
     format: str = typer.Option("text", "--format", "-f", help="text (terminal tables), md, csv or html."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to this file instead of the terminal."),
     chart: Optional[Path] = typer.Option(None, "--chart", help="Also draw a speedup bar chart (PNG; needs "
                                          "matplotlib)."),
     timeline: bool = typer.Option(False, "--timeline", help="FILES is a trace from `bench --trace`: draw the "
-                                  "per-program roles over time as a PNG Gantt chart (to --out)."),
+                                  "per-program roles over time as a PNG Gantt chart, to --out (default: the "
+                                  "trace's name with .png, in the current directory)."),
     wide: bool = typer.Option(False, "--wide", help="Text format: every column, the full reasons and every "
                               "section, as md and html have them (default: a compact view for 100 columns)."),
 ):
@@ -746,8 +967,8 @@ def report(
         if timeline:
             if len(files) != 1:
                 _fail("--timeline takes exactly one trace file")
-            code = report_main([str(files[0])], fmt=format, out=str(out) if out else None,
-                               timeline=str(files[0]), status=console)
+            png = out or Path.cwd() / files[0].with_suffix(".png").name  # never beside a committed trace
+            code = report_main([str(files[0])], fmt=format, out=str(png), timeline=str(files[0]), status=console)
         else:
             code = report_main([str(f) for f in files], fmt=format, out=str(out) if out else None,
                                chart=str(chart) if chart else None, wide=wide, status=console)

@@ -12,7 +12,7 @@ IPC handles exchanged over gloo) and of KOSMOS's own W > 1 ops (their symmetric 
 runtime.Workspace._ipc_symmetric); the ranks share the GPU, so their times are no measurement. Their kernels take
 turns on the GPU (the driver time-slices the processes' contexts), so a wait for a peer lasts time slices, not
 microseconds: unless KOSMOS_TIMEOUT_S is set, the ranks get a bound of ONE_GPU_TIMEOUT_S seconds on every
-in-kernel wait instead of the default 5 s (seen on one H100, 2026-12-06: with six more test processes on the GPU,
+in-kernel wait instead of the default 5 s (seen on one H100: with six more test processes on the GPU,
 the MoE backward's one launch at EP = 2 timed out at 5 s with 29 of 64 rows arrived).
 """
 from __future__ import annotations
@@ -45,14 +45,18 @@ def visible_gpus() -> int:
 
 
 def check_world(world: int | None) -> int:
+    """The world size of a real run: ``world`` ranks (default: one per visible GPU). LaunchError (one line) without
+    a GPU, below 1 rank, or with more ranks than GPUs unless KOSMOS_RANKS_ON_ONE_GPU=1."""
     n = visible_gpus()
     if n == 0:
-        raise LaunchError("no CUDA GPU is visible: KOSMOS benchmarks need NVIDIA GPUs (Hopper: H100/H200)")
+        raise LaunchError("no CUDA GPU is visible: KOSMOS benchmarks need NVIDIA GPUs (Hopper: H100/H200); "
+                          "--dry-run shows the plan without one")
     world = n if world is None else world
     if world < 1:
         raise LaunchError(f"world size must be >= 1, got {world}")
     if world > n and not ranks_on_one_gpu():
-        raise LaunchError(f"asked for {world} GPUs but only {n} are visible (CUDA_VISIBLE_DEVICES?)")
+        raise LaunchError(f"asked for {world} GPUs but only {n} are visible (CUDA_VISIBLE_DEVICES?; or "
+                          f"{ONE_GPU_ENV}=1: every rank on cuda:0 over gloo, a correctness run, not a timing)")
     return world
 
 

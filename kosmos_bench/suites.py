@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from kosmos.core.runtime import MAX_WORLD
 from kosmos.models import DENSE_MODELS, MOE_MODELS, TP_LAYERS, TP_OPS, CustomShapeError, custom_tp_gemm, parse_shape
 
 from .harness import FIXED_SWEEP
@@ -192,7 +193,14 @@ def _check(s: TPSuite) -> None:
         v = getattr(s, key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise SuiteError(f"'{key}' must be a positive integer, got {v!r}")
+    _one_node("tp", s.tp)
     check_targets("tp", s.targets)
+
+
+def _one_node(key: str, ranks: int | None) -> None:
+    """A suite's ``tp`` / ``ep``: at most MAX_WORLD ranks (one node; kosmos.core.runtime)."""
+    if ranks is not None and ranks > MAX_WORLD:
+        raise SuiteError(f"'{key}' must be 1 to {MAX_WORLD} ranks (KOSMOS runs within one node), got {ranks}")
 
 
 def _as_tuple(key, v):
@@ -251,6 +259,7 @@ def _check_moe(s: MoESuite) -> None:
             raise SuiteError(f"'{key}' must be an integer >= {low}, got {v!r}")
     if s.ep is not None and (not isinstance(s.ep, int) or isinstance(s.ep, bool) or s.ep < 1):
         raise SuiteError(f"'ep' must be a positive integer, got {s.ep!r}")
+    _one_node("ep", s.ep)
     if not isinstance(s.expert_gemms, bool):
         raise SuiteError(f"'expert_gemms' must be true or false, got {s.expert_gemms!r}")
     check_targets("moe", s.targets)

@@ -108,7 +108,7 @@ import math
 import statistics
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,8 @@ import torch.nn.functional as F
 from kosmos import quant, reference
 from kosmos.reference.moe import moe_forward_a2a
 from kosmos.models import DENSE_MODELS, MOE_MODELS, dense_model
+
+from .harness import error_reason
 
 DENSE_IMPLS = ("nccl+cublas", "torch-async-tp", "kosmos")
 MOE_IMPLS = ("nccl-a2a", "deepep", "kosmos")
@@ -131,7 +133,7 @@ LR_HIDDEN = 1024  # the learning rate is ADAMW's lr * min(1, LR_HIDDEN / hidden)
 
 def adamw_lr(hidden: int) -> float:
     """AdamW's step moves every weight by ~lr whatever its gradient's scale, and the weights are drawn with std
-    1/sqrt(fan_in): at a fixed lr the relative update grows with the width. Measured (one H200, session 9,
+    1/sqrt(fan_in): at a fixed lr the relative update grows with the width. Measured (one H200,
     results/h200x1/s9/c5/): at lr 1e-3 the llama3-8b proxy (hidden 4096) diverged in both implementations from
     the 8th step (loss 2.5 -> 13 -> 84 for nccl+cublas, 650 for kosmos: chaos, not a comparison), while the
     deepseek-v3 proxy at hidden 1792 trained smoothly (2.53 -> 2.34 over 20 steps, the two within 5e-4). So lr
@@ -183,12 +185,14 @@ def proxy_shape(model: str = DEFAULT_MODEL, *, layers: int = DEFAULT_LAYERS, seq
             raise ValueError(f"{model}: the proxy's MLP is SwiGLU (gated models only)")
         base_hidden, base_ffn, heads, kv, hd = d.hidden, d.ffn, d.heads, d.kv_heads, d.head_dim
     else:
-        raise ValueError(f"unknown model {model!r}; dense: {', '.join(DENSE_MODELS)}; MoE: {', '.join(MOE_MODELS)}")
+        raise ValueError(f"unknown model {model!r} (--model); dense: {', '.join(DENSE_MODELS)}; MoE: "
+                         f"{', '.join(MOE_MODELS)}")
     if hidden is not None:
         scale = hidden / base_hidden
     scale = 1.0 if scale is None else float(scale)
     if not 0 < scale <= 1:
-        raise ValueError(f"scale={scale} must be in (0, 1]")
+        raise ValueError(f"--hidden {hidden}: give a size from 1 to the model's {base_hidden} (the proxy scales "
+                         f"it down)" if hidden is not None else f"--scale {scale}: give a factor in (0, 1]")
     moe = model in MOE_MODELS
     if moe and m.experts % tp:
         raise ValueError(f"{model}: its {m.experts} experts do not split evenly over {tp} ranks")
@@ -196,7 +200,7 @@ def proxy_shape(model: str = DEFAULT_MODEL, *, layers: int = DEFAULT_LAYERS, seq
     # split over the ranks: only the dense proxy's sizes depend on the TP size
     sp = 1 if moe else tp
     if seq % sp:
-        raise ValueError(f"seq={seq} must divide by tp={tp} (sequence parallelism splits the tokens)")
+        raise ValueError(f"--seq {seq} must divide by the TP size {tp} (sequence parallelism splits the tokens)")
     q = 32 * sp
     h = hidden if hidden is not None else (base_hidden if scale == 1 else _round_to(base_hidden * scale, q))
     f = base_ffn if scale == 1 else _round_to(base_ffn * scale, q)
@@ -204,7 +208,7 @@ def proxy_shape(model: str = DEFAULT_MODEL, *, layers: int = DEFAULT_LAYERS, seq
     heads_s = max(kv_s, int(round(heads * scale)) // kv_s * kv_s)
     for what, v in (("heads", heads_s), ("kv_heads", kv_s), ("ffn", f)):
         if v % sp:
-            raise ValueError(f"{model}: {what}={v} does not divide by tp={tp}")
+            raise ValueError(f"{model}: {what}={v} does not divide by the TP size {tp}")
     common = dict(model=model, hidden=h, ffn=f, heads=heads_s, kv_heads=kv_s, head_dim=head_dim or hd,
                   layers=layers, seq=seq, batch=batch, scale=scale)
     if model in MOE_MODELS:
@@ -809,10 +813,6 @@ def identity(shape: ProxyShape, world: int, dtype: str) -> dict:
             "scale": shape.scale, "world": world, "dtype": dtype}
 
 
-def _error_reason(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
-
-
 def _agree(ok: bool, why, group=None):
     if _world(group) == 1:
         return ok, why
@@ -863,7 +863,7 @@ def run_train(shape: ProxyShape, st: TrainSettings, device="cpu", *, group=None,
             ok, why = False, "unavailable: " + str(e)
         except Exception as e:  # recorded, the other implementations still run
             traceback.print_exc()
-            ok, why = False, _error_reason(e)
+            ok, why = False, error_reason(e)
         ok, why = _agree(ok, why, group)
         if name == "deepep":  # DeepEP's Buffer freed in step (its destroy is a barrier): only when every rank is ok
             from . import moe
@@ -906,8 +906,8 @@ def run_train(shape: ProxyShape, st: TrainSettings, device="cpu", *, group=None,
 
 
 def train_rank(rank: int, world: int, shape_kw: dict, st_kw: dict, out: str, argv, cpu: bool = False):
-    """One rank of `kosmos bench train` (launcher.spawn, or in-process on the CPU): rank 0 writes the env line
-    and every row as it is ready."""
+    """One rank of `kosmos bench train` (launcher.spawn; ``cpu``: on the CPU in this process, as the tests run it):
+    rank 0 writes the env line and every row as it is ready."""
     from .environment import environment
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
@@ -931,91 +931,3 @@ def train_rank(rank: int, world: int, shape_kw: dict, st_kw: dict, out: str, arg
     finally:
         if f:
             f.close()
-
-
-def _split(value: str | None) -> list[str]:
-    return [v.strip() for v in (value or "").split(",") if v.strip()]
-
-
-def bench_train(
-    model: str = DEFAULT_MODEL, layers: int = DEFAULT_LAYERS, seq: int = DEFAULT_SEQ, batch: int = DEFAULT_BATCH,
-    steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WARMUP, dtype: str = "bf16", impl: str | None = None,
-    tp: int | None = None, out=None, dry_run: bool = False, hidden: int | None = None, scale: float | None = None,
-    head_dim: int | None = None, seed: int = 0,
-):
-    """Train the end-to-end proxy (kosmos_bench/train.py) with each implementation: forward, backward and AdamW
-    per step; step time, tokens/s per GPU, peak memory and every step's loss, which must agree with the
-    baseline's (nccl+cublas; MoE models nccl-a2a) within 2e-2 relative. Implementations (default: all of the
-    model's kind): dense nccl+cublas, torch-async-tp, kosmos; MoE nccl-a2a, deepep, kosmos -- one that cannot run
-    here gets an "unavailable" row with the reason and fails nothing. Defaults: llama3-8b, 2 layers, seq 4096,
-    batch 1 (MoE: per rank), 20 steps after 3 warm-up steps, TP over every visible GPU (MoE models: EP 1; --tp
-    sets the EP size). With KOSMOS_RANKS_ON_ONE_GPU=1 more ranks than GPUs run, every rank on cuda:0 over gloo
-    (loss agreement only; rows marked extra.ranks_on_one_gpu)."""
-    import typer
-    from pathlib import Path
-
-    from . import launcher
-
-    def fail(msg):
-        typer.echo(f"error: {msg}", err=True)
-        raise typer.Exit(2)
-
-    if dtype not in DTYPES:
-        fail(f"--dtype {dtype!r}: choose from {', '.join(DTYPES)}")
-    kind = "moe" if model in MOE_MODELS else "dense"
-    known = MOE_IMPLS if kind == "moe" else DENSE_IMPLS
-    impls = tuple(_split(impl)) or known
-    unknown = [n for n in impls if n not in known]
-    if unknown:
-        fail(f"--impl {','.join(unknown)}: the {kind} proxy has {', '.join(known)}")
-    gpus = launcher.visible_gpus()
-    world = tp or (1 if kind == "moe" or gpus == 0 else gpus)
-    one_gpu = world > 1 and launcher.ranks_on_one_gpu()
-    try:
-        shape = proxy_shape(model, layers=layers, seq=seq, batch=batch, tp=world, scale=scale, hidden=hidden,
-                            head_dim=head_dim)
-    except ValueError as e:
-        fail(str(e))
-    for what, v in (("--steps", steps), ("--layers", layers), ("--seq", seq), ("--batch", batch)):
-        if v < 1:
-            fail(f"{what}={v} must be >= 1")
-    out = Path(out) if out else Path("results") / f"train-{dtype}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    if dry_run:
-        lines = ["kosmos bench train (dry run)"]
-        lines += [f"  {k}: {v}" for k, v in asdict(shape).items() if v not in (None, {})]
-        lines += [f"  world: {world}" + (" (EP; attention data-parallel, batch per rank)" if kind == "moe" else ""),
-                  f"  dtype: {dtype}", f"  steps: {steps} (+{warmup} warm-up)", f"  out: {out}"]
-        if one_gpu:
-            lines.append(f"  ranks: every rank on cuda:0 over gloo ({launcher.ONE_GPU_ENV}=1): loss agreement only, "
-                         "the times are no measurement (rows: extra.ranks_on_one_gpu)")
-        lines.append("implementations:")
-        backend = None if world == 1 else ("gloo" if one_gpu or gpus == 0 else "nccl")
-        for n in sorted(impls, key=lambda n: n != BASELINE[kind]):
-            note = " (baseline)" if n == BASELINE[kind] else ""
-            why = unavailable_reason(shape, n, world, dtype, device="cuda" if gpus else "cpu", backend=backend)
-            if why:
-                note += f" unavailable: {why}"
-            lines.append(f"  {n}{note}")
-        lines.append("dry run: nothing was launched or written.")
-        typer.echo("\n".join(lines))
-        raise typer.Exit(0)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shape_kw = dict(model=model, layers=layers, seq=seq, batch=batch, scale=scale, hidden=hidden, head_dim=head_dim)
-    st_kw = dict(impls=impls, steps=steps, warmup=warmup, dtype=dtype, seed=seed)
-    import sys
-    argv = list(sys.argv)
-    if gpus == 0:
-        if world > 1:
-            fail("no CUDA GPU is visible: the CPU runs the proxy at --tp 1 only")
-        train_rank(0, 1, shape_kw, st_kw, str(out), argv, cpu=True)
-    else:
-        try:  # more ranks than GPUs only with KOSMOS_RANKS_ON_ONE_GPU=1 (every rank on cuda:0 over gloo)
-            launcher.check_world(world)
-        except launcher.LaunchError as e:
-            fail(f"{e} (or {launcher.ONE_GPU_ENV}=1: every rank on cuda:0 over gloo, loss agreement only)")
-        try:
-            launcher.spawn(train_rank, world, shape_kw, st_kw, str(out), argv)
-        except launcher.LaunchError as e:
-            typer.echo(f"error: {e}\npartial results (if any) are in {out}", err=True)
-            raise typer.Exit(1)
-    typer.echo(f"results: {out}  (render with `kosmos report {out}`)")

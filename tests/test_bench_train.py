@@ -20,6 +20,7 @@ import importlib
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def test_proxy_shapes():
     assert small.kv_heads % 2 == 0
     moe = T.proxy_shape("deepseek-v3", hidden=64)
     assert moe.kind == "moe" and moe.experts == 256 and moe.route_kw["n_group"] == 8
-    with pytest.raises(ValueError, match="divide by tp"):
+    with pytest.raises(ValueError, match="divide by the TP size 2"):
         T.proxy_shape("llama3-8b", seq=7, tp=2)
     with pytest.raises(ValueError, match="unknown model"):
         T.proxy_shape("nope")
@@ -162,16 +163,74 @@ def test_train_rank_writes_env_and_rows(tmp_path, monkeypatch):
     assert len(results) == 3
 
 
-def test_bench_train_dry_run(capsys):
-    import typer
-    with pytest.raises(typer.Exit) as e:
-        T.bench_train(model="llama3-8b", scale=0.0625, tp=2, dry_run=True)
-    assert e.value.exit_code == 0
-    text = capsys.readouterr().out
-    assert "nccl+cublas (baseline)" in text and "hidden: 256" in text
-    with pytest.raises(typer.Exit) as e:
-        T.bench_train(impl="nccl-a2a", dry_run=True)
-    assert e.value.exit_code == 2
+def _train_cli(*args, **kw):
+    from typer.testing import CliRunner
+
+    from kosmos_bench.cli import app
+    return CliRunner().invoke(app, ["bench", "train", *map(str, args)], **kw)
+
+
+def test_bench_train_dry_run(tmp_path):
+    r = _train_cli("--model", "llama3-8b", "--scale", "0.0625", "--tp", "2", "--out", tmp_path / "t.jsonl",
+                   "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "nccl+cublas (baseline)" in r.stdout and "hidden: 256" in r.stdout and "world: 2 (--tp 2)" in r.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    r = _train_cli("--impl", "nccl-a2a", "--dry-run")
+    assert r.exit_code == 2 and r.stderr.strip() == "error: --impl nccl-a2a: the dense proxy has nccl+cublas, " \
+        "torch-async-tp, kosmos", r.output
+
+
+def _one_line_error(r, needle):
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tp", "16"], "--tp 16: give 1 to 8 ranks"),
+    (["--tp", "0"], "--tp 0: give 1 to 8 ranks"),
+    (["--tp", "3"], "--tp 3: --seq 4096 must divide by the TP size 3"),
+    (["--model", "deepseek-v3", "--tp", "3"], "--tp 3: deepseek-v3: its 256 experts do not split evenly over 3"),
+    (["--scale", "2"], "--scale 2.0: give a factor in (0, 1]"),
+    (["--hidden", "99999"], "--hidden 99999: give a size from 1 to the model's 4096"),
+    (["--steps", "0"], "--steps 0: give an integer >= 1"),
+    (["--warmup", "-1"], "--warmup -1: give an integer >= 0"),
+    (["--dtype", "fp8"], "--dtype 'fp8': choose from bf16, mxfp8"),
+    (["--out", "/proc/nope/x.jsonl"], "--out /proc/nope/x.jsonl: cannot create files in /proc"),
+])
+def test_bench_train_input_errors_name_the_option(args, needle):
+    """One line naming the option the user gave, in a dry run too (the world size, --out's folder)."""
+    _one_line_error(_train_cli(*args, "--dry-run"), needle)
+
+
+def test_bench_train_without_a_gpu_refuses_at_once(tmp_path):
+    """No GPU: one line and exit 2 before anything trains or is written (a subprocess: the real import path)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(Path(__file__).parents[1])}
+    r = subprocess.run([sys.executable, "-m", "kosmos_bench.cli", "bench", "train"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == ["error: no CUDA GPU is visible: KOSMOS benchmarks need NVIDIA GPUs "
+                                             "(Hopper: H100/H200); --dry-run shows the plan without one"], r.stderr
+    assert list(tmp_path.iterdir()) == []  # no results/ folder, no file
+
+
+def test_bench_train_failed_implementation_fails_the_run(monkeypatch, tmp_path):
+    """An implementation that raises (kosmos's ops on CPU tensors) is recorded as failed with its reason, the
+    others still run, and the command exits 1 with a one-line summary. The launch runs the real rank function in
+    this process on the CPU."""
+    from kosmos_bench import launcher
+    monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(launcher, "spawn", lambda fn, world, *args: fn(0, world, *args, cpu=True))
+    out = tmp_path / "t.jsonl"
+    r = _train_cli("--hidden", "64", "--head-dim", "16", "--seq", "16", "--steps", "2", "--warmup", "1",
+                   "--tp", "1", "--out", out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [(x["impl"], x["status"]) for x in rows] == [("nccl+cublas", "ok"), ("torch-async-tp", "unavailable"),
+                                                         ("kosmos", "failed")]
+    assert rows[2]["reason"] == "ValueError: a_shard must be a CUDA tensor, got cpu"
+    assert r.exit_code == 1, r.output
+    assert r.stderr.strip().splitlines()[-1] == f"error: 1 of 3 rows failed (kosmos: 1); their reasons are in " \
+        f"the rows of {out}", r.stderr
 
 
 # ------------------------------------------------------------------ world 2 over gloo
@@ -272,17 +331,15 @@ def test_a2a_module_forward_is_the_bench_nccl_a2a_w1():
     assert torch.equal(layer(x), ref)
 
 
-def test_bench_train_dry_run_ranks_on_one_gpu(capsys, monkeypatch):
+def test_bench_train_dry_run_ranks_on_one_gpu(monkeypatch):
     """The lead's one-GPU command (KOSMOS_RANKS_ON_ONE_GPU=1, --tp 2), as a dry run."""
-    import typer
     from kosmos_bench import launcher
     monkeypatch.setenv(launcher.ONE_GPU_ENV, "1")
-    with pytest.raises(typer.Exit) as e:
-        T.bench_train(model="deepseek-v3", layers=2, seq=1024, scale=0.125, tp=2, steps=10,
-                      impl="nccl-a2a,deepep,kosmos", dry_run=True)
-    assert e.value.exit_code == 0
-    text = capsys.readouterr().out
-    assert "world: 2 (EP" in text and "hidden: 896" in text and "every rank on cuda:0 over gloo" in text
+    r = _train_cli("--model", "deepseek-v3", "--layers", "2", "--seq", "1024", "--scale", "0.125", "--tp", "2",
+                   "--steps", "10", "--impl", "nccl-a2a,deepep,kosmos", "--dry-run")
+    assert r.exit_code == 0, r.output
+    text = r.stdout
+    assert "world: 2 (--tp 2) (EP" in text and "hidden: 896" in text and "every rank on cuda:0 over gloo" in text
     assert "  nccl-a2a (baseline)\n" in text  # available
     if torch.cuda.is_available():  # CUDA ranks on one GPU: KOSMOS through CUDA IPC (runtime.py)
         assert "  kosmos\n" in text and "kosmos unavailable" not in text
@@ -292,18 +349,19 @@ def test_bench_train_dry_run_ranks_on_one_gpu(capsys, monkeypatch):
 
 
 def test_bench_train_more_ranks_than_gpus(monkeypatch, tmp_path):
-    import typer
     from kosmos_bench import launcher
     launched = []
     monkeypatch.setattr(launcher, "visible_gpus", lambda: 1)
     monkeypatch.setattr(launcher, "spawn", lambda fn, world, *args: launched.append((fn, world, args)))
     monkeypatch.delenv(launcher.ONE_GPU_ENV, raising=False)
-    kw = dict(model="deepseek-v3", seq=64, hidden=64, tp=2, impl="nccl-a2a", out=tmp_path / "t.jsonl")
-    with pytest.raises(typer.Exit) as e:
-        T.bench_train(**kw)
-    assert e.value.exit_code == 2 and not launched
+    args = ("--model", "deepseek-v3", "--seq", "64", "--hidden", "64", "--tp", "2", "--impl", "nccl-a2a", "--out",
+            tmp_path / "t.jsonl")
+    r = _train_cli(*args)
+    _one_line_error(r, "asked for 2 GPUs but only 1 are visible")
+    assert not launched
     monkeypatch.setenv(launcher.ONE_GPU_ENV, "1")
-    T.bench_train(**kw)
+    r = _train_cli(*args)
+    assert r.exit_code == 0, r.output
     assert launched and launched[0][0] is T.train_rank and launched[0][1] == 2
 
 

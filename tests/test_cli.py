@@ -103,7 +103,7 @@ def test_bench_moe_help_teaches():
     (["--routing", "uniform,zipf:-2"], "must be a finite number > 0"),
     (["--routing", "hot"], "unknown routing 'hot'"),
     (["--impl", "megablocks"], "unknown impls ['megablocks']"),
-    (["--tokens", "0"], "positive integers"),
+    (["--tokens", "0"], "--tokens 0: give an integer >= 1"),
     (["--model", "mixtral-8x7b", "--ep", "3"], "mixtral-8x7b has 8 experts: they do not split evenly over ep=3"),
     (["--dtype", "fp8"], "--dtype: unknown 'fp8'; choose from bf16, mxfp8"),
     (["--suite", str(SUITES / "tp-default.yaml")], "is a 'tp' suite; run it with `kosmos bench tp`"),
@@ -238,7 +238,7 @@ def test_bench_tp_shapes_tp_sizes_the_gemms_as_that_tp(monkeypatch):
     assert by_layer == {"qkv": (4096, 5120, 8192), "fc1": (4096, 28672, 8192),
                         "attn_out": (4096, 8192, 4096), "fc2": (4096, 8192, 14336)}
     r = runner.invoke(app, ["bench", "tp", "--shapes-tp", "0"])
-    assert r.exit_code == 2 and "'shapes_tp' must be a positive integer" in r.output
+    assert r.exit_code == 2 and "--shapes-tp 0: give an integer >= 1" in r.output
 
 
 def test_bench_help_teaches_config():
@@ -808,3 +808,138 @@ def test_bench_tp_host_options_reach_the_ranks_and_the_plan(monkeypatch, tmp_pat
         "(ag_gemm, gemm_rs)" in text and ": 4 host rows" in text, text
     r = runner.invoke(app, ["bench", "tp", "--tp", "1", "--host-calls", "0", "--dry-run"])
     assert r.exit_code == 0 and "host enqueue: off (--host-calls 0)" in r.output
+
+
+# --------------------------------------------------------------------------- world sizes, --out, failed rows, help
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["tp", "--tp", "16"], "--tp 16: give 1 to 8 ranks"),
+    (["tp", "--tp", "9", "--shape", "9216x1024x1024", "--op", "ag_gemm"], "--tp 9: give 1 to 8 ranks"),
+    (["tp", "--tp", "0"], "--tp 0: give 1 to 8 ranks"),
+    (["moe", "--ep", "16"], "--ep 16: give 1 to 8 ranks"),
+    (["moe", "--ep", "16", "--hidden", "256", "--ffn", "128", "--experts", "32", "--top-k", "2"],
+     "--ep 16: give 1 to 8 ranks"),
+])
+def test_world_sizes_above_one_node_are_refused(monkeypatch, args, needle):
+    """More than one node's 8 ranks: one line naming the option, dry run included."""
+    _no_gpu_no_launch(monkeypatch)
+    for dry in (["--dry-run"], []):
+        _one_line_error(runner.invoke(app, ["bench", *args, *dry]), needle)
+
+
+def test_suite_world_size_above_one_node_is_refused(tmp_path):
+    from kosmos_bench.suites import SuiteError, TPSuite
+    with pytest.raises(SuiteError, match="'tp' must be 1 to 8 ranks"):
+        TPSuite(tp=16)
+
+
+@pytest.mark.parametrize("bench", ["tp", "moe", "train"])
+def test_out_is_checked_in_a_dry_run(monkeypatch, tmp_path, bench):
+    """--out that cannot be written: one line naming --out in a dry run too; a writable one is left untouched."""
+    _no_gpu_no_launch(monkeypatch)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out, needle in [("/proc/nope/x.jsonl", "--out /proc/nope/x.jsonl: cannot create files in /proc"),
+                        (str(tmp_path), f"--out {tmp_path}: a folder; give a file path"),
+                        (str(blocker / "x.jsonl"), f"--out {blocker / 'x.jsonl'}: {blocker} is a file, not a folder")]:
+        _one_line_error(runner.invoke(app, ["bench", bench, "--out", out, "--dry-run"]), needle)
+    r = runner.invoke(app, ["bench", bench, "--out", str(tmp_path / "new" / "r.jsonl"), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] and blocker.read_text() == "x"
+
+
+def test_bench_tp_world_size_errors_name_the_option_given(monkeypatch):
+    """--tp 3 is answered about --tp (the models' shapes, or the default host shape), never about --host-shape,
+    which the user did not give."""
+    _no_gpu_no_launch(monkeypatch)
+    _one_line_error(runner.invoke(app, ["bench", "tp", "--tp", "3", "--dry-run"]),
+                    "--tp 3: seq=4096 must divide by tp=3")
+    r = runner.invoke(app, ["bench", "tp", "--tp", "6", "--shape", "768x1024x1024", "--op", "ag_gemm", "--dry-run"])
+    _one_line_error(r, "--tp 6: the host enqueue measurement's default shape 128x256x256 does not fit")
+    assert "give --host-shape, e.g. 768x256x256, or --host-calls 0" in r.stderr
+    r = runner.invoke(app, ["bench", "tp", "--tp", "6", "--shape", "768x1024x1024", "--op", "ag_gemm",
+                            "--host-calls", "0", "--dry-run"])
+    assert r.exit_code == 0 and "host enqueue: off" in r.stdout, r.output
+
+
+def _fake_run(monkeypatch, rows_of_runs):
+    """A launch that appends, for each run of ``rows_of_runs`` in turn, an env line and those rows to --out."""
+    import json
+    from kosmos_bench import launcher
+    runs = iter(rows_of_runs)
+
+    def spawn(fn, world, suite, cases, out, *rest):
+        run_id = f"run-{id(suite)}"
+        with open(out, "a") as f:
+            f.write(json.dumps({"type": "env", "run_id": run_id}) + "\n")
+            for row in next(runs):
+                f.write(json.dumps({"type": "result", "run_id": run_id, **row}) + "\n")
+    monkeypatch.setattr(launcher, "check_world", lambda asked: 1)
+    monkeypatch.setattr(launcher, "spawn", spawn)
+    monkeypatch.setattr("kosmos_bench.report.load_records", lambda files: Records([], [], []))
+    monkeypatch.setattr("kosmos_bench.report.print_terminal", lambda *a, **k: None)
+
+
+def test_failed_rows_fail_the_run_with_a_one_line_summary(monkeypatch, tmp_path):
+    """A run whose rows include failed ones exits 1 with one line naming the implementations, after the table;
+    unavailable rows fail nothing, and only this run's rows count (the file is appended to)."""
+    failed = [{"impl": "kosmos", "status": "failed", "reason": "rel_err 1.0e+00 > 1e-02"},
+              {"impl": "kosmos", "status": "failed", "reason": "RuntimeError: boom"},
+              {"impl": "nccl+cublas", "status": "ok"}, {"impl": "torch-async-tp", "status": "unavailable"}]
+    clean = [{"impl": "kosmos", "status": "ok"}, {"impl": "fixed-role", "status": "unavailable"}]
+    _fake_run(monkeypatch, [failed, clean])
+    out = tmp_path / "r.jsonl"
+    args = ["bench", "tp", "--model", "llama3-8b", "--seq", "4096", "--tp", "1", "--out", str(out)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1, r.output
+    assert r.stderr.strip().splitlines()[-1] == (f"error: 2 of 4 rows failed (kosmos: 2); their reasons are in the "
+                                                 f"rows of {out}"), r.stderr
+    r = runner.invoke(app, args)  # appended to the same file: the earlier run's failures are not this run's
+    assert r.exit_code == 0, r.output
+
+
+def test_help_has_no_bool_metavars_and_reflowed_text():
+    """No `<bool>` beside flags; --iters/--warmup say their default; each command's help paragraphs hold no hard
+    line breaks (typer would keep them: ragged lines), and the help fits 100 columns."""
+    import typer.main
+    root = typer.main.get_command(app)
+    commands = [(["bench", name], cmd) for name, cmd in root.commands["bench"].commands.items()]
+    commands += [([name], cmd) for name, cmd in root.commands.items() if name != "bench"]
+    assert {" ".join(p) for p, _ in commands} == {"bench tp", "bench moe", "bench train", "report", "env"}
+
+    def help_of(path):
+        r = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "100"})
+        assert r.exit_code == 0 and "<bool>" not in r.output, r.output
+        assert max(len(line) for line in r.output.splitlines()) == 100, r.output
+        return r.output
+    for path, cmd in commands:
+        assert all("\n" not in p for p in (cmd.help or "").split("\n\n")), (path, cmd.help)
+        # the text above the option tables: a line followed by more of its paragraph fills the width (not ragged)
+        lines = [line.rstrip() for line in help_of(path).split("╭")[0].splitlines()]
+        short = [a for a, b in zip(lines, lines[1:]) if a and b and len(a) < 60]
+        assert not short, (path, short)
+    for path in ([], ["bench"]):
+        help_of(path)
+    for bench in ("tp", "moe"):
+        text = " ".join(help_of(["bench", bench]).replace("│", " ").split())
+        assert f"default: the suite's, 20 in {bench}-default" in text and f"the suite's, 5 in {bench}-default" in text
+
+
+def test_report_timeline_without_out_writes_in_the_current_folder(monkeypatch, tmp_path):
+    """`report --timeline TRACE` without --out: the PNG goes to the current folder (and says so), never beside the
+    trace (the committed results/)."""
+    pytest.importorskip("matplotlib")
+    import shutil
+    traces = tmp_path / "results" / "traces"
+    traces.mkdir(parents=True)
+    trace = traces / "trace-sample.json"
+    shutil.copy(Path(__file__).parent / "fixtures" / "trace-sample.json", trace)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    r = runner.invoke(app, ["report", "--timeline", str(trace)])
+    assert r.exit_code == 0, r.output
+    assert [p.name for p in traces.iterdir()] == ["trace-sample.json"]
+    assert [p.name for p in here.iterdir()] == ["trace-sample.png"]
+    assert f"timeline written to {here / 'trace-sample.png'}" in " ".join(r.stderr.split())
