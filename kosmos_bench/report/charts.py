@@ -28,7 +28,8 @@ import numpy as np
 import pandas as pd
 
 from .load import Trace, load_trace
-from .schema import BASELINE_IMPL, BASELINE_IMPL_BY_OP, BASELINE_IMPLS, CONFIG_COLUMN, ReportError, format_value
+from .schema import (BASELINE_IMPL, BASELINE_IMPL_BY_OP, BASELINE_IMPLS, CONFIG_COLUMN, TRAIN_GROUP, ReportError,
+                     format_value)
 from .tables import geomean
 
 DPI = 120
@@ -404,7 +405,6 @@ def loss_chart(df: pd.DataFrame, path: str | Path) -> bool:
 def _loss_figure(df: pd.DataFrame):
     """One panel per proxy (model, layers, seq, batch, hidden, world, dtype): the loss of each implementation over
     the recorded steps in its ``impl_color`` (the baseline dashed), a failed one marked "failed" in its label."""
-    from .train import TRAIN_GROUP
     keys = [c for c in TRAIN_GROUP if c in df]
     groups = list(df.groupby(keys, dropna=False, sort=False)) if not df.empty else []
     fig = _new_figure((min(MAX_WIDTH_IN, 6.0 * max(1, len(groups))), 4.2))

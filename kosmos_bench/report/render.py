@@ -21,6 +21,7 @@ from rich.text import Text
 
 from .charts import speedup_chart, timeline_chart
 from .compact import print_compact, print_cublas_compact, print_host_compact, print_host_enqueue_compact
+from .files import make_folder, writing
 from .lines import (bandwidth_line, cublas_line, host_enqueue_line, host_enqueue_title, host_line, summary_lines,
                     versus_line)
 from .load import load_records
@@ -30,6 +31,7 @@ from .schema import (
 )
 from .tables import (build_table, config_varies, cublas_summary_table, cublas_table, dtype_table,
                      geomean_by_model_table, geomean_table, host_enqueue_table, host_table, versus_table, wire_table)
+from .train import train_report_main
 
 ENVIRONMENT, RESULTS = "Environment", "Results per shape"
 CUBLAS_SECTION = ("kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms: the TFLOP/s ratio, > 1: "
@@ -372,51 +374,26 @@ def report_main(
 
     if timeline is not None:
         png_path = Path(out) if out is not None else Path(timeline).with_suffix(".png")
-        written = _writing(png_path, lambda: timeline_chart(timeline, png_path))
+        written = writing(png_path, lambda: timeline_chart(timeline, png_path))
         say(f"timeline written to {written}")
         return 0
     if fmt not in RENDER_FORMATS:
         raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
     _, results, hosts = load_records(files, warn=lambda message: say(f"warning: {message}", "yellow"))
-    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
-        from .train import train_report_main
-        return train_report_main(results, fmt, out, chart, console, say)
-    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
-        from .train import train_report_main
+    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and figure
         return train_report_main(results, fmt, out, chart, console, say)
     df = build_table(results, hosts)
     if chart is not None:
-        _make_folder(Path(chart))  # before the report is shown: a bad path fails first
+        make_folder(Path(chart))  # before the report is shown: a bad path fails first
     if out is not None:
         text = render(df, fmt, wide=wide)
-        _writing(Path(out), lambda: Path(out).write_text(text, encoding="utf-8"))
+        writing(Path(out), lambda: Path(out).write_text(text, encoding="utf-8"))
         say(f"{fmt} report written to {out}")
     elif fmt == "text":
         print_terminal(df, console, wide=wide)
     else:
         console.out(render(df, fmt), highlight=False, end="")
     if chart is not None:
-        written = _writing(Path(chart), lambda: speedup_chart(df, chart))
+        written = writing(Path(chart), lambda: speedup_chart(df, chart))
         say(f"speedup chart written to {chart}" if written else "matplotlib missing: no speedup chart")
     return 0
-
-
-def _writing(path: Path, write):
-    """``write()`` after creating the folders of ``path``; an OSError of either is a one-line ReportError naming
-    the path."""
-    _make_folder(path)
-    try:
-        return write()
-    except OSError as error:
-        raise ReportError(f"cannot write {path}: {error.strerror or error}") from None
-
-
-def _make_folder(path: Path) -> None:
-    """The folders above ``path`` (a one-line ReportError naming it when they cannot be made)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        existing = next((folder for folder in path.parents if folder.exists()), None)
-        why = f"{existing} is not a folder" if existing is not None and not existing.is_dir() else \
-            f"cannot create its folder {path.parent} ({error.strerror or error})"
-        raise ReportError(f"cannot write {path}: {why}") from None

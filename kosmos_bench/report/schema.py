@@ -115,6 +115,13 @@ NUMERIC_DISPLAY_COLUMNS = set(INTEGER_COLUMNS) | set(FLOAT_FORMATS) | {"ok", "fa
                                                                         "below_floor", "rows", "calls"}
 MIB = 1024 * 1024
 
+# bench train rows (report/train.py): one row per (TRAIN_GROUP, impl); the baseline per proxy kind
+TRAIN_BENCH = "train"
+TRAIN_BASELINES = {"dense": "nccl+cublas", "moe": "nccl-a2a"}
+TRAIN_GROUP = ("source", "model", "layers", "seq", "batch", "hidden", "world", "dtype")
+TRAIN_COLUMNS = [*TRAIN_GROUP, "impl", "step_ms", "tokens_per_s", "peak_mem_bytes", "final_loss", "speedup",
+                 "loss_max_rel_diff", "status", "reason"]
+
 
 class ReportError(ValueError):
     """Result or trace files that cannot be reported on."""

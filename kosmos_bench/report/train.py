@@ -18,13 +18,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from .schema import ReportError
+from .charts import loss_chart
+from .files import writing
+from .schema import TRAIN_BASELINES, TRAIN_BENCH, TRAIN_COLUMNS, TRAIN_GROUP, ReportError
 
-TRAIN_BENCH = "train"
-TRAIN_BASELINES = {"dense": "nccl+cublas", "moe": "nccl-a2a"}
-TRAIN_GROUP = ("source", "model", "layers", "seq", "batch", "hidden", "world", "dtype")
-TRAIN_COLUMNS = [*TRAIN_GROUP, "impl", "step_ms", "tokens_per_s", "peak_mem_bytes", "final_loss", "speedup",
-                 "loss_max_rel_diff", "status", "reason"]
 TRAIN_FORMATS = {"step_ms": "{:.2f}", "tokens_per_s": "{:.0f}", "final_loss": "{:.5f}", "speedup": "{:.3f}",
                  "loss_max_rel_diff": "{:.2e}"}
 SHORT = {"step_ms": "step ms", "tokens_per_s": "tok/s/GPU", "peak_mem_bytes": "peak mem", "final_loss": "final loss",
@@ -132,21 +129,19 @@ def print_train(df: pd.DataFrame, console) -> None:
 def train_report_main(results: list[dict], fmt: str, out, chart, console, say) -> int:
     """``kosmos report`` on train rows (render.report_main hands them here): the table, and the loss figure
     to ``chart``."""
-    from .charts import loss_chart
-    from .render import _writing
     if not all(is_train(r) for r in results):
         raise ReportError("train rows (kosmos bench train) are reported on their own: pass the train results file "
                           "without other benches' files")
     df = train_table(results)
     if out is not None:
         text = render_train(df, fmt)
-        _writing(Path(out), lambda: Path(out).write_text(text, encoding="utf-8"))
+        writing(Path(out), lambda: Path(out).write_text(text, encoding="utf-8"))
         say(f"{fmt} report written to {out}")
     elif fmt == "text":
         print_train(df, console)
     else:
         console.out(render_train(df, fmt), highlight=False, end="")
     if chart is not None:
-        written = _writing(Path(chart), lambda: loss_chart(df, chart))
+        written = writing(Path(chart), lambda: loss_chart(df, chart))
         say(f"loss figure written to {chart}" if written else "matplotlib missing: no loss figure")
     return 0
