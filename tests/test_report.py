@@ -16,6 +16,7 @@ from rich.console import Console
 
 from kosmos_bench.report import (
     ReportError,
+    load_trace,
     build_table,
     comm_bandwidth,
     default_targets,
@@ -224,6 +225,26 @@ def test_no_result_lines(tmp_path):
     path.write_text(env_line + "\n")
     with pytest.raises(ReportError, match="no result lines"):
         load_results([path])
+
+
+def test_a_folder_or_a_trace_is_told_apart_from_a_result_file(tmp_path):
+    """`kosmos report DIR/` says it is a folder and what to pass; a trace file given as results (one line, as bench
+    --trace writes it, or indented) points to --timeline; a result file given to --timeline says to drop it."""
+    (tmp_path / "a.jsonl").write_text(TP_SAMPLE.read_text())
+    with pytest.raises(ReportError, match=r"is a folder, not a result file: pass its result files, e\.g\. "
+                                          r"kosmos report .*\*\.jsonl \(1 \.jsonl file there\)"):
+        load_results([tmp_path])
+    one_line = tmp_path / "trace.json"
+    one_line.write_text(json.dumps(json.loads(TRACE_SAMPLE.read_text())) + "\n")
+    for trace in (one_line, TRACE_SAMPLE):
+        with pytest.raises(ReportError, match=rf"is a trace file .*kosmos report --timeline {re.escape(str(trace))}"):
+            load_results([trace])
+    with pytest.raises(ReportError, match=r"is a result file, not a trace: report it without --timeline"):
+        load_trace(TP_SAMPLE)
+    with pytest.raises(ReportError, match=r"is a folder, not a trace file"):
+        load_trace(tmp_path)
+    one_line_error(run_report(tmp_path), "is a folder", "*.jsonl")
+    one_line_error(run_report(TRACE_SAMPLE), "--timeline")
 
 
 def test_result_missing_required_key(tmp_path):
