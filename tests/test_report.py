@@ -1472,3 +1472,80 @@ def report_text(path, fmt, wide=False):
         out = Path(folder) / "report.txt"
         assert report_main([str(path)], fmt=fmt, out=str(out), wide=wide, status=Console(file=io.StringIO())) == 0
         return out.read_text(encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- training reports (bench train rows)
+
+TRAIN_SAMPLE = FIXTURES / "train-sample.jsonl"
+TRAIN_RUNS = sorted((Path(__file__).parent.parent / "results" / "h200x1").glob("train-*.jsonl"))
+
+
+@pytest.mark.parametrize("path", [TRAIN_SAMPLE, *TRAIN_RUNS], ids=lambda path: path.stem)
+def test_training_report_at_100_columns(path):
+    """`kosmos report TRAIN.jsonl` at 100 columns, as a user runs it: no line over 100, the environment line with
+    the commit first, the step-time speedup and the loss verdict before the table, no cell cut, every reason whole
+    (wrapped), the rows of unavailable implementations named but not drawn."""
+    import os
+    run = subprocess.run([sys.executable, "-m", "kosmos_bench.cli", "report", str(path)], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "100"}, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    assert "…" not in run.stdout
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    env = next(record for record in records if record["type"] == "env")
+    assert lines[0].startswith(f"{path.stem}: {env['gpu']} x{env['gpu_count']} | torch {env['torch']}")
+    flat = " ".join(run.stdout.split())
+    assert f"commit {env['git_commit'][:12]}" in flat
+    table = next(index for index, line in enumerate(lines) if line.startswith("impl "))
+    assert any(line.startswith(("Step-time speedup over", "bf16: Step-time speedup over")) for line in lines[:table])
+    for record in records:
+        if record["type"] != "result":
+            continue
+        if record["reason"]:
+            assert " ".join(record["reason"].split()) in flat
+        if record["status"] == "unavailable":
+            assert any(line.startswith("unavailable, no row:") and record["impl"] in line for line in lines[table:])
+            assert not any(line.split()[:1] == [record["impl"]] for line in lines[table:])
+        else:
+            assert any(line.split()[:1] == [record["impl"]] for line in lines[table:])
+
+
+def test_training_report_wide_has_every_row_and_column():
+    """--wide: the unavailable rows, the p20 / p80 step times and the loss bar, the full commit; the compact view
+    has none of them."""
+    path = Path(__file__).parent.parent / "results" / "h200x1" / "train-llama3-8b-w1.jsonl"
+    compact, wide = (run_report(path, *flags) for flags in ((), ("--wide",)))
+    assert compact.exit_code == 0 and wide.exit_code == 0
+    rows = {line.split()[0] for line in wide.stdout.splitlines() if line.strip()}
+    assert {"nccl+cublas", "torch-async-tp", "kosmos"} <= rows
+    assert "p20 ms" in wide.stdout and "loss bar" in wide.stdout
+    assert "cf580d680f28ab86e872aa781e7e98604d779024" in " ".join(wide.stdout.split()).replace(" ", "")
+    assert not any(line.startswith("torch-async-tp") for line in compact.stdout.splitlines())
+    assert "unavailable, no row: torch-async-tp [1]" in compact.stdout and "p20 ms" not in compact.stdout
+
+
+def test_training_csv_numbers_are_numbers(tmp_path):
+    """The training csv: peak_mem_bytes an integer, step_ms and the speedup plain floats (no units), losses a JSON
+    list; md and the text keep the human units."""
+    path = Path(__file__).parent.parent / "results" / "h200x1" / "train-llama3-8b-w1.jsonl"
+    run = run_report(path, "--format", "csv")
+    assert run.exit_code == 0, run.output
+    rows = list(csv.DictReader(io.StringIO(run.stdout)))
+    by_impl = {row["impl"]: row for row in rows}
+    assert int(by_impl["nccl+cublas"]["peak_mem_bytes"]) == 4682059264
+    assert int(by_impl["kosmos"]["peak_mem_bytes"]) == 5824092160
+    assert float(by_impl["kosmos"]["step_ms"]) == pytest.approx(28.20702362060547)
+    assert float(by_impl["kosmos"]["speedup"]) == pytest.approx(27.636240005493164 / 28.20702362060547)
+    assert len(json.loads(by_impl["kosmos"]["losses"])) == 20
+    assert by_impl["torch-async-tp"]["peak_mem_bytes"] == "" and by_impl["torch-async-tp"]["status"] == "unavailable"
+    md = run_report(path, "--format", "md").stdout
+    assert "| kosmos | 28.21 | 145,212 | 5.42 |" in md and "Step-time speedup over nccl+cublas" in md
+
+
+def test_training_report_says_shared_gpu_step_times_are_not_measurements():
+    """A run whose ranks shared one GPU (extra.ranks_on_one_gpu): its headline says the step times are not
+    measurements."""
+    path = Path(__file__).parent.parent / "results" / "h200x1" / "train-llama3-8b-w2-onegpu.jsonl"
+    flat = " ".join(run_report(path).stdout.split())
+    assert "the ranks shared one GPU: step times are not measurements" in flat

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
+from rich.segment import Segments
 from rich.table import Table
 from rich.text import Text
 
@@ -39,6 +41,7 @@ CUBLAS_ALONE = "cuBLAS alone"  # the baseline column of TP tables of kosmos alon
 CONTEXT_FIELDS = ("model", "world", "dtype")  # said in the title when one value across a table
 STATUS_WORDS = {"failed": "failed", "unavailable": "n/a"}
 GAP = 2  # the columns between two of a table's columns (collapsed padding and the box's blank rule)
+COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and --wide
 
 
 def family_of(row: dict) -> tuple[str, str | None]:
@@ -152,6 +155,14 @@ def print_wrapped(console: Console, line: str, style: str = "") -> None:
     for part in textwrap.wrap(" ".join(line.split()), width=console.width, subsequent_indent="    ",
                               break_on_hyphens=False) or [""]:
         console.print(Text(part, style=style), no_wrap=True, crop=False)
+
+
+def print_full_width(console: Console, table: Table) -> None:
+    """``table`` at the width its cells need, at least the console's (wider than the console rather than cutting
+    or folding cells: the --wide views)."""
+    width = max(console.width, Measurement.get(console, console.options.update(width=10**6), table).maximum)
+    lines = console.render_lines(table, console.options.update(width=width), pad=False, new_lines=True)
+    console.print(Segments([segment for line in lines for segment in line]), crop=False, end="")
 
 
 def geomean_lines(df: pd.DataFrame) -> list[str]:

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
-from rich.measure import Measurement
-from rich.segment import Segments
 from rich.table import Table
 from rich.text import Text
 
 from .charts import speedup_chart, timeline_chart
-from .compact import (geomean_lines, print_compact, print_cublas_compact, print_dtype_compact, print_host_compact,
-                      print_host_enqueue_compact, print_wrapped)
+from .compact import (COMPACT_WIDTH, WIDE_WIDTH, geomean_lines, print_compact, print_cublas_compact,
+                      print_dtype_compact, print_full_width, print_host_compact, print_host_enqueue_compact,
+                      print_wrapped)
 from .files import make_folder, writing
 from .lines import (RATIO_LINE, bandwidth_line, cublas_line, enqueue_pointer, environment_lines, host_enqueue_line,
                     host_enqueue_title, host_line, target_lines, versus_line, workspace_line)
@@ -39,7 +38,6 @@ CUBLAS_SECTION = "kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms 
 MX_SECTION = ("mxfp8 / bf16: kosmos at mxfp8, its speedup over kosmos at bf16 and over cuBLAS bf16 alone "
               "(mxfp8_vs_bf16 = kosmos_bf16_ms / kosmos_mxfp8_ms, mxfp8_vs_cublas_bf16 = cublas_bf16_ms / "
               "kosmos_mxfp8_ms)")
-COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and --wide
 
 
 # --------------------------------------------------------------------------- sections and formatting
@@ -288,10 +286,10 @@ def print_terminal(df: pd.DataFrame, console: Console | None = None, wide: bool 
     """The report on a rich console. By default the compact view (compact.py), the headline first: the
     environment, the ratio convention, a geomean line per table (``geomean_lines``), kosmos against cuBLAS alone at
     world 1, the verdict lines; then a table per comparison with a line per shape (each implementation's time and
-    speedup), the notes, the mxfp8 section, the host time tables, the workspace. Columns of implementations unavailable at
-    every shape and sections without content (bytes on the wire at world 1) are left out. With ``wide``, every
-    section of md and html (headline first) as rich tables, each as wide as its cells need (wider than the console
-    rather than cutting cells: ``| less -S`` on a narrow terminal)."""
+    speedup), the notes, the mxfp8 section, the host time tables, the workspace. Columns of implementations
+    unavailable at every shape and sections without content (bytes on the wire at world 1) are left out. With
+    ``wide``, every section of md and html (headline first) as rich tables, each as wide as its cells need (wider
+    than the console rather than cutting cells: ``| less -S`` on a narrow terminal)."""
     console = console or Console()
     if not wide:
         environment = df[["source", *ENV_COLUMNS]].drop_duplicates()
@@ -317,17 +315,10 @@ def print_terminal(df: pd.DataFrame, console: Console | None = None, wide: bool 
             for line in environment_lines(body):
                 console.print(Text(line))
         elif title == RESULTS:  # the reason is in the status cell; a rule under each shape
-            _print_full_width(console, _rich_table(body, [column for column in columns if column != "reason"], title,
+            print_full_width(console, _rich_table(body, [column for column in columns if column != "reason"], title,
                                                    shape_sections=True))
         else:
-            _print_full_width(console, _rich_table(body, columns, title))
-
-
-def _print_full_width(console: Console, table: Table) -> None:
-    """``table`` at the width its cells need, at least the console's."""
-    width = max(console.width, Measurement.get(console, console.options.update(width=10**6), table).maximum)
-    lines = console.render_lines(table, console.options.update(width=width), pad=False, new_lines=True)
-    console.print(Segments([segment for line in lines for segment in line]), crop=False, end="")
+            print_full_width(console, _rich_table(body, columns, title))
 
 
 def _rich_table(frame: pd.DataFrame, columns: list[str], title: str, shape_sections: bool = False) -> Table:
@@ -391,7 +382,7 @@ def report_main(
         raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
     _, results, hosts = load_records(files, warn=lambda message: say(f"warning: {message}", "yellow"))
     if any(record.get("bench") == "train" for record in results):  # bench train: its own table and figure
-        return train_report_main(results, fmt, out, chart, console, say)
+        return train_report_main(results, fmt, out, chart, console, say, wide=wide)
     df = build_table(results, hosts)
     if chart is not None:
         make_folder(Path(chart))  # before the report is shown: a bad path fails first
