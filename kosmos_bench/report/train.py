@@ -67,7 +67,7 @@ def train_table(results: list[dict]) -> pd.DataFrame:
                    losses=list(r.get("losses") or []), step_p20_ms=r.get("step_p20_ms"),
                    step_p80_ms=r.get("step_p80_ms"), loss_rtol=r.get("loss_rtol"), steps=r.get("steps"),
                    ranks_on_one_gpu=bool((r.get("extra") or {}).get("ranks_on_one_gpu")),
-                   gpu=r.get("gpu"), git_commit=r.get("git_commit"))
+                   gpu=r.get("gpu"), gpu_count=r.get("gpu_count"), git_commit=r.get("git_commit"))
         rows[tuple(row[c] for c in TRAIN_GROUP) + (row["impl"],)] = row
         env = {c: r.get(c) for c in ("source", *ENV_COLUMNS)}
         environment[(env["source"], env["run_id"])] = env
