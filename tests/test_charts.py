@@ -37,10 +37,24 @@ def panels(fig):
 
 
 def bar_colors(ax) -> dict[str, tuple]:
-    """Legend label (impl, before " (geomean") -> facecolor of its bars."""
+    """Legend label (impl, before " (geomean") -> facecolor of its bars (the target lines left out)."""
     handles, labels = ax.get_legend_handles_labels()
     return {label.split(" (geomean")[0]: tuple(handle.patches[0].get_facecolor()) for handle, label in
-            zip(handles, labels)}
+            zip(handles, labels) if hasattr(handle, "patches")}
+
+
+def bar_values(ax) -> dict[str, list[float]]:
+    """Legend label (impl, before " (geomean") -> the values its bars show (drawn from 1.0: bottom + height),
+    NaN where no bar."""
+    handles, labels = ax.get_legend_handles_labels()
+    return {label.split(" (geomean")[0]: [patch.get_y() + patch.get_height() for patch in handle.patches]
+            for handle, label in zip(handles, labels) if hasattr(handle, "patches")}
+
+
+def target_lines(ax) -> dict[str, float]:
+    """Label -> y of the suite's target lines of a panel."""
+    return {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if line.get_label().startswith(
+        ("target", "floor"))}
 
 
 def env_line(run_id="r1", bench="tp", gpu_count=2, commit="abcdef0123456789"):
@@ -155,6 +169,101 @@ def test_one_config_per_impl_is_labelled_by_impl_alone(tmp_path):
     lines = [env_line(), tp_line("nccl+cublas", 1.0), tp_line("kosmos", 0.9, config={"push_chunks": 1})]
     fig = charts._speedup_figure(table_of(write_jsonl(tmp_path / "one.jsonl", lines)))
     assert set(bar_colors(panels(fig)[0])) == {"kosmos"}
+
+
+def test_each_direction_is_its_own_panel_titled_by_it():
+    """MoE rows of three directions: a panel per direction, titled by it, each drawing its own direction's
+    speedups (not the last direction's over the others)."""
+    fig = charts._speedup_figure(table_of(FIXTURES / "moe-direction-sample.jsonl"))
+    by_direction = {ax.kosmos_direction: ax for ax in panels(fig)}
+    assert sorted(by_direction) == ["bwd", "fwd", "fwd+bwd"] and len(panels(fig)) == 3
+    expected = {"fwd": ("MoE layer forward ", 2.0), "bwd": ("MoE layer backward ", 1.5),
+                "fwd+bwd": ("MoE layer forward+backward ", 2.0)}
+    for direction, (title, speedup) in expected.items():
+        ax = by_direction[direction]
+        assert ax.get_title(loc="left").startswith(title)
+        assert bar_values(ax)["kosmos"] == [pytest.approx(speedup)]
+
+
+def test_each_dtype_is_its_own_panel():
+    """bf16 and mxfp8 rows of one op: a panel each, named by its dtype, each against the baseline at its dtype."""
+    fig = charts._speedup_figure(table_of(FIXTURES / "tp-mx-sample.jsonl"))
+    keys = [(ax.kosmos_op, ax.kosmos_dtype) for ax in panels(fig)]
+    assert keys == [("ag_gemm", "bf16"), ("ag_gemm", "mxfp8"), ("gemm_rs", "bf16"), ("gemm_rs", "mxfp8")]
+    ag_mx = panels(fig)[1]
+    assert "mxfp8" in ag_mx.get_title(loc="left")
+    values = bar_values(ag_mx)
+    assert values["kosmos"] == [pytest.approx(1.4 / 1.1)] and values["fp8-rowwise"] == [pytest.approx(1.4 / 0.7)]
+    assert values["triton-dot-scaled"] == [pytest.approx(1.4 / 4.2)]
+    assert bar_values(panels(fig)[0])["kosmos"] == [pytest.approx(1.21 / 1.05)]
+
+
+def test_kosmos_alone_at_world_1_is_drawn_against_cublas_alone(tmp_path):
+    """A grid run (kosmos alone at world 1): bars of t_gemm_ms / time_ms, the suite's geomean bar and floor as
+    lines, the one-line shape labels; no empty panel."""
+    suite = {"name": "grid", "bench": "tp", "targets": {"vs_cublas_geomean": 0.97, "vs_cublas_floor": 0.9}}
+    lines = [{**env_line(gpu_count=1), "suite": suite}]
+    for m, time_ms, t_gemm in ((256, 1.0, 0.8), (512, 1.0, 0.95), (1024, 1.0, 1.02)):
+        lines.append({**tp_line("kosmos", time_ms, model="custom", layer="custom", seq=m), "world": 1,
+                      "t_gemm_ms": t_gemm, "t_comm_ms": 0.0})
+    fig = charts._speedup_figure(table_of(write_jsonl(tmp_path / "grid.jsonl", lines)))
+    ax, = panels(fig)
+    assert ax.kosmos_baseline == "cuBLAS alone" and ax.get_ylabel() == "speedup vs cuBLAS alone"
+    assert bar_values(ax)["kosmos"] == pytest.approx([0.8, 0.95, 1.02])
+    assert target_lines(ax) == {"target: geomean >= 0.97": 0.97, "floor: every shape >= 0.90": 0.9}
+    assert [label.get_text() for label in ax.get_xticklabels()] == ["256×512×256", "512×512×256", "1024×512×256"]
+    low, high = ax.get_ylim()
+    assert 0.7 < low < 0.8 and 1.02 < high < 1.1  # the range of the values, not from 0
+
+
+def test_y_range_shows_the_differences_and_the_target_is_a_line():
+    """The TP sample at world 2: the y axis spans the speedups, the baseline's 1.0 and the suite's geomean bar
+    (1.15), not 0 to the top; the bars start at 1.0; the bar is a red line in the legend."""
+    fig = charts._speedup_figure(table_of(TP_SAMPLE))
+    for ax in panels(fig):
+        values = [value for bars in bar_values(ax).values() for value in bars if not np.isnan(value)]
+        low, high = ax.get_ylim()
+        assert low > 0.9 and low < min(values + [1.0]) and high > max(values + [1.15])
+        assert target_lines(ax) == {"target: kosmos geomean >= 1.15": 1.15}
+        assert all(patch.get_y() == 1.0 for container in ax.containers for patch in container.patches)
+        assert any(label.startswith("target") for label in ax.get_legend_handles_labels()[1])
+
+
+def test_every_implementation_and_baseline_has_its_own_colour():
+    colours = [charts.impl_color(impl) for impl in charts.IMPL_COLORS]
+    assert len(set(colours)) == len(colours)
+    assert not set(charts._EXTRA_IMPL_COLORS) & set(charts.IMPL_COLORS.values())
+    fig = charts._speedup_figure(table_of(TP_SAMPLE))
+    drawn = bar_colors(panels(fig)[0])
+    assert len(set(drawn.values())) == len(drawn) == 4  # kosmos, torch-async-tp, fixed-role, fixed-role-best
+
+
+# --------------------------------------------------------------------------- the training figure
+
+
+def test_training_figure_shows_speedups_and_the_loss_difference(tmp_path):
+    """The training figure: the step-time speedup of each implementation over the baseline (a point, its p20-p80
+    whisker) on a range that shows the difference, and the loss difference per step relative to the baseline's,
+    not the two loss curves."""
+    from kosmos_bench.report.train import train_table
+    table = train_table(load_results([FIXTURES / "train-sample.jsonl"])[1])
+    fig = charts._loss_figure(table)
+    speed, loss = fig.axes[0], fig.axes[1]
+    points = {line.get_label(): line.get_ydata() for line in speed.get_lines() if not line.get_label().startswith("_")}
+    assert list(points["kosmos"]) == pytest.approx([120.0 / 103.0, 120.0 / 98.0])  # the whisker: p80, p20
+    assert list(points["nccl+cublas"]) == pytest.approx([120.0 / 123.6, 120.0 / 117.6])
+    low, high = speed.get_ylim()
+    assert low > 0.9 and high > 120.0 / 98.0
+    base = np.array(table[table.impl == "nccl+cublas"].losses.iloc[0])
+    ours = np.array(table[(table.impl == "kosmos") & (table.dtype == "bf16")].losses.iloc[0])
+    drawn = [line for line in loss.get_lines() if line.get_label().startswith("kosmos")]
+    assert len(drawn) == 1 and list(drawn[0].get_ydata()) == pytest.approx(list((ours - base) / base))
+    assert not any(list(line.get_ydata()) == pytest.approx(list(base)) for line in loss.get_lines())
+    assert "final loss: nccl+cublas 0.95000, kosmos 0.95000" in " ".join(loss.get_title(loc="left").split())
+    png = tmp_path / "train.png"
+    assert charts.loss_chart(table, png)
+    width, height = png_size(png)
+    assert width <= 1800 and height <= 1400
 
 
 # --------------------------------------------------------------------------- timeline

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from kosmos_bench.report import (
     ReportError,
+    load_trace,
     build_table,
     comm_bandwidth,
     default_targets,
@@ -224,6 +225,26 @@ def test_no_result_lines(tmp_path):
     path.write_text(env_line + "\n")
     with pytest.raises(ReportError, match="no result lines"):
         load_results([path])
+
+
+def test_a_folder_or_a_trace_is_told_apart_from_a_result_file(tmp_path):
+    """`kosmos report DIR/` says it is a folder and what to pass; a trace file given as results (one line, as bench
+    --trace writes it, or indented) points to --timeline; a result file given to --timeline says to drop it."""
+    (tmp_path / "a.jsonl").write_text(TP_SAMPLE.read_text())
+    with pytest.raises(ReportError, match=r"is a folder, not a result file: pass its result files, e\.g\. "
+                                          r"kosmos report .*\*\.jsonl \(1 \.jsonl file there\)"):
+        load_results([tmp_path])
+    one_line = tmp_path / "trace.json"
+    one_line.write_text(json.dumps(json.loads(TRACE_SAMPLE.read_text())) + "\n")
+    for trace in (one_line, TRACE_SAMPLE):
+        with pytest.raises(ReportError, match=rf"is a trace file .*kosmos report --timeline {re.escape(str(trace))}"):
+            load_results([trace])
+    with pytest.raises(ReportError, match=r"is a result file, not a trace: report it without --timeline"):
+        load_trace(TP_SAMPLE)
+    with pytest.raises(ReportError, match=r"is a folder, not a trace file"):
+        load_trace(tmp_path)
+    one_line_error(run_report(tmp_path), "is a folder", "*.jsonl")
+    one_line_error(run_report(TRACE_SAMPLE), "--timeline")
 
 
 def test_result_missing_required_key(tmp_path):
@@ -466,8 +487,8 @@ def test_versus_fastest_other_by_hand(tmp_path):
     assert (second.fastest_other, second.vs_fastest_other) == ("fixed-role-best", pytest.approx(0.99))
     text = render(df, "md")
     assert "## kosmos against the fastest other implementation" in text
-    assert "at 1 of 2 shapes (worst 0.950, torch-async-tp" in text
-    assert "than fixed-role-best at 2 of 2 (worst 0.990)" in text
+    assert "at 1 of 2 shapes (lowest 0.950: torch-async-tp faster at toy qkv 1024)" in text
+    assert "than fixed-role-best at 2 of 2 (lowest 0.990)" in text  # kosmos behind: not a "margin"
     assert "kosmos against the fastest other implementation" in render(df, "html")
     assert "at 1 of 2 shapes" in render(df, "text")
 
@@ -707,7 +728,7 @@ def test_report_reads_the_default_targets_without_torch():
 
 
 # the titles of the compact view's summary tables after the per-shape ones (kosmos vs cuBLAS at world 1, host time)
-SUMMARY_TITLES = ("kosmos against cuBLAS alone", "Host enqueue time", "Host time per call inside")
+SUMMARY_TITLES = ("kosmos against cuBLAS alone", "Host enqueue time", "Host time per call inside", "mxfp8 / bf16")
 
 
 def compact_tables(text):
@@ -724,7 +745,8 @@ def compact_tables(text):
                 continue
             body = []
             for body_line in lines[index + 1:]:
-                if body_line.startswith(("[", "Workspace", *SUMMARY_TITLES)) or "time in ms" in body_line:
+                if body_line.startswith(("[", "Workspace", "unavailable at every shape", *SUMMARY_TITLES)) or \
+                        "time in ms" in body_line:
                     break
                 body.append(body_line)
             tables.append((lines[start:index], body))
@@ -744,11 +766,12 @@ def header_names(header_lines):
 @pytest.mark.parametrize("width", [100, 80])
 @pytest.mark.parametrize("sample, impls, shapes", [
     (TP_SAMPLE, {"nccl+cublas", "kosmos", "torch-async-tp", "fixed-role", "fixed-role-best"}, [4]),
-    (MOE_SAMPLE, {"nccl-a2a", "kosmos", "deepep", "fixed-role", "fixed-role-best"}, [2, 2]),
+    (MOE_SAMPLE, {"nccl-a2a", "kosmos", "fixed-role", "fixed-role-best"}, [2, 2]),
 ])
 def test_compact_view_cuts_no_cell(sample, impls, shapes, width):
     """At 100 and 80 columns: no cell ends in an ellipsis, every time and speedup is there whole, fixed-role and
-    fixed-role-best are two columns; the reason of an unavailable cell is a note of one line."""
+    fixed-role-best are two columns; the reason of an unavailable cell is a note, wrapped, not cut; an
+    implementation unavailable at every shape (deepep in the MoE sample) has no column but a line naming it."""
     df = build_table(load_results([sample])[1])
     text = terminal_text(df, width)
     assert max(map(len, text.splitlines())) <= width
@@ -768,8 +791,14 @@ def test_compact_view_cuts_no_cell(sample, impls, shapes, width):
     unavailable = df[df.status == "unavailable"]
     reasons = set(unavailable.reason)
     assert len([line for line in notes if " unavailable" in line]) == len(reasons)  # one note per reason
-    for line in notes:
-        assert len(line) <= width
+    assert "…" not in text
+    flat = " ".join(text.split())
+    for reason in reasons:
+        assert reason in flat  # whole, wrapped over lines
+    left_out = {impl for impl, rows in df.groupby("impl") if (rows.status == "unavailable").all()}
+    assert not left_out & names
+    for impl in left_out:
+        assert re.search(rf"unavailable at every shape, no column: .*{impl} \[\d+\]", text)
     wide = terminal_text(df, width, wide=True)
     for reason in reasons:
         assert reason in wide  # the full reason
@@ -794,20 +823,78 @@ def test_compact_view_of_the_committed_runs_fits_100_columns():
 
 
 def test_compact_view_layout_by_hand():
-    """The TP fixture at 100 columns: the title says what every line shares, a line per shape with the baseline's
-    time and each other implementation's time and speedup, the geomeans under it, then the verdict lines."""
+    """The TP fixture at 100 columns: the environment, the ratio convention, the geomean headline and the verdicts
+    first; then the table, its title saying what every line shares, a line per shape with the baseline's time and
+    each other implementation's time and speedup, the geomeans under it."""
     df = build_table(load_results([TP_SAMPLE])[1])
     text = terminal_text(df, 100)
     lines = text.splitlines()
-    assert lines[1] == "TP ops: time in ms, speedup over nccl+cublas (> 1 is faster) | llama3-70b | world 2 | bf16"
+    assert lines[0].startswith("tp-sample: NVIDIA H200 x2 | torch 2.6.0 | triton 3.2.0 | commit 0123abc")
+    assert lines[1].startswith("Every ratio is a speedup")
+    assert " ".join(" ".join(lines[2:4]).split()).startswith(  # wrapped over two lines
+        "Geomean speedup over nccl+cublas, TP ops | llama3-70b | world 2 | bf16 (4 shapes): kosmos 1.239x, "
+        "torch-async-tp 1.122x (3 of 4 shapes)")
+    title = lines.index("TP ops: time in ms and speedup over nccl+cublas | llama3-70b | world 2 | bf16")
+    assert lines.index("Target geomean_speedup of kosmos over nccl+cublas >= 1.15: 1.239 meets.") < title
     first = next(line for line in lines if line.startswith("ag_gemm  qkv       8192"))
     assert first.split()[3:] == ["1.210", "1.052", "1.150x", "1.118", "1.082x", "1.097", "1.103x", "1.071", "1.130x"]
     unavailable = next(line for line in lines if line.startswith("gemm_rs  attn_out  4096"))
     assert "n/a [1]" in unavailable and "failed [2]" in unavailable
     speedups = next(line for line in lines if line.startswith("geomean  speedup"))
     assert speedups.split()[2:] == ["1.239x", "1.122x", "1.159x", "1.211x"]  # the baseline's 1 left out
-    assert lines.index(speedups) < lines.index("Target geomean_speedup of kosmos over nccl+cublas >= 1.15: 1.239 meets.")
-    assert lines[-1].startswith("Every column and the full reasons: kosmos report FILE --wide")
+    assert lines.index(speedups) > title
+    assert "(> 1 is faster)" not in text and text.count("> 1: faster") == 1  # the convention, said once
+    assert lines[-1].startswith("Every column, implementation and section: kosmos report FILE --wide")
+
+
+def test_committed_tp_report_has_the_geomean_in_its_first_8_lines():
+    """`kosmos report results/h200x2/tp-bf16.jsonl` at 100 columns, as a user runs it: the geomean speedup of every
+    implementation and the verdicts on the suite's targets come before the per-shape table."""
+    path = Path(__file__).parent.parent / "results" / "h200x2" / "tp-bf16.jsonl"
+    import os
+    run = subprocess.run([sys.executable, "-m", "kosmos_bench.cli", "report", str(path)], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "100"}, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert max(map(len, lines)) <= 100
+    head = " ".join(" ".join(lines[:8]).split())
+    assert "Geomean speedup over nccl+cublas, TP ops | world 2 | bf16 (24 shapes): kosmos 1.060x" in head, head
+    assert "fixed-role-best 1.036x" in head and "Target geomean_speedup" in head
+    table = next(index for index, line in enumerate(lines) if "time in ms" in line)
+    assert table > 8
+
+
+def test_compact_view_leaves_out_empty_sections_and_unavailable_columns():
+    """A committed world-1 run with bf16 and mxfp8 rows: the bytes on the wire (all 0 at W = 1) and the columns of
+    implementations unavailable at every shape are left out of the compact view, so its lines fit 100 columns;
+    --wide keeps both."""
+    path = Path(__file__).parent.parent / "results" / "h200x1" / "tp-mxfp8-w1-shard2.jsonl"
+    df = build_table(load_results([path])[1])
+    assert (df[df.impl == "torch-async-tp"].status == "unavailable").all() and (df.wire_bytes.fillna(0) == 0).all()
+    text = terminal_text(df, 100)
+    assert max(map(len, text.splitlines())) <= 100
+    assert "Bytes on the wire" not in text
+    headers = set().union(*(header_names(header) for header, _ in compact_tables(text)))
+    assert {"kosmos", "nccl+cublas", "triton-dot-scaled", "fp8-rowwise"} <= headers
+    assert not {"torch-async-tp", "fixed-role", "fixed-role-best"} & headers
+    assert "unavailable at every shape, no column: torch-async-tp [1], fixed-role [2], fixed-role-best [3]" in text
+    wide = terminal_text(df, 100, wide=True)
+    assert "Bytes on the wire" in wide and "torch-async-tp" in wide
+
+
+def test_kosmos_alone_at_world_1_is_compared_with_cublas_alone(tmp_path):
+    """TP rows of kosmos alone at world 1 (a grid run): the table's baseline is cuBLAS alone (the rows'
+    t_gemm_ms), each kosmos cell gives t_gemm_ms / time_ms, and the headline gives its geomean."""
+    rows = [result_line(layer="custom", model="custom", seq=m, m=m, world=1, impl="kosmos", time_ms=t,
+                        t_gemm_ms=g, t_comm_ms=0.0) for m, t, g in ((256, 2.0, 1.0), (1024, 1.0, 1.1))]
+    df = build_table(load_results([write_lines(tmp_path / "grid.jsonl", [env_line({"name": "g"}), *rows])])[1])
+    text = terminal_text(df, 100)
+    assert "Geomean speedup over cuBLAS alone, TP ops | custom | world 1 | bf16 (2 shapes): kosmos " \
+        f"{math.sqrt(0.5 * 1.1):.3f}x" in text
+    assert "TP ops: time in ms and speedup over cuBLAS alone | op ag_gemm | custom | world 1 | bf16" in text
+    line = next(line for line in text.splitlines() if line.startswith("256x512x256"))
+    assert line.split()[1:] == ["1.000", "2.000", "0.500x"]
+    assert "geomean  overlap" not in text  # no communication at world 1
 
 
 def test_compact_view_names_the_source_and_custom_shapes(tmp_path):
@@ -827,8 +914,8 @@ def test_compact_view_names_the_source_and_custom_shapes(tmp_path):
 
 
 def test_headline_comes_first_in_every_format(table):
-    """md, html and the wide text: the geomeans and the verdict lines before the per-shape tables; the compact
-    view ends with them (what stays on the screen)."""
+    """Every format: the geomeans and the verdict lines before the per-shape tables (the compact view: a geomean
+    line per table, the tables' footers repeat them)."""
     md = render(table, "md")
     assert md.index("## Geomean over ok rows") < md.index("Target geomean_speedup") < \
         md.index("kosmos at most 3% slower") < md.index("## Results per shape") < \
@@ -839,7 +926,8 @@ def test_headline_comes_first_in_every_format(table):
     wide = render(table, "text", wide=True)
     assert wide.index("Geomean over ok rows") < wide.index("Target geomean_speedup") < wide.index("Results per shape")
     compact = render(table, "text")
-    assert compact.index("geomean  speedup") < compact.index("Target geomean_speedup")
+    assert compact.index("Geomean speedup over") < compact.index("Target geomean_speedup") < \
+        compact.index("time in ms") < compact.index("geomean  speedup")
     assert max(map(len, compact.splitlines())) <= 100
 
 
@@ -1056,8 +1144,8 @@ def test_geomeans_per_dtype_and_impl():
 def test_dtype_and_wire_tables():
     from kosmos_bench.report.tables import dtype_table, wire_table
     ratios = dtype_table(_mx_table()).set_index("op")
-    assert ratios.loc["ag_gemm", "mxfp8_vs_bf16"] == pytest.approx(1.10 / 1.05)
-    assert ratios.loc["ag_gemm", "mxfp8_vs_cublas_bf16"] == pytest.approx(1.10 / 0.985)
+    assert ratios.loc["ag_gemm", "mxfp8_vs_bf16"] == pytest.approx(1.05 / 1.10)  # speedups: bf16 time / mxfp8's
+    assert ratios.loc["ag_gemm", "mxfp8_vs_cublas_bf16"] == pytest.approx(0.985 / 1.10)
     assert ratios.loc["gemm_rs", "kosmos_bf16_ms"] == 1.70 and ratios.loc["gemm_rs", "cublas_bf16_ms"] == 1.62
     wires = wire_table(_mx_table())
     ag = wires[wires["op"] == "ag_gemm"].set_index("impls")
@@ -1080,7 +1168,8 @@ def test_mx_report_sections_in_every_format():
     md = render(table, "md")
     assert "## mxfp8 / bf16" in md and "## Bytes on the wire per implementation" in md
     assert "| rel_err_bf16 | wire_bytes |" in md
-    assert "mxfp8 / bf16" in render(table, "html") and "mxfp8 / bf16" not in render(_mx_table_bf16_only(), "md")
+    assert "mxfp8 / bf16" in render(table, "html")
+    assert "mxfp8 / bf16" not in render(_mx_table_bf16_only(), "md")
     header = next(csv.reader(io.StringIO(render(table, "csv"))))
     assert header[-3:] == ["wire_bytes", "rel_err_bf16", "direction"]
 
@@ -1104,9 +1193,9 @@ def test_moe_bf16_and_mxfp8_rows_render():
     df = build_table(load_results([MOE_MX_FIXTURE])[1])
     ratios = dtype_table(df).set_index("routing")
     assert list(ratios.index) == ["uniform", "zipf:1.2"]  # two points at one token count: not merged
-    assert ratios.loc["uniform", "mxfp8_vs_bf16"] == pytest.approx(8.1 / 9.0)
-    assert ratios.loc["zipf:1.2", "mxfp8_vs_bf16"] == pytest.approx(10.8 / 12.0)
-    assert ratios.loc["zipf:1.2", "mxfp8_vs_cublas_bf16"] == pytest.approx(10.8 / 6.1)
+    assert ratios.loc["uniform", "mxfp8_vs_bf16"] == pytest.approx(9.0 / 8.1)
+    assert ratios.loc["zipf:1.2", "mxfp8_vs_bf16"] == pytest.approx(12.0 / 10.8)
+    assert ratios.loc["zipf:1.2", "mxfp8_vs_cublas_bf16"] == pytest.approx(6.1 / 10.8)
     wires = wire_table(df)
     mx = wires[(wires["dtype"] == "mxfp8") & (wires["routing"] == "uniform")]
     assert len(mx) == 1 and mx["wire_vs_bf16"].iloc[0] == pytest.approx((1 + 1 / 32 + 2) / 4)
@@ -1143,8 +1232,14 @@ def test_report_directions_fwd_and_bwd():
     text = render(df, "text")
     assert all(len(line) <= 100 for line in text.splitlines())
     flat = " ".join(text.split())  # a long title wraps
-    assert flat.count("moe_fwd (the MoE layer): time in ms") == 3
-    assert flat.index("| direction fwd ") < flat.index("| direction bwd ") < flat.index("| direction fwd+bwd ")
+    assert "moe_fwd" not in flat.split("Geomean speedup")[1].split("Host time")[0]  # titles name the direction
+    titles = ("MoE layer forward: time in ms", "MoE layer backward: time in ms",
+              "MoE layer forward+backward: time in ms")
+    assert all(flat.count(title) == 1 for title in titles)
+    assert flat.index(titles[0]) < flat.index(titles[1]) < flat.index(titles[2])
+    headline = ("Geomean speedup over nccl-a2a, MoE layer forward", "Geomean speedup over nccl-a2a, MoE layer "
+                "backward", "Geomean speedup over nccl-a2a, MoE layer forward+backward")
+    assert all(flat.index(line) < flat.index(titles[0]) for line in headline)  # the headline first
     assert "no backward in the deepep baseline yet" in text
     md = render(df, "md")
     assert "| direction |" in md
@@ -1220,9 +1315,12 @@ def test_host_table_and_line_by_hand(tmp_path):
     kosmos_ag = hosts.iloc[0]  # 150, 100, 125 at world 1 and 200 at world 2; the failed row has none
     assert (kosmos_ag.host_us_median, kosmos_ag.host_us_min, kosmos_ag.host_us_max) == pytest.approx((137.5, 100, 200))
     line = host_line(df)
-    assert line.startswith("Host time per call inside the timing loop, µs (CPU time inside the implementation's call, "
-                           "each after a barrier: a cold host, not the enqueue cost per eager call")
+    assert line.startswith("Host time per call inside the timing loop, µs (per row the median over its timed calls of "
+                           "the CPU time inside the call, each after a barrier, so the host is cold")
+    assert "the enqueue cost per eager call: bench tp --host-calls" in line  # a TP file without host rows
     assert line.endswith(": kosmos 125 (max 200), nccl+cublas 30 (max 30).")
+    moe = host_line(build_table(load_results([MOE_DIRECTION_SAMPLE])[1]))
+    assert moe is None or "bench tp" not in moe  # the MoE bench has no enqueue measurement to point to
     assert host_table(build_table(load_results([TP_SAMPLE])[1])).empty  # the fixture has no host_ms
     assert host_line(build_table(load_results([TP_SAMPLE])[1])) is None
 
@@ -1231,21 +1329,23 @@ def test_cublas_and_host_sections_in_every_format(tmp_path):
     df = build_table(load_results([write_lines(tmp_path / "grid-w1.jsonl", cublas_lines())])[1])
     md = render(df, "md")
     assert "## kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms" in md
-    per_op = md_table(md, "kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms: the TFLOP/s "
-                          "ratio, > 1: kosmos faster): per op")
+    per_op = md_table(md, "kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms, the TFLOP/s "
+                          "ratio): per op")
     assert per_op[0] == ["op", "dtype", "shapes", "geomean_vs_cublas", "min_vs_cublas", "worst_shape",
                          "below_floor", "floor"]
     assert per_op[1] == ["ag_gemm", "bf16", "3", "0.785", "0.500", "256x512x256", "1", "0.90"]
     assert "## Host time per call inside the timing loop, µs (host_ms of the ok rows: median over each row's timed " \
-        "calls, each after a barrier, so the host is cold; the enqueue cost per eager call is the section \"Host " \
-        "enqueue time per eager call\"" in md and "| kosmos | 4 | 137.5 | 100.0 | 200.0 |" in md
+        "calls, each after a barrier, so the host is cold; the enqueue cost per eager call: bench tp --host-calls)" \
+        in md and "| kosmos | 4 | 137.5 | 100.0 | 200.0 |" in md
     assert "Host enqueue time per eager call, µs (median" not in md  # no host rows in this file: no such section
     assert "kosmos against cuBLAS alone at world 1" in render(df, "html")
     text = terminal_text(df, 100)
     assert max(map(len, text.splitlines())) <= 100
     lines = text.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("kosmos against cuBLAS alone at world 1 (t_gemm"))
-    assert lines[at + 3].split() == ["ag_gemm", "3", "0.785x", "0.500x", "256x512x256", "1", "<", "0.90"]
+    at = next(i for i, line in enumerate(lines) if line.startswith("kosmos against cuBLAS alone at world 1, per op"))
+    assert lines[at + 3].split() == ["ag_gemm", "3", "0.785x", "0.500x", "256x512x256", "1", "<", "0.90", "misses",
+                                     ">=", "0.97"]
+    assert lines[at + 4].split()[-3:] == ["meets", ">=", "0.97"]
     assert any(line.split()[:3] == ["kosmos", "ag_gemm", "4"] for line in lines)  # the host table
     assert text.index("kosmos against cuBLAS alone") < text.index("Host time per call inside") < \
         text.index("Workspace")
@@ -1309,7 +1409,7 @@ def test_host_enqueue_table_and_line(tmp_path):
         ("gemm_rs", "nccl+cublas", -1, "failed")]
     assert set(table["shape"]) == {"128x256x256"} and list(table.p80_us[:1]) == [21.0]
     line = host_enqueue_line(df)
-    assert line == ("Host enqueue time per eager call of kosmos (median of back-to-back calls, issue 13; the bar: "
+    assert line == ("Host enqueue time per eager call of kosmos (median of back-to-back calls; the bar: "
                     f"<= 30 µs at W=1): {HOST_VERDICT}.")
     # a suite's own bar; a row at W > 1 is given without a verdict; a failed kosmos row with its reason
     suite = {"name": "mine", "bench": "tp", "targets": {"host_enqueue_us": 50}}
@@ -1372,3 +1472,80 @@ def report_text(path, fmt, wide=False):
         out = Path(folder) / "report.txt"
         assert report_main([str(path)], fmt=fmt, out=str(out), wide=wide, status=Console(file=io.StringIO())) == 0
         return out.read_text(encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- training reports (bench train rows)
+
+TRAIN_SAMPLE = FIXTURES / "train-sample.jsonl"
+TRAIN_RUNS = sorted((Path(__file__).parent.parent / "results" / "h200x1").glob("train-*.jsonl"))
+
+
+@pytest.mark.parametrize("path", [TRAIN_SAMPLE, *TRAIN_RUNS], ids=lambda path: path.stem)
+def test_training_report_at_100_columns(path):
+    """`kosmos report TRAIN.jsonl` at 100 columns, as a user runs it: no line over 100, the environment line with
+    the commit first, the step-time speedup and the loss verdict before the table, no cell cut, every reason whole
+    (wrapped), the rows of unavailable implementations named but not drawn."""
+    import os
+    run = subprocess.run([sys.executable, "-m", "kosmos_bench.cli", "report", str(path)], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "100"}, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    assert "…" not in run.stdout
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    env = next(record for record in records if record["type"] == "env")
+    assert lines[0].startswith(f"{path.stem}: {env['gpu']} x{env['gpu_count']} | torch {env['torch']}")
+    flat = " ".join(run.stdout.split())
+    assert f"commit {env['git_commit'][:12]}" in flat
+    table = next(index for index, line in enumerate(lines) if line.startswith("impl "))
+    assert any(line.startswith(("Step-time speedup over", "bf16: Step-time speedup over")) for line in lines[:table])
+    for record in records:
+        if record["type"] != "result":
+            continue
+        if record["reason"]:
+            assert " ".join(record["reason"].split()) in flat
+        if record["status"] == "unavailable":
+            assert any(line.startswith("unavailable, no row:") and record["impl"] in line for line in lines[table:])
+            assert not any(line.split()[:1] == [record["impl"]] for line in lines[table:])
+        else:
+            assert any(line.split()[:1] == [record["impl"]] for line in lines[table:])
+
+
+def test_training_report_wide_has_every_row_and_column():
+    """--wide: the unavailable rows, the p20 / p80 step times and the loss bar, the full commit; the compact view
+    has none of them."""
+    path = Path(__file__).parent.parent / "results" / "h200x1" / "train-llama3-8b-w1.jsonl"
+    compact, wide = (run_report(path, *flags) for flags in ((), ("--wide",)))
+    assert compact.exit_code == 0 and wide.exit_code == 0
+    rows = {line.split()[0] for line in wide.stdout.splitlines() if line.strip()}
+    assert {"nccl+cublas", "torch-async-tp", "kosmos"} <= rows
+    assert "p20 ms" in wide.stdout and "loss bar" in wide.stdout
+    assert "cf580d680f28ab86e872aa781e7e98604d779024" in " ".join(wide.stdout.split()).replace(" ", "")
+    assert not any(line.startswith("torch-async-tp") for line in compact.stdout.splitlines())
+    assert "unavailable, no row: torch-async-tp [1]" in compact.stdout and "p20 ms" not in compact.stdout
+
+
+def test_training_csv_numbers_are_numbers(tmp_path):
+    """The training csv: peak_mem_bytes an integer, step_ms and the speedup plain floats (no units), losses a JSON
+    list; md and the text keep the human units."""
+    path = Path(__file__).parent.parent / "results" / "h200x1" / "train-llama3-8b-w1.jsonl"
+    run = run_report(path, "--format", "csv")
+    assert run.exit_code == 0, run.output
+    rows = list(csv.DictReader(io.StringIO(run.stdout)))
+    by_impl = {row["impl"]: row for row in rows}
+    assert int(by_impl["nccl+cublas"]["peak_mem_bytes"]) == 4682059264
+    assert int(by_impl["kosmos"]["peak_mem_bytes"]) == 5824092160
+    assert float(by_impl["kosmos"]["step_ms"]) == pytest.approx(28.20702362060547)
+    assert float(by_impl["kosmos"]["speedup"]) == pytest.approx(27.636240005493164 / 28.20702362060547)
+    assert len(json.loads(by_impl["kosmos"]["losses"])) == 20
+    assert by_impl["torch-async-tp"]["peak_mem_bytes"] == "" and by_impl["torch-async-tp"]["status"] == "unavailable"
+    md = run_report(path, "--format", "md").stdout
+    assert "| kosmos | 28.21 | 145,212 | 5.42 |" in md and "Step-time speedup over nccl+cublas" in md
+
+
+def test_training_report_says_shared_gpu_step_times_are_not_measurements():
+    """A run whose ranks shared one GPU (extra.ranks_on_one_gpu): its headline says the step times are not
+    measurements."""
+    path = Path(__file__).parent.parent / "results" / "h200x1" / "train-llama3-8b-w2-onegpu.jsonl"
+    flat = " ".join(run_report(path).stdout.split())
+    assert "the ranks shared one GPU: step times are not measurements" in flat

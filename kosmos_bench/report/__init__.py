@@ -4,7 +4,8 @@ suite bars a report judges against), tables (per-shape table, geomeans, kosmos v
 communication's bandwidths, kosmos against cuBLAS alone at world 1, the host enqueue time per eager call (host rows)
 and the host time per call inside the timing loop), lines (the
 sentences under the tables), compact (the default terminal view, for 100
-columns), render (md/csv/html/text, terminal, ``report_main``), charts (PNGs), train (the ``bench train`` rows). The names below are what the rest
+columns), render (md/csv/html/text, terminal, ``report_main``), charts (PNGs), train (the ``bench train`` rows),
+files (writing outputs). The names below are what the rest
 of the project imports from ``kosmos_bench.report``."""
 
 from .charts import loss_chart, speedup_chart, timeline_chart

@@ -1,35 +1,47 @@
 """The compact terminal view of a results table, the default of ``kosmos report`` and of the table ``kosmos bench``
-prints at the end: made to read at 100 columns. One table per comparison (the TP ops against nccl+cublas, the MoE
-layer against nccl-a2a, the MoE expert GEMMs alone against grouped-mm), one line per shape, a column per
-implementation holding its time in ms and its speedup over the baseline (the baseline's column: its time), the
-fastest time of a line in bold; under each table the geomeans of each column. What is the same on every line of a
-table (model, world, dtype, op) is said once in its title.
+prints at the end: made to read at 100 columns. One table per comparison, dtype and direction (the TP ops against
+nccl+cublas, the MoE layer forward, backward or both against nccl-a2a, the MoE expert GEMMs alone against
+grouped-mm; TP rows of kosmos alone at world 1 against cuBLAS alone, their ``t_gemm_ms``), one line per shape, a
+column per implementation holding its time in ms and its speedup over the baseline (the baseline's column: its
+time), the fastest time of a line in bold; under each table the geomeans of each column. What is the same on every
+line of a table (model, world, dtype, op) is said once in its title. ``geomean_lines`` gives the same geomeans as
+one headline line per table.
 
-A failed or unavailable cell says ``failed[N]`` / ``n/a[N]``; note N under the table gives the reason on one
-line, shortened to the console's width (``--wide`` shows every column and the full reasons). Where an
-implementation ran with several configs in one op (an A/B appended to one file), each config gets its own column,
-``kosmos #1``, ``kosmos #2``, and a legend line says which is which.
+A failed or unavailable cell says ``failed[N]`` / ``n/a[N]``; note N under the tables gives the reason, wrapped to
+the console's width. An implementation unavailable at every shape of a table gets no column there, a line under the
+table names it and its note (``--wide`` shows every column). Where an implementation ran with several configs in
+one op (an A/B appended to one file), each config gets its own column, ``kosmos #1``, ``kosmos #2``, and a legend
+line says which is which.
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 import pandas as pd
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
+from rich.segment import Segments
 from rich.table import Table
 from rich.text import Text
 
-from .schema import BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, SHAPE_COLUMNS, format_value
+from .lines import enqueue_pointer, host_enqueue_title
+from .schema import (BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, DEFAULT_DIRECTION, OURS, SHAPE_COLUMNS,
+                     format_value)
 from .tables import (config_varies, cublas_summary_table, dtype_table, geomean, host_enqueue_table, host_table,
                      wire_table)
+from .targets import target_of
 
-WHAT = {"tp": "TP ops", "moe_fwd": "moe_fwd (the MoE layer)", "moe_experts": "moe_experts (the expert GEMMs alone)"}
-CONTEXT_FIELDS = ("model", "world", "dtype", "direction")  # said in the title when one value across a table
+WHAT = {"tp": "TP ops", "moe_fwd": "MoE layer", "moe_experts": "MoE expert GEMMs alone"}
+DIRECTION_WORDS = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward+backward"}
+CUBLAS_ALONE = "cuBLAS alone"  # the baseline column of TP tables of kosmos alone at world 1 (the rows' t_gemm_ms)
+CONTEXT_FIELDS = ("model", "world", "dtype")  # said in the title when one value across a table
 STATUS_WORDS = {"failed": "failed", "unavailable": "n/a"}
 GAP = 2  # the columns between two of a table's columns (collapsed padding and the box's blank rule)
+COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and --wide
 
 
 def family_of(row: dict) -> tuple[str, str | None]:
@@ -62,55 +74,171 @@ class Notes:
         return out
 
 
+def families(df: pd.DataFrame) -> dict[tuple, list[dict]]:
+    """The rows of each table of the compact view: {((name, baseline), dtype, direction): rows}; the TP ops, the
+    MoE layer, its expert GEMMs alone (``WHAT``'s order), each forward, backward, forward+backward, dtypes in order
+    of first appearance (mxfp8 rows have baselines of their own). A TP table without its baseline's rows whose
+    kosmos rows ran at world 1 with a cuBLAS-alone time (``t_gemm_ms``) gets that as its baseline
+    (``_with_cublas_baseline``)."""
+    out: dict[tuple, list[dict]] = {}
+    for row in df.to_dict("records"):
+        direction = row.get("direction")
+        direction = DEFAULT_DIRECTION if direction is None or pd.isna(direction) else direction
+        out.setdefault((family_of(row), row.get("dtype"), direction), []).append(row)
+    tables = {}
+    for ((name, baseline), dtype, direction), rows in out.items():
+        with_cublas = None
+        if name == "tp" and not any(row["impl"] == baseline for row in rows):
+            with_cublas = _with_cublas_baseline(rows)
+        if with_cublas is None:
+            tables[((name, baseline), dtype, direction)] = rows
+        else:
+            tables[((name, CUBLAS_ALONE), dtype, direction)] = with_cublas
+    names, directions = list(WHAT), list(DIRECTION_WORDS)
+
+    def order(key: tuple) -> tuple:
+        (name, _), _, direction = key
+        return (names.index(name) if name in names else len(names),
+                directions.index(direction) if direction in directions else len(directions))
+
+    return dict(sorted(tables.items(), key=lambda item: order(item[0])))
+
+
+def _with_cublas_baseline(rows: list[dict]) -> list[dict] | None:
+    """The rows of a TP table without its baseline, with a "cuBLAS alone" row per shape (time: the first kosmos
+    row's ``t_gemm_ms``, torch.matmul on the same operands) and each kosmos row's speedup over it (t_gemm_ms /
+    time_ms, as the section "kosmos against cuBLAS alone" has it); None unless some kosmos row ran ok at world 1
+    with a positive ``t_gemm_ms``."""
+    out, seen = [], set()
+    for row in rows:
+        cublas = row.get("t_gemm_ms")
+        usable = (row["impl"] == OURS and row["status"] == "ok" and row.get("world") == 1 and cublas is not None
+                  and not pd.isna(cublas) and cublas > 0 and _time(row) is not None)
+        if not usable:
+            out.append(row)
+            continue
+        shape = tuple(str(row.get(column)) for column in SHAPE_COLUMNS)
+        if shape not in seen:
+            seen.add(shape)
+            out.append({**row, "impl": CUBLAS_ALONE, CONFIG_COLUMN: None, "time_ms": cublas, "speedup": math.nan,
+                        "overlap_efficiency": math.nan})
+        out.append({**row, "speedup": cublas / row["time_ms"]})
+    return out if seen else None
+
+
+def comparison_name(name: str, direction: str | None) -> str:
+    """What a table compares, in words: "TP ops", "MoE layer forward", "MoE expert GEMMs alone, backward"."""
+    what = WHAT.get(name, name)
+    if name == "tp":
+        return what
+    word = DIRECTION_WORDS.get(direction or DEFAULT_DIRECTION, direction)
+    return f"{what}, {word}" if name == "moe_experts" else f"{what} {word}"
+
+
 def print_compact(df: pd.DataFrame, console: Console) -> None:
-    """The per-shape part of the compact view: a table per comparison and dtype, the config legend and the notes,
-    then (files with mxfp8 rows) the "mxfp8 / bf16" table and the bytes on the wire."""
+    """The per-shape part of the compact view: a table per comparison, dtype and direction (``families``), the
+    config legend, the implementations left out, then the notes, wrapped."""
     notes = Notes()
-    records = df.to_dict("records")
-    families: dict[tuple, list[dict]] = {}
-    for row in records:  # a table per comparison, dtype and direction (mxfp8 has baselines of its own)
-        families.setdefault((family_of(row), row.get("dtype"), row.get("direction")), []).append(row)
     several_sources = df["source"].nunique() > 1
-    # the direction is said where a file has other than forward rows (TP files, older MoE files: not at all)
-    directions = "direction" in df and bool((df["direction"].fillna("fwd") != "fwd").any())
-    for (family, _, _), rows in families.items():
-        title, table, legend = _family_table(family, rows, several_sources, notes, console.width, directions)
-        console.print(Text(title, style="bold"))
+    for (family, _, direction), rows in families(df).items():
+        title, table, legend = _family_table(family, rows, several_sources, notes, console.width, direction)
+        print_wrapped(console, title, style="bold")
         console.print(table)
         for line in legend:
-            console.print(Text(line))
+            print_wrapped(console, line)
     for line in notes.lines():
-        console.print(Text(" ".join(line.split())), no_wrap=True, overflow="ellipsis", crop=True)
-    print_dtype_compact(df, console)
+        print_wrapped(console, line)
+
+
+def print_wrapped(console: Console, line: str, style: str = "") -> None:
+    """``line`` wrapped at the console's width, the lines after the first indented."""
+    for part in textwrap.wrap(" ".join(line.split()), width=console.width, subsequent_indent="    ",
+                              break_on_hyphens=False) or [""]:
+        console.print(Text(part, style=style), no_wrap=True, crop=False)
+
+
+def print_full_width(console: Console, table: Table) -> None:
+    """``table`` at the width its cells need, at least the console's (wider than the console rather than cutting
+    or folding cells: the --wide views)."""
+    width = max(console.width, Measurement.get(console, console.options.update(width=10**6), table).maximum)
+    lines = console.render_lines(table, console.options.update(width=width), pad=False, new_lines=True)
+    console.print(Segments([segment for line in lines for segment in line]), crop=False, end="")
+
+
+def geomean_lines(df: pd.DataFrame) -> list[str]:
+    """The headline of the compact view: a line per table with a baseline (``families``), each implementation's
+    geomean speedup over the baseline across its ok shapes, e.g. "Geomean speedup over nccl+cublas, TP ops |
+    world 2 | bf16 (24 shapes): kosmos 1.060x, torch-async-tp 1.124x"; an implementation that failed everywhere
+    says so, one unavailable everywhere is left out, one ok at some shapes says at how many."""
+    lines = []
+    several_sources = df["source"].nunique() > 1
+    for ((name, baseline), _, direction), rows in families(df).items():
+        if not baseline:
+            continue
+        frame = pd.DataFrame(rows)
+        context = [column for column in CONTEXT_FIELDS if column in frame and frame[column].nunique(dropna=False) <= 1]
+        configs = _configs_by_op_impl(rows)
+        columns, _ = _impl_columns(rows, configs, baseline)
+        parts = []
+        for source in dict.fromkeys(row["source"] for row in rows):
+            mine = [row for row in rows if row["source"] == source]
+            shapes = len(_shapes(mine, False))
+            values = []
+            for column in columns:
+                if column[0] == baseline:
+                    continue
+                cells = [row for row in mine if _column_of(row, columns, configs) == column]
+                ok = [row["speedup"] for row in cells if _time(row) is not None and not pd.isna(row["speedup"])]
+                header = column[0] + (f" #{column[1]}" if column[1] else "")
+                if ok:
+                    some = f" ({len(ok)} of {shapes} shapes)" if len(ok) < shapes else ""
+                    values.append(f"{header} {geomean(pd.Series(ok, dtype='float64')):.3f}x{some}")
+                elif cells and any(row["status"] != "unavailable" for row in cells):  # n/a everywhere: not said
+                    values.append(f"{header} failed")
+            if values:
+                label = f"{source} ({shapes} shapes): " if several_sources else ""
+                parts.append(label + ", ".join(values))
+        if not parts:
+            continue
+        where = " | ".join(_context_text(column, rows[0]) for column in context)
+        count = "" if several_sources else f" ({len(_shapes(rows, False))} shapes)"
+        lines.append(f"Geomean speedup over {baseline}, {comparison_name(name, direction)}"
+                     f"{' | ' + where if where else ''}{count}: " + "; ".join(parts))
+    return lines
 
 
 def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
-    """The "mxfp8 / bf16" part of the compact view: a line per shape with kosmos's mxfp8 time against its bf16
-    time and against cuBLAS bf16 alone, and the bytes on the wire per implementation (MiB, ratio to bf16)."""
+    """The "mxfp8 / bf16" part of the compact view: a line per shape with kosmos's mxfp8 time and its speedup over
+    kosmos at bf16 and over cuBLAS bf16 alone, for the shapes kosmos also ran at bf16 (the others' ratio to cuBLAS
+    alone is in the section on it), and the bytes on the wire per implementation (MiB, ratio to bf16) where some
+    are sent (at world 1 none are: no section)."""
     ratios, wires = dtype_table(df), wire_table(df)
+    ratios = ratios[ratios["kosmos_bf16_ms"].notna()]  # no bf16 run of the shape: its cuBLAS ratio is elsewhere
+    if not wires.empty and not (wires["wire_mib"] > 0).any():
+        wires = wires.iloc[0:0]
     if ratios.empty and wires.empty:
         return
     several_sources = df["source"].nunique() > 1
     if not ratios.empty:
-        console.print(Text("mxfp8 / bf16: kosmos time at mxfp8 over kosmos at bf16 and over cuBLAS bf16 alone "
-                           "(t_gemm_ms; < 1: mxfp8 faster)", style="bold"))
+        print_wrapped(console, "mxfp8 / bf16: kosmos's time at mxfp8, its speedup over kosmos at bf16 and "
+                               "over cuBLAS bf16 alone (t_gemm_ms)", style="bold")
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
         labels = (["source"] if several_sources else []) + ["op", "layer", "seq"] + \
             (["routing"] if ratios["routing"].notna().any() else []) + \
             (["model"] if ratios["model"].nunique() > 1 else []) + (["world"] if ratios["world"].nunique() > 1 else [])
         for column in labels:
             table.add_column(column, justify="right" if column == "seq" else "left")
-        for header in ("bf16 ms", "mxfp8 ms", "mx/bf16", "cuBLAS bf16", "mx/cuBLAS"):
+        for header in ("bf16 ms", "mxfp8 ms", "over bf16", "cuBLAS bf16", "over cuBLAS"):
             table.add_column(header, justify="right")
         for row in ratios.to_dict("records"):
             cells = [_label_cell(column, row) for column in labels]
             cells += [_num(row["kosmos_bf16_ms"], _ms), _ms(row["kosmos_mxfp8_ms"]),
-                      _num(row["mxfp8_vs_bf16"], "{:.3f}".format), _num(row["cublas_bf16_ms"], _ms),
-                      _num(row["mxfp8_vs_cublas_bf16"], "{:.3f}".format)]
+                      _num(row["mxfp8_vs_bf16"], "{:.3f}x".format), _num(row["cublas_bf16_ms"], _ms),
+                      _num(row["mxfp8_vs_cublas_bf16"], "{:.3f}x".format)]
             table.add_row(*cells)
         console.print(table)
     if not wires.empty:
-        console.print(Text("Bytes on the wire per rank (MiB; x: over bf16)", style="bold"))
+        print_wrapped(console, "Bytes on the wire per rank (MiB; in brackets: the bytes over bf16's)", style="bold")
         shape_columns = ["source", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world"]
         for _, group in wires.groupby(shape_columns, sort=False, dropna=False):
             first = group.iloc[0]
@@ -122,7 +250,7 @@ def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
                 ratio = "" if pd.isna(row["wire_vs_bf16"]) or row["dtype"] == "bf16" else \
                     f" ({row['wire_vs_bf16']:.3f}x)"
                 parts.append(f"{row['dtype']} {row['impls']} {row['wire_mib']:.2f}{ratio}")
-            console.print(Text(f"{label} " + "; ".join(parts)), overflow="fold")
+            print_wrapped(console, f"{label} " + "; ".join(parts))
 
 
 def _small_table(frame: pd.DataFrame, labels: list[str], cells: list[tuple[str, object]]) -> Table:
@@ -149,18 +277,27 @@ def _cell(column: str, fmt):
 
 def print_cublas_compact(df: pd.DataFrame, console: Console) -> None:
     """kosmos against cuBLAS alone at world 1, a line per (source, op, dtype, config): the shapes, the geomean and
-    minimum of t_gemm_ms / time_ms, the worst shape and (with the suite's vs_cublas_floor) the shapes under it."""
+    lowest of t_gemm_ms / time_ms, the shape of the lowest, with the suite's vs_cublas_floor the shapes under it,
+    with its vs_cublas_geomean the geomean's verdict (the compact view's form of ``lines.cublas_line``)."""
     summary = cublas_summary_table(df)
     if summary.empty:
         return
-    console.print(Text("kosmos against cuBLAS alone at world 1 (t_gemm_ms / time_ms: TFLOP/s ratio, > 1 faster)",
-                       style="bold"))
+    print_wrapped(console, "kosmos against cuBLAS alone at world 1, per op (t_gemm_ms / time_ms, the TFLOP/s ratio)",
+                  style="bold")
     labels = _varying(summary, ("source",)) + ["op"] + _varying(summary, ("dtype", CONFIG_COLUMN))
     cells = [("shapes", _cell("shapes", str)), ("geomean", _cell("geomean_vs_cublas", "{:.3f}x".format)),
-             ("min", _cell("min_vs_cublas", "{:.3f}x".format)), ("at m x n x k", lambda row: row["worst_shape"])]
+             ("lowest", _cell("min_vs_cublas", "{:.3f}x".format)), ("at m x n x k", lambda row: row["worst_shape"])]
     if summary["below_floor"].notna().any():
         cells.append(("under floor", lambda row: "" if pd.isna(row["below_floor"]) else
                       f"{int(row['below_floor'])} < {row['floor']:.2f}"))
+
+    def bar(row) -> str:
+        target = target_of(df, row["source"], row["bench"], "vs_cublas_geomean")
+        return "" if target is None else \
+            f"{'meets' if row['geomean_vs_cublas'] >= target else 'misses'} >= {target:.2f}"
+
+    if any(bar(row) for row in summary.to_dict("records")):
+        cells.append(("geomean bar", bar))
     console.print(_small_table(summary, labels, cells))
 
 
@@ -168,11 +305,10 @@ def print_host_enqueue_compact(df: pd.DataFrame, console: Console) -> None:
     """The host enqueue time per eager call (the host rows of ``bench tp --host-calls``): a line per (source, op,
     dtype, world, impl, config, shape) with the median and p20 / p80 in microseconds, or the status; the reasons of
     the rows that did not run under the table, one line each."""
-    from .lines import host_enqueue_title
     table = host_enqueue_table(df)
     if table.empty:
         return
-    console.print(Text(host_enqueue_title(table), style="bold"))
+    print_wrapped(console, host_enqueue_title(table), style="bold")
     labels = _varying(table, ("source",)) + ["impl", "op", "dtype"] + _varying(table, ("world", CONFIG_COLUMN,
                                                                                           "shape", "calls"))
     console.print(_small_table(table, labels, [
@@ -180,9 +316,8 @@ def print_host_enqueue_compact(df: pd.DataFrame, console: Console) -> None:
          STATUS_WORDS.get(row["status"], row["status"])),
         ("p20", _cell("p20_us", "{:.1f}".format)), ("p80", _cell("p80_us", "{:.1f}".format))]))
     for row in table[table["status"] != "ok"].to_dict("records"):
-        console.print(Text(f"{row['impl']} {row['op']} {row['dtype']} {row['status']}: "
-                           f"{format_value('reason', row['reason']) or 'no reason recorded'}"),
-                      no_wrap=True, overflow="ellipsis")
+        print_wrapped(console, f"{row['impl']} {row['op']} {row['dtype']} {row['status']}: "
+                               f"{format_value('reason', row['reason']) or 'no reason recorded'}")
 
 
 def print_host_compact(df: pd.DataFrame, console: Console) -> None:
@@ -192,9 +327,8 @@ def print_host_compact(df: pd.DataFrame, console: Console) -> None:
     hosts = host_table(df)
     if hosts.empty:
         return
-    console.print(Text("Host time per call inside the timing loop, µs (each call after a barrier: host cold; per "
-                       "row the median over its timed calls; the enqueue cost per eager call: bench tp --host-calls)",
-                       style="bold"))
+    print_wrapped(console, "Host time per call inside the timing loop, µs (each call after a barrier: host cold; per "
+                           f"row the median over its timed calls{enqueue_pointer(df)})", style="bold")
     labels = _varying(hosts, ("source",)) + ["impl", "op"] + _varying(hosts, ("dtype", "direction", CONFIG_COLUMN))
     console.print(_small_table(hosts, labels, [
         ("rows", _cell("rows", str)), ("median", _cell("host_us_median", "{:.1f}".format)),
@@ -206,25 +340,28 @@ def _num(value, fmt) -> str:
 
 
 def _family_table(family: tuple, rows: list[dict], several_sources: bool, notes: Notes,
-                  width: int, directions: bool = False) -> tuple[str, Table, list[str]]:
-    """The title and table of one comparison for a console ``width`` columns wide, and its config legend. The
-    label columns keep their width (rich narrows the implementations' columns, whose cells wrap between time and
-    speedup); the implementations' names break after '-' or '+' where the table would not fit otherwise."""
+                  width: int, direction: str | None = None) -> tuple[str, Table, list[str]]:
+    """The title and table of one comparison for a console ``width`` columns wide, and the lines under it (the
+    config legend, the implementations unavailable at every shape, which get no column). The label columns keep
+    their width (rich narrows the implementations' columns, whose cells wrap between time and speedup); the
+    implementations' names break after '-' or '+' where the table would not fit otherwise."""
     name, baseline = family
     frame = pd.DataFrame(rows)
     context = [column for column in CONTEXT_FIELDS if column in frame and frame[column].nunique(dropna=False) <= 1]
-    shown = [column for column in context if column != "direction" or directions]
     if name == "tp" and frame["op"].nunique() <= 1:
         context.insert(0, "op")
     labels = _label_columns(frame, name, context, several_sources)
     configs = _configs_by_op_impl(rows)
     columns, legend = _impl_columns(rows, configs, baseline)
     shapes = _shapes(rows, several_sources)
+    columns, left_out = _without_unavailable(columns, rows, configs, baseline, notes)
+    if left_out:
+        legend.append("unavailable at every shape, no column: " + ", ".join(left_out))
 
-    title = f"{WHAT.get(name, name)}: time in ms"
+    title = f"{comparison_name(name, direction)}: time in ms"
     if baseline:
-        title += f", speedup over {baseline} (> 1 is faster)"
-    title = " | ".join([title, *(_context_text(column, rows[0]) for column in shown if column in context)])
+        title += f" and speedup over {baseline}"
+    title = " | ".join([title, *(_context_text(column, rows[0]) for column in context)])
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
     cells = []
     for shape in shapes:
@@ -248,20 +385,38 @@ def _family_table(family: tuple, rows: list[dict], several_sources: bool, notes:
     return title, table, legend
 
 
+def _without_unavailable(columns: list[tuple[str, int]], rows: list[dict], configs: dict, baseline: str | None,
+                         notes: Notes) -> tuple[list[tuple[str, int]], list[str]]:
+    """``columns`` without those of implementations unavailable at every shape (never the baseline's), and for
+    each left out its name and note numbers, e.g. "deepep [1]"."""
+    kept, left_out = [], []
+    for column in columns:
+        mine = [row for row in rows if _column_of(row, columns, configs) == column]
+        if column[0] == baseline or not mine or any(row["status"] != "unavailable" for row in mine):
+            kept.append(column)
+            continue
+        numbers = dict.fromkeys(notes.number(row["impl"], row["status"], format_value("reason", row.get("reason")))
+                                for row in mine)
+        left_out.append(column[0] + (f" #{column[1]}" if column[1] else "") + " " +
+                        " ".join(f"[{number}]" for number in numbers))
+    return kept, left_out
+
+
 def _context_text(column: str, row: dict) -> str:
     value = format_value(column, row.get(column))
-    return {"world": f"world {value}", "op": f"op {value}", "direction": f"direction {value}"}.get(column, value)
+    return {"world": f"world {value}", "op": f"op {value}"}.get(column, value)
 
 
 def _label_columns(frame: pd.DataFrame, name: str, context: list[str], several_sources: bool) -> list[str]:
     """The columns that tell a table's shapes apart: source (several files), model, op (TP), layer and seq (TP) or
     tokens and routing (MoE), world and dtype where they vary, and m x n x k where those do not tell every shape
-    apart or a shape is a custom one."""
+    apart or a shape is a custom one (a table of custom shapes alone: m x n x k instead of layer and seq)."""
     columns = (["source"] if several_sources else []) + [c for c in ("model", "op") if c not in context]
     if name != "tp":
         columns = [c for c in columns if c != "op"]  # one op per MoE table: its title names it
-    columns += ["layer", "seq"] if name == "tp" else ["tokens", "routing"]
-    columns += [c for c in ("world", "dtype", "direction") if c not in context and c in frame]
+    custom = name == "tp" and bool((frame["model"] == "custom").all()) and bool((frame["layer"] == "custom").all())
+    columns += [] if custom else ["layer", "seq"] if name == "tp" else ["tokens", "routing"]
+    columns += [c for c in ("world", "dtype") if c not in context and c in frame]
     shape_ids = frame[[c for c in SHAPE_COLUMNS if c in frame]].astype(str).drop_duplicates()
     labelled = frame[columns].astype(str).drop_duplicates()
     if len(labelled) < len(shape_ids) or (frame["model"] == "custom").any():
@@ -417,12 +572,16 @@ def _impl_header(impl: str, variant: int, width: int) -> str:
 
 def _geomean_rows(rows: list[dict], labels: list[str], columns: list[tuple[str, int]], configs: dict,
                   several_sources: bool, family_baseline: str | None) -> list[list[Text]]:
-    """The footer: per source, the geomean speedup (and overlap efficiency) over each column's ok rows."""
+    """The footer: per source, the geomean speedup and overlap efficiency over each column's ok rows; no overlap
+    line for TP rows all at world 1 (no communication to overlap: it would repeat the speedup over cuBLAS)."""
     sources = list(dict.fromkeys(row["source"] for row in rows))
+    metrics = [("speedup", "speedup", "{:.3f}x"), ("overlap_efficiency", "overlap", "{:.3f}")]
+    if all(row["bench"] == "tp" and row.get("world") == 1 for row in rows):
+        metrics = metrics[:1]
     out = []
     for source in sources:
         mine = [row for row in rows if row["source"] == source and row["status"] == "ok"]
-        for metric, word, fmt in (("speedup", "speedup", "{:.3f}x"), ("overlap_efficiency", "overlap", "{:.3f}")):
+        for metric, word, fmt in metrics:
             values = []
             for column in columns:
                 if metric == "speedup" and column[0] == family_baseline:

@@ -1,9 +1,9 @@
-"""The one-sentence summaries under the report's tables: workspace memory, the MoE expert GEMMs against
-grouped-mm, the geomean targets, how often kosmos is close to the fastest other implementation, kosmos against
-cuBLAS alone at world 1, the host enqueue time per eager call against issue 13's bar, and the host time per call
-inside the timing loop. Every bar they judge against is a suite target
-(targets.py); a line whose target is unset gives the numbers only. Also the line under the per-shape table that
-defines its bandwidth columns."""
+"""The one-sentence summaries of the report: the environment of each run, the ratio convention every section
+follows (``RATIO_LINE``), workspace memory, the MoE expert GEMMs against grouped-mm, the geomean targets, how often
+kosmos is close to the fastest other implementation, kosmos against cuBLAS alone at world 1, the host enqueue time
+per eager call against the suite's bar, and the host time per call inside the timing loop. Every bar they judge
+against is a suite target (targets.py); a line whose target is unset gives the numbers only. Also the line under
+the per-shape table that defines its bandwidth columns."""
 
 from __future__ import annotations
 
@@ -19,12 +19,29 @@ from .tables import (config_varies, cublas_summary_table, geomean, geomean_by_mo
 from .targets import target_of
 
 GEOMEAN_TARGETS = ("geomean_speedup", "geomean_overlap_efficiency")  # each bounds the geomean column of its name
+# the one convention of every ratio the report gives (speedup, vs_cublas, vs_fastest_other, the mxfp8 section)
+RATIO_LINE = "Every ratio is a speedup: the other's time over this one's (> 1: faster, < 1: slower)."
 
 
-def summary_lines(df: pd.DataFrame) -> list[str]:
-    """The lines under the geomean tables, in order: workspace, expert GEMMs (MoE), geomean targets."""
+def environment_lines(environment: pd.DataFrame, short_commit: bool = False) -> list[str]:
+    """A line per run of ``environment`` (columns source and ENV_COLUMNS, one row per run): machine, versions,
+    commit (its first 12 characters with ``short_commit``), developer knobs and the time it started."""
+    lines = []
+    for row in environment.to_dict("records"):
+        cells = {key: format_value(key, row.get(key)) for key in row}
+        commit = cells.get("git_commit") or "not recorded"
+        commit = commit[:12] if short_commit and cells.get("git_commit") else commit
+        gpu = f"{cells.get('gpu') or 'GPU not recorded'} x{cells.get('gpu_count') or '?'}"
+        knobs = f" | knobs {cells['knobs']}" if cells.get("knobs") else ""
+        lines.append(f"{cells.get('source')}: {gpu} | torch {cells.get('torch')} | triton {cells.get('triton')}"
+                     f" | commit {commit}{knobs} | {cells.get('timestamp')}")
+    return lines
+
+
+def target_lines(df: pd.DataFrame) -> list[str]:
+    """The verdicts on the geomeans: the expert GEMMs' share of grouped-mm (MoE), then the geomean targets."""
     expert_gemms = expert_gemm_line(df)
-    return [workspace_line(df), *([expert_gemms] if expert_gemms else []), *geomean_target_lines(df)]
+    return [*([expert_gemms] if expert_gemms else []), *geomean_target_lines(df)]
 
 
 def workspace_line(df: pd.DataFrame) -> str:
@@ -127,19 +144,30 @@ def versus_line(versus: pd.DataFrame, df: pd.DataFrame) -> str | None:
         label = f"{source} " if versus["source"].nunique() > 1 else ""
         if len(tolerances) > 1:
             label += f"(at most {tolerance[group.index].max():.0%} slower) "
-        part = (f"{label}at {int(close.sum())} of {len(group)} shapes (worst {worst['vs_fastest_other']:.3f}, "
-                f"{worst['fastest_other']} at {worst['model']} {format_value('layer', worst['layer'])} "
-                f"{format_value('seq', worst['seq'])})")
+        part = f"{label}at {int(close.sum())} of {len(group)} shapes ({_lowest(worst)})"
         if group["model"].nunique() > 1:
             part += " [" + ", ".join(f"{model} {int(close[rows.index].sum())} of {len(rows)}"
                                      for model, rows in group.groupby("model", sort=False)) + "]"
         fixed = group["vs_fixed_role_best"].dropna()
         if len(fixed):
-            part += (f", than fixed-role-best at {int((fixed >= floor[fixed.index]).sum())} of {len(fixed)} "
-                     f"(worst {fixed.min():.3f})")
+            lowest = f"smallest margin {fixed.min():.3f}" if fixed.min() >= 1 else f"lowest {fixed.min():.3f}"
+            part += f", than fixed-role-best at {int((fixed >= floor[fixed.index]).sum())} of {len(fixed)} ({lowest})"
         parts.append(part)
     within = f"{tolerances[0]:.0%}" if len(tolerances) == 1 else "its suite's slower_tolerance"
     return f"kosmos at most {within} slower than the fastest other implementation: " + "; ".join(parts) + "."
+
+
+def _lowest(row: dict) -> str:
+    """The shape where kosmos does least well against the fastest other (a ``versus_table`` row), worded for what
+    the ratio says: the smallest margin where kosmos is faster, else how far it is behind."""
+    where = " ".join(part for part in (
+        row["model"], format_value("layer", row["layer"]), format_value("seq", row["seq"]),
+        format_value("routing", row.get("routing")), "" if row.get(DIRECTION) in (None, DEFAULT_DIRECTION)
+        else format_value(DIRECTION, row.get(DIRECTION))) if part)
+    value = row["vs_fastest_other"]
+    if value >= 1:
+        return f"faster at every shape; smallest margin {value:.3f}, over {row['fastest_other']} at {where}"
+    return f"lowest {value:.3f}: {row['fastest_other']} faster at {where}"
 
 
 BANDWIDTH_S = {  # S of nccl-tests per op (tables.comm_bytes)
@@ -190,7 +218,7 @@ def cublas_line(df: pd.DataFrame, summary: pd.DataFrame | None = None) -> str | 
             "collective, not nccl+cublas): " + "; ".join(parts) + ".")
 
 
-HOST_ENQUEUE_TARGET = "host_enqueue_us"  # the suite target of issue 13's bar (suite_targets.py)
+HOST_ENQUEUE_TARGET = "host_enqueue_us"  # the suite target on kosmos's enqueue time per eager call (suite_targets.py)
 
 
 def host_enqueue_title(table: pd.DataFrame) -> str:
@@ -204,7 +232,7 @@ def host_enqueue_title(table: pd.DataFrame) -> str:
 
 def host_enqueue_line(df: pd.DataFrame) -> str | None:
     """kosmos's host enqueue time per eager call (the host rows, ``host_enqueue_table``) against the suite's
-    ``host_enqueue_us`` bar (issue 13: <= 30 µs at world 1), per (source, op, dtype, config), e.g. "kosmos ag_gemm
+    ``host_enqueue_us`` bar (at world 1), per (source, op, dtype, config), e.g. "kosmos ag_gemm
     bf16 19.3 µs: meets <= 30"; rows at world > 1 are given without a verdict, failed ones with their reason. None
     without kosmos host rows."""
     table = host_enqueue_table(df)
@@ -231,7 +259,7 @@ def host_enqueue_line(df: pd.DataFrame) -> str | None:
             part += " (the bar is at W=1)"
         parts.append(part)
     bar = f"; the bar: <= {bars.pop():g} µs at W=1" if len(bars) == 1 else ""
-    return (f"Host enqueue time per eager call of kosmos (median of back-to-back calls, issue 13{bar}): "
+    return (f"Host enqueue time per eager call of kosmos (median of back-to-back calls{bar}): "
             + "; ".join(parts) + ".")
 
 
@@ -243,13 +271,27 @@ def host_line(df: pd.DataFrame) -> str | None:
     ok = df[(df["status"] == "ok") & df["host_ms"].notna()]
     if ok.empty:
         return None
-    several_sources, several_dtypes = df["source"].nunique() > 1, ok["dtype"].nunique() > 1
+    ok = ok.assign(**{DIRECTION: ok[DIRECTION].fillna(DEFAULT_DIRECTION)}) if DIRECTION in ok else \
+        ok.assign(**{DIRECTION: DEFAULT_DIRECTION})
+    several = {column: ok[column].nunique() > 1 for column in ("source", "dtype", DIRECTION)}
     parts = []
-    for (source, dtype, impl), group in ok.groupby(["source", "dtype", "impl"], sort=False, dropna=False):
+    for (source, dtype, direction, impl), group in ok.groupby(["source", "dtype", DIRECTION, "impl"], sort=False,
+                                                              dropna=False):
         host_us = group["host_ms"].astype("float64") * 1e3
-        label = " ".join([*([source] if several_sources else []), impl, *([dtype] if several_dtypes else [])])
+        label = " ".join([*([source] if several["source"] else []), impl, *([dtype] if several["dtype"] else []),
+                          *([direction] if several[DIRECTION] else [])])
         parts.append(f"{label} {host_us.median():.0f} (max {host_us.max():.0f})")
-    return ("Host time per call inside the timing loop, µs (CPU time inside the implementation's call, each after a "
-            "barrier: a cold host, not the enqueue cost per eager call (section \"Host enqueue time per eager "
-            "call\", bench tp --host-calls); median over its timed calls; the median over an implementation's rows, "
-            "and the largest): " + ", ".join(parts) + ".")
+    return ("Host time per call inside the timing loop, µs (per row the median over its timed calls of the CPU "
+            "time inside the call, each after a barrier, so the host is cold; here the median over an "
+            f"implementation's rows and the largest{enqueue_pointer(df)}): " + ", ".join(parts) + ".")
+
+
+def enqueue_pointer(df: pd.DataFrame) -> str:
+    """Where the enqueue cost per eager call is, for the text on the in-loop host time: the section of that name
+    where the files have host rows, ``bench tp --host-calls`` for files of TP rows without them, else nothing
+    (the MoE bench does not measure it)."""
+    if not host_enqueue_table(df).empty:
+        return "; the enqueue cost per eager call: section \"Host enqueue time per eager call\""
+    if (df["bench"] == "tp").any():
+        return "; the enqueue cost per eager call: bench tp --host-calls"
+    return ""

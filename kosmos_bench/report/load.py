@@ -3,7 +3,8 @@ trace files (one JSON object per traced call). Malformed input raises ``ReportEr
 for JSON lines, the line; unknown keys and line types are ignored. One exception: the last non-blank line of a
 results file that is not valid JSON is taken for a line cut short (a run killed while writing it) and skipped with
 a one-line warning naming the file and line, so that the rows before it are still reported; an invalid line
-anywhere before it is an error."""
+anywhere before it is an error. A folder, or a file of the other kind (a trace given as results, results given as
+a trace), is told apart and the error says what to pass instead."""
 
 from __future__ import annotations
 
@@ -62,13 +63,24 @@ def load_records(paths: list[str | Path], warn: Warn | None = None) -> Records:
 
 
 def _read_result_file(path: Path, warn: Warn) -> tuple[list[dict], list[dict], list[dict]]:
+    if path.is_dir():
+        found = len(list(path.glob("*.jsonl")))
+        there = f" ({found} .jsonl file{'s' if found != 1 else ''} there)" if found else " (no .jsonl file there)"
+        raise ReportError(f"{path} is a folder, not a result file: pass its result files, e.g. "
+                          f"kosmos report {path / '*.jsonl'}{there}")
     if not path.is_file():
         raise ReportError(f"{path}: no such result file")
     source = path.stem
     envs: list[dict] = []
     raw_results: list[dict] = []
     raw_hosts: list[dict] = []
-    for line_number, record in _json_lines(path, warn):
+    try:
+        records = list(_json_lines(path, warn))
+    except ReportError:
+        if _is_trace(path):
+            raise ReportError(_TRACE_GIVEN.format(path=path)) from None
+        raise
+    for line_number, record in records:
         if record.get("type") == "env":
             envs.append({**record, "source": source})
         elif record.get("type") == "result":
@@ -80,11 +92,37 @@ def _read_result_file(path: Path, warn: Warn) -> tuple[list[dict], list[dict], l
                 raise ReportError(f"{path}:{line_number}: host line lacks {', '.join(missing)}")
             raw_hosts.append(record)
     if not raw_results:
+        if _is_trace(path):
+            raise ReportError(_TRACE_GIVEN.format(path=path))
         raise ReportError(f"{path}: no result lines")
     env_by_run = {env.get("run_id"): env for env in envs}
     results, hosts = ([_with_env(record, env_by_run.get(record.get("run_id"), {}), source, path) for record in raw]
                       for raw in (raw_results, raw_hosts))
     return envs, results, hosts
+
+
+_TRACE_GIVEN = ("{path} is a trace file (bench --trace), not a result file: draw its timeline with "
+                "`kosmos report --timeline {path}`")
+
+
+def _is_trace(path: Path) -> bool:
+    """Whether ``path`` holds one JSON object of a trace (``"type": "trace"`` or a ``ranks`` list)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and (data.get("type") == "trace" or isinstance(data.get("ranks"), list))
+
+
+def _is_results(path: Path) -> bool:
+    """Whether the first non-blank line of ``path`` is a result file's (an env, result or host line)."""
+    try:
+        with path.open(encoding="utf-8") as file:
+            first = next((line for line in file if line.strip()), "")
+        record = json.loads(first)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("type") in ("env", "result", "host")
 
 
 def _json_lines(path: Path, warn: Warn):
@@ -143,11 +181,16 @@ class Trace(NamedTuple):
 
 def load_trace(path: Path) -> Trace:
     """A trace file: its title (op, model, impl, shape), kind names and each rank's events."""
+    if path.is_dir():
+        raise ReportError(f"{path} is a folder, not a trace file: pass one trace JSON file (bench --trace)")
     if not path.is_file():
         raise ReportError(f"{path}: no such trace file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        if _is_results(path):
+            raise ReportError(f"{path} is a result file, not a trace: report it without --timeline "
+                              f"(kosmos report {path})") from None
         raise ReportError(f"{path}: invalid trace JSON ({error})") from error
     except OSError as error:
         raise ReportError(f"{path}: cannot read ({error.strerror or error})") from None

@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
-from rich.measure import Measurement
-from rich.segment import Segments
 from rich.table import Table
 from rich.text import Text
 
 from .charts import speedup_chart, timeline_chart
-from .compact import print_compact, print_cublas_compact, print_host_compact, print_host_enqueue_compact
-from .lines import (bandwidth_line, cublas_line, host_enqueue_line, host_enqueue_title, host_line, summary_lines,
-                    versus_line)
+from .compact import (COMPACT_WIDTH, WIDE_WIDTH, geomean_lines, print_compact, print_cublas_compact,
+                      print_dtype_compact, print_full_width, print_host_compact, print_host_enqueue_compact,
+                      print_wrapped)
+from .files import make_folder, writing
+from .lines import (RATIO_LINE, bandwidth_line, cublas_line, enqueue_pointer, environment_lines, host_enqueue_line,
+                    host_enqueue_title, host_line, target_lines, versus_line, workspace_line)
 from .load import load_records
 from .schema import (
     BANDWIDTH_COLUMNS, CONFIG_COLUMN, ENV_COLUMNS, MX_DETAIL_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
@@ -30,37 +31,48 @@ from .schema import (
 )
 from .tables import (build_table, config_varies, cublas_summary_table, cublas_table, dtype_table,
                      geomean_by_model_table, geomean_table, host_enqueue_table, host_table, versus_table, wire_table)
+from .train import train_report_main
 
 ENVIRONMENT, RESULTS = "Environment", "Results per shape"
-CUBLAS_SECTION = ("kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms: the TFLOP/s ratio, > 1: "
-                  "kosmos faster)")
-# the in-loop host time (result rows' host_ms), not issue 13's enqueue cost per eager call (host_enqueue_title's
-# section): each timed call follows a barrier, so the host is cold (~100 µs on an H200 host, kosmos and nccl+cublas)
-HOST_SECTION = ("Host time per call inside the timing loop, µs (host_ms of the ok rows: median over each row's timed "
-                "calls, each after a barrier, so the host is cold; the enqueue cost per eager call is the section "
-                "\"Host enqueue time per eager call\", bench tp --host-calls)")
-MX_SECTION = "mxfp8 / bf16: kosmos at mxfp8 against kosmos at bf16 and cuBLAS bf16 alone (time ratios, < 1: faster)"
-COMPACT_WIDTH, WIDE_WIDTH = 100, 250  # the widths of --format text, compact and --wide
+CUBLAS_SECTION = "kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms, the TFLOP/s ratio)"
+MX_SECTION = ("mxfp8 / bf16: kosmos at mxfp8, its speedup over kosmos at bf16 and over cuBLAS bf16 alone "
+              "(mxfp8_vs_bf16 = kosmos_bf16_ms / kosmos_mxfp8_ms, mxfp8_vs_cublas_bf16 = cublas_bf16_ms / "
+              "kosmos_mxfp8_ms)")
 
 
 # --------------------------------------------------------------------------- sections and formatting
 
 
-def _headline(df: pd.DataFrame) -> list[str]:
-    """The verdict lines: workspace, expert GEMMs (MoE), the geomean targets, kosmos against the fastest other,
-    kosmos against cuBLAS alone at world 1, kosmos's host enqueue time per eager call against its bar, the host
-    time per call inside the timing loop."""
+def _host_section(df: pd.DataFrame) -> str:
+    """The title of the section on the in-loop host time (result rows' host_ms), not the enqueue cost per eager
+    call (``host_enqueue_title``'s section): each timed call follows a barrier, so the host is cold."""
+    return ("Host time per call inside the timing loop, µs (host_ms of the ok rows: median over each row's timed "
+            f"calls, each after a barrier, so the host is cold{enqueue_pointer(df)})")
+
+
+def _verdicts(df: pd.DataFrame, cublas: bool = True) -> list[str]:
+    """The verdict lines: expert GEMMs (MoE), the geomean targets, kosmos against the fastest other, kosmos against
+    cuBLAS alone at world 1 (with ``cublas``), kosmos's host enqueue time per eager call against its bar."""
     versus = versus_table(df)
-    lines = [versus_line(versus, df) if not versus.empty else None, cublas_line(df), host_enqueue_line(df),
-             host_line(df)]
-    return [*summary_lines(df), *(line for line in lines if line)]
+    lines = [versus_line(versus, df) if not versus.empty else None, cublas_line(df) if cublas else None,
+             host_enqueue_line(df)]
+    return [*target_lines(df), *(line for line in lines if line)]
+
+
+def _headline(df: pd.DataFrame) -> list[str]:
+    """The lines under the geomean tables of md, html and the wide view: the workspace, the verdict lines
+    (``_verdicts``), the host time per call inside the timing loop."""
+    host = host_line(df)
+    return [workspace_line(df), *_verdicts(df), *([host] if host else [])]
 
 
 def _sections(df: pd.DataFrame):
     """The report's parts in order: (title, table, columns) for a table, (None, sentence, None) for a line. The
-    headline first (geomeans, verdict lines), then the long per-shape tables."""
+    environment and the ratio convention, the headline (geomeans, verdict lines), then the long per-shape
+    tables."""
     environment = ["source", *ENV_COLUMNS]
     yield ENVIRONMENT, df[environment].drop_duplicates().reset_index(drop=True), environment
+    yield None, RATIO_LINE, None
     # the direction column where a file has other than forward rows (MoE --direction bwd / fwd+bwd)
     forward_only = "direction" not in df or bool((df["direction"].fillna("fwd") == "fwd").all())
     yield "Geomean over ok rows", geomean_table(df), [c for c in GEOMEAN_COLUMNS if c != "direction" or not forward_only]
@@ -86,7 +98,7 @@ def _sections(df: pd.DataFrame):
         yield host_enqueue_title(enqueue), enqueue, _host_enqueue_display(enqueue)
     hosts = host_table(df)
     if not hosts.empty:
-        yield HOST_SECTION, hosts, _summary_display(hosts)
+        yield _host_section(df), hosts, _summary_display(hosts)
     ratios, wires = dtype_table(df), wire_table(df)
     if not ratios.empty:
         yield MX_SECTION, ratios, [c for c in ratios.columns if c not in _single_valued(ratios)]
@@ -271,51 +283,42 @@ def _render_text(df: pd.DataFrame, wide: bool) -> str:
 
 
 def print_terminal(df: pd.DataFrame, console: Console | None = None, wide: bool = False) -> None:
-    """The report on a rich console. By default the compact view (compact.py): the environment, a line per shape
-    with each implementation's time and speedup, the geomeans under each table, then the verdict lines. With
-    ``wide``, every section of md and html (headline first) as rich tables, each as wide as its cells need
-    (wider than the console rather than cutting cells: ``| less -S`` on a narrow terminal)."""
+    """The report on a rich console. By default the compact view (compact.py), the headline first: the
+    environment, the ratio convention, a geomean line per table (``geomean_lines``), kosmos against cuBLAS alone at
+    world 1, the verdict lines; then a table per comparison with a line per shape (each implementation's time and
+    speedup), the notes, the mxfp8 section, the host time tables, the workspace. Columns of implementations
+    unavailable at every shape and sections without content (bytes on the wire at world 1) are left out. With
+    ``wide``, every section of md and html (headline first) as rich tables, each as wide as its cells need (wider
+    than the console rather than cutting cells: ``| less -S`` on a narrow terminal)."""
     console = console or Console()
     if not wide:
         environment = df[["source", *ENV_COLUMNS]].drop_duplicates()
-        for line in _environment_lines(environment):
-            console.print(Text(line))
-        print_compact(df, console)
+        for line in [*environment_lines(environment, short_commit=True), RATIO_LINE]:
+            print_wrapped(console, line)
+        for line in geomean_lines(df):
+            print_wrapped(console, line, style="bold")
         print_cublas_compact(df, console)
+        for line in _verdicts(df, cublas=False):  # print_cublas_compact has the cuBLAS verdicts
+            print_wrapped(console, line)
+        print_compact(df, console)
+        print_dtype_compact(df, console)
         print_host_enqueue_compact(df, console)
-        print_host_compact(df, console)
-        for line in _headline(df):
-            console.print(Text(line))
-        console.print(Text("Every column and the full reasons: kosmos report FILE --wide (or --format md, html, csv)",
-                           style="dim"))
+        print_host_compact(df, console)  # host_line says what its table does
+        print_wrapped(console, workspace_line(df))
+        console.print(Text("Every column, implementation and section: kosmos report FILE --wide (or --format md, "
+                           "html, csv)", style="dim"))
         return
     for title, body, columns in _sections(df):
         if title is None:
             console.print(Text(body))
         elif title == ENVIRONMENT:
-            for line in _environment_lines(body):
+            for line in environment_lines(body):
                 console.print(Text(line))
         elif title == RESULTS:  # the reason is in the status cell; a rule under each shape
-            _print_full_width(console, _rich_table(body, [column for column in columns if column != "reason"], title,
+            print_full_width(console, _rich_table(body, [column for column in columns if column != "reason"], title,
                                                    shape_sections=True))
         else:
-            _print_full_width(console, _rich_table(body, columns, title))
-
-
-def _print_full_width(console: Console, table: Table) -> None:
-    """``table`` at the width its cells need, at least the console's."""
-    width = max(console.width, Measurement.get(console, console.options.update(width=10**6), table).maximum)
-    lines = console.render_lines(table, console.options.update(width=width), pad=False, new_lines=True)
-    console.print(Segments([segment for line in lines for segment in line]), crop=False, end="")
-
-
-def _environment_lines(environment: pd.DataFrame) -> list[str]:
-    environment = _formatted(environment, list(environment.columns))
-    return [
-        f"{row.source}: {row.gpu} x{row.gpu_count} | torch {row.torch} | triton {row.triton}"
-        f" | commit {row.git_commit}{' | knobs ' + row.knobs if row.knobs else ''} | {row.timestamp}"
-        for row in environment.itertuples(index=False)
-    ]
+            print_full_width(console, _rich_table(body, columns, title))
 
 
 def _rich_table(frame: pd.DataFrame, columns: list[str], title: str, shape_sections: bool = False) -> Table:
@@ -372,51 +375,26 @@ def report_main(
 
     if timeline is not None:
         png_path = Path(out) if out is not None else Path(timeline).with_suffix(".png")
-        written = _writing(png_path, lambda: timeline_chart(timeline, png_path))
+        written = writing(png_path, lambda: timeline_chart(timeline, png_path))
         say(f"timeline written to {written}")
         return 0
     if fmt not in RENDER_FORMATS:
         raise ReportError(f"unknown format {fmt!r}; expected one of {', '.join(RENDER_FORMATS)}")
     _, results, hosts = load_records(files, warn=lambda message: say(f"warning: {message}", "yellow"))
-    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
-        from .train import train_report_main
-        return train_report_main(results, fmt, out, chart, console, say)
-    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and loss figure
-        from .train import train_report_main
-        return train_report_main(results, fmt, out, chart, console, say)
+    if any(record.get("bench") == "train" for record in results):  # bench train: its own table and figure
+        return train_report_main(results, fmt, out, chart, console, say, wide=wide)
     df = build_table(results, hosts)
     if chart is not None:
-        _make_folder(Path(chart))  # before the report is shown: a bad path fails first
+        make_folder(Path(chart))  # before the report is shown: a bad path fails first
     if out is not None:
         text = render(df, fmt, wide=wide)
-        _writing(Path(out), lambda: Path(out).write_text(text, encoding="utf-8"))
+        writing(Path(out), lambda: Path(out).write_text(text, encoding="utf-8"))
         say(f"{fmt} report written to {out}")
     elif fmt == "text":
         print_terminal(df, console, wide=wide)
     else:
         console.out(render(df, fmt), highlight=False, end="")
     if chart is not None:
-        written = _writing(Path(chart), lambda: speedup_chart(df, chart))
+        written = writing(Path(chart), lambda: speedup_chart(df, chart))
         say(f"speedup chart written to {chart}" if written else "matplotlib missing: no speedup chart")
     return 0
-
-
-def _writing(path: Path, write):
-    """``write()`` after creating the folders of ``path``; an OSError of either is a one-line ReportError naming
-    the path."""
-    _make_folder(path)
-    try:
-        return write()
-    except OSError as error:
-        raise ReportError(f"cannot write {path}: {error.strerror or error}") from None
-
-
-def _make_folder(path: Path) -> None:
-    """The folders above ``path`` (a one-line ReportError naming it when they cannot be made)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        existing = next((folder for folder in path.parents if folder.exists()), None)
-        why = f"{existing} is not a folder" if existing is not None and not existing.is_dir() else \
-            f"cannot create its folder {path.parent} ({error.strerror or error})"
-        raise ReportError(f"cannot write {path}: {why}") from None

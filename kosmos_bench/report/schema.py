@@ -65,8 +65,8 @@ FLOAT_COLUMNS = (
     "time_ms", "tflops", "speedup", "overlap_efficiency", "rel_err",
     "p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "host_ms", *BANDWIDTH_COLUMNS, "rel_err_bf16",
 )
-# the "mxfp8 / bf16" section (tables.dtype_table): per shape, kosmos at mxfp8 against kosmos at bf16 and against
-# cuBLAS bf16 alone (the mxfp8 row's t_gemm_ms); ratios of times, < 1 means mxfp8 is faster
+# the "mxfp8 against bf16" section (tables.dtype_table): per shape, kosmos at mxfp8 against kosmos at bf16 and
+# against cuBLAS bf16 alone (the mxfp8 row's t_gemm_ms); speedups (the other time / the mxfp8 time), > 1: mxfp8 faster
 DTYPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world", "kosmos_bf16_ms",
                  "kosmos_mxfp8_ms", "mxfp8_vs_bf16", "cublas_bf16_ms", "mxfp8_vs_cublas_bf16"]
 # the bytes on the wire per implementation (tables.wire_table): per shape and dtype, the implementations that send
@@ -114,6 +114,13 @@ SPEEDUP_COLUMNS = ("speedup", "geomean_speedup", "vs_fastest_other", "vs_fixed_r
 NUMERIC_DISPLAY_COLUMNS = set(INTEGER_COLUMNS) | set(FLOAT_FORMATS) | {"ok", "failed", "unavailable", "shapes",
                                                                         "below_floor", "rows", "calls"}
 MIB = 1024 * 1024
+
+# bench train rows (report/train.py): one row per (TRAIN_GROUP, impl); the baseline per proxy kind
+TRAIN_BENCH = "train"
+TRAIN_BASELINES = {"dense": "nccl+cublas", "moe": "nccl-a2a"}
+TRAIN_GROUP = ("source", "model", "layers", "seq", "batch", "hidden", "world", "dtype")
+TRAIN_COLUMNS = [*TRAIN_GROUP, "impl", "step_ms", "tokens_per_s", "peak_mem_bytes", "final_loss", "speedup",
+                 "loss_max_rel_diff", "status", "reason"]
 
 
 class ReportError(ValueError):

@@ -19,7 +19,7 @@ from ..package_data import DEFAULT_SUITE_FILES
 # tp's vs_cublas_geomean / vs_cublas_floor: kosmos against cuBLAS alone at world 1 (t_gemm_ms / time_ms, the
 # report's section "kosmos against cuBLAS alone at world 1"): the geomean per op to reach, and the floor no shape
 # may fall under (suites/tp-grid.yaml); host_enqueue_us: kosmos's host enqueue time per eager call at world 1, µs,
-# not to exceed (issue 13; the host rows of `bench tp --host-calls`, the report's "Host enqueue time per eager call")
+# not to exceed (the host rows of `bench tp --host-calls`, the report's "Host enqueue time per eager call")
 TARGET_KEYS = {
     "tp": ("slower_tolerance", "geomean_speedup", "geomean_overlap_efficiency", "vs_cublas_geomean",
            "vs_cublas_floor", "host_enqueue_us"),
