@@ -357,7 +357,7 @@ def test_inference_modes_and_generate(reference_kernels):
         b = model(ids).logits
     assert torch.equal(a, b) and a.grad_fn is None
     reference_kernels.calls.clear()
-    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert out.shape == (2, 8)
     rows = [c["x"].shape[0] for c in reference_kernels.calls]
     assert rows[:2] == [10, 10] and rows[2:] == [2] * 4  # prefill (2 x 5 tokens, 2 layers), then 1 token a step
@@ -550,31 +550,33 @@ GPU_SIZES = {
                         topk_group=4),
 }
 GPU_HIDDEN = 1024
+GPU_DEVICE = "cuda"
 FWD_TOL, GRAD_TOL = 1e-2, 3e-2  # the MoE bench's bars (kosmos_bench.moe: bf16 forward, GRAD_TOLERANCE)
 
 
-def gpu_model(family: str, layers: int, seed: int = 0):
-    """A ``family`` model at GPU_SIZES with hidden 1024 on CUDA in bf16 (train mode), weights as ``init_`` draws
-    them (on the GPU)."""
+def gpu_model(family: str, layers: int, seed: int = 0, device=None):
+    """A ``family`` model at GPU_SIZES with hidden 1024 on ``device`` in bf16 (train mode), weights as ``init_``
+    draws them (there)."""
     cfg, cls = tiny(family, layers, hidden_size=GPU_HIDDEN, vocab_size=512, **GPU_SIZES[family])
     if family == "qwen2_moe":
         cfg.intermediate_size = 2816
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    device = device or GPU_DEVICE
+    with torch.device(device):
         model = cls(cfg)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda") / math.sqrt(p.shape[-1]))
+                p.copy_(torch.randn(p.shape, generator=g, device=device) / math.sqrt(p.shape[-1]))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g, device="cuda") * 0.05)
+                b.copy_(torch.randn(b.shape, generator=g, device=device) * 0.05)
     return model.to(torch.bfloat16)
 
 
 def tie_free_rows(block, rows: int, seed: int):
-    """x [rows, H] bf16 ~ N(0, 1) on CUDA, every token's routing margin (kosmos_bench.moe.routing_margin, the MoE
+    """x [rows, H] bf16 ~ N(0, 1) on the block's device, every token's routing margin (kosmos_bench.moe.routing_margin, the MoE
     bench's rule) >= its ROUTING_MARGIN: the kernels' tensor-core logits and the fp32 block's choose alike."""
     from kosmos.models import MoEModel
     from kosmos_bench.moe import ROUTING_MARGIN, routing_margin
@@ -583,13 +585,14 @@ def tie_free_rows(block, rows: int, seed: int):
     m = MoEModel("block", hidden=h, expert_ffn=block.experts.down_proj.shape[2], experts=e, top_k=kw["top_k"],
                  routing=kw["routing"], renormalize=kw["renormalize"], n_group=kw.get("n_group", 1),
                  topk_group=kw.get("topk_group", 1), routed_scaling=kw.get("routed_scaling", 1.0))
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(rows, h, generator=g, device="cuda", dtype=torch.bfloat16)
+    dev = block.gate.weight.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(rows, h, generator=g, device=dev, dtype=torch.bfloat16)
     for _ in range(30):
         bad = (routing_margin(x, block.gate.weight.detach(), m, kw.get("bias")) < ROUTING_MARGIN).nonzero()[:, 0]
         if bad.numel() == 0:
             return x
-        x[bad] = torch.randn(bad.numel(), h, generator=g, device="cuda", dtype=torch.bfloat16)
+        x[bad] = torch.randn(bad.numel(), h, generator=g, device=dev, dtype=torch.bfloat16)
     pytest.fail("could not draw tie-free tokens")
 
 
@@ -610,7 +613,8 @@ def test_gpu_patched_block_against_fp32(family):
     patched = kt.patch(model, strict=True)
     assert list(patched.blocks) == [name]
     x = tie_free_rows(block, 256, seed=1).view(2, 128, GPU_HIDDEN)
-    dy = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(2))
+    dy = torch.randn(x.shape, device=GPU_DEVICE, dtype=torch.bfloat16,
+                     generator=torch.Generator(device=GPU_DEVICE).manual_seed(2))
     outs = {}
     for key, mod, dtype in (("kosmos", block, torch.bfloat16), ("fp32", ref32, torch.float32),
                             ("hf-bf16", own, torch.bfloat16)):
@@ -634,7 +638,8 @@ def test_gpu_patched_model_trains_and_generates(family):
     the unpatched bf16 model's -- both bf16, routing flips included; gradients on every block's expert
     parameters; an optimizer step moves them), then model.generate (one token a step through the kernels)."""
     model = gpu_model(family, layers=2).train()
-    ids = torch.randint(3, 512, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    ids = torch.randint(3, 512, (2, 64), device=GPU_DEVICE,
+                        generator=torch.Generator(device=GPU_DEVICE).manual_seed(3))
     want = model(ids, labels=ids).loss.item()
     model.zero_grad(set_to_none=True)
     patched = kt.patch(model, strict=True)
@@ -648,5 +653,5 @@ def test_gpu_patched_model_trains_and_generates(family):
     torch.optim.SGD(model.parameters(), lr=1e-3).step()
     assert not torch.equal(old, experts[0].gate_up_proj.detach())
     model.eval()
-    out = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
+    out = model.generate(ids[:, :8], max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape == (2, 12) and bool((out[:, :8] == ids[:, :8]).all())
