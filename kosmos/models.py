@@ -5,7 +5,9 @@ Dense models give the four tensor-parallel GEMMs of a transformer layer (TP+SP, 
   fc1       AllGather+GEMM   m=tokens, k=hidden,              n=(2 if gated else 1)*ffn / W
   attn_out  GEMM+RS          m=tokens, k=heads*head_dim / W,  n=hidden
   fc2       GEMM+RS          m=tokens, k=ffn / W,             n=hidden
-MoE models carry their published router/expert configs (used by the MoE benchmark).
+MoE models carry their published router/expert configs (used by the MoE benchmark) and the transformers family
+whose sparse block they are (``hf_family``: the module under transformers.models; the bench's hf-* baselines build
+that family's router and experts, kosmos.integrations.transformers.FAMILIES).
 
 Custom points (``kosmos bench tp --shape``, ``kosmos bench moe --hidden ...``) are built here too, checked up front:
 ``custom_tp_gemm`` and ``custom_moe_model`` (model name CUSTOM; a bad value raises CustomShapeError naming it).
@@ -53,6 +55,7 @@ class MoEModel:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
+    hf_family: str | None = None  # None (a custom model): qwen3_moe for softmax routing, deepseek_v3 for sigmoid-grouped
 
 
 DENSE_MODELS = {m.name: m for m in [
@@ -64,13 +67,17 @@ DENSE_MODELS = {m.name: m for m in [
 
 MOE_MODELS = {m.name: m for m in [
     MoEModel("deepseek-v3", hidden=7168, expert_ffn=2048, experts=256, top_k=8, routing="sigmoid-grouped",
-             renormalize=True, n_group=8, topk_group=4, routed_scaling=2.5),
+             renormalize=True, n_group=8, topk_group=4, routed_scaling=2.5, hf_family="deepseek_v3"),
     MoEModel("qwen3-235b", hidden=4096, expert_ffn=1536, experts=128, top_k=8, routing="softmax",
-             renormalize=True),
+             renormalize=True, hf_family="qwen3_moe"),
     MoEModel("mixtral-8x7b", hidden=4096, expert_ffn=14336, experts=8, top_k=2, routing="softmax",
-             renormalize=True),
+             renormalize=True, hf_family="mixtral"),
     MoEModel("qwen2-57b", hidden=3584, expert_ffn=2560, experts=64, top_k=8, routing="softmax",
-             renormalize=False),
+             renormalize=False, hf_family="qwen2_moe"),
+    # Qwen3-30B-A3B: hidden_size 2048, moe_intermediate_size 768, num_experts 128, num_experts_per_tok 8,
+    # norm_topk_prob true, no shared expert
+    MoEModel("qwen3-30b-a3b", hidden=2048, expert_ffn=768, experts=128, top_k=8, routing="softmax",
+             renormalize=True, hf_family="qwen3_moe"),
 ]}
 
 TP_LAYERS = ("qkv", "fc1", "attn_out", "fc2")

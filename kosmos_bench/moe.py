@@ -18,6 +18,15 @@ Implementations of the layer (registry family "moe_fwd"; y [T, H] bf16 from x [T
   fixed-role       kosmos.moe_forward(..., policy="fixed", comm_programs=S) at S = 16.
   fixed-role-best  the same at the best S of ``fixed_sweep`` (the tuned oracle a fixed-role library needs;
                    harness.best_fixed_split, shared with the TP bench).
+  hf-grouped-mm    transformers' own layer (moe_hf.py): the model's transformers family's router module, then its
+                   experts module through ExpertsInterface "grouped_mm" (transformers' default on a GPU), on the
+                   same x, router weight and bias, the experts in transformers' layout (w13 / w2 transposed, copied
+                   once, untimed); no shared experts (kosmos has none either). EP = 1 and bf16 only, every direction
+                   (the backward by autograd, ``autograd_backward``); its output checked against the fp32 layer for
+                   its own routing decision (``hf_forward_reference``: transformers' Qwen / Mixtral routers round the
+                   logits to bf16). "unavailable" without transformers >= 5.13, at W > 1, at mxfp8, and where the
+                   point's memory estimate (``hf_check_bytes``) exceeds the GPU (``hf_memory_problem``).
+  hf-eager         the same with experts implementation "eager": the experts class's own loop over the experts.
 Precisions (``--dtype bf16,mxfp8``: every point runs at each, bf16 first; each row's ``dtype`` says which). At
 mxfp8 every implementation starts from the same bf16 x; the experts' weights' MX values (``quant.mx_values``,
 blocks along H for W13, along F for W2) are made once, outside the timed call, like a cached weight:
@@ -133,7 +142,7 @@ from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.reference.moe import _experts_forward, moe_backward_ref, moe_forward_a2a, route
 from kosmos.reference import FrobeniusError
 
-from . import harness, moe_mx, registry, timing
+from . import harness, moe_hf, moe_mx, registry, timing
 from .harness import Settings, policy_kwargs, world_info
 from .registry import names, register
 
@@ -211,14 +220,18 @@ def case_model(case: MoECase) -> MoEModel:
 
 def moe_cases(models, tokens, routings, ep: int) -> list[MoECase]:
     """Every (model, tokens, routing) point; ``models`` are names or MoEModel objects (a custom model: its fields
-    travel with each case). ValueError if a model's experts do not split evenly over ep."""
+    travel with each case); ``tokens`` a list for every model or a mapping {model name: list} (a suite's per-model
+    tokens). ValueError if a model's experts do not split evenly over ep, or the mapping has no tokens for it."""
     out = []
     for model in models:
         m = model if isinstance(model, MoEModel) else moe_model(model)
         custom = asdict(m) if isinstance(model, MoEModel) else None
         if ep < 1 or m.experts % ep:
             raise ValueError(f"{m.name} has {m.experts} experts: they do not split evenly over --ep {ep}")
-        for t in tokens:
+        if isinstance(tokens, dict) and m.name not in tokens:
+            raise ValueError(f"no tokens for {m.name}: the suite gives them per model ({', '.join(tokens)}); "
+                             f"pass --tokens")
+        for t in (tokens[m.name] if isinstance(tokens, dict) else tokens):
             if not isinstance(t, int) or t <= 0:
                 raise ValueError(f"tokens must be positive integers, got {t!r}")
             for r in routings:
@@ -454,19 +467,26 @@ def a2a_backward(inp: MoEInputs):
                                                                   **inp.route_kw()))
 
 
-def autograd_backward(inp: MoEInputs, layer):
+def autograd_backward(inp: MoEInputs, layer, leaves=None, grads_as=None):
     """A baseline's backward by autograd through its forward ``layer(x, router_weight, w13, w2) -> y`` (nccl-a2a:
     moe_forward_a2a; deepep: deepep_layer), called on leaf copies of the inputs that require grad; bwd: the forward
     (its graph) untimed, ``torch.autograd.grad`` for dy timed; fwd+bwd: both. Returns (dx, d_router, dw13, dw2,
-    experts) with the routing decision ``route`` gives on the same inputs (the call both layers make)."""
-    leaves = [t.detach().requires_grad_(True) for t in (inp.x, inp.router_weight, inp.w13, inp.w2)]
-    _, experts = route(inp.x, inp.router_weight, inp.model.top_k, **inp.route_kw())
+    experts) with the routing decision ``route`` gives on the same inputs (the call both layers make). A layer that
+    returns (y, experts) reports its own decision instead (the hf-* baselines); ``leaves``: the tensors to
+    differentiate, in that order, when they are not copies of the inputs (the hf-* baselines' own parameters, in
+    transformers' layout), and ``grads_as(grads)`` their gradients as (dx, d_router, dw13, dw2) in the inputs'
+    layout (views)."""
+    if leaves is None:
+        leaves = [t.detach().requires_grad_(True) for t in (inp.x, inp.router_weight, inp.w13, inp.w2)]
+        _, experts = route(inp.x, inp.router_weight, inp.model.top_k, **inp.route_kw())
 
     def forward():
         return layer(*leaves)
 
-    def backward(y):
-        return (*torch.autograd.grad(y, leaves, inp.dy), experts)
+    def backward(out):
+        y, decision = out if isinstance(out, tuple) else (out, experts)
+        grads = torch.autograd.grad(y, leaves, inp.dy)
+        return (*(grads_as(grads) if grads_as else grads), decision)
 
     return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))
 
@@ -610,6 +630,98 @@ def _deepep(inp: MoEInputs, params: dict, config):
 harness.register_fixed("moe_fwd", _kosmos_layer, FIXED_DIRECTIONS)
 
 
+# transformers' own experts (moe_hf.py): bf16 at EP = 1, in every direction (autograd_backward through them)
+HF_DTYPES = {"bf16": None, MX: "transformers' experts have no MXFP8 path"}
+HF_MEMORY_SHARE = 0.95  # of the GPU's memory an hf-* point's estimated peak (hf_check_bytes) may take
+
+
+def hf_check_bytes(m: MoEModel, tokens: int, direction: str, impl: str) -> dict:
+    """Bytes of what is live while an hf-* implementation runs and is checked at EP = 1 (balanced load, R = tokens
+    * top_k expert rows), by item, and ``peak`` = the items that stay + the larger of its own working set and the
+    check's reference (the reference runs after the call). Both weight layouts are resident (the point's, and the
+    transformers-layout copy the layer is built with). fwd: the layer's per-row tensors (x gathered [R, H], gate |
+    up [R, 2F], SwiGLU [R, F], outputs [R, H], weighted in fp32) and the fp32 reference for its decision. bwd,
+    fwd+bwd: the weight gradients (bf16, both matrices), the rows autograd saves (x, gate | up, silu(gate) and h,
+    outputs) and the backward's fp32 row tensors (3 x [R, H]), against grad_reference's working set
+    (backward_check_bytes); hf-eager adds one dense [E, 2F, H] tensor: autograd's backward of ``gate_up_proj[e]``
+    (SelectBackward) is a zero tensor the size of the whole parameter per expert, summed into the gradient.
+    Not counted: torch's workspaces, the allocator's fragmentation, KOSMOS's workspace (not used here)."""
+    t, h, f, e, k = tokens, m.hidden, m.expert_ffn, m.experts, m.top_k
+    r, weights = t * k, e * 3 * h * f * 2
+    out = {"weights (w13, w2 bf16)": weights, "weights in transformers' layout (copy)": weights,
+           "x, router weight (bf16)": t * h * 2 + e * h * 2}
+    if direction == FWD:
+        out["output y (bf16), the point's fp32 reference"] = t * h * 2 + t * h * 4
+        own = r * (h * 2 + 2 * f * 2 + 2 * f * 2 + h * 2 + 2 * h * 4)
+        ref = 3 * r * h * 4 + t * h * 4 + 3 * h * f * 4
+    else:
+        out.update({"dy (bf16)": t * h * 2, "output: dw13, dw2 (bf16)": weights,
+                    "output: dx, d_router": t * h * 2 + e * h * 4})
+        own = r * (2 * h * 2 + 2 * f * 2 + 2 * f * 2) + 3 * r * h * 4
+        if impl == "hf-eager":
+            own += e * 2 * f * h * 2
+        ref = sum(v for key, v in backward_check_bytes(m, tokens).items() if key.startswith("reference"))
+    out["implementation's working set"] = own
+    out["reference (the check, after the call)"] = ref
+    out["peak"] = sum(out.values()) - own - ref + max(own, ref)
+    return out
+
+
+def hf_memory_problem(m: MoEModel, tokens: int, direction: str, impl: str, total_bytes: int) -> str | None:
+    """Why ``impl`` cannot run this point on a GPU of ``total_bytes`` (its hf_check_bytes peak over HF_MEMORY_SHARE
+    of them), else None."""
+    need = hf_check_bytes(m, tokens, direction, impl)["peak"]
+    if need <= HF_MEMORY_SHARE * total_bytes:
+        return None
+    return (f"needs ~{need / GiB:.0f} GiB at {m.name} {tokens} tokens {direction} (estimate, hf_check_bytes"
+            + (": autograd's dense per-expert weight gradients" if impl == "hf-eager" and direction != FWD else "")
+            + f"), more than {HF_MEMORY_SHARE:.0%} of this GPU's {total_bytes / GiB:.0f} GiB")
+
+
+def _hf_maker(name: str):
+    """The maker of hf-grouped-mm / hf-eager (moe_hf's docstring): the layer built on this point's weights (the
+    transformers-layout copy made here, untimed); fwd: ``layer(x)`` -> (y, its decision), no autograd; bwd,
+    fwd+bwd: autograd_backward through it, differentiating x and the layer's own parameters, the weight gradients
+    returned as views in KOSMOS's layout. On a GPU whose memory the point's estimate (hf_check_bytes) exceeds:
+    unavailable, with the estimate."""
+    def make(inp: MoEInputs, params: dict, config):
+        m, dev = inp.model, inp.x.device
+        if dev.type == "cuda":
+            problem = hf_memory_problem(m, inp.x.shape[0], inp.direction, name,
+                                        torch.cuda.get_device_properties(dev).total_memory)
+            if problem:
+                raise registry.Unavailable(problem)
+        grad = inp.direction != FWD
+        layer, weights = moe_hf.hf_layer(m, inp.router_weight, inp.bias, inp.w13, inp.w2, moe_hf.HF_IMPLS[name],
+                                         requires_grad=grad)
+        if not grad:
+            return (lambda: layer(inp.x)), 0
+        x = inp.x.detach().requires_grad_(True)
+        return autograd_backward(inp, lambda x, *_: layer(x), leaves=[x, *weights], grads_as=_kosmos_layout), 0
+    return make
+
+
+def _kosmos_layout(grads):
+    """(dx, d_router, d gate_up_proj [E, 2F, H], d down_proj [E, H, F]) -> the last two as [E, H, 2F] / [E, F, H]
+    views (the layout of w13 / w2)."""
+    dx, d_router, d_gate_up, d_down = grads
+    return dx, d_router, d_gate_up.transpose(1, 2), d_down.transpose(1, 2)
+
+
+for _name in moe_hf.HF_IMPLS:
+    register("moe_fwd", _name, available=moe_hf.hf_available, dtypes=HF_DTYPES)(_hf_maker(_name))
+
+
+def hf_forward_reference(inp: MoEInputs) -> harness.Reference:
+    """The check of an hf-* forward's output (y, its decision): y against the fp32 layer for that decision
+    (moe_forward_a2a(fp32=True, experts=...): the weights from fp32 logits), within the bf16 tolerance; the row's
+    ``rel_err_parts`` repeats it as {"y": ...}."""
+    def ref(out):
+        return (moe_forward_a2a(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, fp32=True,
+                                experts=out[1], **inp.route_kw()),)
+    return harness.Reference(ref, harness.TOLERANCE["bf16"], parts=("y",))
+
+
 # the expert GEMMs alone are compared at bf16, in the forward and the backward (no rows at mxfp8 or fwd+bwd);
 # at bwd each returns (dx_rows, dw13, dw2, row_of): row_of maps the packed rows into its own layout (None: packed)
 EXPERT_DIRECTIONS = {FWD: None, BWD: None}
@@ -696,7 +808,7 @@ def expert_backward_reference(inp: ExpertInputs, chunk: int) -> harness.Referenc
     return harness.Reference(ref, GRAD_TOLERANCE, parts=EXPERT_GRADS, parts_key="rel_err_grads")
 
 
-MOE_IMPLS = names("moe_fwd")         # ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best")
+MOE_IMPLS = names("moe_fwd")  # ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best", "hf-grouped-mm", "hf-eager")
 EXPERT_IMPLS = names("moe_experts")  # ("grouped-mm", "kosmos-expert-gemms")
 
 
@@ -1010,6 +1122,9 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
                                                                gemm1_bf16=g, **inp.route_kw()),
                                      harness.TOLERANCE[MX], also) for g in (False, True)}
         ref = lambda name: refs[name == "nccl-a2a"]  # noqa: E731
+    elif fwd:  # the hf-* baselines route with transformers' router: checked for their own decision
+        point_ref, hf_ref = ref, hf_forward_reference(inp)
+        ref = lambda name: hf_ref if name in moe_hf.HF_IMPLS else point_ref  # noqa: E731
 
     _, experts = route(x, wr, m.top_k, **inp.route_kw())
     load = _sum_over_ranks(expert_load(experts, m.experts))
@@ -1068,7 +1183,7 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     flops = DIRECTION_FLOPS[st.direction] * 6.0 * case.tokens * m.top_k * m.hidden * m.expert_ffn
     runner.run("moe_fwd", registry.impls_at("moe_fwd", st.impls, st.dtype, st.direction), inputs=inp, ref=ref,
                identity=base_row(case, world, st.dtype, direction=st.direction), flops=flops, config=config, t_gemm_ms=t_gemm, t_comm_ms=t_comm, wire_bytes=wire,
-               impl_fields=lambda name: _impl_fields(name, mx, inp.bwd_config))
+               impl_fields=lambda name: _impl_fields(name, mx, inp.bwd_config, m))
     if st.trace_dir and fwd and not mx and any(r["impl"] == "kosmos" and r["op"] == "moe_fwd" and r["status"] == "ok"
                                                 for r in runner.rows):
         _write_trace(case, inp, world, config, st.trace_dir)
@@ -1096,11 +1211,14 @@ def _write_trace(case: MoECase, inp: MoEInputs, world: int, config, trace_dir: s
                          "world": world, "config": config_dict(config)})
 
 
-def _impl_fields(name: str, mx: bool, bwd_config=None) -> dict:
+def _impl_fields(name: str, mx: bool, bwd_config=None, m: MoEModel | None = None) -> dict:
     """Row fields of one implementation alone: nccl-a2a's rounding note at mxfp8; deepep's configuration (the
-    note its callable left, taken by this row); kosmos's backward config at bwd and fwd+bwd (``bwd_config``)."""
+    note its callable left, taken by this row); kosmos's backward config at bwd and fwd+bwd (``bwd_config``); the
+    hf-* baselines' transformers version, family and experts implementation (``m``: the point's model)."""
     if name == "kosmos" and bwd_config is not None:
         return {"bwd_config": config_dict(bwd_config)}
+    if name in moe_hf.HF_IMPLS and m is not None and not mx:
+        return {"note": moe_hf.hf_note(name, m)}
     if name == "deepep":
         note = _DEEPEP.pop("note", None)
         return {"note": note} if note else {}

@@ -7,7 +7,11 @@ A TP suite may list its GEMMs itself instead of models (``shapes``, e.g. suites/
 (ag_gemm, gemm_rs) to "MxNxK" strings -- the convention of ``kosmos bench tp --shape``: M, N, K as in the result
 rows -- or a list of {op, m, n, k} mappings (the form a results file's env line records, so a recorded suite
 loads back). Such a suite runs exactly as the same ``--shape``s with ``--op`` would (rows with model and layer
-"custom"); it cannot also name models, seq, layers or shapes_tp."""
+"custom"); it cannot also name models, seq, layers or shapes_tp.
+
+A MoE suite's ``tokens`` is a list (every model at each) or a mapping of each of its models to its own list
+(e.g. suites/moe-hf.yaml: ``tokens: {qwen3-30b-a3b: [8192], mixtral-8x7b: [4096]}``); ``--tokens`` replaces either
+with one list for every model."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
@@ -215,7 +219,8 @@ def _as_tuple(key, v):
 class MoESuite(_Suite):
     """A ``kosmos bench moe`` sweep: every (model, tokens per rank, routing) point runs every impl at each
     ``dtype`` (one precision or a list, held as a tuple like TPSuite's), in each ``direction`` (fwd, bwd, fwd+bwd:
-    one or a list, the same way)."""
+    one or a list, the same way). ``tokens``: a tuple (every model at each), or {model: tuple} giving every model
+    of ``models`` its own (``parse_tokens``)."""
     name: str = "moe-default"
     bench: str = "moe"
     dtype: tuple = ("bf16",)
@@ -231,9 +236,41 @@ class MoESuite(_Suite):
     def __post_init__(self):
         object.__setattr__(self, "dtype", _dtypes(self.dtype))
         object.__setattr__(self, "direction", _dtypes(self.direction, "direction", DIRECTIONS))
+        object.__setattr__(self, "tokens", parse_tokens(self.tokens, self.models))
         _check_moe(self)
         # canonical routing strings ("ZIPF:1.20" -> "zipf:1.2"), so rows of one point always match
         object.__setattr__(self, "routing", tuple(str(parse_routing(r)) for r in self.routing))
+
+    def to_dict(self) -> dict:
+        """As _Suite's, with a per-model ``tokens`` mapping's lists as lists."""
+        d = super().to_dict()
+        if isinstance(self.tokens, dict):
+            d["tokens"] = {name: list(t) for name, t in self.tokens.items()}
+        return d
+
+
+def parse_tokens(value, models) -> tuple | dict:
+    """A MoE suite's ``tokens``: a list of positive integers (every model at each) -> a tuple, or a mapping of
+    MoE model name -> such a list, one for every model of ``models`` -> {model: tuple} in ``models``' order (the
+    mapping's other known models are dropped, so that ``--model`` can pick some of a suite's models). A malformed
+    value is a one-line SuiteError naming it."""
+    def as_tuple(key, v):
+        return v if isinstance(v, tuple) else _as_tuple(key, v)
+    if not isinstance(value, dict):
+        value = as_tuple("tokens", value)
+        _positive_ints("tokens", value)
+        return value
+    unknown = [name for name in value if name not in MOE_MODELS]
+    if unknown:
+        raise SuiteError(f"'tokens' names unknown models {unknown}; choose from {', '.join(MOE_MODELS)}")
+    missing = [name for name in models if name not in value]
+    if missing:
+        raise SuiteError(f"'tokens' is a mapping of model -> tokens but gives none for {missing}")
+    out = {}
+    for name in models:
+        out[name] = as_tuple(f"tokens.{name}", value[name])
+        _positive_ints(f"tokens.{name}", out[name])
+    return out
 
 
 def _check_moe(s: MoESuite) -> None:
@@ -241,7 +278,6 @@ def _check_moe(s: MoESuite) -> None:
         raise SuiteError(f"'bench' must be 'moe' for a MoE suite, got {s.bench!r}")
     _subset("models", s.models, list(MOE_MODELS))
     _subset("impls", s.impls, list(MOE_IMPLS))
-    _positive_ints("tokens", s.tokens)
     _positive_ints("fixed_sweep", s.fixed_sweep)
     if not s.routing:
         raise SuiteError("'routing' must not be empty")
@@ -308,7 +344,7 @@ def load_suite(path, bench: str | None = "tp"):
     kw = dict(doc)
     try:
         for key in LIST_KEYS[kind]:
-            if key in kw:
+            if key in kw and not (key == "tokens" and isinstance(kw[key], dict)):  # MoE tokens: a list or a mapping
                 kw[key] = _as_tuple(key, kw[key])
         return cls(**kw)
     except SuiteError as e:

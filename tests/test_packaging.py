@@ -36,7 +36,7 @@ def test_one_copy_of_each_suite():
     """suites/ (what users type) is a link to the packaged folder: no second copy to drift."""
     assert (ROOT / "suites").is_symlink() and (ROOT / "suites").resolve() == ROOT / "kosmos_bench" / "suite_files"
     assert sorted(p.name for p in (ROOT / "kosmos_bench" / "suite_files").iterdir() if p.suffix == ".yaml") == \
-        ["moe-default.yaml", "tp-default.yaml", "tp-grid.yaml"]
+        ["moe-default.yaml", "moe-hf.yaml", "tp-default.yaml", "tp-grid.yaml"]
 
 
 def _setuptools_ok() -> bool:

@@ -1,0 +1,4 @@
+"""KOSMOS inside other libraries' models. ``kosmos.integrations.transformers.patch(model)``: the sparse MoE blocks
+of a HuggingFace transformers model run on ``kosmos.nn.moe`` (that module's docstring has the contract). Importing
+these modules needs neither a GPU nor the library they integrate with; a call that needs the library says so in
+one line when it is missing."""
