@@ -188,6 +188,12 @@ def moe_backward_ep_kernels(dev, world: int, h: int = 4096, f: int = 1536, e: in
                     x, dy, weights, experts, w13, w2, bufs, rank=0, world=world,
                     epoch_slot=torch.zeros(1, dtype=torch.int32, device=dev), timeout_ns=10**9, grid=132,
                     out_dtype=dt, router=rt, **pkw))))
+    w13_nk, w2_nk = torch.empty(el, 2 * f, h, **bf).transpose(1, 2), torch.empty(el, h, f, **bf).transpose(1, 2)
+    out.append(("moe_bwd one_launch ep nk +router softmax", _compile_among(
+        _backward_modules(), "_moe_backward_experts_kernel", lambda: bwd_one.expert_backward_ep_launch(
+            x, dy, weights, experts, w13_nk, w2_nk, bufs, rank=0, world=world,
+            epoch_slot=torch.zeros(1, dtype=torch.int32, device=dev), timeout_ns=10**9, grid=132,
+            out_dtype=torch.bfloat16, router=router))))
     return out
 
 
@@ -233,6 +239,12 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
                bwd_multi.expert_dgrad2_swiglu(x_pad, gu_pad, w2, torch.empty(rows_pad, device=dev), counts, emit_h=True,
                                        fused=False, offs=pad_offs,
                                        valid=torch.ones(rows_pad, dtype=torch.bool, device=dev)))))]
+    w13_nk, w2_nk = torch.empty(e, 2 * f, h, **bf).transpose(1, 2), torch.empty(e, h, f, **bf).transpose(1, 2)
+    out += [("moe_bwd dgrad2_swiglu nk", _compile_among(_backward_modules(), "_dgrad2_swiglu_kernel",
+                                                      lambda: bwd_multi.expert_dgrad2_swiglu(dy_rows, gu, w2_nk, w_pair,
+                                                                                             counts, fused=True))),
+            ("moe_bwd dgrad1 nk", _compile_among(_backward_modules(), "_dgrad1_kernel",
+                                               lambda: bwd_multi.expert_dgrad1(gu, w13_nk, counts)))]
     tok = torch.zeros(rows, dtype=torch.int64, device=dev)
     out += [("moe_bwd sum_partials", _compile_among(_backward_modules(), "_sum_partials_kernel", lambda: bwd_rows.sum_partials(
                 torch.empty(rows, f // 64, dtype=torch.float32, device=dev)))),
@@ -276,6 +288,10 @@ def moe_backward_kernels(dev, h: int = 4096, f: int = 1536, e: int = 128, rows: 
             lambda dt=dt, trace=trace, rt=rt, config=config: bwd_one.expert_backward_one_launch(
                 dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13, w2, counts, pad_offs, inv, n_tok, 8, dt,
                 programs=132, trace=trace, router=router(rt) if rt else None, config=config))))
+    out.append(("moe_bwd one_launch nk +router softmax", _compile_among(
+        _backward_modules(), "_moe_backward_experts_kernel", lambda: bwd_one.expert_backward_one_launch(
+            dy_pad, dy_pad, x_pad, gu_pad, w_pad, valid, w13_nk, w2_nk, counts, pad_offs, inv, n_tok, 8,
+            torch.bfloat16, programs=132, router=router("softmax"), config=MoEBackwardConfig()))))
     return out
 
 
@@ -352,6 +368,11 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
         out.append(("moe_forward save_gu", _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
             x, wr, bias, w13, w2, y, bufs, cfg=mcfg, top_k=top_k, routing="sigmoid-grouped", n_group=8,
             topk_group=4, routed_scaling=2.5, gu=gu, **common))))
+        # transformers' expert layout (gate_up [El, 2F, H], down [El, H, F] as .transpose(1, 2) views)
+        w13_nk, w2_nk = (torch.empty(el, 2 * f, h, **bf).transpose(1, 2), torch.empty(el, h, f, **bf).transpose(1, 2))
+        out.append(("moe_forward nk", _compile(mf, "_moe_forward_kernel", lambda: mf.launch(
+            x, wr, bias, w13_nk, w2_nk, y, bufs, cfg=mcfg, top_k=top_k, routing="sigmoid-grouped", n_group=8,
+            topk_group=4, routed_scaling=2.5, **common))))
     return out
 
 
