@@ -65,6 +65,8 @@ class _Suite:
     warmup: int = 5
     fixed_sweep: tuple = FIXED_SWEEP
     targets: dict = field(default_factory=dict)  # the report's bars for this suite's results (TARGET_KEYS)
+    # the implementation the report's speedups are over (None: the bench's, nccl+cublas / nccl-a2a); one of impls
+    baseline: str | None = None
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -199,6 +201,12 @@ def _check(s: TPSuite) -> None:
             raise SuiteError(f"'{key}' must be a positive integer, got {v!r}")
     _one_node("tp", s.tp)
     check_targets("tp", s.targets)
+    _check_baseline(s)
+
+
+def _check_baseline(s: _Suite) -> None:
+    if s.baseline is not None and s.baseline not in s.impls:
+        raise SuiteError(f"'baseline' {s.baseline!r} must be one of the suite's impls ({', '.join(s.impls)})")
 
 
 def _one_node(key: str, ranks: int | None) -> None:
@@ -278,6 +286,7 @@ def _check_moe(s: MoESuite) -> None:
         raise SuiteError(f"'bench' must be 'moe' for a MoE suite, got {s.bench!r}")
     _subset("models", s.models, list(MOE_MODELS))
     _subset("impls", s.impls, list(MOE_IMPLS))
+    _check_baseline(s)
     _positive_ints("fixed_sweep", s.fixed_sweep)
     if not s.routing:
         raise SuiteError("'routing' must not be empty")

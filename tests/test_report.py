@@ -268,6 +268,24 @@ def test_moe_rows_get_extra_columns_and_nccl_a2a_baseline(tmp_path):
     assert kosmos.loc["skewed", "speedup"] == pytest.approx(1.5)
 
 
+def test_suite_baseline_sets_the_moe_layers_speedups(tmp_path):
+    """A suite that names its own baseline (moe-hf: hf-grouped-mm) gets the layer's speedups and titles over it,
+    not over the bench's nccl-a2a; the expert GEMMs alone keep grouped-mm."""
+    def moe(impl, time_ms, tokens):
+        extra = {"tokens": tokens, "experts": 8, "top_k": 2, "routing": "uniform"}
+        return result_line(bench="moe", op="moe_fwd", layer="moe", world=1, m=tokens, seq=tokens, impl=impl,
+                           time_ms=time_ms, extra=extra)
+
+    suite = {"name": "moe-hf", "bench": "moe", "impls": ["kosmos", "hf-grouped-mm"], "baseline": "hf-grouped-mm"}
+    lines = [env_line(suite, bench="moe"), moe("hf-grouped-mm", 3.0, 4096), moe("kosmos", 2.0, 4096),
+             moe("hf-grouped-mm", 5.0, 8192), moe("kosmos", 2.5, 8192)]
+    df = build_table(load_results([write_lines(tmp_path / "hf.jsonl", lines)])[1])
+    kosmos = df[df.impl == "kosmos"].set_index("m")
+    assert kosmos.loc[4096, "speedup"] == pytest.approx(1.5) and kosmos.loc[8192, "speedup"] == pytest.approx(2.0)
+    text = terminal_text(df, 100)
+    assert "Geomean speedup over hf-grouped-mm" in text and "over nccl-a2a" not in text
+
+
 def test_speedup_chart_writes_png(tmp_path, table):
     pytest.importorskip("matplotlib")
     path = tmp_path / "speedup.png"

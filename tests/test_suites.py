@@ -315,3 +315,12 @@ def test_malformed_suite_shapes_give_a_one_line_error(tmp_path, text, needle):
     with pytest.raises(SuiteError, match=needle) as e:
         load_suite(p)
     assert str(e.value).startswith(str(p)) and "\n" not in str(e.value)
+
+
+def test_suite_baseline_must_be_one_of_its_impls(tmp_path):
+    """A suite's ``baseline`` (the implementation the report's speedups are over) is one of its impls."""
+    f = tmp_path / "s.yaml"
+    f.write_text("bench: moe\nmodels: [qwen3-235b]\nimpls: [kosmos, nccl-a2a]\nbaseline: hf-grouped-mm\n")
+    with pytest.raises(SuiteError, match="'baseline' 'hf-grouped-mm' must be one of the suite's impls"):
+        load_suite(f, bench="moe")
+    assert load_suite("suites/moe-hf.yaml", bench="moe").baseline == "hf-grouped-mm"

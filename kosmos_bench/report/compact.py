@@ -49,7 +49,8 @@ def family_of(row: dict) -> tuple[str, str | None]:
     by_op = BASELINE_IMPL_BY_OP.get(row["op"])
     if by_op:
         return row["op"], by_op
-    return ("moe_fwd" if row["bench"] == "moe" else row["bench"]), BASELINE_IMPL.get(row["bench"])
+    return ("moe_fwd" if row["bench"] == "moe" else row["bench"]), (row.get("suite_baseline")
+                                                                     or BASELINE_IMPL.get(row["bench"]))
 
 
 @dataclass

@@ -167,6 +167,8 @@ def _with_env(record: dict, env: dict, source: str, path: Path) -> dict:
     merged = {**env_fields, **record, "source": source}
     merged["bench"] = record.get("bench") or env.get("bench") or "tp"
     merged["suite_targets"] = run_targets(env, merged["bench"], path)
+    # the suite's own baseline for the layer's speedups (e.g. hf-grouped-mm in moe-hf), else the bench's
+    merged["suite_baseline"] = (env.get("suite") or {}).get("baseline")
     return merged
 
 

@@ -30,7 +30,8 @@ CONFIG_COLUMN = "config"
 BANDWIDTH_COLUMNS = ["comm_algbw_gbps", "comm_busbw_gbps"]
 # the columns build_table (and so the csv) ends with, in the order they were added: a csv's columns are only ever
 # added at the end, so a reader of an older version's columns finds them where they were
-LAST_COLUMNS = [CONFIG_COLUMN, "host_ms", *BANDWIDTH_COLUMNS, "wire_bytes", "rel_err_bf16", "direction"]
+LAST_COLUMNS = [CONFIG_COLUMN, "host_ms", *BANDWIDTH_COLUMNS, "wire_bytes", "rel_err_bf16", "direction",
+                "suite_baseline"]  # the suite's own baseline implementation for the speedups, where it names one
 # what a row times (the MoE bench's --direction): "fwd", "bwd" (the backward alone) or "fwd+bwd"; rows without the
 # field (every TP row, MoE rows of older files) are forward rows
 DIRECTION, DEFAULT_DIRECTION = "direction", "fwd"

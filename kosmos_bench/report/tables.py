@@ -194,7 +194,8 @@ def _is_number(value) -> bool:
 
 
 def _baseline_impl(row: dict) -> str | None:
-    return BASELINE_IMPL_BY_OP.get(row.get("op")) or BASELINE_IMPL.get(row["bench"])
+    return (BASELINE_IMPL_BY_OP.get(row.get("op")) or row.get("suite_baseline")
+            or BASELINE_IMPL.get(row["bench"]))
 
 
 def _add_speedup(rows: list[dict]) -> None:
