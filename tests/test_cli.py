@@ -343,7 +343,7 @@ def test_binary_suite_file_is_a_one_line_error_with_its_path(tmp_path, bench):
 
 def test_missing_suite_lists_the_packaged_ones_and_a_name_finds_one(tmp_path):
     r = runner.invoke(app, ["bench", "tp", "--suite", str(tmp_path / "nope.yaml"), "--dry-run"])
-    _one_line_error(r, "does not exist (packaged suites, by name: moe-default, tp-default, tp-grid)")
+    _one_line_error(r, "does not exist (packaged suites, by name: moe-default, moe-hf, tp-default, tp-grid)")
     r = runner.invoke(app, ["bench", "moe", "--suite", "moe-default", "--dry-run"])
     assert r.exit_code == 0 and "deepseek-v3" in r.stdout, r.output
 
