@@ -682,7 +682,8 @@ def test_csv_columns_only_grow_at_the_end(tmp_path, table):
               "rel_err,workspace_bytes,status,reason,p20_ms,p80_ms,t_gemm_ms,t_comm_ms,peak_mem_bytes,params,"
               "run_id,gpu,gpu_count,torch,triton,git_commit,knobs,timestamp").split(",")
     assert next(csv.reader(io.StringIO(render(table, "csv")))) == \
-        before + ["config", "host_ms", "comm_algbw_gbps", "comm_busbw_gbps", "wire_bytes", "rel_err_bf16", "direction"]
+        before + ["config", "host_ms", "comm_algbw_gbps", "comm_busbw_gbps", "wire_bytes", "rel_err_bf16", "direction",
+                  "suite_baseline"]
     df = build_table(load_results([write_lines(tmp_path / "ab.jsonl", config_lines((AG_16K, AG_8K)))])[1])
     rows = list(csv.DictReader(io.StringIO(render(df, "csv"))))
     assert [row["config"] for row in rows] == ["", "", "push_partials=false", "copy_block=16384 push_chunks=1",
@@ -1037,7 +1038,7 @@ def test_bandwidth_edge_cases():
 
 def test_bandwidths_in_every_format(table, moe_table):
     header = next(csv.reader(io.StringIO(render(table, "csv"))))
-    assert header[-5:-3] == ["comm_algbw_gbps", "comm_busbw_gbps"]
+    assert header[-6:-4] == ["comm_algbw_gbps", "comm_busbw_gbps"]
     kosmos = next(r for r in csv.DictReader(io.StringIO(render(table, "csv")))
                   if r["op"] == "ag_gemm" and r["m"] == "8192" and r["impl"] == "kosmos")
     assert (kosmos["comm_algbw_gbps"], kosmos["comm_busbw_gbps"]) == ("699.1", "349.5")
@@ -1189,7 +1190,7 @@ def test_mx_report_sections_in_every_format():
     assert "mxfp8 / bf16" in render(table, "html")
     assert "mxfp8 / bf16" not in render(_mx_table_bf16_only(), "md")
     header = next(csv.reader(io.StringIO(render(table, "csv"))))
-    assert header[-3:] == ["wire_bytes", "rel_err_bf16", "direction"]
+    assert header[-4:] == ["wire_bytes", "rel_err_bf16", "direction", "suite_baseline"]
 
 
 def _mx_table_bf16_only():
