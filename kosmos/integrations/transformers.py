@@ -29,9 +29,9 @@ token whose k-th and (k+1)-th logits lie within bf16 rounding of each other can 
 the gate weights in fp32 (Qwen2/Qwen3/OLMoE round them to bf16) and sums a token's k expert outputs in fp32.
 
 Where the parameters stay: nothing is copied or re-registered. ``state_dict`` keys and tensors are the model's,
-save / load round-trips unchanged, gradients land on the model's own parameters (autograd through the views;
-kosmos.nn.moe copies the transposed views into the kernels' layout per call until the kernels read that layout
-natively), and optimizer steps and gradient accumulation act on them. DeepSeek-V3's e_score_correction_bias is
+save / load round-trips unchanged, gradients land on the model's own parameters (the kernels read the transposed
+views as stored and return the weight gradients in the parameters' own layout), and optimizer steps and gradient
+accumulation act on them. DeepSeek-V3's e_score_correction_bias is
 read each call (as fp32) and gets no gradient, as in transformers.
 
 Router logits: when the block's router module (``block.gate``) has forward hooks -- transformers installs one to
