@@ -342,7 +342,7 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: tor
     gradient may be needed (the MX backward does not exist yet): a RuntimeError says so."""
     if _needs_grad(x, router_weight, w13, w2):
         if precision != "bf16":
-            raise RuntimeError("kosmos.nn.MoE's backward runs in bf16 only so far (dtype='mxfp8' trains "
+            raise RuntimeError("the MoE layer's backward runs in bf16 only so far (dtype='mxfp8' trains "
                                "nothing yet): run this under torch.no_grad() / inference_mode, or freeze its "
                                "parameters")
         if save_gate_up is None:

@@ -876,8 +876,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     differ); router_weight [E, H] bf16
     (replicated); w13 [E/W, H, 2F] (gate | up) and w2 [E/W, F, H] bf16: this rank's experts, global expert g
     on rank g // (E/W); both contiguous, or both the ``.transpose(1, 2)`` of contiguous [E/W, 2F, H] and
-    [E/W, H, F] tensors (transformers' ``gate_up_proj`` / ``down_proj``), read as they are (``weights_nk``). routing: ``softmax`` (``renormalize`` the top-k weights or not) or
-    ``sigmoid-grouped`` (DeepSeek-V3: ``bias`` [E] for the choice, ``n_group``/``topk_group``,
+    [E/W, H, F] tensors (transformers' ``gate_up_proj`` / ``down_proj``), read as they are (``weights_nk``).
+    routing: ``softmax`` (``renormalize`` the top-k weights or not) or ``sigmoid-grouped`` (DeepSeek-V3: ``bias`` [E] for the choice, ``n_group``/``topk_group``,
     ``routed_scaling``). E <= 256, top_k <= 16, H and F multiples of 8. Shared experts are not part of the op.
     ``config`` (``kosmos.MoEForwardConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``return_routing=True`` also
