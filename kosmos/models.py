@@ -80,6 +80,22 @@ MOE_MODELS = {m.name: m for m in [
              renormalize=True, hf_family="qwen3_moe"),
 ]}
 
+# The rest of a MOE_MODELS entry's transformers config (attention, the dense MLP of non-MoE layers, shared
+# experts), from each model's published config.json: `kosmos bench train --hf` builds the model from these
+# (kosmos_bench/train_hf.py maps the MoE fields above onto each family's config keys).
+HF_CONFIGS = {
+    "deepseek-v3": dict(num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=18432,
+                        n_shared_experts=1, rms_norm_eps=1e-6),
+    "qwen3-235b": dict(num_attention_heads=64, num_key_value_heads=4, head_dim=128, intermediate_size=12288,
+                       rms_norm_eps=1e-6),
+    "mixtral-8x7b": dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5),
+    "qwen2-57b": dict(num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                      shared_expert_intermediate_size=20480, rms_norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                          rms_norm_eps=1e-6),
+}
+
 TP_LAYERS = ("qkv", "fc1", "attn_out", "fc2")
 
 

@@ -853,9 +853,18 @@ def bench_train(
     scale: Optional[float] = typer.Option(None, "--scale", help="Scale hidden/ffn/heads, e.g. 0.0625."),
     head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Override head_dim."),
     seed: int = typer.Option(0, "--seed", help="Seed of the weights and data."),
+    hf: Optional[str] = typer.Option(None, "--hf", metavar="FAMILY", help="Train a real transformers model "
+                                     "instead of the proxy: a family (qwen3_moe, mixtral, deepseek_v3, qwen2_moe) "
+                                     "or a model (qwen3-30b-a3b, mixtral-8x7b, deepseek-v3, qwen3-235b, qwen2-57b) "
+                                     "at its real hidden and expert sizes, --layers decoder layers, as transformers "
+                                     "builds it (impl hf, the baseline) and patched onto KOSMOS (impl kosmos). "
+                                     "Needs transformers (pip install 'kosmos[hf]')."),
+    experts: Optional[int] = typer.Option(None, "--experts", help="With --hf: the expert count (default the "
+                                          "model's; deepseek-v3: 64 of its 256, for memory)."),
 ):
     """Train the end-to-end proxy with each implementation: step time, tokens/s per GPU, peak memory and
     every step's loss, which must agree with the baseline's within 2e-2 (kosmos_bench/train.py).
+    With --hf, a real transformers MoE model instead, unpatched and patched (kosmos_bench/train_hf.py).
 
     Each implementation trains the same model on the same data: forward, backward and AdamW per step. One that
     cannot run here gets an "unavailable" row with the reason and fails nothing; one that raises or trains
@@ -864,10 +873,19 @@ def bench_train(
     rank on cuda:0 over gloo (loss agreement only; rows marked extra.ranks_on_one_gpu).
 
     Example: kosmos bench train --model llama3-8b --layers 2 --seq 4096 --tp 1 --steps 20
+             kosmos bench train --hf qwen3_moe --layers 2 --seq 4096 --steps 10
     """
     from dataclasses import asdict
 
     from . import launcher
+    if hf is not None:
+        given = {"--model": model != "llama3-8b", "--scale": scale is not None, "--hidden": hidden is not None,
+                 "--head-dim": head_dim is not None}
+        return _bench_train_hf(hf, layers=layers, seq=seq, batch=batch, steps=steps, warmup=warmup, dtype=dtype,
+                               impl=impl, tp=tp, out=out, dry_run=dry_run, seed=seed, experts=experts,
+                               not_with_hf=[k for k, v in given.items() if v])
+    if experts is not None:
+        _fail("--experts goes with --hf (the proxies take the model's expert count)")
     from .train import BASELINE, DENSE_IMPLS, DTYPES, MOE_IMPLS, MOE_MODELS, proxy_shape, train_rank, \
         unavailable_reason
 
@@ -922,6 +940,54 @@ def bench_train(
     console.print(f"[bold]kosmos bench train[/]: {model} proxy ({shape.layers} layers, hidden {shape.hidden}), "
                   f"{len(impls)} implementations ({dtype}) on {world} rank(s) -> {out}")
     _launch(train_rank, world, out, shape_kw, st_kw, str(out), list(sys.argv), table=False)
+
+
+def _bench_train_hf(name: str, *, layers, seq, batch, steps, warmup, dtype, impl, tp, out, dry_run, seed, experts,
+                    not_with_hf):
+    """`bench train --hf`: the checks, the dry run, one process on one GPU (train_hf.train_hf_rank)."""
+    from . import launcher
+    from .train_hf import HF_BASELINE, HF_IMPLS, hf_shape
+
+    if not_with_hf:
+        _fail(f"{', '.join(not_with_hf)} and --hf: --hf trains the model at its real sizes (--layers, --seq, "
+              f"--batch and --experts shape it)")
+    if dtype != "bf16":
+        _fail(f"--dtype {dtype} with --hf: the patched model trains in bf16 (kosmos.nn.MoE's backward is bf16)")
+    if tp not in (None, 1):
+        _fail(f"--tp {tp} with --hf: the transformers model trains on one GPU (the patch runs every expert on the "
+              f"block's device)")
+    impls = _split([impl] if impl else None) or list(HF_IMPLS)
+    unknown = [n for n in impls if n not in HF_IMPLS]
+    if unknown:
+        _fail(f"--impl {','.join(unknown)}: --hf has {', '.join(HF_IMPLS)}")
+    _at_least(1, steps=steps, layers=layers, seq=seq, batch=batch, experts=experts)
+    _at_least(0, warmup=warmup)
+    shape_kw = dict(model=name, layers=layers, seq=seq, batch=batch, experts=experts)
+    try:
+        shape = hf_shape(**shape_kw)
+    except ValueError as e:
+        _fail(str(e))
+    out = out or Path("results") / f"train-hf-{shape.model}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    out = _out_path(out, "train", dtype, create=not dry_run)
+    if dry_run:
+        lines = ["kosmos bench train --hf --dry-run",
+                 f"  model: {shape.model} (transformers family {shape.family}), {shape.layers} decoder layers, "
+                 f"{shape.n_experts} experts of {shape.spec.experts}, vocab {shape.vocab}",
+                 f"  tokens: {shape.batch} x {shape.seq} a step; steps: {steps} (+{warmup} warm-up)",
+                 f"  results: would be appended to {out}", "implementations:"]
+        lines += [f"  {n}" + (" (baseline)" if n == HF_BASELINE else "") for n in
+                  sorted(impls, key=lambda n: n != HF_BASELINE)]
+        lines.append("dry run: nothing was built or written; transformers, the GPU and its memory are checked at "
+                     "run time.")
+        typer.echo("\n".join(lines))
+        raise typer.Exit(0)
+    if launcher.visible_gpus() == 0:
+        _fail("--hf trains on a CUDA GPU; none is visible here (try --dry-run)")
+    from .train_hf import train_hf_rank
+    st_kw = dict(impls=tuple(impls), steps=steps, warmup=warmup, dtype=dtype, seed=seed)
+    console.print(f"[bold]kosmos bench train --hf[/]: {shape.model} ({shape.family}, {shape.layers} layers, "
+                  f"{shape.n_experts} experts), {len(impls)} implementations -> {out}")
+    _launch(train_hf_rank, 1, out, shape_kw, st_kw, str(out), list(sys.argv), table=False)
 
 
 @_command(app, "env")

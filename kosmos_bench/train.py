@@ -833,31 +833,46 @@ def run_train(shape: ProxyShape, st: TrainSettings, device="cpu", *, group=None,
     world = _world(group)
     if rank is None:
         rank = dist.get_rank(group) if dist.is_initialized() else 0
-    base_name = BASELINE[shape.kind]
-    impls = list(st.impls or (MOE_IMPLS if shape.kind == "moe" else DENSE_IMPLS))
-    impls.sort(key=lambda n: n != base_name)
-    tokens_per_gpu = shape.seq * shape.batch / (world if shape.kind == "dense" else 1)
-    rows, base_losses = [], None
-    cuda = torch.device(device).type == "cuda"
     if shape.kind == "moe":
         local_group(group)  # collective (new_group): every rank here, before any implementation
+
+    def attempt(name):
+        proxy = build(shape, name, group=group, device=device, dtype=st.dtype, seed=st.seed, rank=rank)
+        return train_losses(proxy, shape, st, device, group=group, rank=rank)
+
+    def after(name, ok):
+        if name == "deepep":  # DeepEP's Buffer freed in step (its destroy is a barrier): only when every rank is ok
+            from . import moe
+            moe.deepep_release(destroy=ok)
+
+    return train_rows(st.impls or (MOE_IMPLS if shape.kind == "moe" else DENSE_IMPLS), BASELINE[shape.kind],
+                      attempt, identity(shape, world, st.dtype), shape.seq * shape.batch /
+                      (world if shape.kind == "dense" else 1), st, device, group=group, on_row=on_row, after=after)
+
+
+def train_rows(impls, base_name: str, attempt, identity_row: dict, tokens_per_gpu: float, st: TrainSettings, device,
+               *, group=None, on_row=None, after=None) -> list[dict]:
+    """One train row per implementation (the baseline ``base_name`` first): ``attempt(name)`` trains it and returns
+    (losses, step times in ms), raising Unavailable when it cannot run here (an "unavailable" row) or anything
+    else (a "failed" row with the reason; the others still run). The ranks agree on each outcome; the losses are
+    checked against the baseline's (``loss_disagreement``); ``after(name, ok)`` runs after each attempt (every
+    rank); ``on_row(row)`` as each row is ready. Rows: ``identity_row`` plus the fields of SCHEMA.md's train rows."""
+    world = _world(group)
+    impls = sorted(impls, key=lambda n: n != base_name)
+    rows, base_losses = [], None
+    cuda = torch.device(device).type == "cuda"
     for name in impls:
-        row = identity(shape, world, st.dtype)
+        row = dict(identity_row)
         row.update(impl=name, baseline=name == base_name, steps=st.steps, warmup=st.warmup, status="ok", reason=None,
                    step_ms=None, step_p20_ms=None, step_p80_ms=None, step_times_ms=None, tokens_per_s=None,
                    peak_mem_bytes=None, losses=None, final_loss=None, loss_rtol=st.loss_rtol,
-                   loss_max_rel_diff=None, extra=dict(st.extra))
+                   loss_max_rel_diff=None, extra={**st.extra, **identity_row.get("extra", {})})
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         result = {}
-
-        def attempt():
-            proxy = build(shape, name, group=group, device=device, dtype=st.dtype, seed=st.seed, rank=rank)
-            result["losses"], result["times"] = train_losses(proxy, shape, st, device, group=group, rank=rank)
-
         try:
-            attempt()
+            result["losses"], result["times"] = attempt(name)
             ok, why = True, None
         except Unavailable as e:
             ok, why = False, "unavailable: " + str(e)
@@ -865,9 +880,8 @@ def run_train(shape: ProxyShape, st: TrainSettings, device="cpu", *, group=None,
             traceback.print_exc()
             ok, why = False, error_reason(e)
         ok, why = _agree(ok, why, group)
-        if name == "deepep":  # DeepEP's Buffer freed in step (its destroy is a barrier): only when every rank is ok
-            from . import moe
-            moe.deepep_release(destroy=ok)
+        if after:
+            after(name, ok)
         if not ok:
             row["status"] = "unavailable" if why.startswith("unavailable: ") else "failed"
             row["reason"] = why.replace("unavailable: ", "", 1) if row["status"] == "unavailable" else why

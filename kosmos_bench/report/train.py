@@ -67,6 +67,7 @@ def train_table(results: list[dict]) -> pd.DataFrame:
                    losses=list(r.get("losses") or []), step_p20_ms=r.get("step_p20_ms"),
                    step_p80_ms=r.get("step_p80_ms"), loss_rtol=r.get("loss_rtol"), steps=r.get("steps"),
                    ranks_on_one_gpu=bool((r.get("extra") or {}).get("ranks_on_one_gpu")),
+                   hf_family=(r.get("extra") or {}).get("hf_family"), experts=r.get("experts"),
                    gpu=r.get("gpu"), gpu_count=r.get("gpu_count"), git_commit=r.get("git_commit"))
         rows[tuple(row[c] for c in TRAIN_GROUP) + (row["impl"],)] = row
         env = {c: r.get(c) for c in ("source", *ENV_COLUMNS)}
@@ -126,12 +127,16 @@ def _cell(column: str, value) -> str:
 
 def _proxy_title(group: pd.DataFrame) -> str:
     """What one proxy is, e.g. "llama3-8b training proxy: 2 layers, seq 4096, batch 1, hidden 4096 | world 1 |
-    bf16" (the source first where a report holds several)."""
+    bf16", or for `bench train --hf` rows "qwen3-30b-a3b as transformers builds it (qwen3_moe, 128 experts): ..."
+    (the source first where a report holds several)."""
     row = group.iloc[0]
     shape = ", ".join(f"{word} {_cell(column, row[column])}" if word else f"{_cell(column, row[column])} layers"
                       for column, word in (("layers", ""), ("seq", "seq"), ("batch", "batch"), ("hidden", "hidden"))
                       if not _missing(row[column]))
-    return f"{row['model']} training proxy: {shape} | world {_cell('world', row['world'])} | {row['dtype']}"
+    what = "training proxy"
+    if not _missing(row.get("hf_family")):  # bench train --hf: the transformers model itself
+        what = f"as transformers builds it ({row['hf_family']}, {_cell('experts', row.get('experts'))} experts)"
+    return f"{row['model']} {what}: {shape} | world {_cell('world', row['world'])} | {row['dtype']}"
 
 
 def headline_lines(df: pd.DataFrame) -> list[str]:
