@@ -36,10 +36,13 @@ forward cannot know its row count and would keep the worst case).
 Shared experts are not included: add them beside it, e.g. ``y = moe(x) + shared(x)``. ``moe`` is the same layer as
 a function over given tensors, and takes transformers' expert layout (gate_up [E, 2F, H], down [E, H, F], passed as
 their ``.transpose(1, 2)``) as it is: ``kosmos.integrations.transformers`` runs it on a model's own parameters.
+``moe_experts`` is the expert part alone with the routing decision given by the caller (top-k ids and weights, no
+router; ``MoEExpertsFn``): what transformers' ExpertsInterface calls an experts implementation with. Its backward is
+``moe_backward(routing="given")``: gradients for x, the given weights, w13 and w2.
 
 The why and the costs: docs/design/quant.md (MX linears), docs/design/moe_forward.md and moe_backward.md (MoE).
 Tests: tests/test_nn_tp.py (the linears at W = 1, 2, bf16 and MXFP8, the MX weight cache), test_moe_forward.py
-(``MoE`` trains at one rank, MXFP8 arguments and autograd refusal).
+(``MoE`` trains at one rank, MXFP8 arguments and autograd refusal, ``moe_experts``' autograd and refusals).
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ from .ops.all_gather_matmul import all_gather_matmul
 from .ops.matmul_reduce_scatter import matmul_reduce_scatter
 from .ops.moe_backward import moe_backward
 from .ops.moe_forward import moe_forward
-from .reference.moe import ROUTINGS
+from .reference.moe import GIVEN, ROUTINGS, check_given_routing
 
 
 def _all_gather_rows(x_shard: torch.Tensor, group) -> torch.Tensor:
@@ -236,6 +239,14 @@ class RowParallelLinear(_ParallelLinear):
         return y.view((x.shape[0] // w,) + tuple(x.shape[1:-1]) + (self.out_features,))
 
 
+def _moe_forward_saving(ctx, x, router_weight, w13, w2, save_gate_up, **kw):
+    """MoEFn's and MoEExpertsFn's forward: moe_forward with the routing decision returned; the decision and (with
+    ``save_gate_up``) GEMM1's g | u kept on ``ctx`` for the backward. Returns (y, weights, experts)."""
+    out = moe_forward(x, router_weight, w13, w2, return_routing=True, save_gu=save_gate_up, **kw)
+    ctx.saved_gu = out[3] if save_gate_up else None  # kept until the backward (the graph's lifetime)
+    return out[:3]
+
+
 class MoEFn(torch.autograd.Function):
     """y = moe_forward(x, ...) over the EP group with its backward (kosmos.ops.moe_backward.moe_backward: its one
     launch where it runs, the module docstring says where); the bias gets no gradient; d(router weight) is this rank's
@@ -243,10 +254,8 @@ class MoEFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, router_weight, w13, w2, bias, top_k, routing, route_kw, group=None, save_gate_up=False):
-        out = moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias, group=group,
-                          return_routing=True, save_gu=save_gate_up, **route_kw)
-        y, weights, experts = out[:3]
-        ctx.saved_gu = out[3] if save_gate_up else None  # kept until the backward (the graph's lifetime)
+        y, weights, experts = _moe_forward_saving(ctx, x, router_weight, w13, w2, save_gate_up, top_k=top_k,
+                                                  routing=routing, bias=bias, group=group, **route_kw)
         ctx.save_for_backward(x, router_weight, w13, w2, weights, experts)
         ctx.routing = routing
         ctx.route_kw = route_kw
@@ -261,6 +270,31 @@ class MoEFn(torch.autograd.Function):
                                                group=ctx.group, routing=ctx.routing, saved_gu=ctx.saved_gu, **kw)
         ctx.saved_gu = None
         return dx, d_router, dw13, dw2, None, None, None, None, None, None
+
+
+class MoEExpertsFn(torch.autograd.Function):
+    """y = moe_forward(x, None, w13, w2, routing="given", weights=top_k_weights, experts=top_k_index) -- the expert
+    part with the routing decision given -- with its backward (moe_backward(routing="given")): gradients for x,
+    top_k_weights (each (token, slot)'s <dy_t, o_(t, j)>, in top_k_weights' dtype), w13 and w2 (in their layout);
+    none for top_k_index."""
+
+    @staticmethod
+    def forward(ctx, x, top_k_weights, w13, w2, top_k_index, group=None, save_gate_up=False):
+        y, weights, experts = _moe_forward_saving(ctx, x, None, w13, w2, save_gate_up, top_k=top_k_index.shape[1],
+                                                  routing=GIVEN, group=group, weights=top_k_weights,
+                                                  experts=top_k_index)
+        ctx.save_for_backward(x, w13, w2, weights, experts)
+        ctx.group = group
+        ctx.weights_dtype = top_k_weights.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w13, w2, weights, experts = ctx.saved_tensors
+        dx, dweights, dw13, dw2 = moe_backward(x, None, w13, w2, dy.contiguous(), weights, experts, group=ctx.group,
+                                               routing=GIVEN, saved_gu=ctx.saved_gu)
+        ctx.saved_gu = None
+        return dx, dweights.to(ctx.weights_dtype), dw13, dw2, None, None, None
 
 
 class MoE(torch.nn.Module):
@@ -351,3 +385,29 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: tor
                            bool(save_gate_up))
     return moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias, group=group,
                        precision=precision, **route_kw)
+
+
+def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, *, group=None, save_gate_up: bool | None = None) -> torch.Tensor:
+    """The expert part of an MoE layer with the routing decision given (no router): y [T, H] bf16 with
+    y[t] = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(x[t]) -- ``moe_forward(routing="given")``, one
+    launch (the dispatch, both expert GEMMs and the combine) -- with autograd (``MoEExpertsFn``) when a gradient is
+    needed: gradients for x, top_k_weights (fp32 in the kernels, returned in top_k_weights' dtype), w13 and w2,
+    none for top_k_index. What transformers' ExpertsInterface asks of an experts implementation
+    (``kosmos.integrations.transformers.register_experts``).
+
+    x [T, H] bf16; top_k_index [T, k] integer global expert ids in [0, E) (checked on CPU tensors; on CUDA not --
+    that would synchronise -- and an id outside makes the launch index outside its buffers); top_k_weights [T, k]
+    any float dtype, used as they are (no renormalisation, no scaling); w13 [E/W, H, 2F] / w2 [E/W, F, H] bf16 this
+    rank's experts, contiguous or -- transformers' ``gate_up_proj`` [E, 2F, H] / ``down_proj`` [E, H, F] -- their
+    ``.transpose(1, 2)``, read as they are (the weight gradients come back in the weights' layout). ``group``: the
+    expert-parallel group (global expert g on rank g // (E/W); the same generic forward and backward as ``moe``'s,
+    with the router left out). ``save_gate_up``: keep GEMM1's g | u for the backward (None: at one rank)."""
+    check_given_routing(top_k_weights, top_k_index, x.shape[0], w13.shape[0] * world_size(group),
+                        check_ids=top_k_index.device.type == "cpu")
+    if _needs_grad(x, top_k_weights, w13, w2):
+        if save_gate_up is None:
+            save_gate_up = world_size(group) == 1
+        return MoEExpertsFn.apply(x, top_k_weights, w13, w2, top_k_index, group, bool(save_gate_up))
+    return moe_forward(x, None, w13, w2, top_k=top_k_index.shape[1], routing=GIVEN, group=group,
+                       weights=top_k_weights, experts=top_k_index)

@@ -291,7 +291,10 @@ class MoERanks:
     def __init__(self, world, tokens, hidden, ffn, experts, top_k, seed=0, route_kw=None, skew=False,
                  device="cpu", grid=3, timeout_ns=5_000_000, tol=2e-2, config=None, mx=False, nk=False):
         """``nk``: the experts' weights in transformers' layout (gate_up [El, 2F, H], down [El, H, F]), passed
-        as their .transpose(1, 2) views; the same values as with nk=False for the same seed."""
+        as their .transpose(1, 2) views; the same values as with nk=False for the same seed. ``route_kw``
+        routing="given": no router -- ``new_inputs`` also draws each rank's decision (``given[r]``: weights [T, k]
+        fp32 in (0.1, 1), k distinct experts per token), which ``launch`` puts into the routing buffers (a test
+        may set ``given`` itself after new_inputs)."""
         self.world, self.t, self.h, self.f, self.e, self.k = world, tokens, hidden, ffn, experts, top_k
         self.mx = mx  # MXFP8: weights hold their MX values, x is quantized per call, the reference is MX math
         self.device, self.grid, self.timeout_ns, self.tol = device, grid, timeout_ns, tol
@@ -338,6 +341,7 @@ class MoERanks:
             errors=torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=device)) for _ in range(world)]
         self.xs = [None] * world
         self.ys = [torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device) for _ in range(world)]
+        self.given = [None] * world
 
     def new_inputs(self):
         for r in range(self.world):
@@ -349,6 +353,12 @@ class MoERanks:
             else:  # into the same buffer: a captured CUDA graph keeps reading it
                 self.xs[r].copy_(x)
             self.ys[r].fill_(float("nan"))
+            if self.route_kw.get("routing") == moe_reference.GIVEN:
+                ex = torch.stack([torch.randperm(self.e, generator=self.gen)[:self.k] for _ in range(self.t)])
+                w = torch.rand(self.t, self.k, generator=self.gen) * 0.9 + 0.1
+                self.given[r] = (w.to(self.device), ex.to(self.device))
+                self.local[r]["topk_w"].fill_(float("nan"))  # the launch must load this call's decision
+                self.local[r]["topk_e"].fill_(-1)
             self.data[r].fill_(0xFF)  # bf16 NaN / int32 -1 everywhere
             self.local[r]["xe"].fill_(float("nan"))
             self.local[r]["hb"].fill_(float("nan"))
@@ -365,10 +375,13 @@ class MoERanks:
         kw = {k: v for k, v in self.route_kw.items() if k != "bias"}
         if epoch is not None:
             self.epochs[r].fill_(epoch - 1)
-        mf.launch(self.xs[r], self.router, self.bias32, self.w13[r], self.w2[r], self.ys[r], self.bufs(r),
-                  rank=r, world=self.world, epoch_slot=self.epochs[r], timeout_ns=self.timeout_ns, grid=self.grid,
-                  cfg=self.cfg,
-                  top_k=self.k, stages=stages, x_mx=quant.to_mx(self.xs[r]) if self.mx else None, **kw, **pol)
+        given = kw.get("routing") == moe_reference.GIVEN
+        if given and stages & ROUTE_ONLY:  # as moe_forward does: the decision into the routing buffers
+            mf._put_given(self.local[r], *self.given[r])
+        mf.launch(self.xs[r], None if given else self.router, self.bias32, self.w13[r], self.w2[r], self.ys[r],
+                  self.bufs(r), rank=r, world=self.world, epoch_slot=self.epochs[r], timeout_ns=self.timeout_ns,
+                  grid=self.grid, cfg=self.cfg, top_k=self.k, stages=stages,
+                  x_mx=quant.to_mx(self.xs[r]) if self.mx else None, **kw, **pol)
 
     def call(self, epoch, streams=None, **pol):
         """One call on every rank (``epoch`` None: at the device epochs): CPU -- at W > 1 split into three
@@ -389,6 +402,13 @@ class MoERanks:
         e = self.local[r]["topk_e"].view(self.t, self.k).long()
         return w, e
 
+    def reference_routing(self, r):
+        """The decision the kernel must have used on rank r: the reference router's, or the given one."""
+        if self.route_kw.get("routing") == moe_reference.GIVEN:
+            w, e = self.given[r]
+            return w.float(), e.long()
+        return moe_reference.route(self.xs[r], self.router, self.k, **self.route_kw)
+
     def check(self, epoch):
         w13 = torch.cat([w.float() for w in self.w13])
         w2 = torch.cat([w.float() for w in self.w2])
@@ -396,7 +416,7 @@ class MoERanks:
             errs = self.local[r]["errors"].tolist()
             assert errs == [0] * runtime.ERR_SLOTS, f"rank {r}: {runtime.decode_error(errs)}"
             w_k, e_k = self.routing(r)
-            w_ref, e_ref = moe_reference.route(self.xs[r], self.router, self.k, **self.route_kw)
+            w_ref, e_ref = self.reference_routing(r)
             assert torch.equal(e_k, e_ref), f"rank {r}: experts differ from the reference router"
             assert torch.allclose(w_k, w_ref, rtol=1e-4, atol=1e-6), f"rank {r}: weights differ"
             if self.mx:

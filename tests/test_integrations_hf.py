@@ -16,8 +16,14 @@ the softmax routers' logits to bf16, KOSMOS does not) changes a token's output c
 drawn until every block's decision is the same in the three runs (``_agreeing_ids``), as the MoE bench redraws
 tokens near a tie.
 
+The "kosmos" experts implementation (``register_experts``; routing given by the model's own router): on the CPU
+with the same reference standing in (moe_experts_backward_ref for the backward), each family's model with it
+against the eager experts and the fp32 model, its refusals, ``patch(model, experts=True)`` on PhiMoE (a router
+KOSMOS does not run), and one ``interpreter`` test on the real backward kernels.
+
 GPU (``gpu``, ``slow``): every family at real-ish block sizes through the real kernels, each block's output and
-gradients against the fp32 block on the same input; a patched model trains a step and generates.
+gradients against the fp32 block on the same input; a patched model trains a step and generates; the "kosmos"
+experts implementation forward and backward against transformers' grouped_mm and an fp32 eager copy on one routing.
 """
 import math
 import subprocess
@@ -95,11 +101,13 @@ def init_(model, seed: int):
 
 
 def build(family: str, seed: int = 0, layers: int = 2, dtype=torch.bfloat16, **over):
-    """A tiny ``family`` model in ``dtype``, eval mode, and its unpatched fp32 twin (the same weights upcast)."""
+    """A tiny ``family`` model in ``dtype``, eval mode, and its unpatched fp32 twin (the same weights upcast; a config
+    of its own, so that setting one model's experts implementation leaves the other's)."""
+    import copy
     cfg, cls = tiny(family, layers, **over)
     torch.manual_seed(seed)
     model = init_(cls(cfg), seed).to(dtype).eval()
-    ref32 = cls(cfg)
+    ref32 = cls(copy.deepcopy(cfg))
     ref32.load_state_dict(model.state_dict())
     return model, ref32.float().eval()
 
@@ -113,11 +121,15 @@ class Recorder:
     decision (experts sorted per token) and the operands it was given."""
 
     def __init__(self):
-        self.decisions, self.calls, self.moe_calls = [], [], []
+        self.decisions, self.calls, self.moe_calls, self.experts_calls = [], [], [], []
 
     def forward(self, x, router_weight, w13, w2, *, top_k, routing, bias=None, group=None, return_routing=False,
-                save_gu=False, precision="bf16", **kw):
-        weights, experts = mr.route(x, router_weight, top_k, routing, bias=bias, **kw)
+                save_gu=False, precision="bf16", weights=None, experts=None, **kw):
+        if routing == "given":  # the experts implementation: the decision came with the call
+            assert router_weight is None and experts.shape == (x.shape[0], top_k)
+            weights, experts = weights.float(), experts.long()
+        else:
+            weights, experts = mr.route(x, router_weight, top_k, routing, bias=bias, **kw)
         self.decisions.append(experts.sort(-1).values)
         self.calls.append(dict(x=x, router_weight=router_weight, w13=w13, w2=w2, top_k=top_k, routing=routing,
                                bias=bias, **kw))
@@ -129,6 +141,9 @@ class Recorder:
     @staticmethod
     def backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None, routing="softmax", saved_gu=None,
                  **kw):
+        if routing == "given":  # (dx, d_weights fp32, dw13, dw2)
+            dx, dw, dw13, dw2 = mr.moe_experts_backward_ref(x, w13, w2, dy, weights, experts)
+            return dx.to(x.dtype), dw, dw13.to(w13.dtype), dw2.to(w2.dtype)
         grads = mr.moe_backward_ref(x, router_weight, w13, w2, dy, top_k=experts.shape[1], routing=routing,
                                     experts=experts, **kw)
         return tuple(g.to(like.dtype) for g, like in zip(grads, (x, router_weight, w13, w2)))
@@ -137,24 +152,30 @@ class Recorder:
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """The reference layer in for the kernels (Recorder); also records what the integration passes to
-    kosmos.nn.moe (``moe_calls``: its router weight, w13 and w2 arguments)."""
+    kosmos.nn.moe (``moe_calls``: its router weight, w13 and w2 arguments) and to kosmos.nn.moe_experts
+    (``experts_calls``: its w13, w2, top_k_index, top_k_weights)."""
     rec = Recorder()
     monkeypatch.setattr(knn, "moe_forward", rec.forward)
     monkeypatch.setattr(knn, "moe_backward", Recorder.backward)
-    moe = knn.moe
+    moe, moe_experts = knn.moe, knn.moe_experts
 
     def spy(x, router_weight, w13, w2, **kw):
         rec.moe_calls.append(dict(router_weight=router_weight, w13=w13, w2=w2))
         return moe(x, router_weight, w13, w2, **kw)
+
+    def spy_experts(x, top_k_index, top_k_weights, w13, w2, **kw):
+        rec.experts_calls.append(dict(w13=w13, w2=w2, top_k_index=top_k_index, top_k_weights=top_k_weights))
+        return moe_experts(x, top_k_index, top_k_weights, w13, w2, **kw)
     monkeypatch.setattr(knn, "moe", spy)
+    monkeypatch.setattr(knn, "moe_experts", spy_experts)
     return rec
 
 
 def hf_decisions(model, ids):
     """Each sparse block's routing decision (experts sorted per token) in an unpatched forward of ``model``."""
     out = []
-    hooks = [block.gate.register_forward_hook(lambda m, a, o: out.append(o[2].sort(-1).values))
-             for _, block in kt.moe_blocks(model)]
+    hooks = [(getattr(block, "gate", None) or block.router).register_forward_hook(  # PhiMoE: ``router``
+        lambda m, a, o: out.append(o[2].sort(-1).values)) for _, block in kt.moe_blocks(model)]
     try:
         with torch.no_grad():
             model(ids)
@@ -501,6 +522,221 @@ def test_refuses_unknown_blocks_and_hooks():
         kt.patch(torch.nn.Linear(4, 4), strict=True)
 
 
+# --------------------------------------------------------------------------- the "kosmos" experts implementation
+
+
+def _impl(model, impl: str):
+    model.set_experts_implementation(impl)
+    return model
+
+
+def _agreeing_experts_ids(model, ref32, family, tokens=6, tries=40):
+    """Token ids on which every block routes every token alike in the bf16 model (its own router, whatever the
+    experts implementation) and the fp32 model (module docstring: routing flips)."""
+    for seed in range(tries):
+        ids = torch.randint(3, 128, (1, tokens), generator=torch.Generator().manual_seed(2000 + seed))
+        _impl(model, "eager")
+        want = hf_decisions(model, ids)
+        _impl(model, "kosmos")
+        got = hf_decisions(model, ids)
+        if all(torch.equal(a, b) for a, b in zip(want, hf_decisions(ref32, ids))) and \
+                all(torch.equal(a, b) for a, b in zip(want, got)):
+            return ids
+    pytest.fail(f"{family}: no draw of {tokens} tokens in {tries} without a routing tie between bf16 and fp32")
+
+
+@needs_hf
+def test_register_experts_is_idempotent():
+    """register_experts puts experts_forward into transformers' ExpertsInterface as "kosmos" (once, however often
+    called); a model then selects it by name, and from_config takes it as experts_implementation."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    assert kt.register_experts() == kt.register_experts() == "kosmos" == kt.EXPERTS_IMPLEMENTATION
+    assert ALL_EXPERTS_FUNCTIONS["kosmos"] is kt.experts_forward and list(ALL_EXPERTS_FUNCTIONS).count("kosmos") == 1
+    model, _ = build("mixtral", layers=1)
+    model.set_experts_implementation("kosmos")
+    assert model.config._experts_implementation == "kosmos" and model.get_experts_implementation() == {"": "kosmos"}
+    cfg, cls = tiny("qwen3_moe", layers=1)
+    assert cls._from_config(cfg, experts_implementation="kosmos").config._experts_implementation == "kosmos"
+    (_, block), = kt.moe_blocks(model)
+    assert kt.uses_experts_interface(block.experts) and kt.experts_refusal(block.experts) is None
+    assert not kt.uses_experts_interface(block.gate) and not kt.uses_experts_interface(None)
+
+
+@needs_hf
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kosmos_experts_matches_eager(family, reference_kernels):
+    """The model with experts_implementation "kosmos" (the reference standing in for the kernels): its logits and
+    its blocks' gradients (router weight -- through the given weights' gradient --, gate_up_proj, down_proj, shared
+    experts) match the same bf16 model with transformers' eager experts and the fp32 model (module docstring: the
+    tolerances); kosmos.nn.moe_experts got the experts' own parameters as views and the router's decision as it
+    is, once per block."""
+    kt.register_experts()
+    model, ref32 = build(family)
+    _impl(ref32, "eager")
+    rec = reference_kernels
+    ids = _agreeing_experts_ids(model, ref32, family)
+    _impl(model, "eager")
+    with torch.no_grad():
+        want, want32 = model(ids).logits, ref32(ids).logits
+    grads_hf, grads_32 = moe_grads(model.train(), ids), moe_grads(ref32.train(), ids)
+    _impl(model.eval(), "kosmos")
+    rec.experts_calls.clear()
+    with torch.no_grad():
+        got = model(ids).logits
+    ok, why = close_to_fp32(got, want, want32, 4 * EPS)
+    assert ok, f"{family} logits: {why}"
+    blocks = dict(kt.moe_blocks(model))
+    assert len(rec.experts_calls) == 2 and not rec.moe_calls
+    for passed, block in zip(rec.experts_calls, blocks.values()):
+        assert passed["w13"]._base is block.experts.gate_up_proj and passed["w2"]._base is block.experts.down_proj
+        assert passed["w13"].shape == (E, H, 2 * F) and passed["w2"].shape == (E, F, H)
+        assert passed["top_k_index"].shape == (ids.numel(), K) and not passed["top_k_index"].is_floating_point()
+    grads = moe_grads(model.train(), ids)
+    assert set(grads) == set(grads_hf) and any(n.endswith("gate.weight") for n in grads)
+    for name in grads:
+        ok, why = close_to_fp32(grads[name], grads_hf[name], grads_32[name], 10 * EPS)
+        assert ok, f"{family} {name}: {why}"
+
+
+@needs_hf
+def test_kosmos_experts_refusals():
+    """experts_forward raises one ValueError line naming the experts module and the reason for what it cannot run:
+    biases, no gate, interleaved or transposed layouts, another activation, a custom _apply_gate, fp32 parameters or
+    hidden states, a tensor- or expert-parallel plan (transformers' EP sentinels), more than 16 slots; through a
+    model too."""
+    from transformers.activations import ACT2FN
+    kt.register_experts()
+
+    def fresh():
+        model, _ = build("qwen3_moe", layers=1)
+        return model, dict(kt.moe_blocks(model))["model.layers.0.mlp"].experts
+    x = torch.randn(5, H).to(torch.bfloat16)
+    idx, wts = torch.tensor([[0, 1]] * 5), torch.full((5, 2), 0.5, dtype=torch.bfloat16)
+    cases = [
+        (lambda m, ex: setattr(ex, "gate_up_proj_bias", torch.nn.Parameter(torch.zeros(E, 2 * F))), "expert biases"),
+        (lambda m, ex: setattr(ex, "has_gate", False), "experts without a gate"),
+        (lambda m, ex: setattr(ex, "is_concatenated", False), "interleaved gate/up"),
+        (lambda m, ex: setattr(ex, "is_transposed", True), "is_transposed=True"),
+        (lambda m, ex: setattr(ex, "act_fn", ACT2FN["gelu"]), "is not SiLU"),
+        (lambda m, ex: setattr(ex, "__class__", type("Gated", (type(ex),), {"_apply_gate": lambda s, t: t})),
+         "custom gating"),
+        (lambda m, ex: m.float(), "parameters in torch.float32"),
+        (lambda m, ex: setattr(ex, "_is_hooked", True), "tensor- or expert-parallel plan"),
+        (lambda m, ex: setattr(ex, "num_experts", E // 2), "tensor- or expert-parallel plan"),
+    ]
+    for mutate, match in cases:
+        model, experts = fresh()
+        mutate(model, experts)
+        with pytest.raises(ValueError, match=match) as err:
+            kt.experts_forward(experts, x, idx, wts)
+        assert "\n" not in str(err.value) and str(err.value).startswith("kosmos experts implementation: ")
+    model, experts = fresh()
+    with pytest.raises(ValueError, match="hidden states in torch.float32"):
+        kt.experts_forward(experts, x.float(), idx, wts)
+    with pytest.raises(ValueError, match="is not \\[T, k\\] with 1 <= k <= 16"):
+        kt.experts_forward(experts, x, torch.zeros(5, 17, dtype=torch.long), torch.zeros(5, 17))
+    with pytest.raises(ValueError, match="CUDA"):  # everything else runs: the kernels need CUDA
+        kt.experts_forward(experts, x, idx, wts)
+    experts.act_fn = ACT2FN["gelu"]
+    model.set_experts_implementation("kosmos")
+    with pytest.raises(ValueError, match="Qwen3MoeExperts: its act_fn GELUActivation is not SiLU"):
+        model(torch.randint(3, 128, (1, 4)))
+
+
+def tiny_phimoe(layers: int = 2):
+    """A tiny PhiMoE model (bf16, eval) and its fp32 twin: a router KOSMOS does not run (sparsemixer), experts that
+    dispatch through the ExpertsInterface."""
+    import copy
+    import transformers as tf
+    cfg = tf.PhimoeConfig(hidden_size=H, num_hidden_layers=layers, num_attention_heads=4, vocab_size=128,
+                          max_position_embeddings=64, hidden_act="silu", bos_token_id=0, eos_token_id=1,
+                          pad_token_id=2, num_key_value_heads=2, intermediate_size=F, num_local_experts=E,
+                          num_experts_per_tok=K)
+    torch.manual_seed(0)
+    model = init_(tf.PhimoeForCausalLM(cfg), 0).to(torch.bfloat16).eval()
+    ref32 = tf.PhimoeForCausalLM(copy.deepcopy(cfg))
+    ref32.load_state_dict(model.state_dict())
+    return model, ref32.float().eval()
+
+
+@needs_hf
+def test_patch_experts_serves_blocks_with_other_routers(reference_kernels):
+    """patch(model, experts=True) on PhiMoE (its sparsemixer router is not one KOSMOS runs): no block patched or
+    refused, both blocks' experts on the "kosmos" experts implementation (model-wide), the router the model's; its
+    logits match the eager experts' and the fp32 model's; gradients reach the experts; unpatch
+    restores the implementation before. Without experts=True both blocks are refused; a model in fp32 gets the
+    experts' reason too and nothing changes; a model of verified blocks keeps its implementation."""
+    model, ref32 = tiny_phimoe()
+    with pytest.warns(kt.RefusedBlockWarning, match="is not a block KOSMOS runs"):
+        assert len(kt.patch(model).refused) == 2
+    ids = _agreeing_experts_ids(model, _impl(ref32, "eager"), "phimoe")
+    _impl(model, "grouped_mm")
+    with torch.no_grad():
+        want, want32 = model(ids).logits, ref32(ids).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kt.RefusedBlockWarning)
+        patched = kt.patch(model, experts=True, strict=True)
+    assert not patched.blocks and not patched.refused and set(patched.experts) == {"model.layers.0.mlp",
+                                                                                  "model.layers.1.mlp"}
+    assert patched.experts_before == {"": "grouped_mm"} and model.config._experts_implementation == "kosmos"
+    assert "2 on the kosmos experts implementation, 0 refused" in str(patched)
+    reference_kernels.experts_calls.clear()
+    with torch.no_grad():
+        got = model(ids).logits
+    assert len(reference_kernels.experts_calls) == 2
+    ok, why = close_to_fp32(got, want, want32, 4 * EPS)
+    assert ok, f"phimoe logits: {why}"
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()  # eval mode: sparsemixer's deterministic path
+    experts = patched.experts["model.layers.0.mlp"]
+    assert experts.gate_up_proj.grad.abs().sum() > 0 and experts.down_proj.grad.abs().sum() > 0
+    patched.unpatch()
+    patched.unpatch()
+    assert model.config._experts_implementation == "grouped_mm"
+    fp32, _ = tiny_phimoe(layers=1)
+    with pytest.warns(kt.RefusedBlockWarning, match="nor can its experts run the kosmos experts implementation: "
+                                                    "parameters in torch.float32"):
+        p32 = kt.patch(fp32.float(), experts=True)
+    assert not p32.experts and p32.experts_before is None and fp32.config._experts_implementation == "grouped_mm"
+    verified, _ = build("qwen3_moe")
+    p = kt.patch(verified, experts=True)
+    assert len(p.blocks) == 2 and not p.experts and verified.config._experts_implementation == "grouped_mm"
+
+
+@needs_hf
+@pytest.mark.interpreter
+def test_kosmos_experts_trains_on_the_backward_kernels(monkeypatch):
+    """The "kosmos" experts implementation on a one-layer Qwen3-MoE: the forward stood in (its g | u saved as
+    moe_forward(save_gu=True) keeps it), the backward moe_backward(routing="given") on KOSMOS's kernels under the
+    interpreter; the block's gradients (router weight through the given weights, both expert parameters) as in
+    test_kosmos_experts_matches_eager."""
+    import simranks
+    rec = Recorder()
+
+    def forward(x, router_weight, w13, w2, *, save_gu=False, **kw):
+        out = rec.forward(x, router_weight, w13, w2, save_gu=False, **kw)
+        if not save_gu:
+            return out
+        return (*out, simranks.placed_gate_up(x, w13, kw["experts"].long(), kw["top_k"],
+                                              torch.Generator().manual_seed(0)))
+    monkeypatch.setattr(knn, "moe_forward", forward)
+    backward, ran = knn.moe_backward, []
+    monkeypatch.setattr(knn, "moe_backward", lambda *a, **kw: ran.append(kw) or backward(*a, **kw))
+    kt.register_experts()
+    model, ref32 = build("qwen3_moe", layers=1)
+    _impl(ref32, "eager")
+    ids = _agreeing_experts_ids(model, ref32, "qwen3_moe", tokens=5)
+    _impl(model, "eager")
+    grads_hf, grads_32 = moe_grads(model.train(), ids), moe_grads(ref32.train(), ids)
+    _impl(model, "kosmos")
+    grads = moe_grads(model, ids)
+    assert len(ran) == 1 and ran[0]["saved_gu"] is not None and ran[0]["routing"] == "given"
+    assert set(grads) == set(grads_hf)
+    for name in grads:
+        ok, why = close_to_fp32(grads[name], grads_hf[name], grads_32[name], 10 * EPS)
+        assert ok, f"{name}: {why}"
+
+
 # --------------------------------------------------------------------------- the real backward (interpreter)
 
 
@@ -655,3 +891,43 @@ def test_gpu_patched_model_trains_and_generates(family):
     model.eval()
     out = model.generate(ids[:, :8], max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape == (2, 12) and bool((out[:, :8] == ids[:, :8]).all())
+
+
+@needs_hf
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_kosmos_experts_against_grouped_mm(family, no_tf32):
+    """The "kosmos" experts implementation on the real kernels, forward and backward through transformers'
+    ExpertsInterface, against its "grouped_mm" on the same bf16 experts module and "eager" on an fp32 copy, all
+    three given the same routing (the bf16 block's router on 256 tie-free tokens: top_k_index and top_k_weights):
+    the output and the gradients of hidden_states, top_k_weights, gate_up_proj and down_proj within the MoE bench's
+    bars of the fp32 experts, and of grouped_mm's within those bars plus grouped_mm's own error (one routing for
+    all three: a mismatch would be of order 1)."""
+    import copy
+    kt.register_experts()
+    model = gpu_model(family, layers=1)
+    (_, block), = kt.moe_blocks(model)
+    x = tie_free_rows(block, 256, seed=1)
+    with torch.no_grad():
+        _, weights, index = block.gate(x)
+    dy = torch.randn(x.shape, device=GPU_DEVICE, dtype=torch.bfloat16,
+                     generator=torch.Generator(device=GPU_DEVICE).manual_seed(2))
+    outs = {}
+    for impl, dtype in (("kosmos", torch.bfloat16), ("grouped_mm", torch.bfloat16), ("eager", torch.float32)):
+        experts = copy.deepcopy(block.experts).to(dtype)  # a config of its own: the implementation per copy
+        experts.config._experts_implementation = impl
+        xi = x.detach().to(dtype).requires_grad_(True)
+        wi = weights.detach().to(dtype if impl == "eager" else weights.dtype).requires_grad_(True)
+        y = experts(xi, index, wi)
+        assert y.shape == x.shape and y.dtype == dtype
+        y.backward(dy.to(dtype))
+        outs[impl] = {"y": y.detach(), "dx": xi.grad, "d_weights": wi.grad,
+                      **{n: p.grad for n, p in experts.named_parameters()}}
+    assert set(outs["kosmos"]) == set(outs["eager"]) == {"y", "dx", "d_weights", "gate_up_proj", "down_proj"}
+    assert outs["kosmos"]["d_weights"].dtype == weights.dtype
+    for key, tol in [("y", FWD_TOL)] + [(k, GRAD_TOL) for k in outs["kosmos"] if k != "y"]:
+        err = rel(outs["kosmos"][key], outs["eager"][key])
+        err_hf = rel(outs["grouped_mm"][key], outs["eager"][key])
+        assert err <= tol, f"{family} {key}: {err:.2e} > {tol:.0e} (transformers' grouped_mm: {err_hf:.2e})"
+        assert rel(outs["kosmos"][key], outs["grouped_mm"][key]) <= tol + err_hf, (family, key, err, err_hf)

@@ -530,6 +530,105 @@ def test_moe_backward_reads_transformers_layout(path):
     assert not nk[2][5].any() and not nk[3][5].any()
 
 
+GIVEN_PATHS = ["one-launch", "multi-launch", "packed", "one-launch-transformers-layout",
+               "multi-launch-transformers-layout"]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("path", GIVEN_PATHS)
+def test_moe_backward_given_routing(path):
+    """moe_backward(routing="given") -- no router -- on every W = 1 path (the one launch with the router stages left
+    out, the multi-launch path padded and packed; both weight layouts): (dx = bf16(dx_e), d_weights [T, k] fp32,
+    dW13, dW2) against reference.moe.moe_experts_backward_ref; the expert part is the routed backward's, bit for
+    bit (dW13, dW2 equal moe_backward(routing="softmax")'s on the same decision and path); an expert without rows
+    gets zeros; a token naming one expert twice is two rows; deterministic."""
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward.api import moe_backward
+    from kosmos.ops.moe_forward import weights_nk
+    g = torch.Generator().manual_seed(41)
+    t, h, f, e, k = 21, 40, 24, 8, 2  # ragged against the interpreter's 16-wide tiles
+    x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+    allowed = torch.tensor([0, 1, 2, 3, 4, 6, 7])  # expert 5 gets no rows
+    experts = allowed[torch.stack([torch.randperm(7, generator=g)[:k] for _ in range(t)])]
+    experts[3] = 2  # token 3: expert 2 in both slots
+    weights = torch.rand(t, k, generator=g) + 0.1
+    if path.endswith("transformers-layout"):
+        w13, w2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w13, w2))
+    kw = dict(one_launch=path.startswith("one-launch"), padded=path != "packed")
+    got = moe_backward(x, None, w13, w2, dy, weights, experts, routing="given", **kw)
+    want = mr.moe_experts_backward_ref(x, w13, w2, dy, weights, experts)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32 and got[1].shape == (t, k)
+    assert weights_nk(got[2]) == weights_nk(w13) and got[2].shape == w13.shape and got[3].shape == w2.shape
+    for name, a, b in zip(("dx", "d_weights", "dw13", "dw2"), got, want):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 2e-2, (name, rel)
+    assert not got[2][5].any() and not got[3][5].any()
+    routed = moe_backward(x, wr, w13, w2, dy, weights, experts, routing="softmax", router_in_launch=False
+                          if kw["one_launch"] else None, **kw)
+    assert torch.equal(got[2], routed[2]) and torch.equal(got[3], routed[3])
+    again = moe_backward(x, None, w13, w2, dy, weights, experts, routing="given", **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_moe_backward_given_routing_refusals():
+    """routing="given" takes no router weight and no router stage in the launch; CPU ids outside [0, E) and a
+    decision of another shape are refused before anything runs; an unknown routing names the kinds."""
+    from kosmos.ops.moe_backward.api import moe_backward
+    x, wr, w13, w2, dy = _moe_layer(torch.Generator().manual_seed(3), 6, 32, 16, 4)
+    experts, weights = torch.tensor([[0, 1]] * 6), torch.full((6, 2), 0.5)
+    for args, kw, match in [
+        ((wr,), {}, "pass router_weight=None"),
+        ((None,), dict(router_in_launch=True, one_launch=True), "router_in_launch=True"),
+        ((None,), dict(experts=experts + 3), r"in \[0, 4\)"),
+        ((None,), dict(weights=weights[:, :1]), "must both be"),
+        ((None,), dict(routing="sinkhorn"), "choose from softmax, sigmoid-grouped, given"),
+    ]:
+        call = dict(weights=weights, experts=experts, routing="given")
+        call.update(kw)
+        w_, e_ = call.pop("weights"), call.pop("experts")
+        with pytest.raises(ValueError, match=match):
+            moe_backward(x, args[0], w13, w2, dy, w_, e_, **call)
+
+
+def _ep_given_rank(rank, world, port, q):
+    """One rank of the EP backward with the routing given: moe_backward(routing="given") over a gloo group."""
+    import os
+    import torch.distributed as dist
+    from kosmos.ops.moe_backward.api import moe_backward
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        full = _ep_inputs("softmax", world)
+        x, dy, experts, weights = (full[n][rank] for n in ("x", "dy", "experts", "weights"))
+        local = full["w13"].shape[0] // world
+        w13, w2 = (full[n][rank * local:(rank + 1) * local] for n in ("w13", "w2"))
+        got = moe_backward(x, None, w13, w2, dy, weights, experts, group=dist.group.WORLD, routing="given")
+        q.put((rank, [t.float().numpy() for t in got]))
+    finally:
+        from multiproc import finish_gloo
+        finish_gloo()
+
+
+@pytest.mark.interpreter
+def test_moe_backward_given_routing_over_two_ranks_vs_reference():
+    """moe_backward(routing="given") at W = 2 over gloo (the multi-launch path, all-to-alls between the kernels):
+    each rank's dx and d_weights, each rank's dW13 / dW2, against moe_experts_backward_ref on every rank's tokens
+    with every expert in one process; an expert without rows (expert 3) gets zeros."""
+    from kosmos.reference import moe as mr
+    from multiproc import spawn_gloo
+    world = 2
+    full = _ep_inputs("softmax", world)
+    got = spawn_gloo(_ep_given_rank, world)
+    want = mr.moe_experts_backward_ref(torch.cat(full["x"]), full["w13"], full["w2"], torch.cat(full["dy"]),
+                                       torch.cat(full["weights"]), torch.cat(full["experts"]))
+    part = lambda r, i: torch.from_numpy(got[r][i])  # noqa: E731
+    for i, name in enumerate(("dx", "d_weights", "dw13", "dw2")):
+        a = torch.cat([part(r, i) for r in range(world)])
+        rel = ((a - want[i].float()).norm() / want[i].float().norm()).item()
+        assert rel < 2e-2, (name, rel)
+    assert not part(0, 2)[3].any() and not part(0, 3)[3].any()
+
+
 def _ep_backward_rank(rank, world, port, q, routing, saved=False, padded=None, empty_rank=False):
     """One rank of the EP backward test: this rank's tokens, dy and decision, its experts; moe_backward over a
     gloo group (the kernels under the interpreter); ``saved``: on a stand-in of the forward's g | u."""

@@ -4,7 +4,8 @@
   The interpreter runs programs one after another, so at W > 1 a rank's call is split into three launches
   by stage mask -- ROUTE on every rank, then PERMUTE+GEMM1+GEMM2 on every rank, then FOLD -- so that no
   program waits on a rank that has not run yet (a mistake fails fast on a bounded wait instead of hanging).
-  At W = 1 the whole call is one launch. Checks: the kernel's routing equals the reference router; y equals
+  At W = 1 the whole call is one launch. Checks: the kernel's routing equals the reference router (routing
+  given: the given decision, loaded, not routed; y bitwise the routed launch's on the router's decision); y equals
   the fp32 reference given that routing; every expert row and output is written (buffers poisoned with NaN);
   bitwise determinism; back-to-back epochs with fresh inputs; scratch, counters and errors left clean; done
   flags published.
@@ -117,6 +118,58 @@ def test_moe_forward_mxfp8_vs_reference(world, tokens, hidden, ffn, experts, top
         m.new_inputs()
         m.call(epoch)
         m.check(epoch)
+
+
+GIVEN = dict(routing="given")
+GIVEN_CASES = [  # (world, tokens, hidden, ffn, experts, top_k, nk)
+    pytest.param(1, 37, 48, 40, 8, 2, False, id="w1"),  # ragged token blocks, H and F
+    pytest.param(1, 20, 32, 24, 16, 3, True, id="w1-transformers-layout"),
+    pytest.param(2, 17, 32, 16, 16, 4, False, id="w2"),  # given global ids, rows cross to the peer
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world,tokens,hidden,ffn,experts,top_k,nk", GIVEN_CASES)
+def test_moe_forward_given_routing_vs_reference(world, tokens, hidden, ffn, experts, top_k, nk):
+    """routing="given" (no router; the decision put into the routing buffers, ROUTE only loads it): y equals the
+    fp32 reference on that decision (apply_routing_ref), the routing buffers still hold it after the launch (the
+    kernel stores nothing there), every output row written, scratch / counters / flags clean; two calls back to
+    back with fresh decisions."""
+    m = MoERanks(world, tokens, hidden, ffn, experts, top_k, seed=world * 100 + tokens + 3, route_kw=GIVEN, nk=nk)
+    if nk:
+        assert mf.weights_nk(m.w13[0]) and mf.weights_nk(m.w2[0])
+    for epoch in (1, 2):
+        m.new_inputs()
+        m.call(epoch)
+        m.check(epoch)
+        for r in range(world):
+            w, e = m.routing(r)
+            assert torch.equal(w, m.given[r][0]) and torch.equal(e, m.given[r][1])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world,tokens,hidden,ffn,experts,top_k,route_kw", [
+    pytest.param(1, 37, 48, 40, 8, 2, SOFTMAX, id="w1-softmax"),
+    pytest.param(2, 17, 32, 16, 16, 4, _interp_grouped(16, 4, 2), id="w2-grouped"),
+])
+def test_moe_forward_given_routing_is_the_routed_layer(world, tokens, hidden, ffn, experts, top_k, route_kw):
+    """Given the decision the kernel's own router took (weights and experts from a routed launch), the launch with
+    routing="given" computes bitwise the routed launch's y: the same rows, weights and fold."""
+    seed = world * 100 + tokens
+    routed = MoERanks(world, tokens, hidden, ffn, experts, top_k, seed=seed, route_kw=route_kw)
+    given = MoERanks(world, tokens, hidden, ffn, experts, top_k, seed=seed, route_kw=GIVEN)
+    assert torch.equal(routed.w13[0], given.w13[0]) and torch.equal(routed.w2[-1], given.w2[-1])
+    routed.new_inputs()
+    routed.call(1)
+    routed.check(1)
+    given.new_inputs()
+    for r in range(world):
+        given.xs[r].copy_(routed.xs[r])
+        given.given[r] = tuple(t.clone() for t in routed.routing(r))
+    given.call(1)
+    given.check(1)
+    for r in range(world):
+        assert torch.equal(given.ys[r], routed.ys[r]), f"rank {r}"
 
 
 @pytest.mark.interpreter
@@ -349,6 +402,53 @@ def test_bad_routing_arguments():
         _check(*a, routing="sigmoid-grouped", n_group=4, topk_group=2, bias=torch.zeros(7))
 
 
+def _given(t=16, k=2, e=8, ids=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    experts = ids if ids is not None else torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return torch.rand(t, k, generator=g).to(dtype), experts
+
+
+def test_given_routing_arguments():
+    """routing="given": no router weight, the decision [T, top_k] (weights floating point, experts integer ids in
+    [0, E) -- read on CPU tensors only), none of the routers' arguments; a decision with another routing refused;
+    a valid call stops only at the device (CUDA)."""
+    x, r, w13, w2 = _inputs()
+    w, e = _given()
+    given = dict(top_k=2, routing="given", bias=None, n_group=1, topk_group=1, world=1)
+
+    def check(router=None, weights=w, experts=e, scale=1.0, **kw):
+        args = {**given, **kw}
+        return mf.check_moe_inputs(x, router, w13, w2, args["top_k"], args["routing"], args["bias"],
+                                   args["n_group"], args["topk_group"], args["world"], weights, experts, scale)
+    with pytest.raises(ValueError, match="CUDA"):  # a valid call: only the device is wrong
+        check()
+    with pytest.raises(ValueError, match="CUDA"):  # bf16 weights, int32 ids: fine too
+        check(weights=w.to(torch.bfloat16), experts=e.int())
+    for bad, match in [
+        (dict(router=r), "pass router_weight=None"),
+        (dict(weights=None), "weights must be a 2-D tensor"),
+        (dict(weights=w[:, :1]), r"must both be \[T=16, k\]"),
+        (dict(weights=w[:8], experts=e[:8]), r"must both be \[T=16, k\]"),
+        (dict(experts=e.float()), "integer expert ids"),
+        (dict(weights=e), "floating point"),
+        (dict(top_k=3), "k=2 slots per token but top_k=3"),
+        (dict(experts=_given(ids=torch.full((16, 2), 8))[1]), r"in \[0, 8\)"),
+        (dict(experts=_given(ids=torch.full((16, 2), -1))[1]), r"in \[0, 8\)"),
+        (dict(bias=torch.zeros(8)), "belong to routing='sigmoid-grouped'"),
+        (dict(scale=2.5), "scale them before the call"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            check(**bad)
+    with pytest.raises(ValueError, match="decision of routing='given'"):
+        check(router=r, routing="softmax")
+    with pytest.raises(ValueError, match="E=512 experts > 256: the dispatch"):
+        a = _inputs(e=512, el=512)
+        mf.check_moe_inputs(a[0], None, a[2], a[3], 2, "given", None, 1, 1, 1, *_given(e=512))
+    import kosmos
+    with pytest.raises(ValueError, match="CUDA"):
+        kosmos.moe_forward(x, None, w13, w2, top_k=2, routing="given", weights=w, experts=e)
+
+
 def test_hidden_and_ffn_must_suit_tma():
     with pytest.raises(ValueError, match="multiples of 8"):
         _check(*_inputs(h=60))
@@ -447,6 +547,79 @@ def test_nn_moe_function_takes_transformers_layout(monkeypatch):
     assert torch.equal(native[2].grad.transpose(1, 2), hf[2].grad)
     with torch.no_grad():  # inference: the same output without autograd
         assert torch.equal(knn.moe(x, hf[0], hf[1].transpose(1, 2), hf[2].transpose(1, 2), top_k=2), y_hf)
+
+
+def _given_forward(calls):
+    """The fp32 reference layer standing in for moe_forward(routing="given") (g | u as save_gu keeps it)."""
+    from kosmos.reference import moe as mr
+
+    def forward(x, router_weight, w13, w2, *, top_k, routing, group=None, return_routing=False, save_gu=False,
+                weights=None, experts=None, **kw):
+        assert router_weight is None and routing == "given" and experts.shape == (x.shape[0], top_k)
+        calls.append(dict(weights=weights, experts=experts, save_gu=save_gu))
+        y = mr.apply_routing_ref(x, weights, experts, w13, w2).to(torch.bfloat16)
+        out = (y, weights.float(), experts.long())
+        if save_gu:
+            return out + (simranks.placed_gate_up(x, w13, experts.long(), top_k, torch.Generator().manual_seed(1)),)
+        return out if return_routing else y
+    return forward
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("nk,save", [(False, None), (True, None), (True, False)],
+                         ids=["native-saved-gu", "transformers-layout-saved-gu", "transformers-layout-recompute"])
+def test_nn_moe_experts_autograd(monkeypatch, nk, save):
+    """kosmos.nn.moe_experts (routing given) under autograd: the forward stood in by the reference layer, the
+    backward moe_backward(routing="given") on the kernels (interpreter): dx, d(top_k_weights) (in their dtype,
+    bf16 here), dW13, dW2 (in the weights' layout) against moe_experts_backward_ref; top_k_index gets none; the
+    g | u kept at one rank by default; without a gradient the plain forward runs."""
+    import kosmos.nn as knn
+    from kosmos.reference import moe as mr
+    calls, ran = [], []
+    monkeypatch.setattr(knn, "moe_forward", _given_forward(calls))
+    backward = knn.moe_backward
+    monkeypatch.setattr(knn, "moe_backward", lambda *a, **kw: ran.append(kw) or backward(*a, **kw))
+    g = torch.Generator().manual_seed(9)
+    t, h, f, e, k = 23, 40, 24, 8, 3  # ragged against the interpreter's 16-wide tiles
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    w13 = (torch.randn(e, h, 2 * f, generator=g) / h ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, f, h, generator=g) / f ** 0.5).to(torch.bfloat16)
+    dy = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])  # expert 7 gets no rows
+    wts = torch.rand(t, k, generator=g).to(torch.bfloat16)
+    params = [w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()] if nk else [w13.clone(), w2.clone()]
+    leaves = [x.clone().requires_grad_(True), wts.clone().requires_grad_(True)] + \
+        [p.requires_grad_(True) for p in params]
+    ws = [p.transpose(1, 2) for p in leaves[2:]] if nk else leaves[2:]
+    y = knn.moe_experts(leaves[0], ids, leaves[1], *ws, save_gate_up=save)
+    y.backward(dy)
+    assert len(calls) == 1 and calls[0]["save_gu"] == (save is None) and len(ran) == 1
+    assert ran[0]["routing"] == "given" and (ran[0]["saved_gu"] is not None) == (save is None)
+    want = mr.moe_experts_backward_ref(x, w13, w2, dy, wts, ids)
+    got = [leaves[0].grad, leaves[1].grad] + ([p.grad.transpose(1, 2) for p in leaves[2:]] if nk else
+                                               [p.grad for p in leaves[2:]])
+    assert leaves[1].grad.dtype == torch.bfloat16 and leaves[2].grad.shape == params[0].shape
+    for name, a, b in zip(("dx", "d_weights", "dw13", "dw2"), got, want):
+        rel = ((a.float() - b).norm() / b.norm()).item()
+        assert rel < 2e-2, (name, rel)
+    assert not got[2][7].any() and not got[3][7].any()
+    with torch.no_grad():
+        assert torch.equal(knn.moe_experts(x, ids, wts, *ws), y)
+    assert len(calls) == 2 and calls[1]["save_gu"] is False
+
+
+def test_nn_moe_experts_refusals():
+    """moe_experts checks the decision before anything runs: integer ids, [T, k] both, ids in [0, E) (CPU)."""
+    import kosmos.nn as knn
+    x = torch.zeros(16, 64, dtype=torch.bfloat16)
+    w13, w2 = torch.zeros(8, 64, 64, dtype=torch.bfloat16), torch.zeros(8, 32, 64, dtype=torch.bfloat16)
+    w, e = _given()
+    for ids, wts, match in [(e.float(), w, "integer expert ids"), (e[:4], w[:4], "T=16"),
+                            (e + 6, w, r"in \[0, 8\)"), (e, w[:, :1], "must both be")]:
+        with pytest.raises(ValueError, match=match):
+            knn.moe_experts(x, ids, wts, w13, w2)
+    with pytest.raises(ValueError, match="CUDA"):
+        knn.moe_experts(x, e, w, w13, w2)
 
 
 def _shape_rank(rank, world, port, q, tokens):
@@ -829,6 +1002,37 @@ def test_w1_moe_transformers_layout_gpu(no_tf32):
     for name, a, b, want in zip(("dx", "d_router", "dw13", "dw2"), hf, grads[0], ref):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3, name
         assert ((a.float().cpu() - want).norm() / want.norm()).item() < 3e-2, name
+
+
+@pytest.mark.gpu
+def test_w1_moe_forward_given_routing_gpu(no_tf32):
+    """moe_forward(routing="given") on one GPU through the public op: fed the decision its router took
+    (return_routing), y is bitwise the routed call's -- in both weight layouts, on a plan's first call and on a hit,
+    with int64 or int32 ids --; kosmos.nn.moe_experts' gradients (x, the given weights, w13, w2; F = 200 ragged
+    against every tile) within 3e-2 of moe_experts_backward_ref on that decision."""
+    import kosmos
+    import kosmos.nn as knn
+    from kosmos.reference import moe as mr
+    g = torch.Generator(device="cuda").manual_seed(4)
+    t, h, f, e, k = 300, 256, 200, 16, 4
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)  # noqa
+    x, dy, router = rnd(t, h), rnd(t, h), rnd(e, h, scale=0.5)
+    w13, w2 = rnd(e, h, 2 * f, scale=h ** -0.5), rnd(e, f, h, scale=f ** -0.5)
+    y, w, ex = kosmos.moe_forward(x, router, w13, w2, top_k=k, return_routing=True)
+    nk = (w13.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2))
+    for ww13, ww2 in ((w13, w2), nk):
+        for ids in (ex, ex, ex.int()):  # a plan's first call, a hit, another key
+            got = kosmos.moe_forward(x, None, ww13, ww2, top_k=k, routing="given", weights=w, experts=ids)
+            assert torch.equal(got, y)
+    wts = w.clone().requires_grad_(True)
+    leaves = [p.detach().clone().requires_grad_(True) for p in (x, w13, w2)]
+    out = knn.moe_experts(leaves[0], ex, wts, leaves[1], leaves[2])
+    assert torch.equal(out, y)
+    out.backward(dy)
+    want = mr.moe_experts_backward_ref(x.cpu(), w13.cpu(), w2.cpu(), dy.cpu(), w.cpu(), ex.cpu())
+    for name, a, b in zip(("dx", "d_weights", "dw13", "dw2"), (leaves[0].grad, wts.grad, leaves[1].grad,
+                                                               leaves[2].grad), want):
+        assert ((a.float().cpu() - b).norm() / b.norm()).item() < 3e-2, name
 
 
 def test_saved_gate_up_in_the_backwards_pair_order():

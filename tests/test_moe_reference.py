@@ -260,6 +260,35 @@ def test_backward_tiny_token_counts(tokens):
     _check_vs_autograd(*_bwd_inputs(14, tokens=tokens), k, kw)
 
 
+@pytest.mark.parametrize("tokens", [37, 1, 0])
+def test_experts_backward_given_routing_matches_autograd(tokens):
+    """moe_experts_backward_ref (routing given: no router) against fp64 autograd of y[t] = sum_j w[t, j]
+    expert_{e[t, j]}(x[t]): dx, d_weights, dW13, dW2; a token naming one expert twice, an expert without rows
+    (zeros); ids outside [0, E) refused."""
+    from kosmos.reference.moe import moe_experts_backward_ref
+    x, _, w13, w2, dy = _bwd_inputs(15, tokens=tokens)
+    g = _gen(16)
+    e = torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(tokens)] or  # no expert 7
+                    [torch.zeros(0, 3, dtype=torch.long)]).reshape(tokens, 3)
+    if tokens > 1:
+        e[1, 2] = e[1, 0]
+    w = torch.rand(tokens, 3, generator=g, dtype=F64)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, w13, w2)]
+    y = torch.zeros_like(x)
+    for j in range(3):
+        for t in range(tokens):
+            ffn = expert_ffn(leaves[0][t:t + 1], leaves[2][e[t, j]], leaves[3][e[t, j]])[0]
+            y[t] = y[t] + leaves[1][t, j] * ffn
+    want = torch.autograd.grad(y, leaves, dy) if tokens else [torch.zeros_like(t) for t in leaves]
+    got = moe_experts_backward_ref(x, w13, w2, dy, w, e)
+    for a, b in zip(got, want):
+        _rel_ok(a, torch.zeros_like(a) if b is None else b)
+    assert not got[2][7].any() and not got[3][7].any()
+    if tokens:
+        with pytest.raises(ValueError, match=r"in \[0, 8\)"):
+            moe_experts_backward_ref(x, w13, w2, dy, w, e + 8)
+
+
 def test_backward_passed_routing_equals_recomputed_and_is_deterministic():
     k, kw = BWD_ROUTINGS["sigmoid-grouped"]
     x, wr, w13, w2, dy = _bwd_inputs(15)

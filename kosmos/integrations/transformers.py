@@ -5,6 +5,9 @@
     ...                             # train (autograd), torch.no_grad / inference_mode, model.generate
     patched.unpatch()               # every patched block runs its own forward again
 
+    register_experts()                              # or: any model's experts on KOSMOS, its router its own
+    model.set_experts_implementation("kosmos")      # kosmos.nn.moe_experts with the model's routing
+
 What a patched block computes. Its forward (replaced on the block instance; the class is untouched) takes the
 block's input [..., H] as rows x [T, H] and runs the block's router and routed experts as one ``kosmos.nn.moe``
 call -- one launch forward, one backward (kosmos.nn's MoEFn) -- on the block's own parameters: the router weight
@@ -52,14 +55,28 @@ different devices; hooks on the experts module, forward pre-hooks on the router,
 either (none of those would run); a block whose forward is already replaced on the instance. ``strict=True``
 raises one ValueError naming every refused block instead, and patches nothing.
 
-Not covered: routing given from outside (transformers' ``ExpertsInterface`` calls an experts implementation with
-``top_k_index`` / ``top_k_weights`` already chosen). The KOSMOS forward always routes itself (softmax top-k or the
-sigmoid-grouped rule above), so a family with any other router is refused rather than run through an experts-only
-KOSMOS entry; no "kosmos" experts implementation is registered. Expert parallelism (W > 1) is not set up here:
-the patched block runs every expert on the block's device (EP = 1).
+Routing given from outside: the experts implementation "kosmos". transformers' ``ExpertsInterface`` calls an
+experts implementation as ``fn(experts, hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``, the
+routing already chosen by the model's own router. ``register_experts()`` registers ``experts_forward`` under the
+name "kosmos" (idempotent; returns the name); a model selects it with ``model.set_experts_implementation("kosmos")``
+or ``from_pretrained(..., experts_implementation="kosmos")`` / ``from_config(...)``. It runs
+``kosmos.nn.moe_experts`` (routing "given": the dispatch, both expert GEMMs and the combine in one launch; the
+backward without a router part) on the module's own ``gate_up_proj`` / ``down_proj`` as ``.transpose(1, 2)``
+views, with gradients for the hidden states, ``top_k_weights`` (transformers' autograd carries them on into the
+model's router, whatever its kind) and both parameters. So any family whose experts module dispatches through the
+interface runs its experts on KOSMOS, whatever its router, when the experts are KOSMOS's math; the router itself
+runs as the model's code, outside the launch. ``experts_forward`` raises a one-line ValueError for what
+``experts_refusal`` lists -- the experts checks above (biases, no gate, interleaved or transposed layout, not SiLU,
+a custom ``_apply_gate``, not bf16, the limits) and an experts module under a tensor- or expert-parallel plan
+(transformers' EP passes local ids with sentinels >= E, not supported) -- and for hidden states not in bf16; on a
+device other than CUDA ``kosmos.moe_forward`` raises. ``patch(model, experts=True)`` selects "kosmos" for the
+blocks it refuses as a whole (e.g. a router KOSMOS does not run) when their experts pass ``experts_refusal``, while
+the verified blocks run whole as above. Expert parallelism (W > 1) is not set up here: the patched blocks and the
+kosmos experts run every expert on the block's device (EP = 1).
 
 The kernels need CUDA bf16 tensors; on the CPU ``kosmos.moe_forward`` refuses the call (tests stand its reference in).
-Tests: tests/test_integrations_hf.py (CPU: tiny models of the five families; GPU: the real kernels).
+Tests: tests/test_integrations_hf.py (CPU: tiny models of the five families, the "kosmos" experts implementation
+against transformers' eager one; GPU: the real kernels, patched blocks and the experts implementation).
 """
 from __future__ import annotations
 
@@ -197,6 +214,30 @@ def _is_patched(block) -> bool:
 # --------------------------------------------------------------------------- what is refused
 
 
+def _experts_kind_refusal(experts) -> str | None:
+    """Why KOSMOS cannot compute what experts module ``experts`` computes (biases, no gate, the gate/up layout, the
+    activation, a custom gating), or None: the checks ``refusal`` and ``experts_refusal`` share."""
+    if getattr(experts, "has_bias", False) or any(getattr(experts, n, None) is not None
+                                                  for n in ("gate_up_proj_bias", "down_proj_bias", "up_proj_bias")):
+        return "expert biases (KOSMOS's experts have none)"
+    if not getattr(experts, "has_gate", True) or getattr(experts, "gate_up_proj", None) is None:
+        return "experts without a gate (no gate_up_proj): KOSMOS runs gated SwiGLU experts"
+    if not getattr(experts, "is_concatenated", True):
+        return "interleaved gate/up (is_concatenated=False): KOSMOS reads gate | up concatenated"
+    if getattr(experts, "is_transposed", False):
+        return "transposed expert layout (is_transposed=True): not covered"
+    act = getattr(experts, "act_fn", None)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
+        if hidden_act in (None, "silu", "swish"):  # the module's act_fn was replaced: name it
+            return f"its act_fn {type(act).__name__} is not SiLU (KOSMOS's experts are SwiGLU)"
+        return f"hidden_act {hidden_act!r} is not SiLU (KOSMOS's experts are SwiGLU)"
+    from transformers.integrations.moe import _default_apply_gate
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return "a custom gating (_apply_gate) of its experts: KOSMOS runs silu(gate) * up"
+    return None
+
+
 def _hooked(module, pre_only: bool = False) -> bool:
     return bool(module._forward_pre_hooks or (not pre_only and module._forward_hooks)
                 or getattr(module, "_hf_hook", None) is not None)
@@ -216,22 +257,9 @@ def refusal(block) -> str | None:
         return f"its router is a {type(gate).__name__}, not the {fam.router} KOSMOS verified"
     if type(experts).__name__ != fam.experts or type(experts).__module__ != fam.module:
         return f"its experts are a {type(experts).__name__}, not {fam.experts}"
-    if getattr(experts, "has_bias", False) or any(getattr(experts, n, None) is not None
-                                                  for n in ("gate_up_proj_bias", "down_proj_bias", "up_proj_bias")):
-        return "expert biases (KOSMOS's experts have none)"
-    if not getattr(experts, "has_gate", True) or getattr(experts, "gate_up_proj", None) is None:
-        return "experts without a gate (no gate_up_proj): KOSMOS runs gated SwiGLU experts"
-    if not getattr(experts, "is_concatenated", True):
-        return "interleaved gate/up (is_concatenated=False): KOSMOS reads gate | up concatenated"
-    if getattr(experts, "is_transposed", False):
-        return "transposed expert layout (is_transposed=True): not covered"
-    act = experts.act_fn
-    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
-        hidden_act = getattr(getattr(experts, "config", None), "hidden_act", type(act).__name__)
-        return f"hidden_act {hidden_act!r} is not SiLU (KOSMOS's experts are SwiGLU)"
-    from transformers.integrations.moe import _default_apply_gate
-    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return "a custom gating (_apply_gate) of its experts: KOSMOS runs silu(gate) * up"
+    why = _experts_kind_refusal(experts)
+    if why is not None:
+        return why
     if getattr(block, "jitter_noise", 0) > 0 and block.training:
         return (f"router_jitter_noise={block.jitter_noise} in training mode (noise on the block's input, which "
                 f"KOSMOS does not apply); patch in eval mode to run KOSMOS outside training")
@@ -273,6 +301,99 @@ def refusal(block) -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- the "kosmos" experts implementation
+
+EXPERTS_IMPLEMENTATION = "kosmos"  # its name in transformers' ExpertsInterface (register_experts)
+
+
+def uses_experts_interface(experts) -> bool:
+    """Whether ``experts`` is an experts module whose forward transformers dispatches through its ExpertsInterface
+    (a class decorated with ``@use_experts_implementation``: its config's ``_experts_implementation`` picks the
+    function)."""
+    fwd = getattr(type(experts), "forward", None)
+    return (isinstance(experts, torch.nn.Module) and hasattr(experts, "config") and "has_gate" in vars(experts)
+            and getattr(fwd, "__wrapped__", None) is not None)
+
+
+def _parallel(experts) -> bool:
+    """Whether the experts module runs under a transformers tensor- or expert-parallel plan: the plan marks every
+    module it installs (``_is_hooked``), shards the parameters (DTensor) and, for EP, sets ``num_experts`` to the
+    rank's count while the router hands out local ids with sentinels (>= the local count) for the other ranks'."""
+    if getattr(experts, "_is_hooked", False):
+        return True
+    params = [getattr(experts, n, None) for n in ("gate_up_proj", "down_proj")]
+    if any(c.__name__ == "DTensor" for p in params for c in type(p).__mro__):
+        return True
+    n = getattr(experts, "num_experts", None)
+    return n is not None and isinstance(params[0], torch.Tensor) and params[0].dim() == 3 and params[0].shape[0] != n
+
+
+def experts_refusal(experts) -> str | None:
+    """Why the "kosmos" experts implementation cannot run experts module ``experts`` (one line), or None: what
+    ``refusal`` checks of a block's experts (biases, a gate, the concatenated non-transposed layout, SiLU, the
+    default gating, bf16 parameters, the shapes and limits), plus no tensor- or expert-parallel plan on it
+    (transformers' EP hands the experts local ids with sentinels >= E: not supported; KOSMOS runs EP = 1 here)."""
+    if not isinstance(experts, torch.nn.Module):
+        return f"a {type(experts).__name__} is not an experts module"
+    if _parallel(experts):
+        return ("a tensor- or expert-parallel plan is applied to it (transformers' EP passes local ids with "
+                "sentinels >= E, which KOSMOS does not take): the kosmos experts run EP = 1")
+    why = _experts_kind_refusal(experts)
+    if why is not None:
+        return why
+    gate_up, down = experts.gate_up_proj, getattr(experts, "down_proj", None)
+    if not isinstance(down, torch.Tensor) or gate_up.dim() != 3 or down.dim() != 3:
+        return "gate_up_proj / down_proj are not 3-D expert tensors"
+    bad = {n: p.dtype for n, p in (("gate_up_proj", gate_up), ("down_proj", down)) if p.dtype != torch.bfloat16}
+    if bad:
+        return (f"parameters in {', '.join(sorted({str(d) for d in bad.values()}))} ({', '.join(bad)}): KOSMOS runs "
+                f"bf16 -- cast the model to bf16 (model.to(torch.bfloat16))")
+    if gate_up.device.type == "meta" or down.device.type == "meta":
+        return "parameters on the meta device (offloaded or not loaded)"
+    e, f2, h = gate_up.shape
+    f = f2 // 2
+    if f2 % 2 or tuple(down.shape) != (e, h, f):
+        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not [E, 2F, H], [E, H, F]"
+    if e > MAX_EXPERTS:
+        return f"E={e} experts > {MAX_EXPERTS} (KOSMOS's dispatch counts pairs per expert in {MAX_EXPERTS} slots)"
+    if h % 8 or f % 8:
+        return f"H={h} and F={f} must be multiples of 8 (TMA rows of 16 bytes)"
+    return None
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "kosmos" experts implementation (transformers' ExpertsInterface signature; ``self`` the experts module):
+    ``kosmos.nn.moe_experts`` on hidden_states [T, H] with the given routing (top_k_index [T, k] ids in [0, E),
+    top_k_weights [T, k]) and the module's own parameters -- ``gate_up_proj.transpose(1, 2)``,
+    ``down_proj.transpose(1, 2)`` -- in one launch forward and one backward (gradients for hidden_states,
+    top_k_weights and both parameters). Returns [T, H] bf16. What it cannot run raises ValueError in one line
+    (``experts_refusal``; hidden states not bf16, k > 16); on a device other than CUDA ``kosmos.moe_forward``
+    raises (the kernels need CUDA)."""
+    why = experts_refusal(self)
+    if why is None and hidden_states.dtype != torch.bfloat16:
+        why = f"hidden states in {hidden_states.dtype}: KOSMOS runs bf16 -- cast the model to bf16"
+    if why is None and not (top_k_index.dim() == 2 and 1 <= top_k_index.shape[1] <= MAX_TOPK):
+        why = f"top_k_index {tuple(top_k_index.shape)} is not [T, k] with 1 <= k <= {MAX_TOPK}"
+    if why is not None:
+        raise ValueError(f"kosmos experts implementation: {type(self).__name__}: {why}")
+    y = _nn.moe_experts(_rows(hidden_states), top_k_index, top_k_weights, self.gate_up_proj.transpose(1, 2),
+                        self.down_proj.transpose(1, 2))
+    return y.view(hidden_states.shape)
+
+
+def register_experts() -> str:
+    """Register ``experts_forward`` as the experts implementation "kosmos" in transformers' ``ExpertsInterface``
+    (every model; idempotent) and return that name. A model then selects it with
+    ``model.set_experts_implementation("kosmos")`` or ``from_pretrained(..., experts_implementation="kosmos")``
+    (``from_config`` too), for every experts module of the model that dispatches through the interface."""
+    require_transformers()
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+    if ALL_EXPERTS_FUNCTIONS.get(EXPERTS_IMPLEMENTATION) is not experts_forward:
+        ExpertsInterface.register(EXPERTS_IMPLEMENTATION, experts_forward)
+    return EXPERTS_IMPLEMENTATION
+
+
 def _holds_3d_experts(module) -> bool:
     experts = getattr(module, "experts", None)
     down = getattr(experts, "down_proj", None) if isinstance(experts, torch.nn.Module) else None
@@ -293,16 +414,26 @@ def moe_blocks(model) -> list:
 @dataclass
 class Patched:
     """What ``patch`` did: ``blocks`` {name: block} that now run KOSMOS, ``originals`` {name: the block's forward
-    before} and ``refused`` {name: reason} (left as they were). ``unpatch()`` gives every patched block its own
-    forward back (repeatable); a ``with patch(model):`` block unpatches at its end."""
+    before} and ``refused`` {name: reason} (left as they were); with ``patch(model, experts=True)`` also
+    ``experts`` {name: the block's experts module} of the blocks whose experts now run the "kosmos" experts
+    implementation (their router stays the model's), and ``experts_before`` the model's experts implementation
+    before (``model.get_experts_implementation()``; None: not changed). ``unpatch()`` gives every patched block
+    its own forward back and the model its experts implementation (repeatable); a ``with patch(model):`` block
+    unpatches at its end."""
     blocks: dict = field(default_factory=dict)
     originals: dict = field(default_factory=dict)
     refused: dict = field(default_factory=dict)
+    experts: dict = field(default_factory=dict)
+    experts_before: dict | None = None
+    model: object = field(default=None, repr=False)
 
     def unpatch(self) -> None:
         for block in self.blocks.values():
             if _is_patched(block):
                 del block.__dict__["forward"]
+        if self.experts_before is not None:
+            self.model.set_experts_implementation(self.experts_before)
+            self.experts_before = None
 
     def __enter__(self):
         return self
@@ -311,27 +442,67 @@ class Patched:
         self.unpatch()
 
     def __str__(self) -> str:
-        lines = [f"kosmos: {len(self.blocks)} sparse MoE block(s) patched, {len(self.refused)} refused"]
+        lines = [f"kosmos: {len(self.blocks)} sparse MoE block(s) patched"
+                 + (f", {len(self.experts)} on the kosmos experts implementation" if self.experts else "")
+                 + f", {len(self.refused)} refused"]
         lines += [f"  {name}: {reason}" for name, reason in self.refused.items()]
         return "\n".join(lines)
 
 
-def patch(model, *, strict: bool = False) -> Patched:
+def _experts_served(model, found, refused: dict) -> dict:
+    """patch(experts=True)'s plan (nothing changed yet): the refused blocks whose experts module dispatches through
+    transformers' ExpertsInterface and passes ``experts_refusal`` -- {name: experts module} -- when every such block's
+    experts can run "kosmos" (the setting is model-wide), and those names taken out of ``refused``; otherwise {}, the
+    reason added to each such block's refusal."""
+    cand = [(n, b) for n, b in found if n in refused and not _is_patched(b)
+            and uses_experts_interface(getattr(b, "experts", None))]
+    if not cand:
+        return {}
+    if not hasattr(model, "set_experts_implementation"):
+        for n, _ in cand:
+            refused[n] += f"; not a transformers model ({type(model).__name__}): its experts implementation is not set"
+        return {}
+    bad = {n: why for n, b in cand if (why := experts_refusal(b.experts))}
+    if bad:
+        for n, _ in cand:
+            refused[n] += (f"; nor can its experts run the kosmos experts implementation: {bad[n]}" if n in bad else
+                           "; its experts could run the kosmos experts implementation, but not every such block's "
+                           "can (the setting is model-wide)")
+        return {}
+    for n, _ in cand:
+        del refused[n]
+    return {n: b.experts for n, b in cand}
+
+
+def patch(model, *, strict: bool = False, experts: bool = False) -> Patched:
     """Run every sparse MoE block of transformers model ``model`` that KOSMOS can run on ``kosmos.nn.moe`` (the
     module docstring: what it computes, which blocks, the refusals). Returns the ``Patched`` record. A refused
     block is left as it was, with a ``RefusedBlockWarning`` naming it and the reason; ``strict=True`` raises one
-    ValueError naming every refused block (or saying there is no block) and patches nothing."""
+    ValueError naming every refused block (or saying there is no block) and patches nothing.
+
+    ``experts=True``: a block refused as a whole (a router KOSMOS does not run, hooks, ...) whose experts module
+    dispatches through transformers' ExpertsInterface runs its experts on the "kosmos" experts implementation
+    instead (``register_experts``; ``model.set_experts_implementation("kosmos")``, model-wide: only when every
+    such block's experts pass ``experts_refusal``), its router and the rest of the block staying the model's; such
+    blocks are listed in ``Patched.experts``, not refused, and ``unpatch`` restores the model's implementation."""
     require_transformers()
     found = moe_blocks(model)
     refused = {name: why for name, block in found if (why := refusal(block))}
+    served = _experts_served(model, found, refused) if experts else {}
     label = {name: f"{name or '(model)'} ({type(block).__name__})" for name, block in found}
     if strict and (refused or not found):
         what = "; ".join(f"{label[n]}: {why}" for n, why in refused.items()) or \
             f"no sparse MoE block in this {type(model).__name__}"
         raise ValueError(f"kosmos patch(strict=True): {len(refused)} of {len(found)} sparse MoE block(s) refused, "
                          f"nothing patched -- {what}" if found else f"kosmos patch(strict=True): {what}")
-    out = Patched(refused=refused)
+    out = Patched(refused=refused, experts=served, model=model)
+    if served:
+        register_experts()
+        out.experts_before = model.get_experts_implementation()
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     for name, block in found:
+        if name in served:  # its block as it was, its experts on "kosmos"
+            continue
         if name in refused:
             warnings.warn(f"kosmos: {label[name]} left as it was: {refused[name]}", RefusedBlockWarning, stacklevel=2)
             continue

@@ -9,13 +9,16 @@ Math (rank r of W; T tokens per rank, the same T on every rank; E experts, El = 
     y[t]     = sum_{j=0..k-1} w[t, j] * o_(t, j)      in fp32, in slot order j = 0..k-1, rounded to bf16
 Routing: ``softmax`` (p = softmax(logits), top-k of p, optional renormalisation) or ``sigmoid-grouped``
 (DeepSeek-V3: s = sigmoid(logits); choice = s + bias; a group's score is the sum of its top-2 choices; keep
-the topk_group best groups; top-k of choice inside them; w = s[e], renormalised, times routed_scaling).
+the topk_group best groups; top-k of choice inside them; w = s[e], renormalised, times routed_scaling) -- or
+``given``: no router, (w, e) passed in by the caller (transformers' ExpertsInterface), put into the routing
+buffers by the host and loaded by ROUTE.
 Ties pick the lowest expert index. Global expert g lives on rank g // El as local expert g % El. E <= 256,
 top_k <= 16, H and F multiples of 8 (32 for MXFP8). Shared experts are not part of this op (run them beside it).
 The math, bf16 and MXFP8: kosmos/reference/moe.py.
 
 Stages (one queue each, one atomic head in local scratch), in drain order, and what each task waits for:
-  ROUTE(b)       tokens [b*RB, +RB): logits (tensor cores, fp32 accumulate), top-k, weights; then the dispatch
+  ROUTE(b)       tokens [b*RB, +RB): logits (tensor cores, fp32 accumulate), top-k, weights (routing given:
+                 the block's given weights and experts, loaded); then the dispatch
                  (EP exchange 1): each token pushed ONCE per destination rank d holding any of its experts into
                  d's receive region of source r (slot = an atomic counter per d), each [RB, BH] block of x loaded
                  once and stored to every destination, with a metadata row (token; per slot j d's local expert
@@ -75,8 +78,8 @@ dequantizes while it places the rows (exact: bf16 expert rows, so both GEMMs sta
 rounds h to bf16 and then to its MX values (quant.mx_round_bf16, blocks of 32 along F, in two column halves);
 the weights arrive as their MX values. The dispatch moves 0.52x of the bf16 bytes; the combine stays bf16.
 
-Tests: tests/test_moe_forward.py (against the reference at simulated W = 1, 2, 4 and on GPUs, MXFP8, device
-epochs and replays, skewed and empty experts, fixed role and determinism, SavedGateUp's order, traces, input
+Tests: tests/test_moe_forward.py (against the reference at simulated W = 1, 2, 4 and on GPUs, MXFP8, routing
+given (against the reference, and bitwise the routed launch on the router's decision), device epochs and replays, skewed and empty experts, fixed role and determinism, SavedGateUp's order, traces, input
 checks, shape agreement across ranks, timeouts and a stalled peer, nn.MoE), test_moe_reference.py,
 test_cuda_graphs.py, test_ranks_one_gpu.py.
 """
@@ -97,7 +100,7 @@ from ..core.codes import (EV_COMM, EV_PERMUTE, EV_ROUTE, EV_WAIT, OP_MOE_FORWARD
 from ..core.schedule import POLICIES, check_launch, policy_args
 from ..gemm.tiles import store_block, store_rows
 from ..quant import mx_round_bf16, mx_scale_f32, quantize_mx, quantize_plan, quantize_planned
-from ..reference.moe import ROUTINGS
+from ..reference.moe import GIVEN, ROUTING_KINDS, check_given_routing
 
 OP_CODE = OP_MOE_FORWARD.value
 # the stages, in schedule.py's drain order (host: bit positions of the ``stages`` mask of ``launch``)
@@ -140,68 +143,76 @@ def _route_block(b, x_desc, wr_desc, bias_ptr, topk_w_ptr, topk_e_ptr, T, H, E, 
                  RENORM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NGP2: tl.constexpr,
                  RB: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
     """Router of tokens [b*RB, +RB): returns (weights [RB, KP2] fp32, experts [RB, KP2] int32) and stores
-    them for the fold (slots >= TOPK are padding)."""
-    t0 = b * RB
-    acc = tl.zeros((RB, EP2), dtype=tl.float32)
-    for kk in range(0, tl.cdiv(H, BK)):
-        a = x_desc.load([t0, kk * BK])
-        w = wr_desc.load([0, kk * BK])
-        if DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    cols = tl.arange(0, EP2)[None, :]
-    valid = cols < E
-    kcols = tl.arange(0, KP2)[None, :]
-    sel_w = tl.zeros((RB, KP2), dtype=tl.float32)
-    sel_e = tl.zeros((RB, KP2), dtype=tl.int32)
-    if ROUTING == 0:  # softmax top-k
-        logits = tl.where(valid, acc, float("-inf"))
-        p = tl.exp(logits - tl.max(logits, 1)[:, None])
-        p = p / tl.sum(p, 1)[:, None]
-        score = tl.where(valid, p, -1.0)
-        for j in tl.static_range(TOPK):
-            m = tl.max(score, 1)
-            idx = tl.min(tl.where(score == m[:, None], cols, EP2), 1)
-            sel_w = tl.where(kcols == j, m[:, None], sel_w)
-            sel_e = tl.where(kcols == j, idx[:, None], sel_e)
-            score = tl.where(cols == idx[:, None], -2.0, score)
-    else:  # sigmoid scores, bias for the choice only, group-limited top-k (DeepSeek-V3)
-        s = tl.sigmoid(acc)
-        bias = tl.load(bias_ptr + cols, mask=valid, other=0.0)
-        choice = tl.where(valid, s + bias, float("-inf"))
-        per_group = E // N_GROUP
-        grp = cols // per_group
-        gcols = tl.arange(0, NGP2)[None, :]
-        gscore = tl.full((RB, NGP2), float("-inf"), dtype=tl.float32)
-        for g in tl.static_range(N_GROUP):
-            cg = tl.where(grp == g, choice, float("-inf"))
-            m1 = tl.max(cg, 1)
-            i1 = tl.min(tl.where(cg == m1[:, None], cols, EP2), 1)
-            m2 = tl.max(tl.where(cols == i1[:, None], float("-inf"), cg), 1)
-            sc = tl.where(per_group >= 2, m1 + m2, m1)
-            gscore = tl.where(gcols == g, sc[:, None], gscore)
-        keep = tl.zeros((RB, EP2), dtype=tl.int32)
-        for i in tl.static_range(TOPK_GROUP):
-            m = tl.max(gscore, 1)
-            gi = tl.min(tl.where(gscore == m[:, None], gcols, NGP2), 1)
-            keep = tl.where(grp == gi[:, None], 1, keep)
-            gscore = tl.where(gcols == gi[:, None], float("-inf"), gscore)
-        score = tl.where((keep != 0) & valid, choice, float("-inf"))
-        for j in tl.static_range(TOPK):
-            m = tl.max(score, 1)
-            idx = tl.min(tl.where(score == m[:, None], cols, EP2), 1)
-            wj = tl.sum(tl.where(cols == idx[:, None], s, 0.0), 1)
-            sel_w = tl.where(kcols == j, wj[:, None], sel_w)
-            sel_e = tl.where(kcols == j, idx[:, None], sel_e)
-            score = tl.where(cols == idx[:, None], float("-inf"), score)
-    if RENORM:
-        sel_w = sel_w / (tl.sum(sel_w, 1)[:, None] + 1e-20)
-    sel_w = sel_w * routed_scaling
-    rows = t0 + tl.arange(0, RB)
-    mask = (rows < T)[:, None] & (kcols < TOPK)
-    tl.store(topk_w_ptr + rows[:, None] * TOPK + kcols, sel_w, mask=mask)
-    tl.store(topk_e_ptr + rows[:, None] * TOPK + kcols, sel_e, mask=mask)
+    them for the fold (slots >= TOPK are padding). ROUTING == 2 (``given``): no router -- the caller's decision,
+    which the host put into topk_w / topk_e before the launch, is loaded (wr_desc, bias are not read)."""
+    if ROUTING == 2:
+        g_rows = b * RB + tl.arange(0, RB)
+        g_cols = tl.arange(0, KP2)[None, :]
+        g_mask = (g_rows < T)[:, None] & (g_cols < TOPK)
+        sel_w = tl.load(topk_w_ptr + g_rows[:, None] * TOPK + g_cols, mask=g_mask, other=0.0)
+        sel_e = tl.load(topk_e_ptr + g_rows[:, None] * TOPK + g_cols, mask=g_mask, other=0)
+    else:  # ROUTING 0 / 1: the router
+        t0 = b * RB
+        acc = tl.zeros((RB, EP2), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(H, BK)):
+            a = x_desc.load([t0, kk * BK])
+            w = wr_desc.load([0, kk * BK])
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        cols = tl.arange(0, EP2)[None, :]
+        valid = cols < E
+        kcols = tl.arange(0, KP2)[None, :]
+        sel_w = tl.zeros((RB, KP2), dtype=tl.float32)
+        sel_e = tl.zeros((RB, KP2), dtype=tl.int32)
+        if ROUTING == 0:  # softmax top-k
+            logits = tl.where(valid, acc, float("-inf"))
+            p = tl.exp(logits - tl.max(logits, 1)[:, None])
+            p = p / tl.sum(p, 1)[:, None]
+            score = tl.where(valid, p, -1.0)
+            for j in tl.static_range(TOPK):
+                m = tl.max(score, 1)
+                idx = tl.min(tl.where(score == m[:, None], cols, EP2), 1)
+                sel_w = tl.where(kcols == j, m[:, None], sel_w)
+                sel_e = tl.where(kcols == j, idx[:, None], sel_e)
+                score = tl.where(cols == idx[:, None], -2.0, score)
+        else:  # sigmoid scores, bias for the choice only, group-limited top-k (DeepSeek-V3)
+            s = tl.sigmoid(acc)
+            bias = tl.load(bias_ptr + cols, mask=valid, other=0.0)
+            choice = tl.where(valid, s + bias, float("-inf"))
+            per_group = E // N_GROUP
+            grp = cols // per_group
+            gcols = tl.arange(0, NGP2)[None, :]
+            gscore = tl.full((RB, NGP2), float("-inf"), dtype=tl.float32)
+            for g in tl.static_range(N_GROUP):
+                cg = tl.where(grp == g, choice, float("-inf"))
+                m1 = tl.max(cg, 1)
+                i1 = tl.min(tl.where(cg == m1[:, None], cols, EP2), 1)
+                m2 = tl.max(tl.where(cols == i1[:, None], float("-inf"), cg), 1)
+                sc = tl.where(per_group >= 2, m1 + m2, m1)
+                gscore = tl.where(gcols == g, sc[:, None], gscore)
+            keep = tl.zeros((RB, EP2), dtype=tl.int32)
+            for i in tl.static_range(TOPK_GROUP):
+                m = tl.max(gscore, 1)
+                gi = tl.min(tl.where(gscore == m[:, None], gcols, NGP2), 1)
+                keep = tl.where(grp == gi[:, None], 1, keep)
+                gscore = tl.where(gcols == gi[:, None], float("-inf"), gscore)
+            score = tl.where((keep != 0) & valid, choice, float("-inf"))
+            for j in tl.static_range(TOPK):
+                m = tl.max(score, 1)
+                idx = tl.min(tl.where(score == m[:, None], cols, EP2), 1)
+                wj = tl.sum(tl.where(cols == idx[:, None], s, 0.0), 1)
+                sel_w = tl.where(kcols == j, wj[:, None], sel_w)
+                sel_e = tl.where(kcols == j, idx[:, None], sel_e)
+                score = tl.where(cols == idx[:, None], float("-inf"), score)
+        if RENORM:
+            sel_w = sel_w / (tl.sum(sel_w, 1)[:, None] + 1e-20)
+        sel_w = sel_w * routed_scaling
+        rows = t0 + tl.arange(0, RB)
+        mask = (rows < T)[:, None] & (kcols < TOPK)
+        tl.store(topk_w_ptr + rows[:, None] * TOPK + kcols, sel_w, mask=mask)
+        tl.store(topk_e_ptr + rows[:, None] * TOPK + kcols, sel_e, mask=mask)
     return sel_w, sel_e
 
 
@@ -552,7 +563,10 @@ def _moe_forward_kernel(
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     epoch = dev.call_epoch(epoch_ptr)  # this call's epoch, from the device slot (device.call_epoch)
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, H], strides=[H, 1], block_shape=[RB, BK])
-    wr_desc = tl.make_tensor_descriptor(wr_ptr, shape=[E, H], strides=[H, 1], block_shape=[EP2, BK])
+    if ROUTING == 2:  # routing given: no router weight (wr_ptr is a stand-in, never read)
+        wr_desc = x_desc
+    else:
+        wr_desc = tl.make_tensor_descriptor(wr_ptr, shape=[E, H], strides=[H, 1], block_shape=[EP2, BK])
     if W_NK:  # the experts' weights as transformers stores them: gate_up [El, 2F, H], down [El, H, F]
         w13_desc = tl.make_tensor_descriptor(w13_ptr, shape=[El * 2 * F, H], strides=[H, 1],
                                              block_shape=[BNH, BK])
@@ -723,9 +737,16 @@ def weights_nk(w: torch.Tensor) -> bool:
     return w.dim() == 3 and not w.is_contiguous() and w.transpose(1, 2).is_contiguous()
 
 
-def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, topk_group, world):
-    """Every check of ``moe_forward``'s inputs, before anything launches; returns (T, H, E, El, F)."""
-    named = (("x", x, 2), ("router_weight", router_weight, 2), ("w13", w13, 3), ("w2", w2, 3))
+def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, topk_group, world, weights=None,
+                     experts=None, routed_scaling=1.0):
+    """Every check of ``moe_forward``'s inputs, before anything launches; returns (T, H, E, El, F). Routing
+    ``given``: no router weight (None), the decision ``weights`` / ``experts`` [T, top_k] instead (their ids
+    checked against [0, E) where they are CPU tensors only: reading CUDA ids would synchronise)."""
+    given = routing == GIVEN
+    if given and router_weight is not None:
+        raise ValueError("routing='given' reads no router weight: pass router_weight=None")
+    named = (("x", x, 2),) + ((("router_weight", router_weight, 2),) if not given else ()) + \
+        (("w13", w13, 3), ("w2", w2, 3))
     for name, t, dims in named:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -746,13 +767,15 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
         raise ValueError("w13 and w2 must share one layout: both contiguous, or both transposed views of "
                          "transformers' gate_up_proj [E, 2F, H] and down_proj [E, H, F]")
     t_, h = x.shape
-    e, h_r = router_weight.shape
     el, h13, f2 = w13.shape
     el2, f, h2 = w2.shape
+    e, h_r = (el * world, h) if given else router_weight.shape
     if h_r != h or h13 != h or h2 != h:
         raise ValueError(f"hidden sizes disagree: x {tuple(x.shape)}, router_weight {tuple(router_weight.shape)}, "
                          f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} (expected [T, H], [E, H], [E/W, H, 2F], "
-                         f"[E/W, F, H])")
+                         f"[E/W, F, H])" if not given else
+                         f"hidden sizes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} "
+                         f"(expected [T, H], [E/W, H, 2F], [E/W, F, H])")
     if el2 != el or f2 != 2 * f:
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [E/W, H, 2F] and [E/W, F, H]")
     if h % 8 or f % 8:
@@ -761,12 +784,14 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
         raise ValueError(f"router_weight has E={e} experts but this rank holds {el} and the world size is {world}: "
                          f"E must equal world * (E/W)")
     if e > MAX_EXPERTS:
-        raise ValueError(f"E={e} experts > {MAX_EXPERTS}: the router keeps a token block's logits in one tile")
+        raise ValueError(f"E={e} experts > {MAX_EXPERTS}: the router keeps a token block's logits in one tile"
+                         if not given else f"E={e} experts > {MAX_EXPERTS}: the dispatch counts pairs per expert in "
+                         f"{MAX_EXPERTS} slots")
     if not isinstance(top_k, int) or not 1 <= top_k <= min(e, MAX_TOPK):
         raise ValueError(f"top_k={top_k!r} must be an int in [1, {min(e, MAX_TOPK)}]")
-    if routing not in ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
-    if routing == "softmax":
+    if routing not in ROUTING_KINDS:
+        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTING_KINDS)}")
+    if routing != "sigmoid-grouped":
         if bias is not None or n_group != 1 or topk_group != 1:
             raise ValueError("bias, n_group and topk_group belong to routing='sigmoid-grouped'")
     else:
@@ -778,6 +803,16 @@ def check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, t
         if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (e,)
                                  or bias.device != x.device or not bias.is_floating_point()):
             raise ValueError(f"bias must be a floating-point tensor of shape ({e},) on {x.device}")
+    if given:
+        if routed_scaling != 1.0:
+            raise ValueError("routing='given' uses the given weights as they are: scale them before the call "
+                             f"(routed_scaling={routed_scaling} given)")
+        check_given_routing(weights, experts, t_, e, top_k, check_ids=getattr(experts, "device", None) is not None
+                            and experts.device.type == "cpu")
+        if weights.device != x.device:
+            raise ValueError(f"routing='given': weights and experts are on {weights.device} but x is on {x.device}")
+    elif weights is not None or experts is not None:
+        raise ValueError(f"weights / experts are the decision of routing='given', not of routing={routing!r}")
     if x.device.type != "cuda":  # last, so that CPU-side tests see every other check
         raise ValueError(f"x must be a CUDA tensor, got {x.device}")
     return t_, h, e, el, f
@@ -798,10 +833,13 @@ def _launch_args(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world,
     + 1) only in a launch that includes FOLD (or the GEMM-only mode), so every launch of one call sees the same
     epoch. ``x_mx`` (a quant.MXTensor of x):
     the MXFP8 layer (dispatch moves x_mx, PERMUTE dequantizes, GEMM1 rounds h to MX; w13 / w2 hold MX values).
-    ``gu`` (bf16 [xe rows, 2F]): GEMM1 also stores g | u there, in xe's row order (moe_forward's ``save_gu``)."""
+    ``gu`` (bf16 [xe rows, 2F]): GEMM1 also stores g | u there, in xe's row order (moe_forward's ``save_gu``).
+    ``routing="given"``: router_weight None (x stands in for its pointer, never read); the caller has put the
+    decision into bufs' topk_w (fp32) / topk_e (int32 global ids) [T*k] before the launch."""
     t_, h = x.shape
-    e = router_weight.shape[0]
+    given = routing == GIVEN
     el, f = w2.shape[0], w2.shape[1]
+    e = el * world if given else router_weight.shape[0]
     lay: Layout = bufs["layout"]
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
     if gemms_only:  # no exchange: the regions are unused (typed stand-ins), the counts come from the caller
@@ -817,7 +855,7 @@ def _launch_args(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world,
     else:
         mx_args = (x, bufs["plan"], recv, bufs["plan"], 0)
     args = (
-        x, router_weight, bias if bias is not None else bufs["plan"], w13, w2, y,
+        x, x if given else router_weight, bias if bias is not None else bufs["plan"], w13, w2, y,
         recv, meta, cnt, comb,
         bufs["peer_data"], bufs["peer_sig"], bufs["peer_ctr"], bufs["sig"], bufs["ctr"],
         lay.off_recv, lay.off_rmeta, lay.off_cnt, lay.off_comb, *mx_args,
@@ -827,7 +865,7 @@ def _launch_args(x, router_weight, bias, w13, w2, y, bufs: dict, *, rank, world,
         t_, h, f, e, el, rank, epoch_slot, max(1, timeout_ns // 1000), fixed, float(routed_scaling), stages)
     kw = dict(
         WORLD=world, TOPK=top_k, KP2=_p2(top_k), EP2=_p2(e, 16), ELP2=_p2(el), WP2=_p2(world),
-        ROUTING=ROUTINGS.index(routing), RENORM=bool(renormalize), N_GROUP=n_group_c,
+        ROUTING=ROUTING_KINDS.index(routing), RENORM=bool(renormalize) and not given, N_GROUP=n_group_c,
         TOPK_GROUP=topk_group if routing == "sigmoid-grouped" else 1, NGP2=_p2(n_group_c),
         RB=cfg.RB, PB=cfg.PB, FB=cfg.FB, BH=cfg.BH, BM=cfg.BM, BK=cfg.BK, BNH=cfg.BNH, BN=cfg.BN, GRID=grid,
         POLICY=pol, GEMMS_ONLY=gemms_only, FINAL=gemms_only or bool(stages & (1 << FOLD)),
@@ -868,7 +906,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
                 n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0, group=None,
                 config: MoEForwardConfig | None = None, policy: str = "self", comm_programs: int | None = None,
                 return_routing: bool = False, trace: torch.Tensor | None = None, precision: str = "bf16",
-                save_gu: bool = False):
+                save_gu: bool = False, weights: torch.Tensor | None = None, experts: torch.Tensor | None = None):
     """The MoE expert layer over the expert-parallel ``group``, in one launch: ``y`` [T, H] bf16.
 
     x [T, H] bf16 CUDA: this rank's tokens (T, H, F, E, top_k and routing must be the same on every rank:
@@ -879,9 +917,18 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     [E/W, H, F] tensors (transformers' ``gate_up_proj`` / ``down_proj``), read as they are (``weights_nk``).
     routing: ``softmax`` (``renormalize`` the top-k weights or not) or ``sigmoid-grouped`` (DeepSeek-V3: ``bias`` [E] for the choice, ``n_group``/``topk_group``,
     ``routed_scaling``). E <= 256, top_k <= 16, H and F multiples of 8. Shared experts are not part of the op.
+    ``routing="given"``: no router -- the routing decision comes from the caller: ``weights`` [T, top_k] (any
+    float dtype, used in fp32 as they are: ``renormalize`` does not apply, ``routed_scaling`` must stay 1) and
+    ``experts`` [T, top_k] (integer global expert ids in [0, E), E = W * E/W; a token may name an expert twice),
+    on x's device; ``router_weight`` must be None. The host copies them into the launch's routing buffers (two
+    small copies) and the ROUTE stage loads them instead of computing the router GEMM; dispatch, both expert
+    GEMMs and the combine run in the same launch as for the routers. The ids are not checked on CUDA (that
+    would read them on the host: a synchronisation): an id outside [0, E) makes the launch index outside its
+    buffers -- transformers' EP sentinels (ids >= E) are not supported.
     ``config`` (``kosmos.MoEForwardConfig``, default: its defaults) holds the op's knobs.
     ``policy="fixed"`` with ``comm_programs=S`` runs the fixed-role ablation. ``return_routing=True`` also
-    returns (weights [T, k] fp32, experts [T, k] int64) as the kernel's router chose them. ``trace`` (int64
+    returns (weights [T, k] fp32, experts [T, k] int64) as the kernel's router chose them (routing given: the given
+    ones). ``trace`` (int64
     [grid, 1024, 4]) records each program's tasks (kinds in ``runtime.TRACE_KINDS``) for the timeline.
     ``precision="mxfp8"``: the MXFP8 layer (kosmos/reference/moe.py's module docstring has the math): x is
     quantized (quant.quantize_mx, a separate launch) and dispatched as E4M3 payload + scales (0.52x of the
@@ -902,7 +949,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
         raise ValueError("moe_forward: save_gu=True needs return_routing=True and precision='bf16' (the backward's "
                          "inputs)")
     # the plan of this call signature (core/launch_plan.py); a miss validates and builds it
-    ws, key, plan = (launch_plan.find("moe", group, (x, router_weight, w13, w2, bias, trace),
+    ws, key, plan = (launch_plan.find("moe", group, (x, router_weight, w13, w2, bias, trace, weights, experts),
                                       (top_k, routing, renormalize, n_group, topk_group, routed_scaling, config,
                                        policy, comm_programs, precision, save_gu), x.device)
                      if isinstance(x, torch.Tensor) else (None, None, None))
@@ -912,6 +959,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
         y = torch.empty(info["y_shape"], dtype=torch.bfloat16, device=x.device)
         x_mx = quantize_planned(x, info["xq_key"]) if info["mx"] else None  # x passed its checks (the key)
         gu = torch.empty(info["gu_shape"], dtype=torch.bfloat16, device=x.device) if save_gu else None
+        if weights is not None:  # routing given (the key: weights / experts passed its checks)
+            _put_given(info["bufs"], weights, experts)
         plan.call(ws, dict(x=x, router=router_weight, bias=bias32, w13=w13, w2=w2, y=y, trace=trace, gu=gu,
                            xq=x_mx.payload.view(torch.bfloat16) if x_mx is not None else None,
                            xs=x_mx.scales if x_mx is not None else None), (y,), trace is not None)
@@ -922,7 +971,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     w = runtime.world_size(group)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
-    t_, h, e, el, f = check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, topk_group, w)
+    t_, h, e, el, f = check_moe_inputs(x, router_weight, w13, w2, top_k, routing, bias, n_group, topk_group, w,
+                                       weights, experts, routed_scaling)
     ws = runtime.get_workspace(group, x.device)
     r = ws.world.rank
     grid = runtime.num_sms(x.device)
@@ -935,7 +985,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
                          f"2**31-byte scale region the dispatch addresses; use fewer tokens per call")
     cfg = planning.moe_config(config, mx=mx)
     lay = Layout(w, t_, h, f, top_k, el, cfg)
-    _check_same_shape_on_every_rank(ws, (t_, h, f, e, top_k, ROUTINGS.index(routing)))
+    _check_same_shape_on_every_rank(ws, (t_, h, f, e, top_k, ROUTING_KINDS.index(routing)))
     ws.ensure(lay.data_bytes, w)
     ws.ensure_counters(lay.fold_blocks)
     runtime.ensure_triton_allocator()
@@ -948,6 +998,8 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     x_mx = quantize_mx(x) if mx else None
     # the self-check compares y only: gu's row placement (like xe's) follows atomics, its values do not
     gu = torch.empty((lay.max_rows, 2 * f), dtype=torch.bfloat16, device=x.device) if save_gu else None
+    if routing == GIVEN:
+        _put_given(bufs, weights, experts)
     args, kw = _launch_args(x, router_weight, bias32, w13, w2, y, bufs, rank=r, world=w, epoch_slot=ws.epoch_slot,
                             timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, top_k=top_k, routing=routing,
                             renormalize=renormalize, n_group=n_group, topk_group=topk_group,
@@ -998,6 +1050,13 @@ class SavedGateUp:
         per_rank = self.tokens * self.top_k
         key = (le * self.world + meta[:, 0]) * per_rank + meta[:, 1] * self.top_k + meta[:, 2]
         return torch.argsort(key)
+
+
+def _put_given(bufs, weights, experts) -> None:
+    """Routing given: the caller's decision into the launch's routing buffers (what ROUTE would have stored)."""
+    n = weights.numel()
+    bufs["topk_w"][:n].view(weights.shape).copy_(weights)
+    bufs["topk_e"][:n].view(experts.shape).copy_(experts)
 
 
 def _moe_result(y, bufs, t_, top_k, return_routing, gu=None, world=1):

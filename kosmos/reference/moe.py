@@ -7,6 +7,9 @@ Routing (router logits always in fp32):
                    a group's score is the sum of its top-2 choice values; keep the topk_group best groups;
                    e = topk(choice restricted to kept groups, k); w = s[e] (no bias);
                    w /= sum(w) if renormalize; w *= routed_scaling.
+  given            no router: (w [T, k], e [T, k]) come from the caller (transformers' ExpertsInterface passes
+                   top_k_weights / top_k_index); the layer is the expert part alone, and its gradients are those
+                   of x, w and the experts' weights (``apply_routing_ref``, ``moe_experts_backward_ref``).
 Expert e (SwiGLU): y_e(x) = (silu(x @ W13[e][:, :F]) * (x @ W13[e][:, F:])) @ W2[e], W13 [H, 2F], W2 [F, H].
 Fold: y[t] = sum_{j < k} w[t, j] * y_{e[t, j]}(x[t]), in top-k slot order j = 0..k-1 (topk's order).
 Experts are split evenly over W ranks: global expert g lives on rank g // (E/W) as local expert g % (E/W).
@@ -23,7 +26,8 @@ dispatches MX tokens, runs GEMM1 on them and re-quantizes h for GEMM2 computes; 
 distributed layer built from NCCL all-to-all the way Megatron's all-to-all dispatcher does it -- with
 ``fp32=True`` the reference, with ``fp32=False`` the ``nccl-a2a`` baseline (bf16, grouped GEMMs on CUDA).
 Tests: tests/test_moe_reference.py (routing rules, the local and all-to-all layers, the backward against autograd,
-the MXFP8 math against explicit quantization); every MoE kernel test compares against these.
+with the routing given too, the MXFP8 math against explicit quantization); every MoE kernel test compares against
+these.
 """
 from __future__ import annotations
 
@@ -32,7 +36,37 @@ import torch.nn.functional as F
 
 from ..quant import mx_values
 
-ROUTINGS = ("softmax", "sigmoid-grouped")
+ROUTINGS = ("softmax", "sigmoid-grouped")  # the routers KOSMOS runs itself
+GIVEN = "given"  # the routing decision passed in by the caller (no router)
+ROUTING_KINDS = ROUTINGS + (GIVEN,)  # moe_forward's ROUTING constexpr is an index into this
+
+
+def check_given_routing(weights, experts, n_tokens: int, n_experts: int, top_k: int | None = None,
+                        check_ids: bool = True) -> int:
+    """The checks of a given routing decision for T = ``n_tokens`` tokens over E = ``n_experts`` experts: weights
+    [T, k] floating point, experts [T, k] integer (global expert ids), on one device; ``top_k`` (if given) equal
+    to k. ``check_ids``: also every id in [0, E) (reads the ids: a host synchronisation on a GPU -- callers on
+    CUDA pass False). Returns k; ValueError in one line otherwise."""
+    for name, t in (("weights", weights), ("experts", experts)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"routing='given': {name} must be a 2-D tensor [T, k], got "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    if not weights.is_floating_point():
+        raise ValueError(f"routing='given': weights must be floating point, got {weights.dtype}")
+    if experts.is_floating_point() or experts.is_complex() or experts.dtype == torch.bool:
+        raise ValueError(f"routing='given': experts must hold integer expert ids, got {experts.dtype}")
+    if weights.shape != experts.shape or weights.shape[0] != n_tokens:
+        raise ValueError(f"routing='given': weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must "
+                         f"both be [T={n_tokens}, k]")
+    if weights.device != experts.device:
+        raise ValueError(f"routing='given': weights on {weights.device} but experts on {experts.device}")
+    k = weights.shape[1]
+    if top_k is not None and k != top_k:
+        raise ValueError(f"routing='given': the decision has k={k} slots per token but top_k={top_k}")
+    if check_ids and experts.numel() and (int(experts.min()) < 0 or int(experts.max()) >= n_experts):
+        raise ValueError(f"routing='given': expert ids must lie in [0, {n_experts}), got "
+                         f"[{int(experts.min())}, {int(experts.max())}]")
+    return k
 
 
 def route(x, router_weight, top_k: int, routing: str = "softmax", *, renormalize: bool = True, bias=None,
@@ -386,6 +420,30 @@ def router_logits_backward_ref(dq, full, experts, routing: str):
 def router_gemm_backward_ref(dlogits, x, router_weight):
     """Router GEMM (l = x @ Wr^T) backward: d(router weight) = dl^T x [E, H]; the router's part of dx = dl @ Wr."""
     return dlogits.t() @ x, dlogits @ router_weight
+
+
+def moe_experts_backward_ref(x, w13, w2, dy, weights, experts):
+    """Gradients of the expert part with the routing given (y = ``apply_routing_ref(x, weights, experts, w13, w2)``,
+    routing ``given``: no router): (dx [T, H], d_weights [T, k], dw13 [E, H, 2F], dw2 [E, F, H]) for the output
+    gradient dy [T, H] -- ``moe_backward_ref``'s stages 1-5 on the given weights, without its router stages:
+      d_weights[t, j] = <dy[t], o_(t, j)>   (combine_backward_ref: the gate gradient of each (token, slot))
+      dx = dispatch_backward_ref(dx_pair)   (no router part: the decision came from outside)
+    x [T, H], weights [T, k] (any float dtype), experts [T, k] global ids in [0, E) (a token may name an expert
+    twice: its two pairs are separate rows), w13 [E, H, 2F], w2 [E, F, H]. Math in fp64 when any input is fp64,
+    else fp32; the gradients come back in that dtype. Deterministic (moe_backward_ref's summation orders)."""
+    n_tok, hidden = x.shape
+    n_experts = w13.shape[0]
+    top_k = check_given_routing(weights, experts, n_tok, n_experts)
+    experts = experts.long()
+    acc = _acc_dtype(x, w13, w2, dy, weights)
+    xa, dya, wa = x.to(acc), dy.to(acc), weights.to(acc)
+    groups = _pairs_by_expert(experts, n_experts)
+    pairs, rows, dw13, dw2 = _expert_rows_backward_ref(xa, dya, wa, w13, w2, groups, 0, top_k)
+    n_pairs = n_tok * top_k
+    dx_pair = xa.new_zeros((n_pairs, hidden))
+    dweights = xa.new_zeros(n_pairs)
+    dx_pair[pairs], dweights[pairs] = rows["dx_pair"], rows["dweights"]
+    return dispatch_backward_ref(dx_pair, top_k), dweights.view(n_tok, top_k), dw13, dw2
 
 
 def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str = "softmax",

@@ -7,11 +7,12 @@ rounded once; ``wgrad_dtype=torch.float32`` keeps the fp32 sums) -- reference.mo
 The route, decided the same way on every rank: the one launch (one_launch.py) at W = 1 on the padded layout
 (``MoEBackwardConfig.one_launch``) and at W > 1 on CUDA without ``saved_gu`` (``one_launch_ep``); the multi-launch
 path (multi_launch.py: the expert GEMM kernels, the row passes of rows.py, ``dist.all_to_all_single`` between them
-at W > 1, the router backward in torch) elsewhere -- the CPU, saved g | u at W > 1, ``one_launch=False``. Argument
-checks raise ValueError before any collective or launch (the one launch on the packed layout, ``policy="fixed"``
-at W = 1 or without the one launch, shapes, routing names). Also here: the router's GEMMs at fp32-level error on
-bf16 tensor cores (``bf16_mm_fp32``, ``router_gemm_backward``) and ``expert_backward_operands`` (the bench's
-expert-part operands).
+at W > 1, the router backward in torch) elsewhere -- the CPU, saved g | u at W > 1, ``one_launch=False``. With the
+routing given from outside (``routing="given"``) there is no router backward: the gradient of the given weights
+comes back instead of the router weight's. Argument checks raise ValueError before any collective or launch (the
+one launch on the packed layout, ``policy="fixed"`` at W = 1 or without the one launch, shapes, routing names).
+Also here: the router's GEMMs at fp32-level error on bf16 tensor cores (``bf16_mm_fp32``, ``router_gemm_backward``)
+and ``expert_backward_operands`` (the bench's expert-part operands).
 
 Host synchronisation: none at W = 1 (counts by layout.expert_counts, not torch.bincount) nor in the one launch's
 steady state at W > 1; the multi-launch path at W > 1 reads its split sizes on the host (one sync). Determinism:
@@ -28,7 +29,7 @@ from ...config import MoEBackwardConfig, check_config
 from ...core import runtime
 from ...core.runtime import world_size
 from ...reference import moe as mr
-from ...reference.moe import ROUTINGS, all_to_all_rows
+from ...reference.moe import GIVEN, ROUTING_KINDS, all_to_all_rows, check_given_routing
 from ..moe_forward import _check_same_shape_on_every_rank
 from ...core.schedule import POLICIES, policy_args
 from .tiles import _triton_runs
@@ -139,7 +140,16 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     ``.transpose(1, 2)`` of contiguous [E/W, 2F, H] / [E/W, F, H] tensors (transformers' ``gate_up_proj`` /
     ``down_proj``; moe_forward.weights_nk): every path reads them as they are, and dw13 / dw2 then come back in
     that layout too (the transposes of contiguous [E/W, 2F, H] / [E/W, H, F]: dW^T = B^T A per expert, the same
-    flat wgrad loop with its operands swapped):
+    flat wgrad loop with its operands swapped).
+
+    ``routing="given"`` (the forward's decision came from the caller: moe_forward's routing ``given``): no router,
+    ``router_weight`` None, E = W * E/W; returns (dx [T, H] bf16 = bf16(dx_e), d_weights [T, k] fp32 -- each
+    (token, slot)'s gate gradient <dy_t, o_(t, j)>, the dw_rows of the expert part put back in pair order --,
+    dw13, dw2) -- reference.moe.moe_experts_backward_ref. The expert part runs as for the routers (one launch
+    with the router stages left out, or the multi-launch path), nothing else; ``router_in_launch=True`` is
+    refused. Expert ids are checked against [0, E) on CPU tensors only (on CUDA that would synchronise).
+
+    The stages:
 
       pairs sorted by expert (stable: ascending p = t*k + j inside an expert), hence by destination rank;
       W > 1: the expert rows x_rows, dy_rows and the pairs' gate weights to the experts' ranks
@@ -184,10 +194,24 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     config = check_config(MoEBackwardConfig, config)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
+    if routing not in ROUTING_KINDS:
+        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTING_KINDS)}")
+    given = routing == GIVEN
     n_tok, hidden = x.shape
-    n_exp = router_weight.shape[0]
     local = w13.shape[0]
-    world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
+    if given:  # no router: E from the experts here and the world size
+        if router_weight is not None:
+            raise ValueError("moe_backward(routing='given'): no router -- pass router_weight=None")
+        if router_in_launch:
+            raise ValueError("moe_backward(routing='given'): no router backward to run in the launch "
+                             "(router_in_launch=True)")
+        router_in_launch = False
+        world = world_size(group)
+        n_exp = local * world
+        check_given_routing(weights, experts, n_tok, n_exp, check_ids=experts.device.type == "cpu")
+    else:
+        n_exp = router_weight.shape[0]
+        world = 1 if local == n_exp else world_size(group)  # every expert here: nothing to exchange
     if local * world != n_exp:
         raise ValueError(f"w13 holds {local} experts per rank: {local} x {world} ranks != {n_exp} router experts")
     if policy == "fixed" and world == 1:
@@ -202,7 +226,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     if one_launch and world > 1:  # the exchanges inside the launch (checked before any: every rank the same way)
         return _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize,
                                 routed_scaling, wgrad_dtype, saved_gu, padded, programs, router_in_launch, policy,
-                                comm_programs, config)
+                                comm_programs, config, n_exp)
     k = experts.shape[1]
     experts = experts.long()
     flat = experts.reshape(-1)
@@ -296,6 +320,8 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         dx_e = unpermute_sum(dx_rows, order, k, row_of=row_of)          # pair order p = t*k + j; slot order, fp32
     dweights = torch.empty((order.shape[0],), dtype=dw_rows.dtype, device=dw_rows.device)
     dweights[order] = dw_rows if row_of is None else dw_rows[row_of]
+    if given:  # no router: the gate gradients are the weights' own
+        return dx_e.to(torch.bfloat16), dweights.view(n_tok, k), dw13, dw2
     return _router_backward_torch(x, router_weight, experts, dweights.view(n_tok, k), dx_e, routing, renormalize,
                                   routed_scaling, config) + (dw13, dw2)
 
@@ -315,7 +341,7 @@ def _router_backward_torch(x, router_weight, experts, dweights, dx_e, routing, r
 
 def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, routing, renormalize, routed_scaling,
                      wgrad_dtype, saved_gu, padded, programs, router_in_launch, policy, comm_programs,
-                     config: MoEBackwardConfig):
+                     config: MoEBackwardConfig, n_exp: int):
     """moe_backward(one_launch=True) at W > 1: the one launch with its exchanges (expert_backward_ep_launch) on the
     group's workspace -- its symmetric data, signals, counters and peer tables, its epoch slot and done flags
     (shared with the forward and the TP ops, as every op on a workspace shares them), its error record (a timeout
@@ -332,15 +358,15 @@ def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, rou
     if padded is False or hidden % 8 or f % 8:
         raise ValueError(f"moe_backward(one_launch=True) needs the padded row layout (padded=False was given, or "
                          f"H={hidden} / F={f} are not multiples of 8)")
-    if routing not in ROUTINGS:
-        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    if routing not in ROUTING_KINDS:
+        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTING_KINDS)}")
     grid = programs or runtime.num_sms(x.device)
     policy_args(policy, comm_programs, grid)  # a bad split: a ValueError before any collective or launch
     ws = runtime.get_workspace(group, x.device)
     world, rank, el, k = ws.world.size, ws.world.rank, w13.shape[0], experts.shape[1]
     wdt = _wgrad_dtype(w13, wgrad_dtype)
     lay = ep_layout(world, n_tok, hidden, f, k, el, wdt)
-    _check_same_shape_on_every_rank(ws, (n_tok, hidden, f, router_weight.shape[0], k, ROUTINGS.index(routing)))
+    _check_same_shape_on_every_rank(ws, (n_tok, hidden, f, n_exp, k, ROUTING_KINDS.index(routing)))
     ws.ensure(lay.data_bytes, world)
     ws.ensure_counters(lay.fold_blocks)
     bufs = ep_local_buffers(ws.local, lay, hidden, f, k, n_tok, el, world)
@@ -360,6 +386,8 @@ def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, rou
         dx, _, dw13, dw2, d_router, _ = got
         return dx, d_router, dw13, dw2
     dx_e, dweights, dw13, dw2, _ = got
+    if routing == GIVEN:  # no router: the gate gradients are the weights' own
+        return dx_e.to(torch.bfloat16), dweights, dw13, dw2
     return _router_backward_torch(x, router_weight, experts.long(), dweights, dx_e, routing, renormalize,
                                   routed_scaling, config) + (dw13, dw2)
 
