@@ -857,7 +857,9 @@ def bench_train(
                                      "instead of the proxy: a family (qwen3_moe, mixtral, deepseek_v3, qwen2_moe) "
                                      "or a model (qwen3-30b-a3b, mixtral-8x7b, deepseek-v3, qwen3-235b, qwen2-57b) "
                                      "at its real hidden and expert sizes, --layers decoder layers, as transformers "
-                                     "builds it (impl hf, the baseline) and patched onto KOSMOS (impl kosmos). "
+                                     "builds it (impl hf, the baseline), patched onto KOSMOS (impl kosmos: router "
+                                     "and experts in one launch) and with KOSMOS as its experts implementation "
+                                     "(impl kosmos-experts: transformers' router, routing given to KOSMOS). "
                                      "Needs transformers (pip install 'kosmos[hf]')."),
     experts: Optional[int] = typer.Option(None, "--experts", help="With --hf: the expert count (default the "
                                           "model's; deepseek-v3: 64 of its 256, for memory)."),

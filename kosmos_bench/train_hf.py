@@ -16,6 +16,10 @@ Implementations:
            ``extra.hf_experts_implementation``: grouped_mm on transformers 5.17 with CUDA)
   kosmos   the same model after ``patch(model)``: every sparse MoE block's router + experts in one KOSMOS launch
            forward and one backward, on the model's own parameters (shared experts and attention unchanged)
+  kosmos-experts  the same model with transformers' experts implementation "kosmos"
+           (``register_experts`` + ``model.set_experts_implementation``): the model's own router in torch, the
+           experts (dispatch, expert GEMMs, combine) in one KOSMOS launch with that routing given
+           (``kosmos.nn.moe_experts``) -- the path of families whose router KOSMOS does not run
 Both are built from the same seed on the device; the rows record a checksum of the initial parameters
 (``extra.init_checksum``) and a row whose model starts from other weights than the baseline's fails.
 
@@ -27,7 +31,8 @@ logits). AdamW as the proxies' (kosmos_bench/train.py: ADAMW, lr ``adamw_lr(hidd
 parameters' dtype (torch's default). Steps, timing (CUDA events around forward + backward + AdamW step +
 zero_grad), agreement (every step's loss within ``loss_rtol`` = 2e-2 of the baseline's) and rows: as
 kosmos_bench/train.py's (``train_rows``); ``kind`` "moe", ``world`` 1, ``extra``: hf_family, vocab,
-hf_experts_implementation, init_checksum, transformers (its version), and for kosmos patched_blocks.
+hf_experts_implementation (kosmos-experts: "kosmos"), init_checksum, transformers (its version), and for kosmos
+patched_blocks.
 
 An implementation that cannot run here is "unavailable" with the reason: transformers missing or older than
 kosmos.integrations.transformers needs, no CUDA device (the kernels), or an estimated footprint (parameters,
@@ -45,7 +50,7 @@ from kosmos.models import HF_CONFIGS, MOE_MODELS
 
 from .train import ADAMW, TrainSettings, Unavailable, adamw_lr, train_rows
 
-HF_IMPLS = ("hf", "kosmos")
+HF_IMPLS = ("hf", "kosmos", "kosmos-experts")
 HF_BASELINE = "hf"
 DEFAULT_VOCAB = 32768
 DEFAULT_EXPERTS = {"deepseek-v3": 64}
@@ -172,7 +177,7 @@ def build_model(shape: HFTrainShape, impl: str, device, seed: int, overrides: di
         raise Unavailable(str(e)) from None
     import transformers
     device = torch.device(device)
-    if impl == "kosmos" and (why := kosmos_problem(device)):
+    if impl != HF_BASELINE and (why := kosmos_problem(device)):
         raise Unavailable(why)
     if device.type == "cuda":
         need, have = footprint_bytes(cfg, shape), torch.cuda.get_device_properties(device).total_memory
@@ -190,6 +195,14 @@ def build_model(shape: HFTrainShape, impl: str, device, seed: int, overrides: di
         from kosmos.integrations.transformers import patch
         patched = patch(model, strict=True)
         extra["patched_blocks"] = len(patched.blocks)
+    elif impl == "kosmos-experts":
+        from kosmos.integrations.transformers import experts_refusal, moe_blocks, register_experts
+        refused = {name: why for name, block in moe_blocks(model) if (why := experts_refusal(block.experts))}
+        if refused:
+            raise RuntimeError("the experts implementation 'kosmos' refuses " +
+                               "; ".join(f"{n}: {why}" for n, why in refused.items()))
+        model.set_experts_implementation(register_experts())
+        extra["hf_experts_implementation"] = model.config._experts_implementation
     return model, extra
 
 

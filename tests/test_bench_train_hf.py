@@ -119,8 +119,12 @@ def _run(family, steps=4):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
 def test_patched_trains_like_transformers(reference_kernels, family):
     rows = _run(family)
-    assert [r["impl"] for r in rows] == ["hf", "kosmos"]
-    base, k = rows
+    assert [r["impl"] for r in rows] == ["hf", "kosmos", "kosmos-experts"]
+    base, k, ke = rows
+    assert ke["status"] == "ok", ke["reason"]
+    assert ke["extra"]["hf_experts_implementation"] == "kosmos"
+    assert any(c["routing"] == "given" for c in reference_kernels.calls)
+    assert ke["loss_max_rel_diff"] < 2e-2 and ke["extra"]["init_checksum"] == base["extra"]["init_checksum"]
     assert base["status"] == "ok" and base["baseline"] and base["extra"]["hf_experts_implementation"]
     assert k["status"] == "ok", k["reason"]
     assert k["extra"]["patched_blocks"] == 2 and len(reference_kernels.calls) > 0
@@ -134,13 +138,14 @@ def test_patched_trains_like_transformers(reference_kernels, family):
 
 @needs_hf
 def test_a_wrong_gradient_fails_the_row(reference_kernels, monkeypatch):
-    """The layer's gradients negated in the stand-in backward (AdamW does not see a scale): the patched model
-    trains differently and its row fails naming a step."""
+    """The layer's gradients negated in the stand-in backward (AdamW does not see a scale): both KOSMOS paths train
+    differently and their rows fail naming a step."""
     def wrong(*a, **kw):
         return tuple(-g for g in Recorder.backward(*a, **kw))
     monkeypatch.setattr(knn, "moe_backward", wrong)
     rows = _run("qwen3_moe", steps=10)
-    assert rows[1]["status"] == "failed" and "trains differently" in rows[1]["reason"], rows[1]
+    for row in rows[1:]:
+        assert row["status"] == "failed" and "trains differently" in row["reason"], row
 
 
 def test_kosmos_unavailable_on_the_cpu():
@@ -149,7 +154,8 @@ def test_kosmos_unavailable_on_the_cpu():
         rows = []
         th.run_train_hf(th.HFTrainShape("qwen3-30b-a3b", layers=1, seq=8, vocab=64), TrainSettings(steps=1, warmup=0),
                         "cpu", on_row=rows.append, overrides=TINY["qwen3_moe"])
-        assert [r["status"] for r in rows] == ["ok", "unavailable"] and "CUDA" in rows[1]["reason"]
+        assert [r["status"] for r in rows] == ["ok", "unavailable", "unavailable"]
+        assert all("CUDA" in r["reason"] for r in rows[1:])
 
 
 def test_cli_refusals(tmp_path):
@@ -160,7 +166,7 @@ def test_cli_refusals(tmp_path):
                         (["--hf", "mixtral", "--tp", "2", "--dry-run"], "one GPU"),
                         (["--hf", "mixtral", "--scale", "0.5", "--dry-run"], "real sizes"),
                         (["--hf", "mixtral", "--dtype", "mxfp8", "--dry-run"], "bf16"),
-                        (["--hf", "mixtral", "--impl", "deepep", "--dry-run"], "hf, kosmos"),
+                        (["--hf", "mixtral", "--impl", "deepep", "--dry-run"], "hf, kosmos, kosmos-experts"),
                         (["--hf", "deepseek-v3", "--experts", "12", "--dry-run"], "multiple of 8"),
                         (["--experts", "8", "--dry-run"], "goes with --hf")):
         r = run(*args)
