@@ -739,6 +739,25 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+class StepClock:
+    """One step's time in ms from construction to ``stop()``: CUDA events on the GPU (``stop`` waits for the
+    step's kernels), perf_counter on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end)
+        return (time.perf_counter() - self.t0) * 1e3
+
+
 def train_losses(proxy: Proxy, shape: ProxyShape, st: TrainSettings, device, *, group=None, rank=0,
                  timed: bool = True):
     """Run ``st.warmup + st.steps`` steps of ``proxy``; returns (losses of the timed steps, step times in ms)."""
@@ -747,17 +766,13 @@ def train_losses(proxy: Proxy, shape: ProxyShape, st: TrainSettings, device, *, 
     target = fixed_target(shape, st.seed, device, rank, world)
     opt = torch.optim.AdamW(proxy.parameters(), **{**ADAMW, "lr": adamw_lr(shape.hidden)})
     shared = replicated_params(proxy)
-    cuda = torch.device(device).type == "cuda"
     losses, times = [], []
     for i in range(st.warmup + st.steps):
         x = step_input(shape, i, st.seed, device, rank, world)
         _sync(device)
         if world > 1:
             dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
+        clock = StepClock(device)
         y = proxy(x)
         local = ((y.float() - target) ** 2).sum() / n_total
         local.backward()
@@ -768,12 +783,7 @@ def train_losses(proxy: Proxy, shape: ProxyShape, st: TrainSettings, device, *, 
                 _sum_over_ranks(p.grad, group)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if cuda:
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - t0) * 1e3
+        ms = clock.stop()
         loss = _sum_over_ranks(local.detach().double().reshape(1), group)
         if i >= st.warmup:
             losses.append(loss.item())

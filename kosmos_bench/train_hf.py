@@ -41,14 +41,13 @@ Tests: tests/test_bench_train_hf.py (CPU: tiny configs with the reference layer 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 
 import torch
 
 from kosmos.models import HF_CONFIGS, MOE_MODELS
 
-from .train import ADAMW, TrainSettings, Unavailable, adamw_lr, train_rows
+from .train import ADAMW, StepClock, TrainSettings, Unavailable, _sync, adamw_lr, train_rows
 
 HF_IMPLS = ("hf", "kosmos", "kosmos-experts")
 HF_BASELINE = "hf"
@@ -226,25 +225,16 @@ def step_batch(shape: HFTrainShape, step: int, seed: int, device):
 def train_losses_hf(model, shape: HFTrainShape, st: TrainSettings, device):
     """Run ``st.warmup + st.steps`` steps; (losses of the timed steps, their times in ms)."""
     opt = torch.optim.AdamW(model.parameters(), **{**ADAMW, "lr": adamw_lr(model.config.hidden_size)})
-    cuda = torch.device(device).type == "cuda"
     losses, times = [], []
     for i in range(st.warmup + st.steps):
         ids, labels = step_batch(shape, i, st.seed, device)
-        if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
+        _sync(device)
+        clock = StepClock(device)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if cuda:
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - t0) * 1e3
+        ms = clock.stop()
         if i >= st.warmup:
             losses.append(loss.item())
             times.append(ms)
