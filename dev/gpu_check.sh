@@ -15,9 +15,9 @@
 # --workers 1 runs the tests in one process, as plain pytest does.
 #
 # Before the tests: installs this tree in editable mode if `kosmos` does not import from it (the GPU machine has no
-# package registry: --no-deps), and DeepEP from .whl/deep_ep-*.whl if that wheel was carried (its tests skip
-# without it). Prints an environment line, pytest's summary and the slowest tests, then `time`'s lines; exits with
-# pytest's status (non-zero on any failure, or when nothing was collected).
+# package registry: --no-deps), and DeepEP / Liger-Kernel from .whl/deep_ep-*.whl / .whl/liger_kernel-*.whl if carried
+# (their tests skip without them). Prints an environment line, pytest's summary and the slowest tests, then `time`'s
+# lines; exits with pytest's status (non-zero on any failure, or when nothing was collected).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,6 +58,11 @@ wheel=$(ls .whl/deep_ep-*.whl 2>/dev/null | head -1)
 if [ -n "$wheel" ] && ! "$py" -c "import deep_ep" 2>/dev/null; then
   "$py" -m pip install -q --no-deps --target /tmp/kosmos-deepep-site "$wheel" > /dev/null 2>&1 \
     && export PYTHONPATH="$PYTHONPATH:/tmp/kosmos-deepep-site" || echo "DeepEP: installing $wheel failed"
+fi
+wheel=$(ls .whl/liger_kernel-*.whl 2>/dev/null | head -1)  # Liger-Kernel (pure Python): bench moe's liger row
+if [ -n "$wheel" ] && ! "$py" -c "import liger_kernel" 2>/dev/null; then
+  "$py" -m pip install -q --no-deps --target /tmp/kosmos-liger-site "$wheel" > /dev/null 2>&1 \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/kosmos-liger-site" || echo "Liger-Kernel: installing $wheel failed"
 fi
 
 sel="gpu or ranks or multi_gpu or gpu_optional"

@@ -23,12 +23,22 @@ element; a column layer re-gathers them with NCCL, 0.52x of the bf16 bytes) -- a
 straight through the quantizers to x and the master weight (the MX training recipes do the same; dy itself
 is not quantized here).
 
-``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains in bf16 at any
+``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains at any
 expert-parallel size: the backward is ``kosmos.ops.moe_backward.moe_backward`` (every gradient from the forward's
-routing decision: one launch for the expert part at one rank, and at W > 1 on CUDA one launch with the exchanges
-as its stages (GEMM1 recomputed inside it); the multi-launch path with all-to-alls between launches on the CPU and
-with ``save_gate_up=True`` at W > 1 -- in MXFP8 a forward that needs gradients raises instead of silently dropping
-them).
+routing decision; bf16: one launch for the expert part at one rank, and at W > 1 on CUDA one launch with the
+exchanges as its stages (GEMM1 recomputed inside it); the multi-launch path with all-to-alls between launches on the
+CPU and with ``save_gate_up=True`` at W > 1).
+``dtype="mxfp8"`` trains too: bf16 parameters (the master weights), the forward on MX values
+(``moe_forward(precision="mxfp8")``: x quantized per call, the experts' MX values along H / F), and the MX backward
+(``moe_backward(precision="mxfp8")``, kosmos/ops/moe_backward/mx.py): every backward GEMM multiplies both its
+operands' MX values with blocks of 32 along that GEMM's own K -- dgrad2 dy and W2 along H, wgrad2 h and w*dy along
+the rows, dgrad1 [dg | du] and W13 along 2F, wgrad1 x and [dg | du] along the rows (blocks of 32 rows of one expert)
+-- each rounded from its bf16 values, with fp32 accumulation, the SwiGLU, gate and router backward in fp32 and the
+gradients straight through the quantizers. This differs from the linears' rule above (the forward's MX operands,
+dy in bf16): every MoE backward GEMM, dy included, is an MX GEMM. It runs on the multi-launch path at any W (the
+one launch is bf16 only) and recomputes g | u on the MX operands (``save_gate_up`` applies to bf16); the module
+keeps four MX copies of its expert weights (``MoEMXWeights``: the forward's two, the backward's two -- W13 along 2F,
+W2 along H) until a parameter changes, two while it only runs without gradients.
 The forward keeps x, the parameters and the routing (weights, experts: T*k each), and by default at one rank
 GEMM1's g | u (T*k x 2F bf16 and the rows' (source, token, slot); ``save_gate_up``): the backward skips
 recomputing GEMM1. At W > 1, and with ``save_gate_up=False``, the backward recomputes GEMM1 instead (at W > 1 the
@@ -42,7 +52,8 @@ router; ``MoEExpertsFn``): what transformers' ExpertsInterface calls an experts 
 
 The why and the costs: docs/design/quant.md (MX linears), docs/design/moe_forward.md and moe_backward.md (MoE).
 Tests: tests/test_nn_tp.py (the linears at W = 1, 2, bf16 and MXFP8, the MX weight cache), test_moe_forward.py
-(``MoE`` trains at one rank, MXFP8 arguments and autograd refusal, ``moe_experts``' autograd and refusals).
+(``MoE`` trains at one rank, in bf16 and MXFP8, MXFP8 arguments, ``moe_experts``' autograd and refusals);
+tests/test_moe_backward.py (the MX backward: test_moe_backward_mx*).
 """
 from __future__ import annotations
 
@@ -56,6 +67,7 @@ from .core.runtime import world_size
 from .ops.all_gather_matmul import all_gather_matmul
 from .ops.matmul_reduce_scatter import matmul_reduce_scatter
 from .ops.moe_backward import moe_backward
+from .ops.moe_backward.mx import MoEMXWeights, moe_mx_weights
 from .ops.moe_forward import moe_forward
 from .reference.moe import GIVEN, ROUTINGS, check_given_routing
 
@@ -250,26 +262,36 @@ def _moe_forward_saving(ctx, x, router_weight, w13, w2, save_gate_up, **kw):
 class MoEFn(torch.autograd.Function):
     """y = moe_forward(x, ...) over the EP group with its backward (kosmos.ops.moe_backward.moe_backward: its one
     launch where it runs, the module docstring says where); the bias gets no gradient; d(router weight) is this rank's
-    tokens' part (all-reduce it over the data-parallel ranks like any replicated parameter's gradient)."""
+    tokens' part (all-reduce it over the data-parallel ranks like any replicated parameter's gradient).
+    ``mx_weights`` (a MoEMXWeights of w13 / w2): the MXFP8 layer -- the forward on its MX values
+    (moe_forward(precision="mxfp8")), the MX backward (moe_backward(precision="mxfp8"): the gradients of w13 / w2,
+    the bf16 weights, straight through the quantizers); g | u is then recomputed, never saved."""
 
     @staticmethod
-    def forward(ctx, x, router_weight, w13, w2, bias, top_k, routing, route_kw, group=None, save_gate_up=False):
-        y, weights, experts = _moe_forward_saving(ctx, x, router_weight, w13, w2, save_gate_up, top_k=top_k,
-                                                  routing=routing, bias=bias, group=group, **route_kw)
+    def forward(ctx, x, router_weight, w13, w2, bias, top_k, routing, route_kw, group=None, save_gate_up=False,
+                mx_weights=None):
+        mx = mx_weights is not None
+        y, weights, experts = _moe_forward_saving(
+            ctx, x, router_weight, mx_weights.w13 if mx else w13, mx_weights.w2 if mx else w2,
+            save_gate_up and not mx, top_k=top_k, routing=routing, bias=bias, group=group,
+            **(dict(precision="mxfp8") if mx else {}), **route_kw)
         ctx.save_for_backward(x, router_weight, w13, w2, weights, experts)
         ctx.routing = routing
         ctx.route_kw = route_kw
         ctx.group = group
+        ctx.mx_weights = mx_weights  # kept until the backward, as saved_gu
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, router_weight, w13, w2, weights, experts = ctx.saved_tensors
         kw = {k: v for k, v in ctx.route_kw.items() if k in ("renormalize", "routed_scaling")}
+        if ctx.mx_weights is not None:
+            kw.update(precision="mxfp8", mx_weights=ctx.mx_weights)
         dx, d_router, dw13, dw2 = moe_backward(x, router_weight, w13, w2, dy.contiguous(), weights, experts,
                                                group=ctx.group, routing=ctx.routing, saved_gu=ctx.saved_gu, **kw)
-        ctx.saved_gu = None
-        return dx, d_router, dw13, dw2, None, None, None, None, None, None
+        ctx.saved_gu = ctx.mx_weights = None
+        return dx, d_router, dw13, dw2, None, None, None, None, None, None, None
 
 
 class MoEExpertsFn(torch.autograd.Function):
@@ -345,16 +367,27 @@ class MoE(torch.nn.Module):
             self.w2.normal_(0.0, 1.0 / math.sqrt(self.w2.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.w13, self.w2
-        if self.precision == "mxfp8" and not _needs_grad(x, self.router_weight, w13, w2):
-            # the experts' MX values, cached until a parameter changes
-            key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))
-            if self._mx_cache is None or self._mx_cache[0] != key:
-                self._mx_cache = (key, quant.mx_values(self.w13.detach(), dim=1),
-                                  quant.mx_values(self.w2.detach(), dim=1))
-            w13, w2 = self._mx_cache[1], self._mx_cache[2]
-        return moe(x, self.router_weight, w13, w2, top_k=self.top_k, routing=self.routing, bias=self.bias,
-                   group=self.group, precision=self.precision, save_gate_up=self.save_gate_up, **self.route_kw)
+        mx_weights = None
+        if self.precision == "mxfp8":
+            mx_weights = self._mx_weights(backward=_needs_grad(x, self.router_weight, self.w13, self.w2))
+        return moe(x, self.router_weight, self.w13, self.w2, top_k=self.top_k, routing=self.routing, bias=self.bias,
+                   group=self.group, precision=self.precision, save_gate_up=self.save_gate_up,
+                   mx_weights=mx_weights, **self.route_kw)
+
+    def _mx_weights(self, backward: bool) -> MoEMXWeights:
+        """The experts' MX values (MoEMXWeights), cached until a parameter changes (its ``_version``): the forward's
+        two copies, and the backward's two more once a forward needs gradients."""
+        key = tuple((p.data_ptr(), p._version) for p in (self.w13, self.w2))
+        cache = self._mx_cache
+        if cache is None or cache[0] != key or (backward and cache[1].w13_bwd is None):
+            with torch.no_grad():
+                if backward:
+                    mxw = moe_mx_weights(self.w13.detach(), self.w2.detach())
+                else:
+                    mxw = MoEMXWeights(quant.mx_values(self.w13.detach(), dim=1),
+                                       quant.mx_values(self.w2.detach(), dim=1), None, None)
+            self._mx_cache = cache = (key, mxw)
+        return cache[1]
 
 
 def _needs_grad(*tensors) -> bool:
@@ -363,7 +396,7 @@ def _needs_grad(*tensors) -> bool:
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *, top_k: int,
         routing: str = "softmax", bias: torch.Tensor | None = None, group=None, precision: str = "bf16",
-        save_gate_up: bool | None = None, **route_kw) -> torch.Tensor:
+        save_gate_up: bool | None = None, mx_weights: MoEMXWeights | None = None, **route_kw) -> torch.Tensor:
     """The routed-expert layer as a function: ``moe_forward`` in one launch, with autograd (``MoEFn``) when a
     gradient is needed -- what ``MoE.forward`` and ``kosmos.integrations.transformers`` run.
 
@@ -372,17 +405,27 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: tor
     layout as it is, and the weight gradients come back in the weights' layout (no copy); route_kw:
     ``renormalize``, ``routed_scaling``, and for ``routing="sigmoid-grouped"`` ``n_group`` / ``topk_group``
     (``bias`` [E] is the expert-choice bias, no gradient). ``save_gate_up``: keep GEMM1's g | u for the
-    backward (None: at one rank). With ``precision="mxfp8"`` w13 / w2 must hold the experts' MX values and no
-    gradient may be needed (the MX backward does not exist yet): a RuntimeError says so."""
+    backward (None: at one rank).
+
+    ``precision="mxfp8"`` (H and F multiples of 32): the MXFP8 layer. The forward multiplies the experts' MX values:
+    ``mx_weights.w13`` / ``.w2`` (a ``MoEMXWeights``, ``kosmos.ops.moe_backward.moe_mx_weights(w13, w2)``, what
+    nn.MoE caches); without ``mx_weights``, w13 / w2 themselves when no gradient is needed (they must then hold the
+    MX values: ``quant.mx_values(w13, dim=1)``, ``(w2, dim=1)``), else the copies rounded here from w13 / w2, per
+    call. When a gradient is needed w13 / w2 are the bf16 weights and get the gradients of the MX backward
+    (moe_backward(precision="mxfp8"): every backward GEMM on MX operands along its own K, straight through the
+    quantizers; kosmos/ops/moe_backward/mx.py); g | u is recomputed there (``save_gate_up`` does not apply)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    mx = precision == "mxfp8"
     if _needs_grad(x, router_weight, w13, w2):
-        if precision != "bf16":
-            raise RuntimeError("the MoE layer's backward runs in bf16 only so far (dtype='mxfp8' trains "
-                               "nothing yet): run this under torch.no_grad() / inference_mode, or freeze its "
-                               "parameters")
+        if mx and (mx_weights is None or mx_weights.w13_bwd is None):
+            mx_weights = moe_mx_weights(w13.detach(), w2.detach())
         if save_gate_up is None:
             save_gate_up = world_size(group) == 1
         return MoEFn.apply(x, router_weight, w13, w2, bias, top_k, routing, dict(route_kw), group,
-                           bool(save_gate_up))
+                           bool(save_gate_up), mx_weights if mx else None)
+    if mx and mx_weights is not None:
+        w13, w2 = mx_weights.w13, mx_weights.w2
     return moe_forward(x, router_weight, w13, w2, top_k=top_k, routing=routing, bias=bias, group=group,
                        precision=precision, **route_kw)
 

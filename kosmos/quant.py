@@ -83,7 +83,8 @@ written as uint8, so the same code gives the same bits under TRITON_INTERPRET=1 
   times ``mx_scale_f32`` and one rounding to bf16 (``CVT``); the integer path on the bit patterns
   (``_mx_magnitude_bits``) for the interpreter and for fp32 output. The two give the same bits.
 * ``round_to_mx`` (``_round_kernel``): ``mx_round`` = dequantize(quantize(x)) in one kernel (2 bytes read and 2
-  written per element), bit for bit the round trip.
+  written per element), bit for bit the round trip; ``round_to_mx_rows`` (``_round_rows_kernel``) the same with
+  blocks of 32 rows per column (the MoE MX backward's weight-gradient operands).
 ``mx_round_bf16`` (and ``mx_scale_f32``) are device functions for kernels that round (or expand) an operand in
 registers: the MoE layer's GEMM1 epilogue, the TP ops' dequantize-on-arrival. Launches go through cached
 ``launch_plan.KernelLaunch``es keyed by ``_key`` (shape, strides, dtype, device, alignment): a hit skips the
@@ -448,6 +449,20 @@ def _round_kernel(x_ptr, out_ptr, rows, nb, BLOCK_R: tl.constexpr, BLOCK_NB: tl.
     tl.store(out_ptr + offs, mx_round_bf16(h), mask=mask)
 
 
+@triton.jit
+def _round_rows_kernel(x_ptr, out_ptr, rows, cols, BLOCK_RB: tl.constexpr, BLOCK_C: tl.constexpr):
+    """x, out: bf16 [rows, cols]; out = the MX values of x with blocks of 32 consecutive rows per column (row block
+    b: rows [32 b, 32 b + 32)), rows past ``rows`` read as zeros: a [BLOCK_RB, BLOCK_C, 32] tile whose last axis
+    is one block (mx_round_bf16's), one read and one write."""
+    b = tl.program_id(0) * BLOCK_RB + tl.arange(0, BLOCK_RB)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r = b[:, None, None] * 32 + tl.arange(0, 32)[None, None, :]
+    offs = r.to(tl.int64) * cols + c[None, :, None]
+    mask = (r < rows) & (c < cols)[None, :, None]
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, mx_round_bf16(h), mask=mask)
+
+
 # ============================================================================================ host wrappers
 def _tiles(rows: int, nb: int):
     """(BLOCK_R, BLOCK_NB, num_warps): 8 rows x 8 MX blocks (2048 elements) per 4-warp program on the GPU (the
@@ -557,4 +572,21 @@ def round_to_mx(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     if out.numel():
         _launch(_round_kernel, key, x, [x, out, rows, k // MX_BLOCK], (out,), kl)
+    return out
+
+
+def round_to_mx_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (bf16 [rows, K], contiguous; CUDA, or the CPU under TRITON_INTERPRET=1) -> its MX values with blocks of 32
+    consecutive rows per column, counted from row 0 (bf16 [rows, K]): the rounding of an operand whose GEMM sums
+    over the rows (a weight gradient's). A last block of fewer than 32 rows is rounded as if zero rows completed
+    it (zeros change no block's scale): bit for bit ``mx_values`` along dim 0 of x with zero rows appended up to
+    a multiple of 32, cut back (mx_round_bf16; the MoE MX backward's reference.moe.mx_rows_ref). Any K; one
+    kernel, launched directly (no cached plan)."""
+    _check_mx_matrix("x", x, (torch.bfloat16,), kernel=True)
+    rows, k = x.shape
+    out = torch.empty_like(x)
+    if out.numel():
+        brb, bc = (4, 64) if planning.interpreting() else (2, 32)
+        _round_rows_kernel[(-(-rows // (32 * brb)), -(-k // bc))](x, out, rows, k, BLOCK_RB=brb, BLOCK_C=bc,
+                                                                 num_warps=4)
     return out

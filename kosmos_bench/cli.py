@@ -192,9 +192,11 @@ MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comm
 MOE_DIRECTION_OPTION = typer.Option(None, "--direction", help="fwd (the layer's forward, the default), bwd (its "
                                     "backward alone: an untimed forward before each timed backward) or fwd+bwd, or "
                                     "a comma list (every point runs in each, rows carry their direction). The "
-                                    "backward rows run in bf16: kosmos (at --ep 1 moe_backward_w1 on the forward's "
+                                    "backward rows: kosmos (at --ep 1 moe_backward_w1 on the forward's "
                                     "kept g | u; at --ep > 1 moe_backward, GEMM1 recomputed) and nccl-a2a "
-                                    "(autograd), checked against the fp32 gradients.")
+                                    "(autograd), checked against the fp32 gradients; at --dtype mxfp8 the MX "
+                                    "backward (every backward GEMM on MX operands) of both, checked against the "
+                                    "MX layer's fp32 gradients.")
 
 
 def _suite_default(bench: str, key: str) -> str:

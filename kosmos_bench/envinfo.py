@@ -120,7 +120,7 @@ def env_report() -> str:
               f"driver:      {_driver() or 'unknown (nvidia-smi not found or failed)'}"]
     lines += _gpu_lines(torch)
     lines += _topology()
-    lines.append("optional:    " + ", ".join(f"{name} {module_version(name)}" for name in ("deep_ep", "matplotlib")))
+    lines.append("optional:    " + ", ".join(f"{name} {module_version(name)}" for name in ("deep_ep", "liger_kernel", "matplotlib")))
     env = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(ENV_PREFIXES))
     lines.append("environment: " + (", ".join(env) if env else "nothing set of " + ", ".join(
         p if p == "CUDA_VISIBLE_DEVICES" else p + "*" for p in ENV_PREFIXES)))

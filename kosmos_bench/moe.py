@@ -27,6 +27,10 @@ Implementations of the layer (registry family "moe_fwd"; y [T, H] bf16 from x [T
                    logits to bf16). "unavailable" without transformers >= 5.13, at W > 1, at mxfp8, and where the
                    point's memory estimate (``hf_check_bytes``) exceeds the GPU (``hf_memory_problem``).
   hf-eager         the same with experts implementation "eager": the experts class's own loop over the experts.
+  liger            Liger-Kernel's fused MoE (moe_liger.py): the point's router (``route``, torch), then Liger's
+                   LigerFusedMoEFunction on that decision, its weights in transformers' layout (copied once,
+                   untimed); EP = 1 and bf16, every direction (its autograd); "unavailable" without liger_kernel,
+                   CUDA, at W > 1, at mxfp8, or past ``liger_check_bytes``. Not in the suites: ``--impl liger``.
 Precisions (``--dtype bf16,mxfp8``: every point runs at each, bf16 first; each row's ``dtype`` says which). At
 mxfp8 every implementation starts from the same bf16 x; the experts' weights' MX values (``quant.mx_values``,
 blocks along H for W13, along F for W2) are made once, outside the timed call, like a cached weight:
@@ -68,13 +72,18 @@ row's ``direction`` says which; rows without it are fwd):
            kosmos: ``moe_forward(..., return_routing=True)`` untimed (at W = 1 with ``save_gu=True``, as
            kosmos.nn.MoE trains: GEMM1's g | u kept), then on its decision
            ``kosmos.kernels.moe_backward.moe_backward_w1`` (W = 1, on the saved g | u) or ``moe_backward`` over
-           the EP group (W > 1: its one launch, GEMM1 recomputed inside it, the exchanges as stages) timed; bf16 only ("unavailable" at mxfp8). nccl-a2a: autograd
-           through ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad (torch._grouped_mm has
-           a derivative; the row exchanges are moe_reference.AllToAllRows at W > 1), the forward (its graph)
-           untimed, ``torch.autograd.grad`` timed; bf16 only. deepep: the same autograd timing through its layer
-           (``deepep_layer``: DeepEP's dispatch and combine as autograd Functions -- dispatch's backward a combine
-           of the gradient, combine's a cached dispatch -- around nccl-a2a's expert GEMMs); bf16 only, and as in
-           the forward at W 2, 4 or 8 only. fixed-role, fixed-role-best (W > 1, bf16; at W = 1 "unavailable": no
+           the EP group (W > 1: its one launch, GEMM1 recomputed inside it, the exchanges as stages) timed.
+           nccl-a2a: autograd through ``moe_forward_a2a(fp32=False)`` with x and the parameters requiring grad
+           (torch._grouped_mm has a derivative; the row exchanges are moe_reference.AllToAllRows at W > 1), the
+           forward (its graph) untimed, ``torch.autograd.grad`` timed. At mxfp8 (every W): kosmos
+           ``moe_forward(precision="mxfp8", return_routing=True)`` untimed, then ``moe_backward(precision="mxfp8")``
+           (the MX backward: the multi-launch path, every backward GEMM on MX operands along its own K;
+           kosmos/ops/moe_backward/mx.py) with the experts' four MX copies (MoEMXWeights) made once outside the
+           timed call; nccl-a2a autograd through ``moe_mx.moe_forward_a2a_mx_train(fp32=False)`` -- the same MX
+           rounding rules as autograd Functions around its grouped GEMMs, bf16 rows on the wire, the same MX
+           copies. deepep: the same autograd timing through its layer (``deepep_layer``: DeepEP's dispatch and
+           combine as autograd Functions -- dispatch's backward a combine of the gradient, combine's a cached
+           dispatch -- around nccl-a2a's expert GEMMs); bf16 only, and as in the forward at W 2, 4 or 8 only. fixed-role, fixed-role-best (W > 1, bf16; at W = 1 "unavailable": no
            communication): the forward at policy "fixed" untimed, then ``moe_backward(..., one_launch=True,
            policy="fixed", comm_programs=S)`` timed -- the backward's ONE launch with its exchanges as stages and its
            fixed-role split (programs < S: COMBINE-BWD, PERMUTE-BWD, DISPATCH-BWD, UNPERMUTE; the rest: the GEMMs,
@@ -84,10 +93,12 @@ row's ``direction`` says which; rows without it are fwd):
            The output gradient dy ~ N(0, 1) bf16, this rank's.
   fwd+bwd  both in one timed call.
   Checked (``grad_reference``): dx, d_router, dw13 and dw2 each against an fp32 reference, relative Frobenius
-  error; the row's rel_err is the largest (tolerance GRAD_TOLERANCE, 3e-2: bf16 through several GEMMs), each in
-  ``rel_err_grads``. W = 1: ``moe_reference.moe_backward_ref`` (explicit formulas) for the implementation's own
-  routing decision (nccl-a2a: ``route`` on the same inputs, the call moe_forward_a2a makes), a chunk of experts
-  at a time, each chunk's weight gradients compared as they come (memory: grad_reference). W > 1: autograd
+  error; the row's rel_err is the largest (tolerance GRAD_TOLERANCE, 3e-2: bf16 through several GEMMs; at mxfp8
+  GRAD_TOLERANCE_MX against the MX layer's fp32 math, ``moe_backward_ref(mx=True)`` / at W > 1 autograd through
+  ``moe_forward_a2a_mx_train(fp32=True)``), each in ``rel_err_grads``. W = 1: ``moe_reference.moe_backward_ref``
+  (explicit formulas) for the implementation's own routing decision (nccl-a2a: ``route`` on the same inputs, the
+  call moe_forward_a2a makes), a chunk of experts at a time, each chunk's weight gradients compared as they come
+  (memory: grad_reference). W > 1: autograd
   through ``moe_forward_a2a(fp32=True)`` over the group on fp32 copies of the inputs, for the decision of
   ``route`` (fp32 logits), computed once per point before any implementation runs (it is collective: inside an
   implementation's check a failing rank would leave its peers waiting); an implementation whose decision differs
@@ -137,12 +148,13 @@ from kosmos.core import runtime
 from kosmos.config import MoEBackwardConfig, config_dict
 from kosmos.ops.moe_backward.multi_launch import expert_backward_gemms
 from kosmos.ops.moe_backward.api import expert_backward_operands, moe_backward, moe_backward_w1  # (moe_backward_w1: one rank)
+from kosmos.ops.moe_backward.mx import MoEMXWeights, moe_mx_weights
 from kosmos.ops.moe_forward import expert_gemms
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.reference.moe import _experts_forward, moe_backward_ref, moe_forward_a2a, route
 from kosmos.reference import FrobeniusError
 
-from . import harness, moe_hf, moe_mx, registry, timing
+from . import harness, moe_hf, moe_liger, moe_mx, registry, timing
 from .harness import Settings, policy_kwargs, world_info
 from .registry import names, register
 
@@ -152,6 +164,11 @@ FWD, BWD, FWD_BWD = "fwd", "bwd", "fwd+bwd"
 DIRECTIONS = (FWD, BWD, FWD_BWD)  # --direction: what is timed (module docstring)
 GRADS = ("dx", "d_router", "dw13", "dw2")  # the backward's outputs, in moe_backward_w1's order
 GRAD_TOLERANCE = 3e-2  # bf16 gradients through several GEMMs (dgrad2, SwiGLU backward, dgrad1, wgrads)
+# mxfp8 gradients against the MX layer's fp32 math: every GEMM operand MX-rounded from bf16 intermediates (g | u, z,
+# [dg | du], h), so a bf16-level difference there moves a whole MX quantum now and then (measured on the CPU, tiny
+# shapes: kosmos 0.5-1.4e-2, nccl-a2a's MX autograd 0.3-2e-2); below the MX-vs-bf16 gap (0.05-0.1), so a bf16
+# backward passed off as MX fails
+GRAD_TOLERANCE_MX = 5e-2
 # the FLOPs of each direction in units of the forward's expert GEMMs (6*T*k*H*F): the backward is a data and a
 # weight gradient per GEMM (the kosmos backward's GEMM1 recompute is not counted: not useful work)
 DIRECTION_FLOPS = {FWD: 1.0, BWD: 2.0, FWD_BWD: 3.0}
@@ -364,6 +381,7 @@ class MoEInputs:
     direction: str = FWD
     dy: torch.Tensor | None = None  # bwd, fwd+bwd: the output gradient [T, H] bf16 (N(0, 1), this rank's)
     bwd_config: MoEBackwardConfig | None = None  # bwd, fwd+bwd: the kosmos backward's (``--config moe_bwd.*``)
+    mx_weights: MoEMXWeights | None = None  # mxfp8 bwd, fwd+bwd: the experts' four MX copies, made once
 
     def route_kw(self) -> dict:
         return route_kwargs(self.model, self.bias)
@@ -392,14 +410,10 @@ class ExpertInputs:
 
 
 def _kosmos_backward_available(world: int, dtype) -> tuple[bool, str | None]:
-    if dtype == MX:
-        return False, "no MXFP8 backward yet"
     return True, None
 
 
 def _a2a_backward_available(world: int, dtype) -> tuple[bool, str | None]:
-    if dtype == MX:
-        return False, "no MXFP8 backward in the nccl-a2a baseline yet"
     return True, None
 
 
@@ -412,6 +426,8 @@ def _fixed_backward_available(world: int, dtype) -> tuple[bool, str | None]:
     ok, reason = harness.needs_peers(world)
     if not ok:
         return False, reason
+    if dtype == MX:
+        return False, "the MXFP8 backward runs on the multi-launch path: no fixed-role split"
     return _kosmos_backward_available(world, dtype)
 
 
@@ -441,9 +457,12 @@ def _kosmos_backward(inp: MoEInputs, params: dict, config):
     comm_programs S; W > 1 only): the forward at policy "fixed", S as in the fwd rows, and the backward's one launch
     with its fixed-role split at the same S (moe_backward(one_launch=True, policy="fixed", comm_programs=S))."""
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    save = not multi  # as kosmos.nn.MoE trains by default: g | u kept from the forward at one rank
+    mx = inp.dtype == MX
+    save = not multi and not mx  # as kosmos.nn.MoE trains by default: g | u kept from the forward at one rank
     fixed = params.get("comm_programs") is not None
     bwd_kw = dict(one_launch=True, **policy_kwargs(params)) if fixed else {}
+    if mx:  # the MX layer (nn.MoE(dtype="mxfp8")): the forward on the MX copies, the MX backward (multi-launch)
+        return _kosmos_backward_mx(inp, params, config)
 
     def forward():
         out = moe_forward(inp.x, inp.router_weight, inp.w13, inp.w2, top_k=inp.model.top_k, **inp.route_kw(),
@@ -460,9 +479,30 @@ def _kosmos_backward(inp: MoEInputs, params: dict, config):
     return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))
 
 
+def _kosmos_backward_mx(inp: MoEInputs, params: dict, config):
+    """mxfp8 bwd / fwd+bwd: moe_forward(precision="mxfp8", return_routing=True) on the forward's MX copies untimed
+    (bwd), then moe_backward(precision="mxfp8", mx_weights=the four copies) over the default group timed."""
+    def forward():
+        out = moe_forward(inp.x, inp.router_weight, inp.w13_mx, inp.w2_mx, top_k=inp.model.top_k, **inp.route_kw(),
+                          group=None, config=config, precision=MX, return_routing=True, **policy_kwargs(params))
+        return out[1], out[2]
+
+    def backward(state):
+        weights, experts = state
+        grads = moe_backward(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy, weights, experts, precision=MX,
+                             mx_weights=inp.mx_weights, **inp.backward_kw())
+        return (*grads, experts)
+
+    return timing.Split(forward, backward) if inp.direction == BWD else (lambda: backward(forward()))
+
+
 def a2a_backward(inp: MoEInputs):
     """nccl-a2a's backward: autograd through ``moe_forward_a2a(fp32=False)`` (torch._grouped_mm has a derivative;
-    autograd_backward)."""
+    autograd_backward); at mxfp8 through ``moe_mx.moe_forward_a2a_mx_train(fp32=False)`` (the MX backward's
+    rounding rules as autograd Functions around its grouped GEMMs)."""
+    if inp.dtype == MX:
+        return autograd_backward(inp, lambda *leaves: moe_mx.moe_forward_a2a_mx_train(
+            *leaves, inp.mx_weights, top_k=inp.model.top_k, fp32=False, **inp.route_kw()))
     return autograd_backward(inp, lambda *leaves: moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=False,
                                                                   **inp.route_kw()))
 
@@ -560,8 +600,8 @@ def grad_reference(inp: MoEInputs, world: int = 1) -> harness.Reference:
     139 GiB. Now (``backward_check_bytes``, balanced load, EP = 1): deepseek-v3 at 4k tokens ~46 GiB (weights 21,
     the implementation's gradients 21, the reference 4.0), at 8k ~48 GiB (the reference 5.6, the implementation's
     own working set 5.3); qwen3-235b 4k ~13 GiB."""
-    if world > 1 and inp.dtype == MX:  # no implementation has an MXFP8 backward: nothing to check, nothing to pay
-        return harness.Reference(_no_mx_backward_reference, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
+    mx = inp.dtype == MX
+    tol = GRAD_TOLERANCE_MX if mx else GRAD_TOLERANCE
     if world > 1:
         return grad_reference_distributed(inp)
     chunk = grad_reference_chunk(inp.model)
@@ -577,15 +617,11 @@ def grad_reference(inp: MoEInputs, world: int = 1) -> harness.Reference:
 
         dx, d_router, _, _ = moe_backward_ref(inp.x, inp.router_weight, inp.w13, inp.w2, inp.dy,
                                               top_k=inp.model.top_k, **inp.route_kw(), experts=out[len(GRADS)],
-                                              expert_chunk=chunk, on_weight_grads=compare)
+                                              expert_chunk=chunk, on_weight_grads=compare, mx=mx)
         errs["dx"].add(out[0], dx)
         errs["d_router"].add(out[1], d_router)
         return {name: e.value() for name, e in errs.items()}
-    return harness.Reference(ref, GRAD_TOLERANCE, parts=GRADS, parts_key="rel_err_grads")
-
-
-def _no_mx_backward_reference(out):
-    raise ValueError("no MXFP8 backward reference at W > 1 (no implementation has an MXFP8 backward)")
+    return harness.Reference(ref, tol, parts=GRADS, parts_key="rel_err_grads")
 
 
 def grad_reference_distributed(inp: MoEInputs, group=None) -> harness.Reference:
@@ -596,8 +632,12 @@ def grad_reference_distributed(inp: MoEInputs, group=None) -> harness.Reference:
     implementation routed differently, which on these tie-free inputs is a bug)."""
     _, decision = route(inp.x, inp.router_weight, inp.model.top_k, **inp.route_kw())
     leaves = [t.detach().float().requires_grad_(True) for t in (inp.x, inp.router_weight, inp.w13, inp.w2)]
-    y = moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=True, experts=decision, group=group,
-                        **inp.route_kw())
+    if inp.dtype == MX:  # the MX layer's fp32 math with its MX backward (moe_backward_ref(mx=True), distributed)
+        y = moe_mx.moe_forward_a2a_mx_train(*leaves, inp.mx_weights, top_k=inp.model.top_k, fp32=True,
+                                            experts=decision, group=group, **inp.route_kw())
+    else:
+        y = moe_forward_a2a(*leaves, top_k=inp.model.top_k, fp32=True, experts=decision, group=group,
+                            **inp.route_kw())
     grads = tuple(g.detach() for g in torch.autograd.grad(y, leaves, inp.dy.float()))
     del y, leaves
 
@@ -711,6 +751,72 @@ def _kosmos_layout(grads):
 for _name in moe_hf.HF_IMPLS:
     register("moe_fwd", _name, available=moe_hf.hf_available, dtypes=HF_DTYPES)(_hf_maker(_name))
 
+# Liger-Kernel's fused MoE (moe_liger.py: Liger's own pieces): its experts on the point's router (route, in torch);
+# bf16, EP = 1, every direction (its autograd Function); "unavailable" without liger_kernel, CUDA, or at EP > 1
+def liger_check_bytes(m: MoEModel, tokens: int, direction: str) -> dict:
+    """Bytes live while the liger row runs and is checked at EP = 1 (balanced load, R = tokens * top_k rows), by
+    item, ``peak`` as in ``hf_check_bytes``: the same resident items as hf-grouped-mm's (both weight layouts,
+    the inputs, the outputs, the check's reference), with Liger's own working set. fwd: the router's fp32 logits and
+    probabilities [T, E], the routing metadata (int32), gate | up [R, 2F], SwiGLU [R, F], Y [R, H] (bf16). bwd,
+    fwd+bwd: gate | up saved (bf16), the router's saved fp32 [T, E] tensors and metadata, plus the larger of the
+    forward's transients (SwiGLU, Y) and the backward's (d gate | up [R, 2F], s * SwiGLU [R, F], dx rows [R, H], the
+    gate gradient [R], the router's fp32 backward: [T, E] and its part of dx [T, H]). Not counted: torch's and
+    Triton's workspaces (autotuning's L2-flush buffer), fragmentation."""
+    t, h, f, e, k = tokens, m.hidden, m.expert_ffn, m.experts, m.top_k
+    r = t * k
+    out = hf_check_bytes(m, tokens, direction, "hf-grouped-mm")
+    out["weights in Liger's layout (copy)"] = out.pop("weights in transformers' layout (copy)")
+    ref = out.pop("reference (the check, after the call)")
+    for key in ("implementation's working set", "peak"):
+        out.pop(key)
+    router, meta = 2 * t * e * 4, 4 * r * 4
+    if direction == FWD:
+        own = router + meta + r * (2 * f * 2 + f * 2 + h * 2)
+    else:
+        saved = r * 2 * f * 2 + router + meta
+        own = saved + max(r * (f * 2 + h * 2), r * (2 * f * 2 + f * 2 + h * 2 + 2) + t * e * 4 + t * h * 4)
+    out["implementation's working set"] = own
+    out["reference (the check, after the call)"] = ref
+    out["peak"] = sum(out.values()) - own - ref + max(own, ref)
+    return out
+
+
+def liger_memory_problem(m: MoEModel, tokens: int, direction: str, total_bytes: int) -> str | None:
+    """Why the liger row cannot run this point on a GPU of ``total_bytes`` (liger_check_bytes' peak over
+    HF_MEMORY_SHARE of them), else None."""
+    need = liger_check_bytes(m, tokens, direction)["peak"]
+    if need <= HF_MEMORY_SHARE * total_bytes:
+        return None
+    return (f"needs ~{need / GiB:.0f} GiB at {m.name} {tokens} tokens {direction} (estimate, liger_check_bytes), "
+            f"more than {HF_MEMORY_SHARE:.0%} of this GPU's {total_bytes / GiB:.0f} GiB")
+
+
+def liger_maker(inp, params: dict, config):
+    """The maker of the liger row (registered below): Liger's weights made here (untimed); fwd: the
+    layer's y; bwd, fwd+bwd: autograd_backward through it, the weight gradients as views in KOSMOS's layout.
+    ``inp``: MoEInputs. Workspace: none (0)."""
+    m, dev = inp.model, inp.x.device
+    try:
+        fn = moe_liger.liger_function()
+    except ImportError as e:  # (liger_available said yes; a second process may differ)
+        raise registry.Unavailable(str(e)) from None
+    if dev.type == "cuda":
+        problem = liger_memory_problem(m, inp.x.shape[0], inp.direction,
+                                       torch.cuda.get_device_properties(dev).total_memory)
+        if problem:
+            raise registry.Unavailable(problem)
+    layer = moe_liger.liger_layer(fn, m.top_k, inp.route_kw())
+    gate_up, down = moe_liger.liger_weights(inp.w13, inp.w2)
+    if inp.direction == FWD:
+        x, wr = inp.x, inp.router_weight
+        return (lambda: layer(x, wr, gate_up, down)[0]), 0
+    leaves = [inp.x.detach().requires_grad_(True), inp.router_weight.detach().requires_grad_(True),
+              gate_up.requires_grad_(True), down.requires_grad_(True)]
+    return autograd_backward(inp, layer, leaves=leaves, grads_as=moe_liger.kosmos_grads), 0
+
+
+register("moe_fwd", "liger", available=moe_liger.liger_available, dtypes=moe_liger.LIGER_DTYPES)(liger_maker)
+
 
 def hf_forward_reference(inp: MoEInputs) -> harness.Reference:
     """The check of an hf-* forward's output (y, its decision): y against the fp32 layer for that decision
@@ -808,7 +914,7 @@ def expert_backward_reference(inp: ExpertInputs, chunk: int) -> harness.Referenc
     return harness.Reference(ref, GRAD_TOLERANCE, parts=EXPERT_GRADS, parts_key="rel_err_grads")
 
 
-MOE_IMPLS = names("moe_fwd")  # ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best", "hf-grouped-mm", "hf-eager")
+MOE_IMPLS = names("moe_fwd")  # ("kosmos", "nccl-a2a", "deepep", "fixed-role", "fixed-role-best", "hf-grouped-mm", "hf-eager", "liger")
 EXPERT_IMPLS = names("moe_experts")  # ("grouped-mm", "kosmos-expert-gemms")
 
 
@@ -1106,12 +1212,14 @@ def run_case(case: MoECase, st: MoESettings, on_row=None, device=None) -> list[d
     w13, w2 = make_expert_weights(m, world, rank, st.seed, device)
     mx = st.dtype == MX
     fwd = st.direction == FWD
-    # mxfp8: the weights' MX values once, outside every timed call (a cached weight)
-    w_mx = moe_mx.mx_expert_weights(w13, w2) if mx and fwd else (None, None)
+    # mxfp8: the weights' MX values once, outside every timed call (a cached weight); bwd / fwd+bwd: all four
+    # copies (MoEMXWeights: the forward's two and the backward's two), as kosmos.nn.MoE caches them
+    mxw = moe_mx_weights(w13, w2) if mx and not fwd else None
+    w_mx = moe_mx.mx_expert_weights(w13, w2) if mx and fwd else (mxw[:2] if mxw is not None else (None, None))
     dy = None if fwd else torch.randn(case.tokens, m.hidden, generator=_gen(device, 1_000_003 * st.seed + 613 * rank
                                                                             + 11), device=device, dtype=torch.bfloat16)
     inp = MoEInputs(m, x, wr, bias, w13, w2, st.dtype, *w_mx, direction=st.direction, dy=dy,
-                    bwd_config=None if st.direction == FWD else st.config("moe_bwd"))
+                    bwd_config=None if st.direction == FWD else st.config("moe_bwd"), mx_weights=mxw)
     # bwd, fwd+bwd: every gradient against moe_backward_ref for the implementation's own decision (grad_reference)
     ref = (moe_forward_a2a(x, wr, w13, w2, top_k=m.top_k, fp32=True, **inp.route_kw()) if fwd
            else grad_reference(inp, world))
@@ -1219,6 +1327,8 @@ def _impl_fields(name: str, mx: bool, bwd_config=None, m: MoEModel | None = None
         return {"bwd_config": config_dict(bwd_config)}
     if name in moe_hf.HF_IMPLS and m is not None and not mx:
         return {"note": moe_hf.hf_note(name, m)}
+    if name == "liger" and not mx:
+        return {"note": moe_liger.liger_note()}
     if name == "deepep":
         note = _DEEPEP.pop("note", None)
         return {"note": note} if note else {}

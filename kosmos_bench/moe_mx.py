@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kosmos import quant
-from kosmos.reference.moe import expert_ffn_mx, route
+from kosmos.reference.moe import expert_ffn_mx, mx_rows_ref, route
 
 BASELINE_NOTE = ("GEMM1's output rounded to bf16 before the SwiGLU (torch._grouped_mm has bf16 outputs only): "
                  "checked against the MX layer with that rounding")
@@ -198,3 +198,165 @@ def wire_bytes(dtype: str, cross_pairs: int, hidden: int, world: int) -> int:
         return 0
     dispatch = hidden + hidden // 32 if dtype == "mxfp8" else 2 * hidden
     return cross_pairs * (dispatch + 2 * hidden) // world
+
+
+# ------------------------------------------------------------------------------------ the MX layer with a backward
+
+def _q_cols(t: torch.Tensor) -> torch.Tensor:
+    """t [R, K]'s MX values along K (bf16 first), in t's dtype."""
+    return quant.mx_values(t.to(torch.bfloat16).contiguous()).to(t.dtype) if t.numel() else t
+
+
+def _q_rows(t: torch.Tensor, counts: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """t [R, K] (rows grouped by expert, counts[i] of expert i)'s MX values along the rows: blocks of 32 rows of one
+    expert from its first row, the last completed by zero rows (reference.moe.mx_rows_ref per expert); bf16 first,
+    t's dtype out. fp32 (the reference): the torch reference expert by expert; else the expert rows gathered into
+    a layout padded to 32 per expert (gap rows zero) and ``quant.round_to_mx_rows`` on it (CUDA or the
+    interpreter)."""
+    if not t.numel():
+        return t
+    if fp32 or not (t.is_cuda or _interpreting()):
+        out, start = torch.empty_like(t), 0
+        for n in counts.tolist():
+            if n:
+                out[start:start + n] = mx_rows_ref(t[start:start + n])
+            start += n
+        return out
+    from kosmos.ops.moe_backward.layout import padded_layout
+    from kosmos.ops.moe_backward.rows import gather_rows
+    _, row_of, real_of, _ = padded_layout(counts, t.shape[0], pad=32)
+    return quant.round_to_mx_rows(gather_rows(t.to(torch.bfloat16).contiguous(), real_of))[row_of].to(t.dtype)
+
+
+def _interpreting() -> bool:
+    from kosmos.core import planning
+    return planning.interpreting()
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """Local expert i's w[i] [K, N] on the next counts[i] rows of a [R, K]: fp32 math expert by expert (fp32), else
+    ``_grouped`` (bf16 out)."""
+    if not fp32:
+        return _grouped(a.to(torch.bfloat16), counts, w.to(torch.bfloat16))
+    out, start = a.new_zeros((a.shape[0], w.shape[2]), dtype=torch.float32), 0
+    for i, n in enumerate(counts.tolist()):
+        if n:
+            out[start:start + n] = a[start:start + n].float() @ w[i].float()
+        start += n
+    return out
+
+
+def _wgrad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """[E, KA, KB] with [i] = a[rows of i]^T b[rows of i] (zeros for an expert without rows): torch._grouped_mm on
+    CUDA (bf16 out; what autograd's grouped-mm backward does), fp32 math expert by expert elsewhere or with fp32."""
+    if not fp32 and a.is_cuda and hasattr(torch, "_grouped_mm") and a.shape[0] > 0:
+        offs = torch.cumsum(counts.to(device=a.device), 0, dtype=torch.int32)
+        return torch._grouped_mm(a.to(torch.bfloat16).t(), b.to(torch.bfloat16), offs=offs)
+    out = a.new_zeros((counts.shape[0], a.shape[1], b.shape[1]), dtype=torch.float32)
+    start = 0
+    for i, n in enumerate(counts.tolist()):
+        if n:
+            out[i] = a[start:start + n].float().t() @ b[start:start + n].float()
+        start += n
+    return out if fp32 else out.to(torch.bfloat16)
+
+
+class _MXGemm1(torch.autograd.Function):
+    """[g | u] = Q_H(rows) @ Q_H(W13[e]) per expert; backward: d rows = Q_2F(dc) @ Q_2F(W13[e])^T, dW13[e] =
+    Q_R(rows)^T @ Q_R(dc) (kosmos.ops.moe_backward.mx's table; straight through the quantizers). ``w13`` the
+    parameter (gets dW13), ``w13_fwd`` / ``w13_bwd`` its MX values along H / along 2F (made once, outside)."""
+
+    @staticmethod
+    def forward(ctx, rows, w13, w13_fwd, w13_bwd, counts, fp32):
+        ctx.save_for_backward(rows, w13_bwd, counts)
+        ctx.fp32 = fp32
+        return _gemm(_q_cols(rows), w13_fwd, counts, fp32)
+
+    @staticmethod
+    def backward(ctx, dc):
+        rows, w13_bwd, counts = ctx.saved_tensors
+        fp32 = ctx.fp32
+        d_rows = _gemm(_q_cols(dc), w13_bwd.transpose(1, 2), counts, fp32).to(rows.dtype)
+        dw13 = _wgrad(_q_rows(rows, counts, fp32), _q_rows(dc, counts, fp32), counts, fp32)
+        return d_rows, dw13, None, None, None, None
+
+
+class _MXGatedGemm2(torch.autograd.Function):
+    """c = w * (Q_F(h) @ Q_F(W2[e])) per expert row (its gate weight w; the fold then sums c over a token's slots);
+    backward for dc (each row's token gradient dy): z = Q_H(dc) @ Q_H(W2[e])^T, dh = w z, dW2[e] = Q_R(h)^T @
+    Q_R(bf16(w dc)), dw = <z, h> (kosmos.ops.moe_backward.mx's table)."""
+
+    @staticmethod
+    def forward(ctx, h, w2, w2_fwd, w2_bwd, w, counts, fp32):
+        ctx.save_for_backward(h, w2_bwd, w, counts)
+        ctx.fp32 = fp32
+        o = _gemm(_q_cols(h), w2_fwd, counts, fp32)
+        return w[:, None] * o if fp32 else (w[:, None] * o.float()).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, dc):
+        h, w2_bwd, w, counts = ctx.saved_tensors
+        fp32 = ctx.fp32
+        z = _gemm(_q_cols(dc), w2_bwd.transpose(1, 2), counts, fp32).float()
+        do = w[:, None] * dc.float()
+        dw2 = _wgrad(_q_rows(h, counts, fp32), _q_rows(do if fp32 else do.to(torch.bfloat16), counts, fp32),
+                     counts, fp32)
+        return (w[:, None] * z).to(h.dtype), dw2, None, None, (z * h.float()).sum(-1), None, None
+
+
+def moe_forward_a2a_mx_train(x, router_weight, w13, w2, mx_weights, *, top_k: int, routing: str = "softmax",
+                             group=None, fp32: bool = False, experts=None, **route_kw):
+    """The MXFP8 layer with its MX backward (kosmos.ops.moe_backward.mx's rules) by autograd, built like
+    reference.moe.moe_forward_a2a: route (bf16 x; the weights differentiable), the (token, slot) rows and their
+    gate weights to the experts' ranks (reference.moe.all_to_all_rows: bf16 rows, the MX rounding on arrival --
+    wgrad1 needs x's bf16 rows there anyway), each local expert's GEMM1 (_MXGemm1), SwiGLU, GEMM2 with the gate
+    weight on its rows (_MXGatedGemm2), the rows back, each token's slots summed. x [T, H], w13 / w2 this rank's
+    bf16 experts (the leaves that get the gradients), ``mx_weights`` their MoEMXWeights (made once, outside a timed
+    call). ``fp32=False``: the nccl-a2a baseline's MX training layer (grouped GEMMs on CUDA, bf16 activations, the
+    SwiGLU in bf16 on GEMM1's bf16 output as the MX forward baseline runs it; returns bf16); ``fp32=True``: the
+    reference (fp32 math expert by expert, the fold in fp32; returns fp32) -- autograd through it is
+    moe_backward_ref(mx=True), distributed. ``experts``: use this decision (moe_forward_a2a's). One host sync."""
+    from kosmos.reference.moe import all_to_all_rows, routing_weights_ref
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    local = w13.shape[0]
+    n_tokens, hidden = x.shape
+    if experts is None:
+        weights, experts = route(x, router_weight, top_k, routing, **route_kw)
+    else:
+        experts = experts.long()
+        logits = x.float() @ router_weight.float().t()
+        weights = routing_weights_ref(logits, experts, routing, renormalize=route_kw.get("renormalize", True),
+                                      routed_scaling=route_kw.get("routed_scaling", 1.0))[0]
+    flat_expert = experts.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    rows = x.index_select(0, order // top_k)
+    w_rows = weights.reshape(-1).float().index_select(0, order)
+    per_expert = torch.bincount(flat_expert, minlength=local * world)
+    send = per_expert.view(world, local)
+    recv = torch.empty_like(send)
+    if world > 1:
+        dist.all_to_all_single(recv, send, group=group)
+    else:
+        recv.copy_(send)
+    send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+    if world > 1:
+        rows = all_to_all_rows(rows, recv_splits, send_splits, group)
+        w_rows = all_to_all_rows(w_rows[:, None], recv_splits, send_splits, group)[:, 0]
+    chunk_expert = torch.arange(local, device=x.device).repeat(world)
+    src_expert = torch.repeat_interleave(chunk_expert, recv.reshape(-1).to(x.device), output_size=rows.shape[0])
+    by_expert = torch.argsort(src_expert, stable=True)
+    counts = recv.sum(0)
+    xs, ws = rows.index_select(0, by_expert), w_rows.index_select(0, by_expert)
+    f = w2.shape[1]
+    gu = _MXGemm1.apply(xs, w13, mx_weights.w13, mx_weights.w13_bwd, counts, fp32)
+    h = F.silu(gu[:, :f]) * gu[:, f:]
+    c = _MXGatedGemm2.apply(h, w2, mx_weights.w2, mx_weights.w2_bwd, ws, counts, fp32)
+    if world > 1 and rows.shape[0] == 0 and rows.requires_grad:  # nothing received: still a graph through both
+        c = c + rows.sum()  # all-to-alls, so that this rank joins its peers' backward ones
+    out = torch.empty_like(c)
+    out.index_copy_(0, by_expert, c)
+    back = all_to_all_rows(out, send_splits, recv_splits, group) if world > 1 else out
+    pair_out = torch.empty_like(back)
+    pair_out.index_copy_(0, order, back)
+    y = pair_out.view(n_tokens, top_k, hidden).float().sum(1)
+    return y if fp32 else y.to(x.dtype)

@@ -90,7 +90,14 @@ fails too.
 Precision: ``dtype`` "bf16" (default) or "mxfp8": the kosmos layers take dtype="mxfp8" (the forward on MX values
 of x and W, straight-through gradients); the baseline then quantizes the same way (kosmos.quant to_mx / from_mx
 of the activation, mx_round of the weight, before the bf16 Functions, gradients straight through), so the two
-still train the same model. The MoE proxy at mxfp8 is unavailable (kosmos.nn.MoE trains in bf16 only).
+still train the same model. The MoE proxy at mxfp8: kosmos.nn.MoE(dtype="mxfp8") (the MX forward, the MX backward:
+every backward GEMM on MX operands along its own K, kosmos/ops/moe_backward/mx.py) and the nccl-a2a baseline
+through kosmos_bench.moe_mx.moe_forward_a2a_mx_train (the same MX rounding rules as autograd Functions around its
+grouped GEMMs, the experts' MX copies rounded from the parameters at every forward); its attention linears at
+mxfp8 as the dense proxy's; deepep unavailable (no MXFP8 path). The loss bar is LOSS_RTOL at mxfp8 too: both train
+the same MX math, and the bf16-level differences of their intermediates (the baseline's SwiGLU in bf16 on GEMM1's
+bf16 output; summation orders) move an MX quantum now and then -- per-element noise that the loss, a mean over
+every output element, averages (measured on the CPU, tiny shapes: see tests/test_bench_train.py's mxfp8 test).
 
 Sizes: the model's shapes by default; ``scale`` (e.g. 0.0625) or ``hidden`` (scale = hidden / model hidden)
 shrink hidden, ffn (rounded to a multiple of 32 * W, at least that), heads and kv_heads (at least W, heads a
@@ -424,13 +431,15 @@ def make_linear(family: str, column: bool, in_features: int, out_features: int, 
 class A2AMoE(torch.nn.Module):
     """The nccl-a2a MoE baseline with autograd at any W: moe_reference.moe_forward_a2a(fp32=False) (differentiable
     all-to-alls) on parameters laid out as kosmos.nn.MoE's (router [E, H], w13 [E/W, H, 2F],
-    w2 [E/W, F, H])."""
+    w2 [E/W, F, H]). ``precision`` "mxfp8": moe_mx.moe_forward_a2a_mx_train(fp32=False) instead (the MX layer with
+    kosmos's MX backward rules), the experts' MX copies rounded from the parameters at every forward."""
 
     def __init__(self, hidden, expert_ffn, experts, top_k, *, routing="softmax", group=None, device=None,
-                 **route_kw):
+                 precision="bf16", **route_kw):
         super().__init__()
         local = experts // _world(group)
         kw = dict(device=device, dtype=torch.bfloat16)
+        self.precision = precision
         self.group, self.top_k, self.routing, self.route_kw = group, top_k, routing, route_kw
         self.experts = experts
         self.router_weight = torch.nn.Parameter(torch.empty(experts, hidden, **kw))
@@ -446,6 +455,14 @@ class A2AMoE(torch.nn.Module):
         return kw
 
     def forward(self, x):
+        if self.precision == "mxfp8":
+            from kosmos.ops.moe_backward import moe_mx_weights
+
+            from . import moe_mx
+            return moe_mx.moe_forward_a2a_mx_train(x, self.router_weight, self.w13, self.w2,
+                                                   moe_mx_weights(self.w13.detach(), self.w2.detach()),
+                                                   top_k=self.top_k, routing=self.routing, group=self.group,
+                                                   fp32=False, **self._route_kw())
         return moe_forward_a2a(x, self.router_weight, self.w13, self.w2, top_k=self.top_k, routing=self.routing,
                              group=self.group, fp32=False, **self._route_kw())
 
@@ -573,8 +590,8 @@ def unavailable_reason(shape: ProxyShape, impl: str, world: int, dtype: str = "b
     the baselines and DeepEP as they are. On CPU ranks kosmos.nn.MoE cannot run (its one-launch forward)."""
     cuda = torch.device(device).type == "cuda"
     if shape.kind == "moe":
-        if dtype != "bf16":
-            return "the MoE proxy trains in bf16 only (kosmos.nn.MoE trains in bf16 only)"
+        if dtype != "bf16" and impl == "deepep":
+            return "no MXFP8 path in the deepep baseline"
         if impl == "kosmos" and world > 1 and not cuda:
             return (f"kosmos.nn.MoE at W > 1 needs CUDA ranks (its forward is the one-launch layer over symmetric "
                     f"memory or CUDA IPC); here CPU ranks over {backend}")
@@ -605,11 +622,12 @@ def build_proxy(shape: ProxyShape, impl: str, *, group=None, device="cpu", dtype
             if impl == "kosmos":
                 import kosmos.nn as knn
                 mlp = knn.MoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, routing=shape.routing,
-                              group=group, device=device, **shape.route_kw)
+                              group=group, device=device, dtype=torch.bfloat16 if dtype == "bf16" else dtype,
+                              **shape.route_kw)
             else:
                 cls = DeepEPMoE if impl == "deepep" else A2AMoE
                 mlp = cls(shape.hidden, shape.ffn, shape.experts, shape.top_k, routing=shape.routing, group=group,
-                          device=device, **shape.route_kw)
+                          device=device, precision=dtype, **shape.route_kw)
             # attention data-parallel: its linears at W = 1 (a group of this rank alone), the experts over group
             blocks.append(ProxyBlock(shape, family, group=local, device=device, dtype=dtype, mlp=mlp))
     else:

@@ -37,7 +37,7 @@ def test_registry_views_keep_the_names_and_order():
     assert tp.TP_IMPLS == registry.names("tp") == ("kosmos", "nccl+cublas", "torch-async-tp", "fixed-role",
                                                    "fixed-role-best", "triton-dot-scaled", "fp8-rowwise")
     assert moe.MOE_IMPLS == registry.names("moe_fwd") == ("kosmos", "nccl-a2a", "deepep", "fixed-role",
-                                                          "fixed-role-best", "hf-grouped-mm", "hf-eager")
+                                                          "fixed-role-best", "hf-grouped-mm", "hf-eager", "liger")
     assert moe.EXPERT_IMPLS == registry.names("moe_experts") == ("grouped-mm", "kosmos-expert-gemms")
     assert [registry.baseline(f) for f in ("tp", "moe_fwd", "moe_experts")] == ["nccl+cublas", "nccl-a2a",
                                                                                 "grouped-mm"]

@@ -19,7 +19,7 @@ from simranks import placed_gate_up
 from kosmos.config import MoEBackwardConfig, MoEForwardConfig, config_dict
 from kosmos.models import MOE_MODELS, MoEModel, UnknownModelError
 from kosmos.reference.moe import _experts_forward, moe_forward_a2a, moe_forward_ref_local, route
-from kosmos_bench import moe, timing
+from kosmos_bench import moe, moe_mx, timing
 
 TINY = {
     "tiny-softmax": MoEModel("tiny-softmax", hidden=64, expert_ffn=32, experts=8, top_k=2, routing="softmax"),
@@ -308,6 +308,68 @@ def test_backward_check_at_world2_over_gloo():
                 torch.testing.assert_close(torch.from_numpy(a), b.float(), rtol=1e-4, atol=1e-5, msg=f"{name} {part}")
             assert 0 < res["a2a"] < moe.GRAD_TOLERANCE and 0 < res["kos"] < moe.GRAD_TOLERANCE, (name, res["a2a"], res["kos"])
             assert "routing decision differs" in res["wrong"], res["wrong"]
+
+
+def _bwd_w2_mx_rank(rank, world, port, q):
+    """One rank of the W=2 mxfp8 backward check (tiny-softmax): the distributed MX reference (grad_reference at
+    W > 1: autograd through moe_forward_a2a_mx_train(fp32=True)), nccl-a2a's MX autograd and kosmos's
+    moe_backward(precision="mxfp8") checked through it; the reference's gradients for the test."""
+    from kosmos.ops.moe_backward import moe_mx_weights
+    from kosmos.ops.moe_backward.api import moe_backward
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        MOE_MODELS.update(TINY)
+        m = TINY["tiny-softmax"]
+        xs, wr, bias, w13, w2 = _bf16_layer(m, world, 29 + 6 * rank, routing="uniform")
+        dy = torch.randn(xs[rank].shape, generator=torch.Generator().manual_seed(700 + rank)).to(torch.bfloat16)
+        mxw = moe_mx_weights(w13[rank], w2[rank])
+        inp = moe.MoEInputs(m, xs[rank], wr, bias, w13[rank], w2[rank], "mxfp8", mxw.w13, mxw.w2, direction=moe.BWD,
+                            dy=dy, mx_weights=mxw)
+        ref = moe.grad_reference(inp, world)
+        weights, decision = route(inp.x, wr, m.top_k, **inp.route_kw())
+        ref_grads = ref.ref((None,) * 4 + (decision,))
+        a2a_err, _ = ref.errors(moe.a2a_backward(inp)())
+        kos = moe_backward(inp.x, wr, inp.w13, inp.w2, dy, weights, decision, group=dist.group.WORLD,
+                           precision="mxfp8", mx_weights=mxw, **inp.backward_kw())
+        kos_err, _ = ref.errors((*kos, decision))
+        q.put((rank, dict(grads=[t.float().numpy() for t in ref_grads], a2a=a2a_err, kos=kos_err,
+                          tokens=xs[rank].shape[0])))
+    finally:
+        from multiproc import finish_gloo
+        finish_gloo()
+
+
+@pytest.mark.interpreter
+def test_mx_backward_check_at_world2_over_gloo():
+    """`bench moe --dtype mxfp8 --direction bwd` at W=2: the distributed MX reference equals one process's
+    moe_backward_ref(mx=True) on every rank's tokens and every expert (relative 1e-4: fp32 sums in other orders);
+    nccl-a2a's MX autograd and kosmos's MX backward pass the check (GRAD_TOLERANCE_MX)."""
+    from kosmos.reference.moe import moe_backward_ref
+    world, m = 2, TINY["tiny-softmax"]
+    got = _spawn(_bwd_w2_mx_rank, world)
+    local = m.experts // world
+    xs, w13, w2 = [], [], []
+    for r in range(world):
+        x_r, wr, bias, w13_r, w2_r = _bf16_layer(m, world, 29 + 6 * r, routing="uniform")
+        xs.append(x_r[r]), w13.append(w13_r[r]), w2.append(w2_r[r])
+    dys = [torch.randn(xs[r].shape, generator=torch.Generator().manual_seed(700 + r)).to(torch.bfloat16)
+           for r in range(world)]
+    kw = moe.route_kwargs(m, bias)
+    w13_all, w2_all = torch.cat(w13), torch.cat(w2)
+    whole = moe_backward_ref(torch.cat(xs), wr, w13_all, w2_all, torch.cat(dys), top_k=m.top_k, mx=True, **kw)
+    start = 0
+    for r in range(world):
+        res = got[r]
+        n = res["tokens"]
+        mine = moe_backward_ref(xs[r], wr, w13_all, w2_all, dys[r], top_k=m.top_k, mx=True, **kw)
+        want = (whole[0][start:start + n], mine[1], whole[2][r * local:(r + 1) * local],
+                whole[3][r * local:(r + 1) * local])
+        start += n
+        for part, a, b in zip(moe.GRADS, res["grads"], want):
+            rel = ((torch.from_numpy(a) - b.float()).norm() / b.float().norm()).item()
+            assert rel < 1e-4, (part, rel)
+        assert 0 < res["a2a"] < moe.GRAD_TOLERANCE_MX and 0 < res["kos"] < moe.GRAD_TOLERANCE_MX, res
 
 
 # --------------------------------------------------------------------------- the MXFP8 nccl-a2a baseline (CPU)
@@ -740,6 +802,67 @@ def test_point_backward_world1(monkeypatch, tiny_models, name, direction):
     assert "bwd_config" not in by[("moe_fwd", "nccl-a2a")]
 
 
+def _fake_mx_moe_forward_routing(x, router_weight, w13, w2, *, top_k, routing, renormalize, bias, n_group,
+                                 topk_group, routed_scaling, group, config, policy, comm_programs, precision,
+                                 return_routing=False, save_gu=False):
+    """kosmos.moe_forward(precision="mxfp8", return_routing=True) on the CPU: the reference's routing decision on
+    the bf16 x (the MX layer routes on it); w13 / w2 the forward's MX copies; no g | u saved at mxfp8."""
+    assert return_routing and precision == "mxfp8" and not save_gu and policy == "self"
+    assert torch.equal(w13, moe_mx.mx_expert_weights(w13, w2)[0])  # MX values (idempotent)
+    weights, experts = route(x, router_weight, top_k, routing, renormalize=renormalize, bias=bias, n_group=n_group,
+                             topk_group=topk_group, routed_scaling=routed_scaling)
+    return None, weights, experts
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("direction", ["bwd", "fwd+bwd"])
+def test_point_backward_mxfp8_world1(monkeypatch, tiny_models, direction):
+    """mxfp8 bwd / fwd+bwd rows at W = 1 on the CPU: kosmos (moe_backward(precision="mxfp8") under the interpreter,
+    on a stand-in forward's decision) and nccl-a2a (autograd through moe_mx.moe_forward_a2a_mx_train) checked
+    gradient by gradient against moe_backward_ref(mx=True) within GRAD_TOLERANCE_MX; no expert-GEMM rows; the
+    fixed-role rows unavailable (no communication at W = 1)."""
+    monkeypatch.setattr(timing, "time_op", _cpu_time_op)
+    monkeypatch.setattr(moe, "moe_forward", _fake_mx_moe_forward_routing)
+    st = moe.MoESettings(impls=("kosmos", "nccl-a2a", "fixed-role"), iters=1, warmup=0, direction=direction,
+                         dtype="mxfp8")
+    rows = moe.run_case(moe.MoECase("tiny-softmax", 64, "uniform"), st, device="cpu")
+    by = _rows_by_impl(rows)
+    assert list(by) == [("moe_fwd", n) for n in ("kosmos", "nccl-a2a", "fixed-role")]
+    for impl in ("kosmos", "nccl-a2a"):
+        r = by[("moe_fwd", impl)]
+        assert r["status"] == "ok" and r["dtype"] == "mxfp8" and r["direction"] == direction, r
+        assert set(r["rel_err_grads"]) == set(moe.GRADS)
+        assert r["rel_err"] == max(r["rel_err_grads"].values()) and 0 < r["rel_err"] < moe.GRAD_TOLERANCE_MX, r
+    assert by[("moe_fwd", "fixed-role")]["status"] == "unavailable"
+
+
+def test_mx_training_layer_is_the_mx_backward_reference():
+    """moe_mx.moe_forward_a2a_mx_train at W = 1: autograd through its fp32 form gives moe_backward_ref(mx=True)'s
+    gradients (the same rules as autograd Functions: 1e-5), its forward the MX layer's; the baseline form (bf16,
+    grouped GEMMs; its row rounding the kernel under the interpreter, the torch reference on a CPU without it)
+    within GRAD_TOLERANCE_MX of it."""
+    from kosmos.ops.moe_backward import moe_mx_weights
+    from kosmos.reference.moe import moe_backward_ref
+    m = TINY["tiny-grouped"]
+    x, wr, bias, _ = moe.make_router_inputs(m, 48, moe.parse_routing("uniform"), 0, 3)
+    w13, w2 = moe.make_expert_weights(m, 1, 0, 3)
+    dy = torch.randn(48, m.hidden, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    kw = moe.route_kwargs(m, bias)
+    mxw = moe_mx_weights(w13, w2)
+    _, experts = route(x, wr, m.top_k, **kw)
+    want = moe_backward_ref(x, wr, w13, w2, dy, top_k=m.top_k, experts=experts, mx=True, **kw)
+    y_ref = moe_forward_ref_local([x], wr, [w13], [w2], top_k=m.top_k, mx=True, **kw)[0]
+    for fp32, tol in ((True, 1e-5), (False, moe.GRAD_TOLERANCE_MX)):
+        leaves = [t.detach().clone().float() if fp32 else t.detach().clone() for t in (x, wr, w13, w2)]
+        leaves = [t.requires_grad_(True) for t in leaves]
+        y = moe_mx.moe_forward_a2a_mx_train(*leaves, mxw, top_k=m.top_k, fp32=fp32, **kw)
+        assert ((y.detach().float() - y_ref).norm() / y_ref.norm()).item() < (1e-5 if fp32 else 3e-2)
+        got = torch.autograd.grad(y, leaves, dy.float() if fp32 else dy)
+        for name, a, b in zip(moe.GRADS, got, want):
+            rel = ((a.float() - b).norm() / b.norm()).item()
+            assert rel < tol, (fp32, name, rel)
+
+
 @pytest.mark.interpreter
 def test_backward_config_reaches_the_kosmos_call_and_its_row(monkeypatch, tiny_models):
     """--config moe_bwd.one_launch=false: moe_backward_w1 runs with that kosmos.MoEBackwardConfig (the multi-launch
@@ -762,9 +885,10 @@ def test_backward_availability_by_world_and_dtype():
     kosmos = registry.get("moe_fwd", "kosmos")
     assert kosmos.availability(1, "bf16", "bwd") == (True, None)
     assert kosmos.availability(2, "bf16", "bwd") == (True, None)  # checked by the distributed reference
-    assert kosmos.availability(1, "mxfp8", "fwd+bwd") == (False, "no MXFP8 backward yet")
+    assert kosmos.availability(1, "mxfp8", "fwd+bwd") == (True, None)  # the MX backward (multi-launch path)
+    assert kosmos.availability(2, "mxfp8", "bwd") == (True, None)
     assert registry.get("moe_fwd", "nccl-a2a").availability(2, "bf16", "bwd") == (True, None)
-    assert registry.get("moe_fwd", "nccl-a2a").availability(2, "mxfp8", "bwd")[0] is False
+    assert registry.get("moe_fwd", "nccl-a2a").availability(2, "mxfp8", "bwd") == (True, None)
     assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "bwd") == moe.EXPERT_IMPLS
     assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "bf16", "fwd+bwd") == ()
     assert registry.impls_at("moe_experts", moe.EXPERT_IMPLS, "mxfp8", "bwd") == ()
@@ -775,7 +899,8 @@ def test_backward_availability_by_world_and_dtype():
             assert fixed.availability(1, "bf16", direction) == (False, "no communication at world size 1")
             assert fixed.availability(2, "bf16", direction) == (True, None)
             assert fixed.availability(8, "bf16", direction) == (True, None)
-            assert fixed.availability(2, "mxfp8", direction) == (False, "no MXFP8 backward yet")
+            assert fixed.availability(2, "mxfp8", direction) == (
+                False, "the MXFP8 backward runs on the multi-launch path: no fixed-role split")
         assert fixed.availability(2, "bf16", "fwd") == (True, None)
     deepep = registry.get("moe_fwd", "deepep")  # the backward as the forward: DeepEP's worlds, bf16
     assert deepep.availability(2, "mxfp8", "bwd") == (False, "no MXFP8 path in the deepep baseline yet")

@@ -1655,3 +1655,222 @@ def test_moe_backward_one_launch_ep_stalled_peer_gpu():
     torch.cuda.synchronize()
     msg = runtime.decode_error(m.errors[0].tolist())
     assert m.errors[0][0] != 0 and "rank 1's output-gradient rows" in msg, msg
+
+
+# ---- MXFP8: moe_backward(precision="mxfp8") (ops/moe_backward/mx.py) -------------------------------------------
+
+# The MX backward against the bf16 backward: every backward GEMM rounds both operands to MX (~2**-4 per element at
+# worst), through two GEMMs and the recomputed GEMM1 -- 5-10% relative (Frobenius) at these sizes (measured
+# 0.05-0.095 on the reference); the stated bar is MX_BWD_TOL.
+MX_BWD_TOL = 0.12
+
+
+def _mx_mirror(dy_rows, do_rows, x_rows, gu, w_pair, w13, w2, counts):
+    """The MX expert part in torch on packed rows, each step as mx.expert_backward_gemms_mx takes it (bf16 z, dgu,
+    h between the steps; fp32 sums): (dx_rows, dw_rows, dw13, dw2) in fp32. z is truncated to bf16 as the
+    interpreter's dgrad kernel stores it (its fp32 -> bf16 cast truncates; the GPU rounds to nearest)."""
+    from kosmos import quant
+    from kosmos.reference.moe import mx_along, mx_rows_ref
+    f = w2.shape[1]
+    w2h, w13f = quant.mx_values(w2, dim=2).float(), quant.mx_values(w13, dim=2).float()
+    dx, dw = torch.zeros(x_rows.shape), torch.zeros(x_rows.shape[0])
+    dw13, dw2 = torch.zeros(w13.shape), torch.zeros(w2.shape)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        r = slice(start, start + n)
+        start += n
+        if not n:
+            continue
+        z = ((mx_along(dy_rows[r], 1).float() @ w2h[e].t()).view(torch.int32) & -65536).view(torch.float32)
+        g, u = gu[r, :f].float(), gu[r, f:].float()
+        s = torch.sigmoid(g)
+        h = g * s * u
+        dh = w_pair[r, None] * z
+        dgu = torch.cat([dh * u * (s + g * s * (1 - s)), dh * g * s], 1).to(torch.bfloat16)
+        dw[r] = (z * h).sum(1)
+        dw2[e] = mx_rows_ref(h.to(torch.bfloat16)).float().t() @ mx_rows_ref(do_rows[r]).float()
+        dx[r] = mx_along(dgu, 1).float() @ w13f[e].t()
+        dw13[e] = mx_rows_ref(x_rows[r]).float().t() @ mx_rows_ref(dgu).float()
+    return dx, dw, dw13, dw2
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("nk", [False, True], ids=["native", "transformers-layout"])
+def test_expert_backward_gemms_mx_vs_torch_mirror(nk):
+    """mx.expert_backward_gemms_mx on the padded layout (an expert over two pads -- three row blocks, the last
+    partial --, one without rows, one of 5 rows) against _mx_mirror, its steps in torch: the same values up to the
+    summation orders and the rare MX-rounding flip they cause (<= 5e-3); the weights in either layout (the weight
+    gradients come back in it); rows outside every expert never read (NaN there)."""
+    from kosmos.ops.moe_backward import mx as bwd_mx
+    from kosmos.ops.moe_forward import weights_nk
+    g = torch.Generator().manual_seed(71)
+    counts = torch.tensor([70, 0, 5, 33])
+    r, h, f, e = int(counts.sum()), 64, 32, 4
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(torch.bfloat16)  # noqa: E731
+    x_rows, dy_rows = rnd(r, h), rnd(r, h)
+    gu = rnd(r, 2 * f, scale=2.0)
+    w_pair = torch.rand(r, generator=g) + 0.1
+    do_rows = (w_pair[:, None] * dy_rows.float()).to(torch.bfloat16)
+    w13, w2 = rnd(e, h, 2 * f, scale=h ** -0.5), rnd(e, f, h, scale=f ** -0.5)
+    pad_offs, row_of, real_of, end = bwd_layout.padded_layout(counts, r)
+    valid = real_of >= 0
+    into = lambda t: bwd_rows.gather_rows(torch.cat([t, torch.full_like(t[:1], float("nan"))]),  # noqa: E731
+                                          torch.where(valid, real_of, r))  # rows of no expert: NaN
+    gap = lambda t: t.masked_fill(~valid[:, None], 0)  # noqa: E731  (gap rows zero, past the end NaN)
+    tail = torch.arange(real_of.shape[0]) >= int(end)
+    padded = [gap(into(t)).masked_fill(tail[:, None], float("nan")) for t in (dy_rows, do_rows, x_rows, gu)]
+    wp = torch.where(valid, w_pair[real_of.clamp(min=0)], 0.0)
+    ws = (w13.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2)) if nk \
+        else (w13, w2)
+    mxw = bwd_mx.moe_mx_weights(*ws)
+    assert all(weights_nk(t) == nk for t in mxw)
+    got = bwd_mx.expert_backward_gemms_mx(*padded, wp, mxw, counts, torch.float32, pad_offs=pad_offs, valid=valid,
+                                          nk=nk)
+    assert weights_nk(got[2]) == nk and got[2].shape == w13.shape and got[3].shape == w2.shape
+    want = _mx_mirror(dy_rows, do_rows, x_rows, gu, w_pair, w13, w2, counts)
+    for name, a, b in zip(("dx_rows", "dw_rows", "dw13", "dw2"), (got[0][row_of], got[1][row_of], got[2], got[3]),
+                          want):
+        rel = ((a.float() - b).norm() / b.norm()).item()
+        assert rel < 5e-3, (name, rel)
+    assert not got[2][1].any() and not got[3][1].any()
+
+
+def _mx_case(seed, t=70, h=64, f=32, e=8, k=2):
+    """A bf16 layer with H, F multiples of 32; each token's first expert 0 (t rows: more than a pad, three row
+    blocks), its second from the others but 5 (no rows)."""
+    g = torch.Generator().manual_seed(seed)
+    x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+    others = torch.tensor([1, 2, 3, 4, 6, 7])
+    experts = torch.stack([torch.zeros(t, dtype=torch.long), others[torch.randint(0, 6, (t,), generator=g)]], 1)
+    return x, wr, w13, w2, dy, experts
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("routing", ["softmax", "sigmoid-grouped", "given"])
+def test_moe_backward_mx_vs_reference(routing):
+    """moe_backward(precision="mxfp8") at W = 1 (the multi-launch path, padded layout, rounding passes) against
+    reference.moe.moe_backward_ref(mx=True) (routing given: moe_experts_backward_ref(mx=True)): dx, d(router
+    weight) or d(weights), dW13, dW2 within 3e-2 (the bf16 path's 2e-2 plus the MX flips the bf16 intermediates
+    cause); against the bf16 backward within the MX tolerance MX_BWD_TOL and visibly apart; an expert without rows
+    gets zeros; bitwise the same twice; the MX weights passed in give the same bits as rounded in the call."""
+    from kosmos.reference import moe as mr
+    from kosmos.ops.moe_backward import moe_mx_weights
+    x, wr, w13, w2, dy, experts = _mx_case(81)
+    kw = dict(routing=routing) if routing != "sigmoid-grouped" else dict(routing=routing, routed_scaling=2.5)
+    weights, _, _ = mr.routing_weights_ref(x.float() @ wr.float().t(), experts, "softmax" if routing == "given"
+                                           else routing, routed_scaling=kw.get("routed_scaling", 1.0))
+    router = None if routing == "given" else wr
+    got = bwd_api.moe_backward(x, router, w13, w2, dy, weights, experts, precision="mxfp8", **kw)
+    if routing == "given":
+        want = mr.moe_experts_backward_ref(x, w13, w2, dy, weights, experts, mx=True)
+        plain = mr.moe_experts_backward_ref(x, w13, w2, dy, weights, experts)
+    else:
+        want = mr.moe_backward_ref(x, wr, w13, w2, dy, top_k=2, experts=experts, mx=True, **kw)
+        plain = mr.moe_backward_ref(x, wr, w13, w2, dy, top_k=2, experts=experts, **kw)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
+    for name, a, b, c in zip(("dx", "d_router", "dw13", "dw2"), got, want, plain):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 3e-2, (name, rel)
+        rel_bf16 = ((a.float() - c.float()).norm() / c.float().norm()).item()
+        assert 1e-2 < rel_bf16 < MX_BWD_TOL, (name, rel_bf16)
+    assert not got[2][5].any() and not got[3][5].any()
+    again = bwd_api.moe_backward(x, router, w13, w2, dy, weights, experts, precision="mxfp8",
+                                 mx_weights=moe_mx_weights(w13, w2), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+def test_moe_backward_mx_refusals():
+    """What precision="mxfp8" does not cover is refused in one line before anything runs: the one launch and the
+    router in it, the packed layout, a saved g | u, H or F not multiples of 32, wrong MX weights; an unknown
+    precision names the choices."""
+    from kosmos.ops.moe_backward import moe_mx_weights
+    x, wr, w13, w2, dy, experts = _mx_case(3, t=6)
+    weights = torch.full((6, 2), 0.5)
+    x40, wr40, w13_40, w2_40, dy40 = _moe_layer(torch.Generator().manual_seed(1), 6, 40, 32, 8)
+    for args, kw, match in [
+        ((), dict(precision="fp8"), "choose 'bf16' or 'mxfp8'"),
+        ((), dict(one_launch=True), "multi-launch path"),
+        ((), dict(router_in_launch=True), "multi-launch path"),
+        ((), dict(padded=False), "padded row layout"),
+        ((), dict(saved_gu=object()), "saved_gu=None"),
+        ((), dict(mx_weights=moe_mx_weights(w13, w2)[:2]), "MoEMXWeights"),
+        ((), dict(mx_weights=moe_mx_weights(w13[:4], w2[:4])), "shape"),
+        ((x40, wr40, w13_40, w2_40, dy40), {}, "multiples of 32"),
+    ]:
+        call = dict(precision="mxfp8")
+        call.update(kw)
+        tensors = args or (x, wr, w13, w2, dy)
+        with pytest.raises(ValueError, match=match):
+            bwd_api.moe_backward(*tensors, weights, experts, **call)
+
+
+def _ep_mx_rank(rank, world, port, q):
+    """One rank of the MX backward over gloo (the multi-launch path at W = 2: bf16 rows exchanged, rounded on the
+    experts' rank)."""
+    import os
+    import torch.distributed as dist
+    from kosmos.ops.moe_backward.api import moe_backward
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        full = _ep_inputs("softmax", world, f=32)
+        x, dy, experts, weights = (full[n][rank] for n in ("x", "dy", "experts", "weights"))
+        local = full["w13"].shape[0] // world
+        w13, w2 = (full[n][rank * local:(rank + 1) * local] for n in ("w13", "w2"))
+        got = moe_backward(x, full["wr"], w13, w2, dy, weights, experts, group=dist.group.WORLD, precision="mxfp8",
+                           **full["rkw"])
+        q.put((rank, [t.float().numpy() for t in got]))
+    finally:
+        from multiproc import finish_gloo
+        finish_gloo()
+
+
+@pytest.mark.interpreter
+def test_moe_backward_mx_over_two_ranks_vs_reference():
+    """moe_backward(precision="mxfp8") at W = 2 over gloo against moe_backward_ref(mx=True) on every rank's tokens
+    with every expert in one process (row blocks in the order the exchange gives: source rank, then pair order --
+    the reference's ascending p over the concatenated tokens); an expert without rows gets zeros."""
+    from kosmos.reference import moe as mr
+    from multiproc import spawn_gloo
+    world = 2
+    full = _ep_inputs("softmax", world, f=32)
+    got = spawn_gloo(_ep_mx_rank, world)
+    want = mr.moe_backward_ref(torch.cat(full["x"]), full["wr"], full["w13"], full["w2"], torch.cat(full["dy"]),
+                               top_k=2, experts=torch.cat(full["experts"]), mx=True, **full["kw"])
+    part = lambda r, i: torch.from_numpy(got[r][i])  # noqa: E731
+    grads = (torch.cat([part(r, 0) for r in range(world)]), sum(part(r, 1) for r in range(world)),
+             torch.cat([part(r, 2) for r in range(world)]), torch.cat([part(r, 3) for r in range(world)]))
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), grads, want):
+        rel = ((a - b.float()).norm() / b.float().norm()).item()
+        assert rel < 3e-2, (name, rel)
+    assert not grads[2][3].any() and not grads[3][3].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["softmax", "sigmoid-grouped"])
+def test_moe_backward_mx_gpu(no_tf32, routing):
+    """moe_backward(precision="mxfp8") on one GPU (the multi-launch path; the rounding kernels, the bf16 kernels on
+    MX operands) against moe_backward_ref(mx=True) within 3e-2 and the bf16 backward within MX_BWD_TOL; an expert
+    without rows gets zeros; bitwise the same twice; the transformers layout gives the same gradients (1e-3)."""
+    from kosmos.reference import moe as mr
+    g = torch.Generator().manual_seed(91)
+    t, h, f, e, k = 300, 256, 128, 16, 4
+    x, wr, w13, w2, dy = _moe_layer(g, t, h, f, e)
+    allowed = torch.tensor([i for i in range(e) if i != 9])
+    experts = allowed[torch.stack([torch.randperm(e - 1, generator=g)[:k] for _ in range(t)])]
+    kw = dict(routing=routing) if routing == "softmax" else dict(routing=routing, routed_scaling=2.5)
+    weights, _, _ = mr.routing_weights_ref(x.float() @ wr.float().t(), experts, routing,
+                                           routed_scaling=kw.get("routed_scaling", 1.0))
+    cu = [t_.cuda() for t_ in (x, wr, w13, w2, dy, weights, experts)]
+    got = bwd_api.moe_backward(*cu, precision="mxfp8", **kw)
+    want = mr.moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=experts, mx=True, **kw)
+    plain = mr.moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=experts, **kw)
+    for name, a, b, c in zip(("dx", "d_router", "dw13", "dw2"), got, want, plain):
+        assert ((a.float().cpu() - b).norm() / b.norm()).item() < 3e-2, name
+        assert ((a.float().cpu() - c).norm() / c.norm()).item() < MX_BWD_TOL, name
+    assert not got[2][9].any() and not got[3][9].any()
+    assert all(torch.equal(a, b) for a, b in zip(got, bwd_api.moe_backward(*cu, precision="mxfp8", **kw)))
+    nk = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in cu[2:4]]
+    got_nk = bwd_api.moe_backward(cu[0], cu[1], *nk, *cu[4:], precision="mxfp8", **kw)
+    for a, b in zip(got_nk, got):
+        assert a.shape == b.shape and ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-3

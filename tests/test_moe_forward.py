@@ -468,11 +468,63 @@ def test_public_op_rejects_cpu_tensors_before_touching_a_gpu():
         kosmos.moe_forward(x, r, w13, w2, top_k=2, policy="greedy")
 
 
-def test_nn_module_refuses_autograd_in_mxfp8():
-    import kosmos
-    m = kosmos.nn.MoE(64, 32, 8, 2, dtype="mxfp8")
-    with pytest.raises(RuntimeError, match="bf16 only"):
-        m(torch.zeros(4, 64, dtype=torch.bfloat16))
+@pytest.mark.interpreter
+def test_nn_moe_mxfp8_trains_at_one_rank(monkeypatch):
+    """nn.MoE(dtype="mxfp8") trains at W = 1: the forward (here the reference MX layer standing in for
+    moe_forward(precision="mxfp8"), on the MX values the module passes) and the MX backward
+    (moe_backward(precision="mxfp8") on the kernels, under the interpreter) give the gradients of
+    moe_backward_ref(mx=True) (3e-2); g | u is not saved at mxfp8; an SGD step changes the parameters and the
+    module's MX weights follow them; kosmos.nn.moe with precision="mxfp8" on the same parameters (MX copies
+    rounded per call) gives bitwise the module's gradients; without a gradient the forward runs on the cached
+    MX values."""
+    import kosmos.nn as knn
+    from kosmos import quant
+    from kosmos.reference import moe as mr
+    calls = []
+
+    def fake_forward(x, router_weight, w13, w2, *, top_k, routing, bias=None, group=None, return_routing=False,
+                     save_gu=False, precision="bf16", **kw):
+        calls.append(dict(precision=precision, save_gu=save_gu, w13=w13, w2=w2))
+        weights, experts = mr.route(x, router_weight, top_k, routing, bias=bias, **kw)
+        y = mr.apply_routing_ref(x, weights, experts, w13, w2, mx=precision == "mxfp8").to(torch.bfloat16)
+        return (y, weights, experts) if return_routing else y
+    monkeypatch.setattr(knn, "moe_forward", fake_forward)
+    g = torch.Generator().manual_seed(8)
+    m = knn.MoE(64, 32, 8, 2, dtype="mxfp8")
+    with torch.no_grad():
+        for p in (m.router_weight, m.w13, m.w2):
+            p.copy_(torch.randn(p.shape, generator=g) * p.float().std())
+    x = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    dy = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    xg = x.clone().requires_grad_(True)
+    m(xg).backward(dy)
+    assert calls[-1]["precision"] == "mxfp8" and calls[-1]["save_gu"] is False
+    assert torch.equal(calls[-1]["w13"], quant.mx_values(m.w13.detach(), dim=1))
+    assert torch.equal(calls[-1]["w2"], quant.mx_values(m.w2.detach(), dim=1))
+    params = [p.detach().clone() for p in (m.router_weight, m.w13, m.w2)]
+    ref = mr.moe_backward_ref(x, *params, dy, top_k=2, mx=True)
+    got = (xg.grad, m.router_weight.grad, m.w13.grad, m.w2.grad)
+    for name, a, b in zip(("dx", "d_router", "dw13", "dw2"), got, ref):
+        rel = ((a.float() - b).norm() / b.norm()).item()
+        assert rel < 3e-2, (name, rel)
+    leaves = [x.clone().requires_grad_(True)] + [p.clone().requires_grad_(True) for p in params]
+    knn.moe(*leaves, top_k=2, precision="mxfp8").backward(dy)
+    assert all(torch.equal(a.grad, b) for a, b in zip(leaves, got))
+    torch.optim.SGD(m.parameters(), lr=0.1).step()
+    assert not torch.equal(m.w13.detach(), params[1])
+    with torch.no_grad():
+        m(x)
+    assert calls[-1]["precision"] == "mxfp8"
+    assert torch.equal(calls[-1]["w13"], quant.mx_values(m.w13.detach(), dim=1))
+    assert torch.equal(calls[-1]["w2"], quant.mx_values(m.w2.detach(), dim=1))
+
+
+def test_nn_moe_mxfp8_refuses_unknown_precision():
+    import kosmos.nn as knn
+    x, w13, w2 = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(8, 64, 64, dtype=torch.bfloat16), \
+        torch.zeros(8, 32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="choose one of bf16, mxfp8"):
+        knn.moe(x, torch.zeros(8, 64, dtype=torch.bfloat16), w13, w2, top_k=2, precision="fp8")
 
 
 @pytest.mark.interpreter
@@ -944,6 +996,34 @@ def test_w1_nn_moe_mxfp8():
         assert torch.equal(y, want)
         layer.w2.mul_(2.0)
         assert not torch.equal(layer(x), y)
+
+
+@pytest.mark.gpu
+def test_w1_nn_moe_mxfp8_trains_gpu(no_tf32):
+    """nn.MoE(dtype="mxfp8") at one rank on the GPU: loss.backward() (moe_forward(precision="mxfp8"), then the MX
+    backward on the kernels) gives moe_backward_ref(mx=True)'s gradients for the kernel's own routing decision
+    (3e-2); bitwise the same twice."""
+    import kosmos
+    import kosmos.nn as knn
+    from kosmos import quant
+    from kosmos.reference import moe as mr
+    m = knn.MoE(256, 128, 16, 4, dtype="mxfp8").cuda()
+    x = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    dy = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        m.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        m(xg).backward(dy)
+        grads.append([t.grad.clone() for t in (xg, m.router_weight, m.w13, m.w2)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    _, _, experts = kosmos.moe_forward(x, m.router_weight.detach(), quant.mx_values(m.w13.detach(), dim=1),
+                                       quant.mx_values(m.w2.detach(), dim=1), top_k=4, precision="mxfp8",
+                                       return_routing=True)
+    ref = mr.moe_backward_ref(x.cpu(), m.router_weight.detach().cpu(), m.w13.detach().cpu(), m.w2.detach().cpu(),
+                              dy.cpu(), top_k=4, experts=experts.cpu(), mx=True)
+    for name, got, want in zip(("dx", "d_router", "dw13", "dw2"), grads[0], ref):
+        assert ((got.float().cpu() - want).norm() / want.norm()).item() < 3e-2, name
 
 
 @pytest.mark.gpu

@@ -416,3 +416,108 @@ def test_backward_in_expert_chunks(case):
         _rel_ok(dx, whole[0], tol=1e-13)
     with pytest.raises(ValueError, match="expert_chunk"):
         moe_backward_ref(x, wr, w13, w2, dy, top_k=k, expert_chunk=0, **kw)
+
+
+# ---- the MXFP8 backward reference: moe_backward_ref(mx=True) ---------------------------------------------------
+
+class _MXGemm(torch.autograd.Function):
+    """c = Q_K(a) @ Q_K(b) for a [n, K], b [K, N] (MX values, blocks of 32 along K), differentiated straight through
+    the quantizers with MX operands along each backward GEMM's own K: da = Q_N(dc) @ Q_N(b)^T, db = Q_R(a)^T @
+    Q_R(dc) (Q_R: blocks of 32 rows, mx_rows_ref)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        from kosmos.reference.moe import mx_along
+        ctx.save_for_backward(a, b)
+        return mx_along(a, 1) @ mx_along(b, 0)
+
+    @staticmethod
+    def backward(ctx, dc):
+        from kosmos.reference.moe import mx_along, mx_rows_ref
+        a, b = ctx.saved_tensors
+        return mx_along(dc, 1) @ mx_along(b, 1).t(), mx_rows_ref(a).t() @ mx_rows_ref(dc)
+
+
+class _MXGatedGemm(torch.autograd.Function):
+    """c = w[:, None] * (Q_F(h) @ Q_F(W2)) -- GEMM2 with its rows' gate weights, as the fold sums it (y[t] = sum of
+    its pairs' c) -- differentiated as the MX backward's GEMM2 is defined: its dgrad's operand is the incoming
+    gradient itself (dc = the token's dy), z = Q_H(dc) @ Q_H(W2)^T, dh = w z; dW2 = Q_R(h)^T @ Q_R(w dc); dw =
+    <z, h>."""
+
+    @staticmethod
+    def forward(ctx, h, w2, w):
+        from kosmos.reference.moe import mx_along
+        ctx.save_for_backward(h, w2, w)
+        return w[:, None] * (mx_along(h, 1) @ mx_along(w2, 0))
+
+    @staticmethod
+    def backward(ctx, dc):
+        from kosmos.reference.moe import mx_along, mx_rows_ref
+        h, w2, w = ctx.saved_tensors
+        z = mx_along(dc, 1) @ mx_along(w2, 1).t()
+        return w[:, None] * z, mx_rows_ref(h).t() @ mx_rows_ref(w[:, None] * dc), (z * h).sum(-1)
+
+
+def _mx_forward64(x, wr, w13, w2, experts, routing="softmax", renormalize=True, routed_scaling=1.0, **_):
+    """The MXFP8 layer as an fp64 autograd graph: the routing weights and the SwiGLU by autograd, each expert's
+    GEMMs by _MXGemm / _MXGatedGemm on its rows in ascending p, the dispatch as row indexing and the fold as an
+    index_add (their backward by autograd)."""
+    k, f = experts.shape[1], w2.shape[1]
+    logits = x @ wr.t()
+    full = torch.softmax(logits, -1) if routing == "softmax" else torch.sigmoid(logits)
+    q = full.gather(1, experts)
+    w = ((q / (q.sum(-1, keepdim=True) + 1e-20) if renormalize else q) * routed_scaling).reshape(-1)
+    y = torch.zeros_like(x)
+    for e, p in _pairs_by_expert(experts, wr.shape[0]):
+        a = _MXGemm.apply(x[p // k], w13[e])
+        h = torch.nn.functional.silu(a[:, :f]) * a[:, f:]
+        y = y.index_add(0, p // k, _MXGatedGemm.apply(h, w2[e], w[p]))
+    return y
+
+
+@pytest.mark.parametrize("case,skew", [("softmax-renorm", False), ("sigmoid-grouped", False),
+                                       ("softmax-plain-scaled", True)])
+def test_mx_backward_reference_matches_autograd_of_the_rounded_math(case, skew):
+    """moe_backward_ref(mx=True) -- explicit stage formulas -- against fp64 autograd through _mx_forward64, in which
+    only the GEMMs are custom (the MX rounding rule of each, straight-through): dx, d(router weight), dW13, dW2.
+    ``skew``: one expert gets > 64 rows (row blocks of 32, the last partial), one expert none (zero gradients)."""
+    k, kw = BWD_ROUTINGS[case]
+    x, wr, w13, w2, dy = _bwd_inputs(21, tokens=70 if skew else 50, hidden=64, ffn=32)
+    _, e = route(x, wr, k, **kw)
+    if skew:  # the decision given: expert 2 in every token's first slot, expert 6 in none
+        g = _gen(22)
+        others = torch.tensor([0, 1, 3, 4, 5, 7])
+        e = torch.cat([torch.full((70, 1), 2), torch.stack([others[torch.randperm(6, generator=g)[:k - 1]]
+                                                            for _ in range(70)])], 1)
+    counts = torch.bincount(e.reshape(-1), minlength=8)
+    if skew:
+        assert counts[2] == 70 and counts[6] == 0
+    got = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=e, mx=True, **kw)
+    leaves = [t.clone().requires_grad_() for t in (x, wr, w13, w2)]
+    want = torch.autograd.grad(_mx_forward64(*leaves, e, **kw), leaves, dy)
+    for a, b in zip(got, want):
+        assert a.dtype == F64
+        _rel_ok(a, b)
+    for i in (counts == 0).nonzero().flatten().tolist():
+        assert not got[2][i].any() and not got[3][i].any()
+    # and the MX rounding is visible: not the bf16 backward, but within the MX tolerance of it
+    plain = moe_backward_ref(x, wr, w13, w2, dy, top_k=k, experts=e, **kw)
+    for a, b in zip(got, plain):
+        rel = float((a - b).norm() / b.norm())
+        assert 1e-3 < rel < 0.1, rel
+
+
+def test_mx_rows_ref_blocks_and_zero_completion():
+    """mx_rows_ref: blocks of 32 rows per column from row 0 (the MX values of the transpose), a partial last block
+    as if completed by zero rows (bitwise the zero-padded rounding, cut); to bf16 first."""
+    from kosmos import quant
+    from kosmos.reference.moe import mx_rows_ref
+    g = _gen(5)
+    t = torch.randn(70, 48, generator=g, dtype=F64) * torch.logspace(-3, 3, 70, dtype=F64)[:, None]
+    got = mx_rows_ref(t)
+    padded = torch.cat([t.to(torch.bfloat16), torch.zeros(26, 48, dtype=torch.bfloat16)])
+    want = quant.dequantize_mx_ref(*quant.quantize_mx_ref(padded.t().contiguous())).t()[:70]
+    assert got.dtype == F64 and torch.equal(got, want.double())
+    assert torch.equal(mx_rows_ref(t[:32]), got[:32]) and not torch.equal(got, t)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        moe_backward_ref(*_bwd_inputs(1, hidden=48, ffn=32), top_k=2, mx=True)

@@ -21,6 +21,10 @@ MXFP8 (``mx=True``; OCP MX, kosmos/quant.py): the router stays on the bf16 token
 values of x (blocks along H) with the MX values of W13 (blocks along H) and W2 (blocks along F), and its
 SwiGLU output h is rounded to bf16 and then to its MX values (blocks along F) before W2 -- what a layer that
 dispatches MX tokens, runs GEMM1 on them and re-quantizes h for GEMM2 computes; fold in fp32 as in bf16.
+Its backward (``moe_backward_ref(mx=True)``, ``moe_experts_backward_ref(mx=True)``): every backward GEMM multiplies
+the MX values of both its operands with blocks of 32 along that GEMM's own K (the rows' K: blocks of 32 rows of one
+expert, ``mx_rows_ref``), fp32 accumulation; the SwiGLU, combine and router backward in fp32 as in bf16; gradients
+straight through the quantizers (the rules: ``moe_backward_ref``'s docstring, "MXFP8").
 
 ``moe_forward_ref_local`` takes every rank's tokens in one process (CPU tests); ``moe_forward_a2a`` is the
 distributed layer built from NCCL all-to-all the way Megatron's all-to-all dispatcher does it -- with
@@ -114,6 +118,23 @@ def expert_ffn_mx(x, w13, w2):
     h = mx_values(x.to(torch.bfloat16)).float() @ mx_values(w13.to(torch.bfloat16), dim=0).float()
     h = (F.silu(h[:, :f]) * h[:, f:]).to(torch.bfloat16)
     return mx_values(h).float() @ mx_values(w2.to(torch.bfloat16), dim=0).float()
+
+
+def mx_along(t, dim: int):
+    """The MX values of ``t`` (any float dtype; ``t.shape[dim]`` a multiple of 32) with blocks of 32 along ``dim``,
+    from t rounded to bf16 first (what a kernel holds before it rounds), in t's dtype."""
+    return mx_values(t.to(torch.bfloat16), dim=dim).to(t.dtype)
+
+
+def mx_rows_ref(t):
+    """The MX values of t [n, K] with blocks of 32 consecutive rows per column (blocks along the rows, counted from
+    row 0), from t rounded to bf16 first, in t's dtype. A last block of fewer than 32 rows is rounded as if zero
+    rows completed it (zeros change no block's largest magnitude, hence no scale). The operand rounding of a GEMM
+    whose K is the rows -- a weight gradient over one expert's rows, which start a block."""
+    n = t.shape[0]
+    pad = -n % 32
+    padded = torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))]) if pad else t
+    return mx_along(padded, 0)[:n] if n else t.clone()
 
 
 def moe_forward_ref_local(xs, router_weight, w13s, w2s, *, top_k: int, routing: str = "softmax", mx: bool = False,
@@ -258,16 +279,19 @@ def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "so
     return y
 
 
-def apply_routing_ref(x, weights, experts, w13_all, w2_all):
+def apply_routing_ref(x, weights, experts, w13_all, w2_all, mx: bool = False):
     """fp32 y [T, H] for tokens x [T, H] given a routing (weights [T, k], global experts [T, k]) and ALL experts'
     weights (w13_all [E, H, 2F], w2_all [E, F, H]); fold in slot order. Lets a test check the expert math of an
-    implementation against its own routing decisions, separately from the router."""
+    implementation against its own routing decisions, separately from the router. ``mx``: the MXFP8 experts
+    (``expert_ffn_mx``: x and the weights rounded to MX here)."""
     xf = x.float()
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for j in range(experts.shape[1]):
         for e in experts[:, j].unique().tolist():
             rows = (experts[:, j] == e).nonzero(as_tuple=True)[0]
-            y[rows] += weights[rows, j, None].float() * expert_ffn(xf[rows], w13_all[e].float(), w2_all[e].float())
+            out = expert_ffn_mx(x[rows], w13_all[e], w2_all[e]) if mx else \
+                expert_ffn(xf[rows], w13_all[e].float(), w2_all[e].float())
+            y[rows] += weights[rows, j, None].float() * out
     return y
 
 
@@ -280,6 +304,11 @@ def apply_routing_ref(x, weights, experts, w13_all, w2_all):
 def _acc_dtype(*tensors):
     """fp64 when any input is fp64, else fp32 (bf16/fp16/fp32 inputs are upcast)."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_mx_shapes(mx: bool, hidden: int, ffn: int) -> None:
+    if mx and (hidden % 32 or ffn % 32):
+        raise ValueError(f"mx=True needs H={hidden} and F={ffn} to be multiples of 32 (MX blocks)")
 
 
 def _pairs_by_expert(experts, n_experts: int):
@@ -422,7 +451,7 @@ def router_gemm_backward_ref(dlogits, x, router_weight):
     return dlogits.t() @ x, dlogits @ router_weight
 
 
-def moe_experts_backward_ref(x, w13, w2, dy, weights, experts):
+def moe_experts_backward_ref(x, w13, w2, dy, weights, experts, *, mx: bool = False):
     """Gradients of the expert part with the routing given (y = ``apply_routing_ref(x, weights, experts, w13, w2)``,
     routing ``given``: no router): (dx [T, H], d_weights [T, k], dw13 [E, H, 2F], dw2 [E, F, H]) for the output
     gradient dy [T, H] -- ``moe_backward_ref``'s stages 1-5 on the given weights, without its router stages:
@@ -430,15 +459,17 @@ def moe_experts_backward_ref(x, w13, w2, dy, weights, experts):
       dx = dispatch_backward_ref(dx_pair)   (no router part: the decision came from outside)
     x [T, H], weights [T, k] (any float dtype), experts [T, k] global ids in [0, E) (a token may name an expert
     twice: its two pairs are separate rows), w13 [E, H, 2F], w2 [E, F, H]. Math in fp64 when any input is fp64,
-    else fp32; the gradients come back in that dtype. Deterministic (moe_backward_ref's summation orders)."""
+    else fp32; the gradients come back in that dtype. Deterministic (moe_backward_ref's summation orders).
+    ``mx``: the MXFP8 layer's backward (moe_backward_ref's "MXFP8"; the gate gradient is its z-h row dot)."""
     n_tok, hidden = x.shape
     n_experts = w13.shape[0]
     top_k = check_given_routing(weights, experts, n_tok, n_experts)
     experts = experts.long()
+    _check_mx_shapes(mx, hidden, w2.shape[1])
     acc = _acc_dtype(x, w13, w2, dy, weights)
     xa, dya, wa = x.to(acc), dy.to(acc), weights.to(acc)
     groups = _pairs_by_expert(experts, n_experts)
-    pairs, rows, dw13, dw2 = _expert_rows_backward_ref(xa, dya, wa, w13, w2, groups, 0, top_k)
+    pairs, rows, dw13, dw2 = _expert_rows_backward_ref(xa, dya, wa, w13, w2, groups, 0, top_k, mx)
     n_pairs = n_tok * top_k
     dx_pair = xa.new_zeros((n_pairs, hidden))
     dweights = xa.new_zeros(n_pairs)
@@ -449,7 +480,7 @@ def moe_experts_backward_ref(x, w13, w2, dy, weights, experts):
 def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str = "softmax",
                      renormalize: bool = True, bias=None, n_group: int = 1, topk_group: int = 1,
                      routed_scaling: float = 1.0, experts=None, return_stages: bool = False,
-                     expert_chunk: int | None = None, on_weight_grads=None):
+                     expert_chunk: int | None = None, on_weight_grads=None, mx: bool = False):
     """Gradients of the MoE layer y = moe(x) (``route`` + ``apply_routing_ref`` over ALL experts, one process) for
     the output gradient dy [T, H]: (dx [T, H], d_router_weight [E, H], dw13 [E, H, 2F], dw2 [E, F, H]), plus a
     dict of every stage's tensors when ``return_stages``. Arguments as ``route`` takes them (x [T, H],
@@ -506,7 +537,26 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
                                                                                      (gate_grad_from_h_ref); a recompute
                                                                                      is GEMM2 fwd, 0.96 TFLOP
     So the minimum saved set is w, e, S (or p's recompute), g | u and the expert rows (or their re-dispatch):
-    ~704 MiB per rank at balanced load, on top of x. ``backward_saved_bytes`` computes these figures."""
+    ~704 MiB per rank at balanced load, on top of x. ``backward_saved_bytes`` computes these figures.
+
+    MXFP8 (``mx=True``): the backward of the MXFP8 layer (module docstring: x and the weights as MX values, h
+    rounded to bf16 then to MX along F), straight through its quantizers, with every backward GEMM on MX operands:
+    both operands of each GEMM rounded (``mx_along``: to bf16 first, then to MX) with blocks of 32 along that
+    GEMM's own K, fp32 accumulation. Q_H, Q_F, Q_2F: blocks along those columns; Q_R: blocks of 32 rows of one
+    expert from its first row, the last block completed by zero rows (``mx_rows_ref``). Per expert e, its rows
+    in ascending p (x_r = x[t(p)], dy_r = dy[t(p)], w_r the pair's gate weight):
+      0. [g | u] = Q_H(x_r) @ Q_H(W13[e]), h = silu(g) u   (the forward's GEMM1, recomputed; fp32)
+      1. z = Q_H(dy_r) @ Q_H(W2[e])^T            dgrad2, K = H: its operand is the token gradient dy, the gate
+                                                 weight a row scale of its fp32 result (dh = w_r z), as the
+                                                 kernels apply it
+         dw_r = <z, h>                           the gate gradient (the z-h row dot, with the fp32 h)
+      2. dW2[e] = Q_R(h)^T @ Q_R(do), do = w_r dy_r         wgrad2, K = rows
+      3. dg, du = SwiGLU backward of dh = w_r z      fp32, as in bf16
+      4. dx_pair = Q_2F([dg | du]) @ Q_2F(W13[e])^T        dgrad1, K = 2F (F % 32 == 0: no block spans g and u)
+         dW13[e] = Q_R(x_r)^T @ Q_R([dg | du])             wgrad1, K = rows (x_r's bf16 values, not its
+                                                           forward MX values: each GEMM rounds its own)
+    Stages 5-7 as in bf16 (the router backward on the bf16 x and router weight, which the forward's router
+    used). The TP linears' MX backward (kosmos.nn) is another rule: the forward's MX operands, dy in bf16."""
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
     n_tok, hidden = x.shape
@@ -522,6 +572,7 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
             raise ValueError(f"experts must lie in [0, {n_experts})")
         if top_k > 1 and (experts.sort(-1).values.diff(dim=-1) == 0).any():
             raise ValueError("a token's experts must be distinct")
+    _check_mx_shapes(mx, hidden, w2.shape[1])
     acc = _acc_dtype(x, router_weight, w13, w2, dy)
     # the expert weights stay in their dtype and are upcast one expert at a time (w13[e].to(acc) in the stage
     # references): a whole fp32 copy of DeepSeek-V3's 256 experts is 42 GiB, and ran the bench out of memory
@@ -547,7 +598,7 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
     for e0 in range(0, n_experts, chunk):
         e1 = min(e0 + chunk, n_experts)
         pairs, rows, dw13_c, dw2_c = _expert_rows_backward_ref(
-            xa, dya, weights, w13[e0:e1], w2[e0:e1], [(e, p) for e, p in groups if e0 <= e < e1], e0, top_k)
+            xa, dya, weights, w13[e0:e1], w2[e0:e1], [(e, p) for e, p in groups if e0 <= e < e1], e0, top_k, mx)
         dx_pair[pairs], dweights[pairs] = rows.pop("dx_pair"), rows.pop("dweights")
         if on_weight_grads is not None:
             on_weight_grads(e0, dw13_c, dw2_c)
@@ -575,20 +626,24 @@ def moe_backward_ref(x, router_weight, w13, w2, dy, *, top_k: int, routing: str 
     return dx, d_router_weight, dw13, dw2, stages
 
 
-def _expert_rows_backward_ref(xa, dya, weights, w13, w2, groups, e0: int, top_k: int):
+def _expert_rows_backward_ref(xa, dya, weights, w13, w2, groups, e0: int, top_k: int, mx: bool = False):
     """Stages 1-4 of ``moe_backward_ref`` for the pairs of one run of experts: ``groups`` (from
     ``_pairs_by_expert``) those of experts e0 .. e0 + len(w13) - 1, w13 / w2 their slices. The run's pairs become
     rows in expert order (ascending p inside an expert), row i the one token of a top-1 layer (x_rows[i] =
     x[t(p_i)], dy_rows[i] = dy[t(p_i)], its gate weight w_p), so that the stage references run on these rows
     alone: per expert the same GEMMs on the same values as on every pair at once, and the per-pair tensors
     [rows, ...] instead of [T*k, ...]. Returns (pairs [rows] -- row i is pair pairs[i] --, {stage: [rows, ...]}
-    (g, u, h, o, do, dh, dg, du, dx_pair, dweights), dw13 [len(w13), H, 2F], dw2 [len(w2), F, H])."""
+    (g, u, h, o, do, dh, dg, du, dx_pair, dweights), dw13 [len(w13), H, 2F], dw2 [len(w2), F, H]). ``mx``: the
+    MXFP8 stages (moe_backward_ref's "MXFP8"), by ``_expert_rows_backward_mx_ref``."""
     pairs = torch.cat([p for _, p in groups]) if groups else torch.zeros(0, dtype=torch.long, device=xa.device)
     local, start = [], 0
     for e, p in groups:
         local.append((e - e0, torch.arange(start, start + p.numel(), device=xa.device)))
         start += p.numel()
     x_rows, dy_rows = xa[pairs // top_k], dya[pairs // top_k]
+    if mx:
+        rows, dw13, dw2 = _expert_rows_backward_mx_ref(x_rows, dy_rows, weights.reshape(-1)[pairs], w13, w2, local)
+        return pairs, rows, dw13, dw2
     one = torch.zeros((pairs.numel(), 1), dtype=torch.long, device=xa.device)  # the rows' [rows, 1] decision
     g, u, h, o = expert_pairs_forward_ref(x_rows, one, w13, w2, local)
     do, dweights = combine_backward_ref(dy_rows, weights.reshape(-1)[pairs].view(-1, 1), o)   # 1
@@ -597,6 +652,38 @@ def _expert_rows_backward_ref(xa, dya, weights, w13, w2, groups, e0: int, top_k:
     dx_rows, dw13 = gemm1_backward_ref(dg, du, x_rows, one, w13, local)                        # 4
     rows = dict(g=g, u=u, h=h, o=o, do=do, dh=dh, dg=dg, du=du, dx_pair=dx_rows, dweights=dweights.view(-1))
     return pairs, rows, dw13, dw2
+
+
+def _expert_rows_backward_mx_ref(x_rows, dy_rows, w_rows, w13, w2, local):
+    """The MXFP8 stages 0-4 (moe_backward_ref's "MXFP8") on one run of experts' rows: x_rows, dy_rows [n, H] and
+    w_rows [n] (each row's gate weight) in the math dtype, ``local`` [(expert index into w13 / w2, its row
+    indices, ascending)]; the weights in their dtype, rounded to MX from their bf16 values. Returns ({stage:
+    [n, ...]} as _expert_rows_backward_ref's, o the forward's MX GEMM2 output), dw13, dw2."""
+    acc = x_rows.dtype
+    n, f = x_rows.shape[0], w2.shape[1]
+    g, u, z = (x_rows.new_zeros((n, f)) for _ in range(3))
+    o, dx_rows = x_rows.new_zeros(x_rows.shape), x_rows.new_zeros(x_rows.shape)
+    dw13, dw2 = x_rows.new_zeros(w13.shape), x_rows.new_zeros(w2.shape)
+    for e, r in local:
+        w13e, w2e = w13[e].to(acc), w2[e].to(acc)
+        a = mx_along(x_rows[r], 1) @ mx_along(w13e, 0)                 # 0. GEMM1 (the forward's)
+        g[r], u[r] = a[:, :f], a[:, f:]
+        h_e = g[r] * torch.sigmoid(g[r]) * u[r]
+        o[r] = mx_along(h_e, 1) @ mx_along(w2e, 0)                     # the forward's GEMM2 (h via bf16)
+        z[r] = mx_along(dy_rows[r], 1) @ mx_along(w2e, 1).t()          # 1. dgrad2, K = H
+        dw2[e] = mx_rows_ref(h_e).t() @ mx_rows_ref(w_rows[r, None] * dy_rows[r])   # 2. wgrad2, K = rows
+    h = g * torch.sigmoid(g) * u
+    do = w_rows[:, None] * dy_rows
+    dh = w_rows[:, None] * z
+    dweights = (z * h).sum(-1)
+    dg, du = swiglu_backward_ref(dh, g, u)                             # 3.
+    da = torch.cat([dg, du], dim=-1)
+    for e, r in local:
+        w13e = w13[e].to(acc)
+        dx_rows[r] = mx_along(da[r], 1) @ mx_along(w13e, 1).t()        # 4. dgrad1, K = 2F
+        dw13[e] = mx_rows_ref(x_rows[r]).t() @ mx_rows_ref(da[r])      #    wgrad1, K = rows
+    rows = dict(g=g, u=u, h=h, o=o, do=do, dh=dh, dg=dg, du=du, dx_pair=dx_rows, dweights=dweights)
+    return rows, dw13, dw2
 
 
 def backward_saved_bytes(tokens: int, hidden: int, ffn: int, top_k: int, n_experts: int, rows: int | None = None):

@@ -9,8 +9,10 @@ The route, decided the same way on every rank: the one launch (one_launch.py) at
 path (multi_launch.py: the expert GEMM kernels, the row passes of rows.py, ``dist.all_to_all_single`` between them
 at W > 1, the router backward in torch) elsewhere -- the CPU, saved g | u at W > 1, ``one_launch=False``. With the
 routing given from outside (``routing="given"``) there is no router backward: the gradient of the given weights
-comes back instead of the router weight's. Argument checks raise ValueError before any collective or launch (the
-one launch on the packed layout, ``policy="fixed"`` at W = 1 or without the one launch, shapes, routing names).
+comes back instead of the router weight's. ``precision="mxfp8"``: the MX backward (mx.py: every backward GEMM on MX
+operands along its own K), on the multi-launch path in the padded layout at any W. Argument checks raise ValueError
+before any collective or launch (the one launch on the packed layout, ``policy="fixed"`` at W = 1 or without the
+one launch, shapes, routing names).
 Also here: the router's GEMMs at fp32-level error on bf16 tensor cores (``bf16_mm_fp32``, ``router_gemm_backward``)
 and ``expert_backward_operands`` (the bench's expert-part operands).
 
@@ -30,12 +32,13 @@ from ...core import runtime
 from ...core.runtime import world_size
 from ...reference import moe as mr
 from ...reference.moe import GIVEN, ROUTING_KINDS, all_to_all_rows, check_given_routing
-from ..moe_forward import _check_same_shape_on_every_rank
+from ..moe_forward import _check_same_shape_on_every_rank, weights_nk
 from ...core.schedule import POLICIES, policy_args
 from .tiles import _triton_runs
 from .layout import SCB_MTILES, WGRAD_PAD_ROWS, _pair_rows, ep_layout, ep_local_buffers, expert_counts, padded_layout
 from .rows import do_rows_of, gather_rows, gather_rows_and_scaled, unpermute_sum
 from .multi_launch import expert_backward_gemms
+from .mx import check_mx_weights, expert_backward_gemms_mx, expert_gemm1_operand, moe_mx_weights
 from .router import RouterBackward, _router_tiles
 from .one_launch import expert_backward_ep_launch, expert_backward_one_launch
 
@@ -128,7 +131,7 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
                  renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
                  padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None,
                  router_in_launch: bool | None = None, policy: str = "self", comm_programs: int | None = None,
-                 config: MoEBackwardConfig | None = None):
+                 config: MoEBackwardConfig | None = None, precision: str = "bf16", mx_weights=None):
     """Gradients of the MoE layer over the EP ``group`` (None or one rank: all E experts local) for this rank's
     output gradient dy [T, H], given the forward's routing decision for this rank's tokens (``weights`` [T, k]
     fp32 and ``experts`` [T, k], global expert ids, e.g. ``moe_forward(..., return_routing=True)``), with
@@ -190,8 +193,20 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     ``policy="fixed"`` with ``comm_programs=S`` (1 <= S < the grid): the fixed-role ablation of the one launch at
     W > 1 (one_launch=True) -- programs pid < S run only its communication stages (COMBINE-BWD, PERMUTE-BWD,
     DISPATCH-BWD, UNPERMUTE), the others only the rest; the same gradients, bit for bit, as the self policy. A
-    ValueError at W = 1 (no communication) and with the multi-launch path (no programs to split)."""
+    ValueError at W = 1 (no communication) and with the multi-launch path (no programs to split).
+
+    ``precision="mxfp8"``: the backward of moe_forward's MXFP8 layer, every backward GEMM on MX operands rounded
+    along its own K (mx.py's docstring; reference.moe.moe_backward_ref(mx=True)), on the multi-launch path in the
+    padded layout at any W; w13 / w2 are the bf16 weights (their gradients come back as for bf16, straight through
+    the quantizers), ``mx_weights`` their MoEMXWeights (mx.moe_mx_weights; None: rounded here, per call). Refused
+    with a ValueError: one_launch=True, router_in_launch=True, padded=False (or Triton unable to run), saved_gu, H
+    or F not multiples of 32."""
     config = check_config(MoEBackwardConfig, config)
+    mx = _check_precision(precision, x, w2, one_launch, router_in_launch, padded, saved_gu)
+    if mx:  # the multi-launch path on the padded layout (_check_precision: Triton runs, H and F multiples of 32)
+        one_launch, padded = False, True
+        mx_weights = moe_mx_weights(w13, w2) if mx_weights is None else mx_weights
+        check_mx_weights(mx_weights, w13, w2)
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {sorted(POLICIES)}")
     if routing not in ROUTING_KINDS:
@@ -290,6 +305,8 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
             gu = gather_rows(saved_gu.gu, into_padded(saved_gu.backward_order_index(counts, rows)), end)
         else:
             gu = saved_gu.in_backward_order(counts, rows)
+    elif mx:  # GEMM1 on the forward's MX operands (x_rows and W13 along H)
+        gu = _expert_gemm1(expert_gemm1_operand(x_rows), mx_weights.w13, counts, pad_offs)
     else:
         gu = _expert_gemm1(x_rows, w13, counts, pad_offs)
     wdt = _wgrad_dtype(w13, wgrad_dtype)
@@ -307,9 +324,14 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
     else:
         if not padded:
             do_rows = do_rows_of(dy, tok, dy_rows, w_pair, world)
-        dx_rows, dw_rows, dw13, dw2 = expert_backward_gemms(dy_rows, do_rows, x_rows, gu, w_pair, w13, w2, counts,
-                                                            wdt, pad_offs=pad_offs, valid=valid if padded else None,
-                                                            config=config)
+        if mx:
+            dx_rows, dw_rows, dw13, dw2 = expert_backward_gemms_mx(dy_rows, do_rows, x_rows, gu, w_pair, mx_weights,
+                                                                   counts, wdt, pad_offs=pad_offs, valid=valid,
+                                                                   nk=weights_nk(w13), config=config)
+        else:
+            dx_rows, dw_rows, dw13, dw2 = expert_backward_gemms(dy_rows, do_rows, x_rows, gu, w_pair, w13, w2,
+                                                                counts, wdt, pad_offs=pad_offs,
+                                                                valid=valid if padded else None, config=config)
         if by_expert is not None:  # back to the received order, then to the tokens' ranks
             if row_of is not None:  # out of the padded layout first
                 dx_rows, dw_rows, row_of = dx_rows[row_of], dw_rows[row_of], None
@@ -324,6 +346,31 @@ def moe_backward(x, router_weight, w13, w2, dy, weights, experts, *, group=None,
         return dx_e.to(torch.bfloat16), dweights.view(n_tok, k), dw13, dw2
     return _router_backward_torch(x, router_weight, experts, dweights.view(n_tok, k), dx_e, routing, renormalize,
                                   routed_scaling, config) + (dw13, dw2)
+
+
+PRECISIONS = ("bf16", "mxfp8")
+
+
+def _check_precision(precision, x, w2, one_launch, router_in_launch, padded, saved_gu) -> bool:
+    """moe_backward's precision and what ``precision="mxfp8"`` does not cover (one-line ValueErrors, before any
+    collective or launch); returns whether it is mxfp8."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: choose 'bf16' or 'mxfp8'")
+    if precision == "bf16":
+        return False
+    hidden, f = x.shape[1], w2.shape[1]
+    if hidden % 32 or f % 32:
+        raise ValueError(f"moe_backward(precision='mxfp8') needs H={hidden} and F={f} to be multiples of 32 "
+                         f"(MX blocks)")
+    if one_launch or router_in_launch:
+        raise ValueError("moe_backward(precision='mxfp8') runs on the multi-launch path: one_launch / router_in_launch "
+                         "are bf16 only")
+    if padded is False or not _triton_runs(x):
+        raise ValueError(f"moe_backward(precision='mxfp8') needs the padded row layout (padded=False was given, or "
+                         f"Triton cannot run on {x.device}): its row blocks start at each expert's first row")
+    if saved_gu is not None:
+        raise ValueError("moe_backward(precision='mxfp8') recomputes g | u on the MX operands: pass saved_gu=None")
+    return True
 
 
 def _router_backward_torch(x, router_weight, experts, dweights, dx_e, routing, renormalize, routed_scaling,
@@ -395,9 +442,11 @@ def _moe_backward_ep(x, router_weight, w13, w2, dy, weights, experts, group, rou
 def moe_backward_w1(x, router_weight, w13, w2, dy, weights, experts, *, routing: str = "softmax",
                     renormalize: bool = True, routed_scaling: float = 1.0, wgrad_dtype=None, saved_gu=None,
                     padded: bool | None = None, one_launch: bool | None = None, programs: int | None = None,
-                    router_in_launch: bool | None = None, config: MoEBackwardConfig | None = None):
+                    router_in_launch: bool | None = None, config: MoEBackwardConfig | None = None,
+                    precision: str = "bf16", mx_weights=None):
     """``moe_backward`` at one rank (all E experts local)."""
     return moe_backward(x, router_weight, w13, w2, dy, weights, experts, group=None, routing=routing,
                         renormalize=renormalize, routed_scaling=routed_scaling, wgrad_dtype=wgrad_dtype,
                         saved_gu=saved_gu, padded=padded, one_launch=one_launch, programs=programs,
-                        router_in_launch=router_in_launch, config=config)
+                        router_in_launch=router_in_launch, config=config, precision=precision,
+                        mx_weights=mx_weights)
