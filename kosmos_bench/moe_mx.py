@@ -38,6 +38,19 @@ BASELINE_NOTE = ("GEMM1's output rounded to bf16 before the SwiGLU (torch._group
                  "checked against the MX layer with that rounding")
 
 
+
+def _exchange_counts(flat_expert, local: int, world: int, group):
+    """The per-expert pair counts exchanged once (one host sync): (recv [W, E/W] rows each rank sends to each of
+    this rank's experts, rows sent to each rank, rows received from each)."""
+    send = torch.bincount(flat_expert, minlength=local * world).view(world, local)
+    recv = torch.empty_like(send)
+    if world > 1:
+        dist.all_to_all_single(recv, send, group=group)
+    else:
+        recv.copy_(send)
+    send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+    return recv, send_splits, recv_splits
+
 def expert_ffn_mx_gemm1_bf16(x, w13, w2):
     """``expert_ffn_mx`` with GEMM1's output rounded to bf16 and the SwiGLU in bf16 (the baseline's rounding)."""
     f = w2.shape[0]
@@ -109,14 +122,7 @@ def moe_forward_a2a_mx(x, router_weight, w13, w2, *, top_k: int, routing: str = 
     else:  # quantize each token once, send its payload (as bytes) and scales once per pair
         payload, scales = quant.to_mx(x)
         parts = [payload.view(torch.uint8).index_select(0, token), scales.index_select(0, token)]
-    per_expert = torch.bincount(flat_expert, minlength=local * world)
-    send = per_expert.view(world, local)
-    recv = torch.empty_like(send)
-    if world > 1:
-        dist.all_to_all_single(recv, send, group=group)
-    else:
-        recv.copy_(send)
-    send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+    recv, send_splits, recv_splits = _exchange_counts(flat_expert, local, world, group)
     got = _exchange(parts, send_splits, recv_splits, world, group)
     n_got = got[0].shape[0]
     chunk_expert = torch.arange(local, device=x.device).repeat(world)
@@ -331,14 +337,7 @@ def moe_forward_a2a_mx_train(x, router_weight, w13, w2, mx_weights, *, top_k: in
     order = torch.argsort(flat_expert, stable=True)
     rows = x.index_select(0, order // top_k)
     w_rows = weights.reshape(-1).float().index_select(0, order)
-    per_expert = torch.bincount(flat_expert, minlength=local * world)
-    send = per_expert.view(world, local)
-    recv = torch.empty_like(send)
-    if world > 1:
-        dist.all_to_all_single(recv, send, group=group)
-    else:
-        recv.copy_(send)
-    send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+    recv, send_splits, recv_splits = _exchange_counts(flat_expert, local, world, group)
     if world > 1:
         rows = all_to_all_rows(rows, recv_splits, send_splits, group)
         w_rows = all_to_all_rows(w_rows[:, None], recv_splits, send_splits, group)[:, 0]
