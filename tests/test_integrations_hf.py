@@ -491,6 +491,32 @@ def test_refuses_a_model_not_in_bf16():
 
 
 @needs_hf
+def test_an_fp32_router_weight_runs_rounded_to_bf16(reference_kernels):
+    """transformers 5.25 keeps DeepSeek-V3's router weight fp32 in a bf16 model: the block is patched, the launch
+    gets that weight rounded to bf16 (the output is the bf16-router model's, bit for bit), and the gradient lands
+    on the fp32 parameter as the bf16-router model's gradient upcast."""
+    import copy
+    model, _ = build("deepseek_v3")
+    model32r = copy.deepcopy(model)
+    for _, block in kt.moe_blocks(model32r):
+        block.gate.weight = torch.nn.Parameter(block.gate.weight.detach().float())
+    patched32r = kt.patch(model32r, strict=True)
+    assert len(kt.patch(model, strict=True).blocks) == len(patched32r.blocks) == 2
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    losses = [m.train()(ids, labels=ids).loss for m in (model, model32r)]
+    assert torch.equal(losses[0], losses[1])
+    for loss in losses:
+        loss.backward()
+    for (_, a), (_, b) in zip(kt.moe_blocks(model), kt.moe_blocks(model32r)):
+        assert b.gate.weight.grad.dtype == torch.float32 and a.gate.weight.grad.abs().sum() > 0
+        assert torch.equal(b.gate.weight.grad, a.gate.weight.grad.float())
+    patched32r.unpatch()
+    for _, block in kt.moe_blocks(model32r):  # expert parameters in fp32 are still refused
+        block.experts.down_proj = torch.nn.Parameter(block.experts.down_proj.detach().float())
+        assert "torch.float32 (down_proj)" in kt.refusal(block)
+
+
+@needs_hf
 @pytest.mark.parametrize("over, expect", [
     (dict(num_local_experts=264), "E=264 experts > 256"),
     (dict(num_local_experts=24, num_experts_per_tok=17), "top_k=17 is not in [1, 16]"),
@@ -617,6 +643,8 @@ def test_kosmos_experts_refusals():
         (lambda m, ex: setattr(ex, "has_gate", False), "experts without a gate"),
         (lambda m, ex: setattr(ex, "is_concatenated", False), "interleaved gate/up"),
         (lambda m, ex: setattr(ex, "is_transposed", True), "is_transposed=True"),
+        (lambda m, ex: setattr(ex, "has_post_expert_norm", True), "has_post_expert_norm=True"),
+        (lambda m, ex: setattr(ex, "_is_expert_parallel", True), "expert parallelism"),
         (lambda m, ex: setattr(ex, "act_fn", ACT2FN["gelu"]), "is not SiLU"),
         (lambda m, ex: setattr(ex, "__class__", type("Gated", (type(ex),), {"_apply_gate": lambda s, t: t})),
          "custom gating"),

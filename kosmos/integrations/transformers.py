@@ -14,7 +14,7 @@ call -- one launch forward, one backward (kosmos.nn's MoEFn) -- on the block's o
 ``gate.weight`` [E, H] and the experts' ``gate_up_proj`` [E, 2F, H] (gate | up, concatenated) and ``down_proj``
 [E, H, F], passed as their ``.transpose(1, 2)`` views. It adds the shared expert(s) by calling the model's own
 modules, as the model does, and returns the block's output shape (a tensor, as these blocks return). The blocks
-and the routing KOSMOS runs for each (checked against transformers 5.13's and 5.17's code, line by line):
+and the routing KOSMOS runs for each (checked against transformers 5.13's, 5.17's and 5.25's code, line by line):
 
   MixtralSparseMoeBlock    p = softmax(x Wr^T) over all E experts; top-k of p; renormalised (always)
   Qwen2MoeSparseMoeBlock   softmax over all experts, top-k, renormalised iff config.norm_topk_prob; plus
@@ -35,7 +35,9 @@ Where the parameters stay: nothing is copied or re-registered. ``state_dict`` ke
 save / load round-trips unchanged, gradients land on the model's own parameters (the kernels read the transposed
 views as stored and return the weight gradients in the parameters' own layout), and optimizer steps and gradient
 accumulation act on them. DeepSeek-V3's e_score_correction_bias is
-read each call (as fp32) and gets no gradient, as in transformers.
+read each call (as fp32) and gets no gradient, as in transformers. A router weight kept in fp32 (transformers 5.25
+keeps DeepSeek-V3's ``gate.weight`` fp32 in a bf16 model, ``_keep_in_fp32_modules_strict``) is rounded to bf16 for
+the launch each call (E x H values); its gradient returns through that cast, in fp32.
 
 Router logits: when the block's router module (``block.gate``) has forward hooks -- transformers installs one to
 record router logits for ``output_router_logits`` (the auxiliary load-balancing loss) -- the patched forward also
@@ -48,7 +50,8 @@ a router module of another class than the family's; expert biases; an activation
 ``_apply_gate``; interleaved gate/up (``is_concatenated=False``); the transposed expert layout (``is_transposed``,
 not covered); experts without a gate (``has_gate=False``); Mixtral's ``router_jitter_noise > 0`` while the block is
 in training mode (a block patched in eval mode runs its own forward whenever it is in training mode, with one
-warning); parameters other than bf16 (cast the model to bf16 first); E > 256, top_k > min(E, 16), H or F not
+warning); expert parameters other than bf16, a router weight other than bf16 or fp32 (cast the model to bf16
+first); a norm after the experts (``has_post_expert_norm``); experts set up for expert parallelism; E > 256, top_k > min(E, 16), H or F not
 multiples of 8; DeepSeek-V3 groups KOSMOS cannot form (E % n_group, fewer than 2 experts a group, topk_group >
 n_group, top_k > the kept groups' experts); parameters on the meta device (offloaded) or router and experts on
 different devices; hooks on the experts module, forward pre-hooks on the router, an accelerate ``_hf_hook`` on
@@ -196,7 +199,8 @@ def _kosmos_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     x = _rows(hidden_states)
     if gate._forward_hooks:  # e.g. the router-logits recorder of output_router_logits: run the model's router for it
         gate(x)
-    y = _nn.moe(x, gate.weight, experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2),
+    router_weight = gate.weight if gate.weight.dtype == torch.bfloat16 else gate.weight.to(torch.bfloat16)
+    y = _nn.moe(x, router_weight, experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2),
                 **route_kwargs(fam, gate))
     if fam.shared == "gated":
         y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -226,6 +230,10 @@ def _experts_kind_refusal(experts) -> str | None:
         return "interleaved gate/up (is_concatenated=False): KOSMOS reads gate | up concatenated"
     if getattr(experts, "is_transposed", False):
         return "transposed expert layout (is_transposed=True): not covered"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "a norm after the experts (has_post_expert_norm=True): KOSMOS's experts have none"
+    if getattr(experts, "_is_expert_parallel", False):
+        return "experts sharded for transformers' expert parallelism (sentinel ids): not covered"
     act = getattr(experts, "act_fn", None)
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):
         hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
@@ -264,7 +272,8 @@ def refusal(block) -> str | None:
         return (f"router_jitter_noise={block.jitter_noise} in training mode (noise on the block's input, which "
                 f"KOSMOS does not apply); patch in eval mode to run KOSMOS outside training")
     params = {"router weight": gate.weight, "gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj}
-    bad = {n: p.dtype for n, p in params.items() if p.dtype != torch.bfloat16}
+    bad = {n: p.dtype for n, p in params.items()
+           if p.dtype != torch.bfloat16 and not (n == "router weight" and p.dtype == torch.float32)}
     if bad:
         return (f"parameters in {', '.join(sorted({str(d) for d in bad.values()}))} ({', '.join(bad)}): KOSMOS runs "
                 f"bf16 -- cast the model to bf16 (model.to(torch.bfloat16)) before patch")
