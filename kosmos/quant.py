@@ -1,4 +1,5 @@
-"""MXFP8 (OCP Microscaling v1.0): FP8 E4M3 elements with one E8M0 scale per 32 consecutive elements along K.
+"""MXFP8 (OCP Microscaling v1.0): FP8 E4M3 elements with one E8M0 scale per 32 consecutive elements along K; and
+block-scaled FP8 (one fp32 scale per 1x128 or 128x128 block: its own section below).
 
     payload, scales = kosmos.quant.quantize_mx(x)          # x [rows, K] bf16 -> [rows, K] e4m3fn, [rows, K/32] u8
     y = kosmos.quant.dequantize_mx(payload, scales)         # -> [rows, K] bf16 (or dtype=torch.float32)
@@ -94,6 +95,25 @@ Under the interpreter no kernel converts to or from ``tl.float8e4nv``: Triton 3.
 truncates subnormal results, handles no NaN or saturation and reads 0x7F / 0xFF back as +-480 (checked on the
 CPU: docs/design/quant.md), hence the bit-level paths; quantize uses them on sm_90 too, so that one code path is
 tested, and dequantize's ``CVT`` (the hardware conversion) is checked bit for bit against the integer path.
+
+Block-scaled FP8 (fp8-block: DeepSeek-V3's, TE's Float8BlockScaling's and DeepGEMM's layout on Hopper)
+--------------------------------------------------------------------------------------------------------
+    t = kosmos.quant.quantize_fp8_block(x)                 # x [rows, K] bf16 -> FP8BlockTensor: 1x128 blocks
+    w = kosmos.quant.quantize_fp8_block(weight, 128)       # weight [N, K] -> 128x128 blocks
+    y = kosmos.quant.dequantize_fp8_block(t)               # -> [rows, K] bf16 (or dtype=torch.float32)
+
+E4M3 elements with one fp32 scale per block of 128 along K: per row (1x128, activations: scales [rows, K/128])
+or per 128 rows (128x128, weights: scales [ceil(rows/128), K/128]; a last block row of fewer rows takes the amax
+of the rows it has). A value is P * scale. The quantizer's scale rule is the MX rule above on the bigger block --
+scale = 2**X, X = ceil(log2(amax / 448)) clamped below to -127 -- so an fp8-block value is an MX-like value with
+one exponent per block: the same kernel (``_quantize_kernel`` with BK = 128, ROW_BLOCK for 128x128, the scale
+written as fp32 bits), the same special cases (an all-zero block: scale 2**-127; a NaN or Inf: a NaN scale and
+0x7F payload for the block; nothing saturates; ties to even), bit for bit against ``quantize_fp8_block_ref``.
+Power-of-two scales (TE's default for this recipe; DeepGEMM on Hopper takes any fp32 scale) cost up to one bit
+of range against amax / 448 and buy exactness: dividing by the scale and multiplying back are exact, every
+finite value is a bf16, and a GEMM that applies the scales product per 128-element K step multiplies an fp32
+partial sum by a power of two (exact). Consumers (``dequantize_fp8_block``, the GEMMs) take any positive finite
+fp32 scales -- a checkpoint's amax / 448 -- as payload * scale rounded once to fp32.
 
 The pure-torch references (quantize_mx_ref, dequantize_mx_ref, e4m3_round_ref) are written from the definitions
 instead: the exponent from log2 with an exact correction step, rounding as ``round(|v| / quantum)`` in fp64
@@ -307,26 +327,31 @@ def _rceil_exponent(amax):
 
 
 @triton.jit
-def _tile_offsets(rows, nb, BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """This program's element offsets [BLOCK_R, BLOCK_NB, 32] and scale offsets [BLOCK_R, BLOCK_NB] in
-    row-major [rows, nb * 32] / [rows, nb] tensors, with their masks."""
+def _tile_offsets(rows, nb, BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr, BK: tl.constexpr = 32):
+    """This program's element offsets [BLOCK_R, BLOCK_NB, BK] and scale offsets [BLOCK_R, BLOCK_NB] in
+    row-major [rows, nb * BK] / [rows, nb] tensors, with their masks (BK: elements per block along K)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     b = tl.program_id(1) * BLOCK_NB + tl.arange(0, BLOCK_NB)
-    j = tl.arange(0, 32)
+    j = tl.arange(0, BK)
     smask = (r < rows)[:, None] & (b < nb)[None, :]
     soffs = r.to(tl.int64)[:, None] * nb + b[None, :]
-    offs = soffs[:, :, None] * 32 + j[None, None, :]
+    offs = soffs[:, :, None] * BK + j[None, None, :]
     return offs, smask[:, :, None], soffs, smask
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, nb, BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """x: bf16 bits as int16 [rows, nb * 32]; q: E4M3 bytes (uint8) of the same shape; s: E8M0 bytes [rows, nb]."""
-    offs, mask, soffs, smask = _tile_offsets(rows, nb, BLOCK_R, BLOCK_NB)
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, nb, BLOCK_R: tl.constexpr, BLOCK_NB: tl.constexpr,
+                     BK: tl.constexpr = 32, ROW_BLOCK: tl.constexpr = False, SCALE_F32: tl.constexpr = False):
+    """x: bf16 bits as int16 [rows, nb * BK]; q: E4M3 bytes (uint8) of the same shape; s: the scales [rows, nb]
+    (E8M0 bytes; SCALE_F32: fp32 bits 2**X as int32, fp8-block's). ROW_BLOCK (fp8-block's 128x128 blocks): the
+    BLOCK_R rows of this program are one block row, one scale per (block row, block) at s[program_id(0), b]."""
+    offs, mask, soffs, smask = _tile_offsets(rows, nb, BLOCK_R, BLOCK_NB, BK)
     h = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32)
     sign = (h >> 15) & 1
     a = (h & 0x7FFF) << 16                     # fp32 bits of |x|: for non-negative floats, int order = value order
     amax = tl.max(a, axis=2)
+    if ROW_BLOCK:                              # one amax per column of blocks, broadcast back over the rows
+        amax = tl.zeros_like(amax) + tl.max(amax, axis=0)[None, :]
     nonfinite = amax >= _F32_INF               # some element is NaN or +-Inf
     xexp = _rceil_exponent(amax)
     r, shift = _mx_round_scaled(a, xexp)
@@ -339,7 +364,16 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, rows, nb, BLOCK_R: tl.constexpr, BLOCK
     byte = ((pb >> 20) - tl.where(sub, 968, 960)) | (sign << 7)
     byte = tl.where(nonfinite[:, :, None], 0x7F, byte)
     tl.store(q_ptr + offs, byte.to(tl.uint8), mask=mask)
-    tl.store(s_ptr + soffs, tl.where(nonfinite, 255, xexp + 127).to(tl.uint8), mask=smask)
+    sbyte = tl.where(nonfinite, 255, xexp + 127)
+    if SCALE_F32:  # 2**X as fp32 bits: the E8M0 byte is the exponent field, 2**-127 the subnormal 0x00400000
+        sval = tl.where(sbyte == 255, _F32_QNAN, tl.where(sbyte == 0, 0x00400000, sbyte << 23))
+    else:
+        sval = sbyte.to(tl.uint8)
+    if ROW_BLOCK:
+        b = tl.program_id(1) * BLOCK_NB + tl.arange(0, BLOCK_NB)
+        tl.store(s_ptr + tl.program_id(0).to(tl.int64) * nb + b, tl.max(sval, axis=0), mask=b < nb)
+    else:
+        tl.store(s_ptr + soffs, sval, mask=smask)
 
 
 @triton.jit
@@ -589,4 +623,188 @@ def round_to_mx_rows(x: torch.Tensor) -> torch.Tensor:
         brb, bc = (4, 64) if planning.interpreting() else (2, 32)
         _round_rows_kernel[(-(-rows // (32 * brb)), -(-k // bc))](x, out, rows, k, BLOCK_RB=brb, BLOCK_C=bc,
                                                                  num_warps=4)
+    return out
+
+
+# ============================================================================================ block-scaled FP8
+FP8_BLOCK = 128              # elements per scale along K; a weight block is FP8_BLOCK x FP8_BLOCK
+FP8_BLOCK_ROWS = (1, FP8_BLOCK)
+
+
+class FP8BlockTensor(NamedTuple):
+    """A block-scaled FP8 matrix: ``payload`` float8_e4m3fn [rows, K] and ``scales`` fp32, one per ``block_rows``
+    x 128 block: [rows, K/128] for block_rows = 1 (activations, 1x128), [ceil(rows/128), K/128] for 128 (weights,
+    128x128), row-major. A value is payload * scale. ``quantize_fp8_block`` makes power-of-two scales; the GEMMs
+    and ``dequantize_fp8_block`` take any positive finite fp32 scales (e.g. a checkpoint's amax / 448)."""
+    payload: torch.Tensor
+    scales: torch.Tensor
+    block_rows: int = 1
+
+    @property
+    def shape(self):
+        return self.payload.shape
+
+    @property
+    def device(self):
+        return self.payload.device
+
+    def dequantize(self, dtype=torch.bfloat16) -> torch.Tensor:
+        return from_fp8_block(self, dtype)
+
+
+def fp8_block_scale_shape(rows: int, k: int, block_rows: int) -> tuple[int, int]:
+    return (-(-rows // block_rows), k // FP8_BLOCK)
+
+
+def _check_block_rows(block_rows) -> None:
+    if block_rows not in FP8_BLOCK_ROWS:
+        raise ValueError(f"block_rows must be 1 (1x128 blocks, activations) or 128 (128x128 blocks, weights), "
+                         f"got {block_rows!r}")
+
+
+def _check_fp8_block_k(name: str, k: int) -> None:
+    if k % FP8_BLOCK:
+        raise ValueError(f"{name} has K={k} columns; fp8-block needs K to be a multiple of {FP8_BLOCK}")
+
+
+def check_fp8_block(name: str, t, *, kernel: bool = True) -> tuple[int, int]:
+    """One-line ValueErrors for a block-scaled FP8 operand ``t`` (an FP8BlockTensor: payload e4m3fn [rows, K],
+    K % 128 == 0, scales fp32 of fp8_block_scale_shape on the same device, both contiguous); returns (rows, K)."""
+    if not (isinstance(t, tuple) and len(t) == 3):
+        raise ValueError(f"{name} must be a kosmos.quant.FP8BlockTensor (payload, scales, block_rows), "
+                         f"got {type(t).__name__}")
+    payload, scales, block_rows = t
+    _check_block_rows(block_rows)
+    _check_mx_matrix(f"{name}.payload", payload, (torch.float8_e4m3fn,), kernel=kernel)
+    _check_fp8_block_k(f"{name}.payload", payload.shape[1])
+    _check_mx_matrix(f"{name}.scales", scales, (torch.float32,), kernel=kernel)
+    want = fp8_block_scale_shape(*payload.shape, block_rows)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"{name}.scales is {list(scales.shape)} but payload {list(payload.shape)} with "
+                         f"{block_rows}x{FP8_BLOCK} blocks needs {list(want)}")
+    if scales.device != payload.device:
+        raise ValueError(f"{name}.scales is on {scales.device} but its payload is on {payload.device}")
+    return tuple(payload.shape)
+
+
+def quantize_fp8_block_ref(x: torch.Tensor, block_rows: int = 1) -> FP8BlockTensor:
+    """The reference quantizer (bf16 or fp32 [rows, K], any device; K % 128 == 0): the rules of the module
+    docstring's fp8-block section, computed in fp64. block_rows 1: one scale per row and 128 columns; 128: one per
+    128 rows (the last block row may be shorter) and 128 columns."""
+    _check_block_rows(block_rows)
+    _check_mx_matrix("x", x, (torch.bfloat16, torch.float32), kernel=False)
+    rows, k = x.shape
+    _check_fp8_block_k("x", k)
+    nr, nb = fp8_block_scale_shape(rows, k, block_rows)
+    v = x.to(torch.float64)
+    padded = torch.zeros(nr * block_rows, k, dtype=torch.float64, device=x.device)
+    padded[:rows] = v
+    blocks = padded.reshape(nr, block_rows, nb, FP8_BLOCK)
+    finite = torch.isfinite(blocks).all(dim=3).all(dim=1)                                  # [nr, nb]
+    amax = torch.where(finite, blocks.abs().amax(dim=(1, 3)), torch.ones_like(finite, dtype=torch.float64))
+    xexp = rceil_exponent_ref(amax)
+    p = e4m3_round_ref(blocks / torch.exp2(xexp)[:, None, :, None])
+    pbits = p.to(torch.float8_e4m3fn).view(torch.uint8)
+    pbits = torch.where(finite[:, None, :, None], pbits, torch.full_like(pbits, E4M3_NAN))
+    scales = torch.where(finite, torch.exp2(xexp), torch.full_like(xexp, float("nan"))).to(torch.float32)
+    payload = pbits.reshape(nr * block_rows, k)[:rows].contiguous().view(torch.float8_e4m3fn)
+    return FP8BlockTensor(payload, scales, block_rows)
+
+
+def dequantize_fp8_block_ref(t: FP8BlockTensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """The reference dequantizer: fl32(E4M3(P) * scale) -- the product rounded once to fp32 (exact for power-of-two
+    scales unless it leaves fp32's range), NaN for a NaN payload byte or scale -- then to ``dtype`` (bf16 or fp32),
+    round to nearest even."""
+    rows, k = check_fp8_block("t", t, kernel=False)
+    _check_out_dtype(dtype)
+    payload, scales, block_rows = t
+    p = e4m3_value_ref(payload.view(torch.uint8)).to(torch.float32)                # exact in fp32
+    s = scales.repeat_interleave(block_rows, dim=0)[:rows].repeat_interleave(FP8_BLOCK, dim=1)
+    return (p * s).to(dtype)
+
+
+def fp8_block_values(x: torch.Tensor, block_rows: int = 1) -> torch.Tensor:
+    """x's block-scaled FP8 values (bf16 [rows, K]): dequantize(quantize(x)), the kernels on CUDA, the reference
+    elsewhere. Exact bf16 values, as mx_round's (power-of-two scales)."""
+    return from_fp8_block(to_fp8_block(x, block_rows))
+
+
+def to_fp8_block(x: torch.Tensor, block_rows: int = 1) -> FP8BlockTensor:
+    """quantize_fp8_block on a CUDA tensor (the kernel), the reference elsewhere (same bits)."""
+    return quantize_fp8_block(x, block_rows) if x.is_cuda else quantize_fp8_block_ref(x, block_rows)
+
+
+def from_fp8_block(t: FP8BlockTensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """dequantize_fp8_block (CUDA) or its reference (elsewhere)."""
+    return dequantize_fp8_block(t, dtype) if t.payload.is_cuda else dequantize_fp8_block_ref(t, dtype)
+
+
+@triton.jit
+def _dequantize_fp8_block_kernel(q_ptr, s_ptr, out_ptr, rows, nb, OUT_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                                 BLOCK_NB: tl.constexpr, BK: tl.constexpr, ROWS_PER_SCALE: tl.constexpr):
+    """q: E4M3 bytes (uint8) [rows, nb * BK]; s: fp32 scales [ceil(rows / ROWS_PER_SCALE), nb]; out: bf16 bits as
+    int16 or fp32 bits as int32, q's shape. The element's exact fp32 value (the integer path, _mx_magnitude_bits)
+    times its scale, one IEEE fp32 multiply; to bf16 by an integer rounding (the interpreter's casts truncate)."""
+    offs, mask, _, smask = _tile_offsets(rows, nb, BLOCK_R, BLOCK_NB, BK)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    b = tl.program_id(1) * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    scale = tl.load(s_ptr + (r // ROWS_PER_SCALE).to(tl.int64)[:, None] * nb + b[None, :], mask=smask,
+                    other=1.0)[:, :, None]
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+    enc = q & 0x7F
+    mag = _mx_magnitude_bits(enc, 0).to(tl.float32, bitcast=True)
+    v = tl.where((q >> 7) == 1, -mag, mag) * scale
+    bits = v.to(tl.int32, bitcast=True)
+    nan = (enc == 0x7F) | (scale != scale)
+    if OUT_BF16:
+        m = bits & 0x7FFFFFFF
+        rb = (m + 0x7FFF + ((m >> 16) & 1)) >> 16 | (((bits >> 31) & 1) << 15)
+        rb = tl.where(nan, _BF16_QNAN, rb)
+        tl.store(out_ptr + offs, tl.where(rb >= 32768, rb - 65536, rb).to(tl.int16), mask=mask)
+    else:
+        tl.store(out_ptr + offs, tl.where(nan, _F32_QNAN, bits), mask=mask)
+
+
+def _fp8_block_tiles(rows: int, nb: int, block_rows: int):
+    """(BLOCK_R, BLOCK_NB, num_warps) of the fp8-block kernels: 128x128 blocks take one block a program (8 warps);
+    1x128 blocks 16 rows x 1 block on the GPU (2048 elements, as _tiles), more under the interpreter."""
+    if block_rows == FP8_BLOCK:
+        return FP8_BLOCK, 1, 8
+    cap_r, cap_b = (32, 4) if planning.interpreting() else (16, 1)
+    return min(cap_r, triton.next_power_of_2(rows)), min(cap_b, triton.next_power_of_2(nb)), 4
+
+
+def quantize_fp8_block(x: torch.Tensor, block_rows: int = 1) -> FP8BlockTensor:
+    """Block-scaled FP8 quantization of x (bf16 [rows, K], contiguous; CUDA, or the CPU under TRITON_INTERPRET=1;
+    K % 128 == 0) with the MX quantizer's kernel on 128-element blocks (power-of-two scales, RCEIL: module
+    docstring). block_rows 1 gives 1x128 blocks, 128 gives 128x128. Bit-identical to quantize_fp8_block_ref."""
+    _check_block_rows(block_rows)
+    _check_mx_matrix("x", x, (torch.bfloat16,), kernel=True)
+    rows, k = x.shape
+    _check_fp8_block_k("x", k)
+    payload = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(fp8_block_scale_shape(rows, k, block_rows), dtype=torch.float32, device=x.device)
+    if rows and k:
+        nb = k // FP8_BLOCK
+        br, bnb, warps = _fp8_block_tiles(rows, nb, block_rows)
+        _quantize_kernel[(-(-rows // br), -(-nb // bnb))](
+            x.view(torch.int16), payload.view(torch.uint8), scales.view(torch.int32), rows, nb, BLOCK_R=br,
+            BLOCK_NB=bnb, BK=FP8_BLOCK, ROW_BLOCK=block_rows == FP8_BLOCK, SCALE_F32=True, num_warps=warps)
+    return FP8BlockTensor(payload, scales, block_rows)
+
+
+def dequantize_fp8_block(t: FP8BlockTensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """payload * scale per block as ``dtype`` (bf16 or fp32) [rows, K], with one Triton kernel; bit-identical to
+    dequantize_fp8_block_ref (interpreter and sm_90)."""
+    rows, k = check_fp8_block("t", t)
+    _check_out_dtype(dtype)
+    payload, scales, block_rows = t
+    out = torch.empty((rows, k), dtype=dtype, device=payload.device)
+    if out.numel():
+        nb = k // FP8_BLOCK
+        br, bnb, warps = _fp8_block_tiles(rows, nb, block_rows)
+        bits = out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        _dequantize_fp8_block_kernel[(-(-rows // br), -(-nb // bnb))](
+            payload.view(torch.uint8), scales, bits, rows, nb, OUT_BF16=dtype == torch.bfloat16, BLOCK_R=br,
+            BLOCK_NB=bnb, BK=FP8_BLOCK, ROWS_PER_SCALE=block_rows, num_warps=warps)
     return out

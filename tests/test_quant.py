@@ -589,3 +589,137 @@ def test_fast_path_bitwise_and_plan_hit():
                 assert kl.fast.direct[0] is not None
         y = dequantize_mx(p.view(torch.float8_e4m3fn).cuda(), s.cuda())
         same_bits(y.cpu(), dequantize_mx_ref(pr, sr))
+
+
+# ==================================================================================== block-scaled FP8 (fp8-block)
+# The same element and scale rules on 128-element blocks (1x128) or 128 x 128 blocks, the scale an fp32 2**X.
+from kosmos.quant import (FP8BlockTensor, dequantize_fp8_block, dequantize_fp8_block_ref, fp8_block_values,  # noqa: E402
+                          quantize_fp8_block, quantize_fp8_block_ref)
+
+
+def fp8_quantize(impl, x, block_rows=1):
+    """(payload bytes, fp32 scales) on the CPU, from the reference (impl None) or the kernel on ``impl``."""
+    t = quantize_fp8_block_ref(x, block_rows) if impl is None else quantize_fp8_block(x.to(impl), block_rows)
+    return t.payload.view(torch.uint8).cpu(), t.scales.cpu()
+
+
+def fp8_dequantize(impl, pbytes, scales, block_rows=1, dtype=torch.bfloat16):
+    t = FP8BlockTensor(pbytes.view(torch.float8_e4m3fn), scales, block_rows)
+    if impl is None:
+        return dequantize_fp8_block_ref(t, dtype)
+    return dequantize_fp8_block(FP8BlockTensor(t.payload.to(impl), scales.to(impl), block_rows), dtype).cpu()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_block_hand_vectors(impl):
+    # block 0 (columns 0..127): ones -> amax 1, X = ceil(log2(1/448)) = -8, scale 2**-8; 1 * 2**8 = 256 = 0x78.
+    # block 1: 448 and 450 (450 = 1.7578 * 2**8, the bf16 above 448) -> X = ceil(log2(450/448)) = 1, scale 2;
+    #   450 / 2 = 225 -> the E4M3 grid in [128, 256) has spacing 16: 224 = 1.75 * 2**7 = 0.1110.110 = 0x76;
+    #   448 / 2 = 224 exactly = 0x76; -3 / 2 = -1.5 = 1.0111.100 = 0xBC.
+    # block 2: all zero -> scale 2**-127 (the clamp), payload zeros.
+    x = torch.zeros(1, 384, dtype=torch.bfloat16)
+    x[0, :128] = 1.0
+    x[0, 128:131] = torch.tensor([448.0, 450.0, -3.0])
+    p, s = fp8_quantize(impl, x)
+    assert torch.equal(s, torch.tensor([[2.0 ** -8, 2.0, 2.0 ** -127]]))
+    assert torch.equal(p[0, :128], torch.full((128,), 0x78, dtype=torch.uint8))
+    assert p[0, 128:131].tolist() == [0x76, 0x76, 0xBC] and not p[0, 131:].any()
+    want = x.clone()
+    want[0, 129] = 448.0  # 450 came back as 224 * 2
+    assert torch.equal(fp8_dequantize(impl, p, s), want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_block_128x128_takes_the_amax_of_all_its_rows(impl):
+    # one block of 130 rows x 128 columns is two block rows: rows 0..127 and 128..129.
+    # block row 0: amax 4 (row 100) -> X = ceil(log2(4/448)) = -6, scale 2**-6: 1 -> 64 = 0.1101.000 = 0x68,
+    #   4 -> 256 = 0x78. block row 1 (rows 128, 129): amax 0.5 -> X = ceil(log2(0.5/448)) = -9: 0.5 -> 256 = 0x78.
+    x = torch.zeros(130, 128, dtype=torch.bfloat16)
+    x[0, 0], x[100, 7], x[129, 1] = 1.0, 4.0, 0.5
+    p, s = fp8_quantize(impl, x, block_rows=128)
+    assert torch.equal(s, torch.tensor([[2.0 ** -6], [2.0 ** -9]]))
+    assert (p[0, 0], p[100, 7], p[129, 1]) == (0x68, 0x78, 0x78) and int((p != 0).sum()) == 3
+    assert torch.equal(fp8_dequantize(impl, p, s, block_rows=128), x)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp8_block_nan_and_inf_make_the_block_nan(impl):
+    # a NaN (row 0, block 0) or an Inf (row 1, block 1) makes its block's scale NaN and payload 0x7F; the other
+    # blocks are unaffected. 128x128: the Inf poisons the whole block column of its block row.
+    x = torch.ones(2, 256, dtype=torch.bfloat16)
+    x[0, 5], x[1, 130] = float("nan"), float("-inf")
+    p, s = fp8_quantize(impl, x)
+    assert s.isnan().tolist() == [[True, False], [False, True]]
+    assert (p[0, :128] == 0x7F).all() and (p[1, 128:] == 0x7F).all() and (p[0, 128:] == 0x78).all()
+    out = fp8_dequantize(impl, p, s)
+    assert out[0, :128].isnan().all() and out[1, 128:].isnan().all() and (out[0, 128:] == 1).all()
+    p, s = fp8_quantize(impl, x, block_rows=128)
+    assert s.isnan().tolist() == [[True, True]] and (p == 0x7F).all()
+
+
+def test_fp8_block_nothing_saturates_and_the_error_bound():
+    # RCEIL: every block's scaled amax lies in (224, 448], so no element is clamped; each element's error is at
+    # most half an E4M3 quantum of its binade (relative 2**-4), or half the subnormal spacing 2**-10 of the scale.
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 512, generator=g) * torch.exp2(torch.randint(-30, 30, (64, 1), generator=g).float()))
+    x = x.to(torch.bfloat16)
+    for block_rows in (1, 128):
+        t = quantize_fp8_block_ref(x, block_rows)
+        p = e4m3_value_ref(t.payload.view(torch.uint8))
+        s = t.scales.double().repeat_interleave(block_rows, 0)[:64].repeat_interleave(128, 1)
+        assert p.abs().max() <= 448
+        scaled_amax = (x.double().abs() / s).reshape(64, 4, 128).amax(-1)
+        if block_rows == 1:
+            assert ((scaled_amax > 224) & (scaled_amax <= 448)).all()
+        err = (p * s - x.double()).abs()
+        assert (err <= torch.maximum(x.double().abs() * 2.0 ** -4, s * 2.0 ** -10)).all()
+
+
+@pytest.mark.parametrize("device", PLATFORMS)
+@pytest.mark.parametrize("rows,k,block_rows", [(1, 128, 1), (37, 384, 1), (16, 4096, 1), (128, 256, 128),
+                                               (200, 384, 128), (3, 128, 128)])
+def test_fp8_block_kernels_match_the_reference(device, rows, k, block_rows):
+    x = random_bf16(rows, k, seed=rows * 7 + k)
+    pr, sr = fp8_quantize(None, x, block_rows)
+    pk, sk = fp8_quantize(device, x, block_rows)
+    assert torch.equal(pk, pr)
+    same_bits(sk, sr)
+    for dtype in (torch.bfloat16, torch.float32):
+        same_bits(fp8_dequantize(device, pr, sr, block_rows, dtype), fp8_dequantize(None, pr, sr, block_rows, dtype))
+    # any positive fp32 scales (a checkpoint's amax / 448): one rounding of payload * scale
+    odd = sr.nan_to_num(1.0) * 1.37
+    same_bits(fp8_dequantize(device, pr, odd, block_rows, torch.float32),
+              fp8_dequantize(None, pr, odd, block_rows, torch.float32))
+
+
+def test_fp8_block_values_are_exact_in_bf16():
+    """With power-of-two scales every finite fp8-block value is a bf16 (as MX values are): fp8_block_values (bf16)
+    is the fp32 dequantization exactly, element for element, wherever that is finite."""
+    x = random_bf16(8, 256, seed=3)
+    v32 = dequantize_fp8_block_ref(quantize_fp8_block_ref(x), torch.float32)
+    v = fp8_block_values(x)
+    finite = v32.isfinite()
+    assert finite.float().mean() > 0.3
+    assert torch.equal(v.float()[finite], v32[finite])
+    assert torch.equal(v.isnan(), v32.isnan())
+
+
+@pytest.mark.gpu_optional
+def test_fp8_block_bad_inputs():
+    dev = _kernel_device()
+    good = torch.zeros(4, 256, dtype=torch.bfloat16, device=dev)
+    for bad, kw, msg in [(good[:, :192].contiguous(), {}, "x has K=192 columns; fp8-block needs K to be a multiple "
+                                                          "of 128"),
+                         (good, {"block_rows": 32}, "block_rows must be 1 .* or 128"),
+                         (good.float(), {}, "x must be torch.bfloat16")]:
+        with pytest.raises(ValueError, match=msg) as e:
+            quantize_fp8_block(bad, **kw)
+        assert "\n" not in str(e.value)
+    t = quantize_fp8_block(good)
+    for bad, msg in [(FP8BlockTensor(t.payload, t.scales[:, :1].contiguous(), 1),
+                      r"t.scales is \[4, 1\] but payload \[4, 256\] with 1x128 blocks needs \[4, 2\]"),
+                     (FP8BlockTensor(t.payload, t.scales, 128), r"needs \[1, 2\]"),
+                     (FP8BlockTensor(t.payload, t.scales.to(torch.float16), 1), "t.scales must be torch.float32"),
+                     ((t.payload, t.scales), "must be a kosmos.quant.FP8BlockTensor")]:
+        with pytest.raises(ValueError, match=msg):
+            dequantize_fp8_block(bad)
