@@ -3,6 +3,9 @@
 * ``tile_matmul`` / ``tile_matmul_steps`` / ``tile_matmul_tail`` / ``tile_matmul_cyclic``: one output tile's fp32
   accumulator from TMA descriptor loads of A [rows, K] and B ([K, N], or [N, K] k-major), over all of K, a K step
   range, a tile with extra tail columns, or a cyclic range of K steps (stream-K).
+* ``tile_matmul_scaled_steps`` / ``tile_matmul_scaled_cyclic``: the same over E4M3 operands with block scales
+  (fp8-block: one fp32 scale per 1x128 of A and per 128x128 of B, each 128-element K step promoted into the
+  accumulator times its scales).
 * ``_grouped_tile``: tile t's (m, n) in the grouped order (GROUP_M m-tiles share each n-tile, for L2).
 * ``load_task``: fields 0..2 of a row of an int32 [n, 4] task table (core/planning.py).
 * ``store_tile`` / ``store_tile_tma`` / ``store_rows`` / ``store_block``: the epilogue stores (TMA where the tile
@@ -48,6 +51,53 @@ def _k_step(a_desc, b_desc, row, col, kk, acc, BK: tl.constexpr, B_KMAJOR: tl.co
     if DOT_FP32:  # the CPU interpreter's bf16 dot is wrong; fp32 is exact
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _k_step_scaled(a_desc, b_desc, row, col, kk, acc, sa_ptr, sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk, M, N,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One K step of a block-scaled FP8 GEMM (BK = 128, one scale block): the step's product of the E4M3 tiles
+    A[row:, kk*BK:+BK] and B (k-major [N, K], as FP8 tensor cores take it) in a fresh fp32 accumulator, promoted
+    into ``acc`` times A's row scales sa[rows, kk] and B's block scales sb[cols // 128, kk] (DeepSeek-V3's
+    per-128 promotion: the tensor core's partial sum never spans two scale blocks). Rows / columns past M / N
+    read scale 0. With power-of-two scales the product of the scales and its product with the partial are exact,
+    so only the tensor core's sum and the fp32 add round."""
+    a = a_desc.load([row, kk * BK])
+    b = b_desc.load([col, kk * BK]).T
+    if DOT_FP32:  # the interpreter: fp32 dots on the E4M3 values (exact conversions)
+        part = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        part = tl.dot(a, b)
+    rows = row + tl.arange(0, BM)
+    cols = col + tl.arange(0, BN)
+    sa = tl.load(sa_ptr + rows.to(tl.int64) * sa_sm + kk * sa_sk, mask=rows < M, other=0.0)
+    sb = tl.load(sb_ptr + (cols // 128).to(tl.int64) * sb_sn + kk * sb_sk, mask=cols < N, other=0.0)
+    return acc + part * (sa[:, None] * sb[None, :])
+
+
+@triton.jit
+def tile_matmul_scaled_steps(a_desc, b_desc, row, col, step_lo, step_hi, sa_ptr, sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk,
+                             M, N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr):
+    """tile_matmul_steps of a block-scaled FP8 GEMM (_k_step_scaled's steps [step_lo, step_hi))."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kk in range(step_lo, step_hi):
+        acc = _k_step_scaled(a_desc, b_desc, row, col, kk, acc, sa_ptr, sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk, M, N,
+                             BM, BN, BK, DOT_FP32)
+    return acc
+
+
+@triton.jit
+def tile_matmul_scaled_cyclic(a_desc, b_desc, row, col, first, count, k_steps, sa_ptr, sb_ptr, sa_sm, sa_sk, sb_sn,
+                              sb_sk, M, N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              DOT_FP32: tl.constexpr):
+    """tile_matmul_cyclic of a block-scaled FP8 GEMM (stream-K pieces)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for j in range(0, count):
+        kk = first + j
+        kk = tl.where(kk >= k_steps, kk - k_steps, kk)
+        acc = _k_step_scaled(a_desc, b_desc, row, col, kk, acc, sa_ptr, sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk, M, N,
+                             BM, BN, BK, DOT_FP32)
+    return acc
 
 
 @triton.jit

@@ -20,14 +20,16 @@ from ..core import launch_plan, planning, runtime
 from ..core.codes import WAIT_SPLIT_K
 from ..core.descriptors import host_descriptors, tma_descriptor
 from .tiles import (_grouped_tile, store_block, store_tile, store_tile_tma, tile_matmul, tile_matmul_cyclic,
-                    tile_matmul_steps, tile_matmul_tail)
+                    tile_matmul_scaled_cyclic, tile_matmul_scaled_steps, tile_matmul_steps, tile_matmul_tail)
 
 
 @triton.jit
 def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr, M, N, K, c_ptr, part_ptr, cnt_ptr,
-                     err_ptr, timeout_ns, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr,
-                     GROUP_M: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr,
-                     RB: tl.constexpr, OP: tl.constexpr, STREAM_K: tl.constexpr = False, BN_TAIL: tl.constexpr = 0):
+                     err_ptr, timeout_ns, sa_ptr, sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, B_KMAJOR: tl.constexpr, GROUP_M: tl.constexpr,
+                     STAGES: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT: tl.constexpr, RB: tl.constexpr,
+                     OP: tl.constexpr, STREAM_K: tl.constexpr = False, BN_TAIL: tl.constexpr = 0,
+                     SCALED: tl.constexpr = False):
     """C = A @ B at one rank, where a TP op has nothing to wait for: persistent, program p taking tiles p,
     p + GRID, ... of the grouped order (static: no queue claim, no task table, no exit protocol), and one
     software-pipelined loop over the (tile, k) pairs (``flatten``), so the next tile's first loads are in flight
@@ -71,13 +73,18 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
     blocks through b2_desc, its store through c2_desc, blocks [BM, BN_TAIL]). Every output element is still
     one fp32 dot over K in K-step order. The tile loop is not flattened and the K loop keeps B2's load after
     the first MMA, so B2 has a barrier of its own: both measured faster on Triton 3.6 than a flattened loop or
-    one barrier for all three loads (docs/design/gemm.md)."""
+    one barrier for all three loads (docs/design/gemm.md).
+
+    SCALED (fp8-block): A and B are E4M3 (B k-major, BK = 128) with fp32 scales sa [M, K/128] (strides sa_sm,
+    sa_sk) and sb [ceil(N/128), K/128] (sb_sn, sb_sk); every schedule but the tail tile runs the scaled mainloop
+    (tiles.tile_matmul_scaled_steps / _cyclic); the partials, their sums and the stores are the same."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN + BN_TAIL)
+    k_steps = tl.cdiv(K, BK)
     if BN_TAIL > 0:
-        tl.static_assert(SPLIT == 1 and not STREAM_K, "a tail tile runs unsplit only")
+        tl.static_assert(SPLIT == 1 and not STREAM_K and not SCALED, "a tail tile runs unsplit and unscaled only")
         t_out = pid - grid
         # NOT flattened: Triton 3.6 pipelines the flattened two-MMA loop badly (dev/archive/tail_probe; docs/design/gemm.md)
         for t in tl.range(pid, n_m * n_n, grid, flatten=False, num_stages=STAGES):  # dev/archive/tail_probe's loop form
@@ -91,13 +98,16 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
     elif STREAM_K:
         if dev.INTERPRET:  # the interpreter runs programs in order: last first, so owners find their parts stored
             pid = grid - 1 - pid
-        k_steps = tl.cdiv(K, BK)
         n_tiles = n_m * n_n
         dp_tiles = tl.maximum(n_tiles // grid - 1, 0) * grid
         t_out = pid - grid
         for t in tl.range(pid, dp_tiles, grid, flatten=True, num_stages=STAGES):
             tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
-            acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+            if SCALED:
+                acc = tile_matmul_scaled_steps(a_desc, b_desc, tm * BM, tn * BN, 0, k_steps, sa_ptr, sb_ptr, sa_sm,
+                                               sa_sk, sb_sn, sb_sk, M, N, BM, BN, BK, DOT_FP32)
+            else:
+                acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
             t_out += grid
             om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
             store_tile_tma(c_desc, acc, om * BM, on * BN, BM, BN)
@@ -118,8 +128,12 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
                 first = ((pos - start) % k_steps).to(tl.int32)
             t = (dp_tiles + u).to(tl.int32)
             tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
-            acc = tile_matmul_cyclic(a_desc, b_desc, tm * BM, tn * BN, first, i1 - i0, k_steps, BM, BN, BK,
-                                     B_KMAJOR, DOT_FP32)
+            if SCALED:
+                acc = tile_matmul_scaled_cyclic(a_desc, b_desc, tm * BM, tn * BN, first, i1 - i0, k_steps, sa_ptr,
+                                                sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk, M, N, BM, BN, BK, DOT_FP32)
+            else:
+                acc = tile_matmul_cyclic(a_desc, b_desc, tm * BM, tn * BN, first, i1 - i0, k_steps, BM, BN, BK,
+                                         B_KMAJOR, DOT_FP32)
             if i0 == 0:
                 # the program holding the tile's last position: the largest p with p*W/GRID <= that position
                 last = ((u * k_steps + k_steps) * grid + work - 1) // work - 1
@@ -149,7 +163,11 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
         t_out = pid - grid
         for t in tl.range(pid, n_m * n_n, grid, flatten=True, num_stages=STAGES):
             tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
-            acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+            if SCALED:
+                acc = tile_matmul_scaled_steps(a_desc, b_desc, tm * BM, tn * BN, 0, k_steps, sa_ptr, sb_ptr, sa_sm,
+                                               sa_sk, sb_sn, sb_sk, M, N, BM, BN, BK, DOT_FP32)
+            else:
+                acc = tile_matmul(a_desc, b_desc, tm * BM, tn * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
             t_out += grid
             om, on = _grouped_tile(t_out, n_m, n_n, GROUP_M)
             # always TMA (C is exactly [M, N]: the descriptor clips a ragged last m-tile): store_tile's runtime
@@ -159,7 +177,6 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
         groups = grid // SPLIT
         g = pid // SPLIT
         s = pid % SPLIT
-        k_steps = tl.cdiv(K, BK)
         lo = s * k_steps // SPLIT
         hi = (s + 1) * k_steps // SPLIT
         offs_m = tl.arange(0, BM)
@@ -170,7 +187,11 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
         r = 0
         for t in range(g, n_tiles, groups):
             tm, tn = _grouped_tile(t, n_m, n_n, GROUP_M)
-            acc = tile_matmul_steps(a_desc, b_desc, tm * BM, tn * BN, lo, hi, BM, BN, BK, B_KMAJOR, DOT_FP32)
+            if SCALED:
+                acc = tile_matmul_scaled_steps(a_desc, b_desc, tm * BM, tn * BN, lo, hi, sa_ptr, sb_ptr, sa_sm, sa_sk,
+                                               sb_sn, sb_sk, M, N, BM, BN, BK, DOT_FP32)
+            else:
+                acc = tile_matmul_steps(a_desc, b_desc, tm * BM, tn * BN, lo, hi, BM, BN, BK, B_KMAJOR, DOT_FP32)
             half = part_ptr + tl.cast((r % 2) * grid, tl.int64) * (BM * BN)
             mine = half + pid * (BM * BN)
             tl.store(mine + (offs_m[:, None] * BN + offs_n[None, :]), acc)
@@ -197,7 +218,7 @@ def w1_matmul_kernel(a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_ptr
 
 def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int, group_m: int, dot_fp32: bool,
                    split: int = 1, partials=None, counters=None, errors=None, timeout_ns: int = 0, op: int = 0,
-                   stream_k: bool = False, tail: int = 0):
+                   stream_k: bool = False, tail: int = 0, scales=None):
     """(grid, runtime arguments, constexpr / option keywords) of w1_matmul_kernel for C [M, N] = A [M, K] @ B
     (b_store [K, N], or [N, K] when ``b_kmajor``) at tile ``cfg``: min(programs, tiles) programs; ``epoch_slot``
     the workspace's device epoch (int32 [1]), advanced by the launch. ``split`` > 1: the K split, on
@@ -205,7 +226,9 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
     split group, zero) and the error record ``errors`` / ``timeout_ns`` of its bounded waits, which name the
     TP op ``op`` (a codes.OP_* value). ``stream_k``: the stream-K schedule on min(programs, tiles * steps)
     programs, with ``partials`` (fp32, >= one tile per program), ``counters`` (int32, one per tile, zero).
-    ``tail`` > 0 (unsplit only): tiles cfg.BN + tail columns wide (the kernel's BN_TAIL)."""
+    ``tail`` > 0 (unsplit only): tiles cfg.BN + tail columns wide (the kernel's BN_TAIL). ``scales`` (fp8-block:
+    a and b_store E4M3, b k-major, cfg.BK 128, no tail): (sa [M, K/128], sb [ceil(N/128), K/128]) fp32, any
+    strides -- the kernel's SCALED mainloop."""
     m, k = a.shape
     n = c.shape[1]
     if tail and (split > 1 or stream_k):
@@ -220,6 +243,15 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
     kw = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, B_KMAJOR=b_kmajor, GROUP_M=group_m, STAGES=cfg.num_stages,
               DOT_FP32=dot_fp32, SPLIT=split, RB=w1_reduce_rows(cfg.BM, split), OP=op, STREAM_K=stream_k,
               BN_TAIL=tail, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if scales is not None:
+        if tail or not b_kmajor or cfg.BK != 128:
+            raise ValueError(f"w1_matmul_args: fp8-block scales need a k-major B, BK 128 and no tail (b_kmajor "
+                             f"{b_kmajor}, BK {cfg.BK}, tail {tail})")
+        sa, sb = scales
+        scale_args = (sa, sb, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
+        kw["SCALED"] = True
+    else:
+        scale_args = (epoch_slot, epoch_slot, 0, 0, 0, 0)
     if stream_k:
         grid = w1_stream_k_grid(programs, tiles, k, cfg)
         p_desc = tma_descriptor(partials[:grid * cfg.BM * cfg.BN].view(grid * cfg.BM, cfg.BN), [cfg.BM, cfg.BN // 2])
@@ -229,7 +261,7 @@ def w1_matmul_args(a, b_store, b_kmajor: bool, c, cfg, epoch_slot, programs: int
     else:
         grid = w1_split_grid(programs, tiles, split)
     return grid, (a_desc, b_desc, c_desc, p_desc, b2_desc, c2_desc, epoch_slot, m, n, k, c, partials, counters, errors,
-                  timeout_ns), kw
+                  timeout_ns) + scale_args, kw
 
 
 def w1_reduce_rows(bm: int, split: int) -> int:
