@@ -30,8 +30,7 @@ def operands(m, k, n, seed, device="cpu", odd_scales=False):
     if odd_scales:  # not powers of two: a checkpoint's amax / 448 scales
         a = a._replace(scales=a.scales * 1.37)
         b = b._replace(scales=b.scales * 0.71)
-    ref = (quant.dequantize_fp8_block_ref(a, torch.float32).double()
-           @ quant.dequantize_fp8_block_ref(b, torch.float32).double().t())
+    ref = reference.fp8_block_matmul_ref(a, b)
     move = lambda t: t._replace(payload=t.payload.to(device), scales=t.scales.to(device))  # noqa: E731
     return move(a), move(b), ref
 
@@ -55,7 +54,7 @@ def w1_scaled(a, b, cfg, programs, split=1, stream_k=False):
         grid = w1_split_grid(programs, tiles, split)
         extra = dict(partials=torch.full((w1_partial_elems(grid, tiles, split, cfg),), float("nan"), device=dev),
                      counters=torch.zeros(2 * (grid // split), dtype=torch.int32, device=dev), split=split)
-    errors = runtime.one_rank_errors(None, dev) if extra else None
+    errors = torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=dev) if extra else None
     if extra:
         extra.update(errors=errors, timeout_ns=10**9, op=codes.OP_ALL_GATHER_MATMUL.value)
     g, args, kw = w1_matmul_args(a.payload, b.payload, True, c, cfg, epoch, programs, planning.GROUP_M,
@@ -120,3 +119,44 @@ def test_w1_fp8_block_matmul_gpu(m, k, n, schedule):
     assert torch.isfinite(got.float()).all()
     assert reference.rel_err(got.cpu(), ref) < FP32_ACC_TOL
     assert torch.equal(w1_scaled(a, b, cfg, sms, **kw), got)
+
+
+@pytest.mark.interpreter
+def test_fp8_block_matmul_entry_interpreter():
+    """gemm.w1_static.fp8_block_matmul: checks, plan, launch -- the product of the dequantized operands."""
+    from kosmos.gemm.w1_static import fp8_block_matmul
+    a, b, ref = operands(48, 256, 72, seed=11)
+    got = fp8_block_matmul(a, b)
+    assert reference.rel_err(got, ref) < FP32_ACC_TOL
+    assert torch.equal(fp8_block_matmul(a, b, programs=1), got)  # another grid, the same bits
+
+
+@pytest.mark.gpu_optional
+def test_fp8_block_matmul_bad_inputs():
+    from kosmos.gemm.w1_static import fp8_block_matmul
+    dev = "cpu" if planning.interpreting() else "cuda"
+    a, b, _ = operands(16, 256, 32, seed=1, device=dev)
+    a128 = quant.quantize_fp8_block_ref(torch.zeros(16, 256, dtype=torch.bfloat16), 128)
+    b_short = quant.quantize_fp8_block_ref(torch.zeros(32, 128, dtype=torch.bfloat16), 128)
+    a12 = quant.quantize_fp8_block_ref(torch.zeros(12, 256, dtype=torch.bfloat16), 1)
+    move = lambda t: t._replace(payload=t.payload.to(dev), scales=t.scales.to(dev))  # noqa: E731
+    for args, msg in [((move(a128), b), "a needs 1x128 blocks and b 128x128 blocks"),
+                      ((a, move(b_short)), r"a is \[16, 256\] but b is \[32, 128\]"),
+                      ((move(a12), b), "M=12 and N=32 must be multiples of 8"),
+                      ((a.payload, b), "a must be a kosmos.quant.FP8BlockTensor")]:
+        with pytest.raises(ValueError, match=msg) as e:
+            fp8_block_matmul(*args)
+        assert "\n" not in str(e.value)
+
+
+def test_fp8_block_plan():
+    """One 128 x 128 x 128 tile on the GPU; the K split where tiles fill at most half the SMs at long K, stream-K
+    where the wave model gains, else unsplit."""
+    import os
+    from unittest import mock
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):
+        small = planning.fp8_block_plan(256, 1024, 8192, programs=132)   # 16 tiles, 128 steps of 64: split
+        assert small.split == 2 and small.tile == planning.FP8_BLOCK_TILE
+        big = planning.fp8_block_plan(8192, 8192, 8192, programs=132)    # 4096 tiles: 31.03 waves
+        assert big.split == 1 and big.tile.BK == 128 and not big.tail and big.per_sm == 1
+        assert planning.fp8_block_plan(128, 128, 128, programs=1).tile == planning.FP8_BLOCK_TILE

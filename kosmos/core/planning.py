@@ -201,6 +201,29 @@ def w1_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
     return best[1]
 
 
+FP8_BLOCK_TILE = TileConfig(128, 128, 128, 8, 4)  # BK = one scale block; two warpgroups of 64 x 128 (acc + step)
+
+
+def fp8_block_plan(rows: int, n: int, k: int, *, programs: int = 132) -> W1Plan:
+    """The static W=1 GEMM's schedule for a block-scaled FP8 product (gemm/w1_static's SCALED mainloop): one tile,
+    FP8_BLOCK_TILE -- BK is a scale block (128), and 128 x 128 keeps the step's fresh accumulator beside the
+    running one in two warpgroups' registers -- with w1_plan's K split where its tiles fill at most half the SMs
+    and K is long, else stream-K where the wave model predicts STREAM_K_MIN_GAIN, else unsplit. No tail tile,
+    no two programs per SM. Not yet measured on a GPU (docs/design/gemm.md: fp8-block); under the interpreter a
+    16 x 32 x 128 tile."""
+    if interpreting() or programs < 2:
+        return W1Plan(TileConfig(16, 32, 128, 4, 1) if interpreting() else FP8_BLOCK_TILE)
+    cfg = FP8_BLOCK_TILE
+    tiles = -(-rows // cfg.BM) * -(-n // cfg.BN)
+    if -(-k // 64) >= SPLIT_MIN_STEPS and tiles * SPLIT_PARTS <= programs:
+        return W1Plan(cfg, SPLIT_PARTS)
+    unsplit = _w1_cost(rows, n, k, cfg, programs, False)
+    streamed = _w1_cost(rows, n, k, cfg, programs, True)
+    if streamed is not None and streamed * STREAM_K_MIN_GAIN < unsplit:
+        return W1Plan(cfg, stream_k=True)
+    return W1Plan(cfg)
+
+
 def _w1_tail_cost(rows: int, n: int, tail: int, throughput: float, programs: int) -> float:
     """_w1_cost of a tail tile (TAIL_TILE.BN + tail columns) unsplit, in 128x256-tile times."""
     width = TAIL_TILE.BN + tail

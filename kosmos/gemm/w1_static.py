@@ -313,3 +313,52 @@ def w1_matmul_launch(a, b_store, b_kmajor: bool, c, plan, ws, programs: int, op:
     g, args, kw = w1_matmul_args(a, b_store, b_kmajor, c, cfg, ws.epoch_slot, programs, planning.GROUP_M,
                                  planning.interpreting(), split=split, op=op, tail=plan.tail, **extra)
     return launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
+
+
+def fp8_block_matmul(a, b, *, programs: int | None = None) -> torch.Tensor:
+    """C [M, N] bf16 = A @ W^T on block-scaled FP8 operands, one launch of the static W = 1 GEMM (SCALED):
+    ``a`` a quant.FP8BlockTensor with 1x128 blocks [M, K], ``b`` one with 128x128 blocks of the weight [N, K]
+    (K % 128 == 0, M and N multiples of 8; CUDA, or the CPU under TRITON_INTERPRET=1). Each output element is
+    the per-128 partial sums of the E4M3 products times their two scales, added in fp32 in K order, rounded to
+    bf16 once (deterministic for every schedule). The schedule is planning.fp8_block_plan's for ``programs``
+    (default: the SMs). No cached plan and no workspace: a direct launch with its own buffers -- the building
+    block the TP ops' fp8-block route is to take (not yet wired)."""
+    from .. import quant
+    m, k = quant.check_fp8_block("a", a)
+    n, kb = quant.check_fp8_block("b", b)
+    if a.block_rows != 1 or b.block_rows != quant.FP8_BLOCK:
+        raise ValueError(f"a needs 1x128 blocks and b 128x128 blocks (block_rows 1 and 128), got "
+                         f"{a.block_rows} and {b.block_rows}")
+    if kb != k:
+        raise ValueError(f"a is [{m}, {k}] but b is [{n}, {kb}]: both need K={k} columns")
+    if m % 8 or n % 8:
+        raise ValueError(f"M={m} and N={n} must be multiples of 8 (rows of 16 bytes are needed by TMA)")
+    dev = a.payload.device
+    if programs is None:
+        programs = runtime.num_sms(dev) if dev.type == "cuda" else 4
+    plan = planning.fp8_block_plan(m, n, k, programs=programs)
+    cfg = plan.tile
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+    epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+    tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
+    extra = {}
+    if plan.stream_k or plan.split > 1:
+        if plan.stream_k:
+            grid = w1_stream_k_grid(programs, tiles, k, cfg)
+            extra = dict(partials=torch.empty(grid * cfg.BM * cfg.BN, dtype=torch.float32, device=dev),
+                         counters=torch.zeros(tiles, dtype=torch.int32, device=dev), stream_k=True)
+        else:
+            grid = w1_split_grid(programs, tiles, plan.split)
+            extra = dict(partials=torch.empty(w1_partial_elems(grid, tiles, plan.split, cfg), dtype=torch.float32,
+                                              device=dev),
+                         counters=torch.zeros(2 * (grid // plan.split), dtype=torch.int32, device=dev),
+                         split=plan.split)
+        extra.update(errors=torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=dev), timeout_ns=10**10)
+    if dev.type == "cuda":
+        runtime.ensure_triton_allocator()
+    g, args, kw = w1_matmul_args(a.payload, b.payload, True, c, cfg, epoch, programs, planning.GROUP_M,
+                                 planning.interpreting(), scales=(a.scales, b.scales), **extra)
+    w1_matmul_kernel[(g,)](*args, **kw)
+    if extra and int(extra["errors"][0]):
+        raise RuntimeError(f"fp8_block_matmul: a bounded wait timed out (error record {extra['errors'].tolist()})")
+    return c

@@ -62,6 +62,15 @@ def matmul_reduce_scatter_ref_local(a_list, b_list):
     return list(total.chunk(w))
 
 
+def fp8_block_matmul_ref(a, b) -> torch.Tensor:
+    """The fp64 product A @ W^T of block-scaled FP8 operands (quant.FP8BlockTensor: A [M, K] 1x128, W [N, K]
+    128x128), each dequantized exactly (quant.dequantize_fp8_block_ref in fp32): the ground truth of an
+    fp8-block GEMM, whose only roundings are its fp32 sums and the bf16 output."""
+    from .. import quant
+    return (quant.dequantize_fp8_block_ref(a, torch.float32).double()
+            @ quant.dequantize_fp8_block_ref(b, torch.float32).double().t())
+
+
 def rel_err(out, ref) -> float:
     """Relative Frobenius error; NaN/inf anywhere in out or ref gives inf (never passes)."""
     return FrobeniusError().add(out, ref).value()
