@@ -160,3 +160,56 @@ def test_fp8_block_plan():
         big = planning.fp8_block_plan(8192, 8192, 8192, programs=132)    # 4096 tiles: 31.03 waves
         assert big.split == 1 and big.tile.BK == 128 and not big.tail and big.per_sm == 1
         assert planning.fp8_block_plan(128, 128, 128, programs=1).tile == planning.FP8_BLOCK_TILE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(4096, 8192, 5120), (1000, 4096, 1536)])
+def test_tp_ops_fp8_block_at_one_rank(m, k, n):
+    """Both TP ops at W = 1 with precision='fp8-block': a bf16 A quantized by the op (1x128) or given as an
+    FP8BlockTensor, the weight an FP8BlockTensor (128x128) or bf16 (quantized by the op) -- the same bits as
+    fp8_block_matmul on the same operands, within FP32_ACC_TOL of the fp64 product, bitwise over repeats."""
+    import kosmos
+    from kosmos.gemm.w1_static import fp8_block_matmul
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).cuda()
+    a8, w8 = quant.quantize_fp8_block(x, 1), quant.quantize_fp8_block(w, 128)
+    want = fp8_block_matmul(a8, w8)
+    assert reference.rel_err(want.cpu(), reference.fp8_block_matmul_ref(
+        a8._replace(payload=a8.payload.cpu(), scales=a8.scales.cpu()),
+        w8._replace(payload=w8.payload.cpu(), scales=w8.scales.cpu()))) < FP32_ACC_TOL
+    a_full, c = kosmos.all_gather_matmul(x, w8, precision="fp8-block")
+    kosmos.check_errors()
+    assert a_full is x and torch.equal(c, want)
+    assert torch.equal(kosmos.all_gather_matmul(a8, w8)[1], want)
+    assert torch.equal(kosmos.all_gather_matmul(x, w.t(), precision="fp8-block")[1], want)
+    assert torch.equal(kosmos.matmul_reduce_scatter(x, w8, precision="fp8-block"), want)
+    assert torch.equal(kosmos.matmul_reduce_scatter(a8, w8), want)
+
+
+@pytest.mark.gpu
+def test_tp_ops_fp8_block_refusals():
+    import kosmos
+    x = torch.zeros(256, 256, dtype=torch.bfloat16, device="cuda")
+    w8 = quant.quantize_fp8_block(torch.zeros(128, 256, dtype=torch.bfloat16, device="cuda"), 128)
+    a8 = quant.quantize_fp8_block(x, 1)
+    for call, msg in [(lambda: kosmos.all_gather_matmul(a8, w8, precision="mxfp8"), "with precision='mxfp8'"),
+                      (lambda: kosmos.all_gather_matmul(x, w8, precision="fp8-block", policy="fixed",
+                                                        comm_programs=8), "the self policy"),
+                      (lambda: kosmos.matmul_reduce_scatter(x[:, :192].contiguous(), w8, precision="fp8-block"),
+                       "K=192 columns"),
+                      (lambda: kosmos.all_gather_matmul(a8, a8), "a needs 1x128 blocks and b 128x128 blocks"),
+                      (lambda: kosmos.all_gather_matmul(x, w8, precision="fp16"), "choose None, 'bf16', 'mxfp8' or "
+                                                                                  "'fp8-block'")]:
+        with pytest.raises(ValueError, match=msg) as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
+def test_fp8_block_route_decision():
+    from kosmos.ops.tp_common import is_fp8_block_call
+    t = quant.quantize_fp8_block_ref(torch.zeros(8, 128, dtype=torch.bfloat16))
+    z = torch.zeros(8, 128, dtype=torch.bfloat16)
+    assert is_fp8_block_call(z, z, "fp8-block") and is_fp8_block_call(t, z, None) and is_fp8_block_call(z, t, None)
+    assert not is_fp8_block_call(z, z, "mxfp8") and not is_fp8_block_call(z, z, None)
+    assert not is_fp8_block_call(quant.quantize_mx_ref(z), z, None)  # an MXTensor is a 2-tuple: the MX route

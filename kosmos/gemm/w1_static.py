@@ -315,14 +315,9 @@ def w1_matmul_launch(a, b_store, b_kmajor: bool, c, plan, ws, programs: int, op:
     return launch_plan.KernelLaunch(w1_matmul_kernel, g, args, kw)
 
 
-def fp8_block_matmul(a, b, *, programs: int | None = None) -> torch.Tensor:
-    """C [M, N] bf16 = A @ W^T on block-scaled FP8 operands, one launch of the static W = 1 GEMM (SCALED):
-    ``a`` a quant.FP8BlockTensor with 1x128 blocks [M, K], ``b`` one with 128x128 blocks of the weight [N, K]
-    (K % 128 == 0, M and N multiples of 8; CUDA, or the CPU under TRITON_INTERPRET=1). Each output element is
-    the per-128 partial sums of the E4M3 products times their two scales, added in fp32 in K order, rounded to
-    bf16 once (deterministic for every schedule). The schedule is planning.fp8_block_plan's for ``programs``
-    (default: the SMs). No cached plan and no workspace: a direct launch with its own buffers -- the building
-    block the TP ops' fp8-block route is to take (not yet wired)."""
+def fp8_block_operands(a, b) -> tuple[int, int, int]:
+    """(M, K, N) of fp8_block_matmul's operands, or a one-line ValueError: ``a`` an FP8BlockTensor with 1x128 blocks
+    [M, K], ``b`` one with 128x128 blocks [N, K], M and N multiples of 8 (TMA)."""
     from .. import quant
     m, k = quant.check_fp8_block("a", a)
     n, kb = quant.check_fp8_block("b", b)
@@ -333,13 +328,28 @@ def fp8_block_matmul(a, b, *, programs: int | None = None) -> torch.Tensor:
         raise ValueError(f"a is [{m}, {k}] but b is [{n}, {kb}]: both need K={k} columns")
     if m % 8 or n % 8:
         raise ValueError(f"M={m} and N={n} must be multiples of 8 (rows of 16 bytes are needed by TMA)")
+    return m, k, n
+
+
+def fp8_block_matmul(a, b, *, programs: int | None = None, epoch_slot=None, errors=None) -> torch.Tensor:
+    """C [M, N] bf16 = A @ W^T on block-scaled FP8 operands, one launch of the static W = 1 GEMM (SCALED):
+    ``a`` a quant.FP8BlockTensor with 1x128 blocks [M, K], ``b`` one with 128x128 blocks of the weight [N, K]
+    (K % 128 == 0, M and N multiples of 8; CUDA, or the CPU under TRITON_INTERPRET=1). Each output element is
+    the per-128 partial sums of the E4M3 products times their two scales, added in fp32 in K order, rounded to
+    bf16 once (deterministic for every schedule). The schedule is planning.fp8_block_plan's for ``programs``
+    (default: the SMs). No cached plan: a direct launch with its own buffers. ``epoch_slot``: a workspace's
+    device epoch (int32 [1]), advanced by the launch as every KOSMOS launch does (the TP ops' fp8-block route
+    passes theirs); default a scratch one. ``errors``: the error record the K split's and stream-K's bounded waits
+    write (a workspace's, read by its next ``before_launch``); default a scratch one, read after the launch (a device
+    sync: a timed-out wait raises RuntimeError here)."""
+    m, k, n = fp8_block_operands(a, b)
     dev = a.payload.device
     if programs is None:
         programs = runtime.num_sms(dev) if dev.type == "cuda" else 4
     plan = planning.fp8_block_plan(m, n, k, programs=programs)
     cfg = plan.tile
     c = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
-    epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+    epoch = epoch_slot if epoch_slot is not None else torch.zeros(1, dtype=torch.int32, device=dev)
     tiles = -(-m // cfg.BM) * -(-n // cfg.BN)
     extra = {}
     if plan.stream_k or plan.split > 1:
@@ -353,12 +363,13 @@ def fp8_block_matmul(a, b, *, programs: int | None = None) -> torch.Tensor:
                                               device=dev),
                          counters=torch.zeros(2 * (grid // plan.split), dtype=torch.int32, device=dev),
                          split=plan.split)
-        extra.update(errors=torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=dev), timeout_ns=10**10)
+        record = errors if errors is not None else torch.zeros(runtime.ERR_SLOTS, dtype=torch.int64, device=dev)
+        extra.update(errors=record, timeout_ns=10**10)
     if dev.type == "cuda":
         runtime.ensure_triton_allocator()
     g, args, kw = w1_matmul_args(a.payload, b.payload, True, c, cfg, epoch, programs, planning.GROUP_M,
                                  planning.interpreting(), scales=(a.scales, b.scales), **extra)
     w1_matmul_kernel[(g,)](*args, **kw)
-    if extra and int(extra["errors"][0]):
+    if extra and errors is None and int(extra["errors"][0]):
         raise RuntimeError(f"fp8_block_matmul: a bounded wait timed out (error record {extra['errors'].tolist()})")
     return c

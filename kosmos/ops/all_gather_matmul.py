@@ -88,8 +88,8 @@ from ..gemm.tiles import copy_flat, load_task, store_tile, tile_matmul
 from ..gemm.w1_mx import w1_mx_call
 from ..gemm.w1_static import w1_matmul_launch
 from ..quant import MXTensor
-from .tp_common import (PRE_QUANTIZE, PRE_ROUND, W1_MX, W1_STATIC, check_operands, pre_step, quantize_request,
-                        split_mx, tp_route)
+from .tp_common import (PRE_QUANTIZE, PRE_ROUND, W1_MX, W1_STATIC, check_operands, fp8_block_call,
+                        is_fp8_block_call, pre_step, quantize_request, split_mx, tp_route)
 from .tp_dequant import deq_lagging, deq_needed, deq_should_help, mx_dequant_rows, wait_rows_dequantized
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
@@ -368,6 +368,10 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     every W = 1 MXTensor call), except on the shapes of tp_common.w1_mx_pass_first, where one pass makes A's MX
     values (``a_full``, a new tensor) and the bf16 static GEMM multiplies them; elsewhere quant.quantize_mx runs
     first, then the MX path (module docstring: Routes).
+    ``precision="fp8-block"`` (or an FP8BlockTensor a_shard or b), W = 1 only so far: block-scaled FP8 on the FP8
+    tensor cores -- a_shard bf16 (quantized 1x128 by the op) or an FP8BlockTensor, b an FP8BlockTensor of the
+    [N, K] weight with 128x128 blocks (quant.quantize_fp8_block(w, 128); a bf16 b is quantized on every call);
+    returns (a_shard, c). tp_common.fp8_block_call says what it refuses.
     """
     # the plan of this call signature (core/launch_plan.py); a miss validates and builds it
     first = a_shard[0] if isinstance(a_shard, tuple) and a_shard else a_shard
@@ -375,6 +379,8 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
                                      getattr(first, "device", None))
     if plan is not None:
         return _replay(plan, ws, a_shard, b, trace)
+    if is_fp8_block_call(a_shard, b, precision):
+        return fp8_block_call("a_shard", a_shard, b, group, precision, policy, trace)
     config = check_config(AllGatherMatmulConfig, config)
     quantize = quantize_request("a_shard", a_shard, precision)
     ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)

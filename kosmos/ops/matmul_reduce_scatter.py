@@ -84,7 +84,8 @@ from ..core.schedule import check_launch, policy_args
 from ..gemm.tiles import load_task, store_rows, store_tile, tile_matmul
 from ..gemm.w1_mx import w1_mx_call
 from ..gemm.w1_static import w1_matmul_launch
-from .tp_common import W1_MX, W1_STATIC, check_operands, pre_step, quantize_request, split_mx, tp_route
+from .tp_common import (W1_MX, W1_STATIC, check_operands, fp8_block_call, is_fp8_block_call, pre_step, quantize_request,
+                        split_mx, tp_route)
 from .tp_dequant import deq_lagging, deq_needed, deq_should_help, mx_dequant_rows, wait_rows_dequantized
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
@@ -353,7 +354,8 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     ``all_gather_matmul``. ``precision="mxfp8"`` with a bf16 ``a``: the op quantizes it to MXFP8 itself and
     multiplies its MX values -- inside the launch at W = 1 on Hopper (gemm/w1_mx.py, which also takes every
     W = 1 MXTensor call; on tp_common.w1_mx_pass_first's shapes one pass makes the values first, then the bf16
-    static GEMM), else quant.quantize_mx first (module docstring: Routes).
+    static GEMM), else quant.quantize_mx first (module docstring: Routes). ``precision="fp8-block"``: as in
+    ``all_gather_matmul`` (W = 1 only so far).
     """
     # the plan of this call signature (core/launch_plan.py); a miss validates and builds it
     first = a[0] if isinstance(a, tuple) and a else a
@@ -361,6 +363,8 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
                                      getattr(first, "device", None))
     if plan is not None:
         return _replay(plan, ws, a, b, trace)
+    if is_fp8_block_call(a, b, precision):
+        return fp8_block_call("a", a, b, group, precision, policy, trace)[1]
     config = check_config(MatmulReduceScatterConfig, config)
     quantize = quantize_request("a", a, precision)
     m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)

@@ -14,10 +14,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..core import planning
+from ..core import planning, runtime
 from ..core.schedule import POLICIES
 from ..gemm import w1_mx
-from ..quant import check_mx, dequantize_mx, quantize_mx, round_to_mx
+from ..quant import (FP8BlockTensor, check_fp8_block, check_mx, dequantize_mx, quantize_fp8_block, quantize_mx,
+                     round_to_mx)
+from ..quant import FP8_BLOCK as FP8_BLOCK_ROWS
 
 
 def check_matrix(name: str, t, device=None) -> None:
@@ -71,14 +73,15 @@ def check_operands(a_name: str, a, b, policy: str):
     return (rows, k, n) + b_layout(b)
 
 
-PRECISIONS = (None, "bf16", "mxfp8")
+FP8_BLOCK = "fp8-block"
+PRECISIONS = (None, "bf16", "mxfp8", FP8_BLOCK)
 
 
 def quantize_request(a_name: str, a, precision) -> bool:
     """Whether a TP op is to quantize a bf16 ``a`` to MXFP8 itself (``precision="mxfp8"``); an MXTensor ``a`` is
     MXFP8 already (precision None or "mxfp8"), a bf16 one without it is computed in bf16."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}: choose None, 'bf16' or 'mxfp8'")
+        raise ValueError(f"precision={precision!r}: choose None, 'bf16', 'mxfp8' or 'fp8-block'")
     if isinstance(a, tuple):
         if precision == "bf16":
             raise ValueError(f"{a_name} is an MXTensor but precision='bf16'")
@@ -168,3 +171,49 @@ def w1_mx_pass_first(m: int, n: int, k: int, programs: int) -> bool:
     tiles = -(-m // w1_mx.BM) * -(-n // bn)
     fill = tiles / (-(-tiles // programs) * programs)
     return n <= 1536 or planning.w1_plan(m, n, k, programs=programs).per_sm > 1 or (fill < 0.9 and m >= 1024)
+
+
+# ------------------------------------------------------------------------------------------ fp8-block (W = 1)
+def is_fp8_block_call(a, b, precision) -> bool:
+    """Whether a TP op's call takes the fp8-block route: ``precision="fp8-block"`` or an FP8BlockTensor operand."""
+    return precision == FP8_BLOCK or isinstance(a, FP8BlockTensor) or isinstance(b, FP8BlockTensor)
+
+
+def fp8_block_call(a_name: str, a, b, group, precision, policy: str, trace):
+    """A TP op's fp8-block call at W = 1 (at one rank both ops are C = A @ B): returns (A as given, C bf16).
+
+    ``a`` bf16 [M, K] (quantized here: 1x128 blocks, quant.quantize_fp8_block) or an FP8BlockTensor with 1x128
+    blocks; ``b`` an FP8BlockTensor with 128x128 blocks of the weight W [N, K] (B = W^T: quantize the weight once,
+    ``quant.quantize_fp8_block(w, 128)``), or bf16 [K, N] (quantized here on every call: a [K, N] read and an
+    [N, K] copy). One launch of the static W = 1 GEMM's scaled mainloop (gemm/w1_static.fp8_block_matmul), on the
+    group's workspace epoch. Refused in one line: W > 1 (the fused kernels do not move fp8-block payloads yet),
+    the fixed-role policy, a trace buffer, precision other than fp8-block with an FP8BlockTensor."""
+    from ..gemm.w1_static import fp8_block_matmul, fp8_block_operands
+    if precision not in (None, FP8_BLOCK):
+        raise ValueError(f"an FP8BlockTensor operand with precision={precision!r}: pass precision='fp8-block' or None")
+    if policy != "self" or trace is not None:
+        raise ValueError("precision='fp8-block' runs the self policy without a trace buffer (the static W = 1 GEMM)")
+    if isinstance(a, torch.Tensor):
+        check_matrix(a_name, a)
+        if a.device.type != "cuda" or not a.is_contiguous():
+            raise ValueError(f"{a_name} must be a contiguous CUDA tensor, got {a.device}"
+                             f"{'' if a.is_contiguous() else ', not contiguous'}")
+        a8 = quantize_fp8_block(a, 1)
+    else:
+        a8 = a
+    check_fp8_block(a_name, a8)
+    dev = a8.payload.device
+    if isinstance(b, torch.Tensor):
+        check_matrix("b", b, dev)
+        b8 = quantize_fp8_block(b.t().contiguous(), FP8_BLOCK_ROWS)
+    else:
+        b8 = b
+    fp8_block_operands(a8, b8)
+    ws = runtime.get_workspace(group, dev)
+    if ws.world.size != 1:
+        raise ValueError(f"precision='fp8-block' runs at W = 1 only so far; this group has {ws.world.size} ranks")
+    ws.ensure(1, 0)
+    ws.before_launch()
+    c = fp8_block_matmul(a8, b8, programs=runtime.num_sms(dev), epoch_slot=ws.epoch_slot, errors=ws.errors)
+    ws.after_launch()
+    return a, c
