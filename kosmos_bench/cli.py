@@ -114,10 +114,11 @@ def _check_ranks(value: Optional[int], flag: str) -> None:
               f"GPUs)")
 
 
-def _dtypes(values: Optional[str]) -> tuple | None:
-    """``--dtype`` (a comma list, e.g. bf16,mxfp8) -> a tuple without repeats (None when not given); an unknown
-    name is a one-line error."""
-    from .suites import DTYPES
+def _dtypes(values: Optional[str], bench: str) -> tuple | None:
+    """``--dtype`` (a comma list, e.g. bf16,mxfp8) -> a tuple without repeats (None when not given); a name the
+    ``bench`` ("tp" or "moe") does not run is a one-line error."""
+    from .suites import SUPPORTED_DTYPES
+    DTYPES = SUPPORTED_DTYPES[bench]
     names = _split([values] if values else None)
     if names is None:
         return None
@@ -181,10 +182,13 @@ def _fail(msg: str, code: int = 2):
 
 
 # the options both benches take (help texts naming the bench's own defaults)
-TP_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comma-separated (bf16,mxfp8: every "
+TP_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, fp8-block, or a comma list (bf16,mxfp8: every "
                                "shape runs at each, rows in one file, each with its dtype). mxfp8: the bf16 "
                                "activation is MXFP8-quantized in the timed call, the weight's MX form made once; "
-                               "adds the triton-dot-scaled and fp8-rowwise baselines. Default bf16.")
+                               "adds the triton-dot-scaled and fp8-rowwise baselines. fp8-block (block-scaled FP8 on "
+                               "the FP8 tensor cores; kosmos at W=1 only so far): the same, with 1x128 / 128x128 "
+                               "fp32 scales; adds cublas-fp8-block and fp8-rowwise, nccl+cublas stays bf16. "
+                               "Default bf16.")
 MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comma-separated (bf16,mxfp8: every "
                                 "point runs at each, rows in one file, each with its dtype). mxfp8: x is MXFP8-"
                                 "quantized in the timed call, the expert weights' MX values made once; the expert "
@@ -539,7 +543,8 @@ def bench_tp(
     op: Optional[List[str]] = typer.Option(None, "--op", help="ag_gemm, gemm_rs, or layer names qkv,fc1,attn_out,fc2 "
                                            "(with --shape: ag_gemm and/or gemm_rs)."),
     impl: Optional[List[str]] = _impl_option("kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best; "
-                                             "at mxfp8 also triton-dot-scaled, fp8-rowwise"),
+                                             "at mxfp8 also triton-dot-scaled, fp8-rowwise; at fp8-block "
+                                             "cublas-fp8-block, fp8-rowwise"),
     suite: Optional[Path] = _suite_option("tp"),
     iters: Optional[int] = _iters_option("tp"),
     warmup: Optional[int] = _warmup_option("tp"),
@@ -586,7 +591,7 @@ def bench_tp(
         _host_shape(host_shape, host_calls, TP_OPS, tp or 1, f"--tp {tp}")
     try:
         base = _load_suite(suite, "tp")
-        cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int, "--seq"), dtype=_dtypes(dtype),
+        cfg: TPSuite = base.override(models=_split(model), seq=_split(seq, int, "--seq"), dtype=_dtypes(dtype, "tp"),
                                      layers=None if custom else _tp_layers(ops), impls=_split(impl), iters=iters,
                                      warmup=warmup, tp=tp, shapes_tp=shapes_tp)
         configs = _configs("tp", config)
@@ -597,19 +602,21 @@ def bench_tp(
     from .tp import impls_at
     empty = [d for d in cfg.dtype if not impls_at(cfg.impls, d)]
     if empty:
-        _fail(f"--impl {','.join(cfg.impls)}: none of them runs at {', '.join(empty)} (triton-dot-scaled and "
-              f"fp8-rowwise are mxfp8 baselines)")
+        _fail(f"--impl {','.join(cfg.impls)}: none of them runs at {', '.join(empty)} (triton-dot-scaled is an "
+              f"mxfp8 baseline, fp8-rowwise an 8-bit one, cublas-fp8-block an fp8-block one)")
     world, how = _world(cfg.tp, "--tp", dry_run)
     cases = _tp_cases(cfg, custom, world, how)
     host_mnk = _host_shape(host_shape, host_calls, [g.op for g in cases], world, how)
-    if "mxfp8" in cfg.dtype:  # MX blocks are 32 elements along each GEMM's K (per rank for gemm_rs)
-        if host_calls and host_mnk[2] % 32:
-            _fail(f"--host-shape {'x'.join(map(str, host_mnk))}: --dtype mxfp8 needs K to be a multiple of 32 "
-                  f"(MX blocks of 32 along K); K={host_mnk[2]}")
-        bad = [g for g in cases if g.k % 32]
+    for dtype, block in (("mxfp8", 32), ("fp8-block", 128)):  # scale blocks along each GEMM's K (per rank, RS)
+        if dtype not in cfg.dtype:
+            continue
+        if host_calls and host_mnk[2] % block:
+            _fail(f"--host-shape {'x'.join(map(str, host_mnk))}: --dtype {dtype} needs K to be a multiple of "
+                  f"{block} (scale blocks of {block} along K); K={host_mnk[2]}")
+        bad = [g for g in cases if g.k % block]
         if bad:
-            _fail(f"--dtype mxfp8 needs each GEMM's K to be a multiple of 32 (MX blocks of 32 along K); "
-                  f"{bad[0].op} {bad[0].model} {bad[0].layer} {bad[0].m}x{bad[0].n}x{bad[0].k} has K={bad[0].k}")
+            _fail(f"--dtype {dtype} needs each GEMM's K to be a multiple of {block} (scale blocks of {block} along "
+                  f"K); {bad[0].op} {bad[0].model} {bad[0].layer} {bad[0].m}x{bad[0].n}x{bad[0].k} has K={bad[0].k}")
     suite_dict = cfg.to_dict()
     if custom is not None:  # the suite as run: the custom shapes instead of the suite's models
         suite_dict.update(models=[CUSTOM], layers=[CUSTOM], seq=sorted({g.seq for g in cases}),
@@ -768,7 +775,7 @@ def bench_moe(
     try:
         # a custom model's EP is checked against its own experts (the suite checks its models')
         cfg: MoESuite = base.override(models=_split(model), tokens=_split(tokens, int, "--tokens"),
-                                      routing=_split(routing), dtype=_dtypes(dtype),
+                                      routing=_split(routing), dtype=_dtypes(dtype, "moe"),
                                       direction=_directions(direction), impls=_split(impl), iters=iters,
                                       warmup=warmup, ep=None if custom else ep, expert_gemms=expert_gemms, seed=seed)
         configs = _configs("moe", config)

@@ -45,7 +45,7 @@ FIXED_SWEEP = (8, 16, 24, 32, 48, 64)
 DEFAULT_FIXED_PROGRAMS = 16
 # mxfp8: against the fp32 product of the MX values themselves (the reference holds the MX rounding), so as tight as
 # bf16; an implementation with another rounding (the TP bench's fp8-rowwise) brings its own Reference
-TOLERANCE = {"bf16": 1e-2, "mxfp8": 1e-2}
+TOLERANCE = {"bf16": 1e-2, "mxfp8": 1e-2, "fp8-block": 1e-2}  # against the reference of what each dtype multiplies
 
 
 @dataclass
@@ -216,13 +216,13 @@ def policy_kwargs(params: dict) -> dict:
     return {"policy": "self", "comm_programs": None} if s is None else {"policy": "fixed", "comm_programs": s}
 
 
-def register_fixed(family: str, make, directions: dict | None = None) -> None:
+def register_fixed(family: str, make, directions: dict | None = None, dtypes: dict | None = None) -> None:
     """Register ``make`` (a KOSMOS maker honouring ``policy_kwargs``) as fixed-role and fixed-role-best
-    (``directions``: registry.register's)."""
+    (``directions``, ``dtypes``: registry.register's)."""
     registry.register(family, "fixed-role", kosmos=True, fixed="default", available=needs_peers,
-                      directions=directions)(make)
+                      directions=directions, dtypes=dtypes)(make)
     registry.register(family, "fixed-role-best", kosmos=True, fixed="best", available=needs_peers,
-                      directions=directions)(make)
+                      directions=directions, dtypes=dtypes)(make)
 
 
 def kosmos_workspace_bytes(device):

@@ -29,8 +29,8 @@ from .report.suite_targets import TARGET_KEYS, TargetsError  # noqa: F401 (TARGE
 from .report.suite_targets import check_targets as _check_targets
 from .tp import TP_IMPLS
 
-DTYPES = ("bf16", "mxfp8")
-SUPPORTED_DTYPES = {"tp": ("bf16", "mxfp8"), "moe": ("bf16", "mxfp8")}  # what each bench implements
+DTYPES = ("bf16", "mxfp8", "fp8-block")
+SUPPORTED_DTYPES = {"tp": ("bf16", "mxfp8", "fp8-block"), "moe": ("bf16", "mxfp8")}  # what each bench implements
 DEFAULT_SUITE = DEFAULT_SUITE_FILES["tp"]
 DEFAULT_MOE_SUITE = DEFAULT_SUITE_FILES["moe"]
 
@@ -190,7 +190,7 @@ def _check(s: TPSuite) -> None:
     _subset("impls", s.impls, list(TP_IMPLS))
     _positive_ints("seq", s.seq)
     _positive_ints("fixed_sweep", s.fixed_sweep)
-    _subset("dtype", s.dtype, list(DTYPES))
+    _subset("dtype", s.dtype, list(SUPPORTED_DTYPES["tp"]))
     for key in ("iters", "warmup"):
         v = getattr(s, key)
         if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "iters" else 0):
@@ -295,7 +295,7 @@ def _check_moe(s: MoESuite) -> None:
             parse_routing(r)
         except ValueError as e:
             raise SuiteError(f"'routing': {e}") from None
-    _subset("dtype", s.dtype, list(DTYPES))
+    _subset("dtype", s.dtype, list(SUPPORTED_DTYPES["moe"]))
     _subset("direction", s.direction, list(DIRECTIONS))
     for key in ("iters", "warmup", "seed"):
         v = getattr(s, key)

@@ -30,7 +30,18 @@ weight's low-precision form is made once, outside the timed call, like a cached 
                    [1, N]); RS: local _scaled_mm then reduce_scatter_tensor. Another scaling than MX, so it is
                    checked against the fp32 reference of the ORIGINAL bf16 inputs at 5e-2 (its row's ``note``).
                    mxfp8 only.
-  torch-async-tp   unavailable at mxfp8 ("no MXFP8 path in torch async-TP").
+  torch-async-tp   unavailable at mxfp8 ("no MXFP8 path in torch async-TP"); no row at fp8-block.
+At fp8-block (block-scaled FP8: E4M3 with an fp32 scale per 1x128 of A and per 128x128 of the [N, K] weight;
+kosmos.quant.quantize_fp8_block) the weight is quantized once (b_fp8), A inside the timed call:
+  kosmos           the kosmos op with precision="fp8-block" on a and b_fp8 (W = 1 only so far: it refuses W > 1).
+  nccl+cublas      the bf16 baseline on the original bf16 inputs (its row's ``note``): at fp8-block the report's
+                   speedup column is the speed over NCCL + cuBLAS in bf16.
+  cublas-fp8-block quantize_fp8_block(a); AG: NCCL all-gather of payload and scales; torch._scaled_mm with the
+                   1x128 / 128x128 scales (cuBLAS's block-scaled FP8 GEMM, CUDA >= 12.9 on sm_90); RS: local
+                   _scaled_mm, reduce_scatter of the bf16 partial. Unavailable where this torch refuses the scales.
+  fp8-rowwise      as at mxfp8. fixed-role*: unavailable (the fp8-block route runs the self policy only).
+The check at fp8-block: the fp32 product of the dequantized fp8-block inputs within TOLERANCE["fp8-block"]
+(nccl+cublas: the bf16 reference; fp8-rowwise: the bf16 inputs' at 5e-2); every row records rel_err_bf16.
 The check at mxfp8 (harness.Reference): the fp32 product of the dequantized MX inputs (quantize_mx(a) in fp32,
 gathered / reduced as at bf16, times mx_round(b) in fp32) within TOLERANCE["mxfp8"] (1e-2, as bf16: the reference
 has the MX rounding); every mxfp8 row also records ``rel_err_bf16``, the error against the fp32 reference of the
@@ -83,10 +94,15 @@ class TPInputs:
     b: torch.Tensor
     dtype: str = "bf16"
     b_mx: torch.Tensor | None = None  # mxfp8: the weight's MX values in bf16, [K, N] (mx_round(b^T)^T)
+    b_fp8: quant.FP8BlockTensor | None = None  # fp8-block: the [N, K] weight with 128x128 blocks
 
 
 MX = "mxfp8"
+FP8B = "fp8-block"
 MX_ONLY = {MX: None}  # registry dtypes of the MXFP8-only baselines
+FP8_ONLY = {MX: None, FP8B: None}  # fp8-rowwise: at both 8-bit dtypes
+FP8B_ONLY = {FP8B: None}
+FP8B_BF16_NOTE = "at fp8-block: the bf16 NCCL + cuBLAS baseline on the original bf16 inputs"
 FP8_ROWWISE_TOL = 5e-2
 FP8_ROWWISE_NOTE = ("per-row FP8 E4M3 scaling (not MX): checked against the fp32 reference of the original bf16 "
                     "inputs at 5e-2")
@@ -97,15 +113,18 @@ def wire_bytes(op: str, impl: str, dtype: str, m: int, n: int, k: int, world: in
     """Bytes this rank sends in the op's collective (W = ``world``; each rank sends its share to W-1 peers):
     ag_gemm: m*k*2*(W-1)/W at bf16, m*k*(1 + 1/32)*(W-1)/W at mxfp8 (payload + one E8M0 scale per 32; kosmos,
     fixed-role*, nccl+cublas, triton-dot-scaled), m*k*(W-1)/W + m*4*(W-1)/W for fp8-rowwise (payload + an fp32
-    scale per row); gemm_rs: the bf16 partials, m*n*2*(W-1)/W, whatever the dtype. 0 at W = 1."""
+    scale per row), m*k*(1 + 4/128)*(W-1)/W at fp8-block (payload + an fp32 scale per 128; its nccl+cublas row is
+    bf16); gemm_rs: the bf16 partials, m*n*2*(W-1)/W, whatever the dtype. 0 at W = 1."""
     if world <= 1:
         return 0
-    if op == "gemm_rs":
-        per_rank = m * n * 2
-    elif dtype != MX:
+    if op == "gemm_rs" or (dtype == FP8B and impl == "nccl+cublas"):
+        per_rank = m * n * 2 if op == "gemm_rs" else m * k * 2
+    elif dtype not in (MX, FP8B):
         per_rank = m * k * 2
     elif impl == "fp8-rowwise":
         per_rank = m * k + m * 4
+    elif dtype == FP8B:
+        per_rank = m * k + m * (k // 128) * 4
     else:
         per_rank = m * (k + k // 32)
     return per_rank * (world - 1) // world
@@ -162,6 +181,11 @@ def rowwise_fp8(x: torch.Tensor):
 @register("tp", "kosmos", kosmos=True)
 def _kosmos(inp: TPInputs, params: dict, config):
     kw = dict(config=config, **policy_kwargs(params))
+    if inp.dtype == FP8B:  # the activation quantized in the timed call (by the op), the weight once
+        a, b = inp.a, inp.b_fp8
+        if inp.g.op == "ag_gemm":
+            return (lambda: kosmos.all_gather_matmul(a, b, precision=FP8B, **kw)[1]), None
+        return (lambda: kosmos.matmul_reduce_scatter(a, b, precision=FP8B, **kw)), None
     if inp.dtype == MX:  # the activation quantized in the timed call, the weight's MX values made once
         a, b = inp.a, inp.b_mx
         if inp.g.op == "ag_gemm":
@@ -206,7 +230,8 @@ def _async_tp(inp: TPInputs, params: dict, config):
     return (lambda: ops.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0, group_name=name)), None
 
 
-harness.register_fixed("tp", _kosmos)
+harness.register_fixed("tp", _kosmos, dtypes={"bf16": None, MX: None,
+                                              FP8B: "the fp8-block route runs the self policy (W = 1) so far"})
 
 
 def _dot_scaled_available(world: int):
@@ -228,7 +253,7 @@ def _scaled_mm_available(world: int):
     return (True, None) if hasattr(torch, "_scaled_mm") else (False, f"torch {torch.__version__} has no _scaled_mm")
 
 
-@register("tp", "fp8-rowwise", available=_scaled_mm_available, dtypes=MX_ONLY)
+@register("tp", "fp8-rowwise", available=_scaled_mm_available, dtypes=FP8_ONLY)
 def _fp8_rowwise(inp: TPInputs, params: dict, config):
     a, g = inp.a, inp.g
     world = world_info()[1]
@@ -250,8 +275,40 @@ def _fp8_rowwise(inp: TPInputs, params: dict, config):
     out = None if world == 1 else torch.empty((a.shape[0] // world, g.n), dtype=torch.bfloat16, device=a.device)
     return (lambda: _scatter_sum(mm(*rowwise_fp8(a)), out)), 0
 
-TP_IMPLS = names("tp")  # kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best, triton-dot-scaled, fp8-rowwise
-TP_DTYPES = ("bf16", MX)
+def blockwise_scaled_mm(a8: quant.FP8BlockTensor, w8: quant.FP8BlockTensor) -> torch.Tensor:
+    """torch._scaled_mm on fp8-block operands (A [M, K] 1x128, the weight [N, K] 128x128): cuBLAS's block-scaled
+    FP8 GEMM, bf16 out. Its scale layouts (torch 2.9+ on CUDA >= 12.9, sm_90): scale_a [M, K/128] M-major (an
+    outer-dim-major transpose of ours), scale_b [K/128, N/128] (the transpose of the weight's scales)."""
+    sa = a8.scales.t().contiguous().t()
+    return torch._scaled_mm(a8.payload, w8.payload.t(), scale_a=sa, scale_b=w8.scales.t(),
+                            out_dtype=torch.bfloat16)
+
+
+@register("tp", "cublas-fp8-block", available=_scaled_mm_available, dtypes=FP8B_ONLY)
+def _cublas_fp8_block(inp: TPInputs, params: dict, config):
+    a, g, w8 = inp.a, inp.g, inp.b_fp8
+    world = world_info()[1]
+    try:  # this torch / CUDA may not take block-wise scales: then the row is unavailable, with torch's reason
+        blockwise_scaled_mm(quant.quantize_fp8_block(a[:min(128, a.shape[0])].contiguous()), w8)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise registry.Unavailable(f"torch._scaled_mm refuses block-wise scales here: {str(e).splitlines()[0][:200]}")
+    if g.op == "ag_gemm":
+        rows, k = a.shape
+        pay = torch.empty((rows * world, k), dtype=torch.uint8, device=a.device)
+        sc = torch.empty((rows * world, k // 128), dtype=torch.float32, device=a.device)
+
+        def call():
+            q = quant.quantize_fp8_block(a)
+            p = _gather_into(pay, q.payload.view(torch.uint8), world).view(torch.float8_e4m3fn)
+            return blockwise_scaled_mm(quant.FP8BlockTensor(p, _gather_into(sc, q.scales, world)), w8)
+        return call, 0
+    out = None if world == 1 else torch.empty((a.shape[0] // world, g.n), dtype=torch.bfloat16, device=a.device)
+    return (lambda: _scatter_sum(blockwise_scaled_mm(quant.quantize_fp8_block(a), w8), out)), 0
+
+
+TP_IMPLS = names("tp")  # kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best, triton-dot-scaled,
+#                         fp8-rowwise, cublas-fp8-block
+TP_DTYPES = ("bf16", MX, FP8B)
 
 
 def impls_at(impls, dtype: str) -> tuple:
@@ -280,14 +337,21 @@ def mx_weight(b: torch.Tensor) -> torch.Tensor:
 
 def references(g: TPGemm, a, b, dtype: str, b_mx=None):
     """impl name -> what its output is checked against. bf16: the fp32 reference. mxfp8: the fp32 product of the
-    dequantized MX inputs (TOLERANCE["mxfp8"]), fp8-rowwise the bf16 inputs' (5e-2); both record rel_err_bf16."""
+    dequantized MX inputs (TOLERANCE["mxfp8"]), fp8-rowwise the bf16 inputs' (5e-2); both record rel_err_bf16.
+    fp8-block (``b_mx`` is then the weight's FP8BlockTensor): the dequantized fp8-block inputs' product
+    (TOLERANCE["fp8-block"]), nccl+cublas (bf16 there) the fp32 reference, fp8-rowwise as at mxfp8."""
     ref = reference_output(g, a, b)
-    if dtype != MX:
+    if dtype not in (MX, FP8B):
         return lambda name: ref
-    ref_mx = reference_output(g, quant.quantize_mx(a).dequantize(torch.float32), b_mx)
     also = {"rel_err_bf16": ref}
-    mx = harness.Reference(ref_mx, harness.TOLERANCE[MX], also)
     rowwise = harness.Reference(ref, FP8_ROWWISE_TOL, also)
+    if dtype == FP8B:
+        a32 = quant.dequantize_fp8_block(quant.quantize_fp8_block(a), torch.float32)
+        b32 = quant.dequantize_fp8_block(b_mx, torch.float32).t()  # b_mx: the weight's FP8BlockTensor here
+        low = harness.Reference(reference_output(g, a32, b32), harness.TOLERANCE[FP8B], also)
+        return lambda name: rowwise if name == "fp8-rowwise" else ref if name == "nccl+cublas" else low
+    ref_mx = reference_output(g, quant.quantize_mx(a).dequantize(torch.float32), b_mx)
+    mx = harness.Reference(ref_mx, harness.TOLERANCE[MX], also)
     return lambda name: rowwise if name == "fp8-rowwise" else mx
 
 
@@ -345,6 +409,9 @@ def _case_inputs(g: TPGemm, st: TPSettings):
     once outside every timed call (a cached weight)."""
     rank, world = world_info()
     a, b = make_inputs(g, world, rank, st.seed)
+    if st.dtype == FP8B:
+        b_fp8 = quant.quantize_fp8_block(b.t().contiguous(), quant.FP8_BLOCK)
+        return TPInputs(g, a, b, st.dtype, None, b_fp8), references(g, a, b, st.dtype, b_fp8)
     b_mx = mx_weight(b) if st.dtype == MX else None
     return TPInputs(g, a, b, st.dtype, b_mx), references(g, a, b, st.dtype, b_mx)
 
@@ -359,6 +426,14 @@ def _baseline_parts(g: TPGemm, a, b, st: TPSettings):
         a_full = torch.randn((a.shape[0] * world, a.shape[1]), device=a.device).to(a.dtype)
         gemm = lambda: a_full @ b  # noqa: E731
         comm = (lambda: dist.all_gather_into_tensor(a_full, a)) if world > 1 else None
+        if st.dtype == FP8B and world > 1:
+            q8 = quant.quantize_fp8_block(a)
+            pay = torch.empty((a_full.shape[0], a.shape[1]), dtype=torch.uint8, device=a.device)
+            sc = torch.empty((a_full.shape[0], a.shape[1] // 128), dtype=torch.float32, device=a.device)
+
+            def comm():
+                dist.all_gather_into_tensor(pay, q8.payload.view(torch.uint8))
+                dist.all_gather_into_tensor(sc, q8.scales)
         if st.dtype == MX and world > 1:
             q = quant.quantize_mx(a)
             pay = torch.empty((a_full.shape[0], a.shape[1]), dtype=torch.uint8, device=a.device)
@@ -390,14 +465,16 @@ def run_case(g: TPGemm, st: TPSettings, on_row=None) -> list[dict]:
 
     def impl_fields(name):
         fields = {"wire_bytes": wire_bytes(g.op, name, st.dtype, g.m, g.n, g.k, world)}
-        return {**fields, "note": FP8_ROWWISE_NOTE} if name == "fp8-rowwise" else fields
+        if name == "fp8-rowwise":
+            return {**fields, "note": FP8_ROWWISE_NOTE}
+        return {**fields, "note": FP8B_BF16_NOTE} if name == "nccl+cublas" and st.dtype == FP8B else fields
 
     results = runner.run("tp", impls_at(st.impls, st.dtype), inputs=inputs, ref=ref,
                          identity=identity(g, world, st.dtype), flops=2.0 * g.m * g.n * g.k, config=config,
                          impl_fields=impl_fields, t_gemm_ms=t_gemm, t_comm_ms=t_comm)
     del inputs, ref
     torch.cuda.empty_cache()
-    if st.trace_dir and st.dtype != MX and "kosmos" in results and results["kosmos"].status == "ok":
+    if st.trace_dir and st.dtype == "bf16" and "kosmos" in results and results["kosmos"].status == "ok":
         _write_trace(g, st, config)
     return runner.rows
 

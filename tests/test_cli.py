@@ -38,9 +38,9 @@ def test_bench_tp_dtype_list_parses(value, dtypes):
 
 
 @pytest.mark.parametrize("value, needle", [
-    ("fp4", "--dtype: unknown 'fp4'; choose from bf16, mxfp8"),
+    ("fp4", "--dtype: unknown 'fp4'; choose from bf16, mxfp8, fp8-block"),
     ("bf16,int8", "--dtype: unknown 'int8'"),
-    (",", "--dtype: give bf16, mxfp8 or a comma list"),
+    (",", "--dtype: give bf16, mxfp8, fp8-block or a comma list"),
 ])
 def test_bench_tp_bad_dtype_is_one_line(value, needle):
     r = runner.invoke(app, ["bench", "tp", "--dtype", value, "--dry-run"])

@@ -40,7 +40,7 @@ DIRECTION, DEFAULT_DIRECTION = "direction", "fwd"
 MX_DETAIL_COLUMNS = ["rel_err_bf16", "wire_bytes"]
 # bytes per element of a row's dtype, for the bandwidths: mxfp8 is 1 byte per element plus one 1-byte (E8M0) scale
 # per block of 32 elements
-DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "mxfp8": 1.0 + 1.0 / 32}
+DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "mxfp8": 1.0 + 1.0 / 32, "fp8-block": 1.0 + 4.0 / 128}
 GEOMEAN_COLUMNS = [
     "source", "bench", "dtype", "direction", "impl", "geomean_speedup", "geomean_overlap_efficiency",
     "ok", "failed", "unavailable",
