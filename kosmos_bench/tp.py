@@ -146,24 +146,29 @@ def _scatter_sum(partial: torch.Tensor, out: torch.Tensor | None) -> torch.Tenso
     return out
 
 
-def _mx_collective(inp: TPInputs, gemm):
-    """The timed call of the NCCL-based MXFP8 baselines: quantize_mx(a); AG: all-gather payload (as uint8) and
-    scales into preallocated buffers, then ``gemm(payload, scales)``; RS: ``gemm`` of the local MX a, then
+def _quantized_collective(inp: TPInputs, gemm, quantize=quant.quantize_mx, block: int = 32, scale_dtype=torch.uint8):
+    """The timed call of the NCCL-based MXFP8 (and fp8-block) baselines: ``quantize(a)`` (quantize_mx, or
+    quantize_fp8_block with block 128 and fp32 scales); AG: all-gather payload (as uint8) and scales into
+    preallocated buffers, then ``gemm(payload, scales)``; RS: ``gemm`` of the local quantized a, then
     reduce_scatter of the bf16 partial. The collectives are skipped at W = 1."""
     a, g = inp.a, inp.g
     world = world_info()[1]
     if g.op == "ag_gemm":
         rows, k = a.shape
         pay = torch.empty((rows * world, k), dtype=torch.uint8, device=a.device)
-        sc = torch.empty((rows * world, k // 32), dtype=torch.uint8, device=a.device)
+        sc = torch.empty((rows * world, k // block), dtype=scale_dtype, device=a.device)
 
         def call():
-            q = quant.quantize_mx(a)
+            q = quantize(a)
             p = _gather_into(pay, q.payload.view(torch.uint8), world).view(torch.float8_e4m3fn)
             return gemm(p, _gather_into(sc, q.scales, world))
         return call
     out = None if world == 1 else torch.empty((a.shape[0] // world, g.n), dtype=torch.bfloat16, device=a.device)
-    return lambda: _scatter_sum(gemm(*quant.quantize_mx(a)), out)
+
+    def local():
+        q = quantize(a)
+        return _scatter_sum(gemm(q.payload, q.scales), out)
+    return local
 
 
 def rowwise_fp8(x: torch.Tensor):
@@ -201,7 +206,7 @@ def _nccl_cublas(inp: TPInputs, params: dict, config):
     a, b = inp.a, inp.b
     if inp.dtype == MX:
         b_mx = inp.b_mx
-        return _mx_collective(inp, lambda p, s: quant.dequantize_mx(p, s) @ b_mx), 0
+        return _quantized_collective(inp, lambda p, s: quant.dequantize_mx(p, s) @ b_mx), 0
     if inp.g.op == "ag_gemm":
         a_full = torch.empty((a.shape[0] * world_info()[1], a.shape[1]), dtype=a.dtype, device=a.device)
         return (lambda: reference.all_gather_matmul_ref(a, b, fp32=False, a_full=a_full)[1]), 0
@@ -246,7 +251,7 @@ def _dot_scaled_available(world: int):
 def _triton_dot_scaled(inp: TPInputs, params: dict, config):
     from .dot_scaled import dot_scaled_matmul
     w_mx = quant.quantize_mx(inp.b.t().contiguous())  # the [N, K] weight, quantized once (blocks along K)
-    return _mx_collective(inp, lambda p, s: dot_scaled_matmul((p, s), w_mx)), 0
+    return _quantized_collective(inp, lambda p, s: dot_scaled_matmul((p, s), w_mx)), 0
 
 
 def _scaled_mm_available(world: int):
@@ -286,24 +291,13 @@ def blockwise_scaled_mm(a8: quant.FP8BlockTensor, w8: quant.FP8BlockTensor) -> t
 
 @register("tp", "cublas-fp8-block", available=_scaled_mm_available, dtypes=FP8B_ONLY)
 def _cublas_fp8_block(inp: TPInputs, params: dict, config):
-    a, g, w8 = inp.a, inp.g, inp.b_fp8
-    world = world_info()[1]
+    a, w8 = inp.a, inp.b_fp8
     try:  # this torch / CUDA may not take block-wise scales: then the row is unavailable, with torch's reason
         blockwise_scaled_mm(quant.quantize_fp8_block(a[:min(128, a.shape[0])].contiguous()), w8)
     except (RuntimeError, ValueError, TypeError) as e:
         raise registry.Unavailable(f"torch._scaled_mm refuses block-wise scales here: {str(e).splitlines()[0][:200]}")
-    if g.op == "ag_gemm":
-        rows, k = a.shape
-        pay = torch.empty((rows * world, k), dtype=torch.uint8, device=a.device)
-        sc = torch.empty((rows * world, k // 128), dtype=torch.float32, device=a.device)
-
-        def call():
-            q = quant.quantize_fp8_block(a)
-            p = _gather_into(pay, q.payload.view(torch.uint8), world).view(torch.float8_e4m3fn)
-            return blockwise_scaled_mm(quant.FP8BlockTensor(p, _gather_into(sc, q.scales, world)), w8)
-        return call, 0
-    out = None if world == 1 else torch.empty((a.shape[0] // world, g.n), dtype=torch.bfloat16, device=a.device)
-    return (lambda: _scatter_sum(blockwise_scaled_mm(quant.quantize_fp8_block(a), w8), out)), 0
+    return _quantized_collective(inp, lambda p, sc: blockwise_scaled_mm(quant.FP8BlockTensor(p, sc), w8),
+                          quant.quantize_fp8_block, 128, torch.float32), 0
 
 
 TP_IMPLS = names("tp")  # kosmos, nccl+cublas, torch-async-tp, fixed-role, fixed-role-best, triton-dot-scaled,
