@@ -134,7 +134,8 @@ def _compile_among(modules, kernel_name: str, call) -> dict:
 def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
     """(name, resources) of kernels/common.w1_matmul_kernel as planning.w1_plan's schedules launch it:
     unsplit (128x256), the K split (128x128, 2 parts), stream-K (128x256 and 128x128) and the tail tiles
-    (128 + 64 and 128 + 32 columns), on one shape."""
+    (128 + 64 and 128 + 32 columns), on one shape; and its fp8-block (SCALED) mainloop unsplit, split in 2 and
+    stream-K on planning.fp8_block_plan's tile."""
     from kosmos.core import planning
     from kosmos.gemm import w1_static
     bf = dict(dtype=torch.bfloat16, device=dev)
@@ -152,6 +153,20 @@ def w1_matmul_kernels(dev, m: int = 1024, n: int = 3072, k: int = 8192) -> list:
         grid, args, kw = w1_static.w1_matmul_args(a, b, False, c, cfg, small(4, torch.int32), 132, planning.GROUP_M, False,
                                            split=split, partials=parts, counters=small(4096, torch.int32),
                                            errors=small(16, torch.int64), timeout_ns=10**9, stream_k=sk, tail=tail)
+        out.append((name, _resources(w1_static.w1_matmul_kernel.warmup(*args, grid=(grid,), **kw))))
+    if not hasattr(planning, "FP8_BLOCK_TILE"):  # an older tree (dev/regs_variants.py): no fp8-block mainloop
+        return out
+    # fp8-block (SCALED): E4M3 A and k-major B [N, K], fp32 scales, planning.FP8_BLOCK_TILE
+    a8, b8 = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=dev), torch.empty(n, k, dtype=torch.float8_e4m3fn,
+                                                                                    device=dev)
+    scales = (torch.empty(m, k // 128, dtype=torch.float32, device=dev),
+              torch.empty(-(-n // 128), k // 128, dtype=torch.float32, device=dev))
+    for name, split, sk in (("w1_matmul fp8-block", 1, False), ("w1_matmul fp8-block split 2", 2, False),
+                            ("w1_matmul fp8-block stream-k", 1, True)):
+        grid, args, kw = w1_static.w1_matmul_args(a8, b8, True, c, planning.FP8_BLOCK_TILE, small(4, torch.int32), 132,
+                                                  planning.GROUP_M, False, split=split, partials=parts,
+                                                  counters=small(4096, torch.int32), errors=small(16, torch.int64),
+                                                  timeout_ns=10**9, stream_k=sk, scales=scales)
         out.append((name, _resources(w1_static.w1_matmul_kernel.warmup(*args, grid=(grid,), **kw))))
     return out
 

@@ -26,7 +26,7 @@ def main(argv=None):
     for t, p in procs.items():
         out = p.communicate()[0]
         for line in out.splitlines():
-            if line.startswith(("all_", "matmul", "moe", "triton", "Traceback", "Error")) or "Error" in line:
+            if line.startswith(("all_", "matmul", "w1_", "moe", "triton", "Traceback", "Error")) or "Error" in line:
                 print(f"{os.path.basename(t.rstrip('/')):<6} {line}")
     return 0
 
