@@ -1568,3 +1568,36 @@ def test_training_report_says_shared_gpu_step_times_are_not_measurements():
     path = Path(__file__).parent.parent / "results" / "h200x1" / "train-llama3-8b-w2-onegpu.jsonl"
     flat = " ".join(run_report(path).stdout.split())
     assert "the ranks shared one GPU: step times are not measurements" in flat
+
+
+def test_fp8_block_rows_get_their_own_dtype_section(tmp_path):
+    """A W=1 file with bf16 and fp8-block rows: the "fp8-block / bf16" section (columns fp8_block_*: kosmos at
+    fp8-block against kosmos at bf16 and against cuBLAS bf16 alone), no mxfp8 section, every format renders."""
+    import json as _json
+    from kosmos_bench.report.tables import dtype_table
+    env = {"type": "env", "run_id": "r-fp8b", "timestamp": "2026-12-08T00:00:00Z", "gpu": "NVIDIA H200",
+           "gpu_count": 1, "torch": "2.11.0", "triton": "3.6.0", "kosmos": "0.1.0", "git_commit": "abc",
+           "argv": ["kosmos", "bench", "tp", "--dtype", "bf16,fp8-block"], "bench": "tp",
+           "suite": {"name": "tp-default", "bench": "tp", "dtype": ["bf16", "fp8-block"]},
+           "note": "synthetic fixture, not a measurement"}
+    rows = [env]
+    for dtype, impl, ms in [("bf16", "kosmos", 1.00), ("bf16", "nccl+cublas", 1.01), ("fp8-block", "kosmos", 0.62),
+                            ("fp8-block", "nccl+cublas", 1.01), ("fp8-block", "cublas-fp8-block", 0.60)]:
+        rows.append({"type": "result", "run_id": "r-fp8b", "bench": "tp", "op": "ag_gemm", "layer": "fc1",
+                     "model": "llama3-70b", "seq": 8192, "m": 8192, "n": 14336, "k": 8192, "world": 1,
+                     "dtype": dtype, "impl": impl, "status": "ok", "reason": None, "time_ms": ms,
+                     "tflops": 2 * 8192 * 14336 * 8192 / ms / 1e9, "rel_err": 3e-3, "t_gemm_ms": 0.99,
+                     "t_comm_ms": 0.0, "wire_bytes": 0, "params": {}, "config": {}, "extra": {}})
+    path = tmp_path / "fp8b.jsonl"
+    path.write_text("\n".join(_json.dumps(r) for r in rows) + "\n")
+    table = build_table(load_results([path])[1])
+    ratios = dtype_table(table, "fp8-block")
+    assert len(ratios) == 1 and dtype_table(table).empty  # no mxfp8 rows
+    assert ratios["fp8_block_vs_bf16"].iloc[0] == pytest.approx(1.00 / 0.62)
+    assert ratios["fp8_block_vs_cublas_bf16"].iloc[0] == pytest.approx(0.99 / 0.62)
+    md = render(table, "md")
+    assert "## fp8-block / bf16" in md and "mxfp8 / bf16" not in md and "fp8_block_vs_cublas_bf16" in md
+    text = render(table, "text")
+    assert "fp8-block / bf16" in text and "1.613x" in text
+    for fmt in ("html", "csv"):
+        assert render(table, fmt)

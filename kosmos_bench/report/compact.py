@@ -29,8 +29,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .lines import enqueue_pointer, host_enqueue_title
-from .schema import (BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, DEFAULT_DIRECTION, OURS, SHAPE_COLUMNS,
-                     format_value)
+from .schema import (BASELINE_IMPL, BASELINE_IMPL_BY_OP, CONFIG_COLUMN, DEFAULT_DIRECTION, LOW_DTYPES, OURS,
+                     SHAPE_COLUMNS, format_value, low_name)
 from .tables import (config_varies, cublas_summary_table, dtype_table, geomean, host_enqueue_table, host_table,
                      wire_table)
 from .targets import target_of
@@ -209,19 +209,21 @@ def geomean_lines(df: pd.DataFrame) -> list[str]:
 
 
 def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
-    """The "mxfp8 / bf16" part of the compact view: a line per shape with kosmos's mxfp8 time and its speedup over
-    kosmos at bf16 and over cuBLAS bf16 alone, for the shapes kosmos also ran at bf16 (the others' ratio to cuBLAS
-    alone is in the section on it), and the bytes on the wire per implementation (MiB, ratio to bf16) where some
-    are sent (at world 1 none are: no section)."""
-    ratios, wires = dtype_table(df), wire_table(df)
-    ratios = ratios[ratios["kosmos_bf16_ms"].notna()]  # no bf16 run of the shape: its cuBLAS ratio is elsewhere
+    """The "<8-bit dtype> / bf16" parts of the compact view (mxfp8, fp8-block): a line per shape with kosmos's time
+    at that dtype and its speedup over kosmos at bf16 and over cuBLAS bf16 alone, for the shapes kosmos also ran at
+    bf16 (the others' ratio to cuBLAS alone is in the section on it), and the bytes on the wire per implementation
+    (MiB, ratio to bf16) where some are sent (at world 1 none are: no section)."""
+    wires = wire_table(df)
     if not wires.empty and not (wires["wire_mib"] > 0).any():
         wires = wires.iloc[0:0]
-    if ratios.empty and wires.empty:
-        return
     several_sources = df["source"].nunique() > 1
-    if not ratios.empty:
-        print_wrapped(console, "mxfp8 / bf16: kosmos's time at mxfp8, its speedup over kosmos at bf16 and "
+    for low in LOW_DTYPES:
+        ratios = dtype_table(df, low)
+        ratios = ratios[ratios["kosmos_bf16_ms"].notna()]  # no bf16 run of the shape: its cuBLAS ratio is elsewhere
+        if ratios.empty:
+            continue
+        n = low_name(low)
+        print_wrapped(console, f"{low} / bf16: kosmos's time at {low}, its speedup over kosmos at bf16 and "
                                "over cuBLAS bf16 alone (t_gemm_ms)", style="bold")
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
         labels = (["source"] if several_sources else []) + ["op", "layer", "seq"] + \
@@ -229,13 +231,13 @@ def print_dtype_compact(df: pd.DataFrame, console: Console) -> None:
             (["model"] if ratios["model"].nunique() > 1 else []) + (["world"] if ratios["world"].nunique() > 1 else [])
         for column in labels:
             table.add_column(column, justify="right" if column == "seq" else "left")
-        for header in ("bf16 ms", "mxfp8 ms", "over bf16", "cuBLAS bf16", "over cuBLAS"):
+        for header in ("bf16 ms", f"{low} ms", "over bf16", "cuBLAS bf16", "over cuBLAS"):
             table.add_column(header, justify="right")
         for row in ratios.to_dict("records"):
             cells = [_label_cell(column, row) for column in labels]
-            cells += [_num(row["kosmos_bf16_ms"], _ms), _ms(row["kosmos_mxfp8_ms"]),
-                      _num(row["mxfp8_vs_bf16"], "{:.3f}x".format), _num(row["cublas_bf16_ms"], _ms),
-                      _num(row["mxfp8_vs_cublas_bf16"], "{:.3f}x".format)]
+            cells += [_num(row["kosmos_bf16_ms"], _ms), _ms(row[f"kosmos_{n}_ms"]),
+                      _num(row[f"{n}_vs_bf16"], "{:.3f}x".format), _num(row["cublas_bf16_ms"], _ms),
+                      _num(row[f"{n}_vs_cublas_bf16"], "{:.3f}x".format)]
             table.add_row(*cells)
         console.print(table)
     if not wires.empty:

@@ -26,6 +26,7 @@ from .lines import (RATIO_LINE, bandwidth_line, cublas_line, enqueue_pointer, en
                     host_enqueue_title, host_line, target_lines, versus_line, workspace_line)
 from .load import load_records
 from .schema import (
+    LOW_DTYPES, low_name,
     BANDWIDTH_COLUMNS, CONFIG_COLUMN, ENV_COLUMNS, MX_DETAIL_COLUMNS, GEOMEAN_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
     NUMERIC_DISPLAY_COLUMNS, RENDER_FORMATS, SHAPE_COLUMNS, SPEEDUP_COLUMNS, TABLE_COLUMNS, ReportError, format_value,
 )
@@ -35,9 +36,14 @@ from .train import train_report_main
 
 ENVIRONMENT, RESULTS = "Environment", "Results per shape"
 CUBLAS_SECTION = "kosmos against cuBLAS alone at world 1 (vs_cublas = t_gemm_ms / time_ms, the TFLOP/s ratio)"
-MX_SECTION = ("mxfp8 / bf16: kosmos at mxfp8, its speedup over kosmos at bf16 and over cuBLAS bf16 alone "
-              "(mxfp8_vs_bf16 = kosmos_bf16_ms / kosmos_mxfp8_ms, mxfp8_vs_cublas_bf16 = cublas_bf16_ms / "
-              "kosmos_mxfp8_ms)")
+def low_section(low: str) -> str:
+    """The title of the "<low> / bf16" section of the 8-bit dtype ``low``."""
+    n = low_name(low)
+    return (f"{low} / bf16: kosmos at {low}, its speedup over kosmos at bf16 and over cuBLAS bf16 alone "
+            f"({n}_vs_bf16 = kosmos_bf16_ms / kosmos_{n}_ms, {n}_vs_cublas_bf16 = cublas_bf16_ms / kosmos_{n}_ms)")
+
+
+MX_SECTION = low_section("mxfp8")
 
 
 # --------------------------------------------------------------------------- sections and formatting
@@ -99,9 +105,11 @@ def _sections(df: pd.DataFrame):
     hosts = host_table(df)
     if not hosts.empty:
         yield _host_section(df), hosts, _summary_display(hosts)
-    ratios, wires = dtype_table(df), wire_table(df)
-    if not ratios.empty:
-        yield MX_SECTION, ratios, [c for c in ratios.columns if c not in _single_valued(ratios)]
+    for low in LOW_DTYPES:
+        ratios = dtype_table(df, low)
+        if not ratios.empty:
+            yield low_section(low), ratios, [c for c in ratios.columns if c not in _single_valued(ratios)]
+    wires = wire_table(df)
     if not wires.empty:
         yield "Bytes on the wire per implementation (per rank)", wires, \
             [c for c in wires.columns if c not in _single_valued(wires)]

@@ -66,10 +66,25 @@ FLOAT_COLUMNS = (
     "time_ms", "tflops", "speedup", "overlap_efficiency", "rel_err",
     "p20_ms", "p80_ms", "t_gemm_ms", "t_comm_ms", "host_ms", *BANDWIDTH_COLUMNS, "rel_err_bf16",
 )
-# the "mxfp8 against bf16" section (tables.dtype_table): per shape, kosmos at mxfp8 against kosmos at bf16 and
-# against cuBLAS bf16 alone (the mxfp8 row's t_gemm_ms); speedups (the other time / the mxfp8 time), > 1: mxfp8 faster
-DTYPE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world", "kosmos_bf16_ms",
-                 "kosmos_mxfp8_ms", "mxfp8_vs_bf16", "cublas_bf16_ms", "mxfp8_vs_cublas_bf16"]
+# the "mxfp8 against bf16" section (tables.dtype_table), and its fp8-block twin: per shape, kosmos at the 8-bit
+# dtype against kosmos at bf16 and against cuBLAS bf16 alone (the row's t_gemm_ms); speedups (the other time / the
+# 8-bit time), > 1: the 8-bit dtype faster
+LOW_DTYPES = ("mxfp8", "fp8-block")  # the 8-bit dtypes, each with its section against bf16
+
+
+def low_name(low: str) -> str:
+    """A low dtype as a column-name part: mxfp8, fp8_block."""
+    return low.replace("-", "_")
+
+
+def dtype_columns(low: str = "mxfp8") -> list[str]:
+    """The columns of the "<low> / bf16" section (tables.dtype_table) of the 8-bit dtype ``low``."""
+    n = low_name(low)
+    return ["source", "bench", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world", "kosmos_bf16_ms",
+            f"kosmos_{n}_ms", f"{n}_vs_bf16", "cublas_bf16_ms", f"{n}_vs_cublas_bf16"]
+
+
+DTYPE_COLUMNS = dtype_columns()
 # the bytes on the wire per implementation (tables.wire_table): per shape and dtype, the implementations that send
 # the same bytes, in MiB, and that against the shape's bf16 bytes
 WIRE_COLUMNS = ["source", "bench", "op", "layer", "model", "seq", "routing", "m", "n", "k", "world", "dtype", "impls",
@@ -101,7 +116,8 @@ FLOAT_FORMATS = {
     "comm_algbw_gbps": "{:.1f}", "comm_busbw_gbps": "{:.1f}",
     "tflops": "{:.1f}", "rel_err": "{:.2e}", "rel_err_bf16": "{:.2e}",
     "kosmos_bf16_ms": "{:.4f}", "kosmos_mxfp8_ms": "{:.4f}", "cublas_bf16_ms": "{:.4f}", "mxfp8_vs_bf16": "{:.3f}",
-    "mxfp8_vs_cublas_bf16": "{:.3f}", "wire_mib": "{:.2f}", "wire_vs_bf16": "{:.3f}",
+    "mxfp8_vs_cublas_bf16": "{:.3f}", "kosmos_fp8_block_ms": "{:.4f}", "fp8_block_vs_bf16": "{:.3f}",
+    "fp8_block_vs_cublas_bf16": "{:.3f}", "wire_mib": "{:.2f}", "wire_vs_bf16": "{:.3f}",
     "speedup": "{:.3f}", "overlap_efficiency": "{:.3f}",
     "geomean_speedup": "{:.3f}", "geomean_overlap_efficiency": "{:.3f}",
     "kosmos_ms": "{:.4f}", "fastest_other_ms": "{:.4f}", "vs_fastest_other": "{:.3f}",

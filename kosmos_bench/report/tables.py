@@ -58,8 +58,8 @@ MoE fields (tokens, experts, top_k, routing) are read from the row, or from its
   (lines.py) counts the groups where kosmos is at most the suite's ``slower_tolerance`` slower. A group
   where kosmos ran with several configs gets a row per config.
 
-* ``dtype_table`` (section "mxfp8 / bf16") -- per shape (TP; MoE: per moe_fwd point, routing included) where
-  kosmos ran ok at mxfp8: kosmos's speedup at mxfp8 over
+* ``dtype_table`` (section "mxfp8 / bf16", and "fp8-block / bf16" with columns named fp8_block_*) -- per shape
+  (TP; MoE: per moe_fwd point, routing included) where kosmos ran ok at mxfp8: kosmos's speedup at mxfp8 over
   its bf16 time (``mxfp8_vs_bf16`` = bf16 time / mxfp8 time, when the bf16 row is ok too) and over cuBLAS bf16
   alone on the shape, the mxfp8 row's ``t_gemm_ms`` (``mxfp8_vs_cublas_bf16``; for MoE rows grouped-mm at bf16 on
   the same rows); > 1 means mxfp8 is faster, as every ratio of the report. ``wire_table``: per shape and
@@ -97,7 +97,7 @@ from .schema import (
     DTYPE_BYTES, ENV_COLUMNS,
     FLOAT_COLUMNS, GEOMEAN_COLUMNS, INTEGER_COLUMNS, LAST_COLUMNS, MODEL_GEOMEAN_COLUMNS, MOE_COLUMNS,
     MOE_COMPARISON_GROUP, MOE_DETAIL_COLUMNS, OURS, ROW_IDENTITY, TABLE_COLUMNS, VERSUS_COLUMNS, VERSUS_SHAPE_COLUMNS,
-    WIRE_COLUMNS, DTYPE_COLUMNS, CUBLAS_COLUMNS, CUBLAS_SUMMARY_COLUMNS, HOST_COLUMNS, HOST_ENQUEUE_COLUMNS,
+    WIRE_COLUMNS, DTYPE_COLUMNS, LOW_DTYPES, dtype_columns, low_name, CUBLAS_COLUMNS, CUBLAS_SUMMARY_COLUMNS, HOST_COLUMNS, HOST_ENQUEUE_COLUMNS,
     ReportError,
 )
 from .targets import table_targets, target_of
@@ -344,28 +344,30 @@ def _forward_rows(df: pd.DataFrame) -> list[dict]:
     return [row for row in df.to_dict("records") if row.get(DIRECTION, DEFAULT_DIRECTION) == DEFAULT_DIRECTION]
 
 
-def dtype_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Section "mxfp8 / bf16" (module docstring): a row per shape where kosmos ran ok at mxfp8 (forward rows)."""
+def dtype_table(df: pd.DataFrame, low: str = MX) -> pd.DataFrame:
+    """Section "<low> / bf16" (module docstring) of the 8-bit dtype ``low`` (mxfp8 or fp8-block): a row per shape
+    where kosmos ran ok at ``low`` (forward rows); columns schema.dtype_columns(low)."""
     rows = [row for row in _forward_rows(df) if row["impl"] == OURS and _has_time(row)]
     bf16 = {_shape_key(row): row for row in rows if row["dtype"] == BF16}
+    n = low_name(low)
     records = []
-    for mx in (row for row in rows if row["dtype"] == MX):
+    for mx in (row for row in rows if row["dtype"] == low):
         base = bf16.get(_shape_key(mx))
         cublas = mx.get("t_gemm_ms")
         cublas = cublas if _is_number(cublas) and cublas > 0 else math.nan
         records.append({
             **dict(zip(_DTYPE_SHAPE, _shape_key(mx))),
-            "kosmos_bf16_ms": base["time_ms"] if base else math.nan, "kosmos_mxfp8_ms": mx["time_ms"],
-            "mxfp8_vs_bf16": base["time_ms"] / mx["time_ms"] if base else math.nan,
-            "cublas_bf16_ms": cublas, "mxfp8_vs_cublas_bf16": cublas / mx["time_ms"],
+            "kosmos_bf16_ms": base["time_ms"] if base else math.nan, f"kosmos_{n}_ms": mx["time_ms"],
+            f"{n}_vs_bf16": base["time_ms"] / mx["time_ms"] if base else math.nan,
+            "cublas_bf16_ms": cublas, f"{n}_vs_cublas_bf16": cublas / mx["time_ms"],
         })
-    return pd.DataFrame(records, columns=DTYPE_COLUMNS)
+    return pd.DataFrame(records, columns=dtype_columns(low))
 
 
 def wire_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The bytes on the wire per implementation (module docstring), for files that hold mxfp8 rows with
-    ``wire_bytes``; empty otherwise."""
-    if "wire_bytes" not in df or not ((df["dtype"] == MX) & df["wire_bytes"].notna()).any():
+    """The bytes on the wire per implementation (module docstring), for files that hold mxfp8 or fp8-block rows
+    with ``wire_bytes``; empty otherwise."""
+    if "wire_bytes" not in df or not (df["dtype"].isin(LOW_DTYPES) & df["wire_bytes"].notna()).any():
         return pd.DataFrame(columns=WIRE_COLUMNS)
     groups: dict[tuple, list[str]] = {}
     for row in _forward_rows(df):
