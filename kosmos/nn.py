@@ -21,7 +21,9 @@ parameter changes (its ``_version``). The backward uses the forward's MX operand
 bf16 -- dx = dy @ W_mx (fused as above), dW = dy^T @ x_mx (x_mx's payload and scales are kept, 1.03 bytes per
 element; a column layer re-gathers them with NCCL, 0.52x of the bf16 bytes) -- and passes the gradients
 straight through the quantizers to x and the master weight (the MX training recipes do the same; dy itself
-is not quantized here).
+is not quantized here). ``dtype="fp8-block"`` (tensor-parallel size 1 so far; in and out multiples of 128):
+block-scaled FP8 on the FP8 tensor cores (``FP8BlockLinearFn``), the weight's 128x128 blocks cached as above,
+every backward GEMM on operands quantized along its own K.
 
 ``MoE`` -- the routed-expert part of an MoE layer in one launch (``kosmos.moe_forward``). It trains at any
 expert-parallel size: the backward is ``kosmos.ops.moe_backward.moe_backward`` (every gradient from the forward's
@@ -132,6 +134,46 @@ class MatmulReduceScatterMXFn(torch.autograd.Function):
         return (da if ctx.needs_input_grad[0] else None), db, None, None
 
 
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t`` [R, C] with zero rows appended up to a multiple of ``multiple`` (``t`` itself when R is one)."""
+    extra = -t.shape[0] % multiple
+    return t if not extra else torch.cat([t, t.new_zeros((extra, t.shape[1]))])
+
+
+def _fp8_block_t(t: quant.FP8BlockTensor) -> quant.FP8BlockTensor:
+    """The 128x128-block FP8BlockTensor of W^T from W's (the same blocks, transposed: both dims multiples of 128)."""
+    return quant.FP8BlockTensor(t.payload.t().contiguous(), t.scales.t().contiguous(), t.block_rows)
+
+
+class FP8BlockLinearFn(torch.autograd.Function):
+    """Block-scaled FP8 y = x @ W^T at tensor-parallel size 1 (gemm/w1_static.fp8_block_matmul; CUDA, or the CPU
+    under TRITON_INTERPRET=1). ``w8`` is W's 128x128-block FP8BlockTensor (the layer caches it), ``weight`` gets
+    the gradient. Backward, every GEMM on operands quantized along its own K (the gradients straight through the
+    quantizers): dx = fp8(dy, 1x128 along out) @ (W^T's 128x128 blocks: W's, transposed); dW = fp8(dy^T, 1x128
+    along the tokens) @ fp8(x^T, 128x128), the tokens zero-padded to a multiple of 128 (zeros add nothing)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w8):
+        from .gemm.w1_static import fp8_block_matmul
+        ctx.save_for_backward(x)
+        ctx.w8 = w8
+        return fp8_block_matmul(quant.to_fp8_block(_pad_rows(x, 8), 1), w8)[:x.shape[0]]  # (TMA: rows of 8)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .gemm.w1_static import fp8_block_matmul
+        (x,) = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_block_matmul(quant.to_fp8_block(_pad_rows(dy, 8), 1), _fp8_block_t(ctx.w8))[:dy.shape[0]]
+        if ctx.needs_input_grad[1]:
+            dyt = _pad_rows(dy, quant.FP8_BLOCK).t().contiguous()          # [out, M'], K = the tokens
+            xt = _pad_rows(x, quant.FP8_BLOCK).t().contiguous()            # [in, M']
+            dw = fp8_block_matmul(quant.to_fp8_block(dyt, 1), quant.to_fp8_block(xt, quant.FP8_BLOCK))
+        return dx, dw, None
+
+
 class AllGatherMatmulFn(torch.autograd.Function):
     """c = allgather(a_shard) @ b with the backward also fused (see the module docstring)."""
 
@@ -172,6 +214,7 @@ class MatmulReduceScatterFn(torch.autograd.Function):
 
 
 PRECISIONS = ("bf16", "mxfp8")
+LINEAR_PRECISIONS = PRECISIONS + ("fp8-block",)  # the linears also run block-scaled FP8 (W = 1 so far)
 
 
 class _ParallelLinear(torch.nn.Module):
@@ -179,12 +222,19 @@ class _ParallelLinear(torch.nn.Module):
                  dtype=torch.bfloat16):
         super().__init__()
         if isinstance(dtype, str):
-            if dtype not in PRECISIONS:
-                raise ValueError(f"dtype {dtype!r}: choose torch.bfloat16 or one of {', '.join(PRECISIONS)}")
+            if dtype not in LINEAR_PRECISIONS:
+                raise ValueError(f"dtype {dtype!r}: choose torch.bfloat16 or one of {', '.join(LINEAR_PRECISIONS)}")
             self.precision = dtype
             dtype = torch.bfloat16  # the master weight
         else:
             self.precision = "bf16"
+        if self.precision == "fp8-block":
+            if world_size(group) != 1:
+                raise ValueError(f"dtype='fp8-block' runs at tensor-parallel size 1 so far; this group has "
+                                 f"{world_size(group)} ranks")
+            if in_features % 128 or out_features % 128:
+                raise ValueError(f"dtype='fp8-block' needs in_features={in_features} and out_features="
+                                 f"{out_features} to be multiples of 128 (the K of the forward and of dx)")
         if self.precision == "mxfp8" and in_features % (32 * (1 if shard_out else world_size(group))):
             raise ValueError(f"dtype='mxfp8' needs the GEMM's K ({'in' if shard_out else 'in/W'}) to be a multiple "
                              f"of 32 (MX blocks); in_features={in_features}")
@@ -208,6 +258,14 @@ class _ParallelLinear(torch.nn.Module):
                 self._mx_cache = (key, quant.mx_round(self.weight.detach()).t())
         return self._mx_cache[1]
 
+    def _fp8_block_weight(self) -> quant.FP8BlockTensor:
+        """The weight's 128x128-block FP8BlockTensor (cached until the parameter changes)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._mx_cache is None or self._mx_cache[0] != key:
+            with torch.no_grad():
+                self._mx_cache = (key, quant.to_fp8_block(self.weight.detach().contiguous(), quant.FP8_BLOCK))
+        return self._mx_cache[1]
+
     def _flat(self, x: torch.Tensor, features: int) -> torch.Tensor:
         if x.dim() < 2 or x.shape[-1] != features:
             raise ValueError(f"expected input [..., {features}], got {tuple(x.shape)}")
@@ -223,7 +281,10 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = world_size(self.group)
-        if self.precision == "mxfp8":
+        if self.precision == "fp8-block":
+            y = FP8BlockLinearFn.apply(self._flat(x, self.in_features).contiguous(), self.weight,
+                                       self._fp8_block_weight())
+        elif self.precision == "mxfp8":
             y = AllGatherMatmulMXFn.apply(self._flat(x, self.in_features), self.weight.t(), self._mx_weight_t(),
                                           self.group)
         else:
@@ -243,7 +304,10 @@ class RowParallelLinear(_ParallelLinear):
         w = world_size(self.group)
         if x.shape[0] % w:
             raise ValueError(f"the sequence dimension {x.shape[0]} does not divide by the tensor-parallel size {w}")
-        if self.precision == "mxfp8":
+        if self.precision == "fp8-block":
+            y = FP8BlockLinearFn.apply(self._flat(x, self.weight.shape[1]).contiguous(), self.weight,
+                                       self._fp8_block_weight())
+        elif self.precision == "mxfp8":
             y = MatmulReduceScatterMXFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(),
                                               self._mx_weight_t(), self.group)
         else:

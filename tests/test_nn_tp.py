@@ -134,6 +134,53 @@ def test_mxfp8_layer_errors():
         knn.ColumnParallelLinear(64, 16, dtype="fp4")
 
 
+def _fp8b_ste(t, block_rows):
+    """t's fp8-block values (blocks along the last dim; 128x128 with block_rows 128) with a straight-through
+    gradient: what the fp8-block linear multiplies."""
+    q = quant.fp8_block_values(t.detach().reshape(-1, t.shape[-1]).to(torch.bfloat16), block_rows).float()
+    return t + (q.reshape(t.shape) - t).detach()
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.interpreter, id="interpreter"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu, id="gpu")])
+@pytest.mark.parametrize("cls", [knn.ColumnParallelLinear, knn.RowParallelLinear])
+def test_world1_fp8_block_linear(cls, device):
+    """dtype="fp8-block" at W=1 through the real kernels under the interpreter (fp8_block_matmul): the forward on
+    x's 1x128 and W's 128x128 values; dx on dy's 1x128 values (along out) and W's blocks; dW on dy^T's 1x128 values
+    along the tokens and x^T's 128x128 blocks (the tokens, 10, padded with zero rows) -- each against the same
+    quantization in fp32 autograd terms; and against the bf16 layer within the fp8 error (5e-2)."""
+    s, b, d_in, d_out = 5, 2, 256, 128
+    x, w, dy = _layer_data(7, s, b, d_in, d_out)
+    layer = cls(d_in, d_out, dtype="fp8-block", device=device)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    xin = x.to(device, torch.bfloat16).requires_grad_(True)
+    y = layer(xin)
+    assert y.shape == (s, b, d_out)
+    y.backward(dy.to(device, torch.bfloat16))
+    xb, wb, dyb = x.to(torch.bfloat16).float(), w.to(torch.bfloat16).float(), dy.to(torch.bfloat16).float()
+    y_ref = _fp8b_ste(xb, 1) @ _fp8b_ste(wb, 128).t()
+    dx_ref = _fp8b_ste(dyb, 1) @ _fp8b_ste(wb, 128)
+    x2, dy2 = xb.reshape(-1, d_in), dyb.reshape(-1, d_out)
+    pad = lambda t: torch.cat([t, t.new_zeros(128 - t.shape[0], t.shape[1])])  # noqa: E731
+    dw_ref = (_fp8b_ste(pad(dy2).t().contiguous(), 1) @ _fp8b_ste(pad(x2).t().contiguous(), 128).t())
+    assert _rel(y, y_ref) < 5e-3 and _rel(xin.grad, dx_ref) < 5e-3 and _rel(layer.weight.grad, dw_ref) < 5e-3
+    ref_bf16 = (xb.requires_grad_(True) @ wb.requires_grad_(True).t())
+    ref_bf16.backward(dyb)
+    assert _rel(y, ref_bf16) < 5e-2 and _rel(xin.grad, xb.grad) < 5e-2 and _rel(layer.weight.grad, wb.grad) < 5e-2
+    first = layer._fp8_block_weight()
+    assert layer._fp8_block_weight() is first  # cached until the parameter changes
+
+
+def test_fp8_block_layer_errors():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        knn.ColumnParallelLinear(192, 128, dtype="fp8-block")
+    with pytest.raises(ValueError, match="choose torch.bfloat16 or one of bf16, mxfp8, fp8-block"):
+        knn.ColumnParallelLinear(128, 128, dtype="fp16")
+    with pytest.raises(ValueError, match="choose torch.bfloat16 or one of bf16, mxfp8$"):
+        knn.MoE(128, 128, 8, 2, dtype="fp8-block")
+
+
 def test_shape_errors():
     with pytest.raises(ValueError, match="expected input"):
         knn.ColumnParallelLinear(24, 16)(torch.zeros(4, 23, dtype=torch.bfloat16))
