@@ -352,6 +352,13 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     elif "matmul_reduce_scatter" in only:
         out.append(("matmul_reduce_scatter", _compile(rs, "_matmul_reduce_scatter_kernel", lambda: rs.launch(
             a_rs, b_rs, False, c_rs, stage, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+        if hasattr(planning, "FP8_BLOCK_TILE") and world > 1:  # fp8-block: the SCALED mainloop (W > 1 route)
+            f32 = dict(dtype=torch.float32, device=dev)
+            scales = (torch.empty(ms * world, k_rs // 128, **f32), torch.empty(n_rs // 128, k_rs // 128, **f32))
+            out.append(("matmul_reduce_scatter fp8-block", _compile(rs, "_matmul_reduce_scatter_kernel",
+                lambda: rs.launch(torch.empty(ms * world, k_rs, **f8), torch.empty(n_rs, k_rs, **f8), True, c_rs,
+                                  stage, peers, peers, sig, heads, errs, cfg=planning.FP8_BLOCK_TILE,
+                                  fp8_scales=scales, **common))))
     if "w1_matmul" in only and world == 1:  # the static W=1 GEMM (no world size): unsplit, split, stream-K
         out += w1_matmul_kernels(dev)
     if "moe_backward" in only:  # the same kernels at every EP size, on E / W local experts (ELP2 follows E / W)

@@ -217,12 +217,15 @@ class AG(_Op):
 
 class RS(_Op):
     """GEMM+ReduceScatter: rank r holds a [M, K] and b [K, N] (its K shard); c_shard [Ms, N]. mx: a is MXFP8
-    (the reference multiplies its dequantized values)."""
+    (the reference multiplies its dequantized values); fp8: a and the weight are fp8-block (the same)."""
 
     def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000,
-                 config=None, mx=False):
-        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config)
-        self.mx = mx
+                 config=None, mx=False, fp8=False):
+        super().__init__(world, ms, k, n, seed, b_kmajor or fp8, device, grid, timeout_ns, config)
+        b_kmajor = b_kmajor or fp8
+        self.mx, self.fp8 = mx, fp8  # fp8: fp8-block a (1x128) and weight (128x128), the SCALED mainloop
+        if fp8:
+            self.cfg = planning.TileConfig(16, 32, 128, 4, 1) if device == "cpu" else planning.FP8_BLOCK_TILE
         self.m = world * ms
         self.dequantized = [torch.empty(self.m, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.rk = Ranks(world, self.m, n, device)
@@ -233,14 +236,22 @@ class RS(_Op):
         self.cs = [torch.empty(ms, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
 
     def new_epoch_inputs(self):
-        self.mx_As = []
+        self.mx_As, self.fp8_Bs = [], []
         for r in range(self.world):
             self.As[r].copy_(rand(self.m, self.k, gen=self.gen))
             if self.mx:
                 p, sc, vals = mx_inputs(self.As[r])
                 self.mx_As.append((p.to(self.device), sc.to(self.device)))
                 self.As[r].copy_(vals)
+            if self.fp8:  # the references multiply the dequantized values (exact in bf16)
+                a8 = quant.quantize_fp8_block_ref(self.As[r].cpu(), 1)
+                self.mx_As.append((a8.payload.to(self.device), a8.scales.to(self.device)))
+                self.As[r].copy_(quant.dequantize_fp8_block_ref(a8))
             self.Bs[r].copy_(rand(self.k, self.n, gen=self.gen))
+            if self.fp8:
+                w8 = quant.quantize_fp8_block_ref(self.Bs[r].t().contiguous().cpu(), 128)
+                self.fp8_Bs.append((w8.payload.to(self.device), w8.scales.to(self.device)))
+                self.Bs[r].copy_(quant.dequantize_fp8_block_ref(w8).t())
             if self.b_kmajor:
                 self.b_store[r].copy_(self.Bs[r].t())
             self.cs[r].fill_(NAN)
@@ -249,6 +260,11 @@ class RS(_Op):
 
     def launch(self, r, epoch, timeout_ns=None, **pol):
         rk = self.rk
+        if self.fp8:
+            (a, sa), (b, sb) = self.mx_As[r], self.fp8_Bs[r]
+            rs.launch(a, b, True, self.cs[r], rk.data[r], rk.peer_data, rk.peer_sig, rk.sigs[r], rk.heads[r],
+                      rk.errors[r], fp8_scales=(sa, sb), **self._kw(r, epoch, timeout_ns, pol))
+            return
         a, a_scales = self.mx_As[r] if self.mx else (self.As[r], None)
         rs.launch(a, self.b_store[r], self.b_kmajor, self.cs[r], rk.data[r], rk.peer_data, rk.peer_sig,
                   rk.sigs[r], rk.heads[r], rk.errors[r], a_scales=a_scales,

@@ -41,6 +41,16 @@ def test_matmul_reduce_scatter_mxfp8_epochs(world, ms, k, n):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("world", WORLDS)
+def test_matmul_reduce_scatter_fp8_block_epochs(world):
+    """fp8-block a (1x128) and weight (128x128, k-major) on the SCALED mainloop: the partials and the reduction
+    as in bf16, against the fp32 product of the dequantized values (ragged rows: Ms 21 is one whole 16-row tile
+    and a part; N 48 is a last tile past N; K 256 is two scale blocks)."""
+    t = RS(world, 21, 256, 48, seed=world * 100 + 7, fp8=True)
+    run_schedule(t, [(r, phase) for phase in (COMPUTE_ONLY, COMM_ONLY) for r in range(world)])
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("ms,k,n", SHAPES)
 def test_matmul_reduce_scatter_self_policy_world1(ms, k, n):
     run_schedule(RS(1, ms, k, n, seed=17), [(0, SELF)], flags=False)
@@ -170,6 +180,17 @@ def test_w1_trace_records_every_compute_task():
 # ============================================================================ simulated ranks, one GPU
 class TestOnRanks(opcases.OnRanksCases):
     op = "rs"
+
+    @pytest.mark.parametrize("world", [2, 4, 8])
+    def test_rs_fp8_block(self, world):
+        """fp8-block a and weight (K = 384: three scale blocks) on the SCALED mainloop, all ranks resident: the
+        staged partials and outputs against the fp32 product of the dequantized values; fresh inputs and
+        poisoned buffers each epoch."""
+        t = opcases.make("rs", world, seed=70 + world, k=384, fp8=True)
+        for epoch in opcases.EPOCHS:
+            t.new_epoch_inputs()
+            t.launch_all(epoch)
+            opcases.check_call(t, epoch)
 
     @pytest.mark.parametrize("world", [2, 4])
     def test_rs_push_partials(self, world):

@@ -81,11 +81,11 @@ from ..core import schedule as sched
 from ..core.codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_MATMUL_REDUCE_SCATTER, WAIT_MX_ROWS, WAIT_RS_PARTIAL
 from ..core.descriptors import host_descriptors
 from ..core.schedule import check_launch, policy_args
-from ..gemm.tiles import load_task, store_rows, store_tile, tile_matmul
+from ..gemm.tiles import load_task, store_rows, store_tile, tile_matmul, tile_matmul_scaled_steps
 from ..gemm.w1_mx import w1_mx_call
 from ..gemm.w1_static import w1_matmul_launch
-from .tp_common import (W1_MX, W1_STATIC, check_operands, fp8_block_call, is_fp8_block_call, pre_step, quantize_request,
-                        split_mx, tp_route)
+from .tp_common import (W1_MX, W1_STATIC, check_operands, fp8_block_call, fp8_block_operands, is_fp8_block_call,
+                        pre_step, quantize_request, split_mx, tp_route)
 from .tp_dequant import deq_lagging, deq_needed, deq_should_help, mx_dequant_rows, wait_rows_dequantized
 
 OP_CODE = OP_MATMUL_REDUCE_SCATTER.value
@@ -141,6 +141,7 @@ def _deq_task(t, deq_table, a_mx, a_scales, deq_ptr, sig_ptr, Ms, K, epoch, n_ch
 @triton.jit(do_not_specialize=["rank", "timeout_us", "n_comp", "n_red", "fixed_comm", "n_deq"])
 def _matmul_reduce_scatter_kernel(
         a_desc, b_desc, c_desc, c_ptr, stage_ptr, a_mx, a_scales, deq_ptr, deq_table, n_deq,
+        sa_ptr, sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk,
         peer_data, peer_sig, sig_ptr,
         comp_table, n_comp, red_table, n_red,
         heads_ptr, err_ptr, trace_ptr,
@@ -151,9 +152,12 @@ def _matmul_reduce_scatter_kernel(
         FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr, EXIT_SLOT: tl.constexpr,
         ADVANCE: tl.constexpr, A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr, DEQ_PARTS: tl.constexpr,
         DEQ_NB: tl.constexpr,
-        GROUP_M: tl.constexpr):
+        GROUP_M: tl.constexpr, SCALED: tl.constexpr = False):
     """The FUSED route's kernel (module docstring): GRID programs, one per SM, each running the TILE / REDUCE
-    loop (and, for MXFP8, DEQ tasks), then device.exit_program (done flags, the epoch)."""
+    loop (and, for MXFP8, DEQ tasks), then device.exit_program (done flags, the epoch). SCALED (fp8-block): A and
+    B are E4M3 (B k-major, BK = 128) with fp32 scales sa [M, K/128] and sb [ceil(N/128), K/128] (strides sa_sm,
+    sa_sk, sb_sn, sb_sk): the tiles run gemm/tiles.tile_matmul_scaled_steps; the partials and the reduction
+    stay bf16 / fp32."""
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
@@ -251,8 +255,13 @@ def _matmul_reduce_scatter_kernel(
                         t1 = dev.now_ns()
                         n_ev = dev.trace(trace_ptr, pid, n_ev, EV_WAIT, t, t0, t1, TRACE)
                         t0 = t1
-                    acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
-                                      DOT_FP32)
+                    if SCALED:
+                        acc = tile_matmul_scaled_steps(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, 0,
+                                                       tl.cdiv(K, BK), sa_ptr, sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk,
+                                                       Ms * WORLD, N, BM, BN, BK, DOT_FP32)
+                    else:
+                        acc = tile_matmul(a_desc, b_desc, owner * Ms + mt * BM, nt * BN, K, BM, BN, BK, B_KMAJOR,
+                                          DOT_FP32)
                     if WORLD == 1:
                         store_tile(c_desc, c_ptr, acc, mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                     else:
@@ -291,14 +300,16 @@ def _red_rows(cfg, world: int) -> int:
 
 def _launch_args(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, heads, errors, *, rank, world, epoch_slot,
            timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None, a_scales=None,
-           dequantized=None, advance=True):
+           dequantized=None, advance=True, fp8_scales=None):
     """The kernel's runtime arguments and constexpr / option keywords of ``launch`` (also a plan's template).
     Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
     Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases.
     ``epoch_slot`` (int32 [1], local): the device epoch; the launch runs at slot + 1 and advances it
     (``advance=False``: not -- a CPU test's first launch of a call split in two, like its fixed-role phases).
     MXFP8: ``a`` is the E4M3 payload, ``a_scales`` its E8M0 bytes and ``dequantized`` (bf16 [M, K], local)
-    receives its expanded rows, which the tiles multiply."""
+    receives its expanded rows, which the tiles multiply. fp8-block: ``a`` and ``b_store`` are E4M3 payloads (b
+    k-major [N, K], cfg.BK 128) and ``fp8_scales`` their fp32 scales (sa [M, K/128], sb [ceil(N/128), K/128]):
+    the kernel's SCALED mainloop."""
     m, k = a.shape
     ms, n = c.shape
     pol, fixed = policy_args(policy, comm_programs, grid, lo=0)
@@ -318,8 +329,16 @@ def _launch_args(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, h
         dq = planning.DequantPlan(1, 1, 1)
         a_desc, b_desc, c_desc = host_descriptors(a, b_store, b_kmajor, c, cfg)
         mx_args = (a, a, a, comp_t, 0)
+    if fp8_scales is not None:
+        if not b_kmajor or cfg.BK != 128 or mx:
+            raise ValueError(f"matmul_reduce_scatter launch: fp8-block scales need a k-major B and BK 128, without "
+                             f"MX scales (b_kmajor {b_kmajor}, BK {cfg.BK})")
+        sa, sb = fp8_scales
+        scale_args = (sa, sb, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
+    else:
+        scale_args = (epoch_slot, epoch_slot, 0, 0, 0, 0)
     args = (
-        a_desc, b_desc, c_desc, c, stage, *mx_args, peer_data, peer_sig, signals,
+        a_desc, b_desc, c_desc, c, stage, *mx_args, *scale_args, peer_data, peer_sig, signals,
         comp_t, comp_t.shape[0], red_t, red_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch_slot, max(1, timeout_ns // 1000), fixed)
     kw = dict(
@@ -327,7 +346,7 @@ def _launch_args(a, b_store, b_kmajor, c, stage, peer_data, peer_sig, signals, h
         TRACE=trace is not None, DOT_FP32=planning.interpreting(), RED_ROWS=_red_rows(cfg, world), PUSH=config.push_partials,
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, ADVANCE=bool(advance), A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS,
-        DEQ_NB=dq.NB, GROUP_M=planning.GROUP_M,
+        DEQ_NB=dq.NB, GROUP_M=planning.GROUP_M, SCALED=fp8_scales is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return args, kw
@@ -354,8 +373,8 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     ``all_gather_matmul``. ``precision="mxfp8"`` with a bf16 ``a``: the op quantizes it to MXFP8 itself and
     multiplies its MX values -- inside the launch at W = 1 on Hopper (gemm/w1_mx.py, which also takes every
     W = 1 MXTensor call; on tp_common.w1_mx_pass_first's shapes one pass makes the values first, then the bf16
-    static GEMM), else quant.quantize_mx first (module docstring: Routes). ``precision="fp8-block"``: as in
-    ``all_gather_matmul`` (W = 1 only so far).
+    static GEMM), else quant.quantize_mx first (module docstring: Routes). ``precision="fp8-block"``: the
+    operands as in ``all_gather_matmul``; any W (at W > 1 the fused kernel's scaled mainloop: ``_fp8_block``).
     """
     # the plan of this call signature (core/launch_plan.py); a miss validates and builds it
     first = a[0] if isinstance(a, tuple) and a else a
@@ -364,7 +383,7 @@ def matmul_reduce_scatter(a, b: torch.Tensor, group=None, *,
     if plan is not None:
         return _replay(plan, ws, a, b, trace)
     if is_fp8_block_call(a, b, precision):
-        return fp8_block_call("a", a, b, group, precision, policy, trace)[1]
+        return _fp8_block(a, b, group, precision, policy, trace, check_config(MatmulReduceScatterConfig, config))
     config = check_config(MatmulReduceScatterConfig, config)
     quantize = quantize_request("a", a, precision)
     m, k, n, b_store, b_kmajor = check_operands("a", a, b, policy)
@@ -413,6 +432,35 @@ def _replay(plan, ws, a, b, trace):
     payload, scales = a if info["mx"] else (a, None)
     plan.call(ws, dict(a=payload, s=scales, b=b.t() if info["b_kmajor"] else b, c=c, trace=trace), (c,),
               trace is not None)
+    return c
+
+
+def _fp8_block(a, b, group, precision, policy, trace, config):
+    """precision="fp8-block" (tp_common.fp8_block_operands): at W = 1 the static GEMM's scaled mainloop
+    (tp_common.fp8_block_call), at W > 1 this op's fused kernel with the SCALED mainloop (planning.FP8_BLOCK_TILE;
+    the partials and the reduction stay bf16 / fp32). No cached plan yet: each call validates and launches."""
+    a8, b8, dev = fp8_block_operands("a", a, b, precision, policy, trace)
+    ws = runtime.get_workspace(group, dev)
+    w = ws.world.size
+    if w == 1:
+        return fp8_block_call("a", a8, b8, group, precision, policy, trace)[1]
+    m, k = a8.payload.shape
+    n = b8.payload.shape[0]
+    if m % w:
+        raise ValueError(f"M={m} rows of a must divide by the world size {w}")
+    ms, grid, cfg = m // w, runtime.num_sms(dev), planning.FP8_BLOCK_TILE
+    stage_bytes = m * n * 2
+    ws.ensure(stage_bytes, w * -(-ms // cfg.BM) * -(-n // cfg.BN))
+    runtime.ensure_triton_allocator()
+    ws.before_launch()
+    c = torch.empty((ms, n), dtype=torch.bfloat16, device=dev)
+    stage = ws.data[:stage_bytes].view(torch.bfloat16).view(m, n)
+    args, kw = _launch_args(a8.payload, b8.payload, True, c, stage, ws.peer_data, ws.peer_signals, ws.signals,
+                            ws.heads, ws.errors, rank=ws.world.rank, world=w, epoch_slot=ws.epoch_slot,
+                            timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config, policy=policy,
+                            fp8_scales=(a8.scales, b8.scales))
+    _matmul_reduce_scatter_kernel[(grid,)](*args, **kw)
+    ws.after_launch()
     return c
 
 

@@ -179,20 +179,18 @@ def is_fp8_block_call(a, b, precision) -> bool:
     return precision == FP8_BLOCK or isinstance(a, FP8BlockTensor) or isinstance(b, FP8BlockTensor)
 
 
-def fp8_block_call(a_name: str, a, b, group, precision, policy: str, trace):
-    """A TP op's fp8-block call at W = 1 (at one rank both ops are C = A @ B): returns (A as given, C bf16).
-
-    ``a`` bf16 [M, K] (quantized here: 1x128 blocks, quant.quantize_fp8_block) or an FP8BlockTensor with 1x128
-    blocks; ``b`` an FP8BlockTensor with 128x128 blocks of the weight W [N, K] (B = W^T: quantize the weight once,
-    ``quant.quantize_fp8_block(w, 128)``), or bf16 [K, N] (quantized here on every call: a [K, N] read and an
-    [N, K] copy). One launch of the static W = 1 GEMM's scaled mainloop (gemm/w1_static.fp8_block_matmul), on the
-    group's workspace epoch. Refused in one line: W > 1 (the fused kernels do not move fp8-block payloads yet),
-    the fixed-role policy, a trace buffer, precision other than fp8-block with an FP8BlockTensor."""
-    from ..gemm.w1_static import fp8_block_matmul, fp8_block_operands
+def fp8_block_operands(a_name: str, a, b, precision, policy: str, trace):
+    """(A, W, device): a TP op's fp8-block operands, checked -- ``a`` bf16 [M, K] (quantized here, 1x128 blocks,
+    quant.quantize_fp8_block) or an FP8BlockTensor with 1x128 blocks; ``b`` an FP8BlockTensor with 128x128 blocks
+    of the weight W [N, K] (B = W^T: quantize the weight once, ``quant.quantize_fp8_block(w, 128)``), or bf16
+    [K, N] (quantized here on every call: a [K, N] read and an [N, K] copy). One-line refusals: the fixed-role
+    policy, a trace buffer, another precision with an FP8BlockTensor, and what gemm/w1_static.fp8_block_operands
+    refuses."""
+    from ..gemm.w1_static import fp8_block_operands as check_pair
     if precision not in (None, FP8_BLOCK):
         raise ValueError(f"an FP8BlockTensor operand with precision={precision!r}: pass precision='fp8-block' or None")
     if policy != "self" or trace is not None:
-        raise ValueError("precision='fp8-block' runs the self policy without a trace buffer (the static W = 1 GEMM)")
+        raise ValueError("precision='fp8-block' runs the self policy without a trace buffer")
     if isinstance(a, torch.Tensor):
         check_matrix(a_name, a)
         if a.device.type != "cuda" or not a.is_contiguous():
@@ -208,10 +206,22 @@ def fp8_block_call(a_name: str, a, b, group, precision, policy: str, trace):
         b8 = quantize_fp8_block(b.t().contiguous(), FP8_BLOCK_ROWS)
     else:
         b8 = b
-    fp8_block_operands(a8, b8)
+    check_pair(a8, b8)
+    return a8, b8, dev
+
+
+def fp8_block_call(a_name: str, a, b, group, precision, policy: str, trace):
+    """A TP op's fp8-block call at W = 1 (at one rank both ops are C = A @ B): returns (A as given, C bf16).
+    Operands: ``fp8_block_operands``. One launch of the static W = 1 GEMM's scaled mainloop
+    (gemm/w1_static.fp8_block_matmul) on the group's workspace epoch and error record. At W > 1 GEMM+ReduceScatter
+    runs its fused kernel's scaled mainloop (ops/matmul_reduce_scatter.py); AllGather+GEMM refuses (its fused
+    kernel does not move fp8-block payloads yet)."""
+    from ..gemm.w1_static import fp8_block_matmul
+    a8, b8, dev = fp8_block_operands(a_name, a, b, precision, policy, trace)
     ws = runtime.get_workspace(group, dev)
     if ws.world.size != 1:
-        raise ValueError(f"precision='fp8-block' runs at W = 1 only so far; this group has {ws.world.size} ranks")
+        raise ValueError(f"precision='fp8-block' AllGather+GEMM runs at W = 1 only so far; this group has "
+                         f"{ws.world.size} ranks")
     ws.ensure(1, 0)
     ws.before_launch()
     c = fp8_block_matmul(a8, b8, programs=runtime.num_sms(dev), epoch_slot=ws.epoch_slot, errors=ws.errors)
