@@ -341,6 +341,14 @@ def kernels(world: int, dev, grid: int = 132, ms: int = 4096, k: int = 8192, n: 
     elif "all_gather_matmul" in only:
         out.append(("all_gather_matmul", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
             a_shard, b, False, c, gather, peers, peers, sig, heads, errs, cfg=cfg, **common))))
+        if hasattr(planning, "FP8_BLOCK_TILE") and world > 1:  # fp8-block: rows + scales moved, SCALED tiles
+            f32 = dict(dtype=torch.float32, device=dev)
+            scales = (torch.empty(ms, k // 128, **f32), torch.empty(ms * world, k // 128, **f32),
+                      torch.empty(n // 128, k // 128, **f32))
+            out.append(("all_gather_matmul fp8-block", _compile(ag, "_all_gather_matmul_kernel", lambda: ag.launch(
+                torch.empty(ms, k, **f8), torch.empty(n, k, **f8), True, c, torch.empty(ms * world, k, **f8), peers,
+                peers, sig, heads, errs, cfg=planning.FP8_BLOCK_TILE, scale_offset=ms * world * k,
+                fp8_scales=scales, **common))))
     k_rs, n_rs = 8192 // world, 8192  # attention-out: K = heads*head_dim / W
     a_rs, b_rs = torch.empty(ms * world, k_rs, **bf), torch.empty(k_rs, n_rs, **bf)
     stage, c_rs = torch.empty(ms * world, n_rs, **bf), torch.empty(ms, n_rs, **bf)

@@ -186,7 +186,7 @@ TP_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, fp8-block, or
                                "shape runs at each, rows in one file, each with its dtype). mxfp8: the bf16 "
                                "activation is MXFP8-quantized in the timed call, the weight's MX form made once; "
                                "adds the triton-dot-scaled and fp8-rowwise baselines. fp8-block (block-scaled FP8 on "
-                               "the FP8 tensor cores; kosmos at W=1 only so far): the same, with 1x128 / 128x128 "
+                               "the FP8 tensor cores): the same, with 1x128 / 128x128 "
                                "fp32 scales; adds cublas-fp8-block and fp8-rowwise, nccl+cublas stays bf16. "
                                "Default bf16.")
 MOE_DTYPE_OPTION = typer.Option(None, "--dtype", help="bf16, mxfp8, or both comma-separated (bf16,mxfp8: every "

@@ -33,7 +33,8 @@ weight's low-precision form is made once, outside the timed call, like a cached 
   torch-async-tp   unavailable at mxfp8 ("no MXFP8 path in torch async-TP"); no row at fp8-block.
 At fp8-block (block-scaled FP8: E4M3 with an fp32 scale per 1x128 of A and per 128x128 of the [N, K] weight;
 kosmos.quant.quantize_fp8_block) the weight is quantized once (b_fp8), A inside the timed call:
-  kosmos           the kosmos op with precision="fp8-block" on a and b_fp8 (W = 1 only so far: it refuses W > 1).
+  kosmos           the kosmos op with precision="fp8-block" on a and b_fp8 (any W: at W > 1 the payload and
+                   scales travel, 1 + 4/128 bytes an element).
   nccl+cublas      the bf16 baseline on the original bf16 inputs (its row's ``note``): at fp8-block the report's
                    speedup column is the speed over NCCL + cuBLAS in bf16.
   cublas-fp8-block quantize_fp8_block(a); AG: NCCL all-gather of payload and scales; torch._scaled_mm with the
@@ -236,7 +237,7 @@ def _async_tp(inp: TPInputs, params: dict, config):
 
 
 harness.register_fixed("tp", _kosmos, dtypes={"bf16": None, MX: None,
-                                              FP8B: "the fp8-block route runs the self policy (W = 1) so far"})
+                                              FP8B: "the fp8-block route runs the self policy only"})
 
 
 def _dot_scaled_available(world: int):

@@ -128,15 +128,19 @@ def mx_inputs(x):
 class AG(_Op):
     """AllGather+GEMM: rank r holds shard [Ms, K] and its own column shard of the weight [K, N]. mx: the shard
     travels as MXFP8 (payload + scales; the gathered buffer holds the payload, then the scales at
-    ``scale_off``), the reference multiplies the dequantized values."""
+    ``scale_off``), the reference multiplies the dequantized values; fp8: the same with fp8-block rows (the fp32
+    scales as their bytes) and weight, no dequantized rows (the SCALED mainloop)."""
 
     def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000,
-                 config=None, mx=False):
-        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config)
-        self.mx = mx
+                 config=None, mx=False, fp8=False):
+        super().__init__(world, ms, k, n, seed, b_kmajor or fp8, device, grid, timeout_ns, config)
+        b_kmajor = b_kmajor or fp8
+        self.mx, self.fp8 = mx, fp8  # fp8: fp8-block shard (1x128) and weight (128x128), the SCALED mainloop
+        if fp8:
+            self.cfg = planning.TileConfig(16, 32, 128, 4, 1) if device == "cpu" else planning.FP8_BLOCK_TILE
         m = world * ms
         self.scale_off = -(-m * k // 16) * 16
-        if mx:  # bytes, as bf16 pairs (the simulated symmetric buffer is a bf16 tensor)
+        if mx or fp8:  # bytes, as bf16 pairs (the simulated symmetric buffer is a bf16 tensor)
             self.rk = Ranks(world, 1, -(-(self.scale_off + m * (k // 32)) // 2), device)
             self.payloads = [torch.empty(ms, k, dtype=torch.float8_e4m3fn, device=device) for _ in range(world)]
             self.scales = [torch.empty(ms, k // 32, dtype=torch.uint8, device=device) for _ in range(world)]
@@ -145,6 +149,12 @@ class AG(_Op):
             self.rk = Ranks(world, m, k, device)
         self.shards = [torch.empty(ms, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.bs = [rand(k, n, gen=self.gen, device=device) for _ in range(world)]
+        self.w8 = []
+        if fp8:  # the weight's fp8-block values: what the reference multiplies
+            for b in self.bs:
+                w8 = quant.quantize_fp8_block_ref(b.t().contiguous().cpu(), 128)
+                self.w8.append((w8.payload.to(device), w8.scales.to(device)))
+                b.copy_(quant.dequantize_fp8_block_ref(w8).t())
         self.b_store = [b.t().contiguous() if b_kmajor else b for b in self.bs]  # [N, K] weight for kmajor
         self.cs = [torch.empty(world * ms, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
 
@@ -158,10 +168,15 @@ class AG(_Op):
                 self.payloads[r].copy_(p)
                 self.scales[r].copy_(sc)
                 s.copy_(vals)  # the shard's exact MX values: what the reference multiplies
+            if self.fp8:  # fp32 scales [Ms, K/128] held as their bytes [Ms, K/32]
+                t = quant.quantize_fp8_block_ref(s.cpu(), 1)
+                self.payloads[r].copy_(t.payload)
+                self.scales[r].copy_(t.scales.view(torch.uint8))
+                s.copy_(quant.dequantize_fp8_block_ref(t))
         for c in self.cs:
             c.fill_(NAN)
         self.rk.poison()
-        if self.mx:
+        if self.mx or self.fp8:
             for d in self.rk.data:
                 d.view(torch.uint8).fill_(0xFF)
             for d in self.dequantized:
@@ -170,7 +185,7 @@ class AG(_Op):
     def gathered(self, r):
         """Rank r's gathered buffer: bf16 [M, K], or (payload [M, K], scales [M, K/32]) for MX."""
         m, k = self.world * self.ms, self.k
-        if not self.mx:
+        if not (self.mx or self.fp8):
             return self.rk.data[r]
         raw = self.rk.data[r].view(-1).view(torch.uint8)
         return (raw[:m * k].view(torch.float8_e4m3fn).view(m, k),
@@ -179,7 +194,13 @@ class AG(_Op):
     def launch(self, r, epoch, timeout_ns=None, **pol):
         rk = self.rk
         kw = self._kw(r, epoch, timeout_ns, pol)
-        if self.mx:
+        if self.fp8:
+            g_payload, g_scales = self.gathered(r) if self.world > 1 else (self.payloads[r], self.scales[r])
+            sa, sg = self.scales[r].view(torch.float32), g_scales.view(torch.float32)
+            ag.launch(self.payloads[r], self.w8[r][0], True, self.cs[r], g_payload, rk.peer_data, rk.peer_sig,
+                      rk.sigs[r], rk.heads[r], rk.errors[r], scale_offset=self.scale_off,
+                      fp8_scales=(sa, sg, self.w8[r][1]), **kw)
+        elif self.mx:
             g_payload, g_scales = self.gathered(r) if self.world > 1 else (self.payloads[r], self.scales[r])
             ag.launch(self.payloads[r], self.b_store[r], self.b_kmajor, self.cs[r], g_payload, rk.peer_data,
                       rk.peer_sig, rk.sigs[r], rk.heads[r], rk.errors[r], a_scales=self.scales[r],
@@ -196,7 +217,7 @@ class AG(_Op):
             assert err < tol, f"rank {r}: rel err {err}"
             if self.mx:  # every slot's rows expanded exactly
                 assert torch.equal(self.dequantized[r], full), f"rank {r}: dequantized rows differ"
-            if self.world > 1 and self.mx:  # the MX bytes arrive unchanged
+            if self.world > 1 and (self.mx or self.fp8):  # the payload and scale bytes arrive unchanged
                 g_payload, g_scales = self.gathered(r)
                 assert torch.equal(g_payload.view(torch.uint8), torch.cat(self.payloads).view(torch.uint8)), \
                     f"rank {r}: gathered payload differs"

@@ -53,6 +53,21 @@ def test_all_gather_matmul_mxfp8_epochs(world, ms, k, n):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather_matmul_fp8_block_epochs(world):
+    """fp8-block shards (1x128, K 256: two scale blocks) and weight (128x128, k-major): the payload and the fp32
+    scales' bytes arrive bit for bit, c matches the fp32 product of the dequantized values on the SCALED
+    mainloop (no DEQ task; gathered buffers poisoned with 0xFF bytes each epoch)."""
+    t = AG(world, 21, 256, 48, seed=world * 100 + 8, fp8=True)
+    run_schedule(t, [(r, phase) for phase in (COMM_ONLY, COMPUTE_ONLY) for r in range(world)])
+
+
+@pytest.mark.interpreter
+def test_all_gather_matmul_fp8_block_self_policy_world2():
+    run_schedule(AG(2, 21, 256, 48, seed=13, fp8=True), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
+
+
+@pytest.mark.interpreter
 def test_all_gather_matmul_mxfp8_self_policy_world2():
     run_schedule(AG(2, 21, 64, 48, seed=12, mx=True), [(1, COMM_ONLY), (0, SELF), (1, COMPUTE_ONLY)])
 
@@ -281,6 +296,16 @@ def test_w1_trace_records_every_compute_task():
 # ============================================================================ simulated ranks, one GPU
 class TestOnRanks(opcases.OnRanksCases):
     op = "ag"
+
+    @pytest.mark.parametrize("world", [2, 4, 8])
+    def test_ag_fp8_block(self, world):
+        """fp8-block shards and weight (K = 384: three scale blocks), all ranks resident: payload and scale bytes
+        gathered bit for bit, outputs against the fp32 product of the dequantized values, each epoch fresh."""
+        t = opcases.make("ag", world, seed=80 + world, k=384, fp8=True)
+        for epoch in opcases.EPOCHS:
+            t.new_epoch_inputs()
+            t.launch_all(epoch)
+            opcases.check_call(t, epoch)
 
     @pytest.mark.parametrize("world", [2, 4])
     @pytest.mark.parametrize("per_task,ms", [

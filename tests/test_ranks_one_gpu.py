@@ -4,7 +4,7 @@ Over a gloo group the workspace's symmetric buffers are plain allocations mapped
 (runtime.Workspace._ipc_symmetric), so the real kernels run with the real cross-rank protocol (peer stores,
 sys-scope flags, epochs, done flags) while the ranks' contexts time-slice the GPU. Checked against the fp32
 references over the same group (their collectives through host copies: runtime.host_staged): both TP ops in
-bf16 and MXFP8 and the MoE layer, three calls in a row bitwise equal (epochs advance), inputs fresh per rank.
+bf16, MXFP8 and fp8-block and the MoE layer, three calls in a row bitwise equal (epochs advance), inputs fresh per rank.
 GPU only (skipped elsewhere); timings on one GPU mean nothing and none are taken.
 """
 import pytest
@@ -31,30 +31,39 @@ def _tp_rank(rank, world, out_dir):
         torch.backends.cuda.matmul.allow_tf32 = False
         gen = torch.Generator(device="cuda").manual_seed(100 + rank)
         ms, k, n = 384, 512, 768  # per-rank shard rows, K, N
-        for dtype in ("bf16", "mxfp8"):
+        for dtype in ("bf16", "mxfp8", "fp8-block"):
             a = (torch.randn(ms, k, generator=gen, device="cuda")).to(torch.bfloat16)
             b = (torch.randn(k, n, generator=gen, device="cuda") / k ** 0.5).to(torch.bfloat16)
+            b_op = b
             if dtype == "mxfp8":
                 a_in, a_ref, b = quant.quantize_mx(a), quant.mx_round(a), quant.mx_round(b.t().contiguous()).t()
+                b_op = b
+            elif dtype == "fp8-block":  # the op takes the weight's FP8BlockTensor; the references its values
+                a_in, a_ref = quant.quantize_fp8_block(a), quant.fp8_block_values(a)
+                b_op = quant.quantize_fp8_block(b.t().contiguous(), 128)
+                b = quant.from_fp8_block(b_op).t()
             else:
                 a_in, a_ref = a, a
             full_ref, c_ref = reference.all_gather_matmul_ref(a_ref, b, fp32=True)
             outs = []
             for _ in range(3):
-                a_full, c = kosmos.all_gather_matmul(a_in, b)
-                full = quant.from_mx(a_full) if dtype == "mxfp8" else a_full
+                a_full, c = kosmos.all_gather_matmul(a_in, b_op)
+                full = quant.from_mx(a_full) if dtype == "mxfp8" else \
+                    quant.from_fp8_block(a_full) if dtype == "fp8-block" else a_full
                 check(torch.equal(full, full_ref.to(full.dtype)), f"{dtype} AG: a_full is not every rank's shard")
                 check(_rel(c, c_ref) < 1e-2, f"{dtype} AG: rel err {_rel(c, c_ref):.2e}")
                 outs.append(c.clone())
             check(all(torch.equal(o, outs[0]) for o in outs), f"{dtype} AG: repeated calls differ")
             m = ms * world
             a2 = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
-            a2_in = quant.quantize_mx(a2) if dtype == "mxfp8" else a2
-            a2_ref = quant.mx_round(a2) if dtype == "mxfp8" else a2
+            a2_in = quant.quantize_mx(a2) if dtype == "mxfp8" else quant.quantize_fp8_block(a2) \
+                if dtype == "fp8-block" else a2
+            a2_ref = quant.mx_round(a2) if dtype == "mxfp8" else quant.fp8_block_values(a2) \
+                if dtype == "fp8-block" else a2
             rs_ref = reference.matmul_reduce_scatter_ref(a2_ref, b, fp32=True)
             outs = []
             for _ in range(3):
-                c = kosmos.matmul_reduce_scatter(a2_in, b)
+                c = kosmos.matmul_reduce_scatter(a2_in, b_op)
                 check(tuple(c.shape) == (ms, n), f"{dtype} RS: shape {tuple(c.shape)}")
                 check(_rel(c, rs_ref) < 1e-2, f"{dtype} RS: rel err {_rel(c, rs_ref):.2e}")
                 outs.append(c.clone())

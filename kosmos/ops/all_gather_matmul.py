@@ -84,12 +84,12 @@ from ..core import schedule as sched
 from ..core.codes import EV_COMM, EV_COMPUTE, EV_WAIT, OP_ALL_GATHER_MATMUL, WAIT_AG_ROWS, WAIT_MX_ROWS
 from ..core.descriptors import host_descriptors, tma_descriptor
 from ..core.schedule import check_launch, policy_args
-from ..gemm.tiles import copy_flat, load_task, store_tile, tile_matmul
+from ..gemm.tiles import copy_flat, load_task, store_tile, tile_matmul, tile_matmul_scaled_steps
 from ..gemm.w1_mx import w1_mx_call
 from ..gemm.w1_static import w1_matmul_launch
-from ..quant import MXTensor
+from ..quant import FP8BlockTensor, MXTensor
 from .tp_common import (PRE_QUANTIZE, PRE_ROUND, W1_MX, W1_STATIC, check_operands, fp8_block_call,
-                        is_fp8_block_call, pre_step, quantize_request, split_mx, tp_route)
+                        fp8_block_operands, is_fp8_block_call, pre_step, quantize_request, split_mx, tp_route)
 from .tp_dequant import deq_lagging, deq_needed, deq_should_help, mx_dequant_rows, wait_rows_dequantized
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
@@ -136,6 +136,7 @@ def _deq_task(t, deq_table, rank, a_mx, g_mx, a_scales, g_scales, deq_ptr, sig_p
 def _all_gather_matmul_kernel(
         a_ptr, a_host_desc, g_host_desc, b_desc, c_desc, c_ptr, gather_ptr,
         a_mx, g_mx, a_scales, g_scales, scale_off, deq_ptr, deq_table, n_deq,
+        sa_ptr, sg_ptr, sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk,
         peer_data, peer_sig, sig_ptr,
         comm_table, n_comm, n_push, comp_table, n_comp,
         heads_ptr, err_ptr, trace_ptr,
@@ -145,16 +146,21 @@ def _all_gather_matmul_kernel(
         COPY_BLOCK: tl.constexpr, FLAG_BASE: tl.constexpr, DONE_BASE: tl.constexpr, NUM_HEADS: tl.constexpr,
         EXIT_SLOT: tl.constexpr, ADVANCE: tl.constexpr, A_MX: tl.constexpr, DEQ_ROWS: tl.constexpr,
         DEQ_PARTS: tl.constexpr,
-        DEQ_NB: tl.constexpr, GROUP_M: tl.constexpr):
+        DEQ_NB: tl.constexpr, GROUP_M: tl.constexpr, SCALED: tl.constexpr = False):
     """The FUSED route's kernel (module docstring): GRID programs, one per SM, each running the stage loop over
-    PUSH, TILE and COPY (and, for MXFP8, DEQ), then device.exit_program (done flags, the epoch)."""
+    PUSH, TILE and COPY (and, for MXFP8, DEQ), then device.exit_program (done flags, the epoch). SCALED
+    (fp8-block): the rows move as MX rows do -- E4M3 payload, then K/32 bytes of scales a row (K/128 fp32) --
+    no DEQ task, and the tiles run gemm/tiles.tile_matmul_scaled_steps on the E4M3 rows (own shard: a_host_desc
+    and sa_ptr [Ms, K/128]; a peer's: g_host_desc and sg_ptr [M, K/128], the gathered scales) and the k-major
+    E4M3 weight with its 128x128 scales sb_ptr."""
     pid = tl.program_id(0)
     # the timeout travels in microseconds: always an i32 argument, so set_timeout never triggers a
     # recompile (with ns, 5 s was i64 and 0.5 s i32: the recompile's host time once hid a stalled peer)
     timeout_ns = tl.cast(timeout_us, tl.int64) * 1000
     epoch = dev.call_epoch(epoch_ptr)  # this call's epoch, from the device slot (runtime.py: Epochs)
     n_chunks = tl.cdiv(Ms, BM)
-    if A_MX:  # rows move as E4M3 payload (a_ptr / gather_ptr are its bytes read as bf16 pairs) + E8M0 scales
+    MOVES_SCALES: tl.constexpr = A_MX or SCALED  # MX and fp8-block rows: E4M3 payload + K/32 bytes of scales
+    if MOVES_SCALES:  # rows move as E4M3 payload (a_ptr / gather_ptr are its bytes read as bf16 pairs) + scales
         row_elems = K // 2
     else:
         row_elems = K
@@ -233,7 +239,18 @@ def _all_gather_matmul_kernel(
                 else:
                     a_desc = g_host_desc
                     a_row = slot * Ms + mt * BM
-                acc = tile_matmul(a_desc, b_desc, a_row, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
+                if SCALED:  # the row scales of the same rows: the own shard's, or the gathered ones
+                    if slot == rank:
+                        s_rows = sa_ptr
+                        s_bound = Ms
+                    else:
+                        s_rows = sg_ptr
+                        s_bound = Ms * WORLD
+                    acc = tile_matmul_scaled_steps(a_desc, b_desc, a_row, nt * BN, 0, tl.cdiv(K, BK), s_rows,
+                                                   sb_ptr, sa_sm, sa_sk, sb_sn, sb_sk, s_bound, N, BM, BN, BK,
+                                                   DOT_FP32)
+                else:
+                    acc = tile_matmul(a_desc, b_desc, a_row, nt * BN, K, BM, BN, BK, B_KMAJOR, DOT_FP32)
                 store_tile(c_desc, c_ptr, acc, slot * Ms + mt * BM, nt * BN, Ms - mt * BM, N, BM, BN)
                 n_ev = dev.trace(trace_ptr, pid, n_ev, EV_COMPUTE, t, t0, dev.now_ns(), TRACE)
             else:
@@ -266,7 +283,7 @@ def _all_gather_matmul_kernel(
                     elif kind == TASK_PUSH:
                         dst = dev.peer_ptr(peer_data, peer, tl.bfloat16) + dst_row
                         copy_flat(src, dst, rows * row_elems, COPY_BLOCK)
-                        if A_MX:
+                        if MOVES_SCALES:
                             s_off = (rank * Ms + chunk * BM).to(tl.int64) * (K // 32)
                             copy_flat(a_scales + chunk.to(tl.int64) * BM * (K // 32),
                                       dev.peer_ptr(peer_data, peer, tl.uint8) + scale_off + s_off,
@@ -275,7 +292,7 @@ def _all_gather_matmul_kernel(
                         dev.notify(sig + FLAG_BASE + rank * n_chunks + chunk, epoch)
                     else:
                         copy_flat(src, gather_ptr + dst_row, rows * row_elems, COPY_BLOCK)
-                        if A_MX:
+                        if MOVES_SCALES:
                             s_off = (rank * Ms + chunk * BM).to(tl.int64) * (K // 32)
                             copy_flat(a_scales + chunk.to(tl.int64) * BM * (K // 32), g_scales + s_off,
                                       rows * (K // 32), COPY_BLOCK)
@@ -288,7 +305,7 @@ def _all_gather_matmul_kernel(
 
 def _launch_args(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, signals, heads, errors, *, rank, world,
            epoch_slot, timeout_ns, grid, cfg, config=None, policy="self", comm_programs=None, trace=None,
-           a_scales=None, gather_scales=None, scale_offset=0, dequantized=None, advance=True):
+           a_scales=None, gather_scales=None, scale_offset=0, dequantized=None, advance=True, fp8_scales=None):
     """The kernel's runtime arguments and constexpr / option keywords of ``launch`` (also a plan's template).
     Launch on explicit buffers (the public op builds them from the workspace; CPU tests build their own).
     Here a fixed split may be 0 or grid (one role only), which CPU tests use to order ranks' phases.
@@ -296,7 +313,11 @@ def _launch_args(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, sig
     (``advance=False``: not -- a CPU test's first launch of a call split in two, like its fixed-role phases).
     MXFP8: a_shard / gather are E4M3 payloads, a_scales / gather_scales their E8M0 bytes, a peer's gathered
     scales start ``scale_offset`` bytes into its data buffer (after the [M, K] payload), and ``dequantized``
-    (bf16 [M, K], local) receives every slot's expanded rows, which the tiles multiply."""
+    (bf16 [M, K], local) receives every slot's expanded rows, which the tiles multiply. fp8-block
+    (``fp8_scales`` = (own row scales fp32 [Ms, K/128], gathered row scales fp32 [M, K/128], the weight's
+    [ceil(N/128), K/128])): a_shard / gather are E4M3 payloads, b_store the k-major E4M3 weight, cfg.BK 128; the
+    rows and their scales move as MX rows do (the scales as bytes; the gathered ones ``scale_offset`` bytes into a
+    peer's data buffer), no DEQ task, the SCALED mainloop."""
     ms, k = a_shard.shape
     mx = a_scales is not None
     n = c.shape[1]
@@ -316,14 +337,29 @@ def _launch_args(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, sig
         a_desc = gather_desc = tma_descriptor(dequantized, [cfg.BM, cfg.BK])
         a_rows, g_rows = a_shard.view(torch.bfloat16), gather.view(torch.bfloat16)  # bytes as bf16 pairs
         mx_args = (a_shard, gather, a_scales, gather_scales, scale_offset, dequantized, deq_t, deq_t.shape[0])
+    elif fp8_scales is not None:
+        if not b_kmajor or cfg.BK != 128:
+            raise ValueError(f"all_gather_matmul launch: fp8-block needs a k-major B and BK 128 (b_kmajor "
+                             f"{b_kmajor}, BK {cfg.BK})")
+        dq = planning.DequantPlan(1, 1, 1)
+        a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
+        gather_desc = tma_descriptor(gather, [cfg.BM, cfg.BK])
+        a_rows, g_rows = a_shard.view(torch.bfloat16), gather.view(torch.bfloat16)  # bytes as bf16 pairs
+        sa, sg, _ = fp8_scales
+        mx_args = (a_shard, gather, sa.view(torch.uint8), sg.view(torch.uint8), scale_offset, gather, comp_t, 0)
     else:
         dq = planning.DequantPlan(1, 1, 1)
         a_desc, b_desc, c_desc = host_descriptors(a_shard, b_store, b_kmajor, c, cfg)
         gather_desc = tma_descriptor(gather, [cfg.BM, cfg.BK])
         a_rows, g_rows = a_shard, gather
         mx_args = (a_shard, gather, a_shard, gather, 0, gather, comp_t, 0)
+    if fp8_scales is not None:
+        sa, sg, sb = fp8_scales
+        scale_args = (sa, sg, sb, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
+    else:
+        scale_args = (epoch_slot, epoch_slot, epoch_slot, 0, 0, 0, 0)
     args = (
-        a_rows, a_desc, gather_desc, b_desc, c_desc, c, g_rows, *mx_args,
+        a_rows, a_desc, gather_desc, b_desc, c_desc, c, g_rows, *mx_args, *scale_args,
         peer_data, peer_sig, signals,
         comm_t, comm_t.shape[0], n_push, comp_t, comp_t.shape[0], heads, errors, trace_buf,
         ms, n, k, rank, epoch_slot, max(1, timeout_ns // 1000), fixed,
@@ -334,7 +370,7 @@ def _launch_args(a_shard, b_store, b_kmajor, c, gather, peer_data, peer_sig, sig
         FLAG_BASE=runtime.FLAG_BASE, DONE_BASE=runtime.DONE_BASE, NUM_HEADS=runtime.NUM_HEADS,
         EXIT_SLOT=runtime.EXIT_SLOT, ADVANCE=bool(advance), A_MX=mx, DEQ_ROWS=dq.ROWS, DEQ_PARTS=dq.PARTS,
         DEQ_NB=dq.NB,
-        GROUP_M=planning.GROUP_M,
+        GROUP_M=planning.GROUP_M, SCALED=fp8_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kw
 
@@ -368,10 +404,11 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     every W = 1 MXTensor call), except on the shapes of tp_common.w1_mx_pass_first, where one pass makes A's MX
     values (``a_full``, a new tensor) and the bf16 static GEMM multiplies them; elsewhere quant.quantize_mx runs
     first, then the MX path (module docstring: Routes).
-    ``precision="fp8-block"`` (or an FP8BlockTensor a_shard or b), W = 1 only so far: block-scaled FP8 on the FP8
-    tensor cores -- a_shard bf16 (quantized 1x128 by the op) or an FP8BlockTensor, b an FP8BlockTensor of the
-    [N, K] weight with 128x128 blocks (quant.quantize_fp8_block(w, 128); a bf16 b is quantized on every call);
-    returns (a_shard, c). tp_common.fp8_block_call says what it refuses.
+    ``precision="fp8-block"`` (or an FP8BlockTensor a_shard or b): block-scaled FP8 on the FP8 tensor cores --
+    a_shard bf16 (quantized 1x128 by the op) or an FP8BlockTensor, b an FP8BlockTensor of the [N, K] weight with
+    128x128 blocks (quant.quantize_fp8_block(w, 128); a bf16 b is quantized on every call). At W = 1 returns
+    (a_shard, c); at W > 1 the payload and scales travel (1 + 4/128 bytes an element, 0.52x of bf16's) and
+    a_full is an FP8BlockTensor view of the workspace (``_fp8_block``; tp_common.fp8_block_operands: refusals).
     """
     # the plan of this call signature (core/launch_plan.py); a miss validates and builds it
     first = a_shard[0] if isinstance(a_shard, tuple) and a_shard else a_shard
@@ -380,7 +417,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
     if plan is not None:
         return _replay(plan, ws, a_shard, b, trace)
     if is_fp8_block_call(a_shard, b, precision):
-        return fp8_block_call("a_shard", a_shard, b, group, precision, policy, trace)
+        return _fp8_block(a_shard, b, group, precision, policy, trace, check_config(AllGatherMatmulConfig, config))
     config = check_config(AllGatherMatmulConfig, config)
     quantize = quantize_request("a_shard", a_shard, precision)
     ms, k, n, b_store, b_kmajor = check_operands("a_shard", a_shard, b, policy)
@@ -397,6 +434,37 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
         return _first_call_static(a_shard, a_in, route.pre, b_store, b_kmajor, ws, key, grid, ms, n, k)
     return _first_call_fused(a_shard, a_in, route.pre, b_store, b_kmajor, ws, key, grid, ms, n, k, config,
                              policy, comm_programs, trace)
+
+
+def _fp8_block(a_shard, b, group, precision, policy, trace, config):
+    """precision="fp8-block" (tp_common.fp8_block_operands): at W = 1 the static GEMM's scaled mainloop
+    (tp_common.fp8_block_call; a_full is a_shard), at W > 1 this op's fused kernel -- the E4M3 rows and their
+    scales gathered as MX rows are ([payload M*K | scales M*K/32 bytes] in the symmetric buffer), the SCALED
+    tiles on planning.FP8_BLOCK_TILE; a_full is then an FP8BlockTensor view of the workspace. No cached plan
+    yet: each call validates and launches."""
+    a8, b8, dev = fp8_block_operands("a_shard", a_shard, b, precision, policy, trace)
+    ws = runtime.get_workspace(group, dev)
+    w, r = ws.world.size, ws.world.rank
+    if w == 1:
+        return a_shard, fp8_block_call("a_shard", a8, b8, group, precision, policy, trace)[1]
+    ms, k = a8.payload.shape
+    n, m = b8.payload.shape[0], ms * w
+    grid, cfg = runtime.num_sms(dev), planning.FP8_BLOCK_TILE
+    scale_off = -(-m * k // 16) * 16
+    chunks = -(-ms // cfg.BM)
+    ws.ensure(scale_off + m * (k // 32), w * chunks)
+    runtime.ensure_triton_allocator()
+    ws.before_launch()
+    gather = ws.data[:m * k].view(torch.float8_e4m3fn).view(m, k)
+    gather_scales = ws.data[scale_off:scale_off + m * (k // 32)].view(torch.float32).view(m, k // 128)
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+    args, kw = _launch_args(a8.payload, b8.payload, True, c, gather, ws.peer_data, ws.peer_signals, ws.signals,
+                            ws.heads, ws.errors, rank=r, world=w, epoch_slot=ws.epoch_slot,
+                            timeout_ns=ws.timeout_ns(), grid=grid, cfg=cfg, config=config, policy=policy,
+                            scale_offset=scale_off, fp8_scales=(a8.scales, gather_scales, b8.scales))
+    _all_gather_matmul_kernel[(grid,)](*args, **kw)
+    ws.after_launch()
+    return FP8BlockTensor(gather, gather_scales, 1), c
 
 
 def _replay(plan, ws, a_shard, b, trace):

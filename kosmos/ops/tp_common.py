@@ -213,15 +213,13 @@ def fp8_block_operands(a_name: str, a, b, precision, policy: str, trace):
 def fp8_block_call(a_name: str, a, b, group, precision, policy: str, trace):
     """A TP op's fp8-block call at W = 1 (at one rank both ops are C = A @ B): returns (A as given, C bf16).
     Operands: ``fp8_block_operands``. One launch of the static W = 1 GEMM's scaled mainloop
-    (gemm/w1_static.fp8_block_matmul) on the group's workspace epoch and error record. At W > 1 GEMM+ReduceScatter
-    runs its fused kernel's scaled mainloop (ops/matmul_reduce_scatter.py); AllGather+GEMM refuses (its fused
-    kernel does not move fp8-block payloads yet)."""
+    (gemm/w1_static.fp8_block_matmul) on the group's workspace epoch and error record. (At W > 1 each op runs its
+    fused kernel's SCALED mainloop: the ops' ``_fp8_block``.)"""
     from ..gemm.w1_static import fp8_block_matmul
     a8, b8, dev = fp8_block_operands(a_name, a, b, precision, policy, trace)
     ws = runtime.get_workspace(group, dev)
     if ws.world.size != 1:
-        raise ValueError(f"precision='fp8-block' AllGather+GEMM runs at W = 1 only so far; this group has "
-                         f"{ws.world.size} ranks")
+        raise ValueError(f"fp8_block_call is the W = 1 route; this group has {ws.world.size} ranks")
     ws.ensure(1, 0)
     ws.before_launch()
     c = fp8_block_matmul(a8, b8, programs=runtime.num_sms(dev), epoch_slot=ws.epoch_slot, errors=ws.errors)
