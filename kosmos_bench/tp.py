@@ -421,18 +421,10 @@ def _baseline_parts(g: TPGemm, a, b, st: TPSettings):
         a_full = torch.randn((a.shape[0] * world, a.shape[1]), device=a.device).to(a.dtype)
         gemm = lambda: a_full @ b  # noqa: E731
         comm = (lambda: dist.all_gather_into_tensor(a_full, a)) if world > 1 else None
-        if st.dtype == FP8B and world > 1:
-            q8 = quant.quantize_fp8_block(a)
+        if st.dtype in (MX, FP8B) and world > 1:  # what moves: the payload and its scales
+            q = quant.quantize_mx(a) if st.dtype == MX else quant.quantize_fp8_block(a)
             pay = torch.empty((a_full.shape[0], a.shape[1]), dtype=torch.uint8, device=a.device)
-            sc = torch.empty((a_full.shape[0], a.shape[1] // 128), dtype=torch.float32, device=a.device)
-
-            def comm():
-                dist.all_gather_into_tensor(pay, q8.payload.view(torch.uint8))
-                dist.all_gather_into_tensor(sc, q8.scales)
-        if st.dtype == MX and world > 1:
-            q = quant.quantize_mx(a)
-            pay = torch.empty((a_full.shape[0], a.shape[1]), dtype=torch.uint8, device=a.device)
-            sc = torch.empty((a_full.shape[0], a.shape[1] // 32), dtype=torch.uint8, device=a.device)
+            sc = torch.empty((a_full.shape[0],) + tuple(q.scales.shape[1:]), dtype=q.scales.dtype, device=a.device)
 
             def comm():
                 dist.all_gather_into_tensor(pay, q.payload.view(torch.uint8))

@@ -101,13 +101,16 @@ class Ranks:
 class _Op:
     """What AG and RS share: the simulated ranks, their grid, timeout and launch arguments."""
 
-    def __init__(self, world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config):
+    def __init__(self, world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config, fp8=False):
         self.world, self.ms, self.k, self.n = world, ms, k, n
         self.config = config  # the op's kosmos config (None: its defaults)
         self.device, self.grid, self.timeout_ns = device, grid, timeout_ns
         self.gen = torch.Generator().manual_seed(seed)
         self.cfg = planning.tile_config(ms, n, k, world=world, programs=grid)  # as the public op picks it
-        self.b_kmajor = b_kmajor
+        # fp8: fp8-block A (1x128) and weight (128x128, k-major), the SCALED mainloop on the fp8-block tile
+        self.fp8, self.b_kmajor = fp8, b_kmajor or fp8
+        if fp8:
+            self.cfg = planning.TileConfig(16, 32, 128, 4, 1) if device == "cpu" else planning.FP8_BLOCK_TILE
 
     def _kw(self, r, epoch, timeout_ns, pol):
         self.rk.set_epoch(r, epoch)
@@ -133,11 +136,9 @@ class AG(_Op):
 
     def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000,
                  config=None, mx=False, fp8=False):
-        super().__init__(world, ms, k, n, seed, b_kmajor or fp8, device, grid, timeout_ns, config)
-        b_kmajor = b_kmajor or fp8
-        self.mx, self.fp8 = mx, fp8  # fp8: fp8-block shard (1x128) and weight (128x128), the SCALED mainloop
-        if fp8:
-            self.cfg = planning.TileConfig(16, 32, 128, 4, 1) if device == "cpu" else planning.FP8_BLOCK_TILE
+        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config, fp8)
+        b_kmajor = self.b_kmajor
+        self.mx = mx
         m = world * ms
         self.scale_off = -(-m * k // 16) * 16
         if mx or fp8:  # bytes, as bf16 pairs (the simulated symmetric buffer is a bf16 tensor)
@@ -242,18 +243,15 @@ class RS(_Op):
 
     def __init__(self, world, ms, k, n, seed=0, b_kmajor=False, device="cpu", grid=3, timeout_ns=5_000_000,
                  config=None, mx=False, fp8=False):
-        super().__init__(world, ms, k, n, seed, b_kmajor or fp8, device, grid, timeout_ns, config)
-        b_kmajor = b_kmajor or fp8
-        self.mx, self.fp8 = mx, fp8  # fp8: fp8-block a (1x128) and weight (128x128), the SCALED mainloop
-        if fp8:
-            self.cfg = planning.TileConfig(16, 32, 128, 4, 1) if device == "cpu" else planning.FP8_BLOCK_TILE
+        super().__init__(world, ms, k, n, seed, b_kmajor, device, grid, timeout_ns, config, fp8)
+        self.mx = mx
         self.m = world * ms
         self.dequantized = [torch.empty(self.m, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.rk = Ranks(world, self.m, n, device)
         self.As = [torch.empty(self.m, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.Bs = [torch.empty(k, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
         self.b_store = ([torch.empty(n, k, dtype=torch.bfloat16, device=device) for _ in range(world)]
-                        if b_kmajor else self.Bs)
+                        if self.b_kmajor else self.Bs)
         self.cs = [torch.empty(ms, n, dtype=torch.bfloat16, device=device) for _ in range(world)]
 
     def new_epoch_inputs(self):
