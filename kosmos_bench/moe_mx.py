@@ -322,17 +322,11 @@ def moe_forward_a2a_mx_train(x, router_weight, w13, w2, mx_weights, *, top_k: in
     SwiGLU in bf16 on GEMM1's bf16 output as the MX forward baseline runs it; returns bf16); ``fp32=True``: the
     reference (fp32 math expert by expert, the fold in fp32; returns fp32) -- autograd through it is
     moe_backward_ref(mx=True), distributed. ``experts``: use this decision (moe_forward_a2a's). One host sync."""
-    from kosmos.reference.moe import all_to_all_rows, routing_weights_ref
+    from kosmos.reference.moe import all_to_all_rows, route_or_given
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     local = w13.shape[0]
     n_tokens, hidden = x.shape
-    if experts is None:
-        weights, experts = route(x, router_weight, top_k, routing, **route_kw)
-    else:
-        experts = experts.long()
-        logits = x.float() @ router_weight.float().t()
-        weights = routing_weights_ref(logits, experts, routing, renormalize=route_kw.get("renormalize", True),
-                                      routed_scaling=route_kw.get("routed_scaling", 1.0))[0]
+    weights, experts = route_or_given(x, router_weight, top_k, routing, experts, route_kw)
     flat_expert = experts.reshape(-1)
     order = torch.argsort(flat_expert, stable=True)
     rows = x.index_select(0, order // top_k)

@@ -226,15 +226,7 @@ def moe_forward_a2a(x, router_weight, w13, w2, *, top_k: int, routing: str = "so
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     local = w13.shape[0]
     n_tokens, hidden = x.shape
-    if experts is None:
-        weights, experts = route(x, router_weight, top_k, routing, **route_kw)
-    else:
-        experts = experts.long()
-        if tuple(experts.shape) != (n_tokens, top_k):
-            raise ValueError(f"experts has shape {tuple(experts.shape)}, expected ({n_tokens}, {top_k})")
-        logits = x.float() @ router_weight.float().t()
-        weights = routing_weights_ref(logits, experts, routing, renormalize=route_kw.get("renormalize", True),
-                                      routed_scaling=route_kw.get("routed_scaling", 1.0))[0]
+    weights, experts = route_or_given(x, router_weight, top_k, routing, experts, route_kw)
     flat_expert = experts.reshape(-1)                       # pair p = token p // k, slot p % k
     order = torch.argsort(flat_expert, stable=True)         # pairs grouped by expert, hence by rank
     rows = x.index_select(0, order // top_k)
@@ -317,6 +309,21 @@ def _pairs_by_expert(experts, n_experts: int):
     flat = experts.reshape(-1)
     counts = torch.bincount(flat, minlength=n_experts).tolist()
     return [(e, (flat == e).nonzero(as_tuple=True)[0]) for e in range(n_experts) if counts[e]]
+
+
+def route_or_given(x, router_weight, top_k: int, routing: str, experts, route_kw: dict):
+    """(weights [T, k] fp32, experts [T, k] int64) of the a2a layers: ``route``'s decision when ``experts`` is
+    None, else that decision with its weights from ``routing_weights_ref`` on the fp32 logits (differentiable in
+    the router weight)."""
+    if experts is None:
+        return route(x, router_weight, top_k, routing, **route_kw)
+    experts = experts.long()
+    if tuple(experts.shape) != (x.shape[0], top_k):
+        raise ValueError(f"experts has shape {tuple(experts.shape)}, expected ({x.shape[0]}, {top_k})")
+    logits = x.float() @ router_weight.float().t()
+    weights = routing_weights_ref(logits, experts, routing, renormalize=route_kw.get("renormalize", True),
+                                  routed_scaling=route_kw.get("routed_scaling", 1.0))[0]
+    return weights, experts
 
 
 def routing_weights_ref(logits, experts, routing: str, *, renormalize: bool = True, routed_scaling: float = 1.0):
