@@ -153,10 +153,10 @@ class FP8BlockLinearFn(torch.autograd.Function):
     along the tokens) @ fp8(x^T, 128x128), the tokens zero-padded to a multiple of 128 (zeros add nothing)."""
 
     @staticmethod
-    def forward(ctx, x, weight, w8):
+    def forward(ctx, x, weight, w8, w8t):
         from .gemm.w1_static import fp8_block_matmul
         ctx.save_for_backward(x)
-        ctx.w8 = w8
+        ctx.w8t = w8t
         return fp8_block_matmul(quant.to_fp8_block(_pad_rows(x, 8), 1), w8)[:x.shape[0]]  # (TMA: rows of 8)
 
     @staticmethod
@@ -166,12 +166,12 @@ class FP8BlockLinearFn(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = fp8_block_matmul(quant.to_fp8_block(_pad_rows(dy, 8), 1), _fp8_block_t(ctx.w8))[:dy.shape[0]]
+            dx = fp8_block_matmul(quant.to_fp8_block(_pad_rows(dy, 8), 1), ctx.w8t)[:dy.shape[0]]
         if ctx.needs_input_grad[1]:
             dyt = _pad_rows(dy, quant.FP8_BLOCK).t().contiguous()          # [out, M'], K = the tokens
             xt = _pad_rows(x, quant.FP8_BLOCK).t().contiguous()            # [in, M']
             dw = fp8_block_matmul(quant.to_fp8_block(dyt, 1), quant.to_fp8_block(xt, quant.FP8_BLOCK))
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 class AllGatherMatmulFn(torch.autograd.Function):
@@ -258,12 +258,14 @@ class _ParallelLinear(torch.nn.Module):
                 self._mx_cache = (key, quant.mx_round(self.weight.detach()).t())
         return self._mx_cache[1]
 
-    def _fp8_block_weight(self) -> quant.FP8BlockTensor:
-        """The weight's 128x128-block FP8BlockTensor (cached until the parameter changes)."""
+    def _fp8_block_weight(self) -> tuple:
+        """(W's, W^T's) 128x128-block FP8BlockTensors: the forward's and dx's operands (cached until the parameter
+        changes; W^T's is W's blocks transposed, made once rather than in every backward)."""
         key = (self.weight.data_ptr(), self.weight._version)
         if self._mx_cache is None or self._mx_cache[0] != key:
             with torch.no_grad():
-                self._mx_cache = (key, quant.to_fp8_block(self.weight.detach().contiguous(), quant.FP8_BLOCK))
+                w8 = quant.to_fp8_block(self.weight.detach().contiguous(), quant.FP8_BLOCK)
+                self._mx_cache = (key, (w8, _fp8_block_t(w8)))
         return self._mx_cache[1]
 
     def _flat(self, x: torch.Tensor, features: int) -> torch.Tensor:
@@ -283,7 +285,7 @@ class ColumnParallelLinear(_ParallelLinear):
         w = world_size(self.group)
         if self.precision == "fp8-block":
             y = FP8BlockLinearFn.apply(self._flat(x, self.in_features).contiguous(), self.weight,
-                                       self._fp8_block_weight())
+                                       *self._fp8_block_weight())
         elif self.precision == "mxfp8":
             y = AllGatherMatmulMXFn.apply(self._flat(x, self.in_features), self.weight.t(), self._mx_weight_t(),
                                           self.group)
@@ -306,7 +308,7 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"the sequence dimension {x.shape[0]} does not divide by the tensor-parallel size {w}")
         if self.precision == "fp8-block":
             y = FP8BlockLinearFn.apply(self._flat(x, self.weight.shape[1]).contiguous(), self.weight,
-                                       self._fp8_block_weight())
+                                       *self._fp8_block_weight())
         elif self.precision == "mxfp8":
             y = MatmulReduceScatterMXFn.apply(self._flat(x, self.weight.shape[1]), self.weight.t(),
                                               self._mx_weight_t(), self.group)

@@ -88,8 +88,8 @@ from ..gemm.tiles import copy_flat, load_task, store_tile, tile_matmul, tile_mat
 from ..gemm.w1_mx import w1_mx_call
 from ..gemm.w1_static import w1_matmul_launch
 from ..quant import FP8BlockTensor, MXTensor
-from .tp_common import (PRE_QUANTIZE, PRE_ROUND, W1_MX, W1_STATIC, check_operands, fp8_block_call,
-                        fp8_block_operands, is_fp8_block_call, pre_step, quantize_request, split_mx, tp_route)
+from .tp_common import (PRE_QUANTIZE, PRE_ROUND, W1_MX, W1_STATIC, check_operands, fp8_block_operands,
+                        fp8_block_w1, is_fp8_block_call, pre_step, quantize_request, split_mx, tp_route)
 from .tp_dequant import deq_lagging, deq_needed, deq_should_help, mx_dequant_rows, wait_rows_dequantized
 
 OP_CODE = OP_ALL_GATHER_MATMUL.value
@@ -438,7 +438,7 @@ def all_gather_matmul(a_shard, b: torch.Tensor, group=None, *,
 
 def _fp8_block(a_shard, b, group, precision, policy, trace, config):
     """precision="fp8-block" (tp_common.fp8_block_operands): at W = 1 the static GEMM's scaled mainloop
-    (tp_common.fp8_block_call; a_full is a_shard), at W > 1 this op's fused kernel -- the E4M3 rows and their
+    (tp_common.fp8_block_w1; a_full is a_shard), at W > 1 this op's fused kernel -- the E4M3 rows and their
     scales gathered as MX rows are ([payload M*K | scales M*K/32 bytes] in the symmetric buffer), the SCALED
     tiles on planning.FP8_BLOCK_TILE; a_full is then an FP8BlockTensor view of the workspace. No cached plan
     yet: each call validates and launches."""
@@ -446,7 +446,7 @@ def _fp8_block(a_shard, b, group, precision, policy, trace, config):
     ws = runtime.get_workspace(group, dev)
     w, r = ws.world.size, ws.world.rank
     if w == 1:
-        return a_shard, fp8_block_call("a_shard", a8, b8, group, precision, policy, trace)[1]
+        return a_shard, fp8_block_w1(a8, b8, ws)
     ms, k = a8.payload.shape
     n, m = b8.payload.shape[0], ms * w
     grid, cfg = runtime.num_sms(dev), planning.FP8_BLOCK_TILE

@@ -84,7 +84,7 @@ from ..core.schedule import check_launch, policy_args
 from ..gemm.tiles import load_task, store_rows, store_tile, tile_matmul, tile_matmul_scaled_steps
 from ..gemm.w1_mx import w1_mx_call
 from ..gemm.w1_static import w1_matmul_launch
-from .tp_common import (W1_MX, W1_STATIC, check_operands, fp8_block_call, fp8_block_operands, is_fp8_block_call,
+from .tp_common import (W1_MX, W1_STATIC, check_operands, fp8_block_operands, fp8_block_w1, is_fp8_block_call,
                         pre_step, quantize_request, split_mx, tp_route)
 from .tp_dequant import deq_lagging, deq_needed, deq_should_help, mx_dequant_rows, wait_rows_dequantized
 
@@ -437,13 +437,13 @@ def _replay(plan, ws, a, b, trace):
 
 def _fp8_block(a, b, group, precision, policy, trace, config):
     """precision="fp8-block" (tp_common.fp8_block_operands): at W = 1 the static GEMM's scaled mainloop
-    (tp_common.fp8_block_call), at W > 1 this op's fused kernel with the SCALED mainloop (planning.FP8_BLOCK_TILE;
+    (tp_common.fp8_block_w1), at W > 1 this op's fused kernel with the SCALED mainloop (planning.FP8_BLOCK_TILE;
     the partials and the reduction stay bf16 / fp32). No cached plan yet: each call validates and launches."""
     a8, b8, dev = fp8_block_operands("a", a, b, precision, policy, trace)
     ws = runtime.get_workspace(group, dev)
     w = ws.world.size
     if w == 1:
-        return fp8_block_call("a", a8, b8, group, precision, policy, trace)[1]
+        return fp8_block_w1(a8, b8, ws)
     m, k = a8.payload.shape
     n = b8.payload.shape[0]
     if m % w:

@@ -210,18 +210,14 @@ def fp8_block_operands(a_name: str, a, b, precision, policy: str, trace):
     return a8, b8, dev
 
 
-def fp8_block_call(a_name: str, a, b, group, precision, policy: str, trace):
-    """A TP op's fp8-block call at W = 1 (at one rank both ops are C = A @ B): returns (A as given, C bf16).
-    Operands: ``fp8_block_operands``. One launch of the static W = 1 GEMM's scaled mainloop
-    (gemm/w1_static.fp8_block_matmul) on the group's workspace epoch and error record. (At W > 1 each op runs its
-    fused kernel's SCALED mainloop: the ops' ``_fp8_block``.)"""
+def fp8_block_w1(a8, b8, ws):
+    """C bf16 = A @ W^T at W = 1 for operands fp8_block_operands returned: one launch of the static W = 1 GEMM's
+    scaled mainloop (gemm/w1_static.fp8_block_matmul) on workspace ``ws``'s epoch and error record. (At W > 1 each
+    op runs its fused kernel's SCALED mainloop: the ops' ``_fp8_block``.)"""
     from ..gemm.w1_static import fp8_block_matmul
-    a8, b8, dev = fp8_block_operands(a_name, a, b, precision, policy, trace)
-    ws = runtime.get_workspace(group, dev)
-    if ws.world.size != 1:
-        raise ValueError(f"fp8_block_call is the W = 1 route; this group has {ws.world.size} ranks")
     ws.ensure(1, 0)
     ws.before_launch()
-    c = fp8_block_matmul(a8, b8, programs=runtime.num_sms(dev), epoch_slot=ws.epoch_slot, errors=ws.errors)
+    c = fp8_block_matmul(a8, b8, programs=runtime.num_sms(a8.payload.device), epoch_slot=ws.epoch_slot,
+                         errors=ws.errors)
     ws.after_launch()
-    return a, c
+    return c
